@@ -1,0 +1,120 @@
+"""Shared benchmark machinery: timing, the environment record, and the result writer.
+
+Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed before each repetition, median).
+Every result row carries the card, the versions, the date and the commit, and goes to
+``benchmarks/results/<op>_<card>_<date>.csv`` and, when ``$OUT`` is set (the device machine),
+``$OUT/<op>.csv``.
+"""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def env_record() -> dict:
+    """Card, versions, date and commit, stamped on every row."""
+    import triton
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001 - the device copy may have no git
+        commit = os.environ.get("PYKERNELS_COMMIT", "unknown")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda or "none",
+        "cudnn": str(torch.backends.cudnn.version()) if torch.cuda.is_available() else "none",
+        "python": sys.version.split()[0],
+        "date": _dt.date.today().isoformat(),
+        "commit": os.environ.get("PYKERNELS_COMMIT", commit),
+    }
+
+
+def bench(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` on the GPU (L2 flushed between runs)."""
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def bench_fwd_bwd(fwd: Callable[[], torch.Tensor], grad: torch.Tensor | None = None, inputs=(),
+                  **kw) -> tuple[float, float]:
+    """(forward ms, backward ms): forward alone, and forward+backward minus forward.
+
+    ``inputs``: tensors whose ``.grad`` is reset to None between runs (so accumulation costs
+    nothing extra)."""
+    f_ms = bench(fwd, **kw)
+
+    def step():
+        for t in inputs:
+            t.grad = None
+        out = fwd()
+        out.backward(grad if grad is not None else torch.ones_like(out))
+
+    fb_ms = bench(step, **kw)
+    return f_ms, max(fb_ms - f_ms, 0.0)
+
+
+def peak_extra_mib(fn: Callable[[], object]) -> float:
+    """Peak memory allocated during ``fn`` above what was allocated before it, in MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def ceilings() -> dict:
+    """Copy bandwidth (read+write, TB/s) and bf16 matmul rate (TFLOP/s) measured on this card now."""
+    n = 1 << 28  # 512 MiB of bf16 each way
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    copy_tbs = 2 * a.numel() * a.element_size() / ms / 1e9
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    ms = bench(lambda: x @ y)
+    return {"copy_TBps": round(copy_tbs, 3), "matmul_bf16_TFLOPs": round(2 * m**3 / ms / 1e9, 1)}
+
+
+def write_rows(op: str, rows: list[dict]) -> Path:
+    """Write rows (dicts) plus the environment record as CSV to benchmarks/results and $OUT."""
+    env = env_record()
+    rows = [{**r, **env} for r in rows]
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    card = env["gpu"].replace(" ", "_").replace("/", "_")
+    targets = [RESULTS / f"{op}_{card}_{env['date']}.csv"]
+    if os.environ.get("OUT"):
+        targets.append(Path(os.environ["OUT"]) / f"{op}.csv")
+    for path in targets:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+    return targets[-1]
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    widths = [max(len(c), *(len(f"{r.get(c, '')}") for r in rows)) for c in cols]
+    print(" | ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(f"{r.get(c, '')}".ljust(w) for c, w in zip(cols, widths)))

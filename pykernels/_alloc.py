@@ -1,0 +1,26 @@
+"""Output allocation. With ``PYKERNELS_POISON=1`` (the test suite sets it) every output buffer a
+kernel is meant to fill is first filled with NaN (integers with -1), so a kernel that leaves an
+element unwritten fails the tests instead of passing on leftover memory."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def poisoning() -> bool:
+    return os.environ.get("PYKERNELS_POISON", "0") not in ("", "0")
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if poisoning() and t.numel():
+        t.fill_(float("nan") if t.is_floating_point() else -1)
+    return t
+
+
+def empty(*shape, dtype, device) -> torch.Tensor:
+    return _poison(torch.empty(*shape, dtype=dtype, device=device))
+
+
+def empty_like(t: torch.Tensor, *, dtype=None) -> torch.Tensor:
+    return _poison(torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format))

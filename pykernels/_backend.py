@@ -1,0 +1,183 @@
+"""Backend choice shared by every op.
+
+Every public op takes ``backend="auto" | "triton" | "cuda" | "reference"`` (``None`` means the
+current default, set by :func:`use_backend` or the ``PYKERNELS_BACKEND`` environment variable, else
+``"auto"``).
+
+* ``reference`` is eager PyTorch: the truth in tests, and what ``auto`` uses on CPU tensors.
+* ``auto`` takes the first backend in the op's preference order that is available on the tensors'
+  device and covers the call; if an available kernel backend declines the call it falls back to the
+  reference and warns once per (op, reason) with a :class:`FallbackWarning` naming why.
+* An explicitly requested backend that cannot serve the call raises :class:`BackendUnavailableError`.
+
+The choice is made inside the ops' eager implementations (at run time, also under torch.compile),
+so a :func:`use_backend` block around a compiled function takes effect.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+
+BACKENDS = ("auto", "triton", "cuda", "reference")
+KERNEL_BACKENDS = ("cuda", "triton")
+
+_default: contextvars.ContextVar[str | None] = contextvars.ContextVar("pykernels_backend", default=None)
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot serve this call (not installed, wrong device, or a case it
+    does not cover)."""
+
+
+class FallbackWarning(UserWarning):
+    """``backend="auto"`` fell back to the eager reference for a case no kernel covers."""
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    available: bool
+    reason: str | None  # why it is not available (None when available)
+
+
+def check_backend_name(name: str | None, argname: str = "backend") -> str | None:
+    if name is None:
+        return None
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"{argname} must be one of {BACKENDS} or None, got {name!r}")
+    return name
+
+
+def default_backend() -> str:
+    """The backend used when an op is called with ``backend=None``."""
+    name = _default.get()
+    if name is not None:
+        return name
+    env = os.environ.get("PYKERNELS_BACKEND")
+    if env:
+        return check_backend_name(env, "PYKERNELS_BACKEND")
+    return "auto"
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Context manager: ops called with ``backend=None`` (the default) use ``name`` inside the block.
+
+    >>> with pykernels.use_backend("reference"):
+    ...     y = pykernels.layer_norm(x, w)
+    """
+    if name is None:
+        raise ValueError("use_backend needs a backend name, got None")
+    check_backend_name(name, "name")
+    token = _default.set(name)
+    try:
+        yield
+    finally:
+        _default.reset(token)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _triton_reason(device: torch.device | None) -> str | None:
+    try:
+        importlib.import_module("triton")
+    except Exception as e:  # noqa: BLE001 - any import failure makes the backend unavailable
+        return f"triton is not importable ({type(e).__name__}: {e})"
+    if device is None:
+        if torch.cuda.is_available() or _interpret():
+            return None
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the Triton kernels on CPU tensors, slowly)"
+    if device.type == "cuda":
+        if torch.version.hip is not None:
+            return "ROCm devices are not tested"
+        return None
+    if device.type == "cpu" and _interpret():
+        return None
+    return (f"tensors are on {device.type}; Triton runs on CUDA tensors "
+            "(or CPU tensors under TRITON_INTERPRET=1)")
+
+
+def _cuda_reason(device: torch.device | None) -> str | None:
+    try:
+        importlib.import_module("pykernels._C")
+    except Exception as e:  # noqa: BLE001
+        return f"the CUDA extension pykernels._C is not built ({type(e).__name__}: {e})"
+    if device is not None and device.type != "cuda":
+        return f"tensors are on {device.type}; the CUDA extension needs CUDA tensors"
+    if device is None and not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
+def _availability(name: str, device: torch.device | None) -> str | None:
+    if name == "reference":
+        return None
+    if name == "triton":
+        return _triton_reason(device)
+    if name == "cuda":
+        return _cuda_reason(device)
+    raise ValueError(name)
+
+
+def backends() -> dict[str, BackendInfo]:
+    """Which backends are available on this machine, and for each missing one, why."""
+    out = {}
+    for name in ("triton", "cuda", "reference"):
+        reason = _availability(name, None)
+        out[name] = BackendInfo(reason is None, reason)
+    return out
+
+
+def warn_once(op: str, reason: str) -> None:
+    key = (op, reason)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(f"pykernels.{op}: falling back to the eager reference: {reason}", FallbackWarning, stacklevel=4)
+
+
+def select(op: str, backend: str | None, device: torch.device, support: Mapping[str, str | None]) -> str:
+    """Resolve ``backend`` to the concrete backend that runs this call.
+
+    ``support`` maps each kernel backend the op has (in order of preference, fastest first) to
+    ``None`` if it covers this call, else a short reason. Backends the op does not implement are
+    simply absent from ``support``.
+    """
+    requested = check_backend_name(backend) or default_backend()
+    if requested == "reference":
+        return "reference"
+    if requested != "auto":
+        if requested not in support:
+            raise BackendUnavailableError(f"pykernels.{op}: no {requested!r} implementation of this op yet")
+        reason = _availability(requested, device) or support[requested]
+        if reason is not None:
+            raise BackendUnavailableError(f"pykernels.{op}: backend {requested!r} cannot serve this call: {reason}")
+        return requested
+    # auto: CPU tensors run the reference (the interpreter is for tests, never a default).
+    if device.type != "cuda":
+        return "reference"
+    declined = []
+    for name, reason in support.items():
+        if _availability(name, device) is not None:
+            continue
+        if reason is None:
+            return name
+        declined.append(f"{name}: {reason}")
+    if declined:
+        warn_once(op, "; ".join(declined))
+    else:
+        warn_once(op, "no kernel backend is available (" + "; ".join(
+            f"{n}: {_availability(n, device)}" for n in support) + ")")
+    return "reference"

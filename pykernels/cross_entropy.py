@@ -1,0 +1,2 @@
+# placeholder: owned by the loss work
+def cross_entropy(*a, **k): raise NotImplementedError

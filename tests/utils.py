@@ -1,0 +1,25 @@
+"""The three-way tolerance rule of DEVELOPERS.md.
+
+A fused kernel's error against a high-precision reference (float64) must be at most ``factor`` (2)
+times the error of PyTorch's own eager op in the same dtype against that reference, plus a small
+``atol``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_close_to_ref(name: str, out: torch.Tensor, ref_hi: torch.Tensor, ref_lo: torch.Tensor,
+                        *, factor: float = 2.0, atol: float = 1e-5) -> None:
+    """``out``: the kernel's result; ``ref_hi``: reference in float64; ``ref_lo``: reference in the
+    same dtype as the kernel's inputs."""
+    assert out.shape == ref_hi.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref_hi.shape)}"
+    assert torch.isfinite(out).all(), f"{name}: non-finite values in output"
+    err = max_err(out, ref_hi)
+    base = max_err(ref_lo, ref_hi)
+    assert err <= factor * base + atol, (
+        f"{name}: max error {err:.3e} exceeds {factor} x eager error {base:.3e} + atol {atol:.1e}")
