@@ -16,7 +16,7 @@ HAS_CUDA = torch.cuda.is_available()
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
+        if item.get_closest_marker("gpu") is not None and not HAS_CUDA:
             item.add_marker(skip_gpu)
 
 
