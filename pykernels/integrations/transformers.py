@@ -1,0 +1,181 @@
+"""Hugging Face transformers drop-in: ``attn_implementation="pykernels"``.
+
+Usage::
+
+    import pykernels.integrations.transformers as pk_hf
+    pk_hf.register()                      # once per process; calling it again does nothing
+    model = BertForMaskedLM.from_pretrained(path, attn_implementation="pykernels")
+    model = GPT2LMHeadModel(config)       # with config._attn_implementation = "pykernels", or
+    model = AutoModel.from_config(config, attn_implementation="pykernels")
+    with pykernels.use_backend("triton"):  # optional: pin the backend (default "auto")
+        out = model(**batch)
+
+How it plugs in (public transformers API only, no monkeypatching of model code):
+
+* ``AttentionInterface.register("pykernels", attention_forward)``: every model whose attention
+  modules dispatch through ``ALL_ATTENTION_FUNCTIONS`` (BERT, GPT-2, Llama, ... in transformers 5.x)
+  calls :func:`attention_forward` with ``(module, query, key, value, attention_mask, dropout=,
+  scaling=, is_causal=?, **kwargs)``, query/key/value of shape (B, H, S, D) (key/value may have
+  fewer heads: GQA), and expects ``(attn_output (B, S, H, D) contiguous, None)``.
+* ``AttentionMaskInterface.register("pykernels", build_mask)``: the model's mask builders
+  (``create_bidirectional_mask`` / ``create_causal_mask``) then make masks for us.
+  :func:`build_mask` delegates to transformers' own SDPA mask builder (boolean, True = take part;
+  ``None`` where the mask can be dropped: no padding, or plain causal that ``is_causal`` covers) and
+  then narrows a pure key-padding mask from (B, 1, Sq, Sk) to (B, 1, 1, Sk), the shape that
+  :func:`pykernels.scaled_dot_product_attention` serves on its key-padding fast path (it reads
+  B*Sk booleans instead of B*Sq*Sk). "Pure key padding" is decided from the mask recipe (the
+  builder's ``mask_function`` is transformers' plain bidirectional one, so every query row is the
+  same), never from the mask's values, so it costs no device sync.
+
+What reaches the kernel, per model:
+
+=========================== ===================================== ==============================
+case                        attn_mask                             is_causal
+=========================== ===================================== ==============================
+BERT, no padding            None                                  False
+BERT, padding               (B, 1, 1, Sk) bool                    False
+GPT-2 / causal, no padding  None                                  True (top-left; Sq == Sk)
+GPT-2 / causal, padding     (B, 1, Sq, Sk) bool (causal & pad)    False
+decoding (Sq == 1)          None or (B, 1, 1, Sk) bool            False
+user-supplied 4-D mask      passed through (bool or additive)     False
+=========================== ===================================== ==============================
+
+Dropout is applied only while ``module.training`` (transformers passes 0.0 in eval already; we
+check again so that a module in eval never drops). GQA (``module.num_key_value_groups > 1``) goes
+to the kernel as ``enable_gqa=True`` without repeating key/value. ``output_attentions=True``
+cannot return weights (the kernel never forms them): it warns once and returns ``None`` weights,
+like transformers' own ``sdpa``.
+
+Not supported (raise ``ValueError`` naming the argument): ``softcap``, attention sinks
+(``s_aux``), ``position_bias`` (T5-style biases; use ``"sdpa"`` for those models).
+
+Compatibility: written against transformers 5.x (``AttentionInterface`` in ``modeling_utils`` and
+``AttentionMaskInterface`` in ``masking_utils``, present since 4.53); the mask builder forwards
+every keyword to transformers' SDPA builder, so its signature changes across versions do not
+matter. Models that do not dispatch through ``ALL_ATTENTION_FUNCTIONS`` (BERT before 5.0) simply
+cannot select ``"pykernels"`` (transformers raises).
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Callable
+
+import torch
+
+import pykernels
+
+NAME = "pykernels"
+
+_lock = threading.Lock()
+_registered = False
+_sdpa_mask: Callable | None = None  # transformers' SDPA mask builder, captured at register()
+_bidirectional_fn: Callable | None = None  # masking_utils.bidirectional_mask_function (None if absent)
+_warned_output_attentions = False
+
+
+def _is_pure_key_padding(mask_function) -> bool:
+    """The mask recipe is "every key allowed, then AND the 2-D padding mask": all query rows equal."""
+    return _bidirectional_fn is not None and mask_function is _bidirectional_fn
+
+
+def build_mask(*args, mask_function=None, **kwargs):
+    """Mask builder registered under ``"pykernels"`` in transformers' ``AttentionMaskInterface``.
+
+    Returns what transformers' SDPA builder returns (``None`` or a boolean (B, 1, Sq, Sk) mask,
+    True = take part), except that a pure key-padding mask comes back as (B, 1, 1, Sk), contiguous.
+    """
+    if mask_function is not None:
+        kwargs["mask_function"] = mask_function
+    mask = _sdpa_mask(*args, **kwargs)
+    if (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.bool
+            and mask.shape[-2] > 1 and _is_pure_key_padding(mask_function)):
+        # Every query row of a bidirectional+padding mask is the same row: keep one.
+        mask = mask[:, :, :1, :].contiguous()
+    return mask
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention function registered under ``"pykernels"`` in transformers' ``AttentionInterface``.
+
+    Args:
+        module: the calling attention module (read: ``training``, ``is_causal``, ``num_key_value_groups``).
+        query: (B, Hq, Sq, D); key, value: (B, Hkv, Sk, D) with Hq a multiple of Hkv; fp16/bf16/fp32.
+        attention_mask: None, a bool mask broadcastable to (B, Hq, Sq, Sk) (True = take part; a
+            (B, 1, 1, Sk) key-padding mask takes the kernel's fast path), or an additive float mask.
+        dropout: attention-probability dropout, applied only while ``module.training``.
+        scaling: softmax scale (default 1/sqrt(D)).
+        is_causal: overrides ``module.is_causal``; causal is used only when there is no mask
+            (a materialised mask already carries causality) and Sq > 1.
+
+    Returns:
+        ``(attn_output, None)``: attn_output (B, Sq, Hq, D) contiguous, dtype of ``query``.
+    """
+    global _warned_output_attentions
+    for bad in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(bad) is not None:
+            raise ValueError(f"attn_implementation='pykernels' does not support {bad}; got {bad}="
+                             f"{type(kwargs[bad]).__name__}. Use attn_implementation='sdpa' or 'eager' for this model")
+    if kwargs.get("output_attentions", False) and not _warned_output_attentions:
+        _warned_output_attentions = True
+        warnings.warn("attn_implementation='pykernels' never forms the attention weights; output_attentions=True "
+                      "returns None for them (use attn_implementation='eager' to get them)", stacklevel=2)
+
+    q_len, kv_len = query.shape[2], key.shape[2]
+    enable_gqa = getattr(module, "num_key_value_groups", 1) > 1
+
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # As transformers' sdpa: a materialised mask carries causality already; one query row attends everything.
+    causal = bool(causal) and attention_mask is None and q_len > 1
+    if causal and kv_len > q_len:
+        # Prefill into an empty static cache: keys past q_len are empty slots that the top-left
+        # causal mask would hide anyway; dropping them lets Sq == Sk.
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+
+    dropout_p = float(dropout) if module.training else 0.0
+    out = pykernels.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout_p,
+                                                 is_causal=causal, scale=scaling, enable_gqa=enable_gqa)
+    # (B, H, Sq, D) -> (B, Sq, H, D), the layout the model's output projection reads.
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(*, name: str = NAME) -> str:
+    """Make ``attn_implementation=name`` (default ``"pykernels"``) available to transformers models.
+
+    Registers :func:`attention_forward` in ``transformers.AttentionInterface`` and :func:`build_mask`
+    in ``transformers.masking_utils.AttentionMaskInterface``. Idempotent: later calls re-register the
+    same functions and change nothing. Returns the name.
+
+    Raises:
+        ImportError: transformers is not installed, or too old to have the attention interfaces.
+        TypeError: ``name`` is not a non-empty string.
+    """
+    global _registered, _sdpa_mask, _bidirectional_fn
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    try:
+        from transformers import masking_utils
+        from transformers.modeling_utils import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError("pykernels.integrations.transformers needs transformers >= 4.53 (AttentionInterface and "
+                          f"AttentionMaskInterface); import failed: {e}") from e
+    with _lock:
+        if _sdpa_mask is None:
+            # The global (class-level) mapping, so a local override of "sdpa" cannot redirect us.
+            _sdpa_mask = AttentionMaskInterface._global_mapping["sdpa"]
+            _bidirectional_fn = getattr(masking_utils, "bidirectional_mask_function", None)
+        AttentionInterface.register(name, attention_forward)
+        AttentionMaskInterface.register(name, build_mask)
+        _registered = True
+    return name
+
+
+def is_registered() -> bool:
+    """Whether :func:`register` has run in this process."""
+    return _registered
+
+
+__all__ = ["register", "is_registered", "attention_forward", "build_mask", "NAME"]

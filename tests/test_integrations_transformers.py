@@ -1,0 +1,340 @@
+"""attn_implementation="pykernels" in Hugging Face transformers: tiny random-init BERT, GPT-2 and
+Llama (GQA) models against the same weights run with attn_implementation="eager".
+
+Three-way rule (tests/utils.py): the pykernels model's outputs and every parameter gradient, against
+the eager model in float64, must be within 2x the error of the eager model in the test dtype.
+No hub access: models come from small configs (and a save_pretrained / from_pretrained round trip
+in a temporary folder).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig,  # noqa: E402
+                          GPT2Config, LlamaConfig)
+
+import pykernels  # noqa: E402
+from pykernels.integrations import transformers as pk_hf  # noqa: E402
+from tests.utils import assert_close_to_ref  # noqa: E402
+
+pk_hf.register()
+
+VOCAB = 99
+
+
+# ----------------------------------------------------------------------------------------------
+# tiny models and batches
+
+def bert_config(**kw) -> BertConfig:
+    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+                max_position_embeddings=64, type_vocab_size=2, hidden_dropout_prob=0.1,
+                attention_probs_dropout_prob=0.1)
+    return BertConfig(**{**base, **kw})
+
+
+def gpt2_config(**kw) -> GPT2Config:
+    base = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.1, embd_pdrop=0.1,
+                attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+    return GPT2Config(**{**base, **kw})
+
+
+def llama_config(**kw) -> LlamaConfig:
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.1)
+    return LlamaConfig(**{**base, **kw})
+
+
+def make_models(auto_cls, config_fn, device, dtype=torch.float32):
+    """(pykernels model in dtype, eager model in dtype, eager model in float64), same weights, eval mode.
+
+    Each gets its own config object: from_config records the attention choice on the config."""
+    torch.manual_seed(1)
+    eager = auto_cls.from_config(config_fn(), attn_implementation="eager")
+    ours = auto_cls.from_config(config_fn(), attn_implementation="pykernels")
+    hi = auto_cls.from_config(config_fn(), attn_implementation="eager")
+    ours.load_state_dict(eager.state_dict())
+    hi.load_state_dict(eager.state_dict())
+    assert ours.config._attn_implementation == "pykernels"
+    assert eager.config._attn_implementation == "eager"
+    return (ours.to(device, dtype).eval(), eager.to(device, dtype).eval(), hi.to(device, torch.float64).eval())
+
+
+def make_batch(lengths, seqlen, device, *, left=False):
+    """input_ids (B, S) and a 2-D attention mask (1 = token, 0 = padding) with the given lengths."""
+    ids = torch.randint(1, VOCAB, (len(lengths), seqlen), device=device)
+    mask = torch.zeros(len(lengths), seqlen, dtype=torch.long, device=device)
+    for b, n in enumerate(lengths):
+        if left:
+            mask[b, seqlen - n:] = 1
+        else:
+            mask[b, :n] = 1
+    return ids, mask
+
+
+def main_output(out):
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def run(model, ids, mask, cotangent):
+    """Forward + backward with a fixed random cotangent: (output, {param name: grad})."""
+    model.zero_grad(set_to_none=True)
+    y = main_output(model(input_ids=ids, attention_mask=mask))
+    y.backward(cotangent.to(y.dtype))
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return y.detach(), grads
+
+
+def assert_model_matches_eager(ours, eager, hi, ids, mask, *, atol_rel=1e-6):
+    cot = torch.randn(*ids.shape, main_output_width(hi), device=ids.device, dtype=torch.float64)
+    y_hi, g_hi = run(hi, ids, mask, cot)
+    y_lo, g_lo = run(eager, ids, mask, cot)
+    y, g = run(ours, ids, mask, cot)
+
+    def atol(ref):
+        return atol_rel * max(1.0, ref.abs().max().item())
+
+    assert_close_to_ref("output", y, y_hi, y_lo, atol=atol(y_hi))
+    assert set(g) == set(g_hi), f"parameters with gradients differ: {sorted(set(g) ^ set(g_hi))}"
+    assert len(g) > 10
+    for name in g_hi:
+        assert_close_to_ref(f"grad {name}", g[name], g_hi[name], g_lo[name], atol=atol(g_hi[name]))
+
+
+def main_output_width(model) -> int:
+    return model.config.vocab_size if model.get_output_embeddings() is not None else model.config.hidden_size
+
+
+@contextlib.contextmanager
+def spy_attention(monkeypatch):
+    """Record the arguments each attention call passes to pykernels.scaled_dot_product_attention."""
+    calls = []
+    real = pykernels.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **kw):
+        calls.append(dict(q=tuple(query.shape), k=tuple(key.shape), mask=attn_mask, dropout_p=dropout_p,
+                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa))
+        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa, **kw)
+
+    monkeypatch.setattr(pykernels, "scaled_dot_product_attention", spy)
+    yield calls
+
+
+# ----------------------------------------------------------------------------------------------
+# registration
+
+def test_register_is_idempotent():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    assert pk_hf.register() == "pykernels"
+    assert pk_hf.register() == "pykernels"
+    assert pk_hf.is_registered()
+    assert ALL_ATTENTION_FUNCTIONS["pykernels"] is pk_hf.attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS["pykernels"] is pk_hf.build_mask
+    assert "sdpa" in ALL_ATTENTION_FUNCTIONS and ALL_ATTENTION_FUNCTIONS["sdpa"] is not pk_hf.attention_forward
+    with pytest.raises(TypeError, match="name"):
+        pk_hf.register(name="")
+
+
+def test_from_pretrained_round_trip(tmp_path):
+    torch.manual_seed(0)
+    eager = AutoModelForMaskedLM.from_config(bert_config(), attn_implementation="eager").eval()
+    eager.save_pretrained(tmp_path)
+    ours = AutoModelForMaskedLM.from_pretrained(tmp_path, attn_implementation="pykernels").eval()
+    assert ours.config._attn_implementation == "pykernels"
+    ids, mask = make_batch([9, 5], 9, "cpu")
+    with torch.no_grad(), pykernels.use_backend("reference"):
+        a = eager(input_ids=ids, attention_mask=mask).logits
+        b = ours(input_ids=ids, attention_mask=mask).logits
+    assert (a - b).abs().max().item() < 1e-4 * max(1.0, a.abs().max().item())
+
+
+# ----------------------------------------------------------------------------------------------
+# parity with eager (fp32; reference backend on CPU, Triton under the interpreter or on the GPU)
+
+BACKENDS = ["reference", "triton"]
+
+
+def _device_for(backend, device):
+    return torch.device("cpu") if backend == "reference" else device
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bert_masked_lm_with_padding(backend, device):
+    dev = _device_for(backend, device)
+    ours, eager, hi = make_models(AutoModelForMaskedLM, bert_config, dev)
+    ids, mask = make_batch([11, 7, 3], 11, dev)
+    with pykernels.use_backend(backend):
+        assert_model_matches_eager(ours, eager, hi, ids, mask)
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_bert_model_padding_sides_and_odd_length(left):
+    ours, eager, hi = make_models(AutoModel, lambda: bert_config(num_attention_heads=4), "cpu")
+    ids, mask = make_batch([13, 1, 6], 13, "cpu", left=left)
+    with pykernels.use_backend("reference"):
+        assert_model_matches_eager(ours, eager, hi, ids, mask)
+
+
+def test_bert_model_without_padding():
+    ours, eager, hi = make_models(AutoModel, bert_config, "cpu")
+    ids, mask = make_batch([10, 10], 10, "cpu")
+    with pykernels.use_backend("reference"):
+        assert_model_matches_eager(ours, eager, hi, ids, mask)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lengths", [[9, 9], [9, 4, 6]], ids=["no_padding", "right_padding"])
+def test_gpt2_lm_head(backend, lengths, device):
+    dev = _device_for(backend, device)
+    ours, eager, hi = make_models(AutoModelForCausalLM, gpt2_config, dev)
+    ids, mask = make_batch(lengths, 9, dev)
+    with pykernels.use_backend(backend):
+        assert_model_matches_eager(ours, eager, hi, ids, mask)
+
+
+def test_gpt2_layer_scaled_attention():
+    # scale_attn_by_inverse_layer_idx: the per-layer scale must reach the kernel through `scaling`.
+    cfg = lambda: gpt2_config(scale_attn_by_inverse_layer_idx=True)  # noqa: E731
+    ours, eager, hi = make_models(AutoModelForCausalLM, cfg, "cpu")
+    ids, mask = make_batch([8, 5], 8, "cpu")
+    with pykernels.use_backend("reference"):
+        assert_model_matches_eager(ours, eager, hi, ids, mask)
+
+
+def test_llama_grouped_query_attention(monkeypatch):
+    ours, eager, hi = make_models(AutoModelForCausalLM, llama_config, "cpu")
+    ids, mask = make_batch([7, 4], 7, "cpu")
+    with pykernels.use_backend("reference"), spy_attention(monkeypatch) as calls:
+        assert_model_matches_eager(ours, eager, hi, ids, mask)
+    assert calls and all(c["enable_gqa"] for c in calls)
+    assert all(c["q"][1] == 4 and c["k"][1] == 2 for c in calls)  # key/value not repeated
+
+
+# ----------------------------------------------------------------------------------------------
+# what reaches the kernel
+
+def test_mask_routing(monkeypatch):
+    bert = AutoModel.from_config(bert_config(), attn_implementation="pykernels").eval()
+    gpt2 = AutoModelForCausalLM.from_config(gpt2_config(), attn_implementation="pykernels").eval()
+    with torch.no_grad(), pykernels.use_backend("reference"), spy_attention(monkeypatch) as calls:
+        ids, mask = make_batch([8, 5, 3], 8, "cpu")
+        bert(input_ids=ids, attention_mask=mask)
+        # BERT + padding: the key-padding fast-path shape, exactly the 2-D mask's content
+        assert len(calls) == 2
+        for c in calls:
+            assert c["mask"].shape == (3, 1, 1, 8) and c["mask"].dtype == torch.bool
+            assert torch.equal(c["mask"][:, 0, 0, :], mask.bool())
+            assert c["is_causal"] is False and c["dropout_p"] == 0.0
+            assert c["scale"] == pytest.approx(16 ** -0.5)
+        calls.clear()
+        bert(input_ids=ids, attention_mask=torch.ones_like(mask))
+        assert [c["mask"] for c in calls] == [None, None] and not any(c["is_causal"] for c in calls)
+        calls.clear()
+        gpt2(input_ids=ids)  # no padding: causal by flag, no mask
+        assert [c["mask"] for c in calls] == [None, None] and all(c["is_causal"] for c in calls)
+        calls.clear()
+        gpt2(input_ids=ids, attention_mask=mask)  # padding: causal & padding materialised
+        for c in calls:
+            assert c["mask"].shape == (3, 1, 8, 8) and c["is_causal"] is False
+            causal = torch.ones(8, 8, dtype=torch.bool).tril()
+            assert torch.equal(c["mask"][:, 0], causal[None] & mask.bool()[:, None, :])
+
+
+def test_dropout_only_in_training(monkeypatch):
+    bert = AutoModel.from_config(bert_config(attention_probs_dropout_prob=0.25),
+                                 attn_implementation="pykernels")
+    ids, mask = make_batch([6, 4], 6, "cpu")
+    with pykernels.use_backend("reference"), spy_attention(monkeypatch) as calls:
+        bert.train()
+        out = bert(input_ids=ids, attention_mask=mask).last_hidden_state
+        out.sum().backward()
+        assert [c["dropout_p"] for c in calls] == [0.25, 0.25]
+        calls.clear()
+        bert.eval()
+        bert(input_ids=ids, attention_mask=mask)
+        assert [c["dropout_p"] for c in calls] == [0.0, 0.0]
+        calls.clear()
+        # a module in eval never drops, even if a caller passes a rate
+        module = bert.encoder.layer[0].attention.self
+        q = torch.randn(2, 2, 6, 16)
+        o, w = pk_hf.attention_forward(module, q, q, q, None, dropout=0.5, scaling=0.25)
+        assert calls[-1]["dropout_p"] == 0.0 and w is None and o.shape == (2, 6, 2, 16) and o.is_contiguous()
+
+
+def test_attention_forward_matches_torch_sdpa_and_layout():
+    module = torch.nn.Module().eval()
+    module.is_causal = False
+    q, k, v = (torch.randn(2, 3, 5, 8, dtype=torch.float64) for _ in range(3))
+    keep = torch.tensor([[True] * 5, [True, True, True, False, False]])[:, None, None, :]
+    with pykernels.use_backend("reference"):
+        out, w = pk_hf.attention_forward(module, q, k, v, keep, scaling=0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.3)
+    assert w is None and out.shape == (2, 5, 3, 8) and out.is_contiguous()
+    torch.testing.assert_close(out, ref.transpose(1, 2))
+
+
+def test_unsupported_arguments_raise():
+    module = torch.nn.Module().eval()
+    q = torch.randn(1, 2, 4, 8)
+    for bad in ("softcap", "s_aux", "position_bias"):
+        with pytest.raises(ValueError, match=bad):
+            pk_hf.attention_forward(module, q, q, q, None, **{bad: torch.ones(1) if bad != "softcap" else 30.0})
+
+
+def test_output_attentions_warns_and_returns_none():
+    bert = AutoModel.from_config(bert_config(), attn_implementation="pykernels").eval()
+    ids, mask = make_batch([5, 3], 5, "cpu")
+    pk_hf._warned_output_attentions = False
+    with pytest.warns(UserWarning, match="output_attentions"), torch.no_grad(), pykernels.use_backend("reference"):
+        out = bert(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert out.last_hidden_state.shape == (2, 5, 32)
+    assert not out.attentions or all(a is None for a in out.attentions)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: BERT-base-sized and GPT-2-small-sized layers in bf16 (three-way rule against eager fp32)
+
+def _bf16_three_way(auto_cls, config_fn, lengths, seqlen):
+    dev = torch.device("cuda")
+    torch.manual_seed(1)
+    eager32 = auto_cls.from_config(config_fn(), attn_implementation="eager")
+    eager16 = auto_cls.from_config(config_fn(), attn_implementation="eager")
+    ours = auto_cls.from_config(config_fn(), attn_implementation="pykernels")
+    eager16.load_state_dict(eager32.state_dict())
+    ours.load_state_dict(eager32.state_dict())
+    eager32 = eager32.to(dev, torch.float32).eval()
+    eager16 = eager16.to(dev, torch.bfloat16).eval()
+    ours = ours.to(dev, torch.bfloat16).eval()
+    ids, mask = make_batch(lengths, seqlen, dev)
+    cot = torch.randn(*ids.shape, main_output_width(eager32), device=dev)
+    y_hi, g_hi = run(eager32, ids, mask, cot)
+    y_lo, g_lo = run(eager16, ids, mask, cot)
+    with pykernels.use_backend("triton"):
+        y, g = run(ours, ids, mask, cot)
+
+    def atol(ref):  # a quarter of a bf16 ulp at the tensor's largest magnitude
+        return 2.0 ** -10 * ref.abs().max().item()
+
+    assert_close_to_ref("output", y, y_hi, y_lo, atol=atol(y_hi))
+    assert set(g) == set(g_hi)
+    for name in g_hi:
+        assert_close_to_ref(f"grad {name}", g[name], g_hi[name], g_lo[name], atol=atol(g_hi[name]))
+
+
+@pytest.mark.gpu
+def test_gpu_bert_base_bf16():
+    cfg = lambda: BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=4, num_attention_heads=12,  # noqa: E731
+                             intermediate_size=3072, max_position_embeddings=512)
+    _bf16_three_way(AutoModelForMaskedLM, cfg, [256, 200, 131, 17], 256)
+
+
+@pytest.mark.gpu
+def test_gpu_gpt2_small_bf16():
+    cfg = lambda: GPT2Config(vocab_size=50257, n_embd=768, n_layer=4, n_head=12, n_positions=1024, bos_token_id=0, eos_token_id=0)  # noqa: E731
+    _bf16_three_way(AutoModelForCausalLM, cfg, [512, 512], 512)
