@@ -1,2 +1,296 @@
-# placeholder: owned by the loss work
-def cross_entropy(*a, **k): raise NotImplementedError
+"""Softmax cross-entropy on materialised logits: :func:`cross_entropy` (fused Triton forward and
+backward, custom ops ``pykernels::cross_entropy_fwd`` / ``cross_entropy_bwd`` /
+``cross_entropy_bwd_inplace``) and its eager :func:`cross_entropy_reference`.
+
+The custom ops work on the flattened (N, V) logits and return the per-row loss (fp32) and the saved
+logsumexp (fp32); the reduction (sum, mean over valid rows or over ``num_valid``) is plain PyTorch
+on the (N,) vector, so autograd, torch.compile and gradient accumulation compose without a host
+sync. Kernels and their design note: ``kernels/cross_entropy.py``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _checks
+from ._backend import check_backend_name, select
+
+_OP = "cross_entropy"
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+def _check_target_range(target: Tensor, V: int, ignore_index: int) -> None:
+    """Eager (host-syncing) range check used by the reference paths."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= V))
+    if bool(bad.any()):
+        vals = target[bad][:5].tolist()
+        raise ValueError(f"target values must be in [0, {V}) or equal ignore_index={ignore_index}; "
+                         f"got out-of-range values {vals}")
+
+
+def cross_entropy_reference(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
+                            reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
+                            num_valid=None, upcast: bool = False) -> Tensor:
+    """Eager PyTorch cross-entropy with the semantics of :func:`cross_entropy`.
+
+    Computes in the logits' dtype (``upcast=True``: in fp32, returning fp32, as users write
+    ``F.cross_entropy(logits.float(), ...)``). Differentiable. Out-of-range targets raise ValueError
+    (this check syncs with the device).
+    """
+    if logits.dim() < 1:
+        raise ValueError(f"logits must have at least 1 dim (..., V), got shape {tuple(logits.shape)}")
+    V = logits.shape[-1]
+    x = logits.reshape(-1, V)
+    t = target.reshape(-1).long()
+    if upcast:
+        x = x.float()
+    _check_target_range(t, V, ignore_index)
+    valid = t != ignore_index
+    rows = F.cross_entropy(x, t, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    if z_loss:
+        lse = torch.logsumexp(x, dim=-1)
+        rows = rows + torch.where(valid, z_loss * lse * lse, torch.zeros_like(lse))
+    if reduction == "none":
+        return rows.reshape(target.shape)
+    total = rows.sum()
+    if reduction == "sum":
+        return total
+    denom = valid.sum() if num_valid is None else num_valid
+    if isinstance(denom, Tensor):
+        return total / denom.clamp_min(1).to(total.dtype)
+    return total / max(int(denom), 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops
+# ---------------------------------------------------------------------------------------------
+
+def _support(logits: Tensor, target: Tensor) -> dict:
+    reason = None
+    if logits.dtype == torch.float64:
+        reason = "float64 logits (the kernel computes in fp32)"
+    return {"triton": reason}
+
+
+def _ref_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
+             z_loss: float) -> tuple[Tensor, Tensor]:
+    """The reference backend of the fused op: same outputs as the kernel (fp32 row loss, fp32 lse,
+    both 0 at ignored rows); statistics in fp32 (fp64 for fp64 logits)."""
+    V = logits.shape[1]
+    _check_target_range(target, V, ignore_index)
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(acc)
+    valid = target != ignore_index
+    lse = torch.logsumexp(x, dim=-1)
+    x_t = x.gather(1, torch.where(valid, target, 0).long()[:, None])[:, 0]
+    loss = lse - x_t
+    if label_smoothing > 0:
+        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - x.mean(dim=-1))
+    if z_loss > 0:
+        loss = loss + z_loss * lse * lse
+    zero = torch.zeros((), dtype=acc, device=logits.device)
+    return (torch.where(valid, loss, zero).float(), torch.where(valid, lse, zero).float())
+
+
+def _ref_bwd(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
+             label_smoothing: float, z_loss: float) -> Tensor:
+    V = logits.shape[1]
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(acc)
+    lse = lse.to(acc)[:, None]
+    p = torch.exp(x - lse)
+    if z_loss > 0:
+        p = p * (1 + 2 * z_loss * lse)
+    valid = target != ignore_index
+    onehot = F.one_hot(torch.where(valid, target, 0).long(), V).to(acc)
+    d = p - (1 - label_smoothing) * onehot - label_smoothing / V
+    d = d * grad.to(acc)[:, None]
+    d = torch.where(valid[:, None], d, torch.zeros((), dtype=acc, device=d.device))
+    return d.to(logits.dtype)
+
+
+@torch.library.custom_op("pykernels::cross_entropy_fwd", mutates_args=())
+def _fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
+         inplace_backward: bool, backend: str) -> tuple[Tensor, Tensor]:
+    # backend "" means the current default, resolved here at run time (use_backend works under compile).
+    impl = select(_OP, backend or None, logits.device, _support(logits, target))
+    if impl == "triton":
+        from ._kernels import cross_entropy as kernels
+        return kernels.cross_entropy_fwd(logits, target, ignore_index=ignore_index,
+                                         label_smoothing=label_smoothing, z_loss=z_loss)
+    return _ref_fwd(logits, target, ignore_index, label_smoothing, z_loss)
+
+
+@_fwd.register_fake
+def _(logits, target, ignore_index, label_smoothing, z_loss, inplace_backward, backend):
+    N = logits.shape[0]
+    return (logits.new_empty(N, dtype=torch.float32), logits.new_empty(N, dtype=torch.float32))
+
+
+@torch.library.custom_op("pykernels::cross_entropy_bwd", mutates_args=())
+def _bwd(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
+         label_smoothing: float, z_loss: float, backend: str) -> Tensor:
+    impl = select(_OP, backend or None, logits.device, _support(logits, target))
+    if impl == "triton":
+        from ._kernels import cross_entropy as kernels
+        return kernels.cross_entropy_bwd(grad, logits, target, lse, ignore_index=ignore_index,
+                                         label_smoothing=label_smoothing, z_loss=z_loss)
+    return _ref_bwd(grad, logits, target, lse, ignore_index, label_smoothing, z_loss)
+
+
+@_bwd.register_fake
+def _(grad, logits, target, lse, ignore_index, label_smoothing, z_loss, backend):
+    return logits.new_empty(logits.shape)
+
+
+@torch.library.custom_op("pykernels::cross_entropy_bwd_inplace", mutates_args=("logits",))
+def _bwd_inplace(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
+                 label_smoothing: float, z_loss: float, backend: str) -> None:
+    """Overwrites ``logits`` with dlogits (the memory-saving backward of ``inplace_backward=True``)."""
+    impl = select(_OP, backend or None, logits.device, _support(logits, target))
+    if impl == "triton":
+        from ._kernels import cross_entropy as kernels
+        kernels.cross_entropy_bwd(grad, logits, target, lse, ignore_index=ignore_index,
+                                  label_smoothing=label_smoothing, z_loss=z_loss, dlogits=logits)
+        return
+    logits.copy_(_ref_bwd(grad, logits, target, lse, ignore_index, label_smoothing, z_loss))
+
+
+@_bwd_inplace.register_fake
+def _(grad, logits, target, lse, ignore_index, label_smoothing, z_loss, backend):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, ignore_index, label_smoothing, z_loss, inplace_backward, backend = inputs
+    _, lse = output
+    ctx.save_for_backward(logits, target, lse)
+    ctx.mark_non_differentiable(lse)
+    ctx.ignore_index, ctx.label_smoothing, ctx.z_loss = ignore_index, label_smoothing, z_loss
+    ctx.inplace_backward, ctx.backend = inplace_backward, backend
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    logits, target, lse = ctx.saved_tensors
+    args = (ctx.ignore_index, ctx.label_smoothing, ctx.z_loss, ctx.backend)
+    if ctx.inplace_backward:
+        torch.ops.pykernels.cross_entropy_bwd_inplace(grad_loss, logits, target, lse, *args)
+        dlogits = logits
+    else:
+        dlogits = torch.ops.pykernels.cross_entropy_bwd(grad_loss, logits, target, lse, *args)
+    return dlogits, None, None, None, None, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public function
+# ---------------------------------------------------------------------------------------------
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, num_valid=None,
+                  inplace_backward: bool = False, backend: str | None = None) -> Tensor:
+    """Fused softmax cross-entropy, equal to ``torch.nn.functional.cross_entropy`` (plus z-loss).
+
+    Args:
+        logits: (N, V) or (..., V), float16/bfloat16/float32 (float64 runs the reference). Any row
+            stride (e.g. a slice of a padded buffer) is used without a copy; a last-dim stride other
+            than 1 costs a copy. The math is fp32 whatever the dtype.
+        target: (N,) or (...) matching ``logits.shape[:-1]``, any integer dtype. Each value is in
+            [0, V) or equals ``ignore_index``. Out-of-range values raise ValueError on the reference
+            backend (which checks eagerly, syncing); the Triton kernel cannot check without a host
+            sync, so it never reads out of bounds and makes that row's loss and gradient NaN.
+        ignore_index: rows with this target contribute 0 to the loss and get a zero gradient (the
+            kernel does not even read them).
+        reduction: ``"mean"`` (sum over rows / number of valid rows, counted on the device; 0 when
+            every target is ignored, never NaN), ``"sum"``, or ``"none"`` (per-row loss of shape
+            ``target.shape``, 0 at ignored rows).
+        label_smoothing: eps in [0, 1]: ``loss = (1 - eps) * nll + eps * mean_v(-log p_v)``, as torch.
+        z_loss: adds ``z_loss * lse**2`` per valid row (PaLM's auxiliary loss keeping the softmax
+            normaliser near 1; 1e-4 in PaLM). Included in the returned loss and its gradient; it is
+            not returned separately (fixed arity: one output).
+        num_valid: only with ``reduction="mean"``: divide the sum by this (an int or a 0-dim tensor,
+            e.g. the number of valid targets over all micro-batches of a gradient-accumulation step)
+            instead of this call's count; values below 1 count as 1.
+        inplace_backward: if True the backward writes dlogits into the logits' own buffer instead
+            of allocating a new (N, V) tensor. The logits tensor's contents are then overwritten by
+            its gradient during backward, so the caller must not use them afterwards (autograd
+            raises if another op saved them for its backward). Default False: never in place.
+        backend: ``"auto" | "triton" | "reference"`` or None (the current default).
+
+    Returns:
+        The loss in the logits' dtype: a 0-dim tensor, or ``target.shape`` for ``reduction="none"``
+        (accumulated in fp32 and cast once at the end).
+    """
+    _checks.check_tensor("logits", logits, min_dim=1, dtypes=_checks.FLOAT_DTYPES + (torch.float64,))
+    if not isinstance(target, Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in _INT_DTYPES:
+        raise TypeError(f"target must have an integer dtype (class indices), got {target.dtype}")
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"target must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
+                         f"got {tuple(target.shape)} (logits shape {tuple(logits.shape)})")
+    V = logits.shape[-1]
+    if V < 1:
+        raise ValueError(f"logits must have a non-empty last (vocabulary) dim, got shape {tuple(logits.shape)}")
+    _checks.check_same([("logits", logits), ("target", target)])
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"label_smoothing must be a float in [0, 1], got {type(label_smoothing).__name__}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)):
+        raise TypeError(f"z_loss must be a non-negative float, got {type(z_loss).__name__}")
+    if not (z_loss >= 0.0 and math.isfinite(z_loss)):
+        raise ValueError(f"z_loss must be a finite non-negative float, got {z_loss}")
+    if num_valid is not None:
+        if reduction != "mean":
+            raise ValueError(f"num_valid applies only to reduction='mean', got reduction={reduction!r}")
+        if isinstance(num_valid, Tensor):
+            if num_valid.dim() != 0:
+                raise ValueError(f"num_valid must be an int or a 0-dim tensor, got shape {tuple(num_valid.shape)}")
+            if num_valid.dtype == torch.bool or num_valid.is_complex():
+                raise TypeError(f"num_valid must be a real number tensor, got dtype {num_valid.dtype}")
+        elif isinstance(num_valid, bool) or not isinstance(num_valid, int):
+            raise TypeError(f"num_valid must be an int or a 0-dim tensor, got {type(num_valid).__name__}")
+        elif num_valid < 0:
+            raise ValueError(f"num_valid must be >= 0, got {num_valid}")
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    check_backend_name(backend)
+
+    x = logits.reshape(-1, V)             # (N, V): a view for (..., V) inputs whose rows are regular
+    if V > 1 and x.stride(1) != 1:
+        x = x.contiguous()                # the kernel needs unit column stride; any row stride is fine
+    t = target.reshape(-1)                # (N,)
+    if t.dtype not in (torch.int32, torch.int64):
+        t = t.long()
+    t = t.contiguous()
+
+    rows, _ = torch.ops.pykernels.cross_entropy_fwd(x, t, ignore_index, float(label_smoothing),
+                                                    float(z_loss), inplace_backward, backend or "")
+    if reduction == "none":
+        return rows.reshape(target.shape).to(logits.dtype)
+    total = rows.sum()
+    if reduction == "mean":
+        if num_valid is None:
+            total = total / (t != ignore_index).sum().clamp_min(1)
+        elif isinstance(num_valid, Tensor):
+            total = total / num_valid.to(torch.float32).clamp_min(1)
+        else:
+            total = total / max(num_valid, 1)
+    return total.to(logits.dtype)
