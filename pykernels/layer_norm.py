@@ -1,2 +1,364 @@
-# placeholder: owned by the layer_norm work
-def layer_norm(*a, **k): raise NotImplementedError
+"""Fused (dropout +) residual add + LayerNorm / RMSNorm: the public op, its checks, its eager reference
+and its custom-op registration (``pykernels::layer_norm_fwd`` / ``pykernels::layer_norm_bwd``).
+
+Post-LN (BERT, after each sublayer)::
+
+    y = LN(dropout(x) + residual)                      layer_norm(x, w, b, residual=r)        -> y
+
+Pre-LN (GPT-2, before each sublayer; the caller keeps the residual stream s)::
+
+    s = dropout(x) + residual;  y = LN(s)              layer_norm(x, w, b, residual=r, prenorm=True) -> (y, s)
+
+The kernels are in ``pykernels._kernels.layer_norm`` (design note there).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._backend import check_backend_name, select
+from ._checks import check_prob, check_same
+from ._rng import new_seed
+
+_OP = "layer_norm"
+# float64 is accepted (the reference serves it); the Triton kernels take the three training dtypes.
+_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------
+# dropout mask (bit-exact twin of the kernels' tl.rand)
+# ----------------------------------------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+
+
+def _mulhilo32(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """(high, low) 32-bit words of the 64-bit product of the constant ``a`` and the uint32 values
+    ``b`` (held in int64), without overflowing int64: b is split into 16-bit halves."""
+    p_lo = a * (b & 0xFFFF)
+    p_hi = a * (b >> 16)
+    hi = (p_hi + (p_lo >> 16)) >> 16
+    lo = (((p_hi & 0xFFFF) << 16) + p_lo) & _M32
+    return hi, lo
+
+
+def _philox_uniform(seed: int, offsets: Tensor) -> Tensor:
+    """Triton's ``tl.rand(seed, offsets)`` for int64 ``offsets`` (Philox 4x32, 10 rounds, the counter's
+    low and high words in c0 and c1), computed in eager PyTorch; float32 in [0, 1)."""
+    c0 = offsets & _M32
+    c1 = (offsets >> 32) & _M32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    for _ in range(10):
+        hi_b, lo_b = _mulhilo32(_PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo32(_PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _M32, (k1 + _PHILOX_KEY_B) & _M32
+    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # bitcast to int32
+    x = torch.where(x < 0, -x - 1, x)
+    return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32, device=x.device)
+
+
+def layer_norm_dropout_mask(seed, shape, p: float, device=None) -> Tensor:
+    """The keep-mask (bool, ``shape``) the kernels draw for dropout probability ``p`` and ``seed``.
+
+    ``seed``: int or the (1,) int64 tensor the forward returned. Element ``i`` of the row-major
+    flattening is kept iff ``tl.rand(seed, i) >= p``. Regenerated, never stored, by the kernels; the
+    ``reference`` backend and the tests use this function to get the identical mask."""
+    seed = int(seed.item()) if isinstance(seed, Tensor) else int(seed)
+    shape = tuple(shape)
+    n = 1
+    for d in shape:
+        n *= d
+    offsets = torch.arange(n, dtype=torch.int64, device=device)
+    return (_philox_uniform(seed, offsets) >= torch.tensor(p, dtype=torch.float32)).reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------------
+# eager reference
+# ----------------------------------------------------------------------------------------------------
+def layer_norm_reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = None, eps: float = 1e-5,
+                         *, residual: Optional[Tensor] = None, dropout_mask: Optional[Tensor] = None,
+                         dropout_p: float = 0.0, prenorm: bool = False, residual_in_fp32: bool = False,
+                         rms_norm: bool = False, upcast: bool = False):
+    """Eager PyTorch version of :func:`layer_norm` (same arguments; ``dropout_mask`` is the bool keep-mask,
+    shape of ``x``, applied with scale 1 / (1 - dropout_p); without it there is no dropout).
+
+    ``upcast=False`` computes in the inputs' dtypes the way an eager model would (the sum rounded to the
+    residual stream's dtype, then ``F.layer_norm`` / ``F.rms_norm``); ``upcast=True`` computes and
+    returns everything in float64 (the truth in tests). Returns ``y`` or ``(y, s)`` when ``prenorm``."""
+    x_dtype = x.dtype
+    if upcast:
+        x, residual, weight, bias = (t.double() if t is not None else None for t in (x, residual, weight, bias))
+    b = x
+    if dropout_mask is not None:
+        b = x.masked_fill(~dropout_mask, 0) * (1.0 / (1.0 - dropout_p))
+    s = b + residual if residual is not None else b
+    if not upcast:
+        s_dtype = torch.float32 if residual_in_fp32 else (residual.dtype if residual is not None else x_dtype)
+        s = s.to(s_dtype)
+    n = (x.shape[-1],)
+    w = weight.to(s.dtype) if weight is not None else None
+    if rms_norm:
+        y = F.rms_norm(s, n, w, eps)
+        if bias is not None:
+            y = y + bias.to(s.dtype)
+    else:
+        y = F.layer_norm(s, n, w, bias.to(s.dtype) if bias is not None else None, eps)
+    if not upcast:
+        y = y.to(x_dtype)
+    return (y, s) if prenorm else y
+
+
+# ----------------------------------------------------------------------------------------------------
+# custom ops
+# ----------------------------------------------------------------------------------------------------
+def _support(*tensors: Optional[Tensor]) -> dict:
+    for t in tensors:
+        if t is not None and t.dtype not in _KERNEL_DTYPES:
+            return {"triton": f"dtype {t.dtype} is not supported by the Triton kernels (fp16, bf16, fp32)"}
+    return {"triton": None}
+
+
+def _s_dtype(x: Tensor, residual: Optional[Tensor], residual_in_fp32: bool) -> torch.dtype:
+    if residual_in_fp32:
+        return torch.float32
+    return residual.dtype if residual is not None else x.dtype
+
+
+def _stat_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _branch_sum(x: Tensor, residual: Optional[Tensor], seed: Tensor, dropout_p: float, dtype) -> Tensor:
+    """s = dropout(x) + residual in ``dtype`` (the reference backend's twin of the kernels' _load_s)."""
+    s = x.to(dtype)
+    if dropout_p > 0.0:
+        keep = layer_norm_dropout_mask(seed, x.shape, dropout_p, x.device)
+        s = torch.where(keep, s * (1.0 / (1.0 - dropout_p)), 0.0)
+    if residual is not None:
+        s = s + residual.to(dtype)
+    return s
+
+
+@torch.library.custom_op("pykernels::layer_norm_fwd", mutates_args=())
+def _fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
+         dropout_p: float, prenorm: bool, residual_in_fp32: bool, rms_norm: bool,
+         backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x, residual: (M, N). Returns y (M, N) x.dtype; s (M, N) (prenorm, else (0,)); mean (M,) fp32 ((0,)
+    for RMSNorm); rstd (M,) fp32; seed (1,) int64 on CPU (0 without dropout)."""
+    impl = select(_OP, backend or None, x.device, _support(x, weight, bias, residual))
+    seed = new_seed() if dropout_p > 0.0 else torch.zeros(1, dtype=torch.int64)
+    s_dtype = _s_dtype(x, residual, residual_in_fp32)
+    if impl == "triton":
+        from ._kernels import layer_norm as kernels
+        y, s, mean, rstd = kernels.layer_norm_fwd(
+            x, weight, bias, residual, eps=eps, seed=int(seed.item()), dropout_p=dropout_p, store_s=prenorm,
+            s_dtype=s_dtype, rms_norm=rms_norm)
+        return y, s, mean, rstd, seed
+    # reference backend: the same saved state (fp32 statistics, the same dropout mask)
+    cdt = _stat_dtype(x)
+    s = _branch_sum(x, residual, seed, dropout_p, cdt)
+    if rms_norm:
+        var = s.square().mean(-1)
+        mean = x.new_empty(0, dtype=cdt)
+        d = s
+    else:
+        mean = s.mean(-1)
+        d = s - mean[:, None]
+        var = d.square().mean(-1)
+    rstd = torch.rsqrt(var + eps)
+    y = d * rstd[:, None]
+    if weight is not None:
+        y = y * weight.to(cdt)
+    if bias is not None:
+        y = y + bias.to(cdt)
+    s_out = s.to(s_dtype) if prenorm else x.new_empty(0, dtype=s_dtype)
+    return y.to(x.dtype), s_out, mean, rstd, seed
+
+
+@_fwd.register_fake
+def _(x, weight, bias, residual, eps, dropout_p, prenorm, residual_in_fp32, rms_norm, backend):
+    M, N = x.shape
+    s_dtype = _s_dtype(x, residual, residual_in_fp32)
+    cdt = _stat_dtype(x)
+    return (x.new_empty(M, N), x.new_empty((M, N) if prenorm else (0,), dtype=s_dtype),
+            x.new_empty(0 if rms_norm else M, dtype=cdt), x.new_empty(M, dtype=cdt),
+            torch.empty(1, dtype=torch.int64, device="cpu"))
+
+
+@torch.library.custom_op("pykernels::layer_norm_bwd", mutates_args=())
+def _bwd(dy: Tensor, ds_out: Optional[Tensor], x: Optional[Tensor], residual: Optional[Tensor],
+         s: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, rstd: Tensor,
+         seed: Tensor, dropout_p: float, store_dx: bool, dres_dtype: Optional[torch.dtype], rms_norm: bool,
+         backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_fwd`. ``s`` is the saved s (pre-LN), else ``x`` and ``residual`` recompute it.
+    Returns dx (M, N) dy.dtype (or (0,) when not ``store_dx``: then dx equals dresidual), dresidual (M, N)
+    ``dres_dtype`` (or (0,) when None), dweight (N,) (or (0,)), dbias (N,) (or (0,))."""
+    impl = select(_OP, backend or None, dy.device, _support(dy, ds_out, x, residual, s, weight, bias))
+    M, N = dy.shape
+    if impl == "triton":
+        from ._kernels import layer_norm as kernels
+        return kernels.layer_norm_bwd(
+            dy, ds_out, x, residual, s, weight, mean, rstd, has_bias=bias is not None, seed=int(seed.item()),
+            dropout_p=dropout_p, store_dx=store_dx, dres_dtype=dres_dtype, rms_norm=rms_norm, x_dtype=dy.dtype,
+            w_dtype=weight.dtype if weight is not None else None, b_dtype=bias.dtype if bias is not None else None)
+    cdt = _stat_dtype(dy)
+    s_ = s.to(cdt) if s is not None else _branch_sum(x, residual, seed, dropout_p, cdt)
+    xhat = s_ * rstd[:, None] if rms_norm else (s_ - mean[:, None]) * rstd[:, None]
+    dy_ = dy.to(cdt)
+    g = dy_ * weight.to(cdt) if weight is not None else dy_
+    c1 = (xhat * g).mean(-1, keepdim=True)
+    ds = g - xhat * c1 if rms_norm else g - xhat * c1 - g.mean(-1, keepdim=True)
+    ds = ds * rstd[:, None]
+    if ds_out is not None:
+        ds = ds + ds_out.to(cdt)
+    if store_dx:
+        dx = ds
+        if dropout_p > 0.0:
+            keep = layer_norm_dropout_mask(seed, (M, N), dropout_p, dy.device)
+            dx = torch.where(keep, ds * (1.0 / (1.0 - dropout_p)), 0.0)
+        dx = dx.to(dy.dtype)
+    else:
+        dx = dy.new_empty(0)
+    dres = ds.to(dres_dtype) if dres_dtype is not None else dy.new_empty(0)
+    dw = (dy_ * xhat).sum(0).to(weight.dtype) if weight is not None else dy.new_empty(0)
+    db = dy_.sum(0).to(bias.dtype) if bias is not None else dy.new_empty(0)
+    return dx, dres, dw, db
+
+
+@_bwd.register_fake
+def _(dy, ds_out, x, residual, s, weight, bias, mean, rstd, seed, dropout_p, store_dx, dres_dtype, rms_norm,
+      backend):
+    M, N = dy.shape
+    return (dy.new_empty((M, N) if store_dx else (0,)),
+            dy.new_empty((M, N) if dres_dtype is not None else (0,), dtype=dres_dtype or dy.dtype),
+            dy.new_empty((N,) if weight is not None else (0,), dtype=weight.dtype if weight is not None else dy.dtype),
+            dy.new_empty((N,) if bias is not None else (0,), dtype=bias.dtype if bias is not None else dy.dtype))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, eps, dropout_p, prenorm, residual_in_fp32, rms_norm, backend = inputs
+    y, s, mean, rstd, seed = output
+    # pre-LN keeps s anyway (it is an output), so the backward reads it; post-LN recomputes s from x
+    # and residual, so the forward writes nothing but y.
+    ctx.save_for_backward(None if prenorm else x, None if prenorm else residual, s if prenorm else None,
+                          weight, bias, mean, rstd, seed)
+    ctx.flags = (dropout_p, prenorm, rms_norm, backend)
+    ctx.dtypes = (x.dtype, residual.dtype if residual is not None else None)
+
+
+def _backward(ctx, dy, ds, dmean, drstd, dseed):
+    x, residual, s, weight, bias, mean, rstd, seed = ctx.saved_tensors
+    dropout_p, prenorm, rms_norm, backend = ctx.flags
+    x_dtype, res_dtype = ctx.dtypes
+    if dy is None:
+        dy = torch.zeros(rstd.shape[0], (s if s is not None else x).shape[1], dtype=x_dtype, device=rstd.device)
+    # dx is a separate tensor only when it differs from dresidual (dropout, or another dtype)
+    store_dx = res_dtype is None or dropout_p > 0.0 or res_dtype != x_dtype
+    dx, dres, dw, db = torch.ops.pykernels.layer_norm_bwd(
+        dy, ds if prenorm else None, x, residual, s, weight, bias, mean, rstd, seed, dropout_p, store_dx,
+        res_dtype, rms_norm, backend)
+    if not store_dx:
+        dx = dres
+    return (dx, dw if weight is not None else None, db if bias is not None else None,
+            dres if res_dtype is not None else None, None, None, None, None, None, None)
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------
+# public function
+# ----------------------------------------------------------------------------------------------------
+def _check_bool(name: str, v) -> None:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+
+
+def _check_param(name: str, t, n: int, x: Tensor, allowed) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dim() != 1 or t.shape[0] != n:
+        raise ValueError(f"{name} must have shape ({n},) (the last dim of x), got {tuple(t.shape)}")
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in allowed)} (x is {x.dtype}), "
+                        f"got {t.dtype}")
+
+
+def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = None, eps: float = 1e-5, *,
+               residual: Optional[Tensor] = None, dropout_p: float = 0.0, prenorm: bool = False,
+               residual_in_fp32: bool = False, rms_norm: bool = False, backend: Optional[str] = None):
+    """Fused dropout + residual add + LayerNorm (or RMSNorm) over the last dim.
+
+    ``s = dropout(x) + residual`` (``dropout`` keeps each element with probability ``1 - dropout_p`` and
+    scales it by ``1 / (1 - dropout_p)``: training style, pass ``dropout_p=0`` in eval), then
+    ``y = (s - mean(s)) / sqrt(var(s) + eps) * weight + bias`` (``rms_norm=True``:
+    ``y = s / sqrt(mean(s^2) + eps) * weight + bias``). Statistics are computed in fp32.
+
+    Args:
+        x: ``(..., N)`` fp16 / bf16 / fp32 (fp64 runs on the reference). The last dim must be contiguous
+            for the kernels (else it is copied); rows may be strided.
+        weight, bias: ``(N,)`` or None, dtype of x or fp32 (bias the dtype of weight).
+        eps: added to the variance.
+        residual: ``(..., N)`` like x (dtype of x or fp32), or None (then ``s = dropout(x)``).
+        dropout_p: probability of dropping an element of ``x`` (the branch, not the residual).
+        prenorm: also return ``s`` (pre-LN: the caller keeps the residual stream).
+        residual_in_fp32: with ``prenorm``, return ``s`` in fp32 (else in residual's dtype, or x's).
+        rms_norm: RMSNorm instead of LayerNorm (no mean subtraction; bias still optional).
+        backend: ``"auto" | "triton" | "cuda" | "reference"`` or None (the current default).
+
+    Returns:
+        ``y`` (shape and dtype of x) when ``prenorm`` is False; ``(y, s)`` when it is True. The return
+        arity depends only on ``prenorm``. Gradients flow to x, residual, weight and bias (and into the
+        pre-LN ``s``: the gradient arriving through ``s`` is added to the normalisation's).
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _X_DTYPES:
+        raise TypeError(f"x must have dtype float16, bfloat16, float32 or float64, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have at least 1 dim and a non-empty last dim, got shape {tuple(x.shape)}")
+    n = x.shape[-1]
+    _check_param("weight", weight, n, x, (x.dtype, torch.float32) if x.dtype != torch.float32 else (x.dtype,))
+    bias_dtypes = (weight.dtype,) if weight is not None else (
+        (x.dtype, torch.float32) if x.dtype != torch.float32 else (x.dtype,))
+    _check_param("bias", bias, n, x, bias_dtypes)
+    if residual is not None:
+        if not isinstance(residual, Tensor):
+            raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+        if residual.dtype not in (x.dtype, torch.float32):
+            raise TypeError(f"residual must have dtype {x.dtype} (that of x) or float32, got {residual.dtype}")
+    check_same([("x", x), ("weight", weight), ("bias", bias), ("residual", residual)], what="device")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    dropout_p = check_prob("dropout_p", dropout_p)
+    for name, v in (("prenorm", prenorm), ("residual_in_fp32", residual_in_fp32), ("rms_norm", rms_norm)):
+        _check_bool(name, v)
+    check_backend_name(backend)
+
+    shape = x.shape
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r2 = None
+    if residual is not None:
+        r2 = residual.reshape(-1, n)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+    w = weight.contiguous() if weight is not None else None
+    b = bias.contiguous() if bias is not None else None
+    y, s, _, _, _ = torch.ops.pykernels.layer_norm_fwd(x2, w, b, r2, float(eps), dropout_p, prenorm,
+                                                       residual_in_fp32, rms_norm, backend or "")
+    y = y.view(shape)
+    return (y, s.view(shape)) if prenorm else y

@@ -1,0 +1,526 @@
+"""Fused residual add + LayerNorm / RMSNorm (forward and backward) in Triton.
+
+Design note
+-----------
+Forward, per row of ``N`` features (``M`` rows):
+
+    b = dropout(x) = x * keep / (1 - p)          (keep regenerated from a Philox seed, never stored)
+    s = b + residual                             (or s = b without a residual)
+    LayerNorm: mean = sum(s) / N,  var = sum((s - mean)^2) / N,  rstd = 1 / sqrt(var + eps)
+               y = (s - mean) * rstd * weight + bias
+    RMSNorm:   rstd = 1 / sqrt(sum(s^2) / N + eps),  y = s * rstd * weight + bias
+
+``s`` is computed and normalised in fp32 (loads are upcast); mean and rstd are saved in fp32 for the
+backward. ``s`` is written out only when the caller keeps it (pre-LN, "prenorm"), in the residual
+stream's dtype (fp32 with ``residual_in_fp32``). Masked lanes load 0 and the centred values are
+filled with 0 after the subtraction, so padding never leaks into mean or variance. The variance is
+the two-pass (centred) form, not E[s^2] - E[s]^2, so rows with a large mean keep their precision.
+
+Backward, with xhat = (s - mean) * rstd and g = dy * weight:
+
+    ds = rstd * (g - xhat * mean(xhat * g) - mean(g))     (RMSNorm: no "- mean(g)" term)
+    ds += ds_out                                           (pre-LN: the gradient arriving through s)
+    dresidual = ds,  dx = ds * keep / (1 - p)
+    dweight = sum_rows(dy * xhat),  dbias = sum_rows(dy)
+
+``s`` is re-read from the saved ``s`` (pre-LN) or recomputed from ``x`` and ``residual`` with the
+regenerated dropout mask (post-LN), so the post-LN forward writes only ``y``. dweight / dbias are
+accumulated in fp32 registers by a persistent grid of about two programs per SM, each looping over a
+strided set of row blocks, and written once as a ``(programs, N)`` fp32 partial buffer that a single
+``sum(0)`` reduces: no atomics, deterministic.
+
+Traffic (element size e, M x N, no dropout): forward reads x (+ residual) and writes y (+ s):
+pre-LN 4*M*N*e bytes, post-LN 3*M*N*e. Backward reads dy, s (or x and residual), (ds_out) and writes
+dresidual (and dx only when it differs from dresidual: dropout, or a residual stream of another
+dtype). About 8 FLOPs per element forward and 12 backward, so both are memory bound; the goal is
+copy bandwidth.
+
+Limits. Rows up to ``MAX_FUSED_N`` features (16384 forward, 8192 backward) are held in registers
+(one block of ``BLOCK_M`` rows x ``BLOCK_N`` columns per program). Wider rows (up to any N) use a
+chunked path: the forward loops over column chunks three times per row (sum, centred sum of
+squares, write; re-reads hit L2), the backward runs a row-statistics kernel (the two row sums of
+the formula above) and then a 2-D grid over (row groups, column chunks). Row offsets are int64
+(row index cast before multiplying by the row stride), as are the dropout counters (element index
+row * N + col), so tensors over 2**31 elements are addressed correctly. The last dim must be
+contiguous; rows may be strided.
+
+Dropout: ``keep = tl.rand(seed, row * N + col) >= p`` (Philox 4x32-10, the 64-bit counter split
+into two 32-bit words). ``pykernels.layer_norm.layer_norm_dropout_mask`` reproduces the exact same
+mask in eager PyTorch.
+
+References: Triton tutorial 05-layer-norm (per-row kernel, partial dW sums); FlashAttention's
+``flash_attn/ops/triton/layer_norm.py`` (residual/prenorm/dropout fusion, fp32 statistics, per-SM
+partial dW/dB); Apex/llm.c ``layernorm.cuh`` (recompute instead of storing activations); Salmon et
+al. 2011 (Philox).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pykernels._alloc import empty
+
+MAX_FUSED_N_FWD = 16384  # widest row held in registers by the forward
+MAX_FUSED_N_BWD = 8192  # the backward keeps ~6 row-sized fp32 values live per row, so it goes chunked earlier
+CHUNK_N = 4096  # column chunk of the looped (wide-row) paths
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------------------------------
+# shared helpers
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _load_s(X, R, seed, rows64, cols, mask, stride_x_row, stride_r_row, N, dropout_p, dropout_scale,
+            HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """s = dropout(x) + residual for a (BLOCK_M, BLOCK_N) tile, in fp32; masked lanes are 0.
+
+    rows64: int64 row indices (BLOCK_M,); cols: column indices (BLOCK_N,)."""
+    x = tl.load(X + rows64[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        # counter = element index in the logical (M, N) array: int64, so > 2**31 elements stay unique
+        keep = tl.rand(seed, rows64[:, None] * N + cols[None, :]) >= dropout_p
+        x = tl.where(keep, x * dropout_scale, 0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows64[:, None] * stride_r_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = x + r
+    return x
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["seed", "eps", "dropout_p", "dropout_scale"])
+def _layer_norm_fwd_kernel(
+    X,  # (M, N) input branch, row stride stride_x_row, unit column stride
+    R,  # (M, N) residual (unused unless HAS_RESIDUAL)
+    W,  # (N,) weight (unused unless HAS_WEIGHT)
+    B,  # (N,) bias (unused unless HAS_BIAS)
+    Y,  # (M, N) output, x's dtype
+    S,  # (M, N) output s = dropout(x) + residual (written only if STORE_S)
+    MEAN,  # (M,) fp32 output (written only for LayerNorm)
+    RSTD,  # (M,) fp32 output
+    seed,  # int: Philox seed of the dropout mask
+    stride_x_row, stride_r_row, stride_y_row, stride_s_row,  # row strides, in elements
+    M, N,  # rows, features
+    eps,  # float: added to the variance
+    dropout_p,  # float: drop probability
+    dropout_scale,  # float: 1 / (1 - dropout_p)
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_S: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program (fused path) - must be 1 on the chunked path
+    BLOCK_N: tl.constexpr,  # >= N on the fused path, the chunk width on the chunked path
+    CHUNKED: tl.constexpr,  # N > BLOCK_N: loop over column chunks
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)  # row * stride can exceed 2**31
+    cols = tl.arange(0, BLOCK_N)
+    if not CHUNKED:
+        col_mask = cols < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        s = _load_s(X, R, seed, rows64, cols, mask, stride_x_row, stride_r_row, N, dropout_p, dropout_scale,
+                    HAS_RESIDUAL, HAS_DROPOUT)
+        if STORE_S:
+            tl.store(S + rows64[:, None] * stride_s_row + cols[None, :], s.to(S.dtype.element_ty), mask=mask)
+        if IS_RMS_NORM:
+            d = s  # masked lanes are already 0
+        else:
+            mean = tl.sum(s, axis=1) / N
+            d = tl.where(mask, s - mean[:, None], 0.0)  # refill masked lanes after the shift
+            tl.store(MEAN + rows64, mean, mask=row_mask)
+        var = tl.sum(d * d, axis=1) / N
+        rstd = 1.0 / tl.sqrt(var + eps)
+        tl.store(RSTD + rows64, rstd, mask=row_mask)
+        y = d * rstd[:, None]
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+            y = y * w[None, :]
+        if HAS_BIAS:
+            b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+            y = y + b[None, :]
+        tl.store(Y + rows64[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # Wide rows (BLOCK_M == 1): three passes over the row in chunks; passes 2 and 3 recompute s
+        # from x and residual (L2-resident by then) rather than reading back s written by other threads.
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if not IS_RMS_NORM:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for off in range(0, N, BLOCK_N):
+                c = off + cols
+                mask = row_mask[:, None] & (c < N)[None, :]
+                s = _load_s(X, R, seed, rows64, c, mask, stride_x_row, stride_r_row, N, dropout_p,
+                            dropout_scale, HAS_RESIDUAL, HAS_DROPOUT)
+                if STORE_S:
+                    tl.store(S + rows64[:, None] * stride_s_row + c[None, :], s.to(S.dtype.element_ty), mask=mask)
+                acc += s
+            mean = tl.sum(acc, axis=1) / N
+            tl.store(MEAN + rows64, mean, mask=row_mask)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for off in range(0, N, BLOCK_N):
+            c = off + cols
+            mask = row_mask[:, None] & (c < N)[None, :]
+            s = _load_s(X, R, seed, rows64, c, mask, stride_x_row, stride_r_row, N, dropout_p,
+                        dropout_scale, HAS_RESIDUAL, HAS_DROPOUT)
+            if IS_RMS_NORM:
+                if STORE_S:
+                    tl.store(S + rows64[:, None] * stride_s_row + c[None, :], s.to(S.dtype.element_ty), mask=mask)
+            d = tl.where(mask, s - mean[:, None], 0.0)
+            acc2 += d * d
+        var = tl.sum(acc2, axis=1) / N
+        rstd = 1.0 / tl.sqrt(var + eps)
+        tl.store(RSTD + rows64, rstd, mask=row_mask)
+        for off in range(0, N, BLOCK_N):
+            c = off + cols
+            col_mask = c < N
+            mask = row_mask[:, None] & col_mask[None, :]
+            s = _load_s(X, R, seed, rows64, c, mask, stride_x_row, stride_r_row, N, dropout_p,
+                        dropout_scale, HAS_RESIDUAL, HAS_DROPOUT)
+            y = (s - mean[:, None]) * rstd[:, None]
+            if HAS_WEIGHT:
+                w = tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)
+                y = y * w[None, :]
+            if HAS_BIAS:
+                b = tl.load(B + c, mask=col_mask, other=0.0).to(tl.float32)
+                y = y + b[None, :]
+            tl.store(Y + rows64[:, None] * stride_y_row + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _fwd_configs(block_n: int) -> list[triton.Config]:
+    """Small, pruned config list for one BLOCK_N bucket: rows per program x warps, keeping 4..32
+    elements per thread and at most 8192 elements per program. One config under the interpreter."""
+    if _interpret():
+        return [triton.Config({"BLOCK_M": 1 if block_n >= 64 else 2}, num_warps=1)]
+    if block_n >= 8192:
+        return [triton.Config({"BLOCK_M": 1}, num_warps=w) for w in (8, 16)]
+    out = []
+    for bm in (1, 2, 4, 8):
+        elems = bm * block_n
+        if elems > 8192 or (elems < 1024 and bm != 1):
+            continue
+        for w in (4, 8):
+            if 4 <= elems // (32 * w) <= 32:
+                out.append(triton.Config({"BLOCK_M": bm}, num_warps=w))
+    return out or [triton.Config({"BLOCK_M": 1}, num_warps=4)]
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_tuned(block_n: int):
+    # One autotuner per BLOCK_N bucket (the config list depends on it); keyed on N within the bucket.
+    return triton.autotune(configs=_fwd_configs(block_n), key=["N"])(_layer_norm_fwd_kernel)
+
+
+def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   residual: torch.Tensor | None, *, eps: float, seed: int, dropout_p: float,
+                   store_s: bool, s_dtype: torch.dtype, rms_norm: bool):
+    """Launch the forward.
+
+    x, residual: (M, N), unit column stride (any row stride). weight, bias: (N,) contiguous or None.
+    Returns (y (M, N) x.dtype, s (M, N) s_dtype or (0,) when not stored, mean (M,) fp32 or (0,) for
+    RMSNorm, rstd (M,) fp32)."""
+    M, N = x.shape
+    dev = x.device
+    y = empty(M, N, dtype=x.dtype, device=dev)
+    s = empty(M, N, dtype=s_dtype, device=dev) if store_s else empty(0, dtype=s_dtype, device=dev)
+    mean = empty(0 if rms_norm else M, dtype=torch.float32, device=dev)
+    rstd = empty(M, dtype=torch.float32, device=dev)
+    if M == 0:
+        return y, s, mean, rstd
+    chunked = N > MAX_FUSED_N_FWD
+    common = dict(HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                  HAS_DROPOUT=dropout_p > 0.0, STORE_S=store_s, IS_RMS_NORM=rms_norm)
+    args = (x, residual if residual is not None else x, weight if weight is not None else x,
+            bias if bias is not None else x, y, s, mean, rstd, seed,
+            x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+            s.stride(0) if store_s else 0, M, N, eps, dropout_p,
+            1.0 / (1.0 - dropout_p) if dropout_p > 0.0 else 1.0)
+    with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
+        if chunked:
+            _layer_norm_fwd_kernel[(M,)](*args, **common, BLOCK_M=1, BLOCK_N=CHUNK_N if not _interpret() else 256,
+                                         CHUNKED=True, num_warps=8 if not _interpret() else 1)
+        else:
+            block_n = max(triton.next_power_of_2(N), 16)
+            _fwd_tuned(block_n)[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),)](
+                *args, **common, BLOCK_N=block_n, CHUNKED=False)
+    return y, s, mean, rstd
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["seed", "dropout_p", "dropout_scale"])
+def _layer_norm_bwd_kernel(
+    X,  # (M, N) forward input branch (read when RECOMPUTE_S)
+    R,  # (M, N) forward residual (read when RECOMPUTE_S and HAS_RESIDUAL)
+    S,  # (M, N) saved s (read when not RECOMPUTE_S)
+    W,  # (N,) weight (if HAS_WEIGHT)
+    MEAN, RSTD,  # (M,) fp32 saved statistics (MEAN unused for RMSNorm)
+    DY,  # (M, N) gradient of y
+    DS_OUT,  # (M, N) gradient arriving through the returned s (if HAS_DS_OUT)
+    DX,  # (M, N) output gradient of x (if STORE_DX)
+    DRES,  # (M, N) output gradient of residual (if STORE_DRES)
+    DW_PARTIAL, DB_PARTIAL,  # (programs, N) fp32 outputs: per-program partial sums
+    seed,  # Philox seed of the forward's dropout mask
+    stride_x_row, stride_r_row, stride_s_row, stride_dy_row, stride_dso_row, stride_dx_row, stride_dres_row,
+    M, N,
+    dropout_p, dropout_scale,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, RECOMPUTE_S: tl.constexpr, HAS_DS_OUT: tl.constexpr,
+    STORE_DX: tl.constexpr, STORE_DRES: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # BLOCK_N >= N
+):
+    """Persistent: program p handles row blocks p, p + P, p + 2P, ... and writes one partial row."""
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_BIAS:
+        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row_start in range(pid * BLOCK_M, M, num_progs * BLOCK_M):
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        rows64 = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        if RECOMPUTE_S:
+            s = _load_s(X, R, seed, rows64, cols, mask, stride_x_row, stride_r_row, N, dropout_p, dropout_scale,
+                        HAS_RESIDUAL, HAS_DROPOUT)
+        else:
+            s = tl.load(S + rows64[:, None] * stride_s_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
+        if IS_RMS_NORM:
+            xhat = s * rstd[:, None]
+        else:
+            mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
+            xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+        dy = tl.load(DY + rows64[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        else:
+            g = dy
+        if HAS_BIAS:
+            db_acc += tl.sum(dy, axis=0)
+        c1 = tl.sum(xhat * g, axis=1) / N
+        if IS_RMS_NORM:
+            ds = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.sum(g, axis=1) / N
+            ds = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_DS_OUT:
+            ds += tl.load(DS_OUT + rows64[:, None] * stride_dso_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if STORE_DRES:
+            tl.store(DRES + rows64[:, None] * stride_dres_row + cols[None, :], ds.to(DRES.dtype.element_ty), mask=mask)
+        if STORE_DX:
+            dx = ds
+            if HAS_DROPOUT:
+                keep = tl.rand(seed, rows64[:, None] * N + cols[None, :]) >= dropout_p
+                dx = tl.where(keep, ds * dropout_scale, 0.0)
+            tl.store(DX + rows64[:, None] * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + pid.to(tl.int64) * N + cols, db_acc, mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["seed", "dropout_p", "dropout_scale"])
+def _layer_norm_bwd_row_stats_kernel(
+    X, R, S, W, MEAN, RSTD, DY,  # as in _layer_norm_bwd_kernel
+    C1, C2,  # (M,) fp32 outputs: mean(xhat * g) and mean(g) of each row (C2 unused for RMSNorm)
+    seed, stride_x_row, stride_r_row, stride_s_row, stride_dy_row, M, N, dropout_p, dropout_scale,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    RECOMPUTE_S: tl.constexpr, IS_RMS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Wide rows, step 1: one program per row loops over column chunks for the two row sums."""
+    row = tl.program_id(0)
+    rows64 = (row + tl.arange(0, 1)).to(tl.int64)
+    row_mask = rows64 < M
+    cols = tl.arange(0, BLOCK_N)
+    rstd = tl.load(RSTD + rows64)
+    if not IS_RMS_NORM:
+        mean = tl.load(MEAN + rows64)
+    acc1 = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+    for off in range(0, N, BLOCK_N):
+        c = off + cols
+        col_mask = c < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        if RECOMPUTE_S:
+            s = _load_s(X, R, seed, rows64, c, mask, stride_x_row, stride_r_row, N, dropout_p, dropout_scale,
+                        HAS_RESIDUAL, HAS_DROPOUT)
+        else:
+            s = tl.load(S + rows64[:, None] * stride_s_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if IS_RMS_NORM:
+            xhat = s * rstd[:, None]
+        else:
+            xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+        g = tl.load(DY + rows64[:, None] * stride_dy_row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            g = g * tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc1 += xhat * g
+        acc2 += g
+    tl.store(C1 + rows64, tl.sum(acc1, axis=1) / N)
+    if not IS_RMS_NORM:
+        tl.store(C2 + rows64, tl.sum(acc2, axis=1) / N)
+
+
+@triton.jit(do_not_specialize=["seed", "dropout_p", "dropout_scale"])
+def _layer_norm_bwd_chunked_kernel(
+    X, R, S, W, MEAN, RSTD, DY, DS_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL,  # as in _layer_norm_bwd_kernel
+    C1, C2,  # (M,) fp32 row sums from _layer_norm_bwd_row_stats_kernel
+    seed,
+    stride_x_row, stride_r_row, stride_s_row, stride_dy_row, stride_dso_row, stride_dx_row, stride_dres_row,
+    M, N, dropout_p, dropout_scale,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, RECOMPUTE_S: tl.constexpr, HAS_DS_OUT: tl.constexpr,
+    STORE_DX: tl.constexpr, STORE_DRES: tl.constexpr, IS_RMS_NORM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Wide rows, step 2: grid (row groups P, column chunks); program (p, j) handles rows p, p + P, ...
+    of chunk j and writes partial[p, chunk j]."""
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_BIAS:
+        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row in range(pid, M, num_progs):
+        rows64 = (row + tl.arange(0, 1)).to(tl.int64)
+        mask = (rows64 < M)[:, None] & col_mask[None, :]
+        if RECOMPUTE_S:
+            s = _load_s(X, R, seed, rows64, cols, mask, stride_x_row, stride_r_row, N, dropout_p, dropout_scale,
+                        HAS_RESIDUAL, HAS_DROPOUT)
+        else:
+            s = tl.load(S + rows64[:, None] * stride_s_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows64)
+        if IS_RMS_NORM:
+            xhat = s * rstd[:, None]
+        else:
+            xhat = tl.where(mask, (s - tl.load(MEAN + rows64)[:, None]) * rstd[:, None], 0.0)
+        dy = tl.load(DY + rows64[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            g = dy * w[None, :]
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        else:
+            g = dy
+        if HAS_BIAS:
+            db_acc += tl.sum(dy, axis=0)
+        c1 = tl.load(C1 + rows64)
+        if IS_RMS_NORM:
+            ds = (g - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            ds = (g - (xhat * c1[:, None] + tl.load(C2 + rows64)[:, None])) * rstd[:, None]
+        if HAS_DS_OUT:
+            ds += tl.load(DS_OUT + rows64[:, None] * stride_dso_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if STORE_DRES:
+            tl.store(DRES + rows64[:, None] * stride_dres_row + cols[None, :], ds.to(DRES.dtype.element_ty), mask=mask)
+        if STORE_DX:
+            dx = ds
+            if HAS_DROPOUT:
+                keep = tl.rand(seed, rows64[:, None] * N + cols[None, :]) >= dropout_p
+                dx = tl.where(keep, ds * dropout_scale, 0.0)
+            tl.store(DX + rows64[:, None] * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + pid.to(tl.int64) * N + cols, db_acc, mask=col_mask)
+
+
+def _bwd_launch_params(block_n: int) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) of the fused backward: ~2048-4096 elements per row block, 8..16 per thread."""
+    if _interpret():
+        return (1 if block_n >= 64 else 2), 1
+    block_m = max(1, min(8, 4096 // block_n))
+    elems = block_m * block_n
+    num_warps = max(4, min(16, elems // 256))
+    return block_m, num_warps
+
+
+def _num_programs(rows: int) -> int:
+    if _interpret():
+        return max(1, min(rows, 3))  # >1 program so the partial-sum reduction is exercised
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return max(1, min(rows, 2 * sms))
+
+
+def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tensor | None,
+                   residual: torch.Tensor | None, s: torch.Tensor | None, weight: torch.Tensor | None,
+                   mean: torch.Tensor, rstd: torch.Tensor, *, has_bias: bool, seed: int, dropout_p: float,
+                   store_dx: bool, dres_dtype: torch.dtype | None, rms_norm: bool,
+                   x_dtype: torch.dtype, w_dtype: torch.dtype | None, b_dtype: torch.dtype | None):
+    """Launch the backward.
+
+    dy, ds_out: (M, N) (ds_out None without an upstream gradient through s). Either ``s`` (saved,
+    (M, N)) or ``x`` (+ ``residual``) to recompute it. Returns (dx (M, N) x_dtype or (0,) when not
+    stored, dresidual (M, N) dres_dtype or (0,) when dres_dtype is None, dweight (N,) or (0,),
+    dbias (N,) or (0,))."""
+    M, N = dy.shape
+    dev = dy.device
+    recompute = s is None
+    dx = empty(M, N, dtype=x_dtype, device=dev) if store_dx else empty(0, dtype=x_dtype, device=dev)
+    store_dres = dres_dtype is not None
+    dres = (empty(M, N, dtype=dres_dtype, device=dev) if store_dres
+            else empty(0, dtype=x_dtype, device=dev))
+    has_weight = weight is not None
+    chunked = N > MAX_FUSED_N_BWD
+    block_n = min(CHUNK_N if not _interpret() else 256, triton.next_power_of_2(N)) if chunked \
+        else max(triton.next_power_of_2(N), 16)
+    block_m, num_warps = (1, 8 if not _interpret() else 1) if chunked else _bwd_launch_params(block_n)
+    progs = _num_programs(triton.cdiv(M, block_m)) if M else 1
+    dw_partial = empty(progs, N, dtype=torch.float32, device=dev) if has_weight else None
+    db_partial = empty(progs, N, dtype=torch.float32, device=dev) if has_bias else None
+    if M == 0:
+        dw_partial = dw_partial.zero_() if has_weight else None
+        db_partial = db_partial.zero_() if has_bias else None
+    else:
+        anyt = dy
+        ptrs = (x if x is not None else anyt, residual if residual is not None else anyt,
+                s if s is not None else anyt, weight if has_weight else anyt, mean if mean.numel() else rstd, rstd,
+                dy, ds_out if ds_out is not None else anyt, dx, dres,
+                dw_partial if has_weight else anyt, db_partial if has_bias else anyt)
+        strides = (x.stride(0) if x is not None else 0, residual.stride(0) if residual is not None else 0,
+                   s.stride(0) if s is not None else 0, dy.stride(0),
+                   ds_out.stride(0) if ds_out is not None else 0, dx.stride(0) if store_dx else 0,
+                   dres.stride(0) if store_dres else 0)
+        flags = dict(HAS_RESIDUAL=residual is not None, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias,
+                     HAS_DROPOUT=dropout_p > 0.0, RECOMPUTE_S=recompute, HAS_DS_OUT=ds_out is not None,
+                     STORE_DX=store_dx, STORE_DRES=store_dres, IS_RMS_NORM=rms_norm)
+        scale = 1.0 / (1.0 - dropout_p) if dropout_p > 0.0 else 1.0
+        with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
+            if not chunked:
+                _layer_norm_bwd_kernel[(progs,)](*ptrs, seed, *strides, M, N, dropout_p, scale, **flags,
+                                                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+            else:
+                c1 = empty(M, dtype=torch.float32, device=dev)
+                c2 = empty(M if not rms_norm else 0, dtype=torch.float32, device=dev)
+                _layer_norm_bwd_row_stats_kernel[(M,)](
+                    *ptrs[:7], c1, c2 if not rms_norm else c1, seed, strides[0], strides[1], strides[2], strides[3],
+                    M, N, dropout_p, scale, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=has_weight,
+                    HAS_DROPOUT=dropout_p > 0.0, RECOMPUTE_S=recompute, IS_RMS_NORM=rms_norm,
+                    BLOCK_N=block_n, num_warps=num_warps)
+                _layer_norm_bwd_chunked_kernel[(progs, triton.cdiv(N, block_n))](
+                    *ptrs, c1, c2 if not rms_norm else c1, seed, *strides, M, N, dropout_p, scale, **flags,
+                    BLOCK_N=block_n, num_warps=num_warps)
+    dw = dw_partial.sum(0).to(w_dtype) if has_weight else empty(0, dtype=x_dtype, device=dev)
+    db = db_partial.sum(0).to(b_dtype) if has_bias else empty(0, dtype=x_dtype, device=dev)
+    return dx, dres, dw, db
