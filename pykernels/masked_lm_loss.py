@@ -1,3 +1,265 @@
-# placeholder: owned by the loss work
-def masked_lm_loss(*a, **k): raise NotImplementedError
-def shift_labels(*a, **k): raise NotImplementedError
+"""Masked-position-only LM loss: the LM head (``hidden @ weight.T + bias``) and softmax cross-entropy
+evaluated only at positions whose target is not ``ignore_index``, fused so that no full logits tensor
+exists. With every target valid it is the causal-LM loss (see :func:`shift_labels`).
+
+Layers: input checks and the public function here; the torch custom ops
+``pykernels::masked_lm_loss_fwd`` / ``pykernels::masked_lm_loss_bwd`` (fake impls, autograd) choose a
+backend at run time; the Triton kernels live in ``pykernels._kernels.masked_lm_loss``.
+
+The ops work per position: the forward returns the per-position loss (fp32, 0 at ignored positions)
+and the lse it saves for the backward; the reduction (sum, mean over the valid count or ``num_valid``)
+is plain torch on an (N,) vector, so every reduction shares one backward that takes a per-position
+upstream gradient.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._backend import select
+from ._checks import check_prob, check_same, check_tensor
+
+_REDUCTIONS = ("mean", "sum", "none")
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def shift_labels(labels: Tensor, *, ignore_index: int = -100) -> Tensor:
+    """Causal-LM targets: ``labels`` shifted left by one along the last dim, ``ignore_index`` appended.
+
+    ``labels`` (..., S) integer -> (..., S) of the same dtype, where ``out[..., i] = labels[..., i + 1]``
+    and ``out[..., S - 1] = ignore_index``. Position i's hidden state then predicts token i + 1, so
+
+    >>> loss = pykernels.masked_lm_loss(hidden, wte, pykernels.shift_labels(input_ids))  # GPT's loss
+
+    equals ``F.cross_entropy((hidden @ wte.T)[..., :-1, :].flatten(0, -2), input_ids[..., 1:].flatten())``.
+    """
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must have an integer dtype, got {labels.dtype}")
+    if labels.dim() < 1:
+        raise ValueError(f"labels must have at least 1 dim, got shape {tuple(labels.shape)}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    pad = torch.full_like(labels[..., :1], ignore_index)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def masked_lm_loss_reference(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tensor | None = None,
+                             ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                             num_valid=None, upcast: bool = False) -> Tensor:
+    """Eager truth: full logits + ``F.cross_entropy``. Same arguments as :func:`masked_lm_loss`;
+    ``upcast=True`` computes in fp32 (fp64 inputs stay fp64). Returns the loss in the compute dtype.
+    Raises ValueError for a target outside [0, V) that is not ``ignore_index`` (this check syncs)."""
+    dtype = hidden.dtype
+    if upcast and dtype in (torch.float16, torch.bfloat16):
+        dtype = torch.float32
+    h = hidden.to(dtype)
+    w = weight.to(dtype)
+    v = weight.shape[0]
+    bad = (target != ignore_index) & ((target < 0) | (target >= v))
+    if bool(bad.any()):
+        raise ValueError(f"target has values outside [0, {v}) that are not ignore_index={ignore_index}")
+    logits = h.reshape(-1, h.shape[-1]) @ w.t()
+    if bias is not None:
+        logits = logits + bias.to(dtype)
+    t = target.reshape(-1).long()
+    loss = torch.nn.functional.cross_entropy(logits, t, ignore_index=ignore_index, reduction="none",
+                                             label_smoothing=label_smoothing)
+    # cross_entropy leaves ignored positions at 0 (also with smoothing): the per-position loss.
+    return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid)
+
+
+def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str, num_valid) -> Tensor:
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    if num_valid is None:
+        # The device count of valid targets; an all-ignored call divides 0 by 1, never 0 by 0.
+        denom = (target != ignore_index).sum().clamp(min=1).to(total.dtype)
+    elif isinstance(num_valid, Tensor):
+        denom = num_valid.to(device=total.device, dtype=total.dtype)
+    else:
+        denom = float(num_valid)
+    return total / denom
+
+
+# ---- custom ops -------------------------------------------------------------------------------------
+
+def _support(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> dict:
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        return {"triton": f"mixed dtypes (hidden {hidden.dtype}, weight {weight.dtype})"}
+    return {"triton": None}
+
+
+def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing):
+    v = weight.shape[0]
+    logits = (hidden @ weight.t()).float()
+    if bias is not None:
+        logits = logits + bias.float()
+    valid = target != ignore_index
+    lse = torch.where(valid, torch.logsumexp(logits, dim=-1), 0.0)
+    bad = valid & ((target < 0) | (target >= v))
+    if bool(bad.any()):
+        raise ValueError(f"target has values outside [0, {v}) that are not ignore_index={ignore_index}")
+    loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction="none",
+                                             label_smoothing=label_smoothing)
+    return loss, lse
+
+
+@torch.library.custom_op("pykernels::masked_lm_loss_fwd", mutates_args=())
+def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
+         label_smoothing: float, backend: str) -> tuple[Tensor, Tensor]:
+    # hidden (N, H), weight (V, H), target (N,) int64, bias (V,) or None -> loss (N,) fp32, lse (N,) fp32
+    impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
+    if impl == "triton":
+        from ._kernels import masked_lm_loss as k
+        return k.masked_lm_loss_fwd(hidden, weight, target, bias, ignore_index=ignore_index,
+                                    label_smoothing=label_smoothing)
+    return _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing)
+
+
+@_fwd.register_fake
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, backend):
+    n = hidden.shape[0]
+    return hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
+
+
+@torch.library.custom_op("pykernels::masked_lm_loss_bwd", mutates_args=())
+def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
+         lse: Tensor, ignore_index: int, label_smoothing: float,
+         backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    # -> dhidden (N, H), dweight (V, H), dbias (V,) (empty (0,) when bias is None)
+    impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
+    if impl == "triton":
+        from ._kernels import masked_lm_loss as k
+        dh, dw, db = k.masked_lm_loss_bwd(grad_loss, hidden, weight, target, bias, lse,
+                                          ignore_index=ignore_index, label_smoothing=label_smoothing)
+    else:
+        with torch.enable_grad():
+            h = hidden.detach().requires_grad_(True)
+            w = weight.detach().requires_grad_(True)
+            b = bias.detach().requires_grad_(True) if bias is not None else None
+            loss, _ = _reference_fwd(h, w, target, b, ignore_index, label_smoothing)
+            grads = torch.autograd.grad(loss, [x for x in (h, w, b) if x is not None], grad_loss.float(),
+                                        allow_unused=True)
+        dh, dw = grads[0], grads[1]
+        db = grads[2] if b is not None else None
+        dh = torch.zeros_like(hidden) if dh is None else dh.to(hidden.dtype)
+        dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
+        if b is not None:
+            db = torch.zeros_like(bias) if db is None else db.to(bias.dtype)
+    if db is None:
+        db = hidden.new_empty(0)
+    return dh.contiguous(), dw.contiguous(), db
+
+
+@_bwd.register_fake
+def _(grad_loss, hidden, weight, target, bias, lse, ignore_index, label_smoothing, backend):
+    db = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias is not None else hidden.new_empty(0)
+    return (torch.empty_like(hidden, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format), db)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, target, bias, ignore_index, label_smoothing, backend = inputs
+    _, lse = output
+    ctx.save_for_backward(hidden, weight, target, bias, lse)
+    ctx.ignore_index = ignore_index
+    ctx.label_smoothing = label_smoothing
+    ctx.backend = backend
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    hidden, weight, target, bias, lse = ctx.saved_tensors
+    dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, ctx.ignore_index, ctx.label_smoothing,
+                      ctx.backend)
+    return dh, dw, None, (db if bias is not None else None), None, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- public function ---------------------------------------------------------------------------------
+
+def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tensor | None = None,
+                   ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                   num_valid=None, backend: str | None = None) -> Tensor:
+    """Cross-entropy of the LM head ``hidden @ weight.T + bias`` at the positions whose target is not
+    ``ignore_index``, without materialising the logits.
+
+    Args:
+        hidden: (..., H) fp16, bf16 or fp32, any strides.
+        weight: (V, H) the LM head / tied word embeddings, same dtype as ``hidden``.
+        target: (...) integer (``hidden.shape[:-1]``); positions equal to ``ignore_index`` take no part.
+        bias: optional (V,), same dtype as ``weight``.
+        reduction: ``"mean"`` (sum over valid positions / number of valid positions in this call, or
+            ``num_valid``; 0 when none is valid), ``"sum"``, or ``"none"`` (fp32 loss shaped like
+            ``target``, 0 at ignored positions).
+        label_smoothing: eps in [0, 1), as ``torch.nn.functional.cross_entropy`` defines it.
+        num_valid: int or tensor; with ``reduction="mean"`` divide by it instead of the local valid
+            count (gradient accumulation over micro-batches divides by the global count).
+        backend: ``"auto" | "triton" | "reference"`` or None (the current default).
+
+    Returns:
+        fp32 loss: a scalar, or shaped like ``target`` for ``reduction="none"``. Gradients flow to
+        ``hidden`` (zero at ignored positions), ``weight`` and ``bias``.
+
+    The Triton path issues no host-device sync (the number of valid rows stays on the device), so the
+    call can be captured in a CUDA graph. A target outside [0, V) that is not ``ignore_index`` gives
+    a NaN loss on the Triton path (no out-of-bounds read) and a ValueError on the reference path.
+
+    Causal LM (GPT): ``masked_lm_loss(hidden, wte, shift_labels(input_ids))``.
+    MLM (BERT): ``masked_lm_loss(sequence_output, word_embeddings, labels, bias=decoder_bias)`` with
+    ``labels = -100`` at unmasked positions.
+    """
+    check_tensor("hidden", hidden, min_dim=1)
+    check_tensor("weight", weight, ndim=2)
+    if not isinstance(target, Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.dtype not in _INT_DTYPES:
+        raise TypeError(f"target must have an integer dtype (int64 preferred), got {target.dtype}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden width {hidden.shape[-1]} (shape {tuple(hidden.shape)}) does not match "
+                         f"weight width {weight.shape[1]} (shape {tuple(weight.shape)}): weight must be (V, H)")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"target shape {tuple(target.shape)} must equal hidden.shape[:-1] = "
+                         f"{tuple(hidden.shape[:-1])}")
+    if weight.shape[0] < 1:
+        raise ValueError(f"weight must have at least one row (V >= 1), got shape {tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"weight has dtype {weight.dtype} but hidden has dtype {hidden.dtype}; they must match")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias must have shape ({weight.shape[0]},) (V), got {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias has dtype {bias.dtype} but weight has dtype {weight.dtype}; they must match")
+    check_same([("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias)])
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    label_smoothing = check_prob("label_smoothing", label_smoothing)
+    if num_valid is not None:
+        if reduction != "mean":
+            raise ValueError(f"num_valid is only used with reduction='mean', got reduction={reduction!r}")
+        if isinstance(num_valid, Tensor):
+            if num_valid.numel() != 1:
+                raise ValueError(f"num_valid must be a one-element tensor, got shape {tuple(num_valid.shape)}")
+        elif isinstance(num_valid, bool) or not isinstance(num_valid, (int, float)):
+            raise TypeError(f"num_valid must be an int or a tensor, got {type(num_valid).__name__}")
+        elif num_valid <= 0:
+            raise ValueError(f"num_valid must be positive, got {num_valid}")
+    if backend is not None and backend not in ("auto", "triton", "cuda", "reference"):
+        raise ValueError(f"backend must be one of ('auto', 'triton', 'cuda', 'reference') or None, got {backend!r}")
+
+    h2 = hidden.reshape(-1, hidden.shape[-1])  # (N, H), a view when the strides allow
+    t1 = target.reshape(-1).long()              # (N,)
+    loss, _ = _fwd(h2, weight, t1, bias, ignore_index, label_smoothing, backend or "")
+    return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid)

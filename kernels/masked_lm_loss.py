@@ -1,0 +1,476 @@
+"""Masked-position-only LM loss: fused LM-head matmul + softmax cross-entropy, forward and backward.
+
+Design note
+===========
+Problem. ``hidden`` (N, H), tied ``weight`` (V, H), optional ``bias`` (V,), ``target`` (N,) int64.
+Only the M rows whose target is not ``ignore_index`` take part (M ~ 0.15 N for BERT MLM, M = N for a
+causal LM). Per valid row r: ``z = h_r W^T + b``, ``lse = logsumexp(z)``,
+``loss = lse - (1 - eps) z_t - eps/V sum_j z_j`` (label smoothing eps as ``F.cross_entropy``), and
+``dz = g_r (softmax(z) - (1 - eps) onehot(t) - eps/V)``, ``dh_r = dz W``, ``dW = sum_r dz_r^T h_r``,
+``db = sum_r dz_r``. Neither the (N, V) nor the (M, V) logits ever exist in full.
+
+No host sync. M is data: ``compact_rows`` turns ``target != ignore_index`` into a fixed-size (N,)
+int32 list of valid row indices (cumsum + scatter, a dump slot for invalid rows) and a device int32
+``count``. Every kernel is launched on a grid sized for N rows (or for the vocabulary) and reads
+``count`` from device memory: row blocks that start at or beyond ``count`` exit at once, and K loops
+over rows run ``range(0, count, BLOCK_K)``. Rows are gathered inside the kernels (``rows[i]``), so
+the hidden states are never copied. Nothing calls ``.item()``/``nonzero()``; the op is CUDA-graph
+capturable.
+
+Kernels (all fp32 accumulation, fp32 statistics, exp2 with log2(e) folded in, masked lanes filled
+with -inf before the max and 0 before the sums, int64 offsets wherever a row or vocabulary index
+is multiplied by a stride):
+
+1. ``_masked_lm_loss_fwd_kernel``, grid (N / BLOCK_M row blocks, SPLIT vocabulary slices): for its
+   rows and its slice of V it computes logit tiles with ``tl.dot`` (K loop over H) and keeps an
+   online max / sum-exp (log2 domain), the target logit and (with smoothing) the sum of logits.
+   The vocabulary split gives the machine enough programs: 2446 masked rows are only 20 row blocks
+   of 128, 300 programs once V is cut into 15 slices. ``_masked_lm_loss_combine_kernel`` merges the
+   SPLIT partials per row (a few bytes per row) and writes loss and lse at the row's position.
+   FLOPs 2 M V H; bytes ~ (M/BLOCK_M) V H (weight re-read per row block, mostly L2) + M H.
+2. Backward, in vocabulary chunks of VC columns (VC chosen so the (N, VC) dlogits buffer stays
+   within a memory budget, 32 MiB by default), per chunk:
+   a. ``_masked_lm_loss_dlogits_kernel``, grid (N / BLOCK_M, VC / BLOCK_N): recomputes the logit
+      tile (2 M VC H FLOPs), turns it into dz with the saved lse and the upstream grad, and stores dz
+      in the weight dtype into the (N, VC) buffer (compacted rows).
+   b. ``_masked_lm_loss_dweight_kernel``, grid (VC / BLOCK_N, H / BLOCK_H): dW[chunk] = dz^T h with
+      the K loop over the ``count`` compacted rows (gathered), fp32 accumulator, written once in the
+      weight dtype: no fp32 (V, H) buffer, no atomics, deterministic. Programs of the first H block
+      also sum dz over rows for dbias.
+   c. ``_masked_lm_loss_dhidden_kernel``, grid (N / BLOCK_M, H / BLOCK_H): dh += dz W[chunk] into an
+      fp32 (N, H) accumulator (compacted rows; skipped when V fits one chunk); the last chunk writes
+      the hidden dtype straight to the row's position in the zero-initialised dhidden.
+   Total 4 matmuls of M x V x H (forward 1, backward 3) = 8 M V H FLOPs; the dlogits buffer is
+   written once and read twice (3 x 2 M V bytes in bf16).
+
+Why not the alternatives. (i) Accumulating dh (BLOCK_M x H) or dW (BLOCK_N x H) in registers inside
+the logits kernel, flash-attention style, does not fit: with H = 768 an fp32 128 x 768 tile is 384 KiB,
+more than an SM's register file; splitting H would recompute the logits H / BLOCK_H times. (ii) cuBLAS
+on the compacted rows needs M on the host (a sync) or wastes 85% of the FLOPs on a fixed N-row buffer
+at 15% masking. (iii) Computing the gradients during the forward (Liger) saves the recompute only when
+the whole (rows, V) chunk is materialised, and then dW must be accumulated across row chunks in an
+fp32 (V, H) buffer (94 MiB for BERT-base), over the memory budget.
+
+Memory above the inputs: outputs dhidden (N H) and dW (V H) in the input dtype, the (N, VC) dlogits
+buffer, the fp32 (N, H) dh accumulator when V needs more than one chunk, and O(SPLIT N) fp32 statistics.
+
+Limits. Targets outside [0, V) that are not ``ignore_index`` are never used to address memory: their
+loss (and lse) is NaN and their gradient is that of the plain softmax (no one-hot term); the
+reference raises an error for them. ``hidden`` and ``weight`` share one dtype (fp16, bf16, fp32); fp32
+uses IEEE ``tl.dot`` (no TF32) to match eager fp32. The interpreter (TRITON_INTERPRET=1) runs one
+small fixed tile configuration.
+
+References: Liger-Kernel fused_linear_cross_entropy (chunked gradients), Cut Cross-Entropy
+(Wijmans et al. 2024, blockwise logits never materialised), llm.c fused_classifier (loss and dlogits
+in one pass), FlashAttention-2 (online softmax with exp2).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pykernels._alloc import empty
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Memory budget for the (N, VC) dlogits buffer of the backward.
+DLOGITS_BUDGET_BYTES = 32 * 2**20
+
+
+def _configs(gpu: list[tuple], names: tuple[str, ...], interp: tuple) -> list[triton.Config]:
+    """Autotune configs: a small pruned list on the GPU, one small config under the interpreter."""
+    rows = [interp] if _INTERPRET else gpu
+    return [triton.Config(dict(zip(names, r[:-2])), num_warps=r[-2], num_stages=r[-1]) for r in rows]
+
+
+_MNK = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+_FWD_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 32, 4, 4)],
+                        _MNK, (16, 32, 16, 1, 1))
+_DLOGITS_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)],
+                            _MNK, (16, 32, 16, 1, 1))
+_NHK = ("BLOCK_N", "BLOCK_H", "BLOCK_K")
+_DW_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4)],
+                       _NHK, (32, 16, 16, 1, 1))
+_MHK = ("BLOCK_M", "BLOCK_H", "BLOCK_K")
+_DH_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)],
+                       _MHK, (16, 16, 32, 1, 1))
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=["H", "V_PER_SPLIT", "DTYPE_KEY"])
+@triton.jit
+def _masked_lm_loss_fwd_kernel(
+    h_ptr,          # (N, H) hidden states, any strides
+    w_ptr,          # (V, H) weight, any strides
+    b_ptr,          # (V,) bias (unused unless HAS_BIAS)
+    tgt_ptr,        # (N,) int64 targets, by position
+    rows_ptr,       # (N,) int32 compacted valid row positions; entries >= count are unused
+    count_ptr,      # (1,) int32 number of valid rows (device)
+    part_m_ptr,     # (SPLIT, N) fp32 out: running max of log2-scaled logits, per compacted row
+    part_s_ptr,     # (SPLIT, N) fp32 out: sum of exp2(z*log2e - max)
+    part_zt_ptr,    # (SPLIT, N) fp32 out: target logit if the target lies in this slice, else 0
+    part_zsum_ptr,  # (SPLIT, N) fp32 out: sum of logits in this slice (only if SMOOTH)
+    N, V, H,        # sizes
+    V_PER_SPLIT,    # columns per vocabulary slice (a multiple of 256)
+    stride_hn, stride_hh, stride_wv, stride_wh, stride_b,
+    DTYPE_KEY,      # the input dtype, as an autotune key only
+    HAS_BIAS: tl.constexpr, SMOOTH: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    count = tl.load(count_ptr)
+    start_m = pid_m * BLOCK_M
+    # Row blocks past the valid rows do nothing: their partials are never read.
+    if start_m < count:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < count
+        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        s_i = tl.zeros((BLOCK_M,), tl.float32)
+        zt_i = tl.zeros((BLOCK_M,), tl.float32)
+        zsum_i = tl.zeros((BLOCK_M,), tl.float32)
+        v_start = pid_s * V_PER_SPLIT
+        v_end = tl.minimum(v_start + V_PER_SPLIT, V)
+        offs_k0 = tl.arange(0, BLOCK_K)
+        h_row = h_ptr + rows[:, None] * stride_hn
+        # Every slice holds at least one column (the launcher sizes SPLIT so), so m_i is finite after
+        # the first tile and exp2(m_i - m_new) never sees -inf - -inf.
+        for v0 in range(v_start, v_end, BLOCK_N):
+            offs_n = v0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < v_end
+            w_col = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wv
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                offs_k = k0 + offs_k0
+                mask_k = offs_k < H
+                a = tl.load(h_row + offs_k[None, :] * stride_hh, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                b = tl.load(w_col + offs_k[:, None] * stride_wh, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)
+                acc += bias[None, :]
+            z2 = tl.where(mask_n[None, :], acc * 1.4426950408889634, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z2, axis=1))
+            s_i = s_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(z2 - m_new[:, None]), axis=1)
+            m_i = m_new
+            zt_i += tl.sum(tl.where(offs_n[None, :] == tgt[:, None], acc, 0.0), axis=1)
+            if SMOOTH:
+                zsum_i += tl.sum(tl.where(mask_n[None, :], acc, 0.0), axis=1)
+        out = pid_s.to(tl.int64) * N + offs_m
+        tl.store(part_m_ptr + out, m_i, mask=mask_m)
+        tl.store(part_s_ptr + out, s_i, mask=mask_m)
+        tl.store(part_zt_ptr + out, zt_i, mask=mask_m)
+        if SMOOTH:
+            tl.store(part_zsum_ptr + out, zsum_i, mask=mask_m)
+
+
+@triton.jit
+def _masked_lm_loss_combine_kernel(
+    tgt_ptr, rows_ptr, count_ptr,
+    part_m_ptr, part_s_ptr, part_zt_ptr, part_zsum_ptr,  # (SPLIT, N) fp32 partials of the forward kernel
+    loss_ptr,       # (N,) fp32 out, by position (pre-zeroed: ignored positions stay 0)
+    lse_ptr,        # (N,) fp32 out, by position (pre-zeroed)
+    N, V, SPLIT,
+    smooth_eps,     # label smoothing eps
+    SMOOTH: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    count = tl.load(count_ptr)
+    start = pid * BLOCK
+    if start < count:
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < count
+        rows = tl.load(rows_ptr + offs, mask=mask, other=0).to(tl.int64)
+        tgt = tl.load(tgt_ptr + rows, mask=mask, other=0)
+        m = tl.full((BLOCK,), float("-inf"), tl.float32)
+        for s in range(0, SPLIT):
+            m = tl.maximum(m, tl.load(part_m_ptr + s * N + offs, mask=mask, other=0.0))
+        total = tl.zeros((BLOCK,), tl.float32)
+        zt = tl.zeros((BLOCK,), tl.float32)
+        zsum = tl.zeros((BLOCK,), tl.float32)
+        for s in range(0, SPLIT):
+            ms = tl.load(part_m_ptr + s * N + offs, mask=mask, other=0.0)
+            ss = tl.load(part_s_ptr + s * N + offs, mask=mask, other=0.0)
+            total += ss * tl.exp2(ms - m)
+            zt += tl.load(part_zt_ptr + s * N + offs, mask=mask, other=0.0)
+            if SMOOTH:
+                zsum += tl.load(part_zsum_ptr + s * N + offs, mask=mask, other=0.0)
+        lse = (m + tl.log2(tl.where(mask, total, 1.0))) * 0.6931471805599453
+        loss = lse - (1.0 - smooth_eps) * zt
+        if SMOOTH:
+            loss -= (smooth_eps / V) * zsum
+        # A target outside [0, V) addressed no memory; its loss is NaN so it cannot pass unnoticed.
+        in_range = (tgt >= 0) & (tgt < V)
+        loss = tl.where(in_range, loss, float("nan"))
+        tl.store(loss_ptr + rows, loss, mask=mask)
+        tl.store(lse_ptr + rows, lse, mask=mask)
+
+
+@triton.autotune(configs=_DLOGITS_CONFIGS, key=["H", "VC", "DTYPE_KEY"])
+@triton.jit
+def _masked_lm_loss_dlogits_kernel(
+    h_ptr, w_ptr, b_ptr, tgt_ptr, rows_ptr, count_ptr,
+    lse_ptr,        # (N,) fp32 lse, by position
+    gloss_ptr,      # (N,) fp32 upstream gradient of the per-position loss
+    dl_ptr,         # (N, VC) out: dlogits of this chunk, compacted rows, weight dtype
+    N, V, H,
+    v_off,          # first vocabulary column of this chunk
+    VC,             # columns in this chunk
+    stride_hn, stride_hh, stride_wv, stride_wh, stride_b,
+    stride_dl,      # row stride of the dlogits buffer
+    smooth_eps,
+    DTYPE_KEY,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    count = tl.load(count_ptr)
+    start_m = pid_m * BLOCK_M
+    if start_m < count:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < count
+        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)
+        lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * 1.4426950408889634
+        g = tl.load(gloss_ptr + rows, mask=mask_m, other=0.0)
+        offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # column within the chunk
+        mask_n = offs_c < VC
+        offs_n = v_off + offs_c                              # vocabulary column
+        w_col = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wv
+        h_row = h_ptr + rows[:, None] * stride_hn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < H
+            a = tl.load(h_row + offs_k[None, :] * stride_hh, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(w_col + offs_k[:, None] * stride_wh, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)
+            acc += bias[None, :]
+        p = tl.exp2(acc * 1.4426950408889634 - lse2[:, None])
+        d = p - tl.where(offs_n[None, :] == tgt[:, None], 1.0 - smooth_eps, 0.0) - smooth_eps / V
+        d = d * g[:, None]
+        dst = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl + offs_c[None, :]
+        tl.store(dst, d.to(dl_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.autotune(configs=_DW_CONFIGS, key=["H", "VC", "DTYPE_KEY"])
+@triton.jit
+def _masked_lm_loss_dweight_kernel(
+    h_ptr, rows_ptr, count_ptr,
+    dl_ptr,         # (N, VC) dlogits of this chunk (compacted rows)
+    dw_ptr,         # (V, H) out: weight gradient (contiguous), rows v_off .. v_off + VC written here
+    db_ptr,         # (V,) out: bias gradient (only if HAS_BIAS)
+    H, v_off, VC,
+    stride_hn, stride_hh, stride_dl,
+    DTYPE_KEY,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    count = tl.load(count_ptr)
+    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_c < VC
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    acc = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
+    db = tl.zeros((BLOCK_N,), tl.float32)
+    # K loop over the valid rows only: count comes from device memory.
+    for k0 in range(0, count, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < count
+        rows = tl.load(rows_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
+        dl = tl.load(dl_ptr + offs_k.to(tl.int64)[:, None] * stride_dl + offs_c[None, :],
+                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        hh = tl.load(h_ptr + rows[:, None] * stride_hn + offs_h[None, :] * stride_hh,
+                     mask=mask_k[:, None] & mask_h[None, :], other=0.0)
+        acc = tl.dot(tl.trans(dl), hh, acc, input_precision=DOT_PRECISION)
+        if HAS_BIAS:
+            db += tl.sum(dl.to(tl.float32), axis=0)
+    offs_v = (v_off + offs_c).to(tl.int64)
+    tl.store(dw_ptr + offs_v[:, None] * H + offs_h[None, :], acc.to(dw_ptr.dtype.element_ty),
+             mask=mask_n[:, None] & mask_h[None, :])
+    if HAS_BIAS:
+        if pid_h == 0:
+            tl.store(db_ptr + offs_v, db.to(db_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.autotune(configs=_DH_CONFIGS, key=["H", "VC", "DTYPE_KEY", "IS_FIRST", "IS_LAST"],
+                 restore_value=["acc_ptr"])
+@triton.jit
+def _masked_lm_loss_dhidden_kernel(
+    w_ptr, rows_ptr, count_ptr,
+    dl_ptr,         # (N, VC) dlogits of this chunk (compacted rows)
+    acc_ptr,        # (N, H) fp32 accumulator over chunks (compacted rows; unused if IS_FIRST and IS_LAST)
+    dh_ptr,         # (N, H) out: hidden gradient by position (contiguous, pre-zeroed), written if IS_LAST
+    H, v_off, VC,
+    stride_wv, stride_wh, stride_dl,
+    DTYPE_KEY,
+    IS_FIRST: tl.constexpr, IS_LAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    count = tl.load(count_ptr)
+    start_m = pid_m * BLOCK_M
+    if start_m < count:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < count
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        acc = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)
+        dl_row = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl
+        for k0 in range(0, VC, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < VC
+            dl = tl.load(dl_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            ww = tl.load(w_ptr + (v_off + offs_k).to(tl.int64)[:, None] * stride_wv + offs_h[None, :] * stride_wh,
+                         mask=mask_k[:, None] & mask_h[None, :], other=0.0)
+            acc = tl.dot(dl, ww, acc, input_precision=DOT_PRECISION)
+        mask = mask_m[:, None] & mask_h[None, :]
+        acc_off = offs_m.to(tl.int64)[:, None] * H + offs_h[None, :]
+        if not IS_FIRST:
+            acc += tl.load(acc_ptr + acc_off, mask=mask, other=0.0)
+        if IS_LAST:
+            rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+            tl.store(dh_ptr + rows[:, None] * H + offs_h[None, :], acc.to(dh_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(acc_ptr + acc_off, acc, mask=mask)
+
+
+def compact_rows(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid row positions, compacted, without a host sync.
+
+    ``target`` (N,) int64. Returns ``rows`` (N,) int32 whose first ``count`` entries are the positions
+    with ``target != ignore_index`` in increasing order (the rest are 0, a valid position to read), and
+    ``count`` (1,) int32 on the device."""
+    n = target.numel()
+    valid = target != ignore_index
+    pos = torch.cumsum(valid, 0, dtype=torch.int64) - 1
+    slot = torch.where(valid, pos, torch.full_like(pos, n))  # invalid rows go to a dump slot
+    buf = torch.zeros(n + 1, dtype=torch.int32, device=target.device)
+    buf.scatter_(0, slot, torch.arange(n, dtype=torch.int32, device=target.device))
+    count = valid.sum(dtype=torch.int32).reshape(1)
+    return buf[:n], count
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _dtype_key(dtype: torch.dtype) -> int:
+    return {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[dtype]
+
+
+def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                       bias: torch.Tensor | None, *, ignore_index: int,
+                       label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden`` (N, H), ``weight`` (V, H), ``target`` (N,) int64, ``bias`` (V,) or None.
+
+    Returns ``loss`` (N,) fp32 (0 at ignored positions) and ``lse`` (N,) fp32 (0 at ignored positions),
+    both by position."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    target = target.contiguous()
+    rows, count = compact_rows(target, ignore_index)
+    loss = torch.zeros(n, dtype=torch.float32, device=dev)
+    lse = torch.zeros(n, dtype=torch.float32, device=dev)
+    if n == 0:
+        return loss, lse
+    # Vocabulary slices of >= 2048 columns (multiples of 256), at most 16: enough programs when few
+    # rows are valid, few partials to merge.
+    v_per_split = max(2048, triton.cdiv(triton.cdiv(v, 16), 256) * 256)
+    split = triton.cdiv(v, v_per_split)
+    smooth = label_smoothing > 0.0
+    part_m = empty(split, n, dtype=torch.float32, device=dev)
+    part_s = empty(split, n, dtype=torch.float32, device=dev)
+    part_zt = empty(split, n, dtype=torch.float32, device=dev)
+    part_zsum = empty(split, n, dtype=torch.float32, device=dev) if smooth else part_zt
+    b = bias if bias is not None else weight  # placeholder pointer, never read
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), split)  # noqa: E731
+    _masked_lm_loss_fwd_kernel[grid](
+        hidden, weight, b, target, rows, count, part_m, part_s, part_zt, part_zsum,
+        n, v, h, v_per_split,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        _dtype_key(hidden.dtype),
+        HAS_BIAS=bias is not None, SMOOTH=smooth, DOT_PRECISION=_dot_precision(hidden.dtype))
+    block = 128
+    _masked_lm_loss_combine_kernel[(triton.cdiv(n, block),)](
+        target, rows, count, part_m, part_s, part_zt, part_zsum, loss, lse,
+        n, v, split, float(label_smoothing), SMOOTH=smooth, BLOCK=block)
+    return loss, lse
+
+
+def _chunk_columns(n: int, v: int, elem: int, budget: int) -> int:
+    """Vocabulary columns per backward chunk: the (n, VC) dlogits buffer stays within ``budget`` bytes
+    (VC a multiple of 256, at least 256), and chunks are evened out so the last is not a sliver."""
+    vc = max(256, (budget // max(n * elem, 1)) // 256 * 256)
+    if vc >= v:
+        return v
+    chunks = triton.cdiv(v, vc)
+    return triton.cdiv(triton.cdiv(v, chunks), 256) * 256
+
+
+def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                       target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor, *,
+                       ignore_index: int, label_smoothing: float,
+                       dlogits_budget_bytes: int | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``grad_loss`` (N,) fp32 upstream gradient of the per-position loss; ``lse`` (N,) fp32 from the
+    forward. Returns ``dhidden`` (N, H) (zero at ignored rows), ``dweight`` (V, H) and ``dbias`` (V,)
+    or None, in the input dtypes."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    target = target.contiguous()
+    grad_loss = grad_loss.to(torch.float32).contiguous()
+    lse = lse.contiguous()
+    rows, count = compact_rows(target, ignore_index)
+    dhidden = torch.zeros(n, h, dtype=hidden.dtype, device=dev)  # ignored rows keep 0
+    dweight = empty(v, h, dtype=weight.dtype, device=dev)
+    dbias = empty(v, dtype=bias.dtype, device=dev) if bias is not None else None
+    if n == 0:
+        dweight.zero_()
+        if dbias is not None:
+            dbias.zero_()
+        return dhidden, dweight, dbias
+    budget = DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
+    vc = _chunk_columns(n, v, weight.element_size(), budget)
+    dl = empty(n, vc, dtype=weight.dtype, device=dev)
+    n_chunks = triton.cdiv(v, vc)
+    acc = empty(n, h, dtype=torch.float32, device=dev) if n_chunks > 1 else dhidden
+    b = bias if bias is not None else weight
+    db = dbias if dbias is not None else dweight
+    prec = _dot_precision(hidden.dtype)
+    key = _dtype_key(hidden.dtype)
+    for c in range(n_chunks):
+        v_off = c * vc
+        vc_c = min(vc, v - v_off)
+        _masked_lm_loss_dlogits_kernel[lambda m: (triton.cdiv(n, m["BLOCK_M"]), triton.cdiv(vc_c, m["BLOCK_N"]))](
+            hidden, weight, b, target, rows, count, lse, grad_loss, dl,
+            n, v, h, v_off, vc_c,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), key,
+            HAS_BIAS=bias is not None, DOT_PRECISION=prec)
+        _masked_lm_loss_dweight_kernel[lambda m: (triton.cdiv(vc_c, m["BLOCK_N"]), triton.cdiv(h, m["BLOCK_H"]))](
+            hidden, rows, count, dl, dweight, db,
+            h, v_off, vc_c, hidden.stride(0), hidden.stride(1), dl.stride(0), key,
+            HAS_BIAS=bias is not None, DOT_PRECISION=prec)
+        _masked_lm_loss_dhidden_kernel[lambda m: (triton.cdiv(n, m["BLOCK_M"]), triton.cdiv(h, m["BLOCK_H"]))](
+            weight, rows, count, dl, acc, dhidden,
+            h, v_off, vc_c, weight.stride(0), weight.stride(1), dl.stride(0), key,
+            IS_FIRST=c == 0, IS_LAST=c == n_chunks - 1, DOT_PRECISION=prec)
+    return dhidden, dweight, dbias
