@@ -1,5 +1,527 @@
-# placeholder: owned by the attention work
-def scaled_dot_product_attention(*a, **k): raise NotImplementedError
-def varlen_attention(*a, **k): raise NotImplementedError
-def unpad_input(*a, **k): raise NotImplementedError
-def pad_input(*a, **k): raise NotImplementedError
+"""Attention: ``scaled_dot_product_attention``, ``varlen_attention``, ``unpad_input``/``pad_input``.
+
+Layers: the Triton kernels and launchers live in ``pykernels._kernels.attention`` (design note
+there). This module holds the input checks, the eager reference (``attention_reference``), the
+dropout-mask helper that reproduces the kernels' Philox stream (``attention_dropout_mask``), the
+torch custom ops ``pykernels::attention_fwd/bwd`` and ``pykernels::varlen_attention_fwd/bwd`` with
+fake impls and autograd, and the documented public functions.
+
+Causal alignment (``is_causal=True``) is TOP-LEFT, exactly like
+``torch.nn.functional.scaled_dot_product_attention`` (``tril(diagonal=0)``): query i sees keys
+j <= i, whatever Sq and Sk are::
+
+    Sq=3, Sk=5 (1 = attends)       Sq=5, Sk=3
+        k0 k1 k2 k3 k4                 k0 k1 k2
+    q0   1  0  0  0  0             q0   1  0  0
+    q1   1  1  0  0  0             q1   1  1  0
+    q2   1  1  1  0  0             q2   1  1  1
+                                   q3   1  1  1
+                                   q4   1  1  1
+
+(flash-attn >= 2.1 aligns bottom-right instead; we follow torch.) ``varlen_attention(causal=True)``
+uses the same top-left rule inside each sequence.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _checks
+from ._backend import check_backend_name, select
+from ._rng import new_seed
+
+_OP = "scaled_dot_product_attention"
+_VOP = "varlen_attention"
+MAX_HEAD_DIM = 256  # the Triton kernels' limit; larger head dims fall back to the reference
+
+
+def _kernels():
+    from ._kernels import attention as k  # imported lazily: importing triton costs time
+    return k
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout RNG: an eager copy of Triton's Philox-4x32-10 ``tl.rand`` stream
+# ---------------------------------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+
+
+def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """(high, low) 32-bit halves of the 64-bit product of the constant a and the uint32 values b,
+    computed with 16-bit limbs in int64 so nothing overflows."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    lo_lo = a_lo * b_lo
+    hi_lo = a_hi * b_lo
+    lo_hi = a_lo * b_hi
+    cross = (lo_lo >> 16) + (hi_lo & 0xFFFF) + (lo_hi & 0xFFFF)
+    hi = a_hi * b_hi + (hi_lo >> 16) + (lo_hi >> 16) + (cross >> 16)
+    lo = ((cross & 0xFFFF) << 16) | (lo_lo & 0xFFFF)
+    return hi, lo
+
+
+def philox_uniform(seed: int, offsets: Tensor) -> Tensor:
+    """Exactly ``tl.rand(seed, offsets)`` (fp32 in [0, 1)) for int64 ``offsets``, in eager PyTorch."""
+    offsets = offsets.to(torch.int64)
+    c0 = offsets & _M32
+    c1 = (offsets >> 32) & _M32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = int(seed) & _M32, (int(seed) >> 32) & _M32
+    for _ in range(10):
+        hi_b, lo_b = _mulhilo(_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo(_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
+    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # bitcast uint32 -> int32
+    x = torch.where(x < 0, -x - 1, x)
+    return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+
+
+def attention_dropout_mask(seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int, p: float,
+                           device=None) -> Tensor:
+    """The exact dropout keep-mask (bool, (batch, heads, seqlen_q, seqlen_k), True = kept) that the
+    Triton kernels use for ``seed`` (an int or the seed tensor the forward returns). Element
+    (b, h, i, j) is ``philox(seed, ((b*heads + h)*seqlen_q + i)*seqlen_k + j) >= p``; for
+    ``varlen_attention`` use seqlen_q/k = max_seqlen_q/k and positions inside each sequence."""
+    if isinstance(seed, Tensor):
+        seed = int(seed.reshape(-1)[0].item())  # the seed lives on the CPU: no device sync
+    n = batch * heads * seqlen_q * seqlen_k
+    offs = torch.arange(n, dtype=torch.int64, device=device)
+    return (philox_uniform(seed, offs) >= p).view(batch, heads, seqlen_q, seqlen_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+def _ref_core(q, k, v, mask, dropout_p, is_causal, scale, dropout_mask):
+    """(o, lse) for 4-D-or-more q (..., Hq, Sq, D), k/v (..., Hkv, Sk, D/Dv) in their own dtype."""
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq != hkv:
+        if hq % hkv == 0:
+            k = k.repeat_interleave(hq // hkv, dim=-3)
+            v = v.repeat_interleave(hq // hkv, dim=-3)
+        elif hq == 1:
+            q = q.expand(*q.shape[:-3], hkv, *q.shape[-2:])
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    sq, sk = s.shape[-2], s.shape[-1]
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            s = s.masked_fill(~mask, float("-inf"))
+        else:
+            s = s + mask.to(s.dtype)
+    if is_causal:
+        causal = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=0)
+        s = s.masked_fill(~causal, float("-inf"))
+    dead = torch.isneginf(s).all(-1, keepdim=True) if sk > 0 else torch.ones(
+        *s.shape[:-1], 1, dtype=torch.bool, device=s.device)
+    lse = torch.logsumexp(s.float(), -1)
+    p = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+    if dropout_p > 0:
+        if dropout_mask is None:
+            p = torch.nn.functional.dropout(p, dropout_p)
+        else:
+            p = p.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
+    o = torch.matmul(p, v)
+    if sk == 0:
+        o = torch.zeros(*s.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    return o, lse
+
+
+def attention_reference(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                        enable_gqa=False, *, dropout_mask=None, upcast=False):
+    """Eager matmul + softmax attention with the semantics of ``scaled_dot_product_attention``.
+
+    Shapes: q (..., Hq, Sq, D), k (..., Hkv, Sk, D), v (..., Hkv, Sk, Dv); GQA when Hq is a multiple
+    of Hkv. ``attn_mask``: bool (True = take part) or additive float, broadcastable to
+    (..., Hq, Sq, Sk). Fully masked rows give 0 (torch's SDPA gives NaN there). ``dropout_mask``:
+    an explicit keep-mask (bool, broadcastable to the scores), e.g. from :func:`attention_dropout_mask`;
+    without one, ``dropout_p > 0`` draws torch's own dropout. ``upcast``: compute in float32 and cast
+    the result back to q's dtype. Returns (..., Hq, Sq, Dv) in q's dtype.
+    """
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.float()
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    o, _ = _ref_core(q, k, v, attn_mask, dropout_p, is_causal, scale, dropout_mask)
+    return o.to(dtype)
+
+
+def _ref_dense_fwd(q, k, v, mask, dropout_p, is_causal, scale, seed):
+    dmask = None
+    if dropout_p > 0:
+        b, h, sq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        dmask = attention_dropout_mask(seed, b, h, sq, sk, dropout_p, q.device)
+    return _ref_core(q, k, v, mask, dropout_p, is_causal, scale, dmask)
+
+
+def _ref_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, seed):
+    """Per-sequence loop (host sync on cu_seqlens: reference only). o rows past cu_q[-1] are 0."""
+    o = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1):
+        qs, qe, ks, ke = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if qe == qs:
+            continue
+        qb = q[qs:qe].transpose(0, 1).unsqueeze(0)
+        kb = k[ks:ke].transpose(0, 1).unsqueeze(0)
+        vb = v[ks:ke].transpose(0, 1).unsqueeze(0)
+        dmask = None
+        if dropout_p > 0:
+            full = attention_dropout_mask(seed, len(cq) - 1, q.shape[1], max_q, max_k, dropout_p, q.device)
+            dmask = full[b:b + 1, :, :qe - qs, :ke - ks]
+        ob, lb = _ref_core(qb, kb, vb, None, dropout_p, causal, scale, dmask)
+        o[qs:qe] = ob[0].transpose(0, 1)
+        lse[:, qs:qe] = lb[0]
+    return o, lse
+
+
+def _ref_grads(fwd, do, q, k, v):
+    with torch.enable_grad():
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        o, _ = fwd(qq, kk, vv)
+        return torch.autograd.grad(o, (qq, kk, vv), do, allow_unused=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops: dense
+# ---------------------------------------------------------------------------------------------
+def _support(q: Tensor, k: Tensor, v: Tensor) -> dict:
+    d, dv = q.shape[-1], v.shape[-1]
+    if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
+        return {"triton": f"head dim {max(d, dv)} > {MAX_HEAD_DIM}"}
+    if d == 0 or dv == 0:
+        return {"triton": "empty head dim"}
+    return {"triton": None}
+
+
+def _last_dim_contig(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+@torch.library.custom_op("pykernels::attention_fwd", mutates_args=())
+def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
+                   is_causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    impl = select(_OP, backend or None, q.device, _support(q, k, v))
+    seed = new_seed() if dropout_p > 0 else torch.zeros(1, dtype=torch.int64)
+    if impl == "triton":
+        kern = _kernels()
+        o, lse = kern.attention_fwd(q, k, v, attn_mask, causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                    seed=int(seed[0]), kv_range=kern.key_padding_range(attn_mask))
+        return o, lse, seed
+    o, lse = _ref_dense_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, seed)
+    return o.contiguous(), lse.contiguous(), seed
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, attn_mask, dropout_p, is_causal, scale, backend):
+    b, h, sq = q.shape[0], q.shape[1], q.shape[2]
+    return (q.new_empty(b, h, sq, v.shape[-1]), q.new_empty(b, h, sq, dtype=torch.float32),
+            torch.empty(1, dtype=torch.int64, device="cpu"))
+
+
+@torch.library.custom_op("pykernels::attention_bwd", mutates_args=())
+def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor,
+                   attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool, scale: float,
+                   backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    impl = select(_OP, backend or None, q.device, _support(q, k, v))
+    if impl == "triton":
+        kern = _kernels()
+        return kern.attention_bwd(_last_dim_contig(do), q, k, v, o, lse, attn_mask, causal=is_causal, scale=scale,
+                                  dropout_p=dropout_p, seed=int(seed[0]),
+                                  kv_range=kern.key_padding_range(attn_mask))
+    grads = _ref_grads(lambda a, b_, c: _ref_dense_fwd(a, b_, c, attn_mask, dropout_p, is_causal, scale, seed),
+                       do, q, k, v)
+    return tuple(torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k, v)))
+
+
+@_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_setup(ctx, inputs, output):
+    q, k, v, attn_mask, dropout_p, is_causal, scale, backend = inputs
+    o, lse, seed = output
+    ctx.save_for_backward(q, k, v, o, lse, seed, attn_mask)
+    ctx.args = (dropout_p, is_causal, scale, backend)
+    ctx.mask_needs_grad = attn_mask is not None and attn_mask.requires_grad
+
+
+def _fwd_backward(ctx, do, dlse, dseed):
+    q, k, v, o, lse, seed, attn_mask = ctx.saved_tensors
+    dropout_p, is_causal, scale, backend = ctx.args
+    dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, backend)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops: varlen
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("pykernels::varlen_attention_fwd", mutates_args=())
+def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                max_seqlen_k: int, dropout_p: float, causal: bool, scale: float,
+                backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    impl = select(_VOP, backend or None, q.device, _support(q, k, v))
+    seed = new_seed() if dropout_p > 0 else torch.zeros(1, dtype=torch.int64)
+    if impl == "triton":
+        o, lse = _kernels().attention_fwd(q, k, v, None, causal=causal, scale=scale, dropout_p=dropout_p,
+                                          seed=int(seed[0]), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        return o, lse, seed
+    o, lse = _ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
+                             scale, seed)
+    return o, lse, seed
+
+
+@_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, scale, backend):
+    return (q.new_empty(q.shape[0], q.shape[1], v.shape[-1]),
+            q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32),
+            torch.empty(1, dtype=torch.int64, device="cpu"))
+
+
+@torch.library.custom_op("pykernels::varlen_attention_bwd", mutates_args=())
+def _varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor,
+                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                dropout_p: float, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    impl = select(_VOP, backend or None, q.device, _support(q, k, v))
+    if impl == "triton":
+        return _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, None, causal=causal, scale=scale,
+                                        dropout_p=dropout_p, seed=int(seed[0]), cu_seqlens_q=cu_seqlens_q,
+                                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                        max_seqlen_k=max_seqlen_k)
+    grads = _ref_grads(lambda a, b_, c: _ref_varlen_fwd(a, b_, c, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                        max_seqlen_k, dropout_p, causal, scale, seed), do, q, k, v)
+    return tuple(torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k, v)))
+
+
+@_varlen_bwd.register_fake
+def _(do, q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, scale,
+      backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, backend = inputs
+    o, lse, seed = output
+    ctx.save_for_backward(q, k, v, o, lse, seed, cu_q, cu_k)
+    ctx.args = (max_q, max_k, dropout_p, causal, scale, backend)
+
+
+def _varlen_backward(ctx, do, dlse, dseed):
+    q, k, v, o, lse, seed, cu_q, cu_k = ctx.saved_tensors
+    max_q, max_k, dropout_p, causal, scale, backend = ctx.args
+    dq, dk, dv = _varlen_bwd(do, q, k, v, o, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, backend)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+def _check_scale(scale):
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    return float(scale)
+
+
+def _check_deterministic(deterministic):
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False, *, backend: str | None = None,
+                                 deterministic: bool | None = None) -> Tensor:
+    """Fused attention with the semantics of ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Shapes: query (..., Hq, Sq, D), key (..., Hkv, Sk, D), value (..., Hkv, Sk, Dv), at least 2 dims
+    each (2-D inputs have no head dim); leading (batch) dims broadcast. Returns (..., Hq, Sq, Dv) in
+    the inputs' dtype (fp16, bf16 or fp32; all three must match).
+
+    * ``attn_mask``: bool (True = take part) or additive float, broadcastable to (..., Hq, Sq, Sk);
+      read in-kernel through strides (never expanded in memory). A key-padding mask that broadcasts
+      from (B, 1, 1, Sk) lets the kernels skip key blocks outside each batch's valid range. The mask
+      gets no gradient. May be combined with ``is_causal`` (both apply; torch forbids the combination).
+    * ``is_causal``: top-left aligned, query i sees keys j <= i (diagram in the module docstring).
+    * Rows with no key to attend to (fully masked, or Sk = 0) output 0 with gradient 0 (torch: NaN).
+    * GQA/MQA: Hq a multiple of Hkv (``enable_gqa`` is accepted; grouped heads work with or without
+      it); K/V are never repeated in memory.
+    * ``dropout_p``: in-kernel Philox dropout; the seed comes from torch's default CPU generator, so
+      ``torch.manual_seed`` makes it reproducible; :func:`attention_dropout_mask` gives the mask.
+    * ``backend``: None (the current default), "auto", "triton", "cuda", "reference".
+    * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. The Triton backward
+      never uses atomics (dK/dV and dQ are separate kernels), so it is bitwise reproducible in either
+      mode; the flag is accepted for API compatibility.
+    """
+    _checks.check_tensor("query", query, min_dim=2)
+    _checks.check_tensor("key", key, min_dim=2)
+    _checks.check_tensor("value", value, min_dim=2)
+    _checks.check_same([("query", query), ("key", key), ("value", value)], what="dtype")
+    _checks.check_same([("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)],
+                       what="device")
+    dropout_p = _checks.check_prob("dropout_p", dropout_p)
+    scale = _check_scale(scale)
+    _check_deterministic(deterministic)
+    check_backend_name(backend)
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query and key must have the same head dim (last dim), got query shape "
+                         f"{tuple(query.shape)} and key shape {tuple(key.shape)}")
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"key and value must have the same sequence length (dim -2), got key shape "
+                         f"{tuple(key.shape)} and value shape {tuple(value.shape)}")
+    hq = query.shape[-3] if query.dim() >= 3 else 1
+    hk = key.shape[-3] if key.dim() >= 3 else 1
+    hv = value.shape[-3] if value.dim() >= 3 else 1
+    if hk != hv:
+        raise ValueError(f"key and value must have the same number of heads, got key shape {tuple(key.shape)} "
+                         f"and value shape {tuple(value.shape)}")
+    if hq != hk and hq % hk != 0 and hq != 1:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for grouped-query "
+                         f"attention (enable_gqa), got query shape {tuple(query.shape)} and key shape "
+                         f"{tuple(key.shape)}")
+    try:
+        batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    except RuntimeError as e:
+        raise ValueError(f"the batch dims of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                         f"{tuple(value.shape)} do not broadcast: {e}") from None
+    sq, sk, d, dv = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
+    h_out = max(hq, hk) if hq == 1 else hq
+    out_heads = (h_out,) if max(query.dim(), key.dim(), value.dim()) >= 3 else ()
+    full = (*batch, h_out, sq, sk)
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask must be bool (True = take part) or a float additive mask, got "
+                            f"{attn_mask.dtype}")
+        try:
+            torch.broadcast_shapes(attn_mask.shape, full)
+            ok = torch.broadcast_shapes(attn_mask.shape, full) == torch.Size(full)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                             f"(batch..., heads, Sq, Sk) = {full}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
+
+    def to4(t: Tensor, heads: int) -> Tensor:
+        t = t.reshape(t.shape if t.dim() >= 3 else (1, *t.shape))
+        t = t.expand(*batch, heads, *t.shape[-2:])  # stride-0 views, no copy
+        t = t.unsqueeze(0) if len(batch) == 0 else (t if len(batch) == 1 else t.reshape(-1, *t.shape[-3:]))
+        return _last_dim_contig(t)
+
+    q4 = to4(query, hq)
+    if hq == 1 and hk > 1:  # broadcast a single query head over the kv heads (torch's broadcasting)
+        q4 = q4.expand(q4.shape[0], hk, sq, d)
+    k4, v4 = to4(key, hk), to4(value, hk)
+    m4 = None
+    if attn_mask is not None:
+        m4 = attn_mask.expand(full)
+        m4 = m4.unsqueeze(0) if len(batch) == 0 else (m4 if len(batch) == 1 else m4.reshape(-1, *full[-3:]))
+        if m4.dtype != torch.bool and m4.dtype != q4.dtype:
+            m4 = m4.to(q4.dtype)
+    o, _, _ = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "")
+    return o.reshape(*batch, *out_heads, sq, dv)
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False, scale: float | None = None,
+                     dropout_p: float = 0.0, backend: str | None = None,
+                     deterministic: bool | None = None) -> Tensor:
+    """Attention over packed variable-length sequences (flash-attn's varlen interface).
+
+    q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv): the sequences concatenated along dim 0;
+    ``cu_seqlens_q/k``: int32 (B+1,) prefix sums (sequence b is rows cu[b]:cu[b+1]); ``max_seqlen_q/k``:
+    ints at least the longest sequence (they size the grid and key the dropout RNG). Zero-length
+    sequences are allowed. Returns (Tq, Hq, Dv); rows past ``cu_seqlens_q[-1]`` are 0, and so are the
+    gradient rows past ``cu_seqlens_q/k[-1]``. ``causal``: top-left aligned within each sequence.
+    GQA when Hq is a multiple of Hkv. Other options as in :func:`scaled_dot_product_attention`.
+    """
+    _checks.check_tensor("q", q, ndim=3)
+    _checks.check_tensor("k", k, ndim=3)
+    _checks.check_tensor("v", v, ndim=3)
+    _checks.check_same([("q", q), ("k", k), ("v", v)], what="dtype")
+    _checks.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
+    _checks.check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,))
+    _checks.check_same([("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+                        ("cu_seqlens_k", cu_seqlens_k)], what="device")
+    dropout_p = _checks.check_prob("dropout_p", dropout_p)
+    scale = _check_scale(scale)
+    _check_deterministic(deterministic)
+    check_backend_name(backend)
+    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {val!r}")
+    if cu_seqlens_q.numel() < 1 or cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have B+1 >= 1 entries, got shapes "
+                         f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got q shape {tuple(q.shape)} and k shape "
+                         f"{tuple(k.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same tokens and heads, got k shape {tuple(k.shape)} and "
+                         f"v shape {tuple(v.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
+    q, k, v = _last_dim_contig(q), _last_dim_contig(k), _last_dim_contig(v)
+    o, _, _ = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, bool(causal),
+                          scale, backend or "")
+    return o
+
+
+def unpad_input(hidden: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Remove padding: hidden (B, S, ...) and attention_mask (B, S) (bool or 0/1 ints, nonzero = token)
+    -> (hidden_unpad (total, ...), indices (total,) int64 into the flattened (B*S) positions,
+    cu_seqlens (B+1,) int32, max_seqlen int). Differentiable in ``hidden``. ``max_seqlen`` (and the
+    nonzero() that sizes the output) needs one host sync."""
+    if not isinstance(hidden, Tensor) or hidden.dim() < 2:
+        raise ValueError(f"hidden must be a tensor of shape (batch, seqlen, ...), got "
+                         f"{tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__}")
+    if not isinstance(attention_mask, Tensor) or attention_mask.shape != hidden.shape[:2]:
+        raise ValueError(f"attention_mask must have shape (batch, seqlen) = {tuple(hidden.shape[:2])}, got "
+                         f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else attention_mask}")
+    valid = attention_mask != 0
+    seqlens = valid.sum(-1, dtype=torch.int32)
+    indices = torch.nonzero(valid.flatten(), as_tuple=False).flatten()
+    max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, 0, dtype=torch.int32), (1, 0))
+    return hidden.reshape(-1, *hidden.shape[2:]).index_select(0, indices), indices, cu_seqlens, max_seqlen
+
+
+def pad_input(hidden_unpad: Tensor, indices: Tensor, batch: int, seqlen: int) -> Tensor:
+    """Inverse of :func:`unpad_input`: (total, ...) -> (batch, seqlen, ...) with zeros at padding.
+    Differentiable in ``hidden_unpad``."""
+    if not isinstance(hidden_unpad, Tensor) or hidden_unpad.dim() < 1:
+        raise ValueError("hidden_unpad must be a tensor of shape (total, ...)")
+    if not isinstance(indices, Tensor) or indices.dim() != 1 or indices.shape[0] != hidden_unpad.shape[0]:
+        raise ValueError(f"indices must have shape ({hidden_unpad.shape[0]},), got "
+                         f"{tuple(indices.shape) if isinstance(indices, Tensor) else indices}")
+    out = hidden_unpad.new_zeros(batch * seqlen, *hidden_unpad.shape[1:])
+    out = out.index_copy(0, indices, hidden_unpad)
+    return out.view(batch, seqlen, *hidden_unpad.shape[1:])
+
+
+__all__ = ["scaled_dot_product_attention", "varlen_attention", "unpad_input", "pad_input", "attention_reference",
+           "attention_dropout_mask", "philox_uniform"]

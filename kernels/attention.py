@@ -1,0 +1,732 @@
+"""Fused scaled-dot-product attention: FlashAttention-2 forward and backward in Triton.
+
+Design note
+-----------
+Algorithm (Dao, "FlashAttention-2", 2023). Forward: one program per (query block of BLOCK_M rows,
+batch*query-head). It streams key/value blocks of BLOCK_N rows through on-chip memory and keeps an
+online softmax in fp32: running row max ``m``, running denominator ``l`` and the fp32 output
+accumulator. Scores are computed in base 2: ``log2(e) * scale`` is folded into one multiplier so the
+exponentials are ``exp2`` (one MUFU op); an additive float mask is multiplied by ``log2(e)`` once on
+load. The forward saves ``lse = m + log(l)`` (natural log, fp32, one per query row) and never
+materialises the Sq x Sk matrix.
+
+Backward (recomputation, no atomics, deterministic by construction):
+  1. ``_attention_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)`` in fp32.
+  2. ``_attention_bwd_dkdv_kernel``: one program per (key block, batch*kv-head). For GQA it loops over
+     the query heads of its group *inside* the program, so dK/dV of a kv head are summed in registers
+     without atomics or partial buffers. For each query block it recomputes ``P = exp2(S - lse)``,
+     then ``dV += P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, ``dK += dS^T Q``.
+  3. ``_attention_bwd_dq_kernel``: one program per (query block, batch*query-head), looping over key
+     blocks: ``dQ += dS K``. Computing dQ separately costs one extra QK^T and dO V^T product (the
+     backward does 5 instead of 4 matmuls) but removes the atomic dQ accumulation, so the result is
+     bitwise reproducible.
+
+Causal masking is top-left aligned like ``torch.nn.functional.scaled_dot_product_attention``:
+query i sees keys j <= i. Key blocks entirely above the diagonal are never visited, and the key loop
+is split in two ("causal loop split"): the blocks strictly below the diagonal run without the causal
+compare, only the BLOCK_M-wide diagonal band applies it (BLOCK_M is a multiple of BLOCK_N so the split
+falls on a block boundary; in the dK/dV kernel BLOCK_N is a multiple of BLOCK_M).
+
+Masks: a boolean (True = take part) or additive float mask is read in-kernel through its four strides
+(batch, head, query, key), any of which may be 0, so a broadcast mask is never expanded in memory.
+A key-padding mask (strides 0 over head and query) additionally gets a per-batch valid-key range
+``[kv_lo, kv_hi)`` computed on the device by the launcher (no host sync); the kernels skip the key
+blocks outside it (the dK/dV kernel writes zeros for them and returns at once).
+
+Fully masked rows (by a mask, Sk = 0, or an empty varlen sequence) output 0 with lse = -inf; the
+final ``1/l`` is guarded and the backward replaces lse = -inf by +inf so P = 0 there, so the gradient
+is 0 and never NaN.
+
+Dropout: ``keep = tl.rand(seed, offset) >= p`` with the int64 counter
+``offset = ((b * H + h) * Sq + i) * Sk + j`` (query head h; for varlen Sq/Sk are max_seqlen_q/k and
+i, j are positions inside the sequence). The backward regenerates the same mask from the seed; it is
+never stored. ``philox_uniform`` in ``pykernels.attention`` reproduces the stream in eager PyTorch.
+
+Varlen: the same kernels with ``IS_VARLEN``: q/k/v are packed (total, H, D) tensors, the program reads
+its sequence's start and length from ``cu_seqlens`` and works inside it; lse is (H, total_q).
+
+Cost. Forward FLOPs 4*B*H*Sq*Sk*D (2 matmuls; half when causal), backward 2.5x that (5 matmuls here).
+Bytes: forward reads Q, K, V once per program row of the grid (K/V re-read Sq/BLOCK_M times, mostly
+from L2) and writes O and lse; backward reads Q, K, V, O, dO, lse, delta and writes dQ, dK, dV.
+
+Limits: head dims up to 256 (padded to the next power of two >= 16 with masked loads; D=256 uses
+small tiles to fit shared memory), Dv may differ from D. fp16/bf16 use tensor-core dots with fp32
+accumulation; fp32 inputs use IEEE fp32 dots (no TF32) for accuracy. Offsets are int64 (program ids
+are cast before stride multiplication). The last dim of every tensor must have stride 1 (the
+launcher's caller ensures that).
+
+References: Dao et al., FlashAttention (2022) and FlashAttention-2 (2023); the Triton fused-attention
+tutorial (06-fused-attention.py) for the exp2 and causal-split structure (its non-causal backward is
+known to be wrong; ours is tested on the full matrix); flash-attn's varlen interface.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pykernels._alloc import empty
+
+LOG2E = 1.4426950408889634
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---------------------------------------------------------------------------------------------
+# Autotune spaces: small, keyed on (padded head dim, sequence bucket, causal, mask kind, dropout)
+# and pruned by head dim so shared memory fits. Under the CPU interpreter: one small config.
+# ---------------------------------------------------------------------------------------------
+def _fwd_configs():
+    if _interpret():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    out = []
+    for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
+                         (64, 64, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)]:
+        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+    return out
+
+
+def _prune_fwd(configs, nargs, **kw):
+    d = max(kw["BLOCK_D"], kw["BLOCK_DV"])
+    bucket = kw["seq_bucket"]
+    keep = []
+    for c in configs:
+        bm, bn, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
+        if d >= 256:
+            ok = (bm, bn) in ((64, 32), (128, 32)) and st == 2
+        elif d >= 128:
+            ok = bn <= 64 and st <= 3 and (bm, bn, st) != (128, 32, 4)
+        else:
+            ok = st >= 3
+        if bucket <= 128 and bm == 128:
+            ok = False
+        if ok:
+            keep.append(c)
+    return keep or configs[-1:]
+
+
+def _dkdv_configs():
+    if _interpret():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    out = []
+    for bm, bn, w, s in [(32, 128, 8, 3), (32, 128, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3),
+                         (64, 64, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2)]:
+        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+    return out
+
+
+def _prune_dkdv(configs, nargs, **kw):
+    d = max(kw["BLOCK_D"], kw["BLOCK_DV"])
+    keep = []
+    for c in configs:
+        bm, bn, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
+        if d >= 256:
+            ok = (bm, bn, st) in ((16, 64, 2), (32, 64, 2))
+        elif d >= 128:
+            ok = (bm, bn, st) in ((32, 128, 2), (32, 64, 3), (64, 64, 2), (32, 64, 2))
+        else:
+            ok = st >= 2 and bm >= 32
+        if ok:
+            keep.append(c)
+    return keep or configs[-1:]
+
+
+def _dq_configs():
+    if _interpret():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    out = []
+    for bm, bn, w, s in [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2),
+                         (128, 32, 4, 2), (64, 16, 4, 2), (64, 32, 4, 2)]:
+        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+    return out
+
+
+def _prune_dq(configs, nargs, **kw):
+    d = max(kw["BLOCK_D"], kw["BLOCK_DV"])
+    keep = []
+    for c in configs:
+        bm, bn, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
+        if d >= 256:
+            ok = (bm, bn, st) in ((64, 16, 2), (64, 32, 2))
+        elif d >= 128:
+            ok = st <= 3 and bn <= 64 and (bm, bn) != (64, 16)
+        else:
+            ok = st >= 3 or (bm, bn) == (64, 64)
+        if ok:
+            keep.append(c)
+    return keep or configs[-1:]
+
+
+_FWD_KEYS = ["BLOCK_D", "BLOCK_DV", "seq_bucket", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT", "IS_VARLEN"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _seq_bounds(CuQ, CuK, b, Sq, Sk, IS_VARLEN: tl.constexpr):
+    """Start (int64) and length of this program's query and key sequence."""
+    if IS_VARLEN:
+        q_start = tl.load(CuQ + b).to(tl.int64)
+        q_len = (tl.load(CuQ + b + 1) - tl.load(CuQ + b)).to(tl.int32)
+        k_start = tl.load(CuK + b).to(tl.int64)
+        k_len = (tl.load(CuK + b + 1) - tl.load(CuK + b)).to(tl.int32)
+    else:
+        q_start = 0
+        q_len = Sq
+        k_start = 0
+        k_len = Sk
+    return q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def _scores_masked(s, offs_m, offs_n, k_len, mask_ptrs, bh_mask_ok,
+                   MASK_KIND: tl.constexpr, APPLY_CAUSAL: tl.constexpr):
+    """Apply the bounds, user and causal masks to log2-scaled scores ``s`` (BLOCK_M, BLOCK_N).
+    Masked lanes become -inf *after* every transform so reductions never see garbage."""
+    valid = (offs_n[None, :] < k_len) & bh_mask_ok
+    if MASK_KIND == 1:
+        keep = tl.load(mask_ptrs, mask=valid, other=0)
+        valid = valid & (keep != 0)
+    if MASK_KIND == 2:
+        add = tl.load(mask_ptrs, mask=valid, other=0.0).to(tl.float32)
+        s = s + add * 1.4426950408889634
+    if APPLY_CAUSAL:
+        valid = valid & (offs_m[:, None] >= offs_n[None, :])
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p):
+    """Keep-mask of dropout for the tile: Philox keyed by the int64 (b, h, i, j) counter."""
+    rng_offs = rng_base + offs_m.to(tl.int64)[:, None] * rng_sk + offs_n.to(tl.int64)[None, :]
+    return tl.rand(seed, rng_offs) >= dropout_p
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K, V, Mask, start_lo, end_hi, offs_m, m_ok, offs_d, offs_dv, k_len,
+               stride_kn, stride_vn, stride_mask_n, mask_row_ptrs, qk_scale, seed, rng_base, rng_sk, dropout_p,
+               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+               APPLY_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    for start_n in range(start_lo, end_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < k_len
+        # K^T tile (BLOCK_D, BLOCK_N) loaded directly transposed through its strides.
+        kt = tl.load(K + offs_n.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
+                     mask=n_ok[None, :] & (offs_d[:, None] < D), other=0.0)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        mask_ptrs = mask_row_ptrs + offs_n.to(tl.int64)[None, :] * stride_mask_n
+        s = _scores_masked(s, offs_m, offs_n, k_len, mask_ptrs, m_ok[:, None], MASK_KIND, APPLY_CAUSAL)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that is fully masked so far has m = -inf: subtract 0 instead to avoid -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p)
+            p = tl.where(keep, p, 0.0)
+        v = tl.load(V + offs_n.to(tl.int64)[:, None] * stride_vn + offs_dv[None, :],
+                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_fwd_configs(), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _prune_fwd})
+@triton.jit
+def _attention_fwd_kernel(
+    Q, K, V, O, LSE, Mask, KvRange, CuQ, CuK,  # tensors (Mask/KvRange/Cu* are dummies when unused)
+    stride_qb, stride_qh, stride_qm,  # query strides (batch, head, row); last dim has stride 1
+    stride_kb, stride_kh, stride_kn,  # key strides
+    stride_vb, stride_vh, stride_vn,  # value strides
+    stride_ob, stride_oh, stride_om,  # output strides
+    stride_lb, stride_lh,  # lse strides (batch, head); rows are contiguous
+    stride_mb, stride_mh, stride_mm, stride_mn,  # mask strides (0 where broadcast)
+    H, GROUP, Sq, Sk,  # query heads, query heads per kv head, (max) sequence lengths
+    qk_scale, dropout_p, seed, seq_bucket,  # scale*log2(e); dropout prob; Philox seed; autotune key
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    q_start, q_len, k_start, k_len = _seq_bounds(CuQ, CuK, b, Sq, Sk, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= q_len:  # varlen: this block lies past its sequence
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < q_len
+
+    Q += b * stride_qb + h * stride_qh + q_start * stride_qm
+    K += b * stride_kb + hk * stride_kh + k_start * stride_kn
+    V += b * stride_vb + hk * stride_vh + k_start * stride_vn
+    O += b * stride_ob + h * stride_oh + q_start * stride_om
+    LSE += b * stride_lb + h * stride_lh + q_start
+    mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + offs_m.to(tl.int64)[:, None] * stride_mm
+
+    q = tl.load(Q + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :],
+                mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    lo = 0
+    hi = k_len
+    if HAS_KV_RANGE:
+        lo = tl.load(KvRange + 2 * b)
+        hi = tl.minimum(hi, tl.load(KvRange + 2 * b + 1))
+        lo = (lo // BLOCK_N) * BLOCK_N
+    rng_base = ((b * H + h) * Sq) * Sk
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, start_m + BLOCK_M)
+        # Off-diagonal blocks (every key j < start_m <= i): no causal compare.
+        mid = tl.minimum(hi, start_m)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Mask, lo, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
+                                   stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
+                                   dropout_p, D, DV, BLOCK_N, MASK_KIND, False, HAS_DROPOUT, PRECISION)
+        # Diagonal band [start_m, start_m + BLOCK_M): causal compare.
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Mask, tl.maximum(lo, start_m), hi, offs_m, m_ok,
+                                   offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed,
+                                   rng_base, Sk, dropout_p, D, DV, BLOCK_N, MASK_KIND, True, HAS_DROPOUT,
+                                   PRECISION)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Mask, lo, hi, offs_m, m_ok, offs_d, offs_dv, k_len,
+                                   stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
+                                   dropout_p, D, DV, BLOCK_N, MASK_KIND, False, HAS_DROPOUT, PRECISION)
+
+    # Fully masked rows have l = 0: output 0 and lse = -inf (never 0/0).
+    row_ok = l_i > 0.0
+    inv_l = tl.where(row_ok, 1.0 / tl.where(row_ok, l_i, 1.0), 0.0)
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    acc = acc * inv_l[:, None]
+    lse = tl.where(row_ok, (m_i + tl.math.log2(tl.where(row_ok, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    tl.store(LSE + offs_m, lse, mask=m_ok)
+    tl.store(O + offs_m.to(tl.int64)[:, None] * stride_om + offs_dv[None, :], acc.to(O.dtype.element_ty),
+             mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _attention_bwd_preprocess_kernel(
+    O, DO, Delta, CuQ,
+    stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh,
+    H, Sq, DV: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    q_start, q_len, k_start, k_len = _seq_bounds(CuQ, CuQ, b, Sq, Sq, IS_VARLEN)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if pid_m * BLOCK_M >= q_len:
+        return
+    offs_d = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < q_len
+    mk = m_ok[:, None] & (offs_d[None, :] < DV)
+    rows = (q_start + offs_m.to(tl.int64))[:, None]
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :], mask=mk, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows * stride_dom + offs_d[None, :], mask=mk, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=m_ok)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi, offs_n, offs_d, offs_dv,
+                q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, rng_sk, dropout_p,
+                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
+                APPLY_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    for start_m in range(start_lo, end_hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < q_len
+        rows = offs_m.to(tl.int64)
+        q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :],
+                    mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        do = tl.load(DO + rows[:, None] * stride_dom + offs_dv[None, :],
+                     mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
+        delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
+        # Fully masked rows saved lse = -inf: use +inf so that P = exp2(-inf) = 0 there.
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        mask_ptrs = mask_col_ptrs + rows[:, None] * stride_mm
+        s = _scores_masked(s, offs_m, offs_n, k_len, mask_ptrs, m_ok[:, None], MASK_KIND, APPLY_CAUSAL)
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p)
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            p_drop = tl.where(keep, p * inv_keep, 0.0)
+            dp = tl.where(keep, dp * inv_keep, 0.0)
+        else:
+            p_drop = p
+        dv += tl.dot(tl.trans(p_drop.to(do.dtype)), do, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.autotune(configs=_dkdv_configs(), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _prune_dkdv})
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV_, LSE, Delta, Mask, KvRange, CuQ, CuK,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,  # dO strides
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,  # dK, dV strides
+    stride_lb, stride_lh,  # lse/delta strides (batch, head)
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    H, HKV, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, seed, seq_bucket,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    q_start, q_len, k_start, k_len = _seq_bounds(CuQ, CuK, b, Sq, Sk, IS_VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= k_len:  # varlen: block past this sequence (its rows were zero-filled)
+        return
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_ok = offs_n < k_len
+    cols = offs_n.to(tl.int64)
+    K += b * stride_kb + hk * stride_kh + k_start * stride_kn
+    V += b * stride_vb + hk * stride_vh + k_start * stride_vn
+    DK += b * stride_dkb + hk * stride_dkh + k_start * stride_dkn
+    DV_ += b * stride_dvb + hk * stride_dvh + k_start * stride_dvn
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    in_range = True
+    if HAS_KV_RANGE:
+        kv_lo = tl.load(KvRange + 2 * b)
+        kv_hi = tl.load(KvRange + 2 * b + 1)
+        in_range = (start_n + BLOCK_N > kv_lo) & (start_n < kv_hi)
+    if in_range:
+        k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :],
+                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(V + cols[:, None] * stride_vn + offs_dv[None, :],
+                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        # Causal: query rows i < start_n never see this block; rows in [start_n, start_n + BLOCK_N)
+        # form the diagonal band (BLOCK_N is a multiple of BLOCK_M), later rows see all of it.
+        lo = 0
+        mid = 0
+        if IS_CAUSAL:
+            lo = tl.minimum(start_n, q_len)
+            mid = tl.minimum(start_n + BLOCK_N, q_len)
+        # GQA: sum the group's query heads here, in registers, without atomics.
+        for g in range(0, GROUP):
+            h = hk * GROUP + g
+            Qh = Q + b * stride_qb + h * stride_qh + q_start * stride_qm
+            DOh = DO + b * stride_dob + h * stride_doh + q_start * stride_dom
+            LSEh = LSE + b * stride_lb + h * stride_lh + q_start
+            Deltah = Delta + b * stride_lb + h * stride_lh + q_start
+            mask_col_ptrs = Mask + b * stride_mb + h * stride_mh + cols[None, :] * stride_mn
+            rng_base = ((b * H + h) * Sq) * Sk
+            if IS_CAUSAL:
+                dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, mid, offs_n,
+                                     offs_d, offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale,
+                                     seed, rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, True,
+                                     HAS_DROPOUT, PRECISION)
+                dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, mid, q_len, offs_n,
+                                     offs_d, offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale,
+                                     seed, rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, False,
+                                     HAS_DROPOUT, PRECISION)
+            else:
+                dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, 0, q_len, offs_n,
+                                     offs_d, offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale,
+                                     seed, rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, False,
+                                     HAS_DROPOUT, PRECISION)
+    dk = dk * sm_scale
+    tl.store(DK + cols[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=n_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(DV_ + cols[:, None] * stride_dvn + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
+             mask=n_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, offs_m, m_ok, offs_d, offs_dv, k_len,
+              stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, rng_sk, dropout_p,
+              D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+              APPLY_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    for start_n in range(start_lo, end_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < k_len
+        cols = offs_n.to(tl.int64)
+        kt = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None],
+                     mask=n_ok[None, :] & (offs_d[:, None] < D), other=0.0)
+        vt = tl.load(V + cols[None, :] * stride_vn + offs_dv[:, None],
+                     mask=n_ok[None, :] & (offs_dv[:, None] < DV), other=0.0)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        mask_ptrs = mask_row_ptrs + cols[None, :] * stride_mn
+        s = _scores_masked(s, offs_m, offs_n, k_len, mask_ptrs, m_ok[:, None], MASK_KIND, APPLY_CAUSAL)
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, vt, input_precision=PRECISION)
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PRECISION)
+    return dq
+
+
+@triton.autotune(configs=_dq_configs(), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _prune_dq})
+@triton.jit
+def _attention_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, Delta, Mask, KvRange, CuQ, CuK,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
+    stride_lb, stride_lh, stride_mb, stride_mh, stride_mm, stride_mn,
+    H, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, seed, seq_bucket,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    q_start, q_len, k_start, k_len = _seq_bounds(CuQ, CuK, b, Sq, Sk, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= q_len:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < q_len
+    rows = offs_m.to(tl.int64)
+    Q += b * stride_qb + h * stride_qh + q_start * stride_qm
+    DO += b * stride_dob + h * stride_doh + q_start * stride_dom
+    DQ += b * stride_dqb + h * stride_dqh + q_start * stride_dqm
+    K += b * stride_kb + hk * stride_kh + k_start * stride_kn
+    V += b * stride_vb + hk * stride_vh + k_start * stride_vn
+    LSE += b * stride_lb + h * stride_lh + q_start
+    Delta += b * stride_lb + h * stride_lh + q_start
+    mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + rows[:, None] * stride_mm
+
+    q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & (offs_d[None, :] < D),
+                other=0.0)
+    do = tl.load(DO + rows[:, None] * stride_dom + offs_dv[None, :],
+                 mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
+    delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo = 0
+    hi = k_len
+    if HAS_KV_RANGE:
+        lo = tl.load(KvRange + 2 * b)
+        hi = tl.minimum(hi, tl.load(KvRange + 2 * b + 1))
+        lo = (lo // BLOCK_N) * BLOCK_N
+    rng_base = ((b * H + h) * Sq) * Sk
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, start_m + BLOCK_M)
+        mid = tl.minimum(hi, start_m)
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, lo, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
+                       stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
+                       D, DV, BLOCK_N, MASK_KIND, False, HAS_DROPOUT, PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, tl.maximum(lo, start_m), hi, offs_m, m_ok,
+                       offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
+                       D, DV, BLOCK_N, MASK_KIND, True, HAS_DROPOUT, PRECISION)
+    else:
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, lo, hi, offs_m, m_ok, offs_d, offs_dv, k_len,
+                       stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
+                       D, DV, BLOCK_N, MASK_KIND, False, HAS_DROPOUT, PRECISION)
+    dq = dq * sm_scale
+    tl.store(DQ + rows[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=m_ok[:, None] & (offs_d[None, :] < D))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+def _pow2_dim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _seq_bucket(sq: int, sk: int) -> int:
+    return min(8192, max(64, triton.next_power_of_2(max(sq, sk, 1))))
+
+
+def _mask_args(mask: torch.Tensor | None, dummy: torch.Tensor):
+    """(tensor, MASK_KIND, 4 strides) for a mask already broadcast (as a view) to (B, H, Sq, Sk)."""
+    if mask is None:
+        return dummy, 0, (0, 0, 0, 0)
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8), 1, tuple(mask.stride())
+    return mask, 2, tuple(mask.stride())
+
+
+def key_padding_range(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-batch valid key range ``[lo, hi)`` (int32 (B, 2), on the mask's device, no host sync) if
+    ``mask`` (a (B, H, Sq, Sk) view) depends only on (batch, key); else None. Keys outside the range
+    are masked out for every query and head, so the kernels may skip their blocks."""
+    if mask is None or mask.shape[-1] == 0 or mask.shape[0] == 0:
+        return None
+    if (mask.shape[1] > 1 and mask.stride(1) != 0) or (mask.shape[2] > 1 and mask.stride(2) != 0):
+        return None
+    row = mask[:, 0, 0, :]
+    valid = row if row.dtype == torch.bool else row != float("-inf")
+    sk = valid.shape[-1]
+    vi = valid.to(torch.int32)
+    any_valid = valid.any(-1)
+    lo = vi.argmax(-1)
+    hi = sk - vi.flip(-1).argmax(-1)
+    lo = torch.where(any_valid, lo, torch.zeros_like(lo))
+    hi = torch.where(any_valid, hi, torch.zeros_like(hi))
+    return torch.stack([lo, hi], -1).to(torch.int32).contiguous()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float, seed: int,
+                  kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+    """Dense: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), mask None or a (B, Hq, Sq, Sk)
+    view (bool or float). Varlen (cu_seqlens given): q (Tq, Hq, D), k/v (Tk, Hkv, D/Dv), no mask.
+    Returns o (like q with Dv) and lse (fp32: (B, Hq, Sq) dense, (Hq, Tq) varlen)."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        tq, hq, d = q.shape
+        hkv, dv = k.shape[1], v.shape[-1]
+        batch, sq, sk = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
+        o = torch.zeros(tq, hq, dv, dtype=q.dtype, device=q.device)  # rows past cu_seqlens[-1] stay 0
+        lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
+        qs = (0, q.stride(1), q.stride(0))
+        ks = (0, k.stride(1), k.stride(0))
+        vs = (0, v.stride(1), v.stride(0))
+        os_ = (0, o.stride(1), o.stride(0))
+        ls = (0, lse.stride(0))
+    else:
+        batch, hq, sq, d = q.shape
+        hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
+        o = empty(batch, hq, sq, dv, dtype=q.dtype, device=q.device)
+        lse = empty(batch, hq, sq, dtype=torch.float32, device=q.device)
+        qs, ks, vs, os_ = q.stride()[:3], k.stride()[:3], v.stride()[:3], o.stride()[:3]
+        ls = lse.stride()[:2]
+    if o.numel() == 0 or batch == 0 or sq == 0:
+        return o, lse.fill_(float("-inf"))
+    dummy = torch.empty(2, dtype=torch.int32, device=q.device)
+    mask_t, mask_kind, ms = _mask_args(mask, dummy)
+    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * hq)  # noqa: E731
+    _attention_fwd_kernel[grid](
+        q, k, v, o, lse, mask_t, kv_range if kv_range is not None else dummy,
+        cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
+        *qs, *ks, *vs, *os_, *ls, *ms,
+        hq, hq // hkv, sq, sk,
+        scale * LOG2E, float(dropout_p), int(seed), _seq_bucket(sq, sk),
+        D=d, DV=dv, BLOCK_D=_pow2_dim(d), BLOCK_DV=_pow2_dim(dv),
+        IS_CAUSAL=bool(causal), MASK_KIND=mask_kind, HAS_KV_RANGE=kv_range is not None,
+        HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen, PRECISION=_precision(q.dtype),
+    )
+    return o, lse
+
+
+def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, dropout_p: float, seed: int,
+                  kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+    """Gradients (dq, dk, dv) with the shapes and dtypes of q, k, v (see ``attention_fwd``)."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        tq, hq, d = q.shape
+        hkv, dv_dim = k.shape[1], v.shape[-1]
+        batch, sq, sk = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
+        # Rows past cu_seqlens[-1] (and of empty sequences) get a defined zero gradient.
+        dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
+        dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+        delta = torch.zeros(hq, tq, dtype=torch.float32, device=q.device)
+        seq3 = lambda t: (0, t.stride(1), t.stride(0))  # noqa: E731
+        ls = (0, lse.stride(0))
+    else:
+        batch, hq, sq, d = q.shape
+        hkv, sk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
+        dq = empty(*q.shape, dtype=q.dtype, device=q.device)
+        dk = empty(*k.shape, dtype=k.dtype, device=k.device)
+        dv = empty(*v.shape, dtype=v.dtype, device=v.device)
+        delta = empty(batch, hq, sq, dtype=torch.float32, device=q.device)
+        seq3 = lambda t: tuple(t.stride()[:3])  # noqa: E731
+        ls = tuple(lse.stride()[:2])
+    if batch == 0:
+        return dq, dk, dv
+    if sq == 0 or dq.numel() == 0:
+        dk.zero_()
+        dv.zero_()
+        return dq, dk, dv
+    if sk == 0 or dk.numel() == 0:
+        dq.zero_()
+        return dq, dk, dv
+    dummy = torch.empty(2, dtype=torch.int32, device=q.device)
+    mask_t, mask_kind, ms = _mask_args(mask, dummy)
+    cu_q = cu_seqlens_q if varlen else dummy
+    cu_k = cu_seqlens_k if varlen else dummy
+    kvr = kv_range if kv_range is not None else dummy
+    bd, bdv = _pow2_dim(d), _pow2_dim(dv_dim)
+    pre_bm = 16 if _interpret() else 64
+    _attention_bwd_preprocess_kernel[(triton.cdiv(sq, pre_bm), batch * hq)](
+        o, do, delta, cu_q, *seq3(o), *seq3(do), *ls, hq, sq,
+        DV=dv_dim, BLOCK_DV=bdv, IS_VARLEN=varlen, BLOCK_M=pre_bm)
+    common = dict(D=d, DV=dv_dim, BLOCK_D=bd, BLOCK_DV=bdv, IS_CAUSAL=bool(causal), MASK_KIND=mask_kind,
+                  HAS_KV_RANGE=kv_range is not None, HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen,
+                  PRECISION=_precision(q.dtype))
+    bucket = _seq_bucket(sq, sk)
+    _attention_bwd_dkdv_kernel[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), batch * hkv)](
+        q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
+        *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dk), *seq3(dv), *ls, *ms,
+        hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
+    _attention_bwd_dq_kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * hq)](
+        q, k, v, do, dq, lse, delta, mask_t, kvr, cu_q, cu_k,
+        *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dq), *ls, *ms,
+        hq, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
+    return dq, dk, dv
+
+
+@triton.jit
+def _dropout_mask_kernel(Out, seed, H, Sq, Sk, dropout_p, BLOCK: tl.constexpr):
+    """Writes the keep-mask the attention kernels use (for tests and the reference backend)."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    total = H * Sq * Sk  # H here is batch*heads
+    keep = tl.rand(seed, offs) >= dropout_p
+    tl.store(Out + offs, keep.to(tl.int8), mask=offs < total)
+
+
+def dropout_mask_triton(seed: int, batch: int, heads: int, sq: int, sk: int, p: float, device) -> torch.Tensor:
+    """The in-kernel keep-mask as a bool (batch, heads, sq, sk) tensor, generated by Triton itself."""
+    out = torch.empty(batch * heads * sq * sk, dtype=torch.int8, device=device)
+    if out.numel():
+        _dropout_mask_kernel[(triton.cdiv(out.numel(), 1024),)](out, int(seed), batch * heads, sq, sk, float(p),
+                                                                BLOCK=1024)
+    return out.view(batch, heads, sq, sk).bool()
+
+
+__all__ = ["attention_fwd", "attention_bwd", "key_padding_range", "dropout_mask_triton", "LOG2E", "math"]
