@@ -1,0 +1,345 @@
+"""pykernels.masked_lm_loss: fused LM head + cross-entropy at the positions whose target is not
+ignore_index. Every output and gradient is compared with the float64 reference by the three-way rule
+(tests/utils.assert_close_to_ref). CPU: fp32/fp16 under the Triton interpreter, tiny shapes. GPU
+(marked ``gpu``): bf16 at BERT-base / GPT-2 sizes, no host sync, CUDA-graph capture, int64 offsets."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pykernels
+from pykernels import BackendUnavailableError, masked_lm_loss, shift_labels
+from pykernels.masked_lm_loss import masked_lm_loss_reference
+from pykernels._kernels import masked_lm_loss as kmod
+
+from utils import assert_close_to_ref, max_err
+
+IGN = -100
+
+
+def _inputs(shape, h, v, dtype, device, *, frac=0.15, bias=False, ignore_index=IGN):
+    """Fresh randn inputs; about ``frac`` of the positions keep a target, at least one."""
+    hidden = torch.randn(*shape, h, device=device, dtype=dtype)
+    weight = (torch.randn(v, h, device=device, dtype=dtype) * h**-0.5).to(dtype)
+    b = torch.randn(v, device=device, dtype=dtype) if bias else None
+    target = torch.randint(0, v, shape, device=device)
+    keep = torch.rand(shape, device=device) < frac
+    keep.view(-1)[0] = True
+    target = torch.where(keep, target, torch.full_like(target, ignore_index))
+    return hidden, weight, target, b
+
+
+def _run(fn, hidden, weight, bias, grad_out, **kw):
+    """Loss and gradients of fn(hidden, weight, bias=bias, **kw) with upstream grad ``grad_out``."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight)]
+    b = bias.detach().clone().requires_grad_(True) if bias is not None else None
+    loss = fn(leaves[0], leaves[1], bias=b, **kw)
+    g = grad_out if grad_out is not None else torch.ones_like(loss)
+    ins = leaves + ([b] if b is not None else [])
+    grads = torch.autograd.grad(loss, ins, g.to(loss.dtype))
+    return [loss.detach()] + [x.detach() for x in grads]
+
+
+def _check(hidden, weight, target, bias=None, *, reduction="mean", label_smoothing=0.0, num_valid=None,
+           grad_out=None, backend="triton", ignore_index=IGN):
+    """The kernel vs the float64 reference, bounded by twice the eager same-dtype reference's error."""
+    kw = dict(reduction=reduction, label_smoothing=label_smoothing, num_valid=num_valid,
+              ignore_index=ignore_index)
+    if grad_out is None and reduction == "none":
+        grad_out = torch.randn(target.shape, device=hidden.device)
+    out = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, backend=backend, **kw),
+               hidden, weight, bias, grad_out)
+    lo = _run(lambda h, w, bias: masked_lm_loss_reference(h, w, target, bias=bias, **kw),
+              hidden, weight, bias, grad_out)
+    b64 = bias.double() if bias is not None else None
+    hi = _run(lambda h, w, bias: masked_lm_loss_reference(h, w, target, bias=bias, **kw),
+              hidden.double(), weight.double(), b64, grad_out.double() if grad_out is not None else None)
+    names = ["loss", "dhidden", "dweight", "dbias"]
+    scale = max(1.0, hi[0].abs().max().item())
+    for name, o, h_, l_ in zip(names, out, hi, lo):
+        assert o.dtype == (torch.float32 if name == "loss" else l_.dtype), name
+        assert_close_to_ref(name, o, h_, l_, atol=1e-5 * scale if name == "loss" else 1e-5)
+    return out
+
+
+# ---- CPU (interpreter) correctness ------------------------------------------------------------------
+
+CASES = [
+    # dtype, V, bias, reduction, label_smoothing
+    (torch.float32, 517, False, "mean", 0.0),
+    (torch.float32, 517, True, "sum", 0.0),
+    (torch.float32, 517, True, "none", 0.1),
+    (torch.float32, 1, False, "mean", 0.0),
+    (torch.float32, 1, True, "none", 0.0),
+    (torch.float16, 517, False, "mean", 0.0),
+    (torch.float16, 517, True, "none", 0.2),
+    (torch.float16, 1, False, "sum", 0.0),
+]
+
+
+@pytest.mark.parametrize("dtype,v,bias,reduction,ls", CASES)
+def test_matches_reference(device, dtype, v, bias, reduction, ls):
+    hidden, weight, target, b = _inputs((37,), 32, v, dtype, device, frac=0.15, bias=bias)
+    _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls)
+
+
+def test_dhidden_is_zero_at_ignored_rows(device):
+    hidden, weight, target, _ = _inputs((37,), 32, 517, torch.float32, device, frac=0.3)
+    _, dh, _ = _run(lambda h, w, bias: masked_lm_loss(h, w, target, backend="triton"), hidden, weight, None, None)
+    ignored = target == IGN
+    assert ignored.any() and (~ignored).any()
+    assert torch.equal(dh[ignored], torch.zeros_like(dh[ignored]))
+    assert (dh[~ignored].abs().sum(-1) > 0).all()
+
+
+def test_several_vocab_slices_and_backward_chunks(device, monkeypatch):
+    # V > 2048 gives the forward two vocabulary slices; a tiny dlogits budget gives the backward three
+    # chunks (the last one narrow), exercising the fp32 dhidden accumulator across chunks.
+    monkeypatch.setattr(kmod, "DLOGITS_BUDGET_BYTES", 37 * 4 * 1024)
+    assert kmod._chunk_columns(37, 2100, 4, kmod.DLOGITS_BUDGET_BYTES) < 2100
+    hidden, weight, target, b = _inputs((37,), 32, 2100, torch.float32, device, frac=0.4, bias=True)
+    _check(hidden, weight, target, b, reduction="none", label_smoothing=0.1)
+
+
+def test_backward_chunks_with_narrow_last_chunk(device, monkeypatch):
+    monkeypatch.setattr(kmod, "DLOGITS_BUDGET_BYTES", 37 * 4 * 256)
+    assert kmod._chunk_columns(37, 517, 4, kmod.DLOGITS_BUDGET_BYTES) == 256  # chunks 256, 256, 5
+    hidden, weight, target, b = _inputs((37,), 32, 517, torch.float16, device, frac=0.5, bias=True)
+    _check(hidden, weight, target, b, reduction="mean")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored_gives_zero_loss_and_zero_grads(device, reduction):
+    hidden, weight, _, b = _inputs((37,), 32, 517, torch.float32, device, bias=True)
+    target = torch.full((37,), IGN, device=device)
+    out = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, reduction=reduction, backend="triton"),
+               hidden, weight, b, None)
+    for name, t in zip(["loss", "dhidden", "dweight", "dbias"], out):
+        assert torch.isfinite(t).all(), name
+        assert torch.equal(t, torch.zeros_like(t)), name
+
+
+def test_no_ignored_is_the_causal_lm_loss(device):
+    # GPT: position i predicts token i + 1; shift_labels makes every position but the last valid.
+    hidden, weight, _, _ = _inputs((2, 19), 32, 517, torch.float32, device)
+    input_ids = torch.randint(0, 517, (2, 19), device=device)
+    labels = shift_labels(input_ids)
+    assert torch.equal(labels[:, :-1], input_ids[:, 1:]) and (labels[:, -1] == IGN).all()
+    loss = masked_lm_loss(hidden, weight, labels, backend="triton")
+    logits = (hidden.double() @ weight.double().t())[:, :-1].reshape(-1, 517)
+    expected = F.cross_entropy(logits, input_ids[:, 1:].reshape(-1))
+    assert abs(loss.item() - expected.item()) < 1e-5
+    # every target valid (no ignore_index anywhere) through the kernel, all gradients
+    full = torch.randint(0, 517, (2, 19), device=device)
+    _check(hidden, weight, full, reduction="mean")
+
+
+def test_shift_labels_keeps_dtype_and_custom_ignore_index():
+    labels = torch.tensor([[5, 6, 7], [1, 2, 3]], dtype=torch.int32)
+    out = shift_labels(labels, ignore_index=-1)
+    assert out.dtype == torch.int32
+    assert out.tolist() == [[6, 7, -1], [2, 3, -1]]
+    with pytest.raises(TypeError, match="labels"):
+        shift_labels(torch.randn(3))
+
+
+def test_custom_ignore_index(device):
+    hidden, weight, target, _ = _inputs((37,), 32, 517, torch.float32, device, frac=0.3, ignore_index=7)
+    _check(hidden, weight, target, reduction="mean", ignore_index=7)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_num_valid_divides_by_the_global_count(device, as_tensor):
+    hidden, weight, target, b = _inputs((37,), 32, 517, torch.float32, device, frac=0.3, bias=True)
+    nv = torch.tensor(23, device=device) if as_tensor else 23
+    out = _check(hidden, weight, target, b, reduction="mean", num_valid=nv)
+    s = masked_lm_loss(hidden, weight, target, bias=b, reduction="sum", backend="triton")
+    assert abs(out[0].item() - s.item() / 23) < 1e-5
+
+
+def test_leading_dims_and_strided_hidden(device):
+    # hidden (S, B, H) transposed to (B, S, H): non-contiguous, cannot be flattened without a copy;
+    # a column slice of a wider tensor: strided rows, a view.
+    base = torch.randn(5, 3, 32, device=device)
+    hidden = base.transpose(0, 1)
+    assert not hidden.is_contiguous()
+    _, weight, target, b = _inputs((3, 5), 32, 517, torch.float32, device, frac=0.4, bias=True)
+    _check(hidden, weight, target, b, reduction="none")
+    wide = torch.randn(37, 48, device=device)[:, 8:40]
+    wt = torch.randn(32, 517, device=device).t()  # weight (V, H) with strides (1, V)
+    target1 = _inputs((37,), 32, 517, torch.float32, device, frac=0.3)[2]
+    _check(wide, wt, target1, reduction="sum")
+
+
+def test_out_of_range_target(device):
+    hidden, weight, target, _ = _inputs((37,), 32, 517, torch.float32, device, frac=0.5)
+    target[0] = 517
+    target[1] = -3
+    loss = masked_lm_loss(hidden, weight, target, reduction="none", backend="triton")
+    assert torch.isnan(loss[0]) and torch.isnan(loss[1])
+    ok = (target != IGN) & (torch.arange(37, device=device) > 1)
+    ref = masked_lm_loss_reference(hidden.double(), weight.double(), torch.where(ok, target, IGN),
+                                   reduction="none")
+    assert max_err(loss[ok], ref[ok]) < 1e-4
+    with pytest.raises(ValueError, match="target"):
+        masked_lm_loss_reference(hidden, weight, target)
+    with pytest.raises(ValueError, match="target"):
+        masked_lm_loss(hidden, weight, target, backend="reference")
+
+
+def test_torch_compile_fullgraph_matches_eager(device):
+    hidden, weight, target, b = _inputs((2, 11), 32, 517, torch.float32, device, frac=0.4, bias=True)
+
+    def f(h, w, bias):
+        return masked_lm_loss(h, w, target, bias=bias, label_smoothing=0.1, backend="triton")
+
+    eager = _run(f, hidden, weight, b, None)
+    compiled = _run(torch.compile(f, fullgraph=True, backend="aot_eager"), hidden, weight, b, None)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
+
+
+def test_auto_on_cpu_uses_reference_and_explicit_cuda_is_unavailable():
+    hidden, weight, target, _ = _inputs((37,), 32, 517, torch.float32, "cpu")
+    auto = masked_lm_loss(hidden, weight, target, backend="auto")
+    ref = masked_lm_loss(hidden, weight, target, backend="reference")
+    assert torch.equal(auto, ref)
+    with pytest.raises(BackendUnavailableError, match="cuda"):
+        masked_lm_loss(hidden, weight, target, backend="cuda")
+
+
+def test_bad_inputs():
+    h = torch.randn(4, 8)
+    w = torch.randn(10, 8)
+    t = torch.randint(0, 10, (4,))
+    with pytest.raises(ValueError, match="width"):
+        masked_lm_loss(h, torch.randn(10, 9), t)
+    with pytest.raises(ValueError, match="weight"):
+        masked_lm_loss(h, torch.randn(10, 8, 1), t)
+    with pytest.raises(ValueError, match="bias"):
+        masked_lm_loss(h, w, t, bias=torch.randn(9))
+    with pytest.raises(TypeError, match="bias"):
+        masked_lm_loss(h, w, t, bias=torch.randn(10, dtype=torch.float64))
+    with pytest.raises(TypeError, match="target"):
+        masked_lm_loss(h, w, t.float())
+    with pytest.raises(ValueError, match="target shape"):
+        masked_lm_loss(h, w, t[:3])
+    with pytest.raises(TypeError, match="weight"):
+        masked_lm_loss(h, w.half(), t)
+    with pytest.raises(TypeError, match="hidden"):
+        masked_lm_loss(h.double(), w.double(), t)
+    with pytest.raises(TypeError, match="hidden"):
+        masked_lm_loss([1.0], w, t)
+    with pytest.raises(ValueError, match="reduction"):
+        masked_lm_loss(h, w, t, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        masked_lm_loss(h, w, t, label_smoothing=1.0)
+    with pytest.raises(ValueError, match="num_valid"):
+        masked_lm_loss(h, w, t, reduction="sum", num_valid=3)
+    with pytest.raises(ValueError, match="num_valid"):
+        masked_lm_loss(h, w, t, num_valid=0)
+    with pytest.raises(TypeError, match="ignore_index"):
+        masked_lm_loss(h, w, t, ignore_index=1.5)
+    with pytest.raises(ValueError, match="backend"):
+        masked_lm_loss(h, w, t, backend="cudnn")
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------
+
+def _gpu_case(n, h, v, n_valid, *, bias=False):
+    hidden, weight, target, b = _inputs((n,), h, v, torch.bfloat16, "cuda", frac=n_valid / n, bias=bias)
+    return hidden, weight, target, b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,h,v,frac,bias", [
+    ("bert-base-mlm", 16384, 768, 30522, 0.15, True),
+    ("bert-large-mlm", 16384, 1024, 30522, 0.15, False),
+    ("gpt2-lm", 8192, 768, 50257, 1.0, False),
+])
+def test_gpu_bf16_realistic(name, n, h, v, frac, bias):
+    hidden, weight, target, b = _inputs((n,), h, v, torch.bfloat16, "cuda", frac=frac, bias=bias)
+    _check(hidden, weight, target, b, reduction="mean")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_other_dtypes_none_reduction(dtype):
+    hidden, weight, target, b = _inputs((4, 300), 256, 5003, dtype, "cuda", frac=0.3, bias=True)
+    _check(hidden, weight, target, b, reduction="none", label_smoothing=0.1)
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync():
+    hidden, weight, target, b = _inputs((2048,), 256, 8192, torch.bfloat16, "cuda", frac=0.15, bias=True)
+    h = hidden.requires_grad_(True)
+    w = weight.requires_grad_(True)
+    bb = b.requires_grad_(True)
+    for _ in range(2):  # compile and autotune (which synchronises) before watching
+        masked_lm_loss(h, w, target, bias=bb, backend="triton").backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        masked_lm_loss(h, w, target, bias=bb, backend="triton").backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_follows_the_data():
+    # Captured once, replayed with a different number of valid targets: the valid count is data.
+    hidden, weight, target, b = _inputs((4096,), 256, 8192, torch.bfloat16, "cuda", frac=0.15, bias=True)
+    h = hidden.clone().requires_grad_(True)
+    static_t = target.clone()
+
+    def step():
+        loss = masked_lm_loss(h, weight, static_t, bias=b, backend="triton", reduction="sum")
+        (dh,) = torch.autograd.grad(loss, [h])
+        return loss, dh
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_loss, g_dh = step()
+    for frac in (0.05, 0.5, 0.0):
+        new_t = _inputs((4096,), 256, 8192, torch.bfloat16, "cuda", frac=frac)[2]
+        if frac == 0.0:
+            new_t.fill_(IGN)
+        static_t.copy_(new_t)
+        graph.replay()
+        torch.cuda.synchronize()
+        loss, dh = step()
+        torch.testing.assert_close(g_loss, loss, rtol=0, atol=0)
+        torch.testing.assert_close(g_dh, dh, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_int64_offsets():
+    # hidden has more than 2**31 elements; the valid rows sit past row 2**31 / H, so a kernel that
+    # multiplies a 32-bit row index by the row stride would read the wrong rows.
+    h_dim, v = 1024, 512
+    n = (1 << 31) // h_dim + 64
+    hidden = torch.randn(n, h_dim, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(v, h_dim, device="cuda", dtype=torch.bfloat16) * h_dim**-0.5
+    target = torch.full((n,), IGN, device="cuda")
+    pos = torch.cat([torch.arange(0, 16, device="cuda"), torch.arange(n - 48, n, device="cuda")])
+    target[pos] = torch.randint(0, v, (pos.numel(),), device="cuda")
+    h = hidden.requires_grad_(True)
+    loss = masked_lm_loss(h, weight, target, reduction="none", backend="triton")
+    (dh,) = torch.autograd.grad(loss, [h], torch.ones_like(loss))
+    sub = hidden.detach()[pos].double()
+    ref = F.cross_entropy(sub @ weight.double().t(), target[pos], reduction="none")
+    assert max_err(loss[pos], ref) < 0.05
+    assert (loss[target == IGN] == 0).all()
+    p = torch.softmax(sub @ weight.double().t(), -1)
+    p[torch.arange(pos.numel()), target[pos]] -= 1
+    assert max_err(dh[pos], p @ weight.double()) < 0.02
+    dh[pos] = 0
+    assert dh.abs().max().item() == 0.0
