@@ -109,6 +109,9 @@ def _cross_entropy_fwd_kernel(
         if HAS_SMOOTHING:
             sum_x += tl.sum(tl.where(cmask, x, 0.0), axis=0)
 
+    # Ignored rows never ran the loop (m = -inf, s = 0): keep their unused lse finite.
+    m = tl.where(active, m, 0.0)
+    s = tl.where(active, s, 1.0)
     lse = (m + tl.log2(s)) * 0.6931471805599453  # back to natural log
     # The target logit: one scalar load, masked so an out-of-range target is never dereferenced.
     t_ok = active & in_range
@@ -154,7 +157,7 @@ def _cross_entropy_bwd_kernel(
     cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
     cmask = cols < V
     # Ignored rows: the load is fully masked (no memory traffic) and zeros are written.
-    x = tl.load(logits_ptr + row * stride_n + cols, mask=cmask & active, other=0.0,
+    x = tl.load(logits_ptr + row * stride_n + cols, mask=cmask & active, other=float("-inf"),
                 eviction_policy="evict_first").to(tl.float32)
     p = tl.exp2(x * 1.4426950408889634 - lse2)  # softmax from the saved lse: one FMA + exp2
     if HAS_Z_LOSS:

@@ -82,7 +82,7 @@ def _support(logits: Tensor, target: Tensor) -> dict:
 def _ref_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
              z_loss: float) -> tuple[Tensor, Tensor]:
     """The reference backend of the fused op: same outputs as the kernel (fp32 row loss, fp32 lse,
-    both 0 at ignored rows); statistics in fp32 (fp64 for fp64 logits)."""
+    both 0 at ignored rows; fp64 for fp64 logits, which only this backend takes)."""
     V = logits.shape[1]
     _check_target_range(target, V, ignore_index)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -96,7 +96,7 @@ def _ref_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
     if z_loss > 0:
         loss = loss + z_loss * lse * lse
     zero = torch.zeros((), dtype=acc, device=logits.device)
-    return (torch.where(valid, loss, zero).float(), torch.where(valid, lse, zero).float())
+    return torch.where(valid, loss, zero), torch.where(valid, lse, zero)
 
 
 def _ref_bwd(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
@@ -131,7 +131,8 @@ def _fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: flo
 @_fwd.register_fake
 def _(logits, target, ignore_index, label_smoothing, z_loss, inplace_backward, backend):
     N = logits.shape[0]
-    return (logits.new_empty(N, dtype=torch.float32), logits.new_empty(N, dtype=torch.float32))
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return logits.new_empty(N, dtype=acc), logits.new_empty(N, dtype=acc)
 
 
 @torch.library.custom_op("pykernels::cross_entropy_bwd", mutates_args=())
