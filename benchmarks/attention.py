@@ -1,0 +1,490 @@
+"""Attention benchmark: pykernels (Triton) against torch's SDPA backends, FlexAttention and eager.
+
+What is measured, per case (bf16, ``randn`` inputs, (B, H, S, D) layout):
+
+* forward and backward time (``common.bench_fwd_bwd``: ``do_bench`` medians, backward = forward+
+  backward minus forward) and TFLOP/s from counted FLOPs: forward ``4*B*H*Sq*Sk*D`` (two matmuls of
+  2 FLOPs per multiply-add), half of it when causal; backward 2.5x the forward (five matmuls to the
+  forward's two). Padding counts as computed work in padded rows (useful FLOPs are fewer); the varlen
+  rows count only useful FLOPs (sum over sequences of ``4*H*L^2*D``) for every implementation.
+* peers in the same run: torch SDPA flash / cuDNN / memory-efficient (each forced with
+  ``torch.nn.attention.sdpa_kernel``; a backend that cannot run a case is recorded as "no kernel"),
+  FlexAttention compiled with ``torch.compile`` (block masks from ``create_block_mask`` for causal and
+  key padding), and eager matmul+softmax for the BERT shapes only.
+* before any timing, pykernels' output and q/k/v gradients are checked against torch SDPA in fp32
+  (memory-efficient backend, math as fallback) with the three-way rule: pykernels' max error at most
+  2x that of torch's default bf16 SDPA, plus a quarter bf16 ulp of the largest magnitude. A failed
+  check marks the row INVALID and it is not timed (a wrong fast kernel is never reported).
+* pykernels' peak extra memory for one forward+backward (should be O(B*H*S) beyond the gradients,
+  never O(S^2)), the card's ceilings (``common.ceilings()``) once per run.
+
+Cases are the anchors of ../shared/ANCHORS.md plus a varlen BERT batch (B32 H12 D64, lengths
+uniform in 256..512, the same lengths as the key-padding case) that times
+``pykernels.varlen_attention`` on the packed tokens against cuDNN SDPA on the same sequences padded
+to 512 with a key-padding mask (goal: at most 2/3 of cuDNN's forward+backward time).
+
+Usage (GPU): ``python benchmarks/attention.py [--quick] [--budget-s 170]``; ``--quick`` runs the BERT
+and GPT-2 shapes and the varlen batch. Rows go to ``benchmarks/results/attention_<card>_<date>.csv``
+(and ``$OUT/attention.csv``). A time budget keeps the run bounded (the GPU batch gives each script
+~200 s): past 55% of it FlexAttention (whose compilation dominates) is skipped, past 100% the
+remaining cases are; skipped rows say so. On a machine without CUDA it prints that and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+WARMUP, REP = 10, 50  # do_bench milliseconds: modest, the whole GPU batch is bounded
+DEVICE = "cuda"  # "cpu" only for --smoke (the script's logic on tiny shapes, timings meaningless)
+SMOKE = False
+DTYPE = torch.bfloat16  # float32 in --smoke (the Triton interpreter mis-computes bf16 tl.dot)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    B: int
+    H: int
+    S: int
+    D: int
+    causal: bool = False
+    key_padding: bool = False  # (B, 1, 1, S) bool mask from lengths uniform in [S/2, S]
+    quick: bool = False
+    eager: bool = False  # eager matmul+softmax peer (only where the score matrix is cheap)
+
+    @property
+    def label(self) -> str:
+        kind = "causal" if self.causal else ("key-padding" if self.key_padding else "bidirectional")
+        return f"B{self.B} H{self.H} S{self.S} D{self.D} {kind}"
+
+    @property
+    def fwd_flops(self) -> float:
+        return 4.0 * self.B * self.H * self.S * self.S * self.D * (0.5 if self.causal else 1.0)
+
+
+CASES = [
+    Case("bert", 32, 12, 512, 64, quick=True, eager=True),
+    Case("bert_keypad", 32, 12, 512, 64, key_padding=True, quick=True, eager=True),
+    Case("gpt2", 8, 12, 1024, 64, causal=True, quick=True),
+    Case("causal_4k", 4, 16, 4096, 128, causal=True),
+    Case("bidir_8k", 2, 16, 8192, 128),
+    Case("causal_8k", 2, 16, 8192, 128, causal=True),
+]
+VARLEN = dict(B=32, H=12, D=64, S=512, lo=256, hi=512)
+
+
+def bert_lengths(B: int, lo: int, hi: int) -> torch.Tensor:
+    """Sequence lengths uniform in [lo, hi], fixed seed (the same for the key-padding and varlen cases)."""
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(lo, hi + 1, (B,), generator=g)
+
+
+def key_padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
+    """(B, 1, 1, S) bool, True = key takes part."""
+    return (torch.arange(S)[None, :] < lengths[:, None])[:, None, None, :].to(DEVICE)
+
+
+def peak_mib(fn) -> float | None:
+    if SMOKE:
+        fn()
+        return None
+    return round(common.peak_extra_mib(fn), 1)
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    return round(flops / ms / 1e9, 1) if ms else None
+
+
+def short(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {msg[:70]}"
+
+
+def no_kernel(e: BaseException) -> bool:
+    """torch's SDPA refusing a forced backend for this case (CUDA: "No available kernel", CPU: "No viable
+    backend")."""
+    msg = str(e).lower()
+    return "no available kernel" in msg or "no viable backend" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# implementations: each is fwd(q, k, v) -> o for fixed mask/causal, on (B, H, S, D) tensors
+
+def pykernels_impl(mask, causal):
+    import pykernels
+    return lambda q, k, v: pykernels.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                                   backend="triton")
+
+
+def sdpa_impl(mask, causal, backend=None):
+    from torch.nn.attention import sdpa_kernel
+    import torch.nn.functional as F
+
+    def fwd(q, k, v):
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    return fwd
+
+
+def eager_impl(mask, causal):
+    def fwd(q, k, v):
+        s = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        if causal:
+            keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+            s = s.masked_fill(~keep, float("-inf"))
+        return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), v)
+    return fwd
+
+
+_flex_compiled = None
+
+
+def flex_impl(case: Case, lengths: torch.Tensor | None):
+    """Compiled FlexAttention with a block mask for the case (one compiled callable for the run)."""
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if _flex_compiled is None:
+        cfg = torch._dynamo.config
+        if hasattr(cfg, "recompile_limit"):
+            cfg.recompile_limit = max(cfg.recompile_limit, 32)
+        else:  # older name
+            cfg.cache_size_limit = max(cfg.cache_size_limit, 32)
+        # --smoke: eager flex_attention (CPU compilation is slow and not what is being checked)
+        _flex_compiled = flex_attention if SMOKE else torch.compile(flex_attention)
+    block_mask = None
+    if case.causal:
+        def causal_mod(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+        block_mask = create_block_mask(causal_mod, None, None, case.S, case.S, device=DEVICE)
+    elif case.key_padding:
+        lens = lengths.to(DEVICE)
+
+        def padding_mod(b, h, q_idx, kv_idx):
+            return kv_idx < lens[b]
+        block_mask = create_block_mask(padding_mod, case.B, None, case.S, case.S, device=DEVICE)
+    return lambda q, k, v: _flex_compiled(q, k, v, block_mask=block_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+def fwd_bwd(fwd, q, k, v, do):
+    """Output and (dq, dk, dv) of one forward+backward on fresh leaf copies."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    o = fwd(q, k, v)
+    o.backward(do.to(o.dtype))
+    return [o.detach(), q.grad, k.grad, v.grad]
+
+
+def reference_fp32(mask, causal, q, k, v, do):
+    """torch SDPA in fp32: memory-efficient backend, math as fallback for small cases."""
+    from torch.nn.attention import SDPBackend
+    args = [t.float() for t in (q, k, v)]
+    try:
+        return fwd_bwd(sdpa_impl(mask, causal, SDPBackend.EFFICIENT_ATTENTION), *args, do.float())
+    except RuntimeError:
+        if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] > 2**31:
+            raise
+        return fwd_bwd(sdpa_impl(mask, causal, SDPBackend.MATH), *args, do.float())
+
+
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def three_way(ours: list, peer: list, ref: list) -> tuple[bool, dict]:
+    """pykernels' error vs the fp32 reference at most 2x torch bf16's error + a quarter bf16 ulp."""
+    info, ok = {}, True
+    for name, a, p, r in zip(NAMES, ours, peer, ref):
+        err = (a.float() - r).abs().max().item()
+        base = (p.float() - r).abs().max().item()
+        atol = 2.0 ** -10 * r.abs().max().item()
+        good = math.isfinite(err) and err <= 2 * base + atol
+        ok &= good
+        info[f"err_{name}"] = f"{err:.2e}"
+        info[f"torch_err_{name}"] = f"{base:.2e}"
+    return ok, info
+
+
+def validate(fwd, mask, causal, q, k, v, do) -> tuple[bool, dict]:
+    """Three-way check of fwd's output and gradients on (B, H, S, D) inputs (see three_way)."""
+    ref = reference_fp32(mask, causal, q, k, v, do)
+    peer = fwd_bwd(sdpa_impl(mask, causal), q, k, v, do)
+    ours = fwd_bwd(fwd, q, k, v, do)
+    return three_way(ours, peer, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.t0, self.seconds = time.time(), seconds
+
+    def used(self) -> float:
+        return time.time() - self.t0
+
+    def flex_ok(self) -> bool:
+        return self.used() < 0.55 * self.seconds
+
+    def case_ok(self) -> bool:
+        return self.used() < self.seconds
+
+
+def time_impl(fwd, q, k, v, do) -> tuple[float, float]:
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    if SMOKE:  # one wall-clock run each: only the plumbing is being checked
+        t0 = time.perf_counter()
+        o = fwd(q, k, v)
+        t1 = time.perf_counter()
+        o.backward(do)
+        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+    return common.bench_fwd_bwd(lambda: fwd(q, k, v), grad=do, inputs=(q, k, v), warmup=WARMUP, rep=REP)
+
+
+def run_case(case: Case, budget: Budget) -> list[dict]:
+    from torch.nn.attention import SDPBackend
+    base = dict(case=case.name, shape=case.label, B=case.B, H=case.H, S=case.S, D=case.D, causal=case.causal,
+                key_padding=case.key_padding, flops_fwd=f"{case.fwd_flops:.4g}")
+    if not budget.case_ok():
+        return [{**base, "impl": "all", "status": f"skipped (time budget {budget.seconds:.0f}s used)"}]
+    torch.manual_seed(0)
+    shape = (case.B, case.H, case.S, case.D)
+    q, k, v, do = (torch.randn(shape, device=DEVICE, dtype=DTYPE) for _ in range(4))
+    lengths = bert_lengths(case.B, case.S // 2, case.S) if case.key_padding else None
+    mask = key_padding_mask(lengths, case.S) if case.key_padding else None
+    rows = []
+
+    # pykernels: validate, then time, then memory
+    row = {**base, "impl": "pykernels triton"}
+    ours_fwd = pykernels_impl(mask, case.causal)
+    try:
+        ok, info = validate(ours_fwd, mask, case.causal, q, k, v, do)
+        row.update(info)
+        if not ok:
+            row["status"] = "INVALID"
+        else:
+            f_ms, b_ms = time_impl(ours_fwd, q, k, v, do)
+            qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+            row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4),
+                       peak_extra_MiB=peak_mib(lambda: ours_fwd(qq, kk, vv).backward(do)),
+                       grads_MiB=round(3 * q.numel() * q.element_size() / 2**20, 1))
+    except Exception as e:  # noqa: BLE001 - record and go on with the peers
+        row["status"] = f"error: {short(e)}"
+    rows.append(row)
+
+    peers = [("sdpa flash", sdpa_impl(mask, case.causal, SDPBackend.FLASH_ATTENTION)),
+             ("sdpa cudnn", sdpa_impl(mask, case.causal, SDPBackend.CUDNN_ATTENTION)),
+             ("sdpa mem-efficient", sdpa_impl(mask, case.causal, SDPBackend.EFFICIENT_ATTENTION))]
+    if case.eager:
+        peers.append(("eager", eager_impl(mask, case.causal)))
+    peers.append(("flex (compiled)", None))
+    for name, fwd in peers:
+        row = {**base, "impl": name}
+        if name.startswith("flex") and not budget.flex_ok():
+            row["status"] = "skipped (time budget)"
+            rows.append(row)
+            continue
+        try:
+            if fwd is None:
+                fwd = flex_impl(case, lengths)
+            try:
+                fwd_bwd(fwd, q, k, v, do)  # also compiles (flex)
+            except RuntimeError as e:
+                if no_kernel(e):
+                    row["status"] = "no kernel"
+                    rows.append(row)
+                    continue
+                raise
+            f_ms, b_ms = time_impl(fwd, q, k, v, do)
+            row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4))
+        except Exception as e:  # noqa: BLE001
+            row["status"] = f"error: {short(e)}"
+        rows.append(row)
+
+    for r in rows:
+        if r.get("status") == "ok":
+            r["fwd_TFLOPs"] = tflops(case.fwd_flops, r["fwd_ms"])
+            r["bwd_TFLOPs"] = tflops(2.5 * case.fwd_flops, r["bwd_ms"])
+    add_ratios(rows)
+    del q, k, v, do
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each row's TFLOP/s (or speed) over the fastest peer's (not pykernels) in the same case."""
+    peers = [r for r in rows if r.get("status") == "ok" and not r["impl"].startswith("pykernels")]
+    for key in ("fwd", "bwd"):
+        if not peers:
+            continue
+        best = min(peers, key=lambda r: r[f"{key}_ms"])
+        for r in rows:
+            if r.get("status") == "ok" and r[f"{key}_ms"] > 0 and best[f"{key}_ms"] > 0:
+                r[f"{key}_vs_best_peer"] = round(best[f"{key}_ms"] / r[f"{key}_ms"], 3)
+                r[f"{key}_best_peer"] = best["impl"]
+
+
+def run_varlen(budget: Budget) -> list[dict]:
+    """pykernels.varlen_attention on packed tokens vs cuDNN SDPA (and pykernels) on the padded batch."""
+    import pykernels
+    from torch.nn.attention import SDPBackend
+    B, H, D, S = VARLEN["B"], VARLEN["H"], VARLEN["D"], VARLEN["S"]
+    lengths = bert_lengths(B, VARLEN["lo"], VARLEN["hi"])
+    useful = float(sum(4.0 * H * int(n) ** 2 * D for n in lengths))
+    base = dict(case="bert_varlen", shape=f"B{B} H{H} D{D} lengths {VARLEN['lo']}..{VARLEN['hi']} (pad {S})",
+                B=B, H=H, S=S, D=D, causal=False, key_padding=True, flops_fwd=f"{useful:.4g}", flops="useful")
+    if not budget.case_ok():
+        return [{**base, "impl": "all", "status": "skipped (time budget)"}]
+    torch.manual_seed(0)
+    total = int(lengths.sum())
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    cu = cu.to(DEVICE)
+    max_len = int(lengths.max())
+    # indices of the valid rows of the padded (B*S) token axis
+    idx = torch.cat([b * S + torch.arange(int(n)) for b, n in enumerate(lengths)]).to(DEVICE)
+    mask = key_padding_mask(lengths, S)
+    q, k, v, do = (torch.randn(total, H, D, device=DEVICE, dtype=DTYPE) for _ in range(4))
+
+    def to_padded(t):  # (total, H, D) -> (B, H, S, D), zeros in padding; differentiable in t
+        z = t.new_zeros(B * S, H, D).index_copy(0, idx, t)
+        return z.view(B, S, H, D).transpose(1, 2)
+
+    def from_padded(t):  # (B, H, S, D) -> (total, H, D)
+        return t.transpose(1, 2).reshape(B * S, H, D).index_select(0, idx)
+
+    def padded_fn(inner):
+        return lambda q_, k_, v_: from_padded(inner(to_padded(q_), to_padded(k_), to_padded(v_)))
+
+    def varlen_fwd(q_, k_, v_):
+        return pykernels.varlen_attention(q_, k_, v_, cu, cu, max_len, max_len, backend="triton")
+
+    rows = []
+    row = {**base, "impl": "pykernels varlen (packed)"}
+    try:
+        ref = fwd_bwd(padded_fn(lambda a, b, c: reference_fp32_fwd(mask, a, b, c)), *(t.float() for t in (q, k, v)),
+                      do.float())
+        peer = fwd_bwd(padded_fn(sdpa_impl(mask, False)), q, k, v, do)
+        ours = fwd_bwd(varlen_fwd, q, k, v, do)
+        ok, info = three_way(ours, peer, ref)
+        row.update(info)
+        del ref, peer, ours
+        if not ok:
+            row["status"] = "INVALID"
+        else:
+            f_ms, b_ms = time_impl(varlen_fwd, q, k, v, do)
+            qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+            row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4),
+                       peak_extra_MiB=peak_mib(lambda: varlen_fwd(qq, kk, vv).backward(do)))
+    except Exception as e:  # noqa: BLE001
+        row["status"] = f"error: {short(e)}"
+    rows.append(row)
+
+    # padded peers time only the attention on already-padded tensors (the padding copies are not theirs)
+    qp, kp, vp, dop = (torch.randn(B, H, S, D, device=DEVICE, dtype=DTYPE) for _ in range(4))
+    for name, fwd in [("sdpa cudnn (padded)", sdpa_impl(mask, False, SDPBackend.CUDNN_ATTENTION)),
+                      ("pykernels triton (padded)", pykernels_impl(mask, False))]:
+        row = {**base, "impl": name}
+        try:
+            if name.startswith("pykernels"):
+                ok, info = validate(fwd, mask, False, qp, kp, vp, dop)
+                row.update(info)
+                if not ok:
+                    row["status"] = "INVALID"
+                    rows.append(row)
+                    continue
+            else:
+                fwd_bwd(fwd, qp, kp, vp, dop)
+            f_ms, b_ms = time_impl(fwd, qp, kp, vp, dop)
+            row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4))
+        except RuntimeError as e:
+            row["status"] = "no kernel" if no_kernel(e) else f"error: {short(e)}"
+        except Exception as e:  # noqa: BLE001
+            row["status"] = f"error: {short(e)}"
+        rows.append(row)
+    for r in rows:
+        if r.get("status") == "ok":
+            r["fwd_TFLOPs"] = tflops(useful, r["fwd_ms"])
+            r["bwd_TFLOPs"] = tflops(2.5 * useful, r["bwd_ms"])
+    add_ratios(rows)
+    ours, cudnn = rows[0], rows[1]
+    if ours.get("status") == "ok" and cudnn.get("status") == "ok":
+        frac = (ours["fwd_ms"] + ours["bwd_ms"]) / (cudnn["fwd_ms"] + cudnn["bwd_ms"])
+        ours["time_vs_cudnn_padded"] = round(frac, 3)
+        ours["goal_le_0.667"] = "met" if frac <= 2 / 3 else "not met"
+    return rows
+
+
+def reference_fp32_fwd(mask, q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+COLS = ["shape", "impl", "status", "fwd_TFLOPs", "bwd_TFLOPs", "fwd_vs_best_peer", "bwd_vs_best_peer", "err_out",
+        "err_dq", "peak_extra_MiB"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="only the BERT and GPT-2 shapes and the varlen batch")
+    ap.add_argument("--budget-s", type=float, default=170.0,
+                    help="wall-clock budget: FlexAttention is skipped past 55%% of it, remaining cases past 100%%")
+    ap.add_argument("--smoke", action="store_true",
+                    help="check the script's logic on CPU: tiny fp32 shapes, Triton interpreter, no timing, no CSV")
+    args = ap.parse_args(argv)
+    global DEVICE, SMOKE, DTYPE, CASES, VARLEN
+    if args.smoke:
+        import os
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        DEVICE, SMOKE, DTYPE = "cpu", True, torch.float32
+        CASES = [Case("bert", 2, 2, 24, 16, quick=True, eager=True),
+                 Case("bert_keypad", 2, 2, 24, 16, key_padding=True, quick=True, eager=True),
+                 Case("gpt2", 2, 2, 40, 16, causal=True, quick=True)]
+        VARLEN = dict(B=3, H=2, D=16, S=20, lo=5, hi=20)
+        rows: list[dict] = []
+    elif not torch.cuda.is_available():
+        print("attention benchmark: no CUDA device present; nothing to time (run it on the GPU machine)")
+        return 0
+    else:
+        ceil = common.ceilings()
+        print(f"{torch.cuda.get_device_name()}: copy {ceil['copy_TBps']} TB/s, bf16 matmul "
+              f"{ceil['matmul_bf16_TFLOPs']} TFLOP/s", flush=True)
+        rows = [{"case": "ceilings", "impl": "card", "status": "ok", **ceil}]
+    budget = Budget(args.budget_s)
+    cases = [c for c in CASES if c.quick or not args.quick]
+    # BERT cases, then the varlen batch (same lengths as bert_keypad), then the rest
+    for c in cases[:2]:
+        rows += run_case(c, budget)
+        print(f"[{budget.used():.0f}s] {c.label} done", flush=True)
+    rows += run_varlen(budget)
+    print(f"[{budget.used():.0f}s] varlen done", flush=True)
+    for c in cases[2:]:
+        rows += run_case(c, budget)
+        print(f"[{budget.used():.0f}s] {c.label} done", flush=True)
+    path = "(not written: --smoke)" if SMOKE else common.write_rows("attention", rows)
+    common.print_table([r for r in rows if r["case"] != "ceilings"], COLS)
+    for r in rows:
+        if "time_vs_cudnn_padded" in r:
+            print(f"varlen fwd+bwd time / cuDNN padded = {r['time_vs_cudnn_padded']} (goal <= 0.667: "
+                  f"{r['goal_le_0.667']})")
+    print(f"wrote {path} in {budget.used():.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
