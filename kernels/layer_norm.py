@@ -243,7 +243,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
             1.0 / (1.0 - dropout_p) if dropout_p > 0.0 else 1.0)
     with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
         if chunked:
-            _layer_norm_fwd_kernel[(M,)](*args, **common, BLOCK_M=1, BLOCK_N=CHUNK_N if not _interpret() else 256,
+            _layer_norm_fwd_kernel[(M,)](*args, **common, BLOCK_M=1, BLOCK_N=CHUNK_N,
                                          CHUNKED=True, num_warps=8 if not _interpret() else 1)
         else:
             block_n = max(triton.next_power_of_2(N), 16)
@@ -483,7 +483,7 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
             else empty(0, dtype=x_dtype, device=dev))
     has_weight = weight is not None
     chunked = N > MAX_FUSED_N_BWD
-    block_n = min(CHUNK_N if not _interpret() else 256, triton.next_power_of_2(N)) if chunked \
+    block_n = min(CHUNK_N, triton.next_power_of_2(N)) if chunked \
         else max(triton.next_power_of_2(N), 16)
     block_m, num_warps = (1, 8 if not _interpret() else 1) if chunked else _bwd_launch_params(block_n)
     progs = _num_programs(triton.cdiv(M, block_m)) if M else 1

@@ -138,7 +138,7 @@ def _stat_dtype(x: Tensor) -> torch.dtype:
 
 def _branch_sum(x: Tensor, residual: Optional[Tensor], seed: Tensor, dropout_p: float, dtype) -> Tensor:
     """s = dropout(x) + residual in ``dtype`` (the reference backend's twin of the kernels' _load_s)."""
-    s = x.to(dtype)
+    s = x.to(dtype, copy=True)  # never an alias of x (custom ops may not return inputs)
     if dropout_p > 0.0:
         keep = layer_norm_dropout_mask(seed, x.shape, dropout_p, x.device)
         s = torch.where(keep, s * (1.0 / (1.0 - dropout_p)), 0.0)

@@ -1,1 +1,4 @@
-# placeholder: owned by the layer_norm work
+"""Modules over the pykernels ops."""
+from .layer_norm import LayerNorm, RMSNorm, replace_layer_norms
+
+__all__ = ["LayerNorm", "RMSNorm", "replace_layer_norms"]

@@ -1,0 +1,497 @@
+"""pykernels.layer_norm: fused dropout + residual add + LayerNorm / RMSNorm, forward and backward.
+
+Every output and gradient is checked against the float64 reference by the three-way rule
+(tests/utils.assert_close_to_ref). CPU: fp32/fp16 through the Triton interpreter, tiny shapes.
+GPU (marked): bf16 and realistic sizes.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import pykernels
+from pykernels import BackendUnavailableError, FallbackWarning
+from pykernels._rng import new_seed
+from pykernels.layer_norm import layer_norm_dropout_mask, layer_norm_reference
+
+from utils import assert_close_to_ref
+
+CPU_DTYPES = [torch.float32, torch.float16]
+
+
+def _atol(dtype):
+    return 1e-5 if dtype == torch.float32 else 1e-3
+
+
+def _make(shape, dtype, device, *, residual=True, weight=True, bias=True, res_dtype=None, strided=False):
+    """Fresh random inputs (leaves, requires_grad). ``strided``: x and residual are column slices of wider
+    tensors (row stride != N)."""
+    n = shape[-1]
+
+    def t(dt):
+        if strided:
+            wide = torch.randn(*shape[:-1], n + 37, dtype=dt, device=device)
+            return wide[..., 5:5 + n].detach().requires_grad_()
+        return torch.randn(*shape, dtype=dt, device=device, requires_grad=True)
+
+    x = t(dtype)
+    r = t(res_dtype or dtype) if residual else None
+    w = (1 + 0.5 * torch.randn(n, dtype=dtype, device=device)).requires_grad_() if weight else None
+    b = (0.5 * torch.randn(n, dtype=dtype, device=device)).requires_grad_() if bias else None
+    return x, r, w, b
+
+
+def _grads(outs, upstream, inputs):
+    loss = sum((o.float() * g.float()).sum() for o, g in zip(outs, upstream))
+    present = [i for i in inputs if i is not None]
+    got = torch.autograd.grad(loss, present)
+    it = iter(got)
+    return [next(it) if i is not None else None for i in inputs]
+
+
+def _check(x, r, w, b, *, dropout_p=0.0, prenorm=False, residual_in_fp32=False, rms_norm=False, eps=1e-5,
+           backend="triton", seed=1234):
+    """Run the op and both references, compare every output and every gradient."""
+    dtype = x.dtype
+    kw = dict(prenorm=prenorm, residual_in_fp32=residual_in_fp32, rms_norm=rms_norm)
+    mask = None
+    if dropout_p > 0:
+        torch.manual_seed(seed)
+        mask = layer_norm_dropout_mask(new_seed(), x.shape, dropout_p, x.device)
+    torch.manual_seed(seed)  # the op draws the same seed
+    out = pykernels.layer_norm(x, w, b, eps, residual=r, dropout_p=dropout_p, backend=backend, **kw)
+    outs = list(out) if prenorm else [out]
+    ref_lo = layer_norm_reference(x, w, b, eps, residual=r, dropout_mask=mask, dropout_p=dropout_p, **kw)
+    ref_hi = layer_norm_reference(x, w, b, eps, residual=r, dropout_mask=mask, dropout_p=dropout_p,
+                                  upcast=True, **kw)
+    ref_lo = list(ref_lo) if prenorm else [ref_lo]
+    ref_hi = list(ref_hi) if prenorm else [ref_hi]
+    names = ["y", "s"]
+    for name, o, hi, lo in zip(names, outs, ref_hi, ref_lo):
+        assert o.dtype == lo.dtype, f"{name}: dtype {o.dtype} != {lo.dtype}"
+        assert_close_to_ref(name, o, hi, lo, atol=_atol(dtype))
+    assert outs[0].dtype == dtype and outs[0].shape == x.shape
+    upstream = [torch.randn_like(o) for o in outs]
+    inputs = [x, r, w, b]
+    g = _grads(outs, upstream, inputs)
+    g_lo = _grads(ref_lo, upstream, inputs)
+    g_hi = _grads(ref_hi, upstream, inputs)
+    for name, a, hi, lo in zip(["dx", "dresidual", "dweight", "dbias"], g, g_hi, g_lo):
+        if a is None:
+            continue
+        assert a.dtype == lo.dtype
+        # dweight/dbias sum over rows: allow their eager error scale (same rule, atol scaled by rows)
+        rows = x.numel() // x.shape[-1] if name in ("dweight", "dbias") else 1
+        assert_close_to_ref(name, a, hi, lo, atol=_atol(dtype) * max(1, rows ** 0.5))
+    return outs
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU (interpreter): fp32 / fp16, tiny shapes
+# ----------------------------------------------------------------------------------------------------
+VARIANTS = {
+    "post": dict(),
+    "post_no_residual": dict(residual=False),
+    "pre": dict(prenorm=True),
+    "pre_no_residual": dict(prenorm=True, residual=False),
+    "pre_residual_in_fp32": dict(prenorm=True, residual_in_fp32=True),
+    "rms_post": dict(rms_norm=True),
+    "rms_pre": dict(rms_norm=True, prenorm=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("n", [64, 100, 1023])
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_forward_backward(variant, n, dtype, device):
+    v = dict(VARIANTS[variant])
+    residual = v.pop("residual", True)
+    x, r, w, b = _make((7, n), dtype, device, residual=residual)
+    _check(x, r, w, b, **v)
+
+
+@pytest.mark.parametrize("n", [1000, 5])
+@pytest.mark.parametrize("weight,bias", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("rms_norm", [False, True])
+def test_weight_bias_optional(n, weight, bias, rms_norm, device):
+    x, r, w, b = _make((3, n), torch.float32, device, weight=weight, bias=bias)
+    _check(x, r, w, b, rms_norm=rms_norm, prenorm=True)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_leading_dims_and_strided_rows(dtype, device):
+    x, r, w, b = _make((2, 3, 2, 200), dtype, device, strided=True)
+    assert x.stride(-2) != x.shape[-1]
+    _check(x, r, w, b, prenorm=True)
+    x, r, w, b = _make((2, 3, 200), dtype, device, strided=True)
+    _check(x, r, w, b)
+
+
+def test_non_contiguous_last_dim(device):
+    xt = torch.randn(48, 6, device=device, requires_grad=True)
+    x = xt.t()  # (6, 48), last-dim stride 6: copied to contiguous rows
+    r = torch.randn(6, 48, device=device).t().contiguous().t().detach().requires_grad_()
+    w = torch.randn(48, device=device, requires_grad=True)
+    _check(x, r.detach().requires_grad_(), w, None)
+
+
+def test_mixed_residual_dtype(device):
+    """Residual stream kept in fp32 while the branch is fp16 (the next layer of a residual_in_fp32 model)."""
+    x, r, w, b = _make((5, 300), torch.float16, device, res_dtype=torch.float32)
+    y, s = _check(x, r, w, b, prenorm=True)
+    assert s.dtype == torch.float32
+    x, r, w, b = _make((5, 300), torch.float16, device, res_dtype=torch.float32)
+    _check(x, r, w, b)
+
+
+@pytest.mark.parametrize("n", [9000, 20000])  # chunked backward (> 8192) / chunked forward too (> 16384)
+@pytest.mark.parametrize("rms_norm", [False, True])
+def test_wide_rows(n, rms_norm, device):
+    x, r, w, b = _make((3, n), torch.float32, device)
+    _check(x, r, w, b, rms_norm=rms_norm, prenorm=True)
+    x, r, w, b = _make((2, n), torch.float32, device)
+    _check(x, r, w, b, rms_norm=rms_norm, dropout_p=0.25)
+
+
+def test_large_mean_rows(device):
+    """Two-pass variance: rows with a large offset keep their precision."""
+    x, r, w, b = _make((4, 256), torch.float32, device)
+    with torch.no_grad():
+        x += 1000.0
+    _check(x, r, w, b)
+
+
+def test_single_row_and_tiny_hidden(device):
+    for shape in [(1, 64), (1, 1), (3, 2)]:
+        x, r, w, b = _make(shape, torch.float32, device)
+        _check(x, r, w, b, prenorm=True)
+
+
+# ---- dropout -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("prenorm", [False, True])
+@pytest.mark.parametrize("rms_norm", [False, True])
+def test_dropout_matches_reference_mask(dtype, prenorm, rms_norm, device):
+    """The kernel's mask equals layer_norm_dropout_mask(seed) in forward, and the backward regenerates it."""
+    x, r, w, b = _make((6, 130), dtype, device)
+    _check(x, r, w, b, dropout_p=0.3, prenorm=prenorm, rms_norm=rms_norm)
+    x, r, w, b = _make((6, 130), dtype, device, residual=False)
+    _check(x, r, w, b, dropout_p=0.3, prenorm=True, rms_norm=rms_norm)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_keep_rate(p, device):
+    x = torch.randn(64, 256, device=device)
+    _, s = pykernels.layer_norm(x, None, None, prenorm=True, dropout_p=p, backend="triton")
+    kept = (s != 0).double().mean().item()
+    n = x.numel()
+    sd = (p * (1 - p) / n) ** 0.5
+    assert abs(kept - (1 - p)) < 6 * sd, f"keep rate {kept:.4f}, expected {1 - p} +- {6 * sd:.4f}"
+    kept_vals = s[s != 0]
+    torch.testing.assert_close(kept_vals, (x * (1 / (1 - p)))[s != 0])
+    # the mask is not the same for every row (counter = element index, not column index)
+    m = s != 0
+    assert not (m == m[0]).all()
+
+
+def test_dropout_reproducible_and_fresh(device):
+    x, r, w, b = _make((8, 128), torch.float32, device)
+    torch.manual_seed(7)
+    y1 = pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.4, backend="triton")
+    torch.manual_seed(7)
+    y2 = pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.4, backend="triton")
+    y3 = pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.4, backend="triton")
+    assert torch.equal(y1, y2)
+    assert not torch.equal(y1, y3)
+
+
+def test_dropout_mask_offsets_past_2_31():
+    """The eager twin of tl.rand agrees with the Triton interpreter for int64 counters (> 2**32)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rand_kernel(O, seed, base, BLOCK: tl.constexpr):
+        offs = base + tl.arange(0, BLOCK).to(tl.int64)
+        tl.store(O + tl.arange(0, BLOCK), tl.rand(seed, offs))
+
+    from pykernels.layer_norm import _philox_uniform
+    base = 3 * 2**32 + 2**31 - 17
+    out = torch.empty(64)
+    _rand_kernel[(1,)](out, 98765, base, BLOCK=64)
+    assert torch.equal(out, _philox_uniform(98765, base + torch.arange(64, dtype=torch.int64)))
+
+
+def test_reference_backend_same_dropout_mask(device):
+    """backend="reference" draws the same mask as the kernel for the same torch seed."""
+    x, r, w, b = _make((4, 96), torch.float32, device)
+    torch.manual_seed(3)
+    y_t = pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.5, backend="triton")
+    torch.manual_seed(3)
+    y_r = pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.5, backend="reference")
+    torch.testing.assert_close(y_t, y_r, rtol=1e-5, atol=1e-5)
+
+
+# ---- reference backend, gradcheck, compile -----------------------------------------------------------
+@pytest.mark.parametrize("variant", ["post", "pre", "rms_pre", "pre_no_residual"])
+def test_reference_backend(variant, device):
+    v = dict(VARIANTS[variant])
+    residual = v.pop("residual", True)
+    x, r, w, b = _make((5, 77), torch.float32, device, residual=residual)
+    _check(x, r, w, b, backend="reference", **v)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("rms_norm", [False, True])
+def test_gradcheck_fp64(backend, rms_norm):
+    """fp64 gradcheck of the custom op's analytic backward (the reference backend; the Triton path with
+    fp32 inputs is covered by the reference comparisons, here it must refuse fp64)."""
+    x, r, w, b = _make((3, 9), torch.float64, "cpu")
+    ds_fn = lambda x, r, w, b: pykernels.layer_norm(x, w, b, residual=r, prenorm=True, rms_norm=rms_norm,  # noqa: E731
+                                                     backend=backend)
+    if backend == "triton":
+        with pytest.raises(BackendUnavailableError, match="float64"):
+            ds_fn(x, r, w, b)
+        return
+    assert torch.autograd.gradcheck(ds_fn, (x, r, w, b))
+
+
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_compile_fullgraph_matches_eager(prenorm, device):
+    torch._dynamo.reset()
+    x, r, w, b = _make((2, 5, 96), torch.float32, device)
+
+    def f(x, r, w, b):
+        out = pykernels.layer_norm(x, w, b, residual=r, prenorm=prenorm, backend="triton")
+        return (out[0] * 2 + out[1]) if prenorm else out * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    ye = f(x, r, w, b)
+    yc = compiled(x, r, w, b)
+    torch.testing.assert_close(yc, ye, rtol=0, atol=0)
+    g = torch.randn_like(ye)
+    ge = torch.autograd.grad(ye, (x, r, w, b), g)
+    gc = torch.autograd.grad(yc, (x, r, w, b), g)
+    for a, c in zip(ge, gc):
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+
+
+def test_compile_with_dropout(device):
+    torch._dynamo.reset()
+    x, r, w, b = _make((4, 64), torch.float32, device)
+
+    def f(x, r):
+        return pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.2, backend="triton")
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(11)
+    ye = f(x, r)
+    torch.manual_seed(11)
+    yc = compiled(x, r)
+    torch.testing.assert_close(yc, ye, rtol=0, atol=0)
+
+
+# ---- modules -----------------------------------------------------------------------------------------
+def test_nn_layernorm_state_dict_compatible():
+    ours = pykernels.nn.LayerNorm(32, eps=1e-6)
+    theirs = torch.nn.LayerNorm(32, eps=1e-6)
+    with torch.no_grad():
+        theirs.weight.normal_()
+        theirs.bias.normal_()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 4, 32)
+    torch.testing.assert_close(ours(x), theirs(x))
+    with torch.no_grad():
+        ours.weight.normal_()
+    theirs.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(ours(x), theirs(x))
+    assert list(pykernels.nn.LayerNorm(8, bias=False).state_dict()) == list(
+        torch.nn.LayerNorm(8, bias=False).state_dict())
+    assert list(pykernels.nn.LayerNorm(8, elementwise_affine=False).state_dict()) == []
+
+
+def test_nn_layernorm_residual_and_triton(device):
+    m = pykernels.nn.LayerNorm(96)
+    m.backend = "triton"
+    with torch.no_grad():
+        m.weight.normal_()
+    x, r = torch.randn(2, 3, 96), torch.randn(2, 3, 96)
+    ref = torch.nn.functional.layer_norm(x + r, (96,), m.weight, m.bias, m.eps)
+    torch.testing.assert_close(m(x, r), ref, rtol=1e-5, atol=1e-5)
+    # multi-dim normalized_shape folds into one dim
+    m2 = pykernels.nn.LayerNorm((4, 24))
+    x2 = torch.randn(3, 4, 24)
+    torch.testing.assert_close(m2(x2), torch.nn.functional.layer_norm(x2, (4, 24), m2.weight, m2.bias),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_nn_rmsnorm():
+    m = pykernels.nn.RMSNorm(64, eps=1e-6)
+    theirs = torch.nn.RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        theirs.weight.normal_()
+    m.load_state_dict(theirs.state_dict())
+    x, r = torch.randn(5, 64), torch.randn(5, 64)
+    torch.testing.assert_close(m(x), theirs(x))
+    torch.testing.assert_close(m(x, r), theirs(x + r))
+
+
+def test_replace_layer_norms():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
+                                torch.nn.Sequential(torch.nn.GELU(), torch.nn.LayerNorm(32, bias=False)),
+                                torch.nn.Linear(32, 4))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.normal_()
+    x = torch.randn(6, 16)
+    before = model(x)
+    params_before = [p for p in model.parameters()]
+    sd_keys = list(model.state_dict())
+    out = pykernels.nn.replace_layer_norms(model)
+    assert out is model
+    assert type(model[1]) is pykernels.nn.LayerNorm and type(model[2][1]) is pykernels.nn.LayerNorm
+    assert all(a is b for a, b in zip(model.parameters(), params_before))
+    assert list(model.state_dict()) == sd_keys
+    torch.testing.assert_close(model(x), before)
+    with pykernels.use_backend("triton"):
+        torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)
+
+
+# ---- errors and backend choice -----------------------------------------------------------------------
+def test_bad_inputs():
+    x = torch.randn(4, 16)
+    w = torch.randn(16)
+    with pytest.raises(ValueError, match="weight"):
+        pykernels.layer_norm(x, torch.randn(15))
+    with pytest.raises(ValueError, match="bias"):
+        pykernels.layer_norm(x, w, torch.randn(2, 16))
+    with pytest.raises(ValueError, match="residual"):
+        pykernels.layer_norm(x, w, residual=torch.randn(4, 15))
+    with pytest.raises(TypeError, match="residual"):
+        pykernels.layer_norm(x, w, residual=torch.randn(4, 16, dtype=torch.float16))
+    with pytest.raises(TypeError, match="weight"):
+        pykernels.layer_norm(x, w.half())
+    with pytest.raises(TypeError, match="bias"):
+        pykernels.layer_norm(x, w, torch.randn(16, dtype=torch.float64))
+    with pytest.raises(TypeError, match="x"):
+        pykernels.layer_norm(torch.ones(4, 16, dtype=torch.int32), None)
+    with pytest.raises(TypeError, match="x"):
+        pykernels.layer_norm([1.0, 2.0], None)
+    with pytest.raises(ValueError, match="x"):
+        pykernels.layer_norm(torch.randn(4, 0), None)
+    with pytest.raises(ValueError, match="dropout_p"):
+        pykernels.layer_norm(x, w, dropout_p=1.0)
+    with pytest.raises(ValueError, match="eps"):
+        pykernels.layer_norm(x, w, eps=-1.0)
+    with pytest.raises(TypeError, match="prenorm"):
+        pykernels.layer_norm(x, w, prenorm=1)
+    with pytest.raises(ValueError, match="backend"):
+        pykernels.layer_norm(x, w, backend="cudnn")
+    with pytest.raises(BackendUnavailableError, match="cuda"):
+        pykernels.layer_norm(x, w, backend="cuda")
+
+
+def test_unsupported_dtype_triton_raises_auto_uses_reference():
+    x = torch.randn(4, 16, dtype=torch.float64)
+    with pytest.raises(BackendUnavailableError, match="float64"):
+        pykernels.layer_norm(x, None, backend="triton")
+    y = pykernels.layer_norm(x, None, backend="auto")  # CPU: auto is the reference
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (16,)))
+
+
+@pytest.mark.gpu
+def test_device_mismatch_and_fallback_warning_gpu():
+    x = torch.randn(4, 16, device="cuda")
+    with pytest.raises(ValueError, match="weight"):
+        pykernels.layer_norm(x, torch.randn(16))
+    xd = torch.randn(4, 16, device="cuda", dtype=torch.float64)
+    import pykernels._backend as be
+    be._warned.clear()
+    with pytest.warns(FallbackWarning, match="float64"):
+        y = pykernels.layer_norm(xd, None, backend="auto")
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(xd, (16,)))
+
+
+def test_device_mismatch_cpu_meta():
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="residual"):
+        pykernels.layer_norm(x, None, residual=torch.randn(4, 16, device="meta"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU: bf16, realistic sizes
+# ----------------------------------------------------------------------------------------------------
+GPU_SHAPES = [(16384, 768), (4096, 1600), (2048, 1000), (2048, 1023), (1024, 3000), (1024, 5120),
+              (64, 65536), (4096, 1024), (2048, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("variant", ["post", "pre", "pre_residual_in_fp32", "rms_pre"])
+def test_gpu_bf16(shape, variant):
+    v = dict(VARIANTS[variant])
+    residual = v.pop("residual", True)
+    x, r, w, b = _make(shape, torch.bfloat16, "cuda", residual=residual)
+    _check(x, r, w, b, **v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_dropout_and_strided(dtype):
+    x, r, w, b = _make((4, 512, 768), dtype, "cuda", strided=True)
+    _check(x, r, w, b, dropout_p=0.1, prenorm=True)
+    x, r, w, b = _make((2048, 20000), dtype, "cuda")
+    _check(x, r, w, b, dropout_p=0.1)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_uses_triton_and_compile():
+    x, r, w, b = _make((8, 128, 768), torch.bfloat16, "cuda")
+    _check(x, r, w, b, backend="auto", prenorm=True)
+
+    def f(x, r):
+        return pykernels.layer_norm(x, w, b, residual=r, prenorm=True)
+
+    compiled = torch.compile(f, fullgraph=True)
+    ye, se = f(x, r)
+    yc, sc = compiled(x, r)
+    torch.testing.assert_close(yc, ye, rtol=0, atol=0)
+    torch.testing.assert_close(sc, se, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_int64_offsets():
+    """A (M, N) problem with more than 2**31 elements: rows past the int32 range are right."""
+    free, _ = torch.cuda.mem_get_info()
+    n = 4096
+    m = (2**31) // n + 64  # 2**31 + 64 * 4096 elements, 4.3 GB in bf16 each
+    need = 5 * m * n * 2 + (1 << 30)
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB free, have {free / 2**30:.1f}")
+    x = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    r = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    y, s = pykernels.layer_norm(x, w, None, residual=r, prenorm=True, backend="triton")
+    rows = torch.tensor([0, m // 2, m - 65, m - 2, m - 1], device="cuda")
+    ref_lo = layer_norm_reference(x[rows], w, residual=r[rows], prenorm=True)
+    ref_hi = layer_norm_reference(x[rows], w, residual=r[rows], prenorm=True, upcast=True)
+    assert_close_to_ref("y", y[rows], ref_hi[0], ref_lo[0], atol=1e-2)
+    assert_close_to_ref("s", s[rows], ref_hi[1], ref_lo[1], atol=1e-2)
+    assert torch.isfinite(y[-1000:]).all()
+    del y, s
+    dy = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    from pykernels._kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
+    _, _, mean, rstd = layer_norm_fwd(x, w, None, r, eps=1e-5, seed=0, dropout_p=0.0, store_s=False,
+                                      s_dtype=torch.bfloat16, rms_norm=False)
+    dx, dres, dw, _ = layer_norm_bwd(dy, None, x, r, None, w, mean, rstd, has_bias=False, seed=0, dropout_p=0.0,
+                                     store_dx=False, dres_dtype=torch.bfloat16, rms_norm=False,
+                                     x_dtype=torch.bfloat16, w_dtype=torch.bfloat16, b_dtype=None)
+    xs = x[rows].double().requires_grad_()
+    yr = layer_norm_reference(xs, w.double(), residual=r[rows].double(), upcast=True)
+    (gx,) = torch.autograd.grad(yr, xs, dy[rows].double())
+    err = (dres[rows].double() - gx).abs().max().item()
+    assert err < 0.05 * gx.abs().max().item(), err
