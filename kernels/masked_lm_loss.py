@@ -33,13 +33,14 @@ is multiplied by a stride):
    a. ``_masked_lm_loss_dlogits_kernel``, grid (N / BLOCK_M, VC / BLOCK_N): recomputes the logit
       tile (2 M VC H FLOPs), turns it into dz with the saved lse and the upstream grad, and stores dz
       in the weight dtype into the (N, VC) buffer (compacted rows).
-   b. ``_masked_lm_loss_dweight_kernel``, grid (VC / BLOCK_N, H / BLOCK_H): dW[chunk] = dz^T h with
-      the K loop over the ``count`` compacted rows (gathered), fp32 accumulator, written once in the
-      weight dtype: no fp32 (V, H) buffer, no atomics, deterministic. Programs of the first H block
-      also sum dz over rows for dbias.
-   c. ``_masked_lm_loss_dhidden_kernel``, grid (N / BLOCK_M, H / BLOCK_H): dh += dz W[chunk] into an
-      fp32 (N, H) accumulator (compacted rows; skipped when V fits one chunk); the last chunk writes
-      the hidden dtype straight to the row's position in the zero-initialised dhidden.
+   b. ``_masked_lm_loss_bwd_kernel``, one launch with two kinds of programs that both only read the
+      chunk's dlogits (at 15% masking neither kind fills the GPU alone, together they do):
+      - dW tiles, (VC / BLOCK_A) x (H / BLOCK_H) programs: dW[chunk] = dz^T h with the K loop over the
+        ``count`` compacted rows (gathered), fp32 accumulator, written once in the weight dtype: no
+        fp32 (V, H) buffer, no atomics, deterministic. The first H tile also sums dz for dbias.
+      - dhidden tiles, (N / BLOCK_A) x (H / BLOCK_H) programs: dh += dz W[chunk] into an fp32 (N, H)
+        accumulator (compacted rows; not allocated when V fits one chunk); the last chunk writes the
+        hidden dtype straight to each row's position in the zero-initialised dhidden.
    Total 4 matmuls of M x V x H (forward 1, backward 3) = 8 M V H FLOPs; the dlogits buffer is
    written once and read twice (3 x 2 M V bytes in bf16).
 
@@ -95,12 +96,9 @@ _FWD_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 6
                         _MNK, (16, 32, 16, 1, 1))
 _DLOGITS_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)],
                             _MNK, (16, 32, 16, 1, 1))
-_NHK = ("BLOCK_N", "BLOCK_H", "BLOCK_K")
-_DW_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4)],
-                       _NHK, (32, 16, 16, 1, 1))
-_MHK = ("BLOCK_M", "BLOCK_H", "BLOCK_K")
-_DH_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)],
-                       _MHK, (16, 16, 32, 1, 1))
+_AHK = ("BLOCK_A", "BLOCK_H", "BLOCK_K")
+_BWD_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)],
+                        _AHK, (16, 16, 16, 1, 1))
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["H", "V_PER_SPLIT", "DTYPE_KEY"])
@@ -264,28 +262,21 @@ def _masked_lm_loss_dlogits_kernel(
         tl.store(dst, d.to(dl_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.autotune(configs=_DW_CONFIGS, key=["H", "VC", "DTYPE_KEY"])
 @triton.jit
-def _masked_lm_loss_dweight_kernel(
-    h_ptr, rows_ptr, count_ptr,
-    dl_ptr,         # (N, VC) dlogits of this chunk (compacted rows)
-    dw_ptr,         # (V, H) out: weight gradient (contiguous), rows v_off .. v_off + VC written here
-    db_ptr,         # (V,) out: bias gradient (only if HAS_BIAS)
-    H, v_off, VC,
-    stride_hn, stride_hh, stride_dl,
-    DTYPE_KEY,
+def _dweight_tile(
+    h_ptr, rows_ptr, dl_ptr, dw_ptr, db_ptr, count, pid_n, pid_h,
+    H, v_off, VC, stride_hn, stride_hh, stride_dl,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    count = tl.load(count_ptr)
-    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """dW[v_off + tile, h tile] = dz[:count, tile]^T h[rows[:count], h tile], fp32 accumulator, written
+    once in the weight dtype; the first H tile also writes dbias = sum of dz over rows."""
+    offs_c = pid_n * BLOCK_A + tl.arange(0, BLOCK_A)
     mask_n = offs_c < VC
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    acc = tl.zeros((BLOCK_N, BLOCK_H), tl.float32)
-    db = tl.zeros((BLOCK_N,), tl.float32)
+    acc = tl.zeros((BLOCK_A, BLOCK_H), tl.float32)
+    db = tl.zeros((BLOCK_A,), tl.float32)
     # K loop over the valid rows only: count comes from device memory.
     for k0 in range(0, count, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -306,30 +297,22 @@ def _masked_lm_loss_dweight_kernel(
             tl.store(db_ptr + offs_v, db.to(db_ptr.dtype.element_ty), mask=mask_n)
 
 
-@triton.autotune(configs=_DH_CONFIGS, key=["H", "VC", "DTYPE_KEY", "IS_FIRST", "IS_LAST"],
-                 restore_value=["acc_ptr"])
 @triton.jit
-def _masked_lm_loss_dhidden_kernel(
-    w_ptr, rows_ptr, count_ptr,
-    dl_ptr,         # (N, VC) dlogits of this chunk (compacted rows)
-    acc_ptr,        # (N, H) fp32 accumulator over chunks (compacted rows; unused if IS_FIRST and IS_LAST)
-    dh_ptr,         # (N, H) out: hidden gradient by position (contiguous, pre-zeroed), written if IS_LAST
-    H, v_off, VC,
-    stride_wv, stride_wh, stride_dl,
-    DTYPE_KEY,
+def _dhidden_tile(
+    w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, pid_m, pid_h,
+    H, v_off, VC, stride_wv, stride_wh, stride_dl,
     IS_FIRST: tl.constexpr, IS_LAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    count = tl.load(count_ptr)
-    start_m = pid_m * BLOCK_M
+    """dh[rows tile, h tile] (+)= dz[rows tile, :VC] W[v_off:v_off+VC, h tile]: fp32 accumulator carried
+    across chunks in acc_ptr (compacted rows); the last chunk writes the hidden dtype by position."""
+    start_m = pid_m * BLOCK_A
     if start_m < count:
-        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_A)
         mask_m = offs_m < count
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
-        acc = tl.zeros((BLOCK_M, BLOCK_H), tl.float32)
+        acc = tl.zeros((BLOCK_A, BLOCK_H), tl.float32)
         dl_row = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl
         for k0 in range(0, VC, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -347,6 +330,40 @@ def _masked_lm_loss_dhidden_kernel(
             tl.store(dh_ptr + rows[:, None] * H + offs_h[None, :], acc.to(dh_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(acc_ptr + acc_off, acc, mask=mask)
+
+
+@triton.autotune(configs=_BWD_CONFIGS, key=["H", "VC", "DTYPE_KEY", "IS_FIRST", "IS_LAST"],
+                 restore_value=["acc_ptr"])
+@triton.jit
+def _masked_lm_loss_bwd_kernel(
+    h_ptr, w_ptr, rows_ptr, count_ptr,
+    dl_ptr,         # (N, VC) dlogits of this chunk (compacted rows)
+    dw_ptr,         # (V, H) out: weight gradient (contiguous); rows v_off .. v_off + VC written here
+    db_ptr,         # (V,) out: bias gradient (only if HAS_BIAS)
+    acc_ptr,        # (N, H) fp32 dhidden accumulator across chunks (compacted rows; unused with one chunk)
+    dh_ptr,         # (N, H) out: hidden gradient by position (contiguous, pre-zeroed), written on the last chunk
+    H, v_off, VC,
+    stride_hn, stride_hh, stride_wv, stride_wh, stride_dl,
+    DTYPE_KEY,
+    HAS_BIAS: tl.constexpr, IS_FIRST: tl.constexpr, IS_LAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # dW (reduction over the valid rows) and dhidden (reduction over the chunk's columns) both only read
+    # the chunk's dlogits, so one launch runs them side by side: at 15% masking neither fills the GPU
+    # alone (a 1024-column chunk has 48 dW tiles; 2446 rows have 120 dhidden tiles).
+    pid = tl.program_id(0)
+    count = tl.load(count_ptr)
+    h_tiles = tl.cdiv(H, BLOCK_H)
+    dw_programs = tl.cdiv(VC, BLOCK_A) * h_tiles  # the first programs compute dW tiles, the rest dhidden
+    if pid < dw_programs:
+        _dweight_tile(h_ptr, rows_ptr, dl_ptr, dw_ptr, db_ptr, count, pid // h_tiles, pid % h_tiles,
+                      H, v_off, VC, stride_hn, stride_hh, stride_dl,
+                      HAS_BIAS, DOT_PRECISION, BLOCK_A, BLOCK_H, BLOCK_K)
+    else:
+        q = pid - dw_programs
+        _dhidden_tile(w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, q // h_tiles, q % h_tiles,
+                      H, v_off, VC, stride_wv, stride_wh, stride_dl,
+                      IS_FIRST, IS_LAST, DOT_PRECISION, BLOCK_A, BLOCK_H, BLOCK_K)
 
 
 def compact_rows(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -465,12 +482,14 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), key,
             HAS_BIAS=bias is not None, DOT_PRECISION=prec)
-        _masked_lm_loss_dweight_kernel[lambda m: (triton.cdiv(vc_c, m["BLOCK_N"]), triton.cdiv(h, m["BLOCK_H"]))](
-            hidden, rows, count, dl, dweight, db,
-            h, v_off, vc_c, hidden.stride(0), hidden.stride(1), dl.stride(0), key,
-            HAS_BIAS=bias is not None, DOT_PRECISION=prec)
-        _masked_lm_loss_dhidden_kernel[lambda m: (triton.cdiv(n, m["BLOCK_M"]), triton.cdiv(h, m["BLOCK_H"]))](
-            weight, rows, count, dl, acc, dhidden,
-            h, v_off, vc_c, weight.stride(0), weight.stride(1), dl.stride(0), key,
-            IS_FIRST=c == 0, IS_LAST=c == n_chunks - 1, DOT_PRECISION=prec)
+        def grid(m):
+            h_tiles = triton.cdiv(h, m["BLOCK_H"])
+            dw_programs = triton.cdiv(vc_c, m["BLOCK_A"]) * h_tiles
+            return (dw_programs + triton.cdiv(n, m["BLOCK_A"]) * h_tiles,)
+
+        _masked_lm_loss_bwd_kernel[grid](
+            hidden, weight, rows, count, dl, dweight, db, acc, dhidden,
+            h, v_off, vc_c, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), dl.stride(0),
+            key,
+            HAS_BIAS=bias is not None, IS_FIRST=c == 0, IS_LAST=c == n_chunks - 1, DOT_PRECISION=prec)
     return dhidden, dweight, dbias
