@@ -259,9 +259,9 @@ def _attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
-    b = pid_bh // H
-    h = pid_bh % H
+    # Grid (blocks, heads, batch): heads and batch in y/z (<= 65535 each), so B*H may exceed 65535.
+    h = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
+    b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     q_start, q_len, k_start, k_len = _seq_bounds(CuQ, CuK, b, Sq, Sk, IS_VARLEN)
     start_m = pid_m * BLOCK_M
@@ -334,9 +334,9 @@ def _attention_bwd_preprocess_kernel(
 ):
     """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // H
-    h = pid_bh % H
+    # Grid (blocks, heads, batch): heads and batch in y/z (<= 65535 each), so B*H may exceed 65535.
+    h = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
+    b = tl.program_id(2).to(tl.int64)
     q_start, q_len, k_start, k_len = _seq_bounds(CuQ, CuQ, b, Sq, Sq, IS_VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if pid_m * BLOCK_M >= q_len:
@@ -402,9 +402,9 @@ def _attention_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // HKV
-    hk = pid_bh % HKV
+    # Grid (blocks, heads, batch): heads and batch in y/z (<= 65535 each), so B*H may exceed 65535.
+    hk = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
+    b = tl.program_id(2).to(tl.int64)
     q_start, q_len, k_start, k_len = _seq_bounds(CuQ, CuK, b, Sq, Sk, IS_VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= k_len:  # varlen: block past this sequence (its rows were zero-filled)
@@ -508,9 +508,9 @@ def _attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // H
-    h = pid_bh % H
+    # Grid (blocks, heads, batch): heads and batch in y/z (<= 65535 each), so B*H may exceed 65535.
+    h = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
+    b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     q_start, q_len, k_start, k_len = _seq_bounds(CuQ, CuK, b, Sq, Sk, IS_VARLEN)
     start_m = pid_m * BLOCK_M
@@ -637,7 +637,7 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         return o, lse.fill_(float("-inf"))
     dummy = torch.empty(2, dtype=torch.int32, device=q.device)
     mask_t, mask_kind, ms = _mask_args(mask, dummy)
-    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * hq)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), hq, batch)  # noqa: E731
     _attention_fwd_kernel[grid](
         q, k, v, o, lse, mask_t, kv_range if kv_range is not None else dummy,
         cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
@@ -692,18 +692,18 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
     kvr = kv_range if kv_range is not None else dummy
     bd, bdv = _pow2_dim(d), _pow2_dim(dv_dim)
     pre_bm = 16 if _interpret() else 64
-    _attention_bwd_preprocess_kernel[(triton.cdiv(sq, pre_bm), batch * hq)](
+    _attention_bwd_preprocess_kernel[(triton.cdiv(sq, pre_bm), hq, batch)](
         o, do, delta, cu_q, *seq3(o), *seq3(do), *ls, hq, sq,
         DV=dv_dim, BLOCK_DV=bdv, IS_VARLEN=varlen, BLOCK_M=pre_bm)
     common = dict(D=d, DV=dv_dim, BLOCK_D=bd, BLOCK_DV=bdv, IS_CAUSAL=bool(causal), MASK_KIND=mask_kind,
                   HAS_KV_RANGE=kv_range is not None, HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen,
                   PRECISION=_precision(q.dtype))
     bucket = _seq_bucket(sq, sk)
-    _attention_bwd_dkdv_kernel[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), batch * hkv)](
+    _attention_bwd_dkdv_kernel[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), hkv, batch)](
         q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
         *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dk), *seq3(dv), *ls, *ms,
         hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
-    _attention_bwd_dq_kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), batch * hq)](
+    _attention_bwd_dq_kernel[lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), hq, batch)](
         q, k, v, do, dq, lse, delta, mask_t, kvr, cu_q, cu_k,
         *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dq), *ls, *ms,
         hq, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)

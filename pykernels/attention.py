@@ -101,8 +101,9 @@ def attention_dropout_mask(seed, batch: int, heads: int, seqlen_q: int, seqlen_k
 # ---------------------------------------------------------------------------------------------
 def _ref_core(q, k, v, mask, dropout_p, is_causal, scale, dropout_mask):
     """(o, lse) for 4-D-or-more q (..., Hq, Sq, D), k/v (..., Hkv, Sk, D/Dv) in their own dtype."""
-    hq, hkv = q.shape[-3], k.shape[-3]
-    if hq != hkv:
+    hq = q.shape[-3] if q.dim() >= 3 else 1
+    hkv = k.shape[-3] if k.dim() >= 3 else 1
+    if hq != hkv and q.dim() >= 3 and k.dim() >= 3:
         if hq % hkv == 0:
             k = k.repeat_interleave(hq // hkv, dim=-3)
             v = v.repeat_interleave(hq // hkv, dim=-3)
@@ -118,8 +119,7 @@ def _ref_core(q, k, v, mask, dropout_p, is_causal, scale, dropout_mask):
     if is_causal:
         causal = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=0)
         s = s.masked_fill(~causal, float("-inf"))
-    dead = torch.isneginf(s).all(-1, keepdim=True) if sk > 0 else torch.ones(
-        *s.shape[:-1], 1, dtype=torch.bool, device=s.device)
+    dead = torch.isneginf(s).all(-1, keepdim=True)  # True for Sk = 0 too
     lse = torch.logsumexp(s.float(), -1)
     p = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
     if dropout_p > 0:
@@ -127,10 +127,40 @@ def _ref_core(q, k, v, mask, dropout_p, is_causal, scale, dropout_mask):
             p = torch.nn.functional.dropout(p, dropout_p)
         else:
             p = p.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
-    o = torch.matmul(p, v)
-    if sk == 0:
-        o = torch.zeros(*s.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-    return o, lse
+    return torch.matmul(p, v), lse
+
+
+def _ref_bwd_core(do, q, k, v, mask, dropout_p, is_causal, scale, dropout_mask):
+    """Eager attention backward written out (custom-op implementations run below autograd, so the
+    reference backend cannot differentiate through ``_ref_core``): returns (dq, dk, dv)."""
+    hq, hkv = q.shape[-3], k.shape[-3]
+    group = hq // hkv
+    kr = k.repeat_interleave(group, dim=-3) if group > 1 else k
+    vr = v.repeat_interleave(group, dim=-3) if group > 1 else v
+    s = torch.matmul(q, kr.transpose(-2, -1)) * scale
+    sq, sk = s.shape[-2], s.shape[-1]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(s.dtype)
+    if is_causal:
+        causal = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=0)
+        s = s.masked_fill(~causal, float("-inf"))
+    dead = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+    keep_scale = None
+    if dropout_p > 0:
+        keep_scale = dropout_mask.to(p.dtype) / (1.0 - dropout_p)
+    pd = p * keep_scale if keep_scale is not None else p
+    dv = torch.matmul(pd.transpose(-2, -1), do)
+    dp = torch.matmul(do, vr.transpose(-2, -1))
+    if keep_scale is not None:
+        dp = dp * keep_scale
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, kr) * scale
+    dk = torch.matmul(ds.transpose(-2, -1), q) * scale
+    if group > 1:
+        dk = dk.unflatten(-3, (hkv, group)).sum(-3)
+        dv = dv.unflatten(-3, (hkv, group)).sum(-3)
+    return dq, dk, dv
 
 
 def attention_reference(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -185,11 +215,24 @@ def _ref_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale,
     return o, lse
 
 
-def _ref_grads(fwd, do, q, k, v):
-    with torch.enable_grad():
-        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
-        o, _ = fwd(qq, kk, vv)
-        return torch.autograd.grad(o, (qq, kk, vv), do, allow_unused=True)
+def _ref_varlen_bwd(do, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, seed):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    full = None
+    if dropout_p > 0:
+        full = attention_dropout_mask(seed, len(cq) - 1, q.shape[1], max_q, max_k, dropout_p, q.device)
+    for b in range(len(cq) - 1):
+        qs, qe, ks, ke = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if qe == qs or ke == ks:
+            continue
+        sl = lambda t, a, e: t[a:e].transpose(0, 1).unsqueeze(0)  # noqa: E731 - (1, H, S, D)
+        dmask = full[b:b + 1, :, :qe - qs, :ke - ks] if full is not None else None
+        g = _ref_bwd_core(sl(do, qs, qe), sl(q, qs, qe), sl(k, ks, ke), sl(v, ks, ke), None, dropout_p, causal,
+                          scale, dmask)
+        dq[qs:qe] = g[0][0].transpose(0, 1)
+        dk[ks:ke] = g[1][0].transpose(0, 1)
+        dv[ks:ke] = g[2][0].transpose(0, 1)
+    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +244,10 @@ def _support(q: Tensor, k: Tensor, v: Tensor) -> dict:
         return {"triton": f"head dim {max(d, dv)} > {MAX_HEAD_DIM}"}
     if d == 0 or dv == 0:
         return {"triton": "empty head dim"}
+    if q.dim() == 4 and (q.shape[0] > 65535 or q.shape[1] > 65535):
+        return {"triton": f"batch {q.shape[0]} or heads {q.shape[1]} > 65535 (grid y/z limit)"}
+    if q.dim() == 3 and q.shape[1] > 65535:
+        return {"triton": f"heads {q.shape[1]} > 65535 (grid y limit)"}
     return {"triton": None}
 
 
@@ -239,9 +286,11 @@ def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
         return kern.attention_bwd(_last_dim_contig(do), q, k, v, o, lse, attn_mask, causal=is_causal, scale=scale,
                                   dropout_p=dropout_p, seed=int(seed[0]),
                                   kv_range=kern.key_padding_range(attn_mask))
-    grads = _ref_grads(lambda a, b_, c: _ref_dense_fwd(a, b_, c, attn_mask, dropout_p, is_causal, scale, seed),
-                       do, q, k, v)
-    return tuple(torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k, v)))
+    dmask = None
+    if dropout_p > 0:
+        dmask = attention_dropout_mask(seed, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, q.device)
+    grads = _ref_bwd_core(do, q, k, v, attn_mask, dropout_p, is_causal, scale, dmask)
+    return tuple(g.contiguous() for g in grads)
 
 
 @_attention_bwd.register_fake
@@ -303,9 +352,8 @@ def _varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
                                         dropout_p=dropout_p, seed=int(seed[0]), cu_seqlens_q=cu_seqlens_q,
                                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                         max_seqlen_k=max_seqlen_k)
-    grads = _ref_grads(lambda a, b_, c: _ref_varlen_fwd(a, b_, c, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                        max_seqlen_k, dropout_p, causal, scale, seed), do, q, k, v)
-    return tuple(torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, (q, k, v)))
+    return _ref_varlen_bwd(do, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
+                           scale, seed)
 
 
 @_varlen_bwd.register_fake

@@ -1,0 +1,599 @@
+"""Tests of pykernels.scaled_dot_product_attention / varlen_attention / unpad_input / pad_input.
+
+CPU (Triton interpreter, fp32/fp16, tiny shapes, backend="triton"): forward and all three gradients
+against a float64 reference with the three-way rule (tests/utils.py), causal alignment vs torch,
+masks (key padding, boolean, additive, broadcast), GQA/MQA, Sq != Sk, odd lengths, fully masked rows,
+dropout (exact mask agreement, keep rate, seeding), determinism, torch.compile, strided inputs,
+varlen vs padded, backends and input errors. GPU (``@pytest.mark.gpu``): bf16, realistic shapes.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import pykernels
+from pykernels import BackendUnavailableError, FallbackWarning
+from pykernels._rng import new_seed
+from pykernels.attention import (attention_dropout_mask, attention_reference, pad_input, philox_uniform,
+                                 scaled_dot_product_attention as sdpa, unpad_input, varlen_attention)
+from utils import assert_close_to_ref
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def _inputs(shape_q, shape_k, shape_v, dtype, device, *, requires_grad=True):
+    q = torch.randn(shape_q, dtype=dtype, device=device)
+    k = torch.randn(shape_k, dtype=dtype, device=device)
+    v = torch.randn(shape_v, dtype=dtype, device=device)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def _grads(out, inputs, do):
+    return torch.autograd.grad(out, inputs, do, allow_unused=True)
+
+
+def _check_against_ref(q, k, v, *, mask=None, causal=False, scale=None, backend="triton", dropout_mask=None,
+                       dropout_p=0.0, enable_gqa=False, out=None, do=None, what=""):
+    """Run the kernel (unless ``out`` is given) and compare output + dq/dk/dv with the float64 and the
+    same-dtype eager references."""
+    if out is None:
+        out = sdpa(q, k, v, mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=enable_gqa,
+                   backend=backend)
+    if do is None:
+        do = torch.randn_like(out)
+    g = _grads(out, (q, k, v), do)
+
+    def ref(dt):
+        qq, kk, vv = (t.detach().to(dt).requires_grad_(True) for t in (q, k, v))
+        mm = mask.to(dt) if mask is not None and mask.dtype != torch.bool else mask
+        o = attention_reference(qq, kk, vv, mm, dropout_p, causal, scale, enable_gqa, dropout_mask=dropout_mask)
+        return o, _grads(o, (qq, kk, vv), do.to(dt))
+
+    o_hi, g_hi = ref(torch.float64)
+    o_lo, g_lo = ref(q.dtype)
+    assert_close_to_ref(f"{what} out", out, o_hi, o_lo)
+    for name, a, b, c in zip(("dq", "dk", "dv"), g, g_hi, g_lo):
+        assert_close_to_ref(f"{what} {name}", a, b, c)
+    return out, g
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense forward + backward
+# ---------------------------------------------------------------------------------------------
+DENSE_CASES = [
+    # B, Hq, Hkv, Sq, Sk, D, causal
+    (1, 2, 2, 17, 17, 16, False),
+    (2, 2, 2, 17, 17, 32, True),
+    (1, 2, 2, 1, 17, 16, False),     # Sq = 1 (decode-like)
+    (1, 2, 2, 1, 17, 16, True),      # Sq = 1 causal: top-left sees key 0 only
+    (1, 1, 1, 127, 127, 16, True),   # longer odd length, causal split over many blocks
+    (1, 4, 2, 20, 37, 24, True),     # GQA, Sq < Sk, D not a power of two
+    (1, 4, 1, 37, 20, 16, True),     # MQA, Sq > Sk (bottom rows see all keys)
+    (2, 2, 2, 19, 23, 80, False),    # D = 80 (padded to 128)
+    (1, 2, 2, 18, 18, 96, True),     # D = 96
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", DENSE_CASES)
+def test_dense_forward_backward(device, dtype, b, hq, hkv, sq, sk, d, causal):
+    q, k, v = _inputs((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), dtype, device)
+    _check_against_ref(q, k, v, causal=causal, enable_gqa=hq != hkv)
+
+
+def test_value_head_dim_differs(device):
+    q, k, v = _inputs((2, 2, 13, 16), (2, 2, 21, 16), (2, 2, 21, 40), F32, device)
+    out, _ = _check_against_ref(q, k, v, causal=True)
+    assert out.shape == (2, 2, 13, 40)
+
+
+def test_custom_scale(device):
+    q, k, v = _inputs((1, 2, 17, 32), (1, 2, 17, 32), (1, 2, 17, 32), F32, device)
+    _check_against_ref(q, k, v, scale=0.37)
+
+
+@pytest.mark.parametrize("sq,sk", [(3, 5), (5, 3), (4, 4), (1, 6)])
+def test_causal_alignment_matches_torch(device, sq, sk):
+    """torch's is_causal is top-left (tril, diagonal 0); ours must agree exactly in semantics."""
+    q, k, v = _inputs((1, 2, sq, 16), (1, 2, sk, 16), (1, 2, sk, 16), torch.float64, "cpu", requires_grad=False)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref = attention_reference(q, k, v, is_causal=True)
+    torch.testing.assert_close(ref, expected)
+    ours = sdpa(q.float().to(device), k.float().to(device), v.float().to(device), is_causal=True,
+                backend="triton")
+    torch.testing.assert_close(ours.double().cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_key_padding_mask(device, dtype):
+    b, h, s, d = 3, 2, 37, 16
+    lengths = torch.tensor([37, 20, 5])
+    mask = (torch.arange(s)[None, :] < lengths[:, None]).view(b, 1, 1, s).to(device)
+    q, k, v = _inputs((b, h, s, d), (b, h, s, d), (b, h, s, d), dtype, device)
+    _check_against_ref(q, k, v, mask=mask)
+
+
+def test_key_padding_left_padded_and_causal(device):
+    """Valid keys in the middle of the row: the per-batch range starts past block 0."""
+    b, h, s, d = 2, 2, 45, 16
+    mask = torch.zeros(b, 1, 1, s, dtype=torch.bool)
+    mask[0, ..., 20:41] = True
+    mask[1, ..., 3:9] = True
+    q, k, v = _inputs((b, h, s, d), (b, h, s, d), (b, h, s, d), F32, device)
+    # Row i < first valid key has no key under causal+mask: fully masked -> 0 (checked by the reference).
+    _check_against_ref(q, k, v, mask=mask.to(device), causal=True)
+
+
+def test_additive_float_key_padding(device):
+    b, h, s, d = 2, 2, 33, 16
+    mask = torch.zeros(b, 1, 1, s)
+    mask[0, ..., 25:] = float("-inf")
+    mask[1, ..., :7] = float("-inf")
+    q, k, v = _inputs((b, h, s, d), (b, h, s, d), (b, h, s, d), F32, device)
+    _check_against_ref(q, k, v, mask=mask.to(device))
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_arbitrary_bool_mask(device, dtype):
+    q, k, v = _inputs((2, 2, 19, 16), (2, 2, 26, 16), (2, 2, 26, 16), dtype, device)
+    mask = (torch.rand(2, 2, 19, 26) > 0.4).to(device)
+    _check_against_ref(q, k, v, mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_additive_mask_broadcast(device, dtype):
+    """A (Sq, Sk) float mask broadcast over batch and heads (strides 0 in-kernel, never expanded)."""
+    q, k, v = _inputs((2, 3, 19, 16), (2, 3, 26, 16), (2, 3, 26, 16), dtype, device)
+    mask = torch.randn(19, 26, dtype=dtype).to(device)
+    _check_against_ref(q, k, v, mask=mask)
+
+
+def test_mask_per_head_broadcast_batch(device):
+    q, k, v = _inputs((2, 3, 17, 16), (2, 3, 17, 16), (2, 3, 17, 16), F32, device)
+    mask = (torch.rand(1, 3, 17, 17) > 0.3).to(device)
+    _check_against_ref(q, k, v, mask=mask, causal=True)
+
+
+def test_fully_masked_rows_give_zero(device):
+    """Rows with no allowed key: output 0, gradients 0, no NaN (torch's SDPA gives NaN there)."""
+    b, h, sq, sk, d = 2, 2, 21, 18, 16
+    mask = torch.rand(b, h, sq, sk) > 0.3
+    mask[0, :, 3] = False
+    mask[1, 1, 7:12] = False
+    mask = mask.to(device)
+    q, k, v = _inputs((b, h, sq, d), (b, h, sk, d), (b, h, sk, d), F32, device)
+    out, (dq, dk, dv) = _check_against_ref(q, k, v, mask=mask)
+    assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
+    assert torch.equal(out[1, 1, 7:12], torch.zeros_like(out[1, 1, 7:12]))
+    assert torch.equal(dq[0, :, 3], torch.zeros_like(dq[0, :, 3]))
+    # A whole batch with no valid key (key-padding fast path).
+    kp = torch.ones(b, 1, 1, sk, dtype=torch.bool)
+    kp[1] = False
+    out, (dq, dk, dv) = _check_against_ref(q, k, v, mask=kp.to(device))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    for g in (dq[1], dk[1], dv[1]):
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_empty_key_sequence(device):
+    q, k, v = _inputs((1, 2, 5, 16), (1, 2, 0, 16), (1, 2, 0, 16), F32, device)
+    out = sdpa(q, k, v, backend="triton")
+    assert torch.equal(out, torch.zeros_like(out))
+    dq, dk, dv = _grads(out, (q, k, v), torch.randn_like(out))
+    assert torch.equal(dq, torch.zeros_like(dq)) and dk.shape == k.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts
+# ---------------------------------------------------------------------------------------------
+def test_strided_and_expanded_inputs(device):
+    b, h, s, d = 2, 2, 19, 16
+    # (B, S, H, D) storage seen as (B, H, S, D): non-contiguous, last dim contiguous.
+    q = torch.randn(b, s, h, d, device=device).transpose(1, 2).requires_grad_(False)
+    q = q.detach().requires_grad_(True)
+    # K/V broadcast over the batch with stride 0 (never materialised).
+    k0 = torch.randn(1, h, s, d, device=device, requires_grad=True)
+    v0 = torch.randn(1, h, s, d, device=device, requires_grad=True)
+    k, v = k0.expand(b, h, s, d), v0.expand(b, h, s, d)
+    assert not q.is_contiguous() and k.stride(0) == 0
+    out = sdpa(q, k, v, is_causal=True, backend="triton")
+    do = torch.randn_like(out)
+    dq, dk0, dv0 = _grads(out, (q, k0, v0), do)
+    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k0, v0))
+    ref = attention_reference(qd, kd.expand(b, h, s, d), vd.expand(b, h, s, d), is_causal=True)
+    rq, rk, rv = _grads(ref, (qd, kd, vd), do.double())
+    qf, kf, vf = (t.detach().requires_grad_(True) for t in (q, k0, v0))
+    lo = attention_reference(qf, kf.expand(b, h, s, d), vf.expand(b, h, s, d), is_causal=True)
+    lq, lk, lv = _grads(lo, (qf, kf, vf), do)
+    assert_close_to_ref("out", out, ref, lo)
+    assert_close_to_ref("dq", dq, rq, lq)
+    assert_close_to_ref("dk", dk0, rk, lk)
+    assert_close_to_ref("dv", dv0, rv, lv)
+
+
+def test_last_dim_not_contiguous(device):
+    base = torch.randn(1, 2, 17, 32, device=device)
+    q = base[..., ::2].detach().requires_grad_(True)  # stride(-1) == 2
+    k = torch.randn(1, 2, 17, 16, device=device, requires_grad=True)
+    v = torch.randn(1, 2, 17, 16, device=device, requires_grad=True)
+    assert q.stride(-1) == 2
+    _check_against_ref(q, k, v)
+
+
+@pytest.mark.parametrize("shape_q,shape_k", [((17, 16), (13, 16)), ((3, 17, 16), (3, 13, 16)),
+                                             ((2, 2, 2, 9, 16), (2, 1, 2, 13, 16))])
+def test_other_ranks_and_batch_broadcast(device, shape_q, shape_k):
+    q, k, v = _inputs(shape_q, shape_k, shape_k, F32, device)
+    out = sdpa(q, k, v, backend="triton")
+    expected_shape = torch.nn.functional.scaled_dot_product_attention(
+        q.detach().cpu(), k.detach().cpu(), v.detach().cpu()).shape
+    assert out.shape == expected_shape
+    _check_against_ref(q, k, v, out=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout
+# ---------------------------------------------------------------------------------------------
+def test_philox_matches_triton(device):
+    from pykernels._kernels.attention import dropout_mask_triton
+    seed = 123456789
+    got = dropout_mask_triton(seed, 2, 3, 7, 11, 0.3, device).cpu()
+    want = attention_dropout_mask(seed, 2, 3, 7, 11, 0.3, "cpu")
+    assert torch.equal(got, want)
+    # int64 counters past 2**32 (the high word feeds the second Philox counter).
+    offs = torch.tensor([0, 2**32 - 1, 2**32, 2**32 + 5, 3 * 2**33 + 7], dtype=torch.int64)
+    u = philox_uniform(seed, offs)
+    assert ((u >= 0) & (u < 1)).all() and len(set(u.tolist())) == len(offs)
+
+
+def test_dropout_keep_rate():
+    p = 0.3
+    keep = attention_dropout_mask(7, 4, 4, 64, 64, p, "cpu")
+    n = keep.numel()
+    rate = keep.float().mean().item()
+    sd = math.sqrt(p * (1 - p) / n)
+    assert abs(rate - (1 - p)) < 6 * sd, (rate, sd)
+
+
+@pytest.mark.parametrize("causal,gqa", [(False, False), (True, True)])
+def test_dropout_matches_reference_with_mask(device, causal, gqa):
+    """Forward and backward regenerate the mask from the same seed: both must equal the reference
+    given ``attention_dropout_mask`` of that seed."""
+    b, hq, hkv, sq, sk, d, p = 2, 4, 2 if gqa else 4, 19, 23, 16, 0.25
+    q, k, v = _inputs((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), F32, device)
+    torch.manual_seed(1234)
+    seed = int(new_seed()[0])
+    torch.manual_seed(1234)
+    out = sdpa(q, k, v, dropout_p=p, is_causal=causal, backend="triton")
+    dmask = attention_dropout_mask(seed, b, hq, sq, sk, p, device)
+    _check_against_ref(q, k, v, causal=causal, dropout_p=p, dropout_mask=dmask, out=out)
+    # The reference backend uses the same stream.
+    torch.manual_seed(1234)
+    out_ref_backend = sdpa(q, k, v, dropout_p=p, is_causal=causal, backend="reference")
+    torch.testing.assert_close(out_ref_backend, out, atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_seeded_reproducibility(device):
+    q, k, v = _inputs((1, 2, 17, 16), (1, 2, 17, 16), (1, 2, 17, 16), F32, device, requires_grad=False)
+    torch.manual_seed(5)
+    a = sdpa(q, k, v, dropout_p=0.5, backend="triton")
+    torch.manual_seed(5)
+    b = sdpa(q, k, v, dropout_p=0.5, backend="triton")
+    c = sdpa(q, k, v, dropout_p=0.5, backend="triton")
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism, compile, backends
+# ---------------------------------------------------------------------------------------------
+def test_deterministic_backward_bitwise(device):
+    q, k, v = _inputs((2, 4, 33, 16), (2, 2, 33, 16), (2, 2, 33, 16), F32, device)
+    do = torch.randn(2, 4, 33, 16, device=device)
+    runs = []
+    for _ in range(2):
+        out = sdpa(q, k, v, is_causal=True, backend="triton", deterministic=True)
+        runs.append(_grads(out, (q, k, v), do))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_torch_compile_fullgraph(device):
+    q, k, v = _inputs((1, 2, 17, 16), (1, 2, 17, 16), (1, 2, 17, 16), F32, device)
+    mask = (torch.rand(1, 1, 1, 17) > 0.2).to(device)
+
+    def f(q, k, v):
+        return sdpa(q, k, v, mask, is_causal=True, backend="triton") * 2.0
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out_c = compiled(q, k, v)
+    out_e = f(q, k, v)
+    torch.testing.assert_close(out_c, out_e)
+    do = torch.randn_like(out_e)
+    for a, b in zip(_grads(out_c, (q, k, v), do), _grads(out_e, (q, k, v), do)):
+        torch.testing.assert_close(a, b)
+
+
+def test_reference_backend_and_use_backend(device):
+    q, k, v = _inputs((1, 2, 9, 16), (1, 2, 11, 16), (1, 2, 11, 16), F32, device)
+    with pykernels.use_backend("reference"):
+        out, _ = _check_against_ref(q, k, v, causal=True, backend=None)
+    torch.testing.assert_close(out, sdpa(q, k, v, is_causal=True, backend="triton"), atol=1e-5, rtol=1e-5)
+
+
+def test_explicit_backend_raises():
+    q, k, v = _inputs((1, 1, 4, 16), (1, 1, 4, 16), (1, 1, 4, 16), F32, "cpu", requires_grad=False)
+    with pytest.raises(BackendUnavailableError, match="cuda"):
+        sdpa(q, k, v, backend="cuda")
+    q, k, v = _inputs((1, 1, 4, 320), (1, 1, 4, 320), (1, 1, 4, 320), F32, "cpu", requires_grad=False)
+    with pytest.raises(BackendUnavailableError, match="head dim 320"):
+        sdpa(q, k, v, backend="triton")
+    # auto on CPU tensors runs the reference, silently and correctly.
+    torch.testing.assert_close(sdpa(q, k, v, backend="auto"), attention_reference(q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------
+# Varlen and pad/unpad
+# ---------------------------------------------------------------------------------------------
+def _varlen_case(lengths_q, lengths_k, hq, hkv, d, dtype, device, extra_rows=0):
+    cu_q = torch.tensor([0] + torch.tensor(lengths_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lengths_k).cumsum(0).tolist(), dtype=torch.int32)
+    tq, tk = int(cu_q[-1]) + extra_rows, int(cu_k[-1]) + extra_rows
+    q, k, v = _inputs((tq, hq, d), (tk, hkv, d), (tk, hkv, d), dtype, device)
+    return q, k, v, cu_q.to(device), cu_k.to(device)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_varlen_equals_per_sequence(device, causal, dtype):
+    lq, lk = [5, 0, 17, 9], [7, 4, 17, 0]
+    q, k, v, cu_q, cu_k = _varlen_case(lq, lk, 4, 2, 16, dtype, device, extra_rows=3)
+    out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="triton")
+    do = torch.randn_like(out)
+    dq, dk, dv = _grads(out, (q, k, v), do)
+    # Rows past cu_seqlens[-1]: output and gradients are defined zeros.
+    for t, end in ((out, cu_q[-1]), (dq, cu_q[-1]), (dk, cu_k[-1]), (dv, cu_k[-1])):
+        assert torch.equal(t[int(end):], torch.zeros_like(t[int(end):]))
+    for i in range(len(lq)):
+        qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        if qe == qs:
+            continue
+
+        def seq(dt):
+            qq, kk, vv = (t.detach().to(dt).requires_grad_(True) for t in (q, k, v))
+            o = attention_reference(qq[qs:qe].transpose(0, 1), kk[ks:ke].transpose(0, 1),
+                                    vv[ks:ke].transpose(0, 1), is_causal=causal).transpose(0, 1)
+            return o, _grads(o, (qq, kk, vv), do[qs:qe].to(dt))
+
+        o_hi, g_hi = seq(torch.float64)
+        o_lo, g_lo = seq(dtype)
+        assert_close_to_ref(f"seq{i} out", out[qs:qe], o_hi, o_lo)
+        assert_close_to_ref(f"seq{i} dq", dq[qs:qe], g_hi[0][qs:qe], g_lo[0][qs:qe])
+        assert_close_to_ref(f"seq{i} dk", dk[ks:ke], g_hi[1][ks:ke], g_lo[1][ks:ke])
+        assert_close_to_ref(f"seq{i} dv", dv[ks:ke], g_hi[2][ks:ke], g_lo[2][ks:ke])
+
+
+def test_varlen_equals_padded_via_unpad(device):
+    b, s, h, d = 3, 21, 2, 16
+    lengths = torch.tensor([21, 9, 14])
+    attn = torch.arange(s)[None, :] < lengths[:, None]
+    x = torch.randn(b, s, 3, h, d, device=device)  # packed q, k, v per token
+    x_unpad, indices, cu, max_s = unpad_input(x, attn.to(device))
+    assert max_s == 21 and cu.dtype == torch.int32 and cu.tolist() == [0, 21, 30, 44]
+    q, k, v = (x_unpad[:, i].detach().requires_grad_(True) for i in range(3))
+    out = varlen_attention(q, k, v, cu, cu, max_s, max_s, backend="triton")
+    padded = pad_input(out, indices, b, s)  # (B, S, H, D)
+    qp, kp, vp = (x[:, :, i].transpose(1, 2) for i in range(3))
+    ref = sdpa(qp, kp, vp, attn.view(b, 1, 1, s).to(device), backend="triton").transpose(1, 2)
+    valid = attn.to(device)
+    torch.testing.assert_close(padded[valid], ref[valid], atol=1e-5, rtol=1e-5)
+    assert torch.equal(padded[~valid], torch.zeros_like(padded[~valid]))
+
+
+def test_unpad_pad_roundtrip_and_grad():
+    x = torch.randn(2, 5, 3, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0]])
+    xu, idx, cu, m = unpad_input(x, mask)
+    assert xu.shape == (3, 3) and idx.dtype == torch.int64 and cu.tolist() == [0, 3, 3] and m == 3
+    y = pad_input(xu * 2, idx, 2, 5)
+    expected = x.detach() * 2 * mask[..., None]
+    assert torch.equal(y, expected)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(g, 2.0 * mask[..., None].float().expand_as(g))
+
+
+def test_varlen_all_empty(device):
+    q, k, v, cu_q, cu_k = _varlen_case([0, 0], [0, 3], 2, 2, 16, F32, device, extra_rows=2)
+    out = varlen_attention(q, k, v, cu_q, cu_k, 0, 3, backend="triton")
+    assert torch.equal(out, torch.zeros_like(out))
+    dq, dk, dv = _grads(out, (q, k, v), torch.randn_like(out))
+    for g in (dq, dk, dv):
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_varlen_dropout_matches_reference_backend(device):
+    q, k, v, cu_q, cu_k = _varlen_case([5, 11], [6, 11], 2, 1, 16, F32, device)
+    outs = []
+    for backend in ("triton", "reference"):
+        torch.manual_seed(3)
+        o = varlen_attention(q, k, v, cu_q, cu_k, 11, 11, dropout_p=0.3, causal=True, backend=backend)
+        outs.append((o, _grads(o, (q, k, v), torch.ones_like(o))))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input errors
+# ---------------------------------------------------------------------------------------------
+def _qkv(*shape, dtype=F32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def test_bad_inputs():
+    q = _qkv(1, 2, 4, 16)
+    with pytest.raises(ValueError, match=r"query must have at least 2 dims, got shape \(4,\)"):
+        sdpa(torch.randn(4), q, q)
+    with pytest.raises(TypeError, match="query must have dtype"):
+        sdpa(torch.ones(1, 2, 4, 16, dtype=torch.int32), q, q)
+    with pytest.raises(ValueError, match="key has dtype"):
+        sdpa(q, q.half(), q)
+    with pytest.raises(ValueError, match="same head dim"):
+        sdpa(q, _qkv(1, 2, 4, 32), _qkv(1, 2, 4, 32))
+    with pytest.raises(ValueError, match="same sequence length"):
+        sdpa(q, q, _qkv(1, 2, 5, 16))
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        sdpa(_qkv(1, 3, 4, 16), q, q, enable_gqa=True)
+    with pytest.raises(ValueError, match="attn_mask of shape"):
+        sdpa(q, q, q, torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attn_mask must be bool"):
+        sdpa(q, q, q, torch.ones(4, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        sdpa(q, q, q, dropout_p=1.0)
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        sdpa(q, q, q, dropout_p=-0.1)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        sdpa(q, q, q, backend="fast")
+    with pytest.raises(TypeError, match="scale must be"):
+        sdpa(q, q, q, scale="big")
+    with pytest.raises(ValueError, match="key and value must have the same number of heads"):
+        sdpa(_qkv(1, 4, 4, 16), _qkv(1, 2, 4, 16), _qkv(1, 1, 4, 16))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        sdpa(_qkv(2, 2, 4, 16), _qkv(3, 2, 4, 16), _qkv(3, 2, 4, 16))
+
+
+def test_bad_varlen_inputs():
+    q = _qkv(6, 2, 16)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must have 3 dims"):
+        varlen_attention(_qkv(1, 6, 2, 16), q, q, cu, cu, 6, 6)
+    with pytest.raises(TypeError, match="cu_seqlens_q must have dtype"):
+        varlen_attention(q, q, q, cu.long(), cu, 6, 6)
+    with pytest.raises(ValueError, match="max_seqlen_k must be a non-negative int"):
+        varlen_attention(q, q, q, cu, cu, 6, -1)
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        varlen_attention(_qkv(6, 3, 16), q, q, cu, cu, 6, 6)
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        unpad_input(torch.randn(2, 5, 3), torch.ones(2, 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (bf16, realistic shapes); run by the lead on the GPU machine
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [16, 32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_bf16_head_dims(d, causal):
+    q, k, v = _inputs((2, 4, 1000, d), (2, 4, 1000, d), (2, 4, 1000, d), BF16, "cuda")
+    _check_against_ref(q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq,sk,causal", [(1, 1000, False), (1000, 1, True), (1000, 777, True),
+                                          (777, 1000, True), (127, 4097, False)])
+def test_gpu_bf16_uneven(sq, sk, causal):
+    q, k, v = _inputs((2, 8, sq, 64), (2, 2, sk, 64), (2, 2, sk, 64), BF16, "cuda")
+    _check_against_ref(q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+def test_gpu_bert_key_padding_and_torch_math(dtype):
+    b, h, s, d = 4, 12, 512, 64
+    lengths = torch.tensor([512, 300, 257, 1], device="cuda")
+    mask = (torch.arange(s, device="cuda")[None, :] < lengths[:, None]).view(b, 1, 1, s)
+    q, k, v = _inputs((b, h, s, d), (b, h, s, d), (b, h, s, d), dtype, "cuda")
+    out, _ = _check_against_ref(q, k, v, mask=mask)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_masks_gqa_dropout_bf16():
+    b, hq, hkv, s, d = 2, 8, 2, 300, 128
+    q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
+    _check_against_ref(q, k, v, mask=torch.randn(1, hq, s, s, device="cuda", dtype=BF16), causal=True)
+    _check_against_ref(q, k, v, mask=torch.rand(b, 1, s, s, device="cuda") > 0.5)
+    torch.manual_seed(11)
+    seed = int(new_seed()[0])
+    torch.manual_seed(11)
+    out = sdpa(q, k, v, dropout_p=0.1, is_causal=True, backend="triton")
+    dmask = attention_dropout_mask(seed, b, hq, s, s, 0.1, "cuda")
+    _check_against_ref(q, k, v, causal=True, dropout_p=0.1, dropout_mask=dmask, out=out)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_bf16_and_deterministic():
+    lq = [1000, 1, 0, 513, 77]
+    q, k, v, cu_q, cu_k = _varlen_case(lq, lq, 8, 2, 128, BF16, "cuda", extra_rows=5)
+    do = None
+    runs = []
+    for _ in range(2):
+        out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lq), causal=True, backend="triton",
+                               deterministic=True)
+        do = torch.randn_like(out) if do is None else do
+        runs.append(_grads(out, (q, k, v), do))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    i = 3
+    qs, qe = int(cu_q[i]), int(cu_q[i + 1])
+
+    def seq(dt):
+        qq, kk, vv = (t.detach()[qs:qe].to(dt).transpose(0, 1) for t in (q, k, v))
+        return attention_reference(qq, kk, vv, is_causal=True).transpose(0, 1)
+
+    assert_close_to_ref("varlen out", out[qs:qe], seq(torch.float64), seq(BF16))
+
+
+@pytest.mark.gpu
+def test_gpu_int64_offsets():
+    """More than 2**31 elements per tensor: offsets must be int64. Checks the last batches."""
+    b, h, s, d = 8192, 16, 136, 128  # 2.28e9 elements per tensor (4.6 GB in bf16)
+    torch.manual_seed(0)
+    q = torch.randn(b, h, s, d, device="cuda", dtype=BF16)
+    k = torch.randn(b, h, s, d, device="cuda", dtype=BF16)
+    v = torch.randn(b, h, s, d, device="cuda", dtype=BF16)
+    out = sdpa(q, k, v, is_causal=True, backend="triton")
+    tail = slice(b - 2, b)
+    ref_hi = attention_reference(q[tail].double(), k[tail].double(), v[tail].double(), is_causal=True)
+    ref_lo = attention_reference(q[tail], k[tail], v[tail], is_causal=True)
+    assert_close_to_ref("out tail", out[tail], ref_hi, ref_lo)
+    del out
+    qg, kg, vg = (t.requires_grad_(True) for t in (q, k, v))
+    out = sdpa(qg, kg, vg, is_causal=True, backend="triton")
+    do = torch.randn_like(out)
+    dq, dk, dv = _grads(out, (qg, kg, vg), do)
+    del out
+
+    def ref(dt):
+        qq, kk, vv = (t.detach()[tail].to(dt).requires_grad_(True) for t in (q, k, v))
+        o = attention_reference(qq, kk, vv, is_causal=True)
+        return _grads(o, (qq, kk, vv), do[tail].to(dt))
+
+    for name, a, hi, lo in zip(("dq", "dk", "dv"), (dq[tail], dk[tail], dv[tail]), ref(torch.float64), ref(BF16)):
+        assert_close_to_ref(name, a, hi, lo)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_falls_back_with_warning():
+    q, k, v = _inputs((1, 2, 64, 320), (1, 2, 64, 320), (1, 2, 64, 320), BF16, "cuda", requires_grad=False)
+    with pytest.warns(FallbackWarning, match="head dim 320"):
+        out = sdpa(q, k, v, backend="auto")
+    torch.testing.assert_close(out, attention_reference(q, k, v))
+    with pytest.raises(BackendUnavailableError, match="head dim 320"):
+        sdpa(q, k, v, backend="triton")
+
+
+@pytest.mark.gpu
+def test_gpu_compile_inductor():
+    q, k, v = _inputs((2, 4, 256, 64), (2, 4, 256, 64), (2, 4, 256, 64), BF16, "cuda")
+    f = lambda q, k, v: sdpa(q, k, v, is_causal=True, backend="triton")  # noqa: E731
+    out_c = torch.compile(f, fullgraph=True)(q, k, v)
+    torch.testing.assert_close(out_c, f(q, k, v))
