@@ -214,7 +214,7 @@ def _fwd_configs(block_n: int) -> list[triton.Config]:
 @functools.lru_cache(maxsize=None)
 def _fwd_tuned(block_n: int):
     # One autotuner per BLOCK_N bucket (the config list depends on it); keyed on N within the bucket.
-    return triton.autotune(configs=_fwd_configs(block_n), key=["N"])(_layer_norm_fwd_kernel)
+    return triton.autotune(configs=_fwd_configs(block_n), key=["N"], do_bench=_bench_quick)(_layer_norm_fwd_kernel)
 
 
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -282,7 +282,8 @@ def _layer_norm_bwd_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, RECOMPUTE_S: tl.constexpr, HAS_DS_OUT: tl.constexpr,
     STORE_DX: tl.constexpr, STORE_DRES: tl.constexpr, IS_RMS_NORM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # BLOCK_N >= N
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # rows per block; BLOCK_N >= N
+    PROGS_PER_SM: tl.constexpr,  # unused in the body: read by the launcher's grid (tuned with the tile)
 ):
     """Persistent: program p handles row blocks p, p + P, p + 2P, ... and writes one partial row."""
     pid = tl.program_id(0)
@@ -446,21 +447,46 @@ def _layer_norm_bwd_chunked_kernel(
         tl.store(DB_PARTIAL + pid.to(tl.int64) * N + cols, db_acc, mask=col_mask)
 
 
-def _bwd_launch_params(block_n: int) -> tuple[int, int]:
-    """(BLOCK_M, num_warps) of the fused backward: ~2048-4096 elements per row block, 8..16 per thread."""
-    if _interpret():
-        return (1 if block_n >= 64 else 2), 1
-    block_m = max(1, min(8, 4096 // block_n))
-    elems = block_m * block_n
-    num_warps = max(4, min(16, elems // 256))
-    return block_m, num_warps
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_programs(rows: int) -> int:
+def _sms(dev: torch.device) -> int:
+    """Streaming multiprocessors of ``dev`` (3 under the interpreter: >1 program, so the partial-sum
+    reduction is exercised)."""
+    if dev.type != "cuda":
+        return 3
+    return _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def _bench_quick(kernel_call, quantiles):
+    # short autotuning runs: the whole GPU batch has a time budget
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _bwd_configs(block_n: int) -> list[triton.Config]:
+    """(rows per block, warps, programs per SM) candidates for one BLOCK_N bucket: 2-8K elements per
+    row block, ~8-16 per thread (the backward keeps s, dy, xhat, g live), 2 or 4 resident programs."""
     if _interpret():
-        return max(1, min(rows, 3))  # >1 program so the partial-sum reduction is exercised
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return max(1, min(rows, 2 * sms))
+        return [triton.Config({"BLOCK_M": 1 if block_n >= 64 else 2, "PROGS_PER_SM": 1}, num_warps=1)]
+    out = []
+    for elems, per_thread, k in ((4096, 16, 2), (4096, 8, 2), (2048, 8, 4), (8192, 16, 1)):
+        bm = max(1, min(16, elems // block_n))
+        w = max(4, min(16, bm * block_n // (32 * per_thread)))
+        cfg = (bm, w, k)
+        if cfg not in out:
+            out.append(cfg)
+    return [triton.Config({"BLOCK_M": bm, "PROGS_PER_SM": k}, num_warps=w) for bm, w, k in out]
+
+
+_MAX_PROGS_PER_SM = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_tuned(block_n: int):
+    # keyed on N; every config overwrites all outputs (partial rows included), so tuning runs are safe
+    return triton.autotune(configs=_bwd_configs(block_n), key=["N"], do_bench=_bench_quick)(_layer_norm_bwd_kernel)
 
 
 def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tensor | None,
@@ -485,8 +511,10 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
     chunked = N > MAX_FUSED_N_BWD
     block_n = min(CHUNK_N, triton.next_power_of_2(N)) if chunked \
         else max(triton.next_power_of_2(N), 16)
-    block_m, num_warps = (1, 8 if not _interpret() else 1) if chunked else _bwd_launch_params(block_n)
-    progs = _num_programs(triton.cdiv(M, block_m)) if M else 1
+    sms = _sms(dev)
+    # the persistent grid depends on the tuned config (rows per block, programs per SM); the partial
+    # buffers are sized for the largest and only the rows of the chosen grid are summed
+    progs = max(1, min(M, (_MAX_PROGS_PER_SM if not _interpret() else 1) * sms))
     dw_partial = empty(progs, N, dtype=torch.float32, device=dev) if has_weight else None
     db_partial = empty(progs, N, dtype=torch.float32, device=dev) if has_bias else None
     if M == 0:
@@ -508,9 +536,22 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
         scale = 1.0 / (1.0 - dropout_p) if dropout_p > 0.0 else 1.0
         with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
             if not chunked:
-                _layer_norm_bwd_kernel[(progs,)](*ptrs, seed, *strides, M, N, dropout_p, scale, **flags,
-                                                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+                tuned = _bwd_tuned(block_n)
+
+                def grid(meta):
+                    return (max(1, min(triton.cdiv(M, meta["BLOCK_M"]), meta["PROGS_PER_SM"] * sms)),)
+
+                tuned[grid](*ptrs, seed, *strides, M, N, dropout_p, scale, **flags, BLOCK_N=block_n)
+                progs = grid(tuned.best_config.kwargs)[0]
+                dw_partial = dw_partial[:progs] if has_weight else None
+                db_partial = db_partial[:progs] if has_bias else None
             else:
+                num_warps = 8 if not _interpret() else 1
+                # about 4 programs per SM over the whole (row groups, chunks) grid: the partial buffers
+                # (progs x N fp32) stay small next to the data
+                progs = max(1, min(progs, 4 * sms // triton.cdiv(N, block_n)))
+                dw_partial = dw_partial[:progs] if has_weight else None
+                db_partial = db_partial[:progs] if has_bias else None
                 c1 = empty(M, dtype=torch.float32, device=dev)
                 c2 = empty(M if not rms_norm else 0, dtype=torch.float32, device=dev)
                 _layer_norm_bwd_row_stats_kernel[(M,)](
