@@ -216,6 +216,21 @@ def test_llama_grouped_query_attention(monkeypatch):
     assert all(c["q"][1] == 4 and c["k"][1] == 2 for c in calls)  # key/value not repeated
 
 
+@pytest.mark.parametrize("auto_cls, config_fn", [(AutoModel, bert_config), (AutoModelForCausalLM, gpt2_config)],
+                         ids=["bert", "gpt2"])
+def test_torch_compile_fullgraph(auto_cls, config_fn):
+    # The mask builder and the attention function must trace without graph breaks.
+    torch._dynamo.reset()
+    model = auto_cls.from_config(config_fn(), attn_implementation="pykernels").eval()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    ids, mask = make_batch([9, 6, 2], 9, "cpu")
+    with torch.no_grad(), pykernels.use_backend("reference"):
+        for m in (mask, torch.ones_like(mask)):  # key padding, and the mask-free path
+            got = main_output(compiled(input_ids=ids, attention_mask=m))
+            want = main_output(model(input_ids=ids, attention_mask=m))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # what reaches the kernel
 
