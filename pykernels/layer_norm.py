@@ -260,6 +260,11 @@ def _backward(ctx, dy, ds, dmean, drstd, dseed):
     x_dtype, res_dtype = ctx.dtypes
     if dy is None:
         dy = torch.zeros(rstd.shape[0], (s if s is not None else x).shape[1], dtype=x_dtype, device=rstd.device)
+    # the kernels need unit column stride: gradients of reductions arrive expanded (stride 0)
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    if prenorm and ds is not None and ds.stride(-1) != 1:
+        ds = ds.contiguous()
     # dx is a separate tensor only when it differs from dresidual (dropout, or another dtype)
     store_dx = res_dtype is None or dropout_p > 0.0 or res_dtype != x_dtype
     dx, dres, dw, db = torch.ops.pykernels.layer_norm_bwd(

@@ -137,6 +137,20 @@ def test_non_contiguous_last_dim(device):
     _check(x, r.detach().requires_grad_(), w, None)
 
 
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_expanded_upstream_gradient(prenorm, device):
+    """y.sum().backward() hands the backward an expanded (stride 0) gradient."""
+    x, r, w, b = _make((4, 3, 80), torch.float32, device)
+    out = pykernels.layer_norm(x, w, b, residual=r, prenorm=prenorm, backend="triton")
+    loss = out[0].sum() + 3 * out[1].sum() if prenorm else out.sum()
+    g = torch.autograd.grad(loss, (x, r, w, b))
+    ref = layer_norm_reference(*(t.double() for t in (x, w, b)), residual=r.double(), prenorm=prenorm)
+    loss_ref = ref[0].sum() + 3 * ref[1].sum() if prenorm else ref.sum()
+    g_ref = torch.autograd.grad(loss_ref, (x, r, w, b))
+    for a, e in zip(g, g_ref):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
 def test_mixed_residual_dtype(device):
     """Residual stream kept in fp32 while the branch is fp16 (the next layer of a residual_in_fp32 model)."""
     x, r, w, b = _make((5, 300), torch.float16, device, res_dtype=torch.float32)
