@@ -81,85 +81,52 @@ def _interpret() -> bool:
 # Autotune spaces: small, keyed on (padded head dim, sequence bucket, causal, mask kind, dropout)
 # and pruned by head dim so shared memory fits. Under the CPU interpreter: one small config.
 # ---------------------------------------------------------------------------------------------
-def _fwd_configs():
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded-head-dim tier, best guess first.
+# Forward/dQ: BLOCK_M % BLOCK_N == 0; dK/dV: BLOCK_N % BLOCK_M == 0 (the causal split needs it).
+_TABLE = {
+    "fwd": {64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+            128: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
+            256: [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2)]},
+    "fwd_short": {64: [(64, 64, 4, 3), (64, 32, 4, 3)],
+                  128: [(64, 64, 4, 3), (64, 32, 4, 3)],
+                  256: [(64, 32, 4, 2), (64, 64, 8, 2)]},
+    "dkdv": {64: [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3)],
+             128: [(32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 3)],
+             256: [(16, 64, 4, 2), (32, 64, 8, 2)]},
+    "dq": {64: [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
+           128: [(128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3)],
+           256: [(64, 16, 4, 2), (64, 32, 8, 2)]},
+}
+
+
+def _configs(*kinds):
+    """Every config the tables name for these kernels (one small config under the interpreter)."""
     if _interpret():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    out = []
-    for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
-                         (64, 64, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)]:
-        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
-    return out
+    seen = []
+    for kind in kinds:
+        for tier in _TABLE[kind].values():
+            for c in tier:
+                if c not in seen:
+                    seen.append(c)
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in seen]
 
 
-def _prune_fwd(configs, nargs, **kw):
-    d = max(kw["BLOCK_D"], kw["BLOCK_DV"])
-    bucket = kw["seq_bucket"]
-    keep = []
-    for c in configs:
-        bm, bn, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
-        if d >= 256:
-            ok = (bm, bn) in ((64, 32), (128, 32)) and st == 2
-        elif d >= 128:
-            ok = bn <= 64 and st <= 3 and (bm, bn, st) != (128, 32, 4)
-        else:
-            ok = st >= 3
-        if bucket <= 128 and bm == 128:
-            ok = False
-        if ok:
-            keep.append(c)
-    return keep or configs[-1:]
-
-
-def _dkdv_configs():
-    if _interpret():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    out = []
-    for bm, bn, w, s in [(32, 128, 8, 3), (32, 128, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3),
-                         (64, 64, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2)]:
-        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
-    return out
-
-
-def _prune_dkdv(configs, nargs, **kw):
-    d = max(kw["BLOCK_D"], kw["BLOCK_DV"])
-    keep = []
-    for c in configs:
-        bm, bn, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
-        if d >= 256:
-            ok = (bm, bn, st) in ((16, 64, 2), (32, 64, 2))
-        elif d >= 128:
-            ok = (bm, bn, st) in ((32, 128, 2), (32, 64, 3), (64, 64, 2), (32, 64, 2))
-        else:
-            ok = st >= 2 and bm >= 32
-        if ok:
-            keep.append(c)
-    return keep or configs[-1:]
-
-
-def _dq_configs():
-    if _interpret():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    out = []
-    for bm, bn, w, s in [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 2),
-                         (128, 32, 4, 2), (64, 16, 4, 2), (64, 32, 4, 2)]:
-        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
-    return out
-
-
-def _prune_dq(configs, nargs, **kw):
-    d = max(kw["BLOCK_D"], kw["BLOCK_DV"])
-    keep = []
-    for c in configs:
-        bm, bn, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
-        if d >= 256:
-            ok = (bm, bn, st) in ((64, 16, 2), (64, 32, 2))
-        elif d >= 128:
-            ok = st <= 3 and bn <= 64 and (bm, bn) != (64, 16)
-        else:
-            ok = st >= 3 or (bm, bn) == (64, 64)
-        if ok:
-            keep.append(c)
-    return keep or configs[-1:]
+def _pruner(kind):
+    def prune(configs, nargs, **kw):
+        if len(configs) == 1:
+            return configs
+        args = {**nargs, **kw}  # seq_bucket is positional (nargs); the constexprs come as keywords
+        d = max(args["BLOCK_D"], args["BLOCK_DV"])
+        tier = 64 if d <= 64 else (128 if d <= 128 else 256)
+        table = _TABLE["fwd_short" if kind == "fwd" and args["seq_bucket"] <= 128 else kind][tier]
+        # PYKERNELS_AUTOTUNE=0: take the first (heuristic) config only, e.g. for quick GPU test runs.
+        if os.environ.get("PYKERNELS_AUTOTUNE", "1") == "0":
+            table = table[:1]
+        keep = [c for c in configs
+                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in table]
+        return keep or configs[:1]
+    return prune
 
 
 _FWD_KEYS = ["BLOCK_D", "BLOCK_DV", "seq_bucket", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT", "IS_VARLEN"]
@@ -177,10 +144,12 @@ def _seq_bounds(CuQ, CuK, b, Sq, Sk, IS_VARLEN: tl.constexpr):
         k_start = tl.load(CuK + b).to(tl.int64)
         k_len = (tl.load(CuK + b + 1) - tl.load(CuK + b)).to(tl.int32)
     else:
-        q_start = 0
-        q_len = Sq
-        k_start = 0
-        k_len = Sk
+        # Always tensors (never constexprs, which Sq == 1 would make), like the varlen branch.
+        zero = b * 0
+        q_start = zero
+        q_len = zero.to(tl.int32) + Sq
+        k_start = zero
+        k_len = zero.to(tl.int32) + Sk
     return q_start, q_len, k_start, k_len
 
 
@@ -241,7 +210,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, Mask, start_lo, end_hi, offs_m, m_ok, off
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_fwd_configs(), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _prune_fwd})
+@triton.autotune(configs=_configs("fwd", "fwd_short"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("fwd")})
 @triton.jit
 def _attention_fwd_kernel(
     Q, K, V, O, LSE, Mask, KvRange, CuQ, CuK,  # tensors (Mask/KvRange/Cu* are dummies when unused)
@@ -386,7 +355,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
     return dk, dv
 
 
-@triton.autotune(configs=_dkdv_configs(), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _prune_dkdv})
+@triton.autotune(configs=_configs("dkdv"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dkdv")})
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV_, LSE, Delta, Mask, KvRange, CuQ, CuK,
@@ -494,7 +463,7 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
     return dq
 
 
-@triton.autotune(configs=_dq_configs(), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _prune_dq})
+@triton.autotune(configs=_configs("dq"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dq")})
 @triton.jit
 def _attention_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, Delta, Mask, KvRange, CuQ, CuK,
@@ -572,7 +541,10 @@ def _pow2_dim(d: int) -> int:
 
 
 def _seq_bucket(sq: int, sk: int) -> int:
-    return min(8192, max(64, triton.next_power_of_2(max(sq, sk, 1))))
+    """Coarse autotune key for the sequence length (short / medium / long), so varying varlen
+    max_seqlen or padded lengths do not retune every call."""
+    s = max(sq, sk)
+    return 128 if s <= 128 else (2048 if s <= 2048 else 16384)
 
 
 def _mask_args(mask: torch.Tensor | None, dummy: torch.Tensor):
