@@ -72,6 +72,30 @@ def _interpret() -> bool:
 
 
 @triton.jit
+def _lse_step(x, m, s):
+    """One online-logsumexp step on a chunk ``x`` (fp32, log2 units, masked lanes -inf)."""
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(x - m_new), axis=0)
+    return m_new, s
+
+
+@triton.jit
+def _fwd_chunk(ptrs, cmask, m, s, sum_x, HAS_SMOOTHING: tl.constexpr, MASKED: tl.constexpr):
+    """Fold one chunk into (m, s, sum_x)."""
+    if MASKED:
+        x = tl.load(ptrs, mask=cmask, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
+    else:
+        x = tl.load(ptrs, eviction_policy="evict_first").to(tl.float32)
+    m, s = _lse_step(x * 1.4426950408889634, m, s)  # log2(e): exp(x) == exp2(x * log2e)
+    if HAS_SMOOTHING:
+        if MASKED:
+            sum_x += tl.sum(tl.where(cmask, x, 0.0), axis=0)
+        else:
+            sum_x += tl.sum(x, axis=0)
+    return m, s, sum_x
+
+
+@triton.jit
 def _cross_entropy_fwd_kernel(
     logits_ptr,       # (N, V) fp16/bf16/fp32, column stride 1
     target_ptr,       # (N,) int32/int64, contiguous
@@ -84,38 +108,44 @@ def _cross_entropy_fwd_kernel(
     z_loss,           # coefficient of lse**2
     HAS_SMOOTHING: tl.constexpr,  # eps > 0: accumulate the row sum of the logits
     HAS_Z_LOSS: tl.constexpr,     # z_loss > 0
-    BLOCK_V: tl.constexpr,        # columns per loop step
+    ALIGN: tl.constexpr,          # elements per 16 bytes if logits_ptr is 16-byte aligned, else 1
+    BLOCK_V: tl.constexpr,        # columns per loop step (a multiple of ALIGN)
 ):
     row = tl.program_id(0).to(tl.int64)  # int64 before the stride multiply: N*V may exceed 2**31
     target = tl.load(target_ptr + row).to(tl.int64)
     active = target != ignore_index
     in_range = (target >= 0) & (target < V)
-    row_ptr = logits_ptr + row * stride_n
-    # Ignored rows are not read at all: their loop runs zero times.
-    v_end = tl.where(active, V, 0)
 
-    m = tl.full((), float("-inf"), tl.float32)   # running max, log2 units
-    s = tl.zeros((), tl.float32)                 # running sum of exp2(x*log2e - m)
-    sum_x = tl.zeros((), tl.float32)             # row sum of x (for label smoothing)
-    for start in range(0, v_end, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        cmask = cols < V
-        x = tl.load(row_ptr + cols, mask=cmask, other=float("-inf"),
-                    eviction_policy="evict_first").to(tl.float32)
-        x2 = x * 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2e)
-        m_new = tl.maximum(m, tl.max(x2, axis=0))
-        s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(x2 - m_new), axis=0)
-        m = m_new
-        if HAS_SMOOTHING:
-            sum_x += tl.sum(tl.where(cmask, x, 0.0), axis=0)
+    # Aligned frame (see the design note): frame column c is element row_ptr[c]; the row is
+    # columns [shift, end). Pieces: head [0, ALIGN) and last [end_al, end) are tiny masked loads;
+    # the body [ALIGN, end_al) is ALIGN-aligned at both ends, so its chunks are 16-byte vector
+    # loads (the final partial chunk's mask is constant over each 16 bytes, so it vectorises too).
+    row_off = row * stride_n
+    shift = (row_off % ALIGN).to(tl.int32)
+    row_ptr = logits_ptr + tl.multiple_of(row_off - shift, ALIGN)
+    # An ignored row reads just its first element (keeps every statistic finite).
+    end = tl.where(active, shift + V, shift + 1)
+    end_al = tl.multiple_of(tl.maximum((end // ALIGN) * ALIGN, ALIGN), ALIGN)
+    n_body = end_al - ALIGN
+    n_full = (n_body // BLOCK_V) * BLOCK_V
 
-    # Ignored rows never ran the loop (m = -inf, s = 0): keep their unused lse finite.
-    m = tl.where(active, m, 0.0)
-    s = tl.where(active, s, 1.0)
+    # Head first: it holds column `shift`, so m is finite from here on (no NaN from -inf - -inf).
+    c = tl.arange(0, ALIGN)
+    m, s, sum_x = _fwd_chunk(row_ptr + c, (c >= shift) & (c < end), tl.full((), float("-inf"), tl.float32),
+                             tl.zeros((), tl.float32), tl.zeros((), tl.float32), HAS_SMOOTHING, True)
+    c = end_al + tl.arange(0, ALIGN)
+    m, s, sum_x = _fwd_chunk(row_ptr + c, c < end, m, s, sum_x, HAS_SMOOTHING, True)
+    for start in range(0, n_full, BLOCK_V):
+        cols = ALIGN + tl.multiple_of(start, BLOCK_V) + tl.arange(0, BLOCK_V)
+        m, s, sum_x = _fwd_chunk(row_ptr + cols, None, m, s, sum_x, HAS_SMOOTHING, False)
+    for start in range(n_full, n_body, BLOCK_V):  # the partial body chunk: at most one
+        cols = ALIGN + tl.multiple_of(start, BLOCK_V) + tl.arange(0, BLOCK_V)
+        m, s, sum_x = _fwd_chunk(row_ptr + cols, cols < end_al, m, s, sum_x, HAS_SMOOTHING, True)
+
     lse = (m + tl.log2(s)) * 0.6931471805599453  # back to natural log
     # The target logit: one scalar load, masked so an out-of-range target is never dereferenced.
     t_ok = active & in_range
-    x_t = tl.load(row_ptr + tl.where(t_ok, target, 0), mask=t_ok, other=0.0).to(tl.float32)
+    x_t = tl.load(row_ptr + shift + tl.where(t_ok, target, 0), mask=t_ok, other=0.0).to(tl.float32)
     loss = lse - x_t
     if HAS_SMOOTHING:
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_x / V)
@@ -127,6 +157,27 @@ def _cross_entropy_fwd_kernel(
 
 
 @triton.jit
+def _bwd_tile(dl_ptr, x_ptr, c, cmask, target_col, lse2, g, z_lse_scale, label_smoothing, V,
+              HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, MASKED: tl.constexpr):
+    """dlogits of the frame columns ``c``; ``target_col`` is the target's frame column."""
+    if MASKED:
+        x = tl.load(x_ptr + c, mask=cmask, other=float("-inf"), eviction_policy="evict_first")
+    else:
+        x = tl.load(x_ptr + c, eviction_policy="evict_first")
+    p = tl.exp2(x.to(tl.float32) * 1.4426950408889634 - lse2)  # softmax from the saved lse: FMA + exp2
+    if HAS_Z_LOSS:
+        p = p * z_lse_scale  # d(z lse^2)/dx = 2 z lse softmax
+    d = p - tl.where(c == target_col, 1.0 - label_smoothing, 0.0)
+    if HAS_SMOOTHING:
+        d -= label_smoothing / V
+    d = (d * g).to(dl_ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(dl_ptr + c, d, mask=cmask)
+    else:
+        tl.store(dl_ptr + c, d)
+
+
+@triton.jit
 def _cross_entropy_bwd_kernel(
     dlogits_ptr,      # (N, V) out, logits dtype; may be logits_ptr itself (in-place)
     logits_ptr,       # (N, V) fp16/bf16/fp32, column stride 1
@@ -134,15 +185,16 @@ def _cross_entropy_bwd_kernel(
     lse_ptr,          # (N,) fp32 saved by the forward
     grad_ptr,         # fp32 incoming gradient of the row losses, read at row * stride_g
     stride_n,         # logits row stride
-    stride_dn,        # dlogits row stride
+    stride_dn,        # dlogits row stride (== stride_n modulo ALIGN, so both share the frame)
     stride_g,         # grad stride (0: one scalar for every row)
     V,                # vocabulary size
-    n_chunks,         # ceil(V / BLOCK_V): programs per row
+    n_chunks,         # body chunks per row: ceil(V / BLOCK_V) (the body is shorter than V)
     ignore_index,
     label_smoothing,  # eps
     z_loss,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
+    ALIGN: tl.constexpr,          # elements per 16 bytes when both buffers allow it, else 1
     BLOCK_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -151,25 +203,43 @@ def _cross_entropy_bwd_kernel(
     target = tl.load(target_ptr + row).to(tl.int64)
     active = target != ignore_index
     in_range = (target >= 0) & (target < V)
-    lse2 = tl.load(lse_ptr + row) * 1.4426950408889634
-    g = tl.load(grad_ptr + row * stride_g).to(tl.float32)
-
-    cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
-    cmask = cols < V
-    # Ignored rows: the load is fully masked (no memory traffic) and zeros are written.
-    x = tl.load(logits_ptr + row * stride_n + cols, mask=cmask & active, other=float("-inf"),
-                eviction_policy="evict_first").to(tl.float32)
-    p = tl.exp2(x * 1.4426950408889634 - lse2)  # softmax from the saved lse: one FMA + exp2
-    if HAS_Z_LOSS:
-        # d(z lse^2)/dx = 2 z lse softmax
-        p = p * (1.0 + 2.0 * z_loss * (lse2 * 0.6931471805599453))
-    d = p - tl.where(cols == target, 1.0 - label_smoothing, 0.0)
-    if HAS_SMOOTHING:
-        d -= label_smoothing / V
-    d = d * g
-    d = tl.where(in_range, d, float("nan"))
-    d = tl.where(active, d, 0.0)
-    tl.store(dlogits_ptr + row * stride_dn + cols, d.to(dlogits_ptr.dtype.element_ty), mask=cmask)
+    # The forward's aligned frame; dlogits shares it (its row stride is congruent modulo ALIGN).
+    row_off = row * stride_n
+    shift = (row_off % ALIGN).to(tl.int32)
+    x_ptr = logits_ptr + tl.multiple_of(row_off - shift, ALIGN)
+    drow_off = row * stride_dn
+    dl_ptr = dlogits_ptr + tl.multiple_of(drow_off - (drow_off % ALIGN), ALIGN)
+    end = shift + V
+    end_al = tl.multiple_of(tl.maximum((end // ALIGN) * ALIGN, ALIGN), ALIGN)
+    n_body = end_al - ALIGN
+    start = chunk * BLOCK_V
+    c = ALIGN + start + tl.arange(0, BLOCK_V)    # this program's body chunk
+    ch = tl.arange(0, ALIGN)                     # head piece (chunk 0 only)
+    cl = end_al + tl.arange(0, ALIGN)            # last piece (chunk 0 only)
+    if active:
+        lse2 = tl.load(lse_ptr + row) * 1.4426950408889634
+        g = tl.load(grad_ptr + row * stride_g).to(tl.float32)
+        g = tl.where(in_range, g, float("nan"))  # out-of-range target: NaN row (the loss is NaN too)
+        z_lse_scale = 1.0 + 2.0 * z_loss * (lse2 * 0.6931471805599453)
+        target_col = shift + target
+        if start + BLOCK_V <= n_body:
+            _bwd_tile(dl_ptr, x_ptr, c, None, target_col, lse2, g, z_lse_scale, label_smoothing, V,
+                      HAS_SMOOTHING, HAS_Z_LOSS, False)
+        else:
+            # Partial (or, for rows whose body is a chunk shorter, empty) chunk: an aligned mask.
+            _bwd_tile(dl_ptr, x_ptr, c, c < end_al, target_col, lse2, g, z_lse_scale, label_smoothing, V,
+                      HAS_SMOOTHING, HAS_Z_LOSS, True)
+        if chunk == 0:
+            _bwd_tile(dl_ptr, x_ptr, ch, (ch >= shift) & (ch < end), target_col, lse2, g, z_lse_scale,
+                      label_smoothing, V, HAS_SMOOTHING, HAS_Z_LOSS, True)
+            _bwd_tile(dl_ptr, x_ptr, cl, cl < end, target_col, lse2, g, z_lse_scale, label_smoothing, V,
+                      HAS_SMOOTHING, HAS_Z_LOSS, True)
+    else:
+        # Ignored row: zeros, nothing read.
+        tl.store(dl_ptr + c, tl.zeros((BLOCK_V,), dl_ptr.dtype.element_ty), mask=c < end_al)
+        if chunk == 0:
+            tl.store(dl_ptr + ch, tl.zeros((ALIGN,), dl_ptr.dtype.element_ty), mask=(ch >= shift) & (ch < end))
+            tl.store(dl_ptr + cl, tl.zeros((ALIGN,), dl_ptr.dtype.element_ty), mask=cl < end)
 
 
 # Forward tuning: tile and warps only, pruned by V so a small vocabulary never tries tiles far
@@ -213,6 +283,17 @@ def _bwd_launch(V: int, elem_size: int) -> tuple[int, int]:
     return block, max(1, min(8, block // 512))
 
 
+def _align(logits: torch.Tensor, dlogits: torch.Tensor | None = None) -> int:
+    """Elements per 16 bytes when every row can be addressed in the 16-byte-aligned frame (base
+    pointers 16-byte aligned, and dlogits' row stride congruent to the logits'), else 1 (then
+    chunks start at each row's first element and accesses are scalar)."""
+    align = 16 // logits.element_size()
+    ok = logits.data_ptr() % 16 == 0
+    if dlogits is not None:
+        ok = ok and dlogits.data_ptr() % 16 == 0 and (logits.stride(0) - dlogits.stride(0)) % align == 0
+    return align if ok else 1
+
+
 def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int,
                       label_smoothing: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss and logsumexp.
@@ -228,7 +309,7 @@ def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, *, ignore_inde
         return loss, lse
     args = (logits, target, loss, lse, logits.stride(0), V, ignore_index, float(label_smoothing),
             float(z_loss))
-    flags = dict(HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0)
+    flags = dict(HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0, ALIGN=_align(logits))
     if _interpret():
         _cross_entropy_fwd_kernel[(N,)](*args, **flags, BLOCK_V=_interpret_block(V), num_warps=1)
     else:
@@ -252,10 +333,12 @@ def cross_entropy_bwd(grad: torch.Tensor, logits: torch.Tensor, target: torch.Te
     if N == 0:
         return dlogits
     block, warps = _bwd_launch(V, logits.element_size())
+    align = _align(logits, dlogits)
     n_chunks = triton.cdiv(V, block)
     grad = grad.float()
     _cross_entropy_bwd_kernel[(N * n_chunks,)](
         dlogits, logits, target, lse, grad, logits.stride(0), dlogits.stride(0), grad.stride(0), V,
         n_chunks, ignore_index, float(label_smoothing), float(z_loss),
-        HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0, BLOCK_V=block, num_warps=warps)
+        HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0, ALIGN=align, BLOCK_V=block,
+        num_warps=warps)
     return dlogits

@@ -40,6 +40,8 @@ def _check(logits, target, *, backend="triton", **kw):
     red = kw.get("reduction", "mean")
     upstream = (torch.randn(target.shape, device=logits.device) if red == "none"
                 else torch.randn((), device=logits.device))
+    # Representable in the logits' dtype, so every contender (and float64) sees the same upstream.
+    upstream = upstream.to(logits.dtype).float()
     out, g = _loss_and_grad(pykernels.cross_entropy, logits, target, upstream, backend=backend, **kw)
     hi, g_hi = _loss_and_grad(cross_entropy_reference, logits.double(), target, upstream.double(), **kw)
     lo, g_lo = _loss_and_grad(cross_entropy_reference, logits, target, upstream, **kw)
@@ -144,6 +146,38 @@ def test_strided_and_batched(device):
     _check(torch.randn(10, V, device=device), tbig[::2])
     # Column-strided logits (a transpose) are copied, and still correct.
     _check(torch.randn(V, 6, device=device).t(), _targets(6, V, device))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("V", [2, 3, 7, 8, 9, 136, 263])
+def test_row_alignments(device, dtype, V):
+    """Rows start at every offset modulo 16 bytes (contiguous odd V); short rows that fit in the
+    head piece; rows that end inside the head, the body, or one element past a chunk."""
+    logits = torch.randn(11, V, device=device, dtype=dtype) * 2
+    _check(logits, _targets(11, V, device), reduction="none", label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("offset,pad", [(8, 16), (8, 9), (3, 8)])
+def test_padded_buffers(device, offset, pad):
+    """Slices of a padded fp16 buffer: 16-byte-aligned base with a row stride congruent (or not) to
+    V modulo 8 elements, and an unaligned base; also overwritten in place."""
+    V = 201
+    buf = torch.randn(9, V + pad + offset, device=device, dtype=torch.float16)
+    logits = buf[:, offset:offset + V]
+    target = _targets(9, V, device)
+    _check(logits, target, reduction="none", z_loss=1e-2)
+    out, g = _loss_and_grad(pykernels.cross_entropy, logits, target, torch.ones(()), backend="triton")
+    base = buf.detach().clone()                             # same strides and alignment as buf
+    view = base[:, offset:offset + V]
+    view.requires_grad_()
+    loss = pykernels.cross_entropy(view, target, backend="triton", inplace_backward=True)
+    (grad,) = torch.autograd.grad(loss, view)
+    assert grad.data_ptr() == view.data_ptr()
+    torch.testing.assert_close(loss, out, rtol=0, atol=0)
+    torch.testing.assert_close(grad, g, rtol=0, atol=0)
+    # The padding around the rows is untouched.
+    torch.testing.assert_close(base[:, :offset], buf[:, :offset], rtol=0, atol=0)
+    torch.testing.assert_close(base[:, offset + V:], buf[:, offset + V:], rtol=0, atol=0)
 
 
 def test_int32_and_small_int_targets(device):
