@@ -339,6 +339,14 @@ def _bf16_three_way(auto_cls, config_fn, lengths, seqlen):
     assert_close_to_ref("output", y, y_hi, y_lo, atol=atol(y_hi))
     assert set(g) == set(g_hi)
     for name in g_hi:
+        if name.endswith("attention.self.key.bias"):
+            # Exactly 0 in exact arithmetic (a key bias adds q.b to every score of a row, and softmax
+            # ignores a per-row shift), so every implementation returns only the rounding noise of
+            # sum_t dK_t: a ratio of two noises says nothing. Check that it stays noise: finite and
+            # far below the same layer's key-weight gradient, which is a sum of the same dK rows.
+            w = g_hi[name[:-len("bias")] + "weight"].abs().max().item()
+            assert torch.isfinite(g[name]).all() and g[name].abs().max().item() <= 0.25 * w, name
+            continue
         assert_close_to_ref(f"grad {name}", g[name], g_hi[name], g_lo[name], atol=atol(g_hi[name]))
 
 
@@ -350,6 +358,8 @@ def test_gpu_bert_base_bf16():
 
 
 @pytest.mark.gpu
-def test_gpu_gpt2_small_bf16():
-    cfg = lambda: GPT2Config(vocab_size=50257, n_embd=768, n_layer=4, n_head=12, n_positions=1024, bos_token_id=0, eos_token_id=0)  # noqa: E731
-    _bf16_three_way(AutoModelForCausalLM, cfg, [512, 512], 512)
+@pytest.mark.parametrize("lengths", [[512, 512], [512, 301]], ids=["causal_flag", "causal_and_padding"])
+def test_gpu_gpt2_small_bf16(lengths):
+    cfg = lambda: GPT2Config(vocab_size=50257, n_embd=768, n_layer=4, n_head=12, n_positions=1024,  # noqa: E731
+                             bos_token_id=0, eos_token_id=0)
+    _bf16_three_way(AutoModelForCausalLM, cfg, lengths, 512)
