@@ -52,8 +52,15 @@ Not supported (raise ``ValueError`` naming the argument): ``softcap``, attention
 Compatibility: written against transformers 5.x (``AttentionInterface`` in ``modeling_utils`` and
 ``AttentionMaskInterface`` in ``masking_utils``, present since 4.53); the mask builder forwards
 every keyword to transformers' SDPA builder, so its signature changes across versions do not
-matter. Models that do not dispatch through ``ALL_ATTENTION_FUNCTIONS`` (BERT before 5.0) simply
-cannot select ``"pykernels"`` (transformers raises).
+matter. Models that do not dispatch through ``ALL_ATTENTION_FUNCTIONS`` (e.g. BERT in 4.x, which keeps
+its own per-implementation attention classes) cannot use ``"pykernels"``: they fail when they look the
+name up.
+
+Limitation: a causal model with padding gets the materialised (B, 1, Sq, Sk) causal-and-padding mask
+(as transformers' ``sdpa`` does), so the kernel reads a mask tile per block and cannot skip the blocks
+above the diagonal; without padding (packed pretraining batches) it takes the ``is_causal`` path,
+which skips them. Fully masked query rows (left padding before the first token of a causal model)
+give 0 here, where ``eager`` gives the mean of the values; these rows are padding either way.
 """
 from __future__ import annotations
 
