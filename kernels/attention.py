@@ -137,7 +137,7 @@ _FWD_KEYS = ["BLOCK_D", "BLOCK_DV", "seq_bucket", "IS_CAUSAL", "MASK_KIND", "HAS
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _seq_bounds(CuQ, CuK, b, Sq, Sk, IS_VARLEN: tl.constexpr):
-    """Start (int64) and length of this program's query and key sequence."""
+    """Start (int64) and length (int32) of this program's query and key sequence."""
     if IS_VARLEN:
         q_start = tl.load(CuQ + b).to(tl.int64)
         q_len = (tl.load(CuQ + b + 1) - tl.load(CuQ + b)).to(tl.int32)
@@ -154,26 +154,28 @@ def _seq_bounds(CuQ, CuK, b, Sq, Sk, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _scores_masked(s, offs_m, offs_n, k_len, mask_ptrs, bh_mask_ok,
-                   MASK_KIND: tl.constexpr, APPLY_CAUSAL: tl.constexpr):
-    """Apply the bounds, user and causal masks to log2-scaled scores ``s`` (BLOCK_M, BLOCK_N).
-    Masked lanes become -inf *after* every transform so reductions never see garbage."""
-    valid = (offs_n[None, :] < k_len) & bh_mask_ok
-    if MASK_KIND == 1:
-        keep = tl.load(mask_ptrs, mask=valid, other=0)
-        valid = valid & (keep != 0)
-    if MASK_KIND == 2:
-        add = tl.load(mask_ptrs, mask=valid, other=0.0).to(tl.float32)
+def _apply_masks(s, rows, cols, k_len, mask_ptrs, row_ok, MASK_KIND: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
+                 CHECK_N: tl.constexpr):
+    """Mask log2-scaled scores ``s``. ``rows``/``cols`` are the query/key indices already broadcast to
+    the tile's layout ((M,1)/(1,N), or (1,M)/(N,1) for the transposed tile of the dK/dV kernel).
+    Masked lanes become -inf after every transform, so reductions never see garbage."""
+    if MASK_KIND == 1:  # boolean, True = take part (read as uint8)
+        keep = tl.load(mask_ptrs, mask=row_ok & (cols < k_len), other=0)
+        s = tl.where(keep != 0, s, float("-inf"))
+    if MASK_KIND == 2:  # additive, natural-log units -> log2 units
+        add = tl.load(mask_ptrs, mask=row_ok & (cols < k_len), other=0.0).to(tl.float32)
         s = s + add * 1.4426950408889634
-    if APPLY_CAUSAL:
-        valid = valid & (offs_m[:, None] >= offs_n[None, :])
-    return tl.where(valid, s, float("-inf"))
+    if APPLY_CAUSAL:  # top-left: query i sees keys j <= i
+        s = tl.where(rows >= cols, s, float("-inf"))
+    if CHECK_N:  # key tail past the sequence
+        s = tl.where(cols < k_len, s, float("-inf"))
+    return s
 
 
 @triton.jit
-def _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p):
-    """Keep-mask of dropout for the tile: Philox keyed by the int64 (b, h, i, j) counter."""
-    rng_offs = rng_base + offs_m.to(tl.int64)[:, None] * rng_sk + offs_n.to(tl.int64)[None, :]
+def _dropout_keep(seed, rng_base, rows, cols, rng_sk, dropout_p):
+    """Dropout keep-mask for the tile: Philox keyed by the int64 counter ((b*H + h)*Sq + i)*Sk + j."""
+    rng_offs = rng_base + rows.to(tl.int64) * rng_sk + cols.to(tl.int64)
     return tl.rand(seed, rng_offs) >= dropout_p
 
 
@@ -181,36 +183,42 @@ def _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p):
 # Forward
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, Mask, start_lo, end_hi, offs_m, m_ok, offs_d, offs_dv, k_len,
-               stride_kn, stride_vn, stride_mask_n, mask_row_ptrs, qk_scale, seed, rng_base, rng_sk, dropout_p,
+def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, offs_dv, k_len,
+               stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, rng_sk, dropout_p,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
-               APPLY_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+               APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """Online-softmax update over key blocks [start_lo, end_hi). CHECK_N only for the tail block."""
     for start_n in range(start_lo, end_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < k_len
+        cols = offs_n.to(tl.int64)
         # K^T tile (BLOCK_D, BLOCK_N) loaded directly transposed through its strides.
-        kt = tl.load(K + offs_n.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
-                     mask=n_ok[None, :] & (offs_d[:, None] < D), other=0.0)
+        kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]
+        v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :]
+        if CHECK_N or not EVEN_D:
+            kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < k_len) & (offs_d[:, None] < D), other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < k_len) & (offs_dv[None, :] < DV), other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        mask_ptrs = mask_row_ptrs + offs_n.to(tl.int64)[None, :] * stride_mask_n
-        s = _scores_masked(s, offs_m, offs_n, k_len, mask_ptrs, m_ok[:, None], MASK_KIND, APPLY_CAUSAL)
+        s = _apply_masks(s, offs_m[:, None], offs_n[None, :], k_len, mask_row_ptrs + cols[None, :] * stride_mn,
+                         m_ok[:, None], MASK_KIND, APPLY_CAUSAL, CHECK_N)
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that is fully masked so far has m = -inf: subtract 0 instead to avoid -inf - -inf.
+        # A row fully masked so far has m = -inf: subtract 0 instead (never -inf - -inf = NaN).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the denominator counts dropped entries too
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p)
-            p = tl.where(keep, p, 0.0)
-        v = tl.load(V + offs_n.to(tl.int64)[:, None] * stride_vn + offs_dv[None, :],
-                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            p = tl.where(_dropout_keep(seed, rng_base, offs_m[:, None], offs_n[None, :], rng_sk, dropout_p), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_configs("fwd", "fwd_short"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("fwd")})
+@triton.autotune(configs=_configs("fwd", "fwd_short"), key=_FWD_KEYS,
+                 prune_configs_by={"early_config_prune": _pruner("fwd")})
 @triton.jit
 def _attention_fwd_kernel(
     Q, K, V, O, LSE, Mask, KvRange, CuQ, CuK,  # tensors (Mask/KvRange/Cu* are dummies when unused)
@@ -222,7 +230,7 @@ def _attention_fwd_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,  # mask strides (0 where broadcast)
     H, GROUP, Sq, Sk,  # query heads, query heads per kv head, (max) sequence lengths
     qk_scale, dropout_p, seed, seq_bucket,  # scale*log2(e); dropout prob; Philox seed; autotune key
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -240,55 +248,56 @@ def _attention_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < q_len
+    rows = offs_m.to(tl.int64)
 
     Q += b * stride_qb + h * stride_qh + q_start * stride_qm
     K += b * stride_kb + hk * stride_kh + k_start * stride_kn
     V += b * stride_vb + hk * stride_vh + k_start * stride_vn
     O += b * stride_ob + h * stride_oh + q_start * stride_om
     LSE += b * stride_lb + h * stride_lh + q_start
-    mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + offs_m.to(tl.int64)[:, None] * stride_mm
+    mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + rows[:, None] * stride_mm
 
-    q = tl.load(Q + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :],
-                mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-
+    q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & (offs_d[None, :] < D),
+                other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     lo = 0
     hi = k_len
-    if HAS_KV_RANGE:
-        lo = tl.load(KvRange + 2 * b)
+    if HAS_KV_RANGE:  # key padding: only this batch's valid key range
+        lo = (tl.load(KvRange + 2 * b) // BLOCK_N) * BLOCK_N
         hi = tl.minimum(hi, tl.load(KvRange + 2 * b + 1))
-        lo = (lo // BLOCK_N) * BLOCK_N
+    full_end = (k_len // BLOCK_N) * BLOCK_N  # blocks before it need no key-bounds check
     rng_base = ((b * H + h) * Sq) * Sk
     if IS_CAUSAL:
-        hi = tl.minimum(hi, start_m + BLOCK_M)
-        # Off-diagonal blocks (every key j < start_m <= i): no causal compare.
-        mid = tl.minimum(hi, start_m)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Mask, lo, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
-                                   stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
-                                   dropout_p, D, DV, BLOCK_N, MASK_KIND, False, HAS_DROPOUT, PRECISION)
-        # Diagonal band [start_m, start_m + BLOCK_M): causal compare.
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Mask, tl.maximum(lo, start_m), hi, offs_m, m_ok,
-                                   offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed,
-                                   rng_base, Sk, dropout_p, D, DV, BLOCK_N, MASK_KIND, True, HAS_DROPOUT,
-                                   PRECISION)
+        hi = tl.minimum(hi, start_m + BLOCK_M)  # blocks above the diagonal are never visited
+        mid = tl.minimum(hi, start_m)  # off-diagonal blocks (every key j < start_m <= i): no causal compare
     else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Mask, lo, hi, offs_m, m_ok, offs_d, offs_dv, k_len,
-                                   stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
-                                   dropout_p, D, DV, BLOCK_N, MASK_KIND, False, HAS_DROPOUT, PRECISION)
+        mid = hi
+    split = tl.maximum(lo, tl.minimum(mid, full_end))
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
+                               stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
+                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, split, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
+                               stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
+                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION)
+    if IS_CAUSAL:  # the diagonal band [start_m, start_m + BLOCK_M): causal compare
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, tl.maximum(lo, start_m), hi, offs_m, m_ok, offs_d,
+                                   offs_dv, k_len, stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed,
+                                   rng_base, Sk, dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D,
+                                   HAS_DROPOUT, PRECISION)
 
     # Fully masked rows have l = 0: output 0 and lse = -inf (never 0/0).
     row_ok = l_i > 0.0
-    inv_l = tl.where(row_ok, 1.0 / tl.where(row_ok, l_i, 1.0), 0.0)
+    l_safe = tl.where(row_ok, l_i, 1.0)
+    inv_l = tl.where(row_ok, 1.0 / l_safe, 0.0)
     if HAS_DROPOUT:
         inv_l = inv_l / (1.0 - dropout_p)
     acc = acc * inv_l[:, None]
-    lse = tl.where(row_ok, (m_i + tl.math.log2(tl.where(row_ok, l_i, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
+    lse = tl.where(row_ok, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + offs_m, lse, mask=m_ok)
-    tl.store(O + offs_m.to(tl.int64)[:, None] * stride_om + offs_dv[None, :], acc.to(O.dtype.element_ty),
+    tl.store(O + rows[:, None] * stride_om + offs_dv[None, :], acc.to(O.dtype.element_ty),
              mask=m_ok[:, None] & (offs_dv[None, :] < DV))
 
 
@@ -303,13 +312,12 @@ def _attention_bwd_preprocess_kernel(
 ):
     """delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32."""
     pid_m = tl.program_id(0)
-    # Grid (blocks, heads, batch): heads and batch in y/z (<= 65535 each), so B*H may exceed 65535.
-    h = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
+    h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     q_start, q_len, k_start, k_len = _seq_bounds(CuQ, CuQ, b, Sq, Sq, IS_VARLEN)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if pid_m * BLOCK_M >= q_len:
         return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < q_len
     mk = m_ok[:, None] & (offs_d[None, :] < DV)
@@ -324,34 +332,62 @@ def _attention_bwd_preprocess_kernel(
 def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi, offs_n, offs_d, offs_dv,
                 q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, rng_sk, dropout_p,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
-                APPLY_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                APPLY_CAUSAL: tl.constexpr, CHECK_M: tl.constexpr, EVEN_D: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK, dV of one key block over query blocks [start_lo, end_hi). Works on the
+    transposed tile (BLOCK_N keys x BLOCK_M queries) so that dV += P^T dO and dK += dS^T Q need no
+    register transposes. Key columns past k_len only touch their own (unstored) dK/dV rows."""
     for start_m in range(start_lo, end_hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < q_len
         rows = offs_m.to(tl.int64)
-        q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :],
-                    mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        do = tl.load(DO + rows[:, None] * stride_dom + offs_dv[None, :],
-                     mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
-        delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
+        qt_ptrs = Q + rows[None, :] * stride_qm + offs_d[:, None]
+        do_ptrs = DO + rows[:, None] * stride_dom + offs_dv[None, :]
+        if CHECK_M or not EVEN_D:
+            qt = tl.load(qt_ptrs, mask=(offs_m[None, :] < q_len) & (offs_d[:, None] < D), other=0.0)
+            do = tl.load(do_ptrs, mask=(offs_m[:, None] < q_len) & (offs_dv[None, :] < DV), other=0.0)
+        else:
+            qt = tl.load(qt_ptrs)
+            do = tl.load(do_ptrs)
+        if CHECK_M:
+            lse = tl.load(LSE + offs_m, mask=offs_m < q_len, other=float("inf"))
+            delta = tl.load(Delta + offs_m, mask=offs_m < q_len, other=0.0)
+        else:
+            lse = tl.load(LSE + offs_m)
+            delta = tl.load(Delta + offs_m)
         # Fully masked rows saved lse = -inf: use +inf so that P = exp2(-inf) = 0 there.
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        mask_ptrs = mask_col_ptrs + rows[:, None] * stride_mm
-        s = _scores_masked(s, offs_m, offs_n, k_len, mask_ptrs, m_ok[:, None], MASK_KIND, APPLY_CAUSAL)
-        p = tl.math.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        st = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
+        st = _apply_masks(st, offs_m[None, :], offs_n[:, None], k_len, mask_col_ptrs + rows[None, :] * stride_mm,
+                          (offs_m < q_len)[None, :], MASK_KIND, APPLY_CAUSAL, False)
+        pt = tl.math.exp2(st - lse2[None, :])
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p)
+            keep = _dropout_keep(seed, rng_base, offs_m[None, :], offs_n[:, None], rng_sk, dropout_p)
             inv_keep = 1.0 / (1.0 - dropout_p)
-            p_drop = tl.where(keep, p * inv_keep, 0.0)
-            dp = tl.where(keep, dp * inv_keep, 0.0)
+            pt_drop = tl.where(keep, pt * inv_keep, 0.0)
+            dpt = tl.where(keep, dpt * inv_keep, 0.0)
         else:
-            p_drop = p
-        dv += tl.dot(tl.trans(p_drop.to(do.dtype)), do, input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+            pt_drop = pt
+        dv += tl.dot(pt_drop.to(do.dtype), do, input_precision=PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, hi, offs_n, offs_d, offs_dv, q_len, k_len,
+               stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
+               D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
+               EVEN_D: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """Query blocks [lo, hi) without causal compare: full blocks unchecked, then the row tail."""
+    full_end = tl.maximum(lo, (q_len // BLOCK_M) * BLOCK_M)
+    split = tl.minimum(hi, full_end)
+    dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, split, offs_n, offs_d, offs_dv,
+                         q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
+                         D, DV, BLOCK_M, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION)
+    dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, split, hi, offs_n, offs_d, offs_dv,
+                         q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
+                         D, DV, BLOCK_M, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION)
     return dk, dv
 
 
@@ -365,13 +401,12 @@ def _attention_bwd_dkdv_kernel(
     stride_lb, stride_lh,  # lse/delta strides (batch, head)
     stride_mb, stride_mh, stride_mm, stride_mn,
     H, HKV, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, seed, seq_bucket,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    # Grid (blocks, heads, batch): heads and batch in y/z (<= 65535 each), so B*H may exceed 65535.
     hk = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
     b = tl.program_id(2).to(tl.int64)
     q_start, q_len, k_start, k_len = _seq_bounds(CuQ, CuK, b, Sq, Sk, IS_VARLEN)
@@ -391,22 +426,13 @@ def _attention_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     in_range = True
-    if HAS_KV_RANGE:
-        kv_lo = tl.load(KvRange + 2 * b)
-        kv_hi = tl.load(KvRange + 2 * b + 1)
-        in_range = (start_n + BLOCK_N > kv_lo) & (start_n < kv_hi)
+    if HAS_KV_RANGE:  # key padding: a block outside the batch's valid keys has zero gradient
+        in_range = (start_n + BLOCK_N > tl.load(KvRange + 2 * b)) & (start_n < tl.load(KvRange + 2 * b + 1))
     if in_range:
         k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :],
                     mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
         v = tl.load(V + cols[:, None] * stride_vn + offs_dv[None, :],
                     mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        # Causal: query rows i < start_n never see this block; rows in [start_n, start_n + BLOCK_N)
-        # form the diagonal band (BLOCK_N is a multiple of BLOCK_M), later rows see all of it.
-        lo = 0
-        mid = 0
-        if IS_CAUSAL:
-            lo = tl.minimum(start_n, q_len)
-            mid = tl.minimum(start_n + BLOCK_N, q_len)
         # GQA: sum the group's query heads here, in registers, without atomics.
         for g in range(0, GROUP):
             h = hk * GROUP + g
@@ -414,22 +440,26 @@ def _attention_bwd_dkdv_kernel(
             DOh = DO + b * stride_dob + h * stride_doh + q_start * stride_dom
             LSEh = LSE + b * stride_lb + h * stride_lh + q_start
             Deltah = Delta + b * stride_lb + h * stride_lh + q_start
-            mask_col_ptrs = Mask + b * stride_mb + h * stride_mh + cols[None, :] * stride_mn
+            mask_col_ptrs = Mask + b * stride_mb + h * stride_mh + cols[:, None] * stride_mn
             rng_base = ((b * H + h) * Sq) * Sk
             if IS_CAUSAL:
-                dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, mid, offs_n,
-                                     offs_d, offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale,
-                                     seed, rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, True,
+                # Rows i < start_n never see this block; rows in [start_n, start_n + BLOCK_N) form the
+                # diagonal band (BLOCK_N is a multiple of BLOCK_M); later rows see all of it.
+                lo = tl.minimum(start_n, q_len)
+                mid = tl.minimum(start_n + BLOCK_N, q_len)
+                dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, mid, offs_n, offs_d,
+                                     offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
+                                     rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, True, True, EVEN_D,
                                      HAS_DROPOUT, PRECISION)
-                dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, mid, q_len, offs_n,
-                                     offs_d, offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale,
-                                     seed, rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, False,
-                                     HAS_DROPOUT, PRECISION)
+                dk, dv = _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, mid, q_len, offs_n, offs_d,
+                                    offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
+                                    rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, EVEN_D, HAS_DROPOUT,
+                                    PRECISION)
             else:
-                dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, 0, q_len, offs_n,
-                                     offs_d, offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale,
-                                     seed, rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, False,
-                                     HAS_DROPOUT, PRECISION)
+                dk, dv = _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, 0, q_len, offs_n, offs_d,
+                                    offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
+                                    rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, EVEN_D, HAS_DROPOUT,
+                                    PRECISION)
     dk = dk * sm_scale
     tl.store(DK + cols[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=n_ok[:, None] & (offs_d[None, :] < D))
@@ -441,22 +471,27 @@ def _attention_bwd_dkdv_kernel(
 def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, offs_m, m_ok, offs_d, offs_dv, k_len,
               stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, rng_sk, dropout_p,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
-              APPLY_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+              APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ += dS K over key blocks [start_lo, end_hi)."""
     for start_n in range(start_lo, end_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < k_len
         cols = offs_n.to(tl.int64)
-        kt = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None],
-                     mask=n_ok[None, :] & (offs_d[:, None] < D), other=0.0)
-        vt = tl.load(V + cols[None, :] * stride_vn + offs_dv[:, None],
-                     mask=n_ok[None, :] & (offs_dv[:, None] < DV), other=0.0)
+        kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]
+        vt_ptrs = V + cols[None, :] * stride_vn + offs_dv[:, None]
+        if CHECK_N or not EVEN_D:
+            kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < k_len) & (offs_d[:, None] < D), other=0.0)
+            vt = tl.load(vt_ptrs, mask=(offs_n[None, :] < k_len) & (offs_dv[:, None] < DV), other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
-        mask_ptrs = mask_row_ptrs + cols[None, :] * stride_mn
-        s = _scores_masked(s, offs_m, offs_n, k_len, mask_ptrs, m_ok[:, None], MASK_KIND, APPLY_CAUSAL)
+        s = _apply_masks(s, offs_m[:, None], offs_n[None, :], k_len, mask_row_ptrs + cols[None, :] * stride_mn,
+                         m_ok[:, None], MASK_KIND, APPLY_CAUSAL, CHECK_N)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, vt, input_precision=PRECISION)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p)
+            keep = _dropout_keep(seed, rng_base, offs_m[:, None], offs_n[None, :], rng_sk, dropout_p)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PRECISION)
@@ -471,13 +506,12 @@ def _attention_bwd_dq_kernel(
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
     stride_lb, stride_lh, stride_mb, stride_mh, stride_mm, stride_mn,
     H, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, seed, seq_bucket,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    # Grid (blocks, heads, batch): heads and batch in y/z (<= 65535 each), so B*H may exceed 65535.
     h = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
     b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
@@ -511,23 +545,26 @@ def _attention_bwd_dq_kernel(
     lo = 0
     hi = k_len
     if HAS_KV_RANGE:
-        lo = tl.load(KvRange + 2 * b)
+        lo = (tl.load(KvRange + 2 * b) // BLOCK_N) * BLOCK_N
         hi = tl.minimum(hi, tl.load(KvRange + 2 * b + 1))
-        lo = (lo // BLOCK_N) * BLOCK_N
+    full_end = (k_len // BLOCK_N) * BLOCK_N
     rng_base = ((b * H + h) * Sq) * Sk
     if IS_CAUSAL:
         hi = tl.minimum(hi, start_m + BLOCK_M)
         mid = tl.minimum(hi, start_m)
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, lo, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
-                       stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
-                       D, DV, BLOCK_N, MASK_KIND, False, HAS_DROPOUT, PRECISION)
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, tl.maximum(lo, start_m), hi, offs_m, m_ok,
-                       offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
-                       D, DV, BLOCK_N, MASK_KIND, True, HAS_DROPOUT, PRECISION)
     else:
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, lo, hi, offs_m, m_ok, offs_d, offs_dv, k_len,
-                       stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
-                       D, DV, BLOCK_N, MASK_KIND, False, HAS_DROPOUT, PRECISION)
+        mid = hi
+    split = tl.maximum(lo, tl.minimum(mid, full_end))
+    dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
+                   stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
+                   D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, split, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
+                   stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
+                   D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION)
+    if IS_CAUSAL:
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, tl.maximum(lo, start_m), hi, offs_m, m_ok,
+                       offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk,
+                       dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D, HAS_DROPOUT, PRECISION)
     dq = dq * sm_scale
     tl.store(DQ + rows[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=m_ok[:, None] & (offs_d[None, :] < D))
@@ -616,7 +653,7 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         *qs, *ks, *vs, *os_, *ls, *ms,
         hq, hq // hkv, sq, sk,
         scale * LOG2E, float(dropout_p), int(seed), _seq_bucket(sq, sk),
-        D=d, DV=dv, BLOCK_D=_pow2_dim(d), BLOCK_DV=_pow2_dim(dv),
+        D=d, DV=dv, BLOCK_D=_pow2_dim(d), BLOCK_DV=_pow2_dim(dv), EVEN_D=_pow2_dim(d) == d and _pow2_dim(dv) == dv,
         IS_CAUSAL=bool(causal), MASK_KIND=mask_kind, HAS_KV_RANGE=kv_range is not None,
         HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen, PRECISION=_precision(q.dtype),
     )
@@ -667,7 +704,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
     _attention_bwd_preprocess_kernel[(triton.cdiv(sq, pre_bm), hq, batch)](
         o, do, delta, cu_q, *seq3(o), *seq3(do), *ls, hq, sq,
         DV=dv_dim, BLOCK_DV=bdv, IS_VARLEN=varlen, BLOCK_M=pre_bm)
-    common = dict(D=d, DV=dv_dim, BLOCK_D=bd, BLOCK_DV=bdv, IS_CAUSAL=bool(causal), MASK_KIND=mask_kind,
+    common = dict(D=d, DV=dv_dim, BLOCK_D=bd, BLOCK_DV=bdv, EVEN_D=bd == d and bdv == dv_dim, IS_CAUSAL=bool(causal), MASK_KIND=mask_kind,
                   HAS_KV_RANGE=kv_range is not None, HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen,
                   PRECISION=_precision(q.dtype))
     bucket = _seq_bucket(sq, sk)
