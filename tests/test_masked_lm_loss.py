@@ -94,10 +94,10 @@ def test_dhidden_is_zero_at_ignored_rows(device):
 
 
 def test_several_vocab_slices_and_backward_chunks(device, monkeypatch):
-    # V > 2048 gives the forward two vocabulary slices; a tiny dlogits budget gives the backward three
-    # chunks (the last one narrow), exercising the fp32 dhidden accumulator across chunks.
+    # V = 2100 gives the forward three vocabulary slices (1024, 1024, 52 columns); a tiny dlogits budget
+    # gives the backward three chunks, exercising the fp32 dhidden accumulator across chunks.
     monkeypatch.setattr(kmod, "DLOGITS_BUDGET_BYTES", 37 * 4 * 1024)
-    assert kmod._chunk_columns(37, 2100, 4, kmod.DLOGITS_BUDGET_BYTES) < 2100
+    assert kmod._chunk_columns(37, 2100, 4, kmod.DLOGITS_BUDGET_BYTES) == 768
     hidden, weight, target, b = _inputs((37,), 32, 2100, torch.float32, device, frac=0.4, bias=True)
     _check(hidden, weight, target, b, reduction="none", label_smoothing=0.1)
 
