@@ -9,7 +9,6 @@ in a temporary folder).
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
 
 import pykernels  # noqa: E402
 from pykernels.integrations import transformers as pk_hf  # noqa: E402
-from tests.utils import assert_close_to_ref  # noqa: E402
+from utils import assert_close_to_ref  # noqa: E402
 
 pk_hf.register()
 
