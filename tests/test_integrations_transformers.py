@@ -327,7 +327,12 @@ def _bf16_three_way(auto_cls, config_fn, lengths, seqlen):
     ours = ours.to(dev, torch.bfloat16).eval()
     ids, mask = make_batch(lengths, seqlen, dev)
     cot = torch.randn(*ids.shape, main_output_width(eager32), device=dev)
-    y_hi, g_hi = run(eager32, ids, mask, cot)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32, whatever ran before
+    try:
+        y_hi, g_hi = run(eager32, ids, mask, cot)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     y_lo, g_lo = run(eager16, ids, mask, cot)
     with pykernels.use_backend("triton"):
         y, g = run(ours, ids, mask, cot)
