@@ -194,21 +194,23 @@ def _layer_norm_fwd_kernel(
 
 
 def _fwd_configs(block_n: int) -> list[triton.Config]:
-    """Small, pruned config list for one BLOCK_N bucket: rows per program x warps, keeping 4..32
-    elements per thread and at most 8192 elements per program. One config under the interpreter."""
+    """Small config list for one BLOCK_N bucket: rows per program from 1 to 16 with 1024..8192
+    elements per program, warps for ~8 elements per thread (one 16-byte bf16 vector; 16 for the
+    largest blocks: more costs > 128 registers and 8 warps spill at 16384 with dropout, sm_90,
+    measured offline). One config under the interpreter."""
     if _interpret():
         return [triton.Config({"BLOCK_M": 1 if block_n >= 64 else 2}, num_warps=1)]
-    if block_n >= 8192:
-        return [triton.Config({"BLOCK_M": 1}, num_warps=w) for w in (8, 16)]
+    if block_n >= 16384:
+        return [triton.Config({"BLOCK_M": 1}, num_warps=16)]
     out = []
-    for bm in (1, 2, 4, 8):
+    for bm in (1, 2, 4, 8, 16):
         elems = bm * block_n
-        if elems > 8192 or (elems < 1024 and bm != 1):
+        if elems > 8192 or (elems < 1024 and bm != 16):
             continue
-        for w in (4, 8):
-            if 4 <= elems // (32 * w) <= 32:
-                out.append(triton.Config({"BLOCK_M": bm}, num_warps=w))
-    return out or [triton.Config({"BLOCK_M": 1}, num_warps=4)]
+        out.append((bm, max(4, min(16, elems // 256))))
+    if block_n >= 4096:
+        out.append((1, 8))
+    return [triton.Config({"BLOCK_M": bm}, num_warps=w) for bm, w in dict.fromkeys(out)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -466,21 +468,27 @@ def _bench_quick(kernel_call, quantiles):
 
 
 def _bwd_configs(block_n: int) -> list[triton.Config]:
-    """(rows per block, warps, programs per SM) candidates for one BLOCK_N bucket: 2-8K elements per
-    row block, ~8-16 per thread (the backward keeps s, dy, xhat, g live), 2 or 4 resident programs."""
+    """(rows per block, warps, programs per SM) candidates for one BLOCK_N bucket. The backward is
+    a persistent loop without cross-iteration prefetch, so the bytes in flight per SM come from
+    co-resident programs: each candidate pairs a tile with as many programs as its registers let
+    stay resident (sm_90, 64K registers: measured offline, 8 elements per thread ~ 64-85
+    registers, 16 ~ 106-128), ~48 KB of loads in flight per SM."""
     if _interpret():
         return [triton.Config({"BLOCK_M": 1 if block_n >= 64 else 2, "PROGS_PER_SM": 1}, num_warps=1)]
-    out = []
-    for elems, per_thread, k in ((4096, 16, 2), (4096, 8, 2), (2048, 8, 4), (8192, 16, 1)):
-        bm = max(1, min(16, elems // block_n))
-        w = max(4, min(16, bm * block_n // (32 * per_thread)))
-        cfg = (bm, w, k)
-        if cfg not in out:
-            out.append(cfg)
-    return [triton.Config({"BLOCK_M": bm, "PROGS_PER_SM": k}, num_warps=w) for bm, w, k in out]
+    if block_n >= 8192:
+        cands = [(1, 16, 1), (1, 32, 1)]
+    elif block_n >= 4096:
+        cands = [(1, 16, 1), (1, 8, 1), (1, 16, 2)]
+    else:
+        cands = []
+        for elems, per_thread, k in ((1024, 8, 8), (2048, 16, 4), (2048, 8, 4), (4096, 16, 2)):
+            bm = max(1, min(16, elems // block_n))
+            w = max(1, min(16, bm * block_n // (32 * per_thread)))
+            cands.append((bm, w, k))
+    return [triton.Config({"BLOCK_M": bm, "PROGS_PER_SM": k}, num_warps=w) for bm, w, k in dict.fromkeys(cands)]
 
 
-_MAX_PROGS_PER_SM = 4
+_MAX_PROGS_PER_SM = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -546,7 +554,7 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
                 dw_partial = dw_partial[:progs] if has_weight else None
                 db_partial = db_partial[:progs] if has_bias else None
             else:
-                num_warps = 8 if not _interpret() else 1
+                num_warps = 16 if not _interpret() else 1  # 8 warps: ~200 registers, one program per SM
                 # about 4 programs per SM over the whole (row groups, chunks) grid: the partial buffers
                 # (progs x N fp32) stay small next to the data
                 progs = max(1, min(progs, 4 * sms // triton.cdiv(N, block_n)))

@@ -439,13 +439,17 @@ def test_device_mismatch_cpu_meta():
 # ----------------------------------------------------------------------------------------------------
 # GPU: bf16, realistic sizes
 # ----------------------------------------------------------------------------------------------------
-GPU_SHAPES = [(16384, 768), (4096, 1600), (2048, 1000), (2048, 1023), (1024, 3000), (1024, 5120),
-              (64, 65536), (4096, 1024), (2048, 4096)]
+# every variant at the BERT-base and GPT-2 XL sizes; one variant each at the odd / wide sizes (kept
+# short: the GPU batch of the whole suite has a time budget, and each new width autotunes)
+GPU_CASES = ([(s, v) for s in [(16384, 768), (4096, 1600)]
+              for v in ["post", "pre", "pre_residual_in_fp32", "rms_pre", "rms_post", "post_no_residual"]]
+             + [((2048, 1000), "post"), ((2048, 1023), "pre"), ((1024, 3000), "rms_pre"),
+                ((1024, 5120), "pre_residual_in_fp32"), ((8192, 4096), "post"), ((16384, 1024), "pre"),
+                ((64, 65536), "pre"), ((64, 65536), "post")])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES)
-@pytest.mark.parametrize("variant", ["post", "pre", "pre_residual_in_fp32", "rms_pre"])
+@pytest.mark.parametrize("shape,variant", GPU_CASES, ids=[f"{m}x{n}-{v}" for (m, n), v in GPU_CASES])
 def test_gpu_bf16(shape, variant):
     v = dict(VARIANTS[variant])
     residual = v.pop("residual", True)
