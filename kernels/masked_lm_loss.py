@@ -9,8 +9,8 @@ causal LM). Per valid row r: ``z = h_r W^T + b``, ``lse = logsumexp(z)``,
 ``dz = g_r (softmax(z) - (1 - eps) onehot(t) - eps/V)``, ``dh_r = dz W``, ``dW = sum_r dz_r^T h_r``,
 ``db = sum_r dz_r``. Neither the (N, V) nor the (M, V) logits ever exist in full.
 
-No host sync. M is data: ``compact_rows`` turns ``target != ignore_index`` into a fixed-size (N,)
-int32 list of valid row indices (cumsum + scatter, a dump slot for invalid rows) and a device int32
+No host sync. M is data: ``pykernels.masked_lm_loss.compact_rows`` (torch ops) turns
+``target != ignore_index`` into a fixed-size (N,) int32 list of valid row indices (cumsum + scatter, a dump slot for invalid rows) and a device int32
 ``count``. Every kernel is launched on a grid sized for N rows (or for the vocabulary) and reads
 ``count`` from device memory: row blocks that start at or beyond ``count`` exit at once, and K loops
 over rows run ``range(0, count, BLOCK_K)``. Rows are gathered inside the kernels (``rows[i]``), so
@@ -29,7 +29,7 @@ is multiplied by a stride):
    SPLIT partials per row (a few bytes per row) and writes loss and lse at the row's position.
    FLOPs 2 M V H; bytes ~ (M/BLOCK_M) V H (weight re-read per row block, mostly L2) + M H.
 2. Backward, in vocabulary chunks of VC columns (VC chosen so the (N, VC) dlogits buffer stays
-   within a memory budget, 32 MiB by default), per chunk:
+   within a memory budget, 64 MiB by default: ``DLOGITS_BUDGET_BYTES``), per chunk:
    a. ``_masked_lm_loss_dlogits_kernel``, grid (N / BLOCK_M, VC / BLOCK_N): recomputes the logit
       tile (2 M VC H FLOPs), turns it into dz with the saved lse and the upstream grad, and stores dz
       in the weight dtype into the (N, VC) buffer (compacted rows).
@@ -82,7 +82,7 @@ LN2 = 0.6931471805599453
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # Memory budget for the (N, VC) dlogits buffer of the backward.
-DLOGITS_BUDGET_BYTES = 32 * 2**20
+DLOGITS_BUDGET_BYTES = 64 * 2**20
 
 
 def _configs(gpu: list[tuple], names: tuple[str, ...], interp: tuple) -> list[triton.Config]:
@@ -368,22 +368,6 @@ def _masked_lm_loss_bwd_kernel(
                       is_first, is_last, DOT_PRECISION, BLOCK_A, BLOCK_H, BLOCK_K)
 
 
-def compact_rows(target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Valid row positions, compacted, without a host sync.
-
-    ``target`` (N,) int64. Returns ``rows`` (N,) int32 whose first ``count`` entries are the positions
-    with ``target != ignore_index`` in increasing order (the rest are 0, a valid position to read), and
-    ``count`` (1,) int32 on the device."""
-    n = target.numel()
-    valid = target != ignore_index
-    pos = torch.cumsum(valid, 0, dtype=torch.int64) - 1
-    slot = torch.where(valid, pos, torch.full_like(pos, n))  # invalid rows go to a dump slot
-    buf = torch.zeros(n + 1, dtype=torch.int32, device=target.device)
-    buf.scatter_(0, slot, torch.arange(n, dtype=torch.int32, device=target.device))
-    count = valid.sum(dtype=torch.int32).reshape(1)
-    return buf[:n], count
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -393,17 +377,17 @@ def _dtype_key(dtype: torch.dtype) -> int:
 
 
 def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                       bias: torch.Tensor | None, *, ignore_index: int,
+                       bias: torch.Tensor | None, rows: torch.Tensor, count: torch.Tensor, *,
                        label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hidden`` (N, H), ``weight`` (V, H), ``target`` (N,) int64, ``bias`` (V,) or None.
+    """``hidden`` (N, H), ``weight`` (V, H), ``target`` (N,) int64, ``bias`` (V,) or None; ``rows`` (N,)
+    int32 and ``count`` (1,) int32: the compacted valid positions and their number, on the device.
 
     Returns ``loss`` (N,) fp32 (0 at ignored positions) and ``lse`` (N,) fp32 (0 at ignored positions),
-    both by position."""
+    both by position. A target outside [0, V) gives NaN loss and lse."""
     n, h = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
     target = target.contiguous()
-    rows, count = compact_rows(target, ignore_index)
     loss = torch.zeros(n, dtype=torch.float32, device=dev)
     lse = torch.zeros(n, dtype=torch.float32, device=dev)
     if n == 0:
@@ -444,20 +428,19 @@ def _chunk_columns(n: int, v: int, elem: int, budget: int) -> int:
 
 
 def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                       target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor, *,
-                       ignore_index: int, label_smoothing: float,
+                       target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor,
+                       rows: torch.Tensor, count: torch.Tensor, *, label_smoothing: float,
                        dlogits_budget_bytes: int | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``grad_loss`` (N,) fp32 upstream gradient of the per-position loss; ``lse`` (N,) fp32 from the
-    forward. Returns ``dhidden`` (N, H) (zero at ignored rows), ``dweight`` (V, H) and ``dbias`` (V,)
-    or None, in the input dtypes."""
+    forward; ``rows``/``count`` as for the forward. Returns ``dhidden`` (N, H)
+    (zero at ignored rows), ``dweight`` (V, H) and ``dbias`` (V,) or None, in the input dtypes."""
     n, h = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
     target = target.contiguous()
     grad_loss = grad_loss.to(torch.float32).contiguous()
     lse = lse.contiguous()
-    rows, count = compact_rows(target, ignore_index)
     dhidden = torch.zeros(n, h, dtype=hidden.dtype, device=dev)  # ignored rows keep 0
     dweight = empty(v, h, dtype=weight.dtype, device=dev)
     dbias = empty(v, dtype=bias.dtype, device=dev) if bias is not None else None

@@ -90,6 +90,23 @@ def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str, num
 
 # ---- custom ops -------------------------------------------------------------------------------------
 
+def compact_rows(target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """The valid positions, compacted on the device without a host sync.
+
+    ``target`` (N,) integer. Returns ``rows`` (N,) int32 whose first ``count`` entries are the positions
+    with ``target != ignore_index`` in increasing order (the rest are 0, a valid position to read), and
+    ``count`` (1,) int32 (the last entry of the inclusive prefix sum): the kernels read it from device
+    memory, so the number of valid rows never reaches the host."""
+    n = target.numel()
+    valid = target != ignore_index
+    csum = torch.cumsum(valid, 0, dtype=torch.int32)
+    slot = torch.where(valid, csum - 1, n)  # invalid rows go to a dump slot past the end
+    buf = torch.zeros(n + 1, dtype=torch.int32, device=target.device)
+    buf.scatter_(0, slot.long(), torch.arange(n, dtype=torch.int32, device=target.device))
+    count = csum[-1:] if n else torch.zeros(1, dtype=torch.int32, device=target.device)
+    return buf[:n], count
+
+
 def _support(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> dict:
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         return {"triton": f"mixed dtypes (hidden {hidden.dtype}, weight {weight.dtype})"}
@@ -113,32 +130,37 @@ def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing):
 
 @torch.library.custom_op("pykernels::masked_lm_loss_fwd", mutates_args=())
 def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
-         label_smoothing: float, backend: str) -> tuple[Tensor, Tensor]:
-    # hidden (N, H), weight (V, H), target (N,) int64, bias (V,) or None -> loss (N,) fp32, lse (N,) fp32
+         label_smoothing: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # hidden (N, H), weight (V, H), target (N,) int64, bias (V,) or None -> loss (N,) fp32, lse (N,) fp32,
+    # rows (N,) int32, count (1,) int32 (the compaction, computed once and saved for the backward)
     impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
+    rows, count = compact_rows(target, ignore_index)
     if impl == "triton":
         from ._kernels import masked_lm_loss as k
-        return k.masked_lm_loss_fwd(hidden, weight, target, bias, ignore_index=ignore_index,
-                                    label_smoothing=label_smoothing)
-    return _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing)
+        loss, lse = k.masked_lm_loss_fwd(hidden, weight, target, bias, rows, count,
+                                         label_smoothing=label_smoothing)
+    else:
+        loss, lse = _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing)
+    return loss, lse, rows, count
 
 
 @_fwd.register_fake
 def _(hidden, weight, target, bias, ignore_index, label_smoothing, backend):
     n = hidden.shape[0]
-    return hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
+    return (hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32),
+            hidden.new_empty(n, dtype=torch.int32), hidden.new_empty(1, dtype=torch.int32))
 
 
 @torch.library.custom_op("pykernels::masked_lm_loss_bwd", mutates_args=())
 def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
-         lse: Tensor, ignore_index: int, label_smoothing: float,
+         lse: Tensor, rows: Tensor, count: Tensor, ignore_index: int, label_smoothing: float,
          backend: str) -> tuple[Tensor, Tensor, Tensor]:
     # -> dhidden (N, H), dweight (V, H), dbias (V,) (empty (0,) when bias is None)
     impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
     if impl == "triton":
         from ._kernels import masked_lm_loss as k
-        dh, dw, db = k.masked_lm_loss_bwd(grad_loss, hidden, weight, target, bias, lse,
-                                          ignore_index=ignore_index, label_smoothing=label_smoothing)
+        dh, dw, db = k.masked_lm_loss_bwd(grad_loss, hidden, weight, target, bias, lse, rows, count,
+                                          label_smoothing=label_smoothing)
     else:
         with torch.enable_grad():
             h = hidden.detach().requires_grad_(True)
@@ -159,7 +181,7 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
 
 
 @_bwd.register_fake
-def _(grad_loss, hidden, weight, target, bias, lse, ignore_index, label_smoothing, backend):
+def _(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index, label_smoothing, backend):
     db = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias is not None else hidden.new_empty(0)
     return (torch.empty_like(hidden, memory_format=torch.contiguous_format),
             torch.empty_like(weight, memory_format=torch.contiguous_format), db)
@@ -167,18 +189,18 @@ def _(grad_loss, hidden, weight, target, bias, lse, ignore_index, label_smoothin
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, target, bias, ignore_index, label_smoothing, backend = inputs
-    _, lse = output
-    ctx.save_for_backward(hidden, weight, target, bias, lse)
+    _, lse, rows, count = output
+    ctx.save_for_backward(hidden, weight, target, bias, lse, rows, count)
     ctx.ignore_index = ignore_index
     ctx.label_smoothing = label_smoothing
     ctx.backend = backend
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, rows, count)
 
 
-def _backward(ctx, grad_loss, grad_lse):
-    hidden, weight, target, bias, lse = ctx.saved_tensors
-    dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, ctx.ignore_index, ctx.label_smoothing,
-                      ctx.backend)
+def _backward(ctx, grad_loss, grad_lse, grad_rows, grad_count):
+    hidden, weight, target, bias, lse, rows, count = ctx.saved_tensors
+    dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, rows, count, ctx.ignore_index,
+                      ctx.label_smoothing, ctx.backend)
     return dh, dw, None, (db if bias is not None else None), None, None, None
 
 
@@ -261,5 +283,5 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
 
     h2 = hidden.reshape(-1, hidden.shape[-1])  # (N, H), a view when the strides allow
     t1 = target.reshape(-1).long()              # (N,)
-    loss, _ = _fwd(h2, weight, t1, bias, ignore_index, label_smoothing, backend or "")
+    loss = _fwd(h2, weight, t1, bias, ignore_index, label_smoothing, backend or "")[0]
     return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid)

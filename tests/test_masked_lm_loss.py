@@ -343,3 +343,17 @@ def test_gpu_int64_offsets():
     assert max_err(dh[pos], p @ weight.double()) < 0.02
     dh[pos] = 0
     assert dh.abs().max().item() == 0.0
+
+
+def test_compact_rows_lists_valid_positions_in_order(device):
+    from pykernels.masked_lm_loss import compact_rows
+    target = torch.tensor([5, IGN, 0, IGN, IGN, 7, 2], device=device)
+    rows, count = compact_rows(target, IGN)
+    assert rows.dtype == torch.int32 and count.dtype == torch.int32 and rows.shape == (7,) and count.shape == (1,)
+    assert count.item() == 4
+    assert rows[:4].tolist() == [0, 2, 5, 6]
+    assert ((rows[4:] >= 0) & (rows[4:] < 7)).all()  # unused entries still address a valid row
+    rows, count = compact_rows(torch.full((5,), IGN, device=device), IGN)
+    assert count.item() == 0 and (rows == 0).all()
+    rows, count = compact_rows(torch.empty(0, dtype=torch.long, device=device), IGN)
+    assert count.item() == 0 and rows.numel() == 0
