@@ -293,6 +293,27 @@ def test_attention_forward_matches_torch_sdpa_and_layout():
     torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
+def test_attention_forward_causal_rules():
+    module = torch.nn.Module().eval()
+    module.is_causal = True
+    q = torch.randn(1, 2, 3, 8)
+    kv = torch.randn(1, 2, 5, 8)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with pykernels.use_backend("reference"):
+        # static-cache prefill: keys past Sq are empty slots; causal over the first Sq keys
+        out, _ = pk_hf.attention_forward(module, q, kv, kv, None)
+        torch.testing.assert_close(out, sdpa(q, kv[:, :, :3], kv[:, :, :3], is_causal=True).transpose(1, 2),
+                                   rtol=1e-5, atol=1e-5)
+        # a mask carries causality itself: applied as given, no extra causal masking
+        keep = torch.rand(1, 1, 3, 5) > 0.3
+        keep[..., 0] = True
+        out, _ = pk_hf.attention_forward(module, q, kv, kv, keep)
+        torch.testing.assert_close(out, sdpa(q, kv, kv, attn_mask=keep).transpose(1, 2), rtol=1e-5, atol=1e-5)
+        # one query row (decoding) attends to every cached key
+        out, _ = pk_hf.attention_forward(module, q[:, :, :1], kv, kv, None, is_causal=True)
+        torch.testing.assert_close(out, sdpa(q[:, :, :1], kv, kv).transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
 def test_unsupported_arguments_raise():
     module = torch.nn.Module().eval()
     q = torch.randn(1, 2, 4, 8)
