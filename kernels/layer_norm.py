@@ -488,9 +488,6 @@ def _bwd_configs(block_n: int) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": bm, "PROGS_PER_SM": k}, num_warps=w) for bm, w, k in dict.fromkeys(cands)]
 
 
-_MAX_PROGS_PER_SM = 8
-
-
 @functools.lru_cache(maxsize=None)
 def _bwd_tuned(block_n: int):
     # keyed on N; every config overwrites all outputs (partial rows included), so tuning runs are safe
@@ -522,7 +519,8 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
     sms = _sms(dev)
     # the persistent grid depends on the tuned config (rows per block, programs per SM); the partial
     # buffers are sized for the largest and only the rows of the chosen grid are summed
-    progs = max(1, min(M, (_MAX_PROGS_PER_SM if not _interpret() else 1) * sms))
+    max_per_sm = 4 if chunked else max(c.kwargs["PROGS_PER_SM"] for c in _bwd_tuned(block_n).configs)
+    progs = max(1, min(M, max_per_sm * sms))
     dw_partial = empty(progs, N, dtype=torch.float32, device=dev) if has_weight else None
     db_partial = empty(progs, N, dtype=torch.float32, device=dev) if has_bias else None
     if M == 0:
