@@ -293,6 +293,19 @@ def test_attention_forward_matches_torch_sdpa_and_layout():
     torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
+def test_user_supplied_4d_additive_mask():
+    # A prepared 4-D mask skips transformers' mask builders and reaches the kernel as given.
+    ours, eager, _ = make_models(AutoModel, bert_config, "cpu")
+    ids, _ = make_batch([7, 7], 7, "cpu")
+    blocked = torch.rand(2, 1, 7, 7) < 0.3
+    blocked[..., 0] = False
+    mask4 = torch.zeros(2, 1, 7, 7).masked_fill(blocked, torch.finfo(torch.float32).min)
+    with torch.no_grad(), pykernels.use_backend("reference"):
+        got = ours(input_ids=ids, attention_mask=mask4).last_hidden_state
+        want = eager(input_ids=ids, attention_mask=mask4).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_attention_forward_causal_rules():
     module = torch.nn.Module().eval()
     module.is_causal = True
