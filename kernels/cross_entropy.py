@@ -72,27 +72,35 @@ def _interpret() -> bool:
 
 
 @triton.jit
-def _lse_step(x, m, s):
-    """One online-logsumexp step on a chunk ``x`` (fp32, log2 units, masked lanes -inf)."""
-    m_new = tl.maximum(m, tl.max(x, axis=0))
-    s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(x - m_new), axis=0)
-    return m_new, s
+def _fwd_piece(ptrs, cmask, m, s, sum_x, HAS_SMOOTHING: tl.constexpr):
+    """Fold a small masked piece into the scalar state (m, s, sum_x); masked lanes load -inf."""
+    x = tl.load(ptrs, mask=cmask, other=float("-inf")).to(tl.float32)
+    x2 = x * 1.4426950408889634  # log2(e): exp(x) == exp2(x * log2e)
+    m_new = tl.maximum(m, tl.max(x2, axis=0))
+    s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(x2 - m_new), axis=0)
+    if HAS_SMOOTHING:
+        sum_x += tl.sum(tl.where(cmask, x, 0.0), axis=0)
+    return m_new, s, sum_x
 
 
 @triton.jit
-def _fwd_chunk(ptrs, cmask, m, s, sum_x, HAS_SMOOTHING: tl.constexpr, MASKED: tl.constexpr):
-    """Fold one chunk into (m, s, sum_x)."""
+def _fwd_chunk(ptrs, cmask, m, s_vec, sum_x, HAS_SMOOTHING: tl.constexpr, MASKED: tl.constexpr):
+    """Fold one body chunk into (m, s_vec, sum_x): a scalar running max, and per-lane partial sums
+    rescaled by one scalar exp2 per chunk, so a chunk costs one block reduction (the max) and one
+    exp2 per element."""
     if MASKED:
         x = tl.load(ptrs, mask=cmask, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
     else:
         x = tl.load(ptrs, eviction_policy="evict_first").to(tl.float32)
-    m, s = _lse_step(x * 1.4426950408889634, m, s)  # log2(e): exp(x) == exp2(x * log2e)
+    x2 = x * 1.4426950408889634
+    m_new = tl.maximum(m, tl.max(x2, axis=0))
+    s_vec = s_vec * tl.exp2(m - m_new) + tl.exp2(x2 - m_new)
     if HAS_SMOOTHING:
         if MASKED:
             sum_x += tl.sum(tl.where(cmask, x, 0.0), axis=0)
         else:
             sum_x += tl.sum(x, axis=0)
-    return m, s, sum_x
+    return m_new, s_vec, sum_x
 
 
 @triton.jit
@@ -110,6 +118,7 @@ def _cross_entropy_fwd_kernel(
     HAS_Z_LOSS: tl.constexpr,     # z_loss > 0
     ALIGN: tl.constexpr,          # elements per 16 bytes if logits_ptr is 16-byte aligned, else 1
     BLOCK_V: tl.constexpr,        # columns per loop step (a multiple of ALIGN)
+    NUM_STAGES: tl.constexpr,     # software-pipelining depth of the body loop (1: none)
 ):
     row = tl.program_id(0).to(tl.int64)  # int64 before the stride multiply: N*V may exceed 2**31
     target = tl.load(target_ptr + row).to(tl.int64)
@@ -131,16 +140,21 @@ def _cross_entropy_fwd_kernel(
 
     # Head first: it holds column `shift`, so m is finite from here on (no NaN from -inf - -inf).
     c = tl.arange(0, ALIGN)
-    m, s, sum_x = _fwd_chunk(row_ptr + c, (c >= shift) & (c < end), tl.full((), float("-inf"), tl.float32),
-                             tl.zeros((), tl.float32), tl.zeros((), tl.float32), HAS_SMOOTHING, True)
+    m, s, sum_x = _fwd_piece(row_ptr + c, (c >= shift) & (c < end), tl.full((), float("-inf"), tl.float32),
+                             tl.zeros((), tl.float32), tl.zeros((), tl.float32), HAS_SMOOTHING)
     c = end_al + tl.arange(0, ALIGN)
-    m, s, sum_x = _fwd_chunk(row_ptr + c, c < end, m, s, sum_x, HAS_SMOOTHING, True)
-    for start in range(0, n_full, BLOCK_V):
+    m, s, sum_x = _fwd_piece(row_ptr + c, c < end, m, s, sum_x, HAS_SMOOTHING)
+    m_pieces = m
+    s_vec = tl.zeros((BLOCK_V,), tl.float32)
+    # NUM_STAGES > 1: the compiler prefetches the next chunks (cp.async into shared memory) while
+    # this one is reduced, raising the bytes in flight per SM beyond what registers allow.
+    for start in tl.range(0, n_full, BLOCK_V, num_stages=NUM_STAGES):
         cols = ALIGN + tl.multiple_of(start, BLOCK_V) + tl.arange(0, BLOCK_V)
-        m, s, sum_x = _fwd_chunk(row_ptr + cols, None, m, s, sum_x, HAS_SMOOTHING, False)
+        m, s_vec, sum_x = _fwd_chunk(row_ptr + cols, None, m, s_vec, sum_x, HAS_SMOOTHING, False)
     for start in range(n_full, n_body, BLOCK_V):  # the partial body chunk: at most one
         cols = ALIGN + tl.multiple_of(start, BLOCK_V) + tl.arange(0, BLOCK_V)
-        m, s, sum_x = _fwd_chunk(row_ptr + cols, cols < end_al, m, s, sum_x, HAS_SMOOTHING, True)
+        m, s_vec, sum_x = _fwd_chunk(row_ptr + cols, cols < end_al, m, s_vec, sum_x, HAS_SMOOTHING, True)
+    s = s * tl.exp2(m_pieces - m) + tl.sum(s_vec, axis=0)
 
     lse = (m + tl.log2(s)) * 0.6931471805599453  # back to natural log
     # The target logit: one scalar load, masked so an out-of-range target is never dereferenced.
@@ -245,11 +259,12 @@ def _cross_entropy_bwd_kernel(
 # Forward tuning: tile and warps only, pruned by V so a small vocabulary never tries tiles far
 # larger than its row. Keyed on V (and, by the autotuner, on the dtypes).
 _FWD_CONFIGS = [
-    triton.Config({"BLOCK_V": 1024}, num_warps=4),
-    triton.Config({"BLOCK_V": 4096}, num_warps=8),
-    triton.Config({"BLOCK_V": 8192}, num_warps=8),
-    triton.Config({"BLOCK_V": 8192}, num_warps=16),
-    triton.Config({"BLOCK_V": 16384}, num_warps=16),
+    triton.Config({"BLOCK_V": 1024, "NUM_STAGES": 1}, num_warps=4),
+    triton.Config({"BLOCK_V": 4096, "NUM_STAGES": 1}, num_warps=8),
+    triton.Config({"BLOCK_V": 4096, "NUM_STAGES": 3}, num_warps=8),
+    triton.Config({"BLOCK_V": 8192, "NUM_STAGES": 1}, num_warps=8),
+    triton.Config({"BLOCK_V": 8192, "NUM_STAGES": 1}, num_warps=16),
+    triton.Config({"BLOCK_V": 8192, "NUM_STAGES": 2}, num_warps=16),
 ]
 
 
@@ -311,7 +326,7 @@ def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, *, ignore_inde
             float(z_loss))
     flags = dict(HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0, ALIGN=_align(logits))
     if _interpret():
-        _cross_entropy_fwd_kernel[(N,)](*args, **flags, BLOCK_V=_interpret_block(V), num_warps=1)
+        _cross_entropy_fwd_kernel[(N,)](*args, **flags, BLOCK_V=_interpret_block(V), NUM_STAGES=1, num_warps=1)
     else:
         _cross_entropy_fwd_tuned[(N,)](*args, **flags)
     return loss, lse
