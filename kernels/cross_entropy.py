@@ -4,53 +4,69 @@
 Design
 ------
 Forward, one program per row (grid ``(N,)``). The row is read once, in ``BLOCK_V`` chunks, with an
-*online logsumexp*: a running maximum ``m`` and running sum ``s = sum exp(x - m)`` in fp32, rescaled
-by ``exp2(m_old - m_new)`` whenever a chunk raises the maximum (Milakov & Gimelshein 2018, "Online
-normalizer calculation for softmax"). Everything runs in the log2 domain: each logit is multiplied
-by log2(e) once as it is loaded, so the inner loop has one ``exp2`` per element and no ``exp``.
-Hence any vocabulary size works (V = 1 ... 256000 and beyond) with registers bounded by
-``BLOCK_V``. In the same pass, when label smoothing is on, the row sum of the logits is accumulated
-(the smoothing term needs ``mean_v(-log p_v) = lse - mean_v(x_v)``). The target logit is one masked
-scalar load. Per row the kernel writes
+*online logsumexp* (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"): a
+scalar running maximum ``m`` (one block reduction per chunk) and per-lane partial sums
+``s[lane] = sum exp(x - m)`` in fp32, rescaled by one scalar ``exp2(m_old - m_new)`` per chunk and
+reduced once at the end of the row. Everything runs in the log2 domain: each logit is multiplied
+by log2(e) once as it is loaded, so the loop has exactly one ``exp2`` per element. Hence any
+vocabulary size works (V = 1 ... 256000 and beyond) with registers bounded by ``BLOCK_V``. In the
+same pass, when label smoothing is on, the row sum of the logits is accumulated (the smoothing term
+needs ``mean_v(-log p_v) = lse - mean_v(x_v)``). The target logit is one masked scalar load. Per
+row the kernel writes
 
     loss = (1 - eps) * (lse - x[t]) + eps * (lse - mean(x)) + z_loss * lse**2      (fp32)
     lse  = log(sum_v exp(x_v))                                                     (fp32, saved)
 
-and both are 0 at rows whose target is ``ignore_index`` (those rows are not read at all: the loop
-bound is 0, which matters for masked-LM batches where ~85% of rows are ignored). The reduction
-(sum / mean over valid rows) is a tiny follow-up in PyTorch on the (N,) fp32 vector, so it stays
-deterministic and needs no atomics or host sync.
+and both are 0 at rows whose target is ``ignore_index`` (such rows read one element, not the row,
+which matters for masked-LM batches where ~85% of rows are ignored). The reduction (sum / mean over
+valid rows) is a tiny follow-up in PyTorch on the (N,) fp32 vector, so it stays deterministic and
+needs no atomics or host sync.
 
-Backward, grid ``(N * ceil(V / BLOCK_V),)``: each program owns one chunk of one row and computes
+Aligned frame. With an odd vocabulary (50257) or one that is not a multiple of 8 (30522), rows of a
+contiguous (N, V) tensor start at arbitrary 2-byte offsets; a plain ``row_ptr + arange`` access
+then compiles to scalar 2-byte loads (Triton cannot prove 16-byte alignment), which costs a large
+part of the bandwidth. Each row is therefore addressed from the 16-byte boundary at or before it
+(``shift = (row * stride) % ALIGN`` elements earlier, ``ALIGN = 16 / element size``): frame columns
+[shift, shift + V) are the row, split into a head piece [0, ALIGN) and a last piece [end_al, end)
+(tiny masked loads) and a body [ALIGN, end_al) that is aligned at both ends, so its full chunks are
+unmasked 16-byte vector loads and its final partial chunk has a mask constant over each 16 bytes
+(still vectorised). The forward's body loop may be software-pipelined (``NUM_STAGES``, cp.async
+prefetch into shared memory) to keep more bytes in flight per SM than registers allow; the
+autotuner decides. If a base pointer is not 16-byte aligned the frame degenerates to ALIGN = 1.
+
+Backward, grid ``(N * ceil(V / BLOCK_V),)``: each program owns one body chunk of one row (chunk 0
+also does the head and last pieces) and computes
 
     dlogits = g_row * (softmax * (1 + 2 z_loss lse) - (1 - eps) onehot(t) - eps / V)
 
 from the saved lse (``softmax = exp2(x log2e - lse log2e)``, one FMA and one ``exp2``), reading the
-logits once and writing dlogits once. ``g_row`` is the incoming gradient of the row loss (a stride-0
-scalar for sum/mean reductions, already divided by the valid count for mean). Ignored rows write
-zeros without reading. The 2-D decomposition keeps every SM busy even when N is small. The
-gradient may be written over the logits (``dlogits_ptr == logits_ptr``): each element is read
-before it is written by the same program, so in-place is safe.
+logits once and writing dlogits once, in the same aligned frame (dlogits' row stride must be
+congruent to the logits' modulo ALIGN, true for contiguous dlogits and in place; else ALIGN = 1).
+``g_row`` is the incoming gradient of the row loss (a stride-0 scalar for sum/mean reductions,
+already divided by the valid count for mean). Ignored rows write zeros without reading. The 2-D
+decomposition keeps every SM busy even when N is small. The gradient may be written over the
+logits (``dlogits_ptr == logits_ptr``): each element is read before it is written by the same
+program, so in place is safe. Launch parameters of the backward come from a small table (it is an
+elementwise stream; autotuning an in-place kernel would also need the logits restored per trial).
 
-Cost (fewest bytes; b = bytes per logit): forward reads N*V*b (+16 N bytes of targets, loss, lse),
+Cost (fewest bytes; b = bytes per logit): forward reads N*V*b (+~20 N bytes of targets, loss, lse),
 ~4 FLOPs + 1 exp2 per logit; backward reads N*V*b and writes N*V*b, ~5 FLOPs + 1 exp2 per logit.
-Both are bandwidth-bound on H100/H200 (bf16: ~1 exp2 per 2 bytes is well under the SFU rate).
+Both are bandwidth-bound on H100/H200 (bf16: 1 exp2 per 2 bytes is under half the MUFU rate).
 
 Numerics: loads upcast to fp32; all statistics fp32; masked lanes loaded as -inf (max/sum-exp)
 and replaced by 0 before the smoothing sum. Offsets: row index cast to int64 before multiplying by
-the row stride, so N*V > 2**31 works; within a row, column offsets are int32 (V < 2**31).
+the row stride, so N*V > 2**31 works; within a row, column offsets are int32 (V < 2**31 - 16).
 
-Limits: the logits' column stride must be 1 (the launcher's caller makes a copy otherwise; any row
-stride is fine, so slices of a padded buffer need no copy). Targets outside [0, V) that are not
-``ignore_index`` are never dereferenced (the load is masked); their row loss and gradient are NaN,
-so the error is visible without a host sync. A row whose logits are all -inf gives NaN (as torch).
-Forward parallelism is one program per row: for N much smaller than the number of SMs with a very
-large V the forward under-fills the GPU (a split-V forward would fix it; not needed for training
-shapes).
+Limits: the logits' column stride must be 1 (the caller copies otherwise; any row stride is fine,
+so slices of a padded buffer need no copy). Targets outside [0, V) that are not ``ignore_index``
+are never dereferenced (the load is masked); their row loss and gradient are NaN, so the error is
+visible without a host sync. A row whose logits are all -inf gives NaN (as torch). Forward
+parallelism is one program per row: for N much smaller than the number of SMs with a very large V
+the forward under-fills the GPU (a split-V forward would fix it; not needed at training shapes).
 
 References: Liger-Kernel ``ops/cross_entropy.py`` (single-row online softmax, gradient in place);
 llm.c ``fused_classifier.cuh`` (loss and dlogits in one pass); PaLM (Chowdhery et al. 2022, z-loss);
-FlashAttention-2 (exp2 with log2(e) folded into the scale).
+FlashAttention-2 (exp2 with log2(e) folded into the scale); quack (launch heuristics in tables).
 """
 from __future__ import annotations
 
