@@ -14,6 +14,8 @@ What is measured, per case (bf16 hidden and weight from ``randn``, no bias, mean
   logits), and the same for the loss and dweight. Before any timing each implementation is validated
   against that reference (loss rel. error < 1e-2, dhidden and dweight < 4e-2, all finite); a failing one
   is recorded INVALID and not timed, so a wrong fast kernel is never reported.
+* pykernels at its default backward dlogits budget (64 MiB) and at 16 and 256 MiB
+  (``pykernels._kernels.masked_lm_loss.DLOGITS_BUDGET_BYTES``): the speed/memory trade-off.
 
 Peers (same run, same inputs): eager full logits with ``ignore_index``; eager with the masked rows
 gathered first (boolean indexing: a host sync); the same compiled with ``torch.compile`` (the
@@ -129,13 +131,14 @@ def impl_cce(h, w, t):
     return _cce()(h, w, t, ignore_index=IGN, reduction="mean", impl="cce")
 
 
-# pykernels with a larger backward dlogits buffer than the default (fewer, larger vocabulary chunks:
-# faster, more memory): the row shows the trade-off in the same run.
-BUDGET_VARIANT = ("pykernels (dlogits budget 256 MiB)", 256 * 2**20)
+# pykernels with other backward dlogits budgets than the default 64 MiB (smaller: less memory, more and
+# smaller vocabulary chunks; larger: the reverse): the rows show the trade-off in the same run.
+BUDGET_VARIANTS = {"pykernels (dlogits budget 16 MiB)": 16 * 2**20,
+                   "pykernels (dlogits budget 256 MiB)": 256 * 2**20}
 
 IMPLS = [
     ("pykernels", impl_pykernels, None),
-    (BUDGET_VARIANT[0], impl_pykernels, None),
+    *[(name, impl_pykernels, None) for name in BUDGET_VARIANTS],
     ("eager full logits", impl_eager_full, None),
     ("eager gather-first", impl_eager_gather, None),
     ("torch.compile gather-first", impl_compile_gather, None),
@@ -183,9 +186,9 @@ def run_case(c: Case, args, ceil, rows, t_start):
             except Exception as e:  # noqa: BLE001 - a missing peer is recorded, not fatal
                 rows.append({**row, "status": f"unavailable ({type(e).__name__})"})
                 continue
-        if name == BUDGET_VARIANT[0]:
+        if name in BUDGET_VARIANTS:
             from pykernels._kernels import masked_lm_loss as kmod
-            kmod.DLOGITS_BUDGET_BYTES, saved_budget = BUDGET_VARIANT[1], kmod.DLOGITS_BUDGET_BYTES
+            kmod.DLOGITS_BUDGET_BYTES, saved_budget = BUDGET_VARIANTS[name], kmod.DLOGITS_BUDGET_BYTES
             try:
                 time_impl(args, row, rows, name, fn, hidden, weight, target, ref_loss, ref_dh, ref_dw, flops)
             finally:

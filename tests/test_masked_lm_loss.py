@@ -339,7 +339,7 @@ def test_gpu_int64_offsets():
     assert max_err(loss[pos], ref) < 0.05
     assert (loss[target == IGN] == 0).all()
     p = torch.softmax(sub @ weight.double().t(), -1)
-    p[torch.arange(pos.numel()), target[pos]] -= 1
+    p[torch.arange(pos.numel(), device="cuda"), target[pos]] -= 1
     assert max_err(dh[pos], p @ weight.double()) < 0.02
     dh[pos] = 0
     assert dh.abs().max().item() == 0.0
