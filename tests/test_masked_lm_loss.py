@@ -271,6 +271,19 @@ def test_gpu_other_dtypes_none_reduction(dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_torch_compile_inductor_matches_eager():
+    hidden, weight, target, b = _inputs((4, 256), 256, 5003, torch.bfloat16, "cuda", frac=0.15, bias=True)
+
+    def f(h, w, bias):
+        return masked_lm_loss(h, w, target, bias=bias, label_smoothing=0.1, backend="triton")
+
+    eager = _run(f, hidden, weight, b, None)
+    compiled = _run(torch.compile(f, fullgraph=True), hidden, weight, b, None)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 def test_gpu_no_host_sync():
     hidden, weight, target, b = _inputs((2048,), 256, 8192, torch.bfloat16, "cuda", frac=0.15, bias=True)
     h = hidden.requires_grad_(True)
