@@ -27,8 +27,9 @@ to 512 with a key-padding mask (goal: at most 2/3 of cuDNN's forward+backward ti
 Usage (GPU): ``python benchmarks/attention.py [--quick] [--budget-s 170]``; ``--quick`` runs the BERT
 and GPT-2 shapes and the varlen batch. Rows go to ``benchmarks/results/attention_<card>_<date>.csv``
 (and ``$OUT/attention.csv``). A time budget keeps the run bounded (the GPU batch gives each script
-~200 s): past 55% of it FlexAttention (whose compilation dominates) is skipped, past 85% no further
-case starts; skipped rows say so, and the CSV is rewritten after every case. ``--smoke`` runs the
+~200 s): FlexAttention, whose compilation dominates, runs after every other measurement, case by
+case; past 80% of the budget nothing new starts (skipped rows say so), and the CSV is rewritten
+after every step. ``--smoke`` runs the
 same code on CPU (tiny fp32 shapes, Triton interpreter, one untimed run each) to check the plumbing.
 Without ``--smoke``, on a machine without CUDA it prints that and exits 0.
 """
@@ -239,11 +240,8 @@ class Budget:
     def used(self) -> float:
         return time.time() - self.t0
 
-    def flex_ok(self) -> bool:
-        return self.used() < 0.55 * self.seconds
-
-    def case_ok(self) -> bool:  # a long case can take ~20 s (its kernels compile on first use)
-        return self.used() < 0.85 * self.seconds
+    def ok(self) -> bool:  # a case or a FlexAttention compile can take ~20-30 s: start none past 80%
+        return self.used() < 0.8 * self.seconds
 
 
 def time_impl(fwd, q, k, v, do) -> tuple[float, float]:
@@ -261,13 +259,9 @@ def run_case(case: Case, budget: Budget) -> list[dict]:
     from torch.nn.attention import SDPBackend
     base = dict(case=case.name, shape=case.label, B=case.B, H=case.H, S=case.S, D=case.D, causal=case.causal,
                 key_padding=case.key_padding, flops_fwd=f"{case.fwd_flops:.4g}")
-    if not budget.case_ok():
-        return [{**base, "impl": "all", "status": f"skipped (time budget {budget.seconds:.0f}s used)"}]
-    torch.manual_seed(0)
-    shape = (case.B, case.H, case.S, case.D)
-    q, k, v, do = (torch.randn(shape, device=DEVICE, dtype=DTYPE) for _ in range(4))
-    lengths = bert_lengths(case.B, case.S // 2, case.S) if case.key_padding else None
-    mask = key_padding_mask(lengths, case.S) if case.key_padding else None
+    if not budget.ok():
+        return [{**base, "impl": "all", "status": f"skipped (time budget {budget.seconds:.0f}s)"}]
+    q, k, v, do, lengths, mask = case_inputs(case)
     rows = []
 
     # pykernels: validate, then time, then memory
@@ -295,27 +289,56 @@ def run_case(case: Case, budget: Budget) -> list[dict]:
              ("sdpa mem-efficient", sdpa_impl(mask, case.causal, SDPBackend.EFFICIENT_ATTENTION), None)]
     if case.eager:
         peers.append(("eager", eager_impl(mask, case.causal), None))
-    peers.append(("flex (compiled)", None, None))
     for name, fwd, alt in peers:
         row = {**base, "impl": name}
-        if name.startswith("flex") and not budget.flex_ok():
-            row["status"] = "skipped (time budget)"
-        else:
-            try:
-                row.update(time_peer(fwd if fwd is not None else flex_impl(case, lengths), alt, q, k, v, do))
-            except Exception as e:  # noqa: BLE001
-                row["status"] = f"error: {short(e)}"
+        try:
+            row.update(time_peer(fwd, alt, q, k, v, do))
+        except Exception as e:  # noqa: BLE001
+            row["status"] = f"error: {short(e)}"
         rows.append(row)
+    finish_case(case, rows)
+    return rows
 
+
+def run_flex(case: Case, rows: list[dict], budget: Budget) -> bool:
+    """Append the FlexAttention row to a case's rows (compiled last: its compilation dominates the run).
+    False if the case itself was skipped (nothing appended)."""
+    if rows[0].get("impl") == "all":
+        return False
+    row = {key: rows[0][key] for key in ("case", "shape", "B", "H", "S", "D", "causal", "key_padding", "flops_fwd")}
+    row["impl"] = "flex (compiled)"
+    if not budget.ok():
+        row["status"] = f"skipped (time budget {budget.seconds:.0f}s)"
+    else:
+        q, k, v, do, lengths, _ = case_inputs(case)
+        try:
+            row.update(time_peer(flex_impl(case, lengths), None, q, k, v, do))
+        except Exception as e:  # noqa: BLE001
+            row["status"] = f"error: {short(e)}"
+        del q, k, v, do
+    rows.append(row)
+    finish_case(case, rows)
+    return True
+
+
+def case_inputs(case: Case):
+    """q, k, v, do (B, H, S, D) randn (seeded), and for key padding the lengths and the (B, 1, 1, S) mask."""
+    torch.manual_seed(0)
+    shape = (case.B, case.H, case.S, case.D)
+    q, k, v, do = (torch.randn(shape, device=DEVICE, dtype=DTYPE) for _ in range(4))
+    lengths = bert_lengths(case.B, case.S // 2, case.S) if case.key_padding else None
+    mask = key_padding_mask(lengths, case.S) if case.key_padding else None
+    return q, k, v, do, lengths, mask
+
+
+def finish_case(case: Case, rows: list[dict]) -> None:
     for r in rows:
         if r.get("status") == "ok":
             r["fwd_TFLOPs"] = tflops(case.fwd_flops, r["fwd_ms"])
             r["bwd_TFLOPs"] = tflops(2.5 * case.fwd_flops, r["bwd_ms"])
     add_ratios(rows)
-    del q, k, v, do
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
-    return rows
 
 
 def additive_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -372,8 +395,8 @@ def run_varlen(budget: Budget) -> list[dict]:
     useful = float(sum(4.0 * H * int(n) ** 2 * D for n in lengths))
     base = dict(case="bert_varlen", shape=f"B{B} H{H} D{D} lengths {VARLEN['lo']}..{VARLEN['hi']} (pad {S})",
                 B=B, H=H, S=S, D=D, causal=False, key_padding=True, flops_fwd=f"{useful:.4g}", flops="useful")
-    if not budget.case_ok():
-        return [{**base, "impl": "all", "status": "skipped (time budget)"}]
+    if not budget.ok():
+        return [{**base, "impl": "all", "status": f"skipped (time budget {budget.seconds:.0f}s)"}]
     torch.manual_seed(0)
     total = int(lengths.sum())
     cu = torch.zeros(B + 1, dtype=torch.int32)
@@ -461,6 +484,15 @@ def reference_fp32_fwd(mask, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def report_step(groups: list[list[dict]], new: list[dict], budget: Budget):
+    """Print the step's outcome; rewrite the CSV with every row so far (not in --smoke)."""
+    print(f"[{budget.used():.0f}s] {new[0].get('shape')}: " + ", ".join(
+        f"{r['impl']} {r.get('status')}" for r in new), flush=True)
+    if not SMOKE:
+        return common.write_rows("attention", [r for g in groups for r in g])
+    return None
+
+
 COLS = ["shape", "impl", "status", "fwd_TFLOPs", "bwd_TFLOPs", "fwd_vs_best_peer", "bwd_vs_best_peer",
         "fwd_pct_matmul_peak", "err_out", "err_dq", "peak_extra_MiB", "grads_MiB"]
 MATMUL_PEAK: float | None = None  # the card's measured bf16 matmul TFLOP/s (common.ceilings), None in --smoke
@@ -470,7 +502,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="only the BERT and GPT-2 shapes and the varlen batch")
     ap.add_argument("--budget-s", type=float, default=170.0,
-                    help="wall-clock budget: FlexAttention is skipped past 55%% of it, no case starts past 85%%")
+                    help="wall-clock budget in seconds: nothing new (case or FlexAttention compile) starts past 80%% of it")
     ap.add_argument("--smoke", action="store_true",
                     help="check the script's logic on CPU: tiny fp32 shapes, Triton interpreter, no timing, no CSV")
     args = ap.parse_args(argv)
@@ -495,18 +527,20 @@ def main(argv=None) -> int:
         rows = [{"case": "ceilings", "impl": "card", "status": "ok", **ceil}]
         MATMUL_PEAK = ceil["matmul_bf16_TFLOPs"]
     cases = [c for c in CASES if c.quick or not args.quick]
-    # BERT cases, then the varlen batch (same lengths as bert_keypad), then the rest. The CSV is
-    # rewritten after every case, so a run cut short by an outer timeout still leaves its rows.
+    # BERT cases, then the varlen batch (same lengths as bert_keypad), then the rest; FlexAttention
+    # last, case by case while the budget lasts (each case compiles its own kernels). The CSV is
+    # rewritten after every step, so a run cut short by an outer timeout still leaves its rows.
     path = "(not written: --smoke)"
+    groups: list[list[dict]] = [rows]
     jobs = [lambda c=c: run_case(c, budget) for c in cases[:2]] + [lambda: run_varlen(budget)] + \
         [lambda c=c: run_case(c, budget) for c in cases[2:]]
     for job in jobs:
-        new = job()
-        rows += new
-        print(f"[{budget.used():.0f}s] {new[0]['shape']}: " + ", ".join(
-            f"{r['impl']} {r.get('status')}" for r in new), flush=True)
-        if not SMOKE:
-            path = common.write_rows("attention", rows)
+        groups.append(job())
+        path = report_step(groups, groups[-1], budget) or path
+    for case, group in zip(cases[:2] + [None] + cases[2:], groups[1:]):
+        if case is not None and run_flex(case, group, budget):
+            path = report_step(groups, group[-1:], budget) or path
+    rows = [r for g in groups for r in g]
     common.print_table([r for r in rows if r["case"] != "ceilings"], COLS)
     print("x_vs_best_peer = fastest peer's time / this row's time (> 1: faster than every peer); "
           "fwd_pct_matmul_peak = forward TFLOP/s as % of this card's bf16 matmul rate; errors are max abs vs "
