@@ -275,9 +275,14 @@ def run_case(case: Case, budget: Budget) -> list[dict]:
         else:
             f_ms, b_ms = time_impl(ours_fwd, q, k, v, do)
             qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-            row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4),
-                       peak_extra_MiB=peak_mib(lambda: ours_fwd(qq, kk, vv).backward(do)),
-                       grads_MiB=round(3 * q.numel() * q.element_size() / 2**20, 1))
+            peak = peak_mib(lambda: ours_fwd(qq, kk, vv).backward(do))
+            # output + 3 gradients are unavoidable; the rest is the kernels' scratch (lse, delta, ...),
+            # which must stay O(B*H*S): compare with one fp32 (B, H, S) tensor
+            io_mib = 4 * q.numel() * q.element_size() / 2**20
+            row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4), peak_extra_MiB=peak,
+                       out_and_grads_MiB=round(io_mib, 1),
+                       scratch_MiB=None if peak is None else round(peak - io_mib, 1),
+                       fp32_BHS_MiB=round(case.B * case.H * case.S * 4 / 2**20, 2))
     except Exception as e:  # noqa: BLE001 - record and go on with the peers
         row["status"] = f"error: {short(e)}"
     rows.append(row)
@@ -494,7 +499,7 @@ def report_step(groups: list[list[dict]], new: list[dict], budget: Budget):
 
 
 COLS = ["shape", "impl", "status", "fwd_TFLOPs", "bwd_TFLOPs", "fwd_vs_best_peer", "bwd_vs_best_peer",
-        "fwd_pct_matmul_peak", "err_out", "err_dq", "peak_extra_MiB", "grads_MiB"]
+        "fwd_pct_matmul_peak", "err_out", "err_dq", "peak_extra_MiB", "scratch_MiB", "fp32_BHS_MiB"]
 MATMUL_PEAK: float | None = None  # the card's measured bf16 matmul TFLOP/s (common.ceilings), None in --smoke
 
 
