@@ -25,9 +25,14 @@ Backward, with xhat = (s - mean) * rstd and g = dy * weight:
 
 ``s`` is re-read from the saved ``s`` (pre-LN) or recomputed from ``x`` and ``residual`` with the
 regenerated dropout mask (post-LN), so the post-LN forward writes only ``y``. dweight / dbias are
-accumulated in fp32 registers by a persistent grid of about two programs per SM, each looping over a
-strided set of row blocks, and written once as a ``(programs, N)`` fp32 partial buffer that a single
-``sum(0)`` reduces: no atomics, deterministic.
+accumulated in fp32 registers by a persistent grid (1 to 8 programs per SM, tuned with the tile),
+each program looping over a strided set of row blocks, and written once as a ``(programs, N)`` fp32
+partial buffer that a single ``sum(0)`` reduces: no atomics, deterministic.
+
+Configuration: the forward tiles ``BLOCK_M`` rows x ``BLOCK_N = next_pow2(N)`` columns per program;
+both kernels autotune (keyed on N, short tuning runs) over 1-4 configs per power-of-two width
+bucket, sized from sm_90 register counts measured offline with ptxas (8-16 elements per thread;
+none spill). Under TRITON_INTERPRET=1 a single small config runs.
 
 Traffic (element size e, M x N, no dropout): forward reads x (+ residual) and writes y (+ s):
 pre-LN 4*M*N*e bytes, post-LN 3*M*N*e. Backward reads dy, s (or x and residual), (ds_out) and writes
@@ -61,6 +66,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from pykernels._alloc import empty
 

@@ -6,7 +6,6 @@ GPU (marked): bf16 and realistic sizes.
 """
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
