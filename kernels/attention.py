@@ -154,6 +154,17 @@ def _seq_bounds(CuQ, CuK, b, Sq, Sk, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _idx(offs, IDX64: tl.constexpr):
+    """Row/column indices for pointer arithmetic inside one (batch, head) slice: int32 unless a
+    slice spans 2**31 elements or more (IDX64), which keeps pointer tiles cheap in registers.
+    Batch/head/sequence-start offsets are always int64 (added to the base pointers)."""
+    if IDX64:
+        return offs.to(tl.int64)
+    else:
+        return offs
+
+
+@triton.jit
 def _apply_masks(s, rows, cols, k_len, mask_ptrs, row_ok, MASK_KIND: tl.constexpr, APPLY_CAUSAL: tl.constexpr,
                  CHECK_N: tl.constexpr):
     """Mask log2-scaled scores ``s``. ``rows``/``cols`` are the query/key indices already broadcast to
@@ -187,11 +198,11 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, o
                stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, rng_sk, dropout_p,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
                APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr):
     """Online-softmax update over key blocks [start_lo, end_hi). CHECK_N only for the tail block."""
     for start_n in range(start_lo, end_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        cols = offs_n.to(tl.int64)
+        cols = _idx(offs_n, IDX64)
         # K^T tile (BLOCK_D, BLOCK_N) loaded directly transposed through its strides.
         kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]
         v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :]
@@ -232,7 +243,7 @@ def _attention_fwd_kernel(
     qk_scale, dropout_p, seed, seq_bucket,  # scale*log2(e); dropout prob; Philox seed; autotune key
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -248,7 +259,7 @@ def _attention_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < q_len
-    rows = offs_m.to(tl.int64)
+    rows = _idx(offs_m, IDX64)
 
     Q += b * stride_qb + h * stride_qh + q_start * stride_qm
     K += b * stride_kb + hk * stride_kh + k_start * stride_kn
@@ -278,15 +289,15 @@ def _attention_fwd_kernel(
     split = tl.maximum(lo, tl.minimum(mid, full_end))
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
                                stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
-                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION)
+                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, split, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
                                stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
-                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION)
+                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
     if IS_CAUSAL:  # the diagonal band [start_m, start_m + BLOCK_M): causal compare
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, tl.maximum(lo, start_m), hi, offs_m, m_ok, offs_d,
                                    offs_dv, k_len, stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed,
                                    rng_base, Sk, dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D,
-                                   HAS_DROPOUT, PRECISION)
+                                   HAS_DROPOUT, PRECISION, IDX64)
 
     # Fully masked rows have l = 0: output 0 and lse = -inf (never 0/0).
     row_ok = l_i > 0.0
@@ -333,13 +344,13 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
                 q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, rng_sk, dropout_p,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
                 APPLY_CAUSAL: tl.constexpr, CHECK_M: tl.constexpr, EVEN_D: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [start_lo, end_hi). Works on the
     transposed tile (BLOCK_N keys x BLOCK_M queries) so that dV += P^T dO and dK += dS^T Q need no
     register transposes. Key columns past k_len only touch their own (unstored) dK/dV rows."""
     for start_m in range(start_lo, end_hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        rows = offs_m.to(tl.int64)
+        rows = _idx(offs_m, IDX64)
         qt_ptrs = Q + rows[None, :] * stride_qm + offs_d[:, None]
         do_ptrs = DO + rows[:, None] * stride_dom + offs_dv[None, :]
         if CHECK_M or not EVEN_D:
@@ -378,16 +389,16 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
 def _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, hi, offs_n, offs_d, offs_dv, q_len, k_len,
                stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
-               EVEN_D: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+               EVEN_D: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr):
     """Query blocks [lo, hi) without causal compare: full blocks unchecked, then the row tail."""
     full_end = tl.maximum(lo, (q_len // BLOCK_M) * BLOCK_M)
     split = tl.minimum(hi, full_end)
     dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, split, offs_n, offs_d, offs_dv,
                          q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
-                         D, DV, BLOCK_M, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION)
+                         D, DV, BLOCK_M, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
     dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, split, hi, offs_n, offs_d, offs_dv,
                          q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
-                         D, DV, BLOCK_M, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION)
+                         D, DV, BLOCK_M, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
     return dk, dv
 
 
@@ -403,7 +414,7 @@ def _attention_bwd_dkdv_kernel(
     H, HKV, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, seed, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -417,7 +428,7 @@ def _attention_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < k_len
-    cols = offs_n.to(tl.int64)
+    cols = _idx(offs_n, IDX64)
     K += b * stride_kb + hk * stride_kh + k_start * stride_kn
     V += b * stride_vb + hk * stride_vh + k_start * stride_vn
     DK += b * stride_dkb + hk * stride_dkh + k_start * stride_dkn
@@ -450,16 +461,16 @@ def _attention_bwd_dkdv_kernel(
                 dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, mid, offs_n, offs_d,
                                      offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                      rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, True, True, EVEN_D,
-                                     HAS_DROPOUT, PRECISION)
+                                     HAS_DROPOUT, PRECISION, IDX64)
                 dk, dv = _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, mid, q_len, offs_n, offs_d,
                                     offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                     rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, EVEN_D, HAS_DROPOUT,
-                                    PRECISION)
+                                    PRECISION, IDX64)
             else:
                 dk, dv = _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, 0, q_len, offs_n, offs_d,
                                     offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                     rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, EVEN_D, HAS_DROPOUT,
-                                    PRECISION)
+                                    PRECISION, IDX64)
     dk = dk * sm_scale
     tl.store(DK + cols[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=n_ok[:, None] & (offs_d[None, :] < D))
@@ -472,11 +483,11 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
               stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, rng_sk, dropout_p,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
               APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+              HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr):
     """dQ += dS K over key blocks [start_lo, end_hi)."""
     for start_n in range(start_lo, end_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        cols = offs_n.to(tl.int64)
+        cols = _idx(offs_n, IDX64)
         kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]
         vt_ptrs = V + cols[None, :] * stride_vn + offs_dv[:, None]
         if CHECK_N or not EVEN_D:
@@ -508,7 +519,7 @@ def _attention_bwd_dq_kernel(
     H, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, seed, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -523,7 +534,7 @@ def _attention_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < q_len
-    rows = offs_m.to(tl.int64)
+    rows = _idx(offs_m, IDX64)
     Q += b * stride_qb + h * stride_qh + q_start * stride_qm
     DO += b * stride_dob + h * stride_doh + q_start * stride_dom
     DQ += b * stride_dqb + h * stride_dqh + q_start * stride_dqm
@@ -557,14 +568,14 @@ def _attention_bwd_dq_kernel(
     split = tl.maximum(lo, tl.minimum(mid, full_end))
     dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
                    stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
-                   D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION)
+                   D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
     dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, split, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
                    stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
-                   D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION)
+                   D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
     if IS_CAUSAL:
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, tl.maximum(lo, start_m), hi, offs_m, m_ok,
                        offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk,
-                       dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D, HAS_DROPOUT, PRECISION)
+                       dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
     dq = dq * sm_scale
     tl.store(DQ + rows[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=m_ok[:, None] & (offs_d[None, :] < D))
@@ -613,6 +624,14 @@ def key_padding_range(mask: torch.Tensor | None) -> torch.Tensor | None:
     return torch.stack([lo, hi], -1).to(torch.int32).contiguous()
 
 
+def _needs_idx64(sq: int, sk: int, row_strides, mask_strides) -> bool:
+    """Whether in-slice row/column offsets can reach 2**31 (then the kernels use int64 for them)."""
+    rows = max(sq, sk) + 256  # blocks overhang the sequence by less than this
+    big = rows * max([abs(int(x)) for x in row_strides] + [1])
+    big = max(big, rows * (abs(int(mask_strides[2])) + abs(int(mask_strides[3]))))
+    return big >= 2**31 - 1
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -646,6 +665,7 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         return o, lse.fill_(float("-inf"))
     dummy = torch.empty(2, dtype=torch.int32, device=q.device)
     mask_t, mask_kind, ms = _mask_args(mask, dummy)
+    idx64 = _needs_idx64(sq, sk, (qs[2], ks[2], vs[2], os_[2]), ms)
     grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), hq, batch)  # noqa: E731
     _attention_fwd_kernel[grid](
         q, k, v, o, lse, mask_t, kv_range if kv_range is not None else dummy,
@@ -655,7 +675,7 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         scale * LOG2E, float(dropout_p), int(seed), _seq_bucket(sq, sk),
         D=d, DV=dv, BLOCK_D=_pow2_dim(d), BLOCK_DV=_pow2_dim(dv), EVEN_D=_pow2_dim(d) == d and _pow2_dim(dv) == dv,
         IS_CAUSAL=bool(causal), MASK_KIND=mask_kind, HAS_KV_RANGE=kv_range is not None,
-        HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen, PRECISION=_precision(q.dtype),
+        HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen, PRECISION=_precision(q.dtype), IDX64=idx64,
     )
     return o, lse
 
@@ -706,7 +726,8 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
         DV=dv_dim, BLOCK_DV=bdv, IS_VARLEN=varlen, BLOCK_M=pre_bm)
     common = dict(D=d, DV=dv_dim, BLOCK_D=bd, BLOCK_DV=bdv, EVEN_D=bd == d and bdv == dv_dim, IS_CAUSAL=bool(causal), MASK_KIND=mask_kind,
                   HAS_KV_RANGE=kv_range is not None, HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen,
-                  PRECISION=_precision(q.dtype))
+                  PRECISION=_precision(q.dtype),
+                  IDX64=_needs_idx64(sq, sk, [seq3(t)[2] for t in (q, k, v, do, dq, dk, dv)], ms))
     bucket = _seq_bucket(sq, sk)
     _attention_bwd_dkdv_kernel[lambda meta: (triton.cdiv(sk, meta["BLOCK_N"]), hkv, batch)](
         q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
