@@ -54,6 +54,16 @@ fp32 (V, H) buffer (94 MiB for BERT-base), over the memory budget.
 
 Memory above the inputs: outputs dhidden (N H) and dW (V H) in the input dtype, the (N, VC) dlogits
 buffer, the fp32 (N, H) dh accumulator when V needs more than one chunk, and O(SPLIT N) fp32 statistics.
+BERT-base MLM (N 16384, V 30522, H 768, bf16) at the default 64 MiB budget: 24 + 45 + 64 + 48 = ~181 MiB,
+15 chunks; GPT-2 (N 8192, V 50257): 12 + 74 + 64 + 24 = ~174 MiB, 13 chunks. Both buffers are sized for
+N rows because the valid count stays on the device (no sync): at 15% masking 85% of them is unused.
+That is the price of no sync plus fp32 accumulation of both gradients; 100 MiB for BERT-base would
+need one of them accumulated across chunks in bf16 (as Liger and CCE do). ``DLOGITS_BUDGET_BYTES``
+trades memory for chunk count (fewer, larger chunks: fewer launches, fuller waves).
+
+Launches per call: forward 2 Triton kernels + ~7 small torch ops (compaction, zeroed outputs);
+backward 2 Triton kernels per chunk. Host launch overhead (~10-20 us per autotuned Triton launch) is
+why chunks are large: a 16 MiB budget would mean 60 chunks and a CPU-bound backward for BERT-base.
 
 Limits. Targets outside [0, V) that are not ``ignore_index`` are never used to address memory: their
 loss (and lse) is NaN and their gradient is that of the plain softmax (no one-hot term); the
@@ -392,9 +402,9 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
     lse = torch.zeros(n, dtype=torch.float32, device=dev)
     if n == 0:
         return loss, lse
-    # Vocabulary slices of >= 1024 columns (multiples of 256), about 16 or more: enough programs (and
-    # small ones, so the last wave is short) when few rows are valid, few partials to merge.
-    v_per_split = max(1024, triton.cdiv(triton.cdiv(v, 16), 256) * 256)
+    # About 32 vocabulary slices of >= 1024 columns (multiples of 256): enough programs (and small ones,
+    # so the last wave is short) when few rows are valid, and few partials to merge.
+    v_per_split = max(1024, triton.cdiv(triton.cdiv(v, 32), 256) * 256)
     split = triton.cdiv(v, v_per_split)
     smooth = label_smoothing > 0.0
     part_m = empty(split, n, dtype=torch.float32, device=dev)
