@@ -18,9 +18,11 @@ row the kernel writes
     lse  = log(sum_v exp(x_v))                                                     (fp32, saved)
 
 and both are 0 at rows whose target is ``ignore_index`` (such rows read one element, not the row,
-which matters for masked-LM batches where ~85% of rows are ignored). The reduction (sum / mean over
-valid rows) is a tiny follow-up in PyTorch on the (N,) fp32 vector, so it stays deterministic and
-needs no atomics or host sync.
+which matters for masked-LM batches where ~85% of rows are ignored). For "sum"/"mean" a second,
+one-program kernel reduces the (N,) fp32 row losses in a fixed order (deterministic, no atomics,
+no host sync), counts the valid targets, divides, and saves ``scale = 1/denominator`` for the
+backward: one launch instead of the ~6 tiny PyTorch kernels (count, sum, clamp, divide, cast) that
+would cost ~25% of the forward at 2446 x 30522.
 
 Aligned frame. With an odd vocabulary (50257) or one that is not a multiple of 8 (30522), rows of a
 contiguous (N, V) tensor start at arbitrary 2-byte offsets; a plain ``row_ptr + arange`` access
@@ -42,8 +44,8 @@ also does the head and last pieces) and computes
 from the saved lse (``softmax = exp2(x log2e - lse log2e)``, one FMA and one ``exp2``), reading the
 logits once and writing dlogits once, in the same aligned frame (dlogits' row stride must be
 congruent to the logits' modulo ALIGN, true for contiguous dlogits and in place; else ALIGN = 1).
-``g_row`` is the incoming gradient of the row loss (a stride-0 scalar for sum/mean reductions,
-already divided by the valid count for mean). Ignored rows write zeros without reading. The 2-D
+``g_row = grad[row * stride_g] * scale`` (a stride-0 scalar for sum/mean, times the saved
+1/denominator). Ignored rows write zeros without reading. The 2-D
 decomposition keeps every SM busy even when N is small. The gradient may be written over the
 logits (``dlogits_ptr == logits_ptr``): each element is read before it is written by the same
 program, so in place is safe. Launch parameters of the backward come from a small table (it is an
@@ -123,7 +125,8 @@ def _fwd_chunk(ptrs, cmask, m, s_vec, sum_x, HAS_SMOOTHING: tl.constexpr, MASKED
 def _cross_entropy_fwd_kernel(
     logits_ptr,       # (N, V) fp16/bf16/fp32, column stride 1
     target_ptr,       # (N,) int32/int64, contiguous
-    loss_ptr,         # (N,) fp32 out: per-row loss (0 at ignored rows, NaN at out-of-range targets)
+    loss_ptr,         # (N,) out, fp32 or the output dtype: per-row loss (0 at ignored rows, NaN at
+                      # out-of-range targets)
     lse_ptr,          # (N,) fp32 out: natural-log logsumexp of the row (0 at ignored rows)
     stride_n,         # logits row stride, in elements (>= V for padded rows)
     V,                # vocabulary size (row length)
@@ -182,8 +185,49 @@ def _cross_entropy_fwd_kernel(
     if HAS_Z_LOSS:
         loss += z_loss * lse * lse
     loss = tl.where(in_range, loss, float("nan"))
-    tl.store(loss_ptr + row, tl.where(active, loss, 0.0))
+    tl.store(loss_ptr + row, tl.where(active, loss, 0.0).to(loss_ptr.dtype.element_ty))
     tl.store(lse_ptr + row, tl.where(active, lse, 0.0))
+
+
+@triton.jit
+def _cross_entropy_reduce_kernel(
+    rows_ptr,         # (N,) fp32 per-row losses from the forward kernel
+    target_ptr,       # (N,) int32/int64 (counted for the mean)
+    out_ptr,          # () out: the reduced loss, output dtype
+    scale_ptr,        # () fp32 out: d(out)/d(row loss) = 1/denominator (mean) or 1 (sum)
+    num_valid_ptr,    # () fp32 caller's denominator (NUM_VALID == 2), else unused
+    N,
+    ignore_index,
+    num_valid_int,    # caller's denominator (NUM_VALID == 1)
+    MEAN: tl.constexpr,
+    NUM_VALID: tl.constexpr,  # 0: count valid targets here; 1: num_valid_int; 2: *num_valid_ptr
+    BLOCK: tl.constexpr,
+):
+    # One program, a fixed summation order: deterministic, no atomics, no host sync, one launch
+    # instead of the ~6 tiny PyTorch kernels of sum / count / clamp / divide / cast.
+    acc = tl.zeros((BLOCK,), tl.float32)
+    cnt = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < N
+        acc += tl.load(rows_ptr + offs, mask=mask, other=0.0)
+        if MEAN and NUM_VALID == 0:
+            t = tl.load(target_ptr + offs, mask=mask, other=ignore_index)
+            cnt += (t != ignore_index).to(tl.int32)
+    total = tl.sum(acc, axis=0)
+    if MEAN:
+        if NUM_VALID == 0:
+            denom = tl.sum(cnt, axis=0).to(tl.float32)
+        elif NUM_VALID == 1:
+            denom = tl.full((), num_valid_int, tl.float32)
+        else:
+            denom = tl.load(num_valid_ptr).to(tl.float32)
+        denom = tl.maximum(denom, 1.0)  # every target ignored: loss 0, never 0/0
+        tl.store(out_ptr, (total / denom).to(out_ptr.dtype.element_ty))
+        tl.store(scale_ptr, 1.0 / denom)
+    else:
+        tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
+        tl.store(scale_ptr, tl.full((), 1.0, tl.float32))
 
 
 @triton.jit
@@ -213,7 +257,8 @@ def _cross_entropy_bwd_kernel(
     logits_ptr,       # (N, V) fp16/bf16/fp32, column stride 1
     target_ptr,       # (N,) int32/int64, contiguous
     lse_ptr,          # (N,) fp32 saved by the forward
-    grad_ptr,         # fp32 incoming gradient of the row losses, read at row * stride_g
+    grad_ptr,         # incoming gradient of the loss output (any float dtype), read at row * stride_g
+    scale_ptr,        # () fp32: d(output)/d(row loss) from the forward (1/denominator for mean)
     stride_n,         # logits row stride
     stride_dn,        # dlogits row stride (== stride_n modulo ALIGN, so both share the frame)
     stride_g,         # grad stride (0: one scalar for every row)
@@ -248,7 +293,7 @@ def _cross_entropy_bwd_kernel(
     cl = end_al + tl.arange(0, ALIGN)            # last piece (chunk 0 only)
     if active:
         lse2 = tl.load(lse_ptr + row) * 1.4426950408889634
-        g = tl.load(grad_ptr + row * stride_g).to(tl.float32)
+        g = tl.load(grad_ptr + row * stride_g).to(tl.float32) * tl.load(scale_ptr)
         g = tl.where(in_range, g, float("nan"))  # out-of-range target: NaN row (the loss is NaN too)
         z_lse_scale = 1.0 + 2.0 * z_loss * (lse2 * 0.6931471805599453)
         target_col = shift + target
@@ -326,37 +371,54 @@ def _align(logits: torch.Tensor, dlogits: torch.Tensor | None = None) -> int:
 
 
 def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int,
-                      label_smoothing: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss and logsumexp.
+                      label_smoothing: float, z_loss: float, reduction: str = "none",
+                      num_valid: torch.Tensor | None = None, num_valid_int: int = -1,
+                      out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss, logsumexp and the backward's scale.
 
     logits: (N, V) fp16/bf16/fp32 with ``stride(1) == 1`` (any row stride); target: (N,) int32/int64
-    contiguous. Returns ``(loss, lse)``, both (N,) fp32 (0 at ignored rows; loss NaN where the target
-    is out of range).
+    contiguous. ``reduction``: "none" | "sum" | "mean"; for the mean the denominator is
+    ``num_valid`` (a 0-dim fp32 tensor on the logits' device) if given, else ``num_valid_int`` if
+    >= 0, else the number of targets != ignore_index; it is clamped to >= 1.
+    Returns ``(loss, lse, scale)``: loss (N,) for "none" else 0-dim, in ``out_dtype`` (default the
+    logits' dtype; 0 at ignored rows, NaN where the target is out of range); lse (N,) fp32 (0 at
+    ignored rows); scale 0-dim fp32, d(loss)/d(row loss) (1/denominator for the mean, else 1).
     """
     N, V = logits.shape
-    loss = _alloc.empty(N, dtype=torch.float32, device=logits.device)
-    lse = _alloc.empty(N, dtype=torch.float32, device=logits.device)
-    if N == 0:
-        return loss, lse
-    args = (logits, target, loss, lse, logits.stride(0), V, ignore_index, float(label_smoothing),
-            float(z_loss))
-    flags = dict(HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0, ALIGN=_align(logits))
-    if _interpret():
-        _cross_entropy_fwd_kernel[(N,)](*args, **flags, BLOCK_V=_interpret_block(V), NUM_STAGES=1, num_warps=1)
-    else:
-        _cross_entropy_fwd_tuned[(N,)](*args, **flags)
-    return loss, lse
+    dev = logits.device
+    out_dtype = out_dtype or logits.dtype
+    rows = _alloc.empty(N, dtype=out_dtype if reduction == "none" else torch.float32, device=dev)
+    lse = _alloc.empty(N, dtype=torch.float32, device=dev)
+    if N:
+        args = (logits, target, rows, lse, logits.stride(0), V, ignore_index, float(label_smoothing),
+                float(z_loss))
+        flags = dict(HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0, ALIGN=_align(logits))
+        if _interpret():
+            _cross_entropy_fwd_kernel[(N,)](*args, **flags, BLOCK_V=_interpret_block(V), NUM_STAGES=1,
+                                            num_warps=1)
+        else:
+            _cross_entropy_fwd_tuned[(N,)](*args, **flags)
+    scale = _alloc.empty((), dtype=torch.float32, device=dev)
+    if reduction == "none":
+        scale.fill_(1.0)
+        return rows, lse, scale
+    out = _alloc.empty((), dtype=out_dtype, device=dev)
+    mode = 2 if num_valid is not None else (1 if num_valid_int >= 0 else 0)
+    _cross_entropy_reduce_kernel[(1,)](
+        rows, target, out, scale, num_valid if num_valid is not None else scale, N, ignore_index,
+        max(num_valid_int, 0), MEAN=reduction == "mean", NUM_VALID=mode, BLOCK=1024, num_warps=4)
+    return out, lse, scale
 
 
 def cross_entropy_bwd(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                      *, ignore_index: int, label_smoothing: float, z_loss: float,
+                      scale: torch.Tensor, *, ignore_index: int, label_smoothing: float, z_loss: float,
                       dlogits: torch.Tensor | None = None) -> torch.Tensor:
     """dlogits from the saved lse.
 
-    grad: (N,) fp32 gradient of the row losses (any stride, 0 allowed); logits (N, V) with
-    ``stride(1) == 1``; target (N,); lse (N,) fp32 from :func:`cross_entropy_fwd`. ``dlogits``: where
-    to write (N, V) with ``stride(1) == 1``; pass ``logits`` itself to overwrite it in place. Returns
-    dlogits (logits dtype).
+    grad: gradient of the forward's loss output, (N,) (reduction "none", any stride) or 0-dim;
+    logits (N, V) with ``stride(1) == 1``; target (N,); lse (N,) fp32 and scale (0-dim fp32) from
+    :func:`cross_entropy_fwd`. ``dlogits``: where to write (N, V) with ``stride(1) == 1``; pass
+    ``logits`` itself to overwrite it in place. Returns dlogits (logits dtype).
     """
     N, V = logits.shape
     if dlogits is None:
@@ -366,9 +428,9 @@ def cross_entropy_bwd(grad: torch.Tensor, logits: torch.Tensor, target: torch.Te
     block, warps = _bwd_launch(V, logits.element_size())
     align = _align(logits, dlogits)
     n_chunks = triton.cdiv(V, block)
-    grad = grad.float()
+    stride_g = 0 if grad.dim() == 0 else grad.stride(0)
     _cross_entropy_bwd_kernel[(N * n_chunks,)](
-        dlogits, logits, target, lse, grad, logits.stride(0), dlogits.stride(0), grad.stride(0), V,
+        dlogits, logits, target, lse, grad, scale, logits.stride(0), dlogits.stride(0), stride_g, V,
         n_chunks, ignore_index, float(label_smoothing), float(z_loss),
         HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0, ALIGN=align, BLOCK_V=block,
         num_warps=warps)

@@ -2,10 +2,10 @@
 backward, custom ops ``pykernels::cross_entropy_fwd`` / ``cross_entropy_bwd`` /
 ``cross_entropy_bwd_inplace``) and its eager :func:`cross_entropy_reference`.
 
-The custom ops work on the flattened (N, V) logits and return the per-row loss (fp32) and the saved
-logsumexp (fp32); the reduction (sum, mean over valid rows or over ``num_valid``) is plain PyTorch
-on the (N,) vector, so autograd, torch.compile and gradient accumulation compose without a host
-sync. Kernels and their design note: ``kernels/cross_entropy.py``.
+The forward op works on the flattened (N, V) logits and returns the loss (reduced in-op: a
+second one-program kernel sums the row losses in a fixed order and divides by the valid count
+counted on the device, or by ``num_valid``), the saved logsumexp (fp32) and the backward's scale
+(1/denominator), so the loss path has no host sync and two launches. Kernels and their design note: ``kernels/cross_entropy.py``.
 """
 from __future__ import annotations
 
@@ -79,10 +79,11 @@ def _support(logits: Tensor, target: Tensor) -> dict:
     return {"triton": reason}
 
 
-def _ref_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
-             z_loss: float) -> tuple[Tensor, Tensor]:
-    """The reference backend of the fused op: same outputs as the kernel (fp32 row loss, fp32 lse,
-    both 0 at ignored rows; fp64 for fp64 logits, which only this backend takes)."""
+def _ref_fwd(logits: Tensor, target: Tensor, num_valid: Tensor | None, ignore_index: int,
+             label_smoothing: float, z_loss: float, reduction: str, num_valid_int: int):
+    """The reference backend of the fused op: the kernels' outputs (loss in the logits' dtype, fp32
+    lse that is 0 at ignored rows, fp32 scale) from eager PyTorch with fp32 statistics (fp64 for
+    fp64 logits, which only this backend takes)."""
     V = logits.shape[1]
     _check_target_range(target, V, ignore_index)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -96,10 +97,23 @@ def _ref_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
     if z_loss > 0:
         loss = loss + z_loss * lse * lse
     zero = torch.zeros((), dtype=acc, device=logits.device)
-    return torch.where(valid, loss, zero), torch.where(valid, lse, zero)
+    loss, lse = torch.where(valid, loss, zero), torch.where(valid, lse, zero)
+    if reduction == "none":
+        return loss.to(logits.dtype), lse, torch.ones((), dtype=acc, device=logits.device)
+    total = loss.sum()
+    if reduction == "sum":
+        return total.to(logits.dtype), lse, torch.ones((), dtype=acc, device=logits.device)
+    if num_valid is not None:
+        denom = num_valid.to(acc)
+    elif num_valid_int >= 0:
+        denom = torch.full((), float(num_valid_int), dtype=acc, device=logits.device)
+    else:
+        denom = valid.sum().to(acc)
+    denom = denom.clamp_min(1)
+    return (total / denom).to(logits.dtype), lse, 1 / denom
 
 
-def _ref_bwd(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
+def _ref_bwd(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, scale: Tensor, ignore_index: int,
              label_smoothing: float, z_loss: float) -> Tensor:
     V = logits.shape[1]
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -111,82 +125,90 @@ def _ref_bwd(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_i
     valid = target != ignore_index
     onehot = F.one_hot(torch.where(valid, target, 0).long(), V).to(acc)
     d = p - (1 - label_smoothing) * onehot - label_smoothing / V
-    d = d * grad.to(acc)[:, None]
+    g = grad.to(acc) * scale.to(acc)
+    d = d * (g[:, None] if g.dim() else g)
     d = torch.where(valid[:, None], d, torch.zeros((), dtype=acc, device=d.device))
     return d.to(logits.dtype)
 
 
 @torch.library.custom_op("pykernels::cross_entropy_fwd", mutates_args=())
-def _fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
-         inplace_backward: bool, backend: str) -> tuple[Tensor, Tensor]:
+def _fwd(logits: Tensor, target: Tensor, num_valid: Tensor | None, ignore_index: int, label_smoothing: float,
+         z_loss: float, reduction: str, num_valid_int: int, inplace_backward: bool,
+         backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, lse, scale): loss in the logits' dtype ((N,) for reduction "none", else 0-dim); lse (N,)
+    fp32, saved; scale 0-dim fp32 = d(loss)/d(row loss), saved (1/denominator for the mean)."""
     # backend "" means the current default, resolved here at run time (use_backend works under compile).
     impl = select(_OP, backend or None, logits.device, _support(logits, target))
     if impl == "triton":
         from ._kernels import cross_entropy as kernels
         return kernels.cross_entropy_fwd(logits, target, ignore_index=ignore_index,
-                                         label_smoothing=label_smoothing, z_loss=z_loss)
-    return _ref_fwd(logits, target, ignore_index, label_smoothing, z_loss)
+                                         label_smoothing=label_smoothing, z_loss=z_loss, reduction=reduction,
+                                         num_valid=num_valid, num_valid_int=num_valid_int)
+    return _ref_fwd(logits, target, num_valid, ignore_index, label_smoothing, z_loss, reduction, num_valid_int)
 
 
 @_fwd.register_fake
-def _(logits, target, ignore_index, label_smoothing, z_loss, inplace_backward, backend):
+def _(logits, target, num_valid, ignore_index, label_smoothing, z_loss, reduction, num_valid_int,
+      inplace_backward, backend):
     N = logits.shape[0]
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return logits.new_empty(N, dtype=acc), logits.new_empty(N, dtype=acc)
+    loss = logits.new_empty((N,) if reduction == "none" else ())
+    return loss, logits.new_empty(N, dtype=acc), logits.new_empty((), dtype=acc)
 
 
 @torch.library.custom_op("pykernels::cross_entropy_bwd", mutates_args=())
-def _bwd(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
+def _bwd(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, scale: Tensor, ignore_index: int,
          label_smoothing: float, z_loss: float, backend: str) -> Tensor:
     impl = select(_OP, backend or None, logits.device, _support(logits, target))
     if impl == "triton":
         from ._kernels import cross_entropy as kernels
-        return kernels.cross_entropy_bwd(grad, logits, target, lse, ignore_index=ignore_index,
+        return kernels.cross_entropy_bwd(grad, logits, target, lse, scale, ignore_index=ignore_index,
                                          label_smoothing=label_smoothing, z_loss=z_loss)
-    return _ref_bwd(grad, logits, target, lse, ignore_index, label_smoothing, z_loss)
+    return _ref_bwd(grad, logits, target, lse, scale, ignore_index, label_smoothing, z_loss)
 
 
 @_bwd.register_fake
-def _(grad, logits, target, lse, ignore_index, label_smoothing, z_loss, backend):
+def _(grad, logits, target, lse, scale, ignore_index, label_smoothing, z_loss, backend):
     return logits.new_empty(logits.shape)
 
 
 @torch.library.custom_op("pykernels::cross_entropy_bwd_inplace", mutates_args=("logits",))
-def _bwd_inplace(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, ignore_index: int,
+def _bwd_inplace(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, scale: Tensor, ignore_index: int,
                  label_smoothing: float, z_loss: float, backend: str) -> None:
     """Overwrites ``logits`` with dlogits (the memory-saving backward of ``inplace_backward=True``)."""
     impl = select(_OP, backend or None, logits.device, _support(logits, target))
     if impl == "triton":
         from ._kernels import cross_entropy as kernels
-        kernels.cross_entropy_bwd(grad, logits, target, lse, ignore_index=ignore_index,
+        kernels.cross_entropy_bwd(grad, logits, target, lse, scale, ignore_index=ignore_index,
                                   label_smoothing=label_smoothing, z_loss=z_loss, dlogits=logits)
         return
-    logits.copy_(_ref_bwd(grad, logits, target, lse, ignore_index, label_smoothing, z_loss))
+    logits.copy_(_ref_bwd(grad, logits, target, lse, scale, ignore_index, label_smoothing, z_loss))
 
 
 @_bwd_inplace.register_fake
-def _(grad, logits, target, lse, ignore_index, label_smoothing, z_loss, backend):
+def _(grad, logits, target, lse, scale, ignore_index, label_smoothing, z_loss, backend):
     return None
 
 
 def _setup_context(ctx, inputs, output):
-    logits, target, ignore_index, label_smoothing, z_loss, inplace_backward, backend = inputs
-    _, lse = output
-    ctx.save_for_backward(logits, target, lse)
-    ctx.mark_non_differentiable(lse)
+    (logits, target, num_valid, ignore_index, label_smoothing, z_loss, reduction, num_valid_int,
+     inplace_backward, backend) = inputs
+    _, lse, scale = output
+    ctx.save_for_backward(logits, target, lse, scale)
+    ctx.mark_non_differentiable(lse, scale)
     ctx.ignore_index, ctx.label_smoothing, ctx.z_loss = ignore_index, label_smoothing, z_loss
     ctx.inplace_backward, ctx.backend = inplace_backward, backend
 
 
-def _backward(ctx, grad_loss, grad_lse):
-    logits, target, lse = ctx.saved_tensors
+def _backward(ctx, grad_loss, grad_lse, grad_scale):
+    logits, target, lse, scale = ctx.saved_tensors
     args = (ctx.ignore_index, ctx.label_smoothing, ctx.z_loss, ctx.backend)
     if ctx.inplace_backward:
-        torch.ops.pykernels.cross_entropy_bwd_inplace(grad_loss, logits, target, lse, *args)
+        torch.ops.pykernels.cross_entropy_bwd_inplace(grad_loss, logits, target, lse, scale, *args)
         dlogits = logits
     else:
-        dlogits = torch.ops.pykernels.cross_entropy_bwd(grad_loss, logits, target, lse, *args)
-    return dlogits, None, None, None, None, None, None
+        dlogits = torch.ops.pykernels.cross_entropy_bwd(grad_loss, logits, target, lse, scale, *args)
+    return dlogits, None, None, None, None, None, None, None, None, None
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -282,16 +304,13 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
         t = t.long()
     t = t.contiguous()
 
-    rows, _ = torch.ops.pykernels.cross_entropy_fwd(x, t, ignore_index, float(label_smoothing),
-                                                    float(z_loss), inplace_backward, backend or "")
-    if reduction == "none":
-        return rows.reshape(target.shape).to(logits.dtype)
-    total = rows.sum()
-    if reduction == "mean":
-        if num_valid is None:
-            total = total / (t != ignore_index).sum().clamp_min(1)
-        elif isinstance(num_valid, Tensor):
-            total = total / num_valid.to(torch.float32).clamp_min(1)
-        else:
-            total = total / max(num_valid, 1)
-    return total.to(logits.dtype)
+    nv_tensor, nv_int = None, -1
+    if isinstance(num_valid, Tensor):
+        nv_tensor = num_valid.to(device=logits.device, dtype=torch.float64 if logits.dtype == torch.float64
+                                 else torch.float32)
+    elif num_valid is not None:
+        nv_int = int(num_valid)
+    loss, _, _ = torch.ops.pykernels.cross_entropy_fwd(x, t, nv_tensor, ignore_index, float(label_smoothing),
+                                                       float(z_loss), reduction, nv_int, inplace_backward,
+                                                       backend or "")
+    return loss.reshape(target.shape) if reduction == "none" else loss
