@@ -170,6 +170,8 @@ def test_leading_dims_and_strided_hidden(device):
     wt = torch.randn(32, 517, device=device).t()  # weight (V, H) with strides (1, V)
     target1 = _inputs((37,), 32, 517, torch.float32, device, frac=0.3)[2]
     _check(wide, wt, target1, reduction="sum")
+    column_major = torch.randn(32, 37, device=device).t()  # (N, H) with strides (1, N)
+    _check(column_major, wt, target1, reduction="mean", label_smoothing=0.1)
 
 
 def test_out_of_range_target(device):
