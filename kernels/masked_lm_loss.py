@@ -41,6 +41,7 @@ is multiplied by a stride):
       - dhidden tiles, (N / BLOCK_A) x (H / BLOCK_H) programs: dh += dz W[chunk] into an fp32 (N, H)
         accumulator (compacted rows; not allocated when V fits one chunk); the last chunk writes the
         hidden dtype straight to each row's position in the zero-initialised dhidden.
+   Programs for a gradient no input needs are not launched (frozen embeddings: no dW tiles).
    Total 4 matmuls of M x V x H (forward 1, backward 3) = 8 M V H FLOPs; the dlogits buffer is
    written once and read twice (3 x 2 M V bytes in bf16).
 
@@ -342,9 +343,9 @@ def _dhidden_tile(
             tl.store(acc_ptr + acc_off, acc, mask=mask)
 
 
-@triton.autotune(configs=_BWD_CONFIGS, key=["H", "VC", "DTYPE_KEY", "is_first", "is_last"],
+@triton.autotune(configs=_BWD_CONFIGS, key=["H", "VC", "DTYPE_KEY", "is_first", "is_last", "do_dw"],
                  restore_value=["acc_ptr"])
-@triton.jit(do_not_specialize=["v_off", "VC", "is_first", "is_last"])
+@triton.jit(do_not_specialize=["v_off", "VC", "is_first", "is_last", "do_dw"])
 def _masked_lm_loss_bwd_kernel(
     h_ptr, w_ptr, rows_ptr, count_ptr,
     dl_ptr,         # (N, VC) dlogits of this chunk (compacted rows)
@@ -357,6 +358,7 @@ def _masked_lm_loss_bwd_kernel(
     DTYPE_KEY,
     is_first,       # 1 on the first chunk: nothing to accumulate onto yet
     is_last,        # 1 on the last chunk: write dhidden instead of the accumulator
+    do_dw,          # 0: no dW programs (weight and bias need no gradient); the grid then holds dhidden only
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -366,7 +368,7 @@ def _masked_lm_loss_bwd_kernel(
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
     h_tiles = tl.cdiv(H, BLOCK_H)
-    dw_programs = tl.cdiv(VC, BLOCK_A) * h_tiles  # the first programs compute dW tiles, the rest dhidden
+    dw_programs = tl.cdiv(VC, BLOCK_A) * h_tiles * do_dw  # the first programs compute dW tiles, the rest dhidden
     if pid < dw_programs:
         _dweight_tile(h_ptr, rows_ptr, dl_ptr, dw_ptr, db_ptr, count, pid // h_tiles, pid % h_tiles,
                       H, v_off, VC, stride_hn, stride_hh, stride_dl,
@@ -440,32 +442,40 @@ def _chunk_columns(n: int, v: int, elem: int, budget: int) -> int:
 def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                        target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor,
                        rows: torch.Tensor, count: torch.Tensor, *, label_smoothing: float,
+                       compute_dhidden: bool = True, compute_dweight: bool = True,
                        dlogits_budget_bytes: int | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``grad_loss`` (N,) fp32 upstream gradient of the per-position loss; ``lse`` (N,) fp32 from the
-    forward; ``rows``/``count`` as for the forward. Returns ``dhidden`` (N, H)
-    (zero at ignored rows), ``dweight`` (V, H) and ``dbias`` (V,) or None, in the input dtypes."""
+    forward; ``rows``/``count`` as for the forward. Returns ``dhidden`` (N, H) (zero at ignored rows),
+    ``dweight`` (V, H) and ``dbias`` (V,) in the input dtypes; ``dhidden`` is None unless
+    ``compute_dhidden``, ``dweight`` and ``dbias`` are None unless ``compute_dweight`` (and a bias)."""
     n, h = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
     target = target.contiguous()
     grad_loss = grad_loss.to(torch.float32).contiguous()
     lse = lse.contiguous()
-    dhidden = torch.zeros(n, h, dtype=hidden.dtype, device=dev)  # ignored rows keep 0
-    dweight = empty(v, h, dtype=weight.dtype, device=dev)
-    dbias = empty(v, dtype=bias.dtype, device=dev) if bias is not None else None
-    if n == 0:
-        dweight.zero_()
-        if dbias is not None:
-            dbias.zero_()
+    # ignored rows of dhidden keep their 0
+    dhidden = torch.zeros(n, h, dtype=hidden.dtype, device=dev) if compute_dhidden else None
+    dweight = empty(v, h, dtype=weight.dtype, device=dev) if compute_dweight else None
+    dbias = empty(v, dtype=bias.dtype, device=dev) if compute_dweight and bias is not None else None
+    if n == 0 or not (compute_dhidden or compute_dweight):
+        for t in (dweight, dbias):
+            if t is not None:
+                t.zero_()
         return dhidden, dweight, dbias
     budget = DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
     vc = _chunk_columns(n, v, weight.element_size(), budget)
     dl = empty(n, vc, dtype=weight.dtype, device=dev)
     n_chunks = triton.cdiv(v, vc)
-    acc = empty(n, h, dtype=torch.float32, device=dev) if n_chunks > 1 else dhidden
+    if compute_dhidden:
+        acc = empty(n, h, dtype=torch.float32, device=dev) if n_chunks > 1 else dhidden
+    # placeholders for pointers a launch never dereferences (a flag or a zero program count guards them)
+    acc = acc if compute_dhidden else dl
+    dh_out = dhidden if compute_dhidden else dl
+    dw_out = dweight if compute_dweight else dl
     b = bias if bias is not None else weight
-    db = dbias if dbias is not None else dweight
+    db = dbias if dbias is not None else dw_out
     prec = _dot_precision(hidden.dtype)
     key = _dtype_key(hidden.dtype)
     for c in range(n_chunks):
@@ -477,14 +487,15 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), key,
             HAS_BIAS=bias is not None, DOT_PRECISION=prec)
+
         def grid(m):
             h_tiles = triton.cdiv(h, m["BLOCK_H"])
-            dw_programs = triton.cdiv(vc_c, m["BLOCK_A"]) * h_tiles
-            return (dw_programs + triton.cdiv(n, m["BLOCK_A"]) * h_tiles,)
+            dw_programs = triton.cdiv(vc_c, m["BLOCK_A"]) * h_tiles if compute_dweight else 0
+            return (dw_programs + (triton.cdiv(n, m["BLOCK_A"]) * h_tiles if compute_dhidden else 0),)
 
         _masked_lm_loss_bwd_kernel[grid](
-            hidden, weight, rows, count, dl, dweight, db, acc, dhidden,
+            hidden, weight, rows, count, dl, dw_out, db, acc, dh_out,
             h, v_off, vc_c, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), dl.stride(0),
-            key, int(c == 0), int(c == n_chunks - 1),
-            HAS_BIAS=bias is not None, DOT_PRECISION=prec)
+            key, int(c == 0), int(c == n_chunks - 1), int(compute_dweight),
+            HAS_BIAS=bias is not None and compute_dweight, DOT_PRECISION=prec)
     return dhidden, dweight, dbias

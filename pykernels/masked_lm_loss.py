@@ -154,13 +154,15 @@ def _(hidden, weight, target, bias, ignore_index, label_smoothing, backend):
 @torch.library.custom_op("pykernels::masked_lm_loss_bwd", mutates_args=())
 def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
          lse: Tensor, rows: Tensor, count: Tensor, ignore_index: int, label_smoothing: float,
-         backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    # -> dhidden (N, H), dweight (V, H), dbias (V,) (empty (0,) when bias is None)
+         need_dhidden: bool, need_dweight: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    # -> dhidden (N, H), dweight (V, H), dbias (V,); an empty (0,) tensor for each gradient not needed
+    # (need_dweight covers weight and bias) and for dbias when bias is None
     impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
     if impl == "triton":
         from ._kernels import masked_lm_loss as k
         dh, dw, db = k.masked_lm_loss_bwd(grad_loss, hidden, weight, target, bias, lse, rows, count,
-                                          label_smoothing=label_smoothing)
+                                          label_smoothing=label_smoothing, compute_dhidden=need_dhidden,
+                                          compute_dweight=need_dweight)
     else:
         with torch.enable_grad():
             h = hidden.detach().requires_grad_(True)
@@ -175,16 +177,22 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
         dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
         if b is not None:
             db = torch.zeros_like(bias) if db is None else db.to(bias.dtype)
-    if db is None:
-        db = hidden.new_empty(0)
-    return dh.contiguous(), dw.contiguous(), db
+        dh = dh.contiguous() if need_dhidden else None
+        dw = dw.contiguous() if need_dweight else None
+        db = db if need_dweight else None
+    empty0 = hidden.new_empty(0)
+    return (empty0 if dh is None else dh, empty0.clone() if dw is None else dw,
+            empty0.clone() if db is None else db)
 
 
 @_bwd.register_fake
-def _(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index, label_smoothing, backend):
-    db = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias is not None else hidden.new_empty(0)
-    return (torch.empty_like(hidden, memory_format=torch.contiguous_format),
-            torch.empty_like(weight, memory_format=torch.contiguous_format), db)
+def _(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index, label_smoothing,
+      need_dhidden, need_dweight, backend):
+    dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_dhidden else hidden.new_empty(0)
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dweight else hidden.new_empty(0)
+    db = (torch.empty_like(bias, memory_format=torch.contiguous_format) if need_dweight and bias is not None
+          else hidden.new_empty(0))
+    return dh, dw, db
 
 
 def _setup_context(ctx, inputs, output):
@@ -199,9 +207,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, grad_lse, grad_rows, grad_count):
     hidden, weight, target, bias, lse, rows, count = ctx.saved_tensors
+    need_dh = ctx.needs_input_grad[0]
+    need_dw = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[3])
     dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, rows, count, ctx.ignore_index,
-                      ctx.label_smoothing, ctx.backend)
-    return dh, dw, None, (db if bias is not None else None), None, None, None
+                      ctx.label_smoothing, need_dh, need_dw, ctx.backend)
+    return (dh if need_dh else None, dw if ctx.needs_input_grad[1] else None, None,
+            db if bias is not None and ctx.needs_input_grad[3] else None, None, None, None)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
