@@ -47,9 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 WARMUP, REP = 10, 50
 GRAPH_REP = 10  # ms of unrolled calls per CUDA graph (do_bench_cudagraph)
 EPS = 1e-5
-# (variant, M, N): the four ANCHORS shapes pre-LN, the two BERT shapes post-LN
-CASES = [("pre", 16384, 768), ("post", 16384, 768), ("pre", 16384, 1024), ("post", 16384, 1024),
-         ("pre", 8192, 4096), ("pre", 65536, 768)]
+# (variant, M, N): the four ANCHORS shapes pre-LN, then the two BERT shapes post-LN (last: past 60%
+# of --budget-s the compile peer is skipped)
+CASES = [("pre", 16384, 768), ("pre", 16384, 1024), ("pre", 8192, 4096), ("pre", 65536, 768),
+         ("post", 16384, 768), ("post", 16384, 1024)]
 SMOKE_CASES = [("pre", 8, 96), ("post", 5, 1000)]
 PEERS = ("eager", "compile", "liger")
 

@@ -31,8 +31,9 @@ partial buffer that a single ``sum(0)`` reduces: no atomics, deterministic.
 
 Configuration: the forward tiles ``BLOCK_M`` rows x ``BLOCK_N = next_pow2(N)`` columns per program;
 both kernels autotune (keyed on N, short tuning runs) over 1-4 configs per power-of-two width
-bucket, sized from sm_90 register counts measured offline with ptxas (8-16 elements per thread;
-none spill). Under TRITON_INTERPRET=1 a single small config runs.
+bucket, sized from sm_90 register counts measured offline with ptxas (8-16 elements per thread; no
+spills, except 40-80 bytes in the 8192-wide backward with dropout). Under TRITON_INTERPRET=1 a
+single small config runs.
 
 Traffic (element size e, M x N, no dropout): forward reads x (+ residual) and writes y (+ s):
 pre-LN 4*M*N*e bytes, post-LN 3*M*N*e. Backward reads dy, s (or x and residual), (ds_out) and writes
