@@ -245,7 +245,8 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
             not returned separately (fixed arity: one output).
         num_valid: only with ``reduction="mean"``: divide the sum by this (an int or a 0-dim tensor,
             e.g. the number of valid targets over all micro-batches of a gradient-accumulation step)
-            instead of this call's count; values below 1 count as 1.
+            instead of this call's count; values below 1 count as 1. Under torch.compile prefer a
+            tensor (an int that changes every step is a new constant to the compiler).
         inplace_backward: if True the backward writes dlogits into the logits' own buffer instead
             of allocating a new (N, V) tensor. The logits tensor's contents are then overwritten by
             its gradient during backward, so the caller must not use them afterwards (autograd

@@ -358,6 +358,17 @@ def test_bad_inputs(device):
         pykernels.cross_entropy(x, t, "mean")     # options are keyword-only
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch(device, reduction):
+    logits = torch.randn(0, 50, device=device, requires_grad=True)
+    target = torch.zeros(0, dtype=torch.long, device=device)
+    loss = pykernels.cross_entropy(logits, target, reduction=reduction, backend="triton")
+    assert loss.shape == ((0,) if reduction == "none" else ())
+    assert torch.equal(loss.detach(), torch.zeros_like(loss))
+    loss.sum().backward()
+    assert logits.grad.shape == (0, 50)
+
+
 def test_vector_logits(device):
     """(V,) logits with a 0-dim target, as torch accepts."""
     logits = torch.randn(40, device=device)
