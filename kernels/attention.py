@@ -85,14 +85,14 @@ def _interpret() -> bool:
 # Forward/dQ: BLOCK_M % BLOCK_N == 0; dK/dV: BLOCK_N % BLOCK_M == 0 (the causal split needs it).
 _TABLE = {
     "fwd": {64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
-            128: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
-            256: [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2)]},
+            128: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+            256: [(64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2)]},
     "fwd_short": {64: [(64, 64, 4, 3), (64, 32, 4, 3)],
                   128: [(64, 64, 4, 3), (64, 32, 4, 3)],
-                  256: [(64, 32, 4, 2), (64, 64, 8, 2)]},
-    "dkdv": {64: [(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3)],
-             128: [(32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 3)],
-             256: [(16, 64, 4, 2), (32, 64, 8, 2)]},
+                  256: [(64, 32, 8, 2), (64, 64, 8, 2)]},
+    "dkdv": {64: [(32, 128, 8, 3), (16, 128, 8, 2), (32, 64, 8, 3)],
+             128: [(32, 64, 8, 2), (64, 64, 8, 2), (16, 64, 4, 2)],
+             256: [(16, 32, 4, 2), (16, 64, 8, 2)]},
     "dq": {64: [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
            128: [(128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3)],
            256: [(64, 16, 4, 2), (64, 32, 8, 2)]},
@@ -170,11 +170,17 @@ def _apply_masks(s, rows, cols, k_len, mask_ptrs, row_ok, MASK_KIND: tl.constexp
     """Mask log2-scaled scores ``s``. ``rows``/``cols`` are the query/key indices already broadcast to
     the tile's layout ((M,1)/(1,N), or (1,M)/(N,1) for the transposed tile of the dK/dV kernel).
     Masked lanes become -inf after every transform, so reductions never see garbage."""
-    if MASK_KIND == 1:  # boolean, True = take part (read as uint8)
-        keep = tl.load(mask_ptrs, mask=row_ok & (cols < k_len), other=0)
+    # MASK_KIND 1/2: boolean/additive mask read per (row, col); 3/4: the same when the mask does not
+    # depend on the query row (key padding): one vector per key block, broadcast over the rows.
+    if MASK_KIND >= 3:
+        ld = cols < k_len
+    else:
+        ld = row_ok & (cols < k_len)
+    if MASK_KIND == 1 or MASK_KIND == 3:  # boolean, True = take part (read as uint8)
+        keep = tl.load(mask_ptrs, mask=ld, other=0)
         s = tl.where(keep != 0, s, float("-inf"))
-    if MASK_KIND == 2:  # additive, natural-log units -> log2 units
-        add = tl.load(mask_ptrs, mask=row_ok & (cols < k_len), other=0.0).to(tl.float32)
+    if MASK_KIND == 2 or MASK_KIND == 4:  # additive, natural-log units -> log2 units
+        add = tl.load(mask_ptrs, mask=ld, other=0.0).to(tl.float32)
         s = s + add * 1.4426950408889634
     if APPLY_CAUSAL:  # top-left: query i sees keys j <= i
         s = tl.where(rows >= cols, s, float("-inf"))
@@ -266,7 +272,10 @@ def _attention_fwd_kernel(
     V += b * stride_vb + hk * stride_vh + k_start * stride_vn
     O += b * stride_ob + h * stride_oh + q_start * stride_om
     LSE += b * stride_lb + h * stride_lh + q_start
-    mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + rows[:, None] * stride_mm
+    if MASK_KIND >= 3:  # row-broadcast mask: a (1, 1) base, so key-block tiles are (1, BLOCK_N)
+        mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + tl.zeros([1, 1], dtype=tl.int32)
+    else:
+        mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + rows[:, None] * stride_mm
 
     q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & (offs_d[None, :] < D),
                 other=0.0)
@@ -348,7 +357,9 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
     """Accumulate dK, dV of one key block over query blocks [start_lo, end_hi). Works on the
     transposed tile (BLOCK_N keys x BLOCK_M queries) so that dV += P^T dO and dK += dS^T Q need no
     register transposes. Key columns past k_len only touch their own (unstored) dK/dV rows."""
-    for start_m in range(start_lo, end_hi, BLOCK_M):
+    # The short causal diagonal loop (APPLY_CAUSAL) is not software-pipelined: it runs 1-4 times and
+    # pipelining it costs registers (spills) that the long loop needs.
+    for start_m in tl.range(start_lo, end_hi, BLOCK_M, num_stages=1 if APPLY_CAUSAL else None):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rows = _idx(offs_m, IDX64)
         qt_ptrs = Q + rows[None, :] * stride_qm + offs_d[:, None]
@@ -368,7 +379,11 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
         # Fully masked rows saved lse = -inf: use +inf so that P = exp2(-inf) = 0 there.
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         st = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
-        st = _apply_masks(st, offs_m[None, :], offs_n[:, None], k_len, mask_col_ptrs + rows[None, :] * stride_mm,
+        if MASK_KIND >= 3:
+            mask_ptrs = mask_col_ptrs  # (BLOCK_N, 1): the mask does not depend on the query row
+        else:
+            mask_ptrs = mask_col_ptrs + rows[None, :] * stride_mm
+        st = _apply_masks(st, offs_m[None, :], offs_n[:, None], k_len, mask_ptrs,
                           (offs_m < q_len)[None, :], MASK_KIND, APPLY_CAUSAL, False)
         pt = tl.math.exp2(st - lse2[None, :])
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -542,7 +557,10 @@ def _attention_bwd_dq_kernel(
     V += b * stride_vb + hk * stride_vh + k_start * stride_vn
     LSE += b * stride_lb + h * stride_lh + q_start
     Delta += b * stride_lb + h * stride_lh + q_start
-    mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + rows[:, None] * stride_mm
+    if MASK_KIND >= 3:  # row-broadcast mask: a (1, 1) base, so key-block tiles are (1, BLOCK_N)
+        mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + tl.zeros([1, 1], dtype=tl.int32)
+    else:
+        mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + rows[:, None] * stride_mm
 
     q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & (offs_d[None, :] < D),
                 other=0.0)
@@ -599,9 +617,10 @@ def _mask_args(mask: torch.Tensor | None, dummy: torch.Tensor):
     """(tensor, MASK_KIND, 4 strides) for a mask already broadcast (as a view) to (B, H, Sq, Sk)."""
     if mask is None:
         return dummy, 0, (0, 0, 0, 0)
+    row_bcast = 2 if (mask.shape[2] == 1 or mask.stride(2) == 0) else 0
     if mask.dtype == torch.bool:
-        return mask.view(torch.uint8), 1, tuple(mask.stride())
-    return mask, 2, tuple(mask.stride())
+        return mask.view(torch.uint8), 1 + row_bcast, tuple(mask.stride())
+    return mask, 2 + row_bcast, tuple(mask.stride())
 
 
 def key_padding_range(mask: torch.Tensor | None) -> torch.Tensor | None:
