@@ -296,7 +296,9 @@ def _cross_entropy_bwd_kernel(
         g = tl.load(grad_ptr + row * stride_g).to(tl.float32) * tl.load(scale_ptr)
         g = tl.where(in_range, g, float("nan"))  # out-of-range target: NaN row (the loss is NaN too)
         z_lse_scale = 1.0 + 2.0 * z_loss * (lse2 * 0.6931471805599453)
-        target_col = shift + target
+        # int32 frame column (in-range targets are < V; an out-of-range row is NaN anyway), so the
+        # per-element compare stays 32-bit.
+        target_col = shift + target.to(tl.int32)
         if start + BLOCK_V <= n_body:
             _bwd_tile(dl_ptr, x_ptr, c, None, target_col, lse2, g, z_lse_scale, label_smoothing, V,
                       HAS_SMOOTHING, HAS_Z_LOSS, False)
