@@ -63,7 +63,7 @@ def test_matches_reference(device, dtype, V, reduction):
     _check(logits, _targets(13, V, device), reduction=reduction)
 
 
-@pytest.mark.parametrize("V", [30522, 50257])
+@pytest.mark.parametrize("V", [30522, 50257, 256000])
 def test_large_vocab(device, V):
     logits = torch.randn(3, V, device=device) * 2
     target = torch.tensor([5, -100, V - 1], device=device)
@@ -391,6 +391,14 @@ def test_gpu_bf16(V, reduction, label_smoothing, z_loss):
     logits = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 3
     target = _targets(N, V, "cuda", ignore_frac=0.2)
     _check(logits, target, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,V", [(8, 256000), (300, 1), (1000, 517), (3, 50257)])
+def test_gpu_odd_shapes(N, V):
+    logits = torch.randn(N, V, device="cuda", dtype=torch.bfloat16) * 2
+    _check(logits, _targets(N, V, "cuda"), reduction="none", label_smoothing=0.1, z_loss=1e-4)
+    _check(logits.float(), _targets(N, V, "cuda"))
 
 
 @pytest.mark.gpu
