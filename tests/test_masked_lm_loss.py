@@ -56,10 +56,13 @@ def _check(hidden, weight, target, bias=None, *, reduction="mean", label_smoothi
     hi = _run(lambda h, w, bias: masked_lm_loss_reference(h, w, target, bias=bias, **kw),
               hidden.double(), weight.double(), b64, grad_out.double() if grad_out is not None else None)
     names = ["loss", "dhidden", "dweight", "dbias"]
-    scale = max(1.0, hi[0].abs().max().item())
     for name, o, h_, l_ in zip(names, out, hi, lo):
         assert o.dtype == (torch.float32 if name == "loss" else l_.dtype), name
-        assert_close_to_ref(name, o, h_, l_, atol=1e-5 * scale if name == "loss" else 1e-5)
+        # atol scales with the reference: mean-reduced gradients are ~1/count small, and a fixed 1e-5
+        # would swamp them (bf16 dhidden at BERT size is ~1e-5 itself).
+        mag = h_.abs().max().item()
+        atol = 1e-5 * max(1.0, mag) if name == "loss" else 1e-4 * mag
+        assert_close_to_ref(name, o, h_, l_, atol=atol)
     return out
 
 
