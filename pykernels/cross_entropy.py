@@ -2,10 +2,11 @@
 backward, custom ops ``pykernels::cross_entropy_fwd`` / ``cross_entropy_bwd`` /
 ``cross_entropy_bwd_inplace``) and its eager :func:`cross_entropy_reference`.
 
-The forward op works on the flattened (N, V) logits and returns the loss (reduced in-op: a
-second one-program kernel sums the row losses in a fixed order and divides by the valid count
+The forward op works on the flattened (N, V) logits and returns the loss (reduced in the op: a
+second one-program kernel sums the row losses in a fixed order and divides by the valid count,
 counted on the device, or by ``num_valid``), the saved logsumexp (fp32) and the backward's scale
-(1/denominator), so the loss path has no host sync and two launches. Kernels and their design note: ``kernels/cross_entropy.py``.
+(1/denominator): no host sync, two launches. The kernels and their design note are in
+``kernels/cross_entropy.py``.
 """
 from __future__ import annotations
 
