@@ -27,7 +27,9 @@ Backward, with xhat = (s - mean) * rstd and g = dy * weight:
 regenerated dropout mask (post-LN), so the post-LN forward writes only ``y``. dweight / dbias are
 accumulated in fp32 registers by a persistent grid (1 to 8 programs per SM, tuned with the tile),
 each program looping over a strided set of row blocks, and written once as a ``(programs, N)`` fp32
-partial buffer that a single ``sum(0)`` reduces: no atomics, deterministic.
+partial buffer that a single ``sum(0)`` reduces: no atomics, deterministic. A memory-bound loop
+needs bytes in flight: they come from co-resident programs and, in the PREFETCH configs, from the
+next row block's loads issued (into registers, raw) before the current block's math.
 
 Configuration: the forward tiles ``BLOCK_M`` rows x ``BLOCK_N = next_pow2(N)`` columns per program;
 both kernels autotune (keyed on N, short tuning runs) over 1-4 configs per power-of-two width
@@ -272,6 +274,85 @@ class _nullctx:
 # ----------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_tile_loads(X, R, S, MEAN, RSTD, DY, DS_OUT, rows, cols, M, N,
+                    stride_x_row, stride_r_row, stride_s_row, stride_dy_row, stride_dso_row,
+                    HAS_RESIDUAL: tl.constexpr, RECOMPUTE_S: tl.constexpr, HAS_DS_OUT: tl.constexpr,
+                    IS_RMS_NORM: tl.constexpr):
+    """The backward's loads for one row block, raw (storage dtype), so they can be issued one block
+    ahead. Returns (a, b, dy, ds_out, mean, rstd): a = x or the saved s, b = residual; an input the
+    flags leave out repeats a loaded value (no extra load or register)."""
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    if RECOMPUTE_S:
+        a = tl.load(X + rows64[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            b = tl.load(R + rows64[:, None] * stride_r_row + cols[None, :], mask=mask, other=0.0)
+        else:
+            b = a
+    else:
+        a = tl.load(S + rows64[:, None] * stride_s_row + cols[None, :], mask=mask, other=0.0)
+        b = a
+    dy = tl.load(DY + rows64[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0)
+    if HAS_DS_OUT:
+        dso = tl.load(DS_OUT + rows64[:, None] * stride_dso_row + cols[None, :], mask=mask, other=0.0)
+    else:
+        dso = dy
+    rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
+    if IS_RMS_NORM:
+        mean = rstd
+    else:
+        mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
+    return a, b, dy, dso, mean, rstd
+
+
+@triton.jit
+def _bwd_tile(a, b, dy, dso, mean, rstd, w, rows, cols, M, N, seed, dropout_p, dropout_scale,
+              DX, DRES, stride_dx_row, stride_dres_row,
+              HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              RECOMPUTE_S: tl.constexpr, HAS_DS_OUT: tl.constexpr, STORE_DX: tl.constexpr,
+              STORE_DRES: tl.constexpr, IS_RMS_NORM: tl.constexpr):
+    """One row block of the backward from its loaded inputs: writes dresidual / dx, returns this
+    block's (dweight, dbias) column sums in fp32."""
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    s = a.to(tl.float32)
+    if RECOMPUTE_S:
+        if HAS_DROPOUT:
+            keep = tl.rand(seed, rows64[:, None] * N + cols[None, :]) >= dropout_p
+            s = tl.where(keep, s * dropout_scale, 0.0)
+        if HAS_RESIDUAL:
+            s = s + b.to(tl.float32)
+    if IS_RMS_NORM:
+        xhat = s * rstd[:, None]  # masked lanes: s = 0
+    else:
+        xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+    dy = dy.to(tl.float32)
+    if HAS_WEIGHT:
+        g = dy * w[None, :]
+    else:
+        g = dy
+    c1 = tl.sum(xhat * g, axis=1) / N
+    if IS_RMS_NORM:
+        ds = (g - xhat * c1[:, None]) * rstd[:, None]
+    else:
+        c2 = tl.sum(g, axis=1) / N
+        ds = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+    if HAS_DS_OUT:
+        ds += dso.to(tl.float32)
+    if STORE_DRES:
+        tl.store(DRES + rows64[:, None] * stride_dres_row + cols[None, :], ds.to(DRES.dtype.element_ty), mask=mask)
+    if STORE_DX:
+        dx = ds
+        if HAS_DROPOUT:
+            keep = tl.rand(seed, rows64[:, None] * N + cols[None, :]) >= dropout_p
+            dx = tl.where(keep, ds * dropout_scale, 0.0)
+        tl.store(DX + rows64[:, None] * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    return tl.sum(dy * xhat, axis=0), tl.sum(dy, axis=0)
+
+
 @triton.jit(do_not_specialize=["seed", "dropout_p", "dropout_scale"])
 def _layer_norm_bwd_kernel(
     X,  # (M, N) forward input branch (read when RECOMPUTE_S)
@@ -292,58 +373,49 @@ def _layer_norm_bwd_kernel(
     HAS_DROPOUT: tl.constexpr, RECOMPUTE_S: tl.constexpr, HAS_DS_OUT: tl.constexpr,
     STORE_DX: tl.constexpr, STORE_DRES: tl.constexpr, IS_RMS_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # rows per block; BLOCK_N >= N
+    PREFETCH: tl.constexpr,  # issue the next row block's loads before computing this one
     PROGS_PER_SM: tl.constexpr,  # unused in the body: read by the launcher's grid (tuned with the tile)
 ):
-    """Persistent: program p handles row blocks p, p + P, p + 2P, ... and writes one partial row."""
+    """Persistent: program p handles row blocks p, p + P, p + 2P, ... and writes one partial row.
+
+    Nothing overlaps one block's loads with the previous block's math in a plain loop (the bytes in
+    flight come only from co-resident programs); PREFETCH keeps the next block's raw loads in
+    registers across the iteration instead, for configs with few programs per SM."""
     pid = tl.program_id(0)
-    num_progs = tl.num_programs(0)
+    step = tl.num_programs(0) * BLOCK_M
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if HAS_BIAS:
-        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for row_start in range(pid * BLOCK_M, M, num_progs * BLOCK_M):
+    else:
+        w = tl.zeros([BLOCK_N], dtype=tl.float32)  # unused
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if PREFETCH:
+        na, nb, ndy, ndso, nmean, nrstd = _bwd_tile_loads(
+            X, R, S, MEAN, RSTD, DY, DS_OUT, pid * BLOCK_M + tl.arange(0, BLOCK_M), cols, M, N,
+            stride_x_row, stride_r_row, stride_s_row, stride_dy_row, stride_dso_row,
+            HAS_RESIDUAL, RECOMPUTE_S, HAS_DS_OUT, IS_RMS_NORM)
+    for row_start in range(pid * BLOCK_M, M, step):
         rows = row_start + tl.arange(0, BLOCK_M)
-        row_mask = rows < M
-        rows64 = rows.to(tl.int64)
-        mask = row_mask[:, None] & col_mask[None, :]
-        if RECOMPUTE_S:
-            s = _load_s(X, R, seed, rows64, cols, mask, stride_x_row, stride_r_row, N, dropout_p, dropout_scale,
-                        HAS_RESIDUAL, HAS_DROPOUT)
+        if PREFETCH:
+            a, b, dy, dso, mean, rstd = na, nb, ndy, ndso, nmean, nrstd
+            # rows past M load nothing (masked), so the last prefetch costs no traffic
+            na, nb, ndy, ndso, nmean, nrstd = _bwd_tile_loads(
+                X, R, S, MEAN, RSTD, DY, DS_OUT, rows + step, cols, M, N,
+                stride_x_row, stride_r_row, stride_s_row, stride_dy_row, stride_dso_row,
+                HAS_RESIDUAL, RECOMPUTE_S, HAS_DS_OUT, IS_RMS_NORM)
         else:
-            s = tl.load(S + rows64[:, None] * stride_s_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
-        if IS_RMS_NORM:
-            xhat = s * rstd[:, None]
-        else:
-            mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
-            xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
-        dy = tl.load(DY + rows64[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_WEIGHT:
-            g = dy * w[None, :]
-            dw_acc += tl.sum(dy * xhat, axis=0)
-        else:
-            g = dy
-        if HAS_BIAS:
-            db_acc += tl.sum(dy, axis=0)
-        c1 = tl.sum(xhat * g, axis=1) / N
-        if IS_RMS_NORM:
-            ds = (g - xhat * c1[:, None]) * rstd[:, None]
-        else:
-            c2 = tl.sum(g, axis=1) / N
-            ds = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        if HAS_DS_OUT:
-            ds += tl.load(DS_OUT + rows64[:, None] * stride_dso_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if STORE_DRES:
-            tl.store(DRES + rows64[:, None] * stride_dres_row + cols[None, :], ds.to(DRES.dtype.element_ty), mask=mask)
-        if STORE_DX:
-            dx = ds
-            if HAS_DROPOUT:
-                keep = tl.rand(seed, rows64[:, None] * N + cols[None, :]) >= dropout_p
-                dx = tl.where(keep, ds * dropout_scale, 0.0)
-            tl.store(DX + rows64[:, None] * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            a, b, dy, dso, mean, rstd = _bwd_tile_loads(
+                X, R, S, MEAN, RSTD, DY, DS_OUT, rows, cols, M, N,
+                stride_x_row, stride_r_row, stride_s_row, stride_dy_row, stride_dso_row,
+                HAS_RESIDUAL, RECOMPUTE_S, HAS_DS_OUT, IS_RMS_NORM)
+        dw_c, db_c = _bwd_tile(a, b, dy, dso, mean, rstd, w, rows, cols, M, N, seed, dropout_p, dropout_scale,
+                               DX, DRES, stride_dx_row, stride_dres_row,
+                               HAS_RESIDUAL, HAS_WEIGHT, HAS_DROPOUT, RECOMPUTE_S, HAS_DS_OUT, STORE_DX,
+                               STORE_DRES, IS_RMS_NORM)
+        dw_acc += dw_c
+        db_acc += db_c
     if HAS_WEIGHT:
         tl.store(DW_PARTIAL + pid.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
     if HAS_BIAS:
@@ -474,25 +546,31 @@ def _bench_quick(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
+# registers per thread of the backward at 8 / 16 elements per thread, and with PREFETCH at 8
+# (sm_90, measured offline with ptxas); they set how many programs stay resident per SM
+_BWD_REGS = {(8, False): 80, (16, False): 128, (8, True): 110}
+
+
 def _bwd_configs(block_n: int) -> list[triton.Config]:
-    """(rows per block, warps, programs per SM) candidates for one BLOCK_N bucket. The backward is
-    a persistent loop without cross-iteration prefetch, so the bytes in flight per SM come from
-    co-resident programs: each candidate pairs a tile with as many programs as its registers let
-    stay resident (sm_90, 64K registers: measured offline, 8 elements per thread ~ 64-85
-    registers, 16 ~ 106-128), ~48 KB of loads in flight per SM."""
+    """(rows per block, warps, programs per SM, prefetch) candidates for one BLOCK_N bucket. The
+    bytes in flight per SM come from co-resident programs (as many as the registers allow: 64K per
+    SM) or, with PREFETCH, also from the next block's loads issued before this block's math."""
     if _interpret():
-        return [triton.Config({"BLOCK_M": 1 if block_n >= 64 else 2, "PROGS_PER_SM": 1}, num_warps=1)]
-    if block_n >= 8192:
-        cands = [(1, 16, 1), (1, 32, 1)]
-    elif block_n >= 4096:
-        cands = [(1, 16, 1), (1, 8, 1), (1, 16, 2)]
+        return [triton.Config({"BLOCK_M": 1 if block_n >= 64 else 2, "PROGS_PER_SM": 1, "PREFETCH": False},
+                              num_warps=1)]
+    if block_n >= 8192:  # 16 warps: 128 registers, 32: 64 (PREFETCH spills here)
+        cands = [(1, 16, 1, False), (1, 32, 1, False)]
     else:
         cands = []
-        for elems, per_thread, k in ((1024, 8, 8), (2048, 16, 4), (2048, 8, 4), (4096, 16, 2)):
+        for elems, per_thread, pf in ((1024, 8, False), (2048, 16, False), (4096, 16, False), (2048, 8, True)):
             bm = max(1, min(16, elems // block_n))
             w = max(1, min(16, bm * block_n // (32 * per_thread)))
-            cands.append((bm, w, k))
-    return [triton.Config({"BLOCK_M": bm, "PROGS_PER_SM": k}, num_warps=w) for bm, w, k in dict.fromkeys(cands)]
+            per_thread = bm * block_n // (32 * w)
+            regs = _BWD_REGS.get((min(per_thread, 16), pf), 128)
+            k = max(1, min(8, 65536 // (regs * 32 * w)))
+            cands.append((bm, w, k, pf))
+    return [triton.Config({"BLOCK_M": bm, "PROGS_PER_SM": k, "PREFETCH": pf}, num_warps=w)
+            for bm, w, k, pf in dict.fromkeys(cands)]
 
 
 @functools.lru_cache(maxsize=None)

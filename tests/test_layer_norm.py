@@ -182,8 +182,9 @@ def test_single_row_and_tiny_hidden(device):
         _check(x, r, w, b, prenorm=True)
 
 
-@pytest.mark.parametrize("block_m,progs_per_sm", [(4, 2), (16, 1), (8, 8)])
-def test_gpu_tile_configs_on_interpreter(block_m, progs_per_sm, device, monkeypatch):
+@pytest.mark.parametrize("block_m,progs_per_sm,prefetch", [(4, 2, False), (16, 1, True), (8, 8, False),
+                                                             (2, 1, True)])
+def test_gpu_tile_configs_on_interpreter(block_m, progs_per_sm, prefetch, device, monkeypatch):
     """The GPU config lists use multi-row tiles and several programs per SM, which the interpreter's
     single default config does not: run such tiles here (rows not a multiple of the tile; some
     persistent programs with no rows at all)."""
@@ -191,8 +192,8 @@ def test_gpu_tile_configs_on_interpreter(block_m, progs_per_sm, device, monkeypa
 
     from pykernels._kernels import layer_norm as K
     monkeypatch.setattr(K, "_fwd_configs", lambda bn: [triton.Config({"BLOCK_M": block_m}, num_warps=1)])
-    monkeypatch.setattr(K, "_bwd_configs", lambda bn: [triton.Config({"BLOCK_M": block_m,
-                                                                      "PROGS_PER_SM": progs_per_sm}, num_warps=1)])
+    monkeypatch.setattr(K, "_bwd_configs", lambda bn: [triton.Config(
+        {"BLOCK_M": block_m, "PROGS_PER_SM": progs_per_sm, "PREFETCH": prefetch}, num_warps=1)])
     K._fwd_tuned.cache_clear()
     K._bwd_tuned.cache_clear()
     try:
@@ -201,6 +202,8 @@ def test_gpu_tile_configs_on_interpreter(block_m, progs_per_sm, device, monkeypa
             _check(x, r, w, b, prenorm=True)
             x, r, w, b = _make((rows, n), torch.float32, device)
             _check(x, r, w, b, dropout_p=0.2, rms_norm=True)
+            x, r, w, b = _make((rows, n), torch.float32, device, residual=False, bias=False)
+            _check(x, r, w, b)
     finally:
         K._fwd_tuned.cache_clear()
         K._bwd_tuned.cache_clear()
