@@ -29,9 +29,10 @@ falls on a block boundary; in the dK/dV kernel BLOCK_N is a multiple of BLOCK_M)
 
 Masks: a boolean (True = take part) or additive float mask is read in-kernel through its four strides
 (batch, head, query, key), any of which may be 0, so a broadcast mask is never expanded in memory.
-A key-padding mask (strides 0 over head and query) additionally gets a per-batch valid-key range
-``[kv_lo, kv_hi)`` computed on the device by the launcher (no host sync); the kernels skip the key
-blocks outside it (the dK/dV kernel writes zeros for them and returns at once).
+A key-padding mask (strides 0 over head and query) is read as one vector per key block (MASK_KIND
+3/4) and additionally gets a per-batch valid-key range ``[kv_lo, kv_hi)`` computed on the device by
+the caller (``pykernels.attention._key_padding_range``, no host sync, saved for the backward); the
+kernels skip the key blocks outside it (the dK/dV kernel writes zeros for them at once).
 
 Fully masked rows (by a mask, Sk = 0, or an empty varlen sequence) output 0 with lse = -inf; the
 final ``1/l`` is guarded and the backward replaces lse = -inf by +inf so P = 0 there, so the gradient
@@ -61,7 +62,6 @@ known to be wrong; ours is tested on the full matrix); flash-attn's varlen inter
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -95,7 +95,7 @@ _TABLE = {
              256: [(16, 32, 4, 2), (16, 64, 8, 2)]},
     "dq": {64: [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
            128: [(128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3)],
-           256: [(64, 16, 4, 2), (64, 32, 8, 2)]},
+           256: [(32, 16, 8, 2), (32, 16, 4, 2)]},
 }
 
 
@@ -623,26 +623,6 @@ def _mask_args(mask: torch.Tensor | None, dummy: torch.Tensor):
     return mask, 2 + row_bcast, tuple(mask.stride())
 
 
-def key_padding_range(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Per-batch valid key range ``[lo, hi)`` (int32 (B, 2), on the mask's device, no host sync) if
-    ``mask`` (a (B, H, Sq, Sk) view) depends only on (batch, key); else None. Keys outside the range
-    are masked out for every query and head, so the kernels may skip their blocks."""
-    if mask is None or mask.shape[-1] == 0 or mask.shape[0] == 0:
-        return None
-    if (mask.shape[1] > 1 and mask.stride(1) != 0) or (mask.shape[2] > 1 and mask.stride(2) != 0):
-        return None
-    row = mask[:, 0, 0, :]
-    valid = row if row.dtype == torch.bool else row != float("-inf")
-    sk = valid.shape[-1]
-    vi = valid.to(torch.int32)
-    any_valid = valid.any(-1)
-    lo = vi.argmax(-1)
-    hi = sk - vi.flip(-1).argmax(-1)
-    lo = torch.where(any_valid, lo, torch.zeros_like(lo))
-    hi = torch.where(any_valid, hi, torch.zeros_like(hi))
-    return torch.stack([lo, hi], -1).to(torch.int32).contiguous()
-
-
 def _needs_idx64(sq: int, sk: int, row_strides, mask_strides) -> bool:
     """Whether in-slice row/column offsets can reach 2**31 (then the kernels use int64 for them)."""
     rows = max(sq, sk) + 256  # blocks overhang the sequence by less than this
@@ -778,4 +758,4 @@ def dropout_mask_triton(seed: int, batch: int, heads: int, sq: int, sk: int, p: 
     return out.view(batch, heads, sq, sk).bool()
 
 
-__all__ = ["attention_fwd", "attention_bwd", "key_padding_range", "dropout_mask_triton", "LOG2E", "math"]
+__all__ = ["attention_fwd", "attention_bwd", "dropout_mask_triton", "LOG2E"]

@@ -36,6 +36,8 @@ from ._rng import new_seed
 _OP = "scaled_dot_product_attention"
 _VOP = "varlen_attention"
 MAX_HEAD_DIM = 256  # the Triton kernels' limit; larger head dims fall back to the reference
+# float64 is accepted (the reference serves it, e.g. for gradcheck); the kernels decline it.
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _kernels():
@@ -240,6 +242,8 @@ def _ref_varlen_bwd(do, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, sc
 # ---------------------------------------------------------------------------------------------
 def _support(q: Tensor, k: Tensor, v: Tensor) -> dict:
     d, dv = q.shape[-1], v.shape[-1]
+    if q.dtype == torch.float64:
+        return {"triton": "float64 inputs (the kernels take fp16, bf16, fp32)"}
     if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
         return {"triton": f"head dim {max(d, dv)} > {MAX_HEAD_DIM}"}
     if d == 0 or dv == 0:
@@ -255,37 +259,62 @@ def _last_dim_contig(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+def _is_key_padding(mask: Tensor | None) -> bool:
+    """A (B, H, Sq, Sk) mask view that depends only on (batch, key): strides 0 over heads and rows."""
+    return (mask is not None and mask.shape[0] > 0 and mask.shape[-1] > 0
+            and (mask.shape[1] == 1 or mask.stride(1) == 0) and (mask.shape[2] == 1 or mask.stride(2) == 0))
+
+
+def _key_padding_range(mask: Tensor | None) -> Tensor:
+    """Per-batch valid key range [lo, hi) as int32 (B, 2) on the mask's device (no host sync) for a
+    key-padding mask, else an empty (0,) tensor. Keys outside the range are masked for every query and
+    head, so the kernels skip their blocks. A batch with no valid key gets lo = Sk, hi = 0 (empty)."""
+    if not _is_key_padding(mask):
+        device = mask.device if mask is not None else None
+        return torch.empty(0, dtype=torch.int32, device=device)
+    row = mask[:, 0, 0, :]
+    valid = row if row.dtype == torch.bool else row != float("-inf")
+    sk = valid.shape[-1]
+    pos = torch.arange(sk, device=valid.device, dtype=torch.int32)
+    lo = torch.where(valid, pos, sk).amin(-1)
+    hi = torch.where(valid, pos + 1, 0).amax(-1)
+    return torch.stack([lo, hi], -1).to(torch.int32)
+
+
 @torch.library.custom_op("pykernels::attention_fwd", mutates_args=())
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
-                   is_causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                   is_causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (o, lse, seed, kv_range); kv_range (int32 (B, 2) for a key-padding mask, else empty) is
+    computed once here and saved for the backward."""
     impl = select(_OP, backend or None, q.device, _support(q, k, v))
     seed = new_seed() if dropout_p > 0 else torch.zeros(1, dtype=torch.int64)
+    kv_range = _key_padding_range(attn_mask)
     if impl == "triton":
-        kern = _kernels()
-        o, lse = kern.attention_fwd(q, k, v, attn_mask, causal=is_causal, scale=scale, dropout_p=dropout_p,
-                                    seed=int(seed[0]), kv_range=kern.key_padding_range(attn_mask))
-        return o, lse, seed
+        o, lse = _kernels().attention_fwd(q, k, v, attn_mask, causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                          seed=int(seed[0]), kv_range=kv_range if kv_range.numel() else None)
+        return o, lse, seed, kv_range
     o, lse = _ref_dense_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, seed)
-    return o.contiguous(), lse.contiguous(), seed
+    return o.contiguous(), lse.contiguous(), seed, kv_range
 
 
 @_attention_fwd.register_fake
 def _(q, k, v, attn_mask, dropout_p, is_causal, scale, backend):
     b, h, sq = q.shape[0], q.shape[1], q.shape[2]
+    kv_range = (q.new_empty(b, 2, dtype=torch.int32) if _is_key_padding(attn_mask)
+                else q.new_empty(0, dtype=torch.int32))
     return (q.new_empty(b, h, sq, v.shape[-1]), q.new_empty(b, h, sq, dtype=torch.float32),
-            torch.empty(1, dtype=torch.int64, device="cpu"))
+            torch.empty(1, dtype=torch.int64, device="cpu"), kv_range)
 
 
 @torch.library.custom_op("pykernels::attention_bwd", mutates_args=())
 def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor,
-                   attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool, scale: float,
+                   kv_range: Tensor, attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool, scale: float,
                    backend: str) -> tuple[Tensor, Tensor, Tensor]:
     impl = select(_OP, backend or None, q.device, _support(q, k, v))
     if impl == "triton":
-        kern = _kernels()
-        return kern.attention_bwd(_last_dim_contig(do), q, k, v, o, lse, attn_mask, causal=is_causal, scale=scale,
-                                  dropout_p=dropout_p, seed=int(seed[0]),
-                                  kv_range=kern.key_padding_range(attn_mask))
+        return _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, attn_mask, causal=is_causal,
+                                        scale=scale, dropout_p=dropout_p, seed=int(seed[0]),
+                                        kv_range=kv_range if kv_range.numel() else None)
     dmask = None
     if dropout_p > 0:
         dmask = attention_dropout_mask(seed, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, q.device)
@@ -294,22 +323,22 @@ def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
 
 
 @_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, backend):
+def _(do, q, k, v, o, lse, seed, kv_range, attn_mask, dropout_p, is_causal, scale, backend):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_setup(ctx, inputs, output):
     q, k, v, attn_mask, dropout_p, is_causal, scale, backend = inputs
-    o, lse, seed = output
-    ctx.save_for_backward(q, k, v, o, lse, seed, attn_mask)
+    o, lse, seed, kv_range = output
+    ctx.save_for_backward(q, k, v, o, lse, seed, kv_range, attn_mask)
     ctx.args = (dropout_p, is_causal, scale, backend)
-    ctx.mask_needs_grad = attn_mask is not None and attn_mask.requires_grad
 
 
-def _fwd_backward(ctx, do, dlse, dseed):
-    q, k, v, o, lse, seed, attn_mask = ctx.saved_tensors
+def _fwd_backward(ctx, do, dlse, dseed, dkv_range):
+    q, k, v, o, lse, seed, kv_range, attn_mask = ctx.saved_tensors
     dropout_p, is_causal, scale, backend = ctx.args
-    dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, seed, attn_mask, dropout_p, is_causal, scale, backend)
+    dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, seed, kv_range, attn_mask, dropout_p, is_causal, scale,
+                                backend)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -403,7 +432,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
 
     Shapes: query (..., Hq, Sq, D), key (..., Hkv, Sk, D), value (..., Hkv, Sk, Dv), at least 2 dims
     each (2-D inputs have no head dim); leading (batch) dims broadcast. Returns (..., Hq, Sq, Dv) in
-    the inputs' dtype (fp16, bf16 or fp32; all three must match).
+    the inputs' dtype (fp16, bf16 or fp32; all three must match; float64 runs on the reference).
 
     * ``attn_mask``: bool (True = take part) or additive float, broadcastable to (..., Hq, Sq, Sk);
       read in-kernel through strides (never expanded in memory). A key-padding mask that broadcasts
@@ -420,9 +449,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       never uses atomics (dK/dV and dQ are separate kernels), so it is bitwise reproducible in either
       mode; the flag is accepted for API compatibility.
     """
-    _checks.check_tensor("query", query, min_dim=2)
-    _checks.check_tensor("key", key, min_dim=2)
-    _checks.check_tensor("value", value, min_dim=2)
+    _checks.check_tensor("query", query, min_dim=2, dtypes=_DTYPES)
+    _checks.check_tensor("key", key, min_dim=2, dtypes=_DTYPES)
+    _checks.check_tensor("value", value, min_dim=2, dtypes=_DTYPES)
     _checks.check_same([("query", query), ("key", key), ("value", value)], what="dtype")
     _checks.check_same([("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)],
                        what="device")
@@ -488,7 +517,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         m4 = m4.unsqueeze(0) if len(batch) == 0 else (m4 if len(batch) == 1 else m4.reshape(-1, *full[-3:]))
         if m4.dtype != torch.bool and m4.dtype != q4.dtype:
             m4 = m4.to(q4.dtype)
-    o, _, _ = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "")
+    o = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "")[0]
     return o.reshape(*batch, *out_heads, sq, dv)
 
 
@@ -505,9 +534,9 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     gradient rows past ``cu_seqlens_q/k[-1]``. ``causal``: top-left aligned within each sequence.
     GQA when Hq is a multiple of Hkv. Other options as in :func:`scaled_dot_product_attention`.
     """
-    _checks.check_tensor("q", q, ndim=3)
-    _checks.check_tensor("k", k, ndim=3)
-    _checks.check_tensor("v", v, ndim=3)
+    _checks.check_tensor("q", q, ndim=3, dtypes=_DTYPES)
+    _checks.check_tensor("k", k, ndim=3, dtypes=_DTYPES)
+    _checks.check_tensor("v", v, ndim=3, dtypes=_DTYPES)
     _checks.check_same([("q", q), ("k", k), ("v", v)], what="dtype")
     _checks.check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32,))
     _checks.check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,))

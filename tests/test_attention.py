@@ -159,6 +159,31 @@ def test_mask_per_head_broadcast_batch(device):
     _check_against_ref(q, k, v, mask=mask, causal=True)
 
 
+def test_per_head_key_mask_row_broadcast(device):
+    """(B, H, 1, Sk): read as one vector per key block but not a key-padding range (varies by head)."""
+    q, k, v = _inputs((2, 3, 21, 16), (2, 3, 29, 16), (2, 3, 29, 16), F32, device)
+    mask = (torch.rand(2, 3, 1, 29) > 0.5).to(device)
+    _check_against_ref(q, k, v, mask=mask, causal=True)
+
+
+def test_int64_in_slice_offsets_path(device, monkeypatch):
+    """The IDX64 variant (used when one (batch, head) slice spans >= 2**31 elements) on tiny shapes."""
+    import pykernels._kernels.attention as kern
+    monkeypatch.setattr(kern, "_needs_idx64", lambda *a: True)
+    q, k, v = _inputs((1, 2, 19, 16), (1, 2, 23, 16), (1, 2, 23, 16), F32, device)
+    _check_against_ref(q, k, v, mask=(torch.rand(1, 2, 19, 23) > 0.3).to(device), causal=True)
+
+
+def test_reference_backend_gradcheck():
+    """fp64 gradcheck of the reference backend's hand-written backward (GQA, mask, causal)."""
+    q = torch.randn(1, 4, 5, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 7, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 7, 6, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(1, 1, 5, 7) > 0.3
+    mask[..., 0] = True
+    torch.autograd.gradcheck(lambda q, k, v: sdpa(q, k, v, mask, is_causal=True, backend="reference"), (q, k, v))
+
+
 def test_fully_masked_rows_give_zero(device):
     """Rows with no allowed key: output 0, gradients 0, no NaN (torch's SDPA gives NaN there)."""
     b, h, sq, sk, d = 2, 2, 21, 18, 16
@@ -226,7 +251,7 @@ def test_last_dim_not_contiguous(device):
 
 
 @pytest.mark.parametrize("shape_q,shape_k", [((17, 16), (13, 16)), ((3, 17, 16), (3, 13, 16)),
-                                             ((2, 2, 2, 9, 16), (2, 1, 2, 13, 16))])
+                                             ((2, 2, 2, 9, 16), (2, 1, 2, 13, 16)), ((1, 9, 16), (4, 13, 16))])
 def test_other_ranks_and_batch_broadcast(device, shape_q, shape_k):
     q, k, v = _inputs(shape_q, shape_k, shape_k, F32, device)
     out = sdpa(q, k, v, backend="triton")
