@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pykernels
 from pykernels import BackendUnavailableError, masked_lm_loss, shift_labels
 from pykernels.masked_lm_loss import masked_lm_loss_reference
 from pykernels._kernels import masked_lm_loss as kmod
@@ -269,9 +268,10 @@ def test_gpu_bf16_realistic(name, n, h, v, frac, bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_gpu_other_dtypes_none_reduction(dtype):
-    hidden, weight, target, b = _inputs((4, 300), 256, 5003, dtype, "cuda", frac=0.3, bias=True)
+def test_gpu_fp32_ieee_dot_none_reduction():
+    # fp32 inputs take IEEE tl.dot (no TF32) so the kernel matches eager fp32; fp16 shares the bf16 code
+    # path on the GPU and is covered on CPU.
+    hidden, weight, target, b = _inputs((4, 300), 256, 5003, torch.float32, "cuda", frac=0.3, bias=True)
     _check(hidden, weight, target, b, reduction="none", label_smoothing=0.1)
 
 
