@@ -175,11 +175,14 @@ def _cross_entropy_fwd_kernel(
         m, s_vec, sum_x = _fwd_chunk(row_ptr + cols, cols < end_al, m, s_vec, sum_x, HAS_SMOOTHING, True)
     s = s * tl.exp2(m_pieces - m) + tl.sum(s_vec, axis=0)
 
-    lse = (m + tl.log2(s)) * 0.6931471805599453  # back to natural log
+    lse2 = m + tl.log2(s)
+    lse = lse2 * 0.6931471805599453  # back to natural log
     # The target logit: one scalar load, masked so an out-of-range target is never dereferenced.
     t_ok = active & in_range
     x_t = tl.load(row_ptr + shift + tl.where(t_ok, target, 0), mask=t_ok, other=0.0).to(tl.float32)
-    loss = lse - x_t
+    # nll in the log2 domain: x_t * log2e is rounded exactly as it was inside m, so a target that is
+    # the row maximum cancels exactly (V = 1 gives 0, equal logits give log V to the last bit).
+    loss = (lse2 - x_t * 1.4426950408889634) * 0.6931471805599453
     if HAS_SMOOTHING:
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_x / V)
     if HAS_Z_LOSS:

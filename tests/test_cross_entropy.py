@@ -114,7 +114,7 @@ def test_num_valid(device, kind):
     logits = torch.randn(8, 150, device=device)
     target = _targets(8, 150, device)
     nv = 37 if kind == "int" else torch.tensor(37, device=device)
-    upstream = torch.randn(())
+    upstream = torch.randn((), device=device)
     out, g = _loss_and_grad(pykernels.cross_entropy, logits, target, upstream, backend="triton", num_valid=nv)
     ref, g_ref = _loss_and_grad(pykernels.cross_entropy, logits, target, upstream, backend="triton", reduction="sum")
     torch.testing.assert_close(out, ref / 37)
@@ -166,7 +166,7 @@ def test_padded_buffers(device, offset, pad):
     logits = buf[:, offset:offset + V]
     target = _targets(9, V, device)
     _check(logits, target, reduction="none", z_loss=1e-2)
-    out, g = _loss_and_grad(pykernels.cross_entropy, logits, target, torch.ones(()), backend="triton")
+    out, g = _loss_and_grad(pykernels.cross_entropy, logits, target, torch.ones((), device=device), backend="triton")
     base = buf.detach().clone()                             # same strides and alignment as buf
     view = base[:, offset:offset + V]
     view.requires_grad_()
@@ -236,7 +236,7 @@ def test_compile_fullgraph(device, reduction, inplace):
         return pykernels.cross_entropy(x * 1.5, t, reduction=reduction, label_smoothing=0.1, z_loss=1e-3,
                                        backend="triton", inplace_backward=inplace)
 
-    upstream = torch.randn(target.shape) if reduction == "none" else torch.randn(())
+    upstream = torch.randn(target.shape, device=device) if reduction == "none" else torch.randn((), device=device)
     eager, g_eager = _loss_and_grad(f, logits, target, upstream)
     torch._dynamo.reset()
     compiled, g_comp = _loss_and_grad(torch.compile(f, fullgraph=True, backend="aot_eager"), logits, target,
@@ -252,7 +252,7 @@ def test_shift_invariance(device, shift):
     target = _targets(6, 333, device)
     shifts = torch.tensor([shift, 0.0, -shift, shift / 2, 1.0, 0.0], device=device)[:, None]
     kw = dict(backend="triton", reduction="none", label_smoothing=0.1)
-    upstream = torch.randn(6)
+    upstream = torch.randn(6, device=device)
     a, ga = _loss_and_grad(pykernels.cross_entropy, logits, target, upstream, **kw)
     b, gb = _loss_and_grad(pykernels.cross_entropy, logits + shifts, target, upstream, **kw)
     # fp32 ulp of the shifted logits bounds how exactly the shift cancels
@@ -302,7 +302,7 @@ def test_out_of_range_target(device):
     with pytest.raises(ValueError, match="target values"):
         pykernels.cross_entropy(logits, bad, backend="reference")
     with pytest.raises(ValueError, match="target values"):
-        pykernels.cross_entropy(logits, torch.tensor([1, -1, 0, 2]), backend="reference")
+        pykernels.cross_entropy(logits, torch.tensor([1, -1, 0, 2], device=device), backend="reference")
     # The Triton path cannot check without a host sync: it never reads out of bounds and makes the
     # offending row's loss and gradient NaN (the others stay right).
     x = logits.clone().requires_grad_()
