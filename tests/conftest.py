@@ -7,6 +7,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PYKERNELS_POISON", "1")
+# On the GPU each test's new compile-time flags would compile and time every autotune config of every
+# kernel; tests use each kernel's default config (benchmarks autotune, and validate before timing).
+os.environ.setdefault("PYKERNELS_AUTOTUNE", "0")
 
 import pytest  # noqa: E402
 

@@ -1,0 +1,32 @@
+"""Autotune switches shared by every kernel.
+
+``PYKERNELS_AUTOTUNE=0`` makes every autotuned kernel use the first config of its (pruned) list
+instead of benchmarking them all: the GPU test suite sets it, since each test's new combination of
+compile-time flags would otherwise compile and time every config of every kernel. The benchmarks
+leave it on; each validates its output before timing, so the configs the tests skip are still
+checked where they are used. Under ``TRITON_INTERPRET=1`` kernels use one small config anyway.
+"""
+from __future__ import annotations
+
+import os
+
+
+def interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("PYKERNELS_AUTOTUNE", "1") not in ("", "0")
+
+
+def configs(lst: list) -> list:
+    """The config list to give ``triton.autotune``: all of it, or its first entry (the default)."""
+    return list(lst) if autotune_enabled() else list(lst[:1])
+
+
+def pruner(prune):
+    """Wrap an ``early_config_prune`` so that with autotuning off only the first surviving config runs."""
+    def wrapped(configs, named_args, **kwargs):
+        kept = prune(configs, named_args, **kwargs) if prune is not None else configs
+        return list(kept) if autotune_enabled() else list(kept[:1])
+    return wrapped
