@@ -103,7 +103,7 @@ def compact_rows(target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     slot = torch.where(valid, csum - 1, n)  # invalid rows go to a dump slot past the end
     buf = torch.zeros(n + 1, dtype=torch.int32, device=target.device)
     buf.scatter_(0, slot.long(), torch.arange(n, dtype=torch.int32, device=target.device))
-    count = csum[-1:] if n else torch.zeros(1, dtype=torch.int32, device=target.device)
+    count = csum[-1:].clone() if n else torch.zeros(1, dtype=torch.int32, device=target.device)
     return buf[:n], count
 
 
