@@ -413,6 +413,17 @@ def test_gpu_auto_uses_triton_and_matches():
 
 
 @pytest.mark.gpu
+def test_gpu_float64_falls_back_with_warning():
+    logits = torch.randn(64, 1000, device="cuda", dtype=torch.float64)
+    target = _targets(64, 1000, "cuda")
+    with pytest.warns(FallbackWarning, match="float64"):
+        out = pykernels.cross_entropy(logits, target, backend="auto")
+    torch.testing.assert_close(out, cross_entropy_reference(logits, target))
+    with pytest.raises(BackendUnavailableError, match="float64"):
+        pykernels.cross_entropy(logits, target, backend="triton")
+
+
+@pytest.mark.gpu
 def test_gpu_strided_inplace_fp16_fp32():
     V = 50257
     buf = torch.randn(1024, V + 63, device="cuda", dtype=torch.float16)
