@@ -244,7 +244,9 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
         ``hidden`` (zero at ignored positions), ``weight`` and ``bias``.
 
     The Triton path issues no host-device sync (the number of valid rows stays on the device), so the
-    call can be captured in a CUDA graph. A target outside [0, V) that is not ``ignore_index`` gives
+    call can be captured in a CUDA graph. Its backward holds, besides the gradients, an (N, VC) dlogits
+    buffer of at most ``pykernels._kernels.masked_lm_loss.DLOGITS_BUDGET_BYTES`` (64 MiB; VC >= 256
+    columns) and, when V needs more than one chunk, an fp32 (N, H) dhidden accumulator. A target outside [0, V) that is not ``ignore_index`` gives
     a NaN loss on the Triton path (no out-of-bounds read) and a ValueError on the reference path.
 
     Causal LM (GPT): ``masked_lm_loss(hidden, wte, shift_labels(input_ids))``.
