@@ -30,3 +30,15 @@ def pruner(prune):
         kept = prune(configs, named_args, **kwargs) if prune is not None else configs
         return list(kept) if autotune_enabled() else list(kept[:1])
     return wrapped
+
+
+def autotune(configs, key, prune_configs_by=None, **kwargs):
+    """``triton.autotune`` that honours ``PYKERNELS_AUTOTUNE=0`` (first surviving config only)."""
+    import triton
+    if not autotune_enabled():
+        prune_configs_by = dict(prune_configs_by or {})
+        if prune_configs_by.get("early_config_prune") is not None:
+            prune_configs_by["early_config_prune"] = pruner(prune_configs_by["early_config_prune"])
+        else:
+            configs = list(configs[:1])
+    return triton.autotune(configs=configs, key=key, prune_configs_by=prune_configs_by or None, **kwargs)
