@@ -86,6 +86,8 @@ import triton.language as tl
 
 from pykernels._alloc import empty
 
+from . import _tuning
+
 # Inside the kernels log2(e) = 1.4426950408889634 and ln(2) = 0.6931471805599453 appear as literals
 # (folded into the logit scale: exp(z - lse) = exp2(z * log2e - lse * log2e)).
 
@@ -114,7 +116,7 @@ _BWD_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 6
                         _AHK, (16, 16, 16, 1, 1))
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["H", "V_PER_SPLIT", "DTYPE_KEY"])
+@_tuning.autotune(configs=_FWD_CONFIGS, key=["H", "V_PER_SPLIT", "DTYPE_KEY"])
 @triton.jit
 def _masked_lm_loss_fwd_kernel(
     h_ptr,          # (N, H) hidden states, any strides
@@ -225,7 +227,7 @@ def _masked_lm_loss_combine_kernel(
         tl.store(lse_ptr + rows, lse, mask=mask)
 
 
-@triton.autotune(configs=_DLOGITS_CONFIGS, key=["H", "VC", "DTYPE_KEY"])
+@_tuning.autotune(configs=_DLOGITS_CONFIGS, key=["H", "VC", "DTYPE_KEY"])
 @triton.jit(do_not_specialize=["v_off", "VC"])
 def _masked_lm_loss_dlogits_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr, rows_ptr, count_ptr,
@@ -345,7 +347,7 @@ def _dhidden_tile(
             tl.store(acc_ptr + acc_off, acc, mask=mask)
 
 
-@triton.autotune(configs=_BWD_CONFIGS, key=["H", "VC", "DTYPE_KEY", "is_first", "is_last", "do_dw"],
+@_tuning.autotune(configs=_BWD_CONFIGS, key=["H", "VC", "DTYPE_KEY", "is_first", "is_last", "do_dw"],
                  restore_value=["acc_ptr"])
 @triton.jit(do_not_specialize=["v_off", "VC", "is_first", "is_last", "do_dw"])
 def _masked_lm_loss_bwd_kernel(
