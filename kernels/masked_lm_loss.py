@@ -97,26 +97,44 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DLOGITS_BUDGET_BYTES = 64 * 2**20
 
 
-def _configs(gpu: list[tuple], names: tuple[str, ...], interp: tuple) -> list[triton.Config]:
-    """Autotune configs: a small pruned list on the GPU, one small config under the interpreter."""
-    rows = [interp] if _INTERPRET else gpu
-    return [triton.Config(dict(zip(names, r[:-2])), num_warps=r[-2], num_stages=r[-1]) for r in rows]
+def _configs(gpu: list[tuple], names: tuple[str, ...], interp: tuple,
+             fp32: tuple) -> tuple[list[triton.Config], set]:
+    """Autotune configs: a small list for 16-bit inputs plus one for fp32 inputs on the GPU (IEEE fp32
+    tiles take twice the shared memory), or one small config under the interpreter. Returns the list
+    and the set of its fp32 configs (for ``_prune_by_dtype``)."""
+    def make(r):
+        return triton.Config(dict(zip(names, r[:-2])), num_warps=r[-2], num_stages=r[-1])
+    if _INTERPRET:
+        return [make(interp)], set()
+    fp32_configs = [make(fp32)]
+    return [make(r) for r in gpu] + fp32_configs, set(fp32_configs)
+
+
+def _prune_by_dtype(fp32_set: set):
+    """``early_config_prune``: the fp32 configs for fp32 inputs, the others for fp16/bf16. With
+    PYKERNELS_AUTOTUNE=0 (the tests) the first survivor runs, so each dtype gets a config that fits."""
+    def prune(configs, named_args, **kwargs):
+        is_fp32 = named_args["h_ptr"].dtype == torch.float32
+        kept = [c for c in configs if (c in fp32_set) == is_fp32]
+        return kept or list(configs)
+    return {"early_config_prune": prune}
 
 
 _MNK = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 # (BLOCK_M/BLOCK_A, BLOCK_N/BLOCK_H, BLOCK_K, warps, stages). The logits kernels keep a 128 x 256 fp32
 # tile plus its exp2 live (it spills), so they choose between 128 x 128 and 64 x 128; the pure GEMM of
 # the backward also tries 128 x 256. Few configs: every one is a compile on the first call.
-_FWD_CONFIGS = _configs([(128, 128, 64, 8, 3), (64, 128, 64, 4, 3)],
-                        _MNK, (16, 32, 16, 1, 1))
-_DLOGITS_CONFIGS = _configs([(128, 128, 64, 8, 3), (64, 128, 64, 4, 3)],
-                            _MNK, (16, 32, 16, 1, 1))
+_FWD_CONFIGS, _FWD_FP32 = _configs([(128, 128, 64, 8, 3), (64, 128, 64, 4, 3)],
+                                   _MNK, (16, 32, 16, 1, 1), (64, 64, 32, 4, 2))
+_DLOGITS_CONFIGS, _DLOGITS_FP32 = _configs([(128, 128, 64, 8, 3), (64, 128, 64, 4, 3)],
+                                           _MNK, (16, 32, 16, 1, 1), (64, 64, 32, 4, 2))
 _AHK = ("BLOCK_A", "BLOCK_H", "BLOCK_K")
-_BWD_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3)],
-                        _AHK, (16, 16, 16, 1, 1))
+_BWD_CONFIGS, _BWD_FP32 = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3)],
+                                   _AHK, (16, 16, 16, 1, 1), (64, 64, 32, 4, 2))
 
 
-@_tuning.autotune(configs=_FWD_CONFIGS, key=["H", "V_PER_SPLIT", "DTYPE_KEY"])
+@_tuning.autotune(configs=_FWD_CONFIGS, key=["H", "V_PER_SPLIT", "DTYPE_KEY"],
+                  prune_configs_by=_prune_by_dtype(_FWD_FP32))
 @triton.jit
 def _masked_lm_loss_fwd_kernel(
     h_ptr,          # (N, H) hidden states, any strides
@@ -227,7 +245,8 @@ def _masked_lm_loss_combine_kernel(
         tl.store(lse_ptr + rows, lse, mask=mask)
 
 
-@_tuning.autotune(configs=_DLOGITS_CONFIGS, key=["H", "VC", "DTYPE_KEY"])
+@_tuning.autotune(configs=_DLOGITS_CONFIGS, key=["H", "VC", "DTYPE_KEY"],
+                  prune_configs_by=_prune_by_dtype(_DLOGITS_FP32))
 @triton.jit(do_not_specialize=["v_off", "VC"])
 def _masked_lm_loss_dlogits_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr, rows_ptr, count_ptr,
@@ -348,7 +367,7 @@ def _dhidden_tile(
 
 
 @_tuning.autotune(configs=_BWD_CONFIGS, key=["H", "VC", "DTYPE_KEY", "is_first", "is_last", "do_dw"],
-                 restore_value=["acc_ptr"])
+                  prune_configs_by=_prune_by_dtype(_BWD_FP32), restore_value=["acc_ptr"])
 @triton.jit(do_not_specialize=["v_off", "VC", "is_first", "is_last", "do_dw"])
 def _masked_lm_loss_bwd_kernel(
     h_ptr, w_ptr, rows_ptr, count_ptr,
