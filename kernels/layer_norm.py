@@ -32,7 +32,8 @@ needs bytes in flight: they come from co-resident programs and, in the PREFETCH 
 next row block's loads issued (into registers, raw) before the current block's math.
 
 Configuration: the forward tiles ``BLOCK_M`` rows x ``BLOCK_N = next_pow2(N)`` columns per program;
-both kernels autotune (keyed on N, short tuning runs) over 1-4 configs per power-of-two width
+both kernels autotune (keyed on N, short tuning runs; ``PYKERNELS_AUTOTUNE=0``, set by the tests,
+takes the first config of each list, the default) over 1-4 configs per power-of-two width
 bucket, sized from sm_90 register counts measured offline with ptxas (8-16 elements per thread; no
 spills, except 40-80 bytes in the 8192-wide backward with dropout). Under TRITON_INTERPRET=1 a
 single small config runs.
@@ -64,7 +65,6 @@ al. 2011 (Philox).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -73,13 +73,15 @@ import triton.testing
 
 from pykernels._alloc import empty
 
+from . import _tuning
+
 MAX_FUSED_N_FWD = 16384  # widest row held in registers by the forward
 MAX_FUSED_N_BWD = 8192  # the backward keeps ~6 row-sized fp32 values live per row, so it goes chunked earlier
 CHUNK_N = 4096  # column chunk of the looped (wide-row) paths
 
 
 def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _tuning.interpret()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -225,7 +227,7 @@ def _fwd_configs(block_n: int) -> list[triton.Config]:
 @functools.lru_cache(maxsize=None)
 def _fwd_tuned(block_n: int):
     # One autotuner per BLOCK_N bucket (the config list depends on it); keyed on N within the bucket.
-    return triton.autotune(configs=_fwd_configs(block_n), key=["N"], do_bench=_bench_quick)(_layer_norm_fwd_kernel)
+    return _tuning.autotune(configs=_fwd_configs(block_n), key=["N"], do_bench=_bench_quick)(_layer_norm_fwd_kernel)
 
 
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -576,7 +578,7 @@ def _bwd_configs(block_n: int) -> list[triton.Config]:
 @functools.lru_cache(maxsize=None)
 def _bwd_tuned(block_n: int):
     # keyed on N; every config overwrites all outputs (partial rows included), so tuning runs are safe
-    return triton.autotune(configs=_bwd_configs(block_n), key=["N"], do_bench=_bench_quick)(_layer_norm_bwd_kernel)
+    return _tuning.autotune(configs=_bwd_configs(block_n), key=["N"], do_bench=_bench_quick)(_layer_norm_bwd_kernel)
 
 
 def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tensor | None,
