@@ -435,7 +435,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     the inputs' dtype (fp16, bf16 or fp32; all three must match; float64 runs on the reference).
 
     * ``attn_mask``: bool (True = take part) or additive float, broadcastable to (..., Hq, Sq, Sk);
-      read in-kernel through strides (never expanded in memory). A key-padding mask that broadcasts
+      read in-kernel through strides (never expanded in memory). A float mask may have any float dtype
+      (it is read in fp32; torch requires query's dtype). A key-padding mask that broadcasts
       from (B, 1, 1, Sk) lets the kernels skip key blocks outside each batch's valid range. The mask
       gets no gradient. May be combined with ``is_causal`` (both apply; torch forbids the combination).
     * ``is_causal``: top-left aligned, query i sees keys j <= i (diagram in the module docstring).
@@ -515,8 +516,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     if attn_mask is not None:
         m4 = attn_mask.expand(full)
         m4 = m4.unsqueeze(0) if len(batch) == 0 else (m4 if len(batch) == 1 else m4.reshape(-1, *full[-3:]))
-        if m4.dtype != torch.bool and m4.dtype != q4.dtype:
-            m4 = m4.to(q4.dtype)
     o = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "")[0]
     return o.reshape(*batch, *out_heads, sq, dv)
 

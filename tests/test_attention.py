@@ -145,11 +145,12 @@ def test_arbitrary_bool_mask(device, dtype):
     _check_against_ref(q, k, v, mask=mask)
 
 
-@pytest.mark.parametrize("dtype", [F32, F16])
-def test_additive_mask_broadcast(device, dtype):
-    """A (Sq, Sk) float mask broadcast over batch and heads (strides 0 in-kernel, never expanded)."""
+@pytest.mark.parametrize("dtype,mask_dtype", [(F32, F32), (F16, F16), (F16, F32)])
+def test_additive_mask_broadcast(device, dtype, mask_dtype):
+    """A (Sq, Sk) float mask broadcast over batch and heads (strides 0 in-kernel, never expanded);
+    the mask may be fp32 with fp16 inputs."""
     q, k, v = _inputs((2, 3, 19, 16), (2, 3, 26, 16), (2, 3, 26, 16), dtype, device)
-    mask = torch.randn(19, 26, dtype=dtype).to(device)
+    mask = torch.randn(19, 26, dtype=mask_dtype).to(device)
     _check_against_ref(q, k, v, mask=mask)
 
 
