@@ -30,7 +30,7 @@ is multiplied by a stride):
    FLOPs 2 M V H; bytes ~ (M/BLOCK_M) V H (weight re-read per row block, mostly L2) + M H.
 2. Backward, in vocabulary chunks of VC columns (VC chosen so the (N, VC) dlogits buffer stays
    within a memory budget, 64 MiB by default: ``DLOGITS_BUDGET_BYTES``), per chunk:
-   a. ``_masked_lm_loss_dlogits_kernel``, grid (N / BLOCK_M, VC / BLOCK_N): recomputes the logit
+   a. ``_masked_lm_loss_dlogits_kernel``, grid (VC / BLOCK_N) x (N / BLOCK_M): recomputes the logit
       tile (2 M VC H FLOPs), turns it into dz with the saved lse and the upstream grad, and stores dz
       in the weight dtype into the (N, VC) buffer (compacted rows).
    b. ``_masked_lm_loss_bwd_kernel``, one launch with two kinds of programs that both only read the
@@ -263,8 +263,14 @@ def _masked_lm_loss_dlogits_kernel(
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # One grid axis (no 65535 limit on the row blocks), column tiles varying fastest: the programs of
+    # the valid row blocks come first in launch order and the ones that exit at once (row blocks past
+    # count) trail behind them. The chunk's weight slice and the valid rows are L2-resident, so this
+    # order costs no reuse.
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(VC, BLOCK_N)
+    pid_n = pid % n_tiles
+    pid_m = pid // n_tiles
     count = tl.load(count_ptr)
     start_m = pid_m * BLOCK_M
     if start_m < count:
@@ -504,7 +510,7 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
     for c in range(n_chunks):
         v_off = c * vc
         vc_c = min(vc, v - v_off)
-        _masked_lm_loss_dlogits_kernel[lambda m: (triton.cdiv(n, m["BLOCK_M"]), triton.cdiv(vc_c, m["BLOCK_N"]))](
+        _masked_lm_loss_dlogits_kernel[lambda m: (triton.cdiv(vc_c, m["BLOCK_N"]) * triton.cdiv(n, m["BLOCK_M"]),)](
             hidden, weight, b, target, rows, count, lse, grad_loss, dl,
             n, v, h, v_off, vc_c,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
