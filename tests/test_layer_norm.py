@@ -209,6 +209,15 @@ def test_gpu_tile_configs_on_interpreter(block_m, progs_per_sm, prefetch, device
         K._bwd_tuned.cache_clear()
 
 
+def test_zero_rows(device):
+    x, r, w, b = _make((0, 3, 64), torch.float32, device)
+    y, s = pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="triton")
+    assert y.shape == s.shape == x.shape
+    gx, gr, gw, gb = torch.autograd.grad(y.sum() + s.sum(), (x, r, w, b))
+    assert gx.shape == x.shape and gr.shape == r.shape
+    assert torch.equal(gw, torch.zeros_like(w)) and torch.equal(gb, torch.zeros_like(b))
+
+
 # ---- dropout -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("prenorm", [False, True])
