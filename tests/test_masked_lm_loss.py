@@ -291,6 +291,16 @@ def test_gpu_torch_compile_inductor_matches_eager():
 
 
 @pytest.mark.gpu
+def test_gpu_deterministic():
+    # No atomics: two runs give bitwise-equal loss and gradients (several backward chunks).
+    hidden, weight, target, b = _inputs((4096,), 256, 30522, torch.bfloat16, "cuda", frac=0.15, bias=True)
+    first = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, backend="triton"), hidden, weight, b, None)
+    second = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, backend="triton"), hidden, weight, b, None)
+    for x, y in zip(first, second):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
 def test_gpu_no_host_sync():
     hidden, weight, target, b = _inputs((2048,), 256, 8192, torch.bfloat16, "cuda", frac=0.15, bias=True)
     h = hidden.requires_grad_(True)
