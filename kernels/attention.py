@@ -70,6 +70,8 @@ import triton.language as tl
 
 from pykernels._alloc import empty
 
+from . import _tuning
+
 LOG2E = 1.4426950408889634
 
 
@@ -113,6 +115,8 @@ def _configs(*kinds):
 
 
 def _pruner(kind):
+    """early_config_prune for one kernel: the table's configs for the head-dim tier (and, for the
+    forward, the sequence bucket). Autotuning goes through kernels/_tuning (PYKERNELS_AUTOTUNE=0)."""
     def prune(configs, nargs, **kw):
         if len(configs) == 1:
             return configs
@@ -120,11 +124,9 @@ def _pruner(kind):
         d = max(args["BLOCK_D"], args["BLOCK_DV"])
         tier = 64 if d <= 64 else (128 if d <= 128 else 256)
         table = _TABLE["fwd_short" if kind == "fwd" and args["seq_bucket"] <= 128 else kind][tier]
-        # PYKERNELS_AUTOTUNE=0: take the first (heuristic) config only, e.g. for quick GPU test runs.
-        if os.environ.get("PYKERNELS_AUTOTUNE", "1") == "0":
-            table = table[:1]
-        keep = [c for c in configs
-                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in table]
+        # In table order (best guess first): with PYKERNELS_AUTOTUNE=0, kernels/_tuning keeps the first.
+        by_key = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
+        keep = [by_key[t] for t in table if t in by_key]
         return keep or configs[:1]
     return prune
 
@@ -234,7 +236,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, o
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_configs("fwd", "fwd_short"), key=_FWD_KEYS,
+@_tuning.autotune(configs=_configs("fwd", "fwd_short"), key=_FWD_KEYS,
                  prune_configs_by={"early_config_prune": _pruner("fwd")})
 @triton.jit
 def _attention_fwd_kernel(
@@ -417,7 +419,7 @@ def _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, hi, offs_
     return dk, dv
 
 
-@triton.autotune(configs=_configs("dkdv"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dkdv")})
+@_tuning.autotune(configs=_configs("dkdv"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dkdv")})
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV_, LSE, Delta, Mask, KvRange, CuQ, CuK,
@@ -524,7 +526,7 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
     return dq
 
 
-@triton.autotune(configs=_configs("dq"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dq")})
+@_tuning.autotune(configs=_configs("dq"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dq")})
 @triton.jit
 def _attention_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, Delta, Mask, KvRange, CuQ, CuK,
