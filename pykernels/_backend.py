@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import os
 import threading
@@ -89,11 +90,21 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _triton_reason(device: torch.device | None) -> str | None:
+@functools.lru_cache(maxsize=None)
+def _import_error(module: str) -> str | None:
+    """Why ``module`` does not import, or None. Cached: a failed import searches the whole path, and
+    this runs on every op call."""
     try:
-        importlib.import_module("triton")
+        importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 - any import failure makes the backend unavailable
-        return f"triton is not importable ({type(e).__name__}: {e})"
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _triton_reason(device: torch.device | None) -> str | None:
+    err = _import_error("triton")
+    if err is not None:
+        return f"triton is not importable ({err})"
     if device is None:
         if torch.cuda.is_available() or _interpret():
             return None
@@ -109,10 +120,9 @@ def _triton_reason(device: torch.device | None) -> str | None:
 
 
 def _cuda_reason(device: torch.device | None) -> str | None:
-    try:
-        importlib.import_module("pykernels._C")
-    except Exception as e:  # noqa: BLE001
-        return f"the CUDA extension pykernels._C is not built ({type(e).__name__}: {e})"
+    err = _import_error("pykernels._C")
+    if err is not None:
+        return f"the CUDA extension pykernels._C is not built ({err})"
     if device is not None and device.type != "cuda":
         return f"tensors are on {device.type}; the CUDA extension needs CUDA tensors"
     if device is None and not torch.cuda.is_available():
