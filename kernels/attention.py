@@ -98,6 +98,10 @@ _TABLE = {
     "dq": {64: [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
            128: [(128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3)],
            256: [(32, 16, 8, 2), (32, 16, 4, 2)]},
+    # fp32 inputs: IEEE fp32 dots run on FMA units (no tensor cores), so small tiles limit spills.
+    "fp32_fwd": {64: [(64, 32, 4, 2)], 128: [(32, 32, 4, 2)], 256: [(16, 16, 4, 2)]},
+    "fp32_dkdv": {64: [(16, 32, 4, 2)], 128: [(16, 32, 4, 2)], 256: [(16, 16, 4, 2)]},
+    "fp32_dq": {64: [(32, 16, 4, 2)], 128: [(32, 16, 4, 2)], 256: [(16, 16, 4, 2)]},
 }
 
 
@@ -123,7 +127,10 @@ def _pruner(kind):
         args = {**nargs, **kw}  # seq_bucket is positional (nargs); the constexprs come as keywords
         d = max(args["BLOCK_D"], args["BLOCK_DV"])
         tier = 64 if d <= 64 else (128 if d <= 128 else 256)
-        table = _TABLE["fwd_short" if kind == "fwd" and args["seq_bucket"] <= 128 else kind][tier]
+        if args.get("PRECISION") == "ieee":
+            table = _TABLE["fp32_" + kind][tier]
+        else:
+            table = _TABLE["fwd_short" if kind == "fwd" and args["seq_bucket"] <= 128 else kind][tier]
         # In table order (best guess first): with PYKERNELS_AUTOTUNE=0, kernels/_tuning keeps the first.
         by_key = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
         keep = [by_key[t] for t in table if t in by_key]
@@ -236,7 +243,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, o
     return acc, l_i, m_i
 
 
-@_tuning.autotune(configs=_configs("fwd", "fwd_short"), key=_FWD_KEYS,
+@_tuning.autotune(configs=_configs("fwd", "fwd_short", "fp32_fwd"), key=_FWD_KEYS,
                  prune_configs_by={"early_config_prune": _pruner("fwd")})
 @triton.jit
 def _attention_fwd_kernel(
@@ -419,7 +426,7 @@ def _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, hi, offs_
     return dk, dv
 
 
-@_tuning.autotune(configs=_configs("dkdv"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dkdv")})
+@_tuning.autotune(configs=_configs("dkdv", "fp32_dkdv"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dkdv")})
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV_, LSE, Delta, Mask, KvRange, CuQ, CuK,
@@ -526,7 +533,7 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
     return dq
 
 
-@_tuning.autotune(configs=_configs("dq"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dq")})
+@_tuning.autotune(configs=_configs("dq", "fp32_dq"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dq")})
 @triton.jit
 def _attention_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, Delta, Mask, KvRange, CuQ, CuK,
