@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._backend import check_backend_name, select
+from ._backend import BackendUnavailableError, check_backend_name, default_backend, select, warn_once
 from ._rng import new_seed
 
 _OP = "scaled_dot_product_attention"
@@ -437,8 +437,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     * ``attn_mask``: bool (True = take part) or additive float, broadcastable to (..., Hq, Sq, Sk);
       read in-kernel through strides (never expanded in memory). A float mask may have any float dtype
       (it is read in fp32; torch requires query's dtype). A key-padding mask that broadcasts
-      from (B, 1, 1, Sk) lets the kernels skip key blocks outside each batch's valid range. The mask
-      gets no gradient. May be combined with ``is_causal`` (both apply; torch forbids the combination).
+      from (B, 1, 1, Sk) lets the kernels skip key blocks outside each batch's valid range. A float
+      mask that requires grad (a trainable bias) runs the eager reference so that it gets its gradient
+      (FallbackWarning with "auto" on CUDA; BackendUnavailableError with "triton"/"cuda"). May be combined with ``is_causal`` (both apply; torch forbids the combination).
     * ``is_causal``: top-left aligned, query i sees keys j <= i (diagram in the module docstring).
     * Rows with no key to attend to (fully masked, or Sk = 0) output 0 with gradient 0 (torch: NaN).
     * GQA/MQA: Hq a multiple of Hkv (``enable_gqa`` is accepted; grouped heads work with or without
@@ -516,6 +517,16 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     if attn_mask is not None:
         m4 = attn_mask.expand(full)
         m4 = m4.unsqueeze(0) if len(batch) == 0 else (m4 if len(batch) == 1 else m4.reshape(-1, *full[-3:]))
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        # A trainable additive bias needs its own gradient, which the kernels do not produce: run the
+        # eager reference (autograd through the mask) instead of silently dropping that gradient.
+        requested = backend or default_backend()
+        reason = "attn_mask requires grad (the kernels give no mask gradient)"
+        if requested in ("triton", "cuda"):
+            raise BackendUnavailableError(f"pykernels.{_OP}: backend {requested!r} cannot serve this call: {reason}")
+        if requested == "auto" and query.device.type == "cuda":
+            warn_once(_OP, reason)
+        return attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, hq != hk)
     o = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "")[0]
     return o.reshape(*batch, *out_heads, sq, dv)
 

@@ -352,6 +352,22 @@ def test_reference_backend_and_use_backend(device):
     torch.testing.assert_close(out, sdpa(q, k, v, is_causal=True, backend="triton"), atol=1e-5, rtol=1e-5)
 
 
+def test_trainable_float_mask_gets_its_gradient(device):
+    """A float mask that requires grad runs the eager reference (the kernels give no mask gradient)."""
+    q, k, v = _inputs((1, 2, 7, 16), (1, 2, 9, 16), (1, 2, 9, 16), F32, device)
+    bias = torch.randn(2, 7, 9, device=device, requires_grad=True)
+    with pytest.raises(BackendUnavailableError, match="attn_mask requires grad"):
+        sdpa(q, k, v, bias, backend="triton")
+    out = sdpa(q, k, v, bias, backend="auto")
+    (g,) = torch.autograd.grad(out.sum(), bias)
+    qd, kd, vd, bd = (t.detach().double() for t in (q, k, v, bias))
+    bd.requires_grad_(True)
+    (g_ref,) = torch.autograd.grad(attention_reference(qd, kd, vd, bd).sum(), bd)
+    torch.testing.assert_close(g.double(), g_ref, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():  # no gradient needed: the kernels serve it
+        torch.testing.assert_close(sdpa(q, k, v, bias, backend="triton"), out.detach(), atol=1e-5, rtol=1e-5)
+
+
 def test_explicit_backend_raises():
     q, k, v = _inputs((1, 1, 4, 16), (1, 1, 4, 16), (1, 1, 4, 16), F32, "cpu", requires_grad=False)
     with pytest.raises(BackendUnavailableError, match="cuda"):
