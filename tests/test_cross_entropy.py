@@ -289,9 +289,23 @@ def test_backend_selection(device):
         torch.testing.assert_close(pykernels.cross_entropy(logits, target), ref)
     with pykernels.use_backend("reference"):
         torch.testing.assert_close(pykernels.cross_entropy(logits, target), ref)
-    # float64 is a case the kernel declines: explicit triton raises.
+    # float64 is a case the kernel declines. On the kernel device (so the refusal is the dtype's, not
+    # the device's): explicit triton raises naming float64; auto falls back to the reference (on CUDA
+    # with a FallbackWarning naming float64; on CPU auto is the reference, silently).
+    ld, td = logits.double().to(device), target.to(device)
     with pytest.raises(BackendUnavailableError, match="float64"):
-        pykernels.cross_entropy(logits.double(), target, backend="triton")
+        pykernels.cross_entropy(ld, td, backend="triton")
+    import pykernels._backend as be
+    be._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = pykernels.cross_entropy(ld, td)
+    fallbacks = [w for w in caught if issubclass(w.category, FallbackWarning)]
+    if device.type == "cuda":
+        assert len(fallbacks) == 1 and "float64" in str(fallbacks[0].message)
+    else:
+        assert fallbacks == []
+    torch.testing.assert_close(got, cross_entropy_reference(ld, td))
 
 
 def test_out_of_range_target(device):

@@ -6,6 +6,7 @@ GPU (marked): bf16 and realistic sizes.
 """
 from __future__ import annotations
 
+import warnings
 
 import pytest
 import torch
@@ -256,8 +257,9 @@ def test_dropout_reproducible_and_fresh(device):
     assert not torch.equal(y1, y3)
 
 
-def test_dropout_mask_offsets_past_2_31():
-    """The eager twin of tl.rand agrees with the Triton interpreter for int64 counters (> 2**32)."""
+def test_dropout_mask_offsets_past_2_31(device):
+    """The eager twin of tl.rand agrees with Triton's tl.rand (interpreter on CPU, compiled on CUDA) for
+    int64 counters (> 2**32)."""
     import triton
     import triton.language as tl
 
@@ -268,9 +270,11 @@ def test_dropout_mask_offsets_past_2_31():
 
     from pykernels.layer_norm import _philox_uniform
     base = 3 * 2**32 + 2**31 - 17
-    out = torch.empty(64)
+    out = torch.full((64,), float("nan"), device=device)
     _rand_kernel[(1,)](out, 98765, base, BLOCK=64)
-    assert torch.equal(out, _philox_uniform(98765, base + torch.arange(64, dtype=torch.int64)))
+    twin = _philox_uniform(98765, base + torch.arange(64, dtype=torch.int64, device=device))
+    assert twin.device == out.device and torch.isfinite(out).all()
+    assert torch.equal(out, twin)
 
 
 def test_reference_backend_same_dropout_mask(device):
@@ -294,10 +298,11 @@ def test_reference_backend(variant, device):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("rms_norm", [False, True])
-def test_gradcheck_fp64(backend, rms_norm):
+def test_gradcheck_fp64(backend, rms_norm, device):
     """fp64 gradcheck of the custom op's analytic backward (the reference backend; the Triton path with
-    fp32 inputs is covered by the reference comparisons, here it must refuse fp64)."""
-    x, r, w, b = _make((3, 9), torch.float64, "cpu")
+    fp32 inputs is covered by the reference comparisons, here it must refuse fp64). Built on the kernel
+    device, so the refusal asserted is the dtype's, not the device's."""
+    x, r, w, b = _make((3, 9), torch.float64, device)
     ds_fn = lambda x, r, w, b: pykernels.layer_norm(x, w, b, residual=r, prenorm=True, rms_norm=rms_norm,  # noqa: E731
                                                      backend=backend)
     if backend == "triton":
@@ -362,16 +367,18 @@ def test_nn_layernorm_state_dict_compatible():
 
 
 def test_nn_layernorm_residual_and_triton(device):
-    m = pykernels.nn.LayerNorm(96)
+    m = pykernels.nn.LayerNorm(96).to(device)
     m.backend = "triton"
     with torch.no_grad():
         m.weight.normal_()
-    x, r = torch.randn(2, 3, 96), torch.randn(2, 3, 96)
+        m.bias.normal_()
+    x, r = torch.randn(2, 3, 96, device=device), torch.randn(2, 3, 96, device=device)
     ref = torch.nn.functional.layer_norm(x + r, (96,), m.weight, m.bias, m.eps)
     torch.testing.assert_close(m(x, r), ref, rtol=1e-5, atol=1e-5)
     # multi-dim normalized_shape folds into one dim
-    m2 = pykernels.nn.LayerNorm((4, 24))
-    x2 = torch.randn(3, 4, 24)
+    m2 = pykernels.nn.LayerNorm((4, 24)).to(device)
+    m2.backend = "triton"
+    x2 = torch.randn(3, 4, 24, device=device)
     torch.testing.assert_close(m2(x2), torch.nn.functional.layer_norm(x2, (4, 24), m2.weight, m2.bias),
                                rtol=1e-5, atol=1e-5)
 
@@ -387,16 +394,16 @@ def test_nn_rmsnorm():
     torch.testing.assert_close(m(x, r), theirs(x + r))
 
 
-def test_replace_layer_norms():
+def test_replace_layer_norms(device):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
                                 torch.nn.Sequential(torch.nn.GELU(), torch.nn.LayerNorm(32, bias=False)),
-                                torch.nn.Linear(32, 4))
+                                torch.nn.Linear(32, 4)).to(device)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.LayerNorm):
                 m.weight.normal_()
-    x = torch.randn(6, 16)
+    x = torch.randn(6, 16, device=device)
     before = model(x)
     params_before = [p for p in model.parameters()]
     sd_keys = list(model.state_dict())
@@ -444,11 +451,22 @@ def test_bad_inputs():
         pykernels.layer_norm(x, w, backend="cuda")
 
 
-def test_unsupported_dtype_triton_raises_auto_uses_reference():
-    x = torch.randn(4, 16, dtype=torch.float64)
+def test_unsupported_dtype_triton_raises_auto_uses_reference(device):
+    """float64 on the kernel device: explicit triton raises naming the dtype; auto runs the reference
+    (on CUDA with a FallbackWarning naming float64, on CPU silently: auto never picks the interpreter)."""
+    x = torch.randn(4, 16, dtype=torch.float64, device=device)
     with pytest.raises(BackendUnavailableError, match="float64"):
         pykernels.layer_norm(x, None, backend="triton")
-    y = pykernels.layer_norm(x, None, backend="auto")  # CPU: auto is the reference
+    import pykernels._backend as be
+    be._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = pykernels.layer_norm(x, None, backend="auto")
+    fallbacks = [w for w in caught if issubclass(w.category, FallbackWarning)]
+    if device.type == "cuda":
+        assert len(fallbacks) == 1 and "float64" in str(fallbacks[0].message)
+    else:
+        assert fallbacks == []
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (16,)))
 
 
