@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ._backend import select
+from ._op import custom_op
 from ._checks import check_prob, check_same, check_tensor
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -128,7 +129,7 @@ def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing):
     return loss, lse
 
 
-@torch.library.custom_op("pykernels::masked_lm_loss_fwd", mutates_args=())
+@custom_op("pykernels::masked_lm_loss_fwd", mutates_args=())
 def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
          label_smoothing: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # hidden (N, H), weight (V, H), target (N,) int64, bias (V,) or None -> loss (N,) fp32, lse (N,) fp32,
@@ -151,7 +152,7 @@ def _(hidden, weight, target, bias, ignore_index, label_smoothing, backend):
             hidden.new_empty(n, dtype=torch.int32), hidden.new_empty(1, dtype=torch.int32))
 
 
-@torch.library.custom_op("pykernels::masked_lm_loss_bwd", mutates_args=())
+@custom_op("pykernels::masked_lm_loss_bwd", mutates_args=())
 def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
          lse: Tensor, rows: Tensor, count: Tensor, ignore_index: int, label_smoothing: float,
          need_dhidden: bool, need_dweight: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:

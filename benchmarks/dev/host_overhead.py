@@ -1,0 +1,70 @@
+"""Host-side cost of one call of each op, on inputs so small that the GPU finishes first.
+
+Prints microseconds per call (mean of 300, after warm-up): the public function without grad, with
+grad (forward + backward), and the eager torch equivalent. A fused kernel only pays off when the
+host keeps ahead of the GPU, so this is the floor under every forward time in the benchmarks.
+"""
+import time
+
+import torch
+import torch.nn.functional as F
+
+import pykernels
+
+
+def per_call_us(fn, n=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("no GPU: nothing to measure")
+        return
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(4, 64, device=dev, dtype=dt)
+    r = torch.randn_like(x)
+    w = torch.ones(64, device=dev, dtype=dt)
+    xg = x.clone().requires_grad_()
+    q = torch.randn(1, 2, 16, 64, device=dev, dtype=dt)
+    qg = q.clone().requires_grad_()
+    logits = torch.randn(4, 128, device=dev, dtype=dt)
+    lg = logits.clone().requires_grad_()
+    tgt = torch.randint(0, 128, (4,), device=dev)
+    rows = []
+
+    def fb(f, t):
+        def g():
+            out = f(t)
+            out = out[0] if isinstance(out, tuple) else out
+            out.float().sum().backward()
+        return g
+
+    ln = lambda t: pykernels.layer_norm(t, w, residual=r, prenorm=True)  # noqa: E731
+    rows.append(("layer_norm pre-LN", per_call_us(lambda: ln(x)), per_call_us(fb(ln, xg)),
+                 per_call_us(lambda: F.layer_norm(x + r, (64,), w)), per_call_us(fb(lambda t: F.layer_norm(t + r, (64,), w), xg))))
+    at = lambda t: pykernels.scaled_dot_product_attention(t, q, q, is_causal=True)  # noqa: E731
+    rows.append(("attention causal", per_call_us(lambda: at(q)), per_call_us(fb(at, qg)),
+                 per_call_us(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)),
+                 per_call_us(fb(lambda t: F.scaled_dot_product_attention(t, q, q, is_causal=True), qg))))
+    ce = lambda t: pykernels.cross_entropy(t, tgt)  # noqa: E731
+    rows.append(("cross_entropy", per_call_us(lambda: ce(logits)), per_call_us(fb(ce, lg)),
+                 per_call_us(lambda: F.cross_entropy(logits, tgt)), per_call_us(fb(lambda t: F.cross_entropy(t, tgt), lg))))
+    wv = torch.randn(128, 64, device=dev, dtype=dt)
+    ml = lambda t: pykernels.masked_lm_loss(t, wv, tgt)  # noqa: E731
+    rows.append(("masked_lm_loss", per_call_us(lambda: ml(x)), per_call_us(fb(ml, xg)),
+                 per_call_us(lambda: F.cross_entropy((x @ wv.t()).float(), tgt)),
+                 per_call_us(fb(lambda t: F.cross_entropy((t @ wv.t()).float(), tgt), xg))))
+    print(f"{'op':<20} {'fwd us':>8} {'fwd+bwd us':>11} {'eager fwd':>10} {'eager f+b':>10}")
+    for name, a, b, c, d in rows:
+        print(f"{name:<20} {a:8.1f} {b:11.1f} {c:10.1f} {d:10.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Registered custom ops with an eager fast path.
+
+Every op is a ``torch.library.custom_op`` with a fake impl and autograd, so torch.compile keeps it
+in its graph. Dispatching a custom op through the dispatcher and its autograd layer costs tens of
+microseconds of host time per call (measured: ~43 us with grad vs ~8 us for an autograd.Function on
+this project's CPU machine), which is as long as a LayerNorm kernel runs on an H100. So
+:func:`custom_op` returns a :class:`FusedOp` that
+
+* under ``torch.compile`` (``torch.compiler.is_compiling()``) calls the registered op, so the graph
+  holds ``pykernels::<name>`` with its fake impl and registered autograd;
+* in eager mode calls the same implementation through an ``autograd.Function`` built from the same
+  ``setup_context`` and ``backward`` (or directly, when no input needs a gradient).
+
+Both paths run the same functions: the results are identical, only the dispatch differs.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+
+class FusedOp:
+    """A custom op (``self.op``) plus its eager fast path. Use like ``torch.library.custom_op``'s
+    result: ``register_fake``, ``register_autograd``, and call it."""
+
+    def __init__(self, name: str, impl: Callable, mutates_args: Iterable[str]):
+        self.name = name
+        self.impl = impl
+        self.op = torch.library.custom_op(name, mutates_args=tuple(mutates_args))(impl)
+        self._function: type[torch.autograd.Function] | None = None
+
+    def register_fake(self, fn: Callable) -> Callable:
+        self.op.register_fake(fn)
+        return fn
+
+    def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
+        self.op.register_autograd(backward, setup_context=setup_context)
+        impl = self.impl
+
+        def forward(ctx, *args):
+            out = impl(*args)
+            setup_context(ctx, args, out)
+            return out
+
+        self._function = type(self.name.replace("::", "_") + "_function", (torch.autograd.Function,),
+                              {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        if self._function is not None and torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return self._function.apply(*args)
+        return self.impl(*args)
+
+
+def custom_op(name: str, *, mutates_args: Iterable[str] = ()) -> Callable[[Callable], FusedOp]:
+    """Decorator: ``@custom_op("pykernels::x_fwd")`` over the implementation function (typed like
+    ``torch.library.custom_op`` wants it)."""
+    def wrap(impl: Callable) -> FusedOp:
+        return FusedOp(name, impl, mutates_args)
+    return wrap
