@@ -1,0 +1,60 @@
+"""FusedOp: the eager fast path and the registered custom op give the same values and gradients,
+and torch.compile puts the registered op in its graph."""
+import torch
+from torch import Tensor
+
+from pykernels._op import custom_op
+
+
+@custom_op("pykernels_test::scale_fwd")
+def _scale(x: Tensor, a: float) -> tuple[Tensor, Tensor]:
+    return x * a, (x * a).sum(-1)
+
+
+@_scale.register_fake
+def _(x, a):
+    return torch.empty_like(x), x.new_empty(x.shape[:-1])
+
+
+def _setup(ctx, inputs, output):
+    ctx.a = inputs[1]
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, gy, gs):
+    return gy * ctx.a, None
+
+
+_scale.register_autograd(_backward, setup_context=_setup)
+
+
+def test_eager_fast_path_matches_registered_op():
+    x = torch.randn(3, 5, requires_grad=True)
+    y_fast, s_fast = _scale(x, 2.5)
+    assert type(y_fast.grad_fn).__name__.startswith("pykernels_test_scale_fwd_function")
+    (g_fast,) = torch.autograd.grad(y_fast.sum(), x)
+    y_op, s_op = _scale.op(x, 2.5)
+    (g_op,) = torch.autograd.grad(y_op.sum(), x)
+    assert torch.equal(y_fast, y_op) and torch.equal(s_fast, s_op) and torch.equal(g_fast, g_op)
+    assert not s_fast.requires_grad
+
+
+def test_no_grad_calls_the_implementation():
+    x = torch.randn(4)
+    y, _ = _scale(x, 3.0)
+    assert y.grad_fn is None and torch.equal(y, x * 3.0)
+
+
+def test_compile_keeps_the_custom_op_in_the_graph():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes)
+        return gm.forward
+
+    f = torch.compile(lambda x: _scale(x, 2.0)[0] * 3, fullgraph=True, backend=backend)
+    x = torch.randn(2, 3, requires_grad=True)
+    y = f(x)
+    y.sum().backward()
+    assert any("pykernels_test.scale_fwd" in s for s in seen), seen
+    assert torch.allclose(x.grad, torch.full_like(x, 6.0))
