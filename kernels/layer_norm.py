@@ -80,6 +80,23 @@ MAX_FUSED_N_BWD = 8192  # the backward keeps ~6 row-sized fp32 values live per r
 CHUNK_N = 4096  # column chunk of the looped (wide-row) paths
 
 
+def _cdiv(a: int, b: int) -> int:
+    # plain ints: triton.cdiv / next_power_of_2 are ConstexprFunction objects (~1-2 us a call on the host)
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _on_device(dev: torch.device):
+    """``torch.cuda.device(dev)`` only when ``dev`` is not already the current device (Triton launches
+    on the current device); the common case costs one cheap query instead of a context switch."""
+    if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
+        return _NULLCTX
+    return torch.cuda.device(dev)
+
+
 def _interpret() -> bool:
     return _tuning.interpret()
 
@@ -254,13 +271,13 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
             s.stride(0) if store_s else 0, M, N, eps, dropout_p,
             1.0 / (1.0 - dropout_p) if dropout_p > 0.0 else 1.0)
-    with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
+    with _on_device(dev):
         if chunked:
             _layer_norm_fwd_kernel[(M,)](*args, **common, BLOCK_M=1, BLOCK_N=CHUNK_N,
                                          CHUNKED=True, num_warps=8 if not _interpret() else 1)
         else:
-            block_n = max(triton.next_power_of_2(N), 16)
-            _fwd_tuned(block_n)[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),)](
+            block_n = max(_next_pow2(N), 16)
+            _fwd_tuned(block_n)[lambda meta: (_cdiv(M, meta["BLOCK_M"]),)](
                 *args, **common, BLOCK_N=block_n, CHUNKED=False)
     return y, s, mean, rstd
 
@@ -271,6 +288,9 @@ class _nullctx:
 
     def __exit__(self, *a):
         return False
+
+
+_NULLCTX = _nullctx()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -578,7 +598,10 @@ def _bwd_configs(block_n: int) -> list[triton.Config]:
 @functools.lru_cache(maxsize=None)
 def _bwd_tuned(block_n: int):
     # keyed on N; every config overwrites all outputs (partial rows included), so tuning runs are safe
-    return _tuning.autotune(configs=_bwd_configs(block_n), key=["N"], do_bench=_bench_quick)(_layer_norm_bwd_kernel)
+    tuned = _tuning.autotune(configs=_bwd_configs(block_n), key=["N"], do_bench=_bench_quick)(_layer_norm_bwd_kernel)
+    # derived once here (not per call): sizes the partial-sum buffer for the widest candidate grid
+    tuned.pk_max_progs_per_sm = max(c.kwargs["PROGS_PER_SM"] for c in tuned.configs)
+    return tuned
 
 
 def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tensor | None,
@@ -590,8 +613,9 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
 
     dy, ds_out: (M, N) (ds_out None without an upstream gradient through s). Either ``s`` (saved,
     (M, N)) or ``x`` (+ ``residual``) to recompute it. Returns (dx (M, N) x_dtype or (0,) when not
-    stored, dresidual (M, N) dres_dtype or (0,) when dres_dtype is None, dweight (N,) or (0,),
-    dbias (N,) or (0,))."""
+    stored, dresidual (M, N) dres_dtype or (0,) when dres_dtype is None, dwb (n, N): dweight and/or
+    dbias stacked (n = has_weight + has_bias; row 0 dweight if any, row n - 1 dbias if any), in the
+    weight's dtype (the bias's without a weight; a (0, N) x_dtype tensor with neither)."""
     M, N = dy.shape
     dev = dy.device
     recompute = s is None
@@ -601,18 +625,21 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
             else empty(0, dtype=x_dtype, device=dev))
     has_weight = weight is not None
     chunked = N > MAX_FUSED_N_BWD
-    block_n = min(CHUNK_N, triton.next_power_of_2(N)) if chunked \
-        else max(triton.next_power_of_2(N), 16)
+    block_n = min(CHUNK_N, _next_pow2(N)) if chunked else max(_next_pow2(N), 16)
     sms = _sms(dev)
     # the persistent grid depends on the tuned config (rows per block, programs per SM); the partial
-    # buffers are sized for the largest and only the rows of the chosen grid are summed
-    max_per_sm = 4 if chunked else max(c.kwargs["PROGS_PER_SM"] for c in _bwd_tuned(block_n).configs)
+    # buffer is sized for the largest and only the rows of the chosen grid are summed. dweight and
+    # dbias partials share one (n_sums, progs, N) fp32 buffer, so one sum (and at most one cast)
+    # reduces both: 2 launches after the kernel instead of 4.
+    max_per_sm = 4 if chunked else _bwd_tuned(block_n).pk_max_progs_per_sm
     progs = max(1, min(M, max_per_sm * sms))
-    dw_partial = empty(progs, N, dtype=torch.float32, device=dev) if has_weight else None
-    db_partial = empty(progs, N, dtype=torch.float32, device=dev) if has_bias else None
+    n_sums = int(has_weight) + int(has_bias)
+    partial = empty(n_sums, progs, N, dtype=torch.float32, device=dev) if n_sums else None
+    dw_partial = partial[0] if has_weight else None
+    db_partial = partial[n_sums - 1] if has_bias else None
     if M == 0:
-        dw_partial = dw_partial.zero_() if has_weight else None
-        db_partial = db_partial.zero_() if has_bias else None
+        if partial is not None:
+            partial.zero_()
     else:
         anyt = dy
         ptrs = (x if x is not None else anyt, residual if residual is not None else anyt,
@@ -627,24 +654,20 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
                      HAS_DROPOUT=dropout_p > 0.0, RECOMPUTE_S=recompute, HAS_DS_OUT=ds_out is not None,
                      STORE_DX=store_dx, STORE_DRES=store_dres, IS_RMS_NORM=rms_norm)
         scale = 1.0 / (1.0 - dropout_p) if dropout_p > 0.0 else 1.0
-        with torch.cuda.device(dev) if dev.type == "cuda" else _nullctx():
+        with _on_device(dev):
             if not chunked:
                 tuned = _bwd_tuned(block_n)
 
                 def grid(meta):
-                    return (max(1, min(triton.cdiv(M, meta["BLOCK_M"]), meta["PROGS_PER_SM"] * sms)),)
+                    return (max(1, min(_cdiv(M, meta["BLOCK_M"]), meta["PROGS_PER_SM"] * sms)),)
 
                 tuned[grid](*ptrs, seed, *strides, M, N, dropout_p, scale, **flags, BLOCK_N=block_n)
                 progs = grid(tuned.best_config.kwargs)[0]
-                dw_partial = dw_partial[:progs] if has_weight else None
-                db_partial = db_partial[:progs] if has_bias else None
             else:
                 num_warps = 16 if not _interpret() else 1  # 8 warps: ~200 registers, one program per SM
                 # about 4 programs per SM over the whole (row groups, chunks) grid: the partial buffers
                 # (progs x N fp32) stay small next to the data
-                progs = max(1, min(progs, 4 * sms // triton.cdiv(N, block_n)))
-                dw_partial = dw_partial[:progs] if has_weight else None
-                db_partial = db_partial[:progs] if has_bias else None
+                progs = max(1, min(progs, 4 * sms // _cdiv(N, block_n)))
                 c1 = empty(M, dtype=torch.float32, device=dev)
                 c2 = empty(M if not rms_norm else 0, dtype=torch.float32, device=dev)
                 _layer_norm_bwd_row_stats_kernel[(M,)](
@@ -652,9 +675,12 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
                     M, N, dropout_p, scale, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=has_weight,
                     HAS_DROPOUT=dropout_p > 0.0, RECOMPUTE_S=recompute, IS_RMS_NORM=rms_norm,
                     BLOCK_N=block_n, num_warps=num_warps)
-                _layer_norm_bwd_chunked_kernel[(progs, triton.cdiv(N, block_n))](
+                _layer_norm_bwd_chunked_kernel[(progs, _cdiv(N, block_n))](
                     *ptrs, c1, c2 if not rms_norm else c1, seed, *strides, M, N, dropout_p, scale, **flags,
                     BLOCK_N=block_n, num_warps=num_warps)
-    dw = dw_partial.sum(0).to(w_dtype) if has_weight else empty(0, dtype=x_dtype, device=dev)
-    db = db_partial.sum(0).to(b_dtype) if has_bias else empty(0, dtype=x_dtype, device=dev)
-    return dx, dres, dw, db
+    if partial is not None:
+        # one sum for dweight and dbias, one cast (bias has the weight's dtype when both exist)
+        dwb = partial[:, :progs].sum(1).to(w_dtype if has_weight else b_dtype)
+    else:
+        dwb = empty(0, N, dtype=x_dtype, device=dev)
+    return dx, dres, dwb

@@ -159,7 +159,8 @@ def _fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
     if impl == "triton":
         from ._kernels import layer_norm as kernels
         y, s, mean, rstd = kernels.layer_norm_fwd(
-            x, weight, bias, residual, eps=eps, seed=int(seed.item()), dropout_p=dropout_p, store_s=prenorm,
+            x, weight, bias, residual, eps=eps, seed=int(seed.item()) if dropout_p > 0.0 else 0,
+            dropout_p=dropout_p, store_s=prenorm,
             s_dtype=s_dtype, rms_norm=rms_norm)
         return y, s, mean, rstd, seed
     # reference backend: the same saved state (fp32 statistics, the same dropout mask)
@@ -197,16 +198,21 @@ def _(x, weight, bias, residual, eps, dropout_p, prenorm, residual_in_fp32, rms_
 def _bwd(dy: Tensor, ds_out: Optional[Tensor], x: Optional[Tensor], residual: Optional[Tensor],
          s: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, rstd: Tensor,
          seed: Tensor, dropout_p: float, store_dx: bool, dres_dtype: Optional[torch.dtype], rms_norm: bool,
-         backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+         backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`_fwd`. ``s`` is the saved s (pre-LN), else ``x`` and ``residual`` recompute it.
     Returns dx (M, N) dy.dtype (or (0,) when not ``store_dx``: then dx equals dresidual), dresidual (M, N)
-    ``dres_dtype`` (or (0,) when None), dweight (N,) (or (0,)), dbias (N,) (or (0,))."""
+    ``dres_dtype`` (or (0,) when None), and dweight / dbias stacked as one (k, N) tensor, k = (weight is
+    not None) + (bias is not None): row 0 is dweight if there is a weight, row k - 1 dbias if there is a
+    bias, in the weight's dtype (else the bias's; (0, N) dy.dtype with neither). One tensor, so the
+    kernel path reduces both partial sums with one launch (custom-op outputs may not alias each other,
+    so two rows of one buffer cannot be returned as two outputs); the autograd formula splits it."""
     impl = select(_OP, backend or None, dy.device, _support(dy, ds_out, x, residual, s, weight, bias))
     M, N = dy.shape
     if impl == "triton":
         from ._kernels import layer_norm as kernels
         return kernels.layer_norm_bwd(
-            dy, ds_out, x, residual, s, weight, mean, rstd, has_bias=bias is not None, seed=int(seed.item()),
+            dy, ds_out, x, residual, s, weight, mean, rstd, has_bias=bias is not None,
+            seed=int(seed.item()) if dropout_p > 0.0 else 0,
             dropout_p=dropout_p, store_dx=store_dx, dres_dtype=dres_dtype, rms_norm=rms_norm, x_dtype=dy.dtype,
             w_dtype=weight.dtype if weight is not None else None, b_dtype=bias.dtype if bias is not None else None)
     cdt = _stat_dtype(dy)
@@ -228,19 +234,21 @@ def _bwd(dy: Tensor, ds_out: Optional[Tensor], x: Optional[Tensor], residual: Op
     else:
         dx = dy.new_empty(0)
     dres = ds.to(dres_dtype) if dres_dtype is not None else dy.new_empty(0)
-    dw = (dy_ * xhat).sum(0).to(weight.dtype) if weight is not None else dy.new_empty(0)
-    db = dy_.sum(0).to(bias.dtype) if bias is not None else dy.new_empty(0)
-    return dx, dres, dw, db
+    sums = ([(dy_ * xhat).sum(0)] if weight is not None else []) + ([dy_.sum(0)] if bias is not None else [])
+    pdt = weight.dtype if weight is not None else (bias.dtype if bias is not None else dy.dtype)
+    dwb = torch.stack(sums).to(pdt) if sums else dy.new_empty(0, N)
+    return dx, dres, dwb
 
 
 @_bwd.register_fake
 def _(dy, ds_out, x, residual, s, weight, bias, mean, rstd, seed, dropout_p, store_dx, dres_dtype, rms_norm,
       backend):
     M, N = dy.shape
+    k = (weight is not None) + (bias is not None)
+    pdt = weight.dtype if weight is not None else (bias.dtype if bias is not None else dy.dtype)
     return (dy.new_empty((M, N) if store_dx else (0,)),
             dy.new_empty((M, N) if dres_dtype is not None else (0,), dtype=dres_dtype or dy.dtype),
-            dy.new_empty((N,) if weight is not None else (0,), dtype=weight.dtype if weight is not None else dy.dtype),
-            dy.new_empty((N,) if bias is not None else (0,), dtype=bias.dtype if bias is not None else dy.dtype))
+            dy.new_empty((k, N), dtype=pdt))
 
 
 def _setup_context(ctx, inputs, output):
@@ -267,12 +275,14 @@ def _backward(ctx, dy, ds, dmean, drstd, dseed):
         ds = ds.contiguous()
     # dx is a separate tensor only when it differs from dresidual (dropout, or another dtype)
     store_dx = res_dtype is None or dropout_p > 0.0 or res_dtype != x_dtype
-    dx, dres, dw, db = torch.ops.pykernels.layer_norm_bwd(
+    dx, dres, dwb = torch.ops.pykernels.layer_norm_bwd(
         dy, ds if prenorm else None, x, residual, s, weight, bias, mean, rstd, seed, dropout_p, store_dx,
         res_dtype, rms_norm, backend)
     if not store_dx:
         dx = dres
-    return (dx, dw if weight is not None else None, db if bias is not None else None,
+    dw = dwb[0] if weight is not None else None
+    db = dwb[-1] if bias is not None else None
+    return (dx, dw, db,
             dres if res_dtype is not None else None, None, None, None, None, None, None)
 
 

@@ -558,9 +558,10 @@ def test_gpu_int64_offsets():
     from pykernels._kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
     _, _, mean, rstd = layer_norm_fwd(x, w, None, r, eps=1e-5, seed=0, dropout_p=0.0, store_s=False,
                                       s_dtype=torch.bfloat16, rms_norm=False)
-    dx, dres, dw, _ = layer_norm_bwd(dy, None, x, r, None, w, mean, rstd, has_bias=False, seed=0, dropout_p=0.0,
-                                     store_dx=False, dres_dtype=torch.bfloat16, rms_norm=False,
-                                     x_dtype=torch.bfloat16, w_dtype=torch.bfloat16, b_dtype=None)
+    dx, dres, dwb = layer_norm_bwd(dy, None, x, r, None, w, mean, rstd, has_bias=False, seed=0, dropout_p=0.0,
+                                   store_dx=False, dres_dtype=torch.bfloat16, rms_norm=False,
+                                   x_dtype=torch.bfloat16, w_dtype=torch.bfloat16, b_dtype=None)
+    assert dwb.shape == (1, n) and torch.isfinite(dwb).all()
     xs = x[rows].double().requires_grad_()
     yr = layer_norm_reference(xs, w.double(), residual=r[rows].double(), upcast=True)
     (gx,) = torch.autograd.grad(yr, xs, dy[rows].double())
