@@ -129,6 +129,9 @@ def _pruner(kind):
         tier = 64 if d <= 64 else (128 if d <= 128 else 256)
         if args.get("PRECISION") == "ieee":
             table = _TABLE["fp32_" + kind][tier]
+        elif kind == "fwd" and args.get("HAS_DROPOUT") and tier <= 128:
+            # In-kernel Philox (10 rounds per score) needs registers: 128-row tiles spill (sm_90 AOT check).
+            table = _TABLE["fwd_short"][tier]
         else:
             table = _TABLE["fwd_short" if kind == "fwd" and args["seq_bucket"] <= 128 else kind][tier]
         # In table order (best guess first): with PYKERNELS_AUTOTUNE=0, kernels/_tuning keeps the first.
