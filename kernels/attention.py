@@ -50,11 +50,28 @@ Cost. Forward FLOPs 4*B*H*Sq*Sk*D (2 matmuls; half when causal), backward 2.5x t
 Bytes: forward reads Q, K, V once per program row of the grid (K/V re-read Sq/BLOCK_M times, mostly
 from L2) and writes O and lse; backward reads Q, K, V, O, dO, lse, delta and writes dQ, dK, dV.
 
+Bounds checks: only the tail key block (k >= Sk) and tail query block pay for bounds masks (each loop
+range is split at the last full block); with a power-of-two head dim (EVEN_D) the interior loads are
+unmasked. The dK/dV kernel works on the transposed (keys x queries) tile so dV += P^T dO and
+dK += dS^T Q need no register transposes, and its short causal diagonal loop is not pipelined.
+
+Offsets: program ids are cast to int64 before any stride multiplication, and batch/head/sequence
+starts are added to the base pointers in int64. Row/column offsets *inside* one (batch, head) slice
+are int32 (cheaper pointer tiles, fewer registers) unless a slice can reach 2**31 elements
+(``IDX64``, chosen by the launcher from the strides). Grid = (blocks, heads, batch): heads and batch
+are each limited to 65535 (CUDA grid y/z); larger calls fall back to the reference.
+
+Tuning: per-kernel tables of (BLOCK_M, BLOCK_N, warps, stages) keyed on the padded head dim (64 /
+128 / 256), a coarse sequence bucket, causal, mask kind and dropout; the first entry is the default
+(``PYKERNELS_AUTOTUNE=0`` via kernels/_tuning). Entries were picked by compiling every variant for
+sm_90 on a CPU-only machine (ptxas) and keeping the configs without register spills where possible
+(D=256 and dropout still spill a little); they have not been timed on a GPU yet.
+
 Limits: head dims up to 256 (padded to the next power of two >= 16 with masked loads; D=256 uses
 small tiles to fit shared memory), Dv may differ from D. fp16/bf16 use tensor-core dots with fp32
-accumulation; fp32 inputs use IEEE fp32 dots (no TF32) for accuracy. Offsets are int64 (program ids
-are cast before stride multiplication). The last dim of every tensor must have stride 1 (the
-launcher's caller ensures that).
+accumulation; fp32 inputs use IEEE fp32 dots (no TF32) for accuracy, on small tiles (FMA units, slow).
+The last dim of every tensor must have stride 1 (the caller makes it so when needed). No tensor
+descriptors (TMA), warp specialisation or persistent scheduling yet: expect plain-Triton FA2 speed.
 
 References: Dao et al., FlashAttention (2022) and FlashAttention-2 (2023); the Triton fused-attention
 tutorial (06-fused-attention.py) for the exp2 and causal-split structure (its non-causal backward is
