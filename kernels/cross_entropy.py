@@ -17,8 +17,10 @@ row the kernel writes
     loss = (1 - eps) * (lse - x[t]) + eps * (lse - mean(x)) + z_loss * lse**2      (fp32)
     lse  = log(sum_v exp(x_v))                                                     (fp32, saved)
 
-and both are 0 at rows whose target is ``ignore_index`` (such rows read one element, not the row,
-which matters for masked-LM batches where ~85% of rows are ignored). For "sum"/"mean" a second,
+and both are 0 at rows whose target is ``ignore_index`` (such rows read at most 16 bytes, not the
+row, which matters for masked-LM batches where ~85% of rows are ignored). Per-row prologue latency
+(no bytes in flight for that program) is kept to one DRAM round trip: the target, the head piece and
+(once the target is known) the target logit are loaded before the body loop, not after it. For "sum"/"mean" a second,
 one-program kernel reduces the (N,) fp32 row losses in a fixed order (deterministic, no atomics,
 no host sync), counts the valid targets, divides, and saves ``scale = 1/denominator`` for the
 backward: one launch instead of the ~6 tiny PyTorch kernels (count, sum, clamp, divide, cast) that
@@ -152,16 +154,24 @@ def _cross_entropy_fwd_kernel(
     row_off = row * stride_n
     shift = (row_off % ALIGN).to(tl.int32)
     row_ptr = logits_ptr + tl.multiple_of(row_off - shift, ALIGN)
-    # An ignored row reads just its first element (keeps every statistic finite).
+    # Head first: it holds column `shift`, so m is finite from here on (no NaN from -inf - -inf). Its
+    # mask does not depend on the target, so its load is in flight together with the target's
+    # instead of after it: one DRAM latency less of per-row prologue, in which this program has no
+    # bytes in flight (that prologue is what keeps shorter rows further from copy bandwidth).
+    c = tl.arange(0, ALIGN)
+    m, s, sum_x = _fwd_piece(row_ptr + c, (c >= shift) & (c < shift + V), tl.full((), float("-inf"), tl.float32),
+                             tl.zeros((), tl.float32), tl.zeros((), tl.float32), HAS_SMOOTHING)
+    # The target logit: one scalar load, masked so an out-of-range target is never dereferenced. Issued
+    # before the body loop so that its latency hides behind the stream instead of following it.
+    t_ok = active & in_range
+    x_t = tl.load(row_ptr + shift + tl.where(t_ok, target, 0), mask=t_ok, other=0.0).to(tl.float32)
+    # An ignored row reads nothing past its head piece (keeps every statistic finite; masked-LM
+    # batches ignore ~85% of rows).
     end = tl.where(active, shift + V, shift + 1)
     end_al = tl.multiple_of(tl.maximum((end // ALIGN) * ALIGN, ALIGN), ALIGN)
     n_body = end_al - ALIGN
     n_full = (n_body // BLOCK_V) * BLOCK_V
 
-    # Head first: it holds column `shift`, so m is finite from here on (no NaN from -inf - -inf).
-    c = tl.arange(0, ALIGN)
-    m, s, sum_x = _fwd_piece(row_ptr + c, (c >= shift) & (c < end), tl.full((), float("-inf"), tl.float32),
-                             tl.zeros((), tl.float32), tl.zeros((), tl.float32), HAS_SMOOTHING)
     c = end_al + tl.arange(0, ALIGN)
     m, s, sum_x = _fwd_piece(row_ptr + c, c < end, m, s, sum_x, HAS_SMOOTHING)
     m_pieces = m
@@ -178,9 +188,6 @@ def _cross_entropy_fwd_kernel(
 
     lse2 = m + tl.log2(s)
     lse = lse2 * 0.6931471805599453  # back to natural log
-    # The target logit: one scalar load, masked so an out-of-range target is never dereferenced.
-    t_ok = active & in_range
-    x_t = tl.load(row_ptr + shift + tl.where(t_ok, target, 0), mask=t_ok, other=0.0).to(tl.float32)
     # nll in the log2 domain: x_t * log2e is rounded exactly as it was inside m, so a target that is
     # the row maximum cancels exactly (V = 1 gives 0, equal logits give log V to the last bit).
     loss = (lse2 - x_t * 1.4426950408889634) * 0.6931471805599453
@@ -337,7 +344,7 @@ _FWD_CONFIGS = [
 
 def _prune_fwd(configs, named_args, **kwargs):
     V = named_args["V"]
-    cap = max(1024, triton.next_power_of_2(V))
+    cap = max(1024, _next_pow2(V))
     kept = [c for c in configs if c.kwargs["BLOCK_V"] <= cap and not (V >= 8192 and c.kwargs["BLOCK_V"] < 4096)]
     return kept or configs[:1]
 
@@ -348,6 +355,46 @@ _cross_entropy_fwd_tuned = triton.autotune(
     configs=_FWD_CONFIGS, key=["V", "HAS_SMOOTHING", "HAS_Z_LOSS"],
     prune_configs_by={"early_config_prune": _tuning.pruner(_prune_fwd)},
 )(_cross_entropy_fwd_kernel)
+
+
+def _cdiv(a: int, b: int) -> int:
+    # plain ints: triton.cdiv / next_power_of_2 are ConstexprFunction objects (~1-2 us a call on the host)
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=256)
+def _reduce_launch(N: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the one-program reduction: the whole (N,) row-loss vector (and targets)
+    in one or two blocks, so its loads are all in flight at once. A 1024-wide loop took 16 dependent
+    round trips (~10-20 us) at N = 16384, several % of the forward. Interpreter: 32, so that the
+    tests' larger N still exercise the loop."""
+    if _interpret():
+        return 32, 1
+    block = min(max(_next_pow2(N), 256), 8192)
+    return block, max(4, min(16, block // 512))
+
+
+class _NullCtx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+_NULLCTX = _NullCtx()
+
+
+def _on_device(dev: torch.device):
+    """Triton launches on the current CUDA device: switch only when the tensors live on another one
+    (the common case costs one cheap query, not a context switch)."""
+    if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
+        return _NULLCTX
+    return torch.cuda.device(dev)
 
 
 def _interpret_block(V: int) -> int:
@@ -363,7 +410,7 @@ def _bwd_launch(V: int, elem_size: int) -> tuple[int, int]:
     if _interpret():
         return _interpret_block(V), 1
     block = 8192 if elem_size <= 2 else 4096
-    block = min(block, max(128, triton.next_power_of_2(V)))
+    block = min(block, max(128, _next_pow2(V)))
     return block, max(1, min(8, block // 512))
 
 
@@ -401,20 +448,22 @@ def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, *, ignore_inde
         args = (logits, target, rows, lse, logits.stride(0), V, ignore_index, float(label_smoothing),
                 float(z_loss))
         flags = dict(HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0, ALIGN=_align(logits))
-        if _interpret():
-            _cross_entropy_fwd_kernel[(N,)](*args, **flags, BLOCK_V=_interpret_block(V), NUM_STAGES=1,
-                                            num_warps=1)
-        else:
-            _cross_entropy_fwd_tuned[(N,)](*args, **flags)
-    scale = _alloc.empty((), dtype=torch.float32, device=dev)
+        with _on_device(dev):
+            if _interpret():
+                _cross_entropy_fwd_kernel[(N,)](*args, **flags, BLOCK_V=_interpret_block(V), NUM_STAGES=1,
+                                                num_warps=1)
+            else:
+                _cross_entropy_fwd_tuned[(N,)](*args, **flags)
     if reduction == "none":
-        scale.fill_(1.0)
-        return rows, lse, scale
+        return rows, lse, torch.ones((), dtype=torch.float32, device=dev)
+    scale = _alloc.empty((), dtype=torch.float32, device=dev)
     out = _alloc.empty((), dtype=out_dtype, device=dev)
     mode = 2 if num_valid is not None else (1 if num_valid_int >= 0 else 0)
-    _cross_entropy_reduce_kernel[(1,)](
-        rows, target, out, scale, num_valid if num_valid is not None else scale, N, ignore_index,
-        max(num_valid_int, 0), MEAN=reduction == "mean", NUM_VALID=mode, BLOCK=1024, num_warps=4)
+    block, warps = _reduce_launch(N)
+    with _on_device(dev):
+        _cross_entropy_reduce_kernel[(1,)](
+            rows, target, out, scale, num_valid if num_valid is not None else scale, N, ignore_index,
+            max(num_valid_int, 0), MEAN=reduction == "mean", NUM_VALID=mode, BLOCK=block, num_warps=warps)
     return out, lse, scale
 
 
@@ -435,11 +484,12 @@ def cross_entropy_bwd(grad: torch.Tensor, logits: torch.Tensor, target: torch.Te
         return dlogits
     block, warps = _bwd_launch(V, logits.element_size())
     align = _align(logits, dlogits)
-    n_chunks = triton.cdiv(V, block)
+    n_chunks = _cdiv(V, block)
     stride_g = 0 if grad.dim() == 0 else grad.stride(0)
-    _cross_entropy_bwd_kernel[(N * n_chunks,)](
-        dlogits, logits, target, lse, grad, scale, logits.stride(0), dlogits.stride(0), stride_g, V,
-        n_chunks, ignore_index, float(label_smoothing), float(z_loss),
-        HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0, ALIGN=align, BLOCK_V=block,
-        num_warps=warps)
+    with _on_device(logits.device):
+        _cross_entropy_bwd_kernel[(N * n_chunks,)](
+            dlogits, logits, target, lse, grad, scale, logits.stride(0), dlogits.stride(0), stride_g, V,
+            n_chunks, ignore_index, float(label_smoothing), float(z_loss),
+            HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0, ALIGN=align, BLOCK_V=block,
+            num_warps=warps)
     return dlogits

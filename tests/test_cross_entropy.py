@@ -55,6 +55,21 @@ def _check(logits, target, *, backend="triton", **kw):
 # CPU (interpreter)
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_many_rows_reduction_loop(device, reduction):
+    """More rows than the one-program reduction's block (32 under the interpreter, up to 8192 on the
+    GPU): its loop, the partial last block and the on-device valid count (ignored rows included)."""
+    N = 150 if device.type == "cpu" else 20011
+    logits = torch.randn(N, 5, device=device) * 2
+    target = _targets(N, 5, device, ignore_frac=0.4)
+    _check(logits, target, reduction=reduction)
+    out = pykernels.cross_entropy(logits, target, reduction=reduction, backend="triton", num_valid=7) \
+        if reduction == "mean" else None
+    if out is not None:
+        ref = cross_entropy_reference(logits.double(), target, reduction="sum") / 7
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("V", [1, 517])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -35,8 +35,11 @@ class LayerNorm(torch.nn.LayerNorm):
     backend: Optional[str] = None
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
-        shape = tuple(self.normalized_shape)
-        x2, r2 = _flat(x, residual, shape)
+        shape = self.normalized_shape
+        if len(shape) == 1:
+            # the common case: no reshapes (each would be one more view op and autograd node per call)
+            return layer_norm(x, self.weight, self.bias, self.eps, residual=residual, backend=self.backend)
+        x2, r2 = _flat(x, residual, tuple(shape))
         w = self.weight.reshape(-1) if self.weight is not None else None
         b = self.bias.reshape(-1) if self.bias is not None else None
         return layer_norm(x2, w, b, self.eps, residual=r2, backend=self.backend).reshape(x.shape)
@@ -51,9 +54,11 @@ class RMSNorm(torch.nn.RMSNorm):
     backend: Optional[str] = None
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None) -> Tensor:
-        shape = tuple(self.normalized_shape)
-        x2, r2 = _flat(x, residual, shape)
+        shape = self.normalized_shape
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        if len(shape) == 1:
+            return layer_norm(x, self.weight, None, eps, residual=residual, rms_norm=True, backend=self.backend)
+        x2, r2 = _flat(x, residual, tuple(shape))
         w = self.weight.reshape(-1) if self.weight is not None else None
         return layer_norm(x2, w, None, eps, residual=r2, rms_norm=True, backend=self.backend).reshape(x.shape)
 
