@@ -10,6 +10,11 @@ What is measured, per case (bf16 logits from ``randn``, every target valid, mean
   backward moves 3*N*V*2 bytes. Compared with the card's copy bandwidth measured in the same run
   (``common.ceilings()``, read+write): the goal is >= 85% of it, forward and forward+backward.
 * peak memory above the inputs during one forward+backward (``common.peak_extra_mib``).
+* the same forward and forward+backward replayed from a CUDA graph (``do_bench_cudagraph``:
+  ``fwd_ms_graph``, ``fwd_bwd_ms_graph`` and their % of copy bandwidth): GPU time without host
+  overhead. Where a case's GPU work is short (bert_masked: ~150 MB, ~40 us a pass) ``do_bench`` times
+  the host (custom-op dispatch, autograd, launches), not the kernels; the graph columns tell which.
+  Liger is not captured (its forward calls ``.item()``, a host sync that a capture cannot contain).
 * peers in the same run: eager ``F.cross_entropy`` on bf16 and on ``logits.float()`` (what users
   write), ``torch.compile`` of the upcast version, Liger-Kernel's ``LigerCrossEntropyFunction``
   (it writes the gradient during the forward, into the logits, so its "forward" already includes
@@ -37,6 +42,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 WARMUP, REP = 10, 50
+GRAPH_REP = 10  # ms of unrolled calls per CUDA graph (do_bench_cudagraph)
+NO_GRAPH = ("liger",)  # host-syncing peers: not capturable
 CASES = [("gpt2", 8192, 50257), ("bert_all", 16384, 30522), ("bert_masked", 2446, 30522)]
 SMOKE_CASES = [("smoke_a", 6, 517), ("smoke_b", 3, 5000)]
 
@@ -46,6 +53,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, no timing record")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     ap.add_argument("--budget-s", type=float, default=60.0, help="skip the compile peer past 60%% of this")
+    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
     args = ap.parse_args()
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -167,6 +175,18 @@ def main() -> int:
                 if copy_tbps:
                     row["fwd_pct_copy"] = round(100 * row["fwd_TBps"] / copy_tbps, 1)
                     row["fwd_bwd_pct_copy"] = round(100 * row["fwd_bwd_TBps"] / copy_tbps, 1)
+                if not args.smoke and not args.no_graph and name not in NO_GRAPH:
+                    import triton.testing
+                    for key, f, nbytes in (("fwd", fwd, fwd_bytes), ("fwd_bwd", step, fb_bytes)):
+                        try:
+                            ms = float(triton.testing.do_bench_cudagraph(f, rep=GRAPH_REP))
+                        except Exception as e:  # noqa: BLE001 - a peer that cannot be captured is recorded
+                            torch.cuda.synchronize()
+                            row["graph_note"] = f"{type(e).__name__}: {e}"[:100]
+                            continue
+                        row[f"{key}_ms_graph"] = round(ms, 4)
+                        if copy_tbps:
+                            row[f"{key}_pct_copy_graph"] = round(100 * nbytes / ms / 1e9 / copy_tbps, 1)
                 del x
             except Exception as e:  # noqa: BLE001 - one failing peer must not sink the run
                 msg = str(e).strip().splitlines()[0][:100] if str(e).strip() else ""
@@ -177,7 +197,8 @@ def main() -> int:
         del logits
 
     cols = ["case", "impl", "fwd_ms", "bwd_ms", "fwd_bwd_ms", "fwd_TBps", "fwd_pct_copy", "fwd_bwd_TBps",
-            "fwd_bwd_pct_copy", "peak_extra_MiB", "loss_err", "grad_err", "status"]
+            "fwd_bwd_pct_copy", "fwd_ms_graph", "fwd_pct_copy_graph", "fwd_bwd_ms_graph", "fwd_bwd_pct_copy_graph",
+            "peak_extra_MiB", "loss_err", "grad_err", "status"]
     common.print_table(rows, cols)
     if not args.smoke:
         path = common.write_rows("cross_entropy", rows)
