@@ -31,6 +31,7 @@ from torch import Tensor
 
 from . import _checks
 from ._backend import BackendUnavailableError, check_backend_name, default_backend, select, warn_once
+from ._op import custom_op
 from ._rng import new_seed
 
 _OP = "scaled_dot_product_attention"
@@ -281,7 +282,7 @@ def _key_padding_range(mask: Tensor | None) -> Tensor:
     return torch.stack([lo, hi], -1).to(torch.int32)
 
 
-@torch.library.custom_op("pykernels::attention_fwd", mutates_args=())
+@custom_op("pykernels::attention_fwd", mutates_args=())
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
                    is_causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (o, lse, seed, kv_range); kv_range (int32 (B, 2) for a key-padding mask, else empty) is
@@ -306,7 +307,7 @@ def _(q, k, v, attn_mask, dropout_p, is_causal, scale, backend):
             torch.empty(1, dtype=torch.int64, device="cpu"), kv_range)
 
 
-@torch.library.custom_op("pykernels::attention_bwd", mutates_args=())
+@custom_op("pykernels::attention_bwd", mutates_args=())
 def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor,
                    kv_range: Tensor, attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool, scale: float,
                    backend: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -348,7 +349,7 @@ _attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 # ---------------------------------------------------------------------------------------------
 # Custom ops: varlen
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("pykernels::varlen_attention_fwd", mutates_args=())
+@custom_op("pykernels::varlen_attention_fwd", mutates_args=())
 def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                 max_seqlen_k: int, dropout_p: float, causal: bool, scale: float,
                 backend: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -371,7 +372,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p
             torch.empty(1, dtype=torch.int64, device="cpu"))
 
 
-@torch.library.custom_op("pykernels::varlen_attention_bwd", mutates_args=())
+@custom_op("pykernels::varlen_attention_bwd", mutates_args=())
 def _varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor,
                 cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                 dropout_p: float, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
