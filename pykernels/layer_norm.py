@@ -363,12 +363,13 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = Non
     check_backend_name(backend)
 
     shape = x.shape
-    x2 = x.reshape(-1, n)
+    two_d = x.dim() == 2  # (M, N) already: no reshape (each costs host time per call)
+    x2 = x if two_d else x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     r2 = None
     if residual is not None:
-        r2 = residual.reshape(-1, n)
+        r2 = residual if two_d else residual.reshape(-1, n)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
     w = weight.contiguous() if weight is not None else None
