@@ -584,7 +584,10 @@ def _bwd_configs(block_n: int) -> list[triton.Config]:
         cands = [(1, 16, 1, False), (1, 32, 1, False)]
     else:
         cands = []
-        for elems, per_thread, pf in ((1024, 8, False), (2048, 16, False), (4096, 16, False), (2048, 8, True)):
+        # (1024, 8, True): one-row blocks with the next row's loads in flight during this row's math and
+        # ~4 programs per SM; the first GPU run's backward (16384 x 768) was ~1.8x its traffic floor
+        for elems, per_thread, pf in ((1024, 8, False), (2048, 16, False), (4096, 16, False), (2048, 8, True),
+                                      (1024, 8, True)):
             bm = max(1, min(16, elems // block_n))
             w = max(1, min(16, bm * block_n // (32 * per_thread)))
             per_thread = bm * block_n // (32 * w)
