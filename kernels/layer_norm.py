@@ -26,8 +26,11 @@ Backward, with xhat = (s - mean) * rstd and g = dy * weight:
 ``s`` is re-read from the saved ``s`` (pre-LN) or recomputed from ``x`` and ``residual`` with the
 regenerated dropout mask (post-LN), so the post-LN forward writes only ``y``. dweight / dbias are
 accumulated in fp32 registers by a persistent grid (1 to 8 programs per SM, tuned with the tile),
-each program looping over a strided set of row blocks, and written once as a ``(programs, N)`` fp32
-partial buffer that a single ``sum(0)`` reduces: no atomics, deterministic. A memory-bound loop
+each program looping over a strided set of row blocks, and written once into a ``(2, programs, N)``
+fp32 partial buffer (dweight and dbias rows) that a single ``sum(1)`` and one cast reduce (2 launches
+after the kernel, returned stacked; the autograd formula splits them): no atomics, deterministic.
+Launchers keep host work small (no device switch when the tensors' device is current, plain-int
+grid arithmetic, configs derived once per width bucket). A memory-bound loop
 needs bytes in flight: they come from co-resident programs and, in the PREFETCH configs, from the
 next row block's loads issued (into registers, raw) before the current block's math.
 
