@@ -412,7 +412,8 @@ def test_replace_layer_norms(device):
     assert type(model[1]) is pykernels.nn.LayerNorm and type(model[2][1]) is pykernels.nn.LayerNorm
     assert all(a is b for a, b in zip(model.parameters(), params_before))
     assert list(model.state_dict()) == sd_keys
-    torch.testing.assert_close(model(x), before)
+    # auto: the reference on CPU, the Triton kernels on CUDA (fp32, a few ulp from eager)
+    torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)
     with pykernels.use_backend("triton"):
         torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)
 
