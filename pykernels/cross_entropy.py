@@ -298,10 +298,12 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
     check_backend_name(backend)
 
-    x = logits.reshape(-1, V)             # (N, V): a view for (..., V) inputs whose rows are regular
+    # (N, V): a view for (..., V) inputs whose rows are regular; 2-d inputs as they are (a reshape
+    # costs host time on every call)
+    x = logits if logits.dim() == 2 else logits.reshape(-1, V)
     if V > 1 and x.stride(1) != 1:
         x = x.contiguous()                # the kernel needs unit column stride; any row stride is fine
-    t = target.reshape(-1)                # (N,)
+    t = target if target.dim() == 1 else target.reshape(-1)  # (N,)
     if t.dtype not in (torch.int32, torch.int64):
         t = t.long()
     t = t.contiguous()
@@ -315,4 +317,4 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
     loss, _, _ = torch.ops.pykernels.cross_entropy_fwd(x, t, nv_tensor, ignore_index, float(label_smoothing),
                                                        float(z_loss), reduction, nv_int, inplace_backward,
                                                        backend or "")
-    return loss.reshape(target.shape) if reduction == "none" else loss
+    return loss.reshape(target.shape) if reduction == "none" and target.dim() != 1 else loss
