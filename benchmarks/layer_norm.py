@@ -204,7 +204,8 @@ def main() -> int:
                         torch.cuda.synchronize()
                 # bytes / (us * 1e6) is TB/s (bytes per microsecond is MB/s: 1e6 bytes/us = 1 TB/s)
                 if row.get("fwd_us_graph") == row.get("fwd_us_graph"):  # not NaN
-                    row["fwd_pct_copy_graph"] = round(100 * fwd_bytes / (row["fwd_us_graph"] * 1e6) / ceil["copy_TBps"], 1)
+                    row["fwd_pct_copy_graph"] = round(
+                        100 * fwd_bytes / (row["fwd_us_graph"] * 1e6) / ceil["copy_TBps"], 1)
                 if row.get("fwdbwd_us_graph") == row.get("fwdbwd_us_graph"):
                     row["fwdbwd_pct_copy_graph"] = round(
                         100 * fb_bytes / (row["fwdbwd_us_graph"] * 1e6) / ceil["copy_TBps"], 1)
