@@ -15,6 +15,7 @@ Both paths run the same functions: the results are identical, only the dispatch 
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Iterable
 
 import torch
@@ -29,6 +30,10 @@ class FusedOp:
         self.impl = impl
         self.op = torch.library.custom_op(name, mutates_args=tuple(mutates_args))(impl)
         self._function: type[torch.autograd.Function] | None = None
+        params = list(inspect.signature(impl).parameters)
+        # positions of mutated arguments: the eager path bumps their version counters as the
+        # dispatcher would, so autograd still catches a mutated tensor that a graph saved
+        self._mutated = tuple(params.index(a) for a in mutates_args)
 
     def register_fake(self, fn: Callable) -> Callable:
         self.op.register_fake(fn)
@@ -47,12 +52,26 @@ class FusedOp:
                               {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     def __call__(self, *args):
-        if torch.compiler.is_compiling():
+        if not _plain_eager(args):
             return self.op(*args)
         if self._function is not None and torch.is_grad_enabled() and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return self._function.apply(*args)
-        return self.impl(*args)
+        out = self.impl(*args)
+        for i in self._mutated:
+            torch.autograd.graph.increment_version(args[i])
+        return out
+
+
+def _plain_eager(args) -> bool:
+    """True when the call is plain eager execution on real tensors: not dynamo tracing, no dispatch
+    mode (make_fx / AOTAutograd / FakeTensorMode / user modes) active, and no tensor subclass
+    (FakeTensor, FunctionalTensor, DTensor...) among the arguments. Anything else goes through the
+    registered op, whose fake impl and autograd formula those systems understand."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(type(a) is torch.Tensor or type(a) is torch.nn.Parameter
+               for a in args if isinstance(a, torch.Tensor))
 
 
 def custom_op(name: str, *, mutates_args: Iterable[str] = ()) -> Callable[[Callable], FusedOp]:

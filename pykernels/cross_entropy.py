@@ -18,6 +18,7 @@ from torch import Tensor
 
 from . import _checks
 from ._backend import check_backend_name, select
+from ._op import custom_op
 
 _OP = "cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
@@ -132,7 +133,7 @@ def _ref_bwd(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, scale: T
     return d.to(logits.dtype)
 
 
-@torch.library.custom_op("pykernels::cross_entropy_fwd", mutates_args=())
+@custom_op("pykernels::cross_entropy_fwd", mutates_args=())
 def _fwd(logits: Tensor, target: Tensor, num_valid: Tensor | None, ignore_index: int, label_smoothing: float,
          z_loss: float, reduction: str, num_valid_int: int, inplace_backward: bool,
          backend: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -157,7 +158,7 @@ def _(logits, target, num_valid, ignore_index, label_smoothing, z_loss, reductio
     return loss, logits.new_empty(N, dtype=acc), logits.new_empty((), dtype=acc)
 
 
-@torch.library.custom_op("pykernels::cross_entropy_bwd", mutates_args=())
+@custom_op("pykernels::cross_entropy_bwd", mutates_args=())
 def _bwd(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, scale: Tensor, ignore_index: int,
          label_smoothing: float, z_loss: float, backend: str) -> Tensor:
     impl = select(_OP, backend or None, logits.device, _support(logits, target))
@@ -173,7 +174,7 @@ def _(grad, logits, target, lse, scale, ignore_index, label_smoothing, z_loss, b
     return logits.new_empty(logits.shape)
 
 
-@torch.library.custom_op("pykernels::cross_entropy_bwd_inplace", mutates_args=("logits",))
+@custom_op("pykernels::cross_entropy_bwd_inplace", mutates_args=("logits",))
 def _bwd_inplace(grad: Tensor, logits: Tensor, target: Tensor, lse: Tensor, scale: Tensor, ignore_index: int,
                  label_smoothing: float, z_loss: float, backend: str) -> None:
     """Overwrites ``logits`` with dlogits (the memory-saving backward of ``inplace_backward=True``)."""
@@ -205,10 +206,10 @@ def _backward(ctx, grad_loss, grad_lse, grad_scale):
     logits, target, lse, scale = ctx.saved_tensors
     args = (ctx.ignore_index, ctx.label_smoothing, ctx.z_loss, ctx.backend)
     if ctx.inplace_backward:
-        torch.ops.pykernels.cross_entropy_bwd_inplace(grad_loss, logits, target, lse, scale, *args)
+        _bwd_inplace(grad_loss, logits, target, lse, scale, *args)
         dlogits = logits
     else:
-        dlogits = torch.ops.pykernels.cross_entropy_bwd(grad_loss, logits, target, lse, scale, *args)
+        dlogits = _bwd(grad_loss, logits, target, lse, scale, *args)
     return dlogits, None, None, None, None, None, None, None, None, None
 
 
@@ -314,7 +315,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
                                  else torch.float32)
     elif num_valid is not None:
         nv_int = int(num_valid)
-    loss, _, _ = torch.ops.pykernels.cross_entropy_fwd(x, t, nv_tensor, ignore_index, float(label_smoothing),
+    loss, _, _ = _fwd(x, t, nv_tensor, ignore_index, float(label_smoothing),
                                                        float(z_loss), reduction, nv_int, inplace_backward,
                                                        backend or "")
     return loss.reshape(target.shape) if reduction == "none" and target.dim() != 1 else loss

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._backend import check_backend_name, select
+from ._op import custom_op
 from ._checks import check_prob, check_same
 from ._rng import new_seed
 
@@ -147,7 +148,7 @@ def _branch_sum(x: Tensor, residual: Optional[Tensor], seed: Tensor, dropout_p: 
     return s
 
 
-@torch.library.custom_op("pykernels::layer_norm_fwd", mutates_args=())
+@custom_op("pykernels::layer_norm_fwd", mutates_args=())
 def _fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
          dropout_p: float, prenorm: bool, residual_in_fp32: bool, rms_norm: bool,
          backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -194,7 +195,7 @@ def _(x, weight, bias, residual, eps, dropout_p, prenorm, residual_in_fp32, rms_
             torch.empty(1, dtype=torch.int64, device="cpu"))
 
 
-@torch.library.custom_op("pykernels::layer_norm_bwd", mutates_args=())
+@custom_op("pykernels::layer_norm_bwd", mutates_args=())
 def _bwd(dy: Tensor, ds_out: Optional[Tensor], x: Optional[Tensor], residual: Optional[Tensor],
          s: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, rstd: Tensor,
          seed: Tensor, dropout_p: float, store_dx: bool, dres_dtype: Optional[torch.dtype], rms_norm: bool,
@@ -275,7 +276,7 @@ def _backward(ctx, dy, ds, dmean, drstd, dseed):
         ds = ds.contiguous()
     # dx is a separate tensor only when it differs from dresidual (dropout, or another dtype)
     store_dx = res_dtype is None or dropout_p > 0.0 or res_dtype != x_dtype
-    dx, dres, dwb = torch.ops.pykernels.layer_norm_bwd(
+    dx, dres, dwb = _bwd(
         dy, ds if prenorm else None, x, residual, s, weight, bias, mean, rstd, seed, dropout_p, store_dx,
         res_dtype, rms_norm, backend)
     if not store_dx:
@@ -374,7 +375,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = Non
             r2 = r2.contiguous()
     w = weight.contiguous() if weight is not None else None
     b = bias.contiguous() if bias is not None else None
-    y, s, _, _, _ = torch.ops.pykernels.layer_norm_fwd(x2, w, b, r2, float(eps), dropout_p, prenorm,
+    y, s, _, _, _ = _fwd(x2, w, b, r2, float(eps), dropout_p, prenorm,
                                                        residual_in_fp32, rms_norm, backend or "")
     if x.dim() != 2:  # (a view costs a little host time per call; skip it when not needed)
         y = y.view(shape)

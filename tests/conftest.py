@@ -32,3 +32,8 @@ def device():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    yield
+    if HAS_CUDA:
+        # pytest-xdist runs several workers on one GPU: hand cached blocks back after each test so
+        # that the large-offset tests (tens of GB) find the memory free
+        torch.cuda.empty_cache()

@@ -58,3 +58,13 @@ def test_compile_keeps_the_custom_op_in_the_graph():
     y.sum().backward()
     assert any("pykernels_test.scale_fwd" in s for s in seen), seen
     assert torch.allclose(x.grad, torch.full_like(x, 6.0))
+
+
+def test_traced_backward_uses_the_registered_op():
+    """AOTAutograd traces the backward with fake/functional tensors: the fast path must not run there
+    (it would reach a kernel launch with tensors that have no data)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(3, 4)
+        y, s = _scale(x, 2.0)
+    assert y.shape == (3, 4) and s.shape == (3,)
