@@ -64,6 +64,22 @@ def main():
     print(f"{'op':<20} {'fwd us':>8} {'fwd+bwd us':>11} {'eager fwd':>10} {'eager f+b':>10}")
     for name, a, b, c, d in rows:
         print(f"{name:<20} {a:8.1f} {b:11.1f} {c:10.1f} {d:10.1f}")
+    # the backward on the calling thread (autograd's device threads hidden from cProfile otherwise)
+    with torch.autograd.set_multithreading_enabled(False):
+        print("fwd+bwd, backward on the calling thread: layer_norm %.1f us, attention %.1f us"
+              % (per_call_us(fb(ln, xg)), per_call_us(fb(at, qg))))
+        import cProfile
+        import pstats
+        for name, f, t in (("layer_norm", ln, xg), ("attention", at, qg), ("masked_lm_loss", ml, xg)):
+            prof = cProfile.Profile()
+            g = fb(f, t)
+            prof.enable()
+            for _ in range(100):
+                g()
+            torch.cuda.synchronize()
+            prof.disable()
+            print(f"--- cProfile {name} fwd+bwd x100, by own time")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
 if __name__ == "__main__":
