@@ -64,6 +64,46 @@ def main():
     print(f"{'op':<20} {'fwd us':>8} {'fwd+bwd us':>11} {'eager fwd':>10} {'eager f+b':>10}")
     for name, a, b, c, d in rows:
         print(f"{name:<20} {a:8.1f} {b:11.1f} {c:10.1f} {d:10.1f}")
+    # where autograd's device thread costs: a Python backward doing one torch op, or one Triton launch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy(X, Y, n, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.store(Y + o, tl.load(X + o, mask=o < n), mask=o < n)
+
+    class TorchBwd(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    class TritonBwd(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            out = torch.empty_like(g)
+            _copy[(1,)](g, out, g.numel(), BLOCK=64)
+            return out
+
+    for name, fn in (("python bwd, torch op", TorchBwd.apply), ("python bwd, triton launch", TritonBwd.apply)):
+        f = lambda: fn(xg).sum().backward()  # noqa: E731
+        a = per_call_us(f)
+        with torch.autograd.set_multithreading_enabled(False):
+            b = per_call_us(f)
+        print(f"{name:<28} fwd+bwd {a:7.1f} us (autograd thread)  {b:7.1f} us (calling thread)")
+    t = torch.empty(64, device=dev)
+    u = torch.empty_like(t)
+    print(f"bare triton launch {per_call_us(lambda: _copy[(1,)](t, u, 64, BLOCK=64)):.1f} us; "
+          f"torch op {per_call_us(lambda: torch.mul(t, 2, out=u)):.1f} us")
+
     # the backward on the calling thread (autograd's device threads hidden from cProfile otherwise)
     with torch.autograd.set_multithreading_enabled(False):
         print("fwd+bwd, backward on the calling thread: layer_norm %.1f us, attention %.1f us"
