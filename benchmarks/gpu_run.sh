@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one GPU job: install, run the test suite natively on the GPU, then every benchmark against its
 # peers, all in one call on the device machine. Results land in $OUT (at most 8 files come back):
-#   env.txt  pytest.txt  attention.csv  layer_norm.csv  cross_entropy.csv  masked_lm_loss.csv  bench.log
+#   env.txt pytest.txt host.txt bench.log attention.csv layer_norm.csv cross_entropy.csv masked_lm_loss.csv
+# PYKERNELS_COMMIT names the commit in every result row (the device copy has no .git).
 # Usage: STAGES="tests bench" TEST_TIMEOUT=300 BENCH_ARGS="" bash benchmarks/gpu_run.sh
 # Peers Liger-Kernel and Cut Cross-Entropy come as wheels in .wheels/ (carried; the machine reaches
 # no registry) and are unpacked to /tmp/site.
@@ -9,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-STAGES=${STAGES-"tests bench"}
+STAGES=${STAGES-"tests host bench"}
 TEST_TIMEOUT=${TEST_TIMEOUT:-300}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
 PY=${PY:-python3}
@@ -34,6 +35,12 @@ if [[ " $STAGES " == *" tests "* ]]; then
   echo "pytest rc=$?" >>"$OUT/pytest.txt"
   grep -E "passed|failed|error|rc=" "$OUT/pytest.txt" | tail -5
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -40
+fi
+
+if [[ " $STAGES " == *" host "* ]]; then
+  echo "== host overhead per call =="
+  timeout 120 $PY benchmarks/dev/host_overhead.py >"$OUT/host.txt" 2>&1
+  head -12 "$OUT/host.txt"
 fi
 
 if [[ " $STAGES " == *" bench "* ]]; then
