@@ -16,6 +16,10 @@ What is measured, per case (bf16, ``randn`` inputs, (B, H, S, D) layout):
   2x that of torch's default bf16 SDPA, plus 2^-10 of the largest reference magnitude (under a quarter
   of a bf16 ulp there). A failed
   check marks the row INVALID and it is not timed (a wrong fast kernel is never reported).
+* the same forward and forward+backward captured in CUDA graphs and replayed (``graph_*`` columns,
+  for pykernels and every SDPA/eager/Flex peer): do_bench times each call with its host cost (Python,
+  dispatch, launches), which dominates small shapes; graph replay shows the kernels' own speed. A peer
+  whose capture fails keeps its do_bench numbers and gets a ``graph_note`` saying why.
 * pykernels' peak extra memory for one forward+backward (should be O(B*H*S) beyond the gradients,
   never O(S^2)), the card's ceilings (``common.ceilings()``) once per run.
 
@@ -255,6 +259,60 @@ def time_impl(fwd, q, k, v, do) -> tuple[float, float]:
     return common.bench_fwd_bwd(lambda: fwd(q, k, v), grad=do, inputs=(q, k, v), warmup=WARMUP, rep=REP)
 
 
+def graph_time(fwd, q, k, v, do) -> dict:
+    """Forward and forward+backward captured in CUDA graphs (after warm-up on a side stream, which also
+    finishes any autotuning) and timed by replaying them: the kernels' own time without the host's
+    per-call cost (Python, dispatch, launches). ``graph_fwd_ms``/``graph_bwd_ms`` (backward =
+    forward+backward minus forward, as for do_bench); on a capture failure ``graph_note`` says why."""
+    if SMOKE:
+        return {"graph_note": "smoke: no CUDA graph"}
+    qg, kg, vg = (t.detach().clone() for t in (q, k, v))
+    ql, kl, vl = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+
+    def step():
+        for t in (ql, kl, vl):
+            t.grad = None  # the captured backward allocates the grads from the graph's pool
+        fwd(ql, kl, vl).backward(do)
+
+    out = {}
+    g_f = g_fb = None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                with torch.no_grad():
+                    fwd(qg, kg, vg)
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g_f = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(g_f):
+            fwd(qg, kg, vg)
+        for t in (ql, kl, vl):
+            t.grad = None
+        g_fb = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_fb):
+            fwd(ql, kl, vl).backward(do)
+        g_f.replay()
+        g_fb.replay()
+        torch.cuda.synchronize()
+        f_ms = common.bench(g_f.replay, warmup=WARMUP, rep=REP)
+        fb_ms = common.bench(g_fb.replay, warmup=WARMUP, rep=REP)
+        out = {"graph_fwd_ms": round(f_ms, 4), "graph_bwd_ms": round(max(fb_ms - f_ms, 0.0), 4)}
+    except Exception as e:  # noqa: BLE001 - capture is best effort: note why and keep the do_bench row
+        out = {"graph_note": f"capture failed: {short(e)}"}
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        del g_f, g_fb
+        for t in (ql, kl, vl):
+            t.grad = None
+    return out
+
+
 def run_case(case: Case, budget: Budget) -> list[dict]:
     from torch.nn.attention import SDPBackend
     base = dict(case=case.name, shape=case.label, B=case.B, H=case.H, S=case.S, D=case.D, causal=case.causal,
@@ -280,7 +338,7 @@ def run_case(case: Case, budget: Budget) -> list[dict]:
             # which must stay O(B*H*S): compare with one fp32 (B, H, S) tensor
             io_mib = 4 * q.numel() * q.element_size() / 2**20
             row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4), peak_extra_MiB=peak,
-                       out_and_grads_MiB=round(io_mib, 1),
+                       **graph_time(ours_fwd, q, k, v, do), out_and_grads_MiB=round(io_mib, 1),
                        scratch_MiB=None if peak is None else round(peak - io_mib, 1),
                        fp32_BHS_MiB=round(case.B * case.H * case.S * 4 / 2**20, 2))
     except Exception as e:  # noqa: BLE001 - record and go on with the peers
@@ -337,13 +395,21 @@ def case_inputs(case: Case):
 
 
 def finish_case(case: Case, rows: list[dict]) -> None:
-    for r in rows:
-        if r.get("status") == "ok":
-            r["fwd_TFLOPs"] = tflops(case.fwd_flops, r["fwd_ms"])
-            r["bwd_TFLOPs"] = tflops(2.5 * case.fwd_flops, r["bwd_ms"])
+    set_tflops(rows, case.fwd_flops)
     add_ratios(rows)
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
+
+
+def set_tflops(rows: list[dict], flops: float) -> None:
+    """TFLOP/s from the do_bench times and, where captured, from the CUDA-graph replay times."""
+    for r in rows:
+        if r.get("status") == "ok":
+            r["fwd_TFLOPs"] = tflops(flops, r["fwd_ms"])
+            r["bwd_TFLOPs"] = tflops(2.5 * flops, r["bwd_ms"])
+            if r.get("graph_fwd_ms"):
+                r["graph_fwd_TFLOPs"] = tflops(flops, r["graph_fwd_ms"])
+                r["graph_bwd_TFLOPs"] = tflops(2.5 * flops, r["graph_bwd_ms"])
 
 
 def additive_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -372,7 +438,8 @@ def time_peer(fwd, alt, q, k, v, do) -> dict:
             raise
         fwd, note = alt, {"note": "additive mask (no kernel for the bool mask)"}
     f_ms, b_ms = time_impl(fwd, q, k, v, do)
-    return {"status": "ok", "fwd_ms": round(f_ms, 4), "bwd_ms": round(b_ms, 4), **note}
+    return {"status": "ok", "fwd_ms": round(f_ms, 4), "bwd_ms": round(b_ms, 4), **note,
+            **graph_time(fwd, q, k, v, do)}
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -380,13 +447,14 @@ def add_ratios(rows: list[dict]) -> None:
     for r in rows:
         if r.get("status") == "ok" and MATMUL_PEAK and r.get("fwd_TFLOPs"):
             r["fwd_pct_matmul_peak"] = round(100 * r["fwd_TFLOPs"] / MATMUL_PEAK, 1)
-    peers = [r for r in rows if r.get("status") == "ok" and not r["impl"].startswith("pykernels")]
-    for key in ("fwd", "bwd"):
+    ok_rows = [r for r in rows if r.get("status") == "ok"]
+    for key in ("fwd", "bwd", "graph_fwd", "graph_bwd"):
+        peers = [r for r in ok_rows if not r["impl"].startswith("pykernels") and r.get(f"{key}_ms")]
         if not peers:
             continue
         best = min(peers, key=lambda r: r[f"{key}_ms"])
-        for r in rows:
-            if r.get("status") == "ok" and r[f"{key}_ms"] > 0 and best[f"{key}_ms"] > 0:
+        for r in ok_rows:
+            if r.get(f"{key}_ms") and best[f"{key}_ms"] > 0:
                 r[f"{key}_vs_best_peer"] = round(best[f"{key}_ms"] / r[f"{key}_ms"], 3)
                 r[f"{key}_best_peer"] = best["impl"]
 
@@ -442,7 +510,8 @@ def run_varlen(budget: Budget) -> list[dict]:
             f_ms, b_ms = time_impl(varlen_fwd, q, k, v, do)
             qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
             row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4),
-                       peak_extra_MiB=peak_mib(lambda: varlen_fwd(qq, kk, vv).backward(do)))
+                       peak_extra_MiB=peak_mib(lambda: varlen_fwd(qq, kk, vv).backward(do)),
+                       **graph_time(varlen_fwd, q, k, v, do))
     except Exception as e:  # noqa: BLE001
         row["status"] = f"error: {short(e)}"
     rows.append(row)
@@ -463,16 +532,14 @@ def run_varlen(budget: Budget) -> list[dict]:
         row.update(info)
         if ok:
             f_ms, b_ms = time_impl(padded_fwd, qp, kp, vp, dop)
-            row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4))
+            row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4),
+                       **graph_time(padded_fwd, qp, kp, vp, dop))
         else:
             row["status"] = "INVALID"
     except Exception as e:  # noqa: BLE001
         row["status"] = f"error: {short(e)}"
     rows.append(row)
-    for r in rows:
-        if r.get("status") == "ok":
-            r["fwd_TFLOPs"] = tflops(useful, r["fwd_ms"])
-            r["bwd_TFLOPs"] = tflops(2.5 * useful, r["bwd_ms"])
+    set_tflops(rows, useful)
     add_ratios(rows)
     ours, cudnn = rows[0], rows[1]
     if ours.get("status") == "ok" and cudnn.get("status") == "ok":
@@ -498,7 +565,8 @@ def report_step(groups: list[list[dict]], new: list[dict], budget: Budget):
     return None
 
 
-COLS = ["shape", "impl", "status", "fwd_TFLOPs", "bwd_TFLOPs", "fwd_vs_best_peer", "bwd_vs_best_peer",
+COLS = ["shape", "impl", "status", "fwd_TFLOPs", "bwd_TFLOPs", "graph_fwd_TFLOPs", "graph_bwd_TFLOPs",
+        "graph_note", "fwd_vs_best_peer", "bwd_vs_best_peer", "graph_fwd_vs_best_peer", "graph_bwd_vs_best_peer",
         "fwd_pct_matmul_peak", "err_out", "err_dq", "peak_extra_MiB", "scratch_MiB", "fp32_BHS_MiB"]
 MATMUL_PEAK: float | None = None  # the card's measured bf16 matmul TFLOP/s (common.ceilings), None in --smoke
 
