@@ -82,6 +82,7 @@ import triton.language as tl
 
 from pykernels import _alloc
 
+from . import _launch
 from . import _tuning
 
 LOG2E = 1.4426950408889634
@@ -454,10 +455,10 @@ def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, *, ignore_inde
         flags = dict(HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0, ALIGN=_align(logits))
         with _on_device(dev):
             if _interpret():
-                _cross_entropy_fwd_kernel[(N,)](*args, **flags, BLOCK_V=_interpret_block(V), NUM_STAGES=1,
+                _launch.fast(_cross_entropy_fwd_kernel)[(N,)](*args, **flags, BLOCK_V=_interpret_block(V), NUM_STAGES=1,
                                                 num_warps=1)
             else:
-                _cross_entropy_fwd_tuned[(N,)](*args, **flags)
+                _launch.fast(_cross_entropy_fwd_tuned)[(N,)](*args, **flags)
     if reduction == "none":
         return rows, lse, torch.ones((), dtype=torch.float32, device=dev)
     scale = _alloc.empty((), dtype=torch.float32, device=dev)
@@ -465,7 +466,7 @@ def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, *, ignore_inde
     mode = 2 if num_valid is not None else (1 if num_valid_int >= 0 else 0)
     block, warps = _reduce_launch(N)
     with _on_device(dev):
-        _cross_entropy_reduce_kernel[(1,)](
+        _launch.fast(_cross_entropy_reduce_kernel)[(1,)](
             rows, target, out, scale, num_valid if num_valid is not None else scale, N, ignore_index,
             max(num_valid_int, 0), MEAN=reduction == "mean", NUM_VALID=mode, BLOCK=block, num_warps=warps)
     return out, lse, scale
@@ -491,7 +492,7 @@ def cross_entropy_bwd(grad: torch.Tensor, logits: torch.Tensor, target: torch.Te
     n_chunks = _cdiv(V, block)
     stride_g = 0 if grad.dim() == 0 else grad.stride(0)
     with _on_device(logits.device):
-        _cross_entropy_bwd_kernel[(N * n_chunks,)](
+        _launch.fast(_cross_entropy_bwd_kernel)[(N * n_chunks,)](
             dlogits, logits, target, lse, grad, scale, logits.stride(0), dlogits.stride(0), stride_g, V,
             n_chunks, ignore_index, float(label_smoothing), float(z_loss),
             HAS_SMOOTHING=label_smoothing > 0, HAS_Z_LOSS=z_loss > 0, ALIGN=align, BLOCK_V=block,

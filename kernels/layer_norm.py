@@ -76,6 +76,7 @@ import triton.testing
 
 from pykernels._alloc import empty
 
+from . import _launch
 from . import _tuning
 
 MAX_FUSED_N_FWD = 16384  # widest row held in registers by the forward
@@ -276,11 +277,11 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
             1.0 / (1.0 - dropout_p) if dropout_p > 0.0 else 1.0)
     with _on_device(dev):
         if chunked:
-            _layer_norm_fwd_kernel[(M,)](*args, **common, BLOCK_M=1, BLOCK_N=CHUNK_N,
+            _launch.fast(_layer_norm_fwd_kernel)[(M,)](*args, **common, BLOCK_M=1, BLOCK_N=CHUNK_N,
                                          CHUNKED=True, num_warps=8 if not _interpret() else 1)
         else:
             block_n = max(_next_pow2(N), 16)
-            _fwd_tuned(block_n)[lambda meta: (_cdiv(M, meta["BLOCK_M"]),)](
+            _launch.fast(_fwd_tuned(block_n))[lambda meta: (_cdiv(M, meta["BLOCK_M"]),)](
                 *args, **common, BLOCK_N=block_n, CHUNKED=False)
     return y, s, mean, rstd
 
@@ -667,7 +668,7 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
                 def grid(meta):
                     return (max(1, min(_cdiv(M, meta["BLOCK_M"]), meta["PROGS_PER_SM"] * sms)),)
 
-                tuned[grid](*ptrs, seed, *strides, M, N, dropout_p, scale, **flags, BLOCK_N=block_n)
+                _launch.fast(tuned)[grid](*ptrs, seed, *strides, M, N, dropout_p, scale, **flags, BLOCK_N=block_n)
                 progs = grid(tuned.best_config.kwargs)[0]
             else:
                 num_warps = 16 if not _interpret() else 1  # 8 warps: ~200 registers, one program per SM
@@ -676,12 +677,12 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
                 progs = max(1, min(progs, 4 * sms // _cdiv(N, block_n)))
                 c1 = empty(M, dtype=torch.float32, device=dev)
                 c2 = empty(M if not rms_norm else 0, dtype=torch.float32, device=dev)
-                _layer_norm_bwd_row_stats_kernel[(M,)](
+                _launch.fast(_layer_norm_bwd_row_stats_kernel)[(M,)](
                     *ptrs[:7], c1, c2 if not rms_norm else c1, seed, strides[0], strides[1], strides[2], strides[3],
                     M, N, dropout_p, scale, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=has_weight,
                     HAS_DROPOUT=dropout_p > 0.0, RECOMPUTE_S=recompute, IS_RMS_NORM=rms_norm,
                     BLOCK_N=block_n, num_warps=num_warps)
-                _layer_norm_bwd_chunked_kernel[(progs, _cdiv(N, block_n))](
+                _launch.fast(_layer_norm_bwd_chunked_kernel)[(progs, _cdiv(N, block_n))](
                     *ptrs, c1, c2 if not rms_norm else c1, seed, *strides, M, N, dropout_p, scale, **flags,
                     BLOCK_N=block_n, num_warps=num_warps)
     if partial is not None:

@@ -86,6 +86,7 @@ import triton.language as tl
 
 from pykernels._alloc import empty
 
+from . import _launch
 from . import _tuning
 
 # Inside the kernels log2(e) = 1.4426950408889634 and ln(2) = 0.6931471805599453 appear as literals
@@ -444,7 +445,7 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
     part_zsum = empty(split, n, dtype=torch.float32, device=dev) if smooth else part_zt
     b = bias if bias is not None else weight  # placeholder pointer, never read
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), split)  # noqa: E731
-    _masked_lm_loss_fwd_kernel[grid](
+    _launch.fast(_masked_lm_loss_fwd_kernel)[grid](
         hidden, weight, b, target, rows, count, part_m, part_s, part_zt, part_zsum,
         n, v, h, v_per_split,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
@@ -452,7 +453,7 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
         _dtype_key(hidden.dtype),
         HAS_BIAS=bias is not None, SMOOTH=smooth, DOT_PRECISION=_dot_precision(hidden.dtype))
     block = 128
-    _masked_lm_loss_combine_kernel[(triton.cdiv(n, block),)](
+    _launch.fast(_masked_lm_loss_combine_kernel)[(triton.cdiv(n, block),)](
         target, rows, count, part_m, part_s, part_zt, part_zsum, loss, lse,
         n, v, split, float(label_smoothing), SMOOTH=smooth, BLOCK=block)
     return loss, lse
@@ -510,7 +511,8 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
     for c in range(n_chunks):
         v_off = c * vc
         vc_c = min(vc, v - v_off)
-        _masked_lm_loss_dlogits_kernel[lambda m: (triton.cdiv(vc_c, m["BLOCK_N"]) * triton.cdiv(n, m["BLOCK_M"]),)](
+        _launch.fast(_masked_lm_loss_dlogits_kernel)[
+                lambda m: (triton.cdiv(vc_c, m["BLOCK_N"]) * triton.cdiv(n, m["BLOCK_M"]),)](
             hidden, weight, b, target, rows, count, lse, grad_loss, dl,
             n, v, h, v_off, vc_c,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
@@ -522,7 +524,7 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
             dw_programs = triton.cdiv(vc_c, m["BLOCK_A"]) * h_tiles if compute_dweight else 0
             return (dw_programs + (triton.cdiv(n, m["BLOCK_A"]) * h_tiles if compute_dhidden else 0),)
 
-        _masked_lm_loss_bwd_kernel[grid](
+        _launch.fast(_masked_lm_loss_bwd_kernel)[grid](
             hidden, weight, rows, count, dl, dw_out, db, acc, dh_out,
             h, v_off, vc_c, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), dl.stride(0),
             key, int(c == 0), int(c == n_chunks - 1), int(compute_dweight),

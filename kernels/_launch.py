@@ -1,0 +1,251 @@
+"""Low-overhead launches of Triton kernels: ``launch(kernel, grid, *args, **kw)`` or ``fast(kernel)[grid](...)``.
+
+Why. ``kernel[grid](...)`` costs ~60-85 us of host time per launch on the GPU machine's slow host CPU
+(Autotuner.run -> JITFunction.run: the binder specialises every argument in C++, the cache key is
+built and stringified, used globals are re-checked, a LazyDict of launch metadata is built, and the
+empty hook chains are called from C). Our kernels run in 10-30 us, so the ops were host-bound.
+
+How. The first call for a given *launch key* goes through the normal path (which compiles and, for
+an Autotuner, tunes). Its callable grid is wrapped so that Triton hands us the bound argument dict
+(all signature parameters in order, including the config's constexprs and the defaults); with the
+CompiledKernel that ``JITFunction.run`` returns (``Autotuner.run`` returns the same object) we keep
+``(kernel.run, kernel.function, kernel.packed_metadata)`` and the constant tail of the argument
+list. Later calls with the same key build the argument list in signature order (the caller's
+positional args, then its keywords or the recorded constants), evaluate the grid (a callable grid
+gets the same name -> value dict Triton would give it) and call the launcher directly with the
+current device's current stream; no launch metadata and no hooks (we only get here when none are set).
+
+The launch key must be at least as fine as everything Triton specialises on, so a cached kernel is
+never reused where Triton would have compiled another (a finer key only costs one more slow call):
+  * the current device index, the number of positional args and the keyword names in call order;
+  * constexpr parameters and an Autotuner's key parameters: their value;
+  * other parameters: tensors -> (dtype, data_ptr() % 16 == 0); ints -> (== 1, % 16 == 0, fits i32,
+    >= 2**63) (Triton: constexpr 1, "D" divisibility, i32/i64/u64); bools, floats -> their type;
+    None -> None. ``do_not_specialize`` only makes Triton's key coarser, so ours stays safe.
+    Anything else (numpy scalars, SymInts, tl dtypes at runtime positions...) -> the normal path.
+Tensor dtypes are in the key, so an Autotuner's key (its key args plus every tensor's dtype) is a
+function of ours: each of our entries maps to one tuned config.
+
+The normal path is used whenever: ``TRITON_INTERPRET=1`` (the interpreter has no compiled kernels);
+``PYKERNELS_FAST_LAUNCH=0`` (read at each call; ``set_enabled`` overrides it); a launch enter/exit
+hook is registered in ``triton.knobs.runtime``; the JITFunction has pre-run hooks; the Autotuner has
+a user pre/post hook or any config has a ``pre_hook`` (restore_value / reset_to_zero only act while
+tuning, which the first, normal, call of each key does); the kernel is neither a JITFunction nor
+an Autotuner over one; the key cannot be computed; or the first call returned no compiled kernel.
+If a fast launch raises, that key is sent to the normal path for good and the call is redone there.
+
+Not re-checked on fast calls (as Triton's own ``CompiledKernel[grid]`` does not): changes of
+module globals a kernel reads (Triton raises for those; ours are constants) and of the
+``triton.knobs`` debug / instrumentation switches after the first launch of a key.
+
+Thread safety: the per-kernel caches are plain dicts written with single assignments under the GIL
+(autograd's backward thread may race the forward; at worst both take the normal path once).
+
+Cost: the key is one tuple comprehension over the arguments (~2-4 us for 20 arguments on a slow
+host), the launch ~10 us of C; ~80 us -> ~15 us per launch.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["launch", "fast", "set_enabled", "enabled", "stats"]
+
+_override: bool | None = None
+_SLOW = object()  # cache value: this key always takes the normal path
+
+
+def set_enabled(flag: bool | None) -> None:
+    """Force the fast path on (True) or off (False); None goes back to ``PYKERNELS_FAST_LAUNCH``."""
+    global _override
+    _override = flag
+
+
+def enabled() -> bool:
+    if _override is not None:
+        return _override
+    return os.environ.get("PYKERNELS_FAST_LAUNCH", "1") not in ("", "0")
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _spec(x):
+    """What Triton's binder specialises a non-constexpr argument on (or finer)."""
+    t = type(x)
+    if t is int:
+        return (x == 1, not x & 15, -2147483648 <= x <= 2147483647, x >= 9223372036854775808)
+    if t is bool:
+        return "b"
+    if t is float:
+        return "f"
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, not x.data_ptr() & 15)
+    raise _Unsupported(t)
+
+
+def _value(x):
+    return x
+
+
+_knobs = None
+
+
+def _hooks_active() -> bool:
+    global _knobs
+    if _knobs is None:
+        from triton import knobs
+        from triton.knobs import HookChain
+        _knobs = (knobs.runtime, HookChain)
+    rt, chain = _knobs
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is not None and not (type(h) is chain and not h.calls):
+            return True
+    return False
+
+
+_driver_fns = None
+
+
+def _driver():
+    global _driver_fns
+    if _driver_fns is None:
+        from triton.runtime import driver
+        _driver_fns = (driver.active.get_current_device, driver.active.get_current_stream)
+    return _driver_fns
+
+
+class FastKernel:
+    """Wraps a JITFunction or an Autotuner; ``fk[grid](*args, **kw)`` == ``kernel[grid](*args, **kw)``."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.cache: dict = {}
+        self.usable = False
+        self.launches = [0, 0]  # [fast, normal], for tests and stats
+        try:
+            self._setup(kernel)
+        except Exception:
+            self.usable = False
+
+    def _setup(self, kernel):
+        from triton.runtime.autotuner import Autotuner
+        from triton.runtime.jit import JITFunction
+        tuner_keys = ()
+        jit = kernel
+        if isinstance(kernel, Autotuner):
+            jit = kernel.fn
+            if kernel.user_defined_pre_hook or kernel.user_defined_post_hook:
+                return
+            if any(getattr(c, "pre_hook", None) is not None for c in kernel.configs):
+                return
+            tuner_keys = tuple(kernel.keys)
+        if not isinstance(jit, JITFunction):
+            return
+        self.jit = jit
+        self.names = [p.name for p in jit.params]
+        self.modes = [_value if (p.is_constexpr or p.name in tuner_keys) else _spec for p in jit.params]
+        self.kw_modes = dict(zip(self.names, self.modes))
+        self.usable = True
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.call(grid, args, kwargs)
+
+    def _key(self, args, kwargs):
+        modes = self.modes
+        if len(args) > len(modes):
+            raise _Unsupported("too many args")
+        pos = tuple([f(a) for f, a in zip(modes, args)])
+        if kwargs:
+            kw_modes = self.kw_modes
+            return (_driver()[0](), pos, tuple([(n, kw_modes.get(n, _value)(v)) for n, v in kwargs.items()]))
+        return (_driver()[0](), pos)
+
+    def call(self, grid, args, kwargs):
+        kernel = self.kernel
+        if not self.usable or not enabled() or _interpret() or self.jit.pre_run_hooks or _hooks_active():
+            self.launches[1] += 1
+            return kernel[grid](*args, **kwargs)
+        try:
+            key = self._key(args, kwargs)
+            entry = self.cache.get(key)
+        except Exception:
+            key, entry = None, _SLOW
+        if entry is not None and entry is not _SLOW:
+            try:
+                ret = entry(grid, args, kwargs, key[0])
+                self.launches[0] += 1
+                return ret
+            except Exception:
+                self.cache[key] = _SLOW
+            entry = _SLOW
+        self.launches[1] += 1
+        if entry is _SLOW:
+            return kernel[grid](*args, **kwargs)
+        # First call for this key: the normal path, recording the bound arguments Triton computes.
+        seen = []
+
+        def recording_grid(meta):
+            seen.append(meta)
+            return grid(meta) if callable(grid) else grid
+
+        ret = kernel[recording_grid](*args, **kwargs)
+        try:
+            self.cache[key] = self._make_entry(ret, seen[-1], len(args), kwargs) if seen else _SLOW
+        except Exception:
+            self.cache[key] = _SLOW
+        return ret
+
+    def _make_entry(self, compiled, meta, n_pos, kwargs):
+        if compiled is None or hasattr(compiled, "result"):
+            return _SLOW
+        names = self.names
+        if list(meta.keys()) != names:
+            return _SLOW
+        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+        if function is None:
+            return _SLOW
+        tail = tuple((n, n in kwargs, meta[n]) for n in names[n_pos:])
+        get_stream = _driver()[1]
+
+        def launch_fast(grid, args, kwargs, device):
+            vals = args + tuple([kwargs[n] if from_kw else c for n, from_kw, c in tail]) if tail else args
+            if callable(grid):
+                grid = grid(dict(zip(names, vals)))
+            g1 = grid[1] if len(grid) > 1 else 1
+            g2 = grid[2] if len(grid) > 2 else 1
+            run(grid[0], g1, g2, get_stream(device), function, packed, None, None, None, *vals)
+            return compiled
+
+        return launch_fast
+
+
+_wrappers: dict = {}
+
+
+def fast(kernel) -> FastKernel:
+    """The FastKernel wrapping ``kernel`` (one per kernel object, created on first use)."""
+    fk = _wrappers.get(id(kernel))
+    if fk is None or fk.kernel is not kernel:
+        fk = FastKernel(kernel)
+        _wrappers[id(kernel)] = fk
+    return fk
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)`` with the cached fast path; returns what Triton returns."""
+    return fast(kernel).call(grid, args, kwargs)
+
+
+def stats(kernel) -> tuple[int, int]:
+    """(fast launches, normal launches) made through ``fast(kernel)`` so far."""
+    fk = _wrappers.get(id(kernel))
+    return tuple(fk.launches) if fk is not None and fk.kernel is kernel else (0, 0)
