@@ -19,15 +19,16 @@ The launch key must be at least as fine as everything Triton specialises on, so 
 never reused where Triton would have compiled another (a finer key only costs one more slow call):
   * the current device index, the number of positional args and the keyword names in call order;
   * constexpr parameters and an Autotuner's key parameters: their value;
-  * other parameters: tensors -> (dtype, data_ptr() % 16 == 0); ints -> (== 1, % 16 == 0, fits i32,
-    >= 2**63) (Triton: constexpr 1, "D" divisibility, i32/i64/u64); bools, floats -> their type;
+  * other parameters: tensors -> (dtype, data_ptr() % 16 == 0); ints -> (% 16, == 1, x >> 31)
+    (Triton: constexpr 1, "D" divisibility, i32/i64/u64); bools, floats -> their type;
     None -> None. ``do_not_specialize`` only makes Triton's key coarser, so ours stays safe.
     Anything else (numpy scalars, SymInts, tl dtypes at runtime positions...) -> the normal path.
 Tensor dtypes are in the key, so an Autotuner's key (its key args plus every tensor's dtype) is a
 function of ours: each of our entries maps to one tuned config.
 
 The normal path is used whenever: ``TRITON_INTERPRET=1`` (the interpreter has no compiled kernels);
-``PYKERNELS_FAST_LAUNCH=0`` (read at each call; ``set_enabled`` overrides it); a launch enter/exit
+``PYKERNELS_FAST_LAUNCH=0`` (read at import and by ``set_enabled(None)``; ``set_enabled(False)``
+turns it off at run time); a launch enter/exit
 hook is registered in ``triton.knobs.runtime``; the JITFunction has pre-run hooks; the Autotuner has
 a user pre/post hook or any config has a ``pre_hook`` (restore_value / reset_to_zero only act while
 tuning, which the first, normal, call of each key does); the kernel is neither a JITFunction nor
@@ -52,20 +53,22 @@ import torch
 
 __all__ = ["launch", "fast", "set_enabled", "enabled", "stats"]
 
-_override: bool | None = None
+def _env_enabled() -> bool:
+    return os.environ.get("PYKERNELS_FAST_LAUNCH", "1") not in ("", "0")
+
+
+_on = _env_enabled()  # the switch, read at import (a per-call os.environ read costs ~0.7 us)
 _SLOW = object()  # cache value: this key always takes the normal path
 
 
 def set_enabled(flag: bool | None) -> None:
-    """Force the fast path on (True) or off (False); None goes back to ``PYKERNELS_FAST_LAUNCH``."""
-    global _override
-    _override = flag
+    """Turn the fast path on (True) or off (False); None re-reads ``PYKERNELS_FAST_LAUNCH``."""
+    global _on
+    _on = _env_enabled() if flag is None else bool(flag)
 
 
 def enabled() -> bool:
-    if _override is not None:
-        return _override
-    return os.environ.get("PYKERNELS_FAST_LAUNCH", "1") not in ("", "0")
+    return _on
 
 
 def _interpret() -> bool:
@@ -76,11 +79,20 @@ class _Unsupported(Exception):
     pass
 
 
+# One int per int argument, as fine as Triton's int specialisation: bits 0-3 x % 16 (divisibility
+# by 16), bit 4 x == 1 (Triton makes 1 a constexpr), bits 5+ x >> 31 (0 or -1 exactly for i32 range;
+# other values for i64 / u64, whose boundary 2**63 also changes x >> 31). Inlined as source into the
+# generated key functions; x >> 31 << 5 | (a value < 32) decodes uniquely, negative or not.
+_INT_EXPR = "({a} & 15 | ({a} == 1) << 4 | {a} >> 31 << 5)"
+_int_code = eval("lambda x: " + _INT_EXPR.format(a="x"))
+
+
 def _spec(x):
-    """What Triton's binder specialises a non-constexpr argument on (or finer)."""
+    """What Triton's binder specialises a non-constexpr argument on (or finer); used for keyword args
+    and, through the same expressions, by the generated positional key functions."""
     t = type(x)
     if t is int:
-        return (x == 1, not x & 15, -2147483648 <= x <= 2147483647, x >= 9223372036854775808)
+        return ("i", _int_code(x))
     if t is bool:
         return "b"
     if t is float:
@@ -129,6 +141,7 @@ class FastKernel:
     def __init__(self, kernel):
         self.kernel = kernel
         self.cache: dict = {}
+        self.keyfns: dict = {}
         self.usable = False
         self.launches = [0, 0]  # [fast, normal], for tests and stats
         try:
@@ -148,7 +161,7 @@ class FastKernel:
             if any(getattr(c, "pre_hook", None) is not None for c in kernel.configs):
                 return
             tuner_keys = tuple(kernel.keys)
-        if not isinstance(jit, JITFunction):
+        if not isinstance(jit, JITFunction) or _interpret():
             return
         self.jit = jit
         self.names = [p.name for p in jit.params]
@@ -159,19 +172,43 @@ class FastKernel:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.call(grid, args, kwargs)
 
+    def _keyfn(self, types):
+        """Generate ``k(a0, a1, ...) -> tuple`` for one tuple of positional argument types: inline
+        expressions, no Python call per argument (the per-call key costs ~1/4 of Triton's binder)."""
+        if len(types) > len(self.modes):
+            raise _Unsupported("too many positional args")
+        names = [f"a{i}" for i in range(len(types))]
+        parts = []
+        for a, t, mode in zip(names, types, self.modes):
+            if mode is _value:
+                parts.append(a)
+            elif t is int:
+                parts.append(_INT_EXPR.format(a=a))
+            elif t is bool or t is float or t is type(None):
+                pass  # not specialised beyond the type, which is in the key
+            elif isinstance(t, type) and issubclass(t, torch.Tensor):
+                parts.append(f"{a}.dtype, not {a}.data_ptr() & 15")
+            else:
+                raise _Unsupported(t)
+        src = f"def k({', '.join(names)}):\n    return ({', '.join(parts)}{',' if parts else ''})\n"
+        ns: dict = {}
+        exec(src, ns)
+        return ns["k"]
+
     def _key(self, args, kwargs):
-        modes = self.modes
-        if len(args) > len(modes):
-            raise _Unsupported("too many args")
-        pos = tuple([f(a) for f, a in zip(modes, args)])
+        types = tuple(map(type, args))
+        fn = self.keyfns.get(types)
+        if fn is None:
+            fn = self.keyfns[types] = self._keyfn(types)
         if kwargs:
             kw_modes = self.kw_modes
-            return (_driver()[0](), pos, tuple([(n, kw_modes.get(n, _value)(v)) for n, v in kwargs.items()]))
-        return (_driver()[0](), pos)
+            return (_driver()[0](), types, fn(*args),
+                    tuple([(n, kw_modes.get(n, _value)(v)) for n, v in kwargs.items()]))
+        return (_driver()[0](), types, fn(*args))
 
     def call(self, grid, args, kwargs):
         kernel = self.kernel
-        if not self.usable or not enabled() or _interpret() or self.jit.pre_run_hooks or _hooks_active():
+        if not (self.usable and _on) or self.jit.pre_run_hooks or _hooks_active():
             self.launches[1] += 1
             return kernel[grid](*args, **kwargs)
         try:
@@ -214,10 +251,15 @@ class FastKernel:
         if function is None:
             return _SLOW
         tail = tuple((n, n in kwargs, meta[n]) for n in names[n_pos:])
+        # Common case: the keywords are exactly the remaining parameters, in signature order.
+        kw_is_tail = list(kwargs) == names[n_pos:]
         get_stream = _driver()[1]
 
         def launch_fast(grid, args, kwargs, device):
-            vals = args + tuple([kwargs[n] if from_kw else c for n, from_kw, c in tail]) if tail else args
+            if kw_is_tail:
+                vals = args + tuple(kwargs.values())
+            else:
+                vals = args + tuple([kwargs[n] if from_kw else c for n, from_kw, c in tail])
             if callable(grid):
                 grid = grid(dict(zip(names, vals)))
             g1 = grid[1] if len(grid) > 1 else 1

@@ -102,7 +102,7 @@ def test_spec_distinguishes_alignment_and_ints():
     assert s(x) != s(x.half())           # dtype
     assert s(1) != s(2) and s(1) != s(17)  # Triton turns 1 into a constexpr
     assert s(16) != s(17) and s(0) == s(32)  # divisibility by 16
-    assert s(17) == s(3)                 # same Triton specialisation: same key (no needless compiles)
+    assert s(17) == s(33) and s(3) == s(2**31 - 13)  # same key for same residue and range: no needless compiles
     assert s(2**31 - 16) != s(2**31)     # i32 vs i64
     assert s(2**40 + 16) != s(2**63)     # i64 vs u64
     with pytest.raises(_launch._Unsupported):
@@ -145,7 +145,7 @@ def stubbed(monkeypatch):
     """A FastKernel over a real JITFunction whose normal path is _FakeKernel, as on a GPU."""
     monkeypatch.setattr(_launch, "_interpret", lambda: False)
     monkeypatch.setattr(_launch, "_driver_fns", (lambda: 0, lambda dev: 1234 + dev))
-    monkeypatch.delenv("PYKERNELS_FAST_LAUNCH", raising=False)
+    monkeypatch.setattr(_launch, "_on", True)
     jit = JITFunction(_copy_scaled)
     fk = _launch.FastKernel(jit)
     assert fk.usable
@@ -172,7 +172,7 @@ def test_fast_path_args_and_grid(stubbed):
     assert fk.launches == [2, 1]
 
 
-@pytest.mark.parametrize("change", ["misaligned", "int_one", "div16", "constexpr", "dtype", "kwarg", "device"])
+@pytest.mark.parametrize("change", ["misaligned", "int_one", "div16", "constexpr", "dtype", "kwarg", "kwarg_order", "device"])
 def test_fast_path_new_key_takes_normal_path(stubbed, monkeypatch, change):
     fk, log = stubbed
     x, y = torch.zeros(64), torch.zeros(64)
@@ -191,13 +191,15 @@ def test_fast_path_new_key_takes_normal_path(stubbed, monkeypatch, change):
         args[1] = y.double()
     elif change == "kwarg":
         kw["BLOCK"] = 64
+    elif change == "kwarg_order":
+        kw = {"BLOCK": 64, "FLAG": True}
     else:
         monkeypatch.setattr(_launch, "_driver_fns", (lambda: 1, lambda dev: 1234 + dev))
     fk[(1,)](*args, **kw)
     assert log[-1][0] == "slow"
     assert log[-1][3][:4] == tuple(args)
     fk[(1,)](*args, **kw)
-    assert log[-1][0] == "fast" and log[-1][3][:4] == tuple(args)
+    assert log[-1][0] == "fast" and log[-1][3] == log[-2][3]  # the binder's values, in signature order
 
 
 def test_fast_path_disabled_and_hooks(stubbed, monkeypatch):
@@ -205,9 +207,19 @@ def test_fast_path_disabled_and_hooks(stubbed, monkeypatch):
     x, y = torch.zeros(64), torch.zeros(64)
     fk[(1,)](x, y, 50, 2.0, FLAG=True)
     monkeypatch.setenv("PYKERNELS_FAST_LAUNCH", "0")
-    fk[(1,)](x, y, 50, 2.0, FLAG=True)
-    assert log[-1][0] == "slow"
-    monkeypatch.setenv("PYKERNELS_FAST_LAUNCH", "1")
+    _launch.set_enabled(None)
+    try:
+        fk[(1,)](x, y, 50, 2.0, FLAG=True)
+        assert log[-1][0] == "slow"
+        _launch.set_enabled(True)
+        fk[(1,)](x, y, 50, 2.0, FLAG=True)
+        assert log[-1][0] == "fast"
+        _launch.set_enabled(False)
+        fk[(1,)](x, y, 50, 2.0, FLAG=True)
+        assert log[-1][0] == "slow"
+    finally:
+        monkeypatch.setenv("PYKERNELS_FAST_LAUNCH", "1")
+        _launch.set_enabled(None)
     from triton import knobs
     hook = lambda md: None  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
@@ -239,9 +251,13 @@ def test_unsupported_argument_takes_normal_path(stubbed):
     assert [e[0] for e in log] == ["slow", "slow"]
 
 
-def test_autotuner_setup():
-    """Autotuner key args are keyed by value; config pre_hooks disable the fast path."""
+def test_autotuner_setup(monkeypatch):
+    """Autotuner key args are keyed by value; config pre_hooks disable the fast path (as does the
+    interpreter)."""
     jit = JITFunction(_copy_scaled)
+    monkeypatch.setattr(_launch, "_interpret", lambda: True)
+    assert not _launch.FastKernel(jit).usable
+    monkeypatch.setattr(_launch, "_interpret", lambda: False)
     tuned = triton.autotune([triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64})], key=["n"])(jit)
     fk = _launch.FastKernel(tuned)
     assert fk.usable and fk.jit is jit
