@@ -313,6 +313,29 @@ def graph_time(fwd, q, k, v, do) -> dict:
     return out
 
 
+def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = False) -> str:
+    """The configs pykernels' autotuner picked for this case's bf16 kernels, e.g. "fwd 128x64/w8/s3;
+    dkdv 32x128/w8/s2; dq 128x64/w8/s2" (best effort: "?" where the cache has no matching entry)."""
+    try:
+        from pykernels._kernels import attention as ka
+    except ImportError:
+        try:
+            from kernels import attention as ka
+        except ImportError:
+            return "?"
+    bd = ka._pow2_dim(D)
+    want = (bd, bd, ka._seq_bucket(S, S), bool(causal), mask_kind, False, bool(varlen))
+    out = []
+    for name, kern in (("fwd", ka._attention_fwd_kernel), ("dkdv", ka._attention_bwd_dkdv_kernel),
+                       ("dq", ka._attention_bwd_dq_kernel)):
+        cfg = "?"
+        for key, c in getattr(kern, "cache", {}).items():
+            if tuple(key[:7]) == want and "bf16" in str(key):
+                cfg = f"{c.kwargs.get('BLOCK_M')}x{c.kwargs.get('BLOCK_N')}/w{c.num_warps}/s{c.num_stages}"
+        out.append(f"{name} {cfg}")
+    return "; ".join(out)
+
+
 def run_case(case: Case, budget: Budget) -> list[dict]:
     from torch.nn.attention import SDPBackend
     base = dict(case=case.name, shape=case.label, B=case.B, H=case.H, S=case.S, D=case.D, causal=case.causal,
@@ -340,7 +363,8 @@ def run_case(case: Case, budget: Budget) -> list[dict]:
             row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4), peak_extra_MiB=peak,
                        **graph_time(ours_fwd, q, k, v, do), out_and_grads_MiB=round(io_mib, 1),
                        scratch_MiB=None if peak is None else round(peak - io_mib, 1),
-                       fp32_BHS_MiB=round(case.B * case.H * case.S * 4 / 2**20, 2))
+                       fp32_BHS_MiB=round(case.B * case.H * case.S * 4 / 2**20, 2),
+                       configs=tuned_configs(case.D, case.S, case.causal, 3 if case.key_padding else 0))
     except Exception as e:  # noqa: BLE001 - record and go on with the peers
         row["status"] = f"error: {short(e)}"
     rows.append(row)
@@ -511,7 +535,8 @@ def run_varlen(budget: Budget) -> list[dict]:
             qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
             row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4),
                        peak_extra_MiB=peak_mib(lambda: varlen_fwd(qq, kk, vv).backward(do)),
-                       **graph_time(varlen_fwd, q, k, v, do))
+                       **graph_time(varlen_fwd, q, k, v, do),
+                       configs=tuned_configs(D, max_len, False, 0, varlen=True))
     except Exception as e:  # noqa: BLE001
         row["status"] = f"error: {short(e)}"
     rows.append(row)
@@ -567,7 +592,7 @@ def report_step(groups: list[list[dict]], new: list[dict], budget: Budget):
 
 COLS = ["shape", "impl", "status", "fwd_TFLOPs", "bwd_TFLOPs", "graph_fwd_TFLOPs", "graph_bwd_TFLOPs",
         "graph_note", "fwd_vs_best_peer", "bwd_vs_best_peer", "graph_fwd_vs_best_peer", "graph_bwd_vs_best_peer",
-        "fwd_pct_matmul_peak", "err_out", "err_dq", "peak_extra_MiB", "scratch_MiB", "fp32_BHS_MiB"]
+        "fwd_pct_matmul_peak", "err_out", "err_dq", "peak_extra_MiB", "scratch_MiB", "fp32_BHS_MiB", "configs"]
 MATMUL_PEAK: float | None = None  # the card's measured bf16 matmul TFLOP/s (common.ceilings), None in --smoke
 
 

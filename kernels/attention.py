@@ -104,17 +104,19 @@ def _interpret() -> bool:
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded-head-dim tier, best guess first.
 # Forward/dQ: BLOCK_M % BLOCK_N == 0; dK/dV: BLOCK_N % BLOCK_M == 0 (the causal split needs it).
 _TABLE = {
-    "fwd": {64: [(128, 64, 4, 3), (128, 128, 8, 3)],
-            128: [(128, 64, 8, 3), (128, 128, 8, 2)],
+    "fwd": {64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+            128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)],
             256: [(64, 32, 8, 2), (64, 64, 8, 2)]},
     "fwd_short": {64: [(64, 64, 4, 3), (64, 32, 4, 3)],
                   128: [(64, 64, 4, 3), (64, 32, 4, 3)],
                   256: [(64, 32, 8, 2)]},
-    "dkdv": {64: [(32, 128, 8, 3), (16, 128, 8, 2)],
-             128: [(32, 64, 8, 2), (64, 64, 8, 2)],
+    # dK/dV: with 8 warps (two warpgroups) BLOCK_N must be >= 128, else the (BLOCK_N x BLOCK_M) S^T and
+    # dP^T wgmma tiles (warps [8, 1] along BLOCK_N) are computed twice, once per warpgroup.
+    "dkdv": {64: [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)],
+             128: [(32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 4, 3)],
              256: [(16, 32, 4, 2), (16, 64, 8, 2)]},
-    "dq": {64: [(128, 32, 8, 3), (128, 64, 8, 3)],
-           128: [(128, 32, 8, 3), (64, 32, 4, 3)],
+    "dq": {64: [(128, 32, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+           128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)],
            256: [(32, 16, 8, 2), (32, 16, 4, 2)]},
     # fp32 inputs: IEEE fp32 dots run on FMA units (no tensor cores), so small tiles limit spills.
     "fp32_fwd": {64: [(64, 32, 4, 2)], 128: [(32, 32, 4, 2)], 256: [(16, 16, 4, 2)]},
@@ -236,7 +238,9 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, o
                APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr):
     """Online-softmax update over key blocks [start_lo, end_hi). CHECK_N only for the tail block."""
-    for start_n in range(start_lo, end_hi, BLOCK_N):
+    # CHECK_N loops (the key tail: at most one block; the causal diagonal band: BLOCK_M/BLOCK_N blocks)
+    # are too short to gain from software pipelining, which would only add live registers.
+    for start_n in tl.range(start_lo, end_hi, BLOCK_N, num_stages=1 if CHECK_N else None):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         cols = _idx(offs_n, IDX64)
         # K^T tile (BLOCK_D, BLOCK_N) loaded directly transposed through its strides.
@@ -387,9 +391,10 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
     """Accumulate dK, dV of one key block over query blocks [start_lo, end_hi). Works on the
     transposed tile (BLOCK_N keys x BLOCK_M queries) so that dV += P^T dO and dK += dS^T Q need no
     register transposes. Key columns past k_len only touch their own (unstored) dK/dV rows."""
-    # The short causal diagonal loop (APPLY_CAUSAL) is not software-pipelined: it runs 1-4 times and
-    # pipelining it costs registers (spills) that the long loop needs.
-    for start_m in tl.range(start_lo, end_hi, BLOCK_M, num_stages=1 if APPLY_CAUSAL else None):
+    # The short loops are not software-pipelined: the causal diagonal band (APPLY_CAUSAL) runs 1-4
+    # times and the row tail (CHECK_M) at most once; pipelining them buys nothing and costs registers
+    # that the long loop needs (sm_90 ptxas: D=128 causal 32x64/8 warps went from 15 spill stores to 0).
+    for start_m in tl.range(start_lo, end_hi, BLOCK_M, num_stages=1 if (APPLY_CAUSAL or CHECK_M) else None):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rows = _idx(offs_m, IDX64)
         qt_ptrs = Q + rows[None, :] * stride_qm + offs_d[:, None]
@@ -529,8 +534,8 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
               APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr):
-    """dQ += dS K over key blocks [start_lo, end_hi)."""
-    for start_n in range(start_lo, end_hi, BLOCK_N):
+    """dQ += dS K over key blocks [start_lo, end_hi). CHECK_N loops are short: not pipelined."""
+    for start_n in tl.range(start_lo, end_hi, BLOCK_N, num_stages=1 if CHECK_N else None):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         cols = _idx(offs_n, IDX64)
         kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]
