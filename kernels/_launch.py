@@ -35,6 +35,8 @@ tuning, which the first, normal, call of each key does); the kernel is neither a
 an Autotuner over one; the key cannot be computed; or the first call returned no compiled kernel.
 If a fast launch raises, that key is sent to the normal path for good and the call is redone there.
 
+An Autotuner's ``best_config`` is set on fast launches too (callers read it after a launch).
+
 Not re-checked on fast calls (as Triton's own ``CompiledKernel[grid]`` does not): changes of
 module globals a kernel reads (Triton raises for those; ours are constants) and of the
 ``triton.knobs`` debug / instrumentation switches after the first launch of a key.
@@ -154,7 +156,9 @@ class FastKernel:
         from triton.runtime.jit import JITFunction
         tuner_keys = ()
         jit = kernel
+        self.tuner = None
         if isinstance(kernel, Autotuner):
+            self.tuner = kernel
             jit = kernel.fn
             if kernel.user_defined_pre_hook or kernel.user_defined_post_hook:
                 return
@@ -254,6 +258,19 @@ class FastKernel:
         # Common case: the keywords are exactly the remaining parameters, in signature order.
         kw_is_tail = list(kwargs) == names[n_pos:]
         get_stream = _driver()[1]
+        tuner = self.tuner
+        config = None
+        if tuner is not None:
+            # Callers may read ``best_config`` after a launch (layer_norm's backward sizes its partial
+            # buffers from it): keep it what Autotuner.run would have set. The config must be the one
+            # this launch used (another thread may have launched in between: then no entry).
+            config = tuner.best_config
+            if any(meta.get(k, _SLOW) != v for k, v in config.kwargs.items()):
+                return _SLOW
+            md = compiled.metadata
+            if (getattr(md, "num_warps", config.num_warps), getattr(md, "num_stages", config.num_stages)) != (
+                    config.num_warps, config.num_stages):
+                return _SLOW
 
         def launch_fast(grid, args, kwargs, device):
             if kw_is_tail:
@@ -265,6 +282,8 @@ class FastKernel:
             g1 = grid[1] if len(grid) > 1 else 1
             g2 = grid[2] if len(grid) > 2 else 1
             run(grid[0], g1, g2, get_stream(device), function, packed, None, None, None, *vals)
+            if tuner is not None:
+                tuner.best_config = config
             return compiled
 
         return launch_fast

@@ -113,6 +113,7 @@ class _FakeCompiled:
     def __init__(self, log, fail=False):
         self.log, self.fail = log, fail
         self.function, self.packed_metadata = "fn", "meta"
+        self.metadata = type("Meta", (), {"num_warps": 4, "num_stages": 3})()
 
     @property
     def run(self):
@@ -126,11 +127,15 @@ class _FakeCompiled:
 class _FakeKernel:
     """Stands in for a compiled JITFunction: binds like Triton, hands the bound dict to the grid."""
 
-    def __init__(self, jit, log, fail=False):
+    def __init__(self, jit, log, fail=False, tuner=None, config=None):
         self.jit, self.log, self.compiled = jit, log, _FakeCompiled(log, fail)
+        self.tuner, self.config = tuner, config
 
     def __getitem__(self, grid):
         def call(*args, **kwargs):
+            if self.tuner is not None:   # what Autotuner.run does: pick the config, set best_config
+                self.tuner.best_config = self.config
+                kwargs = {**kwargs, **self.config.kwargs}
             bound = self.jit.signature.bind(*args, **kwargs)
             bound.apply_defaults()
             meta = dict(bound.arguments)
@@ -265,6 +270,42 @@ def test_autotuner_setup(monkeypatch):
     hooked = triton.autotune([triton.Config({"BLOCK": 32}, pre_hook=lambda a: None)], key=["n"])(jit)
     assert not _launch.FastKernel(hooked).usable
     assert not _launch.FastKernel(lambda: None).usable
+
+
+def test_autotuner_best_config_kept(monkeypatch):
+    """Fast launches leave ``best_config`` as Autotuner.run would (layer_norm's backward reads it)."""
+    monkeypatch.setattr(_launch, "_interpret", lambda: False)
+    monkeypatch.setattr(_launch, "_driver_fns", (lambda: 0, lambda dev: 0))
+    monkeypatch.setattr(_launch, "_on", True)
+    jit = JITFunction(_copy_scaled)
+    cfg_a, cfg_b = triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64})
+    tuned = triton.autotune([cfg_a, cfg_b], key=["n"])(jit)
+    fk = _launch.FastKernel(tuned)
+    log = []
+    fk.kernel = _FakeKernel(jit, log, tuner=tuned, config=cfg_a)
+    x, y = torch.zeros(64), torch.zeros(64)
+    grid = lambda m: (triton.cdiv(50, m["BLOCK"]),)  # noqa: E731
+    fk[grid](x, y, 50, 2.0, FLAG=True)
+    tuned.best_config = cfg_b            # another key launched in between
+    fk[grid](x, y, 50, 2.0, FLAG=True)
+    assert log[-1] == ("fast", (2, 1, 1), 0, (x, y, 50, 2.0, True, 32))   # BLOCK from the config
+    assert tuned.best_config is cfg_a
+    # a recorded launch whose config does not match best_config (a race) gets no entry
+    fk2 = _launch.FastKernel(tuned)
+    fk2.kernel = _FakeKernel(jit, log, tuner=tuned, config=cfg_a)
+    orig = fk2.kernel.__getitem__
+
+    class Racy:
+        def __getitem__(self, g):
+            def call(*a, **k):
+                r = orig(g)(*a, **k)
+                tuned.best_config = cfg_b
+                return r
+            return call
+    fk2.kernel = Racy()
+    fk2[grid](x, y, 50, 2.0, FLAG=True)
+    fk2[grid](x, y, 50, 2.0, FLAG=True)
+    assert [e[0] for e in log[-2:]] == ["slow", "slow"]
 
 
 # ---------------------------------------------------------------------------------------------------
