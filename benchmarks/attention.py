@@ -330,7 +330,7 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
                        ("dq", ka._attention_bwd_dq_kernel)):
         cfg = "?"
         for key, c in getattr(kern, "cache", {}).items():
-            if tuple(key[:7]) == want and "bf16" in str(key):
+            if tuple(key[:7]) == want and "bfloat16" in str(key):
                 cfg = f"{c.kwargs.get('BLOCK_M')}x{c.kwargs.get('BLOCK_N')}/w{c.num_warps}/s{c.num_stages}"
         out.append(f"{name} {cfg}")
     return "; ".join(out)

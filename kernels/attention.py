@@ -63,9 +63,18 @@ are each limited to 65535 (CUDA grid y/z); larger calls fall back to the referen
 
 Tuning: per-kernel tables of (BLOCK_M, BLOCK_N, warps, stages) keyed on the padded head dim (64 /
 128 / 256), a coarse sequence bucket, causal, mask kind and dropout; the first entry is the default
-(``PYKERNELS_AUTOTUNE=0`` via kernels/_tuning). Entries were picked by compiling every variant for
-sm_90 on a CPU-only machine (ptxas) and keeping the configs without register spills where possible
-(D=256 and dropout still spill a little); they have not been timed on a GPU yet.
+(``PYKERNELS_AUTOTUNE=0`` via kernels/_tuning), the benchmarks autotune over the (at most four) entries.
+Entries were picked by compiling every variant for sm_90 on a CPU-only machine (Triton's bundled ptxas)
+with the specialisation the JIT applies at run time (16-byte aligned pointers, strides and lengths
+divisible by 16, GROUP == 1): without it the loads do not vectorise, are not turned into cp.async
+pipelines, and register/spill counts are misleading. Every bf16 entry for D = 64/128 is spill-free for
+the plain, causal and key-padding variants (dropout, varlen D = 64 forward at 4 warps and D = 256 still
+spill a little in some entries; the autotuner can avoid them).
+Rules the tables follow: an 8-warp (two-warpgroup) wgmma tile needs >= 128 rows, so the dK/dV kernel,
+whose S^T/dP^T tiles have BLOCK_N rows, uses BLOCK_N = 128 at 8 warps (BLOCK_N = 64 only at 4 warps;
+64 rows at 8 warps computes those two products twice); loops that run at most a few iterations (key /
+query tail, causal diagonal band) are not software-pipelined, which frees registers for the main loop.
+None of this has been timed on a GPU yet: the benchmark records the configs the autotuner picks.
 
 Limits: head dims up to 256 (padded to the next power of two >= 16 with masked loads; D=256 uses
 small tiles to fit shared memory), Dv may differ from D. fp16/bf16 use tensor-core dots with fp32
