@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-STAGES=${STAGES-"tests host bench"}
+STAGES=${STAGES-"tests host demo bench"}
 TEST_TIMEOUT=${TEST_TIMEOUT:-300}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
 PY=${PY:-python3}
@@ -43,8 +43,14 @@ if [[ " $STAGES " == *" host "* ]]; then
   head -12 "$OUT/host.txt"
 fi
 
+if [[ " $STAGES " == *" demo "* ]]; then
+  echo "== make demo's report (benchmarks/report.py) ==" | tee "$OUT/demo.log"
+  timeout 240 $PY benchmarks/report.py 2>&1 | tee -a "$OUT/demo.log" | tail -12
+fi
+
 if [[ " $STAGES " == *" bench "* ]]; then
   echo "== benchmarks ==" | tee "$OUT/bench.log"
+  [ -f "$OUT/demo.log" ] && cat "$OUT/demo.log" >>"$OUT/bench.log" && rm "$OUT/demo.log"
   for op in ${BENCH_OPS:-layer_norm cross_entropy masked_lm_loss attention}; do
     echo "-- $op" | tee -a "$OUT/bench.log"
     timeout "$BENCH_TIMEOUT" $PY benchmarks/$op.py ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
