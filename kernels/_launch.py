@@ -19,8 +19,8 @@ The launch key must be at least as fine as everything Triton specialises on, so 
 never reused where Triton would have compiled another (a finer key only costs one more slow call):
   * the current device index, the number of positional args and the keyword names in call order;
   * constexpr parameters and an Autotuner's key parameters: their value;
-  * other parameters: tensors -> (dtype, data_ptr() % 16 == 0); ints -> (% 16, == 1, x >> 31)
-    (Triton: constexpr 1, "D" divisibility, i32/i64/u64); bools, floats -> their type;
+  * other parameters: tensors -> (dtype, data_ptr() % 16 == 0); ints -> (% 16, == 1, i32 / i64 / u64
+    range) (Triton: constexpr 1, "D" divisibility, the type); bools, floats -> their type;
     None -> None. ``do_not_specialize`` only makes Triton's key coarser, so ours stays safe.
     Anything else (numpy scalars, SymInts, tl dtypes at runtime positions...) -> the normal path.
 Tensor dtypes are in the key, so an Autotuner's key (its key args plus every tensor's dtype) is a
@@ -61,6 +61,7 @@ def _env_enabled() -> bool:
 
 _on = _env_enabled()  # the switch, read at import (a per-call os.environ read costs ~0.7 us)
 _SLOW = object()  # cache value: this key always takes the normal path
+_MAX_ENTRIES = 4096  # per kernel; the cache starts over when full
 
 
 def set_enabled(flag: bool | None) -> None:
@@ -81,11 +82,12 @@ class _Unsupported(Exception):
     pass
 
 
-# One int per int argument, as fine as Triton's int specialisation: bits 0-3 x % 16 (divisibility
-# by 16), bit 4 x == 1 (Triton makes 1 a constexpr), bits 5+ x >> 31 (0 or -1 exactly for i32 range;
-# other values for i64 / u64, whose boundary 2**63 also changes x >> 31). Inlined as source into the
-# generated key functions; x >> 31 << 5 | (a value < 32) decodes uniquely, negative or not.
-_INT_EXPR = "({a} & 15 | ({a} == 1) << 4 | {a} >> 31 << 5)"
+# One int per int argument, as fine as Triton's int specialisation and with a bounded range (so
+# varying values such as seeds do not grow the cache): bits 0-3 x % 16 (divisibility by 16), bit 4
+# x == 1 (Triton makes 1 a constexpr), bit 5 outside i32, bit 6 >= 2**63 (u64). Inlined as source
+# into the generated key functions.
+_INT_EXPR = ("({a} & 15 | ({a} == 1) << 4 | ({a} > 2147483647 or {a} < -2147483648) << 5"
+             " | ({a} > 9223372036854775807) << 6)")
 _int_code = eval("lambda x: " + _INT_EXPR.format(a="x"))
 
 
@@ -239,6 +241,8 @@ class FastKernel:
             return grid(meta) if callable(grid) else grid
 
         ret = kernel[recording_grid](*args, **kwargs)
+        if len(self.cache) >= _MAX_ENTRIES:  # bounded memory whatever the callers vary
+            self.cache = {}
         try:
             self.cache[key] = self._make_entry(ret, seen[-1], len(args), kwargs) if seen else _SLOW
         except Exception:

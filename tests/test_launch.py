@@ -105,6 +105,7 @@ def test_spec_distinguishes_alignment_and_ints():
     assert s(17) == s(33) and s(3) == s(2**31 - 13)  # same key for same residue and range: no needless compiles
     assert s(2**31 - 16) != s(2**31)     # i32 vs i64
     assert s(2**40 + 16) != s(2**63)     # i64 vs u64
+    assert s(2**40) == s(2**50 + 2**33) and s(2**31 + 5) == s(-2**40 + 5)  # bounded: one code per class
     with pytest.raises(_launch._Unsupported):
         s(np.int64(3))
 
