@@ -17,7 +17,7 @@ What is measured, per case (bf16, ``randn`` inputs, (B, H, S, D) layout):
   of a bf16 ulp there). A failed
   check marks the row INVALID and it is not timed (a wrong fast kernel is never reported).
 * the same forward and forward+backward captured in CUDA graphs and replayed (``graph_*`` columns,
-  for pykernels and every SDPA/eager/Flex peer): do_bench times each call with its host cost (Python,
+  for pykernels and the SDPA and FlexAttention peers): do_bench times each call with its host cost (Python,
   dispatch, launches), which dominates small shapes; graph replay shows the kernels' own speed. A peer
   whose capture fails keeps its do_bench numbers and gets a ``graph_note`` saying why.
 * pykernels' peak extra memory for one forward+backward (should be O(B*H*S) beyond the gradients,
@@ -379,7 +379,8 @@ def run_case(case: Case, budget: Budget) -> list[dict]:
     for name, fwd, alt in peers:
         row = {**base, "impl": name}
         try:
-            row.update(time_peer(fwd, alt, q, k, v, do))
+            # eager is far from the kernels being compared: no graph replay (keeps the run short)
+            row.update(time_peer(fwd, alt, q, k, v, do, graph=name != "eager"))
         except Exception as e:  # noqa: BLE001
             row["status"] = f"error: {short(e)}"
         rows.append(row)
@@ -443,7 +444,7 @@ def additive_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return torch.zeros(mask.shape, dtype=DTYPE, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
-def time_peer(fwd, alt, q, k, v, do) -> dict:
+def time_peer(fwd, alt, q, k, v, do, graph: bool = True) -> dict:
     """Run once (compiles FlexAttention; finds out whether a forced SDPA backend has a kernel), then time.
     ``alt``: the same peer given the mask in additive form, tried when the bool form has no kernel."""
     note = {}
@@ -463,7 +464,7 @@ def time_peer(fwd, alt, q, k, v, do) -> dict:
         fwd, note = alt, {"note": "additive mask (no kernel for the bool mask)"}
     f_ms, b_ms = time_impl(fwd, q, k, v, do)
     return {"status": "ok", "fwd_ms": round(f_ms, 4), "bwd_ms": round(b_ms, 4), **note,
-            **graph_time(fwd, q, k, v, do)}
+            **(graph_time(fwd, q, k, v, do) if graph else {})}
 
 
 def add_ratios(rows: list[dict]) -> None:

@@ -127,6 +127,10 @@ _TABLE = {
     "dq": {64: [(128, 32, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
            128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)],
            256: [(32, 16, 8, 2), (32, 16, 4, 2)]},
+    # Dropout (in-kernel Philox per score) needs registers: the entries above that spill with it are
+    # left out (sm_90 AOT: D=128 dK/dV 32x128 spills 184 B, dQ 128x64 456 B; these spill <= 24 B).
+    "dkdv_dropout": {64: [(32, 128, 8, 3), (32, 64, 4, 3)], 128: [(16, 128, 8, 3)]},
+    "dq_dropout": {64: [(128, 32, 8, 3)], 128: [(128, 32, 8, 3)]},
     # fp32 inputs: IEEE fp32 dots run on FMA units (no tensor cores), so small tiles limit spills.
     "fp32_fwd": {64: [(64, 32, 4, 2)], 128: [(32, 32, 4, 2)], 256: [(16, 16, 4, 2)]},
     "fp32_dkdv": {64: [(16, 32, 4, 2)], 128: [(16, 32, 4, 2)], 256: [(16, 16, 4, 2)]},
@@ -161,6 +165,8 @@ def _pruner(kind):
         elif kind == "fwd" and args.get("HAS_DROPOUT") and tier <= 128:
             # In-kernel Philox (10 rounds per score) needs registers: 128-row tiles spill (sm_90 AOT check).
             table = _TABLE["fwd_short"][tier]
+        elif kind in ("dkdv", "dq") and args.get("HAS_DROPOUT") and tier <= 128:
+            table = _TABLE[kind + "_dropout"][tier]  # entries of the main table (in the configs list)
         else:
             table = _TABLE["fwd_short" if kind == "fwd" and args["seq_bucket"] <= 128 else kind][tier]
         # In table order (best guess first): with PYKERNELS_AUTOTUNE=0, kernels/_tuning keeps the first.
