@@ -189,7 +189,8 @@ class FastKernel:
             if mode is _value:
                 parts.append(a)
             elif t is int:
-                parts.append(_INT_EXPR.format(a=a))
+                # Fast branch: every i32 value other than 1 has code x % 16 (see _INT_EXPR).
+                parts.append(f"({a} & 15 if 1 < {a} <= 2147483647 else _int_code({a}))")
             elif t is bool or t is float or t is type(None):
                 pass  # not specialised beyond the type, which is in the key
             elif isinstance(t, type) and issubclass(t, torch.Tensor):
@@ -197,7 +198,7 @@ class FastKernel:
             else:
                 raise _Unsupported(t)
         src = f"def k({', '.join(names)}):\n    return ({', '.join(parts)}{',' if parts else ''})\n"
-        ns: dict = {}
+        ns: dict = {"_int_code": _int_code}
         exec(src, ns)
         return ns["k"]
 
@@ -258,7 +259,8 @@ class FastKernel:
         run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
         if function is None:
             return _SLOW
-        tail = tuple((n, n in kwargs, meta[n]) for n in names[n_pos:])
+        # (name, from the caller's keywords, else the recorded constant); keyword values are not kept
+        tail = tuple((n, n in kwargs, None if n in kwargs else meta[n]) for n in names[n_pos:])
         # Common case: the keywords are exactly the remaining parameters, in signature order.
         kw_is_tail = list(kwargs) == names[n_pos:]
         get_stream = _driver()[1]

@@ -94,6 +94,19 @@ def test_spec_at_least_as_fine_as_triton():
             seen[ours] = theirs
 
 
+def test_generated_key_matches_spec(monkeypatch):
+    """The generated positional key (with its fast branch for i32 ints) classes ints as _int_code does."""
+    monkeypatch.setattr(_launch, "_driver_fns", (lambda: 0, lambda dev: 0))
+    monkeypatch.setattr(_launch, "_interpret", lambda: False)
+    fk = _launch.FastKernel(JITFunction(_copy_scaled))
+    x = torch.zeros(8)
+    vals = [0, 1, 2, 15, 16, 17, -1, -16, -17, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**40 + 3, 2**63, 2**64 - 1]
+    for v in vals:
+        for w in vals:
+            same_key = fk._key((x, x, v), {}) == fk._key((x, x, w), {})
+            assert same_key == (_launch._int_code(v) == _launch._int_code(w)), (v, w)
+
+
 def test_spec_distinguishes_alignment_and_ints():
     s = _launch._spec
     x = torch.zeros(64, dtype=torch.float32)
