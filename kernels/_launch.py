@@ -146,6 +146,7 @@ class FastKernel:
         self.kernel = kernel
         self.cache: dict = {}
         self.keyfns: dict = {}
+        self.kwfns: dict = {}
         self.usable = False
         self.launches = [0, 0]  # [fast, normal], for tests and stats
         try:
@@ -208,10 +209,21 @@ class FastKernel:
         if fn is None:
             fn = self.keyfns[types] = self._keyfn(types)
         if kwargs:
-            kw_modes = self.kw_modes
-            return (_driver()[0](), types, fn(*args),
-                    tuple([(n, kw_modes.get(n, _value)(v)) for n, v in kwargs.items()]))
+            names = tuple(kwargs)
+            kf = self.kwfns.get(names)
+            if kf is None:
+                kf = self.kwfns[names] = self._kwfn(names)
+            return (_driver()[0](), types, fn(*args), names, kf(*kwargs.values()))
         return (_driver()[0](), types, fn(*args))
+
+    def _kwfn(self, names):
+        """Generate the key of the keyword values for one tuple of keyword names: constexprs, tuner
+        keys and compile options (num_warps...) by value, runtime parameters through ``_spec``."""
+        parts = [f"v{i}" if self.kw_modes.get(n, _value) is _value else f"_spec(v{i})" for i, n in enumerate(names)]
+        vs = ", ".join(f"v{i}" for i in range(len(names)))
+        ns: dict = {"_spec": _spec}
+        exec(f"def k({vs}):\n    return ({', '.join(parts)},)\n", ns)
+        return ns["k"]
 
     def call(self, grid, args, kwargs):
         kernel = self.kernel

@@ -90,7 +90,7 @@ def test_spec_at_least_as_fine_as_triton():
             ours = (type(v).__name__, _launch._spec(v))
             theirs = native_specialize_impl(backend, v, False, not dns, not dns)
             if ours in seen:
-                assert seen[ours] == theirs, f"{v!r}: spec {ours} shared by Triton specialisations {seen[ours]}, {theirs}"
+                assert seen[ours] == theirs, f"{v!r}: {ours} shared by Triton's {seen[ours]} and {theirs}"
             seen[ours] = theirs
 
 
@@ -191,7 +191,8 @@ def test_fast_path_args_and_grid(stubbed):
     assert fk.launches == [2, 1]
 
 
-@pytest.mark.parametrize("change", ["misaligned", "int_one", "div16", "constexpr", "dtype", "kwarg", "kwarg_order", "device"])
+@pytest.mark.parametrize("change", ["misaligned", "int_one", "div16", "constexpr", "dtype", "kwarg", "kwarg_order",
+                                    "device"])
 def test_fast_path_new_key_takes_normal_path(stubbed, monkeypatch, change):
     fk, log = stubbed
     x, y = torch.zeros(64), torch.zeros(64)
@@ -219,6 +220,15 @@ def test_fast_path_new_key_takes_normal_path(stubbed, monkeypatch, change):
     assert log[-1][3][:4] == tuple(args)
     fk[(1,)](*args, **kw)
     assert log[-1][0] == "fast" and log[-1][3] == log[-2][3]  # the binder's values, in signature order
+
+
+def test_runtime_args_by_keyword(stubbed):
+    fk, log = stubbed
+    x, y = torch.zeros(64), torch.zeros(64)
+    for yy, n in ((y, 50), (y, 50), (y[1:], 50), (y[1:], 50), (y, 1), (y, 1), (y[4:], 50)):
+        fk[(1,)](x, Y=yy, n=n, scale=2.0, FLAG=True)
+        assert log[-1][3] == (x, yy, n, 2.0, True, 32)
+    assert [e[0] for e in log] == ["slow", "fast", "slow", "fast", "slow", "fast", "fast"]
 
 
 def test_fast_path_disabled_and_hooks(stubbed, monkeypatch):
