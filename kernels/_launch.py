@@ -17,19 +17,20 @@ current device's current stream; no launch metadata and no hooks (we only get he
 
 The launch key must be at least as fine as everything Triton specialises on, so a cached kernel is
 never reused where Triton would have compiled another (a finer key only costs one more slow call):
-  * the current device index, the number of positional args and the keyword names in call order;
-  * constexpr parameters and an Autotuner's key parameters: their value;
-  * other parameters: tensors -> (dtype, data_ptr() % 16 == 0); ints -> (% 16, == 1, i32 / i64 / u64
-    range) (Triton: constexpr 1, "D" divisibility, the type); bools, floats -> their type;
-    None -> None. ``do_not_specialize`` only makes Triton's key coarser, so ours stays safe.
-    Anything else (numpy scalars, SymInts, tl dtypes at runtime positions...) -> the normal path.
+  * the current device index; every positional argument's type; the keyword names in call order;
+  * constexpr parameters, an Autotuner's key parameters and compile options: their value;
+  * other parameters: tensors -> (dtype, data_ptr() % 16 == 0); ints -> (% 16, == 1, i32 / i64 /
+    u64 range) (Triton: constexpr 1, "D" divisibility, the type); bools, floats, None -> their type.
+    ``do_not_specialize`` only makes Triton's key coarser, so ours stays safe. Anything else (numpy
+    scalars, SymInts, tl dtypes at runtime positions...) -> the normal path.
+The key is computed by functions generated once per tuple of positional argument types (and per
+tuple of keyword names), with each argument's expression inlined: no Python call per argument.
 Tensor dtypes are in the key, so an Autotuner's key (its key args plus every tensor's dtype) is a
 function of ours: each of our entries maps to one tuned config.
 
 The normal path is used whenever: ``TRITON_INTERPRET=1`` (the interpreter has no compiled kernels);
 ``PYKERNELS_FAST_LAUNCH=0`` (read at import and by ``set_enabled(None)``; ``set_enabled(False)``
-turns it off at run time); a launch enter/exit
-hook is registered in ``triton.knobs.runtime``; the JITFunction has pre-run hooks; the Autotuner has
+turns it off at run time); a launch enter/exit hook is registered in ``triton.knobs.runtime``; the JITFunction has pre-run hooks; the Autotuner has
 a user pre/post hook or any config has a ``pre_hook`` (restore_value / reset_to_zero only act while
 tuning, which the first, normal, call of each key does); the kernel is neither a JITFunction nor
 an Autotuner over one; the key cannot be computed; or the first call returned no compiled kernel.
@@ -44,8 +45,10 @@ module globals a kernel reads (Triton raises for those; ours are constants) and 
 Thread safety: the per-kernel caches are plain dicts written with single assignments under the GIL
 (autograd's backward thread may race the forward; at worst both take the normal path once).
 
-Cost: the key is one tuple comprehension over the arguments (~2-4 us for 20 arguments on a slow
-host), the launch ~10 us of C; ~80 us -> ~15 us per launch.
+Cost (this repo's CPU dev box, attention's dQ kernel: 41 runtime args of which 15 tensors, 14
+constexpr keywords, launcher stubbed): key 5 us, whole fast call 9 us (tuple grid) / 12 us (callable
+grid, which gets a 55-entry dict); Triton's ``native_specialize_impl`` alone over the same args is
+9 us there, before the rest of JITFunction.run and Autotuner.run.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ import os
 import torch
 
 __all__ = ["launch", "fast", "set_enabled", "enabled", "stats"]
+
 
 def _env_enabled() -> bool:
     return os.environ.get("PYKERNELS_FAST_LAUNCH", "1") not in ("", "0")
