@@ -67,14 +67,15 @@ Tuning: per-kernel tables of (BLOCK_M, BLOCK_N, warps, stages) keyed on the padd
 Entries were picked by compiling every variant for sm_90 on a CPU-only machine (Triton's bundled ptxas)
 with the specialisation the JIT applies at run time (16-byte aligned pointers, strides and lengths
 divisible by 16, GROUP == 1): without it the loads do not vectorise, are not turned into cp.async
-pipelines, and register/spill counts are misleading. Every bf16 entry for D = 64/128 is spill-free for
-the plain, causal and key-padding variants (dropout, varlen D = 64 forward at 4 warps and D = 256 still
-spill a little in some entries; the autotuner can avoid them).
-Rules the tables follow: an 8-warp (two-warpgroup) wgmma tile needs >= 128 rows, so the dK/dV kernel,
-whose S^T/dP^T tiles have BLOCK_N rows, uses BLOCK_N = 128 at 8 warps (BLOCK_N = 64 only at 4 warps;
-64 rows at 8 warps computes those two products twice); loops that run at most a few iterations (key /
-query tail, causal diagonal band) of the backward are not software-pipelined, which frees registers
-for the main loop.
+pipelines, and register/spill counts are misleading. Every bf16 backward entry for D = 64/128 is
+spill-free for the plain, causal and key-padding variants, and dropout has its own spill-free lists.
+Exceptions (8 to 80 bytes of stack): forward 128x128 at D = 128 with causal/masks, varlen D = 64
+forward 128x64/4 warps, varlen D = 128 dK/dV 32x64/4 warps; the autotuner can avoid them. D = 256
+still spills. Rules the tables follow: the TTGIR of the dK/dV kernel gives its (BLOCK_N x BLOCK_M)
+S^T/dP^T wgmma tiles warps [8, 1] along BLOCK_N at 8 warps, so a 64-row tile there is replicated over
+both warpgroups (those two products computed twice): BLOCK_N = 128 at 8 warps, BLOCK_N = 64 only at
+4 warps. Loops that run at most a few iterations (key / query tail, causal diagonal band) of the
+backward are not software-pipelined, which frees registers for the main loop.
 None of this has been timed on a GPU yet: the benchmark records the configs the autotuner picks.
 
 Limits: head dims up to 256 (padded to the next power of two >= 16 with masked loads; D=256 uses
