@@ -56,6 +56,10 @@ import os
 
 import torch
 
+from . import _tuning
+
+_interpret = _tuning.interpret  # module attribute so tests can force the compiled-kernel path
+
 __all__ = ["launch", "fast", "set_enabled", "enabled", "stats"]
 
 
@@ -76,10 +80,6 @@ def set_enabled(flag: bool | None) -> None:
 
 def enabled() -> bool:
     return _on
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class _Unsupported(Exception):

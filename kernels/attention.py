@@ -90,7 +90,6 @@ known to be wrong; ours is tested on the full matrix); flash-attn's varlen inter
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -102,10 +101,6 @@ from . import _launch
 from . import _tuning
 
 LOG2E = 1.4426950408889634
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +137,7 @@ _TABLE = {
 
 def _configs(*kinds):
     """Every config the tables name for these kernels (one small config under the interpreter)."""
-    if _interpret():
+    if _tuning.interpret():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     seen = []
     for kind in kinds:
@@ -772,7 +767,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
     cu_k = cu_seqlens_k if varlen else dummy
     kvr = kv_range if kv_range is not None else dummy
     bd, bdv = _pow2_dim(d), _pow2_dim(dv_dim)
-    pre_bm = 16 if _interpret() else 64
+    pre_bm = 16 if _tuning.interpret() else 64
     _launch.fast(_attention_bwd_preprocess_kernel)[(triton.cdiv(sq, pre_bm), hq, batch)](
         o, do, delta, cu_q, *seq3(o), *seq3(do), *ls, hq, sq,
         DV=dv_dim, BLOCK_DV=bdv, IS_VARLEN=varlen, BLOCK_M=pre_bm)
