@@ -199,6 +199,22 @@ def run_case(c: Case, args, ceil, rows, t_start):
             time_impl(args, row, rows, name, fn, hidden, weight, target, ref_loss, ref_dh, ref_dw, flops)
 
 
+def _tuned_configs() -> str:
+    """The tile configs the autotuners picked on the last launches (fwd / dlogits / bwd), for the CSV:
+    which of the Hopper candidates win is what the next round of config pruning needs."""
+    from pykernels._kernels import masked_lm_loss as kmod
+    out = []
+    for tag, k in (("fwd", kmod._masked_lm_loss_fwd_kernel), ("dl", kmod._masked_lm_loss_dlogits_kernel),
+                   ("bwd", kmod._masked_lm_loss_bwd_kernel)):
+        c = getattr(k, "best_config", None)
+        if c is None:
+            out.append(f"{tag}:?")
+        else:
+            tiles = "x".join(str(v) for v in c.kwargs.values())
+            out.append(f"{tag}:{tiles}w{c.num_warps}s{c.num_stages}")
+    return " ".join(out)
+
+
 def time_impl(args, row, rows, name, fn, hidden, weight, target, ref_loss, ref_dh, ref_dw, flops):
     """Validate one implementation against the fp32 reference, then time it; appends one row."""
     h = hidden.clone().requires_grad_(True)
@@ -217,6 +233,8 @@ def time_impl(args, row, rows, name, fn, hidden, weight, target, ref_loss, ref_d
         rows.append({**row, "status": "INVALID (failed validation; not timed)"})
         return
     del loss, dh, dw
+    if name.startswith("pykernels"):
+        row["configs"] = _tuned_configs()
 
     def fwd():
         return fn(h, w, target)
@@ -278,7 +296,7 @@ def main() -> int:
         print(f"ceilings: {ceil}")
     rows: list[dict] = []
     cols = ["case", "impl", "M", "status", "fwd_ms", "bwd_ms", "total_ms", "floor_ms", "TFLOPs",
-            "peak_extra_MiB", "dh_rel_err", "dw_rel_err", "loss_rel_err", "total_ms_graph"]
+            "peak_extra_MiB", "dh_rel_err", "dw_rel_err", "loss_rel_err", "total_ms_graph", "configs"]
     for c in cases:
         run_case(c, args, ceil, rows, t_start)
         if not args.smoke:  # the smoke run writes nothing

@@ -122,15 +122,30 @@ def _prune_by_dtype(fp32_set: set):
 
 
 _MNK = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
-# (BLOCK_M/BLOCK_A, BLOCK_N/BLOCK_H, BLOCK_K, warps, stages). The logits kernels keep a 128 x 256 fp32
-# tile plus its exp2 live (it spills), so they choose between 128 x 128 and 64 x 128; the pure GEMM of
-# the backward also tries 128 x 256. Few configs: every one is a compile on the first call.
-_FWD_CONFIGS, _FWD_FP32 = _configs([(128, 128, 64, 8, 3), (64, 128, 64, 4, 3)],
+# (BLOCK_M/BLOCK_A, BLOCK_N/BLOCK_H, BLOCK_K, warps, stages). The first entry is the default (tests run
+# with PYKERNELS_AUTOTUNE=0); the rest are Hopper candidates. Every tile is >= 64 rows per warpgroup with
+# warps a multiple of 4, so tl.dot lowers to wgmma on sm_90. Checked offline for sm_90 (Triton 3.6
+# front end + bundled ptxas, bf16 and fp16, with and without bias + label smoothing): all listed
+# 16-bit configs have no register spills (no STL in the SASS) and fit shared memory (<= 192 KiB of the
+# 227 KiB per block). Rejected because they spill: the
+# logits kernels at 128 x 256 (w8), 256 x 128 (forward, w8) and any w16 tile (128 registers per
+# thread); the backward GEMM at 128 x 256, 256 x 128 and 128 x 128 with 4 warps. More stages and a
+# 128-wide K step are what is left to hide the load latency behind the wgmma of the H (or row/column)
+# loop; the logits kernels' softmax epilogue is not overlapped with the next tile's loads, so a deeper
+# pipeline helps them most. Few configs: every one is a compile on the first call.
+# The forward also keeps the running max / sum / target logit (and with bias and smoothing, more): a
+# 128-wide K step (128 x 128 x 128) and 128 x 64 on 4 warps spill there, 64 x 256 and 128 x 64 on 8
+# warps do not.
+_FWD_CONFIGS, _FWD_FP32 = _configs([(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 4),
+                                    (64, 256, 64, 8, 3), (128, 64, 64, 8, 4)],
                                    _MNK, (16, 32, 16, 1, 1), (64, 64, 32, 4, 2))
-_DLOGITS_CONFIGS, _DLOGITS_FP32 = _configs([(128, 128, 64, 8, 3), (64, 128, 64, 4, 3)],
+# The dlogits kernel keeps only the tile and its exp2 live (no running statistics), so 256 x 128 fits.
+_DLOGITS_CONFIGS, _DLOGITS_FP32 = _configs([(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 4),
+                                            (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)],
                                            _MNK, (16, 32, 16, 1, 1), (64, 64, 32, 4, 2))
 _AHK = ("BLOCK_A", "BLOCK_H", "BLOCK_K")
-_BWD_CONFIGS, _BWD_FP32 = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3)],
+_BWD_CONFIGS, _BWD_FP32 = _configs([(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 4),
+                                    (128, 128, 128, 8, 3), (128, 128, 32, 8, 5)],
                                    _AHK, (16, 16, 16, 1, 1), (64, 64, 32, 4, 2))
 
 
