@@ -127,9 +127,9 @@ _MNK = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 # warps a multiple of 4, so tl.dot lowers to wgmma on sm_90. Checked offline for sm_90 (Triton 3.6
 # front end + bundled ptxas, bf16 and fp16, with and without bias + label smoothing): all listed
 # 16-bit configs have no register spills (no STL in the SASS) and fit shared memory (<= 192 KiB of the
-# 227 KiB per block). Rejected because they spill: the
-# logits kernels at 128 x 256 (w8), 256 x 128 (forward, w8) and any w16 tile (128 registers per
-# thread); the backward GEMM at 128 x 256, 256 x 128 and 128 x 128 with 4 warps. More stages and a
+# 227 KiB per block). Rejected because they spill: the logits kernels at 128 x 256 (w8), 256 x 128
+# (forward, w8) and any w16 tile (128 registers per thread); the backward GEMM at 128 x 256, 256 x 128
+# and 128 x 128 with 4 warps. More stages and a
 # 128-wide K step are what is left to hide the load latency behind the wgmma of the H (or row/column)
 # loop; the logits kernels' softmax epilogue is not overlapped with the next tile's loads, so a deeper
 # pipeline helps them most. Few configs: every one is a compile on the first call.
