@@ -21,8 +21,11 @@ PY=${PY:-python3}
   $PY -c "import transformers; print('transformers', transformers.__version__)" 2>&1 | tail -1
 } > "$OUT/env.txt" 2>&1
 
-if ls .wheels/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --target /tmp/site .wheels/*.whl >>"$OUT/env.txt" 2>&1
+# peers' wheels: .wheels/ (copy ../shared/wheels/*.whl there and carry it to the device), else ../shared/wheels
+WHEELS=.wheels
+ls $WHEELS/*.whl >/dev/null 2>&1 || WHEELS=../shared/wheels
+if ls $WHEELS/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/site $WHEELS/*.whl >>"$OUT/env.txt" 2>&1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 $PY -m pip install -q --no-build-isolation --no-deps -e . >>"$OUT/env.txt" 2>&1 || echo "pip install -e . failed" >>"$OUT/env.txt"
