@@ -78,7 +78,6 @@ in one pass), FlashAttention-2 (online softmax with exp2).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -92,7 +91,7 @@ from . import _tuning
 # Inside the kernels log2(e) = 1.4426950408889634 and ln(2) = 0.6931471805599453 appear as literals
 # (folded into the logit scale: exp(z - lse) = exp2(z * log2e - lse * log2e)).
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = _tuning.interpret()  # read once: the config tables below are built at import
 
 # Memory budget for the (N, VC) dlogits buffer of the backward.
 DLOGITS_BUDGET_BYTES = 64 * 2**20
