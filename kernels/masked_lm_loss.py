@@ -93,8 +93,11 @@ from . import _tuning
 
 _INTERPRET = _tuning.interpret()  # read once: the config tables below are built at import
 
-# Memory budget for the (N, VC) dlogits buffer of the backward.
+# Memory budget for the (N, VC) dlogits buffer of the graph-safe backward (valid count unknown on
+# the host: the buffer is sized for all N rows).
 DLOGITS_BUDGET_BYTES = 64 * 2**20
+# Memory budget for the (M, VC) dlogits buffer of the sized backward (valid count M known on the host).
+SIZED_DLOGITS_BUDGET_BYTES = 16 * 2**20
 
 
 def _configs(gpu: list[tuple], names: tuple[str, ...], interp: tuple,
@@ -263,7 +266,7 @@ def _masked_lm_loss_combine_kernel(
 
 @_tuning.autotune(configs=_DLOGITS_CONFIGS, key=["H", "VC", "DTYPE_KEY"],
                   prune_configs_by=_prune_by_dtype(_DLOGITS_FP32))
-@triton.jit(do_not_specialize=["v_off", "VC"])
+@triton.jit(do_not_specialize=["v_off", "VC", "expected_count"])
 def _masked_lm_loss_dlogits_kernel(
     h_ptr, w_ptr, b_ptr, tgt_ptr, rows_ptr, count_ptr,
     lse_ptr,        # (N,) fp32 lse, by position
@@ -275,6 +278,7 @@ def _masked_lm_loss_dlogits_kernel(
     stride_hn, stride_hh, stride_wv, stride_wh, stride_b,
     stride_dl,      # row stride of the dlogits buffer
     smooth_eps,
+    expected_count,  # the sized backward's host count (-1: none); a mismatch poisons dz with NaN
     DTYPE_KEY,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -288,10 +292,18 @@ def _masked_lm_loss_dlogits_kernel(
     pid_n = pid % n_tiles
     pid_m = pid // n_tiles
     count = tl.load(count_ptr)
+    # The sized backward passes its host count: the buffer and grid hold exactly that many rows, and
+    # if the device disagrees every dz of the call is NaN (rows past the device count read entry 0 of
+    # the compaction, a valid position) so that no gradient comes out silently partial.
+    n_rows = count
+    mismatch = False
+    if expected_count >= 0:
+        n_rows = expected_count
+        mismatch = count != expected_count
     start_m = pid_m * BLOCK_M
-    if start_m < count:
+    if start_m < n_rows:
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < count
+        mask_m = offs_m < n_rows
         rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
         tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)
         lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * 1.4426950408889634
@@ -314,6 +326,8 @@ def _masked_lm_loss_dlogits_kernel(
         p = tl.exp2(acc * 1.4426950408889634 - lse2[:, None])
         d = p - tl.where(offs_n[None, :] == tgt[:, None], 1.0 - smooth_eps, 0.0) - smooth_eps / V
         d = d * g[:, None]
+        if mismatch:
+            d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
         dst = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl + offs_c[None, :]
         tl.store(dst, d.to(dl_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -531,7 +545,7 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
             hidden, weight, b, target, rows, count, lse, grad_loss, dl,
             n, v, h, v_off, vc_c,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-            bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), key,
+            bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), -1, key,
             HAS_BIAS=bias is not None, DOT_PRECISION=prec)
 
         def grid(m):
@@ -544,4 +558,109 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
             h, v_off, vc_c, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), dl.stride(0),
             key, int(c == 0), int(c == n_chunks - 1), int(compute_dweight),
             HAS_BIAS=bias is not None and compute_dweight, DOT_PRECISION=prec)
+    return dhidden, dweight, dbias
+
+
+_ADDMM_OUT_DTYPE: bool | None = None
+
+
+def _addmm_f32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc + a @ b`` in fp32 (``a @ b`` when ``acc`` is None) for fp16/bf16/fp32 ``a``, ``b``: cuBLAS
+    with an fp32 output (``out_dtype``, torch >= 2.8 on CUDA) so the product is never rounded to 16 bits
+    before it is accumulated; elsewhere (CPU, older builds) through fp32 copies."""
+    global _ADDMM_OUT_DTYPE
+    if a.dtype == torch.float32:
+        return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
+    if a.is_cuda:
+        if _ADDMM_OUT_DTYPE is None:
+            try:
+                t = torch.ones(2, 2, dtype=a.dtype, device=a.device)
+                _ADDMM_OUT_DTYPE = torch.mm(t, t, out_dtype=torch.float32).dtype == torch.float32
+            except (TypeError, RuntimeError, NotImplementedError):
+                _ADDMM_OUT_DTYPE = False
+        if _ADDMM_OUT_DTYPE:
+            if acc is None:
+                return torch.mm(a, b, out_dtype=torch.float32)
+            return torch.addmm(acc, a, b, out_dtype=torch.float32)
+    prod = torch.mm(a.float(), b.float())
+    return prod if acc is None else acc.add_(prod)
+
+
+def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                             target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor,
+                             rows: torch.Tensor, count: torch.Tensor, num_rows: int, *, label_smoothing: float,
+                             compute_dhidden: bool = True, compute_dweight: bool = True,
+                             dlogits_budget_bytes: int | None = None,
+                             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The backward when the number of valid rows ``num_rows`` (= ``count``) is known on the host.
+
+    Same arguments and results as :func:`masked_lm_loss_bwd`. Buffers and grids are sized for the M valid
+    rows instead of all N, so the vocabulary chunks are N / M times wider for the same memory, and the two
+    GEMMs of each chunk run on cuBLAS over the compacted rows:
+
+    * ``_masked_lm_loss_dlogits_kernel`` (Triton) recomputes the chunk's logits and writes dz (M, VC) in the
+      weight dtype, as in the graph-safe path;
+    * dW[chunk] = dz^T h_c (cuBLAS, fp32 accumulation, written once in the weight dtype: each chunk owns
+      its rows of dW), dbias[chunk] = column sums of dz in fp32;
+    * dh_c (+)= dz W[chunk] (cuBLAS with an fp32 output accumulated across chunks), scattered once to the
+      valid positions of the zero-initialised dhidden.
+
+    ``h_c`` is the (M, H) gather of the valid rows (``hidden`` itself when every row is valid)."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    m = int(num_rows)
+    if not 0 <= m <= n:
+        raise ValueError(f"num_rows must be in [0, {n}] (the number of valid rows), got {m}")
+    dev = hidden.device
+    dtype = hidden.dtype
+    dhidden = torch.zeros(n, h, dtype=dtype, device=dev) if compute_dhidden else None
+    dweight = empty(v, h, dtype=weight.dtype, device=dev) if compute_dweight else None
+    dbias = empty(v, dtype=bias.dtype, device=dev) if compute_dweight and bias is not None else None
+    if m == 0 or not (compute_dhidden or compute_dweight):
+        for t in (dweight, dbias):
+            if t is not None:
+                t.zero_()
+        return dhidden, dweight, dbias
+    target = target.contiguous()
+    grad_loss = grad_loss.to(torch.float32).contiguous()
+    lse = lse.contiguous()
+    all_rows = m == n  # compaction keeps order: every row valid means rows[i] == i
+    rows_m = None if all_rows else rows[:m].long()
+    budget = SIZED_DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
+    vc = _chunk_columns(m, v, weight.element_size(), budget)
+    n_chunks = triton.cdiv(v, vc)
+    dl = empty(m, vc, dtype=weight.dtype, device=dev)
+    hc = None
+    if compute_dweight:
+        hc = hidden if all_rows else hidden.index_select(0, rows_m)
+    b = bias if bias is not None else weight  # placeholder pointer, never read
+    prec = _dot_precision(dtype)
+    key = _dtype_key(dtype)
+    acc = None
+    for c in range(n_chunks):
+        v_off = c * vc
+        vc_c = min(vc, v - v_off)
+        _launch.fast(_masked_lm_loss_dlogits_kernel)[
+                lambda meta: (triton.cdiv(vc_c, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"]),)](
+            hidden, weight, b, target, rows, count, lse, grad_loss, dl,
+            n, v, h, v_off, vc_c,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), m, key,
+            HAS_BIAS=bias is not None, DOT_PRECISION=prec)
+        d = dl[:, :vc_c]
+        if compute_dweight:
+            torch.mm(d.t(), hc, out=dweight[v_off:v_off + vc_c])
+            if dbias is not None:
+                dbias[v_off:v_off + vc_c] = d.sum(0, dtype=torch.float32)
+        if compute_dhidden:
+            wc = weight[v_off:v_off + vc_c]
+            if n_chunks == 1:
+                acc = torch.mm(d, wc)  # one chunk: cuBLAS accumulates the whole sum in fp32
+            else:
+                acc = _addmm_f32(acc, d, wc)
+    if compute_dhidden:
+        if all_rows:
+            dhidden.copy_(acc)
+        else:
+            dhidden.index_copy_(0, rows_m, acc.to(dtype))
     return dhidden, dweight, dbias

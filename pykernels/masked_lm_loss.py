@@ -108,6 +108,69 @@ def compact_rows(target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     return buf[:n], count
 
 
+class _CountCopies:
+    """Host copies of the forward's valid-row counts, for the backward (the sized path).
+
+    The forward starts a non-blocking copy of its device ``count`` into pinned host memory and records an
+    event right after it, before its own kernels. The backward waits on that event only: by then the GPU
+    has usually long passed the compaction (the forward's first step) while the forward's kernels are
+    still queued behind it, so the wait neither drains the GPU's queue nor leaves it idle.
+
+    Entries are keyed by the device addresses of the forward's ``count``, ``rows`` and ``lse`` outputs,
+    which the backward receives (saved tensors are the same storage, not the same Python objects). While
+    they are alive no other tensor can hold those addresses; every forward overwrites the entry at its
+    own addresses, graph-safe or not, so an entry of a freed forward is never read for a new one. Without
+    an entry (graph-safe call, CUDA-graph capture, tracing) the backward takes the graph-safe path."""
+
+    _LIMIT = 256  # entries of forwards whose backward never ran (evaluation) drop out beyond this
+
+    def __init__(self):
+        self._entries: dict[tuple, tuple] = {}
+
+    @staticmethod
+    def _key(count: Tensor, rows: Tensor, lse: Tensor) -> tuple:
+        return (count.device, count.data_ptr(), rows.data_ptr(), lse.data_ptr())
+
+    @staticmethod
+    def start(count: Tensor) -> tuple:
+        """Begin the host copy of ``count`` (no wait): returns (host tensor, event or None)."""
+        if not count.is_cuda:
+            return count.clone(), None
+        host = torch.empty(1, dtype=count.dtype, pin_memory=True)
+        host.copy_(count, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def put(self, count: Tensor, rows: Tensor, lse: Tensor, copy: Optional[tuple]) -> None:
+        """Record this forward's copy, or (``copy`` None) drop any entry left at its addresses."""
+        key = self._key(count, rows, lse)
+        self._entries.pop(key, None)
+        if copy is None:
+            return
+        if len(self._entries) >= self._LIMIT:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[key] = copy
+
+    def get(self, count: Tensor, rows: Tensor, lse: Tensor) -> Optional[int]:
+        """The host value of ``count`` if its forward copied it, else None. Entries stay (a retained
+        graph's second backward finds them too) until a forward reuses the addresses or the limit."""
+        entry = self._entries.get(self._key(count, rows, lse))
+        if entry is None:
+            return None
+        host, event = entry
+        if event is not None:
+            event.synchronize()
+        return int(host[0])
+
+
+_COUNTS = _CountCopies()
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _support(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> dict:
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         return {"triton": f"mixed dtypes (hidden {hidden.dtype}, weight {weight.dtype})"}
@@ -131,22 +194,26 @@ def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing):
 
 @custom_op("pykernels::masked_lm_loss_fwd", mutates_args=())
 def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
-         label_smoothing: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+         label_smoothing: float, graph_safe: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # hidden (N, H), weight (V, H), target (N,) int64, bias (V,) or None -> loss (N,) fp32, lse (N,) fp32,
     # rows (N,) int32, count (1,) int32 (the compaction, computed once and saved for the backward)
     impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
     rows, count = compact_rows(target, ignore_index)
+    copy = None
+    if impl == "triton" and not graph_safe and not _capturing(hidden.device):
+        copy = _COUNTS.start(count)  # the sized backward reads it (no wait here)
     if impl == "triton":
         from ._kernels import masked_lm_loss as k
         loss, lse = k.masked_lm_loss_fwd(hidden, weight, target, bias, rows, count,
                                          label_smoothing=label_smoothing)
     else:
         loss, lse = _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing)
+    _COUNTS.put(count, rows, lse, copy)
     return loss, lse, rows, count
 
 
 @_fwd.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, backend):
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, backend):
     n = hidden.shape[0]
     return (hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32),
             hidden.new_empty(n, dtype=torch.int32), hidden.new_empty(1, dtype=torch.int32))
@@ -161,9 +228,15 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
     impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
     if impl == "triton":
         from ._kernels import masked_lm_loss as k
-        dh, dw, db = k.masked_lm_loss_bwd(grad_loss, hidden, weight, target, bias, lse, rows, count,
-                                          label_smoothing=label_smoothing, compute_dhidden=need_dhidden,
-                                          compute_dweight=need_dweight)
+        m = None if _capturing(hidden.device) else _COUNTS.get(count, rows, lse)
+        if m is not None:
+            dh, dw, db = k.masked_lm_loss_bwd_sized(
+                grad_loss, hidden, weight, target, bias, lse, rows, count, m, label_smoothing=label_smoothing,
+                compute_dhidden=need_dhidden, compute_dweight=need_dweight)
+        else:
+            dh, dw, db = k.masked_lm_loss_bwd(grad_loss, hidden, weight, target, bias, lse, rows, count,
+                                              label_smoothing=label_smoothing, compute_dhidden=need_dhidden,
+                                              compute_dweight=need_dweight)
     else:
         with torch.enable_grad():
             h = hidden.detach().requires_grad_(True)
@@ -197,7 +270,7 @@ def _(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index, l
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, target, bias, ignore_index, label_smoothing, backend = inputs
+    hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, backend = inputs
     _, lse, rows, count = output
     ctx.save_for_backward(hidden, weight, target, bias, lse, rows, count)
     ctx.ignore_index = ignore_index
@@ -213,7 +286,7 @@ def _backward(ctx, grad_loss, grad_lse, grad_rows, grad_count):
     dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, rows, count, ctx.ignore_index,
                       ctx.label_smoothing, need_dh, need_dw, ctx.backend)
     return (dh if need_dh else None, dw if ctx.needs_input_grad[1] else None, None,
-            db if bias is not None and ctx.needs_input_grad[3] else None, None, None, None)
+            db if bias is not None and ctx.needs_input_grad[3] else None, None, None, None, None)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -223,7 +296,7 @@ _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tensor | None = None,
                    ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                   num_valid=None, backend: str | None = None) -> Tensor:
+                   num_valid=None, graph_safe: bool = False, backend: str | None = None) -> Tensor:
     """Cross-entropy of the LM head ``hidden @ weight.T + bias`` at the positions whose target is not
     ``ignore_index``, without materialising the logits.
 
@@ -238,17 +311,26 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
         label_smoothing: eps in [0, 1), as ``torch.nn.functional.cross_entropy`` defines it.
         num_valid: int or tensor; with ``reduction="mean"`` divide by it instead of the local valid
             count (gradient accumulation over micro-batches divides by the global count).
+        graph_safe: Triton path only. False (default): the forward copies the number of valid positions
+            to the host without waiting, and the backward waits for that copy (an event recorded
+            right after the forward's compaction, so the GPU neither drains nor idles) and then sizes its
+            buffers and GEMMs for the valid rows only. True: nothing ever waits for the device; the
+            backward's buffers and grids are sized for all N positions (slower at 15% masking, more
+            memory). A call captured in a CUDA graph (``torch.cuda.graph``, ``torch.compile`` with
+            ``mode="reduce-overhead"``) is graph-safe automatically.
         backend: ``"auto" | "triton" | "reference"`` or None (the current default).
 
     Returns:
         fp32 loss: a scalar, or shaped like ``target`` for ``reduction="none"``. Gradients flow to
         ``hidden`` (zero at ignored positions), ``weight`` and ``bias``.
 
-    The Triton path issues no host-device sync (the number of valid rows stays on the device), so the
-    call can be captured in a CUDA graph. Its backward holds, besides the gradients, an (N, VC) dlogits
-    buffer of at most ``pykernels._kernels.masked_lm_loss.DLOGITS_BUDGET_BYTES`` (64 MiB; VC >= 256
-    columns) and, when V needs more than one chunk, an fp32 (N, H) dhidden accumulator. A target outside [0, V) that is not ``ignore_index`` gives
-    a NaN loss on the Triton path (no out-of-bounds read) and a ValueError on the reference path.
+    The Triton forward never waits for the device (the valid positions are compacted on the device).
+    Memory of the backward besides the gradients: by default (the sized path) an (M, VC) dlogits buffer
+    of at most ``pykernels._kernels.masked_lm_loss.SIZED_DLOGITS_BUDGET_BYTES`` (16 MiB), the (M, H)
+    gathered valid rows and an fp32 (M, H) dhidden accumulator, M = valid positions; graph-safe, an
+    (N, VC) buffer of at most ``DLOGITS_BUDGET_BYTES`` (64 MiB) and an fp32 (N, H) accumulator. A target
+    outside [0, V) that is not ``ignore_index`` gives a NaN loss on the Triton path (no out-of-bounds
+    read) and a ValueError on the reference path.
 
     Causal LM (GPT): ``masked_lm_loss(hidden, wte, shift_labels(input_ids))``.
     MLM (BERT): ``masked_lm_loss(sequence_output, word_embeddings, labels, bias=decoder_bias)`` with
@@ -297,5 +379,7 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
 
     h2 = hidden.reshape(-1, hidden.shape[-1])  # (N, H), a view when the strides allow
     t1 = target.reshape(-1).long()              # (N,)
-    loss = _fwd(h2, weight, t1, bias, ignore_index, label_smoothing, backend or "")[0]
+    if not isinstance(graph_safe, bool):
+        raise TypeError(f"graph_safe must be a bool, got {type(graph_safe).__name__}")
+    loss = _fwd(h2, weight, t1, bias, ignore_index, label_smoothing, graph_safe, backend or "")[0]
     return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid)

@@ -41,13 +41,14 @@ def _run(fn, hidden, weight, bias, grad_out, **kw):
 
 
 def _check(hidden, weight, target, bias=None, *, reduction="mean", label_smoothing=0.0, num_valid=None,
-           grad_out=None, backend="triton", ignore_index=IGN):
+           grad_out=None, backend="triton", ignore_index=IGN, graph_safe=False):
     """The kernel vs the float64 reference, bounded by twice the eager same-dtype reference's error."""
     kw = dict(reduction=reduction, label_smoothing=label_smoothing, num_valid=num_valid,
               ignore_index=ignore_index)
     if grad_out is None and reduction == "none":
         grad_out = torch.randn(target.shape, device=hidden.device)
-    out = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, backend=backend, **kw),
+    out = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, backend=backend,
+                                                 graph_safe=graph_safe, **kw),
                hidden, weight, bias, grad_out)
     lo = _run(lambda h, w, bias: masked_lm_loss_reference(h, w, target, bias=bias, **kw),
               hidden, weight, bias, grad_out)
@@ -81,10 +82,62 @@ CASES = [
 ]
 
 
+@pytest.fixture
+def path_spy(monkeypatch):
+    """Records which backward ran: "sized" (valid count known on the host) or "graph-safe"."""
+    taken = []
+    for name, label in (("masked_lm_loss_bwd_sized", "sized"), ("masked_lm_loss_bwd", "graph-safe")):
+        fn = getattr(kmod, name)
+        monkeypatch.setattr(kmod, name, lambda *a, _fn=fn, _label=label, **k: (taken.append(_label), _fn(*a, **k))[1])
+    return taken
+
+
+@pytest.mark.parametrize("graph_safe", [False, True], ids=["sized", "graph-safe"])
 @pytest.mark.parametrize("dtype,v,bias,reduction,ls", CASES)
-def test_matches_reference(device, dtype, v, bias, reduction, ls):
+def test_matches_reference(device, dtype, v, bias, reduction, ls, graph_safe, path_spy):
     hidden, weight, target, b = _inputs((37,), 32, v, dtype, device, frac=0.15, bias=bias)
-    _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls)
+    _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, graph_safe=graph_safe)
+    assert path_spy == ["graph-safe" if graph_safe else "sized"]
+
+
+def test_sized_backward_with_chunks_and_every_row_valid(device, monkeypatch, path_spy):
+    # every row valid (the causal-LM case: the gathered rows are hidden itself, strided here) and a budget
+    # small enough for three vocabulary chunks: the fp32 dhidden accumulator is carried across them
+    monkeypatch.setattr(kmod, "SIZED_DLOGITS_BUDGET_BYTES", 37 * 4 * 256)
+    assert kmod._chunk_columns(37, 700, 4, kmod.SIZED_DLOGITS_BUDGET_BYTES) == 256
+    base, _, target, b = _inputs((37,), 64, 700, torch.float32, device, frac=1.0, bias=True)
+    hidden = base[:, ::2]  # (37, 32), row stride 64, column stride 2
+    weight = torch.randn(700, 32, device=device) * 32**-0.5
+    assert (target != IGN).all()
+    _check(hidden, weight, target, b, reduction="none", label_smoothing=0.1)
+    assert path_spy == ["sized"]
+
+
+def test_sized_backward_fp16_chunks(device, monkeypatch, path_spy):
+    monkeypatch.setattr(kmod, "SIZED_DLOGITS_BUDGET_BYTES", 1)  # 256-column chunks: 256, 256, 5
+    hidden, weight, target, b = _inputs((37,), 32, 517, torch.float16, device, frac=0.5, bias=True)
+    _check(hidden, weight, target, b, reduction="mean")
+    assert path_spy == ["sized"]
+
+
+def test_sized_backward_poisons_a_wrong_host_count(device):
+    # The grid of the sized backward is sized by the host count; a count that is not the device's must
+    # never give a silently partial gradient.
+    hidden, weight, target, _ = _inputs((37,), 32, 517, torch.float32, device, frac=0.5)
+    from pykernels.masked_lm_loss import compact_rows
+    rows, count = compact_rows(target, IGN)
+    lse = torch.logsumexp(hidden @ weight.t(), -1)
+    g = torch.ones(37, device=device)
+    m = int(count)
+    good = kmod.masked_lm_loss_bwd_sized(g, hidden, weight, target, None, lse, rows, count, m, label_smoothing=0.0)
+    assert all(torch.isfinite(t).all() for t in good[:2])
+    for wrong in (m - 1, m + 1):
+        dh, dw, _ = kmod.masked_lm_loss_bwd_sized(g, hidden, weight, target, None, lse, rows, count, wrong,
+                                                  label_smoothing=0.0)
+        assert torch.isnan(dw).all()
+        assert torch.isnan(dh[target != IGN]).any()
+    with pytest.raises(ValueError, match="num_rows"):
+        kmod.masked_lm_loss_bwd_sized(g, hidden, weight, target, None, lse, rows, count, 38, label_smoothing=0.0)
 
 
 def test_dhidden_is_zero_at_ignored_rows(device):
@@ -102,21 +155,23 @@ def test_several_vocab_slices_and_backward_chunks(device, monkeypatch):
     monkeypatch.setattr(kmod, "DLOGITS_BUDGET_BYTES", 37 * 4 * 1024)
     assert kmod._chunk_columns(37, 2100, 4, kmod.DLOGITS_BUDGET_BYTES) == 768
     hidden, weight, target, b = _inputs((37,), 32, 2100, torch.float32, device, frac=0.4, bias=True)
-    _check(hidden, weight, target, b, reduction="none", label_smoothing=0.1)
+    _check(hidden, weight, target, b, reduction="none", label_smoothing=0.1, graph_safe=True)
 
 
 def test_backward_chunks_with_narrow_last_chunk(device, monkeypatch):
     monkeypatch.setattr(kmod, "DLOGITS_BUDGET_BYTES", 37 * 4 * 256)
     assert kmod._chunk_columns(37, 517, 4, kmod.DLOGITS_BUDGET_BYTES) == 256  # chunks 256, 256, 5
     hidden, weight, target, b = _inputs((37,), 32, 517, torch.float16, device, frac=0.5, bias=True)
-    _check(hidden, weight, target, b, reduction="mean")
+    _check(hidden, weight, target, b, reduction="mean", graph_safe=True)
 
 
+@pytest.mark.parametrize("graph_safe", [False, True], ids=["sized", "graph-safe"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_all_ignored_gives_zero_loss_and_zero_grads(device, reduction):
+def test_all_ignored_gives_zero_loss_and_zero_grads(device, reduction, graph_safe):
     hidden, weight, _, b = _inputs((37,), 32, 517, torch.float32, device, bias=True)
     target = torch.full((37,), IGN, device=device)
-    out = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, reduction=reduction, backend="triton"),
+    out = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, reduction=reduction, backend="triton",
+                                                 graph_safe=graph_safe),
                hidden, weight, b, None)
     for name, t in zip(["loss", "dhidden", "dweight", "dbias"], out):
         assert torch.isfinite(t).all(), name
@@ -263,9 +318,11 @@ def _gpu_case(n, h, v, n_valid, *, bias=False):
     ("bert-large-mlm", 16384, 1024, 30522, 0.15, False),
     ("gpt2-lm", 8192, 768, 50257, 1.0, False),
 ])
-def test_gpu_bf16_realistic(name, n, h, v, frac, bias):
+@pytest.mark.parametrize("graph_safe", [False, True], ids=["sized", "graph-safe"])
+def test_gpu_bf16_realistic(name, n, h, v, frac, bias, graph_safe, path_spy):
     hidden, weight, target, b = _inputs((n,), h, v, torch.bfloat16, "cuda", frac=frac, bias=bias)
-    _check(hidden, weight, target, b, reduction="mean")
+    _check(hidden, weight, target, b, reduction="mean", graph_safe=graph_safe)
+    assert path_spy == ["graph-safe" if graph_safe else "sized"]
 
 
 @pytest.mark.gpu
@@ -292,29 +349,59 @@ def test_gpu_torch_compile_inductor_matches_eager():
 
 
 @pytest.mark.gpu
-def test_gpu_deterministic():
+@pytest.mark.parametrize("graph_safe", [False, True], ids=["sized", "graph-safe"])
+def test_gpu_deterministic(graph_safe):
     # No atomics: two runs give bitwise-equal loss and gradients (several backward chunks).
     hidden, weight, target, b = _inputs((4096,), 256, 30522, torch.bfloat16, "cuda", frac=0.15, bias=True)
-    first = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, backend="triton"), hidden, weight, b, None)
-    second = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, backend="triton"), hidden, weight, b, None)
+
+    def f(h, w, bias):
+        return masked_lm_loss(h, w, target, bias=bias, backend="triton", graph_safe=graph_safe)
+
+    first = _run(f, hidden, weight, b, None)
+    second = _run(f, hidden, weight, b, None)
     for x, y in zip(first, second):
         assert torch.equal(x, y)
 
 
 @pytest.mark.gpu
-def test_gpu_no_host_sync():
+@pytest.mark.parametrize("graph_safe", [False, True], ids=["sized", "graph-safe"])
+def test_gpu_no_host_sync(graph_safe):
+    # The forward never synchronises; graph-safe, the backward neither. (The sized backward waits for
+    # the forward's count copy by design: test_gpu_sized_backward_waits_only_for_the_count.)
     hidden, weight, target, b = _inputs((2048,), 256, 8192, torch.bfloat16, "cuda", frac=0.15, bias=True)
     h = hidden.requires_grad_(True)
     w = weight.requires_grad_(True)
     bb = b.requires_grad_(True)
     for _ in range(2):  # compile and autotune (which synchronises) before watching
-        masked_lm_loss(h, w, target, bias=bb, backend="triton").backward()
+        masked_lm_loss(h, w, target, bias=bb, backend="triton", graph_safe=graph_safe).backward()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        masked_lm_loss(h, w, target, bias=bb, backend="triton").backward()
+        loss = masked_lm_loss(h, w, target, bias=bb, backend="triton", graph_safe=graph_safe)
+        if graph_safe:
+            loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    if not graph_safe:
+        loss.backward()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_gpu_sized_backward_waits_only_for_the_count():
+    # The sized backward must not wait for the forward's kernels: with a long kernel queued behind the
+    # forward's count copy, the backward's host work finishes while the GPU is still busy.
+    hidden, weight, target, b = _inputs((4096,), 256, 30522, torch.bfloat16, "cuda", frac=0.15, bias=True)
+    h = hidden.requires_grad_(True)
+    for _ in range(2):
+        masked_lm_loss(h, weight, target, backend="triton").backward()
+    torch.cuda.synchronize()
+    loss = masked_lm_loss(h, weight, target, backend="triton")
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued after the forward
+    done = torch.cuda.Event()
+    loss.backward()
+    done.record()
+    assert not done.query(), "the backward waited for the whole queue"
     torch.cuda.synchronize()
 
 
@@ -325,8 +412,9 @@ def test_gpu_cuda_graph_capture_follows_the_data():
     h = hidden.clone().requires_grad_(True)
     static_t = target.clone()
 
-    def step():
-        loss = masked_lm_loss(h, weight, static_t, bias=b, backend="triton", reduction="sum")
+    def step(graph_safe=False):  # captured: graph-safe automatically (the sized path would wait)
+        loss = masked_lm_loss(h, weight, static_t, bias=b, backend="triton", reduction="sum",
+                              graph_safe=graph_safe)
         (dh,) = torch.autograd.grad(loss, [h])
         return loss, dh
 
@@ -346,7 +434,7 @@ def test_gpu_cuda_graph_capture_follows_the_data():
         static_t.copy_(new_t)
         graph.replay()
         torch.cuda.synchronize()
-        loss, dh = step()
+        loss, dh = step(graph_safe=True)
         torch.testing.assert_close(g_loss, loss, rtol=0, atol=0)
         torch.testing.assert_close(g_dh, dh, rtol=0, atol=0)
 
