@@ -32,8 +32,44 @@ def pruner(prune):
     return wrapped
 
 
+def _capturing() -> bool:
+    import torch
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _untimed_bench(*args, config, **kwargs):
+    return [0.0, 0.0, 0.0]  # equal timings: min() keeps the first pruned config
+
+
+def _capture_safe(tuner):
+    """Make an Autotuner usable during CUDA-graph capture. Benchmarking there is impossible (it
+    synchronises), so a key first seen while capturing takes its first surviving config without timing
+    it and keeps it (the same default ``PYKERNELS_AUTOTUNE=0`` gives). This happens when a warm-up took
+    another path than the captured call, e.g. ``masked_lm_loss``'s sized backward before a capture,
+    which is graph-safe."""
+    base = type(tuner)
+
+    class CaptureSafeAutotuner(base):
+        def run(self, *args, **kwargs):
+            if _capturing():
+                own = self.__dict__.get("_bench")  # normally absent: the class's method
+                self._bench = _untimed_bench
+                try:
+                    return base.run(self, *args, **kwargs)
+                finally:
+                    if own is None:
+                        del self._bench
+                    else:
+                        self._bench = own
+            return base.run(self, *args, **kwargs)
+
+    tuner.__class__ = CaptureSafeAutotuner
+    return tuner
+
+
 def autotune(configs, key, prune_configs_by=None, **kwargs):
-    """``triton.autotune`` that honours ``PYKERNELS_AUTOTUNE=0`` (first surviving config only)."""
+    """``triton.autotune`` that honours ``PYKERNELS_AUTOTUNE=0`` (first surviving config only) and does
+    not time configs during CUDA-graph capture (:func:`_capture_safe`)."""
     import triton
     if not autotune_enabled():
         prune_configs_by = dict(prune_configs_by or {})
@@ -41,4 +77,5 @@ def autotune(configs, key, prune_configs_by=None, **kwargs):
             prune_configs_by["early_config_prune"] = pruner(prune_configs_by["early_config_prune"])
         else:
             configs = list(configs[:1])
-    return triton.autotune(configs=configs, key=key, prune_configs_by=prune_configs_by or None, **kwargs)
+    deco = triton.autotune(configs=configs, key=key, prune_configs_by=prune_configs_by or None, **kwargs)
+    return lambda fn: _capture_safe(deco(fn))

@@ -440,3 +440,28 @@ def test_gpu_kernel_misaligned_after_aligned():
     slow_us = _host_us(lambda: _copy_kernel[grid](base[:1000], y, 1000, 3.0, FLAG=True))
     fast_us = _host_us(lambda: _launch.launch(_copy_kernel, grid, base[:1000], y, 1000, 3.0, FLAG=True))
     print(f"\nsingle launch host us: normal {slow_us:.1f}, fast {fast_us:.1f}")
+
+
+def test_autotuners_do_not_time_configs_while_capturing(monkeypatch):
+    # During CUDA-graph capture an autotuner's first launch of a key takes its first surviving config
+    # without benchmarking (benchmarking synchronises, which capture forbids) and keeps it.
+    from pykernels._kernels import _tuning
+    from pykernels._kernels import masked_lm_loss as kmod
+    tuner = kmod._masked_lm_loss_fwd_kernel
+    assert type(tuner).__name__ == "CaptureSafeAutotuner"
+    timed = []
+    monkeypatch.setattr(type(tuner).__mro__[1], "_bench", lambda self, *a, config, **k: timed.append(config) or [1.0])
+    monkeypatch.setattr(_tuning, "_capturing", lambda: True)
+    bench_during = []
+
+    def fake_run(self, *args, **kwargs):
+        bench_during.append(self._bench(config="c0"))
+        return "ran"
+
+    monkeypatch.setattr(type(tuner).__mro__[1], "run", fake_run)
+    assert tuner.run() == "ran"
+    assert bench_during == [[0.0, 0.0, 0.0]] and not timed  # the untimed stand-in, not the real bench
+    monkeypatch.setattr(_tuning, "_capturing", lambda: False)
+    bench_during.clear()
+    tuner.run()
+    assert bench_during == [[1.0]] and timed == ["c0"]  # outside capture: the real one
