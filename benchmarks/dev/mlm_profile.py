@@ -49,10 +49,23 @@ def main() -> None:
         end.record()
         torch.cuda.synchronize()
         print(f"\n== {name}: {start.elapsed_time(end) / 10:.3f} ms per forward+backward (events, eager)")
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # host time of one call with the GPU idle at the start (what the host spends launching it)
+        import time
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = pykernels.masked_lm_loss(hidden, weight, target, graph_safe=gs)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        print(f"host: forward {1e3 * (t1 - t0):.3f} ms, backward {1e3 * (t2 - t1):.3f} ms, "
+              f"then GPU drain {1e3 * (t3 - t2):.3f} ms")
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             pykernels.masked_lm_loss(hidden, weight, target, graph_safe=gs).backward()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
         kmod.SIZED_DLOGITS_BUDGET_BYTES = saved
 
 
