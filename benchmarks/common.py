@@ -77,6 +77,24 @@ def peak_extra_mib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def gpu_kernel_ms(fn: Callable[[], object], *, reps: int = 3) -> float:
+    """GPU time of ``fn``: the sum of the device time of every kernel and memcpy/memset it issues, per
+    call (median of ``reps`` profiled calls, torch.profiler / CUPTI). Unlike CUDA-graph replay it
+    works for calls that synchronise (torch.compile's gather-first, pykernels' sized MLM backward);
+    like it, it leaves out host time and idle gaps. Warm ``fn`` up before calling this."""
+    from torch.profiler import ProfilerActivity, profile
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        total_us = sum(e.device_time_total for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+        times.append(total_us / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def ceilings() -> dict:
     """Copy bandwidth (read+write, TB/s) and bf16 matmul rate (TFLOP/s) measured on this card now."""
     n = 1 << 28  # 512 MiB of bf16 each way
