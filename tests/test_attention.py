@@ -675,3 +675,70 @@ def test_gpu_compile_inductor():
     f = lambda q, k, v: sdpa(q, k, v, is_causal=True, backend="triton")  # noqa: E731
     out_c = torch.compile(f, fullgraph=True)(q, k, v)
     torch.testing.assert_close(out_c, f(q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor descriptors (TMA) in the forward
+# ---------------------------------------------------------------------------------------------
+def _tma_launches(monkeypatch):
+    """Records the USE_TMA flag of every forward launch."""
+    from pykernels._kernels import attention as kattn
+    seen = []
+    real = kattn._tma_ok
+
+    def spy(*a, **k):
+        seen.append(real(*a, **k))
+        return seen[-1]
+
+    monkeypatch.setattr(kattn, "_tma_ok", spy)
+    return kattn, seen
+
+
+@pytest.mark.parametrize("causal,varlen", [(False, False), (True, False), (True, True)])
+def test_forward_tensor_descriptors_equal_pointer_loads(device, monkeypatch, causal, varlen):
+    # The descriptor path (Hopper TMA; emulated by the interpreter) reads the same tiles, zero-filled
+    # past the sequence like the masked pointer loads: the outputs are bitwise equal, and both pass
+    # the reference rule. Odd lengths exercise the tail blocks.
+    dtype = BF16 if device == "cuda" else F16
+    kattn, seen = _tma_launches(monkeypatch)
+    if varlen:
+        lens = [5, 0, 23, 17]
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+        q, k, v = _inputs((sum(lens), 4, 32), (sum(lens), 2, 32), (sum(lens), 2, 32), dtype, device)
+
+        def run():
+            return varlen_attention(q, k, v, cu, cu, max(lens), max(lens), causal=causal, backend="triton")
+    else:
+        q, k, v = _inputs((2, 4, 37, 32), (2, 2, 29, 32), (2, 2, 29, 32), dtype, device)
+
+        def run():
+            return sdpa(q, k, v, is_causal=causal, enable_gqa=True, backend="triton")
+
+    with_tma = run()
+    monkeypatch.setattr(kattn, "USE_TMA", False)
+    without = run()
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        assert seen == [False, False]
+    else:
+        assert seen == [True, False]
+    assert torch.equal(with_tma, without)
+    if not varlen:
+        monkeypatch.setattr(kattn, "USE_TMA", True)
+        _check_against_ref(q, k, v, causal=causal, enable_gqa=True, what="tma")
+
+
+def test_tensor_descriptor_eligibility(device):
+    from pykernels._kernels import attention as kattn
+    dtype = BF16 if device == "cuda" else F16
+    q = torch.randn(2, 4, 16, 64, dtype=dtype, device=device)
+    o = torch.empty_like(q)
+    strides = (q.stride()[:3],) * 4
+    ok = device != "cuda" or torch.cuda.get_device_capability()[0] >= 9
+    assert kattn._tma_ok(q, q, q, o, strides, 64, 64) == ok
+    assert not kattn._tma_ok(q, q, q, o, strides, 80, 80)  # not its own power-of-two tile
+    assert not kattn._tma_ok(q.float(), q.float(), q.float(), o.float(), strides, 64, 64)  # fp32
+    odd = ((2 * 4 * 16 * 64, 16 * 64, 68),) * 4  # a row stride of 136 bytes: not 16-byte aligned
+    assert not kattn._tma_ok(q, q, q, o, odd, 64, 64)
+    flat = torch.randn(2 * 4 * 16 * 64 + 1, dtype=dtype, device=device)
+    shifted = flat[1:].view(2, 4, 16, 64)  # base pointer off by 2 bytes
+    assert not kattn._tma_ok(shifted, q, q, o, strides, 64, 64)
