@@ -90,7 +90,6 @@ known to be wrong; ours is tested on the full matrix); flash-attn's varlen inter
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -249,28 +248,22 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, o
                stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, rng_sk, dropout_p,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
                APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
-               USE_TMA: tl.constexpr, k_desc, v_desc):
-    """Online-softmax update over key blocks [start_lo, end_hi). CHECK_N only for the tail block.
-    With USE_TMA, K and V tiles come through the tensor descriptors (rows past k_len read as 0)."""
+               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr):
+    """Online-softmax update over key blocks [start_lo, end_hi). CHECK_N only for the tail block."""
     # Unlike the backward loops, the short CHECK_N loops stay pipelined here: unpipelining them saved
     # no registers in the sm_90 AOT check (128x128/8 warps causal even gained a spill store).
     for start_n in range(start_lo, end_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         cols = _idx(offs_n, IDX64)
-        if USE_TMA:
-            kt = k_desc.load([start_n, 0]).T
-            v = v_desc.load([start_n, 0])
+        # K^T tile (BLOCK_D, BLOCK_N) loaded directly transposed through its strides.
+        kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]
+        v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :]
+        if CHECK_N or not EVEN_D:
+            kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < k_len) & (offs_d[:, None] < D), other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < k_len) & (offs_dv[None, :] < DV), other=0.0)
         else:
-            # K^T tile (BLOCK_D, BLOCK_N) loaded directly transposed through its strides.
-            kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]
-            v_ptrs = V + cols[:, None] * stride_vn + offs_dv[None, :]
-            if CHECK_N or not EVEN_D:
-                kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < k_len) & (offs_d[:, None] < D), other=0.0)
-                v = tl.load(v_ptrs, mask=(offs_n[:, None] < k_len) & (offs_dv[None, :] < DV), other=0.0)
-            else:
-                kt = tl.load(kt_ptrs)
-                v = tl.load(v_ptrs)
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         s = _apply_masks(s, offs_m[:, None], offs_n[None, :], k_len, mask_row_ptrs + cols[None, :] * stride_mn,
                          m_ok[:, None], MASK_KIND, APPLY_CAUSAL, CHECK_N)
@@ -303,7 +296,6 @@ def _attention_fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
-    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -331,21 +323,8 @@ def _attention_fwd_kernel(
     else:
         mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + rows[:, None] * stride_mm
 
-    if USE_TMA:
-        # Hopper tensor descriptors over this (batch, head) slice: the TMA unit fetches the tiles
-        # asynchronously into shared memory (no address math or bounds masks in registers) and fills
-        # rows past the sequence with 0. The launcher guarantees 16-byte aligned bases and strides.
-        q_desc = tl.make_tensor_descriptor(Q, shape=[q_len, D], strides=[stride_qm, 1], block_shape=[BLOCK_M, D])
-        # (an empty key sequence loads nothing; its descriptors still get a valid, non-zero extent)
-        k_rows = tl.maximum(k_len, 1)
-        k_desc = tl.make_tensor_descriptor(K, shape=[k_rows, D], strides=[stride_kn, 1], block_shape=[BLOCK_N, D])
-        v_desc = tl.make_tensor_descriptor(V, shape=[k_rows, DV], strides=[stride_vn, 1], block_shape=[BLOCK_N, DV])
-        q = q_desc.load([start_m, 0])
-    else:
-        k_desc = K  # unused placeholders
-        v_desc = V
-        q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & (offs_d[None, :] < D),
-                    other=0.0)
+    q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & (offs_d[None, :] < D),
+                other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -365,17 +344,15 @@ def _attention_fwd_kernel(
     split = tl.maximum(lo, tl.minimum(mid, full_end))
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
                                stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
-                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64,
-                               USE_TMA, k_desc, v_desc)
+                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, split, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
                                stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
-                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64,
-                               USE_TMA, k_desc, v_desc)
+                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
     if IS_CAUSAL:  # the diagonal band [start_m, start_m + BLOCK_M): causal compare
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, tl.maximum(lo, start_m), hi, offs_m, m_ok, offs_d,
                                    offs_dv, k_len, stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed,
                                    rng_base, Sk, dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D,
-                                   HAS_DROPOUT, PRECISION, IDX64, USE_TMA, k_desc, v_desc)
+                                   HAS_DROPOUT, PRECISION, IDX64)
 
     # Fully masked rows have l = 0: output 0 and lse = -inf (never 0/0).
     row_ok = l_i > 0.0
@@ -386,12 +363,8 @@ def _attention_fwd_kernel(
     acc = acc * inv_l[:, None]
     lse = tl.where(row_ok, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + offs_m, lse, mask=m_ok)
-    if USE_TMA:
-        o_desc = tl.make_tensor_descriptor(O, shape=[q_len, DV], strides=[stride_om, 1], block_shape=[BLOCK_M, DV])
-        o_desc.store([start_m, 0], acc.to(O.dtype.element_ty))  # rows past q_len are not written
-    else:
-        tl.store(O + rows[:, None] * stride_om + offs_dv[None, :], acc.to(O.dtype.element_ty),
-                 mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(O + rows[:, None] * stride_om + offs_dv[None, :], acc.to(O.dtype.element_ty),
+             mask=m_ok[:, None] & (offs_dv[None, :] < DV))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -710,45 +683,6 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-# Tensor descriptors (TMA) for the forward's Q/K/V/O tiles. PYKERNELS_ATTENTION_TMA=0 turns them off;
-# tests set the module attribute to cover both paths.
-USE_TMA = os.environ.get("PYKERNELS_ATTENTION_TMA", "1") not in ("", "0")
-
-
-def _tma_ok(q, k, v, o, row_strides, d: int, dv: int) -> bool:
-    """Whether the forward can read Q/K/V and write O through tensor descriptors: Hopper or newer (the
-    interpreter emulates them), fp16/bf16, head dims that are their own power-of-two tile (16..256), and
-    16-byte aligned base pointers and (batch, head, row) strides (the descriptors' requirements)."""
-    if not USE_TMA or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if _pow2_dim(d) != d or _pow2_dim(dv) != dv or max(d, dv) > 256:
-        return False
-    if not _tuning.interpret():
-        if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] < 9:
-            return False
-    elem = q.element_size()
-    for t in (q, k, v, o):
-        if t.data_ptr() % 16:
-            return False
-    for strides in row_strides:
-        if any((int(s) * elem) % 16 for s in strides):
-            return False
-    return True
-
-
-def _tma_alloc(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator() -> None:
-    """Device-side tensor descriptors need a global scratch allocator (``triton.set_allocator``). It
-    lives in a ContextVar, so each thread (autograd's backward threads recompute checkpointed forwards)
-    needs its own; a user's allocator is left in place."""
-    from triton.runtime import _allocation
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_tma_alloc)
-
-
 def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float, seed: int,
                   kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0):
@@ -779,9 +713,6 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
     dummy = torch.empty(2, dtype=torch.int32, device=q.device)
     mask_t, mask_kind, ms = _mask_args(mask, dummy)
     idx64 = _needs_idx64(sq, sk, (qs[2], ks[2], vs[2], os_[2]), ms)
-    use_tma = _tma_ok(q, k, v, o, (qs, ks, vs, os_), d, dv)
-    if use_tma:
-        _ensure_allocator()
     grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), hq, batch)  # noqa: E731
     _launch.fast(_attention_fwd_kernel)[grid](
         q, k, v, o, lse, mask_t, kv_range if kv_range is not None else dummy,
@@ -792,7 +723,6 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         D=d, DV=dv, BLOCK_D=_pow2_dim(d), BLOCK_DV=_pow2_dim(dv), EVEN_D=_pow2_dim(d) == d and _pow2_dim(dv) == dv,
         IS_CAUSAL=bool(causal), MASK_KIND=mask_kind, HAS_KV_RANGE=kv_range is not None,
         HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen, PRECISION=_precision(q.dtype), IDX64=idx64,
-        USE_TMA=use_tma,
     )
     return o, lse
 
