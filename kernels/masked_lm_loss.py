@@ -707,7 +707,8 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
         else:
             _launch.fast(_masked_lm_loss_dlogits_kernel)[
-                    lambda meta: (triton.cdiv(vc_c, meta["BLOCK_N"] * meta["TILES"]) * triton.cdiv(m, meta["BLOCK_M"]),)](
+                    lambda meta: (triton.cdiv(vc_c, meta["BLOCK_N"] * meta["TILES"])
+                                  * triton.cdiv(m, meta["BLOCK_M"]),)](
                 hidden, weight, b, target, rows, count, lse, grad_loss, dl,
                 n, v, h, v_off, vc_c,
                 hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),

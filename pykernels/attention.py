@@ -32,7 +32,7 @@ from torch import Tensor
 from . import _checks
 from ._backend import BackendUnavailableError, check_backend_name, default_backend, select, warn_once
 from ._op import custom_op
-from ._rng import new_seed
+from ._rng import fake_seed, op_seed
 
 _OP = "scaled_dot_product_attention"
 _VOP = "varlen_attention"
@@ -288,11 +288,12 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     """Returns (o, lse, seed, kv_range); kv_range (int32 (B, 2) for a key-padding mask, else empty) is
     computed once here and saved for the backward."""
     impl = select(_OP, backend or None, q.device, _support(q, k, v))
-    seed = new_seed() if dropout_p > 0 else torch.zeros(1, dtype=torch.int64)
+    seed = op_seed(dropout_p, q.device)
     kv_range = _key_padding_range(attn_mask)
     if impl == "triton":
         o, lse = _kernels().attention_fwd(q, k, v, attn_mask, causal=is_causal, scale=scale, dropout_p=dropout_p,
-                                          seed=int(seed[0]), kv_range=kv_range if kv_range.numel() else None)
+                                          seed=int(seed[0]) if dropout_p > 0 else 0,
+                                          kv_range=kv_range if kv_range.numel() else None)
         return o, lse, seed, kv_range
     o, lse = _ref_dense_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, seed)
     return o.contiguous(), lse.contiguous(), seed, kv_range
@@ -304,7 +305,7 @@ def _(q, k, v, attn_mask, dropout_p, is_causal, scale, backend):
     kv_range = (q.new_empty(b, 2, dtype=torch.int32) if _is_key_padding(attn_mask)
                 else q.new_empty(0, dtype=torch.int32))
     return (q.new_empty(b, h, sq, v.shape[-1]), q.new_empty(b, h, sq, dtype=torch.float32),
-            torch.empty(1, dtype=torch.int64, device="cpu"), kv_range)
+            fake_seed(dropout_p, q.device), kv_range)
 
 
 @custom_op("pykernels::attention_bwd", mutates_args=())
@@ -314,7 +315,7 @@ def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     impl = select(_OP, backend or None, q.device, _support(q, k, v))
     if impl == "triton":
         return _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, attn_mask, causal=is_causal,
-                                        scale=scale, dropout_p=dropout_p, seed=int(seed[0]),
+                                        scale=scale, dropout_p=dropout_p, seed=int(seed[0]) if dropout_p > 0 else 0,
                                         kv_range=kv_range if kv_range.numel() else None)
     dmask = None
     if dropout_p > 0:
@@ -354,10 +355,11 @@ def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                 max_seqlen_k: int, dropout_p: float, causal: bool, scale: float,
                 backend: str) -> tuple[Tensor, Tensor, Tensor]:
     impl = select(_VOP, backend or None, q.device, _support(q, k, v))
-    seed = new_seed() if dropout_p > 0 else torch.zeros(1, dtype=torch.int64)
+    seed = op_seed(dropout_p, q.device)
     if impl == "triton":
         o, lse = _kernels().attention_fwd(q, k, v, None, causal=causal, scale=scale, dropout_p=dropout_p,
-                                          seed=int(seed[0]), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                          seed=int(seed[0]) if dropout_p > 0 else 0,
+                                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         return o, lse, seed
     o, lse = _ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
@@ -369,7 +371,7 @@ def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, scale, backend):
     return (q.new_empty(q.shape[0], q.shape[1], v.shape[-1]),
             q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32),
-            torch.empty(1, dtype=torch.int64, device="cpu"))
+            fake_seed(dropout_p, q.device))
 
 
 @custom_op("pykernels::varlen_attention_bwd", mutates_args=())
@@ -379,7 +381,8 @@ def _varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     impl = select(_VOP, backend or None, q.device, _support(q, k, v))
     if impl == "triton":
         return _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, None, causal=causal, scale=scale,
-                                        dropout_p=dropout_p, seed=int(seed[0]), cu_seqlens_q=cu_seqlens_q,
+                                        dropout_p=dropout_p, seed=int(seed[0]) if dropout_p > 0 else 0,
+                                        cu_seqlens_q=cu_seqlens_q,
                                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                         max_seqlen_k=max_seqlen_k)
     return _ref_varlen_bwd(do, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,

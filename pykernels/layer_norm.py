@@ -22,7 +22,7 @@ from torch import Tensor
 from ._backend import check_backend_name, select
 from ._op import custom_op
 from ._checks import check_prob, check_same
-from ._rng import new_seed
+from ._rng import fake_seed, op_seed
 
 _OP = "layer_norm"
 # float64 is accepted (the reference serves it); the Triton kernels take the three training dtypes.
@@ -155,7 +155,7 @@ def _fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: 
     """x, residual: (M, N). Returns y (M, N) x.dtype; s (M, N) (prenorm, else (0,)); mean (M,) fp32 ((0,)
     for RMSNorm); rstd (M,) fp32; seed (1,) int64 on CPU (0 without dropout)."""
     impl = select(_OP, backend or None, x.device, _support(x, weight, bias, residual))
-    seed = new_seed() if dropout_p > 0.0 else torch.zeros(1, dtype=torch.int64)
+    seed = op_seed(dropout_p, x.device)
     s_dtype = _s_dtype(x, residual, residual_in_fp32)
     if impl == "triton":
         from ._kernels import layer_norm as kernels
@@ -192,7 +192,7 @@ def _(x, weight, bias, residual, eps, dropout_p, prenorm, residual_in_fp32, rms_
     cdt = _stat_dtype(x)
     return (x.new_empty(M, N), x.new_empty((M, N) if prenorm else (0,), dtype=s_dtype),
             x.new_empty(0 if rms_norm else M, dtype=cdt), x.new_empty(M, dtype=cdt),
-            torch.empty(1, dtype=torch.int64, device="cpu"))
+            fake_seed(dropout_p, x.device))
 
 
 @custom_op("pykernels::layer_norm_bwd", mutates_args=())

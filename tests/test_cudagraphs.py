@@ -1,0 +1,85 @@
+"""CUDA graphs: ``torch.compile(mode="reduce-overhead")`` captures graphs that hold pykernels ops (no CPU
+tensor among a dropout-free op's outputs), and dropout refuses CUDA-graph capture (a host-drawn seed
+would replay one mask forever). GPU only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pykernels
+
+
+def _skips() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_captures_attention_and_layer_norm():
+    torch._dynamo.reset()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+               for _ in range(3))
+    x, r = (torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            for _ in range(2))
+    w = torch.randn(512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    b = torch.randn(512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    ins = (q, k, v, x, r, w, b)
+
+    def f(q, k, v, x, r, w, b):
+        o = pykernels.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y, s = pykernels.layer_norm(x, w, b, residual=r, prenorm=True)
+        return o.float().square().mean() + y.float().square().mean() + s.float().mean()
+
+    def grads(fn):
+        loss = fn(*ins)
+        return [loss.detach().clone()] + [t.clone() for t in torch.autograd.grad(loss, ins)]
+
+    before = _skips()
+    cf = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up runs, then recording, then replay
+        got = grads(cf)
+    assert _skips() == before, "inductor skipped CUDA graphs for a graph holding pykernels ops"
+    want = grads(f)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_captures_masked_lm_loss():
+    # Captured, the loss takes its graph-safe backward (the sized one waits for the device).
+    torch._dynamo.reset()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(512, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+    w = (torch.randn(1000, 128, device="cuda", generator=gen) * 0.1).to(torch.bfloat16).requires_grad_(True)
+    t = torch.randint(0, 1000, (512,), device="cuda", generator=gen)
+    t[torch.rand(512, device="cuda", generator=gen) > 0.15] = -100
+
+    def f(h, w):
+        return pykernels.masked_lm_loss(h, w, t)
+
+    before = _skips()
+    cf = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        loss = cf(h, w)
+        got = [loss.detach().clone()] + [x.clone() for x in torch.autograd.grad(loss, (h, w))]
+    assert _skips() == before
+    loss = pykernels.masked_lm_loss(h, w, t, graph_safe=True)
+    want = [loss.detach()] + list(torch.autograd.grad(loss, (h, w)))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["attention", "layer_norm"])
+def test_dropout_refuses_cuda_graph_capture(op):
+    x = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+    run = {"attention": lambda: pykernels.scaled_dot_product_attention(x, x, x, dropout_p=0.1),
+           "layer_norm": lambda: pykernels.layer_norm(x, w, residual=x, dropout_p=0.1)}[op]
+    run()  # eager: fine (and compiles the kernels outside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            run()
