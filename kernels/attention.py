@@ -299,10 +299,6 @@ def _attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    if IS_CAUSAL:
-        # Causal query blocks further down see more keys: launch them first, so the short ones fill the
-        # last wave instead of leaving a tail of long ones (the grid runs x fastest).
-        pid_m = tl.num_programs(0) - 1 - pid_m
     # Grid (blocks, heads, batch): heads and batch in y/z (<= 65535 each), so B*H may exceed 65535.
     h = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
     b = tl.program_id(2).to(tl.int64)
@@ -590,8 +586,6 @@ def _attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    if IS_CAUSAL:  # longest query blocks first, as in the forward
-        pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
     b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
