@@ -144,23 +144,17 @@ _MNK = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 # The forward also keeps the running max / sum / target logit (and with bias and smoothing, more): a
 # 128-wide K step (128 x 128 x 128) and 128 x 64 on 4 warps spill there, 64 x 256 and 128 x 64 on 8
 # warps do not.
-# FLATTEN=1 asks Triton to fuse the vocabulary-tile loop with the K loop inside it (tl.range flatten), so
-# the software pipeline runs across tile boundaries: the next tile's first loads overlap this tile's
-# softmax epilogue instead of restarting the pipeline per tile.
-_FWD_CONFIGS, _FWD_FP32 = _configs([(128, 128, 64, 0, 8, 3), (64, 128, 64, 0, 4, 3), (128, 128, 64, 0, 8, 4),
-                                    (64, 256, 64, 0, 8, 3), (128, 64, 64, 0, 8, 4),
-                                    (128, 128, 64, 1, 8, 3), (128, 128, 64, 1, 8, 4), (64, 128, 64, 1, 4, 3)],
-                                   _MNK + ("FLATTEN",), (16, 32, 16, 1, 1, 1), (64, 64, 32, 0, 4, 2))
+_FWD_CONFIGS, _FWD_FP32 = _configs([(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 4),
+                                    (64, 256, 64, 8, 3), (128, 64, 64, 8, 4)],
+                                   _MNK, (16, 32, 16, 1, 1), (64, 64, 32, 4, 2))
 # The dlogits kernel keeps only the tile and its exp2 live (no running statistics), so 256 x 128 fits.
 # TILES column tiles per program amortise the row gather (H100/H200 profile: one tile per program ran
 # the dlogits kernel at ~230 TFLOP/s against the forward's ~380, whose programs sweep 8 tiles).
-_DLOGITS_CONFIGS, _DLOGITS_FP32 = _configs([(128, 128, 64, 1, 0, 8, 3), (64, 128, 64, 1, 0, 4, 3),
-                                            (128, 128, 64, 1, 0, 8, 4), (128, 128, 128, 1, 0, 8, 3),
-                                            (256, 128, 64, 1, 0, 8, 3), (128, 128, 64, 4, 0, 8, 4),
-                                            (128, 128, 64, 4, 1, 8, 3), (128, 128, 64, 8, 1, 8, 3),
-                                            (64, 128, 64, 4, 1, 4, 3), (128, 128, 64, 4, 1, 8, 4)],
-                                           _MNK + ("TILES", "FLATTEN"), (16, 32, 16, 2, 1, 1, 1),
-                                           (64, 64, 32, 1, 0, 4, 2))
+_DLOGITS_CONFIGS, _DLOGITS_FP32 = _configs([(128, 128, 64, 1, 8, 3), (64, 128, 64, 1, 4, 3), (128, 128, 64, 1, 8, 4),
+                                            (128, 128, 128, 1, 8, 3), (256, 128, 64, 1, 8, 3),
+                                            (128, 128, 64, 4, 8, 4), (64, 128, 64, 4, 4, 3), (128, 128, 64, 8, 8, 4),
+                                            (128, 128, 64, 4, 8, 3)],
+                                           _MNK + ("TILES",), (16, 32, 16, 2, 1, 1), (64, 64, 32, 1, 4, 2))
 _AHK = ("BLOCK_A", "BLOCK_H", "BLOCK_K")
 # The backward keeps its earlier list: 128 x 256 spills a little offline, yet the H100 run with it was
 # faster (backward 1.84 ms at BERT-base) than the spill-free candidates (2.30 ms, same card, 2026-11-26).
@@ -187,7 +181,7 @@ def _masked_lm_loss_fwd_kernel(
     stride_hn, stride_hh, stride_wv, stride_wh, stride_b,
     DTYPE_KEY,      # the input dtype, as an autotune key only
     HAS_BIAS: tl.constexpr, SMOOTH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -209,7 +203,7 @@ def _masked_lm_loss_fwd_kernel(
         h_row = h_ptr + rows[:, None] * stride_hn
         # Every slice holds at least one column (the launcher sizes SPLIT so), so m_i is finite after
         # the first tile and exp2(m_i - m_new) never sees -inf - -inf.
-        for v0 in tl.range(v_start, v_end, BLOCK_N, flatten=FLATTEN):
+        for v0 in range(v_start, v_end, BLOCK_N):
             offs_n = v0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < v_end
             w_col = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wv
@@ -298,7 +292,6 @@ def _masked_lm_loss_dlogits_kernel(
     DTYPE_KEY,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
-    FLATTEN: tl.constexpr,
 ):
     # One grid axis (no 65535 limit on the row blocks), column tiles varying fastest: the programs of
     # the valid row blocks come first in launch order and the ones that exit at once (row blocks past
@@ -328,7 +321,7 @@ def _masked_lm_loss_dlogits_kernel(
         h_row = h_ptr + rows[:, None] * stride_hn
         # TILES column tiles per program: the row gather (rows -> target, lse, upstream grad, then the
         # hidden rows' addresses) is a chain of dependent loads paid once per program, not per tile.
-        for t in tl.range(0, TILES, flatten=FLATTEN):
+        for t in range(0, TILES):
             offs_c = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)   # column within the chunk
             mask_n = offs_c < VC
             offs_n = v_off + offs_c                                          # vocabulary column

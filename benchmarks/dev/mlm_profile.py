@@ -49,8 +49,6 @@ def main() -> None:
         end.record()
         torch.cuda.synchronize()
         print(f"\n== {name}: {start.elapsed_time(end) / 10:.3f} ms per forward+backward (events, eager)")
-        for tag, kern in (("fwd", kmod._masked_lm_loss_fwd_kernel), ("dlogits", kmod._masked_lm_loss_dlogits_kernel)):
-            print(f"   {tag} config: {getattr(kern, 'best_config', None)}")
         # host time of one call with the GPU idle at the start (what the host spends launching it)
         import time
         torch.cuda.synchronize()
