@@ -148,13 +148,9 @@ _FWD_CONFIGS, _FWD_FP32 = _configs([(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (
                                     (64, 256, 64, 8, 3), (128, 64, 64, 8, 4)],
                                    _MNK, (16, 32, 16, 1, 1), (64, 64, 32, 4, 2))
 # The dlogits kernel keeps only the tile and its exp2 live (no running statistics), so 256 x 128 fits.
-# TILES column tiles per program amortise the row gather (H100/H200 profile: one tile per program ran
-# the dlogits kernel at ~230 TFLOP/s against the forward's ~380, whose programs sweep 8 tiles).
-_DLOGITS_CONFIGS, _DLOGITS_FP32 = _configs([(128, 128, 64, 1, 8, 3), (64, 128, 64, 1, 4, 3), (128, 128, 64, 1, 8, 4),
-                                            (128, 128, 128, 1, 8, 3), (256, 128, 64, 1, 8, 3),
-                                            (128, 128, 64, 4, 8, 4), (64, 128, 64, 4, 4, 3), (128, 128, 64, 8, 8, 4),
-                                            (128, 128, 64, 4, 8, 3)],
-                                           _MNK + ("TILES",), (16, 32, 16, 2, 1, 1), (64, 64, 32, 1, 4, 2))
+_DLOGITS_CONFIGS, _DLOGITS_FP32 = _configs([(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 4),
+                                            (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)],
+                                           _MNK, (16, 32, 16, 1, 1), (64, 64, 32, 4, 2))
 _AHK = ("BLOCK_A", "BLOCK_H", "BLOCK_K")
 # The backward keeps its earlier list: 128 x 256 spills a little offline, yet the H100 run with it was
 # faster (backward 1.84 ms at BERT-base) than the spill-free candidates (2.30 ms, same card, 2026-11-26).
@@ -291,14 +287,14 @@ def _masked_lm_loss_dlogits_kernel(
     expected_count,  # the sized backward's host count (-1: none); a mismatch poisons dz with NaN
     DTYPE_KEY,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # One grid axis (no 65535 limit on the row blocks), column tiles varying fastest: the programs of
     # the valid row blocks come first in launch order and the ones that exit at once (row blocks past
     # count) trail behind them. The chunk's weight slice and the valid rows are L2-resident, so this
     # order costs no reuse.
     pid = tl.program_id(0)
-    n_tiles = tl.cdiv(VC, BLOCK_N * TILES)
+    n_tiles = tl.cdiv(VC, BLOCK_N)
     pid_n = pid % n_tiles
     pid_m = pid // n_tiles
     count = tl.load(count_ptr)
@@ -318,31 +314,28 @@ def _masked_lm_loss_dlogits_kernel(
         tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)
         lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * 1.4426950408889634
         g = tl.load(gloss_ptr + rows, mask=mask_m, other=0.0)
+        offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # column within the chunk
+        mask_n = offs_c < VC
+        offs_n = v_off + offs_c                              # vocabulary column
+        w_col = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wv
         h_row = h_ptr + rows[:, None] * stride_hn
-        # TILES column tiles per program: the row gather (rows -> target, lse, upstream grad, then the
-        # hidden rows' addresses) is a chain of dependent loads paid once per program, not per tile.
-        for t in range(0, TILES):
-            offs_c = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)   # column within the chunk
-            mask_n = offs_c < VC
-            offs_n = v_off + offs_c                                          # vocabulary column
-            w_col = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wv
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < H
-                a = tl.load(h_row + offs_k[None, :] * stride_hh, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                b = tl.load(w_col + offs_k[:, None] * stride_wh, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            if HAS_BIAS:
-                bias = tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)
-                acc += bias[None, :]
-            p = tl.exp2(acc * 1.4426950408889634 - lse2[:, None])
-            d = p - tl.where(offs_n[None, :] == tgt[:, None], 1.0 - smooth_eps, 0.0) - smooth_eps / V
-            d = d * g[:, None]
-            if mismatch:
-                d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
-            dst = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl + offs_c[None, :]
-            tl.store(dst, d.to(dl_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < H
+            a = tl.load(h_row + offs_k[None, :] * stride_hh, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(w_col + offs_k[:, None] * stride_wh, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)
+            acc += bias[None, :]
+        p = tl.exp2(acc * 1.4426950408889634 - lse2[:, None])
+        d = p - tl.where(offs_n[None, :] == tgt[:, None], 1.0 - smooth_eps, 0.0) - smooth_eps / V
+        d = d * g[:, None]
+        if mismatch:
+            d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
+        dst = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl + offs_c[None, :]
+        tl.store(dst, d.to(dl_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit(do_not_specialize=["v_off", "VC", "expected_count"])
@@ -590,7 +583,7 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
         v_off = c * vc
         vc_c = min(vc, v - v_off)
         _launch.fast(_masked_lm_loss_dlogits_kernel)[
-                lambda m: (triton.cdiv(vc_c, m["BLOCK_N"] * m["TILES"]) * triton.cdiv(n, m["BLOCK_M"]),)](
+                lambda m: (triton.cdiv(vc_c, m["BLOCK_N"]) * triton.cdiv(n, m["BLOCK_M"]),)](
             hidden, weight, b, target, rows, count, lse, grad_loss, dl,
             n, v, h, v_off, vc_c,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
@@ -707,8 +700,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
         else:
             _launch.fast(_masked_lm_loss_dlogits_kernel)[
-                    lambda meta: (triton.cdiv(vc_c, meta["BLOCK_N"] * meta["TILES"])
-                                  * triton.cdiv(m, meta["BLOCK_M"]),)](
+                    lambda meta: (triton.cdiv(vc_c, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"]),)](
                 hidden, weight, b, target, rows, count, lse, grad_loss, dl,
                 n, v, h, v_off, vc_c,
                 hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
