@@ -489,11 +489,58 @@ def _dtype_key(dtype: torch.dtype) -> int:
     return {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[dtype]
 
 
+@triton.jit
+def _compact_kernel(tgt_ptr, rows_ptr, count_ptr, loss_ptr, lse_ptr, N, ignore_index, BLOCK: tl.constexpr):
+    """One program: rows[:count] = positions with target != ignore_index in increasing order, rows[count:]
+    = 0 (a valid position to read), count, and loss = lse = 0 everywhere (the forward fills the valid
+    positions). A running prefix sum over BLOCK-wide slices; used for N up to COMPACT_KERNEL_MAX_N."""
+    base = tl.zeros((), tl.int32)
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        in_n = offs < N
+        t = tl.load(tgt_ptr + offs, mask=in_n, other=ignore_index)
+        valid = ((t != ignore_index) & in_n).to(tl.int32)
+        pos = base + tl.cumsum(valid, 0) - 1
+        tl.store(rows_ptr + pos, offs, mask=valid != 0)
+        tl.store(loss_ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=in_n)
+        tl.store(lse_ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=in_n)
+        base += tl.sum(valid, 0)
+    tl.store(count_ptr, base)
+    for start in range(0, N, BLOCK):  # disjoint from the slots written above
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(rows_ptr + offs, tl.zeros((BLOCK,), tl.int32), mask=(offs >= base) & (offs < N))
+
+
+# Above this many positions the compaction uses torch's multi-block scan (the kernel is one program).
+COMPACT_KERNEL_MAX_N = 1 << 16
+
+
+def compact(target: torch.Tensor, ignore_index: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``target`` (N,) int64 -> (rows (N,) int32, count (1,) int32, loss (N,) fp32 zeros, lse (N,) fp32
+    zeros) in one launch, the result ``pykernels.masked_lm_loss.compact_rows`` gives with torch ops (7
+    launches) plus the forward's zeroed outputs; None when N is past ``COMPACT_KERNEL_MAX_N`` or 0."""
+    n = target.numel()
+    if n == 0 or n > COMPACT_KERNEL_MAX_N:
+        return None
+    dev = target.device
+    rows = empty(n, dtype=torch.int32, device=dev)
+    count = empty(1, dtype=torch.int32, device=dev)
+    loss = empty(n, dtype=torch.float32, device=dev)
+    lse = empty(n, dtype=torch.float32, device=dev)
+    block = 32 if _INTERPRET else 4096
+    _launch.fast(_compact_kernel)[(1,)](target.contiguous(), rows, count, loss, lse, n, int(ignore_index),
+                                         BLOCK=block, num_warps=8 if block >= 1024 else 1)
+    return rows, count, loss, lse
+
+
 def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                        bias: torch.Tensor | None, rows: torch.Tensor, count: torch.Tensor, *,
-                       label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       label_smoothing: float, loss: torch.Tensor | None = None,
+                       lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden`` (N, H), ``weight`` (V, H), ``target`` (N,) int64, ``bias`` (V,) or None; ``rows`` (N,)
-    int32 and ``count`` (1,) int32: the compacted valid positions and their number, on the device.
+    int32 and ``count`` (1,) int32: the compacted valid positions and their number, on the device;
+    ``loss`` / ``lse``: zeroed (N,) fp32 outputs (from :func:`compact`) or None (allocated here).
 
     Returns ``loss`` (N,) fp32 (0 at ignored positions) and ``lse`` (N,) fp32 (0 at ignored positions),
     both by position. A target outside [0, V) gives NaN loss and lse."""
@@ -501,8 +548,10 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
     v = weight.shape[0]
     dev = hidden.device
     target = target.contiguous()
-    loss = torch.zeros(n, dtype=torch.float32, device=dev)
-    lse = torch.zeros(n, dtype=torch.float32, device=dev)
+    if loss is None:
+        loss = torch.zeros(n, dtype=torch.float32, device=dev)
+    if lse is None:
+        lse = torch.zeros(n, dtype=torch.float32, device=dev)
     if n == 0:
         return loss, lse
     # About 32 vocabulary slices of >= 1024 columns (multiples of 256): enough programs (and small ones,

@@ -73,15 +73,19 @@ def masked_lm_loss_reference(hidden: Tensor, weight: Tensor, target: Tensor, *, 
     return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid)
 
 
-def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str, num_valid) -> Tensor:
+def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str, num_valid,
+            count: Optional[Tensor] = None) -> Tensor:
     if reduction == "none":
         return loss
     total = loss.sum()
     if reduction == "sum":
         return total
     if num_valid is None:
-        # The device count of valid targets; an all-ignored call divides 0 by 1, never 0 by 0.
-        denom = (target != ignore_index).sum().clamp(min=1).to(total.dtype)
+        # The device count of valid targets (the op's own when given); an all-ignored call divides 0 by
+        # 1, never 0 by 0.
+        if count is None:
+            count = (target != ignore_index).sum()
+        denom = count.reshape(()).clamp(min=1).to(total.dtype)
     elif isinstance(num_valid, Tensor):
         denom = num_valid.to(device=total.device, dtype=total.dtype)
     else:
@@ -198,15 +202,21 @@ def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
     # hidden (N, H), weight (V, H), target (N,) int64, bias (V,) or None -> loss (N,) fp32, lse (N,) fp32,
     # rows (N,) int32, count (1,) int32 (the compaction, computed once and saved for the backward)
     impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
-    rows, count = compact_rows(target, ignore_index)
-    copy = None
-    if impl == "triton" and not graph_safe and not _capturing(hidden.device):
-        copy = _COUNTS.start(count)  # the sized backward reads it (no wait here)
     if impl == "triton":
         from ._kernels import masked_lm_loss as k
+        # one launch (compaction + zeroed outputs) instead of compact_rows' seven, up to 65536 positions
+        compacted = k.compact(target, ignore_index)
+        if compacted is not None:
+            rows, count, loss, lse = compacted
+        else:
+            rows, count = compact_rows(target, ignore_index)
+            loss = lse = None
+        copy = None if graph_safe or _capturing(hidden.device) else _COUNTS.start(count)  # no wait here
         loss, lse = k.masked_lm_loss_fwd(hidden, weight, target, bias, rows, count,
-                                         label_smoothing=label_smoothing)
+                                         label_smoothing=label_smoothing, loss=loss, lse=lse)
     else:
+        rows, count = compact_rows(target, ignore_index)
+        copy = None
         loss, lse = _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing)
     _COUNTS.put(count, rows, lse, copy)
     return loss, lse, rows, count
@@ -381,5 +391,5 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
     t1 = target.reshape(-1).long()              # (N,)
     if not isinstance(graph_safe, bool):
         raise TypeError(f"graph_safe must be a bool, got {type(graph_safe).__name__}")
-    loss = _fwd(h2, weight, t1, bias, ignore_index, label_smoothing, graph_safe, backend or "")[0]
-    return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid)
+    loss, _, _, count = _fwd(h2, weight, t1, bias, ignore_index, label_smoothing, graph_safe, backend or "")
+    return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid, count)
