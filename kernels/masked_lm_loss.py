@@ -9,13 +9,22 @@ causal LM). Per valid row r: ``z = h_r W^T + b``, ``lse = logsumexp(z)``,
 ``dz = g_r (softmax(z) - (1 - eps) onehot(t) - eps/V)``, ``dh_r = dz W``, ``dW = sum_r dz_r^T h_r``,
 ``db = sum_r dz_r``. Neither the (N, V) nor the (M, V) logits ever exist in full.
 
-No host sync. M is data: ``pykernels.masked_lm_loss.compact_rows`` (torch ops) turns
-``target != ignore_index`` into a fixed-size (N,) int32 list of valid row indices (cumsum + scatter, a dump slot for invalid rows) and a device int32
-``count``. Every kernel is launched on a grid sized for N rows (or for the vocabulary) and reads
-``count`` from device memory: row blocks that start at or beyond ``count`` exit at once, and K loops
-over rows run ``range(0, count, BLOCK_K)``. Rows are gathered inside the kernels (``rows[i]``), so
-the hidden states are never copied. Nothing calls ``.item()``/``nonzero()``; the op is CUDA-graph
-capturable.
+Compaction. ``_compact_kernel`` (one program, a running prefix sum; up to 65536 positions, else
+``pykernels.masked_lm_loss.compact_rows`` with torch ops) turns ``target != ignore_index`` into a
+fixed-size (N,) int32 list of valid row indices and a device int32 ``count``, and zeroes the loss and
+lse outputs. Every forward kernel is launched on a grid sized for N rows (or for the vocabulary) and
+reads ``count`` from device memory: row blocks that start at or beyond ``count`` exit at once. Rows are
+gathered inside the kernels (``rows[i]``), so the hidden states are never copied. The forward never
+waits for the device.
+
+Two backwards. The forward also starts a non-blocking copy of ``count`` to pinned host memory and
+records an event (``pykernels.masked_lm_loss._CountCopies``). The backward waits on that event (by then
+the GPU is usually far past the compaction, with the forward's kernels still queued, so neither a
+drained queue nor an idle GPU) and runs :func:`masked_lm_loss_bwd_sized` with M known on the host:
+buffers and grids for M rows, N / M times wider vocabulary chunks for the same memory, cuBLAS for the
+two gradient GEMMs. Under CUDA-graph capture, or with ``graph_safe=True``, it runs
+:func:`masked_lm_loss_bwd` instead: every buffer and grid sized for N, K loops over rows running
+``range(0, count, BLOCK_K)``; nothing waits, and the op replays from a graph with any valid count.
 
 Kernels (all fp32 accumulation, fp32 statistics, exp2 with log2(e) folded in, masked lanes filled
 with -inf before the max and 0 before the sums, int64 offsets wherever a row or vocabulary index
@@ -28,11 +37,22 @@ is multiplied by a stride):
    of 128, 600 programs once V is cut into 30 slices of 1024. ``_masked_lm_loss_combine_kernel`` merges the
    SPLIT partials per row (a few bytes per row) and writes loss and lse at the row's position.
    FLOPs 2 M V H; bytes ~ (M/BLOCK_M) V H (weight re-read per row block, mostly L2) + M H.
-2. Backward, in vocabulary chunks of VC columns (VC chosen so the (N, VC) dlogits buffer stays
-   within a memory budget, 64 MiB by default: ``DLOGITS_BUDGET_BYTES``), per chunk:
-   a. ``_masked_lm_loss_dlogits_kernel``, grid (VC / BLOCK_N) x (N / BLOCK_M): recomputes the logit
-      tile (2 M VC H FLOPs), turns it into dz with the saved lse and the upstream grad, and stores dz
-      in the weight dtype into the (N, VC) buffer (compacted rows).
+2. Sized backward (M known on the host), in vocabulary chunks of VC columns (the (M, VC) dlogits buffer
+   within ``SIZED_DLOGITS_BUDGET_BYTES``, 16 MiB), per chunk:
+   a. ``_masked_lm_loss_dlogits_kernel`` recomputes the logit tile in fp32 (2 M VC H FLOPs), turns it
+      into dz with the saved lse and the upstream grad, and stores dz in the weight dtype (compacted
+      rows). Its grid covers the host's M rows; if the device count differs, every dz is NaN (never a
+      silently partial gradient).
+   b. dW[chunk] = dz^T h_c (cuBLAS, fp32 accumulation, written once: each chunk owns its rows of dW);
+      dbias[chunk] = column sums of dz in fp32; dh_c += dz W[chunk] (cuBLAS with an fp32 output,
+      ``out_dtype``, accumulated in place across chunks), scattered once to the valid positions.
+   h_c is the (M, H) gather of the valid rows (``hidden`` itself when every row is valid).
+   ``SIZED_LOGITS = "cublas"`` recomputes the logits with a cuBLAS GEMM in the input dtype plus an
+   in-place elementwise kernel instead (~8% less GPU time on an H200, but the rounded logits no longer
+   match the forward's fp32 lse exactly: at V = 1 the exact-zero gradient comes out ~1e-7..1e-4).
+3. Graph-safe backward, in vocabulary chunks of VC columns (VC chosen so the (N, VC) dlogits buffer
+   stays within ``DLOGITS_BUDGET_BYTES``, 64 MiB), per chunk:
+   a. ``_masked_lm_loss_dlogits_kernel`` as above, grid sized for N rows (blocks past ``count`` exit).
    b. ``_masked_lm_loss_bwd_kernel``, one launch with two kinds of programs that both only read the
       chunk's dlogits (at 15% masking neither kind fills the GPU alone, together they do):
       - dW tiles, (VC / BLOCK_A) x (H / BLOCK_H) programs: dW[chunk] = dz^T h with the K loop over the
@@ -42,8 +62,8 @@ is multiplied by a stride):
         accumulator (compacted rows; not allocated when V fits one chunk); the last chunk writes the
         hidden dtype straight to each row's position in the zero-initialised dhidden.
    Programs for a gradient no input needs are not launched (frozen embeddings: no dW tiles).
-   Total 4 matmuls of M x V x H (forward 1, backward 3) = 8 M V H FLOPs; the dlogits buffer is
-   written once and read twice (3 x 2 M V bytes in bf16).
+Both: 4 matmuls of M x V x H (forward 1, backward 3) = 8 M V H FLOPs; the dlogits buffer is written
+once and read twice (3 x 2 M V bytes in bf16).
 
 Why not the alternatives. (i) Accumulating dh (BLOCK_M x H) or dW (BLOCK_N x H) in registers inside
 the logits kernel, flash-attention style, does not fit: with H = 768 an fp32 128 x 768 tile is 384 KiB,
@@ -53,18 +73,17 @@ at 15% masking. (iii) Computing the gradients during the forward (Liger) saves t
 the whole (rows, V) chunk is materialised, and then dW must be accumulated across row chunks in an
 fp32 (V, H) buffer (94 MiB for BERT-base), over the memory budget.
 
-Memory above the inputs: outputs dhidden (N H) and dW (V H) in the input dtype, the (N, VC) dlogits
-buffer, the fp32 (N, H) dh accumulator when V needs more than one chunk, and O(SPLIT N) fp32 statistics.
-BERT-base MLM (N 16384, V 30522, H 768, bf16) at the default 64 MiB budget: 24 + 45 + 64 + 48 = ~181 MiB,
-15 chunks; GPT-2 (N 8192, V 50257): 12 + 74 + 64 + 24 = ~174 MiB, 13 chunks. Both buffers are sized for
-N rows because the valid count stays on the device (no sync): at 15% masking 85% of them is unused.
-That is the price of no sync plus fp32 accumulation of both gradients; 100 MiB for BERT-base would
-need one of them accumulated across chunks in bf16 (as Liger and CCE do). ``DLOGITS_BUDGET_BYTES``
-trades memory for chunk count (fewer, larger chunks: fewer launches, fuller waves).
+Memory above the inputs (BERT-base MLM: N 16384, M 2446, V 30522, H 768, bf16; measured peaks in
+benchmarks/results/*_run6.csv). Sized: dhidden (N H) and dW (V H) in the input dtype (24 + 45 MiB), the
+(M, VC) dlogits buffer (16 MiB), h_c and the fp32 (M, H) accumulator (4 + 7 MiB): 98 MiB; GPT-2 (N = M =
+8192, V 50257): 126 MiB. Graph-safe: the (N, VC) buffer (64 MiB) and an fp32 (N, H) accumulator (48 MiB)
+instead, both sized for N because the count stays on the device: 181 and 174 MiB.
 
-Launches per call: forward 2 Triton kernels + ~7 small torch ops (compaction, zeroed outputs);
-backward 2 Triton kernels per chunk. Host launch overhead (~10-20 us per autotuned Triton launch) is
-why chunks are large: a 16 MiB budget would mean 60 chunks and a CPU-bound backward for BERT-base.
+Launches per call: forward 3 Triton kernels (compaction, logits, combine) + the count copy; sized
+backward 3 per chunk (dlogits kernel, two GEMMs) + ~5 small torch ops; graph-safe backward 2 Triton
+kernels per chunk. Host launch overhead (~10-20 us per launch on the GPU machines' CPUs) is why chunks
+are large: at BERT-base sizes a 64 MiB sized budget (3 chunks) runs 1.57 ms in do_bench against 1.85 ms
+for the default 16 MiB (10 chunks), for the same GPU time.
 
 Limits. Targets outside [0, V) that are not ``ignore_index`` are never used to address memory: their
 loss (and lse) is NaN and their gradient is that of the plain softmax (no one-hot term); the
