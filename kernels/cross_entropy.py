@@ -362,13 +362,8 @@ _cross_entropy_fwd_tuned = _tuning._capture_safe(triton.autotune(
 )(_cross_entropy_fwd_kernel))
 
 
-def _cdiv(a: int, b: int) -> int:
-    # plain ints: triton.cdiv / next_power_of_2 are ConstexprFunction objects (~1-2 us a call on the host)
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+_cdiv = _tuning.cdiv  # plain-int host helpers (triton.cdiv is slow on the host)
+_next_pow2 = _tuning.next_pow2
 
 
 @functools.lru_cache(maxsize=256)

@@ -84,13 +84,8 @@ MAX_FUSED_N_BWD = 8192  # the backward keeps ~6 row-sized fp32 values live per r
 CHUNK_N = 4096  # column chunk of the looped (wide-row) paths
 
 
-def _cdiv(a: int, b: int) -> int:
-    # plain ints: triton.cdiv / next_power_of_2 are ConstexprFunction objects (~1-2 us a call on the host)
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+_cdiv = _tuning.cdiv  # plain-int host helpers (triton.cdiv is slow on the host)
+_next_pow2 = _tuning.next_pow2
 
 
 def _on_device(dev: torch.device):

@@ -575,15 +575,15 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
         return loss, lse
     # About 32 vocabulary slices of >= 1024 columns (multiples of 256): enough programs (and small ones,
     # so the last wave is short) when few rows are valid, and few partials to merge.
-    v_per_split = max(1024, triton.cdiv(triton.cdiv(v, 32), 256) * 256)
-    split = triton.cdiv(v, v_per_split)
+    v_per_split = max(1024, _tuning.cdiv(_tuning.cdiv(v, 32), 256) * 256)
+    split = _tuning.cdiv(v, v_per_split)
     smooth = label_smoothing > 0.0
     part_m = empty(split, n, dtype=torch.float32, device=dev)
     part_s = empty(split, n, dtype=torch.float32, device=dev)
     part_zt = empty(split, n, dtype=torch.float32, device=dev)
     part_zsum = empty(split, n, dtype=torch.float32, device=dev) if smooth else part_zt
     b = bias if bias is not None else weight  # placeholder pointer, never read
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), split)  # noqa: E731
+    grid = lambda meta: (_tuning.cdiv(n, meta["BLOCK_M"]), split)  # noqa: E731
     _launch.fast(_masked_lm_loss_fwd_kernel)[grid](
         hidden, weight, b, target, rows, count, part_m, part_s, part_zt, part_zsum,
         n, v, h, v_per_split,
@@ -592,7 +592,7 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
         _dtype_key(hidden.dtype),
         HAS_BIAS=bias is not None, SMOOTH=smooth, DOT_PRECISION=_dot_precision(hidden.dtype))
     block = 128
-    _launch.fast(_masked_lm_loss_combine_kernel)[(triton.cdiv(n, block),)](
+    _launch.fast(_masked_lm_loss_combine_kernel)[(_tuning.cdiv(n, block),)](
         target, rows, count, part_m, part_s, part_zt, part_zsum, loss, lse,
         n, v, split, float(label_smoothing), SMOOTH=smooth, BLOCK=block)
     return loss, lse
@@ -604,8 +604,8 @@ def _chunk_columns(n: int, v: int, elem: int, budget: int) -> int:
     vc = max(256, (budget // max(n * elem, 1)) // 256 * 256)
     if vc >= v:
         return v
-    chunks = triton.cdiv(v, vc)
-    return triton.cdiv(triton.cdiv(v, chunks), 256) * 256
+    chunks = _tuning.cdiv(v, vc)
+    return _tuning.cdiv(_tuning.cdiv(v, chunks), 256) * 256
 
 
 def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
@@ -636,7 +636,7 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
     budget = DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
     vc = _chunk_columns(n, v, weight.element_size(), budget)
     dl = empty(n, vc, dtype=weight.dtype, device=dev)
-    n_chunks = triton.cdiv(v, vc)
+    n_chunks = _tuning.cdiv(v, vc)
     if compute_dhidden:
         acc = empty(n, h, dtype=torch.float32, device=dev) if n_chunks > 1 else dhidden
     # placeholders for pointers a launch never dereferences (a flag or a zero program count guards them)
@@ -651,7 +651,7 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
         v_off = c * vc
         vc_c = min(vc, v - v_off)
         _launch.fast(_masked_lm_loss_dlogits_kernel)[
-                lambda m: (triton.cdiv(vc_c, m["BLOCK_N"]) * triton.cdiv(n, m["BLOCK_M"]),)](
+                lambda m: (_tuning.cdiv(vc_c, m["BLOCK_N"]) * _tuning.cdiv(n, m["BLOCK_M"]),)](
             hidden, weight, b, target, rows, count, lse, grad_loss, dl,
             n, v, h, v_off, vc_c,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
@@ -659,9 +659,9 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
             HAS_BIAS=bias is not None, DOT_PRECISION=prec)
 
         def grid(m):
-            h_tiles = triton.cdiv(h, m["BLOCK_H"])
-            dw_programs = triton.cdiv(vc_c, m["BLOCK_A"]) * h_tiles if compute_dweight else 0
-            return (dw_programs + (triton.cdiv(n, m["BLOCK_A"]) * h_tiles if compute_dhidden else 0),)
+            h_tiles = _tuning.cdiv(h, m["BLOCK_H"])
+            dw_programs = _tuning.cdiv(vc_c, m["BLOCK_A"]) * h_tiles if compute_dweight else 0
+            return (dw_programs + (_tuning.cdiv(n, m["BLOCK_A"]) * h_tiles if compute_dhidden else 0),)
 
         _launch.fast(_masked_lm_loss_bwd_kernel)[grid](
             hidden, weight, rows, count, dl, dw_out, db, acc, dh_out,
@@ -740,7 +740,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     rows_m = None if all_rows else rows[:m].long()
     budget = SIZED_DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
     vc = _chunk_columns(m, v, weight.element_size(), budget)
-    n_chunks = triton.cdiv(v, vc)
+    n_chunks = _tuning.cdiv(v, vc)
     dl = empty(m, vc, dtype=weight.dtype, device=dev)
     use_cublas = SIZED_LOGITS == "cublas"
     hc = None
@@ -761,14 +761,14 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
             else:
                 d.copy_(torch.mm(hc, wt))  # the narrower last chunk: a strided view of the buffer
             block_r, block_c = (1, 32) if _INTERPRET else (8, 256)
-            _launch.fast(_masked_lm_loss_softmax_grad_kernel)[(triton.cdiv(m, block_r), triton.cdiv(vc_c, block_c))](
+            _launch.fast(_masked_lm_loss_softmax_grad_kernel)[(_tuning.cdiv(m, block_r), _tuning.cdiv(vc_c, block_c))](
                 d, b, target, rows, count, lse, grad_loss,
                 v, v_off, vc_c, m, d.stride(0), bias.stride(0) if bias is not None else 0,
                 float(label_smoothing), m,
                 HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
         else:
             _launch.fast(_masked_lm_loss_dlogits_kernel)[
-                    lambda meta: (triton.cdiv(vc_c, meta["BLOCK_N"]) * triton.cdiv(m, meta["BLOCK_M"]),)](
+                    lambda meta: (_tuning.cdiv(vc_c, meta["BLOCK_N"]) * _tuning.cdiv(m, meta["BLOCK_M"]),)](
                 hidden, weight, b, target, rows, count, lse, grad_loss, dl,
                 n, v, h, v_off, vc_c,
                 hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),

@@ -1,5 +1,5 @@
-"""Output allocation. With ``PYKERNELS_POISON=1`` (the test suite sets it) every output buffer a
-kernel is meant to fill is first filled with NaN (integers with -1), so a kernel that leaves an
+"""Output allocation. With ``PYKERNELS_POISON=1`` (the test suite sets it; read at import) every output
+buffer a kernel is meant to fill is first filled with NaN (integers with -1), so a kernel that leaves an
 element unwritten fails the tests instead of passing on leftover memory."""
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import os
 import torch
 
 
+_POISON = os.environ.get("PYKERNELS_POISON", "0") not in ("", "0")  # read once: every output asks
+
+
 def poisoning() -> bool:
-    return os.environ.get("PYKERNELS_POISON", "0") not in ("", "0")
+    return _POISON
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:

@@ -428,6 +428,13 @@ def _check_deterministic(deterministic):
         raise TypeError(f"deterministic must be a bool or None, got {type(deterministic).__name__}")
 
 
+def _broadcasts_to(shape, full) -> bool:
+    """Whether ``shape`` broadcasts to exactly ``full`` (plain ints, no torch call)."""
+    if len(shape) > len(full):
+        return False
+    return all(s == f or s == 1 for s, f in zip(reversed(tuple(shape)), reversed(tuple(full))))
+
+
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                                  enable_gqa: bool = False, *, backend: str | None = None,
@@ -482,7 +489,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                          f"attention (enable_gqa), got query shape {tuple(query.shape)} and key shape "
                          f"{tuple(key.shape)}")
     try:
-        batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+        batch = query.shape[:-3]
+        if batch != key.shape[:-3] or batch != value.shape[:-3]:  # (torch.broadcast_shapes is slow)
+            batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
     except RuntimeError as e:
         raise ValueError(f"the batch dims of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
                          f"{tuple(value.shape)} do not broadcast: {e}") from None
@@ -496,11 +505,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
             raise TypeError(f"attn_mask must be bool (True = take part) or a float additive mask, got "
                             f"{attn_mask.dtype}")
-        try:
-            torch.broadcast_shapes(attn_mask.shape, full)
-            ok = torch.broadcast_shapes(attn_mask.shape, full) == torch.Size(full)
-        except RuntimeError:
-            ok = False
+        ok = _broadcasts_to(attn_mask.shape, full)
         if not ok:
             raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                              f"(batch..., heads, Sq, Sk) = {full}")

@@ -675,3 +675,19 @@ def test_gpu_compile_inductor():
     f = lambda q, k, v: sdpa(q, k, v, is_causal=True, backend="triton")  # noqa: E731
     out_c = torch.compile(f, fullgraph=True)(q, k, v)
     torch.testing.assert_close(out_c, f(q, k, v))
+
+
+@pytest.mark.parametrize("shape,ok", [((4,), True), ((1, 4), True), ((3, 1, 4), True), ((2, 3, 5, 4), True),
+                                      ((2, 1, 1, 1), True), ((5,), False), ((2, 3, 1, 4), False),
+                                      ((1, 2, 3, 5, 4), False), ((4, 3, 5, 4), False)])
+def test_mask_broadcast_check_agrees_with_torch(shape, ok):
+    # the attention entry point checks mask broadcasting with plain ints (torch.broadcast_shapes is slow
+    # on the host); it must agree with torch's rule "broadcasts to exactly (B, H, Sq, Sk)"
+    from pykernels.attention import _broadcasts_to
+    full = (2, 3, 5, 4)
+    try:
+        want = torch.broadcast_shapes(shape, full) == torch.Size(full)
+    except RuntimeError:
+        want = False
+    assert want == ok
+    assert _broadcasts_to(torch.Size(shape), full) == ok
