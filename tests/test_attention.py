@@ -678,7 +678,7 @@ def test_gpu_compile_inductor():
 
 
 @pytest.mark.parametrize("shape,ok", [((4,), True), ((1, 4), True), ((3, 1, 4), True), ((2, 3, 5, 4), True),
-                                      ((2, 1, 1, 1), True), ((5,), False), ((2, 3, 1, 4), False),
+                                      ((2, 1, 1, 1), True), ((5,), False), ((2, 3, 1, 4), True), ((2, 3, 2, 4), False),
                                       ((1, 2, 3, 5, 4), False), ((4, 3, 5, 4), False)])
 def test_mask_broadcast_check_agrees_with_torch(shape, ok):
     # the attention entry point checks mask broadcasting with plain ints (torch.broadcast_shapes is slow
