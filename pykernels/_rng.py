@@ -21,17 +21,19 @@ def new_seed() -> torch.Tensor:
 
 
 def op_seed(dropout_p: float, device: torch.device) -> torch.Tensor:
-    """The seed an op's forward returns: :func:`new_seed` (CPU) with dropout, else a zero placeholder
-    on ``device`` (never read)."""
+    """The seed an op's forward returns: :func:`new_seed` (CPU, shape (1,)) with dropout, else an empty
+    (0,) placeholder on ``device`` (never read; allocating it launches nothing)."""
     if dropout_p > 0:
         check_not_capturing(device)
         return new_seed()
-    return torch.zeros(1, dtype=torch.int64, device=device)
+    return torch.empty(0, dtype=torch.int64, device=device)
 
 
 def fake_seed(dropout_p: float, device: torch.device) -> torch.Tensor:
     """:func:`op_seed`'s result for a fake (meta) implementation."""
-    return torch.empty(1, dtype=torch.int64, device="cpu" if dropout_p > 0 else device)
+    if dropout_p > 0:
+        return torch.empty(1, dtype=torch.int64, device="cpu")
+    return torch.empty(0, dtype=torch.int64, device=device)
 
 
 def check_not_capturing(device: torch.device) -> None:

@@ -13,6 +13,7 @@ upstream gradient.
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -130,6 +131,7 @@ class _CountCopies:
 
     def __init__(self):
         self._entries: dict[tuple, tuple] = {}
+        self._lock = threading.Lock()  # forwards (caller's thread) and backwards (autograd's) both use it
 
     @staticmethod
     def _key(count: Tensor, rows: Tensor, lse: Tensor) -> tuple:
@@ -149,17 +151,19 @@ class _CountCopies:
     def put(self, count: Tensor, rows: Tensor, lse: Tensor, copy: Optional[tuple]) -> None:
         """Record this forward's copy, or (``copy`` None) drop any entry left at its addresses."""
         key = self._key(count, rows, lse)
-        self._entries.pop(key, None)
-        if copy is None:
-            return
-        if len(self._entries) >= self._LIMIT:
-            self._entries.pop(next(iter(self._entries)))
-        self._entries[key] = copy
+        with self._lock:
+            self._entries.pop(key, None)
+            if copy is None:
+                return
+            if len(self._entries) >= self._LIMIT:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = copy
 
     def get(self, count: Tensor, rows: Tensor, lse: Tensor) -> Optional[int]:
         """The host value of ``count`` if its forward copied it, else None. Entries stay (a retained
         graph's second backward finds them too) until a forward reuses the addresses or the limit."""
-        entry = self._entries.get(self._key(count, rows, lse))
+        with self._lock:
+            entry = self._entries.get(self._key(count, rows, lse))
         if entry is None:
             return None
         host, event = entry
