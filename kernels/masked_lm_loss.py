@@ -598,6 +598,26 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
     return loss, lse
 
 
+def _grad_buffers(hidden, weight, bias, compute_dhidden: bool, compute_dweight: bool):
+    """The backward's outputs: dhidden zero-initialised (ignored rows keep their 0), dweight and dbias
+    uninitialised (every row is written), each None when not requested."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    dhidden = torch.zeros(n, h, dtype=hidden.dtype, device=dev) if compute_dhidden else None
+    dweight = empty(v, h, dtype=weight.dtype, device=dev) if compute_dweight else None
+    dbias = empty(v, dtype=bias.dtype, device=dev) if compute_dweight and bias is not None else None
+    return dhidden, dweight, dbias
+
+
+def _no_rows(dhidden, dweight, dbias):
+    """Gradients of a call with no valid row (or none requested): all zero."""
+    for t in (dweight, dbias):
+        if t is not None:
+            t.zero_()
+    return dhidden, dweight, dbias
+
+
 def _chunk_columns(n: int, v: int, elem: int, budget: int) -> int:
     """Vocabulary columns per backward chunk: the (n, VC) dlogits buffer stays within ``budget`` bytes
     (VC a multiple of 256, at least 256), and chunks are evened out so the last is not a sliver."""
@@ -624,15 +644,9 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
     target = target.contiguous()
     grad_loss = grad_loss.to(torch.float32).contiguous()
     lse = lse.contiguous()
-    # ignored rows of dhidden keep their 0
-    dhidden = torch.zeros(n, h, dtype=hidden.dtype, device=dev) if compute_dhidden else None
-    dweight = empty(v, h, dtype=weight.dtype, device=dev) if compute_dweight else None
-    dbias = empty(v, dtype=bias.dtype, device=dev) if compute_dweight and bias is not None else None
+    dhidden, dweight, dbias = _grad_buffers(hidden, weight, bias, compute_dhidden, compute_dweight)
     if n == 0 or not (compute_dhidden or compute_dweight):
-        for t in (dweight, dbias):
-            if t is not None:
-                t.zero_()
-        return dhidden, dweight, dbias
+        return _no_rows(dhidden, dweight, dbias)
     budget = DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
     vc = _chunk_columns(n, v, weight.element_size(), budget)
     dl = empty(n, vc, dtype=weight.dtype, device=dev)
@@ -725,14 +739,9 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
         raise ValueError(f"num_rows must be in [0, {n}] (the number of valid rows), got {m}")
     dev = hidden.device
     dtype = hidden.dtype
-    dhidden = torch.zeros(n, h, dtype=dtype, device=dev) if compute_dhidden else None
-    dweight = empty(v, h, dtype=weight.dtype, device=dev) if compute_dweight else None
-    dbias = empty(v, dtype=bias.dtype, device=dev) if compute_dweight and bias is not None else None
+    dhidden, dweight, dbias = _grad_buffers(hidden, weight, bias, compute_dhidden, compute_dweight)
     if m == 0 or not (compute_dhidden or compute_dweight):
-        for t in (dweight, dbias):
-            if t is not None:
-                t.zero_()
-        return dhidden, dweight, dbias
+        return _no_rows(dhidden, dweight, dbias)
     target = target.contiguous()
     grad_loss = grad_loss.to(torch.float32).contiguous()
     lse = lse.contiguous()
