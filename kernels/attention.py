@@ -95,7 +95,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pykernels._alloc import empty
+from pykernels._alloc import empty, empty_like_layout
 
 from . import _launch
 from . import _tuning
@@ -704,7 +704,8 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
     else:
         batch, hq, sq, d = q.shape
         hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
-        o = empty(batch, hq, sq, dv, dtype=q.dtype, device=q.device)
+        # laid out like q when it can be (transformers' transposed views: reshaping o back is free)
+        o = empty_like_layout(q) if dv == d else empty(batch, hq, sq, dv, dtype=q.dtype, device=q.device)
         lse = empty(batch, hq, sq, dtype=torch.float32, device=q.device)
         qs, ks, vs, os_ = q.stride()[:3], k.stride()[:3], v.stride()[:3], o.stride()[:3]
         ls = lse.stride()[:2]
@@ -746,9 +747,8 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
     else:
         batch, hq, sq, d = q.shape
         hkv, sk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
-        dq = empty(*q.shape, dtype=q.dtype, device=q.device)
-        dk = empty(*k.shape, dtype=k.dtype, device=k.device)
-        dv = empty(*v.shape, dtype=v.dtype, device=v.device)
+        # gradients laid out like their inputs when those are dense (no copy when autograd views them back)
+        dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
         delta = empty(batch, hq, sq, dtype=torch.float32, device=q.device)
         seq3 = lambda t: tuple(t.stride()[:3])  # noqa: E731
         ls = tuple(lse.stride()[:2])

@@ -27,3 +27,10 @@ def empty(*shape, dtype, device) -> torch.Tensor:
 
 def empty_like(t: torch.Tensor, *, dtype=None) -> torch.Tensor:
     return _poison(torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format))
+
+
+def empty_like_layout(t: torch.Tensor) -> torch.Tensor:
+    """Like ``t``, with ``t``'s memory layout when it is dense and non-overlapping (e.g. the
+    (B, S, H, D).transpose(1, 2) views transformers passes to attention), else contiguous: a gradient or
+    output laid out like its input needs no copy when autograd or the caller views it back."""
+    return _poison(torch.empty_like(t, memory_format=torch.preserve_format))

@@ -296,7 +296,24 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                                           kv_range=kv_range if kv_range.numel() else None)
         return o, lse, seed, kv_range
     o, lse = _ref_dense_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, seed)
-    return o.contiguous(), lse.contiguous(), seed, kv_range
+    return _out_layout(o, q), lse.contiguous(), seed, kv_range
+
+
+def _out_layout(o: Tensor, q: Tensor) -> Tensor:
+    """``o`` in the layout every backend (and the fake impl) gives the attention output: q's layout when
+    it is dense and Dv == D (the kernels allocate it so: transformers' transposed views reshape back
+    for free), else contiguous."""
+    if o.shape != q.shape:
+        return o.contiguous()
+    return _like_layout(o, q)
+
+
+def _like_layout(t: Tensor, like: Tensor) -> Tensor:
+    """``t`` (shaped like ``like``) with the strides ``torch.empty_like(like)`` gives."""
+    out = torch.empty_like(like, dtype=t.dtype)
+    if out.stride() == t.stride():
+        return t
+    return out.copy_(t)
 
 
 @_attention_fwd.register_fake
@@ -304,8 +321,8 @@ def _(q, k, v, attn_mask, dropout_p, is_causal, scale, backend):
     b, h, sq = q.shape[0], q.shape[1], q.shape[2]
     kv_range = (q.new_empty(b, 2, dtype=torch.int32) if _is_key_padding(attn_mask)
                 else q.new_empty(0, dtype=torch.int32))
-    return (q.new_empty(b, h, sq, v.shape[-1]), q.new_empty(b, h, sq, dtype=torch.float32),
-            fake_seed(dropout_p, q.device), kv_range)
+    o = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty(b, h, sq, v.shape[-1])
+    return (o, q.new_empty(b, h, sq, dtype=torch.float32), fake_seed(dropout_p, q.device), kv_range)
 
 
 @custom_op("pykernels::attention_bwd", mutates_args=())
@@ -321,7 +338,7 @@ def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     if dropout_p > 0:
         dmask = attention_dropout_mask(seed, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, q.device)
     grads = _ref_bwd_core(do, q, k, v, attn_mask, dropout_p, is_causal, scale, dmask)
-    return tuple(g.contiguous() for g in grads)
+    return tuple(_like_layout(g, t) for g, t in zip(grads, (q, k, v)))  # the kernels' (and fake's) layout
 
 
 @_attention_bwd.register_fake

@@ -691,3 +691,19 @@ def test_mask_broadcast_check_agrees_with_torch(shape, ok):
         want = False
     assert want == ok
     assert _broadcasts_to(torch.Size(shape), full) == ok
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_output_and_gradients_keep_the_transformers_layout(device, backend):
+    # q/k/v as the (B, S, H, D).transpose(1, 2) views transformers passes: the output and the gradients
+    # come back in that memory order (so reshaping them back costs no copy), on every backend alike
+    # (the fake impl promises the same strides to torch.compile).
+    dtype = BF16 if device.type == "cuda" else F16  # (the interpreter's bf16 tl.dot is wrong)
+    base = [torch.randn(2, 17, 4, 32, dtype=dtype, device=device, requires_grad=True) for _ in range(3)]
+    q, k, v = (t.transpose(1, 2) for t in base)
+    out = sdpa(q, k, v, is_causal=True, backend=backend)
+    assert out.stride() == q.stride()
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    for g, t in zip(grads, (q, k, v)):
+        assert g.stride() == t.stride()
+    _check_against_ref(q, k, v, causal=True, backend=backend, what=backend)
