@@ -367,6 +367,50 @@ def _attention_fwd_kernel(
              mask=m_ok[:, None] & (offs_dv[None, :] < DV))
 
 
+@triton.jit
+def _varlen_zero_uncovered_kernel(X0, X1, Cu, B, T, max_len, ROW: tl.constexpr, TWO: tl.constexpr,
+                                  N_SEARCH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Zero the rows of packed (T, ROW) buffers that the varlen kernels do not write: rows past
+    ``cu[B]`` and rows more than ``max_len`` into their sequence (a ``max_seqlen`` below a real length).
+    Each row finds its sequence by a binary search in ``cu`` (N_SEARCH >= log2(B + 1) + 1 steps); blocks
+    with no such row store nothing, so this costs a few microseconds where zero-filling the buffers
+    costs a full write of them."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_t = rows < T
+    lo = tl.zeros([BLOCK_R], dtype=tl.int32)   # invariant: cu[lo] <= row (cu[0] = 0)
+    hi = tl.zeros([BLOCK_R], dtype=tl.int32) + B + 1
+    for _ in tl.static_range(N_SEARCH):
+        mid = (lo + hi) // 2
+        go = (hi - lo > 1) & (tl.load(Cu + mid, mask=mid <= B, other=0) <= rows)
+        lo = tl.where(go, mid, lo)
+        hi = tl.where((hi - lo > 1) & ~go, mid, hi)
+    start = tl.load(Cu + lo)
+    uncovered = in_t & ((lo == B) | (rows - start >= max_len))
+    if tl.sum(uncovered.to(tl.int32), 0) > 0:
+        base = rows.to(tl.int64)[:, None] * ROW
+        for e in tl.static_range(0, ROW, BLOCK_E):
+            cols = e + tl.arange(0, BLOCK_E)
+            m = uncovered[:, None] & (cols[None, :] < ROW)
+            tl.store(X0 + base + cols[None, :], tl.zeros([BLOCK_R, BLOCK_E], X0.dtype.element_ty), mask=m)
+            if TWO:
+                tl.store(X1 + base + cols[None, :], tl.zeros([BLOCK_R, BLOCK_E], X1.dtype.element_ty), mask=m)
+
+
+def _zero_uncovered(x0: torch.Tensor, x1: torch.Tensor | None, cu: torch.Tensor, max_len: int) -> None:
+    """Zero the rows of the packed (T, H, D) buffers ``x0`` (and ``x1``, same shape) that no varlen
+    program writes (see ``_varlen_zero_uncovered_kernel``)."""
+    t = x0.shape[0]
+    row = x0[0].numel() if t else 0
+    if t == 0 or row == 0:
+        return
+    batch = cu.numel() - 1
+    block_r = 16 if _tuning.interpret() else 128
+    block_e = min(_tuning.next_pow2(row), 16 if _tuning.interpret() else 256)
+    _launch.fast(_varlen_zero_uncovered_kernel)[(_tuning.cdiv(t, block_r),)](
+        x0, x1 if x1 is not None else x0, cu, batch, t, int(max_len),
+        ROW=row, TWO=x1 is not None, N_SEARCH=(batch + 1).bit_length() + 1, BLOCK_R=block_r, BLOCK_E=block_e)
+
+
 # ---------------------------------------------------------------------------------------------
 # Backward
 # ---------------------------------------------------------------------------------------------
@@ -694,7 +738,9 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         tq, hq, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         batch, sq, sk = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
-        o = torch.zeros(tq, hq, dv, dtype=q.dtype, device=q.device)  # rows past cu_seqlens[-1] stay 0
+        # rows no program writes (past cu_seqlens[-1], or past max_seqlen_q into a sequence) are zeroed by
+        # _zero_uncovered below, not by a full fill; lse is small and keeps -inf there
+        o = empty(tq, hq, dv, dtype=q.dtype, device=q.device)
         lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
         qs = (0, q.stride(1), q.stride(0))
         ks = (0, k.stride(1), k.stride(0))
@@ -710,7 +756,7 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         qs, ks, vs, os_ = q.stride()[:3], k.stride()[:3], v.stride()[:3], o.stride()[:3]
         ls = lse.stride()[:2]
     if o.numel() == 0 or batch == 0 or sq == 0:
-        return o, lse.fill_(float("-inf"))
+        return o.zero_(), lse.fill_(float("-inf"))  # (varlen: no row is covered by any program)
     dummy = torch.empty(2, dtype=torch.int32, device=q.device)
     mask_t, mask_kind, ms = _mask_args(mask, dummy)
     idx64 = _needs_idx64(sq, sk, (qs[2], ks[2], vs[2], os_[2]), ms)
@@ -725,6 +771,8 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         IS_CAUSAL=bool(causal), MASK_KIND=mask_kind, HAS_KV_RANGE=kv_range is not None,
         HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen, PRECISION=_precision(q.dtype), IDX64=idx64,
     )
+    if varlen:
+        _zero_uncovered(o, None, cu_seqlens_q, sq)
     return o, lse
 
 
@@ -737,10 +785,11 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
         tq, hq, d = q.shape
         hkv, dv_dim = k.shape[1], v.shape[-1]
         batch, sq, sk = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
-        # Rows past cu_seqlens[-1] (and of empty sequences) get a defined zero gradient.
-        dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
-        dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
-        dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+        # Rows no program writes (past cu_seqlens[-1], or past max_seqlen into a sequence) get a defined
+        # zero gradient from _zero_uncovered at the end (no full fills of the three gradients).
+        dq = empty(*q.shape, dtype=q.dtype, device=q.device)
+        dk = empty(*k.shape, dtype=k.dtype, device=k.device)
+        dv = empty(*v.shape, dtype=v.dtype, device=v.device)
         delta = torch.zeros(hq, tq, dtype=torch.float32, device=q.device)
         seq3 = lambda t: (0, t.stride(1), t.stride(0))  # noqa: E731
         ls = (0, lse.stride(0))
@@ -752,14 +801,10 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
         delta = empty(batch, hq, sq, dtype=torch.float32, device=q.device)
         seq3 = lambda t: tuple(t.stride()[:3])  # noqa: E731
         ls = tuple(lse.stride()[:2])
-    if batch == 0:
-        return dq, dk, dv
-    if sq == 0 or dq.numel() == 0:
-        dk.zero_()
-        dv.zero_()
-        return dq, dk, dv
-    if sk == 0 or dk.numel() == 0:
-        dq.zero_()
+    if batch == 0 or sq == 0 or sk == 0 or dq.numel() == 0 or dk.numel() == 0:
+        # nothing to compute: every gradient row is 0 (varlen: no row is covered by any program)
+        for t in (dq, dk, dv):
+            t.zero_()
         return dq, dk, dv
     dummy = torch.empty(2, dtype=torch.int32, device=q.device)
     mask_t, mask_kind, ms = _mask_args(mask, dummy)
@@ -784,6 +829,11 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
         q, k, v, do, dq, lse, delta, mask_t, kvr, cu_q, cu_k,
         *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dq), *ls, *ms,
         hq, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
+    if varlen:
+        _zero_uncovered(dq, None, cu_seqlens_q, sq)
+        _zero_uncovered(dk, dv if dv.shape == dk.shape else None, cu_seqlens_k, sk)
+        if dv.shape != dk.shape:
+            _zero_uncovered(dv, None, cu_seqlens_k, sk)
     return dq, dk, dv
 
 

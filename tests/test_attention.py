@@ -707,3 +707,44 @@ def test_output_and_gradients_keep_the_transformers_layout(device, backend):
     for g, t in zip(grads, (q, k, v)):
         assert g.stride() == t.stride()
     _check_against_ref(q, k, v, causal=True, backend=backend, what=backend)
+
+
+def test_varlen_rows_no_program_writes_are_zero(device):
+    # Rows past cu_seqlens[-1], and rows beyond a max_seqlen that is smaller than a real length (the
+    # documented result of that misuse), come out exactly 0 in the output and in all three gradients,
+    # never uninitialised (outputs are NaN-poisoned in the tests before the kernels run).
+    dtype = BF16 if device.type == "cuda" else F16
+    lens = [5, 0, 23, 9]
+    cu = torch.tensor([0, 5, 5, 28, 37], dtype=torch.int32, device=device)
+    total = 37 + 6  # 6 tail rows that belong to no sequence
+    q, k, v = _inputs((total, 4, 32), (total, 2, 32), (total, 2, 32), dtype, device)
+    max_len = 16  # < 23: rows 16..22 of the third sequence are past max_seqlen
+    out = varlen_attention(q, k, v, cu, cu, max_len, max_len, backend="triton")
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    uncovered = torch.zeros(total, dtype=torch.bool, device=device)
+    uncovered[37:] = True
+    uncovered[5 + 16:28] = True
+    for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(t).all(), name
+        assert (t[uncovered] == 0).all(), name
+        assert (t[~uncovered].abs().sum(dim=(-1, -2)) > 0).all(), name  # the covered rows were computed
+    assert sum(lens) == 37
+
+
+def test_varlen_zero_uncovered_kernel_binary_search(device):
+    # the row -> sequence search over cu_seqlens, with empty sequences and many batches
+    from pykernels._kernels import attention as kattn
+    lens = torch.randint(0, 7, (50,))
+    lens[::7] = 0
+    cu = torch.zeros(51, dtype=torch.int32)
+    cu[1:] = lens.cumsum(0)
+    total = int(cu[-1]) + 5
+    x = torch.full((total, 2, 3), float("nan"), device=device)
+    max_len = 4
+    kattn._zero_uncovered(x, None, cu.to(device), max_len)
+    seq = torch.searchsorted(cu, torch.arange(total, dtype=torch.int32), right=True) - 1
+    pos = torch.arange(total) - cu[seq.clamp(max=50)]
+    want_zero = (torch.arange(total) >= int(cu[-1])) | (pos >= max_len)
+    got = x.cpu()
+    assert (got[want_zero] == 0).all()
+    assert torch.isnan(got[~want_zero]).all()  # covered rows untouched
