@@ -44,7 +44,10 @@ i, j are positions inside the sequence). The backward regenerates the same mask 
 never stored. ``philox_uniform`` in ``pykernels.attention`` reproduces the stream in eager PyTorch.
 
 Varlen: the same kernels with ``IS_VARLEN``: q/k/v are packed (total, H, D) tensors, the program reads
-its sequence's start and length from ``cu_seqlens`` and works inside it; lse is (H, total_q).
+its sequence's start and length from ``cu_seqlens`` and works inside it; lse is (H, total_q). Output
+and gradient rows that no program writes (past ``cu_seqlens[-1]``, or past ``max_seqlen`` into a
+sequence) are zeroed by ``_varlen_zero_uncovered_kernel`` (a binary search per row; blocks without
+such rows store nothing) instead of zero-filling whole buffers first.
 
 Cost. Forward FLOPs 4*B*H*Sq*Sk*D (2 matmuls; half when causal), backward 2.5x that (5 matmuls here).
 Bytes: forward reads Q, K, V once per program row of the grid (K/V re-read Sq/BLOCK_M times, mostly
