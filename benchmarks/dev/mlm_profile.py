@@ -25,12 +25,14 @@ def main() -> None:
     t = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
     try:
         print("mm out_dtype fp32:", torch.mm(t, t, out_dtype=torch.float32).dtype)
-        print("addmm out_dtype fp32:", torch.addmm(torch.zeros(2, 2, device="cuda"), t, t, out_dtype=torch.float32).dtype)
+        acc = torch.zeros(2, 2, device="cuda")
+        print("addmm out_dtype fp32:", torch.addmm(acc, t, t, out_dtype=torch.float32).dtype)
     except Exception as e:  # noqa: BLE001
         print("out_dtype unavailable:", type(e).__name__, e)
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(args.n, args.h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    weight = (torch.randn(args.v, args.h, device="cuda", generator=g) * args.h**-0.5).to(torch.bfloat16).requires_grad_(True)
+    weight = (torch.randn(args.v, args.h, device="cuda", generator=g) * args.h**-0.5).to(torch.bfloat16)
+    weight.requires_grad_(True)
     target = torch.full((args.n,), -100, device="cuda")
     pos = torch.randperm(args.n, device="cuda", generator=g)[:args.m]
     target[pos] = torch.randint(0, args.v, (args.m,), device="cuda", generator=g)
