@@ -278,7 +278,8 @@ def time_impl(args, row, rows, name, fn, hidden, weight, target, ref_loss, ref_d
         h.grad = w.grad = None
         if name.startswith("pykernels") or "compile" in name:
             # forward+backward replayed from a CUDA graph: GPU time without host launch overhead
-            # (pykernels issues no host sync, so it captures; peers with .item() inside do not)
+            # (captured, pykernels takes its graph-safe, no-wait path; peers with .item() inside do
+            # not capture)
             try:
                 import triton.testing
                 row["total_ms_graph"] = round(float(triton.testing.do_bench_cudagraph(step, rep=20)), 3)

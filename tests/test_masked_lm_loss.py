@@ -1,7 +1,8 @@
 """pykernels.masked_lm_loss: fused LM head + cross-entropy at the positions whose target is not
 ignore_index. Every output and gradient is compared with the float64 reference by the three-way rule
 (tests/utils.assert_close_to_ref). CPU: fp32/fp16 under the Triton interpreter, tiny shapes. GPU
-(marked ``gpu``): bf16 at BERT-base / GPT-2 sizes, no host sync, CUDA-graph capture, int64 offsets."""
+(marked ``gpu``): bf16 at BERT-base / GPT-2 sizes, both backwards (sized: the valid count waited for
+in the backward only; graph-safe: no wait), no sync in the forward, CUDA-graph capture, int64 offsets."""
 from __future__ import annotations
 
 import pytest
