@@ -22,6 +22,27 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def bandwidth_args(op: str, doc: str, default_budget_s: float):
+    """The command line of the bandwidth-bound op benchmarks (layer_norm, cross_entropy): ``--smoke``
+    (sets ``TRITON_INTERPRET=1``, which must precede importing triton), ``--no-compile``, ``--budget-s``
+    (the compile peer is skipped past 60% of it), ``--no-graph``. Returns the parsed arguments, or None
+    after saying why when there is neither a CUDA device nor ``--smoke``."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, no timing record")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument("--budget-s", type=float, default=default_budget_s,
+                    help="skip the compile peer past 60%% of this")
+    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
+    args = ap.parse_args()
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    elif not torch.cuda.is_available():
+        print(f"{op} benchmark: no CUDA device; nothing to time (use --smoke to check the plumbing)")
+        return None
+    return args
+
+
 def env_record() -> dict:
     """Card, versions, date and commit, stamped on every row."""
     import triton

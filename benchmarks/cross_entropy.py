@@ -33,8 +33,6 @@ meaningless, nothing written). Without CUDA and without ``--smoke`` it prints a 
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -49,19 +47,11 @@ SMOKE_CASES = [("smoke_a", 6, 517), ("smoke_b", 3, 5000)]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, no timing record")
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
-    ap.add_argument("--budget-s", type=float, default=60.0, help="skip the compile peer past 60%% of this")
-    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
-    args = ap.parse_args()
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import torch
-    if not args.smoke and not torch.cuda.is_available():
-        print("cross_entropy benchmark: no CUDA device; nothing to time (use --smoke to check the plumbing)")
+    import common  # (imports torch, not triton)
+    args = common.bandwidth_args("cross_entropy", __doc__, 60.0)
+    if args is None:
         return 0
-    import common
+    import torch
     import torch.nn.functional as F
 
     import pykernels

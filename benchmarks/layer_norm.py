@@ -36,8 +36,6 @@ exits 0.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -56,19 +54,11 @@ PEERS = ("eager", "compile", "liger")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, no timing record")
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
-    ap.add_argument("--budget-s", type=float, default=80.0, help="skip the compile peer past 60%% of this")
-    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
-    args = ap.parse_args()
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import torch
-    if not args.smoke and not torch.cuda.is_available():
-        print("layer_norm benchmark: no CUDA device; nothing to time (use --smoke to check the plumbing)")
+    import common  # (imports torch, not triton)
+    args = common.bandwidth_args("layer_norm", __doc__, 80.0)
+    if args is None:
         return 0
-    import common
+    import torch
     import torch.nn.functional as F
     import triton.testing
 
