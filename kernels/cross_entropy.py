@@ -356,10 +356,10 @@ def _prune_fwd(configs, named_args, **kwargs):
 
 # PYKERNELS_AUTOTUNE=0 (the test suite) runs the first config that survives pruning, without
 # timing (kernels/_tuning.py); the full list stays so the pruning still picks by V.
-_cross_entropy_fwd_tuned = _tuning._capture_safe(triton.autotune(
+_cross_entropy_fwd_tuned = _tuning.autotune(
     configs=_FWD_CONFIGS, key=["V", "HAS_SMOOTHING", "HAS_Z_LOSS"],
-    prune_configs_by={"early_config_prune": _tuning.pruner(_prune_fwd)},
-)(_cross_entropy_fwd_kernel))
+    prune_configs_by={"early_config_prune": _prune_fwd},
+)(_cross_entropy_fwd_kernel)
 
 
 _cdiv = _tuning.cdiv  # plain-int host helpers (triton.cdiv is slow on the host)
