@@ -16,8 +16,7 @@ What is measured, per case (bf16 hidden and weight from ``randn``, no bias, mean
   is recorded INVALID and not timed, so a wrong fast kernel is never reported.
 * pykernels by default (the sized backward: the forward copies the valid count to the host without
   waiting, the backward sizes its buffers and cuBLAS GEMMs for the valid rows) with its dlogits budget
-  of 16 MiB and at 64 MiB (``pykernels._kernels.masked_lm_loss.SIZED_DLOGITS_BUDGET_BYTES``), with the
-  chunk logits from cuBLAS instead of the fused Triton kernel (``SIZED_LOGITS = "cublas"``), and
+  of 16 MiB and at 64 MiB (``pykernels._kernels.masked_lm_loss.SIZED_DLOGITS_BUDGET_BYTES``), and
   with ``graph_safe=True`` (nothing waits for the device; buffers sized for all rows).
 * ``gpu_ms``: GPU time of one forward+backward, the sum of its kernels' and copies' device time
   (``common.gpu_kernel_ms``, torch.profiler), for every implementation: host time and idle gaps left
@@ -148,8 +147,7 @@ def impl_cce(h, w, t):
 
 # pykernels' sized backward with other dlogits budgets than the default 16 MiB (smaller: less memory,
 # more and narrower vocabulary chunks; larger: the reverse): the rows show the trade-off in the same run.
-BUDGET_VARIANTS = {"pykernels (sized, cuBLAS logits)": ("SIZED_LOGITS", "cublas"),
-                   "pykernels (sized budget 64 MiB)": ("SIZED_DLOGITS_BUDGET_BYTES", 64 * 2**20)}
+BUDGET_VARIANTS = {"pykernels (sized budget 64 MiB)": ("SIZED_DLOGITS_BUDGET_BYTES", 64 * 2**20)}
 
 # Most important first: a run that hits its time budget drops the tail of this list.
 IMPLS = [

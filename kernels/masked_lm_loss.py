@@ -47,9 +47,9 @@ is multiplied by a stride):
       dbias[chunk] = column sums of dz in fp32; dh_c += dz W[chunk] (cuBLAS with an fp32 output,
       ``out_dtype``, accumulated in place across chunks), scattered once to the valid positions.
    h_c is the (M, H) gather of the valid rows (``hidden`` itself when every row is valid).
-   ``SIZED_LOGITS = "cublas"`` recomputes the logits with a cuBLAS GEMM in the input dtype plus an
-   in-place elementwise kernel instead (~8% less GPU time on an H200, but the rounded logits no longer
-   match the forward's fp32 lse exactly: at V = 1 the exact-zero gradient comes out ~1e-7..1e-4).
+   (Measured and dropped: the logits from a cuBLAS GEMM in the input dtype plus an in-place elementwise
+   kernel, ~8% less GPU time on an H200 (run6), but the rounded logits no longer match the forward's
+   fp32 lse exactly: at V = 1 the exact-zero gradient came out ~1e-7..1e-4 where eager gives 0.)
 3. Graph-safe backward, in vocabulary chunks of VC columns (VC chosen so the (N, VC) dlogits buffer
    stays within ``DLOGITS_BUDGET_BYTES``, 64 MiB), per chunk:
    a. ``_masked_lm_loss_dlogits_kernel`` as above, grid sized for N rows (blocks past ``count`` exit).
@@ -117,12 +117,6 @@ _INTERPRET = _tuning.interpret()  # read once: the config tables below are built
 DLOGITS_BUDGET_BYTES = 64 * 2**20
 # Memory budget for the (M, VC) dlogits buffer of the sized backward (valid count M known on the host).
 SIZED_DLOGITS_BUDGET_BYTES = 16 * 2**20
-# How the sized backward recomputes a chunk's logits: "triton" (default: the fused dlogits kernel, fp32
-# logits never stored, consistent with the forward's fp32 lse) or "cublas" (a GEMM into the dlogits buffer
-# in the input dtype, as eager rounds them, then an in-place elementwise kernel turns them into dz). The
-# cuBLAS logits are rounded while the forward's lse is not, so softmax rows no longer sum to exactly 1:
-# at V = 1, where the exact gradient is 0, it leaves ~1e-7 (fp32) to ~1e-4 (fp16) where eager gives 0.
-SIZED_LOGITS = "triton"
 
 
 def _configs(gpu: list[tuple], names: tuple[str, ...], interp: tuple,
@@ -355,42 +349,6 @@ def _masked_lm_loss_dlogits_kernel(
             d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
         dst = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl + offs_c[None, :]
         tl.store(dst, d.to(dl_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit(do_not_specialize=["v_off", "VC", "expected_count"])
-def _masked_lm_loss_softmax_grad_kernel(
-    z_ptr,          # (M, VC) in/out: this chunk's logits of the compacted rows (no bias) -> dz, in place
-    b_ptr, tgt_ptr, rows_ptr, count_ptr, lse_ptr, gloss_ptr,
-    V, v_off, VC, M,
-    stride_z, stride_b,
-    smooth_eps,
-    expected_count,  # the host count M; a device count that differs poisons dz with NaN
-    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """dz = g (softmax(z + b) - (1 - eps) onehot(t) - eps / V) over a (BLOCK_R, BLOCK_C) tile, in fp32
-    from the logits a cuBLAS GEMM wrote in the input dtype (as eager computes them)."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    count = tl.load(count_ptr)
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = offs_r < M
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_c = offs_c < VC
-    rows = tl.load(rows_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
-    tgt = tl.load(tgt_ptr + rows, mask=mask_r, other=-1)
-    lse2 = tl.load(lse_ptr + rows, mask=mask_r, other=0.0) * 1.4426950408889634
-    g = tl.load(gloss_ptr + rows, mask=mask_r, other=0.0)
-    ptrs = z_ptr + offs_r.to(tl.int64)[:, None] * stride_z + offs_c[None, :]
-    mask = mask_r[:, None] & mask_c[None, :]
-    z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    offs_n = v_off + offs_c
-    if HAS_BIAS:
-        z += tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_c, other=0.0).to(tl.float32)[None, :]
-    p = tl.exp2(z * 1.4426950408889634 - lse2[:, None])
-    d = p - tl.where(offs_n[None, :] == tgt[:, None], 1.0 - smooth_eps, 0.0) - smooth_eps / V
-    d = d * g[:, None]
-    d = tl.where(count == expected_count, d, float("nan"))
-    tl.store(ptrs, d.to(z_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -722,10 +680,8 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     rows instead of all N, so the vocabulary chunks are N / M times wider for the same memory, and the two
     GEMMs of each chunk run on cuBLAS over the compacted rows:
 
-    * the chunk's logits: with ``SIZED_LOGITS = "cublas"`` a cuBLAS GEMM h_c W[chunk]^T into the
-      (M, VC) buffer in the input dtype (as eager rounds them), then ``_masked_lm_loss_softmax_grad_kernel``
-      turns them into dz in place (fp32 math); with ``"triton"`` (default) ``_masked_lm_loss_dlogits_kernel``
-      recomputes them in fp32 and writes dz, as in the graph-safe path;
+    * ``_masked_lm_loss_dlogits_kernel`` recomputes the chunk's logits in fp32 and writes dz (M, VC) in
+      the weight dtype, as in the graph-safe path;
     * dW[chunk] = dz^T h_c (cuBLAS, fp32 accumulation, written once in the weight dtype: each chunk owns
       its rows of dW), dbias[chunk] = column sums of dz in fp32;
     * dh_c (+)= dz W[chunk] (cuBLAS with an fp32 output accumulated across chunks), scattered once to the
@@ -751,9 +707,8 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     vc = _chunk_columns(m, v, weight.element_size(), budget)
     n_chunks = _tuning.cdiv(v, vc)
     dl = empty(m, vc, dtype=weight.dtype, device=dev)
-    use_cublas = SIZED_LOGITS == "cublas"
     hc = None
-    if compute_dweight or use_cublas:
+    if compute_dweight:
         hc = hidden if all_rows else hidden.index_select(0, rows_m)
     b = bias if bias is not None else weight  # placeholder pointer, never read
     prec = _dot_precision(dtype)
@@ -763,26 +718,13 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
         v_off = c * vc
         vc_c = min(vc, v - v_off)
         d = dl[:, :vc_c]
-        if use_cublas:
-            wt = weight[v_off:v_off + vc_c].t()
-            if vc_c == vc:
-                torch.mm(hc, wt, out=d)  # the whole (contiguous) buffer
-            else:
-                d.copy_(torch.mm(hc, wt))  # the narrower last chunk: a strided view of the buffer
-            block_r, block_c = (1, 32) if _INTERPRET else (8, 256)
-            _launch.fast(_masked_lm_loss_softmax_grad_kernel)[(_tuning.cdiv(m, block_r), _tuning.cdiv(vc_c, block_c))](
-                d, b, target, rows, count, lse, grad_loss,
-                v, v_off, vc_c, m, d.stride(0), bias.stride(0) if bias is not None else 0,
-                float(label_smoothing), m,
-                HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
-        else:
-            _launch.fast(_masked_lm_loss_dlogits_kernel)[
-                    lambda meta: (_tuning.cdiv(vc_c, meta["BLOCK_N"]) * _tuning.cdiv(m, meta["BLOCK_M"]),)](
-                hidden, weight, b, target, rows, count, lse, grad_loss, dl,
-                n, v, h, v_off, vc_c,
-                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-                bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), m, key,
-                HAS_BIAS=bias is not None, DOT_PRECISION=prec)
+        _launch.fast(_masked_lm_loss_dlogits_kernel)[
+                lambda meta: (_tuning.cdiv(vc_c, meta["BLOCK_N"]) * _tuning.cdiv(m, meta["BLOCK_M"]),)](
+            hidden, weight, b, target, rows, count, lse, grad_loss, dl,
+            n, v, h, v_off, vc_c,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), m, key,
+            HAS_BIAS=bias is not None, DOT_PRECISION=prec)
         if compute_dweight:
             torch.mm(d.t(), hc, out=dweight[v_off:v_off + vc_c])
             if dbias is not None:

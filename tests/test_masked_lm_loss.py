@@ -83,13 +83,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["cublas", "triton"])
-def sized_logits(request, monkeypatch):
-    """Both ways the sized backward recomputes the logits (kmod.SIZED_LOGITS)."""
-    monkeypatch.setattr(kmod, "SIZED_LOGITS", request.param)
-    return request.param
-
-
 @pytest.fixture
 def path_spy(monkeypatch):
     """Records which backward ran: "sized" (valid count known on the host) or "graph-safe"."""
@@ -108,7 +101,7 @@ def test_matches_reference(device, dtype, v, bias, reduction, ls, graph_safe, pa
     assert path_spy == ["graph-safe" if graph_safe else "sized"]
 
 
-def test_sized_backward_with_chunks_and_every_row_valid(device, monkeypatch, path_spy, sized_logits):
+def test_sized_backward_with_chunks_and_every_row_valid(device, monkeypatch, path_spy):
     # every row valid (the causal-LM case: the gathered rows are hidden itself, strided here) and a budget
     # small enough for three vocabulary chunks: the fp32 dhidden accumulator is carried across them
     monkeypatch.setattr(kmod, "SIZED_DLOGITS_BUDGET_BYTES", 37 * 4 * 256)
@@ -121,14 +114,14 @@ def test_sized_backward_with_chunks_and_every_row_valid(device, monkeypatch, pat
     assert path_spy == ["sized"]
 
 
-def test_sized_backward_fp16_chunks(device, monkeypatch, path_spy, sized_logits):
+def test_sized_backward_fp16_chunks(device, monkeypatch, path_spy):
     monkeypatch.setattr(kmod, "SIZED_DLOGITS_BUDGET_BYTES", 1)  # 256-column chunks: 256, 256, 5
     hidden, weight, target, b = _inputs((37,), 32, 517, torch.float16, device, frac=0.5, bias=True)
     _check(hidden, weight, target, b, reduction="mean")
     assert path_spy == ["sized"]
 
 
-def test_sized_backward_poisons_a_wrong_host_count(device, sized_logits):
+def test_sized_backward_poisons_a_wrong_host_count(device):
     # The grid of the sized backward is sized by the host count; a count that is not the device's must
     # never give a silently partial gradient.
     hidden, weight, target, _ = _inputs((37,), 32, 517, torch.float32, device, frac=0.5)
