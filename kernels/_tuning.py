@@ -43,9 +43,18 @@ def pruner(prune):
     return wrapped
 
 
-def _capturing() -> bool:
+def capturing(device=None) -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph: the one check shared by the autotuners
+    (no timing while capturing), the ops' host-side work that syncs, and dropout's seed (refused while
+    capturing). With ``device`` (a ``torch.device`` or a string) only a CUDA device can be capturing and
+    CUDA is not asked otherwise; without it, False where CUDA is unavailable."""
     import torch
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if device is None:
+        if not torch.cuda.is_available():
+            return False
+    elif (device if isinstance(device, torch.device) else torch.device(device)).type != "cuda":
+        return False
+    return torch.cuda.is_current_stream_capturing()
 
 
 def _untimed_bench(*args, config, **kwargs):
@@ -62,7 +71,7 @@ def _capture_safe(tuner):
 
     class CaptureSafeAutotuner(base):
         def run(self, *args, **kwargs):
-            if _capturing():
+            if capturing():
                 own = self.__dict__.get("_bench")  # normally absent: the class's method
                 self._bench = _untimed_bench
                 try:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ._kernels._tuning import capturing
+
 
 def new_seed() -> torch.Tensor:
     """A fresh seed: a CPU int64 tensor of shape (1,), in [0, 2**31)."""
@@ -39,7 +41,7 @@ def fake_seed(dropout_p: float, device: torch.device) -> torch.Tensor:
 def check_not_capturing(device: torch.device) -> None:
     """Dropout under CUDA-graph capture would freeze the host-drawn seed into the graph (every replay
     the same mask): refuse it."""
-    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         raise RuntimeError("pykernels: dropout_p > 0 inside CUDA-graph capture would replay one dropout mask "
                            "on every replay (the seed is drawn on the host); capture the dropout-free part only, "
                            "or run this op eagerly")

@@ -22,6 +22,7 @@ from torch import Tensor
 from ._backend import select
 from ._op import custom_op
 from ._checks import check_prob, check_same, check_tensor
+from ._kernels._tuning import capturing
 
 _REDUCTIONS = ("mean", "sum", "none")
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -175,10 +176,6 @@ class _CountCopies:
 _COUNTS = _CountCopies()
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _support(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> dict:
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         return {"triton": f"mixed dtypes (hidden {hidden.dtype}, weight {weight.dtype})"}
@@ -215,7 +212,7 @@ def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
         else:
             rows, count = compact_rows(target, ignore_index)
             loss = lse = None
-        copy = None if graph_safe or _capturing(hidden.device) else _COUNTS.start(count)  # no wait here
+        copy = None if graph_safe or capturing(hidden.device) else _COUNTS.start(count)  # no wait here
         loss, lse = k.masked_lm_loss_fwd(hidden, weight, target, bias, rows, count,
                                          label_smoothing=label_smoothing, loss=loss, lse=lse)
     else:
@@ -242,7 +239,7 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
     impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
     if impl == "triton":
         from ._kernels import masked_lm_loss as k
-        m = None if _capturing(hidden.device) else _COUNTS.get(count, rows, lse)
+        m = None if capturing(hidden.device) else _COUNTS.get(count, rows, lse)
         if m is not None:
             dh, dw, db = k.masked_lm_loss_bwd_sized(
                 grad_loss, hidden, weight, target, bias, lse, rows, count, m, label_smoothing=label_smoothing,

@@ -451,7 +451,7 @@ def test_autotuners_do_not_time_configs_while_capturing(monkeypatch):
     assert type(tuner).__name__ == "CaptureSafeAutotuner"
     timed = []
     monkeypatch.setattr(type(tuner).__mro__[1], "_bench", lambda self, *a, config, **k: timed.append(config) or [1.0])
-    monkeypatch.setattr(_tuning, "_capturing", lambda: True)
+    monkeypatch.setattr(_tuning, "capturing", lambda: True)
     bench_during = []
 
     def fake_run(self, *args, **kwargs):
@@ -461,7 +461,7 @@ def test_autotuners_do_not_time_configs_while_capturing(monkeypatch):
     monkeypatch.setattr(type(tuner).__mro__[1], "run", fake_run)
     assert tuner.run() == "ran"
     assert bench_during == [[0.0, 0.0, 0.0]] and not timed  # the untimed stand-in, not the real bench
-    monkeypatch.setattr(_tuning, "_capturing", lambda: False)
+    monkeypatch.setattr(_tuning, "capturing", lambda: False)
     bench_during.clear()
     tuner.run()
     assert bench_during == [[1.0]] and timed == ["c0"]  # outside capture: the real one
