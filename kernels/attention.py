@@ -243,6 +243,71 @@ def _dropout_keep(seed, rng_base, rows, cols, rng_sk, dropout_p):
     return tl.rand(seed, rng_offs) >= dropout_p
 
 
+@triton.jit
+def _block_offsets(start, length, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   IDX64: tl.constexpr):
+    """A program's block of sequence rows [start, start + BLOCK) out of ``length``: the row offsets, the
+    head-dim offsets (D, Dv), which rows are in bounds, and the row offsets for pointers (:func:`_idx`)."""
+    offs = start + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    return offs, offs_d, offs_dv, offs < length, _idx(offs, IDX64)
+
+
+@triton.jit
+def _load_tile(X, idx, ok, offs_d, stride, N: tl.constexpr):
+    """The (rows x head dim) tile ``X[idx, offs_d]`` (row stride ``stride``) of a program's own block;
+    rows not ``ok`` and columns past N read 0."""
+    return tl.load(X + idx[:, None] * stride + offs_d[None, :], mask=ok[:, None] & (offs_d[None, :] < N), other=0.0)
+
+
+@triton.jit
+def _store_tile(X, idx, ok, offs_d, stride, N: tl.constexpr, value):
+    """Store ``value`` (rows x head dim, fp32) as X's dtype at ``X[idx, offs_d]``, rows ``ok`` and
+    columns below N only."""
+    tl.store(X + idx[:, None] * stride + offs_d[None, :], value.to(X.dtype.element_ty),
+             mask=ok[:, None] & (offs_d[None, :] < N))
+
+
+@triton.jit
+def _mask_row_ptrs(Mask, b, h, rows, stride_mb, stride_mh, stride_mm, MASK_KIND: tl.constexpr):
+    """Mask pointers of a query block's rows (batch b, query head h); a key block adds ``cols * stride_mn``.
+    A row-broadcast mask (MASK_KIND 3/4) gets a (1, 1) base, so its key-block tiles are (1, BLOCK_N)."""
+    if MASK_KIND >= 3:
+        ptrs = Mask + b * stride_mb + h * stride_mh + tl.zeros([1, 1], dtype=tl.int32)
+    else:
+        ptrs = Mask + b * stride_mb + h * stride_mh + rows[:, None] * stride_mm
+    return ptrs
+
+
+@triton.jit
+def _key_ranges(KvRange, b, start_m, k_len, IS_CAUSAL: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key loop split of a query block [start_m, start_m + BLOCK_M) (forward and dQ kernels):
+    [lo, split) full blocks without checks, [split, mid) the key tail (bounds check), and when causal
+    [max(lo, start_m), hi) the diagonal band (causal compare). Returns (lo, split, mid, hi)."""
+    lo = 0
+    hi = k_len
+    if HAS_KV_RANGE:  # key padding: only this batch's valid key range
+        lo = (tl.load(KvRange + 2 * b) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(hi, tl.load(KvRange + 2 * b + 1))
+    full_end = (k_len // BLOCK_N) * BLOCK_N  # blocks before it need no key-bounds check
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, start_m + BLOCK_M)  # blocks above the diagonal are never visited
+        mid = tl.minimum(hi, start_m)  # off-diagonal blocks (every key j < start_m <= i): no causal compare
+    else:
+        mid = hi
+    split = tl.maximum(lo, tl.minimum(mid, full_end))
+    return lo, split, mid, hi
+
+
+@triton.jit
+def _lse_log2(lse):
+    """The saved lse (natural log) in log2 units; fully masked rows saved -inf: +inf instead, so that
+    P = exp2(S - lse) = 0 there."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
@@ -310,41 +375,22 @@ def _attention_fwd_kernel(
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:  # varlen: this block lies past its sequence
         return
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < q_len
-    rows = _idx(offs_m, IDX64)
+    offs_m, offs_d, offs_dv, m_ok, rows = _block_offsets(start_m, q_len, BLOCK_M, BLOCK_D, BLOCK_DV, IDX64)
 
     Q += b * stride_qb + h * stride_qh + q_start * stride_qm
     K += b * stride_kb + hk * stride_kh + k_start * stride_kn
     V += b * stride_vb + hk * stride_vh + k_start * stride_vn
     O += b * stride_ob + h * stride_oh + q_start * stride_om
     LSE += b * stride_lb + h * stride_lh + q_start
-    if MASK_KIND >= 3:  # row-broadcast mask: a (1, 1) base, so key-block tiles are (1, BLOCK_N)
-        mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + tl.zeros([1, 1], dtype=tl.int32)
-    else:
-        mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + rows[:, None] * stride_mm
+    mask_row_ptrs = _mask_row_ptrs(Mask, b, h, rows, stride_mb, stride_mh, stride_mm, MASK_KIND)
 
-    q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & (offs_d[None, :] < D),
-                other=0.0)
+    q = _load_tile(Q, rows, m_ok, offs_d, stride_qm, D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    lo = 0
-    hi = k_len
-    if HAS_KV_RANGE:  # key padding: only this batch's valid key range
-        lo = (tl.load(KvRange + 2 * b) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(hi, tl.load(KvRange + 2 * b + 1))
-    full_end = (k_len // BLOCK_N) * BLOCK_N  # blocks before it need no key-bounds check
+    lo, split, mid, hi = _key_ranges(KvRange, b, start_m, k_len, IS_CAUSAL, HAS_KV_RANGE, BLOCK_M, BLOCK_N)
     rng_base = ((b * H + h) * Sq) * Sk
-    if IS_CAUSAL:
-        hi = tl.minimum(hi, start_m + BLOCK_M)  # blocks above the diagonal are never visited
-        mid = tl.minimum(hi, start_m)  # off-diagonal blocks (every key j < start_m <= i): no causal compare
-    else:
-        mid = hi
-    split = tl.maximum(lo, tl.minimum(mid, full_end))
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
                                stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
                                dropout_p, D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
@@ -366,8 +412,7 @@ def _attention_fwd_kernel(
     acc = acc * inv_l[:, None]
     lse = tl.where(row_ok, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + offs_m, lse, mask=m_ok)
-    tl.store(O + rows[:, None] * stride_om + offs_dv[None, :], acc.to(O.dtype.element_ty),
-             mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+    _store_tile(O, rows, m_ok, offs_dv, stride_om, DV, acc)
 
 
 @triton.jit
@@ -470,8 +515,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
         else:
             lse = tl.load(LSE + offs_m)
             delta = tl.load(Delta + offs_m)
-        # Fully masked rows saved lse = -inf: use +inf so that P = exp2(-inf) = 0 there.
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        lse2 = _lse_log2(lse)
         st = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
         if MASK_KIND >= 3:
             mask_ptrs = mask_col_ptrs  # (BLOCK_N, 1): the mask does not depend on the query row
@@ -533,11 +577,7 @@ def _attention_bwd_dkdv_kernel(
     start_n = pid_n * BLOCK_N
     if start_n >= k_len:  # varlen: block past this sequence (its rows were zero-filled)
         return
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    n_ok = offs_n < k_len
-    cols = _idx(offs_n, IDX64)
+    offs_n, offs_d, offs_dv, n_ok, cols = _block_offsets(start_n, k_len, BLOCK_N, BLOCK_D, BLOCK_DV, IDX64)
     K += b * stride_kb + hk * stride_kh + k_start * stride_kn
     V += b * stride_vb + hk * stride_vh + k_start * stride_vn
     DK += b * stride_dkb + hk * stride_dkh + k_start * stride_dkn
@@ -549,10 +589,8 @@ def _attention_bwd_dkdv_kernel(
     if HAS_KV_RANGE:  # key padding: a block outside the batch's valid keys has zero gradient
         in_range = (start_n + BLOCK_N > tl.load(KvRange + 2 * b)) & (start_n < tl.load(KvRange + 2 * b + 1))
     if in_range:
-        k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :],
-                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(V + cols[:, None] * stride_vn + offs_dv[None, :],
-                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        k = _load_tile(K, cols, n_ok, offs_d, stride_kn, D)
+        v = _load_tile(V, cols, n_ok, offs_dv, stride_vn, DV)
         # GQA: sum the group's query heads here, in registers, without atomics.
         for g in range(0, GROUP):
             h = hk * GROUP + g
@@ -580,11 +618,8 @@ def _attention_bwd_dkdv_kernel(
                                     offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                     rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, EVEN_D, HAS_DROPOUT,
                                     PRECISION, IDX64)
-    dk = dk * sm_scale
-    tl.store(DK + cols[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=n_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(DV_ + cols[:, None] * stride_dvn + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
-             mask=n_ok[:, None] & (offs_dv[None, :] < DV))
+    _store_tile(DK, cols, n_ok, offs_d, stride_dkn, D, dk * sm_scale)
+    _store_tile(DV_, cols, n_ok, offs_dv, stride_dvn, DV, dv)
 
 
 @triton.jit
@@ -640,11 +675,7 @@ def _attention_bwd_dq_kernel(
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
         return
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < q_len
-    rows = _idx(offs_m, IDX64)
+    offs_m, offs_d, offs_dv, m_ok, rows = _block_offsets(start_m, q_len, BLOCK_M, BLOCK_D, BLOCK_DV, IDX64)
     Q += b * stride_qb + h * stride_qh + q_start * stride_qm
     DO += b * stride_dob + h * stride_doh + q_start * stride_dom
     DQ += b * stride_dqb + h * stride_dqh + q_start * stride_dqm
@@ -652,33 +683,17 @@ def _attention_bwd_dq_kernel(
     V += b * stride_vb + hk * stride_vh + k_start * stride_vn
     LSE += b * stride_lb + h * stride_lh + q_start
     Delta += b * stride_lb + h * stride_lh + q_start
-    if MASK_KIND >= 3:  # row-broadcast mask: a (1, 1) base, so key-block tiles are (1, BLOCK_N)
-        mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + tl.zeros([1, 1], dtype=tl.int32)
-    else:
-        mask_row_ptrs = Mask + b * stride_mb + h * stride_mh + rows[:, None] * stride_mm
+    mask_row_ptrs = _mask_row_ptrs(Mask, b, h, rows, stride_mb, stride_mh, stride_mm, MASK_KIND)
 
-    q = tl.load(Q + rows[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None] & (offs_d[None, :] < D),
-                other=0.0)
-    do = tl.load(DO + rows[:, None] * stride_dom + offs_dv[None, :],
-                 mask=m_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    q = _load_tile(Q, rows, m_ok, offs_d, stride_qm, D)
+    do = _load_tile(DO, rows, m_ok, offs_dv, stride_dom, DV)
     lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
     delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = _lse_log2(lse)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo = 0
-    hi = k_len
-    if HAS_KV_RANGE:
-        lo = (tl.load(KvRange + 2 * b) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(hi, tl.load(KvRange + 2 * b + 1))
-    full_end = (k_len // BLOCK_N) * BLOCK_N
+    lo, split, mid, hi = _key_ranges(KvRange, b, start_m, k_len, IS_CAUSAL, HAS_KV_RANGE, BLOCK_M, BLOCK_N)
     rng_base = ((b * H + h) * Sq) * Sk
-    if IS_CAUSAL:
-        hi = tl.minimum(hi, start_m + BLOCK_M)
-        mid = tl.minimum(hi, start_m)
-    else:
-        mid = hi
-    split = tl.maximum(lo, tl.minimum(mid, full_end))
     dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
                    stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
                    D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
@@ -689,9 +704,7 @@ def _attention_bwd_dq_kernel(
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, tl.maximum(lo, start_m), hi, offs_m, m_ok,
                        offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk,
                        dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
-    dq = dq * sm_scale
-    tl.store(DQ + rows[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=m_ok[:, None] & (offs_d[None, :] < D))
+    _store_tile(DQ, rows, m_ok, offs_d, stride_dqm, D, dq * sm_scale)
 
 
 # ---------------------------------------------------------------------------------------------
