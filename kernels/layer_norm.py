@@ -329,6 +329,21 @@ def _bwd_tile_loads(X, R, S, MEAN, RSTD, DY, DS_OUT, rows, cols, M, N,
 
 
 @triton.jit
+def _store_ds(ds, rows64, cols, mask, N, seed, dropout_p, dropout_scale, DX, DRES, stride_dx_row, stride_dres_row,
+              HAS_DROPOUT: tl.constexpr, STORE_DX: tl.constexpr, STORE_DRES: tl.constexpr):
+    """Write a tile's gradient of s (fp32): to dresidual as it is (s = dropout(x) + residual), to dx
+    through the forward's dropout mask, regenerated from the seed."""
+    if STORE_DRES:
+        tl.store(DRES + rows64[:, None] * stride_dres_row + cols[None, :], ds.to(DRES.dtype.element_ty), mask=mask)
+    if STORE_DX:
+        dx = ds
+        if HAS_DROPOUT:
+            keep = tl.rand(seed, rows64[:, None] * N + cols[None, :]) >= dropout_p
+            dx = tl.where(keep, ds * dropout_scale, 0.0)
+        tl.store(DX + rows64[:, None] * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _bwd_tile(a, b, dy, dso, mean, rstd, w, rows, cols, M, N, seed, dropout_p, dropout_scale,
               DX, DRES, stride_dx_row, stride_dres_row,
               HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -363,14 +378,8 @@ def _bwd_tile(a, b, dy, dso, mean, rstd, w, rows, cols, M, N, seed, dropout_p, d
         ds = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
     if HAS_DS_OUT:
         ds += dso.to(tl.float32)
-    if STORE_DRES:
-        tl.store(DRES + rows64[:, None] * stride_dres_row + cols[None, :], ds.to(DRES.dtype.element_ty), mask=mask)
-    if STORE_DX:
-        dx = ds
-        if HAS_DROPOUT:
-            keep = tl.rand(seed, rows64[:, None] * N + cols[None, :]) >= dropout_p
-            dx = tl.where(keep, ds * dropout_scale, 0.0)
-        tl.store(DX + rows64[:, None] * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    _store_ds(ds, rows64, cols, mask, N, seed, dropout_p, dropout_scale, DX, DRES, stride_dx_row, stride_dres_row,
+              HAS_DROPOUT, STORE_DX, STORE_DRES)
     return tl.sum(dy * xhat, axis=0), tl.sum(dy, axis=0)
 
 
@@ -535,14 +544,8 @@ def _layer_norm_bwd_chunked_kernel(
             ds = (g - (xhat * c1[:, None] + tl.load(C2 + rows64)[:, None])) * rstd[:, None]
         if HAS_DS_OUT:
             ds += tl.load(DS_OUT + rows64[:, None] * stride_dso_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if STORE_DRES:
-            tl.store(DRES + rows64[:, None] * stride_dres_row + cols[None, :], ds.to(DRES.dtype.element_ty), mask=mask)
-        if STORE_DX:
-            dx = ds
-            if HAS_DROPOUT:
-                keep = tl.rand(seed, rows64[:, None] * N + cols[None, :]) >= dropout_p
-                dx = tl.where(keep, ds * dropout_scale, 0.0)
-            tl.store(DX + rows64[:, None] * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        _store_ds(ds, rows64, cols, mask, N, seed, dropout_p, dropout_scale, DX, DRES, stride_dx_row,
+                  stride_dres_row, HAS_DROPOUT, STORE_DX, STORE_DRES)
     if HAS_WEIGHT:
         tl.store(DW_PARTIAL + pid.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
     if HAS_BIAS:
