@@ -97,6 +97,7 @@ in one pass), FlashAttention-2 (online softmax with exp2).
 """
 from __future__ import annotations
 
+import os
 
 import torch
 import triton
@@ -458,6 +459,93 @@ def _masked_lm_loss_bwd_kernel(
                       is_first, is_last, DOT_PRECISION, BLOCK_A, BLOCK_H, BLOCK_K)
 
 
+@triton.jit
+def _tile_stats(acc, tgt, offs_n, mask_n, SMOOTH: tl.constexpr):
+    """Per-row statistics of one fp32 logit tile (columns ``offs_n``, valid where ``mask_n``): max of the
+    log2-scaled logits, sum of exp2 relative to it, the target's logit (0 if not in the tile) and, with
+    SMOOTH, the sum of the logits."""
+    z2 = tl.where(mask_n[None, :], acc * 1.4426950408889634, float("-inf"))
+    m = tl.max(z2, axis=1)
+    s = tl.sum(tl.exp2(z2 - m[:, None]), axis=1)
+    zt = tl.sum(tl.where(offs_n[None, :] == tgt[:, None], acc, 0.0), axis=1)
+    zsum = zt
+    if SMOOTH:
+        zsum = tl.sum(tl.where(mask_n[None, :], acc, 0.0), axis=1)
+    return m, s, zt, zsum
+
+
+@triton.jit
+def _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V):
+    """dz of one fp32 logit tile: g (softmax - (1 - eps) onehot - eps / V), from the saved lse."""
+    p = tl.exp2(acc * 1.4426950408889634 - lse2[:, None])
+    d = p - tl.where(offs_n[None, :] == tgt[:, None], 1.0 - smooth_eps, 0.0) - smooth_eps / V
+    return d * g[:, None]
+
+
+@triton.jit(do_not_specialize=["v_off", "VC", "n_rows"])
+def _logits_tma_kernel(
+    a_desc,         # (R, H) compacted hidden rows, tensor descriptor, block (BLOCK_M, BLOCK_K)
+    w_desc,         # (V, H) weight, tensor descriptor, block (BLOCK_N, BLOCK_K)
+    out_desc,       # DZ: (M, VC) dlogits of the chunk, descriptor, block (BLOCK_M, BLOCK_N); else unused
+    b_ptr, tgt_ptr, rows_ptr, count_ptr,
+    lse_ptr, gloss_ptr,                                  # DZ: saved lse and upstream grad, by position
+    part_m_ptr, part_s_ptr, part_zt_ptr, part_zsum_ptr,  # not DZ: (n_vtiles, N) per-tile partials
+    N, V, H, v_off, VC,
+    n_rows,         # rows to cover (-1: read the device count)
+    stride_b, smooth_eps,
+    NUM_PROGRAMS: tl.constexpr, DZ: tl.constexpr, HAS_BIAS: tl.constexpr, SMOOTH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Persistent logit tiles z = h_c W[v_off:v_off + VC]^T through Hopper tensor descriptors (TMA), with
+    one of two epilogues: DZ writes dz (the sized backward's dlogits), else the tile's row statistics
+    go to the per-tile partials that ``_masked_lm_loss_combine_kernel`` merges (the forward). The row
+    blocks vary fastest, so the programs in flight share the weight tile they stream."""
+    count = tl.load(count_ptr)
+    # The forward covers the device count (n_rows = -1); the sized backward its host count, and if the
+    # device disagrees every dz is NaN (as in ``_masked_lm_loss_dlogits_kernel``).
+    mismatch = False
+    if n_rows < 0:
+        n_rows = count
+    else:
+        mismatch = count != n_rows
+    m_tiles = tl.cdiv(n_rows, BLOCK_M)
+    n_tiles = m_tiles * tl.cdiv(VC, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, flatten=True):
+        pid_m = tile % m_tiles
+        pid_n = tile // m_tiles
+        off_m = pid_m * BLOCK_M
+        off_c = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            a = a_desc.load([off_m, k0])
+            b = w_desc.load([v_off + off_c, k0])
+            acc = tl.dot(a, b.T, acc)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < n_rows
+        offs_c = off_c + tl.arange(0, BLOCK_N)
+        mask_n = offs_c < VC
+        offs_n = v_off + offs_c
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)
+        if DZ:
+            lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * 1.4426950408889634
+            g = tl.load(gloss_ptr + rows, mask=mask_m, other=0.0)
+            d = _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V)
+            if mismatch:
+                d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
+            out_desc.store([off_m, off_c], d.to(out_desc.dtype))  # rows past M, columns past VC: clipped
+        else:
+            m, s, zt, zsum = _tile_stats(acc, tgt, offs_n, mask_n, SMOOTH)
+            out = pid_n.to(tl.int64) * N + offs_m
+            tl.store(part_m_ptr + out, m, mask=mask_m)
+            tl.store(part_s_ptr + out, s, mask=mask_m)
+            tl.store(part_zt_ptr + out, zt, mask=mask_m)
+            if SMOOTH:
+                tl.store(part_zsum_ptr + out, zsum, mask=mask_m)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -511,6 +599,102 @@ def compact(target: torch.Tensor, ignore_index: int
     return rows, count, loss, lse
 
 
+@triton.jit
+def _gather_rows_kernel(h_ptr, rows_ptr, count_ptr, out_ptr, H, stride_hn, stride_hh,
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[i] = h[rows[i]] for i < count (device count): the valid rows, compacted for the TMA tiles.
+    Rows past count are left as they are (the logits kernel never reads them into a result)."""
+    start = tl.program_id(0) * BLOCK_R
+    count = tl.load(count_ptr)
+    if start < count:
+        offs_r = start + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < count
+        rows = tl.load(rows_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask = mask_r[:, None] & (offs_h < H)[None, :]
+            x = tl.load(h_ptr + rows[:, None] * stride_hn + offs_h[None, :] * stride_hh, mask=mask)
+            tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * H + offs_h[None, :], x, mask=mask)
+
+
+# Logit tiles through Hopper tensor descriptors (``_logits_tma_kernel``) where they apply (sm_90+,
+# fp16/bf16, 16-byte aligned rows); PYKERNELS_MLM_TMA=0 keeps the pointer kernels everywhere.
+USE_TMA = os.environ.get("PYKERNELS_MLM_TMA", "1") not in ("", "0")
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the TMA logits kernel, forward (statistics epilogue) and
+# backward (dz epilogue); the first entry is the default. See benchmarks/dev/mlm_tma_probe.py.
+TMA_FWD_CONFIG = (256, 128, 64, 8, 3)
+TMA_DZ_CONFIG = (256, 128, 64, 8, 3)
+# The TMA forward's transient buffers, the (N, H) compacted rows and the per-tile partials (one per
+# BLOCK_N vocabulary columns), are sized for all N rows (the count stays on the device); above this many
+# bytes the forward keeps the pointer kernel (gathered rows, ~32 vocabulary slices: ~32 partials a row).
+# BERT-base MLM: 24 + 24 MiB; GPT-2: 12 + 19 MiB, both below the backward's peak.
+TMA_FWD_BUDGET_BYTES = 128 * 2**20
+_NUM_SMS: dict = {}
+
+
+def _num_programs(device: torch.device) -> int:
+    if _INTERPRET:
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def tma_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the logit tiles can come through tensor descriptors: Hopper or newer (the interpreter
+    emulates descriptors), fp16/bf16, and the weight's rows contiguous with 16-byte aligned base and
+    row stride (the compacted hidden rows are a fresh contiguous buffer)."""
+    if not USE_TMA or hidden.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not _INTERPRET and (not hidden.is_cuda or torch.cuda.get_device_capability(hidden.device)[0] < 9):
+        return False
+    elem = weight.element_size()
+    h = weight.shape[1]
+    return (weight.stride(1) == 1 and (weight.stride(0) * elem) % 16 == 0 and (h * elem) % 16 == 0
+            and weight.data_ptr() % 16 == 0)
+
+
+def _tma_cfg(cfg: tuple) -> tuple:
+    return (16, 32, 16, 1, 1) if _INTERPRET else cfg
+
+
+def gather_rows(hidden: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """(N, H) buffer whose first ``count`` rows are ``hidden[rows[:count]]`` (device count, no sync)."""
+    n, h = hidden.shape
+    out = empty(n, h, dtype=hidden.dtype, device=hidden.device)
+    block_r, block_h = (16, 32) if _INTERPRET else (32, 256)
+    _launch.fast(_gather_rows_kernel)[(_tuning.cdiv(n, block_r),)](
+        hidden, rows, count, out, h, hidden.stride(0), hidden.stride(1), BLOCK_R=block_r, BLOCK_H=block_h,
+        num_warps=4)
+    return out
+
+
+def _logits_tma(hc, weight, out, bias, target, rows, count, lse, grad_loss, partials, *, n, v_off, vc,
+                n_rows, label_smoothing, cfg, dz):
+    """Launch ``_logits_tma_kernel`` over ``hc`` (R, H) x weight[v_off:v_off + vc]: dz into ``out`` (dz) or
+    the statistics into ``partials`` (m, s, zt, zsum)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    bm, bn, bk, warps, stages = _tma_cfg(cfg)
+    v, h = weight.shape
+    a_desc = TensorDescriptor(hc, list(hc.shape), [hc.stride(0), 1], [bm, bk])
+    w_desc = TensorDescriptor(weight, [v, h], [weight.stride(0), 1], [bn, bk])
+    if dz:
+        out_desc = TensorDescriptor(out, [n_rows, vc], [out.stride(0), 1], [bm, bn])
+    else:
+        out_desc = a_desc  # unused
+    part_m, part_s, part_zt, part_zsum = partials if partials is not None else (lse,) * 4
+    rows_bound = hc.shape[0] if n_rows < 0 else n_rows
+    programs = max(1, min(_num_programs(hc.device), _tuning.cdiv(rows_bound, bm) * _tuning.cdiv(vc, bn)))
+    b = bias if bias is not None else weight
+    _launch.fast(_logits_tma_kernel)[(programs,)](
+        a_desc, w_desc, out_desc, b, target, rows, count, lse, grad_loss,
+        part_m, part_s, part_zt, part_zsum,
+        n, v, h, v_off, vc, n_rows, bias.stride(0) if bias is not None else 0, float(label_smoothing),
+        NUM_PROGRAMS=programs, DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
 def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                        bias: torch.Tensor | None, rows: torch.Tensor, count: torch.Tensor, *,
                        label_smoothing: float, loss: torch.Tensor | None = None,
@@ -531,24 +715,34 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
         lse = torch.zeros(n, dtype=torch.float32, device=dev)
     if n == 0:
         return loss, lse
-    # About 32 vocabulary slices of >= 1024 columns (multiples of 256): enough programs (and small ones,
-    # so the last wave is short) when few rows are valid, and few partials to merge.
-    v_per_split = max(1024, _tuning.cdiv(_tuning.cdiv(v, 32), 256) * 256)
-    split = _tuning.cdiv(v, v_per_split)
     smooth = label_smoothing > 0.0
-    part_m = empty(split, n, dtype=torch.float32, device=dev)
-    part_s = empty(split, n, dtype=torch.float32, device=dev)
-    part_zt = empty(split, n, dtype=torch.float32, device=dev)
-    part_zsum = empty(split, n, dtype=torch.float32, device=dev) if smooth else part_zt
-    b = bias if bias is not None else weight  # placeholder pointer, never read
-    grid = lambda meta: (_tuning.cdiv(n, meta["BLOCK_M"]), split)  # noqa: E731
-    _launch.fast(_masked_lm_loss_fwd_kernel)[grid](
-        hidden, weight, b, target, rows, count, part_m, part_s, part_zt, part_zsum,
-        n, v, h, v_per_split,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        bias.stride(0) if bias is not None else 0,
-        _dtype_key(hidden.dtype),
-        HAS_BIAS=bias is not None, SMOOTH=smooth, DOT_PRECISION=_dot_precision(hidden.dtype))
+    n_parts = 4 if smooth else 3
+
+    def partials(split):
+        parts = [empty(split, n, dtype=torch.float32, device=dev) for _ in range(n_parts)]
+        return parts if smooth else parts + [parts[2]]
+
+    split = _tuning.cdiv(v, _tma_cfg(TMA_FWD_CONFIG)[1])  # one partial per vocabulary tile
+    if (tma_applies(hidden, weight)
+            and split * n * 4 * n_parts + n * h * hidden.element_size() <= TMA_FWD_BUDGET_BYTES):
+        part_m, part_s, part_zt, part_zsum = parts = partials(split)
+        _logits_tma(gather_rows(hidden, rows, count), weight, None, bias, target, rows, count, lse, lse, parts,
+                    n=n, v_off=0, vc=v, n_rows=-1, label_smoothing=label_smoothing, cfg=TMA_FWD_CONFIG, dz=False)
+    else:
+        # About 32 vocabulary slices of >= 1024 columns (multiples of 256): enough programs (and small
+        # ones, so the last wave is short) when few rows are valid, and few partials to merge.
+        v_per_split = max(1024, _tuning.cdiv(_tuning.cdiv(v, 32), 256) * 256)
+        split = _tuning.cdiv(v, v_per_split)
+        part_m, part_s, part_zt, part_zsum = partials(split)
+        b = bias if bias is not None else weight  # placeholder pointer, never read
+        grid = lambda meta: (_tuning.cdiv(n, meta["BLOCK_M"]), split)  # noqa: E731
+        _launch.fast(_masked_lm_loss_fwd_kernel)[grid](
+            hidden, weight, b, target, rows, count, part_m, part_s, part_zt, part_zsum,
+            n, v, h, v_per_split,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            bias.stride(0) if bias is not None else 0,
+            _dtype_key(hidden.dtype),
+            HAS_BIAS=bias is not None, SMOOTH=smooth, DOT_PRECISION=_dot_precision(hidden.dtype))
     block = 128
     _launch.fast(_masked_lm_loss_combine_kernel)[(_tuning.cdiv(n, block),)](
         target, rows, count, part_m, part_s, part_zt, part_zsum, loss, lse,
@@ -695,21 +889,32 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
         raise ValueError(f"num_rows must be in [0, {n}] (the number of valid rows), got {m}")
     dev = hidden.device
     dtype = hidden.dtype
-    dhidden, dweight, dbias = _grad_buffers(hidden, weight, bias, compute_dhidden, compute_dweight)
     if m == 0 or not (compute_dhidden or compute_dweight):
-        return _no_rows(dhidden, dweight, dbias)
+        return _no_rows(*_grad_buffers(hidden, weight, bias, compute_dhidden, compute_dweight))
+    _, dweight, dbias = _grad_buffers(hidden, weight, bias, False, compute_dweight)
     target = target.contiguous()
     grad_loss = grad_loss.to(torch.float32).contiguous()
     lse = lse.contiguous()
     all_rows = m == n  # compaction keeps order: every row valid means rows[i] == i
     rows_m = None if all_rows else rows[:m].long()
+    # dhidden is written only after the last chunk, so the dlogits chunks use its memory when they fit
+    # there (BERT MLM: N x H is ~6 times M x 768 columns); else (causal LM, M = N) a buffer of the budget.
+    dh_elems = n * h if compute_dhidden else 0
     budget = SIZED_DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
+    budget = max(budget, dh_elems * weight.element_size())
     vc = _chunk_columns(m, v, weight.element_size(), budget)
     n_chunks = _tuning.cdiv(v, vc)
-    dl = empty(m, vc, dtype=weight.dtype, device=dev)
+    use_tma = tma_applies(hidden, weight)
+    ld = _tuning.cdiv(vc, 8) * 8 if use_tma else vc  # TMA: row stride padded to 16 bytes
+    shared = m * ld <= dh_elems
+    dhidden = empty(n, h, dtype=hidden.dtype, device=dev) if compute_dhidden else None
+    dl = (dhidden.view(-1)[:m * ld] if shared else empty(m * ld, dtype=weight.dtype, device=dev)).view(m, ld)[:, :vc]
     hc = None
-    if compute_dweight:
+    if compute_dweight or use_tma:
         hc = hidden if all_rows else hidden.index_select(0, rows_m)
+        elem = hc.element_size()
+        if use_tma and not (hc.stride(1) == 1 and (hc.stride(0) * elem) % 16 == 0 and hc.data_ptr() % 16 == 0):
+            hc = hc.clone(memory_format=torch.contiguous_format)  # rows as tensor descriptors need them
     b = bias if bias is not None else weight  # placeholder pointer, never read
     prec = _dot_precision(dtype)
     key = _dtype_key(dtype)
@@ -718,13 +923,17 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
         v_off = c * vc
         vc_c = min(vc, v - v_off)
         d = dl[:, :vc_c]
-        _launch.fast(_masked_lm_loss_dlogits_kernel)[
-                lambda meta: (_tuning.cdiv(vc_c, meta["BLOCK_N"]) * _tuning.cdiv(m, meta["BLOCK_M"]),)](
-            hidden, weight, b, target, rows, count, lse, grad_loss, dl,
-            n, v, h, v_off, vc_c,
-            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-            bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), m, key,
-            HAS_BIAS=bias is not None, DOT_PRECISION=prec)
+        if use_tma:
+            _logits_tma(hc, weight, d, bias, target, rows, count, lse, grad_loss, None, n=n, v_off=v_off, vc=vc_c,
+                        n_rows=m, label_smoothing=label_smoothing, cfg=TMA_DZ_CONFIG, dz=True)
+        else:
+            _launch.fast(_masked_lm_loss_dlogits_kernel)[
+                    lambda meta: (_tuning.cdiv(vc_c, meta["BLOCK_N"]) * _tuning.cdiv(m, meta["BLOCK_M"]),)](
+                hidden, weight, b, target, rows, count, lse, grad_loss, dl,
+                n, v, h, v_off, vc_c,
+                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+                bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), m, key,
+                HAS_BIAS=bias is not None, DOT_PRECISION=prec)
         if compute_dweight:
             torch.mm(d.t(), hc, out=dweight[v_off:v_off + vc_c])
             if dbias is not None:
@@ -735,9 +944,10 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 acc = torch.mm(d, wc)  # one chunk: cuBLAS accumulates the whole sum in fp32
             else:
                 acc = _addmm_f32(acc, d, wc)
-    if compute_dhidden:
+    if compute_dhidden:  # the dlogits are dead now: their memory becomes dhidden
         if all_rows:
             dhidden.copy_(acc)
         else:
+            dhidden.zero_()
             dhidden.index_copy_(0, rows_m, acc.to(dtype))
     return dhidden, dweight, dbias

@@ -121,6 +121,36 @@ def test_sized_backward_fp16_chunks(device, monkeypatch, path_spy):
     assert path_spy == ["sized"]
 
 
+def test_sized_backward_dlogits_in_dhidden_memory(device, monkeypatch, path_spy):
+    # Few valid rows: the (M, VC) dlogits chunks fit in dhidden's N x H memory and use it (budget 1 byte:
+    # dhidden's memory alone sets the chunk width, 2 chunks here); dhidden must still come out exactly
+    # zero at the ignored rows, however the chunks filled that memory.
+    monkeypatch.setattr(kmod, "SIZED_DLOGITS_BUDGET_BYTES", 1)
+    taken = []
+    real = kmod._chunk_columns
+    monkeypatch.setattr(kmod, "_chunk_columns", lambda *a: (taken.append(a), real(*a))[1])
+    hidden, weight, target, b = _inputs((64,), 64, 517, torch.float16, device, frac=0.1, bias=True)
+    m = int((target != IGN).sum())
+    out = _check(hidden, weight, target, b, reduction="sum", label_smoothing=0.1)
+    assert path_spy == ["sized"]
+    assert taken == [(m, 517, 2, 64 * 64 * 2)] and kmod._tuning.cdiv(517, real(*taken[0])) >= 2
+    dh = out[1]
+    assert (dh[target == IGN] == 0).all()
+
+
+@pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
+def test_fp16_logit_tiles_through_tma_and_pointers(device, monkeypatch, use_tma):
+    # fp16 takes the tensor-descriptor kernel on Hopper and under the interpreter; both paths must hold.
+    monkeypatch.setattr(kmod, "USE_TMA", use_tma)
+    calls = []
+    real = kmod._logits_tma
+    monkeypatch.setattr(kmod, "_logits_tma", lambda *a, **k: (calls.append(k["dz"]), real(*a, **k))[1])
+    hidden, weight, target, b = _inputs((37,), 32, 517, torch.float16, device, frac=0.3, bias=True)
+    _check(hidden, weight, target, b, reduction="none", label_smoothing=0.1)
+    applies = torch.device(device).type == "cpu" or torch.cuda.get_device_capability()[0] >= 9
+    assert calls == ([False, True] if use_tma and applies else [])
+
+
 def test_sized_backward_poisons_a_wrong_host_count(device):
     # The grid of the sized backward is sized by the host count; a count that is not the device's must
     # never give a silently partial gradient.

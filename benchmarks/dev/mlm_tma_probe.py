@@ -1,0 +1,108 @@
+"""Tile configurations of the masked-LM loss's TMA logits kernel (``_logits_tma_kernel``) against the
+pointer kernels and cuBLAS, at BERT-base MLM and GPT-2 LM sizes (bf16): forward (compaction given) and
+sized backward, each checked against the pointer path's result before it is timed.
+
+Usage (GPU): ``python benchmarks/dev/mlm_tma_probe.py [--cases bert,gpt2] [--budgets 16,32]``
+Prints one line per variant: ms (triton.testing.do_bench median), logits TFLOP/s, max difference."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from triton.testing import do_bench
+
+from pykernels._kernels import masked_lm_loss as kmod
+from pykernels.masked_lm_loss import compact_rows
+
+CASES = {"bert": (16384, 2446, 768, 30522), "gpt2": (8192, 8192, 768, 50257)}
+CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
+           (128, 128, 64, 4, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (256, 128, 64, 8, 3)]
+
+
+def _inputs(n, m, h, v):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    weight = (torch.randn(v, h, device="cuda", generator=g) * h**-0.5).to(torch.bfloat16)
+    target = torch.full((n,), -100, device="cuda")
+    pos = torch.randperm(n, device="cuda", generator=g)[:m]
+    target[pos] = torch.randint(0, v, (m,), device="cuda", generator=g)
+    return hidden, weight, target
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="bert,gpt2")
+    ap.add_argument("--budgets", default="16,32,64", help="sized dlogits budgets in MiB (best dz config)")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__)
+    for case in args.cases.split(","):
+        n, m, h, v = CASES[case]
+        hidden, weight, target = _inputs(n, m, h, v)
+        rows, count = compact_rows(target, -100)
+        gflop = 2 * m * v * h / 1e9
+        hc = hidden[rows[:m].long()].contiguous()
+        ms = do_bench(lambda: torch.mm(hc, weight.t()))
+        print(f"\n== {case}: N {n} M {m} H {h} V {v}; one logits GEMM {gflop:.1f} GFLOP")
+        print(f"cuBLAS mm bf16 out: {ms:.3f} ms {gflop / ms:.0f} TFLOP/s")
+        ms = do_bench(lambda: torch.mm(hc, weight.t(), out_dtype=torch.float32))
+        print(f"cuBLAS mm fp32 out: {ms:.3f} ms {gflop / ms:.0f} TFLOP/s")
+
+        def fwd():
+            return kmod.masked_lm_loss_fwd(hidden, weight, target, None, rows, count, label_smoothing=0.0)
+
+        kmod.USE_TMA = False
+        ref_loss, ref_lse = fwd()
+        ms = do_bench(fwd)
+        print(f"forward pointer kernel: {ms:.3f} ms {gflop / ms:.0f} TFLOP/s")
+        kmod.USE_TMA = True
+        best = (1e9, None)
+        for cfg in CONFIGS:
+            kmod.TMA_FWD_CONFIG = cfg
+            try:
+                loss, _ = fwd()
+                diff = (loss - ref_loss).abs().max().item()
+                ms = do_bench(fwd)
+            except Exception as e:  # noqa: BLE001 (a config that does not fit: report, go on)
+                print(f"forward TMA {cfg}: {type(e).__name__} {str(e)[:120]}")
+                continue
+            best = min(best, (ms, cfg))
+            print(f"forward TMA {cfg}: {ms:.3f} ms {gflop / ms:.0f} TFLOP/s  max|dloss| {diff:.2e}")
+        print(f"forward best: {best}")
+        kmod.TMA_FWD_CONFIG = best[1] or kmod.TMA_FWD_CONFIG
+
+        g = torch.full((n,), 1.0 / m, device="cuda")
+
+        def bwd():
+            return kmod.masked_lm_loss_bwd_sized(g, hidden, weight, target, None, ref_lse, rows, count, m,
+                                                 label_smoothing=0.0)
+
+        kmod.USE_TMA = False
+        ref = bwd()
+        ms = do_bench(bwd)
+        print(f"sized backward pointer dlogits: {ms:.3f} ms ({3 * gflop / ms:.0f} TFLOP/s over 3 GEMMs)")
+        kmod.USE_TMA = True
+        best = (1e9, None)
+        for cfg in CONFIGS:
+            kmod.TMA_DZ_CONFIG = cfg
+            try:
+                out = bwd()
+                diff = max((a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
+                           for a, b in zip(out[:2], ref[:2]))
+                ms = do_bench(bwd)
+            except Exception as e:  # noqa: BLE001
+                print(f"sized backward TMA {cfg}: {type(e).__name__} {str(e)[:120]}")
+                continue
+            best = min(best, (ms, cfg))
+            print(f"sized backward TMA {cfg}: {ms:.3f} ms ({3 * gflop / ms:.0f} TFLOP/s)  rel diff {diff:.2e}")
+        print(f"backward best: {best}")
+        kmod.TMA_DZ_CONFIG = best[1] or kmod.TMA_DZ_CONFIG
+        saved = kmod.SIZED_DLOGITS_BUDGET_BYTES
+        for mib in args.budgets.split(","):
+            kmod.SIZED_DLOGITS_BUDGET_BYTES = int(mib) * 2**20
+            ms = do_bench(bwd)
+            print(f"sized backward TMA best, budget {mib} MiB: {ms:.3f} ms")
+        kmod.SIZED_DLOGITS_BUDGET_BYTES = saved
+
+
+if __name__ == "__main__":
+    main()
