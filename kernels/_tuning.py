@@ -1,4 +1,4 @@
-"""Autotune switches shared by every kernel.
+"""Autotune switches and the small host helpers shared by every kernel.
 
 ``PYKERNELS_AUTOTUNE=0`` makes every autotuned kernel use the first config of its (pruned) list
 instead of benchmarking them all: the GPU test suite sets it, since each test's new combination of
@@ -8,6 +8,7 @@ checked where they are used. Under ``TRITON_INTERPRET=1`` kernels use one small 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -20,6 +21,18 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1), for host ints."""
     return 1 << max(0, n - 1).bit_length()
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_device(dev):
+    """``torch.cuda.device(dev)`` only when ``dev`` is a CUDA device other than the current one (Triton
+    launches on the current device); the common case costs one cheap query instead of a context switch."""
+    import torch
+    if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(dev)
 
 
 def interpret() -> bool:

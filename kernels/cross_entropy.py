@@ -94,6 +94,18 @@ def _interpret() -> bool:
 
 
 @triton.jit
+def _row_start(logits_ptr, target_ptr, row, stride_n, V, ignore_index, ALIGN: tl.constexpr):
+    """Row ``row``'s target (int64), whether it counts (``active``: not ignore_index), whether it lies in
+    [0, V), and the row's aligned frame: its base pointer and the row's first frame column ``shift``."""
+    target = tl.load(target_ptr + row).to(tl.int64)
+    active = target != ignore_index
+    in_range = (target >= 0) & (target < V)
+    row_off = row * stride_n
+    shift = (row_off % ALIGN).to(tl.int32)
+    return target, active, in_range, logits_ptr + tl.multiple_of(row_off - shift, ALIGN), shift
+
+
+@triton.jit
 def _fwd_piece(ptrs, cmask, m, s, sum_x, HAS_SMOOTHING: tl.constexpr):
     """Fold a small masked piece into the scalar state (m, s, sum_x); masked lanes load -inf."""
     x = tl.load(ptrs, mask=cmask, other=float("-inf")).to(tl.float32)
@@ -144,17 +156,12 @@ def _cross_entropy_fwd_kernel(
     NUM_STAGES: tl.constexpr,     # software-pipelining depth of the body loop (1: none)
 ):
     row = tl.program_id(0).to(tl.int64)  # int64 before the stride multiply: N*V may exceed 2**31
-    target = tl.load(target_ptr + row).to(tl.int64)
-    active = target != ignore_index
-    in_range = (target >= 0) & (target < V)
-
     # Aligned frame (see the design note): frame column c is element row_ptr[c]; the row is
     # columns [shift, end). Pieces: head [0, ALIGN) and last [end_al, end) are tiny masked loads;
     # the body [ALIGN, end_al) is ALIGN-aligned at both ends, so its chunks are 16-byte vector
     # loads (the final partial chunk's mask is constant over each 16 bytes, so it vectorises too).
-    row_off = row * stride_n
-    shift = (row_off % ALIGN).to(tl.int32)
-    row_ptr = logits_ptr + tl.multiple_of(row_off - shift, ALIGN)
+    target, active, in_range, row_ptr, shift = _row_start(logits_ptr, target_ptr, row, stride_n, V, ignore_index,
+                                                          ALIGN)
     # Head first: it holds column `shift`, so m is finite from here on (no NaN from -inf - -inf). Its
     # mask does not depend on the target, so its load is in flight together with the target's
     # instead of after it: one DRAM latency less of per-row prologue, in which this program has no
@@ -287,13 +294,9 @@ def _cross_entropy_bwd_kernel(
     pid = tl.program_id(0)
     row = (pid // n_chunks).to(tl.int64)
     chunk = pid % n_chunks
-    target = tl.load(target_ptr + row).to(tl.int64)
-    active = target != ignore_index
-    in_range = (target >= 0) & (target < V)
     # The forward's aligned frame; dlogits shares it (its row stride is congruent modulo ALIGN).
-    row_off = row * stride_n
-    shift = (row_off % ALIGN).to(tl.int32)
-    x_ptr = logits_ptr + tl.multiple_of(row_off - shift, ALIGN)
+    target, active, in_range, x_ptr, shift = _row_start(logits_ptr, target_ptr, row, stride_n, V, ignore_index,
+                                                        ALIGN)
     drow_off = row * stride_dn
     dl_ptr = dlogits_ptr + tl.multiple_of(drow_off - (drow_off % ALIGN), ALIGN)
     end = shift + V
@@ -364,6 +367,7 @@ _cross_entropy_fwd_tuned = _tuning.autotune(
 
 _cdiv = _tuning.cdiv  # plain-int host helpers (triton.cdiv is slow on the host)
 _next_pow2 = _tuning.next_pow2
+_on_device = _tuning.on_device
 
 
 @functools.lru_cache(maxsize=256)
@@ -376,25 +380,6 @@ def _reduce_launch(N: int) -> tuple[int, int]:
         return 32, 1
     block = min(max(_next_pow2(N), 256), 8192)
     return block, max(4, min(16, block // 512))
-
-
-class _NullCtx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
-
-
-_NULLCTX = _NullCtx()
-
-
-def _on_device(dev: torch.device):
-    """Triton launches on the current CUDA device: switch only when the tensors live on another one
-    (the common case costs one cheap query, not a context switch)."""
-    if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
-        return _NULLCTX
-    return torch.cuda.device(dev)
 
 
 def _interpret_block(V: int) -> int:

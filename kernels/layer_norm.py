@@ -86,14 +86,7 @@ CHUNK_N = 4096  # column chunk of the looped (wide-row) paths
 
 _cdiv = _tuning.cdiv  # plain-int host helpers (triton.cdiv is slow on the host)
 _next_pow2 = _tuning.next_pow2
-
-
-def _on_device(dev: torch.device):
-    """``torch.cuda.device(dev)`` only when ``dev`` is not already the current device (Triton launches
-    on the current device); the common case costs one cheap query instead of a context switch."""
-    if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
-        return _NULLCTX
-    return torch.cuda.device(dev)
+_on_device = _tuning.on_device
 
 
 def _interpret() -> bool:
@@ -279,17 +272,6 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
             _launch.fast(_fwd_tuned(block_n))[lambda meta: (_cdiv(M, meta["BLOCK_M"]),)](
                 *args, **common, BLOCK_N=block_n, CHUNKED=False)
     return y, s, mean, rstd
-
-
-class _nullctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
-
-
-_NULLCTX = _nullctx()
 
 
 # ----------------------------------------------------------------------------------------------------
