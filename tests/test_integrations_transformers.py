@@ -48,16 +48,20 @@ def llama_config(**kw) -> LlamaConfig:
     return LlamaConfig(**{**base, **kw})
 
 
-def make_models(auto_cls, config_fn, device, dtype=torch.float32):
-    """(pykernels model in dtype, eager model in dtype, eager model in float64), same weights, eval mode.
-
-    Each gets its own config object: from_config records the attention choice on the config."""
+def same_weight_models(auto_cls, config_fn, *attn_implementations):
+    """One model per attention implementation, in that order, all with the first one's weights (drawn
+    after ``torch.manual_seed(1)``). Each gets its own config object: from_config records the attention
+    choice on the config."""
     torch.manual_seed(1)
-    eager = auto_cls.from_config(config_fn(), attn_implementation="eager")
-    ours = auto_cls.from_config(config_fn(), attn_implementation="pykernels")
-    hi = auto_cls.from_config(config_fn(), attn_implementation="eager")
-    ours.load_state_dict(eager.state_dict())
-    hi.load_state_dict(eager.state_dict())
+    models = [auto_cls.from_config(config_fn(), attn_implementation=impl) for impl in attn_implementations]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    return models
+
+
+def make_models(auto_cls, config_fn, device, dtype=torch.float32):
+    """(pykernels model in dtype, eager model in dtype, eager model in float64), same weights, eval mode."""
+    eager, ours, hi = same_weight_models(auto_cls, config_fn, "eager", "pykernels", "eager")
     assert ours.config._attn_implementation == "pykernels"
     assert eager.config._attn_implementation == "eager"
     return (ours.to(device, dtype).eval(), eager.to(device, dtype).eval(), hi.to(device, torch.float64).eval())
@@ -350,12 +354,7 @@ def test_output_attentions_warns_and_returns_none():
 
 def _bf16_three_way(auto_cls, config_fn, lengths, seqlen):
     dev = torch.device("cuda")
-    torch.manual_seed(1)
-    eager32 = auto_cls.from_config(config_fn(), attn_implementation="eager")
-    eager16 = auto_cls.from_config(config_fn(), attn_implementation="eager")
-    ours = auto_cls.from_config(config_fn(), attn_implementation="pykernels")
-    eager16.load_state_dict(eager32.state_dict())
-    ours.load_state_dict(eager32.state_dict())
+    eager32, eager16, ours = same_weight_models(auto_cls, config_fn, "eager", "eager", "pykernels")
     eager32 = eager32.to(dev, torch.float32).eval()
     eager16 = eager16.to(dev, torch.bfloat16).eval()
     ours = ours.to(dev, torch.bfloat16).eval()

@@ -246,13 +246,18 @@ def test_dropout_keep_rate(p, device):
     assert not (m == m[0]).all()
 
 
+def _dropout_ln(x, r, w, b, p, backend, *, seed=None):
+    """layer_norm with residual and dropout ``p``, after ``torch.manual_seed(seed)`` unless seed is None."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return pykernels.layer_norm(x, w, b, residual=r, dropout_p=p, backend=backend)
+
+
 def test_dropout_reproducible_and_fresh(device):
     x, r, w, b = _make((8, 128), torch.float32, device)
-    torch.manual_seed(7)
-    y1 = pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.4, backend="triton")
-    torch.manual_seed(7)
-    y2 = pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.4, backend="triton")
-    y3 = pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.4, backend="triton")
+    y1 = _dropout_ln(x, r, w, b, 0.4, "triton", seed=7)
+    y2 = _dropout_ln(x, r, w, b, 0.4, "triton", seed=7)
+    y3 = _dropout_ln(x, r, w, b, 0.4, "triton")
     assert torch.equal(y1, y2)
     assert not torch.equal(y1, y3)
 
@@ -280,10 +285,8 @@ def test_dropout_mask_offsets_past_2_31(device):
 def test_reference_backend_same_dropout_mask(device):
     """backend="reference" draws the same mask as the kernel for the same torch seed."""
     x, r, w, b = _make((4, 96), torch.float32, device)
-    torch.manual_seed(3)
-    y_t = pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.5, backend="triton")
-    torch.manual_seed(3)
-    y_r = pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.5, backend="reference")
+    y_t = _dropout_ln(x, r, w, b, 0.5, "triton", seed=3)
+    y_r = _dropout_ln(x, r, w, b, 0.5, "reference", seed=3)
     torch.testing.assert_close(y_t, y_r, rtol=1e-5, atol=1e-5)
 
 
