@@ -116,6 +116,19 @@ def _load_s(X, R, seed, rows64, cols, mask, stride_x_row, stride_r_row, N, dropo
 # ----------------------------------------------------------------------------------------------------
 # forward
 # ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _store_y(y, W, B, Y, rows64, cols, col_mask, mask, stride_y_row, HAS_WEIGHT: tl.constexpr,
+             HAS_BIAS: tl.constexpr):
+    """y = xhat * weight + bias for a tile of normalised values ``y`` (fp32), stored in Y's dtype."""
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y * w[None, :]
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y + b[None, :]
+    tl.store(Y + rows64[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["seed", "eps", "dropout_p", "dropout_scale"])
 def _layer_norm_fwd_kernel(
     X,  # (M, N) input branch, row stride stride_x_row, unit column stride
@@ -159,14 +172,7 @@ def _layer_norm_fwd_kernel(
         var = tl.sum(d * d, axis=1) / N
         rstd = 1.0 / tl.sqrt(var + eps)
         tl.store(RSTD + rows64, rstd, mask=row_mask)
-        y = d * rstd[:, None]
-        if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = y * w[None, :]
-        if HAS_BIAS:
-            b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = y + b[None, :]
-        tl.store(Y + rows64[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        _store_y(d * rstd[:, None], W, B, Y, rows64, cols, col_mask, mask, stride_y_row, HAS_WEIGHT, HAS_BIAS)
     else:
         # Wide rows (BLOCK_M == 1): three passes over the row in chunks; passes 2 and 3 recompute s
         # from x and residual (L2-resident by then) rather than reading back s written by other threads.
@@ -203,14 +209,8 @@ def _layer_norm_fwd_kernel(
             mask = row_mask[:, None] & col_mask[None, :]
             s = _load_s(X, R, seed, rows64, c, mask, stride_x_row, stride_r_row, N, dropout_p,
                         dropout_scale, HAS_RESIDUAL, HAS_DROPOUT)
-            y = (s - mean[:, None]) * rstd[:, None]
-            if HAS_WEIGHT:
-                w = tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)
-                y = y * w[None, :]
-            if HAS_BIAS:
-                b = tl.load(B + c, mask=col_mask, other=0.0).to(tl.float32)
-                y = y + b[None, :]
-            tl.store(Y + rows64[:, None] * stride_y_row + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+            _store_y((s - mean[:, None]) * rstd[:, None], W, B, Y, rows64, c, col_mask, mask, stride_y_row,
+                     HAS_WEIGHT, HAS_BIAS)
 
 
 def _fwd_configs(block_n: int) -> list[triton.Config]:
