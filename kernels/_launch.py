@@ -19,8 +19,7 @@ The launch key must be at least as fine as everything Triton specialises on, so 
 never reused where Triton would have compiled another (a finer key only costs one more slow call):
   * the current device index; every positional argument's type; the keyword names in call order;
   * constexpr parameters, an Autotuner's key parameters and compile options: their value;
-  * other parameters: tensors -> (dtype, data_ptr() % 16 == 0); host tensor descriptors -> (dtype,
-    block shape, padding, base alignment); ints -> (% 16, == 1, i32 / i64 /
+  * other parameters: tensors -> (dtype, data_ptr() % 16 == 0); ints -> (% 16, == 1, i32 / i64 /
     u64 range) (Triton: constexpr 1, "D" divisibility, the type); bools, floats, None -> their type.
     ``do_not_specialize`` only makes Triton's key coarser, so ours stays safe. Anything else (numpy
     scalars, SymInts, tl dtypes at runtime positions...) -> the normal path.
@@ -110,20 +109,7 @@ def _spec(x):
         return None
     if isinstance(x, torch.Tensor):
         return (x.dtype, not x.data_ptr() & 15)
-    if t is _tensor_descriptor():
-        return _desc_code(x)
     raise _Unsupported(t)
-
-
-def _tensor_descriptor():
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    return TensorDescriptor
-
-
-def _desc_code(d):
-    """A host tensor descriptor: Triton specialises it on its dtype and block shape (shape, strides and
-    the CUtensorMap are runtime arguments); the padding and base alignment are kept too, to be safe."""
-    return (d.base.dtype, tuple(d.block_shape), d.padding, not d.base.data_ptr() & 15)
 
 
 def _value(x):
@@ -214,12 +200,10 @@ class FastKernel:
                 pass  # not specialised beyond the type, which is in the key
             elif isinstance(t, type) and issubclass(t, torch.Tensor):
                 parts.append(f"{a}.dtype, not {a}.data_ptr() & 15")
-            elif t is _tensor_descriptor():
-                parts.append(f"_desc_code({a})")
             else:
                 raise _Unsupported(t)
         src = f"def k({', '.join(names)}):\n    return ({', '.join(parts)}{',' if parts else ''})\n"
-        ns: dict = {"_int_code": _int_code, "_desc_code": _desc_code}
+        ns: dict = {"_int_code": _int_code}
         exec(src, ns)
         return ns["k"]
 

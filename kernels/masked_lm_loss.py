@@ -484,22 +484,24 @@ def _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V):
 
 @triton.jit(do_not_specialize=["v_off", "VC", "n_rows"])
 def _logits_tma_kernel(
-    a_desc,         # (R, H) compacted hidden rows, tensor descriptor, block (BLOCK_M, BLOCK_K)
-    w_desc,         # (V, H) weight, tensor descriptor, block (BLOCK_N, BLOCK_K)
-    out_desc,       # DZ: (M, VC) dlogits of the chunk, descriptor, block (BLOCK_M, BLOCK_N); else unused
+    a_ptr,          # (R, H) compacted hidden rows, row stride lda (16-byte multiple), columns contiguous
+    w_ptr,          # (V, H) weight, row stride stride_wv (16-byte multiple), columns contiguous
+    out_ptr,        # DZ: (M, VC) dlogits of the chunk, row stride ldo (16-byte multiple); else unused
     b_ptr, tgt_ptr, rows_ptr, count_ptr,
     lse_ptr, gloss_ptr,                                  # DZ: saved lse and upstream grad, by position
     part_m_ptr, part_s_ptr, part_zt_ptr, part_zsum_ptr,  # not DZ: (n_vtiles, N) per-tile partials
-    N, V, H, v_off, VC,
+    N, V, H, R, v_off, VC,
     n_rows,         # rows to cover (-1: read the device count)
-    stride_b, smooth_eps,
+    lda, stride_wv, ldo, stride_b, smooth_eps,
     NUM_PROGRAMS: tl.constexpr, DZ: tl.constexpr, HAS_BIAS: tl.constexpr, SMOOTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Persistent logit tiles z = h_c W[v_off:v_off + VC]^T through Hopper tensor descriptors (TMA), with
     one of two epilogues: DZ writes dz (the sized backward's dlogits), else the tile's row statistics
     go to the per-tile partials that ``_masked_lm_loss_combine_kernel`` merges (the forward). The row
-    blocks vary fastest, so the programs in flight share the weight tile they stream."""
+    blocks vary fastest, so the programs in flight share the weight tile they stream. The descriptors
+    are built on the device, once per persistent program (host-built ones cost ~35 us of host time per
+    launch to encode)."""
     count = tl.load(count_ptr)
     # The forward covers the device count (n_rows = -1); the sized backward its host count, and if the
     # device disagrees every dz is NaN (as in ``_masked_lm_loss_dlogits_kernel``).
@@ -508,6 +510,12 @@ def _logits_tma_kernel(
         n_rows = count
     else:
         mismatch = count != n_rows
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[R, H], strides=[lda, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, H], strides=[stride_wv, 1], block_shape=[BLOCK_N, BLOCK_K])
+    if DZ:
+        # rows past M and columns past VC are clipped on store
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[n_rows, VC], strides=[ldo, 1],
+                                             block_shape=[BLOCK_M, BLOCK_N])
     m_tiles = tl.cdiv(n_rows, BLOCK_M)
     n_tiles = m_tiles * tl.cdiv(VC, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, flatten=True):
@@ -535,7 +543,7 @@ def _logits_tma_kernel(
             d = _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V)
             if mismatch:
                 d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
-            out_desc.store([off_m, off_c], d.to(out_desc.dtype))  # rows past M, columns past VC: clipped
+            out_desc.store([off_m, off_c], d.to(out_ptr.dtype.element_ty))
         else:
             m, s, zt, zsum = _tile_stats(acc, tgt, offs_n, mask_n, SMOOTH)
             out = pid_n.to(tl.int64) * N + offs_m
@@ -670,27 +678,39 @@ def gather_rows(hidden: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -
     return out
 
 
+def _tma_alloc(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Device-side tensor descriptors need a global scratch allocator (``triton.set_allocator``). It
+    lives in a ContextVar, so each thread (autograd runs the backward on its own) needs its own; a
+    user's allocator is left in place."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_tma_alloc)
+
+
 def _logits_tma(hc, weight, out, bias, target, rows, count, lse, grad_loss, partials, *, n, v_off, vc,
                 n_rows, label_smoothing, cfg, dz):
     """Launch ``_logits_tma_kernel`` over ``hc`` (R, H) x weight[v_off:v_off + vc]: dz into ``out`` (dz) or
     the statistics into ``partials`` (m, s, zt, zsum)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
     bm, bn, bk, warps, stages = _tma_cfg(cfg)
     v, h = weight.shape
-    a_desc = TensorDescriptor(hc, list(hc.shape), [hc.stride(0), 1], [bm, bk])
-    w_desc = TensorDescriptor(weight, [v, h], [weight.stride(0), 1], [bn, bk])
-    if dz:
-        out_desc = TensorDescriptor(out, [n_rows, vc], [out.stride(0), 1], [bm, bn])
-    else:
-        out_desc = a_desc  # unused
+    if not _INTERPRET:
+        _ensure_allocator()
     part_m, part_s, part_zt, part_zsum = partials if partials is not None else (lse,) * 4
+    if out is None:
+        out = hc  # placeholder, never read
     rows_bound = hc.shape[0] if n_rows < 0 else n_rows
     programs = max(1, min(_num_programs(hc.device), _tuning.cdiv(rows_bound, bm) * _tuning.cdiv(vc, bn)))
     b = bias if bias is not None else weight
     _launch.fast(_logits_tma_kernel)[(programs,)](
-        a_desc, w_desc, out_desc, b, target, rows, count, lse, grad_loss,
+        hc, weight, out, b, target, rows, count, lse, grad_loss,
         part_m, part_s, part_zt, part_zsum,
-        n, v, h, v_off, vc, n_rows, bias.stride(0) if bias is not None else 0, float(label_smoothing),
+        n, v, h, hc.shape[0], v_off, vc, n_rows,
+        hc.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
+        float(label_smoothing),
         NUM_PROGRAMS=programs, DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 

@@ -33,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="bert,gpt2")
     ap.add_argument("--budgets", default="16,32,64", help="sized dlogits budgets in MiB (best dz config)")
+    ap.add_argument("--host", action="store_true", help="host time and cProfile of the sized backward")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
     for case in args.cases.split(","):
@@ -102,6 +103,32 @@ def main() -> None:
             ms = do_bench(bwd)
             print(f"sized backward TMA best, budget {mib} MiB: {ms:.3f} ms")
         kmod.SIZED_DLOGITS_BUDGET_BYTES = saved
+        if args.host:
+            _host_profile(fwd, bwd)
+
+
+def _host_profile(fwd, bwd) -> None:
+    """Host time of one forward and one sized backward, each started on an idle GPU, and where the
+    backward's host time goes (cProfile over 20 calls, by own time)."""
+    import cProfile
+    import pstats
+    import time
+    for name, fn in (("forward", fwd), ("sized backward", bwd)):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        print(f"host {name}: {1e3 * (t1 - t0):.3f} ms, then GPU drain {1e3 * (t2 - t1):.3f} ms")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        bwd()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
 if __name__ == "__main__":
