@@ -13,9 +13,9 @@ Compaction. ``_compact_kernel`` (one program, a running prefix sum; up to 65536 
 ``pykernels.masked_lm_loss.compact_rows`` with torch ops) turns ``target != ignore_index`` into a
 fixed-size (N,) int32 list of valid row indices and a device int32 ``count``, and zeroes the loss and
 lse outputs. Every forward kernel is launched on a grid sized for N rows (or for the vocabulary) and
-reads ``count`` from device memory: row blocks that start at or beyond ``count`` exit at once. Rows are
-gathered inside the kernels (``rows[i]``), so the hidden states are never copied. The forward never
-waits for the device.
+reads ``count`` from device memory: row blocks that start at or beyond ``count`` exit at once. The
+pointer kernels gather rows inside (``rows[i]``); the Hopper TMA kernel reads a compacted copy of the
+valid rows (``_gather_rows_kernel``, M x H, a few MiB). The forward never waits for the device.
 
 Two backwards. The forward also starts a non-blocking copy of ``count`` to pinned host memory and
 records an event (``pykernels.masked_lm_loss._CountCopies``). The backward waits on that event (by then
@@ -30,6 +30,17 @@ Kernels (all fp32 accumulation, fp32 statistics, exp2 with log2(e) folded in, ma
 with -inf before the max and 0 before the sums, int64 offsets wherever a row or vocabulary index
 is multiplied by a stride):
 
+0. ``_logits_tma_kernel`` (sm_90+, fp16/bf16, 16-byte aligned weight rows; PYKERNELS_MLM_TMA=0 off):
+   persistent programs (one per SM) walk the (row block, vocabulary tile) grid, row blocks fastest, and
+   fetch both operands through tensor descriptors built on the device (the TMA engine, no address math
+   or masks in registers, rows and columns past the ends read as 0); the software pipeline spans tiles
+   (``tl.range(flatten=True)``). Two epilogues: the forward's per-tile row statistics (max, sum-exp,
+   target logit, sum) into (N / BLOCK_N tiles, N) partials merged by the combine kernel below; the sized
+   backward's dz stored through a descriptor clipped to (M, VC). Measured on an H200 (2026-11-26,
+   ``benchmarks/dev/mlm_tma_probe.py``): BERT-base forward 0.298 vs 0.317 ms, sized backward 0.77 vs
+   1.01 ms; GPT-2 forward 1.24 vs 1.47 ms, backward 4.29 vs 5.44 ms (pointer kernels). Hopper's automatic
+   warp specialisation (``warp_specialize=True``) left the sm_90 code unchanged in Triton 3.6.
+   Otherwise, and for fp32, the pointer kernels 1 and 2a:
 1. ``_masked_lm_loss_fwd_kernel``, grid (N / BLOCK_M row blocks, SPLIT vocabulary slices): for its
    rows and its slice of V it computes logit tiles with ``tl.dot`` (K loop over H) and keeps an
    online max / sum-exp (log2 domain), the target logit and (with smoothing) the sum of logits.
@@ -38,8 +49,9 @@ is multiplied by a stride):
    SPLIT partials per row (a few bytes per row) and writes loss and lse at the row's position.
    FLOPs 2 M V H; bytes ~ (M/BLOCK_M) V H (weight re-read per row block, mostly L2) + M H.
 2. Sized backward (M known on the host), in vocabulary chunks of VC columns (the (M, VC) dlogits buffer
-   within ``SIZED_DLOGITS_BUDGET_BYTES``, 16 MiB), per chunk:
-   a. ``_masked_lm_loss_dlogits_kernel`` recomputes the logit tile in fp32 (2 M VC H FLOPs), turns it
+   within ``SIZED_DLOGITS_BUDGET_BYTES``, 16 MiB, or within dhidden's N x H elements where it lives when
+   it fits there: dhidden is written only after the last chunk, then zeroed and filled), per chunk:
+   a. the TMA kernel's dz epilogue or ``_masked_lm_loss_dlogits_kernel``; the latter recomputes the logit tile in fp32 (2 M VC H FLOPs), turns it
       into dz with the saved lse and the upstream grad, and stores dz in the weight dtype (compacted
       rows). Its grid covers the host's M rows; if the device count differs, every dz is NaN (never a
       silently partial gradient).
@@ -74,16 +86,19 @@ the whole (rows, V) chunk is materialised, and then dW must be accumulated acros
 fp32 (V, H) buffer (94 MiB for BERT-base), over the memory budget.
 
 Memory above the inputs (BERT-base MLM: N 16384, M 2446, V 30522, H 768, bf16; measured peaks in
-benchmarks/results/*_run6.csv). Sized: dhidden (N H) and dW (V H) in the input dtype (24 + 45 MiB), the
-(M, VC) dlogits buffer (16 MiB), h_c and the fp32 (M, H) accumulator (4 + 7 MiB): 98 MiB; GPT-2 (N = M =
-8192, V 50257): 126 MiB. Graph-safe: the (N, VC) buffer (64 MiB) and an fp32 (N, H) accumulator (48 MiB)
-instead, both sized for N because the count stays on the device: 181 and 174 MiB.
+benchmarks/results/*_run11.csv). Sized: dhidden (N H) and dW (V H) in the input dtype (24 + 45 MiB), the
+(M, VC) dlogits chunks inside dhidden's memory (24 MiB: 6 chunks), h_c and the fp32 (M, H) accumulator
+(4 + 7 MiB): 84 MiB; GPT-2 (N = M = 8192, V 50257; the chunks do not fit in dhidden, a 16 MiB buffer):
+126 MiB. The TMA forward's transient compacted rows and per-tile partials (71 MiB at BERT-base, 51 MiB
+at GPT-2, ``TMA_FWD_BUDGET_BYTES``) are freed before the backward. Graph-safe: the (N, VC) buffer
+(64 MiB) and an fp32 (N, H) accumulator (48 MiB) instead, both sized for N because the count stays on
+the device: 181 and 174 MiB.
 
-Launches per call: forward 3 Triton kernels (compaction, logits, combine) + the count copy; sized
-backward 3 per chunk (dlogits kernel, two GEMMs) + ~5 small torch ops; graph-safe backward 2 Triton
-kernels per chunk. Host launch overhead (~10-20 us per launch on the GPU machines' CPUs) is why chunks
-are large: at BERT-base sizes a 64 MiB sized budget (3 chunks) runs 1.57 ms in do_bench against 1.85 ms
-for the default 16 MiB (10 chunks), for the same GPU time.
+Launches per call: forward 3-4 Triton kernels (compaction, [row gather,] logits, combine) + the count
+copy; sized backward 3 per chunk (dz kernel, two GEMMs) + ~5 small torch ops; graph-safe backward 2
+Triton kernels per chunk. Host time is what limits the sized backward at BERT-base on the GPU
+machines' slow host CPUs: ~1.3 ms of host time for ~0.8 ms of GPU time (6 chunks, ~200 us of Python,
+torch dispatch and launches each), so fewer, wider chunks pay off more than faster kernels.
 
 Limits. Targets outside [0, V) that are not ``ignore_index`` are never used to address memory: their
 loss (and lse) is NaN and their gradient is that of the plain softmax (no one-hot term); the
@@ -629,13 +644,15 @@ def _gather_rows_kernel(h_ptr, rows_ptr, count_ptr, out_ptr, H, stride_hn, strid
 # fp16/bf16, 16-byte aligned rows); PYKERNELS_MLM_TMA=0 keeps the pointer kernels everywhere.
 USE_TMA = os.environ.get("PYKERNELS_MLM_TMA", "1") not in ("", "0")
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the TMA logits kernel, forward (statistics epilogue) and
-# backward (dz epilogue); the first entry is the default. See benchmarks/dev/mlm_tma_probe.py.
+# backward (dz epilogue), from 8 tiles timed on an H200 (benchmarks/dev/mlm_tma_probe.py): the forward's
+# was fastest at BERT-base and GPT-2 sizes in three runs; the backward's at GPT-2 size (GPU-bound), where
+# BERT-base's sized backward is host-bound and ranks the tiles differently from run to run.
 TMA_FWD_CONFIG = (256, 128, 64, 8, 3)
-TMA_DZ_CONFIG = (256, 128, 64, 8, 3)
+TMA_DZ_CONFIG = (128, 128, 128, 8, 3)
 # The TMA forward's transient buffers, the (N, H) compacted rows and the per-tile partials (one per
 # BLOCK_N vocabulary columns), are sized for all N rows (the count stays on the device); above this many
 # bytes the forward keeps the pointer kernel (gathered rows, ~32 vocabulary slices: ~32 partials a row).
-# BERT-base MLM: 24 + 24 MiB; GPT-2: 12 + 19 MiB, both below the backward's peak.
+# BERT-base MLM: 24 + 47 MiB; GPT-2: 12 + 38 MiB, both freed before the backward's peak.
 TMA_FWD_BUDGET_BYTES = 128 * 2**20
 _NUM_SMS: dict = {}
 
