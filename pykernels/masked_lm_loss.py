@@ -337,7 +337,8 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
 
     The Triton forward never waits for the device (the valid positions are compacted on the device).
     Memory of the backward besides the gradients: by default (the sized path) an (M, VC) dlogits buffer
-    of at most ``pykernels._kernels.masked_lm_loss.SIZED_DLOGITS_BUDGET_BYTES`` (16 MiB), the (M, H)
+    inside dhidden's memory when it fits there (few valid rows), else of at most
+    ``pykernels._kernels.masked_lm_loss.SIZED_DLOGITS_BUDGET_BYTES`` (16 MiB), the (M, H)
     gathered valid rows and an fp32 (M, H) dhidden accumulator, M = valid positions; graph-safe, an
     (N, VC) buffer of at most ``DLOGITS_BUDGET_BYTES`` (64 MiB) and an fp32 (N, H) accumulator. A target
     outside [0, V) that is not ``ignore_index`` gives a NaN loss on the Triton path (no out-of-bounds
