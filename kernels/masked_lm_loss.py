@@ -187,6 +187,29 @@ _BWD_CONFIGS, _BWD_FP32 = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), 
                                    _AHK, (16, 16, 16, 1, 1), (64, 64, 32, 4, 2))
 
 
+@triton.jit
+def _tile_stats(acc, tgt, offs_n, mask_n, SMOOTH: tl.constexpr):
+    """Per-row statistics of one fp32 logit tile (columns ``offs_n``, valid where ``mask_n``): max of the
+    log2-scaled logits, sum of exp2 relative to it, the target's logit (0 if not in the tile) and, with
+    SMOOTH, the sum of the logits."""
+    z2 = tl.where(mask_n[None, :], acc * 1.4426950408889634, float("-inf"))
+    m = tl.max(z2, axis=1)
+    s = tl.sum(tl.exp2(z2 - m[:, None]), axis=1)
+    zt = tl.sum(tl.where(offs_n[None, :] == tgt[:, None], acc, 0.0), axis=1)
+    zsum = zt
+    if SMOOTH:
+        zsum = tl.sum(tl.where(mask_n[None, :], acc, 0.0), axis=1)
+    return m, s, zt, zsum
+
+
+@triton.jit
+def _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V):
+    """dz of one fp32 logit tile: g (softmax - (1 - eps) onehot - eps / V), from the saved lse."""
+    p = tl.exp2(acc * 1.4426950408889634 - lse2[:, None])
+    d = p - tl.where(offs_n[None, :] == tgt[:, None], 1.0 - smooth_eps, 0.0) - smooth_eps / V
+    return d * g[:, None]
+
+
 @_tuning.autotune(configs=_FWD_CONFIGS, key=["H", "V_PER_SPLIT", "DTYPE_KEY"],
                   prune_configs_by=_prune_by_dtype(_FWD_FP32))
 @triton.jit
@@ -249,12 +272,19 @@ def _masked_lm_loss_fwd_kernel(
             zt_i += tl.sum(tl.where(offs_n[None, :] == tgt[:, None], acc, 0.0), axis=1)
             if SMOOTH:
                 zsum_i += tl.sum(tl.where(mask_n[None, :], acc, 0.0), axis=1)
-        out = pid_s.to(tl.int64) * N + offs_m
-        tl.store(part_m_ptr + out, m_i, mask=mask_m)
-        tl.store(part_s_ptr + out, s_i, mask=mask_m)
-        tl.store(part_zt_ptr + out, zt_i, mask=mask_m)
-        if SMOOTH:
-            tl.store(part_zsum_ptr + out, zsum_i, mask=mask_m)
+        _store_partials(part_m_ptr, part_s_ptr, part_zt_ptr, part_zsum_ptr, pid_s.to(tl.int64) * N + offs_m,
+                        mask_m, m_i, s_i, zt_i, zsum_i, SMOOTH)
+
+
+@triton.jit
+def _store_partials(part_m_ptr, part_s_ptr, part_zt_ptr, part_zsum_ptr, out, mask, m, s, zt, zsum,
+                    SMOOTH: tl.constexpr):
+    """One slice's (or tile's) row statistics into the (SPLIT, N) partials the combine kernel merges."""
+    tl.store(part_m_ptr + out, m, mask=mask)
+    tl.store(part_s_ptr + out, s, mask=mask)
+    tl.store(part_zt_ptr + out, zt, mask=mask)
+    if SMOOTH:
+        tl.store(part_zsum_ptr + out, zsum, mask=mask)
 
 
 @triton.jit
@@ -358,9 +388,7 @@ def _masked_lm_loss_dlogits_kernel(
         if HAS_BIAS:
             bias = tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)
             acc += bias[None, :]
-        p = tl.exp2(acc * 1.4426950408889634 - lse2[:, None])
-        d = p - tl.where(offs_n[None, :] == tgt[:, None], 1.0 - smooth_eps, 0.0) - smooth_eps / V
-        d = d * g[:, None]
+        d = _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V)
         if mismatch:
             d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
         dst = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl + offs_c[None, :]
@@ -474,29 +502,6 @@ def _masked_lm_loss_bwd_kernel(
                       is_first, is_last, DOT_PRECISION, BLOCK_A, BLOCK_H, BLOCK_K)
 
 
-@triton.jit
-def _tile_stats(acc, tgt, offs_n, mask_n, SMOOTH: tl.constexpr):
-    """Per-row statistics of one fp32 logit tile (columns ``offs_n``, valid where ``mask_n``): max of the
-    log2-scaled logits, sum of exp2 relative to it, the target's logit (0 if not in the tile) and, with
-    SMOOTH, the sum of the logits."""
-    z2 = tl.where(mask_n[None, :], acc * 1.4426950408889634, float("-inf"))
-    m = tl.max(z2, axis=1)
-    s = tl.sum(tl.exp2(z2 - m[:, None]), axis=1)
-    zt = tl.sum(tl.where(offs_n[None, :] == tgt[:, None], acc, 0.0), axis=1)
-    zsum = zt
-    if SMOOTH:
-        zsum = tl.sum(tl.where(mask_n[None, :], acc, 0.0), axis=1)
-    return m, s, zt, zsum
-
-
-@triton.jit
-def _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V):
-    """dz of one fp32 logit tile: g (softmax - (1 - eps) onehot - eps / V), from the saved lse."""
-    p = tl.exp2(acc * 1.4426950408889634 - lse2[:, None])
-    d = p - tl.where(offs_n[None, :] == tgt[:, None], 1.0 - smooth_eps, 0.0) - smooth_eps / V
-    return d * g[:, None]
-
-
 @triton.jit(do_not_specialize=["v_off", "VC", "n_rows"])
 def _logits_tma_kernel(
     a_ptr,          # (R, H) compacted hidden rows, row stride lda (16-byte multiple), columns contiguous
@@ -561,12 +566,8 @@ def _logits_tma_kernel(
             out_desc.store([off_m, off_c], d.to(out_ptr.dtype.element_ty))
         else:
             m, s, zt, zsum = _tile_stats(acc, tgt, offs_n, mask_n, SMOOTH)
-            out = pid_n.to(tl.int64) * N + offs_m
-            tl.store(part_m_ptr + out, m, mask=mask_m)
-            tl.store(part_s_ptr + out, s, mask=mask_m)
-            tl.store(part_zt_ptr + out, zt, mask=mask_m)
-            if SMOOTH:
-                tl.store(part_zsum_ptr + out, zsum, mask=mask_m)
+            _store_partials(part_m_ptr, part_s_ptr, part_zt_ptr, part_zsum_ptr, pid_n.to(tl.int64) * N + offs_m,
+                            mask_m, m, s, zt, zsum, SMOOTH)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
