@@ -5,8 +5,8 @@ sized backward, each checked against the pointer path's result before it is time
 Usage (GPU): ``python benchmarks/dev/mlm_tma_probe.py [--cases bert,gpt2] [--budgets 16,32]``
 Prints one line per variant: ms (triton.testing.do_bench median), logits TFLOP/s, max difference.
 The cuBLAS lines time the plain (M, V) logits GEMM for reference; with V = 30522 or 50257 the output's
-row stride is not a multiple of 16 bytes and cuBLAS runs far below its peak (95-230 TFLOP/s on an H200),
-(odd-width outputs: an alignment cliff the Triton kernels do not have)."""
+row stride is not a multiple of 16 bytes and cuBLAS runs far below its peak (95-230 TFLOP/s on an H200):
+an alignment cliff the Triton kernels, which never store the logits, do not have."""
 from __future__ import annotations
 
 import argparse
