@@ -104,6 +104,32 @@ def main():
     print(f"bare triton launch {per_call_us(lambda: _copy[(1,)](t, u, 64, BLOCK=64)):.1f} us; "
           f"torch op {per_call_us(lambda: torch.mul(t, 2, out=u)):.1f} us")
 
+    # fast vs normal (Triton's own) launches per fwd+bwd, backward on autograd's thread and on the caller's
+    from pykernels._kernels import _launch
+
+    def launches():
+        def name(k):
+            while not hasattr(k, "__name__") and hasattr(k, "fn"):
+                k = k.fn
+            return getattr(k, "__name__", repr(k))
+        return {name(fk.kernel): tuple(fk.launches) for fk in _launch._wrappers.values()}
+
+    for mt in (True, False):
+        with torch.autograd.set_multithreading_enabled(mt):
+            for name, f, t in (("layer_norm", ln, xg), ("attention", at, qg), ("cross_entropy", ce, lg)):
+                g = fb(f, t)
+                for _ in range(5):
+                    g()
+                before = launches()
+                for _ in range(10):
+                    g()
+                torch.cuda.synchronize()
+                after = launches()
+                delta = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
+                         for k, v in after.items() if v != before.get(k, (0, 0))}
+                print(f"launches over 10 fwd+bwd of {name} ({'autograd thread' if mt else 'calling thread'}):"
+                      f" (fast, normal) {delta}")
+
     # the backward on the calling thread (autograd's device threads hidden from cProfile otherwise)
     with torch.autograd.set_multithreading_enabled(False):
         print("fwd+bwd, backward on the calling thread: layer_norm %.1f us, attention %.1f us"
