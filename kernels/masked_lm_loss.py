@@ -305,16 +305,17 @@ def _masked_lm_loss_combine_kernel(
         mask = offs < count
         rows = tl.load(rows_ptr + offs, mask=mask, other=0).to(tl.int64)
         tgt = tl.load(tgt_ptr + rows, mask=mask, other=0)
+        # one pass, online: the running max rescales the running sum (exp2(-inf) = 0 on the first slice)
         m = tl.full((BLOCK,), float("-inf"), tl.float32)
-        for s in range(0, SPLIT):
-            m = tl.maximum(m, tl.load(part_m_ptr + s * N + offs, mask=mask, other=0.0))
         total = tl.zeros((BLOCK,), tl.float32)
         zt = tl.zeros((BLOCK,), tl.float32)
         zsum = tl.zeros((BLOCK,), tl.float32)
         for s in range(0, SPLIT):
             ms = tl.load(part_m_ptr + s * N + offs, mask=mask, other=0.0)
             ss = tl.load(part_s_ptr + s * N + offs, mask=mask, other=0.0)
-            total += ss * tl.exp2(ms - m)
+            m_new = tl.maximum(m, ms)
+            total = total * tl.exp2(m - m_new) + ss * tl.exp2(ms - m_new)
+            m = m_new
             zt += tl.load(part_zt_ptr + s * N + offs, mask=mask, other=0.0)
             if SMOOTH:
                 zsum += tl.load(part_zsum_ptr + s * N + offs, mask=mask, other=0.0)
@@ -551,8 +552,8 @@ def _logits_tma_kernel(
         offs_m = off_m + tl.arange(0, BLOCK_M)
         mask_m = offs_m < n_rows
         offs_c = off_c + tl.arange(0, BLOCK_N)
-        mask_n = offs_c < VC
         offs_n = v_off + offs_c
+        mask_n = (offs_c < VC) & (offs_n < V)  # (the sized backward may pad the last chunk past V)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
@@ -560,7 +561,7 @@ def _logits_tma_kernel(
         if DZ:
             lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * 1.4426950408889634
             g = tl.load(gloss_ptr + rows, mask=mask_m, other=0.0)
-            d = _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V)
+            d = tl.where(mask_n[None, :], _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V), 0.0)
             if mismatch:
                 d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
             out_desc.store([off_m, off_c], d.to(out_ptr.dtype.element_ty))
@@ -781,10 +782,10 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
             bias.stride(0) if bias is not None else 0,
             _dtype_key(hidden.dtype),
             HAS_BIAS=bias is not None, SMOOTH=smooth, DOT_PRECISION=_dot_precision(hidden.dtype))
-    block = 128
+    block = 32  # small blocks: 2446 valid rows are 77 programs (each walks all SPLIT partials)
     _launch.fast(_masked_lm_loss_combine_kernel)[(_tuning.cdiv(n, block),)](
         target, rows, count, part_m, part_s, part_zt, part_zsum, loss, lse,
-        n, v, split, float(label_smoothing), SMOOTH=smooth, BLOCK=block)
+        n, v, split, float(label_smoothing), SMOOTH=smooth, BLOCK=block, num_warps=1)
     return loss, lse
 
 
@@ -929,7 +930,16 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     dtype = hidden.dtype
     if m == 0 or not (compute_dhidden or compute_dweight):
         return _no_rows(*_grad_buffers(hidden, weight, bias, compute_dhidden, compute_dweight))
+    use_tma = tma_applies(hidden, weight)
+    # With TMA the chunks' widths are padded to multiples of 8 columns (dz is 0 there): cuBLAS picks a
+    # ~3x slower sm_80 kernel for a dW GEMM whose output has an odd number of rows (BERT's last chunk,
+    # 4922 of V = 30522), so dweight is a view of a buffer with up to 7 more rows.
+    pad = 8 if use_tma else 1
     _, dweight, dbias = _grad_buffers(hidden, weight, bias, False, compute_dweight)
+    dw_buf = dweight
+    if compute_dweight and use_tma and v % pad:
+        dw_buf = empty(_tuning.cdiv(v, pad) * pad, h, dtype=weight.dtype, device=dev)
+        dweight = dw_buf[:v]
     target = target.contiguous()
     grad_loss = grad_loss.to(torch.float32).contiguous()
     lse = lse.contiguous()
@@ -942,11 +952,10 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     budget = max(budget, dh_elems * weight.element_size())
     vc = _chunk_columns(m, v, weight.element_size(), budget)
     n_chunks = _tuning.cdiv(v, vc)
-    use_tma = tma_applies(hidden, weight)
-    ld = _tuning.cdiv(vc, 8) * 8 if use_tma else vc  # TMA: row stride padded to 16 bytes
+    ld = _tuning.cdiv(vc, pad) * pad  # TMA: row stride padded to 16 bytes
     shared = m * ld <= dh_elems
     dhidden = empty(n, h, dtype=hidden.dtype, device=dev) if compute_dhidden else None
-    dl = (dhidden.view(-1)[:m * ld] if shared else empty(m * ld, dtype=weight.dtype, device=dev)).view(m, ld)[:, :vc]
+    dl = (dhidden.view(-1)[:m * ld] if shared else empty(m * ld, dtype=weight.dtype, device=dev)).view(m, ld)
     hc = None
     if compute_dweight or use_tma:
         hc = hidden if all_rows else hidden.index_select(0, rows_m)
@@ -960,10 +969,12 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     for c in range(n_chunks):
         v_off = c * vc
         vc_c = min(vc, v - v_off)
+        w_pad = _tuning.cdiv(vc_c, pad) * pad  # <= ld
         d = dl[:, :vc_c]
         if use_tma:
-            _logits_tma(hc, weight, d, bias, target, rows, count, lse, grad_loss, None, n=n, v_off=v_off, vc=vc_c,
-                        n_rows=m, label_smoothing=label_smoothing, cfg=TMA_DZ_CONFIG, dz=True)
+            _logits_tma(hc, weight, dl[:, :w_pad], bias, target, rows, count, lse, grad_loss, None, n=n,
+                        v_off=v_off, vc=w_pad, n_rows=m, label_smoothing=label_smoothing, cfg=TMA_DZ_CONFIG,
+                        dz=True)
         else:
             _launch.fast(_masked_lm_loss_dlogits_kernel)[
                     lambda meta: (_tuning.cdiv(vc_c, meta["BLOCK_N"]) * _tuning.cdiv(m, meta["BLOCK_M"]),)](
@@ -973,7 +984,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), m, key,
                 HAS_BIAS=bias is not None, DOT_PRECISION=prec)
         if compute_dweight:
-            torch.mm(d.t(), hc, out=dweight[v_off:v_off + vc_c])
+            torch.mm(dl[:, :w_pad].t(), hc, out=dw_buf[v_off:v_off + w_pad])
             if dbias is not None:
                 dbias[v_off:v_off + vc_c] = d.sum(0, dtype=torch.float32)
         if compute_dhidden:
