@@ -932,14 +932,13 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
         return _no_rows(*_grad_buffers(hidden, weight, bias, compute_dhidden, compute_dweight))
     use_tma = tma_applies(hidden, weight)
     # With TMA the chunks' widths are padded to multiples of 8 columns (dz is 0 there): cuBLAS picks a
-    # ~3x slower sm_80 kernel for a dW GEMM whose output has an odd number of rows (BERT's last chunk,
-    # 4922 of V = 30522), so dweight is a view of a buffer with up to 7 more rows.
+    # ~3x slower sm_80 kernel for a GEMM with an odd output or reduction width (BERT's last chunk, 4922
+    # of V = 30522), so dweight is a view of a buffer with up to 7 more rows, and the dhidden GEMM takes
+    # the chunk's odd tail (< 8 columns) as a second, tiny GEMM.
     pad = 8 if use_tma else 1
-    _, dweight, dbias = _grad_buffers(hidden, weight, bias, False, compute_dweight)
-    dw_buf = dweight
-    if compute_dweight and use_tma and v % pad:
-        dw_buf = empty(_tuning.cdiv(v, pad) * pad, h, dtype=weight.dtype, device=dev)
-        dweight = dw_buf[:v]
+    dw_buf = empty(_tuning.cdiv(v, pad) * pad, h, dtype=weight.dtype, device=dev) if compute_dweight else None
+    dweight = dw_buf[:v] if compute_dweight else None
+    dbias = empty(v, dtype=bias.dtype, device=dev) if compute_dweight and bias is not None else None
     target = target.contiguous()
     grad_loss = grad_loss.to(torch.float32).contiguous()
     lse = lse.contiguous()
@@ -989,10 +988,14 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 dbias[v_off:v_off + vc_c] = d.sum(0, dtype=torch.float32)
         if compute_dhidden:
             wc = weight[v_off:v_off + vc_c]
-            if n_chunks == 1:
+            # K a multiple of 8 (as for dW above): the odd tail of the last chunk as its own tiny GEMM
+            k8 = vc_c - vc_c % pad if vc_c > pad else vc_c
+            if n_chunks == 1 and k8 == vc_c:
                 acc = torch.mm(d, wc)  # one chunk: cuBLAS accumulates the whole sum in fp32
             else:
-                acc = _addmm_f32(acc, d, wc)
+                acc = _addmm_f32(acc, d[:, :k8], wc[:k8])
+                if k8 < vc_c:
+                    acc = _addmm_f32(acc, d[:, k8:], wc[k8:])
     if compute_dhidden:  # the dlogits are dead now: their memory becomes dhidden
         if all_rows:
             dhidden.copy_(acc)
