@@ -58,7 +58,9 @@ is multiplied by a stride):
    b. dW[chunk] = dz^T h_c (cuBLAS, fp32 accumulation, written once: each chunk owns its rows of dW);
       dbias[chunk] = column sums of dz in fp32; dh_c += dz W[chunk] (cuBLAS with an fp32 output,
       ``out_dtype``, accumulated in place across chunks), scattered once to the valid positions.
-   h_c is the (M, H) gather of the valid rows (``hidden`` itself when every row is valid).
+   h_c is the (M, H) gather of the valid rows (``hidden`` itself when every row is valid). On the TMA
+   path every chunk is padded to a multiple of 8 columns (dz 0 there, dW a view of a padded buffer):
+   cuBLAS fell back to a ~3x slower sm_80 kernel for BERT's 4922-column last chunk (H100, 2026-11-26).
    (Measured and dropped: the logits from a cuBLAS GEMM in the input dtype plus an in-place elementwise
    kernel, ~8% less GPU time on an H200 (run6), but the rounded logits no longer match the forward's
    fp32 lse exactly: at V = 1 the exact-zero gradient came out ~1e-7..1e-4 where eager gives 0.)
@@ -710,28 +712,33 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_tma_alloc)
 
 
-def _logits_tma(hc, weight, out, bias, target, rows, count, lse, grad_loss, partials, *, n, v_off, vc,
-                n_rows, label_smoothing, cfg, dz):
-    """Launch ``_logits_tma_kernel`` over ``hc`` (R, H) x weight[v_off:v_off + vc]: dz into ``out`` (dz) or
-    the statistics into ``partials`` (m, s, zt, zsum)."""
+def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n, n_rows,
+                label_smoothing, cfg, dz):
+    """``launch(out, v_off, vc)``: runs ``_logits_tma_kernel`` over ``hc`` (R, H) x weight[v_off:v_off + vc],
+    dz into ``out`` (dz) or the statistics into ``partials`` (m, s, zt, zsum). What does not change
+    between the chunks of a backward is worked out once, here (host time is what limits those loops)."""
     bm, bn, bk, warps, stages = _tma_cfg(cfg)
     v, h = weight.shape
     if not _INTERPRET:
         _ensure_allocator()
-    part_m, part_s, part_zt, part_zsum = partials if partials is not None else (lse,) * 4
-    if out is None:
-        out = hc  # placeholder, never read
-    rows_bound = hc.shape[0] if n_rows < 0 else n_rows
-    programs = max(1, min(_num_programs(hc.device), _tuning.cdiv(rows_bound, bm) * _tuning.cdiv(vc, bn)))
-    b = bias if bias is not None else weight
-    _launch.fast(_logits_tma_kernel)[(programs,)](
-        hc, weight, out, b, target, rows, count, lse, grad_loss,
-        part_m, part_s, part_zt, part_zsum,
-        n, v, h, hc.shape[0], v_off, vc, n_rows,
-        hc.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
-        float(label_smoothing),
-        NUM_PROGRAMS=programs, DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    parts = tuple(partials) if partials is not None else (lse,) * 4
+    row_tiles = _tuning.cdiv(hc.shape[0] if n_rows < 0 else n_rows, bm)
+    sms = _num_programs(hc.device)
+    kernel = _launch.fast(_logits_tma_kernel)
+    head = (hc, weight)
+    mid = (bias if bias is not None else weight, target, rows, count, lse, grad_loss) + parts + (n, v, h, hc.shape[0])
+    strides = (hc.stride(0), weight.stride(0))
+    tail = (bias.stride(0) if bias is not None else 0, float(label_smoothing))
+    flags = dict(DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0,
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+    def launch(out, v_off: int, vc: int) -> None:
+        if out is None:
+            out = hc  # placeholder, never read
+        programs = max(1, min(sms, row_tiles * _tuning.cdiv(vc, bn)))
+        kernel[(programs,)](*head, out, *mid, v_off, vc, n_rows, *strides, out.stride(0), *tail,
+                            NUM_PROGRAMS=programs, **flags)
+    return launch
 
 
 def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -765,8 +772,8 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
     if (tma_applies(hidden, weight)
             and split * n * 4 * n_parts + n * h * hidden.element_size() <= TMA_FWD_BUDGET_BYTES):
         part_m, part_s, part_zt, part_zsum = parts = partials(split)
-        _logits_tma(gather_rows(hidden, rows, count), weight, None, bias, target, rows, count, lse, lse, parts,
-                    n=n, v_off=0, vc=v, n_rows=-1, label_smoothing=label_smoothing, cfg=TMA_FWD_CONFIG, dz=False)
+        _logits_tma(gather_rows(hidden, rows, count), weight, bias, target, rows, count, lse, lse, parts,
+                    n=n, n_rows=-1, label_smoothing=label_smoothing, cfg=TMA_FWD_CONFIG, dz=False)(None, 0, v)
     else:
         # About 32 vocabulary slices of >= 1024 columns (multiples of 256): enough programs (and small
         # ones, so the last wave is short) when few rows are valid, and few partials to merge.
@@ -964,16 +971,20 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     b = bias if bias is not None else weight  # placeholder pointer, never read
     prec = _dot_precision(dtype)
     key = _dtype_key(dtype)
+    if use_tma:
+        dz_launch = _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, None, n=n, n_rows=m,
+                                label_smoothing=label_smoothing, cfg=TMA_DZ_CONFIG, dz=True)
+    # the views every full-width chunk uses, made once (the last chunk may be narrower)
+    full = (dl[:, :vc], dl[:, :_tuning.cdiv(vc, pad) * pad])
+    full = full + (full[1].t(),)
     acc = None
     for c in range(n_chunks):
         v_off = c * vc
         vc_c = min(vc, v - v_off)
-        w_pad = _tuning.cdiv(vc_c, pad) * pad  # <= ld
-        d = dl[:, :vc_c]
+        d, d_pad, d_pad_t = full if vc_c == vc else (dl[:, :vc_c], dl[:, :_tuning.cdiv(vc_c, pad) * pad], None)
+        w_pad = d_pad.shape[1]  # <= ld
         if use_tma:
-            _logits_tma(hc, weight, dl[:, :w_pad], bias, target, rows, count, lse, grad_loss, None, n=n,
-                        v_off=v_off, vc=w_pad, n_rows=m, label_smoothing=label_smoothing, cfg=TMA_DZ_CONFIG,
-                        dz=True)
+            dz_launch(d_pad, v_off, w_pad)
         else:
             _launch.fast(_masked_lm_loss_dlogits_kernel)[
                     lambda meta: (_tuning.cdiv(vc_c, meta["BLOCK_N"]) * _tuning.cdiv(m, meta["BLOCK_M"]),)](
@@ -983,7 +994,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), m, key,
                 HAS_BIAS=bias is not None, DOT_PRECISION=prec)
         if compute_dweight:
-            torch.mm(dl[:, :w_pad].t(), hc, out=dw_buf[v_off:v_off + w_pad])
+            torch.mm(d_pad_t if d_pad_t is not None else d_pad.t(), hc, out=dw_buf[v_off:v_off + w_pad])
             if dbias is not None:
                 dbias[v_off:v_off + vc_c] = d.sum(0, dtype=torch.float32)
         if compute_dhidden:
@@ -992,10 +1003,11 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
             k8 = vc_c - vc_c % pad if vc_c > pad else vc_c
             if n_chunks == 1 and k8 == vc_c:
                 acc = torch.mm(d, wc)  # one chunk: cuBLAS accumulates the whole sum in fp32
+            elif k8 == vc_c:
+                acc = _addmm_f32(acc, d, wc)
             else:
                 acc = _addmm_f32(acc, d[:, :k8], wc[:k8])
-                if k8 < vc_c:
-                    acc = _addmm_f32(acc, d[:, k8:], wc[k8:])
+                acc = _addmm_f32(acc, d[:, k8:], wc[k8:])
     if compute_dhidden:  # the dlogits are dead now: their memory becomes dhidden
         if all_rows:
             dhidden.copy_(acc)
