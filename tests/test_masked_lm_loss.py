@@ -138,6 +138,32 @@ def test_sized_backward_dlogits_in_dhidden_memory(device, monkeypatch, path_spy)
     assert (dh[target == IGN] == 0).all()
 
 
+def test_sized_backward_dlogits_in_dweight_rows_not_yet_written(device, monkeypatch, path_spy):
+    # Every row valid and a 1-byte budget: 256-column chunks, except that the first chunks are wider and
+    # keep their dlogits in the rows of dweight that later chunks write (fp16: the TMA path, which pads
+    # dweight to 8 rows). dweight must come out right in every row, the scratch rows included.
+    monkeypatch.setattr(kmod, "SIZED_DLOGITS_BUDGET_BYTES", 1)
+    plan = kmod._chunk_plan(2000, 256, 37, 64, 8, 2000)
+    assert [s for *_, s in plan] == [True, True, False, False] and sum(w for _, w, _ in plan) == 2000
+    hidden, weight, target, b = _inputs((37,), 64, 2000, torch.float16, device, frac=1.0, bias=True)
+    assert (target != IGN).all()
+    _check(hidden, weight, target, b, reduction="mean", label_smoothing=0.1)
+    assert path_spy == ["sized"]
+
+
+def test_chunk_plan_covers_the_vocabulary_once():
+    for v, vc, m, h in [(50257, 1024, 8192, 768), (30522, 5120, 2446, 768), (517, 256, 5, 32), (7, 7, 3, 8)]:
+        for dw_rows in (0, -(-v // 8) * 8):
+            plan = kmod._chunk_plan(v, vc, m, h, 8, dw_rows)
+            assert [o for o, _, _ in plan] == [sum(w for _, w, _ in plan[:i]) for i in range(len(plan))]
+            assert sum(w for _, w, _ in plan) == v
+            for v_off, w, scratch in plan:
+                w_pad = -(-w // 8) * 8
+                assert (not scratch) or (dw_rows and (v_off + w_pad) * h + m * w_pad <= dw_rows * h)
+                assert scratch or w <= vc
+    assert len(kmod._chunk_plan(50257, 1024, 8192, 768, 8, 50264)) == 29  # 50 without the scratch
+
+
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
 def test_fp16_logit_tiles_through_tma_and_pointers(device, monkeypatch, use_tma):
     # fp16 takes the tensor-descriptor kernel on Hopper and under the interpreter; both paths must hold.
