@@ -51,9 +51,9 @@ is multiplied by a stride):
 2. Sized backward (M known on the host), in vocabulary chunks of VC columns (the (M, VC) dlogits buffer
    within ``SIZED_DLOGITS_BUDGET_BYTES``, 16 MiB, or within dhidden's N x H elements where it lives when
    it fits there: dhidden is written only after the last chunk, then zeroed and filled), per chunk:
-   a. the TMA kernel's dz epilogue or ``_masked_lm_loss_dlogits_kernel``; the latter recomputes the logit tile in fp32 (2 M VC H FLOPs), turns it
-      into dz with the saved lse and the upstream grad, and stores dz in the weight dtype (compacted
-      rows). Its grid covers the host's M rows; if the device count differs, every dz is NaN (never a
+   a. the TMA kernel's dz epilogue, or ``_masked_lm_loss_dlogits_kernel``: either recomputes the logit
+      tile in fp32 (2 M VC H FLOPs), turns it into dz with the saved lse and the upstream grad, and
+      stores dz in the weight dtype (compacted rows). Its grid covers the host's M rows; if the device count differs, every dz is NaN (never a
       silently partial gradient).
    b. dW[chunk] = dz^T h_c (cuBLAS, fp32 accumulation, written once: each chunk owns its rows of dW);
       dbias[chunk] = column sums of dz in fp32; dh_c += dz W[chunk] (cuBLAS with an fp32 output,
@@ -92,7 +92,7 @@ the whole (rows, V) chunk is materialised, and then dW must be accumulated acros
 fp32 (V, H) buffer (94 MiB for BERT-base), over the memory budget.
 
 Memory above the inputs (BERT-base MLM: N 16384, M 2446, V 30522, H 768, bf16; measured peaks in
-benchmarks/results/*_run11.csv). Sized: dhidden (N H) and dW (V H) in the input dtype (24 + 45 MiB), the
+benchmarks/results/*_run14.csv). Sized: dhidden (N H) and dW (V H) in the input dtype (24 + 45 MiB), the
 (M, VC) dlogits chunks inside dhidden's memory (24 MiB: 6 chunks), h_c and the fp32 (M, H) accumulator
 (4 + 7 MiB): 84 MiB; GPT-2 (N = M = 8192, V 50257; the chunks do not fit in dhidden, a 16 MiB buffer):
 126 MiB. The TMA forward's transient compacted rows and per-tile partials (71 MiB at BERT-base, 51 MiB
@@ -103,8 +103,8 @@ the device: 181 and 174 MiB.
 Launches per call: forward 3-4 Triton kernels (compaction, [row gather,] logits, combine) + the count
 copy; sized backward 3 per chunk (dz kernel, two GEMMs) + ~5 small torch ops; graph-safe backward 2
 Triton kernels per chunk. Host time is what limits the sized backward at BERT-base on the GPU
-machines' slow host CPUs: ~1.3 ms of host time for ~0.8 ms of GPU time (6 chunks, ~200 us of Python,
-torch dispatch and launches each), so fewer, wider chunks pay off more than faster kernels.
+machines' slow host CPUs: ~1.1-1.3 ms of host time for ~0.7-0.8 ms of GPU time (6 chunks, ~150-200 us
+of Python, torch dispatch and launches each), so fewer, wider chunks pay off more than faster kernels.
 
 Limits. Targets outside [0, V) that are not ``ignore_index`` are never used to address memory: their
 loss (and lse) is NaN and their gradient is that of the plain softmax (no one-hot term); the
@@ -730,7 +730,8 @@ def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials,
     sms = _num_programs(hc.device)
     kernel = _launch.fast(_logits_tma_kernel)
     head = (hc, weight)
-    mid = (bias if bias is not None else weight, target, rows, count, lse, grad_loss) + parts + (n, v, h, hc.shape[0])
+    mid = ((bias if bias is not None else weight, target, rows, count, lse, grad_loss) + parts
+           + (n, v, h, hc.shape[0]))
     strides = (hc.stride(0), weight.stride(0))
     tail = (bias.stride(0) if bias is not None else 0, float(label_smoothing))
     flags = dict(DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0,
