@@ -665,6 +665,17 @@ TMA_FWD_BUDGET_BYTES = 128 * 2**20
 _NUM_SMS: dict = {}
 
 
+_CAPABILITY: dict = {}
+
+
+def _capability(device: torch.device) -> int:
+    """The device's compute capability major (cached: the query costs microseconds on every call)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)[0]
+    return _CAPABILITY[idx]
+
+
 def _num_programs(device: torch.device) -> int:
     if _INTERPRET:
         return 4
@@ -680,7 +691,7 @@ def tma_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     row stride (the compacted hidden rows are a fresh contiguous buffer)."""
     if not USE_TMA or hidden.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if not _INTERPRET and (not hidden.is_cuda or torch.cuda.get_device_capability(hidden.device)[0] < 9):
+    if not _INTERPRET and (not hidden.is_cuda or _capability(hidden.device) < 9):
         return False
     elem = weight.element_size()
     h = weight.shape[1]
