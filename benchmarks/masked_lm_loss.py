@@ -17,13 +17,16 @@ What is measured, per case (bf16 hidden and weight from ``randn``, no bias, mean
 * pykernels by default (the sized backward: the forward copies the valid count to the host without
   waiting, the backward sizes its buffers and cuBLAS GEMMs for the valid rows) with its dlogits budget
   of 16 MiB and at 64 MiB (``pykernels._kernels.masked_lm_loss.SIZED_DLOGITS_BUDGET_BYTES``), and
-  with ``graph_safe=True`` (nothing waits for the device; buffers sized for all rows).
+  with ``graph_safe=True`` (nothing waits for the device; buffers sized for all rows) and with
+  ``dense=True`` (every position a row, the ignored ones masked: nothing waits, capturable, the sized
+  kernels; meant for the causal LM, N / M times the work at 15% masking).
 * ``gpu_ms``: GPU time of one forward+backward, the sum of its kernels' and copies' device time
   (``common.gpu_kernel_ms``, torch.profiler), for every implementation: host time and idle gaps left
   out, host syncs allowed.
 * ``total_ms_graph``: forward+backward replayed from a CUDA graph (GPU time, no host overhead). A call
-  captured in a graph is graph-safe automatically, so for both pykernels rows this column is the
-  graph-safe path; the do_bench columns of the default row are the sized path.
+  captured in a graph is graph-safe automatically, so for the default and graph-safe rows this column
+  is the graph-safe path (the do_bench columns of the default row are the sized path); the dense row
+  captures its own (dense) path.
 
 Peers (same run, same inputs): eager full logits with ``ignore_index``; eager with the masked rows
 gathered first (boolean indexing: a host sync); the same compiled with ``torch.compile`` (the
@@ -100,6 +103,11 @@ def impl_pykernels_graph_safe(h, w, t):
     return pykernels.masked_lm_loss(h, w, t, backend="triton", graph_safe=True)
 
 
+def impl_pykernels_dense(h, w, t):
+    import pykernels
+    return pykernels.masked_lm_loss(h, w, t, backend="triton", dense=True)
+
+
 def impl_eager_full(h, w, t):
     return F.cross_entropy(h @ w.t(), t, ignore_index=IGN)
 
@@ -153,6 +161,7 @@ BUDGET_VARIANTS = {"pykernels (sized budget 64 MiB)": ("SIZED_DLOGITS_BUDGET_BYT
 IMPLS = [
     ("pykernels", impl_pykernels, None),
     ("pykernels graph_safe=True", impl_pykernels_graph_safe, None),
+    ("pykernels dense=True", impl_pykernels_dense, None),
     ("Cut Cross-Entropy (all rows)", impl_cce, _cce),
     ("Liger fused linear CE (masked rows)", impl_liger, _liger),
     ("torch.compile gather-first", impl_compile_gather, None),

@@ -951,6 +951,28 @@ def _addmm_f32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> to
     return prod if acc is None else acc.add_(prod)
 
 
+def masked_lm_loss_bwd_dense(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                             target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor, *,
+                             ignore_index: int, label_smoothing: float, compute_dhidden: bool = True,
+                             compute_dweight: bool = True,
+                             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The backward over every position, with no count on the host: the sized backward with M = N,
+    every row its own position, the ignored rows' upstream gradient set to 0 and their lse to +inf (so
+    their softmax is exactly 0 however large the logits: 0 * finite, never 0 * inf). Nothing waits for
+    the device and every shape is known on the host, so it can be captured in a CUDA graph. Same
+    arguments and results as :func:`masked_lm_loss_bwd`, without the compaction."""
+    n = hidden.shape[0]
+    dev = hidden.device
+    valid = target != ignore_index
+    g = torch.where(valid, grad_loss.to(torch.float32), 0.0)
+    lse = torch.where(valid, lse, float("inf"))
+    rows = torch.arange(n, dtype=torch.int32, device=dev)
+    count = torch.full((1,), n, dtype=torch.int32, device=dev)  # the kernels' count check: every row
+    return masked_lm_loss_bwd_sized(g, hidden, weight, target, bias, lse, rows, count, n,
+                                    label_smoothing=label_smoothing, compute_dhidden=compute_dhidden,
+                                    compute_dweight=compute_dweight)
+
+
 def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                              target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor,
                              rows: torch.Tensor, count: torch.Tensor, num_rows: int, *, label_smoothing: float,

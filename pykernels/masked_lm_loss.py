@@ -199,7 +199,8 @@ def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing):
 
 @custom_op("pykernels::masked_lm_loss_fwd", mutates_args=())
 def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
-         label_smoothing: float, graph_safe: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+         label_smoothing: float, graph_safe: bool, dense: bool, backend: str
+         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # hidden (N, H), weight (V, H), target (N,) int64, bias (V,) or None -> loss (N,) fp32, lse (N,) fp32,
     # rows (N,) int32, count (1,) int32 (the compaction, computed once and saved for the backward)
     impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
@@ -212,7 +213,8 @@ def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
         else:
             rows, count = compact_rows(target, ignore_index)
             loss = lse = None
-        copy = None if graph_safe or capturing(hidden.device) else _COUNTS.start(count)  # no wait here
+        # no wait here; the dense backward needs no count on the host at all
+        copy = None if graph_safe or dense or capturing(hidden.device) else _COUNTS.start(count)
         loss, lse = k.masked_lm_loss_fwd(hidden, weight, target, bias, rows, count,
                                          label_smoothing=label_smoothing, loss=loss, lse=lse)
     else:
@@ -224,7 +226,7 @@ def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
 
 
 @_fwd.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, backend):
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend):
     n = hidden.shape[0]
     return (hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32),
             hidden.new_empty(n, dtype=torch.int32), hidden.new_empty(1, dtype=torch.int32))
@@ -233,14 +235,18 @@ def _(hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, b
 @custom_op("pykernels::masked_lm_loss_bwd", mutates_args=())
 def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
          lse: Tensor, rows: Tensor, count: Tensor, ignore_index: int, label_smoothing: float,
-         need_dhidden: bool, need_dweight: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+         need_dhidden: bool, need_dweight: bool, dense: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     # -> dhidden (N, H), dweight (V, H), dbias (V,); an empty (0,) tensor for each gradient not needed
     # (need_dweight covers weight and bias) and for dbias when bias is None
     impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
     if impl == "triton":
         from ._kernels import masked_lm_loss as k
-        m = None if capturing(hidden.device) else _COUNTS.get(count, rows, lse)
-        if m is not None:
+        m = None if dense or capturing(hidden.device) else _COUNTS.get(count, rows, lse)
+        if dense:
+            dh, dw, db = k.masked_lm_loss_bwd_dense(
+                grad_loss, hidden, weight, target, bias, lse, ignore_index=ignore_index,
+                label_smoothing=label_smoothing, compute_dhidden=need_dhidden, compute_dweight=need_dweight)
+        elif m is not None:
             dh, dw, db = k.masked_lm_loss_bwd_sized(
                 grad_loss, hidden, weight, target, bias, lse, rows, count, m, label_smoothing=label_smoothing,
                 compute_dhidden=need_dhidden, compute_dweight=need_dweight)
@@ -272,7 +278,7 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
 
 @_bwd.register_fake
 def _(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index, label_smoothing,
-      need_dhidden, need_dweight, backend):
+      need_dhidden, need_dweight, dense, backend):
     dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_dhidden else hidden.new_empty(0)
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dweight else hidden.new_empty(0)
     db = (torch.empty_like(bias, memory_format=torch.contiguous_format) if need_dweight and bias is not None
@@ -281,12 +287,13 @@ def _(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index, l
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, backend = inputs
+    hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend = inputs
     _, lse, rows, count = output
     ctx.save_for_backward(hidden, weight, target, bias, lse, rows, count)
     ctx.ignore_index = ignore_index
     ctx.label_smoothing = label_smoothing
     ctx.backend = backend
+    ctx.dense = dense
     ctx.mark_non_differentiable(lse, rows, count)
 
 
@@ -295,9 +302,9 @@ def _backward(ctx, grad_loss, grad_lse, grad_rows, grad_count):
     need_dh = ctx.needs_input_grad[0]
     need_dw = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[3])
     dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, rows, count, ctx.ignore_index,
-                      ctx.label_smoothing, need_dh, need_dw, ctx.backend)
+                      ctx.label_smoothing, need_dh, need_dw, ctx.dense, ctx.backend)
     return (dh if need_dh else None, dw if ctx.needs_input_grad[1] else None, None,
-            db if bias is not None and ctx.needs_input_grad[3] else None, None, None, None, None)
+            db if bias is not None and ctx.needs_input_grad[3] else None, None, None, None, None, None)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -307,7 +314,8 @@ _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tensor | None = None,
                    ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                   num_valid=None, graph_safe: bool = False, backend: str | None = None) -> Tensor:
+                   num_valid=None, graph_safe: bool = False, dense: bool = False,
+                   backend: str | None = None) -> Tensor:
     """Cross-entropy of the LM head ``hidden @ weight.T + bias`` at the positions whose target is not
     ``ignore_index``, without materialising the logits.
 
@@ -329,6 +337,12 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
             backward's buffers and grids are sized for all N positions (slower at 15% masking, more
             memory). A call captured in a CUDA graph (``torch.cuda.graph``, ``torch.compile`` with
             ``mode="reduce-overhead"``) is graph-safe automatically.
+        dense: Triton path only. True: the backward runs over every position as if all were valid, the
+            ignored ones getting exactly zero gradient (their upstream gradient is masked to 0), with
+            the sized backward's cuBLAS GEMMs: nothing waits for the device and the call can be captured
+            in a CUDA graph at the sized path's speed. Right when nearly every target is valid (causal
+            LM: one ignored position per sequence after :func:`shift_labels`); at 15% masking it does
+            N / M = 6.7 times the backward's work, so leave it off for MLM. Overrides ``graph_safe``.
         backend: ``"auto" | "triton" | "reference"`` or None (the current default).
 
     Returns:
@@ -393,5 +407,8 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
     t1 = target.reshape(-1).long()              # (N,)
     if not isinstance(graph_safe, bool):
         raise TypeError(f"graph_safe must be a bool, got {type(graph_safe).__name__}")
-    loss, _, _, count = _fwd(h2, weight, t1, bias, ignore_index, label_smoothing, graph_safe, backend or "")
+    if not isinstance(dense, bool):
+        raise TypeError(f"dense must be a bool, got {type(dense).__name__}")
+    loss, _, _, count = _fwd(h2, weight, t1, bias, ignore_index, label_smoothing, graph_safe, dense,
+                             backend or "")
     return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid, count)

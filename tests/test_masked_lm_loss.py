@@ -42,14 +42,14 @@ def _run(fn, hidden, weight, bias, grad_out, **kw):
 
 
 def _check(hidden, weight, target, bias=None, *, reduction="mean", label_smoothing=0.0, num_valid=None,
-           grad_out=None, backend="triton", ignore_index=IGN, graph_safe=False):
+           grad_out=None, backend="triton", ignore_index=IGN, graph_safe=False, dense=False):
     """The kernel vs the float64 reference, bounded by twice the eager same-dtype reference's error."""
     kw = dict(reduction=reduction, label_smoothing=label_smoothing, num_valid=num_valid,
               ignore_index=ignore_index)
     if grad_out is None and reduction == "none":
         grad_out = torch.randn(target.shape, device=hidden.device)
     out = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, backend=backend,
-                                                 graph_safe=graph_safe, **kw),
+                                                 graph_safe=graph_safe, dense=dense, **kw),
                hidden, weight, bias, grad_out)
     lo = _run(lambda h, w, bias: masked_lm_loss_reference(h, w, target, bias=bias, **kw),
               hidden, weight, bias, grad_out)
@@ -83,22 +83,30 @@ CASES = [
 ]
 
 
+# The three backwards: sized (the valid count waited for in the backward), graph-safe (never waits,
+# sized for all N), dense (every position a row, ignored ones masked: never waits, the sized kernels).
+MODES = {"sized": dict(graph_safe=False, dense=False), "graph-safe": dict(graph_safe=True, dense=False),
+         "dense": dict(graph_safe=False, dense=True)}
+PATHS = {"sized": ["sized"], "graph-safe": ["graph-safe"], "dense": ["dense", "sized"]}
+
+
 @pytest.fixture
 def path_spy(monkeypatch):
     """Records which backward ran: "sized" (valid count known on the host) or "graph-safe"."""
     taken = []
-    for name, label in (("masked_lm_loss_bwd_sized", "sized"), ("masked_lm_loss_bwd", "graph-safe")):
+    for name, label in (("masked_lm_loss_bwd_sized", "sized"), ("masked_lm_loss_bwd", "graph-safe"),
+                        ("masked_lm_loss_bwd_dense", "dense")):
         fn = getattr(kmod, name)
         monkeypatch.setattr(kmod, name, lambda *a, _fn=fn, _label=label, **k: (taken.append(_label), _fn(*a, **k))[1])
     return taken
 
 
-@pytest.mark.parametrize("graph_safe", [False, True], ids=["sized", "graph-safe"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype,v,bias,reduction,ls", CASES)
-def test_matches_reference(device, dtype, v, bias, reduction, ls, graph_safe, path_spy):
+def test_matches_reference(device, dtype, v, bias, reduction, ls, mode, path_spy):
     hidden, weight, target, b = _inputs((37,), 32, v, dtype, device, frac=0.15, bias=bias)
-    _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, graph_safe=graph_safe)
-    assert path_spy == ["graph-safe" if graph_safe else "sized"]
+    _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, **MODES[mode])
+    assert path_spy == PATHS[mode]
 
 
 def test_sized_backward_with_chunks_and_every_row_valid(device, monkeypatch, path_spy):
@@ -222,17 +230,29 @@ def test_backward_chunks_with_narrow_last_chunk(device, monkeypatch):
     _check(hidden, weight, target, b, reduction="mean", graph_safe=True)
 
 
-@pytest.mark.parametrize("graph_safe", [False, True], ids=["sized", "graph-safe"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_all_ignored_gives_zero_loss_and_zero_grads(device, reduction, graph_safe):
+def test_all_ignored_gives_zero_loss_and_zero_grads(device, reduction, mode):
     hidden, weight, _, b = _inputs((37,), 32, 517, torch.float32, device, bias=True)
     target = torch.full((37,), IGN, device=device)
     out = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, reduction=reduction, backend="triton",
-                                                 graph_safe=graph_safe),
+                                                 **MODES[mode]),
                hidden, weight, b, None)
     for name, t in zip(["loss", "dhidden", "dweight", "dbias"], out):
         assert torch.isfinite(t).all(), name
         assert torch.equal(t, torch.zeros_like(t)), name
+
+
+def test_dense_backward_ignored_rows_with_huge_logits(device, path_spy):
+    # dense: ignored rows go through the kernels too; their logits here overflow exp(z - 0), so only the
+    # masked lse (+inf) keeps their gradient an exact 0 instead of 0 * inf = NaN.
+    hidden, weight, target, b = _inputs((37,), 32, 517, torch.float16, device, frac=0.5, bias=True)
+    hidden = hidden.clone()
+    hidden[target == IGN] *= 400  # logits ~ +-1e3 at the ignored rows
+    out = _check(hidden, weight, target, b, reduction="none", label_smoothing=0.1, dense=True)
+    assert path_spy == PATHS["dense"]
+    assert all(torch.isfinite(t).all() for t in out)
+    assert (out[1][target == IGN] == 0).all()
 
 
 def test_no_ignored_is_the_causal_lm_loss(device):
@@ -375,11 +395,11 @@ def _gpu_case(n, h, v, n_valid, *, bias=False):
     ("bert-large-mlm", 16384, 1024, 30522, 0.15, False),
     ("gpt2-lm", 8192, 768, 50257, 1.0, False),
 ])
-@pytest.mark.parametrize("graph_safe", [False, True], ids=["sized", "graph-safe"])
-def test_gpu_bf16_realistic(name, n, h, v, frac, bias, graph_safe, path_spy):
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_bf16_realistic(name, n, h, v, frac, bias, mode, path_spy):
     hidden, weight, target, b = _inputs((n,), h, v, torch.bfloat16, "cuda", frac=frac, bias=bias)
-    _check(hidden, weight, target, b, reduction="mean", graph_safe=graph_safe)
-    assert path_spy == ["graph-safe" if graph_safe else "sized"]
+    _check(hidden, weight, target, b, reduction="mean", **MODES[mode])
+    assert path_spy == PATHS[mode]
 
 
 @pytest.mark.gpu
@@ -421,25 +441,26 @@ def test_gpu_deterministic(graph_safe):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graph_safe", [False, True], ids=["sized", "graph-safe"])
-def test_gpu_no_host_sync(graph_safe):
-    # The forward never synchronises; graph-safe, the backward neither. (The sized backward waits for
-    # the forward's count copy by design: test_gpu_sized_backward_waits_only_for_the_count.)
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_no_host_sync(mode):
+    # The forward never synchronises; graph-safe or dense, the backward neither. (The sized backward
+    # waits for the forward's count copy by design: test_gpu_sized_backward_waits_only_for_the_count.)
     hidden, weight, target, b = _inputs((2048,), 256, 8192, torch.bfloat16, "cuda", frac=0.15, bias=True)
     h = hidden.requires_grad_(True)
     w = weight.requires_grad_(True)
     bb = b.requires_grad_(True)
+    kw = MODES[mode]
     for _ in range(2):  # compile and autotune (which synchronises) before watching
-        masked_lm_loss(h, w, target, bias=bb, backend="triton", graph_safe=graph_safe).backward()
+        masked_lm_loss(h, w, target, bias=bb, backend="triton", **kw).backward()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = masked_lm_loss(h, w, target, bias=bb, backend="triton", graph_safe=graph_safe)
-        if graph_safe:
+        loss = masked_lm_loss(h, w, target, bias=bb, backend="triton", **kw)
+        if mode != "sized":
             loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    if not graph_safe:
+    if mode == "sized":
         loss.backward()
     torch.cuda.synchronize()
 
@@ -496,6 +517,43 @@ def test_gpu_cuda_graph_capture_follows_the_data():
         loss, dh = step(graph_safe=True)
         torch.testing.assert_close(g_loss, loss, rtol=0, atol=0)
         torch.testing.assert_close(g_dh, dh, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_backward_in_a_cuda_graph(path_spy):
+    # dense=True: the causal-LM case captured with the sized backward's kernels (no count on the host),
+    # replayed with other targets; equal to the same call run eagerly, and to the reference.
+    hidden, weight, target, b = _inputs((2048,), 256, 8192, torch.bfloat16, "cuda", frac=0.95)
+    h = hidden.clone().requires_grad_(True)
+    static_t = target.clone()
+
+    def step():
+        loss = masked_lm_loss(h, weight, static_t, backend="triton", dense=True)
+        (dh,) = torch.autograd.grad(loss, [h])
+        return loss, dh
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_loss, g_dh = step()
+    for frac in (0.9, 1.0, 0.0):
+        new_t = _inputs((2048,), 256, 8192, torch.bfloat16, "cuda", frac=frac)[2]
+        if frac == 0.0:
+            new_t.fill_(IGN)
+        static_t.copy_(new_t)
+        graph.replay()
+        torch.cuda.synchronize()
+        loss, dh = step()
+        torch.testing.assert_close(g_loss, loss, rtol=0, atol=0)
+        torch.testing.assert_close(g_dh, dh, rtol=0, atol=0)
+    assert set(path_spy) == {"dense", "sized"}
+    _check(hidden, weight, static_t.clone().copy_(_inputs((2048,), 256, 8192, torch.bfloat16, "cuda",
+                                                          frac=0.9)[2]), reduction="mean", dense=True)
 
 
 @pytest.mark.gpu
