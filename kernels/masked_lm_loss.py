@@ -17,7 +17,7 @@ reads ``count`` from device memory: row blocks that start at or beyond ``count``
 pointer kernels gather rows inside (``rows[i]``); the Hopper TMA kernel reads a compacted copy of the
 valid rows (``_gather_rows_kernel``, M x H, a few MiB). The forward never waits for the device.
 
-Two backwards. The forward also starts a non-blocking copy of ``count`` to pinned host memory and
+Three backwards. The forward also starts a non-blocking copy of ``count`` to pinned host memory and
 records an event (``pykernels.masked_lm_loss._CountCopies``). The backward waits on that event (by then
 the GPU is usually far past the compaction, with the forward's kernels still queued, so neither a
 drained queue nor an idle GPU) and runs :func:`masked_lm_loss_bwd_sized` with M known on the host:
@@ -25,6 +25,10 @@ buffers and grids for M rows, N / M times wider vocabulary chunks for the same m
 two gradient GEMMs. Under CUDA-graph capture, or with ``graph_safe=True``, it runs
 :func:`masked_lm_loss_bwd` instead: every buffer and grid sized for N, K loops over rows running
 ``range(0, count, BLOCK_K)``; nothing waits, and the op replays from a graph with any valid count.
+With ``dense=True`` (the causal LM, nearly every target valid) it runs :func:`masked_lm_loss_bwd_dense`:
+the sized backward with M = N, every position a row and the ignored ones masked (zero upstream
+gradient, lse +inf); nothing waits and every shape is known on the host, so it also replays from a
+graph, at the sized path's speed (GPT-2, H100: 5.2 ms in graph replay against 12.2 ms graph-safe).
 
 Kernels (all fp32 accumulation, fp32 statistics, exp2 with log2(e) folded in, masked lanes filled
 with -inf before the max and 0 before the sums, int64 offsets wherever a row or vocabulary index
