@@ -496,25 +496,32 @@ def test_gpu_cuda_graph_capture_follows_the_data():
         (dh,) = torch.autograd.grad(loss, [h])
         return loss, dh
 
+    # the eager warm-up takes the sized backward; the captured call is graph-safe, whose kernels are
+    # first launched (compiled, not timed) during the capture
+    _capture_replay_compare(step, lambda: step(graph_safe=True), static_t, (0.05, 0.5, 0.0))
+
+
+def _capture_replay_compare(step, eager_step, static_t, fracs):
+    """Warm ``step()`` up eagerly on a side stream, capture it in a CUDA graph, then for each target
+    density refill ``static_t``, replay, and compare the graph's (loss, dhidden) with ``eager_step()``'s
+    bit for bit (0.0: every target ignored)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        # the eager warm-up takes the sized backward; the captured call is graph-safe, whose kernels
-        # are first launched (compiled, not timed) during the capture
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_loss, g_dh = step()
-    for frac in (0.05, 0.5, 0.0):
-        new_t = _inputs((4096,), 256, 8192, torch.bfloat16, "cuda", frac=frac)[2]
+    for frac in fracs:
+        new_t = _inputs(static_t.shape, 8, 8192, torch.bfloat16, "cuda", frac=frac)[2]
         if frac == 0.0:
             new_t.fill_(IGN)
         static_t.copy_(new_t)
         graph.replay()
         torch.cuda.synchronize()
-        loss, dh = step(graph_safe=True)
+        loss, dh = eager_step()
         torch.testing.assert_close(g_loss, loss, rtol=0, atol=0)
         torch.testing.assert_close(g_dh, dh, rtol=0, atol=0)
 
@@ -532,25 +539,7 @@ def test_gpu_dense_backward_in_a_cuda_graph(path_spy):
         (dh,) = torch.autograd.grad(loss, [h])
         return loss, dh
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_loss, g_dh = step()
-    for frac in (0.9, 1.0, 0.0):
-        new_t = _inputs((2048,), 256, 8192, torch.bfloat16, "cuda", frac=frac)[2]
-        if frac == 0.0:
-            new_t.fill_(IGN)
-        static_t.copy_(new_t)
-        graph.replay()
-        torch.cuda.synchronize()
-        loss, dh = step()
-        torch.testing.assert_close(g_loss, loss, rtol=0, atol=0)
-        torch.testing.assert_close(g_dh, dh, rtol=0, atol=0)
+    _capture_replay_compare(step, step, static_t, (0.9, 1.0, 0.0))
     assert set(path_spy) == {"dense", "sized"}
     _check(hidden, weight, static_t.clone().copy_(_inputs((2048,), 256, 8192, torch.bfloat16, "cuda",
                                                           frac=0.9)[2]), reduction="mean", dense=True)

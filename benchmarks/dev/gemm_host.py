@@ -4,21 +4,9 @@
 Usage (GPU): ``python benchmarks/dev/gemm_host.py``"""
 from __future__ import annotations
 
-import time
-
 import torch
 
-
-def host_us(fn, n=200):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return dt / n * 1e6
+from host_overhead import per_call_us  # benchmarks/dev/ (the script's directory is on sys.path)
 
 
 def main() -> None:
@@ -42,7 +30,7 @@ def main() -> None:
     }
     print(torch.cuda.get_device_name(), torch.__version__)
     for name, fn in cases.items():
-        print(f"{name:<50} {host_us(fn):7.1f} us")
+        print(f"{name:<50} {per_call_us(fn):7.1f} us")
 
 
 if __name__ == "__main__":

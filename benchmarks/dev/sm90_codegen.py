@@ -20,43 +20,44 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 @triton.jit
-def fa_plain(Q, K, V, O, S, qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+def _softmax_pv(s, m_i, l_i, acc, V, on, od, D: tl.constexpr):
+    """One online-softmax step on the score tile ``s`` and its P @ V update."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(tl.bfloat16), tl.load(V + on[:, None] * D + od[None, :]), acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _start(Q, BM: tl.constexpr, D: tl.constexpr):
+    """The program's query rows, head-dim offsets, Q tile and empty softmax state."""
     om = tl.program_id(0) * BM + tl.arange(0, BM)
     od = tl.arange(0, D)
     q = tl.load(Q + om[:, None] * D + od[None, :])
-    m_i = tl.full((BM,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BM,), tl.float32)
-    acc = tl.zeros((BM, D), tl.float32)
+    return om, od, q, tl.full((BM,), float("-inf"), tl.float32), tl.zeros((BM,), tl.float32), \
+        tl.zeros((BM, D), tl.float32)
+
+
+@triton.jit
+def fa_plain(Q, K, V, O, S, qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    om, od, q, m_i, l_i, acc = _start(Q, BM, D)
     for n0 in range(0, S, BN):
         on = n0 + tl.arange(0, BN)
         s = tl.dot(q, tl.load(K + on[None, :] * D + od[:, None])) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(tl.bfloat16), tl.load(V + on[:, None] * D + od[None, :]), acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = _softmax_pv(s, m_i, l_i, acc, V, on, od, D)
     tl.store(O + om[:, None] * D + od[None, :], (acc / l_i[:, None]).to(tl.bfloat16))
 
 
 @triton.jit
 def fa_rotated(Q, K, V, O, S, qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-    om = tl.program_id(0) * BM + tl.arange(0, BM)
-    od = tl.arange(0, D)
-    q = tl.load(Q + om[:, None] * D + od[None, :])
-    m_i = tl.full((BM,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BM,), tl.float32)
-    acc = tl.zeros((BM, D), tl.float32)
+    om, od, q, m_i, l_i, acc = _start(Q, BM, D)
     s = tl.dot(q, tl.load(K + tl.arange(0, BN)[None, :] * D + od[:, None])) * qk_scale
     for n0 in range(0, S - BN, BN):
         on = n0 + tl.arange(0, BN)
         s_next = tl.dot(q, tl.load(K + (on + BN)[None, :] * D + od[:, None])) * qk_scale  # issued first
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(tl.bfloat16), tl.load(V + on[:, None] * D + od[None, :]), acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = _softmax_pv(s, m_i, l_i, acc, V, on, od, D)
         s = s_next
     tl.store(O + om[:, None] * D + od[None, :], (acc / l_i[:, None]).to(tl.bfloat16))
 
