@@ -34,7 +34,7 @@ def shift_labels(labels: Tensor, *, ignore_index: int = -100) -> Tensor:
     ``labels`` (..., S) integer -> (..., S) of the same dtype, where ``out[..., i] = labels[..., i + 1]``
     and ``out[..., S - 1] = ignore_index``. Position i's hidden state then predicts token i + 1, so
 
-    >>> loss = pykernels.masked_lm_loss(hidden, wte, pykernels.shift_labels(input_ids))  # GPT's loss
+    >>> loss = pykernels.masked_lm_loss(hidden, wte, pykernels.shift_labels(input_ids), dense=True)
 
     equals ``F.cross_entropy((hidden @ wte.T)[..., :-1, :].flatten(0, -2), input_ids[..., 1:].flatten())``.
     """
@@ -358,7 +358,7 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
     outside [0, V) that is not ``ignore_index`` gives a NaN loss on the Triton path (no out-of-bounds
     read) and a ValueError on the reference path.
 
-    Causal LM (GPT): ``masked_lm_loss(hidden, wte, shift_labels(input_ids))``.
+    Causal LM (GPT): ``masked_lm_loss(hidden, wte, shift_labels(input_ids), dense=True)``.
     MLM (BERT): ``masked_lm_loss(sequence_output, word_embeddings, labels, bias=decoder_bias)`` with
     ``labels = -100`` at unmasked positions.
     """
