@@ -989,12 +989,14 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     rows instead of all N, so the vocabulary chunks are N / M times wider for the same memory, and the two
     GEMMs of each chunk run on cuBLAS over the compacted rows:
 
-    * ``_masked_lm_loss_dlogits_kernel`` recomputes the chunk's logits in fp32 and writes dz (M, VC) in
-      the weight dtype, as in the graph-safe path;
+    * the TMA kernel's dz epilogue (Hopper, fp16/bf16) or ``_masked_lm_loss_dlogits_kernel`` recomputes
+      the chunk's logits in fp32 and writes dz (M, VC) in the weight dtype, into dhidden's memory when
+      it fits there, else into dweight's not-yet-written rows or a buffer of the budget
+      (:func:`_chunk_plan`);
     * dW[chunk] = dz^T h_c (cuBLAS, fp32 accumulation, written once in the weight dtype: each chunk owns
       its rows of dW), dbias[chunk] = column sums of dz in fp32;
-    * dh_c (+)= dz W[chunk] (cuBLAS with an fp32 output accumulated across chunks), scattered once to the
-      valid positions of the zero-initialised dhidden.
+    * dh_c (+)= dz W[chunk] (cuBLAS with an fp32 output accumulated across chunks), written once to the
+      valid positions of dhidden (zeroed after the last chunk: its memory may have held dz).
 
     ``h_c`` is the (M, H) gather of the valid rows (``hidden`` itself when every row is valid)."""
     n, h = hidden.shape
