@@ -9,6 +9,7 @@ checked where they are used. Under ``TRITON_INTERPRET=1`` kernels use one small 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 
@@ -112,3 +113,16 @@ def autotune(configs, key, prune_configs_by=None, **kwargs):
             configs = list(configs[:1])
     deco = triton.autotune(configs=configs, key=key, prune_configs_by=prune_configs_by or None, **kwargs)
     return lambda fn: _capture_safe(deco(fn))
+
+
+@functools.lru_cache(maxsize=None)
+def _properties(index: int):
+    import torch
+    return torch.cuda.get_device_properties(index)
+
+
+def device_properties(device):
+    """``torch.cuda.get_device_properties`` of a CUDA device, cached (the query costs microseconds, and
+    launchers ask on every call): ``.multi_processor_count``, ``.major``..."""
+    import torch
+    return _properties(device.index if device.index is not None else torch.cuda.current_device())

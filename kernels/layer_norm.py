@@ -534,17 +534,12 @@ def _layer_norm_bwd_chunked_kernel(
         tl.store(DB_PARTIAL + pid.to(tl.int64) * N + cols, db_acc, mask=col_mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _sms(dev: torch.device) -> int:
     """Streaming multiprocessors of ``dev`` (3 under the interpreter: >1 program, so the partial-sum
     reduction is exercised)."""
     if dev.type != "cuda":
         return 3
-    return _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    return _tuning.device_properties(dev).multi_processor_count
 
 
 def _bench_quick(kernel_call, quantiles):

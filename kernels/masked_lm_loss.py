@@ -667,27 +667,11 @@ TMA_DZ_CONFIG = (128, 128, 128, 8, 3)
 # bytes the forward keeps the pointer kernel (gathered rows, ~32 vocabulary slices: ~32 partials a row).
 # BERT-base MLM: 24 + 47 MiB; GPT-2: 12 + 38 MiB, both freed before the backward's peak.
 TMA_FWD_BUDGET_BYTES = 128 * 2**20
-_NUM_SMS: dict = {}
-
-
-_CAPABILITY: dict = {}
-
-
-def _capability(device: torch.device) -> int:
-    """The device's compute capability major (cached: the query costs microseconds on every call)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAPABILITY:
-        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)[0]
-    return _CAPABILITY[idx]
 
 
 def _num_programs(device: torch.device) -> int:
-    if _INTERPRET:
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
+    """Persistent programs of the TMA kernel: one per SM (4 under the interpreter)."""
+    return 4 if _INTERPRET else _tuning.device_properties(device).multi_processor_count
 
 
 def tma_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -696,7 +680,7 @@ def tma_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     row stride (the compacted hidden rows are a fresh contiguous buffer)."""
     if not USE_TMA or hidden.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if not _INTERPRET and (not hidden.is_cuda or _capability(hidden.device) < 9):
+    if not _INTERPRET and (not hidden.is_cuda or _tuning.device_properties(hidden.device).major < 9):
         return False
     elem = weight.element_size()
     h = weight.shape[1]
@@ -1045,9 +1029,6 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     if use_tma:
         dz_launch = _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, None, n=n, n_rows=m,
                                 label_smoothing=label_smoothing, cfg=TMA_DZ_CONFIG, dz=True)
-    # the views every full-width chunk uses, made once (the last chunk may be narrower)
-    full = (dl[:, :vc], dl[:, :_tuning.cdiv(vc, pad) * pad])
-    full = full + (full[1].t(),)
     flat_dw = dw_buf.view(-1) if dw_buf is not None and use_tma else None
     acc = None
     for v_off, vc_c, scratch in _chunk_plan(v, vc, m, h, pad, dw_buf.shape[0] if flat_dw is not None else 0):
@@ -1055,11 +1036,9 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
         if scratch:  # this chunk's dlogits in dW's rows past the chunk (written by later chunks only)
             start = (v_off + w_pad) * h
             d_pad = flat_dw[start:start + m * w_pad].view(m, w_pad)
-            d, d_pad_t = d_pad[:, :vc_c], None
-        elif vc_c == vc:
-            d, d_pad, d_pad_t = full
         else:
-            d, d_pad, d_pad_t = dl[:, :vc_c], dl[:, :w_pad], None
+            d_pad = dl[:, :w_pad]
+        d = d_pad[:, :vc_c]
         if use_tma:
             dz_launch(d_pad, v_off, w_pad)
         else:
@@ -1071,7 +1050,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), m, key,
                 HAS_BIAS=bias is not None, DOT_PRECISION=prec)
         if compute_dweight:
-            torch.mm(d_pad_t if d_pad_t is not None else d_pad.t(), hc, out=dw_buf[v_off:v_off + w_pad])
+            torch.mm(d_pad.t(), hc, out=dw_buf[v_off:v_off + w_pad])
             if dbias is not None:
                 dbias[v_off:v_off + vc_c] = d.sum(0, dtype=torch.float32)
         if compute_dhidden:

@@ -465,3 +465,25 @@ def test_autotuners_do_not_time_configs_while_capturing(monkeypatch):
     bench_during.clear()
     tuner.run()
     assert bench_during == [[1.0]] and timed == ["c0"]  # outside capture: the real one
+
+
+def test_device_properties_cached_per_device(monkeypatch):
+    # the launchers ask for SM counts and compute capability on every call: one query per device
+    from types import SimpleNamespace
+    from pykernels._kernels import _tuning
+    calls = []
+
+    def fake(index):
+        calls.append(index)
+        return SimpleNamespace(multi_processor_count=132 + index, major=9)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", fake)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    _tuning._properties.cache_clear()
+    try:
+        for _ in range(3):
+            assert _tuning.device_properties(torch.device("cuda", 0)).multi_processor_count == 132
+            assert _tuning.device_properties(torch.device("cuda")).multi_processor_count == 133
+        assert calls == [0, 1]
+    finally:
+        _tuning._properties.cache_clear()
