@@ -126,3 +126,18 @@ def device_properties(device):
     launchers ask on every call): ``.multi_processor_count``, ``.major``..."""
     import torch
     return _properties(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _scratch_alloc(size: int, alignment: int, stream):
+    import torch
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Device-side tensor descriptors need a global scratch allocator (``triton.set_allocator``). It
+    lives in a ContextVar, so each thread (autograd runs the backward on its own) needs its own; a
+    user's allocator is left in place."""
+    import triton
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch_alloc)

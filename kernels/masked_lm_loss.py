@@ -703,19 +703,6 @@ def gather_rows(hidden: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -
     return out
 
 
-def _tma_alloc(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator() -> None:
-    """Device-side tensor descriptors need a global scratch allocator (``triton.set_allocator``). It
-    lives in a ContextVar, so each thread (autograd runs the backward on its own) needs its own; a
-    user's allocator is left in place."""
-    from triton.runtime import _allocation
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_tma_alloc)
-
-
 def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n, n_rows,
                 label_smoothing, cfg, dz):
     """``launch(out, v_off, vc)``: runs ``_logits_tma_kernel`` over ``hc`` (R, H) x weight[v_off:v_off + vc],
@@ -724,7 +711,7 @@ def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials,
     bm, bn, bk, warps, stages = _tma_cfg(cfg)
     v, h = weight.shape
     if not _INTERPRET:
-        _ensure_allocator()
+        _tuning.ensure_allocator()
     parts = tuple(partials) if partials is not None else (lse,) * 4
     row_tiles = _tuning.cdiv(hc.shape[0] if n_rows < 0 else n_rows, bm)
     sms = _num_programs(hc.device)
