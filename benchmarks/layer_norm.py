@@ -90,6 +90,10 @@ def main() -> int:
             return (y, s) if pre else y
 
         fns = {"pykernels": ours, "eager": eager}
+        if pykernels.backends()["cuda"].available:  # the CUDA C++ op (N <= 1024; wider rows record the reason)
+            def ours_cuda(x, r, w, b):
+                return pykernels.layer_norm(x, w, b, EPS, residual=r, prenorm=pre, backend="cuda")
+            fns["pykernels cuda"] = ours_cuda
         if not args.no_compile and not args.smoke:
             fns["compile"] = torch.compile(eager, dynamic=False)
         if LigerLayerNormFunction is not None and not args.smoke:
@@ -153,18 +157,18 @@ def main() -> int:
                 got = outs_and_grads(fn, inputs)  # also compiles / autotunes before timing
             except Exception as e:  # noqa: BLE001 - a failing peer is recorded, not fatal
                 row["status"] = f"error: {type(e).__name__}: {e}"[:160]
-                if impl == "pykernels":
-                    print(f"pykernels failed on {variant} {M}x{N}: {e!r}")
+                if impl.startswith("pykernels"):
+                    print(f"{impl} failed on {variant} {M}x{N}: {e!r}")
                 continue
             errs = [max_err(g, h) for g, h in zip(got, ref_hi)]
             ok = all(e <= 2 * bse + a for e, bse, a in zip(errs, base, atol))
             worst = max(range(len(names)), key=lambda i: errs[i] / (2 * base[i] + atol[i]))
             row["max_err_ratio"] = round(errs[worst] / (base[worst] + 1e-30), 3)  # vs eager's own error
             row["worst"] = names[worst]
-            row["status"] = "ok" if ok else ("INVALID" if impl == "pykernels" else "exceeds 2x eager error")
+            row["status"] = "ok" if ok else ("INVALID" if impl.startswith("pykernels") else "exceeds 2x eager error")
             del got
-            if impl == "pykernels" and not ok:
-                print(f"INVALID pykernels {variant} {M}x{N}: " +
+            if impl.startswith("pykernels") and not ok:
+                print(f"INVALID {impl} {variant} {M}x{N}: " +
                       ", ".join(f"{n} {e:.3e} (eager {bse:.3e})" for n, e, bse in zip(names, errs, base)))
                 continue
             if args.smoke:
@@ -214,8 +218,9 @@ def main() -> int:
                 row = {"op": "layer_norm", "variant": variant, "M": M, "N": N,
                        "dtype": str(dtype).replace("torch.", ""), "impl": peer, "status": reason}
                 rows.append(row)
-        ours = case_rows.get("pykernels", {})
-        if "fwdbwd_us" in ours:
+        for ours in (case_rows.get("pykernels", {}), case_rows.get("pykernels cuda", {})):
+            if "fwdbwd_us" not in ours:
+                continue
             for peer in PEERS:
                 p = case_rows.get(peer, {})
                 if "fwdbwd_us" in p:
@@ -241,6 +246,8 @@ def main() -> int:
             "fb_speedup_vs_eager", "fb_speedup_vs_compile", "fb_speedup_vs_liger"]
     common.print_table(rows, cols)
     bad = [r for r in rows if r["impl"] == "pykernels" and r.get("status") != "ok"]
+    bad += [r for r in rows if r["impl"] == "pykernels cuda" and r.get("status") not in ("ok", None)
+            and not str(r.get("status")).startswith("error: BackendUnavailableError")]
     print(f"copy bandwidth {ceil['copy_TBps']} TB/s; total {time.time() - t_start:.1f}s")
     if bad:
         print(f"{len(bad)} pykernels row(s) not ok")

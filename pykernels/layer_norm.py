@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._backend import check_backend_name, select
-from ._op import custom_op
+from ._backend import _availability, check_backend_name, default_backend, select
+from ._op import _plain_eager, custom_op
 from ._checks import check_prob, check_same
 from ._rng import fake_seed, op_seed
 
@@ -125,6 +125,41 @@ def _support(*tensors: Optional[Tensor]) -> dict:
         if t is not None and t.dtype not in _KERNEL_DTYPES:
             return {"triton": f"dtype {t.dtype} is not supported by the Triton kernels (fp16, bf16, fp32)"}
     return {"triton": None}
+
+
+def _cuda_cover(x2: Tensor, w: Optional[Tensor], b: Optional[Tensor], r2: Optional[Tensor], dropout_p: float,
+                residual_in_fp32: bool) -> Optional[str]:
+    """None when the CUDA C++ op ``pykernels_cuda::layer_norm`` (csrc/layer_norm.cu) covers the call,
+    else why it does not."""
+    if dropout_p > 0.0:
+        return "dropout is not in the CUDA kernels"
+    if x2.dtype not in _KERNEL_DTYPES:
+        return f"dtype {x2.dtype}"
+    for name, t in (("weight", w), ("bias", b), ("residual", r2)):
+        if t is not None and t.dtype != x2.dtype:
+            return f"{name} has another dtype than x"
+    if residual_in_fp32 and x2.dtype != torch.float32:
+        return "residual_in_fp32"
+    n = x2.shape[1]
+    pack = 4 if x2.dtype == torch.float32 else 8
+    if n % pack or n > 1024:
+        return f"N = {n}: the CUDA kernels take multiples of {pack} up to 1024"
+    if not _plain_eager((x2, w, b, r2)):
+        return "under torch.compile and dispatch modes the op is the Triton custom op (pykernels::layer_norm_fwd)"
+    return None
+
+
+def _use_cuda(backend: Optional[str], x2: Tensor, w, b, r2, dropout_p: float, residual_in_fp32: bool) -> bool:
+    """Whether this call runs the CUDA C++ op: asked for by name (raises when it cannot serve the call), or
+    ``auto`` on a CUDA device where the extension is built and covers the call (it comes before Triton:
+    same kernels' speed class, and its forward and backward cost no Python host time)."""
+    requested = backend or default_backend()
+    if requested == "cuda":
+        select(_OP, "cuda", x2.device, {"cuda": _cuda_cover(x2, w, b, r2, dropout_p, residual_in_fp32)})
+        return True
+    if requested != "auto" or x2.device.type != "cuda" or _availability("cuda", x2.device) is not None:
+        return False
+    return _cuda_cover(x2, w, b, r2, dropout_p, residual_in_fp32) is None
 
 
 def _s_dtype(x: Tensor, residual: Optional[Tensor], residual_in_fp32: bool) -> torch.dtype:
@@ -375,8 +410,11 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = Non
             r2 = r2.contiguous()
     w = weight.contiguous() if weight is not None else None
     b = bias.contiguous() if bias is not None else None
-    y, s, _, _, _ = _fwd(x2, w, b, r2, float(eps), dropout_p, prenorm,
-                                                       residual_in_fp32, rms_norm, backend or "")
+    if _use_cuda(backend, x2, w, b, r2, dropout_p, residual_in_fp32):
+        y, s = torch.ops.pykernels_cuda.layer_norm(x2, w, b, r2, float(eps), prenorm, rms_norm)
+    else:
+        y, s, _, _, _ = _fwd(x2, w, b, r2, float(eps), dropout_p, prenorm, residual_in_fp32, rms_norm,
+                             backend or "")
     if x.dim() != 2:  # (a view costs a little host time per call; skip it when not needed)
         y = y.view(shape)
         s = s.view(shape) if prenorm else s

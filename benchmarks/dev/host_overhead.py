@@ -46,9 +46,13 @@ def main():
             out.float().sum().backward()
         return g
 
-    ln = lambda t: pykernels.layer_norm(t, w, residual=r, prenorm=True)  # noqa: E731
+    ln = lambda t: pykernels.layer_norm(t, w, residual=r, prenorm=True, backend="triton")  # noqa: E731
     rows.append(("layer_norm pre-LN", per_call_us(lambda: ln(x)), per_call_us(fb(ln, xg)),
                  per_call_us(lambda: F.layer_norm(x + r, (64,), w)), per_call_us(fb(lambda t: F.layer_norm(t + r, (64,), w), xg))))
+    if pykernels.backends()["cuda"].available:  # the C++ op: forward and backward without Python
+        lc = lambda t: pykernels.layer_norm(t, w, residual=r, prenorm=True, backend="cuda")  # noqa: E731
+        rows.append(("layer_norm pre-LN cuda", per_call_us(lambda: lc(x)), per_call_us(fb(lc, xg)),
+                     rows[-1][3], rows[-1][4]))
     at = lambda t: pykernels.scaled_dot_product_attention(t, q, q, is_causal=True)  # noqa: E731
     rows.append(("attention causal", per_call_us(lambda: at(q)), per_call_us(fb(at, qg)),
                  per_call_us(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)),
