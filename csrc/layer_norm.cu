@@ -16,9 +16,11 @@
 //             g = dy * w, ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ the gradient arriving
 //             through s for pre-LN); dx = ds (= dresidual). dweight = sum dy * xhat and dbias = sum dy
 //             accumulate per lane in fp32 registers over the rows a warp visits (grid-stride loop over a
-//             persistent grid), are summed over the block's warps in shared memory, and each block writes
-//             one fp32 partial row; a second kernel sums the partial rows and casts once. No atomics on
-//             the outputs: bitwise reproducible.
+//             persistent grid), are summed over the block's warps in shared memory in a fixed order, and
+//             each block writes one fp32 partial row; a second kernel sums the partial rows and casts
+//             once. No atomics: bitwise reproducible.
+// Inputs are made contiguous and 16-byte aligned (a copy only when they are not) before the kernels
+// see them, and the tensors saved for the backward are those copies.
 // Cover: fp16/bf16/fp32 x; weight/bias/residual of x's dtype (or absent); N a multiple of the pack and
 // at most 1024 (32 elements per lane: the backward holds about five fp32 values per element in
 // registers). No dropout. Python checks the cover first
@@ -224,15 +226,20 @@ __global__ void __launch_bounds__(kThreads) ln_bwd_kernel(
   }
   if (!need_dwb) return;
   for (int c = threadIdx.x; c < 2 * N; c += kThreads) smem[c] = 0.f;
-  __syncthreads();
+  // the block's warps add their sums one after the other (fixed order: bitwise reproducible)
+  for (int turn = 0; turn < kWarps; ++turn) {
+    __syncthreads();
+    if (warp == turn) {
 #pragma unroll
-  for (int i = 0; i < VPL; ++i) {
-    const int col = (i * 32 + lane) * P;
-    if (col < N) {
+      for (int i = 0; i < VPL; ++i) {
+        const int col = (i * 32 + lane) * P;
+        if (col < N) {
 #pragma unroll
-      for (int j = 0; j < P; ++j) {
-        atomicAdd(&smem[col + j], dw[i][j]);
-        atomicAdd(&smem[N + col + j], db[i][j]);
+          for (int j = 0; j < P; ++j) {
+            smem[col + j] += dw[i][j];
+            smem[N + col + j] += db[i][j];
+          }
+        }
       }
     }
   }
@@ -316,6 +323,12 @@ int sm_count(int device) {
   return cached[device];
 }
 
+// t itself when contiguous with a 16-byte aligned start (the kernels' vector loads need both), else a copy
+Tensor dense(const Tensor& t) {
+  if (t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0) return t;
+  return t.clone(at::MemoryFormat::Contiguous);
+}
+
 int pack_of(at::ScalarType st) { return st == at::kFloat ? 4 : 8; }
 
 void check_row_tensor(const char* name, const Tensor& t, const Tensor& x) {
@@ -347,15 +360,16 @@ void check_inputs(const Tensor& x, const optional<Tensor>& w, const optional<Ten
   }
 }
 
-// -> y, s (pre-LN; else empty), mean (LayerNorm; else empty), rstd
+// -> y, s (pre-LN; else empty), mean (LayerNorm; else empty), rstd, and the dense x and residual the
+// kernel read (saved for the post-LN backward)
 std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_in, const optional<Tensor>& b_in,
                                  const optional<Tensor>& r_in, double eps, bool prenorm, bool rms) {
   check_inputs(x_in, w_in, b_in, r_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const Tensor x = x_in.contiguous();
-  const Tensor r = r_in.has_value() ? r_in->contiguous() : Tensor();
-  const Tensor w = w_in.has_value() ? w_in->contiguous() : Tensor();
-  const Tensor b = b_in.has_value() ? b_in->contiguous() : Tensor();
+  const Tensor x = dense(x_in);
+  const Tensor r = r_in.has_value() ? dense(*r_in) : Tensor();
+  const Tensor w = w_in.has_value() ? dense(*w_in) : Tensor();
+  const Tensor b = b_in.has_value() ? dense(*b_in) : Tensor();
   const int64_t M = x.size(0);
   const int N = static_cast<int>(x.size(1));
   auto f32 = x.options().dtype(at::kFloat);
@@ -363,7 +377,7 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
   Tensor s = prenorm ? at::empty_like(x) : at::empty({0}, x.options());
   Tensor mean = at::empty({rms ? 0 : M}, f32);
   Tensor rstd = at::empty({M}, f32);
-  if (M == 0) return {y, s, mean, rstd};
+  if (M == 0) return {y, s, mean, rstd, x, r};
   const int vpl = (N / pack_of(x.scalar_type()) + 31) / 32;
   const auto blocks = static_cast<unsigned>((M + kWarps - 1) / kWarps);
   TORCH_CHECK(blocks < (1u << 31), "pykernels_cuda.layer_norm: too many rows");
@@ -381,15 +395,18 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  return {y, s, mean, rstd};
+  return {y, s, mean, rstd, x, r};
 }
 
 // -> dx (= dresidual), dweight (or undefined), dbias (or undefined)
-std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, const Tensor& a, const Tensor& res,
-                                  const Tensor& w, bool has_b, const Tensor& mean, const Tensor& rstd, bool rms) {
-  const c10::cuda::CUDAGuard guard(a.device());
-  const Tensor dy = dy_in.contiguous();
-  const Tensor ds = ds_in.defined() ? ds_in.contiguous() : Tensor();
+std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, const Tensor& a_in, const Tensor& res_in,
+                                  const Tensor& w_in, bool has_b, const Tensor& mean, const Tensor& rstd, bool rms) {
+  const c10::cuda::CUDAGuard guard(a_in.device());
+  const Tensor a = dense(a_in);
+  const Tensor res = res_in.defined() ? dense(res_in) : Tensor();
+  const Tensor w = w_in.defined() ? dense(w_in) : Tensor();
+  const Tensor dy = dense(dy_in);
+  const Tensor ds = ds_in.defined() ? dense(ds_in) : Tensor();
   const int64_t M = a.size(0);
   const int N = static_cast<int>(a.size(1));
   Tensor dx = at::empty_like(a);
@@ -444,7 +461,7 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
                                                 const optional<Tensor>& r, double eps, bool prenorm, bool rms) {
     auto out = forward_impl(x, w, b, r, eps, prenorm, rms);
     // pre-LN saves s (an output anyway); post-LN saves x and residual and recomputes s
-    ctx->save_for_backward({prenorm ? out[1] : x, (prenorm || !r.has_value()) ? Tensor() : *r,
+    ctx->save_for_backward({prenorm ? out[1] : out[4], prenorm ? Tensor() : out[5],
                             w.has_value() ? *w : Tensor(), out[2], out[3]});
     ctx->saved_data["prenorm"] = prenorm;
     ctx->saved_data["rms"] = rms;
