@@ -123,8 +123,15 @@ def layer_norm_reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Ten
 def _support(*tensors: Optional[Tensor]) -> dict:
     for t in tensors:
         if t is not None and t.dtype not in _KERNEL_DTYPES:
-            return {"triton": f"dtype {t.dtype} is not supported by the Triton kernels (fp16, bf16, fp32)"}
-    return {"triton": None}
+            return {"triton": f"dtype {t.dtype} is not supported by the Triton kernels (fp16, bf16, fp32)",
+                    "cuda": _CUDA_TRACED}
+    return {"triton": None, "cuda": _CUDA_TRACED}
+
+
+# The C++ op serves plain eager calls (``layer_norm`` routes them before the custom op); what reaches the
+# custom op with backend="cuda" is traced (torch.compile, make_fx, dispatch modes).
+_CUDA_TRACED = ("the cuda backend runs in eager mode only; under torch.compile and dispatch modes the op is "
+                "the Triton custom op (backend 'triton' or 'auto')")
 
 
 def _cuda_cover(x2: Tensor, w: Optional[Tensor], b: Optional[Tensor], r2: Optional[Tensor], dropout_p: float,
@@ -153,6 +160,8 @@ def _use_cuda(backend: Optional[str], x2: Tensor, w, b, r2, dropout_p: float, re
     """Whether this call runs the CUDA C++ op: asked for by name (raises when it cannot serve the call), or
     ``auto`` on a CUDA device where the extension is built and covers the call (it comes before Triton:
     same kernels' speed class, and its forward and backward cost no Python host time)."""
+    if torch.compiler.is_compiling():  # traced: the Triton custom op (default_backend reads a ContextVar)
+        return False
     requested = backend or default_backend()
     if requested == "cuda":
         select(_OP, "cuda", x2.device, {"cuda": _cuda_cover(x2, w, b, r2, dropout_p, residual_in_fp32)})

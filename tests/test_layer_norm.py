@@ -658,3 +658,14 @@ def test_cuda_backend_deterministic():
         runs.append(torch.autograd.grad(y, (x, w, b), g))
     for a, c in zip(*runs):
         assert torch.equal(a, c)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_cuda_backend_misaligned_contiguous_view():
+    """A contiguous view starting 2 bytes past an aligned address (the kernels load 16-byte packs)."""
+    base = torch.randn(64 * 768 + 8, device="cuda", dtype=torch.bfloat16)
+    x = base[1:1 + 64 * 768].view(64, 768).detach().requires_grad_()
+    _, r, w, b = _make((64, 768), torch.bfloat16, "cuda")
+    _check(x, r, w, b, backend="cuda")
+    _check(x, r, w, b, backend="cuda", prenorm=True)
