@@ -12,7 +12,8 @@
 // Statistics in fp32 from registers (two passes over registers: exact variance, no E[x^2] - E[x]^2).
 //   forward : s = x + residual; mean, rstd; y = (s - mean) * rstd * w + b; stores y, s (pre-LN only),
 //             mean (LayerNorm), rstd.
-//   backward: xhat = (s - mean) * rstd (s saved for pre-LN, recomputed from x + residual for post-LN),
+//   backward: two passes over a row held as raw packs (first the row sums, then dx), with
+//             xhat = (s - mean) * rstd (s saved for pre-LN, recomputed from x + residual for post-LN),
 //             g = dy * w, ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ the gradient arriving
 //             through s for pre-LN); dx = ds (= dresidual). dweight = sum dy * xhat and dbias = sum dy
 //             accumulate per lane in fp32 registers over the rows a warp visits (grid-stride loop over a
@@ -63,7 +64,7 @@ __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return
 
 template <typename T>
 __device__ __forceinline__ void load_pack(const T* p, float* out) {
-  uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int i = 0; i < Pack<T>::n; ++i) out[i] = to_f(e[i]);
@@ -152,8 +153,39 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
   }
 }
 
+template <typename T>
+__device__ __forceinline__ void unpack(const uint4& raw, float* out) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < Pack<T>::n; ++i) out[i] = to_f(e[i]);
+}
+
+// one pack of a backward row: s (= the raw s or x, plus the residual when given), dy and the weight
+template <typename T>
+__device__ __forceinline__ void row_values(const uint4& s_raw, const uint4& dy_raw, const T* __restrict__ res,
+                                           const T* __restrict__ w, int64_t base, int col, bool has_res,
+                                           bool has_w, float* sv, float* d, float* wv) {
+  constexpr int P = Pack<T>::n;
+  unpack<T>(s_raw, sv);
+  unpack<T>(dy_raw, d);
+  if (has_res) {
+    float r[P];
+    load_pack(res + base + col, r);
+#pragma unroll
+    for (int j = 0; j < P; ++j) sv[j] += r[j];
+  }
+  if (has_w) {
+    load_pack(w + col, wv);
+  } else {
+#pragma unroll
+    for (int j = 0; j < P; ++j) wv[j] = 1.f;
+  }
+}
+
+// At most 128 registers (two blocks per SM) except for fp32 rows of 32 elements per lane, which would
+// spill ~400 bytes there (fp16/bf16 at N = 1024 spill 60 bytes: kept, for twice the warps in flight).
 template <typename T, int VPL>
-__global__ void __launch_bounds__(kThreads) ln_bwd_kernel(
+__global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ ds_out, const T* __restrict__ a, const T* __restrict__ res,
     const T* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
     float* __restrict__ partial, int64_t M, int N, bool has_ds, bool has_res, bool has_w, bool need_dwb,
@@ -174,34 +206,25 @@ __global__ void __launch_bounds__(kThreads) ln_bwd_kernel(
     const int64_t base = row * N;
     const float mu = rms ? 0.f : mean[row];
     const float rs = rstd[row];
-    float xh[VPL][P], g[VPL][P];
+    // the row's s (or x) and dy stay in registers as raw 16-byte packs (4 registers each, not 2 * P
+    // fp32 values): the second pass unpacks them again, and re-reads residual and weight (L1 hits)
+    uint4 s_raw[VPL], dy_raw[VPL];
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
       const int col = (i * 32 + lane) * P;
       if (col < N) {
+        s_raw[i] = *reinterpret_cast<const uint4*>(a + base + col);
+        dy_raw[i] = *reinterpret_cast<const uint4*>(dy + base + col);
         float sv[P], d[P], wv[P];
-        load_pack(a + base + col, sv);
-        if (has_w) {
-          load_pack(w + col, wv);  // re-read per row (L1 hits): registers go to the accumulators
-        } else {
-#pragma unroll
-          for (int j = 0; j < P; ++j) wv[j] = 1.f;
-        }
-        if (has_res) {
-          float r[P];
-          load_pack(res + base + col, r);
-#pragma unroll
-          for (int j = 0; j < P; ++j) sv[j] += r[j];
-        }
-        load_pack(dy + base + col, d);
+        row_values(s_raw[i], dy_raw[i], res, w, base, col, has_res, has_w, sv, d, wv);
 #pragma unroll
         for (int j = 0; j < P; ++j) {
-          xh[i][j] = (sv[j] - mu) * rs;
-          g[i][j] = d[j] * wv[j];
-          sg += g[i][j];
-          sgx += g[i][j] * xh[i][j];
-          dw[i][j] += d[j] * xh[i][j];
+          const float xh = (sv[j] - mu) * rs;
+          const float g = d[j] * wv[j];
+          sg += g;
+          sgx += g * xh;
+          dw[i][j] += d[j] * xh;
           db[i][j] += d[j];
         }
       }
@@ -212,12 +235,13 @@ __global__ void __launch_bounds__(kThreads) ln_bwd_kernel(
     for (int i = 0; i < VPL; ++i) {
       const int col = (i * 32 + lane) * P;
       if (col < N) {
-        float o[P];
-        float extra[P];
+        float sv[P], d[P], wv[P], o[P], extra[P];
+        row_values(s_raw[i], dy_raw[i], res, w, base, col, has_res, has_w, sv, d, wv);
         if (has_ds) load_pack(ds_out + base + col, extra);
 #pragma unroll
         for (int j = 0; j < P; ++j) {
-          o[j] = rs * (g[i][j] - mg - xh[i][j] * mgx);
+          const float xh = (sv[j] - mu) * rs;
+          o[j] = rs * (d[j] * wv[j] - mg - xh * mgx);
           if (has_ds) o[j] += extra[j];
         }
         store_pack(dx + base + col, o);
