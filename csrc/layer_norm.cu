@@ -7,8 +7,10 @@
 // CUDA kernel (no grad) and an Autograd kernel (a torch::autograd::Function), so the backward runs in
 // C++ on autograd's device thread without taking the GIL.
 //
-// Kernels. One warp per row, the row held in registers: each lane owns VPL packs of 16 bytes
-// (8 fp16/bf16 or 4 fp32 elements), lane-interleaved so a warp's loads are 512 contiguous bytes.
+// Kernels. A row is held in registers by RT threads: one warp (RT = 32) for N <= 1024, the whole
+// 256-thread block for wider rows (N <= 8192 fp16/bf16, <= 4096 fp32; sums over the block through
+// shared memory). Each thread owns VPL packs of 16 bytes (8 fp16/bf16 or 4 fp32 elements),
+// interleaved so that RT threads' loads are contiguous.
 // Statistics in fp32 from registers (two passes over registers: exact variance, no E[x^2] - E[x]^2).
 //   forward : s = x + residual; mean, rstd; y = (s - mean) * rstd * w + b; stores y, s (pre-LN only),
 //             mean (LayerNorm), rstd.
@@ -22,9 +24,8 @@
 //             once. No atomics: bitwise reproducible.
 // Inputs are made contiguous and 16-byte aligned (a copy only when they are not) before the kernels
 // see them, and the tensors saved for the backward are those copies.
-// Cover: fp16/bf16/fp32 x; weight/bias/residual of x's dtype (or absent); N a multiple of the pack and
-// at most 1024 (32 elements per lane: the backward holds about five fp32 values per element in
-// registers). No dropout. Python checks the cover first
+// Cover: fp16/bf16/fp32 x; weight/bias/residual of x's dtype (or absent); N a multiple of the pack
+// (8 / 4 elements) up to 8192 (fp32: 4096), at most 32 elements per thread. No dropout. Python checks the cover first
 // (pykernels/layer_norm.py, _cuda_cover); the TORCH_CHECKs here name what they reject.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -43,7 +44,8 @@ using c10::optional;
 
 constexpr int kWarps = 8;  // rows per block (one warp each)
 constexpr int kThreads = kWarps * 32;
-constexpr int kMaxElemsPerLane = 32;  // registers: the backward keeps ~5 values per element
+constexpr int kMaxElemsPerLane = 32;  // registers: a backward thread keeps a row's share as raw packs
+constexpr int kMaxN16 = 8192, kMaxN32 = 4096;  // widest rows (fp16/bf16, fp32): 32 elements per thread
 
 template <typename T>
 struct Pack {
@@ -85,21 +87,40 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-template <typename T, int VPL>
+// Sum over the RT threads that share a row: a warp (RT = 32) or the whole block (RT = kThreads).
+template <int RT>
+__device__ __forceinline__ float row_sum(float v) {
+  v = warp_sum(v);
+  if constexpr (RT == 32) {
+    return v;
+  } else {
+    static_assert(RT == kThreads, "a row is one warp or one block");
+    __shared__ float red[kWarps];
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) t += red[i];
+    __syncthreads();  // red is reused by the next sum
+    return t;
+  }
+}
+
+template <typename T, int VPL, int RT>
 __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w, const T* __restrict__ b,
     T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
     int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms) {
   constexpr int P = Pack<T>::n;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (row >= M) return;
+  const int lane = threadIdx.x % RT;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / RT) + threadIdx.x / RT;
+  if (row >= M) return;  // (RT = kThreads: one row per block, never taken)
   const int64_t base = row * N;
   float v[VPL][P];
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
-    const int col = (i * 32 + lane) * P;
+    const int col = (i * RT + lane) * P;
     if (col < N) {
       load_pack(x + base + col, v[i]);
       if (has_res) {
@@ -116,11 +137,11 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     for (int j = 0; j < P; ++j) sum += v[i][j];
   }
   const float inv_n = 1.f / static_cast<float>(N);
-  const float mu = rms ? 0.f : warp_sum(sum) * inv_n;
+  const float mu = rms ? 0.f : row_sum<RT>(sum) * inv_n;
   float var = 0.f;
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
-    if ((i * 32 + lane) * P < N) {
+    if ((i * RT + lane) * P < N) {
 #pragma unroll
       for (int j = 0; j < P; ++j) {
         const float d = v[i][j] - mu;
@@ -128,14 +149,14 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
       }
     }
   }
-  const float rstd = rsqrtf(warp_sum(var) * inv_n + eps);
+  const float rstd = rsqrtf(row_sum<RT>(var) * inv_n + eps);
   if (lane == 0) {
     if (!rms) mean_out[row] = mu;
     rstd_out[row] = rstd;
   }
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
-    const int col = (i * 32 + lane) * P;
+    const int col = (i * RT + lane) * P;
     if (col < N) {
       if (store_s) store_pack(s + base + col, v[i]);
       float wv[P], bv[P], o[P];
@@ -184,15 +205,16 @@ __device__ __forceinline__ void row_values(const uint4& s_raw, const uint4& dy_r
 
 // At most 128 registers (two blocks per SM) except for fp32 rows of 32 elements per lane, which would
 // spill ~400 bytes there (fp16/bf16 at N = 1024 spill 60 bytes: kept, for twice the warps in flight).
-template <typename T, int VPL>
+template <typename T, int VPL, int RT>
 __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ ds_out, const T* __restrict__ a, const T* __restrict__ res,
     const T* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
     float* __restrict__ partial, int64_t M, int N, bool has_ds, bool has_res, bool has_w, bool need_dwb,
     bool rms) {
   constexpr int P = Pack<T>::n;
-  extern __shared__ float smem[];  // [2][N]: dweight, dbias block sums
-  const int lane = threadIdx.x & 31;
+  extern __shared__ float smem[];  // [2][N]: dweight, dbias block sums (RT = 32)
+  constexpr int kRows = kThreads / RT;  // rows a block works on at a time
+  const int lane = threadIdx.x % RT;
   const int warp = threadIdx.x >> 5;
   float dw[VPL][P], db[VPL][P];
 #pragma unroll
@@ -201,8 +223,9 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
     for (int j = 0; j < P; ++j) dw[i][j] = db[i][j] = 0.f;
   }
   const float inv_n = 1.f / static_cast<float>(N);
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp; row < M;
-       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+  // (RT = kThreads: every thread of a block takes the same rows, so the block-wide sums are uniform)
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + threadIdx.x / RT; row < M;
+       row += static_cast<int64_t>(gridDim.x) * kRows) {
     const int64_t base = row * N;
     const float mu = rms ? 0.f : mean[row];
     const float rs = rstd[row];
@@ -212,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
-      const int col = (i * 32 + lane) * P;
+      const int col = (i * RT + lane) * P;
       if (col < N) {
         s_raw[i] = *reinterpret_cast<const uint4*>(a + base + col);
         dy_raw[i] = *reinterpret_cast<const uint4*>(dy + base + col);
@@ -229,11 +252,11 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
         }
       }
     }
-    const float mg = rms ? 0.f : warp_sum(sg) * inv_n;
-    const float mgx = warp_sum(sgx) * inv_n;
+    const float mg = rms ? 0.f : row_sum<RT>(sg) * inv_n;
+    const float mgx = row_sum<RT>(sgx) * inv_n;
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
-      const int col = (i * 32 + lane) * P;
+      const int col = (i * RT + lane) * P;
       if (col < N) {
         float sv[P], d[P], wv[P], o[P], extra[P];
         row_values(s_raw[i], dy_raw[i], res, w, base, col, has_res, has_w, sv, d, wv);
@@ -249,6 +272,20 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
     }
   }
   if (!need_dwb) return;
+  if constexpr (RT == kThreads) {  // the block's threads own disjoint columns: their sums are the block's
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int col = (i * RT + lane) * P;
+      if (col < N) {
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+          partial[static_cast<int64_t>(blockIdx.x) * N + col + j] = dw[i][j];
+          partial[(static_cast<int64_t>(gridDim.x) + blockIdx.x) * N + col + j] = db[i][j];
+        }
+      }
+    }
+    return;
+  }
   for (int c = threadIdx.x; c < 2 * N; c += kThreads) smem[c] = 0.f;
   // the block's warps add their sums one after the other (fixed order: bitwise reproducible)
   for (int turn = 0; turn < kWarps; ++turn) {
@@ -256,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
     if (warp == turn) {
 #pragma unroll
       for (int i = 0; i < VPL; ++i) {
-        const int col = (i * 32 + lane) * P;
+        const int col = (i * RT + lane) * P;
         if (col < N) {
 #pragma unroll
           for (int j = 0; j < P; ++j) {
@@ -275,11 +312,11 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
   }
 }
 
-template <typename T, int VPL>
+template <typename T, int VPL, int RT>
 int bwd_blocks_per_sm() {
   static const int n = [] {
     int k = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, ln_bwd_kernel<T, VPL>, kThreads,
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, ln_bwd_kernel<T, VPL, RT>, kThreads,
                                                                  2 * 1024 * sizeof(float)));
     return std::max(k, 1);
   }();
@@ -318,22 +355,36 @@ void dispatch_dtype(at::ScalarType st, F&& f) {
   }
 }
 
-// packs per lane: 1..4 for fp16/bf16 (N <= 1024), 1..8 for fp32
+// f(VPL, RT): rows of up to 32 elements per lane (N <= 1024) are one warp's (RT = 32, 1..4 packs per
+// lane for fp16/bf16, 1..8 for fp32); wider rows are one block's (RT = 256, 1..4 packs per thread:
+// N <= 8192 fp16/bf16, <= 4096 fp32).
 template <typename T, typename F>
-void dispatch_vpl(int vpl, F&& f) {
-  if (vpl <= 1) f(std::integral_constant<int, 1>{});
-  else if (vpl <= 2) f(std::integral_constant<int, 2>{});
-  else if (vpl <= 3) f(std::integral_constant<int, 3>{});
-  else if (vpl <= 4 || sizeof(T) == 2) f(std::integral_constant<int, 4>{});
-  else if constexpr (sizeof(T) == 4) {
-    if (vpl <= 6) f(std::integral_constant<int, 6>{});
-    else f(std::integral_constant<int, 8>{});
+void dispatch_shape(int N, F&& f) {
+  using W = std::integral_constant<int, 32>;
+  using B = std::integral_constant<int, kThreads>;
+  const int packs = N / Pack<T>::n;
+  if (N <= 32 * kMaxElemsPerLane) {
+    const int vpl = (packs + 31) / 32;
+    if (vpl <= 1) f(std::integral_constant<int, 1>{}, W{});
+    else if (vpl <= 2) f(std::integral_constant<int, 2>{}, W{});
+    else if (vpl <= 3) f(std::integral_constant<int, 3>{}, W{});
+    else if (vpl <= 4 || sizeof(T) == 2) f(std::integral_constant<int, 4>{}, W{});
+    else if constexpr (sizeof(T) == 4) {
+      if (vpl <= 6) f(std::integral_constant<int, 6>{}, W{});
+      else f(std::integral_constant<int, 8>{}, W{});
+    }
+  } else {
+    const int vpl = (packs + kThreads - 1) / kThreads;
+    if (vpl <= 1) f(std::integral_constant<int, 1>{}, B{});
+    else if (vpl <= 2) f(std::integral_constant<int, 2>{}, B{});
+    else if (vpl <= 3) f(std::integral_constant<int, 3>{}, B{});
+    else f(std::integral_constant<int, 4>{}, B{});
   }
 }
 
 // resident blocks per SM of a backward instantiation at the largest shared memory it takes (N = 1024),
 // queried once (the persistent backward grid fills the GPU once)
-template <typename T, int VPL>
+template <typename T, int VPL, int RT>
 int bwd_blocks_per_sm();
 
 int sm_count(int device) {
@@ -368,8 +419,9 @@ void check_inputs(const Tensor& x, const optional<Tensor>& w, const optional<Ten
   TORCH_CHECK(x.dim() == 2, "pykernels_cuda.layer_norm: x must be 2-D (M, N), got ", x.dim(), " dims");
   const int64_t n = x.size(1);
   const int p = pack_of(x.scalar_type());
-  TORCH_CHECK(n > 0 && n % p == 0 && n <= 32 * kMaxElemsPerLane, "pykernels_cuda.layer_norm: N must be a ",
-              "positive multiple of ", p, " up to ", 32 * kMaxElemsPerLane, " for ", x.dtype(), ", got ", n);
+  const int max_n = p == 8 ? kMaxN16 : kMaxN32;
+  TORCH_CHECK(n > 0 && n % p == 0 && n <= max_n, "pykernels_cuda.layer_norm: N must be a positive multiple of ",
+              p, " up to ", max_n, " for ", x.dtype(), ", got ", n);
   if (w.has_value()) {
     check_row_tensor("weight", *w, x);
     TORCH_CHECK(w->dim() == 1 && w->size(0) == n, "pykernels_cuda.layer_norm: weight must have shape (", n, ",)");
@@ -402,14 +454,14 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
   Tensor mean = at::empty({rms ? 0 : M}, f32);
   Tensor rstd = at::empty({M}, f32);
   if (M == 0) return {y, s, mean, rstd, x, r};
-  const int vpl = (N / pack_of(x.scalar_type()) + 31) / 32;
-  const auto blocks = static_cast<unsigned>((M + kWarps - 1) / kWarps);
+  const int64_t rows_per_block = N <= 32 * kMaxElemsPerLane ? kWarps : 1;
+  const auto blocks = static_cast<unsigned>((M + rows_per_block - 1) / rows_per_block);
   TORCH_CHECK(blocks < (1u << 31), "pykernels_cuda.layer_norm: too many rows");
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    dispatch_vpl<T>(vpl, [&](auto v) {
-      ln_fwd_kernel<T, decltype(v)::value><<<blocks, kThreads, 0, stream>>>(
+    dispatch_shape<T>(N, [&](auto v, auto rt) {
+      ln_fwd_kernel<T, decltype(v)::value, decltype(rt)::value><<<blocks, kThreads, 0, stream>>>(
           static_cast<const T*>(x.data_ptr()), r.defined() ? static_cast<const T*>(r.data_ptr()) : nullptr,
           w.defined() ? static_cast<const T*>(w.data_ptr()) : nullptr,
           b.defined() ? static_cast<const T*>(b.data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()),
@@ -436,13 +488,16 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   Tensor dx = at::empty_like(a);
   const bool need = w.defined() || has_b;
   const int sms = sm_count(a.get_device());
-  const int64_t want = (M + kWarps - 1) / kWarps;
-  const int vpl = (N / pack_of(a.scalar_type()) + 31) / 32;
-  const size_t smem = need ? 2 * N * sizeof(float) : 0;
+  const bool warp_rows = N <= 32 * kMaxElemsPerLane;  // else one block per row (RT = kThreads)
+  const int64_t rows_per_block = warp_rows ? kWarps : 1;
+  const int64_t want = (M + rows_per_block - 1) / rows_per_block;
+  const size_t smem = need && warp_rows ? 2 * N * sizeof(float) : 0;
   int per_sm = 1;
   dispatch_dtype(a.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    dispatch_vpl<T>(vpl, [&](auto v) { per_sm = bwd_blocks_per_sm<T, decltype(v)::value>(); });
+    dispatch_shape<T>(N, [&](auto v, auto rt) {
+      per_sm = bwd_blocks_per_sm<T, decltype(v)::value, decltype(rt)::value>();
+    });
   });
   const int progs = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, static_cast<int64_t>(per_sm) * sms)));
   auto f32 = a.options().dtype(at::kFloat);
@@ -453,8 +508,8 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   dispatch_dtype(a.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     if (M > 0) {
-      dispatch_vpl<T>(vpl, [&](auto v) {
-        ln_bwd_kernel<T, decltype(v)::value><<<progs, kThreads, smem, stream>>>(
+      dispatch_shape<T>(N, [&](auto v, auto rt) {
+        ln_bwd_kernel<T, decltype(v)::value, decltype(rt)::value><<<progs, kThreads, smem, stream>>>(
             static_cast<const T*>(dy.data_ptr()), ds.defined() ? static_cast<const T*>(ds.data_ptr()) : nullptr,
             static_cast<const T*>(a.data_ptr()), res.defined() ? static_cast<const T*>(res.data_ptr()) : nullptr,
             w.defined() ? static_cast<const T*>(w.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),

@@ -148,9 +148,9 @@ def _cuda_cover(x2: Tensor, w: Optional[Tensor], b: Optional[Tensor], r2: Option
     if residual_in_fp32 and x2.dtype != torch.float32:
         return "residual_in_fp32"
     n = x2.shape[1]
-    pack = 4 if x2.dtype == torch.float32 else 8
-    if n % pack or n > 1024:
-        return f"N = {n}: the CUDA kernels take multiples of {pack} up to 1024"
+    pack, widest = (4, 4096) if x2.dtype == torch.float32 else (8, 8192)
+    if n % pack or n > widest:
+        return f"N = {n}: the CUDA kernels take multiples of {pack} up to {widest} for {x2.dtype}"
     if not _plain_eager((x2, w, b, r2)):
         return "under torch.compile and dispatch modes the op is the Triton custom op (pykernels::layer_norm_fwd)"
     return None

@@ -583,9 +583,12 @@ def _cuda_built() -> bool:
 needs_cuda_ext = pytest.mark.skipif(not torch.cuda.is_available() or not _cuda_built(),
                                     reason="needs a CUDA device and the built extension pykernels._C")
 
+# rows of one warp (N <= 1024) and of one block (wider: 1032 .. 4096 here, 8192 for fp16/bf16 below)
 CUDA_CASES = [((1, 8), "post"), ((17, 64), "pre"), ((1000, 768), "post"), ((1000, 768), "pre"),
               ((127, 1000), "rms_pre"), ((64, 1024), "rms_post"), ((300, 256), "post_no_residual"),
-              ((300, 512), "pre_no_residual"), ((16384, 768), "post"), ((16384, 1024), "pre")]
+              ((300, 512), "pre_no_residual"), ((16384, 768), "post"), ((16384, 1024), "pre"),
+              ((33, 1032), "post"), ((1024, 1600), "pre"), ((257, 3000), "rms_pre"), ((2048, 4096), "post"),
+              ((100, 4096), "pre_no_residual")]
 
 
 @pytest.mark.gpu
@@ -596,6 +599,16 @@ def test_cuda_backend(shape, variant, dtype):
     v = dict(VARIANTS[variant])
     residual = v.pop("residual", True)
     x, r, w, b = _make(shape, dtype, "cuda", residual=residual)
+    _check(x, r, w, b, backend="cuda", **v)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", ["pre", "post", "rms_post"])
+def test_cuda_backend_widest_rows(dtype, variant):
+    v = dict(VARIANTS[variant])
+    x, r, w, b = _make((300, 8192), dtype, "cuda")
     _check(x, r, w, b, backend="cuda", **v)
 
 
@@ -622,8 +635,9 @@ def test_cuda_backend_is_auto_and_declines_what_it_does_not_cover():
     for kw, why in ((dict(dropout_p=0.1), "dropout"), (dict(prenorm=True, residual_in_fp32=True), "residual_in_fp32")):
         with pytest.raises(BackendUnavailableError, match=why):
             pykernels.layer_norm(x, w, b, residual=r, backend="cuda", **kw)
-    for n in (1000 + 4, 2048):  # not a multiple of 8 / wider than 1024: Triton under auto, raise when named
-        xn = torch.randn(8, n, device="cuda", dtype=torch.bfloat16)
+    # not a multiple of the pack / wider than the widest row: Triton under auto, raise when named
+    for n, dt in ((1004, torch.bfloat16), (8200, torch.bfloat16), (4100, torch.float32), (8192, torch.float32)):
+        xn = torch.randn(8, n, device="cuda", dtype=dt)
         assert not _use_cuda(None, xn, None, None, None, 0.0, False)
         with pytest.raises(BackendUnavailableError, match="N = "):
             pykernels.layer_norm(xn, None, backend="cuda")
@@ -669,3 +683,29 @@ def test_cuda_backend_misaligned_contiguous_view():
     _, r, w, b = _make((64, 768), torch.bfloat16, "cuda")
     _check(x, r, w, b, backend="cuda")
     _check(x, r, w, b, backend="cuda", prenorm=True)
+
+
+
+def test_cuda_cover_reasons_cpu():
+    """What the CUDA C++ op covers is decided in Python before any extension is needed."""
+    from pykernels.layer_norm import _cuda_cover
+    bf, f32 = torch.bfloat16, torch.float32
+    x = torch.randn(4, 768, dtype=bf)
+    w = torch.randn(768, dtype=bf)
+    assert _cuda_cover(x, w, w, x, 0.0, False) is None
+    assert _cuda_cover(torch.randn(4, 8192, dtype=bf), None, None, None, 0.0, False) is None
+    assert _cuda_cover(torch.randn(4, 4096, dtype=f32), None, None, None, 0.0, False) is None
+    assert "dropout" in _cuda_cover(x, w, None, None, 0.1, False)
+    assert "weight" in _cuda_cover(x, w.float(), None, None, 0.0, False)
+    assert "residual" in _cuda_cover(x, None, None, x.float(), 0.0, False)
+    assert "residual_in_fp32" in _cuda_cover(x, None, None, x, 0.0, True)
+    assert "float64" in _cuda_cover(x.double(), None, None, None, 0.0, False)
+    for n, dt in ((1004, bf), (8200, bf), (4100, f32), (8192, f32), (6, f32)):
+        assert "N = " in _cuda_cover(torch.randn(2, n, dtype=dt), None, None, None, 0.0, False), (n, dt)
+    with torch.device("meta"):
+        xm = torch.empty(4, 768, dtype=bf)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        xf = mode.from_tensor(x)
+    assert "torch.compile" in _cuda_cover(xf, None, None, None, 0.0, False)
+    assert _cuda_cover(xm, None, None, None, 0.0, False) is None  # (device is checked by the caller)
