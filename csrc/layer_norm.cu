@@ -205,6 +205,28 @@ __device__ __forceinline__ void row_values(const uint4& s_raw, const uint4& dy_r
 
 // At most 128 registers (two blocks per SM) except for fp32 rows of 32 elements per lane, which would
 // spill ~400 bytes there (fp16/bf16 at N = 1024 spill 60 bytes: kept, for twice the warps in flight).
+// dst[col] and dst[db_offset + col] = (ADD: +=) this thread's dweight and dbias sums over its columns
+template <bool ADD, int VPL, int P, int RT>
+__device__ __forceinline__ void put_sums(float* dst, int64_t db_offset, const float (&dw)[VPL][P],
+                                         const float (&db)[VPL][P], int lane, int N) {
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int col = (i * RT + lane) * P;
+    if (col < N) {
+#pragma unroll
+      for (int j = 0; j < P; ++j) {
+        if constexpr (ADD) {
+          dst[col + j] += dw[i][j];
+          dst[db_offset + col + j] += db[i][j];
+        } else {
+          dst[col + j] = dw[i][j];
+          dst[db_offset + col + j] = db[i][j];
+        }
+      }
+    }
+  }
+}
+
 template <typename T, int VPL, int RT>
 __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ ds_out, const T* __restrict__ a, const T* __restrict__ res,
@@ -273,36 +295,15 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
   }
   if (!need_dwb) return;
   if constexpr (RT == kThreads) {  // the block's threads own disjoint columns: their sums are the block's
-#pragma unroll
-    for (int i = 0; i < VPL; ++i) {
-      const int col = (i * RT + lane) * P;
-      if (col < N) {
-#pragma unroll
-        for (int j = 0; j < P; ++j) {
-          partial[static_cast<int64_t>(blockIdx.x) * N + col + j] = dw[i][j];
-          partial[(static_cast<int64_t>(gridDim.x) + blockIdx.x) * N + col + j] = db[i][j];
-        }
-      }
-    }
+    put_sums<false, VPL, P, RT>(partial + static_cast<int64_t>(blockIdx.x) * N,
+                                static_cast<int64_t>(gridDim.x) * N, dw, db, lane, N);
     return;
   }
   for (int c = threadIdx.x; c < 2 * N; c += kThreads) smem[c] = 0.f;
   // the block's warps add their sums one after the other (fixed order: bitwise reproducible)
   for (int turn = 0; turn < kWarps; ++turn) {
     __syncthreads();
-    if (warp == turn) {
-#pragma unroll
-      for (int i = 0; i < VPL; ++i) {
-        const int col = (i * RT + lane) * P;
-        if (col < N) {
-#pragma unroll
-          for (int j = 0; j < P; ++j) {
-            smem[col + j] += dw[i][j];
-            smem[N + col + j] += db[i][j];
-          }
-        }
-      }
-    }
+    if (warp == turn) put_sums<true, VPL, P, RT>(smem, N, dw, db, lane, N);
   }
   __syncthreads();
   // partial: [2][gridDim.x][N]
