@@ -553,6 +553,10 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    // grad mode is on in a backward only under create_graph=True: the kernels are not differentiable,
+    // and gradients of this backward would be silently missing
+    TORCH_CHECK(!at::GradMode::is_enabled(), "pykernels_cuda::layer_norm: double backward (create_graph=True) is "
+                "not supported; use backend='reference' for this layer");
     auto saved = ctx->get_saved_variables();
     const bool prenorm = ctx->saved_data["prenorm"].toBool();
     const bool rms = ctx->saved_data["rms"].toBool();

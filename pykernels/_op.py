@@ -9,7 +9,9 @@ this project's CPU machine), which is as long as a LayerNorm kernel runs on an H
 * under ``torch.compile`` (``torch.compiler.is_compiling()``) calls the registered op, so the graph
   holds ``pykernels::<name>`` with its fake impl and registered autograd;
 * in eager mode calls the same implementation through an ``autograd.Function`` built from the same
-  ``setup_context`` and ``backward`` (or directly, when no input needs a gradient).
+  ``setup_context`` and ``backward`` (or directly, when no input needs a gradient). An op without
+  autograd (the backward ops) called while gradients are recorded (``create_graph=True``) goes through
+  the registered op, which raises if a second backward reaches it: never a silently missing gradient.
 
 Both paths run the same functions: the results are identical, only the dispatch differs.
 """
@@ -54,9 +56,14 @@ class FusedOp:
     def __call__(self, *args):
         if not _plain_eager(args):
             return self.op(*args)
-        if self._function is not None and torch.is_grad_enabled() and any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return self._function.apply(*args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            if self._function is not None:
+                return self._function.apply(*args)
+            # An op without autograd (the backward ops) called where gradients are recorded: a
+            # double backward (create_graph=True). The registered op records a node that raises if
+            # anything backpropagates through it; the plain impl would give outputs that silently
+            # carry no gradient.
+            return self.op(*args)
         out = self.impl(*args)
         for i in self._mutated:
             torch.autograd.graph.increment_version(args[i])

@@ -709,3 +709,22 @@ def test_cuda_cover_reasons_cpu():
         xf = mode.from_tensor(x)
     assert "torch.compile" in _cuda_cover(xf, None, None, None, 0.0, False)
     assert _cuda_cover(xm, None, None, None, 0.0, False) is None  # (device is checked by the caller)
+
+
+@pytest.mark.parametrize("backend", ["triton"] + (["cuda"] if torch.cuda.is_available() and _cuda_built() else []))
+def test_double_backward_raises_never_silent(backend, device):
+    """create_graph=True, then a second backward through the op's backward: a clear error, never a
+    second-order gradient that is silently zero."""
+    device = torch.device("cuda") if backend == "cuda" else device
+    x, r, w, b = _make((4, 64), torch.float32, device)
+    y = pykernels.layer_norm(x, w, b, residual=r, backend=backend)
+    if backend == "cuda":  # the C++ backward refuses create_graph at once
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad((y * y).sum(), x, create_graph=True)
+    else:  # the Triton backward op records a node that raises when reached
+        (gx,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="no autograd formula"):
+            gx.sum().backward()
+    y = pykernels.layer_norm(x, w, b, residual=r, backend=backend)  # without create_graph: fine
+    (g1,) = torch.autograd.grad((y * y).sum(), x)
+    assert torch.isfinite(g1).all()

@@ -1,8 +1,10 @@
 """FusedOp: the eager fast path and the registered custom op give the same values and gradients,
 and torch.compile puts the registered op in its graph."""
+import pytest
 import torch
 from torch import Tensor
 
+import pykernels
 from pykernels._op import custom_op
 
 
@@ -68,3 +70,26 @@ def test_traced_backward_uses_the_registered_op():
         x = torch.empty(3, 4)
         y, s = _scale(x, 2.0)
     assert y.shape == (3, 4) and s.shape == (3,)
+
+
+@pytest.mark.parametrize("op", ["attention", "cross_entropy", "masked_lm_loss"])
+def test_double_backward_raises_never_silent(op, device):
+    """A second backward through an op's backward raises (the backward ops have no autograd formula);
+    the eager fast path must not hand out a gradient that silently carries none."""
+    g = torch.Generator().manual_seed(0)
+    if op == "attention":
+        q = torch.randn(1, 2, 8, 16, generator=g).to(device).requires_grad_()
+        f = lambda t: pykernels.scaled_dot_product_attention(t, t, t, backend="triton")  # noqa: E731
+    elif op == "cross_entropy":
+        q = torch.randn(4, 10, generator=g).to(device).requires_grad_()
+        tgt = torch.tensor([1, 2, 3, 4], device=device)
+        f = lambda t: pykernels.cross_entropy(t, tgt, reduction="none", backend="triton")  # noqa: E731
+    else:
+        q = torch.randn(4, 16, generator=g).to(device).requires_grad_()
+        wv = torch.randn(10, 16, generator=g).to(device)
+        tgt = torch.tensor([1, -100, 3, 4], device=device)
+        f = lambda t: pykernels.masked_lm_loss(t, wv, tgt, reduction="none", backend="triton")  # noqa: E731
+    out = f(q)
+    (gq,) = torch.autograd.grad((out * out).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        gq.sum().backward()
