@@ -359,12 +359,15 @@ void dispatch_dtype(at::ScalarType st, F&& f) {
 // f(VPL, RT): rows of up to 32 elements per lane (N <= 1024) are one warp's (RT = 32, 1..4 packs per
 // lane for fp16/bf16, 1..8 for fp32); wider rows are one block's (RT = 256, 1..4 packs per thread:
 // N <= 8192 fp16/bf16, <= 4096 fp32).
+// whether a row of N elements is one warp's (else one block's); dispatch_shape and the grids agree on it
+constexpr bool warp_rows(int N) { return N <= 32 * kMaxElemsPerLane; }
+
 template <typename T, typename F>
 void dispatch_shape(int N, F&& f) {
   using W = std::integral_constant<int, 32>;
   using B = std::integral_constant<int, kThreads>;
   const int packs = N / Pack<T>::n;
-  if (N <= 32 * kMaxElemsPerLane) {
+  if (warp_rows(N)) {
     const int vpl = (packs + 31) / 32;
     if (vpl <= 1) f(std::integral_constant<int, 1>{}, W{});
     else if (vpl <= 2) f(std::integral_constant<int, 2>{}, W{});
@@ -455,7 +458,7 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
   Tensor mean = at::empty({rms ? 0 : M}, f32);
   Tensor rstd = at::empty({M}, f32);
   if (M == 0) return {y, s, mean, rstd, x, r};
-  const int64_t rows_per_block = N <= 32 * kMaxElemsPerLane ? kWarps : 1;
+  const int64_t rows_per_block = warp_rows(N) ? kWarps : 1;
   const auto blocks = static_cast<unsigned>((M + rows_per_block - 1) / rows_per_block);
   TORCH_CHECK(blocks < (1u << 31), "pykernels_cuda.layer_norm: too many rows");
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -489,10 +492,9 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   Tensor dx = at::empty_like(a);
   const bool need = w.defined() || has_b;
   const int sms = sm_count(a.get_device());
-  const bool warp_rows = N <= 32 * kMaxElemsPerLane;  // else one block per row (RT = kThreads)
-  const int64_t rows_per_block = warp_rows ? kWarps : 1;
+  const int64_t rows_per_block = warp_rows(N) ? kWarps : 1;
   const int64_t want = (M + rows_per_block - 1) / rows_per_block;
-  const size_t smem = need && warp_rows ? 2 * N * sizeof(float) : 0;
+  const size_t smem = need && warp_rows(N) ? 2 * N * sizeof(float) : 0;
   int per_sm = 1;
   dispatch_dtype(a.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
