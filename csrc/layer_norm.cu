@@ -25,7 +25,10 @@
 // Inputs are made contiguous and 16-byte aligned (a copy only when they are not) before the kernels
 // see them, and the tensors saved for the backward are those copies.
 // Cover: fp16/bf16/fp32 x; weight/bias/residual of x's dtype (or absent); N a multiple of the pack
-// (8 / 4 elements) up to 8192 (fp32: 4096), at most 32 elements per thread. No dropout. Python checks the cover first
+// (8 / 4 elements) up to 8192 (fp32: 4096), at most 32 elements per thread. Dropout on x: element
+// row * N + col is kept iff Triton's tl.rand(seed, row * N + col) >= p (csrc/philox.cuh, bit for bit),
+// so the mask equals the Triton kernels' and pykernels.layer_norm.layer_norm_dropout_mask's; the
+// backward regenerates it (a thread's <= 32 keep bits of a row live in one register between passes). Python checks the cover first
 // (pykernels/layer_norm.py, _cuda_cover); the TORCH_CHECKs here name what they reject.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -35,6 +38,8 @@
 #include <torch/extension.h>
 
 #include <type_traits>
+
+#include "philox.cuh"
 
 namespace pykernels {
 namespace {
@@ -87,6 +92,11 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Dropout keep decision of element ``index`` (row * N + col): Triton's tl.rand(seed, index) >= p
+__device__ __forceinline__ bool keep(uint64_t seed, int64_t index, float p) {
+  return philox_uniform(seed, static_cast<uint64_t>(index)) >= p;
+}
+
 // Sum over the RT threads that share a row: a warp (RT = 32) or the whole block (RT = kThreads).
 template <int RT>
 __device__ __forceinline__ float row_sum(float v) {
@@ -110,7 +120,8 @@ template <typename T, int VPL, int RT>
 __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w, const T* __restrict__ b,
     T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms) {
+    int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms, bool dropout,
+    uint64_t seed, float drop_p, float drop_scale) {
   constexpr int P = Pack<T>::n;
   const int lane = threadIdx.x % RT;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / RT) + threadIdx.x / RT;
@@ -123,6 +134,10 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     const int col = (i * RT + lane) * P;
     if (col < N) {
       load_pack(x + base + col, v[i]);
+      if (dropout) {
+#pragma unroll
+        for (int j = 0; j < P; ++j) v[i][j] = keep(seed, base + col + j, drop_p) ? v[i][j] * drop_scale : 0.f;
+      }
       if (has_res) {
         float r[P];
         load_pack(res + base + col, r);
@@ -185,10 +200,15 @@ __device__ __forceinline__ void unpack(const uint4& raw, float* out) {
 template <typename T>
 __device__ __forceinline__ void row_values(const uint4& s_raw, const uint4& dy_raw, const T* __restrict__ res,
                                            const T* __restrict__ w, int64_t base, int col, bool has_res,
-                                           bool has_w, float* sv, float* d, float* wv) {
+                                           bool has_w, float* sv, float* d, float* wv, bool drop_x,
+                                           uint32_t drop_bits, float drop_scale) {
   constexpr int P = Pack<T>::n;
   unpack<T>(s_raw, sv);
   unpack<T>(dy_raw, d);
+  if (drop_x) {  // post-LN with dropout: s_raw is x, s = dropout(x) + residual (bit j: element j kept)
+#pragma unroll
+    for (int j = 0; j < P; ++j) sv[j] = (drop_bits >> j) & 1u ? sv[j] * drop_scale : 0.f;
+  }
   if (has_res) {
     float r[P];
     load_pack(res + base + col, r);
@@ -231,8 +251,8 @@ template <typename T, int VPL, int RT>
 __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ ds_out, const T* __restrict__ a, const T* __restrict__ res,
     const T* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
-    float* __restrict__ partial, int64_t M, int N, bool has_ds, bool has_res, bool has_w, bool need_dwb,
-    bool rms) {
+    T* __restrict__ dres, float* __restrict__ partial, int64_t M, int N, bool has_ds, bool has_res, bool has_w,
+    bool need_dwb, bool rms, bool dropout, bool recompute, uint64_t seed, float drop_p, float drop_scale) {
   constexpr int P = Pack<T>::n;
   extern __shared__ float smem[];  // [2][N]: dweight, dbias block sums (RT = 32)
   constexpr int kRows = kThreads / RT;  // rows a block works on at a time
@@ -254,6 +274,7 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
     // the row's s (or x) and dy stay in registers as raw 16-byte packs (4 registers each, not 2 * P
     // fp32 values): the second pass unpacks them again, and re-reads residual and weight (L1 hits)
     uint4 s_raw[VPL], dy_raw[VPL];
+    uint32_t kept = 0xffffffffu;  // dropout keep bits of the thread's VPL * P (<= 32) elements of the row
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
@@ -261,8 +282,15 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
       if (col < N) {
         s_raw[i] = *reinterpret_cast<const uint4*>(a + base + col);
         dy_raw[i] = *reinterpret_cast<const uint4*>(dy + base + col);
+        if (dropout) {
+#pragma unroll
+          for (int j = 0; j < P; ++j) {
+            if (!keep(seed, base + col + j, drop_p)) kept &= ~(1u << (i * P + j));
+          }
+        }
         float sv[P], d[P], wv[P];
-        row_values(s_raw[i], dy_raw[i], res, w, base, col, has_res, has_w, sv, d, wv);
+        row_values(s_raw[i], dy_raw[i], res, w, base, col, has_res, has_w, sv, d, wv,
+                   dropout && recompute, kept >> (i * P), drop_scale);
 #pragma unroll
         for (int j = 0; j < P; ++j) {
           const float xh = (sv[j] - mu) * rs;
@@ -281,13 +309,19 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
       const int col = (i * RT + lane) * P;
       if (col < N) {
         float sv[P], d[P], wv[P], o[P], extra[P];
-        row_values(s_raw[i], dy_raw[i], res, w, base, col, has_res, has_w, sv, d, wv);
+        row_values(s_raw[i], dy_raw[i], res, w, base, col, has_res, has_w, sv, d, wv,
+                   dropout && recompute, kept >> (i * P), drop_scale);
         if (has_ds) load_pack(ds_out + base + col, extra);
 #pragma unroll
         for (int j = 0; j < P; ++j) {
           const float xh = (sv[j] - mu) * rs;
           o[j] = rs * (d[j] * wv[j] - mg - xh * mgx);
           if (has_ds) o[j] += extra[j];
+        }
+        if (dropout) {  // dresidual = ds; dx = dropout's backward of ds
+          store_pack(dres + base + col, o);
+#pragma unroll
+          for (int j = 0; j < P; ++j) o[j] = (kept >> (i * P + j)) & 1u ? o[j] * drop_scale : 0.f;
         }
         store_pack(dx + base + col, o);
       }
@@ -443,7 +477,10 @@ void check_inputs(const Tensor& x, const optional<Tensor>& w, const optional<Ten
 // -> y, s (pre-LN; else empty), mean (LayerNorm; else empty), rstd, and the dense x and residual the
 // kernel read (saved for the post-LN backward)
 std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_in, const optional<Tensor>& b_in,
-                                 const optional<Tensor>& r_in, double eps, bool prenorm, bool rms) {
+                                 const optional<Tensor>& r_in, double eps, double dropout_p, int64_t seed,
+                                 bool prenorm, bool rms) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "pykernels_cuda.layer_norm: dropout_p must be in [0, 1), got ",
+              dropout_p);
   check_inputs(x_in, w_in, b_in, r_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Tensor x = dense(x_in);
@@ -471,16 +508,19 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
           b.defined() ? static_cast<const T*>(b.data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()),
           prenorm ? static_cast<T*>(s.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
           rstd.data_ptr<float>(), M, N, static_cast<float>(eps), r.defined(), w.defined(), b.defined(), prenorm,
-          rms);
+          rms, dropout_p > 0.0, static_cast<uint64_t>(seed), static_cast<float>(dropout_p),
+          dropout_p > 0.0 ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
   return {y, s, mean, rstd, x, r};
 }
 
-// -> dx (= dresidual), dweight (or undefined), dbias (or undefined)
+// -> dx, dweight (or undefined), dbias (or undefined), dresidual (dx itself without dropout). ``a`` is the
+// saved s (pre-LN) or x (post-LN, ``recompute``: s = dropout(x) + residual again).
 std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, const Tensor& a_in, const Tensor& res_in,
-                                  const Tensor& w_in, bool has_b, const Tensor& mean, const Tensor& rstd, bool rms) {
+                                  const Tensor& w_in, bool has_b, const Tensor& mean, const Tensor& rstd, bool rms,
+                                  bool recompute, double dropout_p, int64_t seed) {
   const c10::cuda::CUDAGuard guard(a_in.device());
   const Tensor a = dense(a_in);
   const Tensor res = res_in.defined() ? dense(res_in) : Tensor();
@@ -490,6 +530,8 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   const int64_t M = a.size(0);
   const int N = static_cast<int>(a.size(1));
   Tensor dx = at::empty_like(a);
+  const bool dropout = dropout_p > 0.0;
+  Tensor dres = dropout ? at::empty_like(a) : dx;
   const bool need = w.defined() || has_b;
   const int sms = sm_count(a.get_device());
   const int64_t rows_per_block = warp_rows(N) ? kWarps : 1;
@@ -516,8 +558,10 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
             static_cast<const T*>(dy.data_ptr()), ds.defined() ? static_cast<const T*>(ds.data_ptr()) : nullptr,
             static_cast<const T*>(a.data_ptr()), res.defined() ? static_cast<const T*>(res.data_ptr()) : nullptr,
             w.defined() ? static_cast<const T*>(w.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
-            rstd.data_ptr<float>(), static_cast<T*>(dx.data_ptr()), need ? partial.data_ptr<float>() : nullptr, M,
-            N, ds.defined(), res.defined(), w.defined(), need, rms);
+            rstd.data_ptr<float>(), static_cast<T*>(dx.data_ptr()), static_cast<T*>(dres.data_ptr()),
+            need ? partial.data_ptr<float>() : nullptr, M, N, ds.defined(), res.defined(), w.defined(), need, rms,
+            dropout, recompute, static_cast<uint64_t>(seed), static_cast<float>(dropout_p),
+            dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     } else if (need) {
@@ -533,15 +577,16 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
-  return {dx, dw, db};
+  return {dx, dw, db, dres};
 }
 
 class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
                                                 const optional<Tensor>& w, const optional<Tensor>& b,
-                                                const optional<Tensor>& r, double eps, bool prenorm, bool rms) {
-    auto out = forward_impl(x, w, b, r, eps, prenorm, rms);
+                                                const optional<Tensor>& r, double eps, double dropout_p,
+                                                int64_t seed, bool prenorm, bool rms) {
+    auto out = forward_impl(x, w, b, r, eps, dropout_p, seed, prenorm, rms);
     // pre-LN saves s (an output anyway); post-LN saves x and residual and recomputes s
     ctx->save_for_backward({prenorm ? out[1] : out[4], prenorm ? Tensor() : out[5],
                             w.has_value() ? *w : Tensor(), out[2], out[3]});
@@ -549,6 +594,8 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     ctx->saved_data["rms"] = rms;
     ctx->saved_data["has_b"] = b.has_value();
     ctx->saved_data["has_r"] = r.has_value();
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["seed"] = seed;
     if (!prenorm) ctx->mark_non_differentiable({out[1]});
     return {out[0], out[1]};
   }
@@ -568,21 +615,24 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     Tensor dy = grads[0];
     if (!dy.defined()) dy = at::zeros_like(a);
     const Tensor ds = prenorm ? grads[1] : Tensor();
-    auto g = backward_impl(dy, ds, a, saved[1], saved[2], has_b, saved[3], saved[4], rms);
-    // dx and dresidual are equal (no dropout, one dtype): one tensor serves both
-    return {g[0], g[1], g[2], has_r ? g[0] : Tensor(), Tensor(), Tensor(), Tensor()};
+    auto g = backward_impl(dy, ds, a, saved[1], saved[2], has_b, saved[3], saved[4], rms, !prenorm,
+                           ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["seed"].toInt());
+    // without dropout dx and dresidual are equal: one tensor serves both
+    return {g[0], g[1], g[2], has_r ? g[3] : Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 std::tuple<Tensor, Tensor> layer_norm_autograd(const Tensor& x, const optional<Tensor>& w, const optional<Tensor>& b,
-                                               const optional<Tensor>& r, double eps, bool prenorm, bool rms_norm) {
-  auto out = LayerNormFunction::apply(x, w, b, r, eps, prenorm, rms_norm);
+                                               const optional<Tensor>& r, double eps, double dropout_p, int64_t seed,
+                                               bool prenorm, bool rms_norm) {
+  auto out = LayerNormFunction::apply(x, w, b, r, eps, dropout_p, seed, prenorm, rms_norm);
   return {out[0], out[1]};
 }
 
 std::tuple<Tensor, Tensor> layer_norm_nograd(const Tensor& x, const optional<Tensor>& w, const optional<Tensor>& b,
-                                             const optional<Tensor>& r, double eps, bool prenorm, bool rms_norm) {
-  auto out = forward_impl(x, w, b, r, eps, prenorm, rms_norm);
+                                             const optional<Tensor>& r, double eps, double dropout_p, int64_t seed,
+                                             bool prenorm, bool rms_norm) {
+  auto out = forward_impl(x, w, b, r, eps, dropout_p, seed, prenorm, rms_norm);
   return {out[0], out[1]};
 }
 
@@ -590,8 +640,8 @@ std::tuple<Tensor, Tensor> layer_norm_nograd(const Tensor& x, const optional<Ten
 }  // namespace pykernels
 
 TORCH_LIBRARY(pykernels_cuda, m) {
-  m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, bool prenorm, "
-        "bool rms_norm) -> (Tensor, Tensor)");
+  m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, float dropout_p, "
+        "int seed, bool prenorm, bool rms_norm) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pykernels_cuda, CUDA, m) { m.impl("layer_norm", &pykernels::layer_norm_nograd); }

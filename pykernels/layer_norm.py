@@ -138,8 +138,6 @@ def _cuda_cover(x2: Tensor, w: Optional[Tensor], b: Optional[Tensor], r2: Option
                 residual_in_fp32: bool) -> Optional[str]:
     """None when the CUDA C++ op ``pykernels_cuda::layer_norm`` (csrc/layer_norm.cu) covers the call,
     else why it does not."""
-    if dropout_p > 0.0:
-        return "dropout is not in the CUDA kernels"
     if x2.dtype not in _KERNEL_DTYPES:
         return f"dtype {x2.dtype}"
     for name, t in (("weight", w), ("bias", b), ("residual", r2)):
@@ -420,7 +418,9 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = Non
     w = weight.contiguous() if weight is not None else None
     b = bias.contiguous() if bias is not None else None
     if _use_cuda(backend, x2, w, b, r2, dropout_p, residual_in_fp32):
-        y, s = torch.ops.pykernels_cuda.layer_norm(x2, w, b, r2, float(eps), prenorm, rms_norm)
+        # the seed is drawn as the Triton path draws it (same generator use: the same mask for a seed)
+        seed = int(op_seed(dropout_p, x2.device).item()) if dropout_p > 0.0 else 0
+        y, s = torch.ops.pykernels_cuda.layer_norm(x2, w, b, r2, float(eps), dropout_p, seed, prenorm, rms_norm)
     else:
         y, s, _, _, _ = _fwd(x2, w, b, r2, float(eps), dropout_p, prenorm, residual_in_fp32, rms_norm,
                              backend or "")

@@ -604,6 +604,31 @@ def test_cuda_backend(shape, variant, dtype):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape,variant", [((1000, 768), "post"), ((1000, 768), "pre"), ((257, 1000), "rms_pre"),
+                                           ((64, 4096), "post"), ((64, 4096), "pre_no_residual")])
+def test_cuda_backend_dropout(shape, variant, dtype):
+    """The mask is Triton's (the reference draws it with layer_norm_dropout_mask for the same seed)."""
+    v = dict(VARIANTS[variant])
+    residual = v.pop("residual", True)
+    x, r, w, b = _make(shape, dtype, "cuda", residual=residual)
+    _check(x, r, w, b, backend="cuda", dropout_p=0.1, **v)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_cuda_backend_dropout_same_mask_as_triton():
+    x, r, w, b = _make((512, 768), torch.bfloat16, "cuda")
+    outs = []
+    for backend in ("cuda", "triton"):
+        torch.manual_seed(7)
+        y, s = pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.2, prenorm=True, backend=backend)
+        outs.append(s)
+    assert torch.equal(outs[0], outs[1])  # s = dropout(x) + r: the same mask, the same rounding
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("variant", ["pre", "post", "rms_post"])
 def test_cuda_backend_widest_rows(dtype, variant):
@@ -626,15 +651,15 @@ def test_cuda_backend_optional_params_strided_and_leading_dims(weight, bias):
 def test_cuda_backend_is_auto_and_declines_what_it_does_not_cover():
     from pykernels.layer_norm import _use_cuda
     x, r, w, b = _make((64, 768), torch.bfloat16, "cuda")
-    assert _use_cuda(None, x, w, b, r, 0.0, False)  # auto takes it
+    assert _use_cuda(None, x, w, b, r, 0.0, False)  # auto takes it, with dropout too
+    assert _use_cuda(None, x, w, b, r, 0.1, False)
     assert not _use_cuda("triton", x, w, b, r, 0.0, False)
-    assert not _use_cuda(None, x, w, b, r, 0.1, False)  # dropout: auto goes to Triton, no warning
+    assert not _use_cuda(None, x, w, b, r, 0.0, True)  # residual_in_fp32: auto goes to Triton, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pykernels.layer_norm(x, w, b, residual=r, dropout_p=0.1)
-    for kw, why in ((dict(dropout_p=0.1), "dropout"), (dict(prenorm=True, residual_in_fp32=True), "residual_in_fp32")):
-        with pytest.raises(BackendUnavailableError, match=why):
-            pykernels.layer_norm(x, w, b, residual=r, backend="cuda", **kw)
+        pykernels.layer_norm(x, w, b, residual=r, prenorm=True, residual_in_fp32=True)
+    with pytest.raises(BackendUnavailableError, match="residual_in_fp32"):
+        pykernels.layer_norm(x, w, b, residual=r, backend="cuda", prenorm=True, residual_in_fp32=True)
     # not a multiple of the pack / wider than the widest row: Triton under auto, raise when named
     for n, dt in ((1004, torch.bfloat16), (8200, torch.bfloat16), (4100, torch.float32), (8192, torch.float32)):
         xn = torch.randn(8, n, device="cuda", dtype=dt)
@@ -695,7 +720,7 @@ def test_cuda_cover_reasons_cpu():
     assert _cuda_cover(x, w, w, x, 0.0, False) is None
     assert _cuda_cover(torch.randn(4, 8192, dtype=bf), None, None, None, 0.0, False) is None
     assert _cuda_cover(torch.randn(4, 4096, dtype=f32), None, None, None, 0.0, False) is None
-    assert "dropout" in _cuda_cover(x, w, None, None, 0.1, False)
+    assert _cuda_cover(x, w, None, None, 0.1, False) is None  # dropout: the same Philox stream as Triton
     assert "weight" in _cuda_cover(x, w.float(), None, None, 0.0, False)
     assert "residual" in _cuda_cover(x, None, None, x.float(), 0.0, False)
     assert "residual_in_fp32" in _cuda_cover(x, None, None, x, 0.0, True)
