@@ -37,6 +37,8 @@
 #include <cuda_fp16.h>
 #include <torch/extension.h>
 
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "philox.cuh"
@@ -116,11 +118,37 @@ __device__ __forceinline__ float row_sum(float v) {
   }
 }
 
-template <typename T, int VPL, int RT>
+// both sums of the backward (row_sum of each, one exchange through shared memory for block rows)
+template <int RT>
+__device__ __forceinline__ void row_sum2(float& a, float& b) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  if constexpr (RT != 32) {
+    static_assert(RT == kThreads, "a row is one warp or one block");
+    __shared__ float2 red2[kWarps];
+    if ((threadIdx.x & 31) == 0) red2[threadIdx.x >> 5] = make_float2(a, b);
+    __syncthreads();
+    float ta = 0.f, tb = 0.f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) {
+      ta += red2[i].x;
+      tb += red2[i].y;
+    }
+    __syncthreads();  // red2 is reused by the next row
+    a = ta;
+    b = tb;
+  }
+}
+
+// DROP: dropout on x (a template flag: the Philox code would otherwise cost every call its registers)
+template <typename T, int VPL, int RT, bool DROP>
 __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w, const T* __restrict__ b,
     T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms, bool dropout,
+    int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms,
     uint64_t seed, float drop_p, float drop_scale) {
   constexpr int P = Pack<T>::n;
   const int lane = threadIdx.x % RT;
@@ -134,7 +162,7 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     const int col = (i * RT + lane) * P;
     if (col < N) {
       load_pack(x + base + col, v[i]);
-      if (dropout) {
+      if constexpr (DROP) {
 #pragma unroll
         for (int j = 0; j < P; ++j) v[i][j] = keep(seed, base + col + j, drop_p) ? v[i][j] * drop_scale : 0.f;
       }
@@ -223,8 +251,6 @@ __device__ __forceinline__ void row_values(const uint4& s_raw, const uint4& dy_r
   }
 }
 
-// At most 128 registers (two blocks per SM) except for fp32 rows of 32 elements per lane, which would
-// spill ~400 bytes there (fp16/bf16 at N = 1024 spill 60 bytes: kept, for twice the warps in flight).
 // dst[col] and dst[db_offset + col] = (ADD: +=) this thread's dweight and dbias sums over its columns
 template <bool ADD, int VPL, int P, int RT>
 __device__ __forceinline__ void put_sums(float* dst, int64_t db_offset, const float (&dw)[VPL][P],
@@ -247,13 +273,27 @@ __device__ __forceinline__ void put_sums(float* dst, int64_t db_offset, const fl
   }
 }
 
+// PF: the next row's raw loads are issued before this row's math (block rows of at most 2 packs per
+// thread, where a block has a single row in flight otherwise); kEarlyDs: the gradient through s is
+// loaded with the row in the first pass (where the registers allow it), not after the reduction.
 template <typename T, int VPL, int RT>
-__global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2) ln_bwd_kernel(
+constexpr bool kPrefetchable = RT == kThreads && VPL <= 2;
+
+// At most 128 registers (two blocks per SM), except where 128 would spill hundreds of bytes: fp32 rows of
+// 32 elements per lane, and with dropout (Philox's registers on top) more than 16 elements per thread;
+// those take one block per SM. (fp16/bf16 at N = 1024 spill 60 bytes: kept, for twice the warps in flight.)
+template <typename T, int VPL, int RT, bool DROP>
+constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 16)) ? 1 : 2;
+
+template <typename T, int VPL, int RT, bool PF, bool DROP>
+__global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ ds_out, const T* __restrict__ a, const T* __restrict__ res,
     const T* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
     T* __restrict__ dres, float* __restrict__ partial, int64_t M, int N, bool has_ds, bool has_res, bool has_w,
-    bool need_dwb, bool rms, bool dropout, bool recompute, uint64_t seed, float drop_p, float drop_scale) {
+    bool need_dwb, bool rms, bool recompute, uint64_t seed, float drop_p, float drop_scale) {
   constexpr int P = Pack<T>::n;
+  constexpr bool kEarlyDs = (RT == kThreads && VPL <= 3) || VPL <= 2;  // (else spills)
+  static_assert(!PF || (kPrefetchable<T, VPL, RT> && !DROP), "prefetch is for narrow block rows");
   extern __shared__ float smem[];  // [2][N]: dweight, dbias block sums (RT = 32)
   constexpr int kRows = kThreads / RT;  // rows a block works on at a time
   const int lane = threadIdx.x % RT;
@@ -265,32 +305,55 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
     for (int j = 0; j < P; ++j) dw[i][j] = db[i][j] = 0.f;
   }
   const float inv_n = 1.f / static_cast<float>(N);
+  // a thread's share of one row as raw 16-byte packs (4 registers each, not 2 * P fp32 values): s (or x),
+  // dy and, when kEarlyDs, the gradient arriving through s; plus the row's statistics
+  struct Raw {
+    uint4 s[VPL], dy[VPL], ds[VPL];
+    float mu, rs;
+  };
+  const auto load_raw = [&](int64_t r, Raw& o) {
+    const int64_t base = r * N;
+    o.mu = rms ? 0.f : mean[r];
+    o.rs = rstd[r];
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int col = (i * RT + lane) * P;
+      if (col < N) {
+        o.s[i] = *reinterpret_cast<const uint4*>(a + base + col);
+        o.dy[i] = *reinterpret_cast<const uint4*>(dy + base + col);
+        if (kEarlyDs && has_ds) o.ds[i] = *reinterpret_cast<const uint4*>(ds_out + base + col);
+      }
+    }
+  };
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRows;
+  int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + threadIdx.x / RT;
+  Raw cur, nxt;
+  if (PF && row < M) load_raw(row, nxt);
   // (RT = kThreads: every thread of a block takes the same rows, so the block-wide sums are uniform)
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + threadIdx.x / RT; row < M;
-       row += static_cast<int64_t>(gridDim.x) * kRows) {
+  for (; row < M; row += stride) {
+    if constexpr (PF) {
+      cur = nxt;
+      if (row + stride < M) load_raw(row + stride, nxt);  // in flight during this row's math
+    } else {
+      load_raw(row, cur);
+    }
     const int64_t base = row * N;
-    const float mu = rms ? 0.f : mean[row];
-    const float rs = rstd[row];
-    // the row's s (or x) and dy stay in registers as raw 16-byte packs (4 registers each, not 2 * P
-    // fp32 values): the second pass unpacks them again, and re-reads residual and weight (L1 hits)
-    uint4 s_raw[VPL], dy_raw[VPL];
+    const float mu = cur.mu, rs = cur.rs;
     uint32_t kept = 0xffffffffu;  // dropout keep bits of the thread's VPL * P (<= 32) elements of the row
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
       const int col = (i * RT + lane) * P;
       if (col < N) {
-        s_raw[i] = *reinterpret_cast<const uint4*>(a + base + col);
-        dy_raw[i] = *reinterpret_cast<const uint4*>(dy + base + col);
-        if (dropout) {
+        if constexpr (DROP) {
 #pragma unroll
           for (int j = 0; j < P; ++j) {
             if (!keep(seed, base + col + j, drop_p)) kept &= ~(1u << (i * P + j));
           }
         }
         float sv[P], d[P], wv[P];
-        row_values(s_raw[i], dy_raw[i], res, w, base, col, has_res, has_w, sv, d, wv,
-                   dropout && recompute, kept >> (i * P), drop_scale);
+        row_values(cur.s[i], cur.dy[i], res, w, base, col, has_res, has_w, sv, d, wv,
+                   DROP && recompute, kept >> (i * P), drop_scale);
 #pragma unroll
         for (int j = 0; j < P; ++j) {
           const float xh = (sv[j] - mu) * rs;
@@ -302,23 +365,27 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
         }
       }
     }
-    const float mg = rms ? 0.f : row_sum<RT>(sg) * inv_n;
-    const float mgx = row_sum<RT>(sgx) * inv_n;
+    row_sum2<RT>(sg, sgx);  // one reduction for both sums
+    const float mg = rms ? 0.f : sg * inv_n;
+    const float mgx = sgx * inv_n;
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
       const int col = (i * RT + lane) * P;
       if (col < N) {
         float sv[P], d[P], wv[P], o[P], extra[P];
-        row_values(s_raw[i], dy_raw[i], res, w, base, col, has_res, has_w, sv, d, wv,
-                   dropout && recompute, kept >> (i * P), drop_scale);
-        if (has_ds) load_pack(ds_out + base + col, extra);
+        row_values(cur.s[i], cur.dy[i], res, w, base, col, has_res, has_w, sv, d, wv,
+                   DROP && recompute, kept >> (i * P), drop_scale);
+        if (has_ds) {
+          if constexpr (kEarlyDs) unpack<T>(cur.ds[i], extra);
+          else load_pack(ds_out + base + col, extra);
+        }
 #pragma unroll
         for (int j = 0; j < P; ++j) {
           const float xh = (sv[j] - mu) * rs;
           o[j] = rs * (d[j] * wv[j] - mg - xh * mgx);
           if (has_ds) o[j] += extra[j];
         }
-        if (dropout) {  // dresidual = ds; dx = dropout's backward of ds
+        if constexpr (DROP) {  // dresidual = ds; dx = dropout's backward of ds
           store_pack(dres + base + col, o);
 #pragma unroll
           for (int j = 0; j < P; ++j) o[j] = (kept >> (i * P + j)) & 1u ? o[j] * drop_scale : 0.f;
@@ -347,11 +414,11 @@ __global__ void __launch_bounds__(kThreads, (sizeof(T) == 4 && VPL > 6) ? 1 : 2)
   }
 }
 
-template <typename T, int VPL, int RT>
+template <typename T, int VPL, int RT, bool PF, bool DROP>
 int bwd_blocks_per_sm() {
   static const int n = [] {
     int k = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, ln_bwd_kernel<T, VPL, RT>, kThreads,
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, ln_bwd_kernel<T, VPL, RT, PF, DROP>, kThreads,
                                                                  2 * 1024 * sizeof(float)));
     return std::max(k, 1);
   }();
@@ -422,8 +489,34 @@ void dispatch_shape(int N, F&& f) {
 
 // resident blocks per SM of a backward instantiation at the largest shared memory it takes (N = 1024),
 // queried once (the persistent backward grid fills the GPU once)
-template <typename T, int VPL, int RT>
+template <typename T, int VPL, int RT, bool PF, bool DROP>
 int bwd_blocks_per_sm();
+
+// PYKERNELS_LN_PREFETCH=0 turns the backward's next-row prefetch off (read once; for measurements)
+bool prefetch_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("PYKERNELS_LN_PREFETCH");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+}
+
+// f(PF, DROP): DROP = dropout; PF = whether the backward of this row shape prefetches the next row
+// (not with dropout: the Philox registers leave no room for a second row)
+template <typename T, int VPL, int RT, typename F>
+void dispatch_variant(bool dropout, F&& f) {
+  if (dropout) {
+    f(std::false_type{}, std::true_type{});
+    return;
+  }
+  if constexpr (kPrefetchable<T, VPL, RT>) {
+    if (prefetch_enabled()) {
+      f(std::true_type{}, std::false_type{});
+      return;
+    }
+  }
+  f(std::false_type{}, std::false_type{});
+}
 
 int sm_count(int device) {
   static int cached[64] = {0};
@@ -502,15 +595,19 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     dispatch_shape<T>(N, [&](auto v, auto rt) {
-      ln_fwd_kernel<T, decltype(v)::value, decltype(rt)::value><<<blocks, kThreads, 0, stream>>>(
+     const auto launch = [&](auto drop) {
+      ln_fwd_kernel<T, decltype(v)::value, decltype(rt)::value, decltype(drop)::value><<<blocks, kThreads, 0, stream>>>(
           static_cast<const T*>(x.data_ptr()), r.defined() ? static_cast<const T*>(r.data_ptr()) : nullptr,
           w.defined() ? static_cast<const T*>(w.data_ptr()) : nullptr,
           b.defined() ? static_cast<const T*>(b.data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()),
           prenorm ? static_cast<T*>(s.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
           rstd.data_ptr<float>(), M, N, static_cast<float>(eps), r.defined(), w.defined(), b.defined(), prenorm,
-          rms, dropout_p > 0.0, static_cast<uint64_t>(seed), static_cast<float>(dropout_p),
+          rms, static_cast<uint64_t>(seed), static_cast<float>(dropout_p),
           dropout_p > 0.0 ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+     };
+     if (dropout_p > 0.0) launch(std::true_type{});
+     else launch(std::false_type{});
     });
   });
   return {y, s, mean, rstd, x, r};
@@ -541,7 +638,10 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   dispatch_dtype(a.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     dispatch_shape<T>(N, [&](auto v, auto rt) {
-      per_sm = bwd_blocks_per_sm<T, decltype(v)::value, decltype(rt)::value>();
+      constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
+      dispatch_variant<T, kV, kRT>(dropout, [&](auto pf, auto drop) {
+        per_sm = bwd_blocks_per_sm<T, kV, kRT, decltype(pf)::value, decltype(drop)::value>();
+      });
     });
   });
   const int progs = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, static_cast<int64_t>(per_sm) * sms)));
@@ -554,15 +654,18 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
     using T = decltype(tag);
     if (M > 0) {
       dispatch_shape<T>(N, [&](auto v, auto rt) {
-        ln_bwd_kernel<T, decltype(v)::value, decltype(rt)::value><<<progs, kThreads, smem, stream>>>(
+       constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
+       dispatch_variant<T, kV, kRT>(dropout, [&](auto pf, auto drop) {
+        ln_bwd_kernel<T, kV, kRT, decltype(pf)::value, decltype(drop)::value><<<progs, kThreads, smem, stream>>>(
             static_cast<const T*>(dy.data_ptr()), ds.defined() ? static_cast<const T*>(ds.data_ptr()) : nullptr,
             static_cast<const T*>(a.data_ptr()), res.defined() ? static_cast<const T*>(res.data_ptr()) : nullptr,
             w.defined() ? static_cast<const T*>(w.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
             rstd.data_ptr<float>(), static_cast<T*>(dx.data_ptr()), static_cast<T*>(dres.data_ptr()),
             need ? partial.data_ptr<float>() : nullptr, M, N, ds.defined(), res.defined(), w.defined(), need, rms,
-            dropout, recompute, static_cast<uint64_t>(seed), static_cast<float>(dropout_p),
+            recompute, static_cast<uint64_t>(seed), static_cast<float>(dropout_p),
             dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
+       });
       });
     } else if (need) {
       partial.zero_();
