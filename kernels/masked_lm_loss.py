@@ -993,16 +993,21 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     lse = lse.contiguous()
     all_rows = m == n  # compaction keeps order: every row valid means rows[i] == i
     rows_m = None if all_rows else rows[:m].long()
-    # dhidden is written only after the last chunk, so the dlogits chunks use its memory when they fit
-    # there (BERT MLM: N x H is ~6 times M x 768 columns); else (causal LM, M = N) a buffer of the budget.
+    # dhidden is written only after the last chunk, so its memory serves the dlogits chunks first: they
+    # live in dhidden itself when the budget's chunk fits there (BERT MLM: N x H is ~6 times M x 768
+    # columns); else (causal LM, M = N) dhidden is allocated only after the chunks, and the chunk buffer
+    # gets the budget plus dhidden's bytes (GPT-2: 1792 columns instead of 1024 at the same peak; a
+    # narrow chunk's GEMMs run far below cuBLAS's peak, 419 / 325 TFLOP/s at 1024 against 537 / 490 at
+    # 2048 on an H100, benchmarks/results/mlm_gemm_probe_*_run21.txt).
     dh_elems = n * h if compute_dhidden else 0
+    elem = weight.element_size()
     budget = SIZED_DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
-    budget = max(budget, dh_elems * weight.element_size())
-    vc = _chunk_columns(m, v, weight.element_size(), budget)
-    n_chunks = _tuning.cdiv(v, vc)
+    vc = _chunk_columns(m, v, elem, max(budget, dh_elems * hidden.element_size()))
+    shared = m * _tuning.cdiv(vc, pad) * pad <= dh_elems
+    if not shared:
+        vc = _chunk_columns(m, v, elem, budget + dh_elems * hidden.element_size())
     ld = _tuning.cdiv(vc, pad) * pad  # TMA: row stride padded to 16 bytes
-    shared = m * ld <= dh_elems
-    dhidden = empty(n, h, dtype=hidden.dtype, device=dev) if compute_dhidden else None
+    dhidden = empty(n, h, dtype=hidden.dtype, device=dev) if compute_dhidden and shared else None
     dl = (dhidden.view(-1)[:m * ld] if shared else empty(m * ld, dtype=weight.dtype, device=dev)).view(m, ld)
     hc = None
     if compute_dweight or use_tma:
@@ -1052,6 +1057,9 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 acc = _addmm_f32(acc, d[:, :k8], wc[:k8])
                 acc = _addmm_f32(acc, d[:, k8:], wc[k8:])
     if compute_dhidden:  # the dlogits are dead now: their memory becomes dhidden
+        if not shared:
+            del dl, d, d_pad  # the chunk buffer goes back to the allocator before dhidden takes its place
+            dhidden = empty(n, h, dtype=hidden.dtype, device=dev)
         if all_rows:
             dhidden.copy_(acc)
         else:

@@ -606,7 +606,7 @@ def test_cuda_backend(shape, variant, dtype):
 @needs_cuda_ext
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape,variant", [((1000, 768), "post"), ((1000, 768), "pre"), ((257, 1000), "rms_pre"),
-                                           ((64, 4096), "post"), ((64, 4096), "pre_no_residual")])
+                                           ((64, 1024), "pre"), ((64, 4096), "post"), ((64, 4096), "pre_no_residual")])
 def test_cuda_backend_dropout(shape, variant, dtype):
     """The mask is Triton's (the reference draws it with layer_norm_dropout_mask for the same seed)."""
     v = dict(VARIANTS[variant])
@@ -635,6 +635,7 @@ def test_cuda_backend_widest_rows(dtype, variant):
     v = dict(VARIANTS[variant])
     x, r, w, b = _make((300, 8192), dtype, "cuda")
     _check(x, r, w, b, backend="cuda", **v)
+    _check(x, r, w, b, backend="cuda", dropout_p=0.1, **v)  # 32 elements per thread with the Philox registers
 
 
 @pytest.mark.gpu

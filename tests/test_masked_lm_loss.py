@@ -146,6 +146,23 @@ def test_sized_backward_dlogits_in_dhidden_memory(device, monkeypatch, path_spy)
     assert (dh[target == IGN] == 0).all()
 
 
+def test_sized_backward_chunk_buffer_takes_dhidden_bytes_when_chunks_do_not_fit_there(device, monkeypatch,
+                                                                                     path_spy):
+    # Every row valid: a chunk of the budget does not fit in dhidden's memory, so dhidden is allocated only
+    # after the chunks and the chunk buffer gets the budget plus dhidden's bytes (here 512 columns of
+    # budget + 256 of dhidden: 2 chunks of 768 instead of 3 of 512); dhidden still comes out right.
+    m, h, v = 37, 256, 1500
+    monkeypatch.setattr(kmod, "SIZED_DLOGITS_BUDGET_BYTES", m * 4 * 512)
+    taken = []
+    real = kmod._chunk_columns
+    monkeypatch.setattr(kmod, "_chunk_columns", lambda *a: (taken.append((a, real(*a))), real(*a))[1])
+    hidden, weight, target, b = _inputs((m,), h, v, torch.float32, device, frac=1.0, bias=False)
+    assert (target != IGN).all()
+    _check(hidden, weight, target, b, reduction="mean")
+    assert path_spy == ["sized"]
+    assert taken[-1] == ((m, v, 4, m * 4 * 512 + m * h * 4), 768)
+
+
 def test_sized_backward_dlogits_in_dweight_rows_not_yet_written(device, monkeypatch, path_spy):
     # Every row valid and a 1-byte budget: 256-column chunks, except that the first chunks are wider and
     # keep their dlogits in the rows of dweight that later chunks write (fp16: the TMA path, which pads

@@ -38,7 +38,7 @@ def main() -> None:
                 try:
                     out = torch.bmm(a, b, out_dtype=torch.float32).sum(0)
                     err = ((out - ref).abs().max() / ref.abs().max()).item()
-                    ms = do_bench(lambda: torch.bmm(a, b, out_dtype=torch.float32).sum(0, out=None).to(dt))
+                    ms = do_bench(lambda: torch.bmm(a, b, out_dtype=torch.float32).sum(0).to(dt))
                     print(f"M {m} VC {vc}: dW bmm split {split}     {tflops(flop, ms)}  rel err {err:.1e}")
                 except (TypeError, RuntimeError) as e:  # noqa: PERF203
                     print(f"M {m} VC {vc}: dW bmm split {split}: {type(e).__name__} {str(e)[:120]}")
