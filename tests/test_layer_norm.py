@@ -673,6 +673,30 @@ def test_cuda_backend_is_auto_and_declines_what_it_does_not_cover():
 
 @pytest.mark.gpu
 @needs_cuda_ext
+def test_cuda_backend_auto_takes_triton_inside_graph_capture():
+    # captured, the C++ op's host saving is gone and Triton's kernels are as fast or faster: auto takes
+    # Triton there; a named "cuda" still runs the C++ op under capture
+    from pykernels.layer_norm import _use_cuda
+    x, r, w, b = _make((64, 1024), torch.bfloat16, "cuda")
+    pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="triton")  # compiled outside the capture
+    pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chosen = (_use_cuda(None, x, w, b, r, 0.0, False), _use_cuda("cuda", x, w, b, r, 0.0, False))
+        y, s = pykernels.layer_norm(x, w, b, residual=r, prenorm=True)
+        y_c, s_c = pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="cuda")
+    g.replay()
+    torch.cuda.synchronize()
+    assert chosen == (False, True)
+    assert _use_cuda(None, x, w, b, r, 0.0, False)  # and eager again after the capture
+    y_t, s_t = pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="triton")
+    y_e, s_e = pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="cuda")
+    assert torch.equal(y, y_t) and torch.equal(s, s_t)
+    assert torch.equal(y_c, y_e) and torch.equal(s_c, s_e)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 def test_cuda_backend_grad_only_through_s_and_no_grad():
     x, r, w, b = _make((256, 768), torch.bfloat16, "cuda")
     y, s = pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="cuda")
