@@ -7,9 +7,10 @@
 // CUDA kernel (no grad) and an Autograd kernel (a torch::autograd::Function), so the backward runs in
 // C++ on autograd's device thread without taking the GIL.
 //
-// Kernels. A row is held in registers by RT threads: one warp (RT = 32) for N <= 1024, the whole
-// 256-thread block for wider rows (N <= 8192 fp16/bf16, <= 4096 fp32; sums over the block through
-// shared memory). Each thread owns VPL packs of 16 bytes (8 fp16/bf16 or 4 fp32 elements),
+// Kernels. A row is held in registers by RT threads: in the forward one warp (RT = 32) for N <= 1024,
+// the whole 256-thread block for wider rows (N <= 8192 fp16/bf16, <= 4096 fp32; sums over the block
+// through shared memory); in the backward one warp up to 3 packs per lane, two warps (RT = 64, sums
+// exchanged through shared memory under a named barrier of the pair) up to N = 1024, a block beyond. Each thread owns VPL packs of 16 bytes (8 fp16/bf16 or 4 fp32 elements),
 // interleaved so that RT threads' loads are contiguous.
 // Statistics in fp32 from registers (two passes over registers: exact variance, no E[x^2] - E[x]^2).
 //   forward : s = x + residual; mean, rstd; y = (s - mean) * rstd * w + b; stores y, s (pre-LN only),
@@ -17,19 +18,23 @@
 //   backward: two passes over a row held as raw packs (first the row sums, then dx), with
 //             xhat = (s - mean) * rstd (s saved for pre-LN, recomputed from x + residual for post-LN),
 //             g = dy * w, ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ the gradient arriving
-//             through s for pre-LN); dx = ds (= dresidual). dweight = sum dy * xhat and dbias = sum dy
+//             through s for pre-LN, loaded with the row where the registers allow); dx = ds
+//             (= dresidual); both row sums in one exchange. Block rows of at most 2 packs per thread
+//             issue the next row's loads before this row's math (a block otherwise has one row in
+//             flight). dweight = sum dy * xhat and dbias = sum dy
 //             accumulate per lane in fp32 registers over the rows a warp visits (grid-stride loop over a
-//             persistent grid), are summed over the block's warps in shared memory in a fixed order, and
-//             each block writes one fp32 partial row; a second kernel sums the partial rows and casts
-//             once. No atomics: bitwise reproducible.
+//             persistent grid), are summed over the block's row groups in shared memory in a fixed
+//             order, and each block writes one fp32 partial row; a second kernel sums the partial rows
+//             and casts once. No atomics: bitwise reproducible.
 // Inputs are made contiguous and 16-byte aligned (a copy only when they are not) before the kernels
 // see them, and the tensors saved for the backward are those copies.
 // Cover: fp16/bf16/fp32 x; weight/bias/residual of x's dtype (or absent); N a multiple of the pack
 // (8 / 4 elements) up to 8192 (fp32: 4096), at most 32 elements per thread. Dropout on x: element
 // row * N + col is kept iff Triton's tl.rand(seed, row * N + col) >= p (csrc/philox.cuh, bit for bit),
 // so the mask equals the Triton kernels' and pykernels.layer_norm.layer_norm_dropout_mask's; the
-// backward regenerates it (a thread's <= 32 keep bits of a row live in one register between passes). Python checks the cover first
-// (pykernels/layer_norm.py, _cuda_cover); the TORCH_CHECKs here name what they reject.
+// backward regenerates it (a thread's <= 32 keep bits of a row live in one register between passes);
+// dropout is a template flag, so the Philox code costs registers only in dropout calls. Python checks the
+// cover first (pykernels/layer_norm.py, _cuda_cover); the TORCH_CHECKs here name what they reject.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -118,7 +123,14 @@ __device__ __forceinline__ float row_sum(float v) {
   }
 }
 
-// both sums of the backward (row_sum of each, one exchange through shared memory for block rows)
+// the 64 threads of warps 2g and 2g + 1 (a backward row of two warps) wait for each other: named
+// barrier 1 + g (0 is __syncthreads'), so the block's other rows are not held up
+__device__ __forceinline__ void pair_sync() {
+  asm volatile("bar.sync %0, 64;" : : "r"(1 + (static_cast<int>(threadIdx.x) >> 6)) : "memory");
+}
+
+// both sums of the backward (row_sum of each): shuffles within a warp, then one exchange through
+// shared memory for rows of two warps (RT = 64) or of the whole block
 template <int RT>
 __device__ __forceinline__ void row_sum2(float& a, float& b) {
 #pragma unroll
@@ -126,8 +138,17 @@ __device__ __forceinline__ void row_sum2(float& a, float& b) {
     a += __shfl_xor_sync(0xffffffffu, a, o);
     b += __shfl_xor_sync(0xffffffffu, b, o);
   }
-  if constexpr (RT != 32) {
-    static_assert(RT == kThreads, "a row is one warp or one block");
+  if constexpr (RT == 64) {
+    __shared__ float2 pair[kWarps];
+    const int w = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) pair[w] = make_float2(a, b);
+    pair_sync();
+    const float2 lo = pair[w & ~1], hi = pair[w | 1];  // the same order in both warps: equal sums
+    pair_sync();  // pair is reused by the next row
+    a = lo.x + hi.x;
+    b = lo.y + hi.y;
+  } else if constexpr (RT != 32) {
+    static_assert(RT == kThreads, "a backward row is one warp, two warps or one block");
     __shared__ float2 red2[kWarps];
     if ((threadIdx.x & 31) == 0) red2[threadIdx.x >> 5] = make_float2(a, b);
     __syncthreads();
@@ -294,10 +315,9 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
   constexpr int P = Pack<T>::n;
   constexpr bool kEarlyDs = (RT == kThreads && VPL <= 3) || VPL <= 2;  // (else spills)
   static_assert(!PF || (kPrefetchable<T, VPL, RT> && !DROP), "prefetch is for narrow block rows");
-  extern __shared__ float smem[];  // [2][N]: dweight, dbias block sums (RT = 32)
+  extern __shared__ float smem[];  // [2][N]: dweight, dbias block sums (RT < kThreads)
   constexpr int kRows = kThreads / RT;  // rows a block works on at a time
   const int lane = threadIdx.x % RT;
-  const int warp = threadIdx.x >> 5;
   float dw[VPL][P], db[VPL][P];
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
@@ -401,10 +421,11 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
     return;
   }
   for (int c = threadIdx.x; c < 2 * N; c += kThreads) smem[c] = 0.f;
-  // the block's warps add their sums one after the other (fixed order: bitwise reproducible)
-  for (int turn = 0; turn < kWarps; ++turn) {
+  // the block's row groups (a warp or a pair of warps each) add their sums one after the other (fixed
+  // order: bitwise reproducible)
+  for (int turn = 0; turn < kRows; ++turn) {
     __syncthreads();
-    if (warp == turn) put_sums<true, VPL, P, RT>(smem, N, dw, db, lane, N);
+    if (static_cast<int>(threadIdx.x) / RT == turn) put_sums<true, VPL, P, RT>(smem, N, dw, db, lane, N);
   }
   __syncthreads();
   // partial: [2][gridDim.x][N]
@@ -484,6 +505,46 @@ void dispatch_shape(int N, F&& f) {
     else if (vpl <= 2) f(std::integral_constant<int, 2>{}, B{});
     else if (vpl <= 3) f(std::integral_constant<int, 3>{}, B{});
     else f(std::integral_constant<int, 4>{}, B{});
+  }
+}
+
+// The backward's rows: one warp's up to 96 packs per row (N <= 768 fp16/bf16, 384 fp32: <= 3 packs per
+// lane), two warps' up to N = 1024 (2..4 packs per thread: at N = 1024 fp16/bf16 one warp would hold 32
+// elements per lane and spill at 128 registers), one block's beyond. The forward keeps warp_rows.
+template <typename T>
+int bwd_row_threads(int N) {
+  if (N / Pack<T>::n <= 96) return 32;
+  return warp_rows(N) ? 64 : kThreads;
+}
+
+// f(VPL, RT) for the backward (bwd_row_threads)
+template <typename T, typename F>
+void dispatch_bwd_shape(int N, F&& f) {
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I3 = std::integral_constant<int, 3>;
+  using I4 = std::integral_constant<int, 4>;
+  const int rt = bwd_row_threads<T>(N);
+  const int vpl = (N / Pack<T>::n + rt - 1) / rt;
+  if (rt == 32) {
+    using W = std::integral_constant<int, 32>;
+    if (vpl <= 1) f(I1{}, W{});
+    else if (vpl <= 2) f(I2{}, W{});
+    else f(I3{}, W{});
+  } else if (rt == 64) {  // (fp16/bf16: 97..128 packs, always 2 per thread)
+    using W2 = std::integral_constant<int, 64>;
+    if (sizeof(T) == 2 || vpl <= 2) f(I2{}, W2{});
+    else if constexpr (sizeof(T) == 4) {
+      if (vpl <= 3) f(I3{}, W2{});
+      else f(I4{}, W2{});
+    }
+  } else {  // (fp32: more than 256 packs, at least 2 per thread)
+    using B = std::integral_constant<int, kThreads>;
+    if (sizeof(T) == 2 && vpl <= 1) {
+      if constexpr (sizeof(T) == 2) f(I1{}, B{});
+    } else if (vpl <= 2) f(I2{}, B{});
+    else if (vpl <= 3) f(I3{}, B{});
+    else f(I4{}, B{});
   }
 }
 
@@ -631,13 +692,15 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   Tensor dres = dropout ? at::empty_like(a) : dx;
   const bool need = w.defined() || has_b;
   const int sms = sm_count(a.get_device());
-  const int64_t rows_per_block = warp_rows(N) ? kWarps : 1;
+  int rt_threads = kThreads;
+  dispatch_dtype(a.scalar_type(), [&](auto tag) { rt_threads = bwd_row_threads<decltype(tag)>(N); });
+  const int64_t rows_per_block = kThreads / rt_threads;
   const int64_t want = (M + rows_per_block - 1) / rows_per_block;
-  const size_t smem = need && warp_rows(N) ? 2 * N * sizeof(float) : 0;
+  const size_t smem = need && rt_threads < kThreads ? 2 * N * sizeof(float) : 0;
   int per_sm = 1;
   dispatch_dtype(a.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    dispatch_shape<T>(N, [&](auto v, auto rt) {
+    dispatch_bwd_shape<T>(N, [&](auto v, auto rt) {
       constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
       dispatch_variant<T, kV, kRT>(dropout, [&](auto pf, auto drop) {
         per_sm = bwd_blocks_per_sm<T, kV, kRT, decltype(pf)::value, decltype(drop)::value>();
@@ -653,7 +716,7 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   dispatch_dtype(a.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     if (M > 0) {
-      dispatch_shape<T>(N, [&](auto v, auto rt) {
+      dispatch_bwd_shape<T>(N, [&](auto v, auto rt) {
        constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
        dispatch_variant<T, kV, kRT>(dropout, [&](auto pf, auto drop) {
         ln_bwd_kernel<T, kV, kRT, decltype(pf)::value, decltype(drop)::value><<<progs, kThreads, smem, stream>>>(

@@ -713,9 +713,10 @@ def test_cuda_backend_grad_only_through_s_and_no_grad():
 
 @pytest.mark.gpu
 @needs_cuda_ext
-def test_cuda_backend_deterministic():
-    x, r, w, b = _make((4096, 768), torch.bfloat16, "cuda")
-    g = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("n", [768, 1024, 4096])  # backward rows of one warp, two warps, one block
+def test_cuda_backend_deterministic(n):
+    x, r, w, b = _make((4099, n), torch.bfloat16, "cuda")
+    g = torch.randn(4099, n, device="cuda", dtype=torch.bfloat16)
     runs = []
     for _ in range(2):
         y = pykernels.layer_norm(x, w, b, residual=r, backend="cuda")
