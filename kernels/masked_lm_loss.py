@@ -54,8 +54,9 @@ is multiplied by a stride):
    SPLIT partials per row (a few bytes per row) and writes loss and lse at the row's position.
    FLOPs 2 M V H; bytes ~ (M/BLOCK_M) V H (weight re-read per row block, mostly L2) + M H.
 2. Sized backward (M known on the host), in vocabulary chunks of VC columns (the (M, VC) dlogits buffer
-   within ``SIZED_DLOGITS_BUDGET_BYTES``, 16 MiB, or within dhidden's N x H elements where it lives when
-   it fits there: dhidden is written only after the last chunk, then zeroed and filled), per chunk:
+   within dhidden's N x H elements where it lives when a chunk of ``SIZED_DLOGITS_BUDGET_BYTES``, 16 MiB,
+   fits there: dhidden is written only after the last chunk, then zeroed and filled; else a buffer of
+   the budget plus dhidden's bytes, dhidden being allocated only after the chunks), per chunk:
    a. the TMA kernel's dz epilogue, or ``_masked_lm_loss_dlogits_kernel``: either recomputes the logit
       tile in fp32 (2 M VC H FLOPs), turns it into dz with the saved lse and the upstream grad, and
       stores dz in the weight dtype (compacted rows). Its grid covers the host's M rows; if the device count differs, every dz is NaN (never a
@@ -65,8 +66,10 @@ is multiplied by a stride):
       ``out_dtype``, accumulated in place across chunks), scattered once to the valid positions.
    While the rows of dW past a chunk can hold a wider chunk's dlogits, they do (``_chunk_plan``): dW is
    written chunk by chunk, so those rows are free until a later chunk writes them. At GPT-2 size this
-   makes the first chunks 4096 columns wide instead of 1024 (29 chunks instead of 50), which cuts the
-   fp32 dh accumulator's round trips and the host's per-chunk work at no extra memory.
+   makes the first chunks 4096 columns wide instead of 1792 (22 chunks instead of 29; 50 with neither
+   the scratch rows nor dhidden's bytes), which cuts the fp32 dh accumulator's round trips and the
+   host's per-chunk work at no extra memory: narrow chunks run cuBLAS far below its peak (H100: dW at 419
+   TFLOP/s for 1024 columns, 748 for 4096, ``benchmarks/dev/mlm_gemm_probe.py``).
    h_c is the (M, H) gather of the valid rows (``hidden`` itself when every row is valid). On the TMA
    path every chunk is padded to a multiple of 8 columns (dz 0 there, dW a view of a padded buffer):
    cuBLAS fell back to a ~3x slower sm_80 kernel for BERT's 4922-column last chunk (H100, 2026-11-26).
