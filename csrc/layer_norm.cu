@@ -302,7 +302,8 @@ constexpr bool kPrefetchable = RT == kThreads && VPL <= 2;
 
 // At most 128 registers (two blocks per SM), except where 128 would spill hundreds of bytes: fp32 rows of
 // 32 elements per lane, and with dropout (Philox's registers on top) more than 16 elements per thread;
-// those take one block per SM. (fp16/bf16 at N = 1024 spill 60 bytes: kept, for twice the warps in flight.)
+// those take one block per SM. (fp16/bf16 block rows of 4 packs per thread, N = 8192, spill 36 bytes:
+// kept, for twice the warps in flight.)
 template <typename T, int VPL, int RT, bool DROP>
 constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 16)) ? 1 : 2;
 
@@ -478,10 +479,11 @@ void dispatch_dtype(at::ScalarType st, F&& f) {
   }
 }
 
-// f(VPL, RT): rows of up to 32 elements per lane (N <= 1024) are one warp's (RT = 32, 1..4 packs per
+// f(VPL, RT) for the forward: rows of up to 32 elements per lane (N <= 1024) are one warp's (RT = 32, 1..4 packs per
 // lane for fp16/bf16, 1..8 for fp32); wider rows are one block's (RT = 256, 1..4 packs per thread:
 // N <= 8192 fp16/bf16, <= 4096 fp32).
-// whether a row of N elements is one warp's (else one block's); dispatch_shape and the grids agree on it
+// whether a forward row of N elements is one warp's (else one block's): dispatch_shape and the forward's
+// grid agree on it (the backward's rows: bwd_row_threads)
 constexpr bool warp_rows(int N) { return N <= 32 * kMaxElemsPerLane; }
 
 template <typename T, typename F>
