@@ -1,0 +1,275 @@
+"""Experiment (not used by the package; NOT YET RUN ON A GPU): the sm_90 Gluon attention forward of
+``attention_sm90_gluon.py`` with warp specialisation, the piece that experiment lacked.
+
+Written 2026-11-26 after the GPU budget of that session was spent: it compiles for sm_90 on a CPU machine
+(``python benchmarks/dev/attention_sm90_gluon_ws.py --compile-only``, Triton's own ptxas; registers and
+shared memory printed per config), and nothing more is known. The next GPU session runs
+``python benchmarks/dev/attention_sm90_gluon_ws.py`` (the correctness sweep of the non-specialised
+experiment over this kernel, then TFLOP/s next to it, the Triton forward and cuDNN).
+
+What changes against ``attention_sm90_gluon.py`` (FlashAttention-3's producer/consumer split, Shah et al.
+2024, section 3.1, without its ping-pong of two consumer warpgroups):
+* a 1-warp **load partition** (``gl.warp_specialize`` worker, 24 registers) issues every TMA load: Q once,
+  then K and V block by block into a STAGES-deep ring, each stage waiting on its ``empty`` mbarrier;
+* the **compute partition** (the default one, ``num_warps`` warps, the registers the loader gives up)
+  runs the same intra-warpgroup overlap as before (the next QK^T in flight during the softmax), and
+  releases a stage by arriving on its ``empty`` mbarrier once the P V wgmma that read it has completed,
+  instead of a CTA-wide barrier and a refill issued by its own threads.
+The epilogue (O / l through Q's buffer by TMA, lse by pointer) is the compute partition's.
+
+Scope as ``attention_sm90_gluon.applies``: sm_90, fp16/bf16, D 64 or 128, no mask/dropout/varlen.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+_spec = importlib.util.spec_from_file_location(
+    "attention_sm90_gluon", os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_sm90_gluon.py"))
+base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(base)
+_mask_scores, _needs_mask, _softmax_step = base._mask_scores, base._needs_mask, base._softmax_step
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar,
+                    start_m, n_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The producer warp: Q, then K and V of every block, each stage once the consumers released it."""
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
+    for blk in range(n_blocks):
+        slot = blk % STAGES
+        # mbarriers start with phase 1 complete: the first round through the ring does not wait
+        mbarrier.wait(empty_bar.index(slot), ((blk // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [blk * BLOCK_N, 0], k_bar.index(slot), k_smem.index(slot))
+        mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [blk * BLOCK_N, 0], v_bar.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar,
+                       start_m, n_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                       O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale,
+                       HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                       q_layout: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_bar.index(0), 0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    if _needs_mask(0, start_m, Sk, BLOCK_N, IS_CAUSAL):
+        s = _mask_scores(s, 0, start_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
+    m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_bar.index(prev), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        if _needs_mask(j, start_m, Sk, BLOCK_N, IS_CAUSAL):
+            s = _mask_scores(s, j, start_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
+        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        # K (its QK^T was waited for in the previous step) and V of block j - 1 are no longer read
+        fence_async_shared()
+        mbarrier.arrive(empty_bar.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+
+    last = n_blocks - 1
+    mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    l_o = gl.convert_layout(l_i, row_o)
+    out = acc / gl.expand_dims(l_o, 1)
+    rows = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    gl.store(LSE + l_off + rows, lse, mask=rows < Sq)
+    # every QK^T is complete, so Q's buffer stages O for the TMA store (which clips rows >= Sq)
+    o_desc = tma.make_tensor_descriptor(O + o_off, [Sq, HEAD_D], [stride_om, 1], [BLOCK_M, HEAD_D], q_layout)
+    q_smem.store(out.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [start_m, 0], q_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attention_fwd_sm90_ws_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+    GROUP, Sq, Sk, qk_scale,
+    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = Q.dtype.element_ty
+    pid_m = gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    hk = (h // GROUP).to(gl.int64)
+    h64 = h.to(gl.int64)
+    start_m = pid_m * BLOCK_M
+
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh, [Sq, HEAD_D], [stride_qm, 1],
+                                        [BLOCK_M, HEAD_D], q_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [Sk, HEAD_D], [stride_kn, 1],
+                                        [BLOCK_N, HEAD_D], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, [Sk, HEAD_D], [stride_vn, 1],
+                                        [BLOCK_N, HEAD_D], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+        mbarrier.init(empty_bar.index(i), count=1)
+
+    if IS_CAUSAL:
+        hi = gl.minimum(Sk, start_m + BLOCK_M)
+    else:
+        hi = Sk
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+
+    o_off = b * stride_ob + h64 * stride_oh
+    l_off = b * stride_lb + h64 * stride_lh
+    gl.warp_specialize([
+        (_compute_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar,
+                              start_m, n_blocks, STAGES, BLOCK_N, O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale,
+                              HEAD_D, BLOCK_M, IS_CAUSAL, q_layout, num_warps)),
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar,
+                           start_m, n_blocks, STAGES, BLOCK_N)),
+    ], [1], [24])
+
+
+CONFIGS = base.CONFIGS
+WARPS_TOTAL_REGS = 65536
+
+
+def attention_fwd_sm90_ws(q, k, v, *, causal: bool, scale: float, config=None):
+    """Same contract as ``attention_sm90_gluon.attention_fwd_sm90``."""
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    bm, bn, stages, warps = config or CONFIGS[d][0]
+    o = base.empty_like_layout(q)
+    if any(s % 8 for s in o.stride()[:3]):
+        o = base.empty(batch, hq, sq, d, dtype=q.dtype, device=q.device)
+    lse = base.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
+    base._tuning.ensure_allocator()
+    ql, kl = base.smem_layouts(bm, bn, d, q.dtype)
+    _attention_fwd_sm90_ws_kernel[(base._tuning.cdiv(sq, bm), hq, batch)](
+        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+        hq // hkv, sq, sk, scale * base.LOG2E,
+        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), q_layout=ql, kv_layout=kl,
+        num_warps=warps, maxnreg=max_regs(warps))
+    return o, lse
+
+
+def max_regs(warps: int) -> int:
+    """The launch's register cap: the compute warps plus one warpgroup for the loader share the SM's
+    64K registers (one CTA per SM), in multiples of 8; the loader gives its share back (24 registers)."""
+    return WARPS_TOTAL_REGS // ((warps + 4) * 32) // 8 * 8
+
+
+def _ptxas_report(ptx: str) -> str:
+    """Registers and spills of the kernel as Triton's own ptxas reports them for sm_90a."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True)
+    out = res.stdout + res.stderr
+    regs = re.findall(r"Used (\d+) registers", out)
+    spills = re.findall(r"(\d+) bytes spill stores", out)
+    return f"ptxas: {regs[0] if regs else '?'} registers, {spills[0] if spills else '?'} bytes spilled"
+
+
+def compile_only() -> None:
+    """Compile every config for sm_90 without a GPU (Triton's ptxas) and print registers and shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    fn = _attention_fwd_sm90_ws_kernel
+    for d, configs in CONFIGS.items():
+        for cfg in configs:
+            for causal in (False, True):
+                bm, bn, stages, warps = cfg
+                ql, kl = base.smem_layouts(bm, bn, d, torch.bfloat16)
+                sig = {}
+                for p in fn.params:
+                    n = p.name
+                    sig[n] = ("*bf16" if n in "QKVO" else "*fp32" if n == "LSE" else "i64" if n.startswith("stride")
+                              else "i32" if n in ("GROUP", "Sq", "Sk") else "fp32" if n == "qk_scale" else "constexpr")
+                consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, q_layout=ql,
+                              kv_layout=kl, num_warps=warps)
+                try:
+                    kern = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                                          options=dict(num_warps=warps, maxnreg=max_regs(warps)))
+                    ptx = kern.asm["ptx"]
+                    print(f"D{d} cfg{cfg} {'causal' if causal else 'full'}: compiled; shared {kern.metadata.shared} B, "
+                          f"setmaxnreg {sorted(set(l.split()[-1] for l in ptx.splitlines() if 'setmaxnreg' in l))}, "
+                          f"wgmma.wait_group 1: {'wgmma.wait_group.sync.aligned 1' in ptx}; {_ptxas_report(ptx)}")
+                except Exception as e:  # report and go on: this is a probe
+                    print(f"D{d} cfg{cfg} {'causal' if causal else 'full'}: ERROR {type(e).__name__}: {str(e)[:400]}")
+
+
+def main() -> None:
+    if "--compile-only" in sys.argv:
+        compile_only()
+        return
+    # The non-specialised experiment's correctness sweep and benchmark, with its kernel swapped for this
+    # one; then the non-specialised kernel's best config again in the same run, for the comparison.
+    plain = base.attention_fwd_sm90
+    print("== warp-specialised kernel (correctness sweep, then TFLOP/s with Triton, cuDNN and flash)")
+    base.attention_fwd_sm90 = attention_fwd_sm90_ws
+    base.main()
+    print("== the non-specialised kernel, same shapes")
+    from triton.testing import do_bench
+    for b, h, s_, d, causal in [(32, 12, 512, 64, False), (2, 16, 8192, 128, False), (2, 16, 8192, 128, True)]:
+        q, k, v = (torch.randn(b, h, s_, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * b * h * s_ * s_ * d / (2 if causal else 1)
+        for cfg in CONFIGS[d]:
+            ms = do_bench(lambda cfg=cfg: plain(q, k, v, causal=causal, scale=d ** -0.5, config=cfg), warmup=50, rep=200)
+            print(f"B{b} H{h} S{s_} D{d} {'causal' if causal else 'full':<6} plain gluon {cfg} {ms:8.3f} "
+                  f"{flops / ms / 1e9:8.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
