@@ -7,8 +7,8 @@ shared memory printed per config), and nothing more is known. The next GPU sessi
 ``python benchmarks/dev/attention_sm90_gluon_ws.py`` (the correctness sweep of the non-specialised
 experiment over this kernel, then TFLOP/s next to it, the Triton forward and cuDNN).
 
-What changes against ``attention_sm90_gluon.py`` (FlashAttention-3's producer/consumer split, Shah et al.
-2024, section 3.1, without its ping-pong of two consumer warpgroups):
+Two kernels. ``_attention_fwd_sm90_ws_kernel`` changes against ``attention_sm90_gluon.py``
+(FlashAttention-3's producer/consumer split, Shah et al. 2024, section 3.1):
 * a 1-warp **load partition** (``gl.warp_specialize`` worker, 24 registers) issues every TMA load: Q once,
   then K and V block by block into a STAGES-deep ring, each stage waiting on its ``empty`` mbarrier;
 * the **compute partition** (the default one, ``num_warps`` warps, the registers the loader gives up)
@@ -16,6 +16,13 @@ What changes against ``attention_sm90_gluon.py`` (FlashAttention-3's producer/co
   releases a stage by arriving on its ``empty`` mbarrier once the P V wgmma that read it has completed,
   instead of a CTA-wide barrier and a refill issued by its own threads.
 The epilogue (O / l through Q's buffer by TMA, lse by pointer) is the compute partition's.
+``_attention_fwd_sm90_pp_kernel`` adds the ping-pong (section 3.2): a CTA takes 2 x 64 query rows, two
+consumer warpgroups (the default partition and a 4-warp worker, 240 registers each) share one K/V ring,
+and the right to issue tensor-core work alternates between them through two "turn" mbarriers, so that
+one warpgroup's softmax overlaps the other's GEMMs. Each K/V stage is released after both arrived.
+Both compile for sm_90 with Triton's ptxas and no spills (``--compile-only``); the worker's partition
+barriers are named barriers of their own (``bar.sync 3, 128`` against the default partition's 0).
+Usage on the GPU: ``python benchmarks/dev/attention_sm90_gluon_ws.py [--kernel ws,pp] [--quick]``.
 
 Scope as ``attention_sm90_gluon.applies``: sm_90, fp16/bf16, D 64 or 128, no mask/dropout/varlen.
 """
@@ -172,6 +179,189 @@ def _attention_fwd_sm90_ws_kernel(
     ], [1], [24])
 
 
+@gluon.jit
+def _pp_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar,
+                 turn_bar, O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks,
+                 HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr):
+    """One consumer warpgroup (4 warps) of the ping-pong kernel: rows start_m + WG * BLOCK_M of the CTA's
+    2 * BLOCK_M. Its tensor-core work (the next QK^T and the previous P V) is issued only on its turn
+    (``turn_bar[WG]``), and the turn passes to the other warpgroup right after, so one warpgroup's softmax
+    runs while the other's GEMMs do (FlashAttention-3's inter-warpgroup overlap)."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    my_m = start_m + WG * BLOCK_M
+    q_tile = q_smem.index(WG)
+    my_turn = turn_bar.index(WG)
+    other_turn = turn_bar.index(1 - WG)
+
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+
+    mbarrier.wait(q_bar.index(WG), 0)
+    mbarrier.wait(k_bar.index(0), 0)
+    # turn t of this warpgroup completes phase t of turn_bar[WG]; warpgroup 0 starts (its barrier is
+    # arrived once at init), warpgroup 1 waits for warpgroup 0 to pass the turn
+    mbarrier.wait(my_turn, 0)
+    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.arrive(other_turn, count=1)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    if _needs_mask(0, my_m, Sk, BLOCK_N, IS_CAUSAL):
+        s = _mask_scores(s, 0, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
+    m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(v_bar.index(prev), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(my_turn, j & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        mbarrier.arrive(other_turn, count=1)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        if _needs_mask(j, my_m, Sk, BLOCK_N, IS_CAUSAL):
+            s = _mask_scores(s, j, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
+        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        fence_async_shared()
+        mbarrier.arrive(empty_bar.index(prev), count=1)  # both warpgroups arrive: the stage is free at 2
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+
+    last = n_blocks - 1
+    mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    l_o = gl.convert_layout(l_i, row_o)
+    out = acc / gl.expand_dims(l_o, 1)
+    rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    gl.store(LSE + l_off + rows, lse, mask=rows < Sq)
+    o_desc = tma.make_tensor_descriptor(O + o_off, [Sq, HEAD_D], [stride_om, 1], [BLOCK_M, HEAD_D], q_layout)
+    q_tile.store(out.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [my_m, 0], q_tile)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _pp_consumer0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar, O, LSE,
+                  o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  q_layout: gl.constexpr):
+    _pp_consumer(0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar, O, LSE,
+                 o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                 IS_CAUSAL, q_layout)
+
+
+@gluon.jit
+def _pp_consumer1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar, O, LSE,
+                  o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  q_layout: gl.constexpr):
+    _pp_consumer(1, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar, O, LSE,
+                 o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                 IS_CAUSAL, q_layout)
+
+
+@gluon.jit
+def _pp_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar, O, LSE,
+               o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+               q_layout: gl.constexpr):
+    """The producer warp: both warpgroups' Q tiles, then K and V block by block into the ring; a stage is
+    refilled once both warpgroups released it (its empty barrier counts 2 arrivals)."""
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [start_m + wg * BLOCK_M, 0], q_bar.index(wg), q_smem.index(wg))
+    for blk in range(n_blocks):
+        slot = blk % STAGES
+        mbarrier.wait(empty_bar.index(slot), ((blk // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [blk * BLOCK_N, 0], k_bar.index(slot), k_smem.index(slot))
+        mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [blk * BLOCK_N, 0], v_bar.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _attention_fwd_sm90_pp_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+    GROUP, Sq, Sk, qk_scale,
+    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Ping-pong: a CTA takes 2 * BLOCK_M query rows; two consumer warpgroups (the default partition and
+    a 4-warp worker, BLOCK_M rows each) share one K/V ring filled by a 1-warp producer. num_warps = 4."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    dtype: gl.constexpr = Q.dtype.element_ty
+    pid_m = gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    hk = (h // GROUP).to(gl.int64)
+    h64 = h.to(gl.int64)
+    start_m = pid_m * (2 * BLOCK_M)
+
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh, [Sq, HEAD_D], [stride_qm, 1],
+                                        [BLOCK_M, HEAD_D], q_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [Sk, HEAD_D], [stride_kn, 1],
+                                        [BLOCK_N, HEAD_D], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, [Sk, HEAD_D], [stride_vn, 1],
+                                        [BLOCK_N, HEAD_D], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(turn_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+        mbarrier.init(empty_bar.index(i), count=2)
+    mbarrier.arrive(turn_bar.index(0), count=1)  # warpgroup 0 has the first turn (phase 0 complete)
+
+    # the CTA's causal extent is its last warpgroup's; a warpgroup past the diagonal masks what it must
+    if IS_CAUSAL:
+        hi = gl.minimum(Sk, start_m + 2 * BLOCK_M)
+    else:
+        hi = Sk
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    o_off = b * stride_ob + h64 * stride_oh
+    l_off = b * stride_lb + h64 * stride_lh
+    gl.warp_specialize([
+        (_pp_consumer0, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar,
+                         O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M,
+                         BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
+        (_pp_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar,
+                      O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M,
+                      BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
+        (_pp_consumer1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar,
+                         O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M,
+                         BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
+    ], [1, 4], [24, 240])
+
+
+# ping-pong: (BLOCK_M per warpgroup, BLOCK_N, STAGES); a CTA takes 2 * BLOCK_M rows
+PP_CONFIGS = {64: [(64, 128, 2), (64, 128, 3)], 128: [(64, 128, 2), (64, 64, 3)]}
+
+
 CONFIGS = base.CONFIGS
 WARPS_TOTAL_REGS = 65536
 
@@ -192,6 +382,27 @@ def attention_fwd_sm90_ws(q, k, v, *, causal: bool, scale: float, config=None):
         hq // hkv, sq, sk, scale * base.LOG2E,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), q_layout=ql, kv_layout=kl,
         num_warps=warps, maxnreg=max_regs(warps))
+    return o, lse
+
+
+def attention_fwd_sm90_pp(q, k, v, *, causal: bool, scale: float, config=None):
+    """The ping-pong kernel; same contract as ``attention_fwd_sm90_ws``. ``config`` = (BLOCK_M per warpgroup,
+    BLOCK_N, STAGES), or a 4-tuple of the other experiments (its BLOCK_N and STAGES, 64 rows a warpgroup)."""
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    cfg = config or PP_CONFIGS[d][0]
+    bm, bn, stages = (64, cfg[1], cfg[2]) if len(cfg) == 4 else cfg  # wgmma: 64 rows per warpgroup
+    o = base.empty_like_layout(q)
+    if any(s % 8 for s in o.stride()[:3]):
+        o = base.empty(batch, hq, sq, d, dtype=q.dtype, device=q.device)
+    lse = base.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
+    base._tuning.ensure_allocator()
+    ql, kl = base.smem_layouts(bm, bn, d, q.dtype)
+    _attention_fwd_sm90_pp_kernel[(base._tuning.cdiv(sq, 2 * bm), hq, batch)](
+        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+        hq // hkv, sq, sk, scale * base.LOG2E,
+        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), q_layout=ql, kv_layout=kl,
+        num_warps=4, maxnreg=max_regs(8))
     return o, lse
 
 
@@ -226,9 +437,10 @@ def compile_only() -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    fn = _attention_fwd_sm90_ws_kernel
-    for d, configs in CONFIGS.items():
-        for cfg in configs:
+    runs = [(_attention_fwd_sm90_ws_kernel, "ws", d, cfg) for d, cfgs in CONFIGS.items() for cfg in cfgs]
+    runs += [(_attention_fwd_sm90_pp_kernel, "ping-pong", d, (cfg[0], cfg[1], cfg[2], 4))
+             for d, cfgs in PP_CONFIGS.items() for cfg in cfgs]
+    for fn, kind, d, cfg in runs:
             for causal in (False, True):
                 bm, bn, stages, warps = cfg
                 ql, kl = base.smem_layouts(bm, bn, d, torch.bfloat16)
@@ -240,26 +452,30 @@ def compile_only() -> None:
                 consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, q_layout=ql,
                               kv_layout=kl, num_warps=warps)
                 try:
+                    regs = max_regs(8 if kind == "ping-pong" else warps)
                     kern = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                                          options=dict(num_warps=warps, maxnreg=max_regs(warps)))
+                                          options=dict(num_warps=warps, maxnreg=regs))
                     ptx = kern.asm["ptx"]
-                    print(f"D{d} cfg{cfg} {'causal' if causal else 'full'}: compiled; shared {kern.metadata.shared} B, "
+                    print(f"{kind} D{d} cfg{cfg} {'causal' if causal else 'full'}: compiled; shared {kern.metadata.shared} B, "
                           f"setmaxnreg {sorted(set(l.split()[-1] for l in ptx.splitlines() if 'setmaxnreg' in l))}, "
                           f"wgmma.wait_group 1: {'wgmma.wait_group.sync.aligned 1' in ptx}; {_ptxas_report(ptx)}")
                 except Exception as e:  # report and go on: this is a probe
-                    print(f"D{d} cfg{cfg} {'causal' if causal else 'full'}: ERROR {type(e).__name__}: {str(e)[:400]}")
+                    print(f"{kind} D{d} cfg{cfg} {'causal' if causal else 'full'}: ERROR {type(e).__name__}: {str(e)[:400]}")
 
 
 def main() -> None:
     if "--compile-only" in sys.argv:
         compile_only()
         return
-    # The non-specialised experiment's correctness sweep and benchmark, with its kernel swapped for this
-    # one; then the non-specialised kernel's best config again in the same run, for the comparison.
+    # The non-specialised experiment's correctness sweep and benchmark, with its kernel swapped for these
+    # (``--kernel ws``, ``pp`` or both); then the non-specialised kernel again in the same run.
+    kinds = {"ws": attention_fwd_sm90_ws, "pp": attention_fwd_sm90_pp}
+    chosen = sys.argv[sys.argv.index("--kernel") + 1].split(",") if "--kernel" in sys.argv else list(kinds)
     plain = base.attention_fwd_sm90
-    print("== warp-specialised kernel (correctness sweep, then TFLOP/s with Triton, cuDNN and flash)")
-    base.attention_fwd_sm90 = attention_fwd_sm90_ws
-    base.main()
+    for kind in chosen:
+        print(f"== {kind} kernel (correctness sweep, then TFLOP/s with Triton, cuDNN and flash)")
+        base.attention_fwd_sm90 = kinds[kind]
+        base.main()
     print("== the non-specialised kernel, same shapes")
     from triton.testing import do_bench
     for b, h, s_, d, causal in [(32, 12, 512, 64, False), (2, 16, 8192, 128, False), (2, 16, 8192, 128, True)]:
