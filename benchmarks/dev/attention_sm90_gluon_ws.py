@@ -437,7 +437,8 @@ def compile_only() -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    runs = [(_attention_fwd_sm90_ws_kernel, "ws", d, cfg) for d, cfgs in CONFIGS.items() for cfg in cfgs]
+    runs = [(base._attention_fwd_sm90_kernel, "plain", d, cfg) for d, cfgs in CONFIGS.items() for cfg in cfgs[:1]]
+    runs += [(_attention_fwd_sm90_ws_kernel, "ws", d, cfg) for d, cfgs in CONFIGS.items() for cfg in cfgs]
     runs += [(_attention_fwd_sm90_pp_kernel, "ping-pong", d, (cfg[0], cfg[1], cfg[2], 4))
              for d, cfgs in PP_CONFIGS.items() for cfg in cfgs]
     for fn, kind, d, cfg in runs:
@@ -452,9 +453,11 @@ def compile_only() -> None:
                 consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, q_layout=ql,
                               kv_layout=kl, num_warps=warps)
                 try:
-                    regs = max_regs(8 if kind == "ping-pong" else warps)
+                    opts = dict(num_warps=warps)
+                    if kind != "plain":
+                        opts["maxnreg"] = max_regs(8 if kind == "ping-pong" else warps)
                     kern = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                                          options=dict(num_warps=warps, maxnreg=regs))
+                                          options=opts)
                     ptx = kern.asm["ptx"]
                     print(f"{kind} D{d} cfg{cfg} {'causal' if causal else 'full'}: compiled; shared {kern.metadata.shared} B, "
                           f"setmaxnreg {sorted(set(l.split()[-1] for l in ptx.splitlines() if 'setmaxnreg' in l))}, "

@@ -1,0 +1,35 @@
+"""The sm_90 Gluon attention experiments (``benchmarks/dev/attention_sm90_gluon*.py``) compile for sm_90
+on any machine, with Triton's own ptxas and no register spills: Gluon API drift or a slip in the
+warp-specialised kernels shows here, before a GPU run. (Whether they compute the right thing is the
+GPU's to say: ``python benchmarks/dev/attention_sm90_gluon_ws.py``.) The compile runs in a child process
+without TRITON_INTERPRET: Triton's own jit helpers are interpreted objects in a process that imported
+triton under the interpreter (the CPU tests), and Gluon cannot compile against those."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WS = os.path.join(ROOT, "benchmarks", "dev", "attention_sm90_gluon_ws.py")
+
+pytest.importorskip("triton.experimental.gluon")
+
+
+def test_gluon_attention_kernels_compile_for_sm90_without_spills():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    res = subprocess.run([sys.executable, WS, "--compile-only"], capture_output=True, text=True, env=env,
+                         timeout=900, cwd=ROOT)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    lines = [ln for ln in res.stdout.splitlines() if ": compiled;" in ln or ": ERROR" in ln]
+    kinds = {ln.split()[0] for ln in lines}
+    assert kinds == {"plain", "ws", "ping-pong"}, out[-4000:]
+    for ln in lines:
+        assert ": compiled;" in ln, ln
+        assert "wgmma.wait_group 1: True" in ln, ln  # the next QK^T stays in flight during the softmax
+        assert ", 0 bytes spilled" in ln, ln
+        if not ln.startswith("plain"):
+            assert "'24;'" in ln, ln  # warp specialised: the producer runs on 24 registers
