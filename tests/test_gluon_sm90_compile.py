@@ -1,4 +1,4 @@
-"""The sm_90 Gluon attention experiments (``benchmarks/dev/attention_sm90_gluon*.py``) compile for sm_90
+"""The sm_90 Gluon experiments (``benchmarks/dev/attention_sm90_gluon*.py``, ``mlm_logits_sm90_gluon_ws.py``) compile for sm_90
 on any machine, with Triton's own ptxas and no register spills: Gluon API drift or a slip in the
 warp-specialised kernels shows here, before a GPU run. (Whether they compute the right thing is the
 GPU's to say: ``python benchmarks/dev/attention_sm90_gluon_ws.py``.) The compile runs in a child process
@@ -14,14 +14,19 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = os.path.join(ROOT, "benchmarks", "dev", "attention_sm90_gluon_ws.py")
+MLM = os.path.join(ROOT, "benchmarks", "dev", "mlm_logits_sm90_gluon_ws.py")
 
 pytest.importorskip("triton.experimental.gluon")
 
 
-def test_gluon_attention_kernels_compile_for_sm90_without_spills():
+def _compile_only(path: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TRITON_INTERPRET="0")
-    res = subprocess.run([sys.executable, WS, "--compile-only"], capture_output=True, text=True, env=env,
-                         timeout=900, cwd=ROOT)
+    return subprocess.run([sys.executable, path, "--compile-only"], capture_output=True, text=True, env=env,
+                          timeout=900, cwd=ROOT)
+
+
+def test_gluon_attention_kernels_compile_for_sm90_without_spills():
+    res = _compile_only(WS)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     lines = [ln for ln in res.stdout.splitlines() if ": compiled;" in ln or ": ERROR" in ln]
@@ -33,3 +38,15 @@ def test_gluon_attention_kernels_compile_for_sm90_without_spills():
         assert ", 0 bytes spilled" in ln, ln
         if not ln.startswith("plain"):
             assert "'24;'" in ln, ln  # warp specialised: the producer runs on 24 registers
+
+
+def test_gluon_mlm_logits_kernel_compiles_for_sm90():
+    res = _compile_only(MLM)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("mlm ")]
+    assert len(lines) == 6, out[-4000:]
+    for ln in lines:
+        assert ": compiled;" in ln and "wgmma.wait_group 1: True" in ln and "'24;'" in ln, ln
+    # the default config (first) keeps its accumulator and epilogue in registers
+    assert all(", 0 bytes spilled" in ln for ln in lines[:2]), lines[:2]
