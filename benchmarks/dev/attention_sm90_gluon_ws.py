@@ -62,15 +62,19 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar
 
 
 @gluon.jit
-def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar,
-                       start_m, n_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                       O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale,
-                       HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                       q_layout: gl.constexpr, num_warps: gl.constexpr):
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, empty_bar, turn_bar, WG: gl.constexpr, O, LSE, o_off,
+             l_off, stride_om, Sq, Sk, qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr,
+             NW: gl.constexpr, TURNS: gl.constexpr):
+    """A consumer's whole work on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``): the blocks' QK^T
+    and P V on asynchronous wgmma, the next QK^T in flight during the softmax; each K/V stage released
+    through ``empty_bar`` once the P V that read it completed; then O / l by TMA through ``q_tile`` and
+    lse. NW warps. TURNS (ping-pong): tensor-core work is issued only on this warpgroup's turn
+    (``turn_bar[WG]``), which passes to the other warpgroup right after the issue."""
+    dtype: gl.constexpr = q_tile.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -81,12 +85,16 @@ def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
 
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_ready, 0)
     mbarrier.wait(k_bar.index(0), 0)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if TURNS:  # turn t completes phase t of turn_bar[WG] (warpgroup 0's phase 0 at init)
+        mbarrier.wait(turn_bar.index(WG), 0)
+    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if TURNS:
+        mbarrier.arrive(turn_bar.index(1 - WG), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    if _needs_mask(0, start_m, Sk, BLOCK_N, IS_CAUSAL):
-        s = _mask_scores(s, 0, start_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
+    if _needs_mask(0, my_m, Sk, BLOCK_N, IS_CAUSAL):
+        s = _mask_scores(s, 0, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
     m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
@@ -94,12 +102,16 @@ def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_
         slot = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         mbarrier.wait(v_bar.index(prev), ((j - 1) // STAGES) & 1)
+        if TURNS:
+            mbarrier.wait(turn_bar.index(WG), j & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        if TURNS:
+            mbarrier.arrive(turn_bar.index(1 - WG), count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        if _needs_mask(j, start_m, Sk, BLOCK_N, IS_CAUSAL):
-            s = _mask_scores(s, j, start_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
+        if _needs_mask(j, my_m, Sk, BLOCK_N, IS_CAUSAL):
+            s = _mask_scores(s, j, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -115,15 +127,26 @@ def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_
 
     l_o = gl.convert_layout(l_i, row_o)
     out = acc / gl.expand_dims(l_o, 1)
-    rows = start_m + gl.arange(0, BLOCK_M, layout=row_s)
+    rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     gl.store(LSE + l_off + rows, lse, mask=rows < Sq)
     # every QK^T is complete, so Q's buffer stages O for the TMA store (which clips rows >= Sq)
     o_desc = tma.make_tensor_descriptor(O + o_off, [Sq, HEAD_D], [stride_om, 1], [BLOCK_M, HEAD_D], q_layout)
-    q_smem.store(out.to(dtype))
+    q_tile.store(out.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [start_m, 0], q_smem)
+    tma.async_copy_shared_to_global(o_desc, [my_m, 0], q_tile)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar,
+                       start_m, n_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                       O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale,
+                       HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                       q_layout: gl.constexpr, num_warps: gl.constexpr):
+    _consume(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, empty_bar, 0, O, LSE, o_off, l_off,
+             stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
+             q_layout, num_warps, False)
 
 
 @gluon.jit
@@ -180,89 +203,13 @@ def _attention_fwd_sm90_ws_kernel(
 
 
 @gluon.jit
-def _pp_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar,
-                 turn_bar, O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks,
-                 HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr):
-    """One consumer warpgroup (4 warps) of the ping-pong kernel: rows start_m + WG * BLOCK_M of the CTA's
-    2 * BLOCK_M. Its tensor-core work (the next QK^T and the previous P V) is issued only on its turn
-    (``turn_bar[WG]``), and the turn passes to the other warpgroup right after, so one warpgroup's softmax
-    runs while the other's GEMMs do (FlashAttention-3's inter-warpgroup overlap)."""
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    my_m = start_m + WG * BLOCK_M
-    q_tile = q_smem.index(WG)
-    my_turn = turn_bar.index(WG)
-    other_turn = turn_bar.index(1 - WG)
-
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
-
-    mbarrier.wait(q_bar.index(WG), 0)
-    mbarrier.wait(k_bar.index(0), 0)
-    # turn t of this warpgroup completes phase t of turn_bar[WG]; warpgroup 0 starts (its barrier is
-    # arrived once at init), warpgroup 1 waits for warpgroup 0 to pass the turn
-    mbarrier.wait(my_turn, 0)
-    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.arrive(other_turn, count=1)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    if _needs_mask(0, my_m, Sk, BLOCK_N, IS_CAUSAL):
-        s = _mask_scores(s, 0, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
-    m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-
-    for j in range(1, n_blocks):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
-        mbarrier.wait(v_bar.index(prev), ((j - 1) // STAGES) & 1)
-        mbarrier.wait(my_turn, j & 1)
-        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        mbarrier.arrive(other_turn, count=1)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        if _needs_mask(j, my_m, Sk, BLOCK_N, IS_CAUSAL):
-            s = _mask_scores(s, j, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
-        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        fence_async_shared()
-        mbarrier.arrive(empty_bar.index(prev), count=1)  # both warpgroups arrive: the stage is free at 2
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-
-    last = n_blocks - 1
-    mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
-    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-
-    l_o = gl.convert_layout(l_i, row_o)
-    out = acc / gl.expand_dims(l_o, 1)
-    rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    gl.store(LSE + l_off + rows, lse, mask=rows < Sq)
-    o_desc = tma.make_tensor_descriptor(O + o_off, [Sq, HEAD_D], [stride_om, 1], [BLOCK_M, HEAD_D], q_layout)
-    q_tile.store(out.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [my_m, 0], q_tile)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
 def _pp_consumer0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar, O, LSE,
                   o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   q_layout: gl.constexpr):
-    _pp_consumer(0, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar, O, LSE,
-                 o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-                 IS_CAUSAL, q_layout)
+    _consume(q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_bar, v_bar, empty_bar, turn_bar, 0, O, LSE, o_off,
+             l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
+             q_layout, 4, True)
 
 
 @gluon.jit
@@ -270,9 +217,9 @@ def _pp_consumer1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, 
                   o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   q_layout: gl.constexpr):
-    _pp_consumer(1, q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar, O, LSE,
-                 o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-                 IS_CAUSAL, q_layout)
+    _consume(q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_bar, v_bar, empty_bar, turn_bar, 1, O, LSE, o_off,
+             l_off, stride_om, Sq, Sk, qk_scale, start_m + BLOCK_M, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+             IS_CAUSAL, q_layout, 4, True)
 
 
 @gluon.jit
