@@ -51,6 +51,13 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar
     """The producer warp: Q, then K and V of every block, each stage once the consumers released it."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
+    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, n_blocks, STAGES, BLOCK_N)
+
+
+@gluon.jit
+def _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, n_blocks, STAGES: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """K and V of every block into the STAGES-deep ring, a stage once its consumers released it."""
     for blk in range(n_blocks):
         slot = blk % STAGES
         # mbarriers start with phase 1 complete: the first round through the ring does not wait
@@ -232,13 +239,7 @@ def _pp_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_b
     for wg in gl.static_range(2):
         mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [start_m + wg * BLOCK_M, 0], q_bar.index(wg), q_smem.index(wg))
-    for blk in range(n_blocks):
-        slot = blk % STAGES
-        mbarrier.wait(empty_bar.index(slot), ((blk // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [blk * BLOCK_N, 0], k_bar.index(slot), k_smem.index(slot))
-        mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [blk * BLOCK_N, 0], v_bar.index(slot), v_smem.index(slot))
+    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, n_blocks, STAGES, BLOCK_N)
 
 
 @gluon.jit
