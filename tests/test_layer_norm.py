@@ -673,6 +673,38 @@ def test_cuda_backend_is_auto_and_declines_what_it_does_not_cover():
 
 @pytest.mark.gpu
 @needs_cuda_ext
+def test_cuda_backend_int64_offsets():
+    """The C++ op on more than 2**31 elements (block rows, N = 4096): rows past the int32 range are right,
+    forward and backward (the gradient through y only: no ds)."""
+    free, _ = torch.cuda.mem_get_info()
+    n = 4096
+    m = (2**31) // n + 64
+    need = 7 * m * n * 2 + (1 << 30)
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB free, have {free / 2**30:.1f}")
+    x = torch.randn(m, n, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    r = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    y, s = pykernels.layer_norm(x, w, None, residual=r, prenorm=True, backend="cuda")
+    rows = torch.tensor([0, m // 2, m - 65, m - 2, m - 1], device="cuda")
+    xr = x.detach()[rows]
+    ref_lo = layer_norm_reference(xr, w, residual=r[rows], prenorm=True)
+    ref_hi = layer_norm_reference(xr, w, residual=r[rows], prenorm=True, upcast=True)
+    assert_close_to_ref("y", y.detach()[rows], ref_hi[0], ref_lo[0], atol=1e-2)
+    assert_close_to_ref("s", s.detach()[rows], ref_hi[1], ref_lo[1], atol=1e-2)
+    dy = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    (dx,) = torch.autograd.grad(y, x, dy)
+    del y, s
+    xs = xr.double().requires_grad_()
+    yr = layer_norm_reference(xs, w.double(), residual=r[rows].double(), upcast=True)
+    (gx,) = torch.autograd.grad(yr, xs, dy[rows].double())
+    err = (dx[rows].double() - gx).abs().max().item()
+    assert err < 0.05 * gx.abs().max().item(), err
+    assert torch.isfinite(dx[-1000:]).all()
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 def test_cuda_backend_auto_takes_triton_inside_graph_capture():
     # captured, the C++ op's host saving is gone and Triton's kernels are as fast or faster: auto takes
     # Triton there; a named "cuda" still runs the C++ op under capture
