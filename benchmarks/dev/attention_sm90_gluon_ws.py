@@ -157,6 +157,25 @@ def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_
 
 
 @gluon.jit
+def _head_descriptors(Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                      stride_vn, GROUP, Sq, Sk, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      q_layout: gl.constexpr, kv_layout: gl.constexpr):
+    """The program's (batch, head) slices of Q, K and V as device-built tensor descriptors (grid axes 1 and
+    2: head, batch; GQA by head index), and the batch and head indices (int64)."""
+    h = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    hk = (h // GROUP).to(gl.int64)
+    h64 = h.to(gl.int64)
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh, [Sq, HEAD_D], [stride_qm, 1],
+                                        [BLOCK_M, HEAD_D], q_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [Sk, HEAD_D], [stride_kn, 1],
+                                        [BLOCK_N, HEAD_D], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, [Sk, HEAD_D], [stride_vn, 1],
+                                        [BLOCK_N, HEAD_D], kv_layout)
+    return q_desc, k_desc, v_desc, b, h64
+
+
+@gluon.jit
 def _attention_fwd_sm90_ws_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
@@ -166,19 +185,10 @@ def _attention_fwd_sm90_ws_kernel(
     IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = Q.dtype.element_ty
-    pid_m = gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
-    hk = (h // GROUP).to(gl.int64)
-    h64 = h.to(gl.int64)
-    start_m = pid_m * BLOCK_M
-
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh, [Sq, HEAD_D], [stride_qm, 1],
-                                        [BLOCK_M, HEAD_D], q_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [Sk, HEAD_D], [stride_kn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, [Sk, HEAD_D], [stride_vn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
+    start_m = gl.program_id(0) * BLOCK_M
+    q_desc, k_desc, v_desc, b, h64 = _head_descriptors(
+        Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        GROUP, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
@@ -255,19 +265,10 @@ def _attention_fwd_sm90_pp_kernel(
     a 4-warp worker, BLOCK_M rows each) share one K/V ring filled by a 1-warp producer. num_warps = 4."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
-    pid_m = gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
-    hk = (h // GROUP).to(gl.int64)
-    h64 = h.to(gl.int64)
-    start_m = pid_m * (2 * BLOCK_M)
-
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh, [Sq, HEAD_D], [stride_qm, 1],
-                                        [BLOCK_M, HEAD_D], q_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [Sk, HEAD_D], [stride_kn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, [Sk, HEAD_D], [stride_vn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
+    start_m = gl.program_id(0) * (2 * BLOCK_M)
+    q_desc, k_desc, v_desc, b, h64 = _head_descriptors(
+        Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        GROUP, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
@@ -314,44 +315,37 @@ CONFIGS = base.CONFIGS
 WARPS_TOTAL_REGS = 65536
 
 
-def attention_fwd_sm90_ws(q, k, v, *, causal: bool, scale: float, config=None):
-    """Same contract as ``attention_sm90_gluon.attention_fwd_sm90``."""
+def _run(kernel, q, k, v, causal, scale, bm, bn, stages, rows_per_cta, warps, regs):
+    """Allocate o (laid out like q where TMA allows) and lse, and launch ``kernel`` over (query tiles of
+    ``rows_per_cta`` rows, heads, batch)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    bm, bn, stages, warps = config or CONFIGS[d][0]
     o = base.empty_like_layout(q)
     if any(s % 8 for s in o.stride()[:3]):
         o = base.empty(batch, hq, sq, d, dtype=q.dtype, device=q.device)
     lse = base.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
     base._tuning.ensure_allocator()
     ql, kl = base.smem_layouts(bm, bn, d, q.dtype)
-    _attention_fwd_sm90_ws_kernel[(base._tuning.cdiv(sq, bm), hq, batch)](
+    kernel[(base._tuning.cdiv(sq, rows_per_cta), hq, batch)](
         q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         hq // hkv, sq, sk, scale * base.LOG2E,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), q_layout=ql, kv_layout=kl,
-        num_warps=warps, maxnreg=max_regs(warps))
+        num_warps=warps, maxnreg=regs)
     return o, lse
+
+
+def attention_fwd_sm90_ws(q, k, v, *, causal: bool, scale: float, config=None):
+    """Same contract as ``attention_sm90_gluon.attention_fwd_sm90``."""
+    bm, bn, stages, warps = config or CONFIGS[q.shape[-1]][0]
+    return _run(_attention_fwd_sm90_ws_kernel, q, k, v, causal, scale, bm, bn, stages, bm, warps, max_regs(warps))
 
 
 def attention_fwd_sm90_pp(q, k, v, *, causal: bool, scale: float, config=None):
     """The ping-pong kernel; same contract as ``attention_fwd_sm90_ws``. ``config`` = (BLOCK_M per warpgroup,
     BLOCK_N, STAGES), or a 4-tuple of the other experiments (its BLOCK_N and STAGES, 64 rows a warpgroup)."""
-    batch, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    cfg = config or PP_CONFIGS[d][0]
+    cfg = config or PP_CONFIGS[q.shape[-1]][0]
     bm, bn, stages = (64, cfg[1], cfg[2]) if len(cfg) == 4 else cfg  # wgmma: 64 rows per warpgroup
-    o = base.empty_like_layout(q)
-    if any(s % 8 for s in o.stride()[:3]):
-        o = base.empty(batch, hq, sq, d, dtype=q.dtype, device=q.device)
-    lse = base.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
-    base._tuning.ensure_allocator()
-    ql, kl = base.smem_layouts(bm, bn, d, q.dtype)
-    _attention_fwd_sm90_pp_kernel[(base._tuning.cdiv(sq, 2 * bm), hq, batch)](
-        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
-        hq // hkv, sq, sk, scale * base.LOG2E,
-        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), q_layout=ql, kv_layout=kl,
-        num_warps=4, maxnreg=max_regs(8))
-    return o, lse
+    return _run(_attention_fwd_sm90_pp_kernel, q, k, v, causal, scale, bm, bn, stages, 2 * bm, 4, max_regs(8))
 
 
 def max_regs(warps: int) -> int:
@@ -380,11 +374,25 @@ def _ptxas_report(ptx: str) -> str:
     return f"ptxas: {regs[0] if regs else '?'} registers, {spills[0] if spills else '?'} bytes spilled"
 
 
-def compile_only() -> None:
-    """Compile every config for sm_90 without a GPU (Triton's ptxas) and print registers and shared memory."""
+def compile_report(fn, sig: dict, consts: dict, opts: dict) -> str:
+    """Compile a Gluon kernel for sm_90 without a GPU (Triton's own ptxas) and say what came out: "compiled;"
+    with shared memory, the setmaxnreg values, whether a wgmma group stays in flight, registers and spills,
+    or "ERROR ..." (reported, not raised: this is a probe)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    try:
+        kern = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=opts)
+    except Exception as e:  # noqa: BLE001
+        return f"ERROR {type(e).__name__}: {str(e)[:400]}"
+    ptx = kern.asm["ptx"]
+    regs = sorted(set(ln.split()[-1] for ln in ptx.splitlines() if "setmaxnreg" in ln))
+    return (f"compiled; shared {kern.metadata.shared} B, setmaxnreg {regs}, "
+            f"wgmma.wait_group 1: {'wgmma.wait_group.sync.aligned 1' in ptx}; {_ptxas_report(ptx)}")
+
+
+def compile_only() -> None:
+    """Compile every config for sm_90 without a GPU (Triton's ptxas) and print registers and shared memory."""
     runs = [(base._attention_fwd_sm90_kernel, "plain", d, cfg) for d, cfgs in CONFIGS.items() for cfg in cfgs[:1]]
     runs += [(_attention_fwd_sm90_ws_kernel, "ws", d, cfg) for d, cfgs in CONFIGS.items() for cfg in cfgs]
     runs += [(_attention_fwd_sm90_pp_kernel, "ping-pong", d, (cfg[0], cfg[1], cfg[2], 4))
@@ -400,18 +408,10 @@ def compile_only() -> None:
                               else "i32" if n in ("GROUP", "Sq", "Sk") else "fp32" if n == "qk_scale" else "constexpr")
                 consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, q_layout=ql,
                               kv_layout=kl, num_warps=warps)
-                try:
-                    opts = dict(num_warps=warps)
-                    if kind != "plain":
-                        opts["maxnreg"] = max_regs(8 if kind == "ping-pong" else warps)
-                    kern = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                                          options=opts)
-                    ptx = kern.asm["ptx"]
-                    print(f"{kind} D{d} cfg{cfg} {'causal' if causal else 'full'}: compiled; shared {kern.metadata.shared} B, "
-                          f"setmaxnreg {sorted(set(l.split()[-1] for l in ptx.splitlines() if 'setmaxnreg' in l))}, "
-                          f"wgmma.wait_group 1: {'wgmma.wait_group.sync.aligned 1' in ptx}; {_ptxas_report(ptx)}")
-                except Exception as e:  # report and go on: this is a probe
-                    print(f"{kind} D{d} cfg{cfg} {'causal' if causal else 'full'}: ERROR {type(e).__name__}: {str(e)[:400]}")
+                opts = dict(num_warps=warps)
+                if kind != "plain":
+                    opts["maxnreg"] = max_regs(8 if kind == "ping-pong" else warps)
+                print(f"{kind} D{d} cfg{cfg} {'causal' if causal else 'full'}: {compile_report(fn, sig, consts, opts)}")
 
 
 def main() -> None:

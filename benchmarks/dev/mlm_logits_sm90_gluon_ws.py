@@ -26,6 +26,7 @@ against the Triton kernel's, then ms and TFLOP/s of both); ``--compile-only`` an
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -209,18 +210,11 @@ def logits_partials(hc, weight, bias, target, rows, count, n, *, smooth: bool, c
     return parts
 
 
-def _ptxas_report(ptx: str) -> str:
-    spec = __import__("importlib.util").util.spec_from_file_location(
-        "ws", os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_sm90_gluon_ws.py"))
-    mod = __import__("importlib.util").util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod._ptxas_report(ptx)
-
-
 def compile_only() -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    spec = importlib.util.spec_from_file_location(
+        "attention_sm90_gluon_ws", os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_sm90_gluon_ws.py"))
+    ws = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ws)
     fn = _mlm_logits_ws_kernel
     for cfg in CONFIGS:
         for bias, smooth in ((False, False), (True, True)):
@@ -234,15 +228,8 @@ def compile_only() -> None:
             bm, bn, bk, stages = cfg
             consts = dict(NUM_PROGRAMS=132, HAS_BIAS=bias, SMOOTH=smooth, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                           STAGES=stages, a_layout=al, w_layout=wl, num_warps=4)
-            try:
-                kern = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                                      options=dict(num_warps=4, maxnreg=MAX_REGS))
-                ptx = kern.asm["ptx"]
-                print(f"mlm cfg{cfg} bias={bias} smooth={smooth}: compiled; shared {kern.metadata.shared} B, "
-                      f"setmaxnreg {sorted(set(ln.split()[-1] for ln in ptx.splitlines() if 'setmaxnreg' in ln))}, "
-                      f"wgmma.wait_group 1: {'wgmma.wait_group.sync.aligned 1' in ptx}; {_ptxas_report(ptx)}")
-            except Exception as e:  # report and go on: this is a probe
-                print(f"mlm cfg{cfg} bias={bias} smooth={smooth}: ERROR {type(e).__name__}: {str(e)[:400]}")
+            report = ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))
+            print(f"mlm cfg{cfg} bias={bias} smooth={smooth}: {report}")
 
 
 def main() -> None:
