@@ -46,36 +46,45 @@ _mask_scores, _needs_mask, _softmax_step = base._mask_scores, base._needs_mask, 
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar,
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
                     start_m, n_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
     """The producer warp: Q, then K and V of every block, each stage once the consumers released it."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
-    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, n_blocks, STAGES, BLOCK_N)
+    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, STAGES, BLOCK_N)
 
 
 @gluon.jit
-def _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, n_blocks, STAGES: gl.constexpr,
+def _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, STAGES: gl.constexpr,
                   BLOCK_N: gl.constexpr):
-    """K and V of every block into the STAGES-deep ring, a stage once its consumers released it."""
+    """K and V of every block into the STAGES-deep ring, a stage once its consumers released it. K runs
+    one block ahead of V (issue order K0, K1, V0, K2, V1, ...), and K and V stages are released apart
+    (K once its QK^T completed, V once its P V did), so the next QK^T's operand is never queued behind
+    the V that the current P V still reads."""
+    mbarrier.wait(k_empty.index(0), 1)  # mbarriers start with phase 1 complete: the first round does not wait
+    mbarrier.expect(k_bar.index(0), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [0, 0], k_bar.index(0), k_smem.index(0))
     for blk in range(n_blocks):
+        nxt = blk + 1
+        if nxt < n_blocks:
+            ns = nxt % STAGES
+            mbarrier.wait(k_empty.index(ns), ((nxt // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_bar.index(ns), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [nxt * BLOCK_N, 0], k_bar.index(ns), k_smem.index(ns))
         slot = blk % STAGES
-        # mbarriers start with phase 1 complete: the first round through the ring does not wait
-        mbarrier.wait(empty_bar.index(slot), ((blk // STAGES) & 1) ^ 1)
-        mbarrier.expect(k_bar.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [blk * BLOCK_N, 0], k_bar.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), ((blk // STAGES) & 1) ^ 1)
         mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [blk * BLOCK_N, 0], v_bar.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
-def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, empty_bar, turn_bar, WG: gl.constexpr, O, LSE, o_off,
+def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, O, LSE, o_off,
              l_off, stride_om, Sq, Sk, qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr,
              NW: gl.constexpr, TURNS: gl.constexpr):
     """A consumer's whole work on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``): the blocks' QK^T
     and P V on asynchronous wgmma, the next QK^T in flight during the softmax; each K/V stage released
-    through ``empty_bar`` once the P V that read it completed; then O / l by TMA through ``q_tile`` and
+    through ``k_empty`` once its QK^T completed and ``v_empty`` once the P V that read it completed; then O / l by TMA through ``q_tile`` and
     lse. NW warps. TURNS (ping-pong): tensor-core work is issued only on this warpgroup's turn
     (``turn_bar[WG]``), which passes to the other warpgroup right after the issue."""
     dtype: gl.constexpr = q_tile.dtype
@@ -100,6 +109,7 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, empty_bar, turn_bar,
     if TURNS:
         mbarrier.arrive(turn_bar.index(1 - WG), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
     if _needs_mask(0, my_m, Sk, BLOCK_N, IS_CAUSAL):
         s = _mask_scores(s, 0, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
     m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
@@ -117,14 +127,15 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, empty_bar, turn_bar,
         if TURNS:
             mbarrier.arrive(turn_bar.index(1 - WG), count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        mbarrier.arrive(k_empty.index(slot), count=1)  # S_j done (groups complete in order); P V may run
         if _needs_mask(j, my_m, Sk, BLOCK_N, IS_CAUSAL):
             s = _mask_scores(s, j, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        # K (its QK^T was waited for in the previous step) and V of block j - 1 are no longer read
+        # V of block j - 1 is no longer read
         fence_async_shared()
-        mbarrier.arrive(empty_bar.index(prev), count=1)
+        mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
 
     last = n_blocks - 1
@@ -146,12 +157,12 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, empty_bar, turn_bar,
 
 
 @gluon.jit
-def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar,
+def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
                        start_m, n_blocks, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                        O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale,
                        HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr,
                        q_layout: gl.constexpr, num_warps: gl.constexpr):
-    _consume(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, empty_bar, 0, O, LSE, o_off, l_off,
+    _consume(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, k_empty, 0, O, LSE, o_off, l_off,
              stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
              q_layout, num_warps, False)
 
@@ -195,12 +206,14 @@ def _attention_fwd_sm90_ws_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bar.index(i), count=1)
         mbarrier.init(v_bar.index(i), count=1)
-        mbarrier.init(empty_bar.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=1)
 
     if IS_CAUSAL:
         hi = gl.minimum(Sk, start_m + BLOCK_M)
@@ -211,36 +224,36 @@ def _attention_fwd_sm90_ws_kernel(
     o_off = b * stride_ob + h64 * stride_oh
     l_off = b * stride_lb + h64 * stride_lh
     gl.warp_specialize([
-        (_compute_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar,
+        (_compute_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
                               start_m, n_blocks, STAGES, BLOCK_N, O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale,
                               HEAD_D, BLOCK_M, IS_CAUSAL, q_layout, num_warps)),
-        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar,
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
                            start_m, n_blocks, STAGES, BLOCK_N)),
     ], [1], [24])
 
 
 @gluon.jit
-def _pp_consumer0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar, O, LSE,
+def _pp_consumer0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O, LSE,
                   o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   q_layout: gl.constexpr):
-    _consume(q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_bar, v_bar, empty_bar, turn_bar, 0, O, LSE, o_off,
+    _consume(q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_bar, v_bar, k_empty, v_empty, turn_bar, 0, O, LSE, o_off,
              l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
              q_layout, 4, True)
 
 
 @gluon.jit
-def _pp_consumer1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar, O, LSE,
+def _pp_consumer1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O, LSE,
                   o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   q_layout: gl.constexpr):
-    _consume(q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_bar, v_bar, empty_bar, turn_bar, 1, O, LSE, o_off,
+    _consume(q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_bar, v_bar, k_empty, v_empty, turn_bar, 1, O, LSE, o_off,
              l_off, stride_om, Sq, Sk, qk_scale, start_m + BLOCK_M, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
              IS_CAUSAL, q_layout, 4, True)
 
 
 @gluon.jit
-def _pp_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar, O, LSE,
+def _pp_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O, LSE,
                o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                q_layout: gl.constexpr):
@@ -249,7 +262,7 @@ def _pp_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_b
     for wg in gl.static_range(2):
         mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [start_m + wg * BLOCK_M, 0], q_bar.index(wg), q_smem.index(wg))
-    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, empty_bar, n_blocks, STAGES, BLOCK_N)
+    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, STAGES, BLOCK_N)
 
 
 @gluon.jit
@@ -275,7 +288,8 @@ def _attention_fwd_sm90_pp_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
@@ -283,7 +297,8 @@ def _attention_fwd_sm90_pp_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bar.index(i), count=1)
         mbarrier.init(v_bar.index(i), count=1)
-        mbarrier.init(empty_bar.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
     mbarrier.arrive(turn_bar.index(0), count=1)  # warpgroup 0 has the first turn (phase 0 complete)
 
     # the CTA's causal extent is its last warpgroup's; a warpgroup past the diagonal masks what it must
@@ -295,20 +310,20 @@ def _attention_fwd_sm90_pp_kernel(
     o_off = b * stride_ob + h64 * stride_oh
     l_off = b * stride_lb + h64 * stride_lh
     gl.warp_specialize([
-        (_pp_consumer0, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar,
+        (_pp_consumer0, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar,
                          O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M,
                          BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
-        (_pp_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar,
+        (_pp_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar,
                       O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M,
                       BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
-        (_pp_consumer1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, empty_bar, turn_bar,
+        (_pp_consumer1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar,
                          O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M,
                          BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
     ], [1, 4], [24, 240])
 
 
 # ping-pong: (BLOCK_M per warpgroup, BLOCK_N, STAGES); a CTA takes 2 * BLOCK_M rows
-PP_CONFIGS = {64: [(64, 128, 2), (64, 128, 3)], 128: [(64, 128, 2), (64, 64, 3)]}
+PP_CONFIGS = {64: [(64, 128, 2), (64, 128, 3), (64, 64, 4)], 128: [(64, 128, 2), (64, 128, 3), (64, 64, 3)]}
 
 
 CONFIGS = base.CONFIGS
@@ -423,10 +438,15 @@ def main() -> None:
     kinds = {"ws": attention_fwd_sm90_ws, "pp": attention_fwd_sm90_pp}
     chosen = sys.argv[sys.argv.index("--kernel") + 1].split(",") if "--kernel" in sys.argv else list(kinds)
     plain = base.attention_fwd_sm90
+    plain_configs = base.CONFIGS
     for kind in chosen:
         print(f"== {kind} kernel (correctness sweep, then TFLOP/s with Triton, cuDNN and flash)")
         base.attention_fwd_sm90 = kinds[kind]
+        base.CONFIGS = PP_CONFIGS if kind == "pp" else plain_configs
         base.main()
+    base.CONFIGS = plain_configs
+    if "--plain" not in sys.argv:
+        return
     print("== the non-specialised kernel, same shapes")
     from triton.testing import do_bench
     for b, h, s_, d, causal in [(32, 12, 512, 64, False), (2, 16, 8192, 128, False), (2, 16, 8192, 128, True)]:
