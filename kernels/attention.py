@@ -743,6 +743,19 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None) -> bool:
+    """Whether the dense forward runs the Gluon warp-specialised kernel of ``attention_sm90`` (Hopper,
+    D = 128, long keys; see its docstring) instead of ``_attention_fwd_kernel``. Cheap checks first, so
+    other GPUs and CPU tensors never import the Gluon module."""
+    if q.device.type != "cuda" or q.shape[-1] != 128 or mask is not None or kv_range is not None or dropout_p > 0:
+        return False
+    if _tuning.interpret() or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    from . import attention_sm90
+    return attention_sm90.preferred(q, k) and attention_sm90.unsupported(
+        q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=False) is None
+
+
 def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float, seed: int,
                   kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0):
@@ -764,6 +777,9 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         os_ = (0, o.stride(1), o.stride(0))
         ls = (0, lse.stride(0))
     else:
+        if sm90_forward(q, k, v, mask, dropout_p=dropout_p, scale=scale, kv_range=kv_range):
+            from . import attention_sm90
+            return attention_sm90.attention_fwd_sm90(q, k, v, causal=causal, scale=scale)
         batch, hq, sq, d = q.shape
         hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
         # laid out like q when it can be (transformers' transposed views: reshaping o back is free)

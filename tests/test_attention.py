@@ -748,3 +748,81 @@ def test_varlen_zero_uncovered_kernel_binary_search(device):
     got = x.cpu()
     assert (got[want_zero] == 0).all()
     assert torch.isnan(got[~want_zero]).all()  # covered rows untouched
+
+
+# ---------------------------------------------------------------------------------------------
+# sm_90 (Hopper): the Gluon warp-specialised forward (kernels/attention_sm90.py) that the dense
+# forward takes at D = 128 with long keys; the backward is the Triton one, fed its lse
+# ---------------------------------------------------------------------------------------------
+def _is_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+sm90_only = pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 (Hopper) GPU")
+
+
+def _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout):
+    def make(h, s):
+        if layout == "bshd":  # transformers' layout: a transposed view of (B, S, H, D)
+            leaf = torch.randn(b, s, h, 128, dtype=dtype, device="cuda", requires_grad=True)
+            return leaf.transpose(1, 2)
+        return torch.randn(b, h, s, 128, dtype=dtype, device="cuda", requires_grad=True)
+    return make(hq, sq), make(hkv, sk), make(hkv, sk)
+
+
+@pytest.mark.gpu
+@sm90_only
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,causal", [
+    (2, 4, 4, 1024, 1024, False), (1, 4, 2, 1000, 1500, True), (2, 2, 1, 1, 2048, True),
+    (1, 2, 2, 2049, 1024, True), (1, 2, 2, 127, 1031, False)])
+def test_gpu_sm90_gluon_forward(dtype, layout, b, hq, hkv, sq, sk, causal):
+    from pykernels._kernels import attention as katt
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout)
+    assert katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=128 ** -0.5), "this case must take the sm_90 kernel"
+    _check_against_ref(q, k, v, causal=causal, enable_gqa=hq != hkv, what="sm90")
+
+
+@pytest.mark.gpu
+@sm90_only
+def test_gpu_sm90_dispatch_rules(monkeypatch):
+    from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90
+    q, k, v = _sm90_inputs(1, 2, 2, 64, 1024, BF16, "bhsd")
+    sc = 128 ** -0.5
+    assert katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=sc)
+    assert not katt.sm90_forward(q, k[:, :, :512], v[:, :, :512], None, dropout_p=0.0, scale=sc)  # short keys
+    assert not katt.sm90_forward(q, k, v, None, dropout_p=0.1, scale=sc)
+    assert not katt.sm90_forward(q.float(), k.float(), v.float(), None, dropout_p=0.0, scale=sc)
+    assert not katt.sm90_forward(q, k[..., ::2].contiguous(), v, None, dropout_p=0.0, scale=sc)  # D 64 keys
+    kk = torch.randn(1, 2, 1024, 136, dtype=BF16, device="cuda", requires_grad=True)[..., 3:131]  # base unaligned
+    assert attention_sm90.unsupported(q, kk, v, None, dropout_p=0.0, scale=sc, varlen=False) == "strides not TMA-aligned"
+    assert not katt.sm90_forward(q, kk, v, None, dropout_p=0.0, scale=sc)
+    _check_against_ref(q, kk, v, what="unaligned k (Triton forward)")
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90", "0")
+    assert not katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=sc)
+
+
+@pytest.mark.gpu
+@sm90_only
+def test_gpu_sm90_forward_in_cuda_graph():
+    q, k, v = (torch.randn(2, 4, 2048, 128, dtype=BF16, device="cuda") for _ in range(3))
+    expected = sdpa(q, k, v, is_causal=True, backend="triton")
+    static = [t.clone() for t in (q, k, v)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        sdpa(*static, is_causal=True, backend="triton")  # warm up (compile) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = sdpa(*static, is_causal=True, backend="triton")
+    for t in static:
+        t.normal_()
+    g.replay()
+    assert not torch.equal(out, expected)
+    for t, src in zip(static, (q, k, v)):
+        t.copy_(src)
+    g.replay()
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)

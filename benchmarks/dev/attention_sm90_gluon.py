@@ -63,39 +63,9 @@ from triton.testing import do_bench
 from pykernels._alloc import empty, empty_like_layout
 from pykernels._kernels import _launch, _tuning
 from pykernels._kernels import attention as tri
+from pykernels._kernels.attention_sm90 import _mask_scores, _needs_mask, _softmax_step, smem_layouts  # noqa: F401
 
 LOG2E = 1.4426950408889634
-
-
-@gluon.jit
-def _mask_scores(s, j, start_m, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 s_layout: gl.constexpr):
-    """-inf where key column >= Sk (tail block) or, when causal, column > row."""
-    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    ok = gl.expand_dims(cols < Sk, 0)
-    if IS_CAUSAL:
-        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
-    return gl.where(ok, s, float("-inf"))
-
-
-@gluon.jit
-def _needs_mask(j, start_m, Sk, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    last = j * BLOCK_N + BLOCK_N - 1
-    need = last >= Sk
-    if IS_CAUSAL:
-        need = need | (last > start_m)
-    return need
-
-
-@gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale):
-    """Online softmax on raw scores s (fp32, mma layout): new max, P (fp32), rescale factor, new sum."""
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return m_new, l_i, p, alpha
 
 
 @gluon.jit
@@ -224,12 +194,6 @@ def _attention_fwd_sm90_kernel(
 # (BLOCK_M, BLOCK_N, STAGES, num_warps) per head dim; the first is the default.
 CONFIGS = {64: [(128, 128, 2, 8), (128, 64, 3, 8), (64, 128, 2, 4)],
            128: [(128, 64, 2, 8), (128, 128, 2, 8), (64, 64, 2, 4)]}
-
-
-def smem_layouts(block_m: int, block_n: int, d: int, dtype: torch.dtype):
-    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([block_m, d], gdt),
-            gl.NVMMASharedLayout.get_default_for([block_n, d], gdt))
 
 
 def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None):

@@ -1,0 +1,361 @@
+"""Attention forward for Hopper (sm_90) in Gluon: FlashAttention-3's structure (Shah et al. 2024).
+
+Why a second forward. Triton 3.6 waits for every wgmma right after issuing it (``wgmma.wait_group 0``,
+``benchmarks/dev/sm90_codegen.py``), and a plain ``@triton.jit`` kernel cannot split its warps into a
+producer and consumers, so the Triton forward in ``attention.py`` tops out at 0.74-0.85x cuDNN on an
+H100 at D = 128. Gluon (Triton's lower-level language; same compiler, launcher and cache) gives the
+kernel explicit shared memory, mbarriers, TMA, asynchronous wgmma and warp specialisation.
+
+Structure of ``_attention_fwd_sm90_kernel`` (one CTA = 2 x 64 query rows of one (batch, head)):
+
+* a 1-warp **producer** (``gl.warp_specialize`` worker, 24 registers) issues every TMA load: both
+  warpgroups' Q tiles, then K and V block by block into a STAGES-deep ring, K one block ahead of V
+  (order K0, K1, V0, K2, V1, ...). Each stage of K and of V has its own ``empty`` mbarrier (2 arrivals,
+  one per consumer), so the next QK^T's operand never queues behind the V the current P V still reads;
+* two **consumer warpgroups** (the default partition and a 4-warp worker, ``setmaxnreg`` 240 each), 64
+  query rows each, share the ring. Each runs the intra-warpgroup overlap: issue S_j = Q K_j^T and
+  O += P_{j-1} V_{j-1} asynchronously, wait for S_j only, release K_j, run the online softmax on S_j
+  while the P V wgmma runs, then wait for it, release V_{j-1} and rescale O;
+* **ping-pong**: the right to issue tensor-core work alternates between the consumers through two
+  "turn" mbarriers (taken before the issue, passed on right after it), so one warpgroup's softmax
+  runs during the other's GEMMs and the tensor cores stay busy.
+
+The epilogue of each consumer: O / l through its Q buffer by TMA (the store clips rows >= Sq), and
+lse = (m + log2 l) * ln 2 (natural log, as the Triton forward saves it, so ``attention_bwd`` takes it).
+Scores are in base 2 (``qk_scale = scale * log2 e``). Causal masking is top-left aligned as in
+``attention.py``: a CTA visits the key blocks up to its last row's diagonal; a block is masked only
+where it crosses the diagonal or the key tail (a uniform branch). Tensor descriptors are built on the
+device per CTA at the (batch, head) slice (shape (S, D), the caller's row stride), so any layout with
+a unit last stride and 16-byte aligned strides works, expanded (stride 0) batch and head dims too.
+
+Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 128), no mask, no dropout, not
+varlen, scale > 0, Sq and Sk >= 1, TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto
+path (D = 128 and Sk >= 1024 on the H100; see the README's attention table): at D = 64 and at short
+sequences the per-CTA prologue (device-built descriptors, warp specialisation) costs more than the
+overlap gains, and the Triton forward stays faster. Measured, H100 80GB HBM3, triton 3.6, bf16
+forward: B2 H16 S8192 D128 603 TFLOP/s full / 559 causal (cuDNN 616 / 557, Triton 488 / 434).
+
+Gluon has no CPU interpreter: this runs on the GPU only (CPU CI compiles it for sm_90 in
+``tests/test_gluon_sm90_compile.py``). ``PYKERNELS_ATTN_SM90=0`` turns the auto path off.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from pykernels._alloc import empty, empty_like_layout
+
+from . import _launch, _tuning
+
+LOG2E = 1.4426950408889634
+# (rows per consumer warpgroup, BLOCK_N, STAGES) per head dim; a CTA takes two warpgroups' rows
+CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2)}
+MAX_REGS = 65536 // (12 * 32) // 8 * 8  # 12 warps on one SM: the launch cap (168); setmaxnreg moves them
+MIN_SK_PREFERRED = 1024
+
+
+@gluon.jit
+def _mask_scores(s, j, start_m, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 s_layout: gl.constexpr):
+    """-inf where key column >= Sk (tail block) or, when causal, column > row."""
+    cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    ok = gl.expand_dims(cols < Sk, 0)
+    if IS_CAUSAL:
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+    return gl.where(ok, s, float("-inf"))
+
+
+@gluon.jit
+def _needs_mask(j, start_m, Sk, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    last = j * BLOCK_N + BLOCK_N - 1
+    need = last >= Sk
+    if IS_CAUSAL:
+        need = need | (last > start_m)
+    return need
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale):
+    """Online softmax on raw scores s (fp32, mma layout): new max, new sum, P (fp32), rescale factor."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return m_new, l_i, p, alpha
+
+
+@gluon.jit
+def _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, STAGES: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """K and V of every block into the STAGES-deep ring, K one block ahead of V, each stage once its
+    consumers released it (mbarriers start with phase 1 complete: the first round does not wait)."""
+    mbarrier.wait(k_empty.index(0), 1)
+    mbarrier.expect(k_bar.index(0), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [0, 0], k_bar.index(0), k_smem.index(0))
+    for blk in range(n_blocks):
+        nxt = blk + 1
+        if nxt < n_blocks:
+            ns = nxt % STAGES
+            mbarrier.wait(k_empty.index(ns), ((nxt // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_bar.index(ns), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [nxt * BLOCK_N, 0], k_bar.index(ns), k_smem.index(ns))
+        slot = blk % STAGES
+        mbarrier.wait(v_empty.index(slot), ((blk // STAGES) & 1) ^ 1)
+        mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [blk * BLOCK_N, 0], v_bar.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, O, LSE,
+             o_off, l_off, stride_om, Sq, Sk, qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr,
+             NW: gl.constexpr, TURNS: gl.constexpr):
+    """A consumer's whole work on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``), NW warps: the
+    blocks' QK^T and P V on asynchronous wgmma, the next QK^T in flight during the softmax; K_j released
+    through ``k_empty`` once its QK^T completed, V_j through ``v_empty`` once its P V did; then O / l by
+    TMA through ``q_tile``, and lse. TURNS (ping-pong): tensor-core work is issued only on this
+    warpgroup's turn (``turn_bar[WG]``), passed to the other warpgroup right after the issue."""
+    dtype: gl.constexpr = q_tile.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+
+    mbarrier.wait(q_ready, 0)
+    mbarrier.wait(k_bar.index(0), 0)
+    if TURNS:  # turn t completes phase t of turn_bar[WG] (warpgroup 0's phase 0 at init)
+        mbarrier.wait(turn_bar.index(WG), 0)
+    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if TURNS:
+        mbarrier.arrive(turn_bar.index(1 - WG), count=1)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if _needs_mask(0, my_m, Sk, BLOCK_N, IS_CAUSAL):
+        s = _mask_scores(s, 0, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
+    m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(v_bar.index(prev), ((j - 1) // STAGES) & 1)
+        if TURNS:
+            mbarrier.wait(turn_bar.index(WG), j & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        if TURNS:
+            mbarrier.arrive(turn_bar.index(1 - WG), count=1)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        mbarrier.arrive(k_empty.index(slot), count=1)  # S_j done (groups complete in order); P V may run
+        if _needs_mask(j, my_m, Sk, BLOCK_N, IS_CAUSAL):
+            s = _mask_scores(s, j, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
+        m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        fence_async_shared()
+        mbarrier.arrive(v_empty.index(prev), count=1)  # V of block j - 1 is no longer read
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+
+    last = n_blocks - 1
+    mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    l_o = gl.convert_layout(l_i, row_o)
+    out = acc / gl.expand_dims(l_o, 1)
+    rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    gl.store(LSE + l_off + rows, lse, mask=rows < Sq)
+    # every QK^T is complete, so Q's buffer stages O for the TMA store (which clips rows >= Sq)
+    o_desc = tma.make_tensor_descriptor(O + o_off, [Sq, HEAD_D], [stride_om, 1], [BLOCK_M, HEAD_D], q_layout)
+    q_tile.store(out.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [my_m, 0], q_tile)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _head_descriptors(Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+                      stride_vn, GROUP, Sq, Sk, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      q_layout: gl.constexpr, kv_layout: gl.constexpr):
+    """The program's (batch, head) slices of Q, K and V as device-built tensor descriptors (grid axes 1 and
+    2: head, batch; GQA by head index), and the batch and head indices (int64)."""
+    h = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    hk = (h // GROUP).to(gl.int64)
+    h64 = h.to(gl.int64)
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh, [Sq, HEAD_D], [stride_qm, 1],
+                                        [BLOCK_M, HEAD_D], q_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [Sk, HEAD_D], [stride_kn, 1],
+                                        [BLOCK_N, HEAD_D], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, [Sk, HEAD_D], [stride_vn, 1],
+                                        [BLOCK_N, HEAD_D], kv_layout)
+    return q_desc, k_desc, v_desc, b, h64
+
+
+@gluon.jit
+def _consumer0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O,
+               LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+               q_layout: gl.constexpr):
+    _consume(q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_bar, v_bar, k_empty, v_empty, turn_bar, 0, O, LSE,
+             o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+             IS_CAUSAL, q_layout, 4, True)
+
+
+@gluon.jit
+def _consumer1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O,
+               LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+               q_layout: gl.constexpr):
+    _consume(q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_bar, v_bar, k_empty, v_empty, turn_bar, 1, O, LSE,
+             o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m + BLOCK_M, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
+             STAGES, IS_CAUSAL, q_layout, 4, True)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O,
+              LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              q_layout: gl.constexpr):
+    """The producer warp: both warpgroups' Q tiles, then the K/V ring (each stage's empty barriers count
+    2 arrivals, one per consumer)."""
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [start_m + wg * BLOCK_M, 0], q_bar.index(wg), q_smem.index(wg))
+    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, STAGES, BLOCK_N)
+
+
+@gluon.jit
+def _attention_fwd_sm90_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
+    GROUP, Sq, Sk, qk_scale,
+    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+):
+    """A CTA takes 2 * BLOCK_M query rows: two consumer warpgroups (the default partition and a 4-warp
+    worker) in ping-pong over one K/V ring filled by a 1-warp producer. num_warps = 4."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    dtype: gl.constexpr = Q.dtype.element_ty
+    start_m = gl.program_id(0) * (2 * BLOCK_M)
+    q_desc, k_desc, v_desc, b, h64 = _head_descriptors(
+        Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        GROUP, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(turn_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.arrive(turn_bar.index(0), count=1)  # warpgroup 0 has the first turn (phase 0 complete)
+
+    # the CTA's causal extent is its last warpgroup's; a warpgroup past the diagonal masks what it must
+    if IS_CAUSAL:
+        hi = gl.minimum(Sk, start_m + 2 * BLOCK_M)
+    else:
+        hi = Sk
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    o_off = b * stride_ob + h64 * stride_oh
+    l_off = b * stride_lb + h64 * stride_lh
+    # (a tuple of the arguments cannot hold the constexpr layouts: each partition gets them spelled out)
+    gl.warp_specialize([
+        (_consumer0, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O, LSE,
+                 o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                 IS_CAUSAL, q_layout)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O, LSE,
+                 o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                 IS_CAUSAL, q_layout)),
+        (_consumer1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O, LSE,
+                 o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                 IS_CAUSAL, q_layout)),
+    ], [1, 4], [24, 240])
+
+
+def smem_layouts(block_m: int, block_n: int, d: int, dtype: torch.dtype):
+    """NVMMA shared layouts of a Q (or O) tile and of a K/V tile."""
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([block_m, d], gdt),
+            gl.NVMMASharedLayout.get_default_for([block_n, d], gdt))
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A unit last stride, 16-byte aligned base and strides, and a nonzero row stride (TMA's rules)."""
+    st = t.stride()
+    return st[-1] == 1 and st[2] > 0 and all(s % 8 == 0 for s in st[:3]) and t.data_ptr() % 16 == 0
+
+
+def unsupported(q, k, v, mask, *, dropout_p: float, scale: float, varlen: bool) -> str | None:
+    """None when this kernel covers the call (dense (B, H, S, D) tensors), else the reason it does not."""
+    if varlen or mask is not None or dropout_p > 0:
+        return "a mask, dropout or varlen"
+    if q.device.type != "cuda" or _tuning.interpret() or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not an sm_90 GPU"
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return "dtype is not float16/bfloat16"
+    d = q.shape[-1]
+    if d not in CONFIGS or k.shape[-1] != d or v.shape[-1] != d:
+        return "head dim is not 64 or 128 (or Dv != D)"
+    if not scale > 0:
+        return "scale <= 0"
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return "an empty sequence"
+    if not all(_tma_ok(t) for t in (q, k, v)):
+        return "strides not TMA-aligned"
+    return None
+
+
+def enabled() -> bool:
+    return os.environ.get("PYKERNELS_ATTN_SM90", "1") not in ("", "0")
+
+
+def preferred(q, k) -> bool:
+    """The auto path's speed rule (measured on the H100: see the module docstring)."""
+    return q.shape[-1] == 128 and k.shape[2] >= MIN_SK_PREFERRED and enabled()
+
+
+def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None):
+    """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), covered per ``unsupported``. Returns o (laid out like q when
+    TMA allows) and lse (B, Hq, Sq) fp32, as ``attention.attention_fwd`` does."""
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    bm, bn, stages = config or CONFIGS[d]
+    o = empty_like_layout(q)
+    if not _tma_ok(o):
+        o = empty(batch, hq, sq, d, dtype=q.dtype, device=q.device)
+    lse = empty(batch, hq, sq, dtype=torch.float32, device=q.device)
+    _tuning.ensure_allocator()
+    ql, kl = smem_layouts(bm, bn, d, q.dtype)
+    _launch.fast(_attention_fwd_sm90_kernel)[(_tuning.cdiv(sq, 2 * bm), hq, batch)](
+        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+        hq // hkv, sq, sk, scale * LOG2E,
+        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), q_layout=ql, kv_layout=kl,
+        num_warps=4, maxnreg=MAX_REGS)
+    return o, lse
