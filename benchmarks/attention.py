@@ -332,8 +332,21 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
         for key, c in getattr(kern, "cache", {}).items():
             if tuple(key[:7]) == want and "bfloat16" in str(key):
                 cfg = f"{c.kwargs.get('BLOCK_M')}x{c.kwargs.get('BLOCK_N')}/w{c.num_warps}/s{c.num_stages}"
+        if name == "fwd" and cfg == "?" and sm90_case(D, S, causal, mask_kind, varlen):
+            from pykernels._kernels import attention_sm90
+            bm, bn, st = attention_sm90.CONFIGS[D]
+            cfg = f"gluon ping-pong 2x{bm}x{bn}/s{st}"
         out.append(f"{name} {cfg}")
     return "; ".join(out)
+
+
+def sm90_case(D: int, S: int, causal: bool, mask_kind: int, varlen: bool) -> bool:
+    """Whether pykernels' dense forward took the sm_90 Gluon kernel for this case (bf16, S x S)."""
+    if mask_kind or varlen or not torch.cuda.is_available():
+        return False
+    from pykernels._kernels import attention as ka
+    q = torch.empty(1, 1, S, D, device="cuda", dtype=torch.bfloat16)
+    return ka.sm90_forward(q, q, q, None, dropout_p=0.0, scale=D ** -0.5)
 
 
 def run_case(case: Case, budget: Budget) -> list[dict]:

@@ -1,5 +1,5 @@
 """Experiment and harness around the sm_90 Gluon attention forwards (GPU runs: session 6,
-``benchmarks/results/attention_sm90_gluon_ws_run27.txt`` and ``..._pp_run28.txt``).
+``benchmarks/results/attention_sm90_gluon_{ws,pp}_*_run27.txt``, ``..._pp_*_run28.txt``).
 
 Two warp-specialised kernels over one consumer body (``_consume``, in ``kernels/attention_sm90.py``):
 * ``_attention_fwd_sm90_ws_kernel`` (here): FlashAttention-3's producer/consumer split alone (Shah et al.
