@@ -20,6 +20,9 @@ Structure of ``_attention_fwd_sm90_kernel`` (one CTA = 2 x 64 query rows of one 
   "turn" mbarriers (taken before the issue, passed on right after it), so one warpgroup's softmax
   runs during the other's GEMMs and the tensor cores stay busy.
 
+Causal CTAs of a head run longest first (the query-tile index is reversed; the tiles of one head
+still run together, so K/V stay in L2), so the last wave holds short tiles.
+
 The epilogue of each consumer: O / l through its Q buffer by TMA (the store clips rows >= Sq), and
 lse = (m + log2 l) * ln 2 (natural log, as the Triton forward saves it, so ``attention_bwd`` takes it).
 Scores are in base 2 (``qk_scale = scale * log2 e``). Causal masking is top-left aligned as in
@@ -254,7 +257,10 @@ def _attention_fwd_sm90_kernel(
     worker) in ping-pong over one K/V ring filled by a 1-warp producer. num_warps = 4."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
-    start_m = gl.program_id(0) * (2 * BLOCK_M)
+    pid_m = gl.program_id(0)
+    if IS_CAUSAL:  # the longest query tiles of a head first: the last wave holds the short ones
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * (2 * BLOCK_M)
     q_desc, k_desc, v_desc, b, h64 = _head_descriptors(
         Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
         GROUP, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
