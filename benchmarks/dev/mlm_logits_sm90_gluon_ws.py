@@ -1,10 +1,13 @@
-"""Experiment (not used by the package; NOT YET RUN ON A GPU): the masked-LM loss's forward logits kernel
+"""Experiment (not used by the package): the masked-LM loss's forward logits kernel
 (``kernels/masked_lm_loss.py``, ``_logits_tma_kernel`` without DZ) as a warp-specialised Gluon kernel
 for sm_90, the structure CUTLASS's "ping-pong" GEMMs use, aimed at the BERT-base goal (0.8 ms needs the
 logit GEMMs with their softmax epilogues near cuBLAS's rate; the Triton kernel reaches 380-530 TFLOP/s).
 
-Written 2026-11-26 after that session's GPU budget was spent; it compiles for sm_90 on a CPU machine with
-Triton's ptxas (``--compile-only``; ``tests/test_gluon_sm90_compile.py`` checks that), nothing more.
+H100 run27 (2026-11-26, ``benchmarks/results/mlm_logits_sm90_gluon_ws_*_run27.txt``): partials equal to the
+Triton kernel's; 128 x 128 tiles 0.231 vs 0.252 ms at BERT-base (497 vs 454 TFLOP/s) and 1.213 vs 1.304 ms
+at GPT-2 (521 vs 485); 64 x 128 and 64 x 256 tiles slower than Triton. Not integrated (about 2% of the
+loss's forward+backward; the 128 x 128 epilogue spills 184 bytes). It compiles for sm_90 on a CPU machine
+with Triton's ptxas (``--compile-only``; ``tests/test_gluon_sm90_compile.py`` checks that).
 
 Partitions of a persistent CTA (one per SM), over the same (row block, vocabulary tile) order as the
 Triton kernel (row blocks fastest, so CTAs in flight share the weight tile they stream):
