@@ -94,31 +94,32 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, STAGES: gl.constexpr,
-                  BLOCK_N: gl.constexpr):
-    """K and V of every block into the STAGES-deep ring, K one block ahead of V, each stage once its
-    consumers released it (mbarriers start with phase 1 complete: the first round does not wait)."""
+def _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, row0,
+                  STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """K and V of every block (rows from ``row0`` of the descriptors) into the STAGES-deep ring, K one
+    block ahead of V, each stage once its consumers released it (mbarriers start with phase 1
+    complete: the first round does not wait)."""
     mbarrier.wait(k_empty.index(0), 1)
     mbarrier.expect(k_bar.index(0), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [0, 0], k_bar.index(0), k_smem.index(0))
+    tma.async_copy_global_to_shared(k_desc, [row0, 0], k_bar.index(0), k_smem.index(0))
     for blk in range(n_blocks):
         nxt = blk + 1
         if nxt < n_blocks:
             ns = nxt % STAGES
             mbarrier.wait(k_empty.index(ns), ((nxt // STAGES) & 1) ^ 1)
             mbarrier.expect(k_bar.index(ns), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [nxt * BLOCK_N, 0], k_bar.index(ns), k_smem.index(ns))
+            tma.async_copy_global_to_shared(k_desc, [row0 + nxt * BLOCK_N, 0], k_bar.index(ns), k_smem.index(ns))
         slot = blk % STAGES
         mbarrier.wait(v_empty.index(slot), ((blk // STAGES) & 1) ^ 1)
         mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [blk * BLOCK_N, 0], v_bar.index(slot), v_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [row0 + blk * BLOCK_N, 0], v_bar.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
 def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, O, LSE,
              o_off, l_off, stride_om, Sq, Sk, qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr,
-             NW: gl.constexpr, TURNS: gl.constexpr):
+             NW: gl.constexpr, TURNS: gl.constexpr, o_desc=None, o_row0=0, HOST_O: gl.constexpr = False):
     """A consumer's whole work on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``), NW warps: the
     blocks' QK^T and P V on asynchronous wgmma, the next QK^T in flight during the softmax; K_j released
     through ``k_empty`` once its QK^T completed, V_j through ``v_empty`` once its P V did; then O / l by
@@ -184,11 +185,15 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
     rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     gl.store(LSE + l_off + rows, lse, mask=rows < Sq)
-    # every QK^T is complete, so Q's buffer stages O for the TMA store (which clips rows >= Sq)
-    o_desc = tma.make_tensor_descriptor(O + o_off, [Sq, HEAD_D], [stride_om, 1], [BLOCK_M, HEAD_D], q_layout)
+    # every QK^T is complete, so Q's buffer stages O for the TMA store
     q_tile.store(out.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [my_m, 0], q_tile)
+    if HOST_O:  # the caller's descriptor over all heads' rows (o_row0 = this head's first): whole tiles only
+        if my_m < Sq:
+            tma.async_copy_shared_to_global(o_desc, [o_row0 + my_m, 0], q_tile)
+    else:  # this head's (Sq, D) slice: the store clips rows >= Sq
+        o_head = tma.make_tensor_descriptor(O + o_off, [Sq, HEAD_D], [stride_om, 1], [BLOCK_M, HEAD_D], q_layout)
+        tma.async_copy_shared_to_global(o_head, [my_m, 0], q_tile)
     tma.store_wait(pendings=0)
 
 
@@ -241,7 +246,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
     for wg in gl.static_range(2):
         mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [start_m + wg * BLOCK_M, 0], q_bar.index(wg), q_smem.index(wg))
-    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, STAGES, BLOCK_N)
+    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, 0, STAGES, BLOCK_N)
 
 
 @gluon.jit

@@ -43,7 +43,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar
     """The producer warp: Q, then K and V of every block, each stage once the consumers released it."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
-    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, STAGES, BLOCK_N)
+    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, 0, STAGES, BLOCK_N)
 
 
 @gluon.jit
@@ -101,6 +101,137 @@ def _attention_fwd_sm90_ws_kernel(
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
                            start_m, n_blocks, STAGES, BLOCK_N)),
     ], [1], [24])
+
+
+@gluon.jit
+def _hd_consumer0(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
+                  turn_bar, LSE, l_off, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, kv_row0, HEAD_D: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  q_layout: gl.constexpr):
+    _consume(q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_bar, v_bar, k_empty, v_empty, turn_bar, 0, LSE, LSE,
+             0, l_off, 0, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout,
+             4, True, o_desc, q_row0, True)
+
+
+@gluon.jit
+def _hd_consumer1(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
+                  turn_bar, LSE, l_off, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, kv_row0, HEAD_D: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  q_layout: gl.constexpr):
+    _consume(q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_bar, v_bar, k_empty, v_empty, turn_bar, 1, LSE, LSE,
+             0, l_off, 0, Sq, Sk, qk_scale, start_m + BLOCK_M, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
+             q_layout, 4, True, o_desc, q_row0, True)
+
+
+@gluon.jit
+def _hd_producer(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
+                 turn_bar, LSE, l_off, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, kv_row0, HEAD_D: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 q_layout: gl.constexpr):
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + start_m + wg * BLOCK_M, 0], q_bar.index(wg),
+                                        q_smem.index(wg))
+    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, kv_row0, STAGES, BLOCK_N)
+
+
+@gluon.jit
+def _attention_fwd_sm90_hd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
+                                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    """The package's ping-pong kernel with host-built descriptors over contiguous (B*H*S, D) views (no
+    descriptor is made on the device; Sq a multiple of 64: a warpgroup's tile is whole or past the end)."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_layout: gl.constexpr = q_desc.layout
+    pid_m = gl.program_id(0)
+    if IS_CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * (2 * BLOCK_M)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    q_row0 = (b * H + h) * Sq
+    kv_row0 = (b * (H // GROUP) + h // GROUP) * Sk
+    l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(turn_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.arrive(turn_bar.index(0), count=1)
+    if IS_CAUSAL:
+        hi = gl.minimum(Sk, start_m + 2 * BLOCK_M)
+    else:
+        hi = Sk
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    gl.warp_specialize([
+        (_hd_consumer0, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
+                         turn_bar, LSE, l_off, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, kv_row0, HEAD_D, BLOCK_M,
+                         BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
+        (_hd_producer, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
+                        turn_bar, LSE, l_off, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, kv_row0, HEAD_D, BLOCK_M,
+                        BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
+        (_hd_consumer1, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
+                         turn_bar, LSE, l_off, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, kv_row0, HEAD_D, BLOCK_M,
+                         BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
+    ], [1, 4], [24, 240])
+
+
+def attention_fwd_sm90_hd(q, k, v, *, causal: bool, scale: float, config=None):
+    """Host-descriptor variant: contiguous (B, H, S, D) q/k/v, Sq a multiple of 64."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and sq % 64 == 0
+    bm, bn, stages = config or pkg.CONFIGS[d]
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
+    ql, kl = pkg.smem_layouts(bm, bn, d, q.dtype)
+    qd = TensorDescriptor.from_tensor(q.view(-1, d), [bm, d], ql)
+    kd = TensorDescriptor.from_tensor(k.view(-1, d), [bn, d], kl)
+    vd = TensorDescriptor.from_tensor(v.view(-1, d), [bn, d], kl)
+    od = TensorDescriptor.from_tensor(o.view(-1, d), [bm, d], ql)
+    _attention_fwd_sm90_hd_kernel[(base._tuning.cdiv(sq, 2 * bm), hq, batch)](
+        qd, kd, vd, od, lse, *lse.stride()[:2], hq, hq // hkv, sq, sk, scale * base.LOG2E,
+        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), num_warps=4, maxnreg=pkg.MAX_REGS)
+    return o, lse
+
+
+def hd_main() -> None:
+    """The host-descriptor variant against the package kernel (same math: outputs compared), Triton and cuDNN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+    print(torch.cuda.get_device_name(), torch.__version__)
+    for b, h, s_, d, causal in [(32, 12, 512, 64, False), (8, 12, 1024, 64, True), (32, 16, 512, 128, False),
+                                (16, 16, 1024, 128, True), (4, 16, 4096, 128, True), (2, 16, 8192, 128, False),
+                                (2, 16, 8192, 128, True), (2, 8, 1000 // 64 * 64, 128, True)]:
+        q, k, v = (torch.randn(b, h, s_, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * b * h * s_ * s_ * d / (2 if causal else 1)
+        o1, l1 = pkg.attention_fwd_sm90(q, k, v, causal=causal, scale=d ** -0.5)
+        o2, l2 = attention_fwd_sm90_hd(q, k, v, causal=causal, scale=d ** -0.5)
+        diff = max((o1.float() - o2.float()).abs().max().item(), (l1 - l2).abs().max().item())
+        rows = [("gluon device-desc", lambda: pkg.attention_fwd_sm90(q, k, v, causal=causal, scale=d ** -0.5)),
+                ("gluon host-desc", lambda: attention_fwd_sm90_hd(q, k, v, causal=causal, scale=d ** -0.5)),
+                ("triton", lambda: base.tri.attention_fwd(q, k, v, None, causal=causal, scale=d ** -0.5,
+                                                          dropout_p=0.0, seed=0))]
+        def cudnn():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        rows.append(("cudnn", cudnn))
+        res = " ".join(f"{n} {flops / do_bench(fn, warmup=25, rep=100) / 1e9:6.1f}" for n, fn in rows)
+        print(f"B{b} H{h} S{s_} D{d} {'causal' if causal else 'full'}: max diff host vs device {diff:.1e}; "
+              f"TFLOP/s {res}", flush=True)
 
 
 # ping-pong: (BLOCK_M per warpgroup, BLOCK_N, STAGES); a CTA takes 2 * BLOCK_M rows
@@ -193,6 +324,24 @@ def compile_only() -> None:
     runs += [(_attention_fwd_sm90_ws_kernel, "ws", d, cfg) for d, cfgs in CONFIGS.items() for cfg in cfgs]
     runs += [(pkg._attention_fwd_sm90_kernel, "ping-pong", d, (cfg[0], cfg[1], cfg[2], 4))
              for d, cfgs in PP_CONFIGS.items() for cfg in cfgs]
+    from triton.runtime.jit import mangle_type
+    for d, cfgs in PP_CONFIGS.items():  # the host-descriptor variant (descriptors typed by a CPU stand-in)
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        for causal in (False, True):
+            bm, bn, stages = pkg.CONFIGS[d]
+            ql, kl = base.smem_layouts(bm, bn, d, torch.bfloat16)
+            t = torch.empty(4096, d, dtype=torch.bfloat16)
+            qd, kd = (mangle_type(TensorDescriptor.from_tensor(t, [r, d], lay)) for r, lay in ((bm, ql), (bn, kl)))
+            fn = _attention_fwd_sm90_hd_kernel
+            sig = {p.name: {"q_desc": qd, "o_desc": qd, "k_desc": kd, "v_desc": kd, "LSE": "*fp32",
+                            "qk_scale": "fp32"}.get(p.name, "i64" if p.name.startswith("stride") else
+                                                      "constexpr" if p.name.isupper() or p.name == "num_warps"
+                                                      else "i32") for p in fn.params}
+            for n in ("H", "GROUP", "Sq", "Sk"):
+                sig[n] = "i32"
+            consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, num_warps=4)
+            print(f"host-desc D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
+                  f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
     for fn, kind, d, cfg in runs:
             for causal in (False, True):
                 bm, bn, stages, warps = cfg
@@ -213,6 +362,9 @@ def compile_only() -> None:
 def main() -> None:
     if "--compile-only" in sys.argv:
         compile_only()
+        return
+    if "--host-desc" in sys.argv:
+        hd_main()
         return
     # The non-specialised experiment's correctness sweep and benchmark, with its kernel swapped for these
     # (``--kernel ws``, ``pp`` or both); then the non-specialised kernel again in the same run.
