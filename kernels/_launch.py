@@ -200,6 +200,11 @@ class FastKernel:
                 pass  # not specialised beyond the type, which is in the key
             elif isinstance(t, type) and issubclass(t, torch.Tensor):
                 parts.append(f"{a}.dtype, not {a}.data_ptr() & 15")
+            elif getattr(t, "__name__", "") == "TensorDescriptor" and hasattr(t, "__dataclass_fields__"):
+                # a host tensor descriptor: Triton specialises it on dtype, block shape and layout (its
+                # shape and strides are runtime values; the launcher encodes it on every call)
+                parts.append(f"{a}.base.dtype, tuple({a}.block_shape), getattr({a}, 'layout', None), {a}.padding, "
+                             f"len({a}.shape)")
             else:
                 raise _Unsupported(t)
         src = f"def k({', '.join(names)}):\n    return ({', '.join(parts)}{',' if parts else ''})\n"

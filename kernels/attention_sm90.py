@@ -94,32 +94,34 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, row0,
-                  STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """K and V of every block (rows from ``row0`` of the descriptors) into the STAGES-deep ring, K one
-    block ahead of V, each stage once its consumers released it (mbarriers start with phase 1
-    complete: the first round does not wait)."""
+def _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, k_row0, k_col0, v_row0,
+                  v_col0, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """K and V of every block (rows from ``k_row0`` / ``v_row0`` of the descriptors, at column ``k_col0`` /
+    ``v_col0``) into the STAGES-deep ring, K one block ahead of V, each stage once its consumers released
+    it (mbarriers start with phase 1 complete: the first round does not wait)."""
     mbarrier.wait(k_empty.index(0), 1)
     mbarrier.expect(k_bar.index(0), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row0, 0], k_bar.index(0), k_smem.index(0))
+    tma.async_copy_global_to_shared(k_desc, [k_row0, k_col0], k_bar.index(0), k_smem.index(0))
     for blk in range(n_blocks):
         nxt = blk + 1
         if nxt < n_blocks:
             ns = nxt % STAGES
             mbarrier.wait(k_empty.index(ns), ((nxt // STAGES) & 1) ^ 1)
             mbarrier.expect(k_bar.index(ns), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row0 + nxt * BLOCK_N, 0], k_bar.index(ns), k_smem.index(ns))
+            tma.async_copy_global_to_shared(k_desc, [k_row0 + nxt * BLOCK_N, k_col0], k_bar.index(ns),
+                                            k_smem.index(ns))
         slot = blk % STAGES
         mbarrier.wait(v_empty.index(slot), ((blk // STAGES) & 1) ^ 1)
         mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row0 + blk * BLOCK_N, 0], v_bar.index(slot), v_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [v_row0 + blk * BLOCK_N, v_col0], v_bar.index(slot),
+                                        v_smem.index(slot))
 
 
 @gluon.jit
 def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, O, LSE,
              o_off, l_off, stride_om, Sq, Sk, qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr,
-             NW: gl.constexpr, TURNS: gl.constexpr, o_desc=None, o_row0=0, HOST_O: gl.constexpr = False):
+             NW: gl.constexpr, TURNS: gl.constexpr, o_desc, o_row0, o_col0, HOST_O: gl.constexpr):
     """A consumer's whole work on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``), NW warps: the
     blocks' QK^T and P V on asynchronous wgmma, the next QK^T in flight during the softmax; K_j released
     through ``k_empty`` once its QK^T completed, V_j through ``v_empty`` once its P V did; then O / l by
@@ -185,13 +187,19 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
     rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     gl.store(LSE + l_off + rows, lse, mask=rows < Sq)
-    # every QK^T is complete, so Q's buffer stages O for the TMA store
-    q_tile.store(out.to(dtype))
-    fence_async_shared()
-    if HOST_O:  # the caller's descriptor over all heads' rows (o_row0 = this head's first): whole tiles only
-        if my_m < Sq:
-            tma.async_copy_shared_to_global(o_desc, [o_row0 + my_m, 0], q_tile)
-    else:  # this head's (Sq, D) slice: the store clips rows >= Sq
+    if HOST_O:  # the caller's descriptor over every head's rows: whole tiles by TMA, the tail by pointer
+        if my_m + BLOCK_M <= Sq:
+            q_tile.store(out.to(dtype))  # every QK^T is complete: Q's buffer stages O
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [o_row0 + my_m, o_col0], q_tile)
+        else:
+            cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+            rows_o = my_m + gl.arange(0, BLOCK_M, layout=row_o)
+            ptrs = O + o_off + gl.expand_dims(rows_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+            gl.store(ptrs, out.to(dtype), mask=gl.expand_dims(rows_o < Sq, 1))
+    else:  # this head's (Sq, D) slice, made on the device: the store clips rows >= Sq
+        q_tile.store(out.to(dtype))
+        fence_async_shared()
         o_head = tma.make_tensor_descriptor(O + o_off, [Sq, HEAD_D], [stride_om, 1], [BLOCK_M, HEAD_D], q_layout)
         tma.async_copy_shared_to_global(o_head, [my_m, 0], q_tile)
     tma.store_wait(pendings=0)
@@ -199,76 +207,96 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
 
 @gluon.jit
 def _head_descriptors(Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                      stride_vn, GROUP, Sq, Sk, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      q_layout: gl.constexpr, kv_layout: gl.constexpr):
-    """The program's (batch, head) slices of Q, K and V as device-built tensor descriptors (grid axes 1 and
-    2: head, batch; GQA by head index), and the batch and head indices (int64)."""
-    h = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
-    hk = (h // GROUP).to(gl.int64)
-    h64 = h.to(gl.int64)
+                      stride_vn, b, h64, hk, Sq, Sk, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr):
+    """The (batch b, head h64 / kv head hk) slices of Q, K and V as tensor descriptors made on the device."""
     q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh, [Sq, HEAD_D], [stride_qm, 1],
                                         [BLOCK_M, HEAD_D], q_layout)
     k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [Sk, HEAD_D], [stride_kn, 1],
                                         [BLOCK_N, HEAD_D], kv_layout)
     v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, [Sk, HEAD_D], [stride_vn, 1],
                                         [BLOCK_N, HEAD_D], kv_layout)
-    return q_desc, k_desc, v_desc, b, h64
+    return q_desc, k_desc, v_desc
 
 
 @gluon.jit
-def _consumer0(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O,
-               LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-               q_layout: gl.constexpr):
+def _consumer0(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar,
+               O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, q_col0, k_row0, k_col0, v_row0,
+               v_col0, o_row0, o_col0, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr):
     _consume(q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_bar, v_bar, k_empty, v_empty, turn_bar, 0, O, LSE,
              o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-             IS_CAUSAL, q_layout, 4, True)
+             IS_CAUSAL, q_layout, 4, True, o_desc, o_row0, o_col0, HOST_DESC)
 
 
 @gluon.jit
-def _consumer1(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O,
-               LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-               q_layout: gl.constexpr):
+def _consumer1(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar,
+               O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, q_col0, k_row0, k_col0, v_row0,
+               v_col0, o_row0, o_col0, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr):
     _consume(q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_bar, v_bar, k_empty, v_empty, turn_bar, 1, O, LSE,
              o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m + BLOCK_M, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
-             STAGES, IS_CAUSAL, q_layout, 4, True)
+             STAGES, IS_CAUSAL, q_layout, 4, True, o_desc, o_row0, o_col0, HOST_DESC)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O,
-              LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              q_layout: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar,
+              O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, q_col0, k_row0, k_col0, v_row0,
+              v_col0, o_row0, o_col0, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr):
     """The producer warp: both warpgroups' Q tiles, then the K/V ring (each stage's empty barriers count
     2 arrivals, one per consumer)."""
     for wg in gl.static_range(2):
         mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [start_m + wg * BLOCK_M, 0], q_bar.index(wg), q_smem.index(wg))
-    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, 0, STAGES, BLOCK_N)
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + start_m + wg * BLOCK_M, q_col0], q_bar.index(wg),
+                                        q_smem.index(wg))
+    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, k_row0, k_col0, v_row0,
+                  v_col0, STAGES, BLOCK_N)
+
+
+@gluon.jit
+def _flat_coords(off, stride_m):
+    """(row, column) of element offset ``off`` in a (rows, stride_m) view (int32: the caller checked)."""
+    return (off // stride_m).to(gl.int32), (off % stride_m).to(gl.int32)
 
 
 @gluon.jit
 def _attention_fwd_sm90_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, QD, KD, VD, OD,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     GROUP, Sq, Sk, qk_scale,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """A CTA takes 2 * BLOCK_M query rows: two consumer warpgroups (the default partition and a 4-warp
-    worker) in ping-pong over one K/V ring filled by a 1-warp producer. num_warps = 4."""
+    worker) in ping-pong over one K/V ring filled by a 1-warp producer. num_warps = 4. HOST_DESC: QD..OD
+    are the caller's descriptors over (rows, row stride) views of q, k, v, o, and a head's tiles sit at
+    (row, column) coordinates of its offset; else the head's descriptors are made on the device."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
     pid_m = gl.program_id(0)
     if IS_CAUSAL:  # the longest query tiles of a head first: the last wave holds the short ones
         pid_m = gl.num_programs(0) - 1 - pid_m
     start_m = pid_m * (2 * BLOCK_M)
-    q_desc, k_desc, v_desc, b, h64 = _head_descriptors(
-        Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-        GROUP, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
+    h64 = gl.program_id(1).to(gl.int64)
+    b = gl.program_id(2).to(gl.int64)
+    hk = (gl.program_id(1) // GROUP).to(gl.int64)
+    o_off = b * stride_ob + h64 * stride_oh
+    l_off = b * stride_lb + h64 * stride_lh
+    if HOST_DESC:
+        q_desc, k_desc, v_desc, o_desc = QD, KD, VD, OD
+        q_row0, q_col0 = _flat_coords(b * stride_qb + h64 * stride_qh, stride_qm)
+        k_row0, k_col0 = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
+        v_row0, v_col0 = _flat_coords(b * stride_vb + hk * stride_vh, stride_vn)
+        o_row0, o_col0 = _flat_coords(o_off, stride_om)
+    else:
+        q_desc, k_desc, v_desc = _head_descriptors(
+            Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+            stride_vn, b, h64, hk, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
+        o_desc = q_desc  # (unused: the consumers make the head's O descriptor)
+        q_row0, q_col0, k_row0, k_col0, v_row0, v_col0, o_row0, o_col0 = 0, 0, 0, 0, 0, 0, 0, 0
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
@@ -294,19 +322,20 @@ def _attention_fwd_sm90_kernel(
     else:
         hi = Sk
     n_blocks = gl.cdiv(hi, BLOCK_N)
-    o_off = b * stride_ob + h64 * stride_oh
-    l_off = b * stride_lb + h64 * stride_lh
     # (a tuple of the arguments cannot hold the constexpr layouts: each partition gets them spelled out)
     gl.warp_specialize([
-        (_consumer0, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O, LSE,
-                 o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-                 IS_CAUSAL, q_layout)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O, LSE,
-                 o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-                 IS_CAUSAL, q_layout)),
-        (_consumer1, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O, LSE,
-                 o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-                 IS_CAUSAL, q_layout)),
+        (_consumer0, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O,
+                        LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, q_col0, k_row0,
+                        k_col0, v_row0, v_col0, o_row0, o_col0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC,
+                        q_layout)),
+        (_producer, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O,
+                        LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, q_col0, k_row0,
+                        k_col0, v_row0, v_col0, o_row0, o_col0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC,
+                        q_layout)),
+        (_consumer1, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O,
+                        LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, q_col0, k_row0,
+                        k_col0, v_row0, v_col0, o_row0, o_col0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC,
+                        q_layout)),
     ], [1, 4], [24, 240])
 
 
@@ -352,9 +381,30 @@ def preferred(q, k) -> bool:
     return q.shape[-1] == 128 and k.shape[2] >= MIN_SK_PREFERRED and enabled()
 
 
-def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None):
+def _flat_descriptor(t: torch.Tensor, block_rows: int, layout):
+    """A host descriptor over ``t`` (B, H, S, D) seen as a (rows, stride(2)) matrix, in which every (batch,
+    head) slice is a run of rows at one column offset; None when the strides do not allow that (then the
+    kernel makes each head's descriptors on the device). Covers contiguous (B, H, S, D) and the (B, S, H, D)
+    transposed views, packed or padded rows, and expanded (stride 0) batch or head dims."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    batch, heads, seq, d = t.shape
+    sb, sh, sm, _ = t.stride()
+    if sm < d or seq < block_rows:
+        return None
+    if batch > 1 and sb % sm:
+        return None
+    if heads > 1 and sh % sm and not (sh >= d and sh * (heads - 1) + d <= sm):
+        return None
+    rows = ((batch - 1) * sb + (heads - 1) * sh) // sm + seq
+    if rows >= 2**31:
+        return None
+    return TensorDescriptor(t, [rows, sm], [sm, 1], [block_rows, d], layout)
+
+
+def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host_descriptors: bool = True):
     """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), covered per ``unsupported``. Returns o (laid out like q when
-    TMA allows) and lse (B, Hq, Sq) fp32, as ``attention.attention_fwd`` does."""
+    TMA allows) and lse (B, Hq, Sq) fp32, as ``attention.attention_fwd`` does. ``host_descriptors``: take
+    the host-descriptor variant where the layouts allow it (False: always make them on the device)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bm, bn, stages = config or CONFIGS[d]
@@ -362,11 +412,19 @@ def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None):
     if not _tma_ok(o):
         o = empty(batch, hq, sq, d, dtype=q.dtype, device=q.device)
     lse = empty(batch, hq, sq, dtype=torch.float32, device=q.device)
-    _tuning.ensure_allocator()
     ql, kl = smem_layouts(bm, bn, d, q.dtype)
+    descs = None
+    if host_descriptors:
+        descs = (_flat_descriptor(q, bm, ql), _flat_descriptor(k, bn, kl), _flat_descriptor(v, bn, kl),
+                 _flat_descriptor(o, bm, ql))
+        if any(x is None for x in descs):
+            descs = None
+    if descs is None:
+        _tuning.ensure_allocator()
     _launch.fast(_attention_fwd_sm90_kernel)[(_tuning.cdiv(sq, 2 * bm), hq, batch)](
-        q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
+        q, k, v, o, lse, *(descs or (None,) * 4),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         hq // hkv, sq, sk, scale * LOG2E,
-        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), q_layout=ql, kv_layout=kl,
-        num_warps=4, maxnreg=MAX_REGS)
+        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), HOST_DESC=descs is not None,
+        q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
     return o, lse

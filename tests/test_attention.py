@@ -826,3 +826,33 @@ def test_gpu_sm90_forward_in_cuda_graph():
         t.copy_(src)
     g.replay()
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@sm90_only
+@pytest.mark.parametrize("layout,sq,sk,hq,hkv", [("bhsd", 1000, 1100, 4, 2), ("bshd", 1031, 1024, 4, 4),
+                                                  ("expanded", 257, 1024, 4, 1), ("bhsd", 64, 1024, 2, 2)])
+def test_gpu_sm90_host_descriptors_equal_device_ones(layout, sq, sk, hq, hkv):
+    # host-built descriptors over (rows, row stride) views, with the tail tile stored by pointer, give
+    # bit for bit what the per-head descriptors made on the device give
+    from pykernels._kernels import attention_sm90 as ks
+    b = 2
+    if layout == "bshd":
+        q, k, v = (torch.randn(b, s, h, 128, dtype=BF16, device="cuda").transpose(1, 2)
+                   for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    elif layout == "expanded":  # GQA as expand(): stride 0 over the query heads of a group
+        q = torch.randn(b, hq, sq, 128, dtype=BF16, device="cuda")
+        k, v = (torch.randn(b, 1, sk, 128, dtype=BF16, device="cuda").expand(b, hq, sk, 128) for _ in range(2))
+    else:
+        q = torch.randn(b, hq, sq, 128, dtype=BF16, device="cuda")
+        k, v = (torch.randn(b, hkv, sk, 128, dtype=BF16, device="cuda") for _ in range(2))
+    ql, kl = ks.smem_layouts(64, 128, 128, BF16)
+    assert all(ks._flat_descriptor(t, r, lay) is not None for t, r, lay in ((q, 64, ql), (k, 128, kl), (v, 128, kl)))
+    for causal in (False, True):
+        o_dev, l_dev = ks.attention_fwd_sm90(q, k, v, causal=causal, scale=0.1, host_descriptors=False)
+        o_host, l_host = ks.attention_fwd_sm90(q, k, v, causal=causal, scale=0.1)
+        assert torch.equal(o_host, o_dev) and torch.equal(l_host, l_dev)
+        kk, vv = (t.repeat_interleave(hq // t.shape[1], 1) if t.stride(1) else t for t in (k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), kk.double(), vv.double(),
+                                                               is_causal=causal, scale=0.1)
+        assert (o_host.double() - ref).abs().max().item() < 2e-2

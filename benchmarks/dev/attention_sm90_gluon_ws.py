@@ -43,7 +43,8 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar
     """The producer warp: Q, then K and V of every block, each stage once the consumers released it."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
-    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, 0, STAGES, BLOCK_N)
+    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, 0, 0, 0, 0, STAGES,
+                  BLOCK_N)
 
 
 @gluon.jit
@@ -54,7 +55,7 @@ def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_
                        q_layout: gl.constexpr, num_warps: gl.constexpr):
     _consume(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, k_empty, 0, O, LSE, o_off, l_off,
              stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
-             q_layout, num_warps, False)
+             q_layout, num_warps, False, q_smem, 0, 0, False)
 
 
 @gluon.jit
@@ -68,9 +69,11 @@ def _attention_fwd_sm90_ws_kernel(
 ):
     dtype: gl.constexpr = Q.dtype.element_ty
     start_m = gl.program_id(0) * BLOCK_M
-    q_desc, k_desc, v_desc, b, h64 = _head_descriptors(
+    h64 = gl.program_id(1).to(gl.int64)
+    b = gl.program_id(2).to(gl.int64)
+    q_desc, k_desc, v_desc = _head_descriptors(
         Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-        GROUP, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
+        b, h64, (gl.program_id(1) // GROUP).to(gl.int64), Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
@@ -103,143 +106,73 @@ def _attention_fwd_sm90_ws_kernel(
     ], [1], [24])
 
 
-@gluon.jit
-def _hd_consumer0(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
-                  turn_bar, LSE, l_off, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, kv_row0, HEAD_D: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  q_layout: gl.constexpr):
-    _consume(q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_bar, v_bar, k_empty, v_empty, turn_bar, 0, LSE, LSE,
-             0, l_off, 0, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout,
-             4, True, o_desc, q_row0, True)
-
-
-@gluon.jit
-def _hd_consumer1(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
-                  turn_bar, LSE, l_off, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, kv_row0, HEAD_D: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  q_layout: gl.constexpr):
-    _consume(q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_bar, v_bar, k_empty, v_empty, turn_bar, 1, LSE, LSE,
-             0, l_off, 0, Sq, Sk, qk_scale, start_m + BLOCK_M, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
-             q_layout, 4, True, o_desc, q_row0, True)
-
-
-@gluon.jit
-def _hd_producer(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
-                 turn_bar, LSE, l_off, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, kv_row0, HEAD_D: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 q_layout: gl.constexpr):
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + start_m + wg * BLOCK_M, 0], q_bar.index(wg),
-                                        q_smem.index(wg))
-    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, kv_row0, STAGES, BLOCK_N)
-
-
-@gluon.jit
-def _attention_fwd_sm90_hd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
-                                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, num_warps: gl.constexpr):
-    """The package's ping-pong kernel with host-built descriptors over contiguous (B*H*S, D) views (no
-    descriptor is made on the device; Sq a multiple of 64: a warpgroup's tile is whole or past the end)."""
-    dtype: gl.constexpr = q_desc.dtype
-    q_layout: gl.constexpr = q_desc.layout
-    pid_m = gl.program_id(0)
-    if IS_CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    start_m = pid_m * (2 * BLOCK_M)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    q_row0 = (b * H + h) * Sq
-    kv_row0 = (b * (H // GROUP) + h // GROUP) * Sk
-    l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_D], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(turn_bar.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.arrive(turn_bar.index(0), count=1)
-    if IS_CAUSAL:
-        hi = gl.minimum(Sk, start_m + 2 * BLOCK_M)
-    else:
-        hi = Sk
-    n_blocks = gl.cdiv(hi, BLOCK_N)
-    gl.warp_specialize([
-        (_hd_consumer0, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
-                         turn_bar, LSE, l_off, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, kv_row0, HEAD_D, BLOCK_M,
-                         BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
-        (_hd_producer, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
-                        turn_bar, LSE, l_off, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, kv_row0, HEAD_D, BLOCK_M,
-                        BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
-        (_hd_consumer1, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty,
-                         turn_bar, LSE, l_off, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, kv_row0, HEAD_D, BLOCK_M,
-                         BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
-    ], [1, 4], [24, 240])
-
-
-def attention_fwd_sm90_hd(q, k, v, *, causal: bool, scale: float, config=None):
-    """Host-descriptor variant: contiguous (B, H, S, D) q/k/v, Sq a multiple of 64."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    batch, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and sq % 64 == 0
-    bm, bn, stages = config or pkg.CONFIGS[d]
-    o = torch.empty_like(q)
-    lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
-    ql, kl = pkg.smem_layouts(bm, bn, d, q.dtype)
-    qd = TensorDescriptor.from_tensor(q.view(-1, d), [bm, d], ql)
-    kd = TensorDescriptor.from_tensor(k.view(-1, d), [bn, d], kl)
-    vd = TensorDescriptor.from_tensor(v.view(-1, d), [bn, d], kl)
-    od = TensorDescriptor.from_tensor(o.view(-1, d), [bm, d], ql)
-    _attention_fwd_sm90_hd_kernel[(base._tuning.cdiv(sq, 2 * bm), hq, batch)](
-        qd, kd, vd, od, lse, *lse.stride()[:2], hq, hq // hkv, sq, sk, scale * base.LOG2E,
-        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), num_warps=4, maxnreg=pkg.MAX_REGS)
-    return o, lse
+def tri_forward(q, k, v, causal, scale):
+    """The Triton forward kernel itself (the package's dense forward without its sm_90 dispatch)."""
+    saved = os.environ.get("PYKERNELS_ATTN_SM90")
+    os.environ["PYKERNELS_ATTN_SM90"] = "0"
+    try:
+        return base.tri.attention_fwd(q, k, v, None, causal=causal, scale=scale, dropout_p=0.0, seed=0)
+    finally:
+        if saved is None:
+            os.environ.pop("PYKERNELS_ATTN_SM90")
+        else:
+            os.environ["PYKERNELS_ATTN_SM90"] = saved
 
 
 def hd_main() -> None:
-    """The host-descriptor variant against the package kernel (same math: outputs compared), Triton and cuDNN."""
+    """The sm_90 forward with host-built descriptors against the same kernel making them on the device
+    (same math: outputs compared), the Triton forward and cuDNN, with do_bench and in CUDA-graph replay."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
     print(torch.cuda.get_device_name(), torch.__version__)
-    for b, h, s_, d, causal in [(32, 12, 512, 64, False), (8, 12, 1024, 64, True), (32, 16, 512, 128, False),
-                                (16, 16, 1024, 128, True), (4, 16, 4096, 128, True), (2, 16, 8192, 128, False),
-                                (2, 16, 8192, 128, True), (2, 8, 1000 // 64 * 64, 128, True)]:
-        q, k, v = (torch.randn(b, h, s_, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for b, h, s_, d, causal, layout in [
+            (32, 12, 512, 64, False, "bhsd"), (32, 12, 512, 64, False, "bshd"), (8, 12, 1024, 64, True, "bhsd"),
+            (32, 16, 512, 128, False, "bhsd"), (16, 16, 1024, 128, True, "bshd"), (4, 16, 4096, 128, True, "bhsd"),
+            (2, 16, 8192, 128, False, "bhsd"), (2, 16, 8192, 128, True, "bhsd"), (4, 8, 1000, 128, True, "bshd")]:
+        def make():
+            if layout == "bshd":
+                return torch.randn(b, s_, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            return torch.randn(b, h, s_, d, device="cuda", dtype=torch.bfloat16)
+        q, k, v = make(), make(), make()
         flops = 4 * b * h * s_ * s_ * d / (2 if causal else 1)
-        o1, l1 = pkg.attention_fwd_sm90(q, k, v, causal=causal, scale=d ** -0.5)
-        o2, l2 = attention_fwd_sm90_hd(q, k, v, causal=causal, scale=d ** -0.5)
-        diff = max((o1.float() - o2.float()).abs().max().item(), (l1 - l2).abs().max().item())
-        rows = [("gluon device-desc", lambda: pkg.attention_fwd_sm90(q, k, v, causal=causal, scale=d ** -0.5)),
-                ("gluon host-desc", lambda: attention_fwd_sm90_hd(q, k, v, causal=causal, scale=d ** -0.5)),
-                ("triton", lambda: base.tri.attention_fwd(q, k, v, None, causal=causal, scale=d ** -0.5,
-                                                          dropout_p=0.0, seed=0))]
+        o1, l1 = pkg.attention_fwd_sm90(q, k, v, causal=causal, scale=d ** -0.5, host_descriptors=False)
+        o2, l2 = pkg.attention_fwd_sm90(q, k, v, causal=causal, scale=d ** -0.5)
+        same = torch.equal(o1, o2) and torch.equal(l1, l2)
+        rows = [("device-desc", lambda: pkg.attention_fwd_sm90(q, k, v, causal=causal, scale=d ** -0.5,
+                                                               host_descriptors=False)),
+                ("host-desc", lambda: pkg.attention_fwd_sm90(q, k, v, causal=causal, scale=d ** -0.5)),
+                ("triton", lambda: tri_forward(q, k, v, causal, d ** -0.5))]
+
         def cudnn():
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
         rows.append(("cudnn", cudnn))
-        res = " ".join(f"{n} {flops / do_bench(fn, warmup=25, rep=100) / 1e9:6.1f}" for n, fn in rows)
-        print(f"B{b} H{h} S{s_} D{d} {'causal' if causal else 'full'}: max diff host vs device {diff:.1e}; "
-              f"TFLOP/s {res}", flush=True)
+        res = " | ".join(f"{n} {flops / do_bench(fn, warmup=25, rep=100) / 1e9:4.0f} / {flops / graph_ms(fn) / 1e9:4.0f}"
+                         for n, fn in rows)
+        print(f"B{b} H{h} S{s_} D{d} {'causal' if causal else 'full'} {layout}: host == device bitwise {same}; "
+              f"TFLOP/s do_bench / graph: {res}", flush=True)
 
 
-# ping-pong: (BLOCK_M per warpgroup, BLOCK_N, STAGES); a CTA takes 2 * BLOCK_M rows
-PP_CONFIGS = {64: [(64, 128, 2), (64, 128, 3), (64, 64, 4)], 128: [(64, 128, 2), (64, 128, 3), (64, 64, 3)]}
-
-
-CONFIGS = base.CONFIGS
-WARPS_TOTAL_REGS = 65536
+def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
+    """Milliseconds per call, ``calls`` calls captured in one CUDA graph and replayed (GPU time)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (calls * replays)
 
 
 def _run(kernel, q, k, v, causal, scale, bm, bn, stages, rows_per_cta, warps, regs):
@@ -318,6 +251,16 @@ def compile_report(fn, sig: dict, consts: dict, opts: dict) -> str:
             f"wgmma.wait_group 1: {'wgmma.wait_group.sync.aligned 1' in ptx}; {_ptxas_report(ptx)}")
 
 
+def _pkg_signature(fn) -> dict:
+    """Signature types of an attention kernel's parameters for a bf16 compile (descriptor slots constexpr)."""
+    sig = {}
+    for p in fn.params:
+        n = p.name
+        sig[n] = ("*bf16" if n in "QKVO" else "*fp32" if n == "LSE" else "i64" if n.startswith("stride")
+                  else "i32" if n in ("GROUP", "Sq", "Sk") else "fp32" if n == "qk_scale" else "constexpr")
+    return sig
+
+
 def compile_only() -> None:
     """Compile every config for sm_90 without a GPU (Triton's ptxas) and print registers and shared memory."""
     runs = [(base._attention_fwd_sm90_kernel, "plain", d, cfg) for d, cfgs in CONFIGS.items() for cfg in cfgs[:1]]
@@ -325,34 +268,29 @@ def compile_only() -> None:
     runs += [(pkg._attention_fwd_sm90_kernel, "ping-pong", d, (cfg[0], cfg[1], cfg[2], 4))
              for d, cfgs in PP_CONFIGS.items() for cfg in cfgs]
     from triton.runtime.jit import mangle_type
-    for d, cfgs in PP_CONFIGS.items():  # the host-descriptor variant (descriptors typed by a CPU stand-in)
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    for d in PP_CONFIGS:  # the package kernel with host descriptors (typed through a CPU stand-in)
         for causal in (False, True):
             bm, bn, stages = pkg.CONFIGS[d]
             ql, kl = base.smem_layouts(bm, bn, d, torch.bfloat16)
             t = torch.empty(4096, d, dtype=torch.bfloat16)
             qd, kd = (mangle_type(TensorDescriptor.from_tensor(t, [r, d], lay)) for r, lay in ((bm, ql), (bn, kl)))
-            fn = _attention_fwd_sm90_hd_kernel
-            sig = {p.name: {"q_desc": qd, "o_desc": qd, "k_desc": kd, "v_desc": kd, "LSE": "*fp32",
-                            "qk_scale": "fp32"}.get(p.name, "i64" if p.name.startswith("stride") else
-                                                      "constexpr" if p.name.isupper() or p.name == "num_warps"
-                                                      else "i32") for p in fn.params}
-            for n in ("H", "GROUP", "Sq", "Sk"):
-                sig[n] = "i32"
-            consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, num_warps=4)
+            fn = pkg._attention_fwd_sm90_kernel
+            sig = _pkg_signature(fn)
+            sig.update(QD=qd, OD=qd, KD=kd, VD=kd)
+            consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, HOST_DESC=True,
+                          q_layout=ql, kv_layout=kl, num_warps=4)
             print(f"host-desc D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
                   f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
     for fn, kind, d, cfg in runs:
             for causal in (False, True):
                 bm, bn, stages, warps = cfg
                 ql, kl = base.smem_layouts(bm, bn, d, torch.bfloat16)
-                sig = {}
-                for p in fn.params:
-                    n = p.name
-                    sig[n] = ("*bf16" if n in "QKVO" else "*fp32" if n == "LSE" else "i64" if n.startswith("stride")
-                              else "i32" if n in ("GROUP", "Sq", "Sk") else "fp32" if n == "qk_scale" else "constexpr")
+                sig = _pkg_signature(fn)
                 consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, q_layout=ql,
                               kv_layout=kl, num_warps=warps)
+                if fn is pkg._attention_fwd_sm90_kernel:
+                    consts.update(QD=None, KD=None, VD=None, OD=None, HOST_DESC=False)
                 opts = dict(num_warps=warps)
                 if kind != "plain":
                     opts["maxnreg"] = max_regs(8 if kind == "ping-pong" else warps)
