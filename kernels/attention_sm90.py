@@ -23,20 +23,29 @@ Structure of ``_attention_fwd_sm90_kernel`` (one CTA = 2 x 64 query rows of one 
 Causal CTAs of a head run longest first (the query-tile index is reversed; the tiles of one head
 still run together, so K/V stay in L2), so the last wave holds short tiles.
 
-The epilogue of each consumer: O / l through its Q buffer by TMA (the store clips rows >= Sq), and
+The epilogue of each consumer: O / l through its Q buffer by TMA (see Descriptors for the tail), and
 lse = (m + log2 l) * ln 2 (natural log, as the Triton forward saves it, so ``attention_bwd`` takes it).
 Scores are in base 2 (``qk_scale = scale * log2 e``). Causal masking is top-left aligned as in
 ``attention.py``: a CTA visits the key blocks up to its last row's diagonal; a block is masked only
-where it crosses the diagonal or the key tail (a uniform branch). Tensor descriptors are built on the
-device per CTA at the (batch, head) slice (shape (S, D), the caller's row stride), so any layout with
-a unit last stride and 16-byte aligned strides works, expanded (stride 0) batch and head dims too.
+where it crosses the diagonal or the key tail (a uniform branch).
 
 Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 128), no mask, no dropout, not
 varlen, scale > 0, Sq and Sk >= 1, TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto
-path (D = 128 and Sk >= 1024 on the H100; see the README's attention table): at D = 64 and at short
-sequences the per-CTA prologue (device-built descriptors, warp specialisation) costs more than the
-overlap gains, and the Triton forward stays faster. Measured, H100 80GB HBM3, triton 3.6, bf16
-forward: B2 H16 S8192 D128 603 TFLOP/s full / 559 causal (cuDNN 616 / 557, Triton 488 / 434).
+path: D = 128 always, D = 64 from Sk = 4096 (H100 run31, graph replay against the Triton forward:
+1.20-1.32x at D = 128 from S = 256 to 8192; at D = 64 0.74-0.99x up to 2048, 1.05-1.11x from 4096).
+
+Descriptors. Where q, k, v and o can each be seen as one (rows, row stride) matrix in which every
+(batch, head) slice is a run of rows at one column offset (contiguous (B, H, S, D); transformers'
+(B, S, H, D) views; expanded batch or head dims), the host builds one descriptor per tensor and a CTA
+addresses its head at (row, column) coordinates (``HOST_DESC``); tiles that run past a head's Sk read
+the next head's rows and are masked like any key tail, and a query tail tile is stored through
+pointers so that it never writes the next head's rows. Otherwise each CTA makes its head's descriptors
+on the device (bitwise the same results, a GPU test checks it). Host descriptors took the D = 64
+BERT-base forward from 190 to 273 TFLOP/s (graph replay, run31): making descriptors on the device
+costs several microseconds per CTA, a third of a short CTA's time.
+
+Measured, H100 80GB HBM3, triton 3.6, bf16 forward (graph replay, run31): B2 H16 S8192 D128 596 / 550
+TFLOP/s full / causal (cuDNN 597 / 536, Triton 459 / 426); B32 H12 S512 D64 273 (Triton 322, cuDNN 378).
 
 Gluon has no CPU interpreter: this runs on the GPU only (CPU CI compiles it for sm_90 in
 ``tests/test_gluon_sm90_compile.py``). ``PYKERNELS_ATTN_SM90=0`` turns the auto path off.
@@ -59,7 +68,7 @@ LOG2E = 1.4426950408889634
 # (rows per consumer warpgroup, BLOCK_N, STAGES) per head dim; a CTA takes two warpgroups' rows
 CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2)}
 MAX_REGS = 65536 // (12 * 32) // 8 * 8  # 12 warps on one SM: the launch cap (168); setmaxnreg moves them
-MIN_SK_PREFERRED = 1024
+MIN_SK_D64 = 4096  # the auto path's rule at D = 64 (at D = 128 it always wins): ``preferred``
 
 
 @gluon.jit
@@ -377,8 +386,11 @@ def enabled() -> bool:
 
 
 def preferred(q, k) -> bool:
-    """The auto path's speed rule (measured on the H100: see the module docstring)."""
-    return q.shape[-1] == 128 and k.shape[2] >= MIN_SK_PREFERRED and enabled()
+    """The auto path's speed rule (H100 run31, ``benchmarks/dev/attention_sm90_crossover.py``: against
+    the Triton forward 1.18-1.33x at D = 128 from Sk = 256 on; at D = 64 0.72-0.98x up to 2048 and
+    1.01-1.11x from 4096)."""
+    d = q.shape[-1]
+    return (d == 128 or (d == 64 and k.shape[2] >= MIN_SK_D64)) and enabled()
 
 
 def _flat_descriptor(t: torch.Tensor, block_rows: int, layout):

@@ -792,7 +792,12 @@ def test_gpu_sm90_dispatch_rules(monkeypatch):
     q, k, v = _sm90_inputs(1, 2, 2, 64, 1024, BF16, "bhsd")
     sc = 128 ** -0.5
     assert katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=sc)
-    assert not katt.sm90_forward(q, k[:, :, :512], v[:, :, :512], None, dropout_p=0.0, scale=sc)  # short keys
+    assert katt.sm90_forward(q, k[:, :, :17], v[:, :, :17], None, dropout_p=0.0, scale=sc)  # D = 128: any length
+    q64, k64 = q[..., :64].contiguous(), torch.randn(1, 2, 4096, 64, dtype=BF16, device="cuda")
+    assert katt.sm90_forward(q64, k64, k64, None, dropout_p=0.0, scale=sc)  # D = 64: long keys only
+    assert not katt.sm90_forward(q64, k64[:, :, :2048], k64[:, :, :2048], None, dropout_p=0.0, scale=sc)
+    assert not katt.sm90_forward(q[..., :80].contiguous(), k[..., :80].contiguous(), v[..., :80].contiguous(), None,
+                                 dropout_p=0.0, scale=sc)  # D = 80: Triton
     assert not katt.sm90_forward(q, k, v, None, dropout_p=0.1, scale=sc)
     assert not katt.sm90_forward(q.float(), k.float(), v.float(), None, dropout_p=0.0, scale=sc)
     assert not katt.sm90_forward(q, k[..., ::2].contiguous(), v, None, dropout_p=0.0, scale=sc)  # D 64 keys
