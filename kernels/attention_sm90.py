@@ -103,39 +103,51 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, k_row0, k_col0, v_row0,
-                  v_col0, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """K and V of every block (rows from ``k_row0`` / ``v_row0`` of the descriptors, at column ``k_col0`` /
-    ``v_col0``) into the STAGES-deep ring, K one block ahead of V, each stage once its consumers released
-    it (mbarriers start with phase 1 complete: the first round does not wait)."""
-    mbarrier.wait(k_empty.index(0), 1)
-    mbarrier.expect(k_bar.index(0), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row0, k_col0], k_bar.index(0), k_smem.index(0))
+def _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, base, k_row0, k_col0,
+                  v_row0, v_col0, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """K and V of every block of one tile (rows from ``k_row0`` / ``v_row0`` of the descriptors, at column
+    ``k_col0`` / ``v_col0``) into the STAGES-deep ring, K one block ahead of V, each stage once its
+    consumers released it. ``base``: blocks the CTA streamed before this tile (ring slot and phase of
+    block j are those of base + j; mbarriers start with phase 1 complete: the first round does not wait)."""
+    g = base
+    mbarrier.wait(k_empty.index(g % STAGES), ((g // STAGES) & 1) ^ 1)
+    mbarrier.expect(k_bar.index(g % STAGES), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [k_row0, k_col0], k_bar.index(g % STAGES), k_smem.index(g % STAGES))
     for blk in range(n_blocks):
         nxt = blk + 1
         if nxt < n_blocks:
-            ns = nxt % STAGES
-            mbarrier.wait(k_empty.index(ns), ((nxt // STAGES) & 1) ^ 1)
+            gn = base + nxt
+            ns = gn % STAGES
+            mbarrier.wait(k_empty.index(ns), ((gn // STAGES) & 1) ^ 1)
             mbarrier.expect(k_bar.index(ns), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_row0 + nxt * BLOCK_N, k_col0], k_bar.index(ns),
                                             k_smem.index(ns))
-        slot = blk % STAGES
-        mbarrier.wait(v_empty.index(slot), ((blk // STAGES) & 1) ^ 1)
+        g = base + blk
+        slot = g % STAGES
+        mbarrier.wait(v_empty.index(slot), ((g // STAGES) & 1) ^ 1)
         mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [v_row0 + blk * BLOCK_N, v_col0], v_bar.index(slot),
                                         v_smem.index(slot))
 
 
 @gluon.jit
+def _flat_coords(off, stride_m):
+    """(row, column) of element offset ``off`` in a (rows, stride_m) view (int32: the caller checked)."""
+    return (off // stride_m).to(gl.int32), (off % stride_m).to(gl.int32)
+
+
+@gluon.jit
 def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, O, LSE,
              o_off, l_off, stride_om, Sq, Sk, qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr,
-             NW: gl.constexpr, TURNS: gl.constexpr, o_desc, o_row0, o_col0, HOST_O: gl.constexpr):
+             NW: gl.constexpr, TURNS: gl.constexpr, o_desc, HOST_O: gl.constexpr, base, q_phase):
     """A consumer's whole work on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``), NW warps: the
     blocks' QK^T and P V on asynchronous wgmma, the next QK^T in flight during the softmax; K_j released
     through ``k_empty`` once its QK^T completed, V_j through ``v_empty`` once its P V did; then O / l by
     TMA through ``q_tile``, and lse. TURNS (ping-pong): tensor-core work is issued only on this
-    warpgroup's turn (``turn_bar[WG]``), passed to the other warpgroup right after the issue."""
+    warpgroup's turn (``turn_bar[WG]``), passed to the other warpgroup right after the issue. ``base``:
+    key blocks the CTA consumed before this tile (ring slots, phases and turns continue from there);
+    ``q_phase``: the phase of ``q_ready`` that this tile's Q completes."""
     dtype: gl.constexpr = q_tile.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -150,27 +162,28 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
 
-    mbarrier.wait(q_ready, 0)
-    mbarrier.wait(k_bar.index(0), 0)
-    if TURNS:  # turn t completes phase t of turn_bar[WG] (warpgroup 0's phase 0 at init)
-        mbarrier.wait(turn_bar.index(WG), 0)
-    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(q_ready, q_phase)
+    mbarrier.wait(k_bar.index(base % STAGES), (base // STAGES) & 1)
+    if TURNS:  # issue t (counted over the CTA's tiles) waits phase t of turn_bar[WG] (warpgroup 0's 0 at init)
+        mbarrier.wait(turn_bar.index(WG), base & 1)
+    s = warpgroup_mma(q_tile, k_smem.index(base % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if TURNS:
         mbarrier.arrive(turn_bar.index(1 - WG), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(base % STAGES), count=1)
     if _needs_mask(0, my_m, Sk, BLOCK_N, IS_CAUSAL):
         s = _mask_scores(s, 0, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
     m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     for j in range(1, n_blocks):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
-        mbarrier.wait(v_bar.index(prev), ((j - 1) // STAGES) & 1)
+        g = base + j
+        slot = g % STAGES
+        prev = (g - 1) % STAGES
+        mbarrier.wait(k_bar.index(slot), (g // STAGES) & 1)
+        mbarrier.wait(v_bar.index(prev), ((g - 1) // STAGES) & 1)
         if TURNS:
-            mbarrier.wait(turn_bar.index(WG), j & 1)
+            mbarrier.wait(turn_bar.index(WG), g & 1)
         s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         if TURNS:
@@ -186,29 +199,23 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
         mbarrier.arrive(v_empty.index(prev), count=1)  # V of block j - 1 is no longer read
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
 
-    last = n_blocks - 1
+    last = base + n_blocks - 1
     mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(last % STAGES), count=1)  # the next tile's blocks reuse the ring
 
     l_o = gl.convert_layout(l_i, row_o)
     out = acc / gl.expand_dims(l_o, 1)
     rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     gl.store(LSE + l_off + rows, lse, mask=rows < Sq)
-    if HOST_O:  # the caller's descriptor over every head's rows: whole tiles by TMA, the tail by pointer
-        if my_m + BLOCK_M <= Sq:
-            q_tile.store(out.to(dtype))  # every QK^T is complete: Q's buffer stages O
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [o_row0 + my_m, o_col0], q_tile)
-        else:
-            cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-            rows_o = my_m + gl.arange(0, BLOCK_M, layout=row_o)
-            ptrs = O + o_off + gl.expand_dims(rows_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
-            gl.store(ptrs, out.to(dtype), mask=gl.expand_dims(rows_o < Sq, 1))
-    else:  # this head's (Sq, D) slice, made on the device: the store clips rows >= Sq
-        q_tile.store(out.to(dtype))
-        fence_async_shared()
+    q_tile.store(out.to(dtype))  # every QK^T is complete: Q's buffer stages O
+    fence_async_shared()
+    if HOST_O and my_m + BLOCK_M <= Sq:  # the caller's descriptor over every head's rows: a whole tile
+        o_row0, o_col0 = _flat_coords(o_off, stride_om)
+        tma.async_copy_shared_to_global(o_desc, [o_row0 + my_m, o_col0], q_tile)
+    else:  # this head's (Sq, D) slice, made on the device: the store clips rows >= Sq (a tail tile)
         o_head = tma.make_tensor_descriptor(O + o_off, [Sq, HEAD_D], [stride_om, 1], [BLOCK_M, HEAD_D], q_layout)
         tma.async_copy_shared_to_global(o_head, [my_m, 0], q_tile)
     tma.store_wait(pendings=0)
@@ -229,44 +236,96 @@ def _head_descriptors(Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, strid
 
 
 @gluon.jit
-def _consumer0(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar,
-               O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, q_col0, k_row0, k_col0, v_row0,
-               v_col0, o_row0, o_col0, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr):
-    _consume(q_smem.index(0), k_smem, v_smem, q_bar.index(0), k_bar, v_bar, k_empty, v_empty, turn_bar, 0, O, LSE,
-             o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-             IS_CAUSAL, q_layout, 4, True, o_desc, o_row0, o_col0, HOST_DESC)
+def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Tile index -> (first query row of the CTA's 2 * BLOCK_M, batch, head, kv head (int64), key blocks).
+    Query tiles run fastest (a head's K/V stay in L2); causal tiles of a head longest first."""
+    pid_m = tile % n_m
+    if IS_CAUSAL:
+        pid_m = n_m - 1 - pid_m
+    hb = tile // n_m
+    h = hb % H
+    start_m = pid_m * (2 * BLOCK_M)
+    # the CTA's causal extent is its last warpgroup's; a warpgroup past the diagonal masks what it must
+    if IS_CAUSAL:
+        hi = gl.minimum(Sk, start_m + 2 * BLOCK_M)
+    else:
+        hi = Sk
+    return start_m, (hb // H).to(gl.int64), h.to(gl.int64), (h // GROUP).to(gl.int64), gl.cdiv(hi, BLOCK_N)
 
 
 @gluon.jit
-def _consumer1(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar,
-               O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, q_col0, k_row0, k_col0, v_row0,
-               v_col0, o_row0, o_col0, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr):
-    _consume(q_smem.index(1), k_smem, v_smem, q_bar.index(1), k_bar, v_bar, k_empty, v_empty, turn_bar, 1, O, LSE,
-             o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m + BLOCK_M, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
-             STAGES, IS_CAUSAL, q_layout, 4, True, o_desc, o_row0, o_col0, HOST_DESC)
+def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
+              k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+              stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
+              n_m, n_tiles, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr):
+    """Consumer warpgroup WG over the CTA's tiles: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each; its Q
+    buffer of a tile is (tile count % 2, WG), released through ``q_empty`` once O left it."""
+    base = 0
+    it = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        buf = (it % 2) * 2 + WG
+        _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty, v_empty, turn_bar, WG,
+                 O, LSE, b * stride_ob + h * stride_oh, b * stride_lb + h * stride_lh, stride_om, Sq, Sk, qk_scale,
+                 start_m + WG * BLOCK_M, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout, 4, True,
+                 o_desc, HOST_DESC, base, (it // 2) & 1)
+        mbarrier.arrive(q_empty.index(buf), count=1)
+        base += n_blocks
+        it += 1
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar,
-              O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, q_col0, k_row0, k_col0, v_row0,
-              v_col0, o_row0, o_col0, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr):
-    """The producer warp: both warpgroups' Q tiles, then the K/V ring (each stage's empty barriers count
-    2 arrivals, one per consumer)."""
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + start_m + wg * BLOCK_M, q_col0], q_bar.index(wg),
-                                        q_smem.index(wg))
-    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, k_row0, k_col0, v_row0,
-                  v_col0, STAGES, BLOCK_N)
+def _consumer0(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
+               k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
+               n_m, n_tiles, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr):
+    _consumer(0, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
+                        v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                        stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
+                        qk_scale, n_m, n_tiles, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, q_layout)
 
 
 @gluon.jit
-def _flat_coords(off, stride_m):
-    """(row, column) of element offset ``off`` in a (rows, stride_m) view (int32: the caller checked)."""
-    return (off // stride_m).to(gl.int32), (off % stride_m).to(gl.int32)
+def _consumer1(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
+               k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
+               n_m, n_tiles, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr):
+    _consumer(1, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
+                        v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                        stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
+                        qk_scale, n_m, n_tiles, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, q_layout)
+
+
+@gluon.jit
+def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
+              k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+              stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
+              n_m, n_tiles, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr):
+    """The producer warp, over the CTA's tiles: both warpgroups' Q tiles (double-buffered across tiles),
+    then the tile's K/V through the ring (each stage's empty barriers count 2 arrivals, one per consumer)."""
+    base = 0
+    it = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        q_row0, q_col0, k_row0, k_col0, v_row0, v_col0 = 0, 0, 0, 0, 0, 0
+        if HOST_DESC:
+            q_row0, q_col0 = _flat_coords(b * stride_qb + h * stride_qh, stride_qm)
+            k_row0, k_col0 = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
+            v_row0, v_col0 = _flat_coords(b * stride_vb + hk * stride_vh, stride_vn)
+        for wg in gl.static_range(2):
+            buf = (it % 2) * 2 + wg
+            mbarrier.wait(q_empty.index(buf), ((it // 2) & 1) ^ 1)
+            mbarrier.expect(q_bar.index(buf), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row0 + start_m + wg * BLOCK_M, q_col0], q_bar.index(buf),
+                                            q_smem.index(buf))
+        _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, base, k_row0, k_col0,
+                      v_row0, v_col0, STAGES, BLOCK_N)
+        base += n_blocks
+        it += 1
 
 
 @gluon.jit
@@ -274,49 +333,41 @@ def _attention_fwd_sm90_kernel(
     Q, K, V, O, LSE, QD, KD, VD, OD,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-    GROUP, Sq, Sk, qk_scale,
+    H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """A CTA takes 2 * BLOCK_M query rows: two consumer warpgroups (the default partition and a 4-warp
-    worker) in ping-pong over one K/V ring filled by a 1-warp producer. num_warps = 4. HOST_DESC: QD..OD
-    are the caller's descriptors over (rows, row stride) views of q, k, v, o, and a head's tiles sit at
-    (row, column) coordinates of its offset; else the head's descriptors are made on the device."""
+    """Tiles of 2 * BLOCK_M query rows of one (batch, head), n_m per head, n_tiles in all, over a 1-D grid:
+    a CTA takes tiles program_id, + num_programs, ... (persistent when the grid is smaller than n_tiles).
+    Two consumer warpgroups (the default partition and a 4-warp worker) in ping-pong over one K/V ring
+    filled by a 1-warp producer; num_warps = 4. HOST_DESC: QD..OD are the caller's descriptors over
+    (rows, row stride) views of q, k, v, o, and a head's tiles sit at (row, column) coordinates of its
+    offset; else (one tile per CTA) the CTA makes its head's descriptors on the device."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
-    pid_m = gl.program_id(0)
-    if IS_CAUSAL:  # the longest query tiles of a head first: the last wave holds the short ones
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    start_m = pid_m * (2 * BLOCK_M)
-    h64 = gl.program_id(1).to(gl.int64)
-    b = gl.program_id(2).to(gl.int64)
-    hk = (gl.program_id(1) // GROUP).to(gl.int64)
-    o_off = b * stride_ob + h64 * stride_oh
-    l_off = b * stride_lb + h64 * stride_lh
     if HOST_DESC:
         q_desc, k_desc, v_desc, o_desc = QD, KD, VD, OD
-        q_row0, q_col0 = _flat_coords(b * stride_qb + h64 * stride_qh, stride_qm)
-        k_row0, k_col0 = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
-        v_row0, v_col0 = _flat_coords(b * stride_vb + hk * stride_vh, stride_vn)
-        o_row0, o_col0 = _flat_coords(o_off, stride_om)
     else:
+        start_m, b, h, hk, n_blocks = _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
         q_desc, k_desc, v_desc = _head_descriptors(
             Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-            stride_vn, b, h64, hk, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
+            stride_vn, b, h, hk, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
         o_desc = q_desc  # (unused: the consumers make the head's O descriptor)
-        q_row0, q_col0, k_row0, k_col0, v_row0, v_col0, o_row0, o_col0 = 0, 0, 0, 0, 0, 0, 0, 0
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_D], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HEAD_D], q_layout)  # (tile parity, warpgroup)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(4):
         mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    for i in gl.static_range(2):
         mbarrier.init(turn_bar.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bar.index(i), count=1)
@@ -324,27 +375,20 @@ def _attention_fwd_sm90_kernel(
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
     mbarrier.arrive(turn_bar.index(0), count=1)  # warpgroup 0 has the first turn (phase 0 complete)
-
-    # the CTA's causal extent is its last warpgroup's; a warpgroup past the diagonal masks what it must
-    if IS_CAUSAL:
-        hi = gl.minimum(Sk, start_m + 2 * BLOCK_M)
-    else:
-        hi = Sk
-    n_blocks = gl.cdiv(hi, BLOCK_N)
     # (a tuple of the arguments cannot hold the constexpr layouts: each partition gets them spelled out)
     gl.warp_specialize([
-        (_consumer0, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O,
-                        LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, q_col0, k_row0,
-                        k_col0, v_row0, v_col0, o_row0, o_col0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC,
-                        q_layout)),
-        (_producer, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O,
-                        LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, q_col0, k_row0,
-                        k_col0, v_row0, v_col0, o_row0, o_col0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC,
-                        q_layout)),
-        (_consumer1, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, turn_bar, O,
-                        LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale, start_m, n_blocks, q_row0, q_col0, k_row0,
-                        k_col0, v_row0, v_col0, o_row0, o_col0, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC,
-                        q_layout)),
+        (_consumer0, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
+                        v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                        stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
+                        qk_scale, n_m, n_tiles, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, q_layout)),
+        (_producer, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
+                        v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                        stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
+                        qk_scale, n_m, n_tiles, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, q_layout)),
+        (_consumer1, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
+                        v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                        stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
+                        qk_scale, n_m, n_tiles, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, q_layout)),
     ], [1, 4], [24, 240])
 
 
@@ -413,6 +457,17 @@ def _flat_descriptor(t: torch.Tensor, block_rows: int, layout):
     return TensorDescriptor(t, [rows, sm], [sm, 1], [block_rows, d], layout)
 
 
+_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SMS.get(idx)
+    if n is None:
+        n = _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
 def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host_descriptors: bool = True):
     """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), covered per ``unsupported``. Returns o (laid out like q when
     TMA allows) and lse (B, Hq, Sq) fp32, as ``attention.attention_fwd`` does. ``host_descriptors``: take
@@ -431,12 +486,16 @@ def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host
                  _flat_descriptor(o, bm, ql))
         if any(x is None for x in descs):
             descs = None
-    if descs is None:
-        _tuning.ensure_allocator()
-    _launch.fast(_attention_fwd_sm90_kernel)[(_tuning.cdiv(sq, 2 * bm), hq, batch)](
+    _tuning.ensure_allocator()  # device-made descriptors (with host ones: for a query tail tile's store)
+    n_m = _tuning.cdiv(sq, 2 * bm)
+    n_tiles = n_m * hq * batch
+    # host descriptors: a persistent grid (one CTA per SM walks the tiles, the next tile's Q and K/V
+    # loads overlap the current epilogue); device-made ones: one tile per CTA
+    grid = min(n_tiles, _num_sms(q.device)) if descs is not None else n_tiles
+    _launch.fast(_attention_fwd_sm90_kernel)[(grid,)](
         q, k, v, o, lse, *(descs or (None,) * 4),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
-        hq // hkv, sq, sk, scale * LOG2E,
+        hq, hq // hkv, sq, sk, scale * LOG2E, n_m, n_tiles,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), HOST_DESC=descs is not None,
         q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
     return o, lse

@@ -43,7 +43,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar
     """The producer warp: Q, then K and V of every block, each stage once the consumers released it."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem)
-    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, 0, 0, 0, 0, STAGES,
+    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, 0, 0, 0, 0, 0, STAGES,
                   BLOCK_N)
 
 
@@ -55,7 +55,7 @@ def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_
                        q_layout: gl.constexpr, num_warps: gl.constexpr):
     _consume(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, k_empty, 0, O, LSE, o_off, l_off,
              stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
-             q_layout, num_warps, False, q_smem, 0, 0, False)
+             q_layout, num_warps, False, q_smem, False, 0, 0)
 
 
 @gluon.jit
@@ -175,6 +175,14 @@ def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
     return start.elapsed_time(end) / (calls * replays)
 
 
+# ping-pong: (BLOCK_M per warpgroup, BLOCK_N, STAGES); a CTA takes 2 * BLOCK_M rows
+PP_CONFIGS = {64: [(64, 128, 2), (64, 128, 3), (64, 64, 4)], 128: [(64, 128, 2), (64, 64, 3)]}
+
+
+CONFIGS = base.CONFIGS
+WARPS_TOTAL_REGS = 65536
+
+
 def _run(kernel, q, k, v, causal, scale, bm, bn, stages, rows_per_cta, warps, regs):
     """Allocate o (laid out like q where TMA allows) and lse, and launch ``kernel`` over (query tiles of
     ``rows_per_cta`` rows, heads, batch)."""
@@ -257,7 +265,7 @@ def _pkg_signature(fn) -> dict:
     for p in fn.params:
         n = p.name
         sig[n] = ("*bf16" if n in "QKVO" else "*fp32" if n == "LSE" else "i64" if n.startswith("stride")
-                  else "i32" if n in ("GROUP", "Sq", "Sk") else "fp32" if n == "qk_scale" else "constexpr")
+                  else "i32" if n in ("GROUP", "Sq", "Sk", "H", "n_m", "n_tiles") else "fp32" if n == "qk_scale" else "constexpr")
     return sig
 
 
