@@ -335,7 +335,7 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
         if name == "fwd" and cfg == "?" and sm90_case(D, S, causal, mask_kind, varlen):
             from pykernels._kernels import attention_sm90
             bm, bn, st = attention_sm90.CONFIGS[D]
-            cfg = f"gluon ping-pong 2x{bm}x{bn}/s{st}"
+            cfg = f"gluon ping-pong 2x{bm}x{bn}/s{st}{'' if causal else ' persistent'}"
         out.append(f"{name} {cfg}")
     return "; ".join(out)
 
@@ -346,7 +346,7 @@ def sm90_case(D: int, S: int, causal: bool, mask_kind: int, varlen: bool) -> boo
         return False
     from pykernels._kernels import attention as ka
     q = torch.empty(1, 1, S, D, device="cuda", dtype=torch.bfloat16)
-    return ka.sm90_forward(q, q, q, None, dropout_p=0.0, scale=D ** -0.5)
+    return ka.sm90_forward(q, q, q, None, dropout_p=0.0, scale=D ** -0.5, causal=causal)
 
 
 def run_case(case: Case, budget: Budget) -> list[dict]:

@@ -743,7 +743,7 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None) -> bool:
+def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None, causal: bool = False) -> bool:
     """Whether the dense forward runs the Gluon warp-specialised kernel of ``attention_sm90`` (Hopper;
     D = 128, or D = 64 with long keys: ``attention_sm90.preferred``) instead of ``_attention_fwd_kernel``. Cheap checks first, so
     other GPUs and CPU tensors never import the Gluon module."""
@@ -753,7 +753,7 @@ def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None
     if _tuning.interpret() or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     from . import attention_sm90
-    return attention_sm90.preferred(q, k) and attention_sm90.unsupported(
+    return attention_sm90.preferred(q, k, causal) and attention_sm90.unsupported(
         q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=False) is None
 
 
@@ -778,7 +778,7 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         os_ = (0, o.stride(1), o.stride(0))
         ls = (0, lse.stride(0))
     else:
-        if sm90_forward(q, k, v, mask, dropout_p=dropout_p, scale=scale, kv_range=kv_range):
+        if sm90_forward(q, k, v, mask, dropout_p=dropout_p, scale=scale, kv_range=kv_range, causal=causal):
             from . import attention_sm90
             return attention_sm90.attention_fwd_sm90(q, k, v, causal=causal, scale=scale)
         batch, hq, sq, d = q.shape

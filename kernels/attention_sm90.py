@@ -429,12 +429,15 @@ def enabled() -> bool:
     return os.environ.get("PYKERNELS_ATTN_SM90", "1") not in ("", "0")
 
 
-def preferred(q, k) -> bool:
-    """The auto path's speed rule (H100 run31, ``benchmarks/dev/attention_sm90_crossover.py``: against
-    the Triton forward 1.18-1.33x at D = 128 from Sk = 256 on; at D = 64 0.72-0.98x up to 2048 and
-    1.01-1.11x from 4096)."""
-    d = q.shape[-1]
-    return (d == 128 or (d == 64 and k.shape[2] >= MIN_SK_D64)) and enabled()
+def preferred(q, k, causal: bool) -> bool:
+    """The auto path's speed rule against the Triton forward (H100 run32,
+    ``benchmarks/dev/attention_sm90_crossover.py``, graph replay / do_bench): D = 128 always (1.08-1.64x);
+    D = 64 without causal masking from Sk = 512 (1.04-1.08x; at 256 1.08x in GPU time but 0.73x with the
+    host included), causal from 4096 (1.07-1.11x; 0.68-0.98x below)."""
+    d, sk = q.shape[-1], k.shape[2]
+    if d == 64:
+        return (sk >= MIN_SK_D64 or (not causal and sk >= 512)) and enabled()
+    return d == 128 and enabled()
 
 
 def _flat_descriptor(t: torch.Tensor, block_rows: int, layout):
@@ -468,10 +471,12 @@ def _num_sms(device) -> int:
     return n
 
 
-def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host_descriptors: bool = True):
+def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host_descriptors: bool = True,
+                       persistent: bool | None = None):
     """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), covered per ``unsupported``. Returns o (laid out like q when
     TMA allows) and lse (B, Hq, Sq) fp32, as ``attention.attention_fwd`` does. ``host_descriptors``: take
-    the host-descriptor variant where the layouts allow it (False: always make them on the device)."""
+    the host-descriptor variant where the layouts allow it (False: always make them on the device).
+    ``persistent`` False: one tile per CTA even where the persistent grid would be taken."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bm, bn, stages = config or CONFIGS[d]
@@ -489,9 +494,13 @@ def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host
     _tuning.ensure_allocator()  # device-made descriptors (with host ones: for a query tail tile's store)
     n_m = _tuning.cdiv(sq, 2 * bm)
     n_tiles = n_m * hq * batch
-    # host descriptors: a persistent grid (one CTA per SM walks the tiles, the next tile's Q and K/V
-    # loads overlap the current epilogue); device-made ones: one tile per CTA
-    grid = min(n_tiles, _num_sms(q.device)) if descs is not None else n_tiles
+    # host descriptors without causal masking: a persistent grid (one CTA per SM walks the tiles; the next
+    # tile's Q and K/V loads overlap the current epilogue). Causal: one tile per CTA, longest first: a
+    # static round robin gives each CTA tiles of one length (when #SMs is a multiple of the tiles per
+    # head), so the CTAs holding the diagonal's long tiles finish last (run32: 0.69-0.95x of this).
+    # Device-made descriptors: one tile per CTA.
+    persistent = descs is not None and not causal and persistent is not False
+    grid = min(n_tiles, _num_sms(q.device)) if persistent else n_tiles
     _launch.fast(_attention_fwd_sm90_kernel)[(grid,)](
         q, k, v, o, lse, *(descs or (None,) * 4),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],

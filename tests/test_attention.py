@@ -794,8 +794,10 @@ def test_gpu_sm90_dispatch_rules(monkeypatch):
     assert katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=sc)
     assert katt.sm90_forward(q, k[:, :, :17], v[:, :, :17], None, dropout_p=0.0, scale=sc)  # D = 128: any length
     q64, k64 = q[..., :64].contiguous(), torch.randn(1, 2, 4096, 64, dtype=BF16, device="cuda")
-    assert katt.sm90_forward(q64, k64, k64, None, dropout_p=0.0, scale=sc)  # D = 64: long keys only
-    assert not katt.sm90_forward(q64, k64[:, :, :2048], k64[:, :, :2048], None, dropout_p=0.0, scale=sc)
+    # D = 64: without causal masking from 512 keys, causal from 4096
+    for sk, causal, expected in ((4096, True, True), (2048, True, False), (512, False, True), (256, False, False)):
+        kk64 = k64[:, :, :sk]
+        assert katt.sm90_forward(q64, kk64, kk64, None, dropout_p=0.0, scale=sc, causal=causal) == expected, (sk, causal)
     assert not katt.sm90_forward(q[..., :80].contiguous(), k[..., :80].contiguous(), v[..., :80].contiguous(), None,
                                  dropout_p=0.0, scale=sc)  # D = 80: Triton
     assert not katt.sm90_forward(q, k, v, None, dropout_p=0.1, scale=sc)
@@ -838,8 +840,8 @@ def test_gpu_sm90_forward_in_cuda_graph():
 @pytest.mark.parametrize("layout,sq,sk,hq,hkv", [("bhsd", 1000, 1100, 4, 2), ("bshd", 1031, 1024, 4, 4),
                                                   ("expanded", 257, 1024, 4, 1), ("bhsd", 64, 1024, 2, 2)])
 def test_gpu_sm90_host_descriptors_equal_device_ones(layout, sq, sk, hq, hkv):
-    # host-built descriptors over (rows, row stride) views, with the tail tile stored by pointer, give
-    # bit for bit what the per-head descriptors made on the device give
+    # host-built descriptors over (rows, row stride) views (persistent grid or one tile per CTA) give bit for
+    # bit what the per-head descriptors made on the device give
     from pykernels._kernels import attention_sm90 as ks
     b = 2
     if layout == "bshd":
@@ -855,8 +857,10 @@ def test_gpu_sm90_host_descriptors_equal_device_ones(layout, sq, sk, hq, hkv):
     assert all(ks._flat_descriptor(t, r, lay) is not None for t, r, lay in ((q, 64, ql), (k, 128, kl), (v, 128, kl)))
     for causal in (False, True):
         o_dev, l_dev = ks.attention_fwd_sm90(q, k, v, causal=causal, scale=0.1, host_descriptors=False)
-        o_host, l_host = ks.attention_fwd_sm90(q, k, v, causal=causal, scale=0.1)
+        o_host, l_host = ks.attention_fwd_sm90(q, k, v, causal=causal, scale=0.1)  # persistent unless causal
         assert torch.equal(o_host, o_dev) and torch.equal(l_host, l_dev)
+        o_one, l_one = ks.attention_fwd_sm90(q, k, v, causal=causal, scale=0.1, persistent=False)
+        assert torch.equal(o_one, o_dev) and torch.equal(l_one, l_dev)
         kk, vv = (t.repeat_interleave(hq // t.shape[1], 1) if t.stride(1) else t for t in (k, v))
         ref = torch.nn.functional.scaled_dot_product_attention(q.double(), kk.double(), vv.double(),
                                                                is_causal=causal, scale=0.1)

@@ -40,7 +40,7 @@ def main() -> None:
                             if flag == "1" else (lambda: katt.attention_fwd(q, k, v, None, causal=causal,
                                                                             scale=d ** -0.5, dropout_p=0.0, seed=0))
                     else:
-                        took = katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=d ** -0.5)
+                        took = katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=d ** -0.5, causal=causal)
                         assert took == (flag == "1"), (d, s, flag)
                         fn = lambda: katt.attention_fwd(q, k, v, None, causal=causal, scale=d ** -0.5,  # noqa: E731
                                                         dropout_p=0.0, seed=0)
