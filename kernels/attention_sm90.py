@@ -238,10 +238,13 @@ def _head_descriptors(Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, strid
 @gluon.jit
 def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Tile index -> (first query row of the CTA's 2 * BLOCK_M, batch, head, kv head (int64), key blocks).
-    Query tiles run fastest (a head's K/V stay in L2); causal tiles of a head longest first."""
+    Query tiles run fastest (a head's K/V stay in L2). Causal: a head's tiles longest first in even rounds
+    of the grid and shortest first in odd ones, so a persistent CTA alternates long and short tiles (the
+    host makes the grid a multiple of n_m: every head's tiles lie in one round)."""
     pid_m = tile % n_m
     if IS_CAUSAL:
-        pid_m = n_m - 1 - pid_m
+        if (tile // gl.num_programs(0)) % 2 == 0:
+            pid_m = n_m - 1 - pid_m
     hb = tile // n_m
     h = hb % H
     start_m = pid_m * (2 * BLOCK_M)
@@ -494,13 +497,15 @@ def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host
     _tuning.ensure_allocator()  # device-made descriptors (with host ones: for a query tail tile's store)
     n_m = _tuning.cdiv(sq, 2 * bm)
     n_tiles = n_m * hq * batch
-    # host descriptors without causal masking: a persistent grid (one CTA per SM walks the tiles; the next
-    # tile's Q and K/V loads overlap the current epilogue). Causal: one tile per CTA, longest first: a
-    # static round robin gives each CTA tiles of one length (when #SMs is a multiple of the tiles per
-    # head), so the CTAs holding the diagonal's long tiles finish last (run32: 0.69-0.95x of this).
-    # Device-made descriptors: one tile per CTA.
-    persistent = descs is not None and not causal and persistent is not False
-    grid = min(n_tiles, _num_sms(q.device)) if persistent else n_tiles
+    # host descriptors: a persistent grid (one CTA per SM walks the tiles; the next tile's Q and K/V loads
+    # overlap the current epilogue). Causal: the grid is a multiple of the tiles per head (n_m), so that
+    # alternate rounds reverse a head's order and each CTA alternates long and short tiles (a plain
+    # round robin gave each CTA tiles of one length: run32, 0.69-0.95x of one tile per CTA); one tile per
+    # CTA, longest first, where n_m exceeds the SMs. Device-made descriptors: one tile per CTA.
+    sms = _num_sms(q.device)
+    grid = n_tiles
+    if descs is not None and persistent is not False:
+        grid = min(n_tiles, sms if not causal else (sms // n_m * n_m if n_m <= sms else n_tiles))
     _launch.fast(_attention_fwd_sm90_kernel)[(grid,)](
         q, k, v, o, lse, *(descs or (None,) * 4),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
