@@ -137,14 +137,13 @@ def _flat_coords(off, stride_m):
 
 
 @gluon.jit
-def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, O, LSE,
-             o_off, l_off, stride_om, Sq, Sk, qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr,
-             NW: gl.constexpr, TURNS: gl.constexpr, o_desc, HOST_O: gl.constexpr, base, q_phase):
-    """A consumer's whole work on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``), NW warps: the
+def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, Sk,
+             qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, NW: gl.constexpr, TURNS: gl.constexpr, base, q_phase):
+    """A consumer's main loop on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``), NW warps: the
     blocks' QK^T and P V on asynchronous wgmma, the next QK^T in flight during the softmax; K_j released
-    through ``k_empty`` once its QK^T completed, V_j through ``v_empty`` once its P V did; then O / l by
-    TMA through ``q_tile``, and lse. TURNS (ping-pong): tensor-core work is issued only on this
+    through ``k_empty`` once its QK^T completed, V_j through ``v_empty`` once its P V did. Returns the
+    unnormalised O (fp32), the row max m (base 2) and the row sum l; ``_epilogue`` stores them. TURNS (ping-pong): tensor-core work is issued only on this
     warpgroup's turn (``turn_bar[WG]``), passed to the other warpgroup right after the issue. ``base``:
     key blocks the CTA consumed before this tile (ring slots, phases and turns continue from there);
     ``q_phase``: the phase of ``q_ready`` that this tile's Q completes."""
@@ -204,18 +203,36 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
     acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(last % STAGES), count=1)  # the next tile's blocks reuse the ring
+    return acc, m_i, l_i
 
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, q_tile, O, LSE, o_off, l_off, stride_om, Sq, my_m, o_desc, HEAD_D: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, HOST_O: gl.constexpr,
+              q_layout: gl.constexpr):
+    """O / l by TMA through ``q_tile`` (every QK^T is complete, so Q's buffer stages O) and lse (natural
+    log) by pointer. HOST_O: a whole tile goes through the caller's descriptor ``o_desc`` over every head's
+    rows; a tail tile (and every tile without HOST_O) through this head's (Sq, D) descriptor made on the
+    device, whose store clips rows >= Sq. The offsets are computed by the caller after the main loop, so
+    they hold no registers during it."""
+    dtype: gl.constexpr = q_tile.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_o = gl.convert_layout(l_i, row_o)
     out = acc / gl.expand_dims(l_o, 1)
     rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     gl.store(LSE + l_off + rows, lse, mask=rows < Sq)
-    q_tile.store(out.to(dtype))  # every QK^T is complete: Q's buffer stages O
+    q_tile.store(out.to(dtype))
     fence_async_shared()
-    if HOST_O and my_m + BLOCK_M <= Sq:  # the caller's descriptor over every head's rows: a whole tile
+    if HOST_O and my_m + BLOCK_M <= Sq:
         o_row0, o_col0 = _flat_coords(o_off, stride_om)
         tma.async_copy_shared_to_global(o_desc, [o_row0 + my_m, o_col0], q_tile)
-    else:  # this head's (Sq, D) slice, made on the device: the store clips rows >= Sq (a tail tile)
+    else:
         o_head = tma.make_tensor_descriptor(O + o_off, [Sq, HEAD_D], [stride_om, 1], [BLOCK_M, HEAD_D], q_layout)
         tma.async_copy_shared_to_global(o_head, [my_m, 0], q_tile)
     tma.store_wait(pendings=0)
@@ -265,17 +282,21 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
     """Consumer warpgroup WG over the CTA's tiles: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each; its Q
     buffer of a tile is (tile count % 2, WG), released through ``q_empty`` once O left it."""
     base = 0
-    it = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        it = (tile - gl.program_id(0)) // gl.num_programs(0)  # this CTA's tile count (not loop-carried)
         buf = (it % 2) * 2 + WG
-        _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty, v_empty, turn_bar, WG,
-                 O, LSE, b * stride_ob + h * stride_oh, b * stride_lb + h * stride_lh, stride_om, Sq, Sk, qk_scale,
-                 start_m + WG * BLOCK_M, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout, 4, True,
-                 o_desc, HOST_DESC, base, (it // 2) & 1)
+        my_m = start_m + WG * BLOCK_M
+        acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty, v_empty,
+                                 turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                                 IS_CAUSAL, 4, True, base, (it // 2) & 1)
+        hb = tile // n_m  # (batch, head) again: not held in registers through the main loop
+        b = (hb // H).to(gl.int64)
+        h = (hb % H).to(gl.int64)
+        _epilogue(acc, m_i, l_i, q_smem.index(buf), O, LSE, b * stride_ob + h * stride_oh, b * stride_lb + h * stride_lh,
+                  stride_om, Sq, my_m, o_desc, HEAD_D, BLOCK_M, BLOCK_N, 4, HOST_DESC, q_layout)
         mbarrier.arrive(q_empty.index(buf), count=1)
         base += n_blocks
-        it += 1
 
 
 @gluon.jit

@@ -34,7 +34,7 @@ _spec = importlib.util.spec_from_file_location(
 base = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(base)
 from pykernels._kernels import attention_sm90 as pkg  # noqa: E402
-from pykernels._kernels.attention_sm90 import _consume, _fill_kv_ring, _head_descriptors  # noqa: E402
+from pykernels._kernels.attention_sm90 import _consume, _epilogue, _fill_kv_ring, _head_descriptors  # noqa: E402
 
 
 @gluon.jit
@@ -53,9 +53,10 @@ def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_
                        O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale,
                        HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr,
                        q_layout: gl.constexpr, num_warps: gl.constexpr):
-    _consume(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, k_empty, 0, O, LSE, o_off, l_off,
-             stride_om, Sq, Sk, qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
-             q_layout, num_warps, False, q_smem, False, 0, 0)
+    acc, m_i, l_i = _consume(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, k_empty, 0, Sk, qk_scale,
+                             start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, num_warps, False, 0, 0)
+    _epilogue(acc, m_i, l_i, q_smem, O, LSE, o_off, l_off, stride_om, Sq, start_m, q_smem, HEAD_D, BLOCK_M, BLOCK_N,
+              num_warps, False, q_layout)
 
 
 @gluon.jit
