@@ -6,46 +6,50 @@ producer and consumers, so the Triton forward in ``attention.py`` tops out at 0.
 H100 at D = 128. Gluon (Triton's lower-level language; same compiler, launcher and cache) gives the
 kernel explicit shared memory, mbarriers, TMA, asynchronous wgmma and warp specialisation.
 
-Structure of ``_attention_fwd_sm90_kernel`` (one CTA = 2 x 64 query rows of one (batch, head)):
+Structure of ``_attention_fwd_sm90_kernel``. A tile is 2 x 64 query rows of one (batch, head); a CTA
+walks tiles program_id, + num_programs, ... (a persistent grid of one CTA per SM, or one tile per CTA).
 
 * a 1-warp **producer** (``gl.warp_specialize`` worker, 24 registers) issues every TMA load: both
-  warpgroups' Q tiles, then K and V block by block into a STAGES-deep ring, K one block ahead of V
-  (order K0, K1, V0, K2, V1, ...). Each stage of K and of V has its own ``empty`` mbarrier (2 arrivals,
-  one per consumer), so the next QK^T's operand never queues behind the V the current P V still reads;
+  warpgroups' Q tiles (double-buffered across tiles, so the next tile's Q arrives during this tile's
+  epilogue), then K and V block by block into a STAGES-deep ring, K one block ahead of V (order K0, K1,
+  V0, K2, V1, ...). Each stage of K and of V has its own ``empty`` mbarrier (2 arrivals, one per
+  consumer), so the next QK^T's operand never queues behind the V the current P V still reads;
 * two **consumer warpgroups** (the default partition and a 4-warp worker, ``setmaxnreg`` 240 each), 64
   query rows each, share the ring. Each runs the intra-warpgroup overlap: issue S_j = Q K_j^T and
   O += P_{j-1} V_{j-1} asynchronously, wait for S_j only, release K_j, run the online softmax on S_j
   while the P V wgmma runs, then wait for it, release V_{j-1} and rescale O;
 * **ping-pong**: the right to issue tensor-core work alternates between the consumers through two
   "turn" mbarriers (taken before the issue, passed on right after it), so one warpgroup's softmax
-  runs during the other's GEMMs and the tensor cores stay busy.
-
-Causal CTAs of a head run longest first (the query-tile index is reversed; the tiles of one head
-still run together, so K/V stay in L2), so the last wave holds short tiles.
+  runs during the other's GEMMs and the tensor cores stay busy. Ring slots, phases and turns are
+  counted over the CTA's tiles.
+* **schedule**: query tiles fastest (a head's K/V stay in L2). Causal: the grid is a multiple of the
+  tiles per head and alternate rounds reverse a head's order, so each persistent CTA alternates long and
+  short tiles (a plain round robin handed each CTA tiles of one length, run32: 0.69-0.95x of one tile
+  per CTA; alternating, run34: D = 64 GPT-2 shape 217 -> 276 TFLOP/s).
 
 The epilogue of each consumer: O / l through its Q buffer by TMA (see Descriptors for the tail), and
 lse = (m + log2 l) * ln 2 (natural log, as the Triton forward saves it, so ``attention_bwd`` takes it).
 Scores are in base 2 (``qk_scale = scale * log2 e``). Causal masking is top-left aligned as in
-``attention.py``: a CTA visits the key blocks up to its last row's diagonal; a block is masked only
+``attention.py``: a tile visits the key blocks up to its last row's diagonal; a block is masked only
 where it crosses the diagonal or the key tail (a uniform branch).
 
 Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 128), no mask, no dropout, not
-varlen, scale > 0, Sq and Sk >= 1, TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto
-path: D = 128 always, D = 64 from Sk = 4096 (H100 run31, graph replay against the Triton forward:
-1.20-1.32x at D = 128 from S = 256 to 8192; at D = 64 0.74-0.99x up to 2048, 1.05-1.11x from 4096).
+varlen, scale > 0, Sq and Sk >= 1, TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto path.
 
 Descriptors. Where q, k, v and o can each be seen as one (rows, row stride) matrix in which every
 (batch, head) slice is a run of rows at one column offset (contiguous (B, H, S, D); transformers'
 (B, S, H, D) views; expanded batch or head dims), the host builds one descriptor per tensor and a CTA
 addresses its head at (row, column) coordinates (``HOST_DESC``); tiles that run past a head's Sk read
-the next head's rows and are masked like any key tail, and a query tail tile is stored through
-pointers so that it never writes the next head's rows. Otherwise each CTA makes its head's descriptors
-on the device (bitwise the same results, a GPU test checks it). Host descriptors took the D = 64
-BERT-base forward from 190 to 273 TFLOP/s (graph replay, run31): making descriptors on the device
-costs several microseconds per CTA, a third of a short CTA's time.
+the next head's rows and are masked like any key tail, and a query tail tile is stored through a
+descriptor of its head made on the device, whose store clips at Sq. Otherwise (other layouts) each CTA
+makes its head's descriptors on the device and takes one tile (bitwise the same results; a GPU test
+checks it). Making descriptors on the device costs several microseconds per CTA: host descriptors
+took the D = 64 BERT-base forward from 181 to 344 TFLOP/s with the persistent grid (run34).
 
-Measured, H100 80GB HBM3, triton 3.6, bf16 forward (graph replay, run31): B2 H16 S8192 D128 596 / 550
-TFLOP/s full / causal (cuDNN 597 / 536, Triton 459 / 426); B32 H12 S512 D64 273 (Triton 322, cuDNN 378).
+Measured, H100 80GB HBM3, triton 3.6, bf16 forward, graph replay, run34 (same run): B32 H12 S512 D64
+344 TFLOP/s (Triton 323, cuDNN 379); B8 H12 S1024 D64 causal 276 (217, 277); B16 H16 S1024 D128 causal
+460 (278, 439); B4 H16 S4096 D128 causal 579 (396, 516); B2 H16 S8192 D128 585 / 592 full / causal
+(449 / 430, 623 / 528).
 
 Gluon has no CPU interpreter: this runs on the GPU only (CPU CI compiles it for sm_90 in
 ``tests/test_gluon_sm90_compile.py``). ``PYKERNELS_ATTN_SM90=0`` turns the auto path off.
@@ -68,7 +72,7 @@ LOG2E = 1.4426950408889634
 # (rows per consumer warpgroup, BLOCK_N, STAGES) per head dim; a CTA takes two warpgroups' rows
 CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2)}
 MAX_REGS = 65536 // (12 * 32) // 8 * 8  # 12 warps on one SM: the launch cap (168); setmaxnreg moves them
-MIN_SK_D64 = 4096  # the auto path's rule at D = 64 (at D = 128 it always wins): ``preferred``
+MIN_SK_D64 = 1024  # the auto path's rule at D = 64, causal (at D = 128 it always wins): ``preferred``
 
 
 @gluon.jit
@@ -454,34 +458,14 @@ def enabled() -> bool:
 
 
 def preferred(q, k, causal: bool) -> bool:
-    """The auto path's speed rule against the Triton forward (H100 run32,
-    ``benchmarks/dev/attention_sm90_crossover.py``, graph replay / do_bench): D = 128 always (1.08-1.64x);
-    D = 64 without causal masking from Sk = 512 (1.04-1.08x; at 256 1.08x in GPU time but 0.73x with the
-    host included), causal from 4096 (1.07-1.11x; 0.68-0.98x below)."""
+    """The auto path's speed rule against the Triton forward (H100 run34,
+    ``benchmarks/dev/attention_sm90_crossover.py``, graph replay): D = 128 always (1.17-1.64x); D = 64
+    without causal masking from Sk = 512 (1.04-1.09x; 0.97x at 256), causal from 1024 (1.10-1.18x; 0.72x
+    at 256, 0.91x at 512)."""
     d, sk = q.shape[-1], k.shape[2]
     if d == 64:
-        return (sk >= MIN_SK_D64 or (not causal and sk >= 512)) and enabled()
+        return sk >= (MIN_SK_D64 if causal else 512) and enabled()
     return d == 128 and enabled()
-
-
-def _flat_descriptor(t: torch.Tensor, block_rows: int, layout):
-    """A host descriptor over ``t`` (B, H, S, D) seen as a (rows, stride(2)) matrix, in which every (batch,
-    head) slice is a run of rows at one column offset; None when the strides do not allow that (then the
-    kernel makes each head's descriptors on the device). Covers contiguous (B, H, S, D) and the (B, S, H, D)
-    transposed views, packed or padded rows, and expanded (stride 0) batch or head dims."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    batch, heads, seq, d = t.shape
-    sb, sh, sm, _ = t.stride()
-    if sm < d or seq < block_rows:
-        return None
-    if batch > 1 and sb % sm:
-        return None
-    if heads > 1 and sh % sm and not (sh >= d and sh * (heads - 1) + d <= sm):
-        return None
-    rows = ((batch - 1) * sb + (heads - 1) * sh) // sm + seq
-    if rows >= 2**31:
-        return None
-    return TensorDescriptor(t, [rows, sm], [sm, 1], [block_rows, d], layout)
 
 
 _SMS: dict = {}

@@ -794,8 +794,8 @@ def test_gpu_sm90_dispatch_rules(monkeypatch):
     assert katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=sc)
     assert katt.sm90_forward(q, k[:, :, :17], v[:, :, :17], None, dropout_p=0.0, scale=sc)  # D = 128: any length
     q64, k64 = q[..., :64].contiguous(), torch.randn(1, 2, 4096, 64, dtype=BF16, device="cuda")
-    # D = 64: without causal masking from 512 keys, causal from 4096
-    for sk, causal, expected in ((4096, True, True), (2048, True, False), (512, False, True), (256, False, False)):
+    # D = 64: without causal masking from 512 keys, causal from 1024
+    for sk, causal, expected in ((1024, True, True), (512, True, False), (512, False, True), (256, False, False)):
         kk64 = k64[:, :, :sk]
         assert katt.sm90_forward(q64, kk64, kk64, None, dropout_p=0.0, scale=sc, causal=causal) == expected, (sk, causal)
     assert not katt.sm90_forward(q[..., :80].contiguous(), k[..., :80].contiguous(), v[..., :80].contiguous(), None,
