@@ -468,6 +468,26 @@ def preferred(q, k, causal: bool) -> bool:
     return d == 128 and enabled()
 
 
+def _flat_descriptor(t: torch.Tensor, block_rows: int, layout):
+    """A host descriptor over ``t`` (B, H, S, D) seen as a (rows, stride(2)) matrix, in which every (batch,
+    head) slice is a run of rows at one column offset; None when the strides do not allow that (then the
+    kernel makes each head's descriptors on the device). Covers contiguous (B, H, S, D) and the (B, S, H, D)
+    transposed views, packed or padded rows, and expanded (stride 0) batch or head dims."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    batch, heads, seq, d = t.shape
+    sb, sh, sm, _ = t.stride()
+    if sm < d or seq < block_rows:
+        return None
+    if batch > 1 and sb % sm:
+        return None
+    if heads > 1 and sh % sm and not (sh >= d and sh * (heads - 1) + d <= sm):
+        return None
+    rows = ((batch - 1) * sb + (heads - 1) * sh) // sm + seq
+    if rows >= 2**31:
+        return None
+    return TensorDescriptor(t, [rows, sm], [sm, 1], [block_rows, d], layout)
+
+
 _SMS: dict = {}
 
 

@@ -865,3 +865,42 @@ def test_gpu_sm90_host_descriptors_equal_device_ones(layout, sq, sk, hq, hkv):
         ref = torch.nn.functional.scaled_dot_product_attention(q.double(), kk.double(), vv.double(),
                                                                is_causal=causal, scale=0.1)
         assert (o_host.double() - ref).abs().max().item() < 2e-2
+
+
+# The sm_90 forward's host side runs anywhere: its descriptor views and its dispatch rule (CPU tests)
+def test_sm90_flat_descriptors_views():
+    from pykernels._kernels import attention_sm90 as ks
+    ql, kl = ks.smem_layouts(64, 128, 64, BF16)
+    b, h, s, d = 2, 3, 256, 64
+    t = torch.randn(b, h, s, d, dtype=BF16)
+    desc = ks._flat_descriptor(t, 64, ql)  # contiguous: rows (b, h, s), one column block
+    assert (desc.shape, desc.strides, desc.block_shape) == ([b * h * s, d], [d, 1], [64, d])
+    t = torch.randn(b, s, h, d, dtype=BF16).transpose(1, 2)  # transformers' layout: heads side by side in a row
+    desc = ks._flat_descriptor(t, 64, ql)
+    assert (desc.shape, desc.strides) == ([b * s, h * d], [h * d, 1])
+    t = torch.randn(b, 1, s, d, dtype=BF16).expand(b, h, s, d)  # expanded heads (GQA by expand)
+    assert ks._flat_descriptor(t, 128, kl).shape == [b * s, d]
+    t = torch.randn(b, h, s, 80, dtype=BF16)[..., :d]  # padded rows: the row stride is not D
+    assert ks._flat_descriptor(t, 64, ql).shape == [b * h * s, 80]
+    # no (rows, row stride) view: a batch stride that is not a whole number of rows; too few rows for a tile
+    base = torch.randn(2 * (h * s * d + 8), dtype=BF16)
+    odd = base.as_strided((2, h, s, d), (h * s * d + 8, s * d, d, 1))
+    assert ks._flat_descriptor(odd, 64, ql) is None
+    assert ks._flat_descriptor(torch.randn(1, 2, 17, d, dtype=BF16), 64, ql) is None
+
+
+def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
+    from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90 as ks
+
+    def qk(d, sk):
+        return torch.empty(1, 1, 64, d), torch.empty(1, 1, sk, d)
+    assert ks.preferred(*qk(128, 17), causal=True) and ks.preferred(*qk(128, 8192), causal=False)
+    assert ks.preferred(*qk(64, 512), causal=False) and not ks.preferred(*qk(64, 256), causal=False)
+    assert ks.preferred(*qk(64, 1024), causal=True) and not ks.preferred(*qk(64, 512), causal=True)
+    assert not ks.preferred(*qk(80, 4096), causal=False)
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90", "0")
+    assert not ks.preferred(*qk(128, 4096), causal=False)
+    q = torch.randn(1, 2, 64, 128, dtype=BF16)
+    assert ks.unsupported(q, q, q, None, dropout_p=0.0, scale=0.1, varlen=False) == "not an sm_90 GPU"
+    assert not katt.sm90_forward(q, q, q, None, dropout_p=0.0, scale=0.1)  # CPU tensors: never
