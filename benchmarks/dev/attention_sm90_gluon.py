@@ -217,24 +217,10 @@ def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None):
 
 
 def applies(q, k, v, mask, *, dropout_p: float, scale: float, varlen: bool) -> str | None:
-    """None when the sm_90 kernel covers the call, else the reason it does not."""
-    if varlen or mask is not None or dropout_p > 0:
-        return "masks, dropout and varlen"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "not sm_90"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return "dtype"
-    d = q.shape[-1]
-    if d not in CONFIGS or k.shape[-1] != d or v.shape[-1] != d:
-        return "head dim"
-    if not scale > 0:
-        return "scale"
-    if q.shape[2] == 0 or k.shape[2] == 0:
-        return "empty"
-    for t in (q, k, v):
-        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
-            return "TMA alignment"
-    return None
+    """None when the sm_90 kernel covers the call, else the reason it does not: the package kernel's
+    scope (``kernels/attention_sm90.unsupported``), which this experiment shares."""
+    from pykernels._kernels.attention_sm90 import unsupported
+    return unsupported(q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=varlen)
 
 
 def ref(q, k, v, causal, scale):
