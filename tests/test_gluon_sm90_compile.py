@@ -1,4 +1,6 @@
-"""The sm_90 Gluon experiments (``benchmarks/dev/attention_sm90_gluon*.py``, ``mlm_logits_sm90_gluon_ws.py``) compile for sm_90
+"""The sm_90 Gluon kernels (``kernels/attention_sm90.py`` through ``benchmarks/dev/attention_sm90_gluon_ws.py``,
+the experiments ``benchmarks/dev/attention_sm90_gluon*.py``, ``attention_bwd_sm90_gluon.py`` and
+``mlm_logits_sm90_gluon_ws.py``) compile for sm_90
 on any machine, with Triton's own ptxas and no register spills: Gluon API drift or a slip in the
 warp-specialised kernels shows here, before a GPU run. (Whether they compute the right thing is the
 GPU's to say: ``python benchmarks/dev/attention_sm90_gluon_ws.py``.) The compile runs in a child process
@@ -15,6 +17,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = os.path.join(ROOT, "benchmarks", "dev", "attention_sm90_gluon_ws.py")
 MLM = os.path.join(ROOT, "benchmarks", "dev", "mlm_logits_sm90_gluon_ws.py")
+BWD = os.path.join(ROOT, "benchmarks", "dev", "attention_bwd_sm90_gluon.py")
 
 pytest.importorskip("triton.experimental.gluon")
 
@@ -55,3 +58,16 @@ def test_gluon_mlm_logits_kernel_compiles_for_sm90():
         assert ": compiled;" in ln and "wgmma.wait_group 1: True" in ln and "'24;'" in ln, ln
     # the default config (first) keeps its accumulator and epilogue in registers
     assert all(", 0 bytes spilled" in ln for ln in lines[:2]), lines[:2]
+
+
+def test_gluon_attention_bwd_dkdv_kernel_compiles_for_sm90():
+    res = _compile_only(BWD)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("bwd-dkdv ")]
+    assert len(lines) == 6, out[-4000:]
+    for ln in lines:
+        assert ": compiled;" in ln and "wgmma.wait_group 1: True" in ln and "'24;'" in ln, ln
+    # each head dim's default config (listed first) keeps dK, dV and the score tiles in registers
+    defaults = [ln for ln in lines if "cfg(64, 64, 2)" in ln and "D64" in ln or "cfg(64, 32, 3)" in ln]
+    assert len(defaults) == 4 and all(", 0 bytes spilled" in ln for ln in defaults), defaults
