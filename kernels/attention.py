@@ -745,8 +745,8 @@ def _precision(dtype: torch.dtype) -> str:
 
 def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None, causal: bool = False) -> bool:
     """Whether the dense forward runs the Gluon warp-specialised kernel of ``attention_sm90`` (Hopper;
-    D = 128, or D = 64 with long keys: ``attention_sm90.preferred``) instead of ``_attention_fwd_kernel``. Cheap checks first, so
-    other GPUs and CPU tensors never import the Gluon module."""
+    D = 128, or D = 64 with long keys: ``attention_sm90.preferred``) instead of ``_attention_fwd_kernel``.
+    Cheap checks first, so other GPUs and CPU tensors never import the Gluon module."""
     if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or mask is not None or kv_range is not None \
             or dropout_p > 0:
         return False

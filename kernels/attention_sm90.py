@@ -34,7 +34,7 @@ Scores are in base 2 (``qk_scale = scale * log2 e``). Causal masking is top-left
 where it crosses the diagonal or the key tail (a uniform branch).
 
 Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 128), no mask, no dropout, not
-varlen, scale > 0, Sq and Sk >= 1, TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto path.
+varlen, scale > 0, no empty dimension, TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto path.
 
 Descriptors. Where q, k, v and o can each be seen as one (rows, row stride) matrix in which every
 (batch, head) slice is a run of rows at one column offset (contiguous (B, H, S, D); transformers'
@@ -415,6 +415,8 @@ def unsupported(q, k, v, mask, *, dropout_p: float, scale: float, varlen: bool) 
     """None when this kernel covers the call (dense (B, H, S, D) tensors), else the reason it does not."""
     if varlen or mask is not None or dropout_p > 0:
         return "a mask, dropout or varlen"
+    if q.numel() == 0 or k.numel() == 0:
+        return "an empty tensor"  # (a grid of no programs is not a valid launch)
     if q.device.type != "cuda" or _tuning.interpret() or torch.cuda.get_device_capability(q.device) != (9, 0):
         return "not an sm_90 GPU"
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -424,8 +426,6 @@ def unsupported(q, k, v, mask, *, dropout_p: float, scale: float, varlen: bool) 
         return "head dim is not 64 or 128 (or Dv != D)"
     if not scale > 0:
         return "scale <= 0"
-    if q.shape[2] == 0 or k.shape[2] == 0:
-        return "an empty sequence"
     if not all(_tma_ok(t) for t in (q, k, v)):
         return "strides not TMA-aligned"
     return None

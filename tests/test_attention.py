@@ -903,4 +903,7 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     assert not ks.preferred(*qk(128, 4096), causal=False)
     q = torch.randn(1, 2, 64, 128, dtype=BF16)
     assert ks.unsupported(q, q, q, None, dropout_p=0.0, scale=0.1, varlen=False) == "not an sm_90 GPU"
+    for empty in (q[:0], q[:, :0], q[:, :, :0]):  # no batch, no head, no query: never a grid of no programs
+        assert ks.unsupported(empty, q, q, None, dropout_p=0.0, scale=0.1, varlen=False) == "an empty tensor"
+    assert ks.unsupported(q, q[:, :, :0], q[:, :, :0], None, dropout_p=0.0, scale=0.1, varlen=False) == "an empty tensor"
     assert not katt.sm90_forward(q, q, q, None, dropout_p=0.0, scale=0.1)  # CPU tensors: never
