@@ -142,6 +142,13 @@ def _flat_coords(off, stride_m):
 
 
 @gluon.jit
+def _slice_desc(base, off, rows, stride_rows, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, layout: gl.constexpr):
+    """A descriptor, made on the device, of one (batch, head) slice: ``rows`` x HEAD_D from ``base + off``
+    with row stride ``stride_rows``, BLOCK-row tiles (a store through it clips rows >= ``rows``)."""
+    return tma.make_tensor_descriptor(base + off, [rows, HEAD_D], [stride_rows, 1], [BLOCK, HEAD_D], layout)
+
+
+@gluon.jit
 def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, Sk,
              qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, NW: gl.constexpr, TURNS: gl.constexpr, base, q_phase):
@@ -238,7 +245,7 @@ def _epilogue(acc, m_i, l_i, q_tile, O, LSE, o_off, l_off, stride_om, Sq, my_m, 
         o_row0, o_col0 = _flat_coords(o_off, stride_om)
         tma.async_copy_shared_to_global(o_desc, [o_row0 + my_m, o_col0], q_tile)
     else:
-        o_head = tma.make_tensor_descriptor(O + o_off, [Sq, HEAD_D], [stride_om, 1], [BLOCK_M, HEAD_D], q_layout)
+        o_head = _slice_desc(O, o_off, Sq, stride_om, HEAD_D, BLOCK_M, q_layout)
         tma.async_copy_shared_to_global(o_head, [my_m, 0], q_tile)
     tma.store_wait(pendings=0)
 
@@ -248,12 +255,9 @@ def _head_descriptors(Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, strid
                       stride_vn, b, h64, hk, Sq, Sk, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr):
     """The (batch b, head h64 / kv head hk) slices of Q, K and V as tensor descriptors made on the device."""
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh, [Sq, HEAD_D], [stride_qm, 1],
-                                        [BLOCK_M, HEAD_D], q_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [Sk, HEAD_D], [stride_kn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, [Sk, HEAD_D], [stride_vn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
+    q_desc = _slice_desc(Q, b * stride_qb + h64 * stride_qh, Sq, stride_qm, HEAD_D, BLOCK_M, q_layout)
+    k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
+    v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
     return q_desc, k_desc, v_desc
 
 

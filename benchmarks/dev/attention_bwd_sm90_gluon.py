@@ -48,6 +48,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+from pykernels._kernels.attention_sm90 import _slice_desc
+
 LOG2E = 1.4426950408889634
 # (keys per warpgroup, BLOCK_M queries, STAGES); the first is the default. At D = 128 with 64-query blocks
 # ptxas spills 92-116 bytes (dK, dV, S^T, dP^T near the 240 registers); 32-query blocks halve S^T and dP^T.
@@ -134,26 +136,6 @@ def _bwd_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do_
 
 
 @gluon.jit
-def _bwd_consumer0(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty, LSE,
-                   DELTA, dk_desc, dv_desc, H, GROUP, Sq, Sk, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
-                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr):
-    _bwd_consumer(0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty, LSE,
-                  DELTA, dk_desc, dv_desc, H, GROUP, Sq, Sk, qk_scale, scale, b, hk, start_n, j_lo, n_qb, HEAD_D,
-                  BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL)
-
-
-@gluon.jit
-def _bwd_consumer1(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty, LSE,
-                   DELTA, dk_desc, dv_desc, H, GROUP, Sq, Sk, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
-                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr):
-    _bwd_consumer(1, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty, LSE,
-                  DELTA, dk_desc, dv_desc, H, GROUP, Sq, Sk, qk_scale, scale, b, hk, start_n, j_lo, n_qb, HEAD_D,
-                  BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL)
-
-
-@gluon.jit
 def _attention_bwd_dkdv_sm90_kernel(q_desc, do_desc, K, V, DK, DV, LSE, DELTA,
                                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                                     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
@@ -169,14 +151,10 @@ def _attention_bwd_dkdv_sm90_kernel(q_desc, do_desc, K, V, DK, DV, LSE, DELTA,
     b = gl.program_id(2)
     b64 = b.to(gl.int64)
     hk64 = hk.to(gl.int64)
-    k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + hk64 * stride_kh, [Sk, HEAD_D], [stride_kn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b64 * stride_vb + hk64 * stride_vh, [Sk, HEAD_D], [stride_vn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
-    dk_desc = tma.make_tensor_descriptor(DK + b64 * stride_dkb + hk64 * stride_dkh, [Sk, HEAD_D], [stride_dkn, 1],
-                                         [BLOCK_N, HEAD_D], kv_layout)
-    dv_desc = tma.make_tensor_descriptor(DV + b64 * stride_dvb + hk64 * stride_dvh, [Sk, HEAD_D], [stride_dvn, 1],
-                                         [BLOCK_N, HEAD_D], kv_layout)
+    k_desc = _slice_desc(K, b64 * stride_kb + hk64 * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
+    v_desc = _slice_desc(V, b64 * stride_vb + hk64 * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
+    dk_desc = _slice_desc(DK, b64 * stride_dkb + hk64 * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
+    dv_desc = _slice_desc(DV, b64 * stride_dvb + hk64 * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], kv_layout)
@@ -194,13 +172,13 @@ def _attention_bwd_dkdv_sm90_kernel(q_desc, do_desc, K, V, DK, DV, LSE, DELTA,
         j_lo = start_n // BLOCK_M  # queries before the CTA's first key see none of its keys
     n_qb = gl.cdiv(Sq, BLOCK_M)
     gl.warp_specialize([
-        (_bwd_consumer0, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
+        (_bwd_consumer, (0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
                           LSE, DELTA, dk_desc, dv_desc, H, GROUP, Sq, Sk, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
                           HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL)),
         (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
                          LSE, DELTA, dk_desc, dv_desc, H, GROUP, Sq, Sk, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
                          HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL)),
-        (_bwd_consumer1, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
+        (_bwd_consumer, (1, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
                           LSE, DELTA, dk_desc, dv_desc, H, GROUP, Sq, Sk, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
                           HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL)),
     ], [1, 4], [24, 240])

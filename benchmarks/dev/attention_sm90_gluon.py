@@ -63,7 +63,8 @@ from triton.testing import do_bench
 from pykernels._alloc import empty, empty_like_layout
 from pykernels._kernels import _launch, _tuning
 from pykernels._kernels import attention as tri
-from pykernels._kernels.attention_sm90 import _mask_scores, _needs_mask, _softmax_step, smem_layouts  # noqa: F401
+from pykernels._kernels.attention_sm90 import (  # noqa: F401
+    _head_descriptors, _mask_scores, _needs_mask, _slice_desc, _softmax_step, smem_layouts)
 
 LOG2E = 1.4426950408889634
 
@@ -102,12 +103,9 @@ def _attention_fwd_sm90_kernel(
     h64 = h.to(gl.int64)
     start_m = pid_m * BLOCK_M
 
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h64 * stride_qh, [Sq, HEAD_D], [stride_qm, 1],
-                                        [BLOCK_M, HEAD_D], q_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [Sk, HEAD_D], [stride_kn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, [Sk, HEAD_D], [stride_vn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
+    q_desc, k_desc, v_desc = _head_descriptors(
+        Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        b, h64, hk, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
@@ -182,8 +180,7 @@ def _attention_fwd_sm90_kernel(
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     gl.store(LSE + b * stride_lb + h64 * stride_lh + rows, lse, mask=rows < Sq)
     # Q's buffer stages O for the TMA store (which clips rows >= Sq)
-    o_desc = tma.make_tensor_descriptor(O + b * stride_ob + h64 * stride_oh, [Sq, HEAD_D], [stride_om, 1],
-                                        [BLOCK_M, HEAD_D], q_layout)
+    o_desc = _slice_desc(O, b * stride_ob + h64 * stride_oh, Sq, stride_om, HEAD_D, BLOCK_M, q_layout)
     gl.thread_barrier()
     q_smem.store(out.to(dtype))
     fence_async_shared()
