@@ -756,6 +756,22 @@ def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None
         q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=False) is None
 
 
+def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range=None, causal: bool = False) -> str:
+    """Which Gluon backward kernels of ``attention_sm90_bwd`` ("dkdv", "dq", both or "") the dense backward
+    takes instead of the Triton ones: the forward's cover (``attention_sm90.unsupported``), a TMA-aligned
+    ``do`` and the speed rule ``attention_sm90_bwd.kernels``. Each kernel may still decline a layout (then
+    its Triton kernel runs)."""
+    if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or mask is not None or kv_range is not None \
+            or dropout_p > 0:
+        return ""
+    from . import attention_sm90, attention_sm90_bwd
+    which = attention_sm90_bwd.kernels(q, k, causal)
+    if not which or not attention_sm90.enabled() or do.dtype != q.dtype or not attention_sm90._tma_ok(do) \
+            or attention_sm90.unsupported(q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=False) is not None:
+        return ""
+    return which
+
+
 def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float, seed: int,
                   kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0):
@@ -853,14 +869,21 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
                   PRECISION=_precision(q.dtype),
                   IDX64=_needs_idx64(sq, sk, [seq3(t)[2] for t in (q, k, v, do, dq, dk, dv)], ms))
     bucket = _seq_bucket(sq, sk)
-    _launch.fast(_attention_bwd_dkdv_kernel)[lambda meta: (_tuning.cdiv(sk, meta["BLOCK_N"]), hkv, batch)](
-        q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
-        *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dk), *seq3(dv), *ls, *ms,
-        hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
-    _launch.fast(_attention_bwd_dq_kernel)[lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)](
-        q, k, v, do, dq, lse, delta, mask_t, kvr, cu_q, cu_k,
-        *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dq), *ls, *ms,
-        hq, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
+    gluon = "" if varlen else sm90_backward(q, k, v, do, mask, dropout_p=dropout_p, scale=scale, kv_range=kv_range,
+                                            causal=causal)
+    if gluon:
+        from . import attention_sm90_bwd as kb
+    if not ("dkdv" in gluon and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal,
+                                                            scale=scale)):
+        _launch.fast(_attention_bwd_dkdv_kernel)[lambda meta: (_tuning.cdiv(sk, meta["BLOCK_N"]), hkv, batch)](
+            q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
+            *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dk), *seq3(dv), *ls, *ms,
+            hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
+    if not ("dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=scale)):
+        _launch.fast(_attention_bwd_dq_kernel)[lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)](
+            q, k, v, do, dq, lse, delta, mask_t, kvr, cu_q, cu_k,
+            *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dq), *ls, *ms,
+            hq, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
     if varlen:
         _zero_uncovered(dq, None, cu_seqlens_q, sq)
         _zero_uncovered(dk, dv if dv.shape == dk.shape else None, cu_seqlens_k, sk)

@@ -241,12 +241,22 @@ def _epilogue(acc, m_i, l_i, q_tile, O, LSE, o_off, l_off, stride_om, Sq, my_m, 
     gl.store(LSE + l_off + rows, lse, mask=rows < Sq)
     q_tile.store(out.to(dtype))
     fence_async_shared()
-    if HOST_O and my_m + BLOCK_M <= Sq:
-        o_row0, o_col0 = _flat_coords(o_off, stride_om)
-        tma.async_copy_shared_to_global(o_desc, [o_row0 + my_m, o_col0], q_tile)
+    _store_rows(q_tile, O, o_off, stride_om, Sq, my_m, o_desc, HEAD_D, BLOCK_M, HOST_O, q_layout)
+
+
+@gluon.jit
+def _store_rows(tile, X, x_off, stride_xm, S, my_m, x_desc, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                HOST: gl.constexpr, layout: gl.constexpr):
+    """Rows [my_m, + BLOCK_M) of the (batch, head) slice at element offset ``x_off`` of X from the shared
+    ``tile`` (written and fenced) by TMA, then waits. HOST: a whole tile goes through the caller's
+    descriptor ``x_desc`` over every head's rows; a tail tile (and every tile without HOST) through this
+    head's (S, D) descriptor made on the device, whose store clips rows >= S."""
+    if HOST and my_m + BLOCK_M <= S:
+        row0, col0 = _flat_coords(x_off, stride_xm)
+        tma.async_copy_shared_to_global(x_desc, [row0 + my_m, col0], tile)
     else:
-        o_head = _slice_desc(O, o_off, Sq, stride_om, HEAD_D, BLOCK_M, q_layout)
-        tma.async_copy_shared_to_global(o_head, [my_m, 0], q_tile)
+        head = _slice_desc(X, x_off, S, stride_xm, HEAD_D, BLOCK_M, layout)
+        tma.async_copy_shared_to_global(head, [my_m, 0], tile)
     tma.store_wait(pendings=0)
 
 

@@ -781,7 +781,10 @@ def test_gpu_sm90_gluon_forward(dtype, layout, b, hq, hkv, sq, sk, causal):
     from pykernels._kernels import attention as katt
     q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout)
     assert katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=128 ** -0.5), "this case must take the sm_90 kernel"
-    _check_against_ref(q, k, v, causal=causal, enable_gqa=hq != hkv, what="sm90")
+    do = torch.randn(b, hq, sq, 128, dtype=dtype, device="cuda")
+    # the backward's Gluon kernels too (each declines a Q tile taller than Sq: Sq = 1 runs Triton's)
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=128 ** -0.5, causal=causal) == "dkdv,dq"
+    _check_against_ref(q, k, v, causal=causal, enable_gqa=hq != hkv, do=do, what="sm90")
 
 
 @pytest.mark.gpu
@@ -867,6 +870,55 @@ def test_gpu_sm90_host_descriptors_equal_device_ones(layout, sq, sk, hq, hkv):
         assert (o_host.double() - ref).abs().max().item() < 2e-2
 
 
+@pytest.mark.gpu
+@sm90_only
+@pytest.mark.parametrize("kernels", ["dkdv,dq", "dkdv", "dq"])
+@pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal", [
+    ("bhsd", 2, 4, 2, 1000, 1100, True), ("bshd", 1, 4, 4, 1031, 1024, False), ("bhsd", 1, 2, 2, 2049, 1024, True),
+    ("bhsd", 2, 2, 2, 64, 127, False), ("bshd", 1, 6, 2, 700, 700, True)])
+def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, sk, causal):
+    # each Gluon backward kernel, with the other's Triton kernel, against float64 and eager's error; a
+    # non-contiguous dO (a transposed view); the result bitwise reproducible (no atomics)
+    from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90_bwd as kb
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", kernels)
+    ran = []
+    for name in ("attention_bwd_dkdv_sm90", "attention_bwd_dq_sm90"):
+        def spy(*a, _f=getattr(kb, name), _n=name, **kw):
+            took = _f(*a, **kw)
+            ran.append((_n, took))
+            return took
+        monkeypatch.setattr(kb, name, spy)
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout)
+    do = torch.randn(b, sq, hq, 128, dtype=BF16, device="cuda").transpose(1, 2)
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=causal) == kernels
+    _, grads = _check_against_ref(q, k, v, causal=causal, scale=0.1, enable_gqa=hq != hkv, do=do,
+                                  what=f"sm90 bwd {kernels}")
+    assert sorted(ran) == sorted((f"attention_bwd_{n}_sm90", True) for n in kernels.split(","))
+    out = sdpa(q, k, v, is_causal=causal, scale=0.1, enable_gqa=hq != hkv, backend="triton")
+    again = _grads(out, (q, k, v), do)
+    assert all(torch.equal(x, y) for x, y in zip(grads, again))
+
+
+@pytest.mark.gpu
+@sm90_only
+def test_gpu_sm90_backward_dispatch_rules(monkeypatch):
+    from pykernels._kernels import attention as katt
+    q, k, v = _sm90_inputs(1, 2, 2, 256, 256, BF16, "bhsd")
+    do = torch.randn_like(q)
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1) == "dkdv,dq"
+    assert katt.sm90_backward(q[..., :64], k[..., :64], v[..., :64], do[..., :64], None, dropout_p=0.0,
+                              scale=0.1) == ""  # D = 64: the Triton kernels
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=0.1) == ""
+    assert katt.sm90_backward(q, k, v, do.expand_as(q)[..., :1].expand_as(q), None, dropout_p=0.0, scale=0.1) == ""
+    assert katt.sm90_backward(q, k, v, do.float(), None, dropout_p=0.0, scale=0.1) == ""
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "")
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1) == ""
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "dq")
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90", "0")
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1) == ""
+
+
 # The sm_90 forward's host side runs anywhere: its descriptor views and its dispatch rule (CPU tests)
 def test_sm90_flat_descriptors_views():
     from pykernels._kernels import attention_sm90 as ks
@@ -907,3 +959,8 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
         assert ks.unsupported(empty, q, q, None, dropout_p=0.0, scale=0.1, varlen=False) == "an empty tensor"
     assert ks.unsupported(q, q[:, :, :0], q[:, :, :0], None, dropout_p=0.0, scale=0.1, varlen=False) == "an empty tensor"
     assert not katt.sm90_forward(q, q, q, None, dropout_p=0.0, scale=0.1)  # CPU tensors: never
+    assert katt.sm90_backward(q, q, q, q, None, dropout_p=0.0, scale=0.1) == ""
+    from pykernels._kernels import attention_sm90_bwd as kb
+    assert kb.kernels(q, q, causal=False) == "dkdv,dq" and kb.kernels(q[..., :64], q, causal=False) == ""
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "dq")
+    assert kb.kernels(q, q, causal=True) == "dq"

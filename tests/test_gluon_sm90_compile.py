@@ -1,5 +1,5 @@
 """The sm_90 Gluon kernels (``kernels/attention_sm90.py`` through ``benchmarks/dev/attention_sm90_gluon_ws.py``,
-the experiments ``benchmarks/dev/attention_sm90_gluon*.py``, ``attention_bwd_sm90_gluon.py`` and
+the experiments ``benchmarks/dev/attention_sm90_gluon*.py``, ``attention_bwd_sm90_gluon.py`` (the package's backward kernels) and
 ``mlm_logits_sm90_gluon_ws.py``) compile for sm_90
 on any machine, with Triton's own ptxas and no register spills: Gluon API drift or a slip in the
 warp-specialised kernels shows here, before a GPU run. (Whether they compute the right thing is the
@@ -60,14 +60,18 @@ def test_gluon_mlm_logits_kernel_compiles_for_sm90():
     assert all(", 0 bytes spilled" in ln for ln in lines[:2]), lines[:2]
 
 
-def test_gluon_attention_bwd_dkdv_kernel_compiles_for_sm90():
+def test_gluon_attention_bwd_kernels_compile_for_sm90():
+    # kernels/attention_sm90_bwd.py's dK/dV and dQ kernels, each config the probe times
     res = _compile_only(BWD)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("bwd-dkdv ")]
-    assert len(lines) == 6, out[-4000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("bwd-dkdv ", "bwd-dq "))]
+    assert len([ln for ln in lines if ln.startswith("bwd-dkdv")]) == 6, out[-4000:]
+    assert len([ln for ln in lines if ln.startswith("bwd-dq")]) == 8, out[-4000:]
     for ln in lines:
         assert ": compiled;" in ln and "wgmma.wait_group 1: True" in ln and "'24;'" in ln, ln
-    # each head dim's default config (listed first) keeps dK, dV and the score tiles in registers
-    defaults = [ln for ln in lines if "cfg(64, 64, 2)" in ln and "D64" in ln or "cfg(64, 32, 3)" in ln]
-    assert len(defaults) == 4 and all(", 0 bytes spilled" in ln for ln in defaults), defaults
+        spilled = int(ln.split(" bytes spilled")[0].rsplit(" ", 1)[-1])
+        # dK/dV at D = 128 with 64-query blocks spills 100-132 bytes near the 240 registers and still beats
+        # the (nearly) spill-free 32-query blocks (H100 run39); everything else keeps its tiles in registers
+        limit = 160 if ln.startswith("bwd-dkdv D128 cfg(64, 64, 2)") else 16 if ln.startswith("bwd-dkdv D128") else 0
+        assert spilled <= limit, ln

@@ -1,0 +1,385 @@
+"""Attention backward for Hopper (sm_90) in Gluon: the dK/dV and dQ kernels that ``attention.attention_bwd``
+takes on sm_90 where ``attention_sm90`` covers the case (fp16/bf16, D = 64 or 128, no mask, no dropout,
+not varlen) and the tensors are seen through host descriptors; the Triton preprocess (delta = rowsum(dO
+* O)) runs first, as for the Triton kernels, and either Gluon kernel can run with the other's Triton one.
+
+Why. The Triton dK/dV and dQ kernels wait for every wgmma right after issuing it and cannot split a
+producer from the consumers (``attention_sm90``'s docstring): at D = 128 the whole Triton backward reaches
+288-393 TFLOP/s on an H100 against cuDNN's 437-502 (run36).
+
+``_attention_bwd_dkdv_sm90_kernel``: one CTA takes 2 x BLOCK_N keys of one (batch, kv head). A 1-warp TMA
+producer loads each consumer warpgroup's K and V once, then Q_j and dO_j (a STAGES-deep ring, both
+consumers release a stage) for every query head of the GQA group and every query block the keys can
+see. Each of the two consumer warpgroups (``setmaxnreg`` 240) holds its BLOCK_N keys' dK and dV in
+registers (fp32) and, per query block, on transposed tiles so that no operand needs a register transpose
+(FlashAttention-2/3's dK/dV loop):
+
+    S^T = K Q_j^T, dP^T = V dO_j^T       (asynchronous wgmma, both in flight)
+    P^T = exp2(S^T * scale * log2 e - lse_j * log2 e)      (0 above the causal diagonal)
+    dV += P^T dO_j                        (P^T from registers; in flight while dS^T is formed)
+    dS^T = P^T (dP^T - delta_j);  dK += dS^T Q_j
+
+then dK * scale and dV leave through the K and V buffers by TMA (stores clip keys >= Sk). GQA heads sum
+in registers: no atomics, so the kernel is deterministic.
+
+``_attention_bwd_dq_sm90_kernel``: the forward's structure (a tile of 2 x 64 query rows of one (batch,
+head), a producer streaming K and V through the forward's ring, ``_fill_kv_ring``); per key block each
+consumer runs S = Q K_j^T and dP = dO V_j^T, P = exp2(S * scale * log2 e - lse * log2 e) (masked as the
+forward masks), dS = P (dP - delta) and dQ += dS K_j, with dQ_{j-1}'s wgmma in flight during S_j.
+
+Queries past a head's Sq in a Q/dO tile are the next head's rows (or TMA's zero fill): their lse reads as
++inf, so P = 0 there. Keys past Sk in the dQ kernel are masked; in the dK/dV kernel they are computed and
+never stored.
+
+Measured (H100 80GB HBM3, triton 3.6, bf16, do_bench, ``benchmarks/dev/attention_bwd_sm90_gluon.py``,
+2026-11-26, the dK/dV kernel alone, its 4 GEMMs): B2 H16 S8192 D128 646 / 511 TFLOP/s full / causal
+(3.41 / 2.15 ms; the whole Triton backward 6.53 / 4.06 ms), B4 H16 S4096 D128 causal 484.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+
+from . import _launch, _tuning
+from .attention_sm90 import (LOG2E, MAX_REGS, _fill_kv_ring, _flat_coords, _flat_descriptor, _mask_scores,
+                             _needs_mask, _slice_desc, _store_rows, _tile_coords, _tma_ok, smem_layouts)
+
+# dK/dV: (keys per consumer warpgroup, BLOCK_M query rows per block, STAGES). At D = 128 with 64-query
+# blocks ptxas spills 92-116 bytes (dK, dV, S^T, dP^T near the 240 registers), yet it beats the spill-free
+# 32-query blocks by 1.16-1.20x (3.41 vs 4.10 ms at S = 8192).
+DKDV_CONFIGS = {64: (64, 64, 2), 128: (64, 64, 2)}
+# dQ: (query rows per consumer warpgroup, BLOCK_N keys per block, STAGES)
+DQ_CONFIGS = {64: (64, 128, 2), 128: (64, 64, 2)}
+
+
+# ------------------------------------------------------------------------------------------------
+# dK / dV
+# ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
+                   stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE, DELTA, stride_lb,
+                   stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc,
+                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr):
+    for wg in gl.static_range(2):
+        mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), v_smem.index(wg))
+    it = 0
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_row0, q_col0 = _flat_coords(b * stride_qb + h * stride_qh, stride_qm)
+        do_row0, do_col0 = _flat_coords(b * stride_dob + h * stride_doh, stride_dom)
+        for j in range(j_lo, n_qb):
+            s = it % STAGES
+            mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(q_bar.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row0 + j * BLOCK_M, q_col0], q_bar.index(s), q_smem.index(s))
+            tma.async_copy_global_to_shared(do_desc, [do_row0 + j * BLOCK_M, do_col0], q_bar.index(s),
+                                            do_smem.index(s))
+            it += 1
+
+
+@gluon.jit
+def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar,
+                   q_empty, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE, DELTA,
+                   stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc,
+                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr):
+    """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    n0 = start_n + WG * BLOCK_N
+    k_tile = k_smem.index(WG)
+    v_tile = v_smem.index(WG)
+    dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    keys = n0 + gl.arange(0, BLOCK_N, layout=row_s)
+    mbarrier.wait(kv_bar.index(WG), 0)
+    it = 0
+    for g in range(GROUP):
+        l_off = b * stride_lb + (hk * GROUP + g) * stride_lh
+        for j in range(j_lo, n_qb):
+            s = it % STAGES
+            mbarrier.wait(q_bar.index(s), (it // STAGES) & 1)
+            q_tile = q_smem.index(s)
+            do_tile = do_smem.index(s)
+            st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            cols = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
+            lse2 = gl.load(LSE + l_off + cols, mask=cols < Sq, other=float("inf")) * 1.4426950408889634
+            delta = gl.load(DELTA + l_off + cols, mask=cols < Sq, other=0.0)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+            pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+            if IS_CAUSAL:
+                if j * BLOCK_M < n0 + BLOCK_N:  # the block reaches the diagonal: query i sees keys <= i
+                    pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), pt, 0.0)
+            pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+            dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            dst_op = gl.convert_layout(dst.to(dtype), a_layout)
+            dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(q_empty.index(s), count=1)
+            it += 1
+    # every wgmma that read this warpgroup's K and V is complete: their buffers stage dK and dV
+    k_tile.store((dk * scale).to(dtype))
+    v_tile.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [n0, 0], k_tile)
+    tma.async_copy_shared_to_global(dv_desc, [n0, 0], v_tile)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attention_bwd_dkdv_sm90_kernel(
+    q_desc, do_desc, K, V, DK, DV, LSE, DELTA,
+    stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
+    H, GROUP, Sq, Sk, qk_scale, scale,
+    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch). q_desc / do_desc: host descriptors over (rows, row
+    stride) views of q and do (``attention_sm90._flat_descriptor``); K, V, dK, dV: the CTA's kv head's slice
+    through descriptors made on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1)."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    dtype: gl.constexpr = K.dtype.element_ty
+    start_n = gl.program_id(0) * (2 * BLOCK_N)
+    hk = gl.program_id(1).to(gl.int64)
+    b = gl.program_id(2).to(gl.int64)
+    k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
+    v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
+    dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
+    dv_desc = _slice_desc(DV, b * stride_dvb + hk * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], kv_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+    j_lo = 0
+    if IS_CAUSAL:
+        j_lo = start_n // BLOCK_M  # queries before the CTA's first key see none of its keys
+    n_qb = gl.cdiv(Sq, BLOCK_M)
+    gl.warp_specialize([
+        (_dkdv_consumer, (0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
+                          stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE, DELTA, stride_lb,
+                          stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc,
+                          HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL)),
+        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
+                          stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE, DELTA, stride_lb,
+                          stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc,
+                          HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL)),
+        (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
+                          stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE, DELTA, stride_lb,
+                          stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc,
+                          HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL)),
+    ], [1, 4], [24, 240])
+
+
+# ------------------------------------------------------------------------------------------------
+# dQ
+# ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar,
+                 k_empty, v_empty, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                 stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dqb, stride_dqh, stride_dqm,
+                 stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale, n_m,
+                 HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr):
+    start_m, b, h, hk, n_blocks = _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    q_row0, q_col0 = _flat_coords(b * stride_qb + h * stride_qh, stride_qm)
+    do_row0, do_col0 = _flat_coords(b * stride_dob + h * stride_doh, stride_dom)
+    k_row0, k_col0 = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
+    v_row0, v_col0 = _flat_coords(b * stride_vb + hk * stride_vh, stride_vn)
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + start_m + wg * BLOCK_M, q_col0], q_bar.index(wg),
+                                        q_smem.index(wg))
+        tma.async_copy_global_to_shared(do_desc, [do_row0 + start_m + wg * BLOCK_M, do_col0], q_bar.index(wg),
+                                        do_smem.index(wg))
+    _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, 0, k_row0, k_col0,
+                  v_row0, v_col0, STAGES, BLOCK_N)
+
+
+@gluon.jit
+def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar,
+                 k_bar, v_bar, k_empty, v_empty, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
+                 stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dqb,
+                 stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale, n_m,
+                 HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr):
+    """Consumer warpgroup WG: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of the CTA's tile. K_j is
+    released once dQ_j's wgmma (the last to read it) completed, V_j once dP_j did; dQ_{j-1} is waited for
+    before V_j (the producer loads K_{j+1} ahead of V_j, into K_{j-1}'s stage when STAGES = 2)."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    start_m, b, h, hk, n_blocks = _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    my_m = start_m + WG * BLOCK_M
+    rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
+    l_off = b * stride_lb + h * stride_lh
+    lse2 = gl.load(LSE + l_off + rows, mask=rows < Sq, other=float("inf")) * 1.4426950408889634
+    delta = gl.load(DELTA + l_off + rows, mask=rows < Sq, other=0.0)
+    q_tile = q_smem.index(WG)
+    do_tile = do_smem.index(WG)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    # an accumulator from the start: the loop carries dQ_j's wgmma in flight into iteration j + 1
+    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_D], gl.float32, acc_layout))
+    mbarrier.wait(q_bar.index(WG), 0)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_bar.index(slot), phase)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))  # dQ_{j-1} (groups complete in order)
+        if j > 0:
+            mbarrier.arrive(k_empty.index((j - 1) % STAGES), count=1)
+        mbarrier.wait(v_bar.index(slot), phase)
+        dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        if _needs_mask(j, my_m, Sk, BLOCK_N, IS_CAUSAL):
+            s = _mask_scores(s, j, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        ds_op = gl.convert_layout(ds.to(dtype), a_layout)
+        dq = warpgroup_mma(ds_op, k_smem.index(slot), dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+    # every wgmma that read Q is complete: its buffer stages dQ
+    q_tile.store((dq * scale).to(dtype))
+    fence_async_shared()
+    _store_rows(q_tile, DQ, b * stride_dqb + h * stride_dqh, stride_dqm, Sq, my_m, dq_desc, HEAD_D, BLOCK_M, True,
+                q_layout)
+
+
+@gluon.jit
+def _attention_bwd_dq_sm90_kernel(
+    q_desc, do_desc, k_desc, v_desc, dq_desc, DQ, LSE, DELTA,
+    stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
+    H, GROUP, Sq, Sk, qk_scale, scale, n_m,
+    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Grid (n_m * H * B,): one tile of 2 * BLOCK_M query rows of one (batch, head) per CTA, in the forward's
+    order (``_tile_coords``: causal, longest first). Every descriptor is the host's over a (rows, row stride)
+    view; a query tail tile's dQ goes through a descriptor of its head made on the device."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    dtype: gl.constexpr = DQ.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_D], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    gl.warp_specialize([
+        (_dq_consumer, (0, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
+                        v_bar, k_empty, v_empty, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
+                        stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                        stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
+                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
+                        v_bar, k_empty, v_empty, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
+                        stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                        stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
+                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
+        (_dq_consumer, (1, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
+                        v_bar, k_empty, v_empty, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
+                        stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                        stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
+                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
+    ], [1, 4], [24, 240])
+
+
+# ------------------------------------------------------------------------------------------------
+# host side
+# ------------------------------------------------------------------------------------------------
+def kernels(q, k, causal: bool) -> str:
+    """The Gluon backward kernels the auto path takes ("dkdv", "dq", both, or ""): the speed rule against
+    the Triton kernels (D = 128) within ``PYKERNELS_ATTN_SM90_BWD`` (default "dkdv,dq"; "" turns both off;
+    ``PYKERNELS_ATTN_SM90=0`` turns off every sm_90 kernel)."""
+    if q.shape[-1] != 128:
+        return ""
+    return os.environ.get("PYKERNELS_ATTN_SM90_BWD", "dkdv,dq")
+
+
+def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: float, config=None) -> bool:
+    """dK, dV into ``dk``, ``dv`` for (B, H, S, D) tensors covered per ``attention_sm90.unsupported`` and a
+    TMA-aligned ``do``; lse and delta (B, H, Sq) fp32 with a unit last stride. False (nothing launched)
+    where q or do cannot be seen through one host descriptor or dk / dv are not TMA-aligned: the caller
+    runs the Triton kernel."""
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    bn, bm, stages = config or DKDV_CONFIGS[d]
+    ql, kl = smem_layouts(bm, bn, d, q.dtype)
+    qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
+    if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)):
+        return False
+    _tuning.ensure_allocator()
+    _launch.fast(_attention_bwd_dkdv_sm90_kernel)[(_tuning.cdiv(sk, 2 * bn), hkv, batch)](
+        qd, dod, k, v, dk, dv, lse, delta, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
+        hq, hq // hkv, sq, sk, scale * LOG2E, scale,
+        HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), kv_layout=kl, num_warps=4,
+        maxnreg=MAX_REGS)
+    return True
+
+
+def attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, *, causal: bool, scale: float, config=None) -> bool:
+    """dQ into ``dq``, inputs as ``attention_bwd_dkdv_sm90`` takes them; False (nothing launched) where q,
+    do, k, v or dq cannot be seen through one host descriptor each."""
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    bm, bn, stages = config or DQ_CONFIGS[d]
+    ql, kl = smem_layouts(bm, bn, d, q.dtype)
+    descs = (_flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql), _flat_descriptor(k, bn, kl),
+             _flat_descriptor(v, bn, kl), _flat_descriptor(dq, bm, ql) if _tma_ok(dq) else None)
+    if any(x is None for x in descs):
+        return False
+    _tuning.ensure_allocator()  # a query tail tile's store
+    n_m = _tuning.cdiv(sq, 2 * bm)
+    _launch.fast(_attention_bwd_dq_sm90_kernel)[(n_m * hq * batch,)](
+        *descs, dq, lse, delta, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *dq.stride()[:3], *lse.stride()[:2],
+        hq, hq // hkv, sq, sk, scale * LOG2E, scale, n_m,
+        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), q_layout=ql, kv_layout=kl,
+        num_warps=4, maxnreg=MAX_REGS)
+    return True
