@@ -90,28 +90,35 @@ def main() -> None:
             def bwd():
                 return tri.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=sc, dropout_p=0.0, seed=0)
 
-            os.environ["PYKERNELS_ATTN_SM90_BWD"] = ""
-            dq_t, dk_t, dv_t = bwd()
-            ms_t = do_bench(bwd)
-            os.environ["PYKERNELS_ATTN_SM90_BWD"] = "dkdv,dq"
-            dq_g, dk_g, dv_g = bwd()
-            ms_g = do_bench(bwd)
-            err = max((x.float() - y.float()).abs().max().item() for x, y in ((dq_g, dq_t), (dk_g, dk_t), (dv_g, dv_t)))
-            print(f"B{b} H{h}/{hkv} S{s_} D{d} {'causal' if causal else 'full'}: whole backward Triton {ms_t:.3f} ms "
-                  f"({5 * gemm / ms_t / 1e9:.0f} TFLOP/s, 5-GEMM count), Gluon {ms_g:.3f} ms "
-                  f"({5 * gemm / ms_g / 1e9:.0f}); max |Gluon - Triton| {err:.2e}", flush=True)
+            times = {}
+            for which in ("", "dkdv", "dq", "dkdv,dq"):  # which kernels are Gluon's; the rest Triton's
+                os.environ["PYKERNELS_ATTN_SM90_BWD"] = which
+                got = bwd()
+                if not which:
+                    dq_t, dk_t, dv_t = got
+                err = max((x.float() - y.float()).abs().max().item() for x, y in zip(got, (dq_t, dk_t, dv_t)))
+                times[which or "triton"] = ms = do_bench(bwd)
+                print(f"B{b} H{h}/{hkv} S{s_} D{d} {'causal' if causal else 'full'} whole backward, Gluon "
+                      f"[{which}]: {ms:.3f} ms ({5 * gemm / ms / 1e9:.0f} TFLOP/s, 5-GEMM count); max |vs Triton| "
+                      f"{err:.2e}", flush=True)
+            print(f"    so Triton dK/dV ~{times['triton'] - times['dq']:.3f} ms, Triton dQ ~{times['triton'] - times['dkdv']:.3f}"
+                  f" ms (+ preprocess)", flush=True)
+            dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
             for cfg in [kb.DKDV_CONFIGS[d]] + DKDV_ALT[d]:
-                dk, dv = kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, causal=causal, scale=sc, config=cfg)
+                def run(cfg=cfg):
+                    assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=sc,
+                                                      config=cfg)
+                run()
                 err = max((dk.float() - dk_t.float()).abs().max().item(), (dv.float() - dv_t.float()).abs().max().item())
-                ms = do_bench(lambda cfg=cfg: kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, causal=causal,
-                                                                          scale=sc, config=cfg))
+                ms = do_bench(run)
                 print(f"    dK/dV {cfg}: max |err| {err:.2e} (max |dk_t| {dk_t.float().abs().max().item():.2e}); "
                       f"{ms:.3f} ms {4 * gemm / ms / 1e9:.0f} TFLOP/s", flush=True)
             for cfg in [kb.DQ_CONFIGS[d]] + DQ_ALT[d]:
-                dq = kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, causal=causal, scale=sc, config=cfg)
+                def run(cfg=cfg):
+                    assert kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=sc, config=cfg)
+                run()
                 err = (dq.float() - dq_t.float()).abs().max().item()
-                ms = do_bench(lambda cfg=cfg: kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, causal=causal,
-                                                                        scale=sc, config=cfg))
+                ms = do_bench(run)
                 print(f"    dQ {cfg}: max |err| {err:.2e} (max |dq_t| {dq_t.float().abs().max().item():.2e}); "
                       f"{ms:.3f} ms {3 * gemm / ms / 1e9:.0f} TFLOP/s", flush=True)
         except Exception as e:  # report and go on: this is a probe
