@@ -765,7 +765,7 @@ def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range
             or dropout_p > 0:
         return ""
     from . import attention_sm90, attention_sm90_bwd
-    which = attention_sm90_bwd.kernels(q, k, causal)
+    which = attention_sm90_bwd.kernels(q, k, causal, attention_sm90._num_sms(q.device))
     if not which or not attention_sm90.enabled() or do.dtype != q.dtype or not attention_sm90._tma_ok(do) \
             or attention_sm90.unsupported(q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=False) is not None:
         return ""
@@ -873,13 +873,16 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
                                             causal=causal)
     if gluon:
         from . import attention_sm90_bwd as kb
-    if not ("dkdv" in gluon and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal,
-                                                            scale=scale)):
+    if "fused" in gluon and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=scale,
+                                                       dq=dq):
+        gluon = "fused"  # dQ came with dK and dV
+    elif not ("dkdv" in gluon and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal,
+                                                              scale=scale)):
         _launch.fast(_attention_bwd_dkdv_kernel)[lambda meta: (_tuning.cdiv(sk, meta["BLOCK_N"]), hkv, batch)](
             q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
             *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dk), *seq3(dv), *ls, *ms,
             hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
-    if not ("dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=scale)):
+    if gluon != "fused" and not ("dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=scale)):
         _launch.fast(_attention_bwd_dq_kernel)[lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)](
             q, k, v, do, dq, lse, delta, mask_t, kvr, cu_q, cu_k,
             *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dq), *ls, *ms,

@@ -37,6 +37,7 @@ Measured (H100 80GB HBM3, triton 3.6, bf16, do_bench, ``benchmarks/dev/attention
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -61,15 +62,23 @@ DQ_CONFIGS = {64: (64, 128, 2), 128: (64, 64, 2)}
 # dK / dV
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
-                   stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE, DELTA, stride_lb,
-                   stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc,
-                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr):
+def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, kv_bar,
+                   q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE,
+                   DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
+                   dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
     for wg in gl.static_range(2):
-        mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        if FUSED_DQ:
+            mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                            + 2 * kh_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), k_smem.index(wg))
         tma.async_copy_global_to_shared(v_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), v_smem.index(wg))
+        if FUSED_DQ:  # K again in column halves (index half * 2 + key warpgroup): the dQ GEMMs' B operands
+            for half in gl.static_range(2):
+                tma.async_copy_global_to_shared(kh_desc, [start_n + wg * BLOCK_N, half * (HEAD_D // 2)],
+                                                kv_bar.index(wg), kh_smem.index(half * 2 + wg))
     it = 0
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -86,17 +95,22 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 
 @gluon.jit
-def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar,
-                   q_empty, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE, DELTA,
-                   stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc,
-                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr):
-    """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block."""
+def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
+                   ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
+                   stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n,
+                   j_lo, n_qb, dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
+    """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block.
+    FUSED_DQ: also dQ_j's columns [WG * D / 2, + D / 2) over both warpgroups' keys, dQ_j = dS_j K, from
+    both dS^T tiles in shared memory (``ds_bar``: both written), added to the fp32 DQACC (B, H, Sq, D) by
+    atomics (scaled)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_D // 2, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -108,6 +122,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     keys = n0 + gl.arange(0, BLOCK_N, layout=row_s)
     mbarrier.wait(kv_bar.index(WG), 0)
+    if FUSED_DQ:
+        mbarrier.wait(kv_bar.index(1 - WG), 0)  # the other warpgroup's K halves too
     it = 0
     for g in range(GROUP):
         l_off = b * stride_lb + (hk * GROUP + g) * stride_lh
@@ -129,11 +145,30 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
             pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-            dst = pt * (dpt - gl.expand_dims(delta, 0))
-            dst_op = gl.convert_layout(dst.to(dtype), a_layout)
+            dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            dst_op = gl.convert_layout(dst, a_layout)
             dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            mbarrier.arrive(q_empty.index(s), count=1)
+            if FUSED_DQ:
+                buf = it % 2
+                ds_smem.index(buf * 2 + WG).store(dst)
+                fence_async_shared()
+                mbarrier.arrive(ds_bar.index(buf), count=1)
+                mbarrier.wait(ds_bar.index(buf), (it // 2) & 1)  # both warpgroups' dS^T are in place
+                dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)), kh_smem.index(WG * 2),
+                                   gl.zeros([BLOCK_M, HEAD_D // 2], gl.float32, dq_layout), use_acc=False,
+                                   is_async=True)
+                dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)), kh_smem.index(WG * 2 + 1), dq,
+                                   is_async=True)
+                dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                mbarrier.arrive(q_empty.index(s), count=1)
+                rows = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+                dcols = WG * (HEAD_D // 2) + gl.arange(0, HEAD_D // 2, layout=gl.SliceLayout(0, dq_layout))
+                head = (b * H + hk * GROUP + g) * Sq * HEAD_D
+                offs = gl.expand_dims(rows * HEAD_D, 1) + gl.expand_dims(dcols, 0)
+                gl.atomic_add(DQACC + head + offs, dq * scale, mask=gl.expand_dims(rows < Sq, 1), sem="relaxed")
+            else:
+                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                mbarrier.arrive(q_empty.index(s), count=1)
             it += 1
     # every wgmma that read this warpgroup's K and V is complete: their buffers stage dK and dV
     k_tile.store((dk * scale).to(dtype))
@@ -146,17 +181,19 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
 
 @gluon.jit
 def _attention_bwd_dkdv_sm90_kernel(
-    q_desc, do_desc, K, V, DK, DV, LSE, DELTA,
+    q_desc, do_desc, K, V, DK, DV, LSE, DELTA, DQACC,
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
     H, GROUP, Sq, Sk, qk_scale, scale,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, kv_layout: gl.constexpr, kh_layout: gl.constexpr,
+    ds_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch). q_desc / do_desc: host descriptors over (rows, row
     stride) views of q and do (``attention_sm90._flat_descriptor``); K, V, dK, dV: the CTA's kv head's slice
-    through descriptors made on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1)."""
+    through descriptors made on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1).
+    FUSED_DQ: dQ * scale is added to DQACC, contiguous (B, H, Sq, D) fp32 (zeroed by the caller)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = K.dtype.element_ty
     start_n = gl.program_id(0) * (2 * BLOCK_N)
@@ -170,11 +207,22 @@ def _attention_bwd_dkdv_sm90_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], kv_layout)
+    if FUSED_DQ:
+        kh_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [Sk, HEAD_D], [stride_kn, 1],
+                                             [BLOCK_N, HEAD_D // 2], kh_layout)
+        kh_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, HEAD_D // 2], kh_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, BLOCK_M], ds_layout)  # (parity, warpgroup)
+    else:
+        kh_desc = k_desc
+        kh_smem = k_smem
+        ds_smem = k_smem
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_bar.index(i), count=1)
+        mbarrier.init(ds_bar.index(i), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
@@ -183,18 +231,21 @@ def _attention_bwd_dkdv_sm90_kernel(
         j_lo = start_n // BLOCK_M  # queries before the CTA's first key see none of its keys
     n_qb = gl.cdiv(Sq, BLOCK_M)
     gl.warp_specialize([
-        (_dkdv_consumer, (0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
-                          stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE, DELTA, stride_lb,
-                          stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc,
-                          HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL)),
-        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
-                          stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE, DELTA, stride_lb,
-                          stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc,
-                          HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL)),
-        (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
-                          stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE, DELTA, stride_lb,
-                          stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc,
-                          HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL)),
+        (_dkdv_consumer, (0, q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
+                          ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
+                          stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
+                          IS_CAUSAL, FUSED_DQ)),
+        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
+                          ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
+                          stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
+                          IS_CAUSAL, FUSED_DQ)),
+        (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
+                          ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
+                          stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
+                          IS_CAUSAL, FUSED_DQ)),
     ], [1, 4], [24, 240])
 
 
@@ -332,35 +383,58 @@ def _attention_bwd_dq_sm90_kernel(
 # ------------------------------------------------------------------------------------------------
 # host side
 # ------------------------------------------------------------------------------------------------
-def kernels(q, k, causal: bool) -> str:
-    """The Gluon backward kernels the auto path takes ("dkdv", "dq", both, or ""): the speed rule against
-    the Triton kernels (D = 128) within ``PYKERNELS_ATTN_SM90_BWD`` (default "dkdv,dq"; "" turns both off;
-    ``PYKERNELS_ATTN_SM90=0`` turns off every sm_90 kernel)."""
-    if q.shape[-1] != 128:
+def kernels(q, k, causal: bool, sms: int) -> str:
+    """The Gluon backward kernels the auto path takes, as ``PYKERNELS_ATTN_SM90_BWD`` names them: "dkdv"
+    (the default: Gluon dK/dV, Triton dQ), "dkdv,dq" (both Gluon), "dq", "fused" (dK/dV/dQ in one kernel,
+    dQ by fp32 atomics: not bitwise reproducible), or "" (none; ``PYKERNELS_ATTN_SM90=0`` turns off every
+    sm_90 kernel); a value set explicitly is taken wherever the kernels cover the case. The speed rule (H100 run40-41, ``benchmarks/dev/attention_bwd_sm90_gluon.py``): D = 128 with
+    at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton kernel's smaller blocks fill the
+    card (B2 H8/2 S1000: 0.150 ms Triton, 0.563 ms with the Gluon dK/dV). The Gluon dQ (538 TFLOP/s-equivalent
+    at S = 8192) loses to the Triton dQ kernel (~670), and "fused" to both (9.8 ms vs 6.0 ms at B2 H16
+    S8192 D128: scalar fp32 atomics and 676 spilled bytes), so neither is the default."""
+    named = os.environ.get("PYKERNELS_ATTN_SM90_BWD")
+    if named is not None:  # named explicitly: taken wherever the kernels cover the case (D = 64 too)
+        return named
+    if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
         return ""
-    return os.environ.get("PYKERNELS_ATTN_SM90_BWD", "dkdv,dq")
+    return "dkdv"
 
 
-def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: float, config=None) -> bool:
+def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: float, config=None,
+                            dq=None) -> bool:
     """dK, dV into ``dk``, ``dv`` for (B, H, S, D) tensors covered per ``attention_sm90.unsupported`` and a
-    TMA-aligned ``do``; lse and delta (B, H, Sq) fp32 with a unit last stride. False (nothing launched)
-    where q or do cannot be seen through one host descriptor or dk / dv are not TMA-aligned: the caller
-    runs the Triton kernel."""
+    TMA-aligned ``do``; lse and delta (B, H, Sq) fp32 with a unit last stride. With ``dq``: dQ too, in the
+    same kernel (FUSED_DQ: fp32 atomics into a zeroed buffer, then one copy into ``dq``). False (nothing
+    launched) where q or do cannot be seen through one host descriptor or dk / dv are not TMA-aligned: the
+    caller runs the Triton kernel."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bn, bm, stages = config or DKDV_CONFIGS[d]
     ql, kl = smem_layouts(bm, bn, d, q.dtype)
     qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
-    if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)):
+    if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)) or (dq is not None and sq * d >= 2**31):
         return False
+    fused = dq is not None
+    dq_acc = torch.zeros(batch, hq, sq, d, dtype=torch.float32, device=q.device) if fused else lse
+    khl, dsl = _fused_layouts(bn, bm, d, q.dtype) if fused else (kl, kl)
     _tuning.ensure_allocator()
     _launch.fast(_attention_bwd_dkdv_sm90_kernel)[(_tuning.cdiv(sk, 2 * bn), hkv, batch)](
-        qd, dod, k, v, dk, dv, lse, delta, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
+        qd, dod, k, v, dk, dv, lse, delta, dq_acc, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale,
-        HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), kv_layout=kl, num_warps=4,
-        maxnreg=MAX_REGS)
+        HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, kv_layout=kl,
+        kh_layout=khl, ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
+    if fused:
+        dq.copy_(dq_acc)
     return True
+
+
+@functools.lru_cache(maxsize=16)
+def _fused_layouts(bn: int, bm: int, d: int, dtype: torch.dtype):
+    """Shared layouts of the fused dQ's operands: K's column halves and a dS^T tile."""
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return (gl.NVMMASharedLayout.get_default_for([bn, d // 2], gdt),
+            gl.NVMMASharedLayout.get_default_for([bn, bm], gdt))
 
 
 def attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, *, causal: bool, scale: float, config=None) -> bool:

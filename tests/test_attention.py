@@ -761,12 +761,12 @@ def _is_sm90() -> bool:
 sm90_only = pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 (Hopper) GPU")
 
 
-def _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout):
+def _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, d=128):
     def make(h, s):
         if layout == "bshd":  # transformers' layout: a transposed view of (B, S, H, D)
-            leaf = torch.randn(b, s, h, 128, dtype=dtype, device="cuda", requires_grad=True)
+            leaf = torch.randn(b, s, h, d, dtype=dtype, device="cuda", requires_grad=True)
             return leaf.transpose(1, 2)
-        return torch.randn(b, h, s, 128, dtype=dtype, device="cuda", requires_grad=True)
+        return torch.randn(b, h, s, d, dtype=dtype, device="cuda", requires_grad=True)
     return make(hq, sq), make(hkv, sk), make(hkv, sk)
 
 
@@ -777,13 +777,13 @@ def _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout):
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,causal", [
     (2, 4, 4, 1024, 1024, False), (1, 4, 2, 1000, 1500, True), (2, 2, 1, 1, 2048, True),
     (1, 2, 2, 2049, 1024, True), (1, 2, 2, 127, 1031, False)])
-def test_gpu_sm90_gluon_forward(dtype, layout, b, hq, hkv, sq, sk, causal):
+def test_gpu_sm90_gluon_forward(monkeypatch, dtype, layout, b, hq, hkv, sq, sk, causal):
     from pykernels._kernels import attention as katt
     q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout)
     assert katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=128 ** -0.5), "this case must take the sm_90 kernel"
     do = torch.randn(b, hq, sq, 128, dtype=dtype, device="cuda")
-    # the backward's Gluon kernels too (each declines a Q tile taller than Sq: Sq = 1 runs Triton's)
-    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=128 ** -0.5, causal=causal) == "dkdv,dq"
+    # the backward's Gluon kernels too (dK/dV declines a Q tile taller than Sq: Sq = 1 runs Triton's)
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "dkdv,dq")
     _check_against_ref(q, k, v, causal=causal, enable_gqa=hq != hkv, do=do, what="sm90")
 
 
@@ -872,13 +872,15 @@ def test_gpu_sm90_host_descriptors_equal_device_ones(layout, sq, sk, hq, hkv):
 
 @pytest.mark.gpu
 @sm90_only
-@pytest.mark.parametrize("kernels", ["dkdv,dq", "dkdv", "dq"])
-@pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal", [
-    ("bhsd", 2, 4, 2, 1000, 1100, True), ("bshd", 1, 4, 4, 1031, 1024, False), ("bhsd", 1, 2, 2, 2049, 1024, True),
-    ("bhsd", 2, 2, 2, 64, 127, False), ("bshd", 1, 6, 2, 700, 700, True)])
-def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, sk, causal):
-    # each Gluon backward kernel, with the other's Triton kernel, against float64 and eager's error; a
-    # non-contiguous dO (a transposed view); the result bitwise reproducible (no atomics)
+@pytest.mark.parametrize("kernels", ["dkdv,dq", "dkdv", "dq", "fused"])
+@pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal,d", [
+    ("bhsd", 2, 4, 2, 1000, 1100, True, 128), ("bshd", 1, 4, 4, 1031, 1024, False, 128),
+    ("bhsd", 1, 2, 2, 2049, 1024, True, 128), ("bhsd", 2, 2, 2, 64, 127, False, 128),
+    ("bshd", 1, 6, 2, 700, 700, True, 128), ("bhsd", 2, 4, 2, 777, 1000, True, 64), ("bshd", 1, 2, 2, 513, 600, False, 64)])
+def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, sk, causal, d):
+    # each Gluon backward kernel, with the other's Triton kernel (or dK/dV/dQ fused), named by the switch,
+    # against float64 and eager's error; a non-contiguous dO (a transposed view); bitwise reproducible
+    # where no atomics are involved (all but "fused")
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90_bwd as kb
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", kernels)
@@ -889,24 +891,28 @@ def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, s
             ran.append((_n, took))
             return took
         monkeypatch.setattr(kb, name, spy)
-    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout)
-    do = torch.randn(b, sq, hq, 128, dtype=BF16, device="cuda").transpose(1, 2)
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout, d)
+    do = torch.randn(b, sq, hq, d, dtype=BF16, device="cuda").transpose(1, 2)
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=causal) == kernels
     _, grads = _check_against_ref(q, k, v, causal=causal, scale=0.1, enable_gqa=hq != hkv, do=do,
                                   what=f"sm90 bwd {kernels}")
-    assert sorted(ran) == sorted((f"attention_bwd_{n}_sm90", True) for n in kernels.split(","))
-    out = sdpa(q, k, v, is_causal=causal, scale=0.1, enable_gqa=hq != hkv, backend="triton")
-    again = _grads(out, (q, k, v), do)
-    assert all(torch.equal(x, y) for x, y in zip(grads, again))
+    expected = [("attention_bwd_dkdv_sm90", True)] if kernels == "fused" else \
+        [(f"attention_bwd_{n}_sm90", True) for n in kernels.split(",")]
+    assert sorted(ran) == sorted(expected)
+    if kernels != "fused":
+        out = sdpa(q, k, v, is_causal=causal, scale=0.1, enable_gqa=hq != hkv, backend="triton")
+        again = _grads(out, (q, k, v), do)
+        assert all(torch.equal(x, y) for x, y in zip(grads, again))
 
 
 @pytest.mark.gpu
 @sm90_only
 def test_gpu_sm90_backward_dispatch_rules(monkeypatch):
     from pykernels._kernels import attention as katt
-    q, k, v = _sm90_inputs(1, 2, 2, 256, 256, BF16, "bhsd")
+    q, k, v = _sm90_inputs(8, 2, 2, 256, 2048, BF16, "bhsd")  # 8 * 2 * 16 CTAs of 128 keys
     do = torch.randn_like(q)
-    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1) == "dkdv,dq"
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1) == "dkdv"
+    assert katt.sm90_backward(q[:1], k[:1], v[:1], do[:1], None, dropout_p=0.0, scale=0.1) == ""  # 32 CTAs
     assert katt.sm90_backward(q[..., :64], k[..., :64], v[..., :64], do[..., :64], None, dropout_p=0.0,
                               scale=0.1) == ""  # D = 64: the Triton kernels
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=0.1) == ""
@@ -961,6 +967,8 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     assert not katt.sm90_forward(q, q, q, None, dropout_p=0.0, scale=0.1)  # CPU tensors: never
     assert katt.sm90_backward(q, q, q, q, None, dropout_p=0.0, scale=0.1) == ""
     from pykernels._kernels import attention_sm90_bwd as kb
-    assert kb.kernels(q, q, causal=False) == "dkdv,dq" and kb.kernels(q[..., :64], q, causal=False) == ""
-    monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "dq")
-    assert kb.kernels(q, q, causal=True) == "dq"
+    k = torch.empty(4, 2, 4096, 128, dtype=BF16)  # 4 * 2 * 32 CTAs of 128 keys
+    assert kb.kernels(q, k, causal=False, sms=132) == "dkdv" and kb.kernels(q[..., :64], k, causal=False, sms=132) == ""
+    assert kb.kernels(q, k[:, :, :2000], causal=False, sms=132) == ""  # 4 * 2 * 16 CTAs: fewer than the SMs
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "fused")
+    assert kb.kernels(q, k, causal=True, sms=132) == "fused"

@@ -61,17 +61,20 @@ def test_gluon_mlm_logits_kernel_compiles_for_sm90():
 
 
 def test_gluon_attention_bwd_kernels_compile_for_sm90():
-    # kernels/attention_sm90_bwd.py's dK/dV and dQ kernels, each config the probe times
+    # kernels/attention_sm90_bwd.py's dK/dV kernel (alone and with dQ fused) and dQ kernel, each config the
+    # probe times
     res = _compile_only(BWD)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("bwd-dkdv ", "bwd-dq "))]
-    assert len([ln for ln in lines if ln.startswith("bwd-dkdv")]) == 6, out[-4000:]
-    assert len([ln for ln in lines if ln.startswith("bwd-dq")]) == 8, out[-4000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("bwd-dkdv ", "bwd-fused ", "bwd-dq "))]
+    for kind, count in (("bwd-dkdv ", 4), ("bwd-fused ", 4), ("bwd-dq ", 8)):
+        assert len([ln for ln in lines if ln.startswith(kind)]) == count, out[-4000:]
     for ln in lines:
         assert ": compiled;" in ln and "wgmma.wait_group 1: True" in ln and "'24;'" in ln, ln
         spilled = int(ln.split(" bytes spilled")[0].rsplit(" ", 1)[-1])
-        # dK/dV at D = 128 with 64-query blocks spills 100-132 bytes near the 240 registers and still beats
-        # the (nearly) spill-free 32-query blocks (H100 run39); everything else keeps its tiles in registers
-        limit = 160 if ln.startswith("bwd-dkdv D128 cfg(64, 64, 2)") else 16 if ln.startswith("bwd-dkdv D128") else 0
+        # dK/dV at D = 128 spills 100-132 bytes near the 240 registers and still beats the spill-free 32-query
+        # blocks (H100 run39); fused with dQ it spills 676-752 (the atomics' addresses: measured slower, opt-in
+        # only); the dQ kernel and D = 64 keep their tiles in registers
+        limit = {("bwd-dkdv", "D128"): 160, ("bwd-fused", "D128"): 800, ("bwd-fused", "D64"): 64}.get(
+            tuple(ln.split()[:2]), 0)
         assert spilled <= limit, ln

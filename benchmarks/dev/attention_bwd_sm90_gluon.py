@@ -19,7 +19,7 @@ import torch
 from pykernels._kernels import attention_sm90_bwd as kb
 
 # (head dim) -> alternative configs the probe times next to the defaults
-DKDV_ALT = {64: [], 128: [(64, 32, 3)]}
+DKDV_ALT = {64: [], 128: []}
 DQ_ALT = {64: [(64, 64, 2)], 128: [(64, 64, 3)]}
 
 
@@ -36,7 +36,7 @@ def compile_only() -> None:
         for p in fn.params:
             n = p.name
             sig[n] = (descs[n] if n in descs else "*bf16" if n in ("K", "V", "DK", "DV", "DQ")
-                      else "*fp32" if n in ("LSE", "DELTA") else "i64" if n.startswith("stride")
+                      else "*fp32" if n in ("LSE", "DELTA", "DQACC") else "i64" if n.startswith("stride")
                       else "fp32" if n in ("qk_scale", "scale") else "constexpr" if p.is_constexpr else "i32")
         return sig
 
@@ -48,12 +48,14 @@ def compile_only() -> None:
             bn, bm, stages = cfg
             ql, kl = smem_layouts(bm, bn, d, torch.bfloat16)
             for causal in (False, True):
-                fn = kb._attention_bwd_dkdv_sm90_kernel
-                sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql)))
-                consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, kv_layout=kl,
-                              num_warps=4)
-                print(f"bwd-dkdv D{d} cfg{cfg} {'causal' if causal else 'full'}: "
-                      f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
+                for fused in (False, True):
+                    fn = kb._attention_bwd_dkdv_sm90_kernel
+                    sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql)))
+                    khl, dsl = kb._fused_layouts(bn, bm, d, torch.bfloat16) if fused else (kl, kl)
+                    consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
+                                  kv_layout=kl, kh_layout=khl, ds_layout=dsl, num_warps=4)
+                    print(f"bwd-{'fused' if fused else 'dkdv'} D{d} cfg{cfg} {'causal' if causal else 'full'}: "
+                          f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
         for cfg in [kb.DQ_CONFIGS[d]] + DQ_ALT[d]:
             bm, bn, stages = cfg
             ql, kl = smem_layouts(bm, bn, d, torch.bfloat16)
@@ -91,7 +93,7 @@ def main() -> None:
                 return tri.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=sc, dropout_p=0.0, seed=0)
 
             times = {}
-            for which in ("", "dkdv", "dq", "dkdv,dq"):  # which kernels are Gluon's; the rest Triton's
+            for which in ("", "dkdv", "dq", "dkdv,dq", "fused"):  # which kernels are Gluon's; the rest Triton's
                 os.environ["PYKERNELS_ATTN_SM90_BWD"] = which
                 got = bwd()
                 if not which:
@@ -113,6 +115,13 @@ def main() -> None:
                 ms = do_bench(run)
                 print(f"    dK/dV {cfg}: max |err| {err:.2e} (max |dk_t| {dk_t.float().abs().max().item():.2e}); "
                       f"{ms:.3f} ms {4 * gemm / ms / 1e9:.0f} TFLOP/s", flush=True)
+            def run_fused():
+                assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=sc, dq=dq)
+            run_fused()
+            err = max((x.float() - y.float()).abs().max().item() for x, y in ((dq, dq_t), (dk, dk_t), (dv, dv_t)))
+            ms = do_bench(run_fused)
+            print(f"    fused dK/dV/dQ {kb.DKDV_CONFIGS[d]}: max |err| {err:.2e}; {ms:.3f} ms {5 * gemm / ms / 1e9:.0f} "
+                  f"TFLOP/s", flush=True)
             for cfg in [kb.DQ_CONFIGS[d]] + DQ_ALT[d]:
                 def run(cfg=cfg):
                     assert kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=sc, config=cfg)
