@@ -387,13 +387,15 @@ def kernels(q, k, causal: bool, sms: int) -> str:
     """The Gluon backward kernels the auto path takes, as ``PYKERNELS_ATTN_SM90_BWD`` names them: "dkdv"
     (the default: Gluon dK/dV, Triton dQ), "dkdv,dq" (both Gluon), "dq", "fused" (dK/dV/dQ in one kernel,
     dQ by fp32 atomics: not bitwise reproducible), or "" (none; ``PYKERNELS_ATTN_SM90=0`` turns off every
-    sm_90 kernel); a value set explicitly is taken wherever the kernels cover the case. The speed rule (H100 run40-41, ``benchmarks/dev/attention_bwd_sm90_gluon.py``): D = 128 with
-    at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton kernel's smaller blocks fill the
-    card (B2 H8/2 S1000: 0.150 ms Triton, 0.563 ms with the Gluon dK/dV). The Gluon dQ (538 TFLOP/s-equivalent
-    at S = 8192) loses to the Triton dQ kernel (~670), and "fused" to both (9.8 ms vs 6.0 ms at B2 H16
-    S8192 D128: scalar fp32 atomics and 676 spilled bytes), so neither is the default."""
+    sm_90 kernel); a value set explicitly is taken wherever the kernels cover the case (D = 64 too).
+
+    The speed rule (H100 run41-42, ``benchmarks/dev/attention_bwd_sm90_gluon.py``): D = 128 with at least
+    one CTA of 128 keys per SM (``sms``); with fewer, the Triton kernel's smaller blocks fill the card (B2
+    H8/2 S1000: 0.150 ms Triton, 0.563 ms with the Gluon dK/dV). The Gluon dQ (538 TFLOP/s-equivalent at
+    S = 8192) loses to the Triton dQ kernel (~670), and "fused" to both (9.8 vs 6.0 ms at B2 H16 S8192
+    D128: scalar fp32 atomics and 676 spilled bytes), so neither is the default."""
     named = os.environ.get("PYKERNELS_ATTN_SM90_BWD")
-    if named is not None:  # named explicitly: taken wherever the kernels cover the case (D = 64 too)
+    if named is not None:
         return named
     if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
         return ""
