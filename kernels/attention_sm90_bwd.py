@@ -55,7 +55,7 @@ from .attention_sm90 import (LOG2E, MAX_REGS, _fill_kv_ring, _flat_coords, _flat
 # 32-query blocks by 1.16-1.20x (3.41 vs 4.10 ms at S = 8192).
 DKDV_CONFIGS = {64: (64, 64, 2), 128: (64, 64, 2)}
 # dQ: (query rows per consumer warpgroup, BLOCK_N keys per block, STAGES)
-DQ_CONFIGS = {64: (64, 128, 2), 128: (64, 64, 2)}
+DQ_CONFIGS = {64: (64, 128, 3), 128: (64, 64, 3)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,7 +254,8 @@ def _attention_bwd_dkdv_sm90_kernel(
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
 def _dq_producer(q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar,
-                 k_empty, v_empty, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                 k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
+                 stride_dom,
                  stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dqb, stride_dqh, stride_dqm,
                  stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale, n_m,
                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -276,14 +277,17 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_sm
 
 @gluon.jit
 def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar,
-                 k_bar, v_bar, k_empty, v_empty, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
+                 k_bar, v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
                  stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dqb,
                  stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale, n_m,
                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr):
-    """Consumer warpgroup WG: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of the CTA's tile. K_j is
-    released once dQ_j's wgmma (the last to read it) completed, V_j once dP_j did; dQ_{j-1} is waited for
-    before V_j (the producer loads K_{j+1} ahead of V_j, into K_{j-1}'s stage when STAGES = 2)."""
+    """Consumer warpgroup WG: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of the CTA's tile. Per key
+    block j, on this warpgroup's turn (ping-pong with the other, through ``turn_bar`` as in the forward):
+    issue S_j = Q K_j^T, dP_j = dO V_j^T and dQ += dS_{j-1} K_{j-1}; wait for S_j and dP_j only (V_j is
+    released), form dS_j while dQ_{j-1} runs, then wait for it (K_{j-1} is released). K_{j-1} is released
+    in iteration j and the producer loads K_{j+1} ahead of V_j: STAGES >= 3 keeps that from deadlocking."""
+    gl.static_assert(STAGES >= 3, "K_{j+1} must not wait for K_{j-1}'s stage")
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -300,28 +304,43 @@ def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_s
     q_tile = q_smem.index(WG)
     do_tile = do_smem.index(WG)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    # an accumulator from the start: the loop carries dQ_j's wgmma in flight into iteration j + 1
-    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_D], gl.float32, acc_layout))
+    dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, acc_layout)
     mbarrier.wait(q_bar.index(WG), 0)
-    for j in range(n_blocks):
+    mbarrier.wait(k_bar.index(0), 0)
+    mbarrier.wait(v_bar.index(0), 0)
+    mbarrier.wait(turn_bar.index(WG), 0)
+    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_tile, v_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.arrive(turn_bar.index(1 - WG), count=1)
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+    mbarrier.arrive(v_empty.index(0), count=1)
+    if _needs_mask(0, my_m, Sk, BLOCK_N, IS_CAUSAL):
+        s = _mask_scores(s, 0, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+    ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), a_layout)
+    for j in range(1, n_blocks):
         slot = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(k_bar.index(slot), phase)
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_bar.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(v_bar.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(turn_bar.index(WG), j & 1)
         s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))  # dQ_{j-1} (groups complete in order)
-        if j > 0:
-            mbarrier.arrive(k_empty.index((j - 1) % STAGES), count=1)
-        mbarrier.wait(v_bar.index(slot), phase)
         dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        dq = warpgroup_mma(ds_op, k_smem.index(prev), dq, is_async=True)
+        mbarrier.arrive(turn_bar.index(1 - WG), count=1)
+        s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))  # (groups complete in order)
+        mbarrier.arrive(v_empty.index(slot), count=1)
         if _needs_mask(j, my_m, Sk, BLOCK_N, IS_CAUSAL):
             s = _mask_scores(s, j, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
-        mbarrier.arrive(v_empty.index(slot), count=1)
-        ds = p * (dp - gl.expand_dims(delta, 1))
-        ds_op = gl.convert_layout(ds.to(dtype), a_layout)
-        dq = warpgroup_mma(ds_op, k_smem.index(slot), dq, is_async=True)
+        ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        mbarrier.arrive(k_empty.index(prev), count=1)
+        ds_op = gl.convert_layout(ds, a_layout)
+    last = (n_blocks - 1) % STAGES
+    mbarrier.wait(turn_bar.index(WG), n_blocks & 1)
+    dq = warpgroup_mma(ds_op, k_smem.index(last), dq, is_async=True)
+    mbarrier.arrive(turn_bar.index(1 - WG), count=1)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
     # every wgmma that read Q is complete: its buffer stages dQ
     q_tile.store((dq * scale).to(dtype))
@@ -354,26 +373,29 @@ def _attention_bwd_dq_sm90_kernel(
     v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(turn_bar.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bar.index(i), count=1)
         mbarrier.init(v_bar.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.arrive(turn_bar.index(0), count=1)  # warpgroup 0 has the first turn (phase 0 complete)
     gl.warp_specialize([
         (_dq_consumer, (0, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
-                        v_bar, k_empty, v_empty, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
+                        v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
                         n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
-                        v_bar, k_empty, v_empty, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
+                        v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
                         n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
         (_dq_consumer, (1, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
-                        v_bar, k_empty, v_empty, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
+                        v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
                         n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
