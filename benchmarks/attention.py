@@ -313,9 +313,11 @@ def graph_time(fwd, q, k, v, do) -> dict:
     return out
 
 
-def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = False) -> str:
+def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = False, B: int = 1,
+                  H: int = 1) -> str:
     """The configs pykernels' autotuner picked for this case's bf16 kernels, e.g. "fwd 128x64/w8/s3;
-    dkdv 32x128/w8/s2; dq 128x64/w8/s2" (best effort: "?" where the cache has no matching entry)."""
+    dkdv 32x128/w8/s2; dq 128x64/w8/s2", or the sm_90 Gluon kernel's where the case takes it (best effort:
+    "?" where the cache has no matching entry)."""
     try:
         from pykernels._kernels import attention as ka
     except ImportError:
@@ -336,8 +338,25 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
             from pykernels._kernels import attention_sm90
             bm, bn, st = attention_sm90.CONFIGS[D]
             cfg = f"gluon ping-pong 2x{bm}x{bn}/s{st}{'' if causal else ' persistent'}"
+        if name != "fwd" and name in sm90_bwd_kernels(D, S, causal, mask_kind, varlen, B, H).split(","):
+            from pykernels._kernels import attention_sm90_bwd as kb
+            if name == "dkdv":
+                bn, bm, st = kb.DKDV_CONFIGS[D]
+                cfg = f"gluon ws 2x{bn} keys x {bm} queries/s{st}"
+            else:
+                bm, bn, st = kb.DQ_CONFIGS[D]
+                cfg = f"gluon ping-pong 2x{bm}x{bn}/s{st}"
         out.append(f"{name} {cfg}")
     return "; ".join(out)
+
+
+def sm90_bwd_kernels(D: int, S: int, causal: bool, mask_kind: int, varlen: bool, B: int, H: int) -> str:
+    """The Gluon backward kernels pykernels' dense backward took for this case (bf16, S x S), e.g. "dkdv,dq"."""
+    if mask_kind or varlen or not torch.cuda.is_available():
+        return ""
+    from pykernels._kernels import attention as ka
+    q = torch.empty(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+    return ka.sm90_backward(q, q, q, q, None, dropout_p=0.0, scale=D ** -0.5, causal=causal)
 
 
 def sm90_case(D: int, S: int, causal: bool, mask_kind: int, varlen: bool) -> bool:
@@ -377,7 +396,8 @@ def run_case(case: Case, budget: Budget) -> list[dict]:
                        **graph_time(ours_fwd, q, k, v, do), out_and_grads_MiB=round(io_mib, 1),
                        scratch_MiB=None if peak is None else round(peak - io_mib, 1),
                        fp32_BHS_MiB=round(case.B * case.H * case.S * 4 / 2**20, 2),
-                       configs=tuned_configs(case.D, case.S, case.causal, 3 if case.key_padding else 0))
+                       configs=tuned_configs(case.D, case.S, case.causal, 3 if case.key_padding else 0,
+                                              B=case.B, H=case.H))
     except Exception as e:  # noqa: BLE001 - record and go on with the peers
         row["status"] = f"error: {short(e)}"
     rows.append(row)

@@ -54,8 +54,9 @@ from .attention_sm90 import (LOG2E, MAX_REGS, _fill_kv_ring, _flat_coords, _flat
 # blocks ptxas spills 92-116 bytes (dK, dV, S^T, dP^T near the 240 registers), yet it beats the spill-free
 # 32-query blocks by 1.16-1.20x (3.41 vs 4.10 ms at S = 8192).
 DKDV_CONFIGS = {64: (64, 64, 2), 128: (64, 64, 2)}
-# dQ: (query rows per consumer warpgroup, BLOCK_N keys per block, STAGES)
-DQ_CONFIGS = {64: (64, 128, 3), 128: (64, 64, 3)}
+# dQ: (query rows per consumer warpgroup, BLOCK_N keys per block, STAGES). STAGES >= 3 (the consumer releases
+# K_{j-1} after V_j arrived); at D = 128 four stages beat three by 1.29-1.36x (run44: 2.33 vs 3.00 ms, S = 8192)
+DQ_CONFIGS = {64: (64, 128, 3), 128: (64, 64, 4)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -406,22 +407,24 @@ def _attention_bwd_dq_sm90_kernel(
 # host side
 # ------------------------------------------------------------------------------------------------
 def kernels(q, k, causal: bool, sms: int) -> str:
-    """The Gluon backward kernels the auto path takes, as ``PYKERNELS_ATTN_SM90_BWD`` names them: "dkdv"
-    (the default: Gluon dK/dV, Triton dQ), "dkdv,dq" (both Gluon), "dq", "fused" (dK/dV/dQ in one kernel,
-    dQ by fp32 atomics: not bitwise reproducible), or "" (none; ``PYKERNELS_ATTN_SM90=0`` turns off every
-    sm_90 kernel); a value set explicitly is taken wherever the kernels cover the case (D = 64 too).
+    """The Gluon backward kernels the auto path takes, as ``PYKERNELS_ATTN_SM90_BWD`` names them:
+    "dkdv,dq" (the default: both Gluon), "dkdv" or "dq" (the other one Triton's), "fused" (dK/dV/dQ in one
+    kernel, dQ by fp32 atomics: not bitwise reproducible), or "" (none; ``PYKERNELS_ATTN_SM90=0`` turns off
+    every sm_90 kernel); a value set explicitly is taken wherever the kernels cover the case (D = 64 too).
 
-    The speed rule (H100 run41-42, ``benchmarks/dev/attention_bwd_sm90_gluon.py``): D = 128 with at least
-    one CTA of 128 keys per SM (``sms``); with fewer, the Triton kernel's smaller blocks fill the card (B2
-    H8/2 S1000: 0.150 ms Triton, 0.563 ms with the Gluon dK/dV). The Gluon dQ (538 TFLOP/s-equivalent at
-    S = 8192) loses to the Triton dQ kernel (~670), and "fused" to both (9.8 vs 6.0 ms at B2 H16 S8192
-    D128: scalar fp32 atomics and 676 spilled bytes), so neither is the default."""
+    The speed rule (H100 run41-44, ``benchmarks/dev/attention_bwd_sm90_gluon.py``, do_bench): D = 128 with
+    at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton kernels' smaller blocks fill the
+    card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon). Alone, at B2 H16 S8192 D128 full / causal: the
+    Gluon dK/dV 3.36 / 2.13 ms against ~4.0 / ~2.3 for Triton's, the Gluon dQ 2.33 / 1.28 ms against ~2.6 /
+    ~1.5. At D = 64 both lose (BERT-base shape: 0.349 vs 0.245 ms). "fused" loses to both (9.8 vs 6.0 ms:
+    scalar fp32 atomics at ~0.4 T/s and 676 spilled bytes; a bulk TMA reduction, which Gluon 3.6 does not
+    expose on Hopper, is what FlashAttention-3 uses there)."""
     named = os.environ.get("PYKERNELS_ATTN_SM90_BWD")
     if named is not None:
         return named
     if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
         return ""
-    return "dkdv"
+    return "dkdv,dq"
 
 
 def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: float, config=None,

@@ -911,7 +911,7 @@ def test_gpu_sm90_backward_dispatch_rules(monkeypatch):
     from pykernels._kernels import attention as katt
     q, k, v = _sm90_inputs(8, 2, 2, 256, 2048, BF16, "bhsd")  # 8 * 2 * 16 CTAs of 128 keys
     do = torch.randn_like(q)
-    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1) == "dkdv"
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1) == "dkdv,dq"
     assert katt.sm90_backward(q[:1], k[:1], v[:1], do[:1], None, dropout_p=0.0, scale=0.1) == ""  # 32 CTAs
     assert katt.sm90_backward(q[..., :64], k[..., :64], v[..., :64], do[..., :64], None, dropout_p=0.0,
                               scale=0.1) == ""  # D = 64: the Triton kernels
@@ -968,7 +968,7 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     assert katt.sm90_backward(q, q, q, q, None, dropout_p=0.0, scale=0.1) == ""
     from pykernels._kernels import attention_sm90_bwd as kb
     k = torch.empty(4, 2, 4096, 128, dtype=BF16)  # 4 * 2 * 32 CTAs of 128 keys
-    assert kb.kernels(q, k, causal=False, sms=132) == "dkdv" and kb.kernels(q[..., :64], k, causal=False, sms=132) == ""
+    assert kb.kernels(q, k, causal=False, sms=132) == "dkdv,dq" and kb.kernels(q[..., :64], k, causal=False, sms=132) == ""
     assert kb.kernels(q, k[:, :, :2000], causal=False, sms=132) == ""  # 4 * 2 * 16 CTAs: fewer than the SMs
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "fused")
     assert kb.kernels(q, k, causal=True, sms=132) == "fused"

@@ -67,7 +67,7 @@ def test_gluon_attention_bwd_kernels_compile_for_sm90():
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("bwd-dkdv ", "bwd-fused ", "bwd-dq "))]
-    for kind, count in (("bwd-dkdv ", 4), ("bwd-fused ", 4), ("bwd-dq ", 8)):
+    for kind, count in (("bwd-dkdv ", 4), ("bwd-fused ", 4), ("bwd-dq ", 10)):
         assert len([ln for ln in lines if ln.startswith(kind)]) == count, out[-4000:]
     for ln in lines:
         assert ": compiled;" in ln and "wgmma.wait_group 1: True" in ln and "'24;'" in ln, ln

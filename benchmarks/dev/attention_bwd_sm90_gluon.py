@@ -20,7 +20,7 @@ from pykernels._kernels import attention_sm90_bwd as kb
 
 # (head dim) -> alternative configs the probe times next to the defaults
 DKDV_ALT = {64: [], 128: []}
-DQ_ALT = {64: [(64, 64, 3)], 128: [(64, 64, 4)]}
+DQ_ALT = {64: [(64, 64, 3)], 128: [(64, 64, 3), (64, 64, 5)]}
 
 
 def compile_only() -> None:
