@@ -415,7 +415,7 @@ def kernels(q, k, causal: bool, sms: int) -> str:
     The speed rule (H100 run41-44, ``benchmarks/dev/attention_bwd_sm90_gluon.py``, do_bench): D = 128 with
     at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton kernels' smaller blocks fill the
     card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon). Alone, at B2 H16 S8192 D128 full / causal: the
-    Gluon dK/dV 3.36 / 2.13 ms against ~4.0 / ~2.3 for Triton's, the Gluon dQ 2.33 / 1.28 ms against ~2.6 /
+    Gluon dK/dV 3.36 / 2.13 ms against ~4.0 / ~2.7 for Triton's, the Gluon dQ 2.33 / 1.28 ms against ~2.6 /
     ~1.5. At D = 64 both lose (BERT-base shape: 0.349 vs 0.245 ms). "fused" loses to both (9.8 vs 6.0 ms:
     scalar fp32 atomics at ~0.4 T/s and 676 spilled bytes; a bulk TMA reduction, which Gluon 3.6 does not
     expose on Hopper, is what FlashAttention-3 uses there)."""
