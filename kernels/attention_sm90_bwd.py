@@ -57,6 +57,8 @@ DKDV_CONFIGS = {64: (64, 64, 2), 128: (64, 64, 2)}
 # dQ: (query rows per consumer warpgroup, BLOCK_N keys per block, STAGES). STAGES >= 3 (the consumer releases
 # K_{j-1} after V_j arrived); at D = 128 four stages beat three by 1.29-1.36x (run44: 2.33 vs 3.00 ms, S = 8192)
 DQ_CONFIGS = {64: (64, 128, 3), 128: (64, 64, 4)}
+# causal: both kernels' CTAs longest first across every (batch, head) (the probe compares with by-head order)
+CAUSAL_LPT = True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -188,18 +190,24 @@ def _attention_bwd_dkdv_sm90_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
     H, GROUP, Sq, Sk, qk_scale, scale,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, kv_layout: gl.constexpr, kh_layout: gl.constexpr,
-    ds_layout: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, kv_layout: gl.constexpr,
+    kh_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch). q_desc / do_desc: host descriptors over (rows, row
-    stride) views of q and do (``attention_sm90._flat_descriptor``); K, V, dK, dV: the CTA's kv head's slice
+    """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (kv heads, batch, cdiv(Sk, 2 * BLOCK_N)):
+    causal, every head's longest CTAs first. q_desc / do_desc: host descriptors over (rows, row stride)
+    views of q and do (``attention_sm90._flat_descriptor``); K, V, dK, dV: the CTA's kv head's slice
     through descriptors made on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1).
     FUSED_DQ: dQ * scale is added to DQACC, contiguous (B, H, Sq, D) fp32 (zeroed by the caller)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = K.dtype.element_ty
-    start_n = gl.program_id(0) * (2 * BLOCK_N)
-    hk = gl.program_id(1).to(gl.int64)
-    b = gl.program_id(2).to(gl.int64)
+    if LPT:  # grid (kv heads, batch, key blocks): every head's first (longest, when causal) blocks first
+        start_n = gl.program_id(2) * (2 * BLOCK_N)
+        hk = gl.program_id(0).to(gl.int64)
+        b = gl.program_id(1).to(gl.int64)
+    else:
+        start_n = gl.program_id(0) * (2 * BLOCK_N)
+        hk = gl.program_id(1).to(gl.int64)
+        b = gl.program_id(2).to(gl.int64)
     k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
     v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
     dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
@@ -254,14 +262,31 @@ def _attention_bwd_dkdv_sm90_kernel(
 # dQ
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
+def _dq_tile(n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+             LPT: gl.constexpr):
+    """The CTA's tile as ``_tile_coords`` gives it; LPT (causal): tiles ordered longest first across every
+    (batch, head), so that the grid's last CTAs are short ones (by head, the last head's longest tiles would
+    start near the end and run alone)."""
+    if LPT:
+        nhb = gl.num_programs(0) // n_m
+        hb = gl.program_id(0) % nhb
+        start_m = (n_m - 1 - gl.program_id(0) // nhb) * (2 * BLOCK_M)
+        h = hb % H
+        hi = gl.minimum(Sk, start_m + 2 * BLOCK_M)
+        return start_m, (hb // H).to(gl.int64), h.to(gl.int64), (h // GROUP).to(gl.int64), gl.cdiv(hi, BLOCK_N)
+    else:
+        return _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+
+
+@gluon.jit
 def _dq_producer(q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar,
                  k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
                  stride_dom,
                  stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dqb, stride_dqh, stride_dqm,
                  stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale, n_m,
                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr):
-    start_m, b, h, hk, n_blocks = _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+                 IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, q_layout: gl.constexpr):
+    start_m, b, h, hk, n_blocks = _dq_tile(n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, LPT)
     q_row0, q_col0 = _flat_coords(b * stride_qb + h * stride_qh, stride_qm)
     do_row0, do_col0 = _flat_coords(b * stride_dob + h * stride_doh, stride_dom)
     k_row0, k_col0 = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
@@ -282,7 +307,7 @@ def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_s
                  stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dqb,
                  stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale, n_m,
                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr):
+                 IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, q_layout: gl.constexpr):
     """Consumer warpgroup WG: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of the CTA's tile. Per key
     block j, on this warpgroup's turn (ping-pong with the other, through ``turn_bar`` as in the forward):
     issue S_j = Q K_j^T, dP_j = dO V_j^T and dQ += dS_{j-1} K_{j-1}; wait for S_j and dP_j only (V_j is
@@ -296,7 +321,7 @@ def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_s
                                                          instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    start_m, b, h, hk, n_blocks = _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    start_m, b, h, hk, n_blocks = _dq_tile(n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, LPT)
     my_m = start_m + WG * BLOCK_M
     rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
     l_off = b * stride_lb + h * stride_lh
@@ -358,7 +383,8 @@ def _attention_bwd_dq_sm90_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
     H, GROUP, Sq, Sk, qk_scale, scale, n_m,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Grid (n_m * H * B,): one tile of 2 * BLOCK_M query rows of one (batch, head) per CTA, in the forward's
     order (``_tile_coords``: causal, longest first). Every descriptor is the host's over a (rows, row stride)
@@ -389,17 +415,17 @@ def _attention_bwd_dq_sm90_kernel(
                         v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
-                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
+                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, q_layout)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
                         v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
-                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
+                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, q_layout)),
         (_dq_consumer, (1, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
                         v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
-                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, q_layout)),
+                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, q_layout)),
     ], [1, 4], [24, 240])
 
 
@@ -445,11 +471,14 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     dq_acc = torch.zeros(batch, hq, sq, d, dtype=torch.float32, device=q.device) if fused else lse
     khl, dsl = _fused_layouts(bn, bm, d, q.dtype) if fused else (kl, kl)
     _tuning.ensure_allocator()
-    _launch.fast(_attention_bwd_dkdv_sm90_kernel)[(_tuning.cdiv(sk, 2 * bn), hkv, batch)](
+    lpt = bool(causal) and CAUSAL_LPT
+    n_kb = _tuning.cdiv(sk, 2 * bn)
+    _launch.fast(_attention_bwd_dkdv_sm90_kernel)[(hkv, batch, n_kb) if lpt else (n_kb, hkv, batch)](
         qd, dod, k, v, dk, dv, lse, delta, dq_acc, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale,
-        HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, kv_layout=kl,
+        HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
+        kv_layout=kl,
         kh_layout=khl, ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)
@@ -481,6 +510,7 @@ def attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, *, causal: bool, scale: f
         *descs, dq, lse, delta, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *dq.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale, n_m,
-        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), q_layout=ql, kv_layout=kl,
+        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal),
+        LPT=bool(causal) and CAUSAL_LPT, q_layout=ql, kv_layout=kl,
         num_warps=4, maxnreg=MAX_REGS)
     return True

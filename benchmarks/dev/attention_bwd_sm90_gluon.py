@@ -53,7 +53,7 @@ def compile_only() -> None:
                     sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql)))
                     khl, dsl = kb._fused_layouts(bn, bm, d, torch.bfloat16) if fused else (kl, kl)
                     consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
-                                  kv_layout=kl, kh_layout=khl, ds_layout=dsl, num_warps=4)
+                                  LPT=causal, kv_layout=kl, kh_layout=khl, ds_layout=dsl, num_warps=4)
                     print(f"bwd-{'fused' if fused else 'dkdv'} D{d} cfg{cfg} {'causal' if causal else 'full'}: "
                           f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
         for cfg in [kb.DQ_CONFIGS[d]] + DQ_ALT[d]:
@@ -63,7 +63,8 @@ def compile_only() -> None:
                 fn = kb._attention_bwd_dq_sm90_kernel
                 qd, kd = desc(bm, d, ql), desc(bn, d, kl)
                 sig = sig_of(fn, dict(q_desc=qd, do_desc=qd, k_desc=kd, v_desc=kd, dq_desc=qd))
-                consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, q_layout=ql,
+                consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, LPT=causal,
+                              q_layout=ql,
                               kv_layout=kl, num_warps=4)
                 print(f"bwd-dq D{d} cfg{cfg} {'causal' if causal else 'full'}: "
                       f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
@@ -103,6 +104,13 @@ def main() -> None:
                 print(f"B{b} H{h}/{hkv} S{s_} D{d} {'causal' if causal else 'full'} whole backward, Gluon "
                       f"[{which}]: {ms:.3f} ms ({5 * gemm / ms / 1e9:.0f} TFLOP/s, 5-GEMM count); max |vs Triton| "
                       f"{err:.2e}", flush=True)
+            if causal:  # the causal CTA order: longest first across heads (default) against by head
+                os.environ["PYKERNELS_ATTN_SM90_BWD"] = "dkdv,dq"
+                for lpt in (False, True):
+                    kb.CAUSAL_LPT = lpt
+                    ms = do_bench(bwd)
+                    print(f"    causal order {'longest first' if lpt else 'by head'}: whole backward {ms:.3f} ms "
+                          f"({5 * gemm / ms / 1e9:.0f} TFLOP/s)", flush=True)
             print(f"    so Triton dK/dV ~{times['triton'] - times['dq']:.3f} ms, Triton dQ ~{times['triton'] - times['dkdv']:.3f}"
                   f" ms (+ preprocess)", flush=True)
             dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
