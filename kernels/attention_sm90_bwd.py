@@ -68,8 +68,10 @@ CAUSAL_LPT = True
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, kv_bar,
                    q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE,
                    DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
-                   dk_desc, dv_desc, k_row0, k_col0, v_row0, v_col0, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
+                   dk_desc, dv_desc, DK, DV, dk_off, dv_off, stride_dkn, stride_dvn, Sk, k_row0, k_col0, v_row0,
+                   v_col0, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, HOST_KV: gl.constexpr,
+                   kv_layout: gl.constexpr):
     for wg in gl.static_range(2):
         if FUSED_DQ:
             mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes
@@ -103,9 +105,10 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_
 def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
                    ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
                    stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n,
-                   j_lo, n_qb, dk_desc, dv_desc, dk_row0, dk_col0, dv_row0, dv_col0,
+                   j_lo, n_qb, dk_desc, dv_desc, DK, DV, dk_off, dv_off, stride_dkn, stride_dvn, Sk,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, HOST_KV: gl.constexpr,
+                   kv_layout: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block.
     FUSED_DQ: also dQ_j's columns [WG * D / 2, + D / 2) over both warpgroups' keys, dQ_j = dS_j K, from
     both dS^T tiles in shared memory (``ds_bar``: both written), added to the fp32 DQACC (B, H, Sq, D) by
@@ -180,9 +183,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, kh_desc, q
     k_tile.store((dk * scale).to(dtype))
     v_tile.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [dk_row0 + n0, dk_col0], k_tile)
-    tma.async_copy_shared_to_global(dv_desc, [dv_row0 + n0, dv_col0], v_tile)
-    tma.store_wait(pendings=0)
+    _store_rows(k_tile, DK, dk_off, stride_dkn, Sk, n0, dk_desc, HEAD_D, BLOCK_N, HOST_KV, kv_layout)
+    _store_rows(v_tile, DV, dv_off, stride_dvn, Sk, n0, dv_desc, HEAD_D, BLOCK_N, HOST_KV, kv_layout)
 
 
 @gluon.jit
@@ -199,10 +201,10 @@ def _attention_bwd_dkdv_sm90_kernel(
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (kv heads, batch, cdiv(Sk, 2 * BLOCK_N)):
     causal, every head's longest CTAs first. q_desc / do_desc: host descriptors over (rows, row stride)
-    views of q and do (``attention_sm90._flat_descriptor``). HOST_KV (the host checked that Sk is a
-    multiple of 2 * BLOCK_N: no tile crosses a head's end): KD..DVD the same over k, v, dk, dv; else the
-    CTA makes its kv head's descriptors on the device (their stores clip keys >= Sk). The consumers hold
-    only the dK/dV descriptors and coordinates through the loop (each extra live value spills: run47). LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1).
+    views of q and do (``attention_sm90._flat_descriptor``). HOST_KV: KD..DVD the same over k, v, dk, dv
+    (a tail tile of dK/dV is stored through its head's descriptor made on the device, which clips keys
+    >= Sk; keys past Sk read the next head's rows, whose dK/dV rows are never stored); else the CTA makes
+    its kv head's descriptors on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1).
     FUSED_DQ: dQ * scale is added to DQACC, contiguous (B, H, Sq, D) fp32 (zeroed by the caller)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = K.dtype.element_ty
@@ -222,14 +224,11 @@ def _attention_bwd_dkdv_sm90_kernel(
         k_desc, v_desc, dk_desc, dv_desc = KD, VD, DKD, DVD
         k_row0, k_col0 = _flat_coords(k_off, stride_kn)
         v_row0, v_col0 = _flat_coords(v_off, stride_vn)
-        dk_row0, dk_col0 = _flat_coords(dk_off, stride_dkn)
-        dv_row0, dv_col0 = _flat_coords(dv_off, stride_dvn)
     else:
         k_desc = _slice_desc(K, k_off, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
         v_desc = _slice_desc(V, v_off, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
-        dk_desc = _slice_desc(DK, dk_off, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
-        dv_desc = _slice_desc(DV, dv_off, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
-        k_row0, k_col0, v_row0, v_col0, dk_row0, dk_col0, dv_row0, dv_col0 = 0, 0, 0, 0, 0, 0, 0, 0
+        dk_desc, dv_desc = k_desc, v_desc  # (unused: the consumers make dK's and dV's)
+        k_row0, k_col0, v_row0, v_col0 = 0, 0, 0, 0
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], kv_layout)
@@ -261,18 +260,19 @@ def _attention_bwd_dkdv_sm90_kernel(
         (_dkdv_consumer, (0, q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
                           ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
-                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, dk_row0, dk_col0, dv_row0, dv_col0,
-                          HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FUSED_DQ)),
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, DK, DV, dk_off, dv_off, stride_dkn,
+                          stride_dvn, Sk, HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FUSED_DQ, HOST_KV, kv_layout)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
                           ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
-                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, k_row0, k_col0, v_row0, v_col0,
-                          HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FUSED_DQ)),
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, DK, DV, dk_off, dv_off, stride_dkn,
+                          stride_dvn, Sk, k_row0, k_col0, v_row0, v_col0, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
+                          IS_CAUSAL, FUSED_DQ, HOST_KV, kv_layout)),
         (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
                           ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
-                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, dk_row0, dk_col0, dv_row0, dv_col0,
-                          HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FUSED_DQ)),
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, DK, DV, dk_off, dv_off, stride_dkn,
+                          stride_dvn, Sk, HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FUSED_DQ, HOST_KV, kv_layout)),
     ], [1, 4], [24, 240])
 
 
@@ -488,7 +488,7 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         return False
     fused = dq is not None
     kvd = tuple(_flat_descriptor(t, bn, kl) for t in (k, v, dk, dv))
-    host_kv = host_descriptors and sk % (2 * bn) == 0 and all(x is not None for x in kvd)
+    host_kv = host_descriptors and all(x is not None for x in kvd)
     dq_acc = torch.zeros(batch, hq, sq, d, dtype=torch.float32, device=q.device) if fused else lse
     khl, dsl = _fused_layouts(bn, bm, d, q.dtype) if fused else (kl, kl)
     _tuning.ensure_allocator()

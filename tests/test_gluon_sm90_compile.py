@@ -66,18 +66,15 @@ def test_gluon_attention_bwd_kernels_compile_for_sm90():
     res = _compile_only(BWD)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("bwd-dkdv ", "bwd-fused ", "bwd-device-desc ",
-                                                                    "bwd-dq "))]
-    for kind, count in (("bwd-dkdv ", 4), ("bwd-fused ", 4), ("bwd-device-desc ", 1), ("bwd-dq ", 10)):
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("bwd-dkdv ", "bwd-fused ", "bwd-dq "))]
+    for kind, count in (("bwd-dkdv ", 4), ("bwd-fused ", 4), ("bwd-dq ", 10)):
         assert len([ln for ln in lines if ln.startswith(kind)]) == count, out[-4000:]
     for ln in lines:
         assert ": compiled;" in ln and "wgmma.wait_group 1: True" in ln and "'24;'" in ln, ln
         spilled = int(ln.split(" bytes spilled")[0].rsplit(" ", 1)[-1])
-        # dK/dV at D = 128 spills 100-308 bytes near the 240 registers (the causal variants most: the
-        # longest-first grid and host descriptors add to the spill and still measured faster, run46-47) and
-        # beats the spill-free 32-query blocks (run39); fused with dQ it spills 676-800 (the atomics'
-        # addresses: measured slower, opt-in only); the dQ kernel (causal: 8 bytes of scalars) and the D = 64
-        # dK/dV keep their tiles in registers
-        limit = {("bwd-dkdv", "D128"): 320, ("bwd-device-desc", "D128"): 160, ("bwd-fused", "D128"): 840,
-                 ("bwd-fused", "D64"): 64, ("bwd-dq", "D128"): 16, ("bwd-dq", "D64"): 16}.get(tuple(ln.split()[:2]), 0)
+        # dK/dV at D = 128 spills 100-132 bytes near the 240 registers and still beats the spill-free 32-query
+        # blocks (H100 run39); fused with dQ it spills 676-752 (the atomics' addresses: measured slower, opt-in
+        # only); the dQ kernel and D = 64 keep their tiles in registers
+        limit = {("bwd-dkdv", "D128"): 160, ("bwd-fused", "D128"): 800, ("bwd-fused", "D64"): 64}.get(
+            tuple(ln.split()[:2]), 0)
         assert spilled <= limit, ln
