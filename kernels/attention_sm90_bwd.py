@@ -68,20 +68,16 @@ CAUSAL_LPT = True
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, kv_bar,
                    q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE,
                    DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
-                   dk_desc, dv_desc, DK, DV, dk_off, dv_off, stride_dkn, stride_dvn, Sk, k_row0, k_col0, v_row0,
-                   v_col0, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, HOST_KV: gl.constexpr,
-                   kv_layout: gl.constexpr):
+                   dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
     for wg in gl.static_range(2):
         if FUSED_DQ:
             mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes
                             + 2 * kh_desc.block_type.nbytes)
         else:
             mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row0 + start_n + wg * BLOCK_N, k_col0], kv_bar.index(wg),
-                                        k_smem.index(wg))
-        tma.async_copy_global_to_shared(v_desc, [v_row0 + start_n + wg * BLOCK_N, v_col0], kv_bar.index(wg),
-                                        v_smem.index(wg))
+        tma.async_copy_global_to_shared(k_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), v_smem.index(wg))
         if FUSED_DQ:  # K again in column halves (index half * 2 + key warpgroup): the dQ GEMMs' B operands
             for half in gl.static_range(2):
                 tma.async_copy_global_to_shared(kh_desc, [start_n + wg * BLOCK_N, half * (HEAD_D // 2)],
@@ -105,10 +101,8 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_
 def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
                    ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
                    stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n,
-                   j_lo, n_qb, dk_desc, dv_desc, DK, DV, dk_off, dv_off, stride_dkn, stride_dvn, Sk,
-                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, HOST_KV: gl.constexpr,
-                   kv_layout: gl.constexpr):
+                   j_lo, n_qb, dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block.
     FUSED_DQ: also dQ_j's columns [WG * D / 2, + D / 2) over both warpgroups' keys, dQ_j = dS_j K, from
     both dS^T tiles in shared memory (``ds_bar``: both written), added to the fp32 DQACC (B, H, Sq, D) by
@@ -183,28 +177,26 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, kh_desc, q
     k_tile.store((dk * scale).to(dtype))
     v_tile.store(dv.to(dtype))
     fence_async_shared()
-    _store_rows(k_tile, DK, dk_off, stride_dkn, Sk, n0, dk_desc, HEAD_D, BLOCK_N, HOST_KV, kv_layout)
-    _store_rows(v_tile, DV, dv_off, stride_dvn, Sk, n0, dv_desc, HEAD_D, BLOCK_N, HOST_KV, kv_layout)
+    tma.async_copy_shared_to_global(dk_desc, [n0, 0], k_tile)
+    tma.async_copy_shared_to_global(dv_desc, [n0, 0], v_tile)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _attention_bwd_dkdv_sm90_kernel(
-    q_desc, do_desc, KD, VD, DKD, DVD, K, V, DK, DV, LSE, DELTA, DQACC,
+    q_desc, do_desc, K, V, DK, DV, LSE, DELTA, DQACC,
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
     H, GROUP, Sq, Sk, qk_scale, scale,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, HOST_KV: gl.constexpr,
-    kv_layout: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, kv_layout: gl.constexpr,
     kh_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (kv heads, batch, cdiv(Sk, 2 * BLOCK_N)):
     causal, every head's longest CTAs first. q_desc / do_desc: host descriptors over (rows, row stride)
-    views of q and do (``attention_sm90._flat_descriptor``). HOST_KV: KD..DVD the same over k, v, dk, dv
-    (a tail tile of dK/dV is stored through its head's descriptor made on the device, which clips keys
-    >= Sk; keys past Sk read the next head's rows, whose dK/dV rows are never stored); else the CTA makes
-    its kv head's descriptors on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1).
+    views of q and do (``attention_sm90._flat_descriptor``); K, V, dK, dV: the CTA's kv head's slice
+    through descriptors made on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1).
     FUSED_DQ: dQ * scale is added to DQACC, contiguous (B, H, Sq, D) fp32 (zeroed by the caller)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = K.dtype.element_ty
@@ -216,19 +208,10 @@ def _attention_bwd_dkdv_sm90_kernel(
         start_n = gl.program_id(0) * (2 * BLOCK_N)
         hk = gl.program_id(1).to(gl.int64)
         b = gl.program_id(2).to(gl.int64)
-    k_off = b * stride_kb + hk * stride_kh
-    v_off = b * stride_vb + hk * stride_vh
-    dk_off = b * stride_dkb + hk * stride_dkh
-    dv_off = b * stride_dvb + hk * stride_dvh
-    if HOST_KV:
-        k_desc, v_desc, dk_desc, dv_desc = KD, VD, DKD, DVD
-        k_row0, k_col0 = _flat_coords(k_off, stride_kn)
-        v_row0, v_col0 = _flat_coords(v_off, stride_vn)
-    else:
-        k_desc = _slice_desc(K, k_off, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
-        v_desc = _slice_desc(V, v_off, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
-        dk_desc, dv_desc = k_desc, v_desc  # (unused: the consumers make dK's and dV's)
-        k_row0, k_col0, v_row0, v_col0 = 0, 0, 0, 0
+    k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
+    v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
+    dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
+    dv_desc = _slice_desc(DV, b * stride_dvb + hk * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], kv_layout)
@@ -260,19 +243,18 @@ def _attention_bwd_dkdv_sm90_kernel(
         (_dkdv_consumer, (0, q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
                           ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
-                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, DK, DV, dk_off, dv_off, stride_dkn,
-                          stride_dvn, Sk, HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FUSED_DQ, HOST_KV, kv_layout)),
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
+                          IS_CAUSAL, FUSED_DQ)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
                           ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
-                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, DK, DV, dk_off, dv_off, stride_dkn,
-                          stride_dvn, Sk, k_row0, k_col0, v_row0, v_col0, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ, HOST_KV, kv_layout)),
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
+                          IS_CAUSAL, FUSED_DQ)),
         (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
                           ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
-                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, DK, DV, dk_off, dv_off, stride_dkn,
-                          stride_dvn, Sk, HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FUSED_DQ, HOST_KV, kv_layout)),
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
+                          IS_CAUSAL, FUSED_DQ)),
     ], [1, 4], [24, 240])
 
 
@@ -472,13 +454,12 @@ def kernels(q, k, causal: bool, sms: int) -> str:
 
 
 def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: float, config=None,
-                            dq=None, host_descriptors: bool = True) -> bool:
+                            dq=None) -> bool:
     """dK, dV into ``dk``, ``dv`` for (B, H, S, D) tensors covered per ``attention_sm90.unsupported`` and a
     TMA-aligned ``do``; lse and delta (B, H, Sq) fp32 with a unit last stride. With ``dq``: dQ too, in the
     same kernel (FUSED_DQ: fp32 atomics into a zeroed buffer, then one copy into ``dq``). False (nothing
     launched) where q or do cannot be seen through one host descriptor or dk / dv are not TMA-aligned: the
-    caller runs the Triton kernel. ``host_descriptors`` False: K, V, dK, dV through descriptors made on
-    the device even where host ones would do (the tests compare the two)."""
+    caller runs the Triton kernel."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bn, bm, stages = config or DKDV_CONFIGS[d]
@@ -487,19 +468,17 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)) or (dq is not None and sq * d >= 2**31):
         return False
     fused = dq is not None
-    kvd = tuple(_flat_descriptor(t, bn, kl) for t in (k, v, dk, dv))
-    host_kv = host_descriptors and all(x is not None for x in kvd)
     dq_acc = torch.zeros(batch, hq, sq, d, dtype=torch.float32, device=q.device) if fused else lse
     khl, dsl = _fused_layouts(bn, bm, d, q.dtype) if fused else (kl, kl)
     _tuning.ensure_allocator()
     lpt = bool(causal) and CAUSAL_LPT
     n_kb = _tuning.cdiv(sk, 2 * bn)
     _launch.fast(_attention_bwd_dkdv_sm90_kernel)[(hkv, batch, n_kb) if lpt else (n_kb, hkv, batch)](
-        qd, dod, *(kvd if host_kv else (None,) * 4), k, v, dk, dv, lse, delta, dq_acc, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
+        qd, dod, k, v, dk, dv, lse, delta, dq_acc, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
-        HOST_KV=host_kv, kv_layout=kl,
+        kv_layout=kl,
         kh_layout=khl, ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)

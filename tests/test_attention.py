@@ -907,39 +907,6 @@ def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, s
 
 @pytest.mark.gpu
 @sm90_only
-@pytest.mark.parametrize("layout,sq,sk,hq,hkv", [("bhsd", 1000, 1100, 4, 2), ("bshd", 1031, 1024, 4, 4),
-                                                  ("expanded", 257, 1000, 4, 1)])
-def test_gpu_sm90_bwd_host_descriptors_equal_device_ones(layout, sq, sk, hq, hkv):
-    # the dK/dV kernel's host-built K, V, dK, dV descriptors (tails read the next head's rows; the tail tile
-    # is stored through a device-made descriptor) give bit for bit what device-made ones give
-    from pykernels._kernels import attention as katt
-    from pykernels._kernels import attention_sm90_bwd as kb
-    b = 2
-    if layout == "bshd":
-        q, k, v, do = (torch.randn(b, s, h, 128, dtype=BF16, device="cuda").transpose(1, 2)
-                       for s, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
-    elif layout == "expanded":
-        q, do = (torch.randn(b, hq, sq, 128, dtype=BF16, device="cuda") for _ in range(2))
-        k, v = (torch.randn(b, 1, sk, 128, dtype=BF16, device="cuda").expand(b, hq, sk, 128) for _ in range(2))
-    else:
-        q, do = (torch.randn(b, hq, sq, 128, dtype=BF16, device="cuda") for _ in range(2))
-        k, v = (torch.randn(b, hkv, sk, 128, dtype=BF16, device="cuda") for _ in range(2))
-    for causal in (False, True):
-        o, lse = katt.attention_fwd(q, k, v, None, causal=causal, scale=0.1, dropout_p=0.0, seed=0)
-        delta = (o.float() * do.float()).sum(-1).contiguous()
-        got = []
-        for host in (True, False):
-            dk = torch.full((b, k.shape[1], sk, 128), float("nan"), dtype=BF16, device="cuda")
-            dv = torch.full_like(dk, float("nan"))
-            assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=0.1,
-                                              host_descriptors=host)
-            got.append((dk, dv))
-        assert not torch.isnan(got[0][0]).any() and not torch.isnan(got[0][1]).any()
-        assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
-
-
-@pytest.mark.gpu
-@sm90_only
 def test_gpu_sm90_backward_dispatch_rules(monkeypatch):
     from pykernels._kernels import attention as katt
     q, k, v = _sm90_inputs(8, 2, 2, 256, 2048, BF16, "bhsd")  # 8 * 2 * 16 CTAs of 128 keys

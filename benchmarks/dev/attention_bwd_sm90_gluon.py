@@ -48,21 +48,13 @@ def compile_only() -> None:
             bn, bm, stages = cfg
             ql, kl = smem_layouts(bm, bn, d, torch.bfloat16)
             for causal in (False, True):
-                for kind in ("dkdv", "fused", "device-desc"):
-                    if kind == "device-desc" and (causal or d == 64):
-                        continue  # (one variant with K, V, dK, dV descriptors made on the device)
+                for fused in (False, True):
                     fn = kb._attention_bwd_dkdv_sm90_kernel
-                    host = kind != "device-desc"
-                    kvd = desc(bn, d, kl) if host else "constexpr"
-                    sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql), KD=kvd, VD=kvd, DKD=kvd,
-                                          DVD=kvd))
-                    khl, dsl = kb._fused_layouts(bn, bm, d, torch.bfloat16) if kind == "fused" else (kl, kl)
-                    consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal,
-                                  FUSED_DQ=kind == "fused", LPT=causal, HOST_KV=host, kv_layout=kl, kh_layout=khl,
-                                  ds_layout=dsl, num_warps=4)
-                    if not host:
-                        consts.update(KD=None, VD=None, DKD=None, DVD=None)
-                    print(f"bwd-{kind} D{d} cfg{cfg} {'causal' if causal else 'full'}: "
+                    sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql)))
+                    khl, dsl = kb._fused_layouts(bn, bm, d, torch.bfloat16) if fused else (kl, kl)
+                    consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
+                                  LPT=causal, kv_layout=kl, kh_layout=khl, ds_layout=dsl, num_warps=4)
+                    print(f"bwd-{'fused' if fused else 'dkdv'} D{d} cfg{cfg} {'causal' if causal else 'full'}: "
                           f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
         for cfg in [kb.DQ_CONFIGS[d]] + DQ_ALT[d]:
             bm, bn, stages = cfg
@@ -122,16 +114,15 @@ def main() -> None:
             print(f"    so Triton dK/dV ~{times['triton'] - times['dq']:.3f} ms, Triton dQ ~{times['triton'] - times['dkdv']:.3f}"
                   f" ms (+ preprocess)", flush=True)
             dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
-            for cfg, host in [(kb.DKDV_CONFIGS[d], True), (kb.DKDV_CONFIGS[d], False)] + [(c, True) for c in DKDV_ALT[d]]:
-                def run(cfg=cfg, host=host):
+            for cfg in [kb.DKDV_CONFIGS[d]] + DKDV_ALT[d]:
+                def run(cfg=cfg):
                     assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=sc,
-                                                      config=cfg, host_descriptors=host)
+                                                      config=cfg)
                 run()
                 err = max((dk.float() - dk_t.float()).abs().max().item(), (dv.float() - dv_t.float()).abs().max().item())
                 ms = do_bench(run)
-                print(f"    dK/dV {cfg}{'' if host else ' device-made K/V descriptors'}: max |err| {err:.2e} (max "
-                      f"|dk_t| {dk_t.float().abs().max().item():.2e}); {ms:.3f} ms {4 * gemm / ms / 1e9:.0f} TFLOP/s",
-                      flush=True)
+                print(f"    dK/dV {cfg}: max |err| {err:.2e} (max |dk_t| {dk_t.float().abs().max().item():.2e}); "
+                      f"{ms:.3f} ms {4 * gemm / ms / 1e9:.0f} TFLOP/s", flush=True)
             def run_fused():
                 assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=sc, dq=dq)
             run_fused()
