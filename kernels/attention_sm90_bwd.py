@@ -1,7 +1,8 @@
 """Attention backward for Hopper (sm_90) in Gluon: the dK/dV and dQ kernels that ``attention.attention_bwd``
 takes on sm_90 where ``attention_sm90`` covers the case (fp16/bf16, D = 64 or 128, no mask, no dropout,
-not varlen) and the tensors are seen through host descriptors; the Triton preprocess (delta = rowsum(dO
-* O)) runs first, as for the Triton kernels, and either Gluon kernel can run with the other's Triton one.
+not varlen), at D = 128 with at least one CTA per SM (``kernels``), and the tensors are seen through host
+descriptors; the Triton preprocess (delta = rowsum(dO * O)) runs first, as for the Triton kernels, and
+either Gluon kernel can run with the other's Triton one.
 
 Why. The Triton dK/dV and dQ kernels wait for every wgmma right after issuing it and cannot split a
 producer from the consumers (``attention_sm90``'s docstring): at D = 128 the whole Triton backward reaches
@@ -25,15 +26,19 @@ in registers: no atomics, so the kernel is deterministic.
 ``_attention_bwd_dq_sm90_kernel``: the forward's structure (a tile of 2 x 64 query rows of one (batch,
 head), a producer streaming K and V through the forward's ring, ``_fill_kv_ring``); per key block each
 consumer runs S = Q K_j^T and dP = dO V_j^T, P = exp2(S * scale * log2 e - lse * log2 e) (masked as the
-forward masks), dS = P (dP - delta) and dQ += dS K_j, with dQ_{j-1}'s wgmma in flight during S_j.
+forward masks), dS = P (dP - delta) and dQ += dS K_j. S_j, dP_j and dQ_{j-1} are issued together on the
+consumer's ping-pong turn (two mbarriers, as in the forward), and dS_j forms while dQ_{j-1} runs.
 
 Queries past a head's Sq in a Q/dO tile are the next head's rows (or TMA's zero fill): their lse reads as
 +inf, so P = 0 there. Keys past Sk in the dQ kernel are masked; in the dK/dV kernel they are computed and
 never stored.
 
-Measured (H100 80GB HBM3, triton 3.6, bf16, do_bench, ``benchmarks/dev/attention_bwd_sm90_gluon.py``,
-2026-11-26, the dK/dV kernel alone, its 4 GEMMs): B2 H16 S8192 D128 646 / 511 TFLOP/s full / causal
-(3.41 / 2.15 ms; the whole Triton backward 6.53 / 4.06 ms), B4 H16 S4096 D128 causal 484.
+Causal: both kernels' CTAs run longest first across every (batch, head) (``CAUSAL_LPT``).
+
+Measured (H100 80GB HBM3, triton 3.6, bf16, ``benchmarks/dev/attention_bwd_sm90_gluon.py``, do_bench,
+2026-11-26, run49): B2 H16 S8192 D128 full / causal, dK/dV 3.30 / 1.92 ms (667 / 572 TFLOP/s of its 4
+GEMMs), dQ 2.27 / 1.24 ms (727 / 664 of its 3); the whole backward 5.56 / 3.19 ms against 6.86 / 4.13 with
+the Triton kernels. Graph replay in the attention benchmark (run49): 506 / 427 TFLOP/s, cuDNN 528 / 473.
 """
 from __future__ import annotations
 
@@ -435,8 +440,9 @@ def _attention_bwd_dq_sm90_kernel(
 def kernels(q, k, causal: bool, sms: int) -> str:
     """The Gluon backward kernels the auto path takes, as ``PYKERNELS_ATTN_SM90_BWD`` names them:
     "dkdv,dq" (the default: both Gluon), "dkdv" or "dq" (the other one Triton's), "fused" (dK/dV/dQ in one
-    kernel, dQ by fp32 atomics: not bitwise reproducible), or "" (none; ``PYKERNELS_ATTN_SM90=0`` turns off
-    every sm_90 kernel); a value set explicitly is taken wherever the kernels cover the case (D = 64 too).
+    kernel, dQ by fp32 atomics: not bitwise reproducible, so "dkdv,dq" while torch's deterministic mode is
+    on), or "" (none; ``PYKERNELS_ATTN_SM90=0`` turns off every sm_90 kernel); a value set explicitly is
+    taken wherever the kernels cover the case (D = 64 too).
 
     The speed rule (H100 run41-44, ``benchmarks/dev/attention_bwd_sm90_gluon.py``, do_bench): D = 128 with
     at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton kernels' smaller blocks fill the
@@ -447,6 +453,8 @@ def kernels(q, k, causal: bool, sms: int) -> str:
     expose on Hopper, is what FlashAttention-3 uses there)."""
     named = os.environ.get("PYKERNELS_ATTN_SM90_BWD")
     if named is not None:
+        if named == "fused" and torch.are_deterministic_algorithms_enabled():
+            return "dkdv,dq"  # (the fused kernel's dQ atomics are not bitwise reproducible)
         return named
     if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
         return ""

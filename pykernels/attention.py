@@ -24,6 +24,7 @@ uses the same top-left rule inside each sequence.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -475,9 +476,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     * ``dropout_p``: in-kernel Philox dropout; the seed comes from torch's default CPU generator, so
       ``torch.manual_seed`` makes it reproducible; :func:`attention_dropout_mask` gives the mask.
     * ``backend``: None (the current default), "auto", "triton", "cuda", "reference".
-    * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. The Triton backward
-      never uses atomics (dK/dV and dQ are separate kernels), so it is bitwise reproducible in either
-      mode; the flag is accepted for API compatibility.
+    * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. The backward never
+      uses atomics (dK/dV and dQ are separate kernels, Triton's or, on Hopper, Gluon's), so it is bitwise
+      reproducible in either mode. The one exception is a developer switch: ``PYKERNELS_ATTN_SM90_BWD=fused``
+      (dQ by fp32 atomics) is ignored while torch's deterministic mode is on, and ``deterministic=True``
+      with it set raises ``ValueError``.
     """
     _checks.check_tensor("query", query, min_dim=2, dtypes=_DTYPES)
     _checks.check_tensor("key", key, min_dim=2, dtypes=_DTYPES)
@@ -488,6 +491,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     dropout_p = _checks.check_prob("dropout_p", dropout_p)
     scale = _check_scale(scale)
     _check_deterministic(deterministic)
+    if deterministic and os.environ.get("PYKERNELS_ATTN_SM90_BWD") == "fused":
+        raise ValueError("deterministic=True conflicts with PYKERNELS_ATTN_SM90_BWD=fused (the fused sm_90 "
+                         "backward adds dQ with fp32 atomics); unset it or pass deterministic=False")
     check_backend_name(backend)
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(f"query and key must have the same head dim (last dim), got query shape "

@@ -752,7 +752,7 @@ def test_varlen_zero_uncovered_kernel_binary_search(device):
 
 # ---------------------------------------------------------------------------------------------
 # sm_90 (Hopper): the Gluon warp-specialised forward (kernels/attention_sm90.py) that the dense
-# forward takes at D = 128 with long keys; the backward is the Triton one, fed its lse
+# forward takes at D = 128 with long keys, and the Gluon backward (kernels/attention_sm90_bwd.py) at D = 128
 # ---------------------------------------------------------------------------------------------
 def _is_sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -972,3 +972,11 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     assert kb.kernels(q, k[:, :, :2000], causal=False, sms=132) == ""  # 4 * 2 * 16 CTAs: fewer than the SMs
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "fused")
     assert kb.kernels(q, k, causal=True, sms=132) == "fused"
+    with pytest.raises(ValueError, match="deterministic=True conflicts"):
+        sdpa(q, q, q, deterministic=True)
+    det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert kb.kernels(q, k, causal=True, sms=132) == "dkdv,dq"  # no atomics in deterministic mode
+    finally:
+        torch.use_deterministic_algorithms(det)
