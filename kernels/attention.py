@@ -873,16 +873,17 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
                                             causal=causal)
     if gluon:
         from . import attention_sm90_bwd as kb
-    if "fused" in gluon and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=scale,
-                                                       dq=dq):
-        gluon = "fused"  # dQ came with dK and dV
-    elif not ("dkdv" in gluon and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal,
-                                                              scale=scale)):
+    # each Gluon kernel may decline the layout (False, nothing launched): its Triton kernel runs instead
+    fused = gluon == "fused" and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal,
+                                                            scale=scale, dq=dq)
+    if not fused and not ("dkdv" in gluon and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv,
+                                                                         causal=causal, scale=scale)):
         _launch.fast(_attention_bwd_dkdv_kernel)[lambda meta: (_tuning.cdiv(sk, meta["BLOCK_N"]), hkv, batch)](
             q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
             *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dk), *seq3(dv), *ls, *ms,
             hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
-    if gluon != "fused" and not ("dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=scale)):
+    if not fused and not ("dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal,
+                                                                     scale=scale)):
         _launch.fast(_attention_bwd_dq_kernel)[lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)](
             q, k, v, do, dq, lse, delta, mask_t, kvr, cu_q, cu_k,
             *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dq), *ls, *ms,

@@ -907,6 +907,21 @@ def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, s
 
 @pytest.mark.gpu
 @sm90_only
+@pytest.mark.parametrize("kernels", ["dkdv,dq", "fused"])
+def test_gpu_sm90_backward_declined_layouts_run_triton(monkeypatch, kernels):
+    # a Gluon backward kernel that declines the case (17 queries: no 64-row Q tile through a host
+    # descriptor) leaves it to its Triton kernel, every gradient still computed (the suite NaN-poisons
+    # every output: a gradient no kernel wrote fails the comparison)
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", kernels)
+    from pykernels._kernels import attention as katt
+    q, k, v = _sm90_inputs(2, 4, 2, 17, 1024, BF16, "bhsd")
+    do = torch.randn_like(q)
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=True) == kernels
+    _check_against_ref(q, k, v, causal=True, scale=0.1, enable_gqa=True, do=do, what=f"declined {kernels}")
+
+
+@pytest.mark.gpu
+@sm90_only
 def test_gpu_sm90_backward_dispatch_rules(monkeypatch):
     from pykernels._kernels import attention as katt
     q, k, v = _sm90_inputs(8, 2, 2, 256, 2048, BF16, "bhsd")  # 8 * 2 * 16 CTAs of 128 keys
