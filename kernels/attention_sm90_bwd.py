@@ -46,8 +46,10 @@ import functools
 import os
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
@@ -69,6 +71,15 @@ CAUSAL_LPT = True
 # ------------------------------------------------------------------------------------------------
 # dK / dV
 # ------------------------------------------------------------------------------------------------
+@builtin
+def _tma_reduce_add(desc, offsets, value, _semantic=None):
+    """``value`` (a distributed fp32 tile) added to the global tile of ``desc`` at ``offsets`` by a bulk TMA
+    reduction (``cp.reduce.async.bulk.tensor ... add``): Triton's ``tensor_descriptor.atomic_add``, which
+    Gluon 3.6 does not expose; its lowering stages the tile through shared memory and waits for the read."""
+    offsets = _semantic._convert_to_ir_values(offsets, require_i64=False)
+    _semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle, offsets)
+
+
 @gluon.jit
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, kv_bar,
                    q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE,
@@ -110,8 +121,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, kh_desc, q
                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block.
     FUSED_DQ: also dQ_j's columns [WG * D / 2, + D / 2) over both warpgroups' keys, dQ_j = dS_j K, from
-    both dS^T tiles in shared memory (``ds_bar``: both written), added to the fp32 DQACC (B, H, Sq, D) by
-    atomics (scaled)."""
+    both dS^T tiles in shared memory (``ds_bar``: both written), added (scaled) to the fp32 dQ buffer by a
+    bulk TMA reduction through the descriptor DQACC (rows B * H * Sq, D columns; D / 2-column tiles)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -169,11 +180,10 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, kh_desc, q
                                    is_async=True)
                 dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
                 mbarrier.arrive(q_empty.index(s), count=1)
-                rows = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-                dcols = WG * (HEAD_D // 2) + gl.arange(0, HEAD_D // 2, layout=gl.SliceLayout(0, dq_layout))
-                head = (b * H + hk * GROUP + g) * Sq * HEAD_D
-                offs = gl.expand_dims(rows * HEAD_D, 1) + gl.expand_dims(dcols, 0)
-                gl.atomic_add(DQACC + head + offs, dq * scale, mask=gl.expand_dims(rows < Sq, 1), sem="relaxed")
+                # a bulk TMA reduction of the tile into DQACC's rows (B * H * Sq, D): query rows past Sq
+                # add the zeros of P = 0 there (to the next head's rows, or clipped past the end)
+                row = ((b * H + hk * GROUP + g) * Sq + j * BLOCK_M).to(gl.int32)
+                _tma_reduce_add(DQACC, [row, WG * (HEAD_D // 2)], dq * scale)
             else:
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                 mbarrier.arrive(q_empty.index(s), count=1)
@@ -202,7 +212,8 @@ def _attention_bwd_dkdv_sm90_kernel(
     causal, every head's longest CTAs first. q_desc / do_desc: host descriptors over (rows, row stride)
     views of q and do (``attention_sm90._flat_descriptor``); K, V, dK, dV: the CTA's kv head's slice
     through descriptors made on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1).
-    FUSED_DQ: dQ * scale is added to DQACC, contiguous (B, H, Sq, D) fp32 (zeroed by the caller)."""
+    FUSED_DQ: dQ * scale is added through DQACC, a host descriptor over a zeroed contiguous (B, H, Sq, D) fp32
+    buffer seen as (B * H * Sq, D), (BLOCK_M, D / 2) tiles, by bulk TMA reductions."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = K.dtype.element_ty
     if LPT:  # grid (kv heads, batch, key blocks): every head's first (longest, when causal) blocks first
@@ -461,16 +472,19 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     bn, bm, stages = config or DKDV_CONFIGS[d]
     ql, kl = smem_layouts(bm, bn, d, q.dtype)
     qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
-    if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)) or (dq is not None and sq * d >= 2**31):
+    if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)) or (dq is not None and batch * hq * sq >= 2**31):
         return False
     fused = dq is not None
-    dq_acc = torch.zeros(batch, hq, sq, d, dtype=torch.float32, device=q.device) if fused else lse
+    dq_acc = dqd = None
+    if fused:
+        dq_acc = torch.zeros(batch, hq, sq, d, dtype=torch.float32, device=q.device)
+        dqd = _dq_acc_descriptor(dq_acc, bm, d)
     khl, dsl = _fused_layouts(bn, bm, d, q.dtype) if fused else (kl, kl)
     _tuning.ensure_allocator()
     lpt = bool(causal) and CAUSAL_LPT
     n_kb = _tuning.cdiv(sk, 2 * bn)
     _launch.fast(_attention_bwd_dkdv_sm90_kernel)[(hkv, batch, n_kb) if lpt else (n_kb, hkv, batch)](
-        qd, dod, k, v, dk, dv, lse, delta, dq_acc, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
+        qd, dod, k, v, dk, dv, lse, delta, dqd, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
@@ -479,6 +493,14 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     if fused:
         dq.copy_(dq_acc)
     return True
+
+
+def _dq_acc_descriptor(dq_acc: torch.Tensor, bm: int, d: int):
+    """A host descriptor over the fused kernel's fp32 dQ buffer (B, H, Sq, D) as (B * H * Sq, D) rows, tiles
+    of (bm, D / 2): one consumer's half of a query block's dQ."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    layout = gl.NVMMASharedLayout.get_default_for([bm, d // 2], gl.float32)
+    return TensorDescriptor.from_tensor(dq_acc.view(-1, d), [bm, d // 2], layout)
 
 
 @functools.lru_cache(maxsize=16)

@@ -42,7 +42,7 @@ def compile_only() -> None:
         for p in fn.params:
             n = p.name
             sig[n] = (descs[n] if n in descs else "*bf16" if n in ("K", "V", "DK", "DV", "DQ")
-                      else "*fp32" if n in ("LSE", "DELTA", "DQACC") else "i64" if n.startswith("stride")
+                      else "*fp32" if n in ("LSE", "DELTA") else "i64" if n.startswith("stride")
                       else "fp32" if n in ("qk_scale", "scale") else "constexpr" if p.is_constexpr else "i32")
         return sig
 
@@ -56,10 +56,14 @@ def compile_only() -> None:
             for causal in (False, True):
                 for fused in (False, True):
                     fn = kb._attention_bwd_dkdv_sm90_kernel
-                    sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql)))
+                    dqacc = (mangle_type(kb._dq_acc_descriptor(torch.zeros(4096, d), bm, d)) if fused
+                             else "constexpr")
+                    sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql), DQACC=dqacc))
                     khl, dsl = kb._fused_layouts(bn, bm, d, torch.bfloat16) if fused else (kl, kl)
                     consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
                                   LPT=causal, kv_layout=kl, kh_layout=khl, ds_layout=dsl, num_warps=4)
+                    if not fused:
+                        consts["DQACC"] = None
                     print(f"bwd-{'fused' if fused else 'dkdv'} D{d} cfg{cfg} {'causal' if causal else 'full'}: "
                           f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
         for cfg in [kb.DQ_CONFIGS[d]] + DQ_ALT[d]:
