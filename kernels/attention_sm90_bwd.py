@@ -439,21 +439,21 @@ def _attention_bwd_dq_sm90_kernel(
 def kernels(q, k, causal: bool, sms: int) -> str:
     """The Gluon backward kernels the auto path takes, as ``PYKERNELS_ATTN_SM90_BWD`` names them:
     "dkdv,dq" (the default: both Gluon), "dkdv" or "dq" (the other one Triton's), "fused" (dK/dV/dQ in one
-    kernel, dQ by fp32 atomics: not bitwise reproducible, so "dkdv,dq" while torch's deterministic mode is
-    on), or "" (none; ``PYKERNELS_ATTN_SM90=0`` turns off every sm_90 kernel); a value set explicitly is
+    kernel, dQ added by bulk TMA reductions: not bitwise reproducible, so "dkdv,dq" while torch's
+    deterministic mode is on), or "" (none; ``PYKERNELS_ATTN_SM90=0`` turns off every sm_90 kernel); a value set explicitly is
     taken wherever the kernels cover the case (D = 64 too).
 
     The speed rule (H100 run41-44, ``benchmarks/dev/attention_bwd_sm90_gluon.py``, do_bench): D = 128 with
     at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton kernels' smaller blocks fill the
     card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon). Alone, at B2 H16 S8192 D128 full / causal: the
     Gluon dK/dV 3.36 / 2.13 ms against ~4.0 / ~2.7 for Triton's, the Gluon dQ 2.33 / 1.28 ms against ~2.6 /
-    ~1.5. At D = 64 both lose (BERT-base shape: 0.349 vs 0.245 ms). "fused" loses to both (9.8 vs 6.0 ms:
-    scalar fp32 atomics at ~0.4 T/s and 676 spilled bytes; a bulk TMA reduction, which Gluon 3.6 does not
-    expose on Hopper, is what FlashAttention-3 uses there)."""
+    ~1.5. At D = 64 both lose (BERT-base shape: 0.349 vs 0.245 ms). "fused" still loses to the two (run53:
+    6.09 / 3.79 vs 5.92 / 3.29 ms; 580-764 spilled bytes, a wait per reduction; with scalar fp32 atomics it
+    took 9.8 ms, run42)."""
     named = os.environ.get("PYKERNELS_ATTN_SM90_BWD")
     if named is not None:
         if named == "fused" and torch.are_deterministic_algorithms_enabled():
-            return "dkdv,dq"  # (the fused kernel's dQ atomics are not bitwise reproducible)
+            return "dkdv,dq"  # (the fused kernel's dQ reductions are not bitwise reproducible)
         return named
     if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
         return ""
@@ -464,7 +464,7 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
                             dq=None) -> bool:
     """dK, dV into ``dk``, ``dv`` for (B, H, S, D) tensors covered per ``attention_sm90.unsupported`` and a
     TMA-aligned ``do``; lse and delta (B, H, Sq) fp32 with a unit last stride. With ``dq``: dQ too, in the
-    same kernel (FUSED_DQ: fp32 atomics into a zeroed buffer, then one copy into ``dq``). False (nothing
+    same kernel (FUSED_DQ: bulk TMA reductions into a zeroed fp32 buffer, then one copy into ``dq``). False (nothing
     launched) where q or do cannot be seen through one host descriptor or dk / dv are not TMA-aligned: the
     caller runs the Triton kernel."""
     batch, hq, sq, d = q.shape

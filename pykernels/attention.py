@@ -479,7 +479,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. The backward never
       uses atomics (dK/dV and dQ are separate kernels, Triton's or, on Hopper, Gluon's), so it is bitwise
       reproducible in either mode. The one exception is a developer switch: ``PYKERNELS_ATTN_SM90_BWD=fused``
-      (dQ by fp32 atomics) is ignored while torch's deterministic mode is on, and ``deterministic=True``
+      (dQ added by bulk TMA reductions, in no fixed order) is ignored while torch's deterministic mode is on, and ``deterministic=True``
       with it set raises ``ValueError``.
     """
     _checks.check_tensor("query", query, min_dim=2, dtypes=_DTYPES)
@@ -493,7 +493,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     _check_deterministic(deterministic)
     if deterministic and os.environ.get("PYKERNELS_ATTN_SM90_BWD") == "fused":
         raise ValueError("deterministic=True conflicts with PYKERNELS_ATTN_SM90_BWD=fused (the fused sm_90 "
-                         "backward adds dQ with fp32 atomics); unset it or pass deterministic=False")
+                         "backward adds dQ by unordered TMA reductions); unset it or pass deterministic=False")
     check_backend_name(backend)
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(f"query and key must have the same head dim (last dim), got query shape "

@@ -7,7 +7,8 @@ History (H100, 2026-11-26, ``benchmarks/results/attention_bwd_sm90_probe_*_run39
 kernel was first written here and ran first in run39: B2 H16 S8192 D128, its 4 GEMMs at 646 / 511
 TFLOP/s full / causal with 64-query blocks (3.41 / 2.15 ms), 536 / 450 with the spill-free 32-query
 blocks; the whole Triton backward took 6.53 / 4.06 ms. run41: the first Gluon dQ lost to Triton's; run42:
-dQ fused into the dK/dV kernel with fp32 atomics, 9.8 vs 6.0 ms; run44: the dQ kernel with ping-pong and
+dQ fused into the dK/dV kernel with fp32 atomics, 9.8 vs 6.0 ms (run53: with bulk TMA reductions, 6.09 vs
+5.92 ms); run44: the dQ kernel with ping-pong and
 four stages beat Triton's; run46: causal CTAs longest first (dK/dV 2.13 -> 1.89 ms); run47-48: host K/V
 descriptors in the dK/dV kernel, slower (reverted); run49: the whole backward 5.56 / 3.19 ms (Triton's
 6.86 / 4.13). Each "whole backward" line sets ``PYKERNELS_ATTN_SM90_BWD`` (a value set is taken at D = 64
