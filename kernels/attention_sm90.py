@@ -114,25 +114,22 @@ def _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty
     ``k_col0`` / ``v_col0``) into the STAGES-deep ring, K one block ahead of V, each stage once its
     consumers released it. ``base``: blocks the CTA streamed before this tile (ring slot and phase of
     block j are those of base + j; mbarriers start with phase 1 complete: the first round does not wait)."""
-    g = base
-    mbarrier.wait(k_empty.index(g % STAGES), ((g // STAGES) & 1) ^ 1)
-    mbarrier.expect(k_bar.index(g % STAGES), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row0, k_col0], k_bar.index(g % STAGES), k_smem.index(g % STAGES))
+    _load_stage(k_desc, k_smem, k_bar, k_empty, base, k_row0, k_col0, STAGES)
     for blk in range(n_blocks):
         nxt = blk + 1
         if nxt < n_blocks:
-            gn = base + nxt
-            ns = gn % STAGES
-            mbarrier.wait(k_empty.index(ns), ((gn // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_bar.index(ns), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_row0 + nxt * BLOCK_N, k_col0], k_bar.index(ns),
-                                            k_smem.index(ns))
-        g = base + blk
-        slot = g % STAGES
-        mbarrier.wait(v_empty.index(slot), ((g // STAGES) & 1) ^ 1)
-        mbarrier.expect(v_bar.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [v_row0 + blk * BLOCK_N, v_col0], v_bar.index(slot),
-                                        v_smem.index(slot))
+            _load_stage(k_desc, k_smem, k_bar, k_empty, base + nxt, k_row0 + nxt * BLOCK_N, k_col0, STAGES)
+        _load_stage(v_desc, v_smem, v_bar, v_empty, base + blk, v_row0 + blk * BLOCK_N, v_col0, STAGES)
+
+
+@gluon.jit
+def _load_stage(desc, smem, full, empty, g, row, col, STAGES: gl.constexpr):
+    """Block number ``g`` of a ring (stage g % STAGES): wait until its consumers released the stage, then
+    one TMA load of ``desc``'s tile at (row, col) into it, completing ``full``'s phase."""
+    slot = g % STAGES
+    mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
+    mbarrier.expect(full.index(slot), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], full.index(slot), smem.index(slot))
 
 
 @gluon.jit
