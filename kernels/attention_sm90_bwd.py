@@ -80,24 +80,25 @@ def _tma_reduce_add(desc, offsets, value, _semantic=None):
     _semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle, offsets)
 
 
+@builtin
+def _tma_reduce_add_smem(desc, offsets, src, _semantic=None):
+    """The tile in shared memory ``src`` added to the global tile of ``desc`` at ``offsets`` by an asynchronous
+    bulk TMA reduction (``cp.reduce.async.bulk.tensor ... add``, one bulk group): Gluon 3.6's builder has the
+    op (``create_async_tma_reduce``) but no call for it. ``tma.store_wait`` waits for it as for a TMA store."""
+    offsets = _semantic._convert_to_ir_values(offsets, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, offsets, src.handle)
+
+
 @gluon.jit
-def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem, ds_smem, kv_bar,
+def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, kv_bar,
                    q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE,
                    DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
                    dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
     for wg in gl.static_range(2):
-        if FUSED_DQ:
-            mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes
-                            + 2 * kh_desc.block_type.nbytes)
-        else:
-            mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), k_smem.index(wg))
         tma.async_copy_global_to_shared(v_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), v_smem.index(wg))
-        if FUSED_DQ:  # K again in column halves (index half * 2 + key warpgroup): the dQ GEMMs' B operands
-            for half in gl.static_range(2):
-                tma.async_copy_global_to_shared(kh_desc, [start_n + wg * BLOCK_N, half * (HEAD_D // 2)],
-                                                kv_bar.index(wg), kh_smem.index(half * 2 + wg))
     it = 0
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -114,7 +115,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_
 
 
 @gluon.jit
-def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
+def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                    ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
                    stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n,
                    j_lo, n_qb, dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -155,9 +156,9 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, kh_desc, q
             dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             cols = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
             lse2 = gl.load(LSE + l_off + cols, mask=cols < Sq, other=float("inf")) * 1.4426950408889634
-            delta = gl.load(DELTA + l_off + cols, mask=cols < Sq, other=0.0)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
             pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+            delta = gl.load(DELTA + l_off + cols, mask=cols < Sq, other=0.0)
             if IS_CAUSAL:
                 if j * BLOCK_M < n0 + BLOCK_N:  # the block reaches the diagonal: query i sees keys <= i
                     pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), pt, 0.0)
@@ -165,29 +166,43 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, kh_desc, q
             dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
             dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-            dst_op = gl.convert_layout(dst, a_layout)
-            dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
             if FUSED_DQ:
+                # dS^T goes through shared memory: the A operand of dK += dS^T Q_j (no register copy held while
+                # the GEMMs run) and, with the other warpgroup's, of dQ_j's columns
                 buf = it % 2
-                ds_smem.index(buf * 2 + WG).store(dst)
+                ds_tile = ds_smem.index(buf * 2 + WG)
+                ds_tile.store(dst)
                 fence_async_shared()
                 mbarrier.arrive(ds_bar.index(buf), count=1)
+                dk = warpgroup_mma(ds_tile, q_tile, dk, is_async=True)
+                dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv, ))  # P^T's registers are free
                 mbarrier.wait(ds_bar.index(buf), (it // 2) & 1)  # both warpgroups' dS^T are in place
-                dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)), kh_smem.index(WG * 2),
+                dq = warpgroup_mma(ds_smem.index(buf * 2).permute((1, 0)),
+                                   k_smem.index(0).slice(WG * (HEAD_D // 2), HEAD_D // 2, dim=1),
                                    gl.zeros([BLOCK_M, HEAD_D // 2], gl.float32, dq_layout), use_acc=False,
                                    is_async=True)
-                dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)), kh_smem.index(WG * 2 + 1), dq,
-                                   is_async=True)
-                dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+                dq = warpgroup_mma(ds_smem.index(buf * 2 + 1).permute((1, 0)),
+                                   k_smem.index(1).slice(WG * (HEAD_D // 2), HEAD_D // 2, dim=1), dq, is_async=True)
+                dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq))
                 mbarrier.arrive(q_empty.index(s), count=1)
-                # a bulk TMA reduction of the tile into DQACC's rows (B * H * Sq, D): query rows past Sq
-                # add the zeros of P = 0 there (to the next head's rows, or clipped past the end)
+                # the previous block's reduction has read the staging tile by now (a block's GEMMs ago)
+                tma.store_wait(pendings=0)
+                dq_tile = dq_smem.index(WG)
+                dq_tile.store(dq * scale)
+                fence_async_shared()
+                # an asynchronous bulk TMA reduction of the tile into DQACC's rows (B * H * Sq, D): query rows
+                # past Sq add the zeros of P = 0 there (to the next head's rows, or clipped past the end)
                 row = ((b * H + hk * GROUP + g) * Sq + j * BLOCK_M).to(gl.int32)
-                _tma_reduce_add(DQACC, [row, WG * (HEAD_D // 2)], dq * scale)
+                _tma_reduce_add_smem(DQACC, [row, WG * (HEAD_D // 2)], dq_tile)
             else:
+                dst_op = gl.convert_layout(dst, a_layout)
+                dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                 mbarrier.arrive(q_empty.index(s), count=1)
             it += 1
+    if FUSED_DQ:  # the other warpgroup's dQ GEMMs read this one's K: both past their last block
+        mbarrier.arrive(ds_bar.index(it % 2), count=1)
+        mbarrier.wait(ds_bar.index(it % 2), (it // 2) & 1)
     # every wgmma that read this warpgroup's K and V is complete: their buffers stage dK and dV
     k_tile.store((dk * scale).to(dtype))
     v_tile.store(dv.to(dtype))
@@ -206,7 +221,7 @@ def _attention_bwd_dkdv_sm90_kernel(
     H, GROUP, Sq, Sk, qk_scale, scale,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, kv_layout: gl.constexpr,
-    kh_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr,
+    ds_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (kv heads, batch, cdiv(Sk, 2 * BLOCK_N)):
     causal, every head's longest CTAs first. q_desc / do_desc: host descriptors over (rows, row stride)
@@ -233,13 +248,10 @@ def _attention_bwd_dkdv_sm90_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], kv_layout)
     if FUSED_DQ:
-        kh_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [Sk, HEAD_D], [stride_kn, 1],
-                                             [BLOCK_N, HEAD_D // 2], kh_layout)
-        kh_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, HEAD_D // 2], kh_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_D // 2], DQACC.layout)  # per warpgroup
         ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, BLOCK_M], ds_layout)  # (parity, warpgroup)
     else:
-        kh_desc = k_desc
-        kh_smem = k_smem
+        dq_smem = k_smem
         ds_smem = k_smem
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -256,17 +268,17 @@ def _attention_bwd_dkdv_sm90_kernel(
         j_lo = start_n // BLOCK_M  # queries before the CTA's first key see none of its keys
     n_qb = gl.cdiv(Sq, BLOCK_M)
     gl.warp_specialize([
-        (_dkdv_consumer, (0, q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
+        (_dkdv_consumer, (0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
                           IS_CAUSAL, FUSED_DQ)),
-        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
+        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
                           IS_CAUSAL, FUSED_DQ)),
-        (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, kh_desc, q_smem, do_smem, k_smem, v_smem, kh_smem,
+        (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
@@ -479,7 +491,7 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     if fused:
         dq_acc = torch.zeros(batch, hq, sq, d, dtype=torch.float32, device=q.device)
         dqd = _dq_acc_descriptor(dq_acc, bm, d)
-    khl, dsl = _fused_layouts(bn, bm, d, q.dtype) if fused else (kl, kl)
+    dsl = _ds_layout(bn, bm, q.dtype) if fused else kl
     _tuning.ensure_allocator()
     lpt = bool(causal) and CAUSAL_LPT
     n_kb = _tuning.cdiv(sk, 2 * bn)
@@ -489,7 +501,7 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         hq, hq // hkv, sq, sk, scale * LOG2E, scale,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         kv_layout=kl,
-        kh_layout=khl, ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
+        ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)
     return True
@@ -504,11 +516,9 @@ def _dq_acc_descriptor(dq_acc: torch.Tensor, bm: int, d: int):
 
 
 @functools.lru_cache(maxsize=16)
-def _fused_layouts(bn: int, bm: int, d: int, dtype: torch.dtype):
-    """Shared layouts of the fused dQ's operands: K's column halves and a dS^T tile."""
-    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return (gl.NVMMASharedLayout.get_default_for([bn, d // 2], gdt),
-            gl.NVMMASharedLayout.get_default_for([bn, bm], gdt))
+def _ds_layout(bn: int, bm: int, dtype: torch.dtype):
+    """The shared layout of the fused kernel's dS^T tiles."""
+    return gl.NVMMASharedLayout.get_default_for([bn, bm], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
 def attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, *, causal: bool, scale: float, config=None) -> bool:

@@ -60,9 +60,9 @@ def compile_only() -> None:
                     dqacc = (mangle_type(kb._dq_acc_descriptor(torch.zeros(4096, d), bm, d)) if fused
                              else "constexpr")
                     sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql), DQACC=dqacc))
-                    khl, dsl = kb._fused_layouts(bn, bm, d, torch.bfloat16) if fused else (kl, kl)
+                    dsl = kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl
                     consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
-                                  LPT=causal, kv_layout=kl, kh_layout=khl, ds_layout=dsl, num_warps=4)
+                                  LPT=causal, kv_layout=kl, ds_layout=dsl, num_warps=4)
                     if not fused:
                         consts["DQACC"] = None
                     print(f"bwd-{'fused' if fused else 'dkdv'} D{d} cfg{cfg} {'causal' if causal else 'full'}: "
