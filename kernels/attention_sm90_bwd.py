@@ -39,6 +39,12 @@ Measured (H100 80GB HBM3, triton 3.6, bf16, ``benchmarks/dev/attention_bwd_sm90_
 2026-11-26, run49): B2 H16 S8192 D128 full / causal, dK/dV 3.30 / 1.92 ms (667 / 572 TFLOP/s of its 4
 GEMMs), dQ 2.27 / 1.24 ms (727 / 664 of its 3); the whole backward 5.56 / 3.19 ms against 6.86 / 4.13 with
 the Triton kernels. Graph replay in the attention benchmark (run49): 506 / 427 TFLOP/s, cuDNN 528 / 473.
+
+FUSED_DQ (opt-in "fused"): dQ_j's columns are split between the warpgroups, each staging its (BLOCK_M, D / 2)
+fp32 tile in shared memory for an asynchronous bulk TMA reduction waited one block later. run54-55: 5.72-5.75 /
+3.28-3.63 ms at S8192 full / causal, next to 5.68-5.89 / 3.22-3.26 for the pair (within the noise at full,
+slower causal; 2.02 vs 1.76-1.87 ms at S4096 causal). Each warpgroup's block is serial (S^T, dP^T -> P^T -> dV,
+dS^T -> dK, both dS^T -> dQ -> its epilogue), and ptxas spills 632-756 bytes of loop invariants.
 """
 from __future__ import annotations
 
@@ -72,19 +78,12 @@ CAUSAL_LPT = True
 # dK / dV
 # ------------------------------------------------------------------------------------------------
 @builtin
-def _tma_reduce_add(desc, offsets, value, _semantic=None):
-    """``value`` (a distributed fp32 tile) added to the global tile of ``desc`` at ``offsets`` by a bulk TMA
-    reduction (``cp.reduce.async.bulk.tensor ... add``): Triton's ``tensor_descriptor.atomic_add``, which
-    Gluon 3.6 does not expose; its lowering stages the tile through shared memory and waits for the read."""
-    offsets = _semantic._convert_to_ir_values(offsets, require_i64=False)
-    _semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle, offsets)
-
-
-@builtin
 def _tma_reduce_add_smem(desc, offsets, src, _semantic=None):
     """The tile in shared memory ``src`` added to the global tile of ``desc`` at ``offsets`` by an asynchronous
-    bulk TMA reduction (``cp.reduce.async.bulk.tensor ... add``, one bulk group): Gluon 3.6's builder has the
-    op (``create_async_tma_reduce``) but no call for it. ``tma.store_wait`` waits for it as for a TMA store."""
+    bulk TMA reduction (``cp.reduce.async.bulk.tensor ... add``, one bulk group), FlashAttention-3's way of
+    adding dQ: Gluon 3.6's builder has the op (``create_async_tma_reduce``) but no call for it (Triton's
+    ``descriptor_reduce`` from registers, run53, waited for each reduction's read right away).
+    ``tma.store_wait`` waits for it as for a TMA store."""
     offsets = _semantic._convert_to_ir_values(offsets, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, offsets, src.handle)
 
@@ -459,9 +458,9 @@ def kernels(q, k, causal: bool, sms: int) -> str:
     at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton kernels' smaller blocks fill the
     card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon). Alone, at B2 H16 S8192 D128 full / causal: the
     Gluon dK/dV 3.36 / 2.13 ms against ~4.0 / ~2.7 for Triton's, the Gluon dQ 2.33 / 1.28 ms against ~2.6 /
-    ~1.5. At D = 64 both lose (BERT-base shape: 0.349 vs 0.245 ms). "fused" still loses to the two (run53:
-    6.09 / 3.79 vs 5.92 / 3.29 ms; 580-764 spilled bytes, a wait per reduction; with scalar fp32 atomics it
-    took 9.8 ms, run42)."""
+    ~1.5. At D = 64 both lose (BERT-base shape: 0.349 vs 0.245 ms). "fused" still loses to the two, or ties
+    (run54-55, S8192 full / causal: 5.72-5.75 / 3.28-3.63 vs 5.68-5.89 / 3.22-3.26 ms; run53, with a wait per
+    reduction: 6.09 / 3.79; with scalar fp32 atomics, run42: 9.8 ms)."""
     named = os.environ.get("PYKERNELS_ATTN_SM90_BWD")
     if named is not None:
         if named == "fused" and torch.are_deterministic_algorithms_enabled():
