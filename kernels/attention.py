@@ -748,12 +748,12 @@ def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None
     D = 128, or D = 64 with long keys: ``attention_sm90.preferred``) instead of ``_attention_fwd_kernel``.
     Cheap checks first, so CPU tensors and masked, dropout or other head-dim calls never import the Gluon
     module; ``unsupported`` checks the device (sm_90) and the rest."""
-    if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or mask is not None or kv_range is not None \
-            or dropout_p > 0:
+    if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or dropout_p > 0 \
+            or (mask is not None and (kv_range is None or mask.dtype != torch.bool or causal)):
         return False
     from . import attention_sm90
     return attention_sm90.preferred(q, k, causal) and attention_sm90.unsupported(
-        q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=False) is None
+        q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=False, kv_range=kv_range, causal=causal) is None
 
 
 def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range=None, causal: bool = False) -> str:
@@ -795,7 +795,8 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
     else:
         if sm90_forward(q, k, v, mask, dropout_p=dropout_p, scale=scale, kv_range=kv_range, causal=causal):
             from . import attention_sm90
-            return attention_sm90.attention_fwd_sm90(q, k, v, causal=causal, scale=scale)
+            return attention_sm90.attention_fwd_sm90(q, k, v, causal=causal, scale=scale, mask=mask,
+                                                     kv_range=kv_range)
         batch, hq, sq, d = q.shape
         hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
         # laid out like q when it can be (transformers' transposed views: reshaping o back is free)

@@ -98,6 +98,36 @@ def _needs_mask(j, start_m, Sk, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def _key_span(KvRange, b, n_blocks, BLOCK_N: gl.constexpr, KEY_PAD: gl.constexpr):
+    """The tile's key blocks as (first block j0, count, empty). KEY_PAD: only the blocks of its batch's
+    valid key range [lo, hi) (``KvRange`` int32 (B, 2), from ``pykernels.attention._key_padding_range``);
+    a batch without a valid key (lo = Sk, hi = 0) is ``empty``: the tile runs its first block unmasked
+    and the consumers store O = 0 and lse = -inf. Otherwise (0, n_blocks, False)."""
+    j0 = 0
+    n = n_blocks
+    empty = False
+    if KEY_PAD:
+        lo = gl.load(KvRange + 2 * b)
+        hi = gl.load(KvRange + 2 * b + 1)
+        j0 = lo // BLOCK_N
+        n = gl.minimum(n_blocks, gl.cdiv(hi, BLOCK_N)) - j0
+        empty = n <= 0
+        j0 = gl.where(empty, 0, j0)
+        n = gl.where(empty, 1, n)
+    return j0, n, empty
+
+
+@gluon.jit
+def _key_pad_scores(s, blk, mask_row, stride_mn, Sk, empty, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """-inf where the boolean key-padding mask row ``mask_row`` (uint8, stride ``stride_mn``) is False for
+    the columns of key block ``blk`` (keys past Sk are left to ``_mask_scores``); nothing for an empty
+    batch's tile (``_key_span``)."""
+    cols = blk * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    keep = gl.load(mask_row + cols.to(gl.int64) * stride_mn, mask=(cols < Sk) & (empty == 0), other=1)
+    return gl.where(gl.expand_dims(keep != 0, 0), s, float("-inf"))
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale):
     """Online softmax on raw scores s (fp32, mma layout): new max, new sum, P (fp32), rescale factor."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -148,14 +178,16 @@ def _slice_desc(base, off, rows, stride_rows, HEAD_D: gl.constexpr, BLOCK: gl.co
 @gluon.jit
 def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, Sk,
              qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, NW: gl.constexpr, TURNS: gl.constexpr, base, q_phase):
+             STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, NW: gl.constexpr, TURNS: gl.constexpr, base, q_phase,
+             j0=0, mask_row=None, stride_mn=0, empty=False, KEY_PAD: gl.constexpr = False):
     """A consumer's main loop on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``), NW warps: the
     blocks' QK^T and P V on asynchronous wgmma, the next QK^T in flight during the softmax; K_j released
     through ``k_empty`` once its QK^T completed, V_j through ``v_empty`` once its P V did. Returns the
     unnormalised O (fp32), the row max m (base 2) and the row sum l; ``_epilogue`` stores them. TURNS (ping-pong): tensor-core work is issued only on this
     warpgroup's turn (``turn_bar[WG]``), passed to the other warpgroup right after the issue. ``base``:
     key blocks the CTA consumed before this tile (ring slots, phases and turns continue from there);
-    ``q_phase``: the phase of ``q_ready`` that this tile's Q completes."""
+    ``q_phase``: the phase of ``q_ready`` that this tile's Q completes. KEY_PAD: the blocks are j0, j0 + 1,
+    ... of the head's keys, masked by the boolean key-padding row ``mask_row`` (``_key_span``)."""
     dtype: gl.constexpr = q_tile.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -179,8 +211,10 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
         mbarrier.arrive(turn_bar.index(1 - WG), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     mbarrier.arrive(k_empty.index(base % STAGES), count=1)
-    if _needs_mask(0, my_m, Sk, BLOCK_N, IS_CAUSAL):
-        s = _mask_scores(s, 0, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
+    if KEY_PAD:
+        s = _key_pad_scores(s, j0, mask_row, stride_mn, Sk, empty, BLOCK_N, s_layout)
+    if _needs_mask(j0, my_m, Sk, BLOCK_N, IS_CAUSAL):
+        s = _mask_scores(s, j0, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
     m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
@@ -198,8 +232,10 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
             mbarrier.arrive(turn_bar.index(1 - WG), count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         mbarrier.arrive(k_empty.index(slot), count=1)  # S_j done (groups complete in order); P V may run
-        if _needs_mask(j, my_m, Sk, BLOCK_N, IS_CAUSAL):
-            s = _mask_scores(s, j, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
+        if KEY_PAD:
+            s = _key_pad_scores(s, j0 + j, mask_row, stride_mn, Sk, empty, BLOCK_N, s_layout)
+        if _needs_mask(j0 + j, my_m, Sk, BLOCK_N, IS_CAUSAL):
+            s = _mask_scores(s, j0 + j, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -293,8 +329,9 @@ def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
               k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
-              n_m, n_tiles, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr):
+              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
+              KEY_PAD: gl.constexpr, q_layout: gl.constexpr):
     """Consumer warpgroup WG over the CTA's tiles: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each; its Q
     buffer of a tile is (tile count % 2, WG), released through ``q_empty`` once O left it."""
     base = 0
@@ -303,9 +340,18 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
         it = (tile - gl.program_id(0)) // gl.num_programs(0)  # this CTA's tile count (not loop-carried)
         buf = (it % 2) * 2 + WG
         my_m = start_m + WG * BLOCK_M
-        acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty, v_empty,
-                                 turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-                                 IS_CAUSAL, 4, True, base, (it // 2) & 1)
+        if KEY_PAD:
+            j0, n_blocks, empty = _key_span(KvRange, b, n_blocks, BLOCK_N, KEY_PAD)
+            acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
+                                     v_empty, turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
+                                     STAGES, IS_CAUSAL, 4, True, base, (it // 2) & 1, j0, Mask + b * stride_mb,
+                                     stride_mn, empty, True)
+            acc = acc * gl.where(empty, 0.0, 1.0)  # a batch without a valid key: O = 0, lse = -inf
+            m_i = gl.where(empty, float("-inf"), m_i)
+        else:
+            acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
+                                     v_empty, turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
+                                     STAGES, IS_CAUSAL, 4, True, base, (it // 2) & 1)
         hb = tile // n_m  # (batch, head) again: not held in registers through the main loop
         b = (hb // H).to(gl.int64)
         h = (hb % H).to(gl.int64)
@@ -319,14 +365,16 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
 def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
               k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
-              n_m, n_tiles, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr):
+              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
+              KEY_PAD: gl.constexpr, q_layout: gl.constexpr):
     """The producer warp, over the CTA's tiles: both warpgroups' Q tiles (double-buffered across tiles),
     then the tile's K/V through the ring (each stage's empty barriers count 2 arrivals, one per consumer)."""
     base = 0
     it = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        j0, n_blocks, empty = _key_span(KvRange, b, n_blocks, BLOCK_N, KEY_PAD)
         q_row0, q_col0, k_row0, k_col0, v_row0, v_col0 = 0, 0, 0, 0, 0, 0
         if HOST_DESC:
             q_row0, q_col0 = _flat_coords(b * stride_qb + h * stride_qh, stride_qm)
@@ -338,8 +386,8 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
             mbarrier.expect(q_bar.index(buf), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [q_row0 + start_m + wg * BLOCK_M, q_col0], q_bar.index(buf),
                                             q_smem.index(buf))
-        _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, base, k_row0, k_col0,
-                      v_row0, v_col0, STAGES, BLOCK_N)
+        _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, base,
+                      k_row0 + j0 * BLOCK_N, k_col0, v_row0 + j0 * BLOCK_N, v_col0, STAGES, BLOCK_N)
         base += n_blocks
         it += 1
 
@@ -373,17 +421,20 @@ def _attention_fwd_sm90_kernel(
     Q, K, V, O, LSE, QD, KD, VD, OD,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-    H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles,
+    H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr,
-    num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, KEY_PAD: gl.constexpr, q_layout: gl.constexpr,
+    kv_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Tiles of 2 * BLOCK_M query rows of one (batch, head), n_m per head, n_tiles in all, over a 1-D grid:
     a CTA takes tiles program_id, + num_programs, ... (persistent when the grid is smaller than n_tiles).
     Two consumer warpgroups (the default partition and a 4-warp worker) in ping-pong over one K/V ring
     filled by a 1-warp producer; num_warps = 4. HOST_DESC: QD..OD are the caller's descriptors over
     (rows, row stride) views of q, k, v, o, and a head's tiles sit at (row, column) coordinates of its
-    offset; else (one tile per CTA) the CTA makes its head's descriptors on the device."""
+    offset; else (one tile per CTA) the CTA makes its head's descriptors on the device. KEY_PAD: a boolean
+    key-padding mask (uint8, ``Mask + b * stride_mb + key * stride_mn``) with its per-batch valid key range
+    ``KvRange`` (int32 (B, 2)): a tile streams only the key blocks of that range (``_key_span``) and masks
+    their keys (``_key_pad_scores``); not causal (the host's rule)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
     if HOST_DESC:
@@ -407,15 +458,18 @@ def _attention_fwd_sm90_kernel(
         (_consumer, (0, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
-                        qk_scale, n_m, n_tiles, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, q_layout)),
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                        IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout)),
         (_producer, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
-                        qk_scale, n_m, n_tiles, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, q_layout)),
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                        IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout)),
         (_consumer, (1, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
-                        qk_scale, n_m, n_tiles, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, q_layout)),
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                        IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout)),
     ], [1, 4], [24, 240])
 
 
@@ -433,10 +487,14 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return st[-1] == 1 and st[2] > 0 and all(s % 8 == 0 for s in st[:3]) and t.data_ptr() % 16 == 0
 
 
-def unsupported(q, k, v, mask, *, dropout_p: float, scale: float, varlen: bool) -> str | None:
-    """None when this kernel covers the call (dense (B, H, S, D) tensors), else the reason it does not."""
-    if varlen or mask is not None or dropout_p > 0:
-        return "a mask, dropout or varlen"
+def unsupported(q, k, v, mask, *, dropout_p: float, scale: float, varlen: bool, kv_range=None,
+                causal: bool = False) -> str | None:
+    """None when this kernel covers the call (dense (B, H, S, D) tensors), else the reason it does not. A
+    mask is covered only as a boolean key-padding mask with its ``kv_range`` (the forward, not causal)."""
+    if varlen or dropout_p > 0:
+        return "dropout or varlen"
+    if mask is not None and (kv_range is None or mask.dtype != torch.bool or causal):
+        return "a mask other than a boolean key-padding mask (not causal)"
     if q.numel() == 0 or k.numel() == 0:
         return "an empty tensor"  # (a grid of no programs is not a valid launch)
     if q.device.type != "cuda" or _tuning.interpret() or torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -505,11 +563,13 @@ def _num_sms(device) -> int:
 
 
 def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host_descriptors: bool = True,
-                       persistent: bool | None = None):
+                       persistent: bool | None = None, mask=None, kv_range=None):
     """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), covered per ``unsupported``. Returns o (laid out like q when
     TMA allows) and lse (B, Hq, Sq) fp32, as ``attention.attention_fwd`` does. ``host_descriptors``: take
     the host-descriptor variant where the layouts allow it (False: always make them on the device).
-    ``persistent`` False: one tile per CTA even where the persistent grid would be taken."""
+    ``persistent`` False: one tile per CTA even where the persistent grid would be taken. ``mask``: a
+    boolean key-padding mask, a (B, H, Sq, Sk) view with strides 0 over heads and rows, with ``kv_range``
+    (int32 (B, 2), ``pykernels.attention._key_padding_range``)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bm, bn, stages = config or CONFIGS[d]
@@ -536,10 +596,13 @@ def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host
     grid = n_tiles
     if descs is not None and persistent is not False:
         grid = min(n_tiles, sms if not causal else (sms // n_m * n_m if n_m <= sms else n_tiles))
+    key_pad = mask is not None
     _launch.fast(_attention_fwd_sm90_kernel)[(grid,)](
         q, k, v, o, lse, *(descs or (None,) * 4),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, n_m, n_tiles,
+        mask.view(torch.uint8) if key_pad else None, kv_range if key_pad else None,
+        mask.stride(0) if key_pad else 0, mask.stride(3) if key_pad else 0,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), HOST_DESC=descs is not None,
-        q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
+        KEY_PAD=key_pad, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
     return o, lse

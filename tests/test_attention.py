@@ -789,6 +789,68 @@ def test_gpu_sm90_gluon_forward(monkeypatch, dtype, layout, b, hq, hkv, sq, sk, 
 
 @pytest.mark.gpu
 @sm90_only
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,pattern", [
+    (3, 4, 4, 512, 512, 64, "prefix"),      # BERT-like lengths, the last batch without a valid key
+    (2, 4, 2, 1000, 1500, 128, "holes"),    # GQA; leading keys masked (lo > 0) and random holes
+    (2, 2, 2, 127, 1031, 64, "short"),      # the key tail; one batch sees key 0 only
+    (2, 2, 2, 1, 2048, 128, "prefix")])     # Sq = 1
+def test_gpu_sm90_gluon_forward_key_padding(layout, b, hq, hkv, sq, sk, d, pattern):
+    """The Gluon forward with a boolean key-padding mask: only the batch's valid key blocks, masked keys
+    inside them; a batch without a valid key gives O = 0 (lse -inf, never NaN). The backward is Triton's."""
+    from pykernels._kernels import attention as katt
+    from pykernels.attention import _key_padding_range
+    g = torch.Generator().manual_seed(sk)
+    keep = torch.ones(b, sk, dtype=torch.bool)
+    if pattern == "prefix":
+        lens = [sk, sk // 2 + 44, 0][:b]
+        keep = torch.arange(sk)[None, :] < torch.tensor(lens)[:, None]
+    elif pattern == "holes":
+        keep = torch.rand(b, sk, generator=g) > 0.3
+        keep[0, :200] = False  # the first valid key past the first block
+        keep[1, 1300:] = False
+    else:
+        keep[1, 1:] = False
+    mask = keep[:, None, None, :].cuda()
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout, d=d)
+    m4 = mask.expand(b, hq, sq, sk)
+    kv_range = _key_padding_range(m4)
+    assert katt.sm90_forward(q, k, v, m4, dropout_p=0.0, scale=d ** -0.5, kv_range=kv_range), \
+        "this case must take the sm_90 kernel"
+    out, _ = _check_against_ref(q, k, v, mask=mask, enable_gqa=hq != hkv, what=f"sm90 key padding {pattern}")
+    assert torch.isfinite(out).all()
+    if pattern == "prefix" and b == 3:
+        assert (out[2] == 0).all()
+    # the same forward through the kernel entry point, bitwise
+    o2, lse2 = katt.attention_fwd(q.detach(), k.detach(), v.detach(), m4, causal=False, scale=d ** -0.5,
+                                  dropout_p=0.0, seed=0, kv_range=kv_range)
+    assert torch.equal(o2, out.detach())
+    if pattern == "prefix" and b == 3:
+        assert torch.isneginf(lse2[2]).all()
+
+
+@pytest.mark.gpu
+@sm90_only
+def test_gpu_sm90_key_padding_dispatch_rules():
+    """Key padding takes the Gluon forward only as a boolean mask with its key range and not causal."""
+    from pykernels._kernels import attention as katt
+    from pykernels.attention import _key_padding_range
+    q, k, v = _sm90_inputs(2, 2, 2, 512, 512, BF16, "bhsd")
+    mask = (torch.arange(512, device="cuda")[None, :] < torch.tensor([[512], [300]], device="cuda"))
+    m4 = mask[:, None, None, :].expand(2, 2, 512, 512)
+    kv = _key_padding_range(m4)
+    sc = 128 ** -0.5
+    assert katt.sm90_forward(q, k, v, m4, dropout_p=0.0, scale=sc, kv_range=kv)
+    assert not katt.sm90_forward(q, k, v, m4, dropout_p=0.0, scale=sc, kv_range=kv, causal=True)
+    assert not katt.sm90_forward(q, k, v, m4, dropout_p=0.0, scale=sc)  # no key range: not key padding
+    additive = torch.zeros(m4.shape, dtype=BF16, device="cuda").masked_fill(~m4, float("-inf"))
+    assert not katt.sm90_forward(q, k, v, additive, dropout_p=0.0, scale=sc, kv_range=kv)
+    assert not katt.sm90_forward(q, k, v, m4, dropout_p=0.1, scale=sc, kv_range=kv)
+    _check_against_ref(q, k, v, mask=mask[:, None, None, :], causal=True, what="key padding causal (Triton)")
+
+
+@pytest.mark.gpu
+@sm90_only
 def test_gpu_sm90_dispatch_rules(monkeypatch):
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90
