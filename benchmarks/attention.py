@@ -337,7 +337,8 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
         if name == "fwd" and cfg == "?" and sm90_case(D, S, causal, mask_kind, varlen):
             from pykernels._kernels import attention_sm90
             bm, bn, st = attention_sm90.CONFIGS[D]
-            cfg = f"gluon ping-pong 2x{bm}x{bn}/s{st}{'' if causal else ' persistent'}"
+            cfg = (f"gluon ping-pong 2x{bm}x{bn}/s{st}{'' if causal else ' persistent'}"
+                   f"{' key padding' if mask_kind else ''}")
         if name != "fwd" and name in sm90_bwd_kernels(D, S, causal, mask_kind, varlen, B, H).split(","):
             from pykernels._kernels import attention_sm90_bwd as kb
             if name == "dkdv":
@@ -361,10 +362,14 @@ def sm90_bwd_kernels(D: int, S: int, causal: bool, mask_kind: int, varlen: bool,
 
 def sm90_case(D: int, S: int, causal: bool, mask_kind: int, varlen: bool) -> bool:
     """Whether pykernels' dense forward took the sm_90 Gluon kernel for this case (bf16, S x S)."""
-    if mask_kind or varlen or not torch.cuda.is_available():
+    if mask_kind not in (0, 3) or varlen or not torch.cuda.is_available():
         return False
     from pykernels._kernels import attention as ka
     q = torch.empty(1, 1, S, D, device="cuda", dtype=torch.bfloat16)
+    if mask_kind == 3:  # a boolean key-padding mask, with its key range
+        mask = torch.ones(1, 1, 1, S, dtype=torch.bool, device="cuda")
+        kv = torch.tensor([[0, S, 1]], dtype=torch.int32, device="cuda")
+        return ka.sm90_forward(q, q, q, mask, dropout_p=0.0, scale=D ** -0.5, causal=causal, kv_range=kv)
     return ka.sm90_forward(q, q, q, None, dropout_p=0.0, scale=D ** -0.5, causal=causal)
 
 

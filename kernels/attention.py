@@ -289,8 +289,8 @@ def _key_ranges(KvRange, b, start_m, k_len, IS_CAUSAL: tl.constexpr, HAS_KV_RANG
     lo = 0
     hi = k_len
     if HAS_KV_RANGE:  # key padding: only this batch's valid key range
-        lo = (tl.load(KvRange + 2 * b) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(hi, tl.load(KvRange + 2 * b + 1))
+        lo = (tl.load(KvRange + 3 * b) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(hi, tl.load(KvRange + 3 * b + 1))
     full_end = (k_len // BLOCK_N) * BLOCK_N  # blocks before it need no key-bounds check
     if IS_CAUSAL:
         hi = tl.minimum(hi, start_m + BLOCK_M)  # blocks above the diagonal are never visited
@@ -587,7 +587,7 @@ def _attention_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     in_range = True
     if HAS_KV_RANGE:  # key padding: a block outside the batch's valid keys has zero gradient
-        in_range = (start_n + BLOCK_N > tl.load(KvRange + 2 * b)) & (start_n < tl.load(KvRange + 2 * b + 1))
+        in_range = (start_n + BLOCK_N > tl.load(KvRange + 3 * b)) & (start_n < tl.load(KvRange + 3 * b + 1))
     if in_range:
         k = _load_tile(K, cols, n_ok, offs_d, stride_kn, D)
         v = _load_tile(V, cols, n_ok, offs_dv, stride_vn, DV)
@@ -737,6 +737,42 @@ def _needs_idx64(sq: int, sk: int, row_strides, mask_strides) -> bool:
     big = rows * max([abs(int(x)) for x in row_strides] + [1])
     big = max(big, rows * (abs(int(mask_strides[2])) + abs(int(mask_strides[3]))))
     return big >= 2**31 - 1
+
+
+@triton.jit
+def _key_padding_range_kernel(Mask, Out, Sk, stride_mb, stride_mn, IS_BOOL: tl.constexpr, BLOCK: tl.constexpr):
+    """One batch's key-padding row: the first valid key lo, one past the last hi (Sk and 0 when none) and
+    whether every key in [lo, hi) is valid, into Out[b] (int32 (B, 3))."""
+    b = tl.program_id(0).to(tl.int64)
+    lo = Sk
+    hi = Sk * 0
+    cnt = Sk * 0
+    for start in range(0, Sk, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < Sk
+        x = tl.load(Mask + b * stride_mb + offs.to(tl.int64) * stride_mn, mask=inb, other=0)
+        if IS_BOOL:
+            valid = (x != 0) & inb
+        else:
+            valid = (x != float("-inf")) & inb
+        lo = tl.minimum(lo, tl.min(tl.where(valid, offs, Sk)))
+        hi = tl.maximum(hi, tl.max(tl.where(valid, offs + 1, 0)))
+        cnt += tl.sum(valid.to(tl.int32))
+    tl.store(Out + 3 * b, lo)
+    tl.store(Out + 3 * b + 1, hi)
+    tl.store(Out + 3 * b + 2, (cnt == hi - lo).to(tl.int32))
+
+
+def key_padding_range(row: torch.Tensor) -> torch.Tensor:
+    """``pykernels.attention._key_padding_range`` for a (B, Sk) key-padding row (bool, or additive float:
+    -inf = masked) on the GPU, in one launch."""
+    batch, sk = row.shape
+    out = empty(batch, 3, dtype=torch.int32, device=row.device)
+    is_bool = row.dtype == torch.bool
+    _launch.fast(_key_padding_range_kernel)[(batch,)](
+        row.view(torch.uint8) if is_bool else row, out, sk, row.stride(0), row.stride(1),
+        IS_BOOL=is_bool, BLOCK=min(2048, triton.next_power_of_2(max(sk, 16))))
+    return out
 
 
 def _precision(dtype: torch.dtype) -> str:

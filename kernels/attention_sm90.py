@@ -98,33 +98,47 @@ def _needs_mask(j, start_m, Sk, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _key_span(KvRange, b, n_blocks, BLOCK_N: gl.constexpr, KEY_PAD: gl.constexpr):
-    """The tile's key blocks as (first block j0, count, empty). KEY_PAD: only the blocks of its batch's
-    valid key range [lo, hi) (``KvRange`` int32 (B, 2), from ``pykernels.attention._key_padding_range``);
-    a batch without a valid key (lo = Sk, hi = 0) is ``empty``: the tile runs its first block unmasked
-    and the consumers store O = 0 and lse = -inf. Otherwise (0, n_blocks, False)."""
+def _key_span(KvRange, b, n_blocks, Sk, BLOCK_N: gl.constexpr, KEY_PAD: gl.constexpr):
+    """The tile's key blocks as (first block j0, count, empty, lo, hi, dense). KEY_PAD: only the blocks of
+    its batch's valid key range [lo, hi) (``KvRange`` int32 (B, 3): lo, hi, dense, from
+    ``pykernels.attention._key_padding_range``; dense = every key in [lo, hi) valid). A batch without a
+    valid key is ``empty``: the tile runs its first block unmasked (lo = 0, hi = Sk, dense) and the
+    consumers store O = 0 and lse = -inf. Otherwise (0, n_blocks, False, 0, Sk, True)."""
     j0 = 0
     n = n_blocks
     empty = False
+    lo = 0
+    hi = Sk
+    dense = True
     if KEY_PAD:
-        lo = gl.load(KvRange + 2 * b)
-        hi = gl.load(KvRange + 2 * b + 1)
+        lo = gl.load(KvRange + 3 * b)
+        hi = gl.load(KvRange + 3 * b + 1)
+        dense = gl.load(KvRange + 3 * b + 2) != 0
         j0 = lo // BLOCK_N
         n = gl.minimum(n_blocks, gl.cdiv(hi, BLOCK_N)) - j0
         empty = n <= 0
         j0 = gl.where(empty, 0, j0)
         n = gl.where(empty, 1, n)
-    return j0, n, empty
+        lo = gl.where(empty, 0, lo)
+        hi = gl.where(empty, Sk, hi)
+        dense = dense | empty
+    return j0, n, empty, lo, hi, dense
 
 
 @gluon.jit
-def _key_pad_scores(s, blk, mask_row, stride_mn, Sk, empty, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """-inf where the boolean key-padding mask row ``mask_row`` (uint8, stride ``stride_mn``) is False for
-    the columns of key block ``blk`` (keys past Sk are left to ``_mask_scores``); nothing for an empty
-    batch's tile (``_key_span``)."""
-    cols = blk * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    keep = gl.load(mask_row + cols.to(gl.int64) * stride_mn, mask=(cols < Sk) & (empty == 0), other=1)
-    return gl.where(gl.expand_dims(keep != 0, 0), s, float("-inf"))
+def _key_pad_scores(s, blk, mask_row, stride_mn, Sk, lo, hi, dense, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Key padding on key block ``blk``'s scores: -inf outside [lo, hi), where the block crosses either end,
+    when the batch's valid keys are ``dense``; else -inf where the boolean mask row ``mask_row`` (uint8,
+    stride ``stride_mn``) is False (keys past Sk are left to ``_mask_scores``)."""
+    start = blk * BLOCK_N
+    cols = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if dense:
+        if (start < lo) | (start + BLOCK_N > hi):
+            s = gl.where(gl.expand_dims((cols >= lo) & (cols < hi), 0), s, float("-inf"))
+    else:
+        keep = gl.load(mask_row + cols * stride_mn, mask=cols < Sk, other=1)
+        s = gl.where(gl.expand_dims(keep != 0, 0), s, float("-inf"))
+    return s
 
 
 @gluon.jit
@@ -179,7 +193,7 @@ def _slice_desc(base, off, rows, stride_rows, HEAD_D: gl.constexpr, BLOCK: gl.co
 def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, Sk,
              qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, NW: gl.constexpr, TURNS: gl.constexpr, base, q_phase,
-             j0=0, mask_row=None, stride_mn=0, empty=False, KEY_PAD: gl.constexpr = False):
+             j0=0, mask_row=None, stride_mn=0, lo=0, hi=0, dense=True, KEY_PAD: gl.constexpr = False):
     """A consumer's main loop on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``), NW warps: the
     blocks' QK^T and P V on asynchronous wgmma, the next QK^T in flight during the softmax; K_j released
     through ``k_empty`` once its QK^T completed, V_j through ``v_empty`` once its P V did. Returns the
@@ -187,7 +201,7 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
     warpgroup's turn (``turn_bar[WG]``), passed to the other warpgroup right after the issue. ``base``:
     key blocks the CTA consumed before this tile (ring slots, phases and turns continue from there);
     ``q_phase``: the phase of ``q_ready`` that this tile's Q completes. KEY_PAD: the blocks are j0, j0 + 1,
-    ... of the head's keys, masked by the boolean key-padding row ``mask_row`` (``_key_span``)."""
+    ... of the head's keys, masked per ``_key_pad_scores`` (``_key_span``)."""
     dtype: gl.constexpr = q_tile.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -212,7 +226,7 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     mbarrier.arrive(k_empty.index(base % STAGES), count=1)
     if KEY_PAD:
-        s = _key_pad_scores(s, j0, mask_row, stride_mn, Sk, empty, BLOCK_N, s_layout)
+        s = _key_pad_scores(s, j0, mask_row, stride_mn, Sk, lo, hi, dense, BLOCK_N, s_layout)
     if _needs_mask(j0, my_m, Sk, BLOCK_N, IS_CAUSAL):
         s = _mask_scores(s, j0, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
     m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
@@ -233,7 +247,7 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         mbarrier.arrive(k_empty.index(slot), count=1)  # S_j done (groups complete in order); P V may run
         if KEY_PAD:
-            s = _key_pad_scores(s, j0 + j, mask_row, stride_mn, Sk, empty, BLOCK_N, s_layout)
+            s = _key_pad_scores(s, j0 + j, mask_row, stride_mn, Sk, lo, hi, dense, BLOCK_N, s_layout)
         if _needs_mask(j0 + j, my_m, Sk, BLOCK_N, IS_CAUSAL):
             s = _mask_scores(s, j0 + j, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
@@ -341,11 +355,11 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
         buf = (it % 2) * 2 + WG
         my_m = start_m + WG * BLOCK_M
         if KEY_PAD:
-            j0, n_blocks, empty = _key_span(KvRange, b, n_blocks, BLOCK_N, KEY_PAD)
+            j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
             acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
                                      v_empty, turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
                                      STAGES, IS_CAUSAL, 4, True, base, (it // 2) & 1, j0, Mask + b * stride_mb,
-                                     stride_mn, empty, True)
+                                     stride_mn, lo, hi, dense, True)
             acc = acc * gl.where(empty, 0.0, 1.0)  # a batch without a valid key: O = 0, lse = -inf
             m_i = gl.where(empty, float("-inf"), m_i)
         else:
@@ -374,7 +388,7 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
     it = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-        j0, n_blocks, empty = _key_span(KvRange, b, n_blocks, BLOCK_N, KEY_PAD)
+        j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
         q_row0, q_col0, k_row0, k_col0, v_row0, v_col0 = 0, 0, 0, 0, 0, 0
         if HOST_DESC:
             q_row0, q_col0 = _flat_coords(b * stride_qb + h * stride_qh, stride_qm)
@@ -433,8 +447,9 @@ def _attention_fwd_sm90_kernel(
     (rows, row stride) views of q, k, v, o, and a head's tiles sit at (row, column) coordinates of its
     offset; else (one tile per CTA) the CTA makes its head's descriptors on the device. KEY_PAD: a boolean
     key-padding mask (uint8, ``Mask + b * stride_mb + key * stride_mn``) with its per-batch valid key range
-    ``KvRange`` (int32 (B, 2)): a tile streams only the key blocks of that range (``_key_span``) and masks
-    their keys (``_key_pad_scores``); not causal (the host's rule)."""
+    ``KvRange`` (int32 (B, 3)): a tile streams only the key blocks of that range (``_key_span``) and masks
+    their keys (``_key_pad_scores``: by index where the range is dense, else by the mask); not causal (the
+    host's rule)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
     if HOST_DESC:
@@ -569,7 +584,7 @@ def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host
     the host-descriptor variant where the layouts allow it (False: always make them on the device).
     ``persistent`` False: one tile per CTA even where the persistent grid would be taken. ``mask``: a
     boolean key-padding mask, a (B, H, Sq, Sk) view with strides 0 over heads and rows, with ``kv_range``
-    (int32 (B, 2), ``pykernels.attention._key_padding_range``)."""
+    (int32 (B, 3), ``pykernels.attention._key_padding_range``)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bm, bn, stages = config or CONFIGS[d]

@@ -268,25 +268,30 @@ def _is_key_padding(mask: Tensor | None) -> bool:
 
 
 def _key_padding_range(mask: Tensor | None) -> Tensor:
-    """Per-batch valid key range [lo, hi) as int32 (B, 2) on the mask's device (no host sync) for a
-    key-padding mask, else an empty (0,) tensor. Keys outside the range are masked for every query and
-    head, so the kernels skip their blocks. A batch with no valid key gets lo = Sk, hi = 0 (empty)."""
+    """Per-batch valid key range as int32 (B, 3) on the mask's device (no host sync) for a key-padding
+    mask, else an empty (0,) tensor: lo, hi (keys outside [lo, hi) are masked for every query and head, so
+    the kernels skip their blocks; a batch with no valid key gets lo = Sk, hi = 0) and dense (1 when every
+    key in [lo, hi) is valid: the sm_90 forward then masks by index, without reading the mask). On a GPU one
+    Triton kernel computes it (``attention.key_padding_range``), on the CPU eager ops."""
     if not _is_key_padding(mask):
         device = mask.device if mask is not None else None
         return torch.empty(0, dtype=torch.int32, device=device)
     row = mask[:, 0, 0, :]
+    if row.is_cuda:
+        return _kernels().key_padding_range(row)
     valid = row if row.dtype == torch.bool else row != float("-inf")
     sk = valid.shape[-1]
     pos = torch.arange(sk, device=valid.device, dtype=torch.int32)
     lo = torch.where(valid, pos, sk).amin(-1)
     hi = torch.where(valid, pos + 1, 0).amax(-1)
-    return torch.stack([lo, hi], -1).to(torch.int32)
+    dense = valid.sum(-1) == hi - lo
+    return torch.stack([lo, hi, dense.to(lo.dtype)], -1).to(torch.int32)
 
 
 @custom_op("pykernels::attention_fwd", mutates_args=())
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
                    is_causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (o, lse, seed, kv_range); kv_range (int32 (B, 2) for a key-padding mask, else empty) is
+    """Returns (o, lse, seed, kv_range); kv_range (int32 (B, 3) for a key-padding mask, else empty) is
     computed once here and saved for the backward."""
     impl = select(_OP, backend or None, q.device, _support(q, k, v))
     seed = op_seed(dropout_p, q.device)
@@ -320,7 +325,7 @@ def _like_layout(t: Tensor, like: Tensor) -> Tensor:
 @_attention_fwd.register_fake
 def _(q, k, v, attn_mask, dropout_p, is_causal, scale, backend):
     b, h, sq = q.shape[0], q.shape[1], q.shape[2]
-    kv_range = (q.new_empty(b, 2, dtype=torch.int32) if _is_key_padding(attn_mask)
+    kv_range = (q.new_empty(b, 3, dtype=torch.int32) if _is_key_padding(attn_mask)
                 else q.new_empty(0, dtype=torch.int32))
     o = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty(b, h, sq, v.shape[-1])
     return (o, q.new_empty(b, h, sq, dtype=torch.float32), fake_seed(dropout_p, q.device), kv_range)

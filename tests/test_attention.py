@@ -139,6 +139,39 @@ def test_key_padding_left_padded_and_causal(device):
     _check_against_ref(q, k, v, mask=mask.to(device), causal=True)
 
 
+@pytest.mark.parametrize("sk", [1, 37, 2500])
+def test_key_padding_range_kernel_matches_eager(device, sk):
+    """The key range the kernels skip by (lo, hi, dense) from the one-launch Triton kernel, against the eager
+    ops the CPU path runs: prefix, suffix, holes, a single key, no valid key; bool and additive float rows,
+    strided (a (B, 1, 1, Sk) view of a wider mask)."""
+    from pykernels._kernels.attention import key_padding_range
+    from pykernels.attention import _key_padding_range
+    g = torch.Generator().manual_seed(sk)
+    keep = torch.rand(6, sk + 3, generator=g) > 0.4
+    keep[0] = True
+    keep[1] = False
+    keep[2, : sk // 2] = True
+    keep[2, sk // 2:] = False
+    keep[3] = False
+    keep[3, sk - 1] = True
+    keep[4, :] = False
+    keep[4, sk // 3: sk // 3 + max(1, sk // 4)] = True
+    wide = keep[:, 1:sk + 1]  # a strided row view
+    for row in (wide, torch.zeros(wide.shape).masked_fill(~wide, float("-inf"))):
+        mask = row.to(device)[:, None, None, :]
+        expected = _key_padding_range(mask.cpu())
+        got = key_padding_range(mask[:, 0, 0, :])
+        assert got.dtype == torch.int32 and got.shape == (6, 3)
+        assert torch.equal(got.cpu(), expected), (got, expected)
+        valid = wide.cpu()
+        for b in range(6):
+            idx = valid[b].nonzero().flatten()
+            lo, hi = (int(idx[0]), int(idx[-1]) + 1) if len(idx) else (sk, 0)
+            assert expected[b, :2].tolist() == [lo, hi]
+            if len(idx):
+                assert bool(expected[b, 2]) == bool(valid[b, lo:hi].all())
+
+
 @interp_only
 def test_additive_float_key_padding(device):
     b, h, s, d = 2, 2, 33, 16
