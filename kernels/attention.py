@@ -30,9 +30,10 @@ falls on a block boundary; in the dK/dV kernel BLOCK_N is a multiple of BLOCK_M)
 Masks: a boolean (True = take part) or additive float mask is read in-kernel through its four strides
 (batch, head, query, key), any of which may be 0, so a broadcast mask is never expanded in memory.
 A key-padding mask (strides 0 over head and query) is read as one vector per key block (MASK_KIND
-3/4) and additionally gets a per-batch valid-key range ``[kv_lo, kv_hi)`` computed on the device by
-the caller (``pykernels.attention._key_padding_range``, no host sync, saved for the backward); the
-kernels skip the key blocks outside it (the dK/dV kernel writes zeros for them at once).
+3/4) and additionally gets a per-batch valid-key range ``[kv_lo, kv_hi)`` (and whether every key in it
+is valid, which the sm_90 forward uses) computed on the device by the caller in one launch
+(``pykernels.attention._key_padding_range``, ``key_padding_range``; no host sync, saved for the
+backward); the kernels skip the key blocks outside it (the dK/dV kernel writes zeros for them at once).
 
 Fully masked rows (by a mask, Sk = 0, or an empty varlen sequence) output 0 with lse = -inf; the
 final ``1/l`` is guarded and the backward replaces lse = -inf by +inf so P = 0 there, so the gradient

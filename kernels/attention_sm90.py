@@ -33,8 +33,9 @@ Scores are in base 2 (``qk_scale = scale * log2 e``). Causal masking is top-left
 ``attention.py``: a tile visits the key blocks up to its last row's diagonal; a block is masked only
 where it crosses the diagonal or the key tail (a uniform branch).
 
-Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 128), no mask, no dropout, not
-varlen, scale > 0, no empty dimension, TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto path.
+Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 128), no mask (or a boolean
+key-padding mask with its key range, not causal: ``KEY_PAD``), no dropout, not varlen, scale > 0, no
+empty dimension, TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto path.
 
 Descriptors. Where q, k, v and o can each be seen as one (rows, row stride) matrix in which every
 (batch, head) slice is a run of rows at one column offset (contiguous (B, H, S, D); transformers'
