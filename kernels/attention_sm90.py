@@ -74,11 +74,6 @@ LOG2E = 1.4426950408889634
 # (rows per consumer warpgroup, BLOCK_N, STAGES) per head dim; a CTA takes two warpgroups' rows
 CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2)}
 MAX_REGS = 65536 // (12 * 32) // 8 * 8  # 12 warps on one SM: the launch cap (168); setmaxnreg moves them
-# consumer warpgroups per CTA (a tile is that many BLOCK_M-row slices) and their registers: 2 at 240, or 3 at 160
-# with a launch cap for 16 warps (FlashAttention-3's D = 64 forward runs three)
-CONSUMERS = {64: 2, 128: 2}
-CONSUMER_REGS = {2: 240, 3: 160}
-LAUNCH_REGS = {2: MAX_REGS, 3: 65536 // (16 * 32) // 8 * 8}
 MIN_SK_D64 = 1024  # the auto path's rule at D = 64, causal (at D = 128 it always wins): ``preferred``
 
 
@@ -199,8 +194,7 @@ def _slice_desc(base, off, rows, stride_rows, HEAD_D: gl.constexpr, BLOCK: gl.co
 def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, Sk,
              qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, NW: gl.constexpr, TURNS: gl.constexpr, base, q_phase,
-             j0=0, mask_row=None, stride_mn=0, lo=0, hi=0, dense=True, KEY_PAD: gl.constexpr = False,
-             NUM_WG: gl.constexpr = 2):
+             j0=0, mask_row=None, stride_mn=0, lo=0, hi=0, dense=True, KEY_PAD: gl.constexpr = False):
     """A consumer's main loop on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``), NW warps: the
     blocks' QK^T and P V on asynchronous wgmma, the next QK^T in flight during the softmax; K_j released
     through ``k_empty`` once its QK^T completed, V_j through ``v_empty`` once its P V did. Returns the
@@ -229,7 +223,7 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
         mbarrier.wait(turn_bar.index(WG), base & 1)
     s = warpgroup_mma(q_tile, k_smem.index(base % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if TURNS:
-        mbarrier.arrive(turn_bar.index((WG + 1) % NUM_WG), count=1)
+        mbarrier.arrive(turn_bar.index(1 - WG), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     mbarrier.arrive(k_empty.index(base % STAGES), count=1)
     if KEY_PAD:
@@ -250,7 +244,7 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
         s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         if TURNS:
-            mbarrier.arrive(turn_bar.index((WG + 1) % NUM_WG), count=1)
+            mbarrier.arrive(turn_bar.index(1 - WG), count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         mbarrier.arrive(k_empty.index(slot), count=1)  # S_j done (groups complete in order); P V may run
         if KEY_PAD:
@@ -326,9 +320,8 @@ def _head_descriptors(Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, strid
 
 
 @gluon.jit
-def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 NUM_WG: gl.constexpr = 2):
-    """Tile index -> (first query row of the CTA's NUM_WG * BLOCK_M, batch, head, kv head (int64), key blocks).
+def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Tile index -> (first query row of the CTA's 2 * BLOCK_M, batch, head, kv head (int64), key blocks).
     Query tiles run fastest (a head's K/V stay in L2). Causal: a head's tiles longest first in even rounds
     of the grid and shortest first in odd ones, so a persistent CTA alternates long and short tiles (the
     host makes the grid a multiple of n_m: every head's tiles lie in one round)."""
@@ -338,10 +331,10 @@ def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
             pid_m = n_m - 1 - pid_m
     hb = tile // n_m
     h = hb % H
-    start_m = pid_m * (NUM_WG * BLOCK_M)
+    start_m = pid_m * (2 * BLOCK_M)
     # the CTA's causal extent is its last warpgroup's; a warpgroup past the diagonal masks what it must
     if IS_CAUSAL:
-        hi = gl.minimum(Sk, start_m + NUM_WG * BLOCK_M)
+        hi = gl.minimum(Sk, start_m + 2 * BLOCK_M)
     else:
         hi = Sk
     return start_m, (hb // H).to(gl.int64), h.to(gl.int64), (h // GROUP).to(gl.int64), gl.cdiv(hi, BLOCK_N)
@@ -353,27 +346,27 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
               n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
-              KEY_PAD: gl.constexpr, q_layout: gl.constexpr, NUM_WG: gl.constexpr):
+              KEY_PAD: gl.constexpr, q_layout: gl.constexpr):
     """Consumer warpgroup WG over the CTA's tiles: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each; its Q
     buffer of a tile is (tile count % 2, WG), released through ``q_empty`` once O left it."""
     base = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, NUM_WG)
+        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
         it = (tile - gl.program_id(0)) // gl.num_programs(0)  # this CTA's tile count (not loop-carried)
-        buf = (it % 2) * NUM_WG + WG
+        buf = (it % 2) * 2 + WG
         my_m = start_m + WG * BLOCK_M
         if KEY_PAD:
             j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
             acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
                                      v_empty, turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
                                      STAGES, IS_CAUSAL, 4, True, base, (it // 2) & 1, j0, Mask + b * stride_mb,
-                                     stride_mn, lo, hi, dense, True, NUM_WG)
+                                     stride_mn, lo, hi, dense, True)
             acc = acc * gl.where(empty, 0.0, 1.0)  # a batch without a valid key: O = 0, lse = -inf
             m_i = gl.where(empty, float("-inf"), m_i)
         else:
             acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
                                      v_empty, turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
-                                     STAGES, IS_CAUSAL, 4, True, base, (it // 2) & 1, NUM_WG=NUM_WG)
+                                     STAGES, IS_CAUSAL, 4, True, base, (it // 2) & 1)
         hb = tile // n_m  # (batch, head) again: not held in registers through the main loop
         b = (hb // H).to(gl.int64)
         h = (hb % H).to(gl.int64)
@@ -389,21 +382,21 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
               n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
-              KEY_PAD: gl.constexpr, q_layout: gl.constexpr, NUM_WG: gl.constexpr):
+              KEY_PAD: gl.constexpr, q_layout: gl.constexpr):
     """The producer warp, over the CTA's tiles: both warpgroups' Q tiles (double-buffered across tiles),
     then the tile's K/V through the ring (each stage's empty barriers count 2 arrivals, one per consumer)."""
     base = 0
     it = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, NUM_WG)
+        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
         j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
         q_row0, q_col0, k_row0, k_col0, v_row0, v_col0 = 0, 0, 0, 0, 0, 0
         if HOST_DESC:
             q_row0, q_col0 = _flat_coords(b * stride_qb + h * stride_qh, stride_qm)
             k_row0, k_col0 = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
             v_row0, v_col0 = _flat_coords(b * stride_vb + hk * stride_vh, stride_vn)
-        for wg in gl.static_range(NUM_WG):
-            buf = (it % 2) * NUM_WG + wg
+        for wg in gl.static_range(2):
+            buf = (it % 2) * 2 + wg
             mbarrier.wait(q_empty.index(buf), ((it // 2) & 1) ^ 1)
             mbarrier.expect(q_bar.index(buf), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [q_row0 + start_m + wg * BLOCK_M, q_col0], q_bar.index(buf),
@@ -416,7 +409,7 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
 
 @gluon.jit
 def _alloc_kv_ring(dtype: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                   kv_layout: gl.constexpr, NUM_WG: gl.constexpr = 2):
+                   kv_layout: gl.constexpr):
     """The K/V ring two ping-pong consumers share (``_fill_kv_ring`` fills it): STAGES stages of K and of
     V, each with a "full" mbarrier and an "empty" one that counts an arrival per consumer, and the two
     turn mbarriers, warpgroup 0 holding the first turn (its phase 0 complete)."""
@@ -426,14 +419,14 @@ def _alloc_kv_ring(dtype: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.conste
     v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bar = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_WG):
+    turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
         mbarrier.init(turn_bar.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bar.index(i), count=1)
         mbarrier.init(v_bar.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=NUM_WG)
-        mbarrier.init(v_empty.index(i), count=NUM_WG)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
     mbarrier.arrive(turn_bar.index(0), count=1)
     return k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn_bar
 
@@ -446,13 +439,12 @@ def _attention_fwd_sm90_kernel(
     H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, KEY_PAD: gl.constexpr, q_layout: gl.constexpr,
-    kv_layout: gl.constexpr, NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    kv_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """Tiles of NUM_WG * BLOCK_M query rows of one (batch, head), n_m per head, n_tiles in all, over a 1-D
-    grid: a CTA takes tiles program_id, + num_programs, ... (persistent when the grid is smaller than
-    n_tiles). NUM_WG (2 or 3) consumer warpgroups (the default partition and 4-warp workers with
-    CONSUMER_REGS registers) take turns at the tensor cores (round robin) over one K/V ring filled by a
-    1-warp producer; num_warps = 4. HOST_DESC: QD..OD are the caller's descriptors over
+    """Tiles of 2 * BLOCK_M query rows of one (batch, head), n_m per head, n_tiles in all, over a 1-D grid:
+    a CTA takes tiles program_id, + num_programs, ... (persistent when the grid is smaller than n_tiles).
+    Two consumer warpgroups (the default partition and a 4-warp worker) in ping-pong over one K/V ring
+    filled by a 1-warp producer; num_warps = 4. HOST_DESC: QD..OD are the caller's descriptors over
     (rows, row stride) views of q, k, v, o, and a head's tiles sit at (row, column) coordinates of its
     offset; else (one tile per CTA) the CTA makes its head's descriptors on the device. KEY_PAD: a boolean
     key-padding mask (uint8, ``Mask + b * stride_mb + key * stride_mn``) with its per-batch valid key range
@@ -464,64 +456,37 @@ def _attention_fwd_sm90_kernel(
     if HOST_DESC:
         q_desc, k_desc, v_desc, o_desc = QD, KD, VD, OD
     else:
-        start_m, b, h, hk, n_blocks = _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                                                   NUM_WG)
+        start_m, b, h, hk, n_blocks = _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
         q_desc, k_desc, v_desc = _head_descriptors(
             Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
             stride_vn, b, h, hk, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
         o_desc = q_desc  # (unused: the consumers make the head's O descriptor)
-    gl.static_assert(NUM_WG == 2 or NUM_WG == 3, "two or three consumer warpgroups")
-    # (tile parity, warpgroup)
-    q_smem = gl.allocate_shared_memory(dtype, [2 * NUM_WG, BLOCK_M, HEAD_D], q_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2 * NUM_WG, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2 * NUM_WG, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 * NUM_WG):
+    q_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HEAD_D], q_layout)  # (tile parity, warpgroup)
+    q_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
     k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn_bar = _alloc_kv_ring(dtype, STAGES, BLOCK_N, HEAD_D,
-                                                                              kv_layout, NUM_WG)
+                                                                              kv_layout)
     # (a tuple of the arguments cannot hold the constexpr layouts: each partition gets them spelled out)
-    if NUM_WG == 2:
-        gl.warp_specialize([
-            (_consumer, (0, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
-                            v_bar, k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                            stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb,
-                            stride_lh, H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn,
-                            HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout, NUM_WG)),
-            (_producer, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
-                            v_bar, k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                            stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb,
-                            stride_lh, H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn,
-                            HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout, NUM_WG)),
-            (_consumer, (1, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
-                            v_bar, k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                            stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb,
-                            stride_lh, H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn,
-                            HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout, NUM_WG)),
-        ], [1, 4], [24, CONSUMER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (0, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
-                            v_bar, k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                            stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb,
-                            stride_lh, H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn,
-                            HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout, NUM_WG)),
-            (_producer, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
-                            v_bar, k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                            stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb,
-                            stride_lh, H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn,
-                            HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout, NUM_WG)),
-            (_consumer, (1, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
-                            v_bar, k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                            stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb,
-                            stride_lh, H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn,
-                            HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout, NUM_WG)),
-            (_consumer, (2, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
-                            v_bar, k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh,
-                            stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb,
-                            stride_lh, H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn,
-                            HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout, NUM_WG)),
-        ], [1, 4, 4], [24, CONSUMER_REGS, CONSUMER_REGS])
+    gl.warp_specialize([
+        (_consumer, (0, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
+                        v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                        stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                        IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout)),
+        (_producer, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
+                        v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                        stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                        IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout)),
+        (_consumer, (1, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
+                        v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
+                        stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                        IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout)),
+    ], [1, 4], [24, 240])
 
 
 @functools.lru_cache(maxsize=64)
@@ -614,14 +579,13 @@ def _num_sms(device) -> int:
 
 
 def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host_descriptors: bool = True,
-                       persistent: bool | None = None, mask=None, kv_range=None, consumers: int | None = None):
+                       persistent: bool | None = None, mask=None, kv_range=None):
     """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), covered per ``unsupported``. Returns o (laid out like q when
     TMA allows) and lse (B, Hq, Sq) fp32, as ``attention.attention_fwd`` does. ``host_descriptors``: take
     the host-descriptor variant where the layouts allow it (False: always make them on the device).
     ``persistent`` False: one tile per CTA even where the persistent grid would be taken. ``mask``: a
     boolean key-padding mask, a (B, H, Sq, Sk) view with strides 0 over heads and rows, with ``kv_range``
-    (int32 (B, 3), ``pykernels.attention._key_padding_range``). ``consumers``: consumer warpgroups per CTA
-    (``CONSUMERS`` by default)."""
+    (int32 (B, 3), ``pykernels.attention._key_padding_range``)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bm, bn, stages = config or CONFIGS[d]
@@ -637,8 +601,7 @@ def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host
         if any(x is None for x in descs):
             descs = None
     _tuning.ensure_allocator()  # device-made descriptors (with host ones: for a query tail tile's store)
-    nwg = consumers or CONSUMERS[d]
-    n_m = _tuning.cdiv(sq, nwg * bm)
+    n_m = _tuning.cdiv(sq, 2 * bm)
     n_tiles = n_m * hq * batch
     # host descriptors: a persistent grid (one CTA per SM walks the tiles; the next tile's Q and K/V loads
     # overlap the current epilogue). Causal: the grid is a multiple of the tiles per head (n_m), so that
@@ -657,6 +620,5 @@ def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host
         mask.view(torch.uint8) if key_pad else None, kv_range if key_pad else None,
         mask.stride(0) if key_pad else 0, mask.stride(3) if key_pad else 0,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), HOST_DESC=descs is not None,
-        KEY_PAD=key_pad, q_layout=ql, kv_layout=kl, NUM_WG=nwg, CONSUMER_REGS=CONSUMER_REGS[nwg], num_warps=4,
-        maxnreg=LAUNCH_REGS[nwg])
+        KEY_PAD=key_pad, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
     return o, lse

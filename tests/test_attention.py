@@ -864,43 +864,6 @@ def test_gpu_sm90_gluon_forward_key_padding(layout, b, hq, hkv, sq, sk, d, patte
 
 @pytest.mark.gpu
 @sm90_only
-@pytest.mark.parametrize("consumers", [2, 3])
-@pytest.mark.parametrize("b,hq,hkv,sq,sk,causal,pad", [
-    (2, 4, 4, 512, 512, False, False), (1, 4, 2, 1000, 1500, True, False), (2, 2, 2, 127, 1031, False, False),
-    (1, 2, 2, 2049, 1024, True, False), (3, 2, 2, 512, 512, False, True)])
-def test_gpu_sm90_forward_consumer_warpgroups(consumers, b, hq, hkv, sq, sk, causal, pad):
-    """The D = 64 Gluon forward with two or three consumer warpgroups per CTA (tiles of 128 or 192 query
-    rows; the last tile's trailing warpgroups past Sq), against the float64 reference with eager's error,
-    output and lse; with key padding (the last batch without a valid key) too."""
-    from pykernels._kernels import attention_sm90 as ks
-    from pykernels.attention import _key_padding_range
-    q, k, v = (t.detach() for t in _sm90_inputs(b, hq, hkv, sq, sk, BF16, "bhsd", d=64))
-    mask = kv = None
-    if pad:
-        lens = torch.tensor([sk, sk // 2 + 37, 0][:b])
-        mask = (torch.arange(sk)[None, :] < lens[:, None])[:, None, None, :].cuda().expand(b, hq, sq, sk)
-        kv = _key_padding_range(mask)
-    o, lse = ks.attention_fwd_sm90(q, k, v, causal=causal, scale=0.125, mask=mask, kv_range=kv, consumers=consumers)
-
-    def ref(dt):
-        kk, vv = (t.to(dt).repeat_interleave(hq // hkv, 1) for t in (k, v))
-        s_ = (q.to(dt) @ kk.transpose(-1, -2)) * 0.125
-        if causal:
-            s_ = s_.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
-        if mask is not None:
-            s_ = s_.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(s_, -1).nan_to_num(0.0)
-        return p @ vv, torch.logsumexp(s_.double(), -1)
-    o_hi, lse_hi = ref(torch.float64)
-    o_lo, _ = ref(BF16)
-    assert_close_to_ref(f"{consumers} consumers out", o, o_hi, o_lo)
-    ok = torch.isfinite(lse_hi)
-    assert torch.equal(torch.isneginf(lse), ~ok)
-    assert (lse[ok].double() - lse_hi[ok]).abs().max().item() < 1e-3
-
-
-@pytest.mark.gpu
-@sm90_only
 def test_gpu_sm90_key_padding_dispatch_rules():
     """Key padding takes the Gluon forward only as a boolean mask with its key range and not causal."""
     from pykernels._kernels import attention as katt

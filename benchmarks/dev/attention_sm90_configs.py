@@ -4,8 +4,7 @@ time; the D = 64 shapes are host-bound under do_bench), on the benchmark's shape
 and dQ (``DQ_CONFIGS``) kernels at D = 128. Each line: config, ms, TFLOP/s (the kernel's own GEMM count),
 and the max difference from the default config's output (configs change only the summation order).
 
-Usage (GPU): ``python benchmarks/dev/attention_sm90_configs.py [--fwd-d64]`` (``--fwd-d64``: the D = 64 forwards
-only, with the BERT key-padding batch too).
+Usage (GPU): ``python benchmarks/dev/attention_sm90_configs.py``.
 """
 from __future__ import annotations
 
@@ -20,48 +19,31 @@ from attention_sm90_gluon_ws import graph_ms  # noqa: E402
 from pykernels._kernels import attention_sm90 as kf  # noqa: E402
 from pykernels._kernels import attention_sm90_bwd as kb  # noqa: E402
 
-# forward: (rows per consumer warpgroup, BLOCK_N, STAGES[, consumer warpgroups]); three warpgroups at D = 64
-FWD = {64: [(64, 128, 2), (64, 128, 3), (64, 64, 2), (64, 64, 4), (64, 128, 2, 3), (64, 128, 3, 3), (64, 64, 2, 3),
-            (64, 64, 3, 3)],
-       128: [(64, 128, 2), (64, 64, 3), (64, 64, 4)]}
+FWD = {64: [(64, 128, 2), (64, 128, 3), (64, 64, 2), (64, 64, 4)], 128: [(64, 128, 2), (64, 64, 3), (64, 64, 4)]}
 DKDV = [(64, 64, 2), (64, 64, 3)]
 DQ = [(64, 64, 4), (64, 64, 5), (64, 64, 3)]
 
 
 def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    d64 = "--fwd-d64" in sys.argv
-    shapes = [(32, 12, 512, 64, False), (8, 12, 1024, 64, True), (4, 16, 4096, 128, True),
-              (2, 16, 8192, 128, False), (2, 16, 8192, 128, True)]
-    for b, h, s_, d, causal in ([(32, 12, 512, 64, False), (32, 12, 512, 64, "pad"), (8, 12, 1024, 64, True)]
-                                if d64 else shapes):
+    for b, h, s_, d, causal in [(32, 12, 512, 64, False), (8, 12, 1024, 64, True), (4, 16, 4096, 128, True),
+                                (2, 16, 8192, 128, False), (2, 16, 8192, 128, True)]:
         q, k, v, do = (torch.randn(b, h, s_, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         sc = d ** -0.5
-        pad = causal == "pad"  # the benchmark's key-padding batch: lengths uniform in [S/2, S]
-        causal = causal is True
-        mask = kv = None
-        if pad:
-            from pykernels.attention import _key_padding_range
-            lens = torch.randint(s_ // 2, s_ + 1, (b,), generator=torch.Generator().manual_seed(0))
-            mask = (torch.arange(s_)[None, :] < lens[:, None])[:, None, None, :].cuda().expand(b, h, s_, s_)
-            kv = _key_padding_range(mask)
         gemm = 2 * b * h * s_ * s_ * d / (2 if causal else 1)
-        name = f"B{b} H{h} S{s_} D{d} {'causal' if causal else 'key padding' if pad else 'full'}"
+        name = f"B{b} H{h} S{s_} D{d} {'causal' if causal else 'full'}"
         ref = None
         for cfg in FWD[d]:
-            def fwd(cfg=cfg):
-                return kf.attention_fwd_sm90(q, k, v, causal=causal, scale=sc, config=cfg[:3], mask=mask, kv_range=kv,
-                                             consumers=cfg[3] if len(cfg) > 3 else None)
             try:
-                o, lse = fwd()
+                o, lse = kf.attention_fwd_sm90(q, k, v, causal=causal, scale=sc, config=cfg)
                 ref = (o, lse) if ref is None else ref
                 err = (o.float() - ref[0].float()).abs().max().item()
-                ms = graph_ms(fwd)
+                ms = graph_ms(lambda cfg=cfg: kf.attention_fwd_sm90(q, k, v, causal=causal, scale=sc, config=cfg))
                 print(f"{name} fwd {cfg}: {ms:.4f} ms {2 * gemm / ms / 1e9:.0f} TFLOP/s; max |o - default| {err:.1e}",
                       flush=True)
             except Exception as e:  # noqa: BLE001  (a probe: report and go on)
                 print(f"{name} fwd {cfg}: ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
-        if d != 128 or d64:
+        if d != 128:
             continue
         o, lse = ref
         delta = (o.float() * do.float()).sum(-1).contiguous()
