@@ -864,30 +864,6 @@ def test_gpu_sm90_gluon_forward_key_padding(layout, b, hq, hkv, sq, sk, d, patte
 
 @pytest.mark.gpu
 @sm90_only
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-@pytest.mark.parametrize("b,hq,hkv,sq,sk,causal", [(2, 4, 2, 1000, 1031, True), (1, 2, 2, 640, 640, False),
-                                                   (2, 2, 1, 129, 3000, False)])
-def test_gpu_sm90_dkdv_host_kv_descriptors_equal_device_ones(layout, b, hq, hkv, sq, sk, causal):
-    """The dK/dV kernel loading K and V through host descriptors (keys past Sk are the next head's rows,
-    computed and never stored) gives bitwise the gradients of the device-made descriptors (zero fill)."""
-    from pykernels._kernels import attention as katt
-    from pykernels._kernels import attention_sm90_bwd as kb
-    q, k, v = (t.detach() for t in _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout))
-    do = torch.randn(b, hq, sq, 128, dtype=BF16, device="cuda")
-    o, lse = katt.attention_fwd(q, k, v, None, causal=causal, scale=128 ** -0.5, dropout_p=0.0, seed=0)
-    delta = (o.float() * do.float()).sum(-1).contiguous()
-    out = []
-    for host_kv in (None, False):
-        dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-        assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=128 ** -0.5,
-                                          host_kv=host_kv)
-        out.append((dk, dv))
-    assert torch.isfinite(out[0][0]).all() and torch.isfinite(out[0][1]).all()
-    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
-
-
-@pytest.mark.gpu
-@sm90_only
 def test_gpu_sm90_key_padding_dispatch_rules():
     """Key padding takes the Gluon forward only as a boolean mask with its key range and not causal."""
     from pykernels._kernels import attention as katt
