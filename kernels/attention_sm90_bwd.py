@@ -89,24 +89,15 @@ def _tma_reduce_add_smem(desc, offsets, src, _semantic=None):
 
 
 @gluon.jit
-def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar, q_empty,
-                   stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, GROUP, b, hk, start_n, j_lo,
-                   n_qb, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, BLOCK_N: gl.constexpr,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HOST_KV: gl.constexpr):
-    """The 1-warp TMA producer: each consumer's K and V once, then Q_j and dO_j through the STAGES-deep ring.
-    HOST_KV: K and V through the host's descriptors over (rows, row stride) views, at the kv head's (row,
-    column) coordinates (keys past Sk read the next head's rows: computed, never stored); else through the
-    head's descriptors made on the device (zero fill past Sk)."""
-    k_row0, k_col0, v_row0, v_col0 = 0, 0, 0, 0
-    if HOST_KV:
-        k_row0, k_col0 = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
-        v_row0, v_col0 = _flat_coords(b * stride_vb + hk * stride_vh, stride_vn)
+def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, kv_bar,
+                   q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE,
+                   DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
+                   dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row0 + start_n + wg * BLOCK_N, k_col0], kv_bar.index(wg),
-                                        k_smem.index(wg))
-        tma.async_copy_global_to_shared(v_desc, [v_row0 + start_n + wg * BLOCK_N, v_col0], kv_bar.index(wg),
-                                        v_smem.index(wg))
+        tma.async_copy_global_to_shared(k_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), v_smem.index(wg))
     it = 0
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -222,24 +213,21 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
 
 @gluon.jit
 def _attention_bwd_dkdv_sm90_kernel(
-    q_desc, do_desc, K, V, DK, DV, LSE, DELTA, DQACC, KD, VD,
+    q_desc, do_desc, K, V, DK, DV, LSE, DELTA, DQACC,
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
     H, GROUP, Sq, Sk, qk_scale, scale,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, HOST_KV: gl.constexpr,
-    kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, kv_layout: gl.constexpr,
+    ds_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (kv heads, batch, cdiv(Sk, 2 * BLOCK_N)):
     causal, every head's longest CTAs first. q_desc / do_desc: host descriptors over (rows, row stride)
     views of q and do (``attention_sm90._flat_descriptor``); K, V, dK, dV: the CTA's kv head's slice
     through descriptors made on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1).
     FUSED_DQ: dQ * scale is added through DQACC, a host descriptor over a zeroed contiguous (B, H, Sq, D) fp32
-    buffer seen as (B * H * Sq, D), (BLOCK_M, D / 2) tiles, by bulk TMA reductions. HOST_KV (not with
-    FUSED_DQ, whose dQ would take keys past Sk from the next head): the producer loads K and V through KD
-    and VD, the host's descriptors over (rows, row stride) views (dK and dV still leave through the head's
-    descriptors made here, which clip a tail tile at Sk)."""
+    buffer seen as (B * H * Sq, D), (BLOCK_M, D / 2) tiles, by bulk TMA reductions."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = K.dtype.element_ty
     if LPT:  # grid (kv heads, batch, key blocks): every head's first (longest, when causal) blocks first
@@ -250,11 +238,8 @@ def _attention_bwd_dkdv_sm90_kernel(
         start_n = gl.program_id(0) * (2 * BLOCK_N)
         hk = gl.program_id(1).to(gl.int64)
         b = gl.program_id(2).to(gl.int64)
-    if HOST_KV:
-        k_desc, v_desc = KD, VD
-    else:
-        k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
-        v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
+    k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
+    v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
     dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
     dv_desc = _slice_desc(DV, b * stride_dvb + hk * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
@@ -287,10 +272,11 @@ def _attention_bwd_dkdv_sm90_kernel(
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
                           IS_CAUSAL, FUSED_DQ)),
-        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_bar,
-                          q_empty, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, GROUP, b, hk,
-                          start_n, j_lo, n_qb, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                          BLOCK_N, BLOCK_M, STAGES, HOST_KV)),
+        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
+                          ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
+                          stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
+                          IS_CAUSAL, FUSED_DQ)),
         (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
@@ -486,13 +472,12 @@ def kernels(q, k, causal: bool, sms: int) -> str:
 
 
 def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: float, config=None,
-                            dq=None, host_kv: bool | None = None) -> bool:
+                            dq=None) -> bool:
     """dK, dV into ``dk``, ``dv`` for (B, H, S, D) tensors covered per ``attention_sm90.unsupported`` and a
     TMA-aligned ``do``; lse and delta (B, H, Sq) fp32 with a unit last stride. With ``dq``: dQ too, in the
     same kernel (FUSED_DQ: bulk TMA reductions into a zeroed fp32 buffer, then one copy into ``dq``). False (nothing
     launched) where q or do cannot be seen through one host descriptor or dk / dv are not TMA-aligned: the
-    caller runs the Triton kernel. K and V are loaded through host descriptors too where their layouts allow
-    (HOST_KV; not fused; ``host_kv`` False: the descriptors made on the device)."""
+    caller runs the Triton kernel."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bn, bm, stages = config or DKDV_CONFIGS[d]
@@ -506,21 +491,16 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         dq_acc = torch.zeros(batch, hq, sq, d, dtype=torch.float32, device=q.device)
         dqd = _dq_acc_descriptor(dq_acc, bm, d)
     dsl = _ds_layout(bn, bm, q.dtype) if fused else kl
-    kvd = None
-    if not fused and host_kv is not False:
-        kvd = (_flat_descriptor(k, bn, kl), _flat_descriptor(v, bn, kl))
-        if any(x is None for x in kvd):
-            kvd = None
     _tuning.ensure_allocator()
     lpt = bool(causal) and CAUSAL_LPT
     n_kb = _tuning.cdiv(sk, 2 * bn)
     _launch.fast(_attention_bwd_dkdv_sm90_kernel)[(hkv, batch, n_kb) if lpt else (n_kb, hkv, batch)](
-        qd, dod, k, v, dk, dv, lse, delta, dqd, *(kvd or (None,) * 2), *q.stride()[:3], *do.stride()[:3],
-        *k.stride()[:3],
+        qd, dod, k, v, dk, dv, lse, delta, dqd, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
-        HOST_KV=kvd is not None, kv_layout=kl, ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
+        kv_layout=kl,
+        ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)
     return True

@@ -63,13 +63,9 @@ def compile_only() -> None:
                     sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql), DQACC=dqacc))
                     dsl = kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl
                     consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
-                                  LPT=causal, kv_layout=kl, ds_layout=dsl, num_warps=4, HOST_KV=not fused)
+                                  LPT=causal, kv_layout=kl, ds_layout=dsl, num_warps=4)
                     if not fused:
                         consts["DQACC"] = None
-                        kd = desc(bn, d, kl)
-                        sig.update(KD=kd, VD=kd)
-                    else:
-                        consts.update(KD=None, VD=None)
                     print(f"bwd-{'fused' if fused else 'dkdv'} D{d} cfg{cfg} {'causal' if causal else 'full'}: "
                           f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
         for cfg in [kb.DQ_CONFIGS[d]] + DQ_ALT[d]:
@@ -132,16 +128,15 @@ def main() -> None:
                 print(f"    so Triton dK/dV ~{times['triton'] - times['dq']:.3f} ms, Triton dQ "
                       f"~{times['triton'] - times['dkdv']:.3f} ms (+ preprocess)", flush=True)
             dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
-            for cfg, host_kv in [(c, h) for c in [kb.DKDV_CONFIGS[d]] + DKDV_ALT[d] for h in (None, False)]:
-                def run(cfg=cfg, host_kv=host_kv):  # host_kv False: K/V descriptors made on the device
+            for cfg in [kb.DKDV_CONFIGS[d]] + DKDV_ALT[d]:
+                def run(cfg=cfg):
                     assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=sc,
-                                                      config=cfg, host_kv=host_kv)
+                                                      config=cfg)
                 run()
                 err = max((dk.float() - dk_t.float()).abs().max().item(), (dv.float() - dv_t.float()).abs().max().item())
                 ms = do_bench(run)
-                print(f"    dK/dV {cfg}{' device K/V descriptors' if host_kv is False else ''}: max |err| {err:.2e} "
-                      f"(max |dk_t| {dk_t.float().abs().max().item():.2e}); {ms:.3f} ms {4 * gemm / ms / 1e9:.0f} "
-                      f"TFLOP/s", flush=True)
+                print(f"    dK/dV {cfg}: max |err| {err:.2e} (max |dk_t| {dk_t.float().abs().max().item():.2e}); "
+                      f"{ms:.3f} ms {4 * gemm / ms / 1e9:.0f} TFLOP/s", flush=True)
             for cfg in [kb.DKDV_CONFIGS[d]] + FUSED_ALT[d]:
                 def run_fused(cfg=cfg):
                     assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=sc,
