@@ -46,9 +46,10 @@ def bandwidth_args(op: str, doc: str, default_budget_s: float):
 def env_record() -> dict:
     """Card, versions, date and commit, stamped on every row."""
     import triton
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "unknown"
+    try:  # "-dirty" when tracked files differ from HEAD (a device copy may carry a stale .git: never a clean
+        # hash for code that is not that commit)
+        commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001 - the device copy may have no git
         commit = os.environ.get("PYKERNELS_COMMIT", "unknown")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
