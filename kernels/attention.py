@@ -898,20 +898,24 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
     cu_k = cu_seqlens_k if varlen else dummy
     kvr = kv_range if kv_range is not None else dummy
     bd, bdv = _pow2_dim(d), _pow2_dim(dv_dim)
-    pre_bm = 16 if _tuning.interpret() else 64
-    _launch.fast(_attention_bwd_preprocess_kernel)[(_tuning.cdiv(sq, pre_bm), hq, batch)](
-        o, do, delta, cu_q, *seq3(o), *seq3(do), *ls, hq, sq,
-        DV=dv_dim, BLOCK_DV=bdv, IS_VARLEN=varlen, BLOCK_M=pre_bm)
-    common = dict(D=d, DV=dv_dim, BLOCK_D=bd, BLOCK_DV=bdv, EVEN_D=bd == d and bdv == dv_dim, IS_CAUSAL=bool(causal), MASK_KIND=mask_kind,
-                  HAS_KV_RANGE=kv_range is not None, HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen,
-                  PRECISION=_precision(q.dtype),
-                  IDX64=_needs_idx64(sq, sk, [seq3(t)[2] for t in (q, k, v, do, dq, dk, dv)], ms))
     bucket = _seq_bucket(sq, sk)
     gluon = "" if varlen else sm90_backward(q, k, v, do, mask, dropout_p=dropout_p, scale=scale, kv_range=kv_range,
                                             causal=causal)
     if gluon:
         from . import attention_sm90_bwd as kb
-    # each Gluon kernel may decline the layout (False, nothing launched): its Triton kernel runs instead
+    # each Gluon kernel may decline the layout (False, nothing launched): its Triton kernel runs instead. The
+    # Gluon dQ kernel runs first and forms delta itself (for the dK/dV kernel too); else the preprocess does
+    dq_done = "dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=scale,
+                                                         o=o)
+    if not dq_done:
+        pre_bm = 16 if _tuning.interpret() else 64
+        _launch.fast(_attention_bwd_preprocess_kernel)[(_tuning.cdiv(sq, pre_bm), hq, batch)](
+            o, do, delta, cu_q, *seq3(o), *seq3(do), *ls, hq, sq,
+            DV=dv_dim, BLOCK_DV=bdv, IS_VARLEN=varlen, BLOCK_M=pre_bm)
+    common = dict(D=d, DV=dv_dim, BLOCK_D=bd, BLOCK_DV=bdv, EVEN_D=bd == d and bdv == dv_dim, IS_CAUSAL=bool(causal), MASK_KIND=mask_kind,
+                  HAS_KV_RANGE=kv_range is not None, HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen,
+                  PRECISION=_precision(q.dtype),
+                  IDX64=_needs_idx64(sq, sk, [seq3(t)[2] for t in (q, k, v, do, dq, dk, dv)], ms))
     fused = gluon == "fused" and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal,
                                                             scale=scale, dq=dq)
     if not fused and not ("dkdv" in gluon and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv,
@@ -920,8 +924,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
             q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
             *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dk), *seq3(dv), *ls, *ms,
             hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
-    if not fused and not ("dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal,
-                                                                     scale=scale)):
+    if not fused and not dq_done:
         _launch.fast(_attention_bwd_dq_kernel)[lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)](
             q, k, v, do, dq, lse, delta, mask_t, kvr, cu_q, cu_k,
             *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dq), *ls, *ms,

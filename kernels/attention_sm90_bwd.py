@@ -306,13 +306,30 @@ def _dq_tile(n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS
 
 
 @gluon.jit
+def _row_delta(do_tile, O, o_off, stride_om, Sq, my_m, DELTA, l_off, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+               out_layout: gl.constexpr):
+    """delta = rowsum(dO * O) in fp32 for rows [my_m, + BLOCK_M) of one (batch, head) (0 past Sq), dO from
+    the shared ``do_tile``, O from ``O + o_off`` (row stride ``stride_om``, unit column stride); stored to
+    ``DELTA + l_off`` (rows < Sq) and returned in ``out_layout``."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = my_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, blk))
+    ok = rows < Sq
+    o = gl.load(O + o_off + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0),
+                mask=gl.expand_dims(ok, 1), other=0.0)
+    d = gl.sum(do_tile.load(blk).to(gl.float32) * o.to(gl.float32), axis=1)
+    gl.store(DELTA + l_off + rows, d, mask=ok)
+    return gl.convert_layout(d, out_layout)
+
+
+@gluon.jit
 def _dq_producer(q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar, v_bar,
-                 k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
-                 stride_dom,
+                 k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om, stride_qb, stride_qh,
+                 stride_qm, stride_dob, stride_doh, stride_dom,
                  stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dqb, stride_dqh, stride_dqm,
                  stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale, n_m,
                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, q_layout: gl.constexpr):
+                 IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, COMPUTE_DELTA: gl.constexpr, q_layout: gl.constexpr):
     start_m, b, h, hk, n_blocks = _dq_tile(n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, LPT)
     q_row0, q_col0 = _flat_coords(b * stride_qb + h * stride_qh, stride_qm)
     do_row0, do_col0 = _flat_coords(b * stride_dob + h * stride_doh, stride_dom)
@@ -330,16 +347,19 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_sm
 
 @gluon.jit
 def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar,
-                 k_bar, v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
-                 stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dqb,
-                 stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale, n_m,
+                 k_bar, v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om,
+                 stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP,
+                 Sq, Sk, qk_scale, scale, n_m,
                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, q_layout: gl.constexpr):
+                 IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, COMPUTE_DELTA: gl.constexpr, q_layout: gl.constexpr):
     """Consumer warpgroup WG: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of the CTA's tile. Per key
     block j, on this warpgroup's turn (ping-pong with the other, through ``turn_bar`` as in the forward):
     issue S_j = Q K_j^T, dP_j = dO V_j^T and dQ += dS_{j-1} K_{j-1}; wait for S_j and dP_j only (V_j is
     released), form dS_j while dQ_{j-1} runs, then wait for it (K_{j-1} is released). K_{j-1} is released
-    in iteration j and the producer loads K_{j+1} ahead of V_j: STAGES >= 3 keeps that from deadlocking."""
+    in iteration j and the producer loads K_{j+1} ahead of V_j: STAGES >= 3 keeps that from deadlocking.
+    COMPUTE_DELTA: delta = rowsum(dO * O) of the warpgroup's rows is formed here (dO from its shared tile, O
+    read once) and written to DELTA for the dK/dV kernel, which runs after this one (no preprocess)."""
     gl.static_assert(STAGES >= 3, "K_{j+1} must not wait for K_{j-1}'s stage")
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -353,9 +373,14 @@ def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_s
     rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
     l_off = b * stride_lb + h * stride_lh
     lse2 = gl.load(LSE + l_off + rows, mask=rows < Sq, other=float("inf")) * 1.4426950408889634
-    delta = gl.load(DELTA + l_off + rows, mask=rows < Sq, other=0.0)
     q_tile = q_smem.index(WG)
     do_tile = do_smem.index(WG)
+    if COMPUTE_DELTA:
+        mbarrier.wait(q_bar.index(WG), 0)  # dO is in shared memory
+        delta = _row_delta(do_tile, O, b * stride_ob + h * stride_oh, stride_om, Sq, my_m, DELTA, l_off, HEAD_D,
+                           BLOCK_M, row_s)
+    else:
+        delta = gl.load(DELTA + l_off + rows, mask=rows < Sq, other=0.0)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, acc_layout)
     mbarrier.wait(q_bar.index(WG), 0)
@@ -404,14 +429,14 @@ def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_s
 
 @gluon.jit
 def _attention_bwd_dq_sm90_kernel(
-    q_desc, do_desc, k_desc, v_desc, dq_desc, DQ, LSE, DELTA,
+    q_desc, do_desc, k_desc, v_desc, dq_desc, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om,
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
     H, GROUP, Sq, Sk, qk_scale, scale, n_m,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr,
-    num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, COMPUTE_DELTA: gl.constexpr, q_layout: gl.constexpr,
+    kv_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (n_m * H * B,): one tile of 2 * BLOCK_M query rows of one (batch, head) per CTA, in the forward's
     order (``_tile_coords``: causal, longest first). Every descriptor is the host's over a (rows, row stride)
@@ -427,20 +452,23 @@ def _attention_bwd_dq_sm90_kernel(
                                                                               kv_layout)
     gl.warp_specialize([
         (_dq_consumer, (0, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
-                        v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
+                        v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om,
+                        stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
-                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, q_layout)),
+                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA, q_layout)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
-                        v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
+                        v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om,
+                        stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
-                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, q_layout)),
+                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA, q_layout)),
         (_dq_consumer, (1, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
-                        v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_dob,
+                        v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om,
+                        stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
-                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, q_layout)),
+                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA, q_layout)),
     ], [1, 4], [24, 240])
 
 
@@ -520,24 +548,27 @@ def _ds_layout(bn: int, bm: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([bn, bm], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, *, causal: bool, scale: float, config=None) -> bool:
+def attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, *, causal: bool, scale: float, config=None,
+                          o=None) -> bool:
     """dQ into ``dq``, inputs as ``attention_bwd_dkdv_sm90`` takes them; False (nothing launched) where q,
-    do, k, v or dq cannot be seen through one host descriptor each."""
+    do, k, v or dq cannot be seen through one host descriptor each. With ``o`` (the forward's output, unit
+    last stride, else False): delta = rowsum(dO * O) is computed in the kernel and written into ``delta``
+    (no preprocess; the dK/dV kernel then reads it)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bm, bn, stages = config or DQ_CONFIGS[d]
     ql, kl = smem_layouts(bm, bn, d, q.dtype)
     descs = (_flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql), _flat_descriptor(k, bn, kl),
              _flat_descriptor(v, bn, kl), _flat_descriptor(dq, bm, ql) if _tma_ok(dq) else None)
-    if any(x is None for x in descs):
+    if any(x is None for x in descs) or (o is not None and (o.stride(-1) != 1 or o.dtype != do.dtype)):
         return False
     _tuning.ensure_allocator()  # a query tail tile's store
     n_m = _tuning.cdiv(sq, 2 * bm)
     _launch.fast(_attention_bwd_dq_sm90_kernel)[(n_m * hq * batch,)](
-        *descs, dq, lse, delta, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *dq.stride()[:3], *lse.stride()[:2],
+        *descs, dq, lse, delta, o, *(o.stride()[:3] if o is not None else (0, 0, 0)), *q.stride()[:3],
+        *do.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dq.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale, n_m,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal),
-        LPT=bool(causal) and CAUSAL_LPT, q_layout=ql, kv_layout=kl,
+        LPT=bool(causal) and CAUSAL_LPT, COMPUTE_DELTA=o is not None, q_layout=ql, kv_layout=kl,
         num_warps=4, maxnreg=MAX_REGS)
     return True

@@ -43,7 +43,7 @@ def compile_only() -> None:
         sig = {}
         for p in fn.params:
             n = p.name
-            sig[n] = (descs[n] if n in descs else "*bf16" if n in ("K", "V", "DK", "DV", "DQ")
+            sig[n] = (descs[n] if n in descs else "*bf16" if n in ("K", "V", "DK", "DV", "DQ", "O")
                       else "*fp32" if n in ("LSE", "DELTA") else "i64" if n.startswith("stride")
                       else "fp32" if n in ("qk_scale", "scale") else "constexpr" if p.is_constexpr else "i32")
         return sig
@@ -76,8 +76,7 @@ def compile_only() -> None:
                 qd, kd = desc(bm, d, ql), desc(bn, d, kl)
                 sig = sig_of(fn, dict(q_desc=qd, do_desc=qd, k_desc=kd, v_desc=kd, dq_desc=qd))
                 consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, LPT=causal,
-                              q_layout=ql,
-                              kv_layout=kl, num_warps=4)
+                              COMPUTE_DELTA=True, q_layout=ql, kv_layout=kl, num_warps=4)  # (the package's default)
                 print(f"bwd-dq D{d} cfg{cfg} {'causal' if causal else 'full'}: "
                       f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
 
