@@ -1,8 +1,9 @@
 """Attention backward for Hopper (sm_90) in Gluon: the dK/dV and dQ kernels that ``attention.attention_bwd``
 takes on sm_90 where ``attention_sm90`` covers the case (fp16/bf16, D = 64 or 128, no mask, no dropout,
 not varlen), at D = 128 with at least one CTA per SM (``kernels``), and the tensors are seen through host
-descriptors; the Triton preprocess (delta = rowsum(dO * O)) runs first, as for the Triton kernels, and
-either Gluon kernel can run with the other's Triton one.
+descriptors. The Gluon dQ kernel runs first and forms delta = rowsum(dO * O) itself (``_row_delta``) for
+the dK/dV kernel too; where it does not run, the Triton preprocess does, as for the Triton kernels.
+Either Gluon kernel can run with the other's Triton one.
 
 Why. The Triton dK/dV and dQ kernels wait for every wgmma right after issuing it and cannot split a
 producer from the consumers (``attention_sm90``'s docstring): at D = 128 the whole Triton backward reaches
