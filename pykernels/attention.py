@@ -267,17 +267,18 @@ def _is_key_padding(mask: Tensor | None) -> bool:
             and (mask.shape[1] == 1 or mask.stride(1) == 0) and (mask.shape[2] == 1 or mask.stride(2) == 0))
 
 
-def _key_padding_range(mask: Tensor | None) -> Tensor:
+def _key_padding_range(mask: Tensor | None, use_kernel: bool = True) -> Tensor:
     """Per-batch valid key range as int32 (B, 3) on the mask's device (no host sync) for a key-padding
     mask, else an empty (0,) tensor: lo, hi (keys outside [lo, hi) are masked for every query and head, so
     the kernels skip their blocks; a batch with no valid key gets lo = Sk, hi = 0) and dense (1 when every
-    key in [lo, hi) is valid: the sm_90 forward then masks by index, without reading the mask). On a GPU one
-    Triton kernel computes it (``attention.key_padding_range``), on the CPU eager ops."""
+    key in [lo, hi) is valid: the sm_90 forward then masks by index, without reading the mask). On a GPU with
+    ``use_kernel`` (the Triton backend runs the call) one Triton kernel computes it
+    (``attention.key_padding_range``), else eager ops."""
     if not _is_key_padding(mask):
         device = mask.device if mask is not None else None
         return torch.empty(0, dtype=torch.int32, device=device)
     row = mask[:, 0, 0, :]
-    if row.is_cuda:
+    if row.is_cuda and use_kernel:
         return _kernels().key_padding_range(row)
     valid = row if row.dtype == torch.bool else row != float("-inf")
     sk = valid.shape[-1]
@@ -295,7 +296,7 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     computed once here and saved for the backward."""
     impl = select(_OP, backend or None, q.device, _support(q, k, v))
     seed = op_seed(dropout_p, q.device)
-    kv_range = _key_padding_range(attn_mask)
+    kv_range = _key_padding_range(attn_mask, use_kernel=impl == "triton")
     if impl == "triton":
         o, lse = _kernels().attention_fwd(q, k, v, attn_mask, causal=is_causal, scale=scale, dropout_p=dropout_p,
                                           seed=int(seed[0]) if dropout_p > 0 else 0,
