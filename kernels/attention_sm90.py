@@ -604,7 +604,7 @@ def _causal_schedule(n_m: int, n_tiles: int, grid: int, sq: int, sk: int, tile_r
     sched = _SCHEDULES.get(key)
     if sched is not None:
         return sched
-    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_current_stream_capturing():
         return None
     cost = [-(-min(sk, (p + 1) * tile_rows) // bn) + 1 for p in range(n_m)]
     order = sorted(range(n_tiles), key=lambda t: (-cost[t % n_m], t))

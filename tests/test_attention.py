@@ -862,44 +862,6 @@ def test_gpu_sm90_gluon_forward_key_padding(layout, b, hq, hkv, sq, sk, d, patte
         assert torch.isneginf(lse2[2]).all()
 
 
-@pytest.mark.parametrize("n_m,heads,grid,sq", [(8, 96, 132, 1024), (32, 64, 132, 4096), (3, 5, 13, 300)])
-def test_causal_schedule_covers_every_tile_once_and_balances(n_m, heads, grid, sq):
-    """The sm_90 forward's host-built causal schedule (CPU: pure host code): every tile exactly once, each
-    CTA's count in row 0, and the CTAs' loads (key blocks + 1 a tile) within one tile's cost of each other
-    plus the greedy bound (longest processing time first: max load <= 4/3 of the optimum)."""
-    pytest.importorskip("triton.experimental.gluon")
-    from pykernels._kernels import attention_sm90 as ks
-    n_tiles = n_m * heads
-    table = ks._causal_schedule(n_m, n_tiles, grid, sq, sq, 128, 128, "cpu")
-    counts = table[0].tolist()
-    assert sum(counts) == n_tiles and len(counts) == grid
-    tiles = [int(table[1 + r, c]) for c in range(grid) for r in range(counts[c])]
-    assert sorted(tiles) == list(range(n_tiles))
-    cost = [-(-min(sq, (t % n_m + 1) * 128) // 128) + 1 for t in range(n_tiles)]
-    loads = [sum(cost[int(table[1 + r, c])] for r in range(counts[c])) for c in range(grid)]
-    assert max(loads) <= max(sum(cost) / grid * 4 / 3, max(cost)) + 1e-9
-    assert max(loads) - min(loads) <= max(cost)
-
-
-@pytest.mark.gpu
-@sm90_only
-@pytest.mark.parametrize("b,h,s_,d", [(2, 12, 1024, 64), (1, 16, 4096, 128)])
-def test_gpu_sm90_causal_schedule_equals_round_robin(monkeypatch, b, h, s_, d):
-    """The causal forward over the host's longest-first schedule gives bitwise the round robin's output
-    (each tile is computed the same way, only by another CTA), and the reference's within eager's error."""
-    from pykernels._kernels import attention_sm90 as ks
-    q, k, v = (torch.randn(b, h, s_, d, dtype=BF16, device="cuda") for _ in range(3))
-    n_m = -(-s_ // 128)
-    assert n_m <= ks._num_sms(q.device) and ks._num_sms(q.device) % n_m, "the schedule must be taken here"
-    o1, l1 = ks.attention_fwd_sm90(q, k, v, causal=True, scale=d ** -0.5)
-    monkeypatch.setattr(ks, "LPT_SCHEDULE", False)
-    o2, l2 = ks.attention_fwd_sm90(q, k, v, causal=True, scale=d ** -0.5)
-    assert torch.equal(o1, o2) and torch.equal(l1, l2)
-    o_hi = attention_reference(q.double(), k.double(), v.double(), None, 0.0, True, d ** -0.5, False)
-    o_lo = attention_reference(q, k, v, None, 0.0, True, d ** -0.5, False)
-    assert_close_to_ref("causal schedule out", o1, o_hi, o_lo)
-
-
 @pytest.mark.gpu
 @sm90_only
 def test_gpu_sm90_key_padding_dispatch_rules():
