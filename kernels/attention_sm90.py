@@ -320,14 +320,13 @@ def _head_descriptors(Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, strid
 
 
 @gluon.jit
-def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 SCHED: gl.constexpr = False):
+def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Tile index -> (first query row of the CTA's 2 * BLOCK_M, batch, head, kv head (int64), key blocks).
     Query tiles run fastest (a head's K/V stay in L2). Causal: a head's tiles longest first in even rounds
     of the grid and shortest first in odd ones, so a persistent CTA alternates long and short tiles (the
     host makes the grid a multiple of n_m: every head's tiles lie in one round)."""
     pid_m = tile % n_m
-    if IS_CAUSAL and not SCHED:  # (SCHED: the host's schedule orders the tiles)
+    if IS_CAUSAL:
         if (tile // gl.num_programs(0)) % 2 == 0:
             pid_m = n_m - 1 - pid_m
     hb = tile // n_m
@@ -342,39 +341,18 @@ def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _cta_tiles(n_tiles, Sched, SCHED: gl.constexpr):
-    """How many tiles this CTA takes: round robin (tiles program_id, + num_programs, ...), or SCHED: the
-    host's schedule (``_causal_schedule``), whose row 0 holds each CTA's count."""
-    if SCHED:
-        n = gl.load(Sched + gl.program_id(0))
-    else:
-        n = gl.cdiv(n_tiles - gl.program_id(0), gl.num_programs(0))
-    return n
-
-
-@gluon.jit
-def _cta_tile(r, Sched, SCHED: gl.constexpr):
-    """The CTA's r-th tile (see ``_cta_tiles``)."""
-    if SCHED:
-        t = gl.load(Sched + (r + 1) * gl.num_programs(0) + gl.program_id(0))
-    else:
-        t = gl.program_id(0) + r * gl.num_programs(0)
-    return t
-
-
-@gluon.jit
 def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
               k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
-              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, Sched, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
-              KEY_PAD: gl.constexpr, SCHED: gl.constexpr, q_layout: gl.constexpr):
+              KEY_PAD: gl.constexpr, q_layout: gl.constexpr):
     """Consumer warpgroup WG over the CTA's tiles: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each; its Q
     buffer of a tile is (tile count % 2, WG), released through ``q_empty`` once O left it."""
     base = 0
-    for it in range(_cta_tiles(n_tiles, Sched, SCHED)):  # it: this CTA's tile count
-        tile = _cta_tile(it, Sched, SCHED)
-        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, SCHED)
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        it = (tile - gl.program_id(0)) // gl.num_programs(0)  # this CTA's tile count (not loop-carried)
         buf = (it % 2) * 2 + WG
         my_m = start_m + WG * BLOCK_M
         if KEY_PAD:
@@ -402,15 +380,15 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
 def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
               k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
-              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, Sched, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
-              KEY_PAD: gl.constexpr, SCHED: gl.constexpr, q_layout: gl.constexpr):
+              KEY_PAD: gl.constexpr, q_layout: gl.constexpr):
     """The producer warp, over the CTA's tiles: both warpgroups' Q tiles (double-buffered across tiles),
     then the tile's K/V through the ring (each stage's empty barriers count 2 arrivals, one per consumer)."""
     base = 0
-    for it in range(_cta_tiles(n_tiles, Sched, SCHED)):
-        tile = _cta_tile(it, Sched, SCHED)
-        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, SCHED)
+    it = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
         j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
         q_row0, q_col0, k_row0, k_col0, v_row0, v_col0 = 0, 0, 0, 0, 0, 0
         if HOST_DESC:
@@ -426,6 +404,7 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
         _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, base,
                       k_row0 + j0 * BLOCK_N, k_col0, v_row0 + j0 * BLOCK_N, v_col0, STAGES, BLOCK_N)
         base += n_blocks
+        it += 1
 
 
 @gluon.jit
@@ -457,10 +436,10 @@ def _attention_fwd_sm90_kernel(
     Q, K, V, O, LSE, QD, KD, VD, OD,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-    H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, Sched,
+    H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, KEY_PAD: gl.constexpr, SCHED: gl.constexpr,
-    q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, KEY_PAD: gl.constexpr, q_layout: gl.constexpr,
+    kv_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Tiles of 2 * BLOCK_M query rows of one (batch, head), n_m per head, n_tiles in all, over a 1-D grid:
     a CTA takes tiles program_id, + num_programs, ... (persistent when the grid is smaller than n_tiles).
@@ -471,7 +450,7 @@ def _attention_fwd_sm90_kernel(
     key-padding mask (uint8, ``Mask + b * stride_mb + key * stride_mn``) with its per-batch valid key range
     ``KvRange`` (int32 (B, 3)): a tile streams only the key blocks of that range (``_key_span``) and masks
     their keys (``_key_pad_scores``: by index where the range is dense, else by the mask); not causal (the
-    host's rule). SCHED: the CTAs take the tiles of ``Sched`` (``_causal_schedule``) instead of round robin."""
+    host's rule)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = Q.dtype.element_ty
     if HOST_DESC:
@@ -495,18 +474,18 @@ def _attention_fwd_sm90_kernel(
         (_consumer, (0, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
-                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, Sched, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, SCHED, q_layout)),
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                        IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout)),
         (_producer, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
-                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, Sched, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, SCHED, q_layout)),
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                        IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout)),
         (_consumer, (1, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
-                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, Sched, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, SCHED, q_layout)),
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                        IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout)),
     ], [1, 4], [24, 240])
 
 
@@ -588,41 +567,6 @@ def _flat_descriptor(t: torch.Tensor, block_rows: int, layout):
     return desc
 
 
-# causal persistent grids: a host-built longest-first schedule over every SM (``_causal_schedule``) where the
-# alternating round robin (a grid that is a multiple of the tiles per head) would leave SMs idle
-LPT_SCHEDULE = True
-_SCHEDULES: dict = {}
-
-
-def _causal_schedule(n_m: int, n_tiles: int, grid: int, sq: int, sk: int, tile_rows: int, bn: int, device):
-    """int32 (1 + rounds, grid) on ``device``: row 0 each CTA's tile count, row 1 + r its r-th tile. Tiles
-    (query tile pid_m = tile % n_m, cost = its key blocks + 1) go longest first to the least loaded CTA
-    (greedy LPT). Cached per shape; None while a CUDA graph is being captured and the shape is new (the
-    upload is not capturable: the caller keeps the round robin)."""
-    import heapq
-    key = (n_m, n_tiles, grid, sq, sk, tile_rows, bn, str(device))
-    sched = _SCHEDULES.get(key)
-    if sched is not None:
-        return sched
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    cost = [-(-min(sk, (p + 1) * tile_rows) // bn) + 1 for p in range(n_m)]
-    order = sorted(range(n_tiles), key=lambda t: (-cost[t % n_m], t))
-    loads = [(0, c) for c in range(grid)]
-    lists = [[] for _ in range(grid)]
-    for t in order:
-        load, c = heapq.heappop(loads)
-        lists[c].append(t)
-        heapq.heappush(loads, (load + cost[t % n_m], c))
-    rounds = max(len(x) for x in lists)
-    table = torch.zeros(1 + rounds, grid, dtype=torch.int32)
-    for c, tiles in enumerate(lists):
-        table[0, c] = len(tiles)
-        table[1:1 + len(tiles), c] = torch.tensor(tiles, dtype=torch.int32)
-    sched = _SCHEDULES[key] = table.to(device)
-    return sched
-
-
 _SMS: dict = {}
 
 
@@ -666,21 +610,15 @@ def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host
     # CTA, longest first, where n_m exceeds the SMs. Device-made descriptors: one tile per CTA.
     sms = _num_sms(q.device)
     grid = n_tiles
-    sched = None
     if descs is not None and persistent is not False:
         grid = min(n_tiles, sms if not causal else (sms // n_m * n_m if n_m <= sms else n_tiles))
-        if causal and LPT_SCHEDULE and n_m <= sms and grid < min(n_tiles, sms):
-            # every SM busy, tiles handed out longest first to the least loaded CTA (host-built, cached)
-            sched = _causal_schedule(n_m, n_tiles, min(n_tiles, sms), sq, sk, 2 * bm, bn, q.device)
-            if sched is not None:
-                grid = min(n_tiles, sms)
     key_pad = mask is not None
     _launch.fast(_attention_fwd_sm90_kernel)[(grid,)](
         q, k, v, o, lse, *(descs or (None,) * 4),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, n_m, n_tiles,
         mask.view(torch.uint8) if key_pad else None, kv_range if key_pad else None,
-        mask.stride(0) if key_pad else 0, mask.stride(3) if key_pad else 0, sched,
+        mask.stride(0) if key_pad else 0, mask.stride(3) if key_pad else 0,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), HOST_DESC=descs is not None,
-        KEY_PAD=key_pad, SCHED=sched is not None, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
+        KEY_PAD=key_pad, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
     return o, lse

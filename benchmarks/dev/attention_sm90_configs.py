@@ -4,7 +4,7 @@ time; the D = 64 shapes are host-bound under do_bench), on the benchmark's shape
 and dQ (``DQ_CONFIGS``) kernels at D = 128. Each line: config, ms, TFLOP/s (the kernel's own GEMM count),
 and the max difference from the default config's output (configs change only the summation order).
 
-Usage (GPU): ``python benchmarks/dev/attention_sm90_configs.py [--fwd]`` (``--fwd``: the forwards only).
+Usage (GPU): ``python benchmarks/dev/attention_sm90_configs.py``.
 """
 from __future__ import annotations
 
@@ -33,13 +33,6 @@ def main() -> None:
         gemm = 2 * b * h * s_ * s_ * d / (2 if causal else 1)
         name = f"B{b} H{h} S{s_} D{d} {'causal' if causal else 'full'}"
         ref = None
-        if causal:  # the persistent causal grid: the host's longest-first schedule against the round robin
-            for lpt in (True, False):
-                kf.LPT_SCHEDULE = lpt
-                ms = graph_ms(lambda: kf.attention_fwd_sm90(q, k, v, causal=causal, scale=sc))
-                print(f"{name} fwd default, {'LPT schedule' if lpt else 'alternating round robin'}: {ms:.4f} ms "
-                      f"{2 * gemm / ms / 1e9:.0f} TFLOP/s", flush=True)
-            kf.LPT_SCHEDULE = True
         for cfg in FWD[d]:
             try:
                 o, lse = kf.attention_fwd_sm90(q, k, v, causal=causal, scale=sc, config=cfg)
@@ -50,7 +43,7 @@ def main() -> None:
                       flush=True)
             except Exception as e:  # noqa: BLE001  (a probe: report and go on)
                 print(f"{name} fwd {cfg}: ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
-        if d != 128 or "--fwd" in sys.argv:
+        if d != 128:
             continue
         o, lse = ref
         delta = (o.float() * do.float()).sum(-1).contiguous()

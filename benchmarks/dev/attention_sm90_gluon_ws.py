@@ -288,15 +288,9 @@ def compile_only() -> None:
             sig = _pkg_signature(fn)
             sig.update(QD=qd, OD=qd, KD=kd, VD=kd)
             consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, HOST_DESC=True,
-                          q_layout=ql, kv_layout=kl, num_warps=4, Mask=None, KvRange=None, KEY_PAD=False, Sched=None,
-                          SCHED=False)
+                          q_layout=ql, kv_layout=kl, num_warps=4, Mask=None, KvRange=None, KEY_PAD=False)
             print(f"host-desc D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
                   f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
-            if causal:  # the host's longest-first schedule (``_causal_schedule``)
-                cs = dict(consts, SCHED=True)
-                del cs["Sched"]
-                print(f"sched D{d} cfg{(bm, bn, stages, 4)} causal: "
-                      f"{compile_report(fn, dict(sig, Sched='*i32'), cs, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
             if not causal:  # a boolean key-padding mask (the forward's KEY_PAD variant)
                 sig.update(Mask="*u8", KvRange="*i32")
                 consts.update(Mask=None, KvRange=None, KEY_PAD=True)
@@ -312,7 +306,7 @@ def compile_only() -> None:
                               kv_layout=kl, num_warps=warps)
                 if fn is pkg._attention_fwd_sm90_kernel:
                     consts.update(QD=None, KD=None, VD=None, OD=None, HOST_DESC=False, Mask=None, KvRange=None,
-                                  KEY_PAD=False, Sched=None, SCHED=False)
+                                  KEY_PAD=False)
                 opts = dict(num_warps=warps)
                 if kind != "plain":
                     opts["maxnreg"] = max_regs(8 if kind == "ping-pong" else warps)
