@@ -194,7 +194,7 @@ def _slice_desc(base, off, rows, stride_rows, HEAD_D: gl.constexpr, BLOCK: gl.co
 def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, Sk,
              qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, NW: gl.constexpr, TURNS: gl.constexpr, base, q_phase,
-             j0=0, mask_row=None, stride_mn=0, lo=0, hi=0, dense=True, KEY_PAD: gl.constexpr = False):
+             j0=0, Mask=None, mask_off=0, stride_mn=0, lo=0, hi=0, dense=True, KEY_PAD: gl.constexpr = False):
     """A consumer's main loop on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``), NW warps: the
     blocks' QK^T and P V on asynchronous wgmma, the next QK^T in flight during the softmax; K_j released
     through ``k_empty`` once its QK^T completed, V_j through ``v_empty`` once its P V did. Returns the
@@ -202,7 +202,7 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
     warpgroup's turn (``turn_bar[WG]``), passed to the other warpgroup right after the issue. ``base``:
     key blocks the CTA consumed before this tile (ring slots, phases and turns continue from there);
     ``q_phase``: the phase of ``q_ready`` that this tile's Q completes. KEY_PAD: the blocks are j0, j0 + 1,
-    ... of the head's keys, masked per ``_key_pad_scores`` (``_key_span``)."""
+    ... of the head's keys, masked per ``_key_pad_scores`` (``_key_span``; the mask row at ``Mask + mask_off``)."""
     dtype: gl.constexpr = q_tile.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -227,7 +227,7 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     mbarrier.arrive(k_empty.index(base % STAGES), count=1)
     if KEY_PAD:
-        s = _key_pad_scores(s, j0, mask_row, stride_mn, Sk, lo, hi, dense, BLOCK_N, s_layout)
+        s = _key_pad_scores(s, j0, Mask + mask_off, stride_mn, Sk, lo, hi, dense, BLOCK_N, s_layout)
     if _needs_mask(j0, my_m, Sk, BLOCK_N, IS_CAUSAL):
         s = _mask_scores(s, j0, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
     m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
@@ -248,7 +248,7 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         mbarrier.arrive(k_empty.index(slot), count=1)  # S_j done (groups complete in order); P V may run
         if KEY_PAD:
-            s = _key_pad_scores(s, j0 + j, mask_row, stride_mn, Sk, lo, hi, dense, BLOCK_N, s_layout)
+            s = _key_pad_scores(s, j0 + j, Mask + mask_off, stride_mn, Sk, lo, hi, dense, BLOCK_N, s_layout)
         if _needs_mask(j0 + j, my_m, Sk, BLOCK_N, IS_CAUSAL):
             s = _mask_scores(s, j0 + j, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
@@ -355,18 +355,14 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
         it = (tile - gl.program_id(0)) // gl.num_programs(0)  # this CTA's tile count (not loop-carried)
         buf = (it % 2) * 2 + WG
         my_m = start_m + WG * BLOCK_M
-        if KEY_PAD:
-            j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
-            acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
-                                     v_empty, turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
-                                     STAGES, IS_CAUSAL, 4, True, base, (it // 2) & 1, j0, Mask + b * stride_mb,
-                                     stride_mn, lo, hi, dense, True)
-            acc = acc * gl.where(empty, 0.0, 1.0)  # a batch without a valid key: O = 0, lse = -inf
+        j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
+        acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty, v_empty,
+                                 turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                                 IS_CAUSAL, 4, True, base, (it // 2) & 1, j0, Mask, b * stride_mb, stride_mn, lo, hi,
+                                 dense, KEY_PAD)
+        if KEY_PAD:  # a batch without a valid key: O = 0, lse = -inf
+            acc = acc * gl.where(empty, 0.0, 1.0)
             m_i = gl.where(empty, float("-inf"), m_i)
-        else:
-            acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
-                                     v_empty, turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
-                                     STAGES, IS_CAUSAL, 4, True, base, (it // 2) & 1)
         hb = tile // n_m  # (batch, head) again: not held in registers through the main loop
         b = (hb // H).to(gl.int64)
         h = (hb % H).to(gl.int64)
