@@ -809,6 +809,21 @@ def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range
     return which
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(device) -> torch.Tensor:
+    """An int32 (2,) tensor the kernels take for pointer arguments they never read (mask, cu_seqlens, key
+    range), one per device (an allocation per call costs host time; never one made during a CUDA-graph
+    capture, whose memory belongs to the graph's pool)."""
+    t = _PLACEHOLDERS.get(device)
+    if t is None:
+        t = torch.empty(2, dtype=torch.int32, device=device)
+        if not _tuning.capturing(device):
+            _PLACEHOLDERS[device] = t
+    return t
+
+
 def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float, seed: int,
                   kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0):
@@ -843,7 +858,7 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         ls = lse.stride()[:2]
     if o.numel() == 0 or batch == 0 or sq == 0:
         return o.zero_(), lse.fill_(float("-inf"))  # (varlen: no row is covered by any program)
-    dummy = torch.empty(2, dtype=torch.int32, device=q.device)
+    dummy = _placeholder(q.device)
     mask_t, mask_kind, ms = _mask_args(mask, dummy)
     idx64 = _needs_idx64(sq, sk, (qs[2], ks[2], vs[2], os_[2]), ms)
     grid = lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)  # noqa: E731
@@ -892,7 +907,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
         for t in (dq, dk, dv):
             t.zero_()
         return dq, dk, dv
-    dummy = torch.empty(2, dtype=torch.int32, device=q.device)
+    dummy = _placeholder(q.device)
     mask_t, mask_kind, ms = _mask_args(mask, dummy)
     cu_q = cu_seqlens_q if varlen else dummy
     cu_k = cu_seqlens_k if varlen else dummy

@@ -542,6 +542,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
 
     def to4(t: Tensor, heads: int) -> Tensor:
+        if t.dim() == 4 and len(batch) == 1 and t.shape[0] == batch[0] and t.shape[1] == heads:
+            return _last_dim_contig(t)  # already (B, H, S, D): no views to make (each costs host time)
         t = t.reshape(t.shape if t.dim() >= 3 else (1, *t.shape))
         t = t.expand(*batch, heads, *t.shape[-2:])  # stride-0 views, no copy
         t = t.unsqueeze(0) if len(batch) == 0 else (t if len(batch) == 1 else t.reshape(-1, *t.shape[-3:]))
@@ -566,6 +568,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             warn_once(_OP, reason)
         return attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, hq != hk)
     o = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "")[0]
+    if o.dim() == 4 and len(batch) == 1 and len(out_heads) == 1:
+        return o  # already (B, H, Sq, Dv)
     return o.reshape(*batch, *out_heads, sq, dv)
 
 

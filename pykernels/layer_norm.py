@@ -335,7 +335,7 @@ def _backward(ctx, dy, ds, dmean, drstd, dseed):
             dres if res_dtype is not None else None, None, None, None, None, None, None)
 
 
-_fwd.register_autograd(_backward, setup_context=_setup_context)
+_fwd.register_autograd(_backward, setup_context=_setup_context, materialize=())  # dy, ds may be None
 
 
 # ----------------------------------------------------------------------------------------------------

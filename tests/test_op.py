@@ -93,3 +93,48 @@ def test_double_backward_raises_never_silent(op, device):
     (gq,) = torch.autograd.grad((out * out).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="no autograd formula"):
         gq.sum().backward()
+
+
+@custom_op("pykernels_test::pair_fwd")
+def _pair(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return x * 2, x * 3, x.sum(-1)
+
+
+@_pair.register_fake
+def _(x):
+    return torch.empty_like(x), torch.empty_like(x), x.new_empty(x.shape[:-1])
+
+
+_PAIR_SEEN: list = []
+
+
+def _pair_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[2])
+
+
+def _pair_backward(ctx, ga, gb, gs):
+    _PAIR_SEEN.append((ga, gb, gs))
+    g = torch.zeros(()) if ga is None else ga * 2
+    return g + (0 if gb is None else gb * 3)
+
+
+_pair.register_autograd(_pair_backward, setup_context=_pair_setup, materialize=(0,))
+
+
+def test_eager_backward_materializes_only_the_listed_outputs():
+    """Extra outputs (lse, seeds, counts) get no zero gradient built for them in the eager path (an
+    allocation and a fill per output and call); the listed ones (here output 0) still do."""
+    x = torch.randn(3, 4, requires_grad=True)
+    _PAIR_SEEN.clear()
+    a, b, s = _pair(x)
+    a.sum().backward()
+    ga, gb, gs = _PAIR_SEEN[-1]
+    assert isinstance(ga, Tensor) and gb is None and gs is None
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    x.grad = None
+    a, b, s = _pair(x)
+    b.sum().backward()  # no gradient reaches output 0: it is materialized as zeros, output 1's arrives
+    ga, gb, gs = _PAIR_SEEN[-1]
+    assert torch.equal(ga, torch.zeros_like(x)) and isinstance(gb, Tensor) and gs is None
+    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
+
