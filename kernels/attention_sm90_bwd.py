@@ -73,6 +73,10 @@ DKDV_CONFIGS = {64: (64, 64, 2), 128: (64, 64, 2)}
 DQ_CONFIGS = {64: (64, 128, 3), 128: (64, 64, 4)}
 # causal: both kernels' CTAs longest first across every (batch, head) (the probe compares with by-head order)
 CAUSAL_LPT = True
+# dK/dV: each query block's lse * log2 e and delta reach the consumers through shared memory, loaded by the
+# producer warp with the block's Q and dO (run67's profile: the consumers' own global loads stalled the issue
+# of the dP^T GEMM, ~15% of their samples)
+SMEM_STATS = True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -90,11 +94,14 @@ def _tma_reduce_add_smem(desc, offsets, src, _semantic=None):
 
 
 @gluon.jit
-def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, kv_bar,
-                   q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE,
+def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_smem,
+                   dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, LSE,
                    DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
                    dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, SMEM_STATS: gl.constexpr):
+    """K and V of both warpgroups once; per query block Q_j and dO_j by TMA and (SMEM_STATS) lse_j * log2 e and
+    delta_j by loads into ``lse_smem`` / ``dlt_smem``, the block's second ``q_bar`` arrival."""
+    stat_reg: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), k_smem.index(wg))
@@ -111,15 +118,21 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
             tma.async_copy_global_to_shared(q_desc, [q_row0 + j * BLOCK_M, q_col0], q_bar.index(s), q_smem.index(s))
             tma.async_copy_global_to_shared(do_desc, [do_row0 + j * BLOCK_M, do_col0], q_bar.index(s),
                                             do_smem.index(s))
+            if SMEM_STATS:  # (queries past Sq: lse +inf, so P = 0 there)
+                l_off = b * stride_lb + h * stride_lh
+                rows = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=stat_reg)
+                lse_smem.index(s).store(gl.load(LSE + l_off + rows, mask=rows < Sq, other=float("inf")) * 1.4426950408889634)
+                dlt_smem.index(s).store(gl.load(DELTA + l_off + rows, mask=rows < Sq, other=0.0))
+                mbarrier.arrive(q_bar.index(s), count=1)
             it += 1
 
 
 @gluon.jit
 def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
-                   ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
+                   ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
                    stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n,
                    j_lo, n_qb, dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, SMEM_STATS: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block.
     FUSED_DQ: also dQ_j's columns [WG * D / 2, + D / 2) over both warpgroups' keys, dQ_j = dS_j K, from
     both dS^T tiles in shared memory (``ds_bar``: both written), added (scaled) to the fp32 dQ buffer by a
@@ -155,10 +168,16 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
             st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             cols = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
-            lse2 = gl.load(LSE + l_off + cols, mask=cols < Sq, other=float("inf")) * 1.4426950408889634
+            if SMEM_STATS:  # the producer's copies: no global load latency between the GEMM issues
+                lse2 = lse_smem.index(s).load(col_s)
+            else:
+                lse2 = gl.load(LSE + l_off + cols, mask=cols < Sq, other=float("inf")) * 1.4426950408889634
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
             pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-            delta = gl.load(DELTA + l_off + cols, mask=cols < Sq, other=0.0)
+            if SMEM_STATS:
+                delta = dlt_smem.index(s).load(col_s)
+            else:
+                delta = gl.load(DELTA + l_off + cols, mask=cols < Sq, other=0.0)
             if IS_CAUSAL:
                 if j * BLOCK_M < n0 + BLOCK_N:  # the block reaches the diagonal: query i sees keys <= i
                     pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), pt, 0.0)
@@ -220,8 +239,8 @@ def _attention_bwd_dkdv_sm90_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
     H, GROUP, Sq, Sk, qk_scale, scale,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, kv_layout: gl.constexpr,
-    ds_layout: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, SMEM_STATS: gl.constexpr,
+    kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (kv heads, batch, cdiv(Sk, 2 * BLOCK_N)):
     causal, every head's longest CTAs first. q_desc / do_desc: host descriptors over (rows, row stride)
@@ -253,6 +272,9 @@ def _attention_bwd_dkdv_sm90_kernel(
     else:
         dq_smem = k_smem
         ds_smem = k_smem
+    stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)  # (SMEM_STATS)
+    dlt_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -261,7 +283,7 @@ def _attention_bwd_dkdv_sm90_kernel(
         mbarrier.init(kv_bar.index(i), count=1)
         mbarrier.init(ds_bar.index(i), count=2)
     for i in gl.static_range(STAGES):
-        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_bar.index(i), count=2 if SMEM_STATS else 1)  # (the TMA's expect, the stats' arrival)
         mbarrier.init(q_empty.index(i), count=2)
     j_lo = 0
     if IS_CAUSAL:
@@ -269,20 +291,20 @@ def _attention_bwd_dkdv_sm90_kernel(
     n_qb = gl.cdiv(Sq, BLOCK_M)
     gl.warp_specialize([
         (_dkdv_consumer, (0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
-                          ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
+                          ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ)),
+                          IS_CAUSAL, FUSED_DQ, SMEM_STATS)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
-                          ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
+                          ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ)),
+                          IS_CAUSAL, FUSED_DQ, SMEM_STATS)),
         (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
-                          ds_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
+                          ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ)),
+                          IS_CAUSAL, FUSED_DQ, SMEM_STATS)),
     ], [1, 4], [24, 240])
 
 
@@ -307,19 +329,26 @@ def _dq_tile(n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS
 
 
 @gluon.jit
-def _row_delta(do_tile, O, o_off, stride_om, Sq, my_m, DELTA, l_off, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-               out_layout: gl.constexpr):
-    """delta = rowsum(dO * O) in fp32 for rows [my_m, + BLOCK_M) of one (batch, head) (0 past Sq), dO from
-    the shared ``do_tile``, O from ``O + o_off`` (row stride ``stride_om``, unit column stride); stored to
-    ``DELTA + l_off`` (rows < Sq) and returned in ``out_layout``."""
+def _load_o_rows(O, o_off, stride_om, Sq, my_m, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Rows [my_m, + BLOCK_M) of one (batch, head) of O (``O + o_off``, row stride ``stride_om``, unit column
+    stride; 0 past Sq), for ``_row_delta``: issued before the consumer waits for its dO tile, so the load's
+    latency hides behind that wait (run67's profile: ~5% of the dQ consumers' samples waited on it)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = my_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, blk))
-    ok = rows < Sq
-    o = gl.load(O + o_off + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0),
-                mask=gl.expand_dims(ok, 1), other=0.0)
+    return gl.load(O + o_off + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0),
+                   mask=gl.expand_dims(rows < Sq, 1), other=0.0)
+
+
+@gluon.jit
+def _row_delta(do_tile, o, Sq, my_m, DELTA, l_off, BLOCK_M: gl.constexpr, out_layout: gl.constexpr):
+    """delta = rowsum(dO * O) in fp32 for rows [my_m, + BLOCK_M) of one (batch, head) (0 past Sq), dO from
+    the shared ``do_tile``, O the rows ``_load_o_rows`` gave; stored to ``DELTA + l_off`` (rows < Sq) and
+    returned in ``out_layout``."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = my_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
     d = gl.sum(do_tile.load(blk).to(gl.float32) * o.to(gl.float32), axis=1)
-    gl.store(DELTA + l_off + rows, d, mask=ok)
+    gl.store(DELTA + l_off + rows, d, mask=rows < Sq)
     return gl.convert_layout(d, out_layout)
 
 
@@ -377,9 +406,9 @@ def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_s
     q_tile = q_smem.index(WG)
     do_tile = do_smem.index(WG)
     if COMPUTE_DELTA:
+        o_rows = _load_o_rows(O, b * stride_ob + h * stride_oh, stride_om, Sq, my_m, HEAD_D, BLOCK_M)
         mbarrier.wait(q_bar.index(WG), 0)  # dO is in shared memory
-        delta = _row_delta(do_tile, O, b * stride_ob + h * stride_oh, stride_om, Sq, my_m, DELTA, l_off, HEAD_D,
-                           BLOCK_M, row_s)
+        delta = _row_delta(do_tile, o_rows, Sq, my_m, DELTA, l_off, BLOCK_M, row_s)
     else:
         delta = gl.load(DELTA + l_off + rows, mask=rows < Sq, other=0.0)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -528,7 +557,7 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
-        kv_layout=kl,
+        SMEM_STATS=SMEM_STATS, kv_layout=kl,
         ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)

@@ -85,16 +85,51 @@ def _graph_ms(fn, reps: int = 20) -> float:
     return sorted(times)[2]
 
 
+def ab_dkdv() -> None:
+    """The sm_90 dK/dV kernel with its per-block lse / delta loaded by the consumers from global memory
+    (``SMEM_STATS`` off) or by the producer into shared memory (on): gradients compared bitwise, kernel
+    time by graph replay, alternating twice (same run, same card)."""
+    import triton
+    from pykernels._kernels import attention_sm90 as k90
+    from pykernels._kernels import attention_sm90_bwd as kb
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}: dK/dV kernel, "
+          f"SMEM_STATS off / on, graph replay, best of two rounds; TFLOP/s of its 4 GEMMs")
+    for name, (b, h, s, d, causal) in CASES.items():
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        scale = d ** -0.5
+        o, lse = k90.attention_fwd_sm90(q, k, v, causal=causal, scale=scale)
+        delta = (do.float() * o.float()).sum(-1)
+        flops = 4 * 2 * b * h * s * s * d * (0.5 if causal else 1.0)
+        res, best = {}, {}
+        for _ in range(2):
+            for on in (False, True):
+                kb.SMEM_STATS = on
+                dk, dv = torch.empty_like(k), torch.empty_like(v)
+                fn = (lambda: kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=scale))
+                assert fn()
+                res[on] = (dk.clone(), dv.clone())
+                best[on] = min(best.get(on, 1e9), _graph_ms(fn))
+        same = all(torch.equal(a, b_) for a, b_ in zip(res[False], res[True]))
+        print(f"{name:8s} B{b} H{h} S{s} D{d} {'causal' if causal else 'full'}: off {best[False] * 1e3:8.1f} us "
+              f"({flops / best[False] * 1e-9:5.1f}), on {best[True] * 1e3:8.1f} us ({flops / best[True] * 1e-9:5.1f}); "
+              f"speed-up {best[False] / best[True]:.3f}; bitwise equal: {same}")
+    kb.SMEM_STATS = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", choices=sorted(CASES))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--ab-dkdv", action="store_true", help="the dK/dV kernel with and without SMEM_STATS")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to profile")
         return
+    if args.ab_dkdv:
+        ab_dkdv()
     if args.sweep:
         sweep(args.d)
     if args.case:
