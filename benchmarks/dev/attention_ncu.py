@@ -86,14 +86,14 @@ def _graph_ms(fn, reps: int = 20) -> float:
 
 
 def ab_dkdv() -> None:
-    """The sm_90 dK/dV kernel with its per-block lse / delta loaded by the consumers from global memory
-    (``SMEM_STATS`` off) or by the producer into shared memory (on): gradients compared bitwise, kernel
-    time by graph replay, alternating twice (same run, same card)."""
+    """The sm_90 dK/dV kernel with ``STATS_EARLY`` off / on (the consumers read a block's lse / delta from
+    shared memory after / before issuing its first GEMMs; run73 compared ``SMEM_STATS`` the same way):
+    gradients compared bitwise, kernel time by graph replay, alternating twice (same run, same card)."""
     import triton
     from pykernels._kernels import attention_sm90 as k90
     from pykernels._kernels import attention_sm90_bwd as kb
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}: dK/dV kernel, "
-          f"SMEM_STATS off / on, graph replay, best of two rounds; TFLOP/s of its 4 GEMMs")
+          f"STATS_EARLY off / on, graph replay, best of two rounds; TFLOP/s of its 4 GEMMs")
     for name, (b, h, s, d, causal) in CASES.items():
         torch.manual_seed(0)
         q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -104,7 +104,7 @@ def ab_dkdv() -> None:
         res, best = {}, {}
         for _ in range(2):
             for on in (False, True):
-                kb.SMEM_STATS = on
+                kb.STATS_EARLY = on
                 dk, dv = torch.empty_like(k), torch.empty_like(v)
                 fn = (lambda: kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=scale))
                 assert fn()
@@ -114,7 +114,7 @@ def ab_dkdv() -> None:
         print(f"{name:8s} B{b} H{h} S{s} D{d} {'causal' if causal else 'full'}: off {best[False] * 1e3:8.1f} us "
               f"({flops / best[False] * 1e-9:5.1f}), on {best[True] * 1e3:8.1f} us ({flops / best[True] * 1e-9:5.1f}); "
               f"speed-up {best[False] / best[True]:.3f}; bitwise equal: {same}")
-    kb.SMEM_STATS = True
+    kb.STATS_EARLY = True
 
 
 def main() -> None:
