@@ -219,6 +219,27 @@ def test_zero_rows(device):
     assert torch.equal(gw, torch.zeros_like(w)) and torch.equal(gb, torch.zeros_like(b))
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_prenorm_gradient_through_one_output_only(backend, device):
+    """Pre-LN with only y or only s in the loss: the other output's gradient arrives as None (no zero
+    tensor is built for it) and the result equals the eager formula."""
+    x, r, w, b = _make((7, 96), torch.float32, device)
+    for use in ("y", "s"):
+        y, s = pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend=backend)
+        out = y if use == "y" else s
+        up = torch.randn_like(out)
+        got = torch.autograd.grad(out, (x, r, w, b), up, allow_unused=True)
+        xs, rs, ws, bs = (t.detach().double().requires_grad_() for t in (x, r, w, b))
+        s_ref = xs + rs
+        ref_out = torch.nn.functional.layer_norm(s_ref, (96,), ws, bs, 1e-5) if use == "y" else s_ref
+        want = torch.autograd.grad(ref_out, (xs, rs, ws, bs), up.double(), allow_unused=True)
+        for name, g, e in zip("xrwb", got, want):
+            if e is None:  # s does not depend on w, b: their gradient is zero (or absent)
+                assert g is None or torch.count_nonzero(g) == 0, name
+            else:
+                torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-5, msg=f"{use}: d{name}")
+
+
 # ---- dropout -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("prenorm", [False, True])
