@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import pykernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_ncu import _graph_ms  # noqa: E402
+from attention_sm90_gluon_ws import graph_ms  # noqa: E402
 
 CASES = {"bert": (32, 12, 512, 64, False), "bert_keypad": (32, 12, 512, 64, False), "gpt2": (8, 12, 1024, 64, True),
          "s4096c": (4, 16, 4096, 128, True)}
@@ -70,7 +70,7 @@ def main() -> None:
                 fn()
             hu = host_us(fn)
             db = triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
-            gr = _graph_ms(fn) * 1e3 if not args.grad else float("nan")
+            gr = graph_ms(fn) * 1e3 if not args.grad else float("nan")
             print(f"{name:7s} {label:9s}: host {hu:7.1f} us, do_bench {db:7.1f} us, graph replay {gr:7.1f} us")
         if name == args.profile:
             from torch.profiler import ProfilerActivity, profile

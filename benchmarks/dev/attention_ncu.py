@@ -62,34 +62,13 @@ def sweep(d: int) -> None:
                   f"cuDNN {flops / cud * 1e-9:6.1f} TFLOP/s (ratio {cud / ours:.3f})")
 
 
-def _graph_ms(fn, reps: int = 20) -> float:
-    """Median over 5 replays of a CUDA graph holding ``reps`` calls of ``fn``, per call (ms)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return sorted(times)[2]
-
-
 def ab_dkdv() -> None:
     """The sm_90 dK/dV kernel with ``STATS_EARLY`` off / on (the consumers read a block's lse / delta from
     shared memory after / before issuing its first GEMMs; run73 compared ``SMEM_STATS`` the same way):
     gradients compared bitwise, kernel time by graph replay, alternating twice (same run, same card)."""
     import triton
+    from attention_sm90_gluon_ws import graph_ms
+
     from pykernels._kernels import attention_sm90 as k90
     from pykernels._kernels import attention_sm90_bwd as kb
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}: dK/dV kernel, "
@@ -109,7 +88,7 @@ def ab_dkdv() -> None:
                 fn = (lambda: kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=scale))
                 assert fn()
                 res[on] = (dk.clone(), dv.clone())
-                best[on] = min(best.get(on, 1e9), _graph_ms(fn))
+                best[on] = min(best.get(on, 1e9), graph_ms(fn))
         same = all(torch.equal(a, b_) for a, b_ in zip(res[False], res[True]))
         print(f"{name:8s} B{b} H{h} S{s} D{d} {'causal' if causal else 'full'}: off {best[False] * 1e3:8.1f} us "
               f"({flops / best[False] * 1e-9:5.1f}), on {best[True] * 1e3:8.1f} us ({flops / best[True] * 1e-9:5.1f}); "
