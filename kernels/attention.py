@@ -11,7 +11,9 @@ load. The forward saves ``lse = m + log(l)`` (natural log, fp32, one per query r
 materialises the Sq x Sk matrix.
 
 Backward (recomputation, no atomics, deterministic by construction):
-  1. ``_attention_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)`` in fp32.
+  1. ``_attention_bwd_dq_kernel`` (below) runs first and forms ``delta = rowsum(dO * O)`` in fp32 for its
+     query rows, storing it for step 2 (``COMPUTE_DELTA``; ``_attention_bwd_preprocess_kernel`` does only
+     that, for the fused sm_90 kernel, which has no separate dQ kernel).
   2. ``_attention_bwd_dkdv_kernel``: one program per (key block, batch*kv-head). For GQA it loops over
      the query heads of its group *inside* the program, so dK/dV of a kv head are summed in registers
      without atomics or partial buffers. For each query block it recomputes ``P = exp2(S - lse)``,
@@ -658,16 +660,18 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
 @_tuning.autotune(configs=_configs("dq", "fp32_dq"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dq")})
 @triton.jit
 def _attention_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, Delta, Mask, KvRange, CuQ, CuK,
+    Q, K, V, DO, DQ, LSE, Delta, O, Mask, KvRange, CuQ, CuK,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
+    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh, stride_mb, stride_mh, stride_mm, stride_mn,
     H, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, seed, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    COMPUTE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """COMPUTE_DELTA: delta = rowsum(dO * O) of the program's rows is formed here (dO is loaded anyway, O
+    once) and stored to ``Delta`` for the dK/dV kernel, which then runs after this one (no preprocess)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
     b = tl.program_id(2).to(tl.int64)
@@ -689,7 +693,12 @@ def _attention_bwd_dq_kernel(
     q = _load_tile(Q, rows, m_ok, offs_d, stride_qm, D)
     do = _load_tile(DO, rows, m_ok, offs_dv, stride_dom, DV)
     lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
-    delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
+    if COMPUTE_DELTA:
+        o = _load_tile(O + b * stride_ob + h * stride_oh + q_start * stride_om, rows, m_ok, offs_dv, stride_om, DV)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(Delta + offs_m, delta, mask=m_ok)
+    else:
+        delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
     lse2 = _lse_log2(lse)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
@@ -918,19 +927,32 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
                                             causal=causal)
     if gluon:
         from . import attention_sm90_bwd as kb
-    # each Gluon kernel may decline the layout (False, nothing launched): its Triton kernel runs instead. The
-    # Gluon dQ kernel runs first and forms delta itself (for the dK/dV kernel too); else the preprocess does
+    # each Gluon kernel may decline the layout (False, nothing launched): its Triton kernel runs instead. A dQ
+    # kernel (Gluon's or Triton's) runs first and forms delta itself (for the dK/dV kernel too); only the
+    # fused kernel, which computes dQ inside the dK/dV kernel, needs the preprocess (and, if it declines,
+    # Triton's dQ kernel runs last on that delta)
+    common = dict(D=d, DV=dv_dim, BLOCK_D=bd, BLOCK_DV=bdv, EVEN_D=bd == d and bdv == dv_dim, IS_CAUSAL=bool(causal), MASK_KIND=mask_kind,
+                  HAS_KV_RANGE=kv_range is not None, HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen,
+                  PRECISION=_precision(q.dtype),
+                  IDX64=_needs_idx64(sq, sk, [seq3(t)[2] for t in (q, k, v, do, dq, dk, dv, o)], ms))
+
+    def triton_dq(compute_delta: bool):
+        _launch.fast(_attention_bwd_dq_kernel)[lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)](
+            q, k, v, do, dq, lse, delta, o, mask_t, kvr, cu_q, cu_k,
+            *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dq), *seq3(o), *ls, *ms,
+            hq, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common,
+            COMPUTE_DELTA=compute_delta)
+
     dq_done = "dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=scale,
                                                          o=o)
+    if not dq_done and gluon != "fused":
+        triton_dq(True)
+        dq_done = True
     if not dq_done:
         pre_bm = 16 if _tuning.interpret() else 64
         _launch.fast(_attention_bwd_preprocess_kernel)[(_tuning.cdiv(sq, pre_bm), hq, batch)](
             o, do, delta, cu_q, *seq3(o), *seq3(do), *ls, hq, sq,
             DV=dv_dim, BLOCK_DV=bdv, IS_VARLEN=varlen, BLOCK_M=pre_bm)
-    common = dict(D=d, DV=dv_dim, BLOCK_D=bd, BLOCK_DV=bdv, EVEN_D=bd == d and bdv == dv_dim, IS_CAUSAL=bool(causal), MASK_KIND=mask_kind,
-                  HAS_KV_RANGE=kv_range is not None, HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen,
-                  PRECISION=_precision(q.dtype),
-                  IDX64=_needs_idx64(sq, sk, [seq3(t)[2] for t in (q, k, v, do, dq, dk, dv)], ms))
     fused = gluon == "fused" and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal,
                                                             scale=scale, dq=dq)
     if not fused and not ("dkdv" in gluon and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv,
@@ -940,10 +962,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
             *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dk), *seq3(dv), *ls, *ms,
             hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
     if not fused and not dq_done:
-        _launch.fast(_attention_bwd_dq_kernel)[lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)](
-            q, k, v, do, dq, lse, delta, mask_t, kvr, cu_q, cu_k,
-            *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dq), *ls, *ms,
-            hq, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
+        triton_dq(False)
     if varlen:
         _zero_uncovered(dq, None, cu_seqlens_q, sq)
         _zero_uncovered(dk, dv if dv.shape == dk.shape else None, cu_seqlens_k, sk)
