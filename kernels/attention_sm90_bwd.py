@@ -73,7 +73,7 @@ from .attention_sm90 import (LOG2E, MAX_REGS, _alloc_kv_ring, _fill_kv_ring, _fl
 # dK/dV: (keys per consumer warpgroup, BLOCK_M query rows per block, STAGES). At D = 128 with 64-query
 # blocks ptxas spills 100 bytes (216 causal; 28 / 80 with SMEM_STATS; dK, dV, S^T, dP^T near the 240
 # registers), yet it beats the spill-free 32-query blocks by 1.16-1.20x (run39: 3.41 vs 4.10 ms at S = 8192);
-# three stages lose 2-9% (run50).
+# three stages lose 2-9% (run50); with SMEM_STATS 0.97-1.02x (run85).
 DKDV_CONFIGS = {64: (64, 64, 2), 128: (64, 64, 2)}
 # dQ: (query rows per consumer warpgroup, BLOCK_N keys per block, STAGES). STAGES >= 3 (the consumer releases
 # K_{j-1} after V_j arrived); at D = 128 four stages beat three by 1.29-1.36x (run44: 2.33 vs 3.00 ms, S = 8192)
