@@ -12,9 +12,9 @@ producer from the consumers (``attention_sm90``'s docstring): at D = 128 the who
 ``_attention_bwd_dkdv_sm90_kernel``: one CTA takes 2 x BLOCK_N keys of one (batch, kv head). A 1-warp TMA
 producer loads each consumer warpgroup's K and V once, then Q_j and dO_j (a STAGES-deep ring, both
 consumers release a stage) for every query head of the GQA group and every query block the keys can
-see, and with them the block's lse_j * log2 e and delta_j into shared memory (``SMEM_STATS``: loaded by
-the consumers themselves, those global loads stalled the issue of the dP^T GEMM, run67's profile; 1.05-1.16x
-the kernel, run73). Each of the two consumer warpgroups (``setmaxnreg`` 240) holds its BLOCK_N keys' dK and dV in
+see, and with them the block's lse_j * log2 e and delta_j into shared memory (loaded by the consumers
+themselves, those global loads stalled the issue of the dP^T GEMM, run67's profile; 1.05-1.16x the kernel,
+run73). Each of the two consumer warpgroups (``setmaxnreg`` 240) holds its BLOCK_N keys' dK and dV in
 registers (fp32) and, per query block, on transposed tiles so that no operand needs a register transpose
 (FlashAttention-2/3's dK/dV loop):
 
@@ -42,16 +42,16 @@ Measured (H100 80GB HBM3, triton 3.6, bf16, ``benchmarks/dev/attention_bwd_sm90_
 2026-11-26, run49): B2 H16 S8192 D128 full / causal, dK/dV 3.30 / 1.92 ms (667 / 572 TFLOP/s of its 4
 GEMMs), dQ 2.27 / 1.24 ms (727 / 664 of its 3); the whole backward 5.56 / 3.19 ms against 6.86 / 4.13 with
 the Triton kernels. Graph replay in the attention benchmark (run49): 506 / 427 TFLOP/s, cuDNN 528 / 473.
-With SMEM_STATS (run74 probe): dK/dV 3.19 / 1.89 ms (689 / 581), 0.97 ms (568) at B4 H16 S4096 causal; the
-whole backward 5.60 / 3.12 / 1.66 ms (491 / 441 / 413 TFLOP/s).
+With lse / delta through shared memory (run74 probe): dK/dV 3.19 / 1.89 ms (689 / 581), 0.97 ms (568) at
+B4 H16 S4096 causal; the whole backward 5.60 / 3.12 / 1.66 ms (491 / 441 / 413 TFLOP/s).
 
 FUSED_DQ (opt-in "fused"): dQ_j's columns are split between the warpgroups, each staging its (BLOCK_M, D / 2)
 fp32 tile in shared memory for an asynchronous bulk TMA reduction waited one block later. run54-55: 5.72-5.75 /
 3.28-3.63 ms at S8192 full / causal, next to 5.68-5.89 / 3.22-3.26 for the pair (within the noise at full,
 slower causal; 2.02 vs 1.76-1.87 ms at S4096 causal). Each warpgroup's block is serial (S^T, dP^T -> P^T -> dV,
 dS^T -> dK, both dS^T -> dQ -> its epilogue), and ptxas spills 632-756 bytes of loop invariants (300-368 with
-SMEM_STATS; run74: 5.19 vs 5.60 ms for the pair at S8192 full, 3.31 vs 3.12 causal, 2.48 vs 1.66 at S4096 causal;
-it stays opt-in: not deterministic, and slower causal).
+lse / delta in shared memory; run74: 5.19 vs 5.60 ms for the pair at S8192 full, 3.31 vs 3.12 causal, 2.48 vs
+1.66 at S4096 causal; it stays opt-in: not deterministic, and slower causal).
 """
 from __future__ import annotations
 
@@ -71,20 +71,16 @@ from .attention_sm90 import (LOG2E, MAX_REGS, _alloc_kv_ring, _fill_kv_ring, _fl
                              _mask_scores, _needs_mask, _slice_desc, _store_rows, _tile_coords, _tma_ok, smem_layouts)
 
 # dK/dV: (keys per consumer warpgroup, BLOCK_M query rows per block, STAGES). At D = 128 with 64-query
-# blocks ptxas spills 100 bytes (216 causal; 28 / 80 with SMEM_STATS; dK, dV, S^T, dP^T near the 240
-# registers), yet it beats the spill-free 32-query blocks by 1.16-1.20x (run39: 3.41 vs 4.10 ms at S = 8192);
-# three stages lose 2-9% (run50); with SMEM_STATS 0.97-1.02x (run85).
+# blocks ptxas spills 100 bytes (216 causal; 28 / 80 since lse / delta come through shared memory; dK, dV,
+# S^T, dP^T near the 240 registers), yet it beats the spill-free 32-query blocks by 1.16-1.20x (run39: 3.41 vs
+# 4.10 ms at S = 8192); three stages lose 2-9% (run50); 0.97-1.02x after the lse / delta change (run85).
 DKDV_CONFIGS = {64: (64, 64, 2), 128: (64, 64, 2)}
 # dQ: (query rows per consumer warpgroup, BLOCK_N keys per block, STAGES). STAGES >= 3 (the consumer releases
 # K_{j-1} after V_j arrived); at D = 128 four stages beat three by 1.29-1.36x (run44: 2.33 vs 3.00 ms, S = 8192)
 DQ_CONFIGS = {64: (64, 128, 3), 128: (64, 64, 4)}
 # causal: both kernels' CTAs longest first across every (batch, head) (the probe compares with by-head order)
 CAUSAL_LPT = True
-# dK/dV: each query block's lse * log2 e and delta reach the consumers through shared memory, loaded by the
-# producer warp with the block's Q and dO (run67's profile: the consumers' own global loads stalled the issue
-# of the dP^T GEMM, ~15% of their samples)
-SMEM_STATS = True
-# without causal masking the consumers also read lse before issuing the block's first GEMMs (run77: 1.05x
+# dK/dV without causal masking the consumers also read lse before issuing the block's first GEMMs (run77: 1.05x
 # at S8192; causal 0.98-1.01x, so not there)
 STATS_EARLY = True
 
@@ -109,9 +105,10 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
                    stride_dom, LSE,
                    DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
                    dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, SMEM_STATS: gl.constexpr):
-    """K and V of both warpgroups once; per query block Q_j and dO_j by TMA and (SMEM_STATS) lse_j * log2 e and
-    delta_j by loads into ``lse_smem`` / ``dlt_smem``, the block's second ``q_bar`` arrival."""
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
+    """K and V of both warpgroups once; per query block Q_j and dO_j by TMA, and lse_j * log2 e and delta_j
+    by loads into ``lse_smem`` / ``dlt_smem`` (the block's second ``q_bar`` arrival): read by the consumers
+    there, no global load stands between their GEMM issues."""
     stat_reg: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -122,6 +119,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
         h = hk * GROUP + g
         q_row0, q_col0 = _flat_coords(b * stride_qb + h * stride_qh, stride_qm)
         do_row0, do_col0 = _flat_coords(b * stride_dob + h * stride_doh, stride_dom)
+        l_off = b * stride_lb + h * stride_lh
         for j in range(j_lo, n_qb):
             s = it % STAGES
             mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -129,13 +127,12 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
             tma.async_copy_global_to_shared(q_desc, [q_row0 + j * BLOCK_M, q_col0], q_bar.index(s), q_smem.index(s))
             tma.async_copy_global_to_shared(do_desc, [do_row0 + j * BLOCK_M, do_col0], q_bar.index(s),
                                             do_smem.index(s))
-            if SMEM_STATS:  # (queries past Sq: lse +inf, so P = 0 there)
-                l_off = b * stride_lb + h * stride_lh
-                rows = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=stat_reg)
-                lse = gl.load(LSE + l_off + rows, mask=rows < Sq, other=float("inf"))
-                lse_smem.index(s).store(lse * 1.4426950408889634)
-                dlt_smem.index(s).store(gl.load(DELTA + l_off + rows, mask=rows < Sq, other=0.0))
-                mbarrier.arrive(q_bar.index(s), count=1)
+            # (queries past Sq: lse +inf, so P = 0 there)
+            rows = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=stat_reg)
+            lse = gl.load(LSE + l_off + rows, mask=rows < Sq, other=float("inf"))
+            lse_smem.index(s).store(lse * 1.4426950408889634)
+            dlt_smem.index(s).store(gl.load(DELTA + l_off + rows, mask=rows < Sq, other=0.0))
+            mbarrier.arrive(q_bar.index(s), count=1)
             it += 1
 
 
@@ -145,8 +142,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
                    stride_dob, stride_doh,
                    stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n,
                    j_lo, n_qb, dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, SMEM_STATS: gl.constexpr,
-                   STATS_EARLY: gl.constexpr = False):
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, STATS_EARLY: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block.
     FUSED_DQ: also dQ_j's columns [WG * D / 2, + D / 2) over both warpgroups' keys, dQ_j = dS_j K, from
     both dS^T tiles in shared memory (``ds_bar``: both written), added (scaled) to the fp32 dQ buffer by a
@@ -173,7 +169,6 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
         mbarrier.wait(kv_bar.index(1 - WG), 0)  # the other warpgroup's K halves too
     it = 0
     for g in range(GROUP):
-        l_off = b * stride_lb + (hk * GROUP + g) * stride_lh
         for j in range(j_lo, n_qb):
             s = it % STAGES
             mbarrier.wait(q_bar.index(s), (it // STAGES) & 1)
@@ -185,16 +180,10 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
             dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             cols = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
             if not STATS_EARLY:
-                if SMEM_STATS:  # the producer's copies: no global load latency between the GEMM issues
-                    lse2 = lse_smem.index(s).load(col_s)
-                else:
-                    lse2 = gl.load(LSE + l_off + cols, mask=cols < Sq, other=float("inf")) * 1.4426950408889634
+                lse2 = lse_smem.index(s).load(col_s)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
             pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-            if SMEM_STATS:
-                delta = dlt_smem.index(s).load(col_s)
-            else:
-                delta = gl.load(DELTA + l_off + cols, mask=cols < Sq, other=0.0)
+            delta = dlt_smem.index(s).load(col_s)
             if IS_CAUSAL:
                 if j * BLOCK_M < n0 + BLOCK_N:  # the block reaches the diagonal: query i sees keys <= i
                     pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), pt, 0.0)
@@ -256,8 +245,8 @@ def _attention_bwd_dkdv_sm90_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
     H, GROUP, Sq, Sk, qk_scale, scale,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, SMEM_STATS: gl.constexpr,
-    STATS_EARLY: gl.constexpr, kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, STATS_EARLY: gl.constexpr,
+    kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (kv heads, batch, cdiv(Sk, 2 * BLOCK_N)):
     causal, every head's longest CTAs first. q_desc / do_desc: host descriptors over (rows, row stride)
@@ -290,7 +279,7 @@ def _attention_bwd_dkdv_sm90_kernel(
         dq_smem = k_smem
         ds_smem = k_smem
     stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)  # (SMEM_STATS)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
     dlt_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -300,7 +289,7 @@ def _attention_bwd_dkdv_sm90_kernel(
         mbarrier.init(kv_bar.index(i), count=1)
         mbarrier.init(ds_bar.index(i), count=2)
     for i in gl.static_range(STAGES):
-        mbarrier.init(q_bar.index(i), count=2 if SMEM_STATS else 1)  # (the TMA's expect, the stats' arrival)
+        mbarrier.init(q_bar.index(i), count=2)  # (the TMA's expect, the stats' arrival)
         mbarrier.init(q_empty.index(i), count=2)
     j_lo = 0
     if IS_CAUSAL:
@@ -312,19 +301,19 @@ def _attention_bwd_dkdv_sm90_kernel(
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ, SMEM_STATS, STATS_EARLY)),
+                          IS_CAUSAL, FUSED_DQ, STATS_EARLY)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ, SMEM_STATS)),
+                          IS_CAUSAL, FUSED_DQ)),
         (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ, SMEM_STATS, STATS_EARLY)),
+                          IS_CAUSAL, FUSED_DQ, STATS_EARLY)),
     ], [1, 4], [24, 240])
 
 
@@ -577,7 +566,7 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
-        SMEM_STATS=SMEM_STATS, STATS_EARLY=STATS_EARLY and SMEM_STATS and not causal, kv_layout=kl,
+        STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
         ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)

@@ -63,7 +63,7 @@ def compile_only() -> None:
                     sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql), DQACC=dqacc))
                     dsl = kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl
                     consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
-                                  LPT=causal, SMEM_STATS=kb.SMEM_STATS, STATS_EARLY=kb.STATS_EARLY and not causal,
+                                  LPT=causal, STATS_EARLY=kb.STATS_EARLY and not causal,
                                   kv_layout=kl, ds_layout=dsl, num_warps=4)
                     if not fused:
                         consts["DQACC"] = None

@@ -64,7 +64,8 @@ def sweep(d: int) -> None:
 
 def ab_dkdv() -> None:
     """The sm_90 dK/dV kernel with ``STATS_EARLY`` off / on (the consumers read a block's lse / delta from
-    shared memory after / before issuing its first GEMMs; run73 compared ``SMEM_STATS`` the same way):
+    shared memory after / before issuing its first GEMMs; run73 compared global-memory lse / delta
+    with shared memory the same way, before that path was removed):
     gradients compared bitwise, kernel time by graph replay, alternating twice (same run, same card)."""
     import triton
     from attention_sm90_gluon_ws import graph_ms
@@ -102,7 +103,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--ab-dkdv", action="store_true", help="the dK/dV kernel with and without SMEM_STATS")
+    ap.add_argument("--ab-dkdv", action="store_true", help="the dK/dV kernel with and without STATS_EARLY")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to profile")
