@@ -80,6 +80,8 @@ DKDV_CONFIGS = {64: (64, 64, 2), 128: (64, 64, 2)}
 DQ_CONFIGS = {64: (64, 128, 3), 128: (64, 64, 4)}
 # causal: both kernels' CTAs longest first across every (batch, head) (the probe compares with by-head order)
 CAUSAL_LPT = True
+# ... in groups of heads whose reused operands fit this much of L2 (``lpt_group``; 0 = all heads at once)
+LPT_L2_BYTES = 24 << 20
 # dK/dV without causal masking the consumers also read lse before issuing the block's first GEMMs (run77: 1.05x
 # at S8192; causal 0.98-1.01x, so not there)
 STATS_EARLY = True
@@ -243,23 +245,25 @@ def _attention_bwd_dkdv_sm90_kernel(
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
-    H, GROUP, Sq, Sk, qk_scale, scale,
+    H, GROUP, Sq, Sk, qk_scale, scale, lpt_heads,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, STATS_EARLY: gl.constexpr,
     kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (kv heads, batch, cdiv(Sk, 2 * BLOCK_N)):
-    causal, every head's longest CTAs first. q_desc / do_desc: host descriptors over (rows, row stride)
-    views of q and do (``attention_sm90._flat_descriptor``); K, V, dK, dV: the CTA's kv head's slice
+    """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (cdiv(Sk, 2 * BLOCK_N) * kv heads * batch,):
+    causal, longest CTAs first across the (batch, kv head)s of a group of ``lpt_heads`` (``_lpt_order``).
+    q_desc / do_desc: host descriptors over (rows, row stride) views of q and do (``attention_sm90._flat_descriptor``); K, V, dK, dV: the CTA's kv head's slice
     through descriptors made on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1).
     FUSED_DQ: dQ * scale is added through DQACC, a host descriptor over a zeroed contiguous (B, H, Sq, D) fp32
     buffer seen as (B * H * Sq, D), (BLOCK_M, D / 2) tiles, by bulk TMA reductions."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = K.dtype.element_ty
-    if LPT:  # grid (kv heads, batch, key blocks): every head's first (longest, when causal) blocks first
-        start_n = gl.program_id(2) * (2 * BLOCK_N)
-        hk = gl.program_id(0).to(gl.int64)
-        b = gl.program_id(1).to(gl.int64)
+    if LPT:
+        n_kb = gl.cdiv(Sk, 2 * BLOCK_N)
+        rank, head = _lpt_order(gl.program_id(0), n_kb, gl.num_programs(0) // n_kb, lpt_heads)
+        start_n = rank * (2 * BLOCK_N)
+        hk = (head % (H // GROUP)).to(gl.int64)
+        b = (head // (H // GROUP)).to(gl.int64)
     else:
         start_n = gl.program_id(0) * (2 * BLOCK_N)
         hk = gl.program_id(1).to(gl.int64)
@@ -321,15 +325,28 @@ def _attention_bwd_dkdv_sm90_kernel(
 # dQ
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _dq_tile(n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+def _lpt_order(pid, n_units, n_heads, lpt_heads):
+    """CTA ``pid`` of a grid of ``n_heads * n_units`` -> (rank, head): heads in groups of ``lpt_heads``, one
+    group after the other, and within a group every head's rank 0 (its longest unit), then every head's rank
+    1, and so on. A group's Q / dO / K / V stay in L2 (longest first across all the heads at once streamed
+    every head from DRAM: L2 hit rate 35-39%, run76); ``lpt_heads = n_heads`` is that order."""
+    per_group = lpt_heads * n_units
+    group = pid // per_group
+    r = pid - group * per_group
+    g_size = gl.minimum(lpt_heads, n_heads - group * lpt_heads)
+    rank = r // g_size
+    return rank, group * lpt_heads + (r - rank * g_size)
+
+
+@gluon.jit
+def _dq_tile(n_m, lpt_heads, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
              LPT: gl.constexpr):
-    """The CTA's tile as ``_tile_coords`` gives it; LPT (causal): tiles ordered longest first across every
-    (batch, head), so that the grid's last CTAs are short ones (by head, the last head's longest tiles would
-    start near the end and run alone)."""
+    """The CTA's tile as ``_tile_coords`` gives it; LPT (causal): tiles ordered longest first across the
+    heads of a group of ``lpt_heads`` (``_lpt_order``), so that the grid's last CTAs are short ones (by
+    head, the last head's longest tiles would start near the end and run alone)."""
     if LPT:
-        nhb = gl.num_programs(0) // n_m
-        hb = gl.program_id(0) % nhb
-        start_m = (n_m - 1 - gl.program_id(0) // nhb) * (2 * BLOCK_M)
+        rank, hb = _lpt_order(gl.program_id(0), n_m, gl.num_programs(0) // n_m, lpt_heads)
+        start_m = (n_m - 1 - rank) * (2 * BLOCK_M)
         h = hb % H
         hi = gl.minimum(Sk, start_m + 2 * BLOCK_M)
         return start_m, (hb // H).to(gl.int64), h.to(gl.int64), (h // GROUP).to(gl.int64), gl.cdiv(hi, BLOCK_N)
@@ -366,10 +383,10 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_sm
                  k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om, stride_qb, stride_qh,
                  stride_qm, stride_dob, stride_doh, stride_dom,
                  stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dqb, stride_dqh, stride_dqm,
-                 stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale, n_m,
+                 stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale, n_m, lpt_heads,
                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, COMPUTE_DELTA: gl.constexpr, q_layout: gl.constexpr):
-    start_m, b, h, hk, n_blocks = _dq_tile(n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, LPT)
+    start_m, b, h, hk, n_blocks = _dq_tile(n_m, lpt_heads, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, LPT)
     q_row0, q_col0 = _flat_coords(b * stride_qb + h * stride_qh, stride_qm)
     do_row0, do_col0 = _flat_coords(b * stride_dob + h * stride_doh, stride_dom)
     k_row0, k_col0 = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
@@ -389,7 +406,7 @@ def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_s
                  k_bar, v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om,
                  stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP,
-                 Sq, Sk, qk_scale, scale, n_m,
+                 Sq, Sk, qk_scale, scale, n_m, lpt_heads,
                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, COMPUTE_DELTA: gl.constexpr, q_layout: gl.constexpr):
     """Consumer warpgroup WG: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of the CTA's tile. Per key
@@ -407,7 +424,7 @@ def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_s
                                                          instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    start_m, b, h, hk, n_blocks = _dq_tile(n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, LPT)
+    start_m, b, h, hk, n_blocks = _dq_tile(n_m, lpt_heads, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, LPT)
     my_m = start_m + WG * BLOCK_M
     rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
     l_off = b * stride_lb + h * stride_lh
@@ -472,7 +489,7 @@ def _attention_bwd_dq_sm90_kernel(
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
-    H, GROUP, Sq, Sk, qk_scale, scale, n_m,
+    H, GROUP, Sq, Sk, qk_scale, scale, n_m, lpt_heads,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, COMPUTE_DELTA: gl.constexpr, q_layout: gl.constexpr,
     kv_layout: gl.constexpr, num_warps: gl.constexpr,
@@ -495,25 +512,38 @@ def _attention_bwd_dq_sm90_kernel(
                         stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
-                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA, q_layout)),
+                        n_m, lpt_heads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA,
+                        q_layout)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
                         v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om,
                         stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
-                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA, q_layout)),
+                        n_m, lpt_heads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA,
+                        q_layout)),
         (_dq_consumer, (1, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
                         v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om,
                         stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
-                        n_m, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA, q_layout)),
+                        n_m, lpt_heads, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA,
+                        q_layout)),
     ], [1, 4], [24, 240])
 
 
 # ------------------------------------------------------------------------------------------------
 # host side
 # ------------------------------------------------------------------------------------------------
+def lpt_group(n_heads: int, reused_bytes: int) -> int:
+    """How many (batch, head)s one group of the causal longest-first order takes (``_lpt_order``): as many
+    as ``LPT_L2_BYTES`` holds of what each one's CTAs read again and again (the dK/dV kernel: its query
+    heads' Q and dO; the dQ kernel: its share of K and V), at least 1, at most all (``LPT_L2_BYTES = 0``:
+    all, the order before run87)."""
+    if LPT_L2_BYTES <= 0:
+        return n_heads
+    return max(1, min(n_heads, LPT_L2_BYTES // max(1, reused_bytes)))
+
+
 def kernels(q, k, causal: bool, sms: int) -> str:
     """The Gluon backward kernels the auto path takes, as ``PYKERNELS_ATTN_SM90_BWD`` names them:
     "dkdv,dq" (the default: both Gluon), "dkdv" or "dq" (the other one Triton's), "fused" (dK/dV/dQ in one
@@ -561,10 +591,11 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     _tuning.ensure_allocator()
     lpt = bool(causal) and CAUSAL_LPT
     n_kb = _tuning.cdiv(sk, 2 * bn)
-    _launch.fast(_attention_bwd_dkdv_sm90_kernel)[(hkv, batch, n_kb) if lpt else (n_kb, hkv, batch)](
+    _launch.fast(_attention_bwd_dkdv_sm90_kernel)[(n_kb * hkv * batch,) if lpt else (n_kb, hkv, batch)](
         qd, dod, k, v, dk, dv, lse, delta, dqd, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale,
+        lpt_group(batch * hkv, 2 * (hq // hkv) * sq * d * q.element_size()) if lpt else 1,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
         ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
@@ -607,6 +638,7 @@ def attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, *, causal: bool, scale: f
         *descs, dq, lse, delta, o, *(o.stride()[:3] if o is not None else (0, 0, 0)), *q.stride()[:3],
         *do.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dq.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale, n_m,
+        lpt_group(batch * hq, 2 * sk * d * k.element_size() // (hq // hkv)) if causal and CAUSAL_LPT else 1,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal),
         LPT=bool(causal) and CAUSAL_LPT, COMPUTE_DELTA=o is not None, q_layout=ql, kv_layout=kl,
         num_warps=4, maxnreg=MAX_REGS)

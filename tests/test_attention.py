@@ -1003,6 +1003,31 @@ def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, s
 @pytest.mark.gpu
 @sm90_only
 @pytest.mark.parametrize("kernels", ["dkdv,dq", "fused"])
+def test_gpu_sm90_causal_head_groups_change_only_the_order(monkeypatch, kernels):
+    # the causal longest-first order in groups of heads (LPT_L2_BYTES): groups of 1 head, of 3 (7 heads: a short
+    # last group) and all heads at once give the same gradients (the pair: bitwise; each CTA's work is the same)
+    # and match float64; GQA, 2 query heads per kv head
+    from pykernels._kernels import attention_sm90_bwd as kb
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", kernels)
+    q, k, v = _sm90_inputs(1, 14, 7, 1000, 1000, BF16, "bhsd")
+    do = torch.randn_like(q)
+    dkdv_head = 2 * 2 * 1000 * 128 * 2  # a kv head's Q and dO (2 query heads)
+    grads = []
+    for budget, heads in ((0, 7), (dkdv_head, 1), (3 * dkdv_head, 3)):
+        monkeypatch.setattr(kb, "LPT_L2_BYTES", budget)
+        assert kb.lpt_group(7, dkdv_head) == heads
+        out = sdpa(q, k, v, is_causal=True, scale=0.1, backend="triton")
+        grads.append(_grads(out, (q, k, v), do))
+    assert kb.lpt_group(14, 2 * 1000 * 128 * 2 // 2) == 12  # the dQ kernel's K / V share: 12 query heads (then 2)
+    for other in grads[1:]:
+        for x, y in zip(grads[0], other):
+            assert torch.equal(x, y) if kernels == "dkdv,dq" else (x.float() - y.float()).abs().max().item() < 1e-2
+    _check_against_ref(q, k, v, causal=True, scale=0.1, do=do, enable_gqa=True, what=f"head groups {kernels}")
+
+
+@pytest.mark.gpu
+@sm90_only
+@pytest.mark.parametrize("kernels", ["dkdv,dq", "fused"])
 def test_gpu_sm90_backward_declined_layouts_run_triton(monkeypatch, kernels):
     # a Gluon backward kernel that declines the case (17 queries: no 64-row Q tile through a host
     # descriptor) leaves it to its Triton kernel, every gradient still computed (the suite NaN-poisons

@@ -82,9 +82,66 @@ def compile_only() -> None:
                       f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
 
 
+def fused_sweep() -> None:
+    """``--fused-sweep``: the whole backward at D = 128, the pair (dK/dV and dQ kernels) and the fused kernel,
+    next to cuDNN's backward, do_bench, per shape; causal with each ``LPT_L2_BYTES`` (the head groups of the
+    longest-first order; 0 = all heads at once, the order before run87).
+    History: run87, the fused kernel with its CTAs' query loops started at spread-out blocks (fewer CTAs
+    reducing into the same dQ rows at once) lost 1-7% (it loses the CTAs' shared Q / dO reads in L2), two dQ
+    staging tiles per warpgroup -16..+1%; not kept."""
+    from triton.testing import do_bench
+
+    from pykernels._kernels import attention as tri
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    shapes = [(16, 16, 16, 1024, False), (8, 16, 16, 2048, False), (4, 16, 16, 4096, False),
+              (2, 16, 16, 8192, False), (4, 32, 8, 4096, False), (16, 16, 16, 1024, True),
+              (8, 16, 16, 2048, True), (4, 16, 16, 4096, True), (2, 16, 16, 8192, True), (4, 32, 8, 4096, True)]
+    default = kb.LPT_L2_BYTES
+    for b, h, hkv, s_, causal in shapes:
+        d = 128
+        q = torch.randn(b, h, s_, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hkv, s_, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        do = torch.randn_like(q)
+        sc = d ** -0.5
+        o, lse = tri.attention_fwd(q, k, v, None, causal=causal, scale=sc, dropout_p=0.0, seed=0)
+        flops = 5 * 2 * b * h * s_ * s_ * d / (2 if causal else 1)
+        name = f"B{b} H{h}/{hkv} S{s_} D{d} {'causal' if causal else 'full'}"
+
+        def bwd():
+            return tri.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=sc, dropout_p=0.0, seed=0)
+
+        kk, vv = (t.repeat_interleave(h // hkv, 1).detach().requires_grad_() for t in (k, v))
+        qq = q.detach().requires_grad_()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, scale=sc)
+            cudnn = do_bench(lambda: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True))
+        line = [f"{name}: cuDNN {cudnn:.3f} ms ({flops / cudnn / 1e9:.0f} TFLOP/s)"]
+        ref = None
+        for budget in ((0, 12 << 20, 24 << 20, 48 << 20) if causal else (default,)):
+            kb.LPT_L2_BYTES = budget
+            for which in ("dkdv,dq", "fused"):
+                os.environ["PYKERNELS_ATTN_SM90_BWD"] = which
+                try:
+                    got = bwd()
+                    ref = ref or got
+                    err = max((x.float() - y.float()).abs().max().item() for x, y in zip(got, ref))
+                    ms = do_bench(bwd)
+                    line.append(f"{which} L2 {budget >> 20} MiB {ms:.3f} ({flops / ms / 1e9:.0f}, {cudnn / ms:.3f}x "
+                                f"cuDNN, err {err:.1e})")
+                except Exception as e:  # report and go on: this is a probe
+                    line.append(f"{which} L2 {budget >> 20} ERROR {type(e).__name__}: {str(e)[:200]}")
+        kb.LPT_L2_BYTES = default
+        print("; ".join(line), flush=True)
+        os.environ.pop("PYKERNELS_ATTN_SM90_BWD")
+
+
 def main() -> None:
     if "--compile-only" in sys.argv:
         compile_only()
+        return
+    if "--fused-sweep" in sys.argv:
+        fused_sweep()
         return
     from triton.testing import do_bench
 
