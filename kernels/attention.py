@@ -802,16 +802,18 @@ def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None
         q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=False, kv_range=kv_range, causal=causal) is None
 
 
-def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range=None, causal: bool = False) -> str:
-    """Which Gluon backward kernels of ``attention_sm90_bwd`` ("dkdv", "dq", both or "") the dense backward
-    takes instead of the Triton ones: the forward's cover (``attention_sm90.unsupported``), a TMA-aligned
-    ``do`` and the speed rule ``attention_sm90_bwd.kernels``. Each kernel may still decline a layout (then
+def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range=None, causal: bool = False,
+                  deterministic: bool = False) -> str:
+    """Which Gluon backward kernels of ``attention_sm90_bwd`` ("dkdv", "dq", both, "fused" or "") the dense
+    backward takes instead of the Triton ones: the forward's cover (``attention_sm90.unsupported``), a
+    TMA-aligned ``do`` and the speed rule ``attention_sm90_bwd.kernels`` (never "fused" when
+    ``deterministic``). Each kernel may still decline a layout (then
     its Triton kernel runs)."""
     if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or mask is not None or kv_range is not None \
             or dropout_p > 0:
         return ""
     from . import attention_sm90, attention_sm90_bwd
-    which = attention_sm90_bwd.kernels(q, k, causal, attention_sm90._num_sms(q.device))
+    which = attention_sm90_bwd.kernels(q, k, causal, attention_sm90._num_sms(q.device), deterministic)
     if not which or not attention_sm90.enabled() or do.dtype != q.dtype or not attention_sm90._tma_ok(do) \
             or attention_sm90.unsupported(q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=False) is not None:
         return ""
@@ -888,8 +890,10 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
 
 def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, dropout_p: float, seed: int,
                   kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0):
-    """Gradients (dq, dk, dv) with the shapes and dtypes of q, k, v (see ``attention_fwd``)."""
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, deterministic: bool = False):
+    """Gradients (dq, dk, dv) with the shapes and dtypes of q, k, v (see ``attention_fwd``). Bitwise
+    reproducible where ``deterministic``, and wherever the sm_90 fused kernel does not run (every other
+    kernel writes each gradient element once, in a fixed order)."""
     varlen = cu_seqlens_q is not None
     if varlen:
         tq, hq, d = q.shape
@@ -924,7 +928,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
     bd, bdv = _pow2_dim(d), _pow2_dim(dv_dim)
     bucket = _seq_bucket(sq, sk)
     gluon = "" if varlen else sm90_backward(q, k, v, do, mask, dropout_p=dropout_p, scale=scale, kv_range=kv_range,
-                                            causal=causal)
+                                            causal=causal, deterministic=deterministic)
     if gluon:
         from . import attention_sm90_bwd as kb
     # each Gluon kernel may decline the layout (False, nothing launched): its Triton kernel runs instead. A dQ

@@ -68,7 +68,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import _launch, _tuning
 from .attention_sm90 import (LOG2E, MAX_REGS, _alloc_kv_ring, _fill_kv_ring, _flat_coords, _flat_descriptor,
-                             _mask_scores, _needs_mask, _slice_desc, _store_rows, _tile_coords, _tma_ok, smem_layouts)
+                             _mask_scores, _needs_mask, _num_sms, _slice_desc, _store_rows, _tile_coords, _tma_ok,
+                             smem_layouts)
 
 # dK/dV: (keys per consumer warpgroup, BLOCK_M query rows per block, STAGES). At D = 128 with 64-query
 # blocks ptxas spills 100 bytes (216 causal; 28 / 80 since lse / delta come through shared memory; dK, dV,
@@ -80,8 +81,14 @@ DKDV_CONFIGS = {64: (64, 64, 2), 128: (64, 64, 2)}
 DQ_CONFIGS = {64: (64, 128, 3), 128: (64, 64, 4)}
 # causal: both kernels' CTAs longest first across every (batch, head) (the probe compares with by-head order)
 CAUSAL_LPT = True
-# ... in groups of heads whose reused operands fit this much of L2 (``lpt_group``; 0 = all heads at once)
-LPT_L2_BYTES = 24 << 20
+# ... in groups of heads whose reused operands fit this much of L2, yet of at least LPT_MIN_WAVES CTAs per SM
+# (``lpt_group``; 0 = all heads at once). run87, the whole backward at 12 MiB against all heads: causal S1024 /
+# 2048 / 4096 1.20 / 1.18 / 1.07x, S8192 1.00x; the fused kernel 1.44 / 1.62 / 1.62 / 1.05x
+LPT_L2_BYTES = 12 << 20
+LPT_MIN_WAVES = 1
+# the fused kernel (dQ by TMA reductions, not bitwise reproducible) is the default where the backward need not be
+# deterministic: full attention, and causal from this many keys (``kernels``; run87)
+FUSED_CAUSAL_MIN_SK = 8192
 # dK/dV without causal masking the consumers also read lse before issuing the block's first GEMMs (run77: 1.05x
 # at S8192; causal 0.98-1.01x, so not there)
 STATS_EARLY = True
@@ -534,37 +541,44 @@ def _attention_bwd_dq_sm90_kernel(
 # ------------------------------------------------------------------------------------------------
 # host side
 # ------------------------------------------------------------------------------------------------
-def lpt_group(n_heads: int, reused_bytes: int) -> int:
+def lpt_group(n_heads: int, reused_bytes: int, n_units: int, device) -> int:
     """How many (batch, head)s one group of the causal longest-first order takes (``_lpt_order``): as many
     as ``LPT_L2_BYTES`` holds of what each one's CTAs read again and again (the dK/dV kernel: its query
-    heads' Q and dO; the dQ kernel: its share of K and V), at least 1, at most all (``LPT_L2_BYTES = 0``:
-    all, the order before run87)."""
+    heads' Q and dO; the dQ kernel: its share of K and V), yet enough for ``LPT_MIN_WAVES`` CTAs per SM
+    (``n_units`` CTAs a head), at most all (``LPT_L2_BYTES = 0``: all, the order before run87)."""
     if LPT_L2_BYTES <= 0:
         return n_heads
-    return max(1, min(n_heads, LPT_L2_BYTES // max(1, reused_bytes)))
+    floor = -(-LPT_MIN_WAVES * _num_sms(device) // n_units)
+    return max(1, min(n_heads, max(floor, LPT_L2_BYTES // max(1, reused_bytes))))
 
 
-def kernels(q, k, causal: bool, sms: int) -> str:
+def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
     """The Gluon backward kernels the auto path takes, as ``PYKERNELS_ATTN_SM90_BWD`` names them:
-    "dkdv,dq" (the default: both Gluon), "dkdv" or "dq" (the other one Triton's), "fused" (dK/dV/dQ in one
-    kernel, dQ added by bulk TMA reductions: not bitwise reproducible, so "dkdv,dq" while torch's
-    deterministic mode is on), or "" (none; ``PYKERNELS_ATTN_SM90=0`` turns off every sm_90 kernel); a value set explicitly is
-    taken wherever the kernels cover the case (D = 64 too).
+    "fused" (dK/dV/dQ in one kernel, dQ added by bulk TMA reductions into an fp32 buffer: not bitwise
+    reproducible), "dkdv,dq" (both Gluon, no atomics), "dkdv" or "dq" (the other one Triton's), or ""
+    (none; ``PYKERNELS_ATTN_SM90=0`` turns off every sm_90 kernel). A value set explicitly is taken wherever
+    the kernels cover the case (D = 64 too), except "fused" where ``deterministic`` or torch's deterministic
+    mode asks for a reproducible backward ("dkdv,dq" then).
 
-    The speed rule (H100 run41-44, ``benchmarks/dev/attention_bwd_sm90_gluon.py``, do_bench): D = 128 with
-    at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton kernels' smaller blocks fill the
-    card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon). Alone, at B2 H16 S8192 D128 full / causal: the
-    Gluon dK/dV 3.36 / 2.13 ms against ~4.0 / ~2.7 for Triton's, the Gluon dQ 2.33 / 1.28 ms against ~2.6 /
-    ~1.5. At D = 64 both lose (BERT-base shape: 0.349 vs 0.245 ms). "fused" still loses to the two, or ties
-    (run54-55, S8192 full / causal: 5.72-5.75 / 3.28-3.63 vs 5.68-5.89 / 3.22-3.26 ms; run53, with a wait per
-    reduction: 6.09 / 3.79; with scalar fp32 atomics, run42: 9.8 ms)."""
+    The speed rule: D = 128 with at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton
+    kernels' smaller blocks fill the card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon; at D = 64 both
+    lose, BERT-base shape 0.349 vs 0.245 ms; H100 run41-44). There, "fused" unless deterministic, for causal
+    only from ``FUSED_CAUSAL_MIN_SK`` keys; else "dkdv,dq". H100 run87 (whole backward, do_bench,
+    ``attention_bwd_sm90_gluon.py --fused-sweep``), fused against the pair: full attention S1024 / 2048 /
+    4096 / 8192 and GQA 32/8 at S4096 0.866 / 1.485 / 2.656 / 4.935 / 5.176 ms against 0.882 / 1.536 / 2.834
+    / 5.347 / 5.567 (cuDNN 0.825 / 1.417 / 2.674 / 5.170 / 5.370); causal with the head-grouped order
+    (``LPT_L2_BYTES``) S1024 / 2048 / 4096 / 8192 0.707 / 1.030 / 1.674 / 3.015 against 0.609 / 0.935 /
+    1.664 / 3.179 (cuDNN 0.599 / 0.890 / 1.544 / 2.789)."""
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     named = os.environ.get("PYKERNELS_ATTN_SM90_BWD")
     if named is not None:
-        if named == "fused" and torch.are_deterministic_algorithms_enabled():
+        if named == "fused" and deterministic:
             return "dkdv,dq"  # (the fused kernel's dQ reductions are not bitwise reproducible)
         return named
     if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
         return ""
+    if not deterministic and (not causal or k.shape[2] >= FUSED_CAUSAL_MIN_SK):
+        return "fused"
     return "dkdv,dq"
 
 
@@ -595,7 +609,7 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         qd, dod, k, v, dk, dv, lse, delta, dqd, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale,
-        lpt_group(batch * hkv, 2 * (hq // hkv) * sq * d * q.element_size()) if lpt else 1,
+        lpt_group(batch * hkv, 2 * (hq // hkv) * sq * d * q.element_size(), n_kb, q.device) if lpt else 1,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
         ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
@@ -638,7 +652,8 @@ def attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, *, causal: bool, scale: f
         *descs, dq, lse, delta, o, *(o.stride()[:3] if o is not None else (0, 0, 0)), *q.stride()[:3],
         *do.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dq.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale, n_m,
-        lpt_group(batch * hq, 2 * sk * d * k.element_size() // (hq // hkv)) if causal and CAUSAL_LPT else 1,
+        lpt_group(batch * hq, 2 * sk * d * k.element_size() // (hq // hkv), n_m, q.device) if causal and CAUSAL_LPT
+        else 1,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal),
         LPT=bool(causal) and CAUSAL_LPT, COMPUTE_DELTA=o is not None, q_layout=ql, kv_layout=kl,
         num_warps=4, maxnreg=MAX_REGS)

@@ -291,9 +291,10 @@ def _key_padding_range(mask: Tensor | None, use_kernel: bool = True) -> Tensor:
 
 @custom_op("pykernels::attention_fwd", mutates_args=())
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
-                   is_causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   is_causal: bool, scale: float, backend: str,
+                   deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (o, lse, seed, kv_range); kv_range (int32 (B, 3) for a key-padding mask, else empty) is
-    computed once here and saved for the backward."""
+    computed once here and saved for the backward. ``deterministic`` is the backward's (saved with it)."""
     impl = select(_OP, backend or None, q.device, _support(q, k, v))
     seed = op_seed(dropout_p, q.device)
     kv_range = _key_padding_range(attn_mask, use_kernel=impl == "triton")
@@ -324,7 +325,7 @@ def _like_layout(t: Tensor, like: Tensor) -> Tensor:
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, attn_mask, dropout_p, is_causal, scale, backend):
+def _(q, k, v, attn_mask, dropout_p, is_causal, scale, backend, deterministic):
     b, h, sq = q.shape[0], q.shape[1], q.shape[2]
     kv_range = (q.new_empty(b, 3, dtype=torch.int32) if _is_key_padding(attn_mask)
                 else q.new_empty(0, dtype=torch.int32))
@@ -335,12 +336,13 @@ def _(q, k, v, attn_mask, dropout_p, is_causal, scale, backend):
 @custom_op("pykernels::attention_bwd", mutates_args=())
 def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor,
                    kv_range: Tensor, attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool, scale: float,
-                   backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                   backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     impl = select(_OP, backend or None, q.device, _support(q, k, v))
     if impl == "triton":
         return _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, attn_mask, causal=is_causal,
                                         scale=scale, dropout_p=dropout_p, seed=int(seed[0]) if dropout_p > 0 else 0,
-                                        kv_range=kv_range if kv_range.numel() else None)
+                                        kv_range=kv_range if kv_range.numel() else None,
+                                        deterministic=deterministic)
     dmask = None
     if dropout_p > 0:
         dmask = attention_dropout_mask(seed, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, q.device)
@@ -349,23 +351,23 @@ def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
 
 
 @_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, seed, kv_range, attn_mask, dropout_p, is_causal, scale, backend):
+def _(do, q, k, v, o, lse, seed, kv_range, attn_mask, dropout_p, is_causal, scale, backend, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, attn_mask, dropout_p, is_causal, scale, backend = inputs
+    q, k, v, attn_mask, dropout_p, is_causal, scale, backend, deterministic = inputs
     o, lse, seed, kv_range = output
     ctx.save_for_backward(q, k, v, o, lse, seed, kv_range, attn_mask)
-    ctx.args = (dropout_p, is_causal, scale, backend)
+    ctx.args = (dropout_p, is_causal, scale, backend, deterministic)
 
 
 def _fwd_backward(ctx, do, dlse, dseed, dkv_range):
     q, k, v, o, lse, seed, kv_range, attn_mask = ctx.saved_tensors
-    dropout_p, is_causal, scale, backend = ctx.args
+    dropout_p, is_causal, scale, backend, deterministic = ctx.args
     dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, seed, kv_range, attn_mask, dropout_p, is_causal, scale,
-                                backend)
-    return dq, dk, dv, None, None, None, None, None
+                                backend, deterministic)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
@@ -482,11 +484,13 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     * ``dropout_p``: in-kernel Philox dropout; the seed comes from torch's default CPU generator, so
       ``torch.manual_seed`` makes it reproducible; :func:`attention_dropout_mask` gives the mask.
     * ``backend``: None (the current default), "auto", "triton", "cuda", "reference".
-    * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. The backward never
-      uses atomics (dK/dV and dQ are separate kernels, Triton's or, on Hopper, Gluon's), so it is bitwise
-      reproducible in either mode. The one exception is a developer switch: ``PYKERNELS_ATTN_SM90_BWD=fused``
-      (dQ added by bulk TMA reductions, in no fixed order) is ignored while torch's deterministic mode is on, and ``deterministic=True``
-      with it set raises ``ValueError``.
+    * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. True (or torch's
+      deterministic mode) makes the backward bitwise reproducible. Otherwise, on Hopper at D = 128 with
+      enough work (full attention; causal from 8192 keys), the backward is one fused kernel that adds dQ by
+      bulk TMA reductions into an fp32 buffer, in no fixed order (as FlashAttention-2/3 and cuDNN do; it is
+      4-10% faster, ``kernels/attention_sm90_bwd.py``), whose dQ may differ in the last bits between runs;
+      every other case is reproducible in either mode (no atomics). ``deterministic=True`` with the
+      developer switch ``PYKERNELS_ATTN_SM90_BWD=fused`` raises ``ValueError``.
     """
     _checks.check_tensor("query", query, min_dim=2, dtypes=_DTYPES)
     _checks.check_tensor("key", key, min_dim=2, dtypes=_DTYPES)
@@ -567,7 +571,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         if requested == "auto" and query.device.type == "cuda":
             warn_once(_OP, reason)
         return attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, hq != hk)
-    o = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "")[0]
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    o = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "", deterministic)[0]
     if o.dim() == 4 and len(batch) == 1 and len(out_heads) == 1:
         return o  # already (B, H, Sq, Dv)
     return o.reshape(*batch, *out_heads, sq, dv)

@@ -1002,6 +1002,35 @@ def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, s
 
 @pytest.mark.gpu
 @sm90_only
+def test_gpu_sm90_default_backward_is_fused_unless_deterministic(monkeypatch):
+    # enough full-attention work at D = 128 (256 CTAs of 128 keys): the auto backward is the fused kernel
+    # (dQ by TMA reductions), checked against float64; deterministic=True takes the pair, bitwise reproducible
+    from pykernels._kernels import attention_sm90_bwd as kb
+    monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD", raising=False)
+    fused = []
+
+    def spy(*a, _f=kb.attention_bwd_dkdv_sm90, **kw):
+        fused.append(kw.get("dq") is not None)
+        return _f(*a, **kw)
+    monkeypatch.setattr(kb, "attention_bwd_dkdv_sm90", spy)
+    q, k, v = _sm90_inputs(2, 8, 8, 2048, 2048, BF16, "bshd")
+    do = torch.randn_like(q)
+    _check_against_ref(q, k, v, scale=0.1, do=do, what="default sm90 backward")
+    assert fused == [True]
+    runs = []
+    for _ in range(2):
+        out = sdpa(q, k, v, scale=0.1, backend="triton", deterministic=True)
+        runs.append(_grads(out, (q, k, v), do))
+    assert fused == [True, False, False]
+    assert all(torch.equal(x, y) for x, y in zip(*runs))
+    # the dQ of the fused kernel matches the pair's to fp32 summation order
+    out = sdpa(q, k, v, scale=0.1, backend="triton")
+    dq = _grads(out, (q, k, v), do)[0]
+    assert (dq.float() - runs[0][0].float()).abs().max().item() <= 2e-2 * runs[0][0].float().abs().max().item()
+
+
+@pytest.mark.gpu
+@sm90_only
 @pytest.mark.parametrize("kernels", ["dkdv,dq", "fused"])
 def test_gpu_sm90_causal_head_groups_change_only_the_order(monkeypatch, kernels):
     # the causal longest-first order in groups of heads (LPT_L2_BYTES): groups of 1 head, of 3 (7 heads: a short
@@ -1009,16 +1038,20 @@ def test_gpu_sm90_causal_head_groups_change_only_the_order(monkeypatch, kernels)
     # and match float64; GQA, 2 query heads per kv head
     from pykernels._kernels import attention_sm90_bwd as kb
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", kernels)
+    monkeypatch.setattr(kb, "LPT_MIN_WAVES", 0)  # (these few CTAs would otherwise make one group)
     q, k, v = _sm90_inputs(1, 14, 7, 1000, 1000, BF16, "bhsd")
     do = torch.randn_like(q)
     dkdv_head = 2 * 2 * 1000 * 128 * 2  # a kv head's Q and dO (2 query heads)
     grads = []
     for budget, heads in ((0, 7), (dkdv_head, 1), (3 * dkdv_head, 3)):
         monkeypatch.setattr(kb, "LPT_L2_BYTES", budget)
-        assert kb.lpt_group(7, dkdv_head) == heads
+        assert kb.lpt_group(7, dkdv_head, 4, q.device) == heads
         out = sdpa(q, k, v, is_causal=True, scale=0.1, backend="triton")
         grads.append(_grads(out, (q, k, v), do))
-    assert kb.lpt_group(14, 2 * 1000 * 128 * 2 // 2) == 12  # the dQ kernel's K / V share: 12 query heads (then 2)
+    # the dQ kernel's K / V share: 12 query heads (then 2)
+    assert kb.lpt_group(14, 2 * 1000 * 128 * 2 // 2, 8, q.device) == 12
+    monkeypatch.setattr(kb, "LPT_MIN_WAVES", 1)  # at least one CTA per SM: groups of 132 / 4 = 33 CTAs -> all 7
+    assert kb.lpt_group(7, dkdv_head, 4, q.device) == 7
     for other in grads[1:]:
         for x, y in zip(grads[0], other):
             assert torch.equal(x, y) if kernels == "dkdv,dq" else (x.float() - y.float()).abs().max().item() < 1e-2
@@ -1046,7 +1079,9 @@ def test_gpu_sm90_backward_dispatch_rules(monkeypatch):
     from pykernels._kernels import attention as katt
     q, k, v = _sm90_inputs(8, 2, 2, 256, 2048, BF16, "bhsd")  # 8 * 2 * 16 CTAs of 128 keys
     do = torch.randn_like(q)
-    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1) == "dkdv,dq"
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1) == "fused"
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, deterministic=True) == "dkdv,dq"
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=True) == "dkdv,dq"
     assert katt.sm90_backward(q[:1], k[:1], v[:1], do[:1], None, dropout_p=0.0, scale=0.1) == ""  # 32 CTAs
     assert katt.sm90_backward(q[..., :64], k[..., :64], v[..., :64], do[..., :64], None, dropout_p=0.0,
                               scale=0.1) == ""  # D = 64: the Triton kernels
@@ -1103,7 +1138,13 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     assert katt.sm90_backward(q, q, q, q, None, dropout_p=0.0, scale=0.1) == ""
     from pykernels._kernels import attention_sm90_bwd as kb
     k = torch.empty(4, 2, 4096, 128, dtype=BF16)  # 4 * 2 * 32 CTAs of 128 keys
-    assert kb.kernels(q, k, causal=False, sms=132) == "dkdv,dq" and kb.kernels(q[..., :64], k, causal=False, sms=132) == ""
+    # full attention: the fused kernel unless deterministic; causal: the pair below FUSED_CAUSAL_MIN_SK keys
+    assert kb.kernels(q, k, causal=False, sms=132) == "fused" and kb.kernels(q[..., :64], k, causal=False, sms=132) == ""
+    assert kb.kernels(q, k, causal=False, sms=132, deterministic=True) == "dkdv,dq"
+    assert kb.kernels(q, k, causal=True, sms=132) == "dkdv,dq"
+    long_k = torch.empty(2, 2, kb.FUSED_CAUSAL_MIN_SK, 128, dtype=BF16)
+    assert kb.kernels(q, long_k, causal=True, sms=132) == "fused"
+    assert kb.kernels(q, long_k, causal=True, sms=132, deterministic=True) == "dkdv,dq"
     assert kb.kernels(q, k[:, :, :2000], causal=False, sms=132) == ""  # 4 * 2 * 16 CTAs: fewer than the SMs
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "fused")
     assert kb.kernels(q, k, causal=True, sms=132) == "fused"
@@ -1113,5 +1154,7 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     torch.use_deterministic_algorithms(True)
     try:
         assert kb.kernels(q, k, causal=True, sms=132) == "dkdv,dq"  # no atomics in deterministic mode
+        monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD")
+        assert kb.kernels(q, k, causal=False, sms=132) == "dkdv,dq"
     finally:
         torch.use_deterministic_algorithms(det)
