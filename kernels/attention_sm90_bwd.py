@@ -82,12 +82,17 @@ DQ_CONFIGS = {64: (64, 128, 3), 128: (64, 64, 4)}
 # causal: both kernels' CTAs longest first across every (batch, head) (the probe compares with by-head order)
 CAUSAL_LPT = True
 # ... in groups of heads whose reused operands fit this much of L2, yet of at least LPT_MIN_WAVES CTAs per SM
-# (``lpt_group``; 0 = all heads at once). run87, the whole backward at 12 MiB against all heads: causal S1024 /
-# 2048 / 4096 1.20 / 1.18 / 1.07x, S8192 1.00x; the fused kernel 1.44 / 1.62 / 1.62 / 1.05x
+# (``lpt_group``; 0 = all heads at once), without GQA. Nsight Compute (run76, run87) had the causal kernels at an
+# L2 hit rate of 35-39% at S4096 with every head's longest CTAs first at once. The whole backward at 12 MiB against
+# all heads (H100 run88 / run89, do_bench): causal S1024 / 2048 / 4096 / 8192 1.20 / 1.18 / 1.02-1.07 /
+# 1.00-1.04x, the fused kernel 1.44 / 1.62 / 1.62 / 1.05x; with 4 query heads per kv head (B4 H32/8 S4096)
+# 0.93-0.97x, so GQA keeps all heads at once
 LPT_L2_BYTES = 12 << 20
 LPT_MIN_WAVES = 1
 # the fused kernel (dQ by TMA reductions, not bitwise reproducible) is the default where the backward need not be
-# deterministic: full attention, and causal from this many keys (``kernels``; run87)
+# deterministic: full attention from FUSED_MIN_SK keys, causal without GQA from FUSED_CAUSAL_MIN_SK (``kernels``;
+# run88-89: it ties the pair at S1024 full and S4096 causal, loses 10-13% causal with 4 query heads per kv head)
+FUSED_MIN_SK = 2048
 FUSED_CAUSAL_MIN_SK = 8192
 # dK/dV without causal masking the consumers also read lse before issuing the block's first GEMMs (run77: 1.05x
 # at S8192; causal 0.98-1.01x, so not there)
@@ -541,12 +546,13 @@ def _attention_bwd_dq_sm90_kernel(
 # ------------------------------------------------------------------------------------------------
 # host side
 # ------------------------------------------------------------------------------------------------
-def lpt_group(n_heads: int, reused_bytes: int, n_units: int, device) -> int:
+def lpt_group(n_heads: int, reused_bytes: int, n_units: int, device, grouped: bool = True) -> int:
     """How many (batch, head)s one group of the causal longest-first order takes (``_lpt_order``): as many
     as ``LPT_L2_BYTES`` holds of what each one's CTAs read again and again (the dK/dV kernel: its query
     heads' Q and dO; the dQ kernel: its share of K and V), yet enough for ``LPT_MIN_WAVES`` CTAs per SM
-    (``n_units`` CTAs a head), at most all (``LPT_L2_BYTES = 0``: all, the order before run87)."""
-    if LPT_L2_BYTES <= 0:
+    (``n_units`` CTAs a head), at most all (``LPT_L2_BYTES = 0`` or not ``grouped`` (GQA): all, the order
+    before run88)."""
+    if LPT_L2_BYTES <= 0 or not grouped:
         return n_heads
     floor = -(-LPT_MIN_WAVES * _num_sms(device) // n_units)
     return max(1, min(n_heads, max(floor, LPT_L2_BYTES // max(1, reused_bytes))))
@@ -562,13 +568,15 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
 
     The speed rule: D = 128 with at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton
     kernels' smaller blocks fill the card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon; at D = 64 both
-    lose, BERT-base shape 0.349 vs 0.245 ms; H100 run41-44). There, "fused" unless deterministic, for causal
-    only from ``FUSED_CAUSAL_MIN_SK`` keys; else "dkdv,dq". H100 run87 (whole backward, do_bench,
-    ``attention_bwd_sm90_gluon.py --fused-sweep``), fused against the pair: full attention S1024 / 2048 /
-    4096 / 8192 and GQA 32/8 at S4096 0.866 / 1.485 / 2.656 / 4.935 / 5.176 ms against 0.882 / 1.536 / 2.834
-    / 5.347 / 5.567 (cuDNN 0.825 / 1.417 / 2.674 / 5.170 / 5.370); causal with the head-grouped order
-    (``LPT_L2_BYTES``) S1024 / 2048 / 4096 / 8192 0.707 / 1.030 / 1.674 / 3.015 against 0.609 / 0.935 /
-    1.664 / 3.179 (cuDNN 0.599 / 0.890 / 1.544 / 2.789)."""
+    lose, BERT-base shape 0.349 vs 0.245 ms; H100 run41-44). There, "fused" unless deterministic, from
+    ``FUSED_MIN_SK`` keys (causal: from ``FUSED_CAUSAL_MIN_SK``, and without GQA); else "dkdv,dq". H100
+    run88 / run89 (whole backward, do_bench, ``attention_bwd_sm90_gluon.py --fused-sweep``), fused against
+    the pair (ms): full attention S1024 / 2048 / 4096 / 8192, and GQA 32/8 at S4096: 0.866-0.870 /
+    1.473-1.485 / 2.616-2.656 / 4.935-4.949 / 5.158-5.176 against 0.857-0.882 / 1.506-1.536 / 2.834-2.880 /
+    5.347-5.443 / 5.538-5.567 (cuDNN 0.82 / 1.42 / 2.65-2.67 / 5.07-5.17 / 5.26-5.37). Causal, both in the
+    head-grouped order (``LPT_L2_BYTES``), S1024 / 2048 / 4096 / 8192: 0.707 / 1.03 / 1.674-1.680 /
+    2.955-3.015 against 0.61 / 0.94 / 1.664-1.732 / 3.028-3.179 (cuDNN 0.60 / 0.89 / 1.55 / 2.79-2.82); GQA
+    32/8 at S4096 3.36 against 2.98-3.08 (all heads at once)."""
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     named = os.environ.get("PYKERNELS_ATTN_SM90_BWD")
     if named is not None:
@@ -577,7 +585,8 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
         return named
     if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
         return ""
-    if not deterministic and (not causal or k.shape[2] >= FUSED_CAUSAL_MIN_SK):
+    if not deterministic and k.shape[2] >= (FUSED_CAUSAL_MIN_SK if causal else FUSED_MIN_SK) \
+            and (not causal or q.shape[1] == k.shape[1]):
         return "fused"
     return "dkdv,dq"
 
@@ -609,7 +618,8 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         qd, dod, k, v, dk, dv, lse, delta, dqd, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale,
-        lpt_group(batch * hkv, 2 * (hq // hkv) * sq * d * q.element_size(), n_kb, q.device) if lpt else 1,
+        lpt_group(batch * hkv, 2 * (hq // hkv) * sq * d * q.element_size(), n_kb, q.device, hq == hkv) if lpt
+        else 1,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
         ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
@@ -652,8 +662,8 @@ def attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, *, causal: bool, scale: f
         *descs, dq, lse, delta, o, *(o.stride()[:3] if o is not None else (0, 0, 0)), *q.stride()[:3],
         *do.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dq.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale, n_m,
-        lpt_group(batch * hq, 2 * sk * d * k.element_size() // (hq // hkv), n_m, q.device) if causal and CAUSAL_LPT
-        else 1,
+        lpt_group(batch * hq, 2 * sk * d * k.element_size() // (hq // hkv), n_m, q.device, hq == hkv)
+        if causal and CAUSAL_LPT else 1,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal),
         LPT=bool(causal) and CAUSAL_LPT, COMPUTE_DELTA=o is not None, q_layout=ql, kv_layout=kl,
         num_warps=4, maxnreg=MAX_REGS)

@@ -1033,29 +1033,28 @@ def test_gpu_sm90_default_backward_is_fused_unless_deterministic(monkeypatch):
 @sm90_only
 @pytest.mark.parametrize("kernels", ["dkdv,dq", "fused"])
 def test_gpu_sm90_causal_head_groups_change_only_the_order(monkeypatch, kernels):
-    # the causal longest-first order in groups of heads (LPT_L2_BYTES): groups of 1 head, of 3 (7 heads: a short
-    # last group) and all heads at once give the same gradients (the pair: bitwise; each CTA's work is the same)
-    # and match float64; GQA, 2 query heads per kv head
+    # the causal longest-first order in groups of heads (LPT_L2_BYTES): groups of 1 head, of 3 (7 heads in 2
+    # batches: a short last group) and all heads at once give the same gradients (the pair: bitwise; each
+    # CTA's work is the same) and match float64
     from pykernels._kernels import attention_sm90_bwd as kb
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", kernels)
     monkeypatch.setattr(kb, "LPT_MIN_WAVES", 0)  # (these few CTAs would otherwise make one group)
-    q, k, v = _sm90_inputs(1, 14, 7, 1000, 1000, BF16, "bhsd")
+    q, k, v = _sm90_inputs(2, 7, 7, 1000, 1000, BF16, "bhsd")
     do = torch.randn_like(q)
-    dkdv_head = 2 * 2 * 1000 * 128 * 2  # a kv head's Q and dO (2 query heads)
+    head = 2 * 1000 * 128 * 2  # a head's Q and dO (the dK/dV kernel), its K and V (the dQ kernel)
     grads = []
-    for budget, heads in ((0, 7), (dkdv_head, 1), (3 * dkdv_head, 3)):
+    for budget, heads in ((0, 14), (head, 1), (3 * head, 3)):
         monkeypatch.setattr(kb, "LPT_L2_BYTES", budget)
-        assert kb.lpt_group(7, dkdv_head, 4, q.device) == heads
+        assert kb.lpt_group(14, head, 4, q.device) == heads
         out = sdpa(q, k, v, is_causal=True, scale=0.1, backend="triton")
         grads.append(_grads(out, (q, k, v), do))
-    # the dQ kernel's K / V share: 12 query heads (then 2)
-    assert kb.lpt_group(14, 2 * 1000 * 128 * 2 // 2, 8, q.device) == 12
-    monkeypatch.setattr(kb, "LPT_MIN_WAVES", 1)  # at least one CTA per SM: groups of 132 / 4 = 33 CTAs -> all 7
-    assert kb.lpt_group(7, dkdv_head, 4, q.device) == 7
+    assert kb.lpt_group(14, head, 4, q.device, grouped=False) == 14  # GQA: all heads at once
+    monkeypatch.setattr(kb, "LPT_MIN_WAVES", 1)  # at least one CTA per SM: groups of >= 132 / 4 = 33 CTAs
+    assert kb.lpt_group(14, head, 4, q.device) == 14
     for other in grads[1:]:
         for x, y in zip(grads[0], other):
             assert torch.equal(x, y) if kernels == "dkdv,dq" else (x.float() - y.float()).abs().max().item() < 1e-2
-    _check_against_ref(q, k, v, causal=True, scale=0.1, do=do, enable_gqa=True, what=f"head groups {kernels}")
+    _check_against_ref(q, k, v, causal=True, scale=0.1, do=do, what=f"head groups {kernels}")
 
 
 @pytest.mark.gpu
@@ -1145,6 +1144,9 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     long_k = torch.empty(2, 2, kb.FUSED_CAUSAL_MIN_SK, 128, dtype=BF16)
     assert kb.kernels(q, long_k, causal=True, sms=132) == "fused"
     assert kb.kernels(q, long_k, causal=True, sms=132, deterministic=True) == "dkdv,dq"
+    assert kb.kernels(q.repeat(1, 2, 1, 1), long_k, causal=True, sms=132) == "dkdv,dq"  # causal GQA: the pair
+    short_k = torch.empty(200, 2, kb.FUSED_MIN_SK // 2, 128, dtype=BF16)
+    assert kb.kernels(q, short_k, causal=False, sms=132) == "dkdv,dq"  # full attention below FUSED_MIN_SK keys
     assert kb.kernels(q, k[:, :, :2000], causal=False, sms=132) == ""  # 4 * 2 * 16 CTAs: fewer than the SMs
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "fused")
     assert kb.kernels(q, k, causal=True, sms=132) == "fused"

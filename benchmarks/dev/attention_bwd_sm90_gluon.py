@@ -85,7 +85,7 @@ def compile_only() -> None:
 def fused_sweep() -> None:
     """``--fused-sweep``: the whole backward at D = 128, the pair (dK/dV and dQ kernels) and the fused kernel,
     next to cuDNN's backward, do_bench, per shape; causal with each ``LPT_L2_BYTES`` (the head groups of the
-    longest-first order; 0 = all heads at once, the order before run87).
+    longest-first order; 0 = all heads at once, the order before run88).
     History: run87, the fused kernel with its CTAs' query loops started at spread-out blocks (fewer CTAs
     reducing into the same dQ rows at once) lost 1-7% (it loses the CTAs' shared Q / dO reads in L2), two dQ
     staging tiles per warpgroup -16..+1%; not kept."""
