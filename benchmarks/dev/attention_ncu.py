@@ -5,7 +5,8 @@ cuDNN, which separates the per-tile cost from the per-block cost.
 
 Usage (GPU):
 ``python benchmarks/dev/attention_ncu.py --case bert`` (what ncu wraps: see ``--help`` for cases);
-``python benchmarks/dev/attention_ncu.py --sweep [--d 64]``.
+``python benchmarks/dev/attention_ncu.py --sweep [--d 64]``;
+``python benchmarks/dev/attention_ncu.py --ab LPT_L2_BYTES=0/12582912`` (A/B of a backward setting).
 The ncu call this was written for (SASS lines with their stall samples, then the sections)::
 
     ncu --clock-control none -k regex:dkdv -s 2 -c 1 --section WarpStateStats --section SourceCounters \
@@ -23,7 +24,10 @@ import pykernels
 CASES = {  # name -> (B, H, S, D, causal)
     "bert": (32, 12, 512, 64, False),
     "gpt2": (8, 12, 1024, 64, True),
+    "s1024c": (16, 16, 1024, 128, True),
+    "s2048c": (8, 16, 2048, 128, True),
     "s4096c": (4, 16, 4096, 128, True),
+    "s4096": (4, 16, 4096, 128, False),
     "s8192": (2, 16, 8192, 128, False),
     "s8192c": (2, 16, 8192, 128, True),
 }
@@ -62,39 +66,64 @@ def sweep(d: int) -> None:
                   f"cuDNN {flops / cud * 1e-9:6.1f} TFLOP/s (ratio {cud / ours:.3f})")
 
 
-def ab_dkdv() -> None:
-    """The sm_90 dK/dV kernel with ``STATS_EARLY`` off / on (the consumers read a block's lse / delta from
-    shared memory after / before issuing its first GEMMs; run73 compared global-memory lse / delta
-    with shared memory the same way, before that path was removed):
-    gradients compared bitwise, kernel time by graph replay, alternating twice (same run, same card)."""
+def ab(spec: str, rounds: int = 3) -> None:
+    """``--ab KEY=A/B``: the whole backward (``attention.attention_bwd`` on the forward's o / lse, what the
+    op's backward runs) per case with KEY set to A, then B, alternating ``rounds`` times; GPU time by CUDA-graph
+    replay (best of the rounds), gradients compared. KEY is an ``attention_sm90_bwd`` module setting
+    (``LPT_L2_BYTES=0/12582912``, ``STATS_EARLY=0/1``, ...; integer values) or an environment variable
+    (``PYKERNELS_ATTN_SM90_BWD=dkdv,dq/fused``). run73 / run77 / run82 / run90 compared kernel variants so."""
+    import os
+
     import triton
     from attention_sm90_gluon_ws import graph_ms
 
-    from pykernels._kernels import attention_sm90 as k90
+    from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90_bwd as kb
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}: dK/dV kernel, "
-          f"STATS_EARLY off / on, graph replay, best of two rounds; TFLOP/s of its 4 GEMMs")
-    for name, (b, h, s, d, causal) in CASES.items():
-        torch.manual_seed(0)
-        q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        scale = d ** -0.5
-        o, lse = k90.attention_fwd_sm90(q, k, v, causal=causal, scale=scale)
-        delta = (do.float() * o.float()).sum(-1)
-        flops = 4 * 2 * b * h * s * s * d * (0.5 if causal else 1.0)
-        res, best = {}, {}
-        for _ in range(2):
-            for on in (False, True):
-                kb.STATS_EARLY = on
-                dk, dv = torch.empty_like(k), torch.empty_like(v)
-                fn = (lambda: kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=scale))
-                assert fn()
-                res[on] = (dk.clone(), dv.clone())
-                best[on] = min(best.get(on, 1e9), graph_ms(fn))
-        same = all(torch.equal(a, b_) for a, b_ in zip(res[False], res[True]))
-        print(f"{name:8s} B{b} H{h} S{s} D{d} {'causal' if causal else 'full'}: off {best[False] * 1e3:8.1f} us "
-              f"({flops / best[False] * 1e-9:5.1f}), on {best[True] * 1e3:8.1f} us ({flops / best[True] * 1e-9:5.1f}); "
-              f"speed-up {best[False] / best[True]:.3f}; bitwise equal: {same}")
-    kb.STATS_EARLY = True
+    key, values = spec.split("=", 1)
+    variants = values.split("/")
+    env = not hasattr(kb, key)
+    before = os.environ.get(key) if env else getattr(kb, key)
+
+    def put(value):
+        if env:
+            os.environ[key] = value
+        else:
+            setattr(kb, key, type(before)(int(value)))
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}: whole backward, "
+          f"{key} = {' / '.join(variants)}, graph replay, best of {rounds} rounds alternating; TFLOP/s (5-GEMM count)")
+    try:
+        for name, (b, h, s, d, causal) in CASES.items():
+            if d != 128:
+                continue
+            torch.manual_seed(0)
+            q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            scale = d ** -0.5
+            o, lse = katt.attention_fwd(q, k, v, None, causal=causal, scale=scale, dropout_p=0.0, seed=0)
+            flops = 2.5 * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+            grads, best = {}, {}
+
+            def fn():
+                return katt.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=scale, dropout_p=0.0,
+                                          seed=0)
+            for _ in range(rounds):
+                for val in variants:
+                    put(val)
+                    grads[val] = fn()
+                    best[val] = min(best.get(val, 1e9), graph_ms(fn))
+            ref = grads[variants[0]]
+            line = [f"{name:8s} B{b} H{h} S{s} D{d} {'causal' if causal else 'full'}:"]
+            for val in variants:
+                err = max((x.float() - y.float()).abs().max().item() for x, y in zip(grads[val], ref))
+                line.append(f"{val} {best[val] * 1e3:8.1f} us ({flops / best[val] * 1e-9:5.1f}, "
+                            f"{best[variants[0]] / best[val]:.3f}x, max diff {err:.1e})")
+            print(" ".join(line), flush=True)
+    finally:
+        if not env:
+            setattr(kb, key, before)
+        elif before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def main() -> None:
@@ -103,13 +132,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--ab-dkdv", action="store_true", help="the dK/dV kernel with and without STATS_EARLY")
+    ap.add_argument("--ab", metavar="KEY=A/B", help="the whole backward with a setting at A, then B (see ab())")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to profile")
         return
-    if args.ab_dkdv:
-        ab_dkdv()
+    if args.ab:
+        ab(args.ab)
     if args.sweep:
         sweep(args.d)
     if args.case:
