@@ -10,7 +10,8 @@ exponentials are ``exp2`` (one MUFU op); an additive float mask is multiplied by
 load. The forward saves ``lse = m + log(l)`` (natural log, fp32, one per query row) and never
 materialises the Sq x Sk matrix.
 
-Backward (recomputation, no atomics, deterministic by construction):
+Backward (recomputation, no atomics, deterministic by construction; on Hopper the fused Gluon kernel of
+``attention_sm90_bwd`` adds dQ by TMA reductions where the caller allows a non-deterministic backward):
   1. ``_attention_bwd_dq_kernel`` (below) runs first and forms ``delta = rowsum(dO * O)`` in fp32 for its
      query rows, storing it for step 2 (``COMPUTE_DELTA``; ``_attention_bwd_preprocess_kernel`` does only
      that, for the fused sm_90 kernel, which has no separate dQ kernel).

@@ -36,7 +36,8 @@ Queries past a head's Sq in a Q/dO tile are the next head's rows (or TMA's zero 
 +inf, so P = 0 there. Keys past Sk in the dQ kernel are masked; in the dK/dV kernel they are computed and
 never stored.
 
-Causal: both kernels' CTAs run longest first across every (batch, head) (``CAUSAL_LPT``).
+Causal: both kernels' CTAs run longest first (``CAUSAL_LPT``) across the (batch, head)s of a group that fits L2
+(``_lpt_order``, ``LPT_L2_BYTES``; all heads at once streamed every head's operands from DRAM, run87).
 
 Measured (H100 80GB HBM3, triton 3.6, bf16, ``benchmarks/dev/attention_bwd_sm90_gluon.py``, do_bench,
 2026-11-26, run49): B2 H16 S8192 D128 full / causal, dK/dV 3.30 / 1.92 ms (667 / 572 TFLOP/s of its 4
@@ -51,7 +52,8 @@ fp32 tile in shared memory for an asynchronous bulk TMA reduction waited one blo
 slower causal; 2.02 vs 1.76-1.87 ms at S4096 causal). Each warpgroup's block is serial (S^T, dP^T -> P^T -> dV,
 dS^T -> dK, both dS^T -> dQ -> its epilogue), and ptxas spills 632-756 bytes of loop invariants (300-368 with
 lse / delta in shared memory; run74: 5.19 vs 5.60 ms for the pair at S8192 full, 3.31 vs 3.12 causal, 2.48 vs
-1.66 at S4096 causal; it stays opt-in: not deterministic, and slower causal).
+1.66 at S4096 causal). Most of that causal loss was L2: with the head-grouped causal order it ties the pair at
+S4096 causal and is the default where the backward need not be deterministic (``kernels``, run87-91).
 """
 from __future__ import annotations
 
