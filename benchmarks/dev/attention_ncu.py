@@ -70,8 +70,10 @@ def ab(spec: str, rounds: int = 3) -> None:
     """``--ab KEY=A/B``: the whole backward (``attention.attention_bwd`` on the forward's o / lse, what the
     op's backward runs) per case with KEY set to A, then B, alternating ``rounds`` times; GPU time by CUDA-graph
     replay (best of the rounds), gradients compared. KEY is an ``attention_sm90_bwd`` module setting
-    (``LPT_L2_BYTES=0/12582912``, ``STATS_EARLY=0/1``, ...; integer values) or an environment variable
+    (``LPT_L2_BYTES=0/12582912``, ``STATS_EARLY=False/True``, ``"DQ_CONFIGS={128: (64, 64, 4)}/{128: (64, 64, 5)}"``;
+    Python literals) or an environment variable
     (``PYKERNELS_ATTN_SM90_BWD=dkdv,dq/fused``). run73 / run77 / run82 / run90 compared kernel variants so."""
+    import ast
     import os
 
     import triton
@@ -88,7 +90,7 @@ def ab(spec: str, rounds: int = 3) -> None:
         if env:
             os.environ[key] = value
         else:
-            setattr(kb, key, type(before)(int(value)))
+            setattr(kb, key, ast.literal_eval(value))
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}: whole backward, "
           f"{key} = {' / '.join(variants)}, graph replay, best of {rounds} rounds alternating; TFLOP/s (5-GEMM count)")
     try:
