@@ -339,7 +339,13 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
             bm, bn, st = attention_sm90.CONFIGS[D]
             cfg = (f"gluon ping-pong 2x{bm}x{bn}/s{st}{'' if causal else ' persistent'}"
                    f"{' key padding' if mask_kind else ''}")
-        if name != "fwd" and name in sm90_bwd_kernels(D, S, causal, mask_kind, varlen, B, H).split(","):
+        which = sm90_bwd_kernels(D, S, causal, mask_kind, varlen, B, H) if name != "fwd" else ""
+        if which == "fused":
+            from pykernels._kernels import attention_sm90_bwd as kb
+            bn, bm, st = kb.DKDV_CONFIGS[D]
+            cfg = (f"gluon fused ws 2x{bn} keys x {bm} queries/s{st}, dQ by TMA reductions" if name == "dkdv"
+                   else "(in the fused kernel)")
+        elif name != "fwd" and name in which.split(","):
             from pykernels._kernels import attention_sm90_bwd as kb
             if name == "dkdv":
                 bn, bm, st = kb.DKDV_CONFIGS[D]
