@@ -224,23 +224,30 @@ def max_regs(warps: int) -> int:
 
 
 def _ptxas_report(ptx: str) -> str:
-    """Registers and spills of the kernel as Triton's own ptxas reports them for sm_90a."""
+    """Registers and spills of the kernel as Triton's own ptxas reports them for sm_90a (the ptxas Triton
+    itself would run: ``TRITON_PTXAS_PATH`` or the bundled one). Tried twice: on the GPU machine, with the
+    test suite's eight workers compiling at once, a ptxas run has come back without its report (run78,
+    run94); a failure says what ptxas printed."""
     import re
     import subprocess
     import tempfile
 
-    import triton
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.o")],
-                             capture_output=True, text=True)
-    out = res.stdout + res.stderr
-    regs = re.findall(r"Used (\d+) registers", out)
-    spills = re.findall(r"(\d+) bytes spill stores", out)
-    return f"ptxas: {regs[0] if regs else '?'} registers, {spills[0] if spills else '?'} bytes spilled"
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(90).path
+    out = ""
+    for _ in range(2):
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            res = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.o")],
+                                 capture_output=True, text=True, timeout=600)
+        out = res.stdout + res.stderr
+        regs = re.findall(r"Used (\d+) registers", out)
+        spills = re.findall(r"(\d+) bytes spill stores", out)
+        if regs and spills:
+            return f"ptxas: {regs[0]} registers, {spills[0]} bytes spilled"
+    return f"ptxas: ? registers, ? bytes spilled (ptxas rc {res.returncode}: {out.strip()[-300:]!r})"
 
 
 def compile_report(fn, sig: dict, consts: dict, opts: dict) -> str:
