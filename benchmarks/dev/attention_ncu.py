@@ -66,7 +66,7 @@ def sweep(d: int) -> None:
                   f"cuDNN {flops / cud * 1e-9:6.1f} TFLOP/s (ratio {cud / ours:.3f})")
 
 
-def ab(spec: str, rounds: int = 3) -> None:
+def ab(spec: str, cases: list[str] | None = None, rounds: int = 3) -> None:
     """``--ab KEY=A/B``: the whole backward (``attention.attention_bwd`` on the forward's o / lse, what the
     op's backward runs) per case with KEY set to A, then B, alternating ``rounds`` times; GPU time by CUDA-graph
     replay (best of the rounds), gradients compared. KEY is an ``attention_sm90_bwd`` module setting
@@ -95,7 +95,7 @@ def ab(spec: str, rounds: int = 3) -> None:
           f"{key} = {' / '.join(variants)}, graph replay, best of {rounds} rounds alternating; TFLOP/s (5-GEMM count)")
     try:
         for name, (b, h, s, d, causal) in CASES.items():
-            if d != 128:
+            if (name not in cases) if cases else d != 128:  # (default: the D = 128 cases)
                 continue
             torch.manual_seed(0)
             q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -135,12 +135,13 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--ab", metavar="KEY=A/B", help="the whole backward with a setting at A, then B (see ab())")
+    ap.add_argument("--cases", help="--ab's cases, comma-separated (default: the D = 128 ones)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to profile")
         return
     if args.ab:
-        ab(args.ab)
+        ab(args.ab, args.cases.split(",") if args.cases else None)
     if args.sweep:
         sweep(args.d)
     if args.case:
