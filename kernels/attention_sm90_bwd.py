@@ -81,7 +81,7 @@ DKDV_CONFIGS = {64: (64, 64, 2), 128: (64, 64, 2)}
 # dQ: (query rows per consumer warpgroup, BLOCK_N keys per block, STAGES). STAGES >= 3 (the consumer releases
 # K_{j-1} after V_j arrived); at D = 128 four stages beat three by 1.29-1.36x (run44: 2.33 vs 3.00 ms, S = 8192)
 DQ_CONFIGS = {64: (64, 128, 3), 128: (64, 64, 4)}
-# causal: both kernels' CTAs longest first across every (batch, head) (the probe compares with by-head order)
+# causal: both kernels' CTAs longest first across (batch, head)s (the probe compares with by-head order)
 CAUSAL_LPT = True
 # ... in groups of heads whose reused operands fit this much of L2, yet of at least LPT_MIN_WAVES CTAs per SM
 # (``lpt_group``; 0 = all heads at once), without GQA. Nsight Compute (run76, run87) had the causal kernels at an
@@ -266,8 +266,9 @@ def _attention_bwd_dkdv_sm90_kernel(
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (cdiv(Sk, 2 * BLOCK_N) * kv heads * batch,):
     causal, longest CTAs first across the (batch, kv head)s of a group of ``lpt_heads`` (``_lpt_order``).
-    q_desc / do_desc: host descriptors over (rows, row stride) views of q and do (``attention_sm90._flat_descriptor``); K, V, dK, dV: the CTA's kv head's slice
-    through descriptors made on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1).
+    q_desc / do_desc: host descriptors over (rows, row stride) views of q and do
+    (``attention_sm90._flat_descriptor``); K, V, dK, dV: the CTA's kv head's slice through descriptors made
+    on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1).
     FUSED_DQ: dQ * scale is added through DQACC, a host descriptor over a zeroed contiguous (B, H, Sq, D) fp32
     buffer seen as (B * H * Sq, D), (BLOCK_M, D / 2) tiles, by bulk TMA reductions."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
