@@ -97,6 +97,7 @@ known to be wrong; ours is tested on the full matrix); flash-attn's varlen inter
 """
 from __future__ import annotations
 
+import threading
 
 import torch
 import triton
@@ -826,13 +827,29 @@ _PLACEHOLDERS: dict = {}
 
 def _placeholder(device) -> torch.Tensor:
     """An int32 (2,) tensor the kernels take for pointer arguments they never read (mask, cu_seqlens, key
-    range), one per device (an allocation per call costs host time; never one made during a CUDA-graph
-    capture, whose memory belongs to the graph's pool)."""
+    range), one per device (an allocation per call costs host time). The cached one is allocated on a
+    helper thread: torch.compile's CUDA-graph trees route every allocation of the calling thread to the
+    graph's pool while they warm a graph up (not capturing yet), and a tensor kept from there is a live
+    allocation in the pool that they refuse ("not tracked as outputs"; a first pykernels call under
+    mode="reduce-overhead" hit it, GPU run97; the fix is not yet run on a GPU). During a capture itself (where another thread may not
+    allocate) the call gets a fresh one from the graph's pool, not cached."""
     t = _PLACEHOLDERS.get(device)
     if t is None:
-        t = torch.empty(2, dtype=torch.int32, device=device)
-        if not _tuning.capturing(device):
-            _PLACEHOLDERS[device] = t
+        if _tuning.capturing(device):
+            return torch.empty(2, dtype=torch.int32, device=device)
+        made = []
+
+        def alloc():
+            try:
+                made.append(torch.empty(2, dtype=torch.int32, device=device))
+            except Exception:  # noqa: BLE001 - then this call's own tensor, uncached, as before the cache
+                pass
+        helper = threading.Thread(target=alloc)
+        helper.start()
+        helper.join()
+        if not made:
+            return torch.empty(2, dtype=torch.int32, device=device)
+        t = _PLACEHOLDERS[device] = made[0]
     return t
 
 
