@@ -384,6 +384,33 @@ def test_deterministic_backward_bitwise(device):
         assert torch.equal(a, b)
 
 
+@interp_only
+def test_deterministic_reaches_the_backward(monkeypatch, device):
+    # the backward's kernels learn whether it must be reproducible (the fused sm_90 kernel is not): True as
+    # asked, or from torch's deterministic mode when None, saved with the forward, eager and compiled
+    from pykernels._kernels import attention as katt
+    seen = []
+
+    def spy(*a, _f=katt.attention_bwd, **kw):
+        seen.append(kw["deterministic"])
+        return _f(*a, **kw)
+    monkeypatch.setattr(katt, "attention_bwd", spy)
+    q, k, v = _inputs((1, 2, 17, 16), (1, 2, 17, 16), (1, 2, 17, 16), F32, device)
+    do = torch.randn(1, 2, 17, 16, device=device)
+    for flag in (True, False, None):
+        _grads(sdpa(q, k, v, backend="triton", deterministic=flag), (q, k, v), do)
+    det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _grads(sdpa(q, k, v, backend="triton"), (q, k, v), do)
+    finally:
+        torch.use_deterministic_algorithms(det)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: sdpa(q, k, v, backend="triton", deterministic=True), fullgraph=True)
+    _grads(compiled(q, k, v), (q, k, v), do)
+    assert seen == [True, False, det, True, True]
+
+
 def test_torch_compile_fullgraph(device):
     q, k, v = _inputs((1, 2, 17, 16), (1, 2, 17, 16), (1, 2, 17, 16), F32, device)
     mask = (torch.rand(1, 1, 1, 17) > 0.2).to(device)
