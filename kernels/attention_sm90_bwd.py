@@ -122,14 +122,11 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
                    DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
                    dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
-    """K and V of both warpgroups once; per query block Q_j and dO_j by TMA, and lse_j * log2 e and delta_j
-    by loads into ``lse_smem`` / ``dlt_smem`` (the block's second ``q_bar`` arrival): read by the consumers
-    there, no global load stands between their GEMM issues."""
+    """Per query block Q_j and dO_j by TMA (host descriptors), and lse_j * log2 e and delta_j by loads into
+    ``lse_smem`` / ``dlt_smem`` (the block's second ``q_bar`` arrival): read by the consumers there, no global
+    load stands between their GEMM issues. (K and V, through descriptors made on the device, are loaded by
+    the kernel's first warps: see ``_attention_bwd_dkdv_sm90_kernel``.)"""
     stat_reg: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    for wg in gl.static_range(2):
-        mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), k_smem.index(wg))
-        tma.async_copy_global_to_shared(v_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), v_smem.index(wg))
     it = 0
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -154,8 +151,8 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
 
 @gluon.jit
 def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
-                   ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm,
-                   stride_dob, stride_doh,
+                   ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
+                   stride_qm, stride_dob, stride_doh,
                    stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n,
                    j_lo, n_qb, dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, STATS_EARLY: gl.constexpr):
@@ -244,13 +241,23 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     if FUSED_DQ:  # the other warpgroup's dQ GEMMs read this one's K: both past their last block
         mbarrier.arrive(ds_bar.index(it % 2), count=1)
         mbarrier.wait(ds_bar.index(it % 2), (it // 2) & 1)
-    # every wgmma that read this warpgroup's K and V is complete: their buffers stage dK and dV
+    # every wgmma that read this warpgroup's K and V is complete: their buffers stage dK and dV. dk_desc and
+    # dv_desc were made on the device by warpgroup 0's first warp, whose tensormap acquire fence covers only
+    # the TMA it issues itself: warpgroup 0 stores warpgroup 1's tiles too, once ``st_bar`` says they are in
+    # place (through a descriptor without that fence, the TMA may read a stale tensormap: an illegal address
+    # under other GPU load, run98)
     k_tile.store((dk * scale).to(dtype))
     v_tile.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [n0, 0], k_tile)
-    tma.async_copy_shared_to_global(dv_desc, [n0, 0], v_tile)
-    tma.store_wait(pendings=0)
+    if WG == 0:
+        tma.async_copy_shared_to_global(dk_desc, [n0, 0], k_tile)
+        tma.async_copy_shared_to_global(dv_desc, [n0, 0], v_tile)
+        mbarrier.wait(st_bar.index(0), 0)
+        tma.async_copy_shared_to_global(dk_desc, [n0 + BLOCK_N, 0], k_smem.index(1))
+        tma.async_copy_shared_to_global(dv_desc, [n0 + BLOCK_N, 0], v_smem.index(1))
+        tma.store_wait(pendings=0)
+    else:
+        mbarrier.arrive(st_bar.index(0), count=1)
 
 
 @gluon.jit
@@ -303,20 +310,41 @@ def _attention_bwd_dkdv_sm90_kernel(
     kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # Every mbarrier allocated here must stay in use until the partitions end. One that only FUSED_DQ uses
+    # (ds_bar) was dead in the dK/dV-only kernel after its init, so the compiler gave its bytes to the values
+    # the partitions capture (batch and head, stored to shared memory for the producer warp): under another
+    # process's GPU load a preempted and resumed CTA got the mbarriers' state written back there, and the
+    # producer read a garbage head offset (illegal addresses in 1 of 6 test runs beside other workers, every
+    # run beside a matmul loop; run93, run98; ``tests/test_gluon_sm90_compile.py`` now checks the layout)
+    if FUSED_DQ:
+        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    else:
+        ds_bar = kv_bar  # (unused)
+    st_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_bar.index(i), count=1)
-        mbarrier.init(ds_bar.index(i), count=2)
+        if FUSED_DQ:
+            mbarrier.init(ds_bar.index(i), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_bar.index(i), count=2)  # (the TMA's expect, the stats' arrival)
         mbarrier.init(q_empty.index(i), count=2)
+    mbarrier.init(st_bar.index(0), count=1)
+    fence_async_shared()
+    # K and V of both warpgroups, issued by these warps (the default partition's): a descriptor made on the
+    # device is fenced for the TMA only in the warp that made it (its tensormap acquire), so every TMA through
+    # k/v/dk/dv_desc stays in this partition (the producer warp's loads read a stale tensormap under other GPU
+    # load: illegal addresses, run93 / run98)
+    for wg in gl.static_range(2):
+        mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), v_smem.index(wg))
     j_lo = 0
     if IS_CAUSAL:
         j_lo = start_n // BLOCK_M  # queries before the CTA's first key see none of its keys
     n_qb = gl.cdiv(Sq, BLOCK_M)
     gl.warp_specialize([
         (_dkdv_consumer, (0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
-                          ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh,
+                          ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
@@ -328,7 +356,7 @@ def _attention_bwd_dkdv_sm90_kernel(
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
                           IS_CAUSAL, FUSED_DQ)),
         (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
-                          ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh,
+                          ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,

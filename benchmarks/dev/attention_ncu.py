@@ -23,6 +23,7 @@ import pykernels
 
 CASES = {  # name -> (B, H, S, D, causal)
     "bert": (32, 12, 512, 64, False),
+    "bertpad": (32, 12, 512, 64, False),  # key padding, lengths 256..512 (the benchmark's), forward A/B only
     "gpt2": (8, 12, 1024, 64, True),
     "s1024c": (16, 16, 1024, 128, True),
     "s2048c": (8, 16, 2048, 128, True),
@@ -66,13 +67,15 @@ def sweep(d: int) -> None:
                   f"cuDNN {flops / cud * 1e-9:6.1f} TFLOP/s (ratio {cud / ours:.3f})")
 
 
-def ab(spec: str, cases: list[str] | None = None, rounds: int = 3) -> None:
+def ab(spec: str, cases: list[str] | None = None, rounds: int = 3, forward: bool = False) -> None:
     """``--ab KEY=A/B``: the whole backward (``attention.attention_bwd`` on the forward's o / lse, what the
     op's backward runs) per case with KEY set to A, then B, alternating ``rounds`` times; GPU time by CUDA-graph
     replay (best of the rounds), gradients compared. KEY is an ``attention_sm90_bwd`` module setting
     (``LPT_L2_BYTES=0/12582912``, ``STATS_EARLY=False/True``, ``"DQ_CONFIGS={128: (64, 64, 4)}/{128: (64, 64, 5)}"``;
     Python literals) or an environment variable
-    (``PYKERNELS_ATTN_SM90_BWD=dkdv,dq/fused``). run73 / run77 / run82 / run90 compared kernel variants so."""
+    (``PYKERNELS_ATTN_SM90_BWD=dkdv,dq/fused``). run73 / run77 / run82 / run90 compared kernel variants so.
+    ``forward``: the forward (``attention.attention_fwd``) instead, KEY an ``attention_sm90`` setting
+    (``"CONFIGS={64: (64, 128, 2), 128: (64, 128, 2)}/{64: (128, 64, 2), 128: (64, 128, 2)}"``); outputs compared."""
     import ast
     import os
 
@@ -80,33 +83,48 @@ def ab(spec: str, cases: list[str] | None = None, rounds: int = 3) -> None:
     from attention_sm90_gluon_ws import graph_ms
 
     from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90 as kf
     from pykernels._kernels import attention_sm90_bwd as kb
+    from pykernels.attention import _key_padding_range
+    mod = kf if forward else kb
     key, values = spec.split("=", 1)
     variants = values.split("/")
-    env = not hasattr(kb, key)
-    before = os.environ.get(key) if env else getattr(kb, key)
+    env = not hasattr(mod, key)
+    before = os.environ.get(key) if env else getattr(mod, key)
 
     def put(value):
         if env:
             os.environ[key] = value
         else:
-            setattr(kb, key, ast.literal_eval(value))
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}: whole backward, "
-          f"{key} = {' / '.join(variants)}, graph replay, best of {rounds} rounds alternating; TFLOP/s (5-GEMM count)")
+            setattr(mod, key, ast.literal_eval(value))
+    what = "forward" if forward else "whole backward"
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}: {what}, "
+          f"{key} = {' / '.join(variants)}, graph replay, best of {rounds} rounds alternating; TFLOP/s "
+          f"({'2' if forward else '5'}-GEMM count, padded keys counted)")
     try:
         for name, (b, h, s, d, causal) in CASES.items():
-            if (name not in cases) if cases else d != 128:  # (default: the D = 128 cases)
+            if (name not in cases) if cases else (d != 128 or name == "bertpad"):  # (default: the D = 128 cases)
                 continue
             torch.manual_seed(0)
             q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
             scale = d ** -0.5
-            o, lse = katt.attention_fwd(q, k, v, None, causal=causal, scale=scale, dropout_p=0.0, seed=0)
-            flops = 2.5 * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+            mask, kv_range = None, None
+            if name == "bertpad":
+                lengths = torch.randint(s // 2, s + 1, (b,), device="cuda")
+                keep = torch.arange(s, device="cuda")[None, :] < lengths[:, None]
+                mask = keep[:, None, None, :].expand(b, h, s, s)
+                kv_range = _key_padding_range(mask)
+            o, lse = katt.attention_fwd(q, k, v, mask, causal=causal, scale=scale, dropout_p=0.0, seed=0,
+                                        kv_range=kv_range)
+            flops = (1 if forward else 2.5) * 4 * b * h * s * s * d * (0.5 if causal else 1.0)
             grads, best = {}, {}
 
             def fn():
-                return katt.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=scale, dropout_p=0.0,
-                                          seed=0)
+                if forward:
+                    return katt.attention_fwd(q, k, v, mask, causal=causal, scale=scale, dropout_p=0.0, seed=0,
+                                              kv_range=kv_range)
+                return katt.attention_bwd(do, q, k, v, o, lse, mask, causal=causal, scale=scale, dropout_p=0.0,
+                                          seed=0, kv_range=kv_range)
             for _ in range(rounds):
                 for val in variants:
                     put(val)
@@ -121,7 +139,7 @@ def ab(spec: str, cases: list[str] | None = None, rounds: int = 3) -> None:
             print(" ".join(line), flush=True)
     finally:
         if not env:
-            setattr(kb, key, before)
+            setattr(mod, key, before)
         elif before is None:
             os.environ.pop(key, None)
         else:
@@ -135,6 +153,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--ab", metavar="KEY=A/B", help="the whole backward with a setting at A, then B (see ab())")
+    ap.add_argument("--ab-fwd", metavar="KEY=A/B", help="the forward with an attention_sm90 setting at A, then B")
     ap.add_argument("--cases", help="--ab's cases, comma-separated (default: the D = 128 ones)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -142,6 +161,8 @@ def main() -> None:
         return
     if args.ab:
         ab(args.ab, args.cases.split(",") if args.cases else None)
+    if args.ab_fwd:
+        ab(args.ab_fwd, args.cases.split(",") if args.cases else None, forward=True)
     if args.sweep:
         sweep(args.d)
     if args.case:

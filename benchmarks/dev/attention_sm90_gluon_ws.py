@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 
 import torch
@@ -264,7 +265,31 @@ def compile_report(fn, sig: dict, consts: dict, opts: dict) -> str:
     ptx = kern.asm["ptx"]
     regs = sorted(set(ln.split()[-1] for ln in ptx.splitlines() if "setmaxnreg" in ln))
     return (f"compiled; shared {kern.metadata.shared} B, setmaxnreg {regs}, "
-            f"wgmma.wait_group 1: {'wgmma.wait_group.sync.aligned 1' in ptx}; {_ptxas_report(ptx)}")
+            f"wgmma.wait_group 1: {'wgmma.wait_group.sync.aligned 1' in ptx}; {_ptxas_report(ptx)}; "
+            f"{_mbarrier_report(kern.asm['cubin'])}")
+
+
+def _mbarrier_report(cubin: bytes) -> str:
+    """"mbarriers clear" when no mbarrier's 8 bytes share a shared-memory address with a plain load or store
+    at a constant address (the values warp-specialised partitions capture are passed that way), else
+    "mbarriers OVERLAP <offsets>". The compiler reuses the bytes of an mbarrier that is dead after its init
+    for those captures; under another process's GPU load a preempted CTA got the mbarrier's state written
+    back over them (the dK/dV kernel's unused ds_bar, run98). From the SASS (Triton's nvdisasm)."""
+    import re
+    import tempfile
+
+    import triton
+    tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    width = {"": 4, ".64": 8, ".128": 16, ".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2}
+    bars = {int(m.group(1) or "0", 16) for m in re.finditer(r"SYNCS\.EXCH\.64 URZ, \[UR\d+(?:\+0x([0-9a-f]+))?\]", sass)}
+    plain = [(int(m.group(3) or "0", 16), width.get(m.group(2) or "", 4))
+             for m in re.finditer(r"\b(LDS|STS)(\.[A-Z0-9]+)? [^;]*?\[UR\d+(?:\+0x([0-9a-f]+))?\]", sass)]
+    hits = sorted({b for b in bars for off, n in plain if off < b + 8 and b < off + n})
+    return "mbarriers clear" if not hits else "mbarriers OVERLAP " + ",".join(hex(h) for h in hits)
 
 
 def _pkg_signature(fn) -> dict:
