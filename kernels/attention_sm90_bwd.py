@@ -125,7 +125,7 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
     """Per query block Q_j and dO_j by TMA (host descriptors), and lse_j * log2 e and delta_j by loads into
     ``lse_smem`` / ``dlt_smem`` (the block's second ``q_bar`` arrival): read by the consumers there, no global
     load stands between their GEMM issues. (K and V, through descriptors made on the device, are loaded by
-    the kernel's first warps: see ``_attention_bwd_dkdv_sm90_kernel``.)"""
+    the default partition: see ``_attention_bwd_dkdv_sm90_kernel``.)"""
     stat_reg: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     it = 0
     for g in range(GROUP):
@@ -242,10 +242,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
         mbarrier.arrive(ds_bar.index(it % 2), count=1)
         mbarrier.wait(ds_bar.index(it % 2), (it // 2) & 1)
     # every wgmma that read this warpgroup's K and V is complete: their buffers stage dK and dV. dk_desc and
-    # dv_desc were made on the device by warpgroup 0's first warp, whose tensormap acquire fence covers only
-    # the TMA it issues itself: warpgroup 0 stores warpgroup 1's tiles too, once ``st_bar`` says they are in
-    # place (through a descriptor without that fence, the TMA may read a stale tensormap: an illegal address
-    # under other GPU load, run98)
+    # dv_desc were made on the device by warpgroup 0, whose acquire fence covers its own TMA: it stores
+    # warpgroup 1's tiles too, once ``st_bar`` says they are in place
     k_tile.store((dk * scale).to(dtype))
     v_tile.store(dv.to(dtype))
     fence_async_shared()
@@ -311,11 +309,12 @@ def _attention_bwd_dkdv_sm90_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # Every mbarrier allocated here must stay in use until the partitions end. One that only FUSED_DQ uses
-    # (ds_bar) was dead in the dK/dV-only kernel after its init, so the compiler gave its bytes to the values
-    # the partitions capture (batch and head, stored to shared memory for the producer warp): under another
-    # process's GPU load a preempted and resumed CTA got the mbarriers' state written back there, and the
-    # producer read a garbage head offset (illegal addresses in 1 of 6 test runs beside other workers, every
-    # run beside a matmul loop; run93, run98; ``tests/test_gluon_sm90_compile.py`` now checks the layout)
+    # (ds_bar) was dead in the dK/dV-only kernel after its init, so the compiler gave its bytes to values the
+    # partitions capture (causal: batch and head, stored to shared memory for the producer warp). Under another
+    # process's GPU load (time-slicing preempts and resumes CTAs) the producer then read garbage there, most
+    # likely the mbarriers' state restored over them: illegal addresses in 1 of 6 test runs beside other
+    # workers and in every run beside a matmul loop, none with memory load alone (run93, run98-106).
+    # ``tests/test_gluon_sm90_compile.py`` checks every Gluon kernel's SASS for such an overlap.
     if FUSED_DQ:
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     else:
@@ -330,10 +329,10 @@ def _attention_bwd_dkdv_sm90_kernel(
         mbarrier.init(q_empty.index(i), count=2)
     mbarrier.init(st_bar.index(0), count=1)
     fence_async_shared()
-    # K and V of both warpgroups, issued by these warps (the default partition's): a descriptor made on the
-    # device is fenced for the TMA only in the warp that made it (its tensormap acquire), so every TMA through
-    # k/v/dk/dv_desc stays in this partition (the producer warp's loads read a stale tensormap under other GPU
-    # load: illegal addresses, run93 / run98)
+    # K and V of both warpgroups, issued here by the warps that made their descriptors (the default
+    # partition's), so that every TMA through k/v/dk/dv_desc comes from the warps whose tensormap acquire
+    # fence covers it (PTX's rule for descriptors written on the device), and the producer warp starts on
+    # Q / dO at once: with the stores below, 1.003-1.047x the whole backward (run106, causal gained most)
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), k_smem.index(wg))

@@ -719,6 +719,49 @@ def test_gpu_int64_offsets():
         assert_close_to_ref(name, a, hi, lo)
 
 
+_HOG = """
+import sys, time, torch
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+a @ a
+torch.cuda.synchronize()
+print("ready", flush=True)
+end = time.time() + float(sys.argv[1])
+while time.time() < end:
+    for _ in range(20):
+        a = (a @ a).clamp_(-1, 1)
+    torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_backward_under_another_process_load():
+    """With another process's kernels on the GPU, the driver time-slices and preempts running CTAs. The sm_90
+    dK/dV kernel once gave a dead mbarrier's shared memory to values its partitions capture, and every run
+    of this case beside a matmul loop then died of an illegal address (none alone; run101-106)."""
+    import subprocess
+    import sys
+    hog = subprocess.Popen([sys.executable, "-c", _HOG, "60"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout.readline().strip() == "ready"
+        b, h, s, d = 1024, 16, 136, 128  # causal: the longest-first dK/dV grid, a key tail in every head
+        q, k, v = _inputs((b, h, s, d), (b, h, s, d), (b, h, s, d), BF16, "cuda")
+        for _ in range(2):
+            out = sdpa(q, k, v, is_causal=True, backend="triton")
+            do = torch.randn_like(out)
+            grads = _grads(out, (q, k, v), do)
+            torch.cuda.synchronize()
+        tail = slice(b - 2, b)
+        qq, kk, vv = (t.detach()[tail].double().requires_grad_(True) for t in (q, k, v))
+        ref = _grads(attention_reference(qq, kk, vv, is_causal=True), (qq, kk, vv), do[tail].double())
+        lo = [t.detach()[tail].requires_grad_(True) for t in (q, k, v)]
+        ref_lo = _grads(attention_reference(*lo, is_causal=True), lo, do[tail])
+        for name, g, r, rl in zip(("dq", "dk", "dv"), grads, ref, ref_lo):
+            assert_close_to_ref(name, g[tail], r, rl)
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 @pytest.mark.gpu
 def test_gpu_auto_falls_back_with_warning():
     q, k, v = _inputs((1, 2, 64, 320), (1, 2, 64, 320), (1, 2, 64, 320), BF16, "cuda", requires_grad=False)
