@@ -242,8 +242,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
         mbarrier.arrive(ds_bar.index(it % 2), count=1)
         mbarrier.wait(ds_bar.index(it % 2), (it // 2) & 1)
     # every wgmma that read this warpgroup's K and V is complete: their buffers stage dK and dV. dk_desc and
-    # dv_desc were made on the device by warpgroup 0, whose acquire fence covers its own TMA: it stores
-    # warpgroup 1's tiles too, once ``st_bar`` says they are in place
+    # dv_desc were made on the device by warpgroup 0's partition, which issues every TMA through them: it
+    # stores warpgroup 1's tiles too, once ``st_bar`` says they are in place
     k_tile.store((dk * scale).to(dtype))
     v_tile.store(dv.to(dtype))
     fence_async_shared()
@@ -329,10 +329,10 @@ def _attention_bwd_dkdv_sm90_kernel(
         mbarrier.init(q_empty.index(i), count=2)
     mbarrier.init(st_bar.index(0), count=1)
     fence_async_shared()
-    # K and V of both warpgroups, issued here by the warps that made their descriptors (the default
-    # partition's), so that every TMA through k/v/dk/dv_desc comes from the warps whose tensormap acquire
-    # fence covers it (PTX's rule for descriptors written on the device), and the producer warp starts on
-    # Q / dO at once: with the stores below, 1.003-1.047x the whole backward (run106, causal gained most)
+    # K and V of both warpgroups, issued here by the partition that made their descriptors on the device (as
+    # Triton's own one-partition kernels use such descriptors: the tensormap acquire fence is this partition's),
+    # and the producer warp starts on Q / dO at once: with the stores below, 1.003-1.047x the whole backward
+    # (run106, causal gained most)
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), k_smem.index(wg))
