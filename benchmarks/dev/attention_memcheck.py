@@ -6,7 +6,10 @@ only under other workers' allocations). ``--int64`` adds the int64-offset shape 
 ``tests/test_attention.py::test_gpu_int64_offsets`` (2.28e9 elements per tensor; slow under memcheck).
 
 Usage (GPU): ``compute-sanitizer --tool memcheck --print-limit 20 python benchmarks/dev/attention_memcheck.py``.
-"""
+With ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` every tensor is its own allocation, so an access past a tensor but
+inside the caching allocator's segment is flagged too. Run98-99 found nothing here alone; the run93 bug needed
+other GPU load (``gpu_hog.py`` beside ``attention_int64_stages.py``), and memcheck under that load named it
+(run105)."""
 from __future__ import annotations
 
 import os
