@@ -742,7 +742,7 @@ def test_gpu_backward_under_another_process_load():
     import sys
     hog = subprocess.Popen([sys.executable, "-c", _HOG, "60"], stdout=subprocess.PIPE, text=True)
     try:
-        assert hog.stdout.readline().strip() == "ready"
+        assert hog.stdout.readline().strip() == "ready", "the load process did not start"
         b, h, s, d = 1024, 16, 136, 128  # causal: the longest-first dK/dV grid, a key tail in every head
         q, k, v = _inputs((b, h, s, d), (b, h, s, d), (b, h, s, d), BF16, "cuda")
         for _ in range(2):
