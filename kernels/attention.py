@@ -831,8 +831,9 @@ def _placeholder(device) -> torch.Tensor:
     helper thread: torch.compile's CUDA-graph trees route every allocation of the calling thread to the
     graph's pool while they warm a graph up (not capturing yet), and a tensor kept from there is a live
     allocation in the pool that they refuse ("not tracked as outputs"; a first pykernels call under
-    mode="reduce-overhead" hit it, GPU run97; with this fix the graph tests pass in a fresh process, run98). During a capture itself
-    (where another thread may not allocate) the call gets a fresh one from the graph's pool, not cached;
+    mode="reduce-overhead" hit it, GPU run97; with this fix the graph tests pass in a fresh process, run98).
+    During a capture itself (where another thread may not allocate) the call gets a fresh one from the
+    graph's pool, not cached;
     if the helper's allocation fails, this call allocates its own, uncached (the behaviour before the cache)."""
     t = _PLACEHOLDERS.get(device)
     if t is None:
