@@ -833,8 +833,8 @@ def _placeholder(device) -> torch.Tensor:
     allocation in the pool that they refuse ("not tracked as outputs"; a first pykernels call under
     mode="reduce-overhead" hit it, GPU run97; with this fix the graph tests pass in a fresh process, run98).
     During a capture itself (where another thread may not allocate) the call gets a fresh one from the
-    graph's pool, not cached;
-    if the helper's allocation fails, this call allocates its own, uncached (the behaviour before the cache)."""
+    graph's pool, not cached; if the helper's allocation fails, this call allocates its own, uncached (the
+    behaviour before the cache)."""
     t = _PLACEHOLDERS.get(device)
     if t is None:
         if _tuning.capturing(device):

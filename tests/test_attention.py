@@ -719,28 +719,17 @@ def test_gpu_int64_offsets():
         assert_close_to_ref(name, a, hi, lo)
 
 
-_HOG = """
-import sys, time, torch
-a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-a @ a
-torch.cuda.synchronize()
-print("ready", flush=True)
-end = time.time() + float(sys.argv[1])
-while time.time() < end:
-    for _ in range(20):
-        a = (a @ a).clamp_(-1, 1)
-    torch.cuda.synchronize()
-"""
-
-
 @pytest.mark.gpu
 def test_gpu_backward_under_another_process_load():
     """With another process's kernels on the GPU, the driver time-slices and preempts running CTAs. The sm_90
     dK/dV kernel once gave a dead mbarrier's shared memory to values its partitions capture, and every run
     of this case beside a matmul loop then died of an illegal address (none alone; run101-106)."""
+    import os
     import subprocess
     import sys
-    hog = subprocess.Popen([sys.executable, "-c", _HOG, "60"], stdout=subprocess.PIPE, text=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hog_py = os.path.join(root, "benchmarks", "dev", "gpu_hog.py")  # matmuls in a loop, 1 GiB held
+    hog = subprocess.Popen([sys.executable, hog_py, "60", "1"], stdout=subprocess.PIPE, text=True)
     try:
         assert hog.stdout.readline().strip() == "ready", "the load process did not start"
         b, h, s, d = 1024, 16, 136, 128  # causal: the longest-first dK/dV grid, a key tail in every head

@@ -6,7 +6,8 @@ cuDNN, which separates the per-tile cost from the per-block cost.
 Usage (GPU):
 ``python benchmarks/dev/attention_ncu.py --case bert`` (what ncu wraps: see ``--help`` for cases);
 ``python benchmarks/dev/attention_ncu.py --sweep [--d 64]``;
-``python benchmarks/dev/attention_ncu.py --ab LPT_L2_BYTES=0/12582912`` (A/B of a backward setting).
+``python benchmarks/dev/attention_ncu.py --ab LPT_L2_BYTES=0/12582912`` (A/B of a backward setting;
+``--ab MODULE=new/old.py`` of two versions of the module).
 The ncu call this was written for (SASS lines with their stall samples, then the sections)::
 
     ncu --clock-control none -k regex:dkdv -s 2 -c 1 --section WarpStateStats --section SourceCounters \
@@ -75,7 +76,10 @@ def ab(spec: str, cases: list[str] | None = None, rounds: int = 3, forward: bool
     Python literals) or an environment variable
     (``PYKERNELS_ATTN_SM90_BWD=dkdv,dq/fused``). run73 / run77 / run82 / run90 compared kernel variants so.
     ``forward``: the forward (``attention.attention_fwd``) instead, KEY an ``attention_sm90`` setting
-    (``"CONFIGS={64: (64, 128, 2), 128: (64, 128, 2)}/{64: (128, 64, 2), 128: (64, 128, 2)}"``); outputs compared."""
+    (``"CONFIGS={64: (64, 128, 2), 128: (64, 128, 2)}/{64: (128, 64, 2), 128: (64, 128, 2)}"``); outputs compared.
+    KEY ``MODULE`` compares whole versions of the module: ``MODULE=new/old.py`` ("new" the installed one, else
+    a file loaded as a module of the package, e.g. ``git show HEAD:kernels/attention_sm90_bwd.py > old.py``;
+    run106 compared the ds_bar fix so)."""
     import ast
     import os
 
@@ -89,11 +93,25 @@ def ab(spec: str, cases: list[str] | None = None, rounds: int = 3, forward: bool
     mod = kf if forward else kb
     key, values = spec.split("=", 1)
     variants = values.split("/")
-    env = not hasattr(mod, key)
-    before = os.environ.get(key) if env else getattr(mod, key)
+    versions = None
+    if key == "MODULE":  # whole module versions, swapped as the package's attribute that attention.py imports
+        import importlib.util
+
+        import pykernels._kernels as pkg
+        versions = {"new": mod}
+        for path in variants:
+            if path != "new":
+                spec_ = importlib.util.spec_from_file_location(f"{mod.__package__}._ab_{len(versions)}", path)
+                versions[path] = importlib.util.module_from_spec(spec_)
+                spec_.loader.exec_module(versions[path])
+        mod_name = mod.__name__.rsplit(".", 1)[1]
+    env = versions is None and not hasattr(mod, key)
+    before = os.environ.get(key) if env else getattr(mod, key, None)
 
     def put(value):
-        if env:
+        if versions is not None:
+            setattr(pkg, mod_name, versions[value])
+        elif env:
             os.environ[key] = value
         else:
             setattr(mod, key, ast.literal_eval(value))
@@ -138,7 +156,9 @@ def ab(spec: str, cases: list[str] | None = None, rounds: int = 3, forward: bool
                             f"{best[variants[0]] / best[val]:.3f}x, max diff {err:.1e})")
             print(" ".join(line), flush=True)
     finally:
-        if not env:
+        if versions is not None:
+            setattr(pkg, mod_name, mod)
+        elif not env:
             setattr(mod, key, before)
         elif before is None:
             os.environ.pop(key, None)
