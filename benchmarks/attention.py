@@ -336,7 +336,8 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
                 cfg = f"{c.kwargs.get('BLOCK_M')}x{c.kwargs.get('BLOCK_N')}/w{c.num_warps}/s{c.num_stages}"
         if name == "fwd" and cfg == "?" and sm90_case(D, S, causal, mask_kind, varlen):
             from pykernels._kernels import attention_sm90
-            bm, bn, st = attention_sm90.CONFIGS[D]
+            cfgs = attention_sm90.KEY_PAD_CONFIGS if mask_kind else {}
+            bm, bn, st = cfgs.get(D, attention_sm90.CONFIGS[D])
             cfg = (f"gluon ping-pong 2x{bm}x{bn}/s{st}{'' if causal else ' persistent'}"
                    f"{' key padding' if mask_kind else ''}")
         which = sm90_bwd_kernels(D, S, causal, mask_kind, varlen, B, H) if name != "fwd" else ""

@@ -323,9 +323,13 @@ def compile_only() -> None:
                           q_layout=ql, kv_layout=kl, num_warps=4, Mask=None, KvRange=None, KEY_PAD=False)
             print(f"host-desc D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
                   f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
-            if not causal:  # a boolean key-padding mask (the forward's KEY_PAD variant)
-                sig.update(Mask="*u8", KvRange="*i32")
-                consts.update(Mask=None, KvRange=None, KEY_PAD=True)
+            if not causal:  # a boolean key-padding mask (the forward's KEY_PAD variant, its own tiles)
+                bm, bn, stages = pkg.KEY_PAD_CONFIGS.get(d, pkg.CONFIGS[d])
+                ql, kl = base.smem_layouts(bm, bn, d, torch.bfloat16)
+                qd, kd = (mangle_type(TensorDescriptor.from_tensor(t, [r, d], lay))
+                          for r, lay in ((bm, ql), (bn, kl)))
+                sig.update(QD=qd, OD=qd, KD=kd, VD=kd, Mask="*u8", KvRange="*i32")
+                consts.update(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, q_layout=ql, kv_layout=kl, KEY_PAD=True)
                 del consts["Mask"], consts["KvRange"]
                 print(f"keypad D{d} cfg{(bm, bn, stages, 4)} full: "
                       f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
