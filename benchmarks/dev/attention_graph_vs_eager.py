@@ -1,0 +1,107 @@
+"""Why a backward's time differs between eager calls and CUDA-graph replay: the whole attention backward
+(``attention.attention_bwd``) of one case timed five ways in one process, and its kernels' device time per
+call under torch.profiler, eager and replayed.
+
+run109's benchmark had the S8192 causal backward (the fused kernel) at 2.79 ms with do_bench on eager calls
+and 3.15 ms replayed from a graph (cuDNN 2.88 / 2.92 ms); run107 had 3.12 / 3.08 ms. This probe separates
+the timing method (L2 flushed or not, one call per replay or many) from the kernels' own time, and moves
+the buffers' placement (a pad allocated first) to see whether the kernels depend on where their buffers lie.
+
+Usage (GPU): ``python benchmarks/dev/attention_graph_vs_eager.py [--cases s8192c,s8192,s4096c]``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_ncu import CASES  # noqa: E402
+from attention_sm90_gluon_ws import graph_ms  # noqa: E402
+
+from pykernels._kernels import attention as katt  # noqa: E402
+
+
+def kernel_us(fn, calls: int = 5) -> dict:
+    """Device microseconds per call of each kernel ``fn`` launches (torch.profiler, CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name[:60]] += e.device_time / calls
+    return dict(out)
+
+
+def one_graph(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def back_to_back_ms(fn, calls: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / calls
+
+
+def main() -> None:
+    import triton.testing
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="s8192c,s8192,s4096c")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: whole attention backward, ms per call")
+    for name in args.cases.split(","):
+        b, h, s, d, causal = CASES[name]
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        scale = d ** -0.5
+        o, lse = katt.attention_fwd(q, k, v, None, causal=causal, scale=scale, dropout_p=0.0, seed=0)
+
+        def fn():
+            return katt.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=scale, dropout_p=0.0, seed=0)
+        for pad_mib in (0, 2, 34):
+            pad = torch.empty(pad_mib << 20, dtype=torch.uint8, device="cuda") if pad_mib else None
+            eager_flush = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+            eager_b2b = back_to_back_ms(fn)
+            g = one_graph(fn)
+            graph_flush = triton.testing.do_bench(g.replay, warmup=10, rep=50, return_mode="median")
+            graph_b2b = graph_ms(fn)
+            print(f"{name} B{b} H{h} S{s} D{d} {'causal' if causal else 'full'} pad {pad_mib:2d} MiB: eager do_bench "
+                  f"{eager_flush:.3f}, eager back-to-back {eager_b2b:.3f}, one-call graph do_bench {graph_flush:.3f}, "
+                  f"20-call graph {graph_b2b:.3f}", flush=True)
+            del g, pad
+        ke = kernel_us(fn)
+        g = one_graph(fn)
+        kg = kernel_us(g.replay)
+        for kname in sorted(set(ke) | set(kg), key=lambda x: -ke.get(x, 0)):
+            print(f"    {kname:60s} eager {ke.get(kname, 0):9.1f} us  graph {kg.get(kname, 0):9.1f} us")
+        del g
+
+
+if __name__ == "__main__":
+    main()
