@@ -7,7 +7,8 @@ and 3.15 ms replayed from a graph (cuDNN 2.88 / 2.92 ms); run107 had 3.12 / 3.08
 the timing method (L2 flushed or not, one call per replay or many) from the kernels' own time, and moves
 the buffers' placement (a pad allocated first) to see whether the kernels depend on where their buffers lie.
 
-Usage (GPU): ``python benchmarks/dev/attention_graph_vs_eager.py [--cases s8192c,s8192,s4096c]``.
+Usage (GPU): ``python benchmarks/dev/attention_graph_vs_eager.py [--cases s8192c,s8192,s4096c]``;
+``--placement s8192c [--rounds 3]``: interleaved rounds of buffer placements with the GPU's clock and power.
 """
 from __future__ import annotations
 
@@ -66,13 +67,61 @@ def back_to_back_ms(fn, calls: int = 20) -> float:
     return a.elapsed_time(b) / calls
 
 
+def gpu_state() -> str:
+    """SM clock, temperature and power now (nvidia-smi), to tell clock drift from placement."""
+    import subprocess
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,temperature.gpu,power.draw",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        return f"? ({e})"
+
+
+def placement(name: str, rounds: int) -> None:
+    """The fused backward's time against where its fp32 dQ buffer lies (pads allocated first), in
+    interleaved rounds with the GPU's clock, temperature and power after each measurement."""
+    from pykernels._kernels import attention_sm90_bwd as kb
+    b, h, s, d, causal = CASES[name]
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = d ** -0.5
+    o, lse = katt.attention_fwd(q, k, v, None, causal=causal, scale=scale, dropout_p=0.0, seed=0)
+    seen = []
+    orig = kb._dq_acc_descriptor
+
+    def spy(dq_acc, bm, dd):
+        seen.append(dq_acc.data_ptr())
+        return orig(dq_acc, bm, dd)
+    kb._dq_acc_descriptor = spy
+
+    def fn():
+        return katt.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=scale, dropout_p=0.0, seed=0)
+    try:
+        for r in range(rounds):
+            for pad_mib in (0, 1, 2, 3, 34):
+                pad = torch.empty(pad_mib << 20, dtype=torch.uint8, device="cuda") if pad_mib else None
+                seen.clear()
+                ms = back_to_back_ms(fn)
+                ptr = seen[-1] if seen else 0
+                print(f"{name} round {r} pad {pad_mib:2d} MiB: {ms:.3f} ms; dq_acc at {ptr:#x} (mod 2 MiB "
+                      f"{ptr % (2 << 20):#x}); {gpu_state()}", flush=True)
+                del pad
+    finally:
+        kb._dq_acc_descriptor = orig
+
+
 def main() -> None:
     import triton.testing
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="s8192c,s8192,s4096c")
+    ap.add_argument("--placement", default="", help="a case: the fused kernel's time against its buffer placement")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device")
+        return
+    if args.placement:
+        placement(args.placement, args.rounds)
         return
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: whole attention backward, ms per call")
     for name in args.cases.split(","):
