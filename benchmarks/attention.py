@@ -339,7 +339,7 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
             cfgs = attention_sm90.KEY_PAD_CONFIGS if mask_kind else {}
             bm, bn, st = cfgs.get(D, attention_sm90.CONFIGS[D])
             cfg = (f"gluon ping-pong 2x{bm}x{bn}/s{st}{'' if causal else ' persistent'}"
-                   f"{' key padding' if mask_kind else ''}")
+                   f"{' key padding' if mask_kind else ''}{' varlen' if varlen else ''}")
         which = sm90_bwd_kernels(D, S, causal, mask_kind, varlen, B, H) if name != "fwd" else ""
         if which == "fused":
             from pykernels._kernels import attention_sm90_bwd as kb
@@ -368,10 +368,14 @@ def sm90_bwd_kernels(D: int, S: int, causal: bool, mask_kind: int, varlen: bool,
 
 
 def sm90_case(D: int, S: int, causal: bool, mask_kind: int, varlen: bool) -> bool:
-    """Whether pykernels' dense forward took the sm_90 Gluon kernel for this case (bf16, S x S)."""
-    if mask_kind not in (0, 3) or varlen or not torch.cuda.is_available():
+    """Whether pykernels' forward took the sm_90 Gluon kernel for this case (bf16, S x S; varlen: a packed
+    batch whose longest sequence is S)."""
+    if mask_kind not in (0, 3) or not torch.cuda.is_available():
         return False
     from pykernels._kernels import attention as ka
+    if varlen:
+        t = torch.empty(4 * S, 1, D, device="cuda", dtype=torch.bfloat16)
+        return ka.sm90_varlen_forward(t, t, t, S, dropout_p=0.0, scale=D ** -0.5, causal=causal)
     q = torch.empty(1, 1, S, D, device="cuda", dtype=torch.bfloat16)
     if mask_kind == 3:  # a boolean key-padding mask, with its key range
         mask = torch.ones(1, 1, 1, S, dtype=torch.bool, device="cuda")

@@ -804,6 +804,19 @@ def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None
         q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=False, kv_range=kv_range, causal=causal) is None
 
 
+def sm90_varlen_forward(q, k, v, max_seqlen_k: int, *, dropout_p: float, scale: float, causal: bool) -> bool:
+    """Whether the varlen forward runs the Gluon kernel (``attention_sm90.attention_fwd_sm90_varlen``; Hopper,
+    D = 64 or 128, not causal, no dropout, every packed tensor through one host descriptor) instead of the
+    Triton kernel: the dense kernel's rule on the longest sequence (``attention_sm90.preferred``, D = 64 from
+    ``VARLEN_MIN_SK_D64`` keys). ``PYKERNELS_ATTN_SM90=0`` turns it off with the dense path."""
+    if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or dropout_p > 0 or causal or q.shape[0] == 0:
+        return False
+    from . import attention_sm90
+    if not attention_sm90.enabled() or (q.shape[-1] == 64 and max_seqlen_k < attention_sm90.VARLEN_MIN_SK_D64):
+        return False
+    return attention_sm90.varlen_unsupported(q, k, v, dropout_p=dropout_p, scale=scale, causal=causal) is None
+
+
 def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range=None, causal: bool = False,
                   deterministic: bool = False) -> str:
     """Which Gluon backward kernels of ``attention_sm90_bwd`` ("dkdv", "dq", both, "fused" or "") the dense
@@ -866,6 +879,12 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         tq, hq, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         batch, sq, sk = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
+        if sm90_varlen_forward(q, k, v, max_seqlen_k, dropout_p=dropout_p, scale=scale, causal=causal):
+            from . import attention_sm90
+            o, lse = attention_sm90.attention_fwd_sm90_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, sq, sk,
+                                                              scale=scale)
+            _zero_uncovered(o, None, cu_seqlens_q, sq)
+            return o, lse
         # rows no program writes (past cu_seqlens[-1], or past max_seqlen_q into a sequence) are zeroed by
         # _zero_uncovered below, not by a full fill; lse is small and keeps -inf there
         o = empty(tq, hq, dv, dtype=q.dtype, device=q.device)

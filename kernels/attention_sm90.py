@@ -80,6 +80,8 @@ CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2)}
 KEY_PAD_CONFIGS = {64: (128, 64, 3)}
 MAX_REGS = 65536 // (12 * 32) // 8 * 8  # 12 warps on one SM: the launch cap (168); setmaxnreg moves them
 MIN_SK_D64 = 1024  # the auto path's rule at D = 64, causal (at D = 128 it always wins): ``preferred``
+# varlen at D = 64 from this longest sequence (keys): ``kernels.attention.sm90_varlen_forward``
+VARLEN_MIN_SK_D64 = 256
 
 
 @gluon.jit
@@ -346,66 +348,122 @@ def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
+def _varlen_span(CuQ, CuK, b, BLOCK_N: gl.constexpr):
+    """Sequence b of a varlen batch: (first query row (int64), query length, first key row (int64), key
+    length for the masks, key blocks, empty). A sequence without keys is ``empty``: its tile runs one block
+    with key 0 unmasked (finite scores, no NaN) and the consumers store O = 0 and lse = -inf."""
+    q0 = gl.load(CuQ + b)
+    sq = gl.load(CuQ + b + 1) - q0
+    k0 = gl.load(CuK + b)
+    sk = gl.load(CuK + b + 1) - k0
+    empty = sk <= 0
+    sk = gl.where(empty, 1, sk)
+    return q0.to(gl.int64), sq, k0.to(gl.int64), sk, gl.cdiv(sk, BLOCK_N), empty
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
               k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
-              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
-              KEY_PAD: gl.constexpr, q_layout: gl.constexpr):
+              KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, q_layout: gl.constexpr):
     """Consumer warpgroup WG over the CTA's tiles: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each; its Q
-    buffer of a tile is (tile count % 2, WG), released through ``q_empty`` once O left it."""
-    base = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-        it = (tile - gl.program_id(0)) // gl.num_programs(0)  # this CTA's tile count (not loop-carried)
-        buf = (it % 2) * 2 + WG
-        my_m = start_m + WG * BLOCK_M
-        j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
-        acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty, v_empty,
-                                 turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-                                 IS_CAUSAL, 4, True, base, (it // 2) & 1, j0, Mask, b * stride_mb, stride_mn, lo, hi,
-                                 dense, KEY_PAD)
-        if KEY_PAD:  # a batch without a valid key: O = 0, lse = -inf
-            acc = acc * gl.where(empty, 0.0, 1.0)
-            m_i = gl.where(empty, float("-inf"), m_i)
-        hb = tile // n_m  # (batch, head) again: not held in registers through the main loop
-        b = (hb // H).to(gl.int64)
-        h = (hb % H).to(gl.int64)
-        _epilogue(acc, m_i, l_i, q_smem.index(buf), O, LSE, b * stride_ob + h * stride_oh, b * stride_lb + h * stride_lh,
-                  stride_om, Sq, my_m, o_desc, HEAD_D, BLOCK_M, BLOCK_N, 4, HOST_DESC, q_layout)
-        mbarrier.arrive(q_empty.index(buf), count=1)
-        base += n_blocks
+    buffer of a tile is (tile count % 2, WG), released through ``q_empty`` once O left it. VARLEN: tiles
+    past their sequence's length are skipped (by the producer alike), so the count of active tiles is
+    carried through the loop."""
+    if VARLEN:  # (its own loop: the dense one below stays as it was, register for register)
+        base = 0
+        n_done = 0  # active tiles so far (the producer skips the same ones)
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+            q0, sq_t, k0, sk_t, n_blocks, v_empty_seq = _varlen_span(CuQ, CuK, b, BLOCK_N)
+            if start_m < sq_t:
+                buf = (n_done % 2) * 2 + WG
+                my_m = start_m + WG * BLOCK_M
+                acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
+                                         v_empty, turn_bar, WG, sk_t, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M,
+                                         BLOCK_N, STAGES, IS_CAUSAL, 4, True, base, (n_done // 2) & 1)
+                hb = tile // n_m  # (sequence, head, start and length again: not held through the main loop)
+                b = (hb // H).to(gl.int64)
+                h = (hb % H).to(gl.int64)
+                q0, sq_t, k0, sk_t, nb, v_empty_seq = _varlen_span(CuQ, CuK, b, BLOCK_N)
+                acc = acc * gl.where(v_empty_seq, 0.0, 1.0)  # a sequence without keys: O = 0, lse = -inf
+                m_i = gl.where(v_empty_seq, float("-inf"), m_i)
+                _epilogue(acc, m_i, l_i, q_smem.index(buf), O, LSE, h * stride_oh + q0 * stride_om,
+                          h * stride_lh + q0, stride_om, sq_t, my_m, o_desc, HEAD_D, BLOCK_M, BLOCK_N, 4, HOST_DESC,
+                          q_layout)
+                mbarrier.arrive(q_empty.index(buf), count=1)
+                base += n_blocks
+                n_done += 1
+    else:
+        base = 0
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+            it = (tile - gl.program_id(0)) // gl.num_programs(0)  # this CTA's tile count (not loop-carried)
+            buf = (it % 2) * 2 + WG
+            my_m = start_m + WG * BLOCK_M
+            j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
+            acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty, v_empty,
+                                     turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
+                                     IS_CAUSAL, 4, True, base, (it // 2) & 1, j0, Mask, b * stride_mb, stride_mn, lo, hi,
+                                     dense, KEY_PAD)
+            if KEY_PAD:  # a batch without a valid key: O = 0, lse = -inf
+                acc = acc * gl.where(empty, 0.0, 1.0)
+                m_i = gl.where(empty, float("-inf"), m_i)
+            hb = tile // n_m  # (batch, head) again: not held in registers through the main loop
+            b = (hb // H).to(gl.int64)
+            h = (hb % H).to(gl.int64)
+            _epilogue(acc, m_i, l_i, q_smem.index(buf), O, LSE, b * stride_ob + h * stride_oh, b * stride_lb + h * stride_lh,
+                      stride_om, Sq, my_m, o_desc, HEAD_D, BLOCK_M, BLOCK_N, 4, HOST_DESC, q_layout)
+            mbarrier.arrive(q_empty.index(buf), count=1)
+            base += n_blocks
 
 
 @gluon.jit
 def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
               k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
-              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
-              KEY_PAD: gl.constexpr, q_layout: gl.constexpr):
+              KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, q_layout: gl.constexpr):
     """The producer warp, over the CTA's tiles: both warpgroups' Q tiles (double-buffered across tiles),
-    then the tile's K/V through the ring (each stage's empty barriers count 2 arrivals, one per consumer)."""
+    then the tile's K/V through the ring (each stage's empty barriers count 2 arrivals, one per consumer).
+    VARLEN: a sequence b is rows [cu[b], cu[b + 1]) of the packed tensors (``stride_*b`` 0); tiles past its
+    length are skipped, as the consumers skip them."""
     base = 0
     it = 0
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-        j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
-        q_row0, q_col0, k_row0, k_col0, v_row0, v_col0 = 0, 0, 0, 0, 0, 0
-        if HOST_DESC:
-            q_row0, q_col0 = _flat_coords(b * stride_qb + h * stride_qh, stride_qm)
-            k_row0, k_col0 = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
-            v_row0, v_col0 = _flat_coords(b * stride_vb + hk * stride_vh, stride_vn)
-        for wg in gl.static_range(2):
-            buf = (it % 2) * 2 + wg
-            mbarrier.wait(q_empty.index(buf), ((it // 2) & 1) ^ 1)
-            mbarrier.expect(q_bar.index(buf), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row0 + start_m + wg * BLOCK_M, q_col0], q_bar.index(buf),
-                                            q_smem.index(buf))
-        _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, base,
-                      k_row0 + j0 * BLOCK_N, k_col0, v_row0 + j0 * BLOCK_N, v_col0, STAGES, BLOCK_N)
-        base += n_blocks
-        it += 1
+        active = True
+        sk_t = Sk
+        if VARLEN:
+            q0, sq_t, k0, sk_t, n_blocks, v_empty_seq = _varlen_span(CuQ, CuK, b, BLOCK_N)
+            active = start_m < sq_t
+        if active:
+            j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, sk_t, BLOCK_N, KEY_PAD)
+            q_row0, q_col0, k_row0, k_col0, v_row0, v_col0 = 0, 0, 0, 0, 0, 0
+            if HOST_DESC:
+                q_off = b * stride_qb + h * stride_qh
+                k_off = b * stride_kb + hk * stride_kh
+                v_off = b * stride_vb + hk * stride_vh
+                if VARLEN:
+                    q_off = q_off + q0 * stride_qm
+                    k_off = k_off + k0 * stride_kn
+                    v_off = v_off + k0 * stride_vn
+                q_row0, q_col0 = _flat_coords(q_off, stride_qm)
+                k_row0, k_col0 = _flat_coords(k_off, stride_kn)
+                v_row0, v_col0 = _flat_coords(v_off, stride_vn)
+            for wg in gl.static_range(2):
+                buf = (it % 2) * 2 + wg
+                mbarrier.wait(q_empty.index(buf), ((it // 2) & 1) ^ 1)
+                mbarrier.expect(q_bar.index(buf), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row0 + start_m + wg * BLOCK_M, q_col0], q_bar.index(buf),
+                                                q_smem.index(buf))
+            _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, base,
+                          k_row0 + j0 * BLOCK_N, k_col0, v_row0 + j0 * BLOCK_N, v_col0, STAGES, BLOCK_N)
+            base += n_blocks
+            it += 1
 
 
 @gluon.jit
@@ -437,10 +495,10 @@ def _attention_fwd_sm90_kernel(
     Q, K, V, O, LSE, QD, KD, VD, OD,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-    H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn,
+    H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, KEY_PAD: gl.constexpr, q_layout: gl.constexpr,
-    kv_layout: gl.constexpr, num_warps: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, KEY_PAD: gl.constexpr, VARLEN: gl.constexpr,
+    q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Tiles of 2 * BLOCK_M query rows of one (batch, head), n_m per head, n_tiles in all, over a 1-D grid:
     a CTA takes tiles program_id, + num_programs, ... (persistent when the grid is smaller than n_tiles).
@@ -451,8 +509,12 @@ def _attention_fwd_sm90_kernel(
     key-padding mask (uint8, ``Mask + b * stride_mb + key * stride_mn``) with its per-batch valid key range
     ``KvRange`` (int32 (B, 3)): a tile streams only the key blocks of that range (``_key_span``) and masks
     their keys (``_key_pad_scores``: by index where the range is dense, else by the mask); not causal (the
-    host's rule)."""
+    host's rule). VARLEN: packed (T, H, D) q/k/v/o seen as (1, H, T, D) (``stride_*b`` 0), batch b the
+    sequence at rows [CuQ[b], CuQ[b + 1]) and [CuK[b], CuK[b + 1]); n_m tiles per (sequence, head) from the
+    longest, those past a sequence's length skipped; lse (H, T) at ``h * stride_lh + row``; host
+    descriptors only; not causal (the host's rule)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    gl.static_assert(HOST_DESC or not VARLEN, "varlen takes the host's descriptors")
     dtype: gl.constexpr = Q.dtype.element_ty
     if HOST_DESC:
         q_desc, k_desc, v_desc, o_desc = QD, KD, VD, OD
@@ -475,18 +537,18 @@ def _attention_fwd_sm90_kernel(
         (_consumer, (0, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
-                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-                        IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout)),
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, HEAD_D, BLOCK_M, BLOCK_N,
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, q_layout)),
         (_producer, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
-                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-                        IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout)),
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, HEAD_D, BLOCK_M, BLOCK_N,
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, q_layout)),
         (_consumer, (1, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
-                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-                        IS_CAUSAL, HOST_DESC, KEY_PAD, q_layout)),
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, HEAD_D, BLOCK_M, BLOCK_N,
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, q_layout)),
     ], [1, 4], [24, 240])
 
 
@@ -619,7 +681,66 @@ def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, n_m, n_tiles,
         mask.view(torch.uint8) if key_pad else None, kv_range if key_pad else None,
-        mask.stride(0) if key_pad else 0, mask.stride(3) if key_pad else 0,
+        mask.stride(0) if key_pad else 0, mask.stride(3) if key_pad else 0, None, None,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), HOST_DESC=descs is not None,
-        KEY_PAD=key_pad, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
+        KEY_PAD=key_pad, VARLEN=False, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
+    return o, lse
+
+
+def _packed_4d(t: torch.Tensor) -> torch.Tensor:
+    """A packed (T, H, D) tensor as the (1, H, T, D) view the kernel's descriptors take."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def varlen_unsupported(q, k, v, *, dropout_p: float, scale: float, causal: bool) -> str | None:
+    """None when the varlen forward (``attention_fwd_sm90_varlen``) covers packed (T, H, D) q, k, v, else
+    why not: the dense rule (``unsupported``) on their (1, H, T, D) views, not causal, and every tensor
+    seen through one host descriptor (at least a tile of rows, 16-byte aligned)."""
+    if causal:
+        return "causal varlen"
+    q4, k4, v4 = (_packed_4d(t) for t in (q, k, v))
+    why = unsupported(q4, k4, v4, None, dropout_p=dropout_p, scale=scale, varlen=False)
+    if why is not None:
+        return why
+    bm, bn, _ = CONFIGS[q.shape[-1]]
+    ql, kl = smem_layouts(bm, bn, q.shape[-1], q.dtype)
+    if _flat_descriptor(q4, bm, ql) is None or any(_flat_descriptor(t, bn, kl) is None for t in (k4, v4)):
+        return "a packed tensor with fewer rows than a tile or strides one descriptor cannot take"
+    return None
+
+
+def attention_fwd_sm90_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                              scale: float):
+    """The varlen forward on packed q (Tq, Hq, D), k / v (Tk, Hkv, D) covered per ``varlen_unsupported``:
+    o (Tq, Hq, D) and lse (Hq, Tq) fp32 as ``attention.attention_fwd`` returns them for varlen (lse -inf and
+    o unwritten on rows no sequence covers: the caller zeroes those o rows, as for the Triton kernel). A
+    persistent grid over (sequence, head, tile of 2 * BLOCK_M rows) tiles, n_m per (sequence, head) from
+    ``max_seqlen_q``; a sequence's tiles past its length are skipped, its tail tile stored through a
+    descriptor made on the device that clips at the sequence's end, and its keys past the end (the next
+    sequence's rows) are masked as a key tail."""
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    batch = cu_seqlens_q.numel() - 1
+    bm, bn, stages = CONFIGS[d]
+    o = empty(tq, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
+    n_m = _tuning.cdiv(max_seqlen_q, 2 * bm)
+    n_tiles = n_m * hq * batch
+    if n_tiles == 0:
+        return o, lse
+    q4, k4, v4, o4 = (_packed_4d(t) for t in (q, k, v, o))
+    ql, kl = smem_layouts(bm, bn, d, q.dtype)
+    descs = (_flat_descriptor(q4, bm, ql), _flat_descriptor(k4, bn, kl), _flat_descriptor(v4, bn, kl),
+             _flat_descriptor(o4, bm, ql))
+    if any(x is None for x in descs):
+        raise ValueError("attention_fwd_sm90_varlen: the tensors do not meet varlen_unsupported's rule")
+    _tuning.ensure_allocator()  # a sequence's tail tile is stored through a descriptor made on the device
+    grid = min(n_tiles, _num_sms(q.device))
+    strides = lambda t: (0, t.stride(1), t.stride(0))  # noqa: E731  (sequence, head, token)
+    _launch.fast(_attention_fwd_sm90_kernel)[(grid,)](
+        q, k, v, o, lse, *descs, *strides(q), *strides(k), *strides(v), *strides(o), 0, lse.stride(0),
+        hq, hq // hkv, max_seqlen_q, max_seqlen_k, scale * LOG2E, n_m, n_tiles, None, None, 0, 0,
+        cu_seqlens_q, cu_seqlens_k,
+        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=False, HOST_DESC=True, KEY_PAD=False,
+        VARLEN=True, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
     return o, lse

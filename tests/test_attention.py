@@ -928,6 +928,74 @@ def test_gpu_sm90_gluon_forward_key_padding(layout, b, hq, hkv, sq, sk, d, patte
 
 @pytest.mark.gpu
 @sm90_only
+@pytest.mark.parametrize("layout", ["packed", "qkv"])
+@pytest.mark.parametrize("lens,hq,hkv,d", [
+    ([512, 300, 0, 17, 511, 1], 4, 4, 64),   # BERT-like lengths, an empty sequence, lengths 17 and 1
+    ([1000, 127, 256, 129], 4, 2, 128),     # GQA; lengths on both sides of the 128-row tiles
+    ([384, 0], 2, 2, 128)])                 # the last sequence empty: its rows past cu[-2] are zero
+def test_gpu_sm90_gluon_varlen_forward(layout, lens, hq, hkv, d):
+    """The Gluon forward on packed varlen sequences (not causal; ``attention_sm90.attention_fwd_sm90_varlen``):
+    every sequence equal to the reference on its own rows, rows past cu_seqlens[-1] zero, and the backward
+    (Triton's, on this forward's lse) equal to the reference per sequence. "qkv": q, k, v are head slices of
+    one packed projection (T, Hq + 2 Hkv, D), so their token stride is not H * D."""
+    from pykernels._kernels import attention as katt
+    extra = 5
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    t = int(cu[-1]) + extra
+    if layout == "packed":
+        q, k, v = _inputs((t, hq, d), (t, hkv, d), (t, hkv, d), BF16, "cuda")
+    else:
+        qkv = torch.randn(t, hq + 2 * hkv, d, device="cuda", dtype=BF16)
+        q, k, v = (x.detach().requires_grad_(True) for x in (qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]))
+    cu = cu.cuda()
+    mx = max(lens)
+    assert katt.sm90_varlen_forward(q, k, v, mx, dropout_p=0.0, scale=d ** -0.5, causal=False), \
+        "this case must take the sm_90 kernel"
+    out = varlen_attention(q, k, v, cu, cu, mx, mx, backend="triton")
+    do = torch.randn_like(out)
+    dq, dk, dv = _grads(out, (q, k, v), do)
+    end = int(cu[-1])
+    for name, g in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(g).all(), name
+        assert torch.equal(g[end:], torch.zeros_like(g[end:])), name
+    for i in range(len(lens)):
+        s0, s1 = int(cu[i]), int(cu[i + 1])
+        if s1 == s0:
+            continue
+
+        def seq(dt):
+            qq, kk, vv = (x.detach().to(dt).requires_grad_(True) for x in (q, k, v))
+            o = attention_reference(qq[s0:s1].transpose(0, 1), kk[s0:s1].transpose(0, 1),
+                                    vv[s0:s1].transpose(0, 1)).transpose(0, 1)
+            return o, _grads(o, (qq, kk, vv), do[s0:s1].to(dt))
+
+        o_hi, g_hi = seq(torch.float64)
+        o_lo, g_lo = seq(BF16)
+        assert_close_to_ref(f"seq{i} out", out[s0:s1], o_hi, o_lo)
+        for name, g, h_, l_ in zip(("dq", "dk", "dv"), (dq, dk, dv), g_hi, g_lo):
+            assert_close_to_ref(f"seq{i} {name}", g[s0:s1], h_[s0:s1], l_[s0:s1])
+
+
+@pytest.mark.gpu
+@sm90_only
+def test_gpu_sm90_varlen_dispatch_rules(monkeypatch):
+    """The varlen forward takes the Gluon kernel only where it covers the call and its rule prefers it."""
+    from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90
+    q, k, v = _inputs((600, 2, 64), (600, 2, 64), (600, 2, 64), BF16, "cuda", requires_grad=False)
+    rule = dict(dropout_p=0.0, scale=0.125, causal=False)
+    assert katt.sm90_varlen_forward(q, k, v, attention_sm90.VARLEN_MIN_SK_D64, **rule)
+    assert not katt.sm90_varlen_forward(q, k, v, attention_sm90.VARLEN_MIN_SK_D64 - 1, **rule)  # D = 64, short
+    assert not katt.sm90_varlen_forward(q, k, v, 512, **dict(rule, causal=True))
+    assert not katt.sm90_varlen_forward(q, k, v, 512, **dict(rule, dropout_p=0.1))
+    assert not katt.sm90_varlen_forward(q[:100], k[:100], v[:100], 512, **rule)  # fewer rows than a tile
+    assert not katt.sm90_varlen_forward(q.float(), k.float(), v.float(), 512, **rule)
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90", "0")
+    assert not katt.sm90_varlen_forward(q, k, v, 512, **rule)
+
+
+@pytest.mark.gpu
+@sm90_only
 def test_gpu_sm90_key_padding_dispatch_rules():
     """Key padding takes the Gluon forward only as a boolean mask with its key range and not causal."""
     from pykernels._kernels import attention as katt

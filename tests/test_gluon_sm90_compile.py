@@ -34,7 +34,7 @@ def test_gluon_attention_kernels_compile_for_sm90_without_spills():
     assert res.returncode == 0, out[-4000:]
     lines = [ln for ln in res.stdout.splitlines() if ": compiled;" in ln or ": ERROR" in ln]
     kinds = {ln.split()[0] for ln in lines}
-    assert kinds == {"plain", "ws", "ping-pong", "host-desc", "keypad"}, out[-4000:]
+    assert kinds == {"plain", "ws", "ping-pong", "host-desc", "keypad", "varlen"}, out[-4000:]
     for ln in lines:
         assert ": compiled;" in ln, ln
         assert "wgmma.wait_group 1: True" in ln, ln  # the next QK^T stays in flight during the softmax
@@ -42,10 +42,11 @@ def test_gluon_attention_kernels_compile_for_sm90_without_spills():
         # the package kernel's causal variants spill a few bytes at the 168-register launch cap (the mask's
         # row/column indices on top of the persistent loop's counters; H100 run34 measured them); a larger
         # spill is a regression
-        # the key-padding variant spills 36 bytes at D = 128 (the mask row's pointer and the key span) and 28 at
-        # D = 64 (its 128 x 64 tiles per warpgroup: KEY_PAD_CONFIGS)
+        # the key-padding variant spills 20-36 bytes at D = 128 (the mask row's pointer and the key span) and 28
+        # at D = 64 (its 128 x 64 tiles per warpgroup: KEY_PAD_CONFIGS); the varlen variant 4 at D = 128 (the
+        # sequence's start and length)
         limit = 64 if ((" causal:" in ln and ln.split()[0] in ("ping-pong", "host-desc"))
-                       or ln.startswith("keypad ")) else 0
+                       or ln.startswith("keypad ")) else 16 if ln.startswith("varlen ") else 0
         assert spilled <= limit, ln
         if not ln.startswith("plain"):
             assert "'24;'" in ln, ln  # warp specialised: the producer runs on 24 registers

@@ -320,9 +320,16 @@ def compile_only() -> None:
             sig = _pkg_signature(fn)
             sig.update(QD=qd, OD=qd, KD=kd, VD=kd)
             consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, HOST_DESC=True,
-                          q_layout=ql, kv_layout=kl, num_warps=4, Mask=None, KvRange=None, KEY_PAD=False)
+                          q_layout=ql, kv_layout=kl, num_warps=4, Mask=None, KvRange=None, KEY_PAD=False,
+                          CuQ=None, CuK=None, VARLEN=False)
             print(f"host-desc D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
                   f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
+            if not causal:  # packed varlen sequences (the forward's VARLEN variant, cu_seqlens int32)
+                vsig = dict(sig, CuQ="*i32", CuK="*i32")
+                vconsts = {kk: vv for kk, vv in consts.items() if kk not in ("CuQ", "CuK")}
+                vconsts["VARLEN"] = True
+                print(f"varlen D{d} cfg{(bm, bn, stages, 4)} full: "
+                      f"{compile_report(fn, vsig, vconsts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
             if not causal:  # a boolean key-padding mask (the forward's KEY_PAD variant, its own tiles)
                 bm, bn, stages = pkg.KEY_PAD_CONFIGS.get(d, pkg.CONFIGS[d])
                 ql, kl = base.smem_layouts(bm, bn, d, torch.bfloat16)
@@ -342,7 +349,7 @@ def compile_only() -> None:
                               kv_layout=kl, num_warps=warps)
                 if fn is pkg._attention_fwd_sm90_kernel:
                     consts.update(QD=None, KD=None, VD=None, OD=None, HOST_DESC=False, Mask=None, KvRange=None,
-                                  KEY_PAD=False)
+                                  KEY_PAD=False, CuQ=None, CuK=None, VARLEN=False)
                 opts = dict(num_warps=warps)
                 if kind != "plain":
                     opts["maxnreg"] = max_regs(8 if kind == "ping-pong" else warps)
