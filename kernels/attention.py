@@ -806,13 +806,14 @@ def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None
 
 def sm90_varlen_forward(q, k, v, max_seqlen_k: int, *, dropout_p: float, scale: float, causal: bool) -> bool:
     """Whether the varlen forward runs the Gluon kernel (``attention_sm90.attention_fwd_sm90_varlen``; Hopper,
-    D = 64 or 128, not causal, no dropout, every packed tensor through one host descriptor) instead of the
-    Triton kernel: the dense kernel's rule on the longest sequence (``attention_sm90.preferred``, D = 64 from
-    ``VARLEN_MIN_SK_D64`` keys). ``PYKERNELS_ATTN_SM90=0`` turns it off with the dense path."""
+    not causal, no dropout, every packed tensor through one host descriptor) instead of the Triton kernel: the
+    speed rule is the head dim (``attention_sm90.VARLEN_HEAD_DIMS``: D = 128; the kernel covers D = 64 too,
+    where the Triton kernel is faster). ``max_seqlen_k`` is for rules by length (none at present).
+    ``PYKERNELS_ATTN_SM90=0`` turns it off with the dense path."""
     if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or dropout_p > 0 or causal or q.shape[0] == 0:
         return False
     from . import attention_sm90
-    if not attention_sm90.enabled() or (q.shape[-1] == 64 and max_seqlen_k < attention_sm90.VARLEN_MIN_SK_D64):
+    if not attention_sm90.enabled() or q.shape[-1] not in attention_sm90.VARLEN_HEAD_DIMS:
         return False
     return attention_sm90.varlen_unsupported(q, k, v, dropout_p=dropout_p, scale=scale, causal=causal) is None
 

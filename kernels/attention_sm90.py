@@ -80,8 +80,10 @@ CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2)}
 KEY_PAD_CONFIGS = {64: (128, 64, 3)}
 MAX_REGS = 65536 // (12 * 32) // 8 * 8  # 12 warps on one SM: the launch cap (168); setmaxnreg moves them
 MIN_SK_D64 = 1024  # the auto path's rule at D = 64, causal (at D = 128 it always wins): ``preferred``
-# varlen at D = 64 from this longest sequence (keys): ``kernels.attention.sm90_varlen_forward``
-VARLEN_MIN_SK_D64 = 256
+# the varlen forward's head dims (``kernels.attention.sm90_varlen_forward``): against the Triton varlen kernel
+# (H100 run113, ``benchmarks/dev/attention_varlen_ab.py``, lengths uniform in [S / 2, S], graph replay) D = 128
+# 1.16-1.32x for S 128..2048, D = 64 0.88-0.95x (the 128-row tiles waste more of each sequence's tail)
+VARLEN_HEAD_DIMS = (128,)
 
 
 @gluon.jit

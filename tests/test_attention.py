@@ -933,12 +933,15 @@ def test_gpu_sm90_gluon_forward_key_padding(layout, b, hq, hkv, sq, sk, d, patte
     ([512, 300, 0, 17, 511, 1], 4, 4, 64),   # BERT-like lengths, an empty sequence, lengths 17 and 1
     ([1000, 127, 256, 129], 4, 2, 128),     # GQA; lengths on both sides of the 128-row tiles
     ([384, 0], 2, 2, 128)])                 # the last sequence empty: its rows past cu[-2] are zero
-def test_gpu_sm90_gluon_varlen_forward(layout, lens, hq, hkv, d):
+def test_gpu_sm90_gluon_varlen_forward(monkeypatch, layout, lens, hq, hkv, d):
     """The Gluon forward on packed varlen sequences (not causal; ``attention_sm90.attention_fwd_sm90_varlen``):
     every sequence equal to the reference on its own rows, rows past cu_seqlens[-1] zero, and the backward
     (Triton's, on this forward's lse) equal to the reference per sequence. "qkv": q, k, v are head slices of
-    one packed projection (T, Hq + 2 Hkv, D), so their token stride is not H * D."""
+    one packed projection (T, Hq + 2 Hkv, D), so their token stride is not H * D. At D = 64 (covered, but
+    the rule keeps the Triton kernel there) the rule is widened for the test."""
     from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90
+    monkeypatch.setattr(attention_sm90, "VARLEN_HEAD_DIMS", (64, 128))
     extra = 5
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     t = int(cu[-1]) + extra
@@ -982,10 +985,11 @@ def test_gpu_sm90_varlen_dispatch_rules(monkeypatch):
     """The varlen forward takes the Gluon kernel only where it covers the call and its rule prefers it."""
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90
-    q, k, v = _inputs((600, 2, 64), (600, 2, 64), (600, 2, 64), BF16, "cuda", requires_grad=False)
+    q, k, v = _inputs((600, 2, 128), (600, 2, 128), (600, 2, 128), BF16, "cuda", requires_grad=False)
     rule = dict(dropout_p=0.0, scale=0.125, causal=False)
-    assert katt.sm90_varlen_forward(q, k, v, attention_sm90.VARLEN_MIN_SK_D64, **rule)
-    assert not katt.sm90_varlen_forward(q, k, v, attention_sm90.VARLEN_MIN_SK_D64 - 1, **rule)  # D = 64, short
+    assert attention_sm90.VARLEN_HEAD_DIMS == (128,)
+    assert katt.sm90_varlen_forward(q, k, v, 512, **rule)
+    assert not katt.sm90_varlen_forward(q[..., :64], k[..., :64], v[..., :64], 512, **rule)  # D = 64: Triton's
     assert not katt.sm90_varlen_forward(q, k, v, 512, **dict(rule, causal=True))
     assert not katt.sm90_varlen_forward(q, k, v, 512, **dict(rule, dropout_p=0.1))
     assert not katt.sm90_varlen_forward(q[:100], k[:100], v[:100], 512, **rule)  # fewer rows than a tile

@@ -1,7 +1,7 @@
 """A/B of the varlen forward: the sm_90 Gluon kernel (``attention_sm90.attention_fwd_sm90_varlen``) against
 the Triton kernel on the same packed batch, in one process, graph replay (GPU time), outputs compared. Lengths
-uniform in [S / 2, S] (the benchmark's BERT batch is B32, 256..512), tokens ~16k, H12; the rule's D = 64
-threshold (``attention_sm90.VARLEN_MIN_SK_D64``) comes from the S sweep.
+uniform in [S / 2, S] (the benchmark's BERT batch is B32, 256..512), tokens ~16k, H12. The rule
+(``attention_sm90.VARLEN_HEAD_DIMS``: D = 128 only) comes from this sweep (run113).
 
 Usage (GPU): ``python benchmarks/dev/attention_varlen_ab.py``.
 """
