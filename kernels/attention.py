@@ -806,11 +806,11 @@ def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None
 
 def sm90_varlen_forward(q, k, v, max_seqlen_k: int, *, dropout_p: float, scale: float, causal: bool) -> bool:
     """Whether the varlen forward runs the Gluon kernel (``attention_sm90.attention_fwd_sm90_varlen``; Hopper,
-    not causal, no dropout, every packed tensor through one host descriptor) instead of the Triton kernel: the
+    causal or not, no dropout, every packed tensor through one host descriptor) instead of the Triton kernel: the
     speed rule is the head dim (``attention_sm90.VARLEN_HEAD_DIMS``: D = 128; the kernel covers D = 64 too,
     where the Triton kernel is faster). ``max_seqlen_k`` is for rules by length (none at present).
     ``PYKERNELS_ATTN_SM90=0`` turns it off with the dense path."""
-    if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or dropout_p > 0 or causal or q.shape[0] == 0:
+    if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or dropout_p > 0 or q.shape[0] == 0:
         return False
     from . import attention_sm90
     if not attention_sm90.enabled() or q.shape[-1] not in attention_sm90.VARLEN_HEAD_DIMS:
@@ -883,7 +883,7 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         if sm90_varlen_forward(q, k, v, max_seqlen_k, dropout_p=dropout_p, scale=scale, causal=causal):
             from . import attention_sm90
             o, lse = attention_sm90.attention_fwd_sm90_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, sq, sk,
-                                                              scale=scale)
+                                                              scale=scale, causal=causal)
             _zero_uncovered(o, None, cu_seqlens_q, sq)
             return o, lse
         # rows no program writes (past cu_seqlens[-1], or past max_seqlen_q into a sequence) are zeroed by

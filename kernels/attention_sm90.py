@@ -350,17 +350,22 @@ def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _varlen_span(CuQ, CuK, b, BLOCK_N: gl.constexpr):
-    """Sequence b of a varlen batch: (first query row (int64), query length, first key row (int64), key
-    length for the masks, key blocks, empty). A sequence without keys is ``empty``: its tile runs one block
-    with key 0 unmasked (finite scores, no NaN) and the consumers store O = 0 and lse = -inf."""
+def _varlen_span(CuQ, CuK, b, start_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Sequence b of a varlen batch, for the tile of 2 * BLOCK_M rows from ``start_m``: (first query row
+    (int64), query length, first key row (int64), key length for the masks, the tile's key blocks, empty).
+    Causal: top-left aligned in the sequence, as the dense kernel (the tile's blocks up to its last row's
+    diagonal). A sequence without keys is ``empty``: its tile runs one block with key 0 unmasked (finite
+    scores, no NaN) and the consumers store O = 0 and lse = -inf."""
     q0 = gl.load(CuQ + b)
     sq = gl.load(CuQ + b + 1) - q0
     k0 = gl.load(CuK + b)
     sk = gl.load(CuK + b + 1) - k0
     empty = sk <= 0
     sk = gl.where(empty, 1, sk)
-    return q0.to(gl.int64), sq, k0.to(gl.int64), sk, gl.cdiv(sk, BLOCK_N), empty
+    hi = sk
+    if IS_CAUSAL:
+        hi = gl.minimum(sk, start_m + 2 * BLOCK_M)
+    return q0.to(gl.int64), sq, k0.to(gl.int64), sk, gl.cdiv(hi, BLOCK_N), empty
 
 
 @gluon.jit
@@ -379,7 +384,7 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
         n_done = 0  # active tiles so far (the producer skips the same ones)
         for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-            q0, sq_t, k0, sk_t, n_blocks, v_empty_seq = _varlen_span(CuQ, CuK, b, BLOCK_N)
+            q0, sq_t, k0, sk_t, n_blocks, v_empty_seq = _varlen_span(CuQ, CuK, b, start_m, BLOCK_M, BLOCK_N, IS_CAUSAL)
             if start_m < sq_t:
                 buf = (n_done % 2) * 2 + WG
                 my_m = start_m + WG * BLOCK_M
@@ -389,7 +394,7 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
                 hb = tile // n_m  # (sequence, head, start and length again: not held through the main loop)
                 b = (hb // H).to(gl.int64)
                 h = (hb % H).to(gl.int64)
-                q0, sq_t, k0, sk_t, nb, v_empty_seq = _varlen_span(CuQ, CuK, b, BLOCK_N)
+                q0, sq_t, k0, sk_t, nb, v_empty_seq = _varlen_span(CuQ, CuK, b, start_m, BLOCK_M, BLOCK_N, IS_CAUSAL)
                 acc = acc * gl.where(v_empty_seq, 0.0, 1.0)  # a sequence without keys: O = 0, lse = -inf
                 m_i = gl.where(v_empty_seq, float("-inf"), m_i)
                 _epilogue(acc, m_i, l_i, q_smem.index(buf), O, LSE, h * stride_oh + q0 * stride_om,
@@ -406,18 +411,19 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
             buf = (it % 2) * 2 + WG
             my_m = start_m + WG * BLOCK_M
             j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
-            acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty, v_empty,
-                                     turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES,
-                                     IS_CAUSAL, 4, True, base, (it // 2) & 1, j0, Mask, b * stride_mb, stride_mn, lo, hi,
-                                     dense, KEY_PAD)
+            acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
+                                     v_empty, turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
+                                     STAGES, IS_CAUSAL, 4, True, base, (it // 2) & 1, j0, Mask, b * stride_mb,
+                                     stride_mn, lo, hi, dense, KEY_PAD)
             if KEY_PAD:  # a batch without a valid key: O = 0, lse = -inf
                 acc = acc * gl.where(empty, 0.0, 1.0)
                 m_i = gl.where(empty, float("-inf"), m_i)
             hb = tile // n_m  # (batch, head) again: not held in registers through the main loop
             b = (hb // H).to(gl.int64)
             h = (hb % H).to(gl.int64)
-            _epilogue(acc, m_i, l_i, q_smem.index(buf), O, LSE, b * stride_ob + h * stride_oh, b * stride_lb + h * stride_lh,
-                      stride_om, Sq, my_m, o_desc, HEAD_D, BLOCK_M, BLOCK_N, 4, HOST_DESC, q_layout)
+            _epilogue(acc, m_i, l_i, q_smem.index(buf), O, LSE, b * stride_ob + h * stride_oh,
+                      b * stride_lb + h * stride_lh, stride_om, Sq, my_m, o_desc, HEAD_D, BLOCK_M, BLOCK_N, 4,
+                      HOST_DESC, q_layout)
             mbarrier.arrive(q_empty.index(buf), count=1)
             base += n_blocks
 
@@ -440,7 +446,7 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
         active = True
         sk_t = Sk
         if VARLEN:
-            q0, sq_t, k0, sk_t, n_blocks, v_empty_seq = _varlen_span(CuQ, CuK, b, BLOCK_N)
+            q0, sq_t, k0, sk_t, n_blocks, v_empty_seq = _varlen_span(CuQ, CuK, b, start_m, BLOCK_M, BLOCK_N, IS_CAUSAL)
             active = start_m < sq_t
         if active:
             j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, sk_t, BLOCK_N, KEY_PAD)
@@ -514,7 +520,7 @@ def _attention_fwd_sm90_kernel(
     host's rule). VARLEN: packed (T, H, D) q/k/v/o seen as (1, H, T, D) (``stride_*b`` 0), batch b the
     sequence at rows [CuQ[b], CuQ[b + 1]) and [CuK[b], CuK[b + 1]); n_m tiles per (sequence, head) from the
     longest, those past a sequence's length skipped; lse (H, T) at ``h * stride_lh + row``; host
-    descriptors only; not causal (the host's rule)."""
+    descriptors only; causal top-left aligned within each sequence."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(HOST_DESC or not VARLEN, "varlen takes the host's descriptors")
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -696,10 +702,8 @@ def _packed_4d(t: torch.Tensor) -> torch.Tensor:
 
 def varlen_unsupported(q, k, v, *, dropout_p: float, scale: float, causal: bool) -> str | None:
     """None when the varlen forward (``attention_fwd_sm90_varlen``) covers packed (T, H, D) q, k, v, else
-    why not: the dense rule (``unsupported``) on their (1, H, T, D) views, not causal, and every tensor
-    seen through one host descriptor (at least a tile of rows, 16-byte aligned)."""
-    if causal:
-        return "causal varlen"
+    why not: the dense rule (``unsupported``) on their (1, H, T, D) views, and every tensor seen through
+    one host descriptor (at least a tile of rows, 16-byte aligned). Causal or not."""
     q4, k4, v4 = (_packed_4d(t) for t in (q, k, v))
     why = unsupported(q4, k4, v4, None, dropout_p=dropout_p, scale=scale, varlen=False)
     if why is not None:
@@ -712,14 +716,15 @@ def varlen_unsupported(q, k, v, *, dropout_p: float, scale: float, causal: bool)
 
 
 def attention_fwd_sm90_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
-                              scale: float):
+                              scale: float, causal: bool = False):
     """The varlen forward on packed q (Tq, Hq, D), k / v (Tk, Hkv, D) covered per ``varlen_unsupported``:
     o (Tq, Hq, D) and lse (Hq, Tq) fp32 as ``attention.attention_fwd`` returns them for varlen (lse -inf and
     o unwritten on rows no sequence covers: the caller zeroes those o rows, as for the Triton kernel). A
     persistent grid over (sequence, head, tile of 2 * BLOCK_M rows) tiles, n_m per (sequence, head) from
     ``max_seqlen_q``; a sequence's tiles past its length are skipped, its tail tile stored through a
     descriptor made on the device that clips at the sequence's end, and its keys past the end (the next
-    sequence's rows) are masked as a key tail."""
+    sequence's rows) are masked as a key tail. Causal: top-left aligned within each sequence (as the Triton
+    varlen kernel); the grid's rounds alternate each head's tile order as in the dense kernel."""
     tq, hq, d = q.shape
     hkv = k.shape[1]
     batch = cu_seqlens_q.numel() - 1
@@ -743,6 +748,6 @@ def attention_fwd_sm90_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
         q, k, v, o, lse, *descs, *strides(q), *strides(k), *strides(v), *strides(o), 0, lse.stride(0),
         hq, hq // hkv, max_seqlen_q, max_seqlen_k, scale * LOG2E, n_m, n_tiles, None, None, 0, 0,
         cu_seqlens_q, cu_seqlens_k,
-        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=False, HOST_DESC=True, KEY_PAD=False,
+        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), HOST_DESC=True, KEY_PAD=False,
         VARLEN=True, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
     return o, lse

@@ -929,12 +929,15 @@ def test_gpu_sm90_gluon_forward_key_padding(layout, b, hq, hkv, sq, sk, d, patte
 @pytest.mark.gpu
 @sm90_only
 @pytest.mark.parametrize("layout", ["packed", "qkv"])
-@pytest.mark.parametrize("lens,hq,hkv,d", [
-    ([512, 300, 0, 17, 511, 1], 4, 4, 64),   # BERT-like lengths, an empty sequence, lengths 17 and 1
-    ([1000, 127, 256, 129], 4, 2, 128),     # GQA; lengths on both sides of the 128-row tiles
-    ([384, 0], 2, 2, 128)])                 # the last sequence empty: its rows past cu[-2] are zero
-def test_gpu_sm90_gluon_varlen_forward(monkeypatch, layout, lens, hq, hkv, d):
-    """The Gluon forward on packed varlen sequences (not causal; ``attention_sm90.attention_fwd_sm90_varlen``):
+@pytest.mark.parametrize("lens,hq,hkv,d,causal", [
+    ([512, 300, 0, 17, 511, 1], 4, 4, 64, False),   # BERT-like lengths, an empty sequence, lengths 17 and 1
+    ([1000, 127, 256, 129], 4, 2, 128, False),     # GQA; lengths on both sides of the 128-row tiles
+    ([384, 0], 2, 2, 128, False),                  # the last sequence empty: its rows past cu[-2] are zero
+    ([1000, 127, 0, 256, 129, 1], 4, 2, 128, True),  # causal (GPT-style packing), GQA
+    ([700, 17, 300], 2, 2, 64, True)])
+def test_gpu_sm90_gluon_varlen_forward(monkeypatch, layout, lens, hq, hkv, d, causal):
+    """The Gluon forward on packed varlen sequences (``attention_sm90.attention_fwd_sm90_varlen``; causal: top-left
+    in each sequence, as the Triton kernel and torch):
     every sequence equal to the reference on its own rows, rows past cu_seqlens[-1] zero, and the backward
     (Triton's, on this forward's lse) equal to the reference per sequence. "qkv": q, k, v are head slices of
     one packed projection (T, Hq + 2 Hkv, D), so their token stride is not H * D. At D = 64 (covered, but
@@ -952,9 +955,9 @@ def test_gpu_sm90_gluon_varlen_forward(monkeypatch, layout, lens, hq, hkv, d):
         q, k, v = (x.detach().requires_grad_(True) for x in (qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]))
     cu = cu.cuda()
     mx = max(lens)
-    assert katt.sm90_varlen_forward(q, k, v, mx, dropout_p=0.0, scale=d ** -0.5, causal=False), \
+    assert katt.sm90_varlen_forward(q, k, v, mx, dropout_p=0.0, scale=d ** -0.5, causal=causal), \
         "this case must take the sm_90 kernel"
-    out = varlen_attention(q, k, v, cu, cu, mx, mx, backend="triton")
+    out = varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend="triton")
     do = torch.randn_like(out)
     dq, dk, dv = _grads(out, (q, k, v), do)
     end = int(cu[-1])
@@ -969,7 +972,7 @@ def test_gpu_sm90_gluon_varlen_forward(monkeypatch, layout, lens, hq, hkv, d):
         def seq(dt):
             qq, kk, vv = (x.detach().to(dt).requires_grad_(True) for x in (q, k, v))
             o = attention_reference(qq[s0:s1].transpose(0, 1), kk[s0:s1].transpose(0, 1),
-                                    vv[s0:s1].transpose(0, 1)).transpose(0, 1)
+                                    vv[s0:s1].transpose(0, 1), is_causal=causal).transpose(0, 1)
             return o, _grads(o, (qq, kk, vv), do[s0:s1].to(dt))
 
         o_hi, g_hi = seq(torch.float64)
@@ -990,7 +993,7 @@ def test_gpu_sm90_varlen_dispatch_rules(monkeypatch):
     assert attention_sm90.VARLEN_HEAD_DIMS == (128,)
     assert katt.sm90_varlen_forward(q, k, v, 512, **rule)
     assert not katt.sm90_varlen_forward(q[..., :64], k[..., :64], v[..., :64], 512, **rule)  # D = 64: Triton's
-    assert not katt.sm90_varlen_forward(q, k, v, 512, **dict(rule, causal=True))
+    assert katt.sm90_varlen_forward(q, k, v, 512, **dict(rule, causal=True))
     assert not katt.sm90_varlen_forward(q, k, v, 512, **dict(rule, dropout_p=0.1))
     assert not katt.sm90_varlen_forward(q[:100], k[:100], v[:100], 512, **rule)  # fewer rows than a tile
     assert not katt.sm90_varlen_forward(q.float(), k.float(), v.float(), 512, **rule)

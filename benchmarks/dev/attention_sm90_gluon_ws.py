@@ -324,12 +324,12 @@ def compile_only() -> None:
                           CuQ=None, CuK=None, VARLEN=False)
             print(f"host-desc D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
                   f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
-            if not causal:  # packed varlen sequences (the forward's VARLEN variant, cu_seqlens int32)
-                vsig = dict(sig, CuQ="*i32", CuK="*i32")
-                vconsts = {kk: vv for kk, vv in consts.items() if kk not in ("CuQ", "CuK")}
-                vconsts["VARLEN"] = True
-                print(f"varlen D{d} cfg{(bm, bn, stages, 4)} full: "
-                      f"{compile_report(fn, vsig, vconsts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
+            # packed varlen sequences (the forward's VARLEN variant, cu_seqlens int32)
+            vsig = dict(sig, CuQ="*i32", CuK="*i32")
+            vconsts = {kk: vv for kk, vv in consts.items() if kk not in ("CuQ", "CuK")}
+            vconsts["VARLEN"] = True
+            print(f"varlen D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
+                  f"{compile_report(fn, vsig, vconsts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
             if not causal:  # a boolean key-padding mask (the forward's KEY_PAD variant, its own tiles)
                 bm, bn, stages = pkg.KEY_PAD_CONFIGS.get(d, pkg.CONFIGS[d])
                 ql, kl = base.smem_layouts(bm, bn, d, torch.bfloat16)

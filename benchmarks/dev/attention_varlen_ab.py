@@ -25,7 +25,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: varlen forward, Gluon vs Triton, graph "
           f"replay (best of 3 alternating), TFLOP/s over the sequences' own work")
     orig = katt.sm90_varlen_forward
-    for d in (64, 128):
+    for d, causal in ((64, False), (128, False), (128, True)):
         for s in (128, 256, 384, 512, 1024, 2048):
             b = max(1, 16384 // s)
             g = torch.Generator().manual_seed(s)
@@ -36,12 +36,12 @@ def main() -> None:
             cu = cu.cuda()
             t = int(cu[-1])
             q, k, v = (torch.randn(t, 12, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            flops = 4 * 12 * d * float((lens.double() ** 2).sum())
+            flops = 4 * 12 * d * float((lens.double() ** 2).sum()) * (0.5 if causal else 1.0)
 
             def fwd():
-                return katt.attention_fwd(q, k, v, None, causal=False, scale=d ** -0.5, dropout_p=0.0, seed=0,
+                return katt.attention_fwd(q, k, v, None, causal=causal, scale=d ** -0.5, dropout_p=0.0, seed=0,
                                           cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s)
-            took = orig(q, k, v, s, dropout_p=0.0, scale=d ** -0.5, causal=False)
+            took = orig(q, k, v, s, dropout_p=0.0, scale=d ** -0.5, causal=causal)
             best, outs = {}, {}
             try:
                 for _ in range(3):
@@ -53,7 +53,7 @@ def main() -> None:
                 katt.sm90_varlen_forward = orig
             diff = (outs["gluon"][0].float() - outs["triton"][0].float()).abs().max().item()
             lse_ok = torch.equal(torch.isinf(outs["gluon"][1]), torch.isinf(outs["triton"][1]))
-            print(f"D{d} S{s:5d} B{b:3d} tokens {t}: gluon {best['gluon'] * 1e3:7.1f} us "
+            print(f"D{d} {'causal' if causal else 'full  '} S{s:5d} B{b:3d} tokens {t}: gluon {best['gluon'] * 1e3:7.1f} us "
                   f"({flops / best['gluon'] * 1e-9:5.1f}), triton {best['triton'] * 1e3:7.1f} us "
                   f"({flops / best['triton'] * 1e-9:5.1f}), speed-up {best['triton'] / best['gluon']:.3f}x; "
                   f"max |o diff| {diff:.1e}, lse -inf rows equal {lse_ok}; the rule takes gluon: {took}", flush=True)
