@@ -742,7 +742,10 @@ def attention_fwd_sm90_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     if any(x is None for x in descs):
         raise ValueError("attention_fwd_sm90_varlen: the tensors do not meet varlen_unsupported's rule")
     _tuning.ensure_allocator()  # a sequence's tail tile is stored through a descriptor made on the device
-    grid = min(n_tiles, _num_sms(q.device))
+    sms = _num_sms(q.device)
+    # causal: as in the dense kernel, a multiple of the tiles per (sequence, head), so that each one's tiles
+    # lie in one round of the grid (``_tile_coords`` reverses their order in alternate rounds)
+    grid = min(n_tiles, sms if not causal else (sms // n_m * n_m if n_m <= sms else n_tiles))
     strides = lambda t: (0, t.stride(1), t.stride(0))  # noqa: E731  (sequence, head, token)
     _launch.fast(_attention_fwd_sm90_kernel)[(grid,)](
         q, k, v, o, lse, *descs, *strides(q), *strides(k), *strides(v), *strides(o), 0, lse.stride(0),
