@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_ncu import CASES  # noqa: E402
-from attention_sm90_gluon_ws import graph_ms  # noqa: E402
+from attention_sm90_gluon_ws import capture, graph_ms  # noqa: E402
 
 from pykernels._kernels import attention as katt  # noqa: E402
 
@@ -39,20 +39,6 @@ def kernel_us(fn, calls: int = 5) -> dict:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             out[e.name[:60]] += e.device_time / calls
     return dict(out)
-
-
-def one_graph(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
 
 
 def back_to_back_ms(fn, calls: int = 20) -> float:
@@ -137,7 +123,7 @@ def main() -> None:
             pad = torch.empty(pad_mib << 20, dtype=torch.uint8, device="cuda") if pad_mib else None
             eager_flush = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
             eager_b2b = back_to_back_ms(fn)
-            g = one_graph(fn)
+            g = capture(fn)
             graph_flush = triton.testing.do_bench(g.replay, warmup=10, rep=50, return_mode="median")
             graph_b2b = graph_ms(fn)
             print(f"{name} B{b} H{h} S{s} D{d} {'causal' if causal else 'full'} pad {pad_mib:2d} MiB: eager do_bench "
@@ -145,7 +131,7 @@ def main() -> None:
                   f"20-call graph {graph_b2b:.3f}", flush=True)
             del g, pad
         ke = kernel_us(fn)
-        g = one_graph(fn)
+        g = capture(fn)
         kg = kernel_us(g.replay)
         for kname in sorted(set(ke) | set(kg), key=lambda x: -ke.get(x, 0)):
             print(f"    {kname:60s} eager {ke.get(kname, 0):9.1f} us  graph {kg.get(kname, 0):9.1f} us")

@@ -155,8 +155,8 @@ def hd_main() -> None:
               f"TFLOP/s do_bench / graph: {res}", flush=True)
 
 
-def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
-    """Milliseconds per call, ``calls`` calls captured in one CUDA graph and replayed (GPU time)."""
+def capture(fn, calls: int = 1):
+    """A CUDA graph of ``calls`` calls of ``fn`` (after one warm-up call on a side stream), replayed once."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -168,6 +168,12 @@ def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
             fn()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
+    """Milliseconds per call, ``calls`` calls captured in one CUDA graph and replayed (GPU time)."""
+    g = capture(fn, calls)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
