@@ -734,7 +734,7 @@ def attention_fwd_sm90_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     n_m = _tuning.cdiv(max_seqlen_q, 2 * bm)
     n_tiles = n_m * hq * batch
     if n_tiles == 0:
-        return o, lse
+        return o.zero_(), lse
     q4, k4, v4, o4 = (_packed_4d(t) for t in (q, k, v, o))
     ql, kl = smem_layouts(bm, bn, d, q.dtype)
     descs = (_flat_descriptor(q4, bm, ql), _flat_descriptor(k4, bn, kl), _flat_descriptor(v4, bn, kl),

@@ -989,6 +989,7 @@ def test_gpu_sm90_varlen_dispatch_rules(monkeypatch):
     assert not katt.sm90_varlen_forward(q, k, v, 512, **dict(rule, dropout_p=0.1))
     assert not katt.sm90_varlen_forward(q[:100], k[:100], v[:100], 512, **rule)  # fewer rows than a tile
     assert not katt.sm90_varlen_forward(q.float(), k.float(), v.float(), 512, **rule)
+    assert not katt.sm90_varlen_forward(q, k, v, 512, **rule, same_seqlens=False)  # cross-attention: Triton's
     monkeypatch.setenv("PYKERNELS_ATTN_SM90", "0")
     assert not katt.sm90_varlen_forward(q, k, v, 512, **rule)
 
