@@ -34,8 +34,10 @@ Scores are in base 2 (``qk_scale = scale * log2 e``). Causal masking is top-left
 where it crosses the diagonal or the key tail (a uniform branch).
 
 Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 128), no mask (or a boolean
-key-padding mask with its key range, not causal: ``KEY_PAD``), no dropout, not varlen, scale > 0, no
-empty dimension, TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto path.
+key-padding mask with its key range, not causal: ``KEY_PAD``), no dropout, scale > 0, no empty dimension,
+TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto path. Packed varlen sequences take the same
+kernel (``VARLEN``, ``attention_fwd_sm90_varlen``; ``varlen_unsupported`` says why not, and
+``kernels.attention.sm90_varlen_forward`` holds its rule: D = 128, one cu_seqlens for queries and keys).
 
 Descriptors. Where q, k, v and o can each be seen as one (rows, row stride) matrix in which every
 (batch, head) slice is a run of rows at one column offset (contiguous (B, H, S, D); transformers'
