@@ -76,9 +76,9 @@ LOG2E = 1.4426950408889634
 # (rows per consumer warpgroup, BLOCK_N, STAGES) per head dim; a CTA takes two warpgroups' rows
 CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2)}
 # with a key-padding mask at D = 64: 128 rows x 64 keys per warpgroup (finer key blocks skip more padding):
-# 1.032-1.043x at BERT-base key padding, graph replay (run98, ``attention_ab_fwd64_*_run98.txt``); without a
-# mask even (BERT) or 0.79x (GPT-2 causal), so only here. UNTESTED at odd lengths on the GPU: run the
-# key-padding GPU tests before merging this branch.
+# 1.032-1.043x at BERT-base key padding, graph replay (run98, ``attention_ab_fwd64_*_run98.txt``; the benchmark
+# 1.01 -> 1.05x FlexAttention, run109); without a mask even (BERT) or 0.79x (GPT-2 causal), so only here.
+# GPU key-padding tests at odd lengths: run110
 KEY_PAD_CONFIGS = {64: (128, 64, 3)}
 MAX_REGS = 65536 // (12 * 32) // 8 * 8  # 12 warps on one SM: the launch cap (168); setmaxnreg moves them
 MIN_SK_D64 = 1024  # the auto path's rule at D = 64, causal (at D = 128 it always wins): ``preferred``
