@@ -375,7 +375,8 @@ def sm90_case(D: int, S: int, causal: bool, mask_kind: int, varlen: bool) -> boo
     from pykernels._kernels import attention as ka
     if varlen:
         t = torch.empty(4 * S, 1, D, device="cuda", dtype=torch.bfloat16)
-        return ka.sm90_varlen_forward(t, t, t, S, dropout_p=0.0, scale=D ** -0.5, causal=causal)
+        cu = torch.tensor([0, 4 * S], dtype=torch.int32, device="cuda")
+        return ka.sm90_varlen_forward(t, t, t, cu, cu, S, S, dropout_p=0.0, scale=D ** -0.5, causal=causal)
     q = torch.empty(1, 1, S, D, device="cuda", dtype=torch.bfloat16)
     if mask_kind == 3:  # a boolean key-padding mask, with its key range
         mask = torch.ones(1, 1, 1, S, dtype=torch.bool, device="cuda")

@@ -804,17 +804,18 @@ def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None
         q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=False, kv_range=kv_range, causal=causal) is None
 
 
-def sm90_varlen_forward(q, k, v, max_seqlen_k: int, *, dropout_p: float, scale: float, causal: bool,
-                        same_seqlens: bool = True) -> bool:
+def sm90_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                        dropout_p: float, scale: float, causal: bool) -> bool:
     """Whether the varlen forward runs the Gluon kernel (``attention_sm90.attention_fwd_sm90_varlen``; Hopper,
     causal or not, no dropout, every packed tensor through one host descriptor) instead of the Triton kernel: the
     speed rule is the head dim (``attention_sm90.VARLEN_HEAD_DIMS``: D = 128; the kernel covers D = 64 too,
-    where the Triton kernel is faster). ``same_seqlens``: the queries and keys share one cu_seqlens tensor
-    (self-attention over packed sequences, what the GPU tests cover); otherwise the Triton kernel runs.
-    ``max_seqlen_k`` is for rules by length (none at present). ``PYKERNELS_ATTN_SM90=0`` turns it off with the
-    dense path."""
+    where the Triton kernel is faster), and the queries and keys must share one cu_seqlens (the same tensor or
+    memory, and one max length: self-attention over packed sequences, what the GPU tests cover); otherwise the
+    Triton kernel runs. ``PYKERNELS_ATTN_SM90=0`` turns it off with the dense path."""
+    same = cu_seqlens_q is cu_seqlens_k or (cu_seqlens_q.data_ptr() == cu_seqlens_k.data_ptr()
+                                             and cu_seqlens_q.shape == cu_seqlens_k.shape)
     if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or dropout_p > 0 or q.shape[0] == 0 \
-            or not same_seqlens:
+            or not same or max_seqlen_q != max_seqlen_k:
         return False
     from . import attention_sm90
     if not attention_sm90.enabled() or q.shape[-1] not in attention_sm90.VARLEN_HEAD_DIMS:
@@ -884,11 +885,8 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         tq, hq, d = q.shape
         hkv, dv = k.shape[1], v.shape[-1]
         batch, sq, sk = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
-        same = cu_seqlens_q is cu_seqlens_k or (cu_seqlens_q.data_ptr() == cu_seqlens_k.data_ptr()
-                                                 and cu_seqlens_q.shape == cu_seqlens_k.shape and max_seqlen_q ==
-                                                 max_seqlen_k)
-        if sm90_varlen_forward(q, k, v, max_seqlen_k, dropout_p=dropout_p, scale=scale, causal=causal,
-                               same_seqlens=same):
+        if sm90_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sq, sk, dropout_p=dropout_p, scale=scale,
+                               causal=causal):
             from . import attention_sm90
             o, lse = attention_sm90.attention_fwd_sm90_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, sq, sk,
                                                               scale=scale, causal=causal)

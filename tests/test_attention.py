@@ -962,7 +962,7 @@ def test_gpu_sm90_gluon_varlen_forward(monkeypatch, layout, lens, hq, hkv, d, ca
         q, k, v = (x.detach().requires_grad_(True) for x in (qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]))
     cu = cu.cuda()
     mx = max(lens)
-    assert katt.sm90_varlen_forward(q, k, v, mx, dropout_p=0.0, scale=d ** -0.5, causal=causal), \
+    assert katt.sm90_varlen_forward(q, k, v, cu, cu, mx, mx, dropout_p=0.0, scale=d ** -0.5, causal=causal), \
         "this case must take the sm_90 kernel"
     out = varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend="triton")
     do = torch.randn_like(out)
@@ -981,17 +981,21 @@ def test_gpu_sm90_varlen_dispatch_rules(monkeypatch):
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90
     q, k, v = _inputs((600, 2, 128), (600, 2, 128), (600, 2, 128), BF16, "cuda", requires_grad=False)
+    cu = torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda")
+    lens = (cu, cu, 512, 512)
     rule = dict(dropout_p=0.0, scale=0.125, causal=False)
     assert attention_sm90.VARLEN_HEAD_DIMS == (128,)
-    assert katt.sm90_varlen_forward(q, k, v, 512, **rule)
-    assert not katt.sm90_varlen_forward(q[..., :64], k[..., :64], v[..., :64], 512, **rule)  # D = 64: Triton's
-    assert katt.sm90_varlen_forward(q, k, v, 512, **dict(rule, causal=True))
-    assert not katt.sm90_varlen_forward(q, k, v, 512, **dict(rule, dropout_p=0.1))
-    assert not katt.sm90_varlen_forward(q[:100], k[:100], v[:100], 512, **rule)  # fewer rows than a tile
-    assert not katt.sm90_varlen_forward(q.float(), k.float(), v.float(), 512, **rule)
-    assert not katt.sm90_varlen_forward(q, k, v, 512, **rule, same_seqlens=False)  # cross-attention: Triton's
+    assert katt.sm90_varlen_forward(q, k, v, *lens, **rule)
+    assert katt.sm90_varlen_forward(q, k, v, cu, cu.view(-1), 512, 512, **rule)  # one memory, another tensor
+    assert not katt.sm90_varlen_forward(q[..., :64], k[..., :64], v[..., :64], *lens, **rule)  # D = 64: Triton's
+    assert katt.sm90_varlen_forward(q, k, v, *lens, **dict(rule, causal=True))
+    assert not katt.sm90_varlen_forward(q, k, v, *lens, **dict(rule, dropout_p=0.1))
+    assert not katt.sm90_varlen_forward(q[:100], k[:100], v[:100], *lens, **rule)  # fewer rows than a tile
+    assert not katt.sm90_varlen_forward(q.float(), k.float(), v.float(), *lens, **rule)
+    assert not katt.sm90_varlen_forward(q, k, v, cu, cu.clone(), 512, 512, **rule)  # cross-attention: Triton's
+    assert not katt.sm90_varlen_forward(q, k, v, cu, cu, 512, 600, **rule)
     monkeypatch.setenv("PYKERNELS_ATTN_SM90", "0")
-    assert not katt.sm90_varlen_forward(q, k, v, 512, **rule)
+    assert not katt.sm90_varlen_forward(q, k, v, *lens, **rule)
 
 
 @pytest.mark.gpu

@@ -41,7 +41,7 @@ def main() -> None:
             def fwd():
                 return katt.attention_fwd(q, k, v, None, causal=causal, scale=d ** -0.5, dropout_p=0.0, seed=0,
                                           cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s)
-            took = orig(q, k, v, s, dropout_p=0.0, scale=d ** -0.5, causal=causal)
+            took = orig(q, k, v, cu, cu, s, s, dropout_p=0.0, scale=d ** -0.5, causal=causal)
             best, outs = {}, {}
             try:
                 for _ in range(3):
