@@ -7,7 +7,7 @@ Usage (GPU):
 ``python benchmarks/dev/attention_ncu.py --case bert`` (what ncu wraps: see ``--help`` for cases);
 ``python benchmarks/dev/attention_ncu.py --sweep [--d 64]``;
 ``python benchmarks/dev/attention_ncu.py --ab LPT_L2_BYTES=0/12582912`` (A/B of a backward setting;
-``--ab MODULE=new/old.py`` of two versions of the module).
+``--ab MODULE=new/old.py`` of two versions of the module; ``MODULE=new,path/to/old.py`` where a path has "/").
 The ncu call this was written for (SASS lines with their stall samples, then the sections)::
 
     ncu --clock-control none -k regex:dkdv -s 2 -c 1 --section WarpStateStats --section SourceCounters \
@@ -92,7 +92,8 @@ def ab(spec: str, cases: list[str] | None = None, rounds: int = 3, forward: bool
     from pykernels.attention import _key_padding_range
     mod = kf if forward else kb
     key, values = spec.split("=", 1)
-    variants = values.split("/")
+    # (MODULE's variants may be separated by "," instead, for a module file named by a path with "/")
+    variants = values.split("," if key == "MODULE" and "," in values else "/")
     versions = None
     if key == "MODULE":  # whole module versions, swapped as the package's attribute that attention.py imports
         import importlib.util
