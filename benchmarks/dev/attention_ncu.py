@@ -4,7 +4,8 @@ launch of one kernel; and a forward length sweep (same tokens, growing S) of the
 cuDNN, which separates the per-tile cost from the per-block cost.
 
 Usage (GPU):
-``python benchmarks/dev/attention_ncu.py --case bert`` (what ncu wraps: see ``--help`` for cases);
+``python benchmarks/dev/attention_ncu.py --case bert [--peer cudnn]`` (what ncu wraps: see ``--help`` for cases;
+``--peer`` runs the case through torch's SDPA with that backend, for the same profile of a peer's kernel);
 ``python benchmarks/dev/attention_ncu.py --sweep [--d 64]``;
 ``python benchmarks/dev/attention_ncu.py --ab LPT_L2_BYTES=0/12582912`` (A/B of a backward setting;
 ``--ab MODULE=new/old.py`` of two versions of the module; ``MODULE=new,path/to/old.py`` where a path has "/").
@@ -35,16 +36,24 @@ CASES = {  # name -> (B, H, S, D, causal)
 }
 
 
-def run_case(name: str, reps: int) -> None:
+def run_case(name: str, reps: int, peer: str = "pykernels") -> None:
+    """``reps`` forward+backward calls of one case through ``pykernels`` or (``peer`` "cudnn" / "flash") torch's
+    SDPA with that backend alone, for a profile of the peer's kernels beside ours."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     b, h, s, d, causal = CASES[name]
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}.get(peer)
     for _ in range(reps):
-        o = pykernels.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if backend is None:
+            o = pykernels.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        else:
+            with sdpa_kernel(backend):
+                o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
         o.backward(do)
     torch.cuda.synchronize()
-    print(f"{name}: B{b} H{h} S{s} D{d} causal={causal}: {reps} forward+backward calls")
+    print(f"{name}: B{b} H{h} S{s} D{d} causal={causal}: {reps} forward+backward calls through {peer}")
 
 
 def sweep(d: int) -> None:
@@ -171,6 +180,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", choices=sorted(CASES))
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--peer", choices=("pykernels", "cudnn", "flash"), default="pykernels",
+                    help="--case through torch's SDPA with this backend instead (a peer's kernels for ncu)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--ab", metavar="KEY=A/B", help="the whole backward with a setting at A, then B (see ab())")
@@ -187,7 +198,7 @@ def main() -> None:
     if args.sweep:
         sweep(args.d)
     if args.case:
-        run_case(args.case, args.reps)
+        run_case(args.case, args.reps, args.peer)
 
 
 if __name__ == "__main__":
