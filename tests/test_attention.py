@@ -759,7 +759,9 @@ def test_gpu_backward_under_another_process_load():
 
 
 @pytest.mark.gpu
-def test_gpu_auto_falls_back_with_warning():
+def test_gpu_auto_falls_back_with_warning(monkeypatch):
+    import pykernels._backend as be
+    monkeypatch.setattr(be, "_warned", set())  # (once per process: a fresh record, whatever ran before)
     q, k, v = _inputs((1, 2, 64, 320), (1, 2, 64, 320), (1, 2, 64, 320), BF16, "cuda", requires_grad=False)
     with pytest.warns(FallbackWarning, match="head dim 320"):
         out = sdpa(q, k, v, backend="auto")

@@ -444,7 +444,11 @@ def test_gpu_auto_uses_triton_and_matches():
 
 
 @pytest.mark.gpu
-def test_gpu_float64_falls_back_with_warning():
+def test_gpu_float64_falls_back_with_warning(monkeypatch):
+    import pykernels._backend as be
+    # the warning is once per (op, reason) and process: a fresh record, whatever ran before in this worker
+    # (run128: the float64 test above had already used it in the same xdist worker)
+    monkeypatch.setattr(be, "_warned", set())
     logits = torch.randn(64, 1000, device="cuda", dtype=torch.float64)
     target = _targets(64, 1000, "cuda")
     with pytest.warns(FallbackWarning, match="float64"):
