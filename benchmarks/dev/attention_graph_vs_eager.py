@@ -34,18 +34,26 @@ from attention_sm90_gluon_ws import capture, graph_ms  # noqa: E402
 from pykernels._kernels import attention as katt  # noqa: E402
 
 
-def kernel_us(fn, calls: int = 5) -> dict:
-    """Device microseconds per call of each kernel ``fn`` launches (torch.profiler, CUDA activity)."""
+def kernel_us(fn, calls: int = 5, flush: bool = False) -> dict:
+    """Device microseconds per call of each kernel ``fn`` launches (torch.profiler, CUDA activity). ``flush``:
+    each call after an L2 flush (a 256 MiB fill, as ``triton.testing.do_bench`` does), the fill's own kernel
+    (the largest elementwise or fill kernel) left out."""
     from torch.profiler import ProfilerActivity, profile
+    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda") if flush else None
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
+            if cache is not None:
+                cache.zero_()
             fn()
         torch.cuda.synchronize()
     out = defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             out[e.name[:60]] += e.device_time / calls
+    fills = [n for n in out if "fill" in n.lower() or "elementwise" in n]
+    if cache is not None and fills:
+        out.pop(max(fills, key=out.get))
     return dict(out)
 
 
@@ -104,27 +112,6 @@ def placement(name: str, rounds: int) -> None:
         kb._dq_acc_descriptor = orig
 
 
-def kernel_us_flushed(fn, calls: int = 5) -> dict:
-    """Device microseconds per call of each kernel ``fn`` launches, each call after an L2 flush (a 256 MiB
-    fill, as ``triton.testing.do_bench`` does; the fill's own kernel is left out)."""
-    from torch.profiler import ProfilerActivity, profile
-    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            cache.zero_()
-            fn()
-        torch.cuda.synchronize()
-    out = defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name[:60]] += e.device_time / calls
-    fill = max(out, key=lambda n: out[n] if "fill" in n or "elementwise" in n else -1.0, default=None)
-    if fill is not None and ("fill" in fill or "elementwise" in fill):
-        out.pop(fill)
-    return dict(out)
-
-
 def forward(cases: list[str]) -> None:
     """The forward timed four ways per implementation (see the module's docstring)."""
     import triton.testing
@@ -157,7 +144,7 @@ def forward(cases: list[str]) -> None:
                 g = capture(fn)
                 flush = triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
                 b2b = graph_ms(fn) * 1e3
-                cold = kernel_us_flushed(g.replay)
+                cold = kernel_us(g.replay, flush=True)
                 warm = kernel_us(capture(fn, 20).replay, calls=1)
                 print(f"{name} B{b} H{h} S{s} D{d} {'causal' if causal else 'full'} {impl:13s}: flush {flush:7.1f} us "
                       f"({flops / flush * 1e-6:5.1f} TFLOP/s), b2b {b2b:7.1f} us ({flops / b2b * 1e-6:5.1f}); "
