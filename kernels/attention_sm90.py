@@ -279,7 +279,8 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
 
 @gluon.jit
 def _lg2_approx(x):
-    """log2 of fp32 ``x`` by the MUFU (``lg2.approx.f32``: relative error within 2^-22; -inf at 0)."""
+    """log2 of fp32 ``x`` by the MUFU (``lg2.approx.f32``: absolute error about 2^-22 per the PTX ISA; -inf at
+    0)."""
     return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
                                      pack=1)
 
@@ -303,7 +304,7 @@ def _epilogue(acc, m_i, l_i, q_tile, O, LSE, o_off, l_off, stride_om, Sq, my_m, 
     l_o = gl.convert_layout(l_i, row_o)
     # l >= 1 (the row max's own term) and finite: one reciprocal a row and a multiply an element. ``acc / l``
     # lowers to div.full.f32, whose range checks cost three instructions an element (FMUL, FSEL, FMUL), and
-    # gl.log2 to a 20-instruction polynomial; lg2.approx is within 2^-22 (run126's profile put 8% of the
+    # gl.log2 to a 20-instruction polynomial; lg2.approx is within about 2^-22 (run126's profile put 8% of the
     # BERT-base forward's stall samples in this epilogue)
     out = acc * gl.expand_dims(1.0 / l_o, 1)
     rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
