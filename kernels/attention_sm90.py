@@ -68,7 +68,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from pykernels._alloc import empty, empty_like_layout
+from pykernels._alloc import empty, empty_strided
 
 from . import _launch, _tuning
 
@@ -582,12 +582,17 @@ def smem_layouts(block_m: int, block_n: int, d: int, dtype: torch.dtype):
             gl.NVMMASharedLayout.get_default_for([block_n, d], gdt))
 
 
+def _tma_strides_ok(stride) -> bool:
+    """TMA's rules on a (B, H, S, D) tensor's strides: a unit last stride, the others multiples of 16 bytes
+    (8 elements of 2 bytes), a nonzero row stride. (Spelled out, with no generator: the host path is what
+    limits eager calls at BERT sizes, run131.)"""
+    sb, sh, sm, sd = stride
+    return sd == 1 and sm > 0 and sb % 8 == 0 and sh % 8 == 0 and sm % 8 == 0
+
+
 def _tma_ok(t: torch.Tensor) -> bool:
-    """A unit last stride, 16-byte aligned base and strides, and a nonzero row stride (TMA's rules).
-    (Spelled out, with no generator: this runs four times a call, and the host path is what limits eager
-    calls at BERT sizes, run131.)"""
-    sb, sh, sm, sd = t.stride()
-    return sd == 1 and sm > 0 and sb % 8 == 0 and sh % 8 == 0 and sm % 8 == 0 and t.data_ptr() % 16 == 0
+    """``_tma_strides_ok`` and a 16-byte aligned base."""
+    return _tma_strides_ok(t.stride()) and not t.data_ptr() & 15
 
 
 def unsupported(q, k, v, mask, *, dropout_p: float, scale: float, varlen: bool, kv_range=None,
@@ -632,14 +637,14 @@ def preferred(q, k, causal: bool) -> bool:
     return d == 128 and enabled()
 
 
-def _flat_descriptor(t: torch.Tensor, block_rows: int, layout):
-    """A host descriptor over ``t`` (B, H, S, D) seen as a (rows, stride(2)) matrix, in which every (batch,
-    head) slice is a run of rows at one column offset; None when the strides do not allow that (then the
-    kernel makes each head's descriptors on the device). Covers contiguous (B, H, S, D) and the (B, S, H, D)
-    transposed views, packed or padded rows, and expanded (stride 0) batch or head dims."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    batch, heads, seq, d = t.shape
-    sb, sh, sm, _ = t.stride()
+def _flat_geometry(shape, strides, block_rows: int):
+    """(rows, row stride) of a host descriptor over a (B, H, S, D) tensor of this shape and these strides
+    seen as a (rows, stride(2)) matrix, in which every (batch, head) slice is a run of rows at one column
+    offset; None when the strides do not allow that (then the kernel makes each head's descriptors on the
+    device). Covers contiguous (B, H, S, D) and the (B, S, H, D) transposed views, packed or padded rows, and
+    expanded (stride 0) batch or head dims."""
+    batch, heads, seq, d = shape
+    sb, sh, sm, _ = strides
     if sm < d or seq < block_rows:
         return None
     if batch > 1 and sb % sm:
@@ -649,12 +654,40 @@ def _flat_descriptor(t: torch.Tensor, block_rows: int, layout):
     rows = ((batch - 1) * sb + (heads - 1) * sh) // sm + seq
     if rows >= 2**31:
         return None
-    # the fields set directly: TensorDescriptor.__post_init__ re-checks what _tma_ok and the lines above
-    # established (16-byte base and strides, unit last stride, positive shape) at ~2 us a descriptor
-    desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = (
-        t, [rows, sm], [sm, 1], [block_rows, d], layout, "zero")
+    return rows, sm
+
+
+_TensorDescriptor = None
+
+
+def _descriptor_fields(geometry, block_rows: int, d: int, layout) -> tuple:
+    """(shape, strides, block shape, layout) of the host descriptor of ``_flat_geometry``'s ``geometry``
+    (rows, row stride): what ``_descriptor`` sets (the lists are only read by the launcher)."""
+    rows, sm = geometry
+    return [rows, sm], [sm, 1], [block_rows, d], layout
+
+
+def _descriptor(t: torch.Tensor, fields):
+    """The host descriptor over ``t`` with ``_descriptor_fields``' ``fields``. They are set directly:
+    TensorDescriptor.__post_init__ re-checks what ``_tma_ok`` and the geometry established (16-byte base and
+    strides, unit last stride, positive shape) at ~2 us a descriptor."""
+    global _TensorDescriptor
+    if _TensorDescriptor is None:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        _TensorDescriptor = TensorDescriptor
+    desc = object.__new__(_TensorDescriptor)
+    desc.base = t
+    desc.shape, desc.strides, desc.block_shape, desc.layout = fields
+    desc.padding = "zero"
     return desc
+
+
+def _flat_descriptor(t: torch.Tensor, block_rows: int, layout):
+    """``_descriptor`` over ``t`` (B, H, S, D) with its ``_flat_geometry``, or None where there is none."""
+    geometry = _flat_geometry(t.shape, t.stride(), block_rows)
+    if geometry is None:
+        return None
+    return _descriptor(t, _descriptor_fields(geometry, block_rows, t.shape[3], layout))
 
 
 _SMS: dict = {}
@@ -668,6 +701,106 @@ def _num_sms(device) -> int:
     return n
 
 
+class _FwdPlan:
+    """What ``attention_fwd_sm90`` works out from the shapes, strides, dtype, device and flags of a call,
+    kept per such key (``_FWD_PLANS``) so that a repeated call only allocates, makes its descriptors and
+    launches: the host path is what limits eager calls at BERT sizes (run131: 289 us of host time for a
+    74 us kernel). Everything here is a function of the key; what is not (the tensors' addresses) is
+    checked on every call (``__call__``)."""
+
+    __slots__ = ("o_shape", "o_stride", "o_layout_ok", "lse_shape", "geo", "grid", "args", "kwargs", "kernel",
+                 "key_pad", "dtype")
+
+    def __init__(self, q, k, v, causal, scale, config, host_descriptors, persistent, key_pad):
+        """``config`` (BLOCK_M, BLOCK_N, STAGES), resolved by ``forward_plan``."""
+        batch, hq, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        bm, bn, stages = config
+        self.dtype = q.dtype
+        # o laid out like q (``empty_like_layout``) where TMA takes that layout, else contiguous; the strides
+        # from a meta tensor (no allocation)
+        like = torch.empty_like(q, memory_format=torch.preserve_format, device="meta").stride()
+        self.o_layout_ok = _tma_strides_ok(like)
+        self.o_shape, self.o_stride = tuple(q.shape), like if self.o_layout_ok else None
+        self.lse_shape = (batch, hq, sq)
+        ql, kl = smem_layouts(bm, bn, d, q.dtype)
+        o_strides = like if self.o_layout_ok else (hq * sq * d, sq * d, d, 1)
+        # (rows, row stride) of the four flat descriptors, or None: device-made descriptors
+        geo = None
+        if host_descriptors:
+            geo = tuple(_flat_geometry(shape, strides, rows)
+                        for shape, strides, rows in ((q.shape, q.stride(), bm), (k.shape, k.stride(), bn),
+                                                     (v.shape, v.stride(), bn), (q.shape, o_strides, bm)))
+            if any(g is None for g in geo):
+                geo = None
+            else:
+                geo = tuple(_descriptor_fields(g, rows, d, lay) for g, rows, lay in zip(geo, (bm, bn, bn, bm),
+                                                                                         (ql, kl, kl, ql)))
+        self.geo = geo
+        n_m = _tuning.cdiv(sq, 2 * bm)
+        n_tiles = n_m * hq * batch
+        # host descriptors: a persistent grid (one CTA per SM walks the tiles; the next tile's Q and K/V loads
+        # overlap the current epilogue). Causal: the grid is a multiple of the tiles per head (n_m), so that
+        # alternate rounds reverse a head's order and each CTA alternates long and short tiles (a plain
+        # round robin gave each CTA tiles of one length: run32, 0.69-0.95x of one tile per CTA); one tile per
+        # CTA, longest first, where n_m exceeds the SMs. Device-made descriptors: one tile per CTA.
+        sms = _num_sms(q.device)
+        grid = n_tiles
+        if geo is not None and persistent is not False:
+            grid = min(n_tiles, sms if not causal else (sms // n_m * n_m if n_m <= sms else n_tiles))
+        self.grid = (grid,)
+        self.key_pad = key_pad
+        # the launch's arguments after q, k, v, o, lse, the four descriptors (strides: lse contiguous)
+        self.args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_strides[:3], hq * sq, sq,
+                     hq, hq // hkv, sq, sk, scale * LOG2E, n_m, n_tiles)
+        self.kwargs = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal),
+                           HOST_DESC=geo is not None, KEY_PAD=key_pad, VARLEN=False, q_layout=ql, kv_layout=kl,
+                           num_warps=4, maxnreg=MAX_REGS)
+        self.kernel = _launch.fast(_attention_fwd_sm90_kernel)
+
+    def __call__(self, q, k, v, mask=None, kv_range=None):
+        dev = q.device
+        if self.o_layout_ok:
+            o = empty_strided(self.o_shape, self.o_stride, dtype=self.dtype, device=dev)
+        else:
+            o = empty(*self.o_shape, dtype=self.dtype, device=dev)
+        if o.data_ptr() & 15:  # (never with torch's caching allocator: its blocks are 512-byte aligned)
+            raise RuntimeError("pykernels: the attention output's allocation is not 16-byte aligned, which the "
+                               "sm_90 kernel's TMA stores need (a custom CUDA allocator?)")
+        lse = empty(*self.lse_shape, dtype=torch.float32, device=dev)
+        descs = (None,) * 4
+        if self.geo is not None:
+            gq, gk, gv, go = self.geo
+            descs = (_descriptor(q, gq), _descriptor(k, gk), _descriptor(v, gv), _descriptor(o, go))
+        _tuning.ensure_allocator()  # device-made descriptors (with host ones: for a query tail tile's store)
+        key_pad = self.key_pad
+        self.kernel[self.grid](
+            q, k, v, o, lse, *descs, *self.args,
+            mask.view(torch.uint8) if key_pad else None, kv_range if key_pad else None,
+            mask.stride(0) if key_pad else 0, mask.stride(3) if key_pad else 0, None, None, **self.kwargs)
+        return o, lse
+
+
+_FWD_PLANS: dict = {}
+_MAX_PLANS = 1024  # the cache starts over when full (bounded whatever the callers vary)
+
+
+def forward_plan(q, k, v, *, causal: bool, scale: float, config=None, host_descriptors: bool = True,
+                 persistent: bool | None = None, key_pad: bool = False) -> _FwdPlan:
+    """The cached ``_FwdPlan`` of a call with these tensors' shapes, strides, dtype and device and these flags."""
+    d = q.shape[3]
+    config = config or (KEY_PAD_CONFIGS.get(d, CONFIGS[d]) if key_pad else CONFIGS[d])  # (read per call: tools
+    # and tests change these tables)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, bool(causal),
+           scale, config, host_descriptors, persistent, key_pad, MAX_REGS)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        if len(_FWD_PLANS) >= _MAX_PLANS:
+            _FWD_PLANS.clear()
+        plan = _FWD_PLANS[key] = _FwdPlan(q, k, v, causal, scale, config, host_descriptors, persistent, key_pad)
+    return plan
+
+
 def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host_descriptors: bool = True,
                        persistent: bool | None = None, mask=None, kv_range=None):
     """q (B, Hq, Sq, D), k/v (B, Hkv, Sk, D), covered per ``unsupported``. Returns o (laid out like q when
@@ -676,42 +809,9 @@ def attention_fwd_sm90(q, k, v, *, causal: bool, scale: float, config=None, host
     ``persistent`` False: one tile per CTA even where the persistent grid would be taken. ``mask``: a
     boolean key-padding mask, a (B, H, Sq, Sk) view with strides 0 over heads and rows, with ``kv_range``
     (int32 (B, 3), ``pykernels.attention._key_padding_range``)."""
-    batch, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    bm, bn, stages = config or (KEY_PAD_CONFIGS.get(d, CONFIGS[d]) if mask is not None else CONFIGS[d])
-    o = empty_like_layout(q)
-    if not _tma_ok(o):
-        o = empty(batch, hq, sq, d, dtype=q.dtype, device=q.device)
-    lse = empty(batch, hq, sq, dtype=torch.float32, device=q.device)
-    ql, kl = smem_layouts(bm, bn, d, q.dtype)
-    descs = None
-    if host_descriptors:
-        descs = (_flat_descriptor(q, bm, ql), _flat_descriptor(k, bn, kl), _flat_descriptor(v, bn, kl),
-                 _flat_descriptor(o, bm, ql))
-        if any(x is None for x in descs):
-            descs = None
-    _tuning.ensure_allocator()  # device-made descriptors (with host ones: for a query tail tile's store)
-    n_m = _tuning.cdiv(sq, 2 * bm)
-    n_tiles = n_m * hq * batch
-    # host descriptors: a persistent grid (one CTA per SM walks the tiles; the next tile's Q and K/V loads
-    # overlap the current epilogue). Causal: the grid is a multiple of the tiles per head (n_m), so that
-    # alternate rounds reverse a head's order and each CTA alternates long and short tiles (a plain
-    # round robin gave each CTA tiles of one length: run32, 0.69-0.95x of one tile per CTA); one tile per
-    # CTA, longest first, where n_m exceeds the SMs. Device-made descriptors: one tile per CTA.
-    sms = _num_sms(q.device)
-    grid = n_tiles
-    if descs is not None and persistent is not False:
-        grid = min(n_tiles, sms if not causal else (sms // n_m * n_m if n_m <= sms else n_tiles))
-    key_pad = mask is not None
-    _launch.fast(_attention_fwd_sm90_kernel)[(grid,)](
-        q, k, v, o, lse, *(descs or (None,) * 4),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2],
-        hq, hq // hkv, sq, sk, scale * LOG2E, n_m, n_tiles,
-        mask.view(torch.uint8) if key_pad else None, kv_range if key_pad else None,
-        mask.stride(0) if key_pad else 0, mask.stride(3) if key_pad else 0, None, None,
-        HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), HOST_DESC=descs is not None,
-        KEY_PAD=key_pad, VARLEN=False, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
-    return o, lse
+    plan = forward_plan(q, k, v, causal=causal, scale=scale, config=config, host_descriptors=host_descriptors,
+                        persistent=persistent, key_pad=mask is not None)
+    return plan(q, k, v, mask, kv_range)
 
 
 def _packed_4d(t: torch.Tensor) -> torch.Tensor:

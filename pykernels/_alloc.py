@@ -25,6 +25,10 @@ def empty(*shape, dtype, device) -> torch.Tensor:
     return _poison(torch.empty(*shape, dtype=dtype, device=device))
 
 
+def empty_strided(shape, stride, *, dtype, device) -> torch.Tensor:
+    return _poison(torch.empty_strided(shape, stride, dtype=dtype, device=device))
+
+
 def empty_like(t: torch.Tensor, *, dtype=None) -> torch.Tensor:
     return _poison(torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format))
 

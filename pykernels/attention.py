@@ -32,6 +32,7 @@ from torch import Tensor
 
 from . import _checks
 from ._backend import BackendUnavailableError, check_backend_name, default_backend, select, warn_once
+from ._backend import _availability as _backend_availability
 from ._op import custom_op
 from ._rng import fake_seed, op_seed
 
@@ -461,6 +462,111 @@ def _broadcasts_to(shape, full) -> bool:
     return all(s == f or s == 1 for s, f in zip(reversed(tuple(shape)), reversed(tuple(full))))
 
 
+# ---------------------------------------------------------------------------------------------
+# The eager lane: repeated dense calls without mask or dropout skip the layers between the public
+# function and the kernel's launcher
+# ---------------------------------------------------------------------------------------------
+# An eager BERT-base forward spent 196-289 us of host time in those layers and the launch (run131,
+# run133) against a 74 us kernel and torch SDPA's 29-58 us of host time: host-bound in eager code. The
+# lane remembers, per key of everything the full path's checks and backend choice read (shapes, strides,
+# dtypes, devices, flags, the default backend), that a call is valid and served by the Triton backend,
+# and then calls the kernel-level forward the full path would call, with the same arguments, under the
+# same autograd backward (the kernel-level function makes its own per-call choices, the sm_90 kernel's
+# among them). A covered call is valid (what ``_lane_scale`` requires implies every check of the full
+# path) and needs no fallback warning. The full path runs whenever the lane does not cover the call
+# (masks, dropout, broadcasting, other dims, the reference backend, tracing, tensor subclasses...).
+_LANE_ON = os.environ.get("PYKERNELS_EAGER_LANE", "1") not in ("", "0")  # read once (tests flip the attribute)
+_LANE: dict = {}
+_LANE_MAX = 1024  # the cache starts over when full (bounded whatever the callers vary)
+_NO_RANGE = torch.empty(0, dtype=torch.int32)  # the key range of a call without mask (never read)
+
+
+def _lane_scale(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale, requested: str):
+    """The softmax scale of a call the lane covers, else None: four-dim tensors of one batch, dtype and device
+    (CUDA; CPU tensors under the interpreter with ``backend="triton"``, as the full path serves them), Hq a
+    multiple of Hkv, unit last strides, nothing empty, and the Triton backend serving it (``select``'s answer
+    for "auto" or "triton")."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return None
+    dtype = query.dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or key.dtype != dtype or value.dtype != dtype:
+        return None
+    dev = query.device
+    if key.device != dev or value.device != dev or requested not in ("auto", "triton"):
+        return None
+    if requested == "auto" and dev.type != "cuda":
+        return None  # (auto runs the reference off CUDA; the interpreter serves CPU tensors for "triton")
+    b, hq, sq, d = query.shape
+    _, hk, sk, _ = key.shape
+    if (key.shape[0] != b or value.shape[0] != b or key.shape[3] != d or value.shape[1] != hk
+            or value.shape[2] != sk or hk == 0 or hq % hk):
+        return None
+    if query.numel() == 0 or key.numel() == 0 or value.numel() == 0:
+        return None
+    if query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1:
+        return None
+    if _support(query, key, value)["triton"] is not None or _backend_availability("triton", dev) is not None:
+        return None
+    return float(scale) if scale is not None else 1.0 / math.sqrt(d)
+
+
+def _lane_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """What ``_attention_fwd``'s Triton branch runs for a call without mask or dropout."""
+    return _kernels().attention_fwd(q, k, v, None, causal=causal, scale=scale, dropout_p=0.0, seed=0, kv_range=None)
+
+
+class _LaneFunction(torch.autograd.Function):
+    """The lane's autograd node: the backward the registered op's (``_fwd_backward``) would run, the same
+    kernel-level call with the same arguments (the same kernels, the same gradients)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, backend, deterministic):
+        o, lse = _lane_fwd(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (causal, scale, backend, deterministic)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        causal, scale, backend, deterministic = ctx.args
+        if torch.is_grad_enabled() or (backend or default_backend()) not in ("auto", "triton"):
+            # create_graph=True (the registered op records a node that refuses a second backward), or the
+            # default backend changed since the forward: the registered op's backward, which selects again
+            dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, op_seed(0.0, q.device), _NO_RANGE, None, 0.0, causal,
+                                        scale, backend, deterministic)
+        else:  # what that backward runs here: the Triton backend (the forward's answer for these tensors)
+            dq, dk, dv = _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, None, causal=causal,
+                                                  scale=scale, dropout_p=0.0, seed=0, kv_range=None,
+                                                  deterministic=deterministic)
+        return dq, dk, dv, None, None, None, None
+
+
+def _lane(query, key, value, is_causal, scale, backend, deterministic):
+    """The output of a call the lane covers, else None (then the full path runs)."""
+    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+        return None
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return None
+    requested = backend or default_backend()
+    lkey = (query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype,
+            key.dtype, value.dtype, query.device, key.device, value.device, is_causal, scale, requested)
+    sc = _LANE.get(lkey)
+    if sc is None:
+        if lkey in _LANE:
+            return None  # a key the lane does not cover: the full path (its checks, warnings, fallbacks)
+        if len(_LANE) >= _LANE_MAX:
+            _LANE.clear()
+        sc = _LANE[lkey] = _lane_scale(query, key, value, is_causal, scale, requested)
+        if sc is None:
+            return None
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return _LaneFunction.apply(query, key, value, is_causal, sc, backend or "", deterministic)
+    return _lane_fwd(query, key, value, is_causal, sc)[0]
+
+
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                                  enable_gqa: bool = False, *, backend: str | None = None,
@@ -492,6 +598,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       every other case is reproducible in either mode (no atomics). ``deterministic=True`` with the
       developer switch ``PYKERNELS_ATTN_SM90_BWD=fused`` raises ``ValueError``.
     """
+    if (_LANE_ON and attn_mask is None and type(dropout_p) in (float, int) and dropout_p == 0
+            and type(is_causal) is bool and (scale is None or type(scale) is float) and type(enable_gqa) is bool
+            and (backend is None or type(backend) is str) and (deterministic is None or deterministic is False)):
+        out = _lane(query, key, value, is_causal, scale, backend, deterministic)
+        if out is not None:
+            return out
     _checks.check_tensor("query", query, min_dim=2, dtypes=_DTYPES)
     _checks.check_tensor("key", key, min_dim=2, dtypes=_DTYPES)
     _checks.check_tensor("value", value, min_dim=2, dtypes=_DTYPES)

@@ -65,6 +65,117 @@ def _check_against_ref(q, k, v, *, mask=None, causal=False, scale=None, backend=
 
 
 # ---------------------------------------------------------------------------------------------
+# The eager lane (``pykernels.attention._lane``): same results as the full path, taken only where it covers
+# ---------------------------------------------------------------------------------------------
+def _lane_taken(out) -> bool:
+    return type(out.grad_fn).__name__ == "_LaneFunctionBackward"
+
+
+def _lane_vs_full(monkeypatch, q, k, v, **kw):
+    """(out, grads) through the lane and through the full path (lane off): asserted bitwise equal."""
+    import pykernels.attention as patt
+    do = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    results = []
+    for on in (True, False):
+        monkeypatch.setattr(patt, "_LANE_ON", on)
+        out = sdpa(q, k, v, **kw)
+        assert _lane_taken(out) == on, f"lane {'not ' if on else ''}taken with _LANE_ON={on}"
+        with torch.no_grad():
+            plain = sdpa(q, k, v, **kw)  # (no autograd node: the lane's plain call)
+        grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # (the caller may backpropagate again)
+        results.append((out, grads, plain, do))
+    (o1, g1, p1, _), (o2, g2, p2, _) = results
+    for a, b in zip((o1, *g1, p1), (o2, *g2, p2)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    return results[0]
+
+
+@pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,d,causal", [
+    ("bhsd", 2, 2, 2, 17, 17, 16, False),
+    ("bshd", 1, 4, 2, 20, 37, 32, True),    # transformers' transposed views, GQA, Sq < Sk
+    ("bhsd", 1, 2, 1, 33, 9, 16, True)])    # MQA, Sq > Sk
+def test_eager_lane_equals_full_path(device, monkeypatch, layout, b, hq, hkv, sq, sk, d, causal):
+    """Dense calls without mask or dropout take the eager lane (a cached check and backend choice, then the
+    kernel-level forward the full path calls): outputs and gradients bit for bit the full path's, and within
+    the accuracy rule of the references; a second call of the same key (the cached entry) on fresh inputs too."""
+    dtype = F32 if device.type == "cpu" else BF16
+
+    def make(h, s):
+        if layout == "bshd":
+            return torch.randn(b, s, h, d, dtype=dtype, device=device).transpose(1, 2).requires_grad_(True)
+        return torch.randn(b, h, s, d, dtype=dtype, device=device, requires_grad=True)
+    for _ in range(2):
+        q, k, v = make(hq, sq), make(hkv, sk), make(hkv, sk)
+        out, _, _, do = _lane_vs_full(monkeypatch, q, k, v, is_causal=causal, backend="triton")
+        _check_against_ref(q, k, v, causal=causal, out=out, do=do, what="lane")
+
+
+def test_eager_lane_backward_paths(device, monkeypatch):
+    """The lane's backward: create_graph=True goes through the registered backward op (a second backward
+    raises, never a silently missing gradient), and so does a call whose default backend changed to the
+    reference between forward and backward (as the full path's backward would select it); both give the
+    direct path's gradients."""
+    import pykernels.attention as patt
+    monkeypatch.setattr(patt, "_LANE_ON", True)
+    q, k, v = _inputs((1, 2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16), F32, device)
+    do = torch.randn(1, 2, 8, 16, device=device)
+    out = sdpa(q, k, v, backend="triton")
+    assert _lane_taken(out)
+    direct = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    graphed = torch.autograd.grad(out, (q, k, v), do, retain_graph=True, create_graph=True)
+    for a, b in zip(direct, graphed):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        graphed[0].sum().backward()
+    out = sdpa(q, k, v)  # the default backend: auto (the reference on CPU tensors)
+    if device.type == "cuda":
+        assert _lane_taken(out)
+        with pykernels.use_backend("reference"):
+            ref = torch.autograd.grad(out, (q, k, v), do)
+        for a, b in zip(ref, direct):  # the reference's gradients, within the rule of the fp32 test above
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_eager_lane_declines(device, monkeypatch):
+    """Calls the lane does not cover run the full path: masks, dropout, fewer dims, broadcast batch or query
+    heads, parameters, deterministic=True, the reference backend (also through ``use_backend``); float64, mixed
+    dtypes or devices and mismatched head dims get the full path's errors (the last twice: a declined key is
+    remembered as declined)."""
+    import pykernels.attention as patt
+    monkeypatch.setattr(patt, "_LANE_ON", True)
+    q, k, v = _inputs((1, 2, 9, 16), (1, 2, 11, 16), (1, 2, 11, 16), F32, device)
+    assert _lane_taken(sdpa(q, k, v, backend="triton"))
+    declined = [
+        lambda: sdpa(q, k, v, torch.ones(9, 11, dtype=torch.bool, device=device), backend="triton"),
+        lambda: sdpa(q, k, v, dropout_p=0.5, backend="triton"),
+        lambda: sdpa(q[0], k[0], v[0], backend="triton"),
+        lambda: sdpa(q, k[:, :1].expand(1, 2, 11, 16), v, backend="triton", scale=0.25),  # a stride-0 head: covered
+        lambda: sdpa(q.expand(2, 2, 9, 16), k, v, backend="triton"),
+        lambda: sdpa(q[:, :1], k, v, backend="triton"),
+        lambda: sdpa(q, k, v, backend="triton", deterministic=True),
+        lambda: sdpa(q, k, v, backend="reference"),
+        lambda: sdpa(torch.nn.Parameter(q.detach()), k, v, backend="triton"),
+    ]
+    taken = [_lane_taken(f()) for f in declined]
+    assert taken == [False, False, False, True, False, False, False, False, False], taken
+    with pytest.raises(BackendUnavailableError, match="float64"):  # the full path's answer, not the lane's
+        sdpa(*(t.detach().double() for t in (q, k, v)), backend="triton")
+    with pykernels.use_backend("reference"):
+        assert not _lane_taken(sdpa(q, k, v))
+    with pytest.raises(ValueError, match="dtype"):
+        sdpa(q, k.half(), v, backend="triton")
+    if device.type == "cuda":
+        with pytest.raises(ValueError, match="device"):
+            sdpa(q, k.cpu(), v, backend="triton")
+    if device.type == "cpu":  # auto runs the reference on CPU tensors: never the lane
+        assert not _lane_taken(sdpa(q, k, v))
+    with pytest.raises(ValueError, match="head dim"):  # the same key twice: still the full path's error
+        sdpa(q, k[..., :8], v, backend="triton")
+    with pytest.raises(ValueError, match="head dim"):
+        sdpa(q, k[..., :8], v, backend="triton")
+
+
+# ---------------------------------------------------------------------------------------------
 # Dense forward + backward
 # ---------------------------------------------------------------------------------------------
 DENSE_CASES = [
@@ -1045,6 +1156,22 @@ def test_gpu_sm90_dispatch_rules(monkeypatch):
     _check_against_ref(q, kk, v, what="unaligned k (Triton forward)")
     monkeypatch.setenv("PYKERNELS_ATTN_SM90", "0")
     assert not katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=sc)
+
+
+@pytest.mark.gpu
+@sm90_only
+@pytest.mark.parametrize("layout,b,h,s,d,causal", [("bhsd", 4, 12, 512, 64, False), ("bshd", 2, 4, 1000, 128, True),
+                                                   ("bshd", 2, 4, 777, 128, False)])
+def test_gpu_eager_lane_sm90(monkeypatch, layout, b, h, s, d, causal):
+    """The eager lane on the sm_90 kernel (its forward plan, cached per key): bit for bit the full path's
+    outputs and gradients on two sets of inputs of one key, and within the accuracy rule."""
+    from pykernels._kernels import attention as katt
+    for _ in range(2):
+        q, k, v = (t.detach().to(BF16).requires_grad_(True) if layout == "bhsd" else t
+                   for t in _sm90_inputs(b, h, h, s, s, BF16, layout, d=d))
+        assert katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=d ** -0.5, causal=causal)
+        out, _, _, do = _lane_vs_full(monkeypatch, q, k, v, is_causal=causal)
+        _check_against_ref(q, k, v, causal=causal, out=out, do=do, what="lane sm90")
 
 
 @pytest.mark.gpu

@@ -1,0 +1,111 @@
+"""The eager lane of ``pykernels.scaled_dot_product_attention`` (``pykernels.attention._lane``) on and off, next
+to torch SDPA's cuDNN backend, in one process: host time of a forward and of a backward call with the GPU kept
+busy (so that the host's own cost is what is timed, not a wait), and ``triton.testing.do_bench`` of an eager
+forward and of an eager forward+backward (what an eager caller sees), alternating rounds.
+
+``--profile CASE``: then the host time and cProfile (100 calls, GPU kept busy; by own and cumulative time) of
+the kernel-level backward that the lane's backward calls for that case, and cProfile of the lane's forward.
+
+Usage (GPU): ``python benchmarks/dev/attention_lane_ab.py [--rounds 3] [--cases bert,gpt2] [--profile bert]``."""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import pykernels
+import pykernels.attention as patt
+
+# B, H, S, D, causal: BERT-base at 512 and 128 tokens (the sm_90 kernel and the Triton one), GPT-2, long D = 128
+CASES = {"bert": (32, 12, 512, 64, False), "bert128": (128, 12, 128, 64, False), "gpt2": (16, 12, 1024, 64, True),
+         "s4096c": (4, 16, 4096, 128, True)}
+SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time queued before each timed call
+
+
+def busy_host_us(setup, fn, n: int = 100) -> float:
+    """Median host time of ``fn()`` with the GPU busy (a queued sleep), after an untimed ``setup()``."""
+    ts = []
+    for _ in range(n):
+        arg = setup()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        fn(arg)
+        ts.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--profile", default="", help="a case whose lane backward to profile")
+    args = ap.parse_args()
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; bf16; host us "
+          f"(median, GPU busy) and do_bench us (eager calls); best of {args.rounds} alternating rounds")
+    for name, (b, h, s, d, causal) in CASES.items():
+        if name not in args.cases.split(","):
+            continue
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+
+        def ours(q=q, k=k, v=v, causal=causal):
+            return pykernels.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        def cudnn(q=q, k=k, v=v, causal=causal):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        variants = {"lane": (ours, True), "full": (ours, False), "cuDNN": (cudnn, None)}
+        best: dict = {}
+        for _ in range(args.rounds):
+            for label, (fn, lane) in variants.items():
+                if lane is not None:
+                    patt._LANE_ON = lane
+                for _ in range(3):
+                    fn().backward(do)
+                with torch.no_grad():
+                    fwd_host = busy_host_us(lambda: None, lambda _: fn())
+                bwd_host = busy_host_us(fn, lambda o: o.backward(do))
+                with torch.no_grad():
+                    fwd_db = triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
+                step_db = triton.testing.do_bench(lambda: fn().backward(do), warmup=25, rep=100) * 1e3
+                row = (fwd_host, bwd_host, fwd_db, step_db)
+                best[label] = tuple(min(a, b) for a, b in zip(best.get(label, row), row))
+        patt._LANE_ON = True
+        for label, (fh, bh, fd, sd) in best.items():
+            print(f"{name:8s} B{b} H{h} S{s} D{d}{' causal' if causal else ''} {label:6s}: host fwd {fh:6.1f} bwd "
+                  f"{bh:6.1f} | do_bench fwd {fd:7.1f} fwd+bwd {sd:7.1f}", flush=True)
+        if name == args.profile:
+            # the kernel-level backward the lane's backward calls, in this thread (the autograd engine runs
+            # CUDA backward nodes on its own thread, out of cProfile's sight): its host time, then its profile
+            from pykernels._kernels import attention as katt
+            with torch.no_grad():
+                o, lse = katt.attention_fwd(q, k, v, None, causal=causal, scale=d ** -0.5, dropout_p=0.0, seed=0)
+
+            def bwd(_):
+                return katt.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=d ** -0.5, dropout_p=0.0,
+                                          seed=0, deterministic=False)
+            print(f"kernel-level attention_bwd: host {busy_host_us(lambda: None, bwd):.1f} us (GPU busy)")
+            for label, fn in (("kernel-level backward", lambda: bwd(None)), ("lane forward (no grad)", ours)):
+                torch.cuda._sleep(SLEEP_CYCLES * 10)
+                prof = cProfile.Profile()
+                with torch.no_grad():
+                    prof.enable()
+                    for _ in range(100):
+                        fn()
+                    prof.disable()
+                torch.cuda.synchronize()
+                print(f"== cProfile: {label}, 100 calls")
+                for key in ("tottime", "cumulative"):
+                    pstats.Stats(prof).sort_stats(key).print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
