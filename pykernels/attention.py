@@ -297,15 +297,23 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     """Returns (o, lse, seed, kv_range); kv_range (int32 (B, 3) for a key-padding mask, else empty) is
     computed once here and saved for the backward. ``deterministic`` is the backward's (saved with it)."""
     impl = select(_OP, backend or None, q.device, _support(q, k, v))
-    seed = op_seed(dropout_p, q.device)
-    kv_range = _key_padding_range(attn_mask, use_kernel=impl == "triton")
     if impl == "triton":
-        o, lse = _kernels().attention_fwd(q, k, v, attn_mask, causal=is_causal, scale=scale, dropout_p=dropout_p,
-                                          seed=int(seed[0]) if dropout_p > 0 else 0,
-                                          kv_range=kv_range if kv_range.numel() else None)
-        return o, lse, seed, kv_range
+        return _triton_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale)
+    seed = op_seed(dropout_p, q.device)
+    kv_range = _key_padding_range(attn_mask, use_kernel=False)
     o, lse = _ref_dense_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, seed)
     return _out_layout(o, q), lse.contiguous(), seed, kv_range
+
+
+def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool,
+                scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``_attention_fwd`` on the Triton backend (also what the eager lane calls): (o, lse, seed, kv_range)."""
+    seed = op_seed(dropout_p, q.device)
+    kv_range = _key_padding_range(attn_mask, use_kernel=True)
+    o, lse = _kernels().attention_fwd(q, k, v, attn_mask, causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                      seed=int(seed[0]) if dropout_p > 0 else 0,
+                                      kv_range=kv_range if kv_range.numel() else None)
+    return o, lse, seed, kv_range
 
 
 def _out_layout(o: Tensor, q: Tensor) -> Tensor:
@@ -340,15 +348,21 @@ def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                    backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     impl = select(_OP, backend or None, q.device, _support(q, k, v))
     if impl == "triton":
-        return _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, attn_mask, causal=is_causal,
-                                        scale=scale, dropout_p=dropout_p, seed=int(seed[0]) if dropout_p > 0 else 0,
-                                        kv_range=kv_range if kv_range.numel() else None,
-                                        deterministic=deterministic)
+        return _triton_bwd(do, q, k, v, o, lse, seed, kv_range, attn_mask, dropout_p, is_causal, scale, deterministic)
     dmask = None
     if dropout_p > 0:
         dmask = attention_dropout_mask(seed, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, q.device)
     grads = _ref_bwd_core(do, q, k, v, attn_mask, dropout_p, is_causal, scale, dmask)
     return tuple(_like_layout(g, t) for g, t in zip(grads, (q, k, v)))  # the kernels' (and fake's) layout
+
+
+def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor, kv_range: Tensor,
+                attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool, scale: float,
+                deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``_attention_bwd`` on the Triton backend (also what the eager lane's backward calls)."""
+    return _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, attn_mask, causal=is_causal, scale=scale,
+                                    dropout_p=dropout_p, seed=int(seed[0]) if dropout_p > 0 else 0,
+                                    kv_range=kv_range if kv_range.numel() else None, deterministic=deterministic)
 
 
 @_attention_bwd.register_fake
@@ -463,29 +477,30 @@ def _broadcasts_to(shape, full) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The eager lane: repeated dense calls without mask or dropout skip the layers between the public
-# function and the kernel's launcher
+# The eager lane: repeated calls of one kind skip the layers between the public function and the
+# Triton backend's body
 # ---------------------------------------------------------------------------------------------
 # An eager BERT-base forward spent 196-289 us of host time in those layers and the launch (run131,
 # run133) against a 74 us kernel and torch SDPA's 29-58 us of host time: host-bound in eager code. The
 # lane remembers, per key of everything the full path's checks and backend choice read (shapes, strides,
-# dtypes, devices, flags, the default backend), that a call is valid and served by the Triton backend,
-# and then calls the kernel-level forward the full path would call, with the same arguments, under the
-# same autograd backward (the kernel-level function makes its own per-call choices, the sm_90 kernel's
-# among them). A covered call is valid (what ``_lane_scale`` requires implies every check of the full
-# path) and needs no fallback warning. The full path runs whenever the lane does not cover the call
-# (masks, dropout, broadcasting, other dims, the reference backend, tracing, tensor subclasses...).
+# dtypes and devices of the tensors and the mask, the flags, the default backend), that a call is valid
+# and served by the Triton backend, and then runs that backend's body (``_triton_fwd``: the seed, the
+# key-padding range, the kernel-level forward) with the arguments the full path would give it, under an
+# autograd node whose backward runs ``_triton_bwd`` the same way (the same kernels, the same results and
+# the same dropout seeds). A covered call is valid (what ``_lane_scale`` requires implies every check of
+# the full path) and needs no fallback warning. The full path runs whenever the lane does not cover the
+# call: q, k, v not four-dimensional or broadcast over batch or query heads, a mask that needs its gradient,
+# ``deterministic=True``, the reference backend, tracing, tensor subclasses...
 _LANE_ON = os.environ.get("PYKERNELS_EAGER_LANE", "1") not in ("", "0")  # read once (tests flip the attribute)
 _LANE: dict = {}
 _LANE_MAX = 1024  # the cache starts over when full (bounded whatever the callers vary)
-_NO_RANGE = torch.empty(0, dtype=torch.int32)  # the key range of a call without mask (never read)
 
 
-def _lane_scale(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale, requested: str):
+def _lane_scale(query: Tensor, key: Tensor, value: Tensor, mask, scale, requested: str):
     """The softmax scale of a call the lane covers, else None: four-dim tensors of one batch, dtype and device
     (CUDA; CPU tensors under the interpreter with ``backend="triton"``, as the full path serves them), Hq a
-    multiple of Hkv, unit last strides, nothing empty, and the Triton backend serving it (``select``'s answer
-    for "auto" or "triton")."""
+    multiple of Hkv, unit last strides, nothing empty, a mask (if any) of the device that broadcasts to
+    (B, Hq, Sq, Sk), and the Triton backend serving it (``select``'s answer for "auto" or "triton")."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return None
     dtype = query.dtype
@@ -505,44 +520,39 @@ def _lane_scale(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scal
         return None
     if query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1:
         return None
+    if mask is not None and (type(mask) is not Tensor or mask.device != dev or mask.dim() > 4
+                             or not (mask.dtype == torch.bool or mask.is_floating_point())
+                             or not _broadcasts_to(mask.shape, (b, hq, sq, sk))):
+        return None
     if _support(query, key, value)["triton"] is not None or _backend_availability("triton", dev) is not None:
         return None
     return float(scale) if scale is not None else 1.0 / math.sqrt(d)
 
 
-def _lane_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """What ``_attention_fwd``'s Triton branch runs for a call without mask or dropout."""
-    return _kernels().attention_fwd(q, k, v, None, causal=causal, scale=scale, dropout_p=0.0, seed=0, kv_range=None)
-
-
 class _LaneFunction(torch.autograd.Function):
-    """The lane's autograd node: the backward the registered op's (``_fwd_backward``) would run, the same
-    kernel-level call with the same arguments (the same kernels, the same gradients)."""
+    """The lane's autograd node: the registered op's forward and backward bodies on the Triton backend."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend, deterministic):
-        o, lse = _lane_fwd(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, scale, backend, deterministic)
+    def forward(ctx, q, k, v, mask, dropout_p, causal, scale, backend, deterministic):
+        o, lse, seed, kv_range = _triton_fwd(q, k, v, mask, dropout_p, causal, scale)
+        _fwd_setup(ctx, (q, k, v, mask, dropout_p, causal, scale, backend, deterministic), (o, lse, seed, kv_range))
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        causal, scale, backend, deterministic = ctx.args
-        if torch.is_grad_enabled() or (backend or default_backend()) not in ("auto", "triton"):
+        if torch.is_grad_enabled() or (ctx.args[3] or default_backend()) not in ("auto", "triton"):
             # create_graph=True (the registered op records a node that refuses a second backward), or the
             # default backend changed since the forward: the registered op's backward, which selects again
-            dq, dk, dv = _attention_bwd(do, q, k, v, o, lse, op_seed(0.0, q.device), _NO_RANGE, None, 0.0, causal,
-                                        scale, backend, deterministic)
+            dq, dk, dv = _fwd_backward(ctx, do, None, None, None)[:3]
         else:  # what that backward runs here: the Triton backend (the forward's answer for these tensors)
-            dq, dk, dv = _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, None, causal=causal,
-                                                  scale=scale, dropout_p=0.0, seed=0, kv_range=None,
-                                                  deterministic=deterministic)
-        return dq, dk, dv, None, None, None, None
+            q, k, v, o, lse, seed, kv_range, mask = ctx.saved_tensors
+            dropout_p, causal, scale, _, deterministic = ctx.args
+            dq, dk, dv = _triton_bwd(do, q, k, v, o, lse, seed, kv_range, mask, dropout_p, causal, scale,
+                                     deterministic)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def _lane(query, key, value, is_causal, scale, backend, deterministic):
+def _lane(query, key, value, mask, dropout_p, is_causal, scale, backend, deterministic):
     """The output of a call the lane covers, else None (then the full path runs)."""
     if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
         return None
@@ -550,21 +560,27 @@ def _lane(query, key, value, is_causal, scale, backend, deterministic):
         return None
     requested = backend or default_backend()
     lkey = (query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype,
-            key.dtype, value.dtype, query.device, key.device, value.device, is_causal, scale, requested)
+            key.dtype, value.dtype, query.device, key.device, value.device, is_causal, scale, requested,
+            None if mask is None else (type(mask), mask.shape, mask.stride(), mask.dtype, mask.device))
     sc = _LANE.get(lkey)
     if sc is None:
         if lkey in _LANE:
             return None  # a key the lane does not cover: the full path (its checks, warnings, fallbacks)
         if len(_LANE) >= _LANE_MAX:
             _LANE.clear()
-        sc = _LANE[lkey] = _lane_scale(query, key, value, is_causal, scale, requested)
+        sc = _LANE[lkey] = _lane_scale(query, key, value, mask, scale, requested)
         if sc is None:
             return None
+    grad = torch.is_grad_enabled()
+    if mask is not None:
+        if grad and mask.requires_grad:
+            return None  # a trainable bias: the full path runs the reference for its gradient
+        mask = mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])  # (a view, as the full path's)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return _LaneFunction.apply(query, key, value, is_causal, sc, backend or "", deterministic)
-    return _lane_fwd(query, key, value, is_causal, sc)[0]
+    if grad and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return _LaneFunction.apply(query, key, value, mask, dropout_p, is_causal, sc, backend or "", deterministic)
+    return _triton_fwd(query, key, value, mask, dropout_p, is_causal, sc)[0]
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
@@ -598,10 +614,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       every other case is reproducible in either mode (no atomics). ``deterministic=True`` with the
       developer switch ``PYKERNELS_ATTN_SM90_BWD=fused`` raises ``ValueError``.
     """
-    if (_LANE_ON and attn_mask is None and type(dropout_p) in (float, int) and dropout_p == 0
-            and type(is_causal) is bool and (scale is None or type(scale) is float) and type(enable_gqa) is bool
+    if (_LANE_ON and type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and type(is_causal) is bool
+            and (scale is None or type(scale) is float) and type(enable_gqa) is bool
             and (backend is None or type(backend) is str) and (deterministic is None or deterministic is False)):
-        out = _lane(query, key, value, is_causal, scale, backend, deterministic)
+        out = _lane(query, key, value, attn_mask, dropout_p, is_causal, scale, backend, deterministic)
         if out is not None:
             return out
     _checks.check_tensor("query", query, min_dim=2, dtypes=_DTYPES)

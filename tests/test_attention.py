@@ -78,6 +78,7 @@ def _lane_vs_full(monkeypatch, q, k, v, **kw):
     results = []
     for on in (True, False):
         monkeypatch.setattr(patt, "_LANE_ON", on)
+        torch.manual_seed(1234)  # (the same dropout seeds in both passes)
         out = sdpa(q, k, v, **kw)
         assert _lane_taken(out) == on, f"lane {'not ' if on else ''}taken with _LANE_ON={on}"
         with torch.no_grad():
@@ -90,14 +91,18 @@ def _lane_vs_full(monkeypatch, q, k, v, **kw):
     return results[0]
 
 
-@pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,d,causal", [
-    ("bhsd", 2, 2, 2, 17, 17, 16, False),
-    ("bshd", 1, 4, 2, 20, 37, 32, True),    # transformers' transposed views, GQA, Sq < Sk
-    ("bhsd", 1, 2, 1, 33, 9, 16, True)])    # MQA, Sq > Sk
-def test_eager_lane_equals_full_path(device, monkeypatch, layout, b, hq, hkv, sq, sk, d, causal):
-    """Dense calls without mask or dropout take the eager lane (a cached check and backend choice, then the
-    kernel-level forward the full path calls): outputs and gradients bit for bit the full path's, and within
-    the accuracy rule of the references; a second call of the same key (the cached entry) on fresh inputs too."""
+@pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,d,causal,extra", [
+    ("bhsd", 2, 2, 2, 17, 17, 16, False, None),
+    ("bshd", 1, 4, 2, 20, 37, 32, True, None),        # transformers' transposed views, GQA, Sq < Sk
+    ("bhsd", 1, 2, 1, 33, 9, 16, True, None),         # MQA, Sq > Sk
+    ("bhsd", 3, 2, 2, 17, 19, 16, False, "keypad"),   # (B, 1, 1, Sk) bool, one batch without a valid key
+    ("bshd", 1, 4, 2, 20, 37, 32, True, "additive"),  # (Sq, Sk) float, broadcast, with causal
+    ("bhsd", 2, 2, 2, 17, 17, 16, False, "dropout")])
+def test_eager_lane_equals_full_path(device, monkeypatch, layout, b, hq, hkv, sq, sk, d, causal, extra):
+    """Calls with q, k, v of one (B, H, S, D) shape family take the eager lane (a cached check and backend
+    choice, then the Triton backend's body): outputs and gradients bit for bit the full path's (with the same
+    dropout seeds), and within the accuracy rule of the references; a second call of the same key (the cached
+    entry) on fresh inputs too."""
     dtype = F32 if device.type == "cpu" else BF16
 
     def make(h, s):
@@ -106,8 +111,18 @@ def test_eager_lane_equals_full_path(device, monkeypatch, layout, b, hq, hkv, sq
         return torch.randn(b, h, s, d, dtype=dtype, device=device, requires_grad=True)
     for _ in range(2):
         q, k, v = make(hq, sq), make(hkv, sk), make(hkv, sk)
-        out, _, _, do = _lane_vs_full(monkeypatch, q, k, v, is_causal=causal, backend="triton")
-        _check_against_ref(q, k, v, causal=causal, out=out, do=do, what="lane")
+        mask, dropout_p = None, 0.0
+        if extra == "keypad":
+            keep = torch.arange(sk, device=device)[None, :] < torch.tensor([sk, 5, 0], device=device)[:, None]
+            mask = keep[:, None, None, :]
+        elif extra == "additive":
+            mask = torch.randn(sq, sk, device=device) - torch.where(torch.rand(sq, sk, device=device) < 0.3, 1e4, 0.0)
+        elif extra == "dropout":
+            dropout_p = 0.3
+        out, _, _, do = _lane_vs_full(monkeypatch, q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
+                                      backend="triton")
+        if extra != "dropout":  # (with dropout: bit for bit the full path, whose dropout tests are below)
+            _check_against_ref(q, k, v, mask=mask, causal=causal, out=out, do=do, what="lane")
 
 
 def test_eager_lane_backward_paths(device, monkeypatch):
@@ -137,17 +152,18 @@ def test_eager_lane_backward_paths(device, monkeypatch):
 
 
 def test_eager_lane_declines(device, monkeypatch):
-    """Calls the lane does not cover run the full path: masks, dropout, fewer dims, broadcast batch or query
-    heads, parameters, deterministic=True, the reference backend (also through ``use_backend``); float64, mixed
-    dtypes or devices and mismatched head dims get the full path's errors (the last twice: a declined key is
-    remembered as declined)."""
+    """Calls the lane does not cover run the full path: a mask that needs its gradient, fewer dims, broadcast
+    batch or query heads, parameters, deterministic=True, the reference backend (also through ``use_backend``);
+    float64, integer masks, mixed dtypes or devices and mismatched head dims get the full path's errors (the
+    last twice: a declined key is remembered as declined)."""
     import pykernels.attention as patt
     monkeypatch.setattr(patt, "_LANE_ON", True)
     q, k, v = _inputs((1, 2, 9, 16), (1, 2, 11, 16), (1, 2, 11, 16), F32, device)
     assert _lane_taken(sdpa(q, k, v, backend="triton"))
+    bias = torch.zeros(9, 11, device=device, requires_grad=True)
     declined = [
-        lambda: sdpa(q, k, v, torch.ones(9, 11, dtype=torch.bool, device=device), backend="triton"),
-        lambda: sdpa(q, k, v, dropout_p=0.5, backend="triton"),
+        lambda: sdpa(q, k, v, bias.detach() > 0, backend="triton"),  # covered: masks and dropout
+        lambda: sdpa(q, k, v, dropout_p=0.5, backend="triton", scale=0.3),
         lambda: sdpa(q[0], k[0], v[0], backend="triton"),
         lambda: sdpa(q, k[:, :1].expand(1, 2, 11, 16), v, backend="triton", scale=0.25),  # a stride-0 head: covered
         lambda: sdpa(q.expand(2, 2, 9, 16), k, v, backend="triton"),
@@ -157,7 +173,19 @@ def test_eager_lane_declines(device, monkeypatch):
         lambda: sdpa(torch.nn.Parameter(q.detach()), k, v, backend="triton"),
     ]
     taken = [_lane_taken(f()) for f in declined]
-    assert taken == [False, False, False, True, False, False, False, False, False], taken
+    assert taken == [True, True, False, True, False, False, False, False, False], taken
+    with pytest.raises(BackendUnavailableError, match="requires grad"):  # a trainable bias: the full path's answer
+        sdpa(q, k, v, bias, backend="triton")
+    full_calls = []
+    op = patt._attention_fwd
+    monkeypatch.setattr(patt, "_attention_fwd", lambda *a: full_calls.append(1) or op(*a))
+    with torch.no_grad():  # no gradient recorded: the bias is an ordinary mask, which the lane serves
+        sdpa(q, k, v, bias, backend="triton")
+        assert not full_calls
+        sdpa(q[0], k[0], v[0], backend="triton")  # (and the spy sees the full path)
+        assert full_calls
+    with pytest.raises(TypeError, match="attn_mask must be bool"):  # the full path's error
+        sdpa(q, k, v, torch.ones(9, 11, dtype=torch.int32, device=device), backend="triton")
     with pytest.raises(BackendUnavailableError, match="float64"):  # the full path's answer, not the lane's
         sdpa(*(t.detach().double() for t in (q, k, v)), backend="triton")
     with pykernels.use_backend("reference"):

@@ -1,5 +1,5 @@
 """The eager lane of ``pykernels.scaled_dot_product_attention`` (``pykernels.attention._lane``) on and off, next
-to torch SDPA's cuDNN backend, in one process: host time of a forward and of a backward call with the GPU kept
+to torch SDPA (its cuDNN backend; its own choice with a mask or dropout), in one process: host time of a forward and of a backward call with the GPU kept
 busy (so that the host's own cost is what is timed, not a wait), and ``triton.testing.do_bench`` of an eager
 forward and of an eager forward+backward (what an eager caller sees), alternating rounds.
 
@@ -22,9 +22,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import pykernels
 import pykernels.attention as patt
 
-# B, H, S, D, causal: BERT-base at 512 and 128 tokens (the sm_90 kernel and the Triton one), GPT-2, long D = 128
-CASES = {"bert": (32, 12, 512, 64, False), "bert128": (128, 12, 128, 64, False), "gpt2": (16, 12, 1024, 64, True),
-         "s4096c": (4, 16, 4096, 128, True)}
+# B, H, S, D, causal, extra: BERT-base at 512 and 128 tokens (the sm_90 kernel and the Triton one), with a
+# key-padding mask (lengths 256..512) and with attention dropout 0.1 (the Triton kernels), GPT-2, long D = 128
+CASES = {"bert": (32, 12, 512, 64, False, None), "bert128": (128, 12, 128, 64, False, None),
+         "bertpad": (32, 12, 512, 64, False, "keypad"), "bertdrop": (32, 12, 512, 64, False, "dropout"),
+         "gpt2": (16, 12, 1024, 64, True, None), "s4096c": (4, 16, 4096, 128, True, None)}
 SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time queued before each timed call
 
 
@@ -49,20 +51,29 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; bf16; host us "
           f"(median, GPU busy) and do_bench us (eager calls); best of {args.rounds} alternating rounds")
-    for name, (b, h, s, d, causal) in CASES.items():
+    for name, (b, h, s, d, causal, extra) in CASES.items():
         if name not in args.cases.split(","):
             continue
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+        mask, p = None, 0.0
+        if extra == "keypad":
+            lens = torch.randint(s // 2, s + 1, (b,), device="cuda")
+            mask = (torch.arange(s, device="cuda")[None, :] < lens[:, None])[:, None, None, :]
+        elif extra == "dropout":
+            p = 0.1
 
-        def ours(q=q, k=k, v=v, causal=causal):
-            return pykernels.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        def ours(q=q, k=k, v=v, causal=causal, mask=mask, p=p):
+            return pykernels.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
 
-        def cudnn(q=q, k=k, v=v, causal=causal):
+        def peer(q=q, k=k, v=v, causal=causal, mask=mask, p=p):
+            if mask is not None or p > 0:  # (torch picks its backend for masks and dropout)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                                        is_causal=causal)
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-        variants = {"lane": (ours, True), "full": (ours, False), "cuDNN": (cudnn, None)}
+        variants = {"lane": (ours, True), "full": (ours, False), "torch" if extra else "cuDNN": (peer, None)}
         best: dict = {}
         for _ in range(args.rounds):
             for label, (fn, lane) in variants.items():
@@ -86,6 +97,8 @@ def main() -> None:
             # the kernel-level backward the lane's backward calls, in this thread (the autograd engine runs
             # CUDA backward nodes on its own thread, out of cProfile's sight): its host time, then its profile
             from pykernels._kernels import attention as katt
+            if extra:
+                continue
             with torch.no_grad():
                 o, lse = katt.attention_fwd(q, k, v, None, causal=causal, scale=d ** -0.5, dropout_p=0.0, seed=0)
 
