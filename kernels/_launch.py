@@ -282,6 +282,10 @@ class FastKernel:
             return _SLOW
         # (name, from the caller's keywords, else the recorded constant); keyword values are not kept
         tail = tuple((n, n in kwargs, None if n in kwargs else meta[n]) for n in names[n_pos:])
+        # A callable grid first gets the constexprs only (their values are in the key, so they are this entry's
+        # for good): ~15 entries instead of every parameter's; one that reads another name (KeyError) gets the
+        # whole dict Triton would give it. (Grid functions index ``meta``; none calls ``meta.get``.)
+        constexprs = {p.name: meta[p.name] for p in self.jit.params if p.is_constexpr}
         # Common case: the keywords are exactly the remaining parameters, in signature order.
         kw_is_tail = list(kwargs) == names[n_pos:]
         get_stream = _driver()[1]
@@ -305,7 +309,10 @@ class FastKernel:
             else:
                 vals = args + tuple([kwargs[n] if from_kw else c for n, from_kw, c in tail])
             if callable(grid):
-                grid = grid(dict(zip(names, vals)))
+                try:
+                    grid = grid(constexprs.copy())
+                except KeyError:
+                    grid = grid(dict(zip(names, vals)))
             g1 = grid[1] if len(grid) > 1 else 1
             g2 = grid[2] if len(grid) > 2 else 1
             run(grid[0], g1, g2, get_stream(device), function, packed, None, None, None, *vals)

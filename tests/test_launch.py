@@ -191,6 +191,27 @@ def test_fast_path_args_and_grid(stubbed):
     assert fk.launches == [2, 1]
 
 
+def test_fast_path_callable_grid_meta(stubbed):
+    """A fast launch's callable grid gets the constexprs (the entry's, by value) and, if it reads another
+    name, the whole bound dict as Triton gives it: the same grid either way."""
+    fk, log = stubbed
+    x, y = torch.zeros(64), torch.zeros(64)
+    seen = []
+
+    def by_block(m):
+        seen.append(dict(m))
+        return (triton.cdiv(50, m["BLOCK"]),)
+
+    def by_n(m):  # reads a runtime argument
+        return (m["n"] + m["BLOCK"],)
+    for _ in range(2):
+        fk[by_block](x, y, 50, 2.0, FLAG=True)
+        fk[by_n](x, y, 50, 2.0, FLAG=True)
+    assert [e[0] for e in log] == ["slow", "fast", "fast", "fast"]  # (one key: the grid is not in it)
+    assert [e[1] for e in log] == [(2, 1, 1), (82, 1, 1)] * 2
+    assert seen[-1] == {"FLAG": True, "BLOCK": 32}  # the fast launch's meta: constexprs only
+
+
 @pytest.mark.parametrize("change", ["misaligned", "int_one", "div16", "constexpr", "dtype", "kwarg", "kwarg_order",
                                     "device"])
 def test_fast_path_new_key_takes_normal_path(stubbed, monkeypatch, change):

@@ -1,7 +1,8 @@
 """The eager lane of ``pykernels.scaled_dot_product_attention`` (``pykernels.attention._lane``) on and off, next
 to torch SDPA (its cuDNN backend; its own choice with a mask or dropout), in one process: host time of a forward and of a backward call with the GPU kept
-busy (so that the host's own cost is what is timed, not a wait), and ``triton.testing.do_bench`` of an eager
-forward and of an eager forward+backward (what an eager caller sees), alternating rounds.
+busy (so that the host's own cost is what is timed, not a wait; the least of 100 calls), and
+``triton.testing.do_bench`` of an eager forward (recording autograd, as the attention benchmark times it, and
+without) and of an eager forward+backward (gradients reset to None each step), alternating rounds, best of them.
 
 ``--profile CASE``: then the host time and cProfile (100 calls, GPU kept busy; by own and cumulative time) of
 the kernel-level backward that the lane's backward calls for that case, and cProfile of the lane's forward.
@@ -31,7 +32,8 @@ SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time queued before each timed call
 
 
 def busy_host_us(setup, fn, n: int = 100) -> float:
-    """Median host time of ``fn()`` with the GPU busy (a queued sleep), after an untimed ``setup()``."""
+    """Least host time of ``fn()`` over ``n`` calls with the GPU busy (a queued sleep), after an untimed
+    ``setup()`` each (the least: these hosts' timings are noisy, and noise only adds)."""
     ts = []
     for _ in range(n):
         arg = setup()
@@ -40,7 +42,7 @@ def busy_host_us(setup, fn, n: int = 100) -> float:
         fn(arg)
         ts.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
-    return statistics.median(ts) * 1e6
+    return min(ts) * 1e6
 
 
 def main() -> None:
@@ -50,7 +52,7 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="a case whose lane backward to profile")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; bf16; host us "
-          f"(median, GPU busy) and do_bench us (eager calls); best of {args.rounds} alternating rounds")
+          f"(least of 100, GPU busy) and do_bench us (eager calls); best of {args.rounds} alternating rounds")
     for name, (b, h, s, d, causal, extra) in CASES.items():
         if name not in args.cases.split(","):
             continue
@@ -75,24 +77,31 @@ def main() -> None:
 
         variants = {"lane": (ours, True), "full": (ours, False), "torch" if extra else "cuDNN": (peer, None)}
         best: dict = {}
+
+        def step(fn):
+            for t in (q, k, v):
+                t.grad = None
+            fn().backward(do)
         for _ in range(args.rounds):
             for label, (fn, lane) in variants.items():
                 if lane is not None:
                     patt._LANE_ON = lane
                 for _ in range(3):
-                    fn().backward(do)
+                    step(fn)
                 with torch.no_grad():
                     fwd_host = busy_host_us(lambda: None, lambda _: fn())
                 bwd_host = busy_host_us(fn, lambda o: o.backward(do))
+                fwd_db = triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3  # (recording autograd)
                 with torch.no_grad():
-                    fwd_db = triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
-                step_db = triton.testing.do_bench(lambda: fn().backward(do), warmup=25, rep=100) * 1e3
-                row = (fwd_host, bwd_host, fwd_db, step_db)
+                    fwd_ng = triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
+                step_db = triton.testing.do_bench(lambda: step(fn), warmup=25, rep=100) * 1e3
+                row = (fwd_host, bwd_host, fwd_db, fwd_ng, step_db)
                 best[label] = tuple(min(a, b) for a, b in zip(best.get(label, row), row))
         patt._LANE_ON = True
-        for label, (fh, bh, fd, sd) in best.items():
-            print(f"{name:8s} B{b} H{h} S{s} D{d}{' causal' if causal else ''} {label:6s}: host fwd {fh:6.1f} bwd "
-                  f"{bh:6.1f} | do_bench fwd {fd:7.1f} fwd+bwd {sd:7.1f}", flush=True)
+        for label, (fh, bh, fd, fn_, sd) in best.items():
+            print(f"{name:8s} B{b} H{h} S{s} D{d}{' causal' if causal else ''}{' ' + extra if extra else ''} {label:6s}: "
+                  f"host fwd {fh:6.1f} bwd {bh:6.1f} | do_bench fwd {fd:7.1f} (no grad {fn_:7.1f}) fwd+bwd {sd:7.1f}",
+                  flush=True)
         if name == args.profile:
             # the kernel-level backward the lane's backward calls, in this thread (the autograd engine runs
             # CUDA backward nodes on its own thread, out of cProfile's sight): its host time, then its profile
