@@ -7,7 +7,11 @@ without) and of an eager forward+backward (gradients reset to None each step), a
 ``--profile CASE``: then the host time and cProfile (100 calls, GPU kept busy; by own and cumulative time) of
 the kernel-level backward that the lane's backward calls for that case, and cProfile of the lane's forward.
 
-Usage (GPU): ``python benchmarks/dev/attention_lane_ab.py [--rounds 3] [--cases bert,gpt2] [--profile bert]``."""
+``--paired N``: instead, N calls each of the lane and the full path alternating call by call (host time of a
+forward and of a forward+backward step, GPU busy): the A/B that host drift cannot bias.
+
+Usage (GPU): ``python benchmarks/dev/attention_lane_ab.py [--rounds 3] [--cases bert,gpt2] [--profile bert]
+[--paired 300]``."""
 from __future__ import annotations
 
 import argparse
@@ -45,11 +49,48 @@ def busy_host_us(setup, fn, n: int = 100) -> float:
     return min(ts) * 1e6
 
 
+def paired(name, fn, q, k, v, do, n: int) -> None:
+    """Host time of a forward (no grad) and of a forward+backward step, lane and full path alternating call by
+    call with the GPU busy (host drift and noise hit both alike): medians and least, microseconds."""
+    times = {(lane, what): [] for lane in (True, False) for what in ("fwd", "step")}
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        fn().backward(do)
+    for lane in (True, False):  # warm both
+        patt._LANE_ON = lane
+        for _ in range(3):
+            step()
+    for _ in range(n):
+        for lane in (True, False):
+            patt._LANE_ON = lane
+            for what in ("fwd", "step"):
+                torch.cuda._sleep(SLEEP_CYCLES)
+                t0 = time.perf_counter()
+                if what == "fwd":
+                    with torch.no_grad():
+                        fn()
+                else:
+                    step()
+                times[(lane, what)].append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+    patt._LANE_ON = True
+    for what in ("fwd", "step"):
+        med = {lane: statistics.median(times[(lane, what)]) * 1e6 for lane in (True, False)}
+        least = {lane: min(times[(lane, what)]) * 1e6 for lane in (True, False)}
+        print(f"{name:8s} {what:4s} host us, lane / full, {n} pairs: median {med[True]:7.1f} / {med[False]:7.1f} "
+              f"({med[False] / med[True]:.2f}x), least {least[True]:7.1f} / {least[False]:7.1f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--profile", default="", help="a case whose lane backward to profile")
+    ap.add_argument("--paired", type=int, default=0,
+                    help="instead: N calls of each, lane and full path alternating call by call (host time of a "
+                         "forward and of a forward+backward step, GPU busy): medians and least")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; bf16; host us "
           f"(least of 100, GPU busy) and do_bench us (eager calls); best of {args.rounds} alternating rounds")
@@ -76,6 +117,9 @@ def main() -> None:
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
         variants = {"lane": (ours, True), "full": (ours, False), "torch" if extra else "cuDNN": (peer, None)}
+        if args.paired:
+            paired(name, ours, q, k, v, do, args.paired)
+            continue
         best: dict = {}
 
         def step(fn):
