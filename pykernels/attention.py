@@ -520,7 +520,7 @@ def _lane_scale(query: Tensor, key: Tensor, value: Tensor, mask, scale, requeste
         return None
     if query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1:
         return None
-    if mask is not None and (type(mask) is not Tensor or mask.device != dev or mask.dim() > 4
+    if mask is not None and (mask.device != dev or mask.dim() > 4
                              or not (mask.dtype == torch.bool or mask.is_floating_point())
                              or not _broadcasts_to(mask.shape, (b, hq, sq, sk))):
         return None
@@ -554,14 +554,15 @@ class _LaneFunction(torch.autograd.Function):
 
 def _lane(query, key, value, mask, dropout_p, is_causal, scale, backend, deterministic):
     """The output of a call the lane covers, else None (then the full path runs)."""
-    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
-        return None
+    if (type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor
+            or (mask is not None and type(mask) is not Tensor)):
+        return None  # (subclasses, parameters, a mask that is not a tensor: the full path)
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return None
     requested = backend or default_backend()
     lkey = (query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype,
             key.dtype, value.dtype, query.device, key.device, value.device, is_causal, scale, requested,
-            None if mask is None else (type(mask), mask.shape, mask.stride(), mask.dtype, mask.device))
+            None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device))
     sc = _LANE.get(lkey)
     if sc is None:
         if lkey in _LANE:
@@ -624,6 +625,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     _checks.check_tensor("key", key, min_dim=2, dtypes=_DTYPES)
     _checks.check_tensor("value", value, min_dim=2, dtypes=_DTYPES)
     _checks.check_same([("query", query), ("key", key), ("value", value)], what="dtype")
+    if attn_mask is not None and not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     _checks.check_same([("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)],
                        what="device")
     dropout_p = _checks.check_prob("dropout_p", dropout_p)

@@ -184,6 +184,8 @@ def test_eager_lane_declines(device, monkeypatch):
         assert not full_calls
         sdpa(q[0], k[0], v[0], backend="triton")  # (and the spy sees the full path)
         assert full_calls
+    with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor"):
+        sdpa(q, k, v, [[True] * 11] * 9, backend="triton")
     with pytest.raises(TypeError, match="attn_mask must be bool"):  # the full path's error
         sdpa(q, k, v, torch.ones(9, 11, dtype=torch.int32, device=device), backend="triton")
     with pytest.raises(BackendUnavailableError, match="float64"):  # the full path's answer, not the lane's
