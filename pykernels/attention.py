@@ -614,6 +614,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       3-8% faster where it is taken, ``kernels/attention_sm90_bwd.py``), whose dQ may differ in the last bits between runs;
       every other case is reproducible in either mode (no atomics). ``deterministic=True`` with the
       developer switch ``PYKERNELS_ATTN_SM90_BWD=fused`` raises ``ValueError``.
+
+    Eager calls with four-dim q, k, v of one batch take the *eager lane*: whether a kind of call (shapes,
+    strides, dtypes, devices, mask layout, flags, default backend) is valid and served by Triton is checked once
+    and remembered, then its calls run the Triton backend directly: the same kernels, outputs, gradients and
+    dropout seeds with less host time (``PYKERNELS_EAGER_LANE=0`` turns it off).
     """
     if (_LANE_ON and type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and type(is_causal) is bool
             and (scale is None or type(scale) is float) and type(enable_gqa) is bool
