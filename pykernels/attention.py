@@ -396,15 +396,22 @@ def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
                 max_seqlen_k: int, dropout_p: float, causal: bool, scale: float,
                 backend: str) -> tuple[Tensor, Tensor, Tensor]:
     impl = select(_VOP, backend or None, q.device, _support(q, k, v))
-    seed = op_seed(dropout_p, q.device)
     if impl == "triton":
-        o, lse = _kernels().attention_fwd(q, k, v, None, causal=causal, scale=scale, dropout_p=dropout_p,
-                                          seed=int(seed[0]) if dropout_p > 0 else 0,
-                                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-        return o, lse, seed
+        return _varlen_triton_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
+                                  scale)
+    seed = op_seed(dropout_p, q.device)
     o, lse = _ref_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
                              scale, seed)
+    return o, lse, seed
+
+
+def _varlen_triton_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                       max_seqlen_k: int, dropout_p: float, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``_varlen_fwd`` on the Triton backend (also what the eager lane calls): (o, lse, seed)."""
+    seed = op_seed(dropout_p, q.device)
+    o, lse = _kernels().attention_fwd(q, k, v, None, causal=causal, scale=scale, dropout_p=dropout_p,
+                                      seed=int(seed[0]) if dropout_p > 0 else 0, cu_seqlens_q=cu_seqlens_q,
+                                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     return o, lse, seed
 
 
@@ -421,13 +428,20 @@ def _varlen_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
                 dropout_p: float, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     impl = select(_VOP, backend or None, q.device, _support(q, k, v))
     if impl == "triton":
-        return _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, None, causal=causal, scale=scale,
-                                        dropout_p=dropout_p, seed=int(seed[0]) if dropout_p > 0 else 0,
-                                        cu_seqlens_q=cu_seqlens_q,
-                                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                                        max_seqlen_k=max_seqlen_k)
+        return _varlen_triton_bwd(do, q, k, v, o, lse, seed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, causal, scale)
     return _ref_varlen_bwd(do, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
                            scale, seed)
+
+
+def _varlen_triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor,
+                       cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                       dropout_p: float, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``_varlen_bwd`` on the Triton backend (also what the eager lane's backward calls)."""
+    return _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, None, causal=causal, scale=scale,
+                                    dropout_p=dropout_p, seed=int(seed[0]) if dropout_p > 0 else 0,
+                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                    max_seqlen_k=max_seqlen_k)
 
 
 @_varlen_bwd.register_fake
@@ -552,26 +566,36 @@ class _LaneFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+def _lane_plain(*tensors) -> bool:
+    """Plain tensors (no subclass, no parameter) in plain eager execution (no tracing, no dispatch mode)."""
+    for t in tensors:
+        if type(t) is not Tensor:
+            return False
+    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+
+
+def _lane_lookup(lkey, check):
+    """The remembered answer of ``lkey`` (the scale, or None: not covered), from ``check()`` the first time."""
+    sc = _LANE.get(lkey)
+    if sc is None and lkey not in _LANE:
+        if len(_LANE) >= _LANE_MAX:
+            _LANE.clear()
+        sc = _LANE[lkey] = check()
+    return sc
+
+
 def _lane(query, key, value, mask, dropout_p, is_causal, scale, backend, deterministic):
-    """The output of a call the lane covers, else None (then the full path runs)."""
-    if (type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor
-            or (mask is not None and type(mask) is not Tensor)):
-        return None  # (subclasses, parameters, a mask that is not a tensor: the full path)
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return None
+    """The output of a call the lane covers, else None (then the full path runs: its checks, warnings and
+    fallbacks)."""
+    if not (_lane_plain(query, key, value) if mask is None else _lane_plain(query, key, value, mask)):
+        return None  # (subclasses, parameters, a mask that is not a tensor, tracing: the full path)
     requested = backend or default_backend()
     lkey = (query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype,
             key.dtype, value.dtype, query.device, key.device, value.device, is_causal, scale, requested,
             None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device))
-    sc = _LANE.get(lkey)
+    sc = _lane_lookup(lkey, lambda: _lane_scale(query, key, value, mask, scale, requested))
     if sc is None:
-        if lkey in _LANE:
-            return None  # a key the lane does not cover: the full path (its checks, warnings, fallbacks)
-        if len(_LANE) >= _LANE_MAX:
-            _LANE.clear()
-        sc = _LANE[lkey] = _lane_scale(query, key, value, mask, scale, requested)
-        if sc is None:
-            return None
+        return None
     grad = torch.is_grad_enabled()
     if mask is not None:
         if grad and mask.requires_grad:
@@ -582,6 +606,70 @@ def _lane(query, key, value, mask, dropout_p, is_causal, scale, backend, determi
     if grad and (query.requires_grad or key.requires_grad or value.requires_grad):
         return _LaneFunction.apply(query, key, value, mask, dropout_p, is_causal, sc, backend or "", deterministic)
     return _triton_fwd(query, key, value, mask, dropout_p, is_causal, sc)[0]
+
+
+def _varlen_lane_scale(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, scale, requested: str):
+    """The softmax scale of a kind of varlen call the lane covers, else None: (T, H, D) tensors of one dtype and
+    device with unit last strides, Hq a multiple of Hkv, int32 (B+1,) cu_seqlens of the device, and the Triton
+    backend serving it. Nothing here depends on the token counts or the max lengths (they change from batch to
+    batch): the lane checks those per call."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or cu_q.dim() != 1 or cu_k.dim() != 1:
+        return None
+    dtype = q.dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != dtype or v.dtype != dtype:
+        return None
+    if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32 or cu_q.numel() < 1 or cu_q.numel() != cu_k.numel():
+        return None
+    dev = q.device
+    if k.device != dev or v.device != dev or cu_q.device != dev or cu_k.device != dev:
+        return None
+    if requested not in ("auto", "triton") or (requested == "auto" and dev.type != "cuda"):
+        return None
+    if q.shape[2] != k.shape[2] or k.shape[1] != v.shape[1] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        return None
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        return None
+    if _support(q, k, v)["triton"] is not None or _backend_availability("triton", dev) is not None:
+        return None
+    return float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[2])
+
+
+class _VarlenLaneFunction(torch.autograd.Function):
+    """The varlen lane's autograd node: the registered varlen op's forward and backward bodies on Triton."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, backend):
+        o, lse, seed = _varlen_triton_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale)
+        _varlen_setup(ctx, (q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, backend), (o, lse, seed))
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        if torch.is_grad_enabled() or (ctx.args[5] or default_backend()) not in ("auto", "triton"):
+            dq, dk, dv = _varlen_backward(ctx, do, None, None)[:3]  # (as the dense lane's backward)
+        else:
+            q, k, v, o, lse, seed, cu_q, cu_k = ctx.saved_tensors
+            max_q, max_k, dropout_p, causal, scale, _ = ctx.args
+            dq, dk, dv = _varlen_triton_bwd(do, q, k, v, o, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, causal,
+                                            scale)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _varlen_lane(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, backend):
+    """The output of a varlen call the lane covers, else None (then the full path runs)."""
+    if (not _lane_plain(q, k, v, cu_q, cu_k) or type(max_q) is not int or type(max_k) is not int
+            or max_q < 0 or max_k < 0 or k.shape[0] != v.shape[0]):
+        return None
+    requested = backend or default_backend()
+    lkey = ("varlen", q.shape[1:], q.stride(), k.shape[1:], k.stride(), v.shape[1:], v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, cu_q.shape, cu_q.dtype, cu_q.device, cu_k.shape, cu_k.dtype,
+            cu_k.device, scale, requested)
+    sc = _lane_lookup(lkey, lambda: _varlen_lane_scale(q, k, v, cu_q, cu_k, scale, requested))
+    if sc is None:
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _VarlenLaneFunction.apply(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, sc, backend or "")
+    return _varlen_triton_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, sc)[0]
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
@@ -726,8 +814,16 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     ints at least the longest sequence (they size the grid and key the dropout RNG). Zero-length
     sequences are allowed. Returns (Tq, Hq, Dv); rows past ``cu_seqlens_q[-1]`` are 0, and so are the
     gradient rows past ``cu_seqlens_q/k[-1]``. ``causal``: top-left aligned within each sequence.
-    GQA when Hq is a multiple of Hkv. Other options as in :func:`scaled_dot_product_attention`.
+    GQA when Hq is a multiple of Hkv. Other options as in :func:`scaled_dot_product_attention` (the eager
+    lane too: its key leaves out the token counts and max lengths, which change from batch to batch).
     """
+    if (_LANE_ON and type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and type(causal) is bool
+            and (scale is None or type(scale) is float) and (backend is None or type(backend) is str)
+            and (deterministic is None or type(deterministic) is bool)):
+        out = _varlen_lane(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p,
+                           backend)
+        if out is not None:
+            return out
     _checks.check_tensor("q", q, ndim=3, dtypes=_DTYPES)
     _checks.check_tensor("k", k, ndim=3, dtypes=_DTYPES)
     _checks.check_tensor("v", v, ndim=3, dtypes=_DTYPES)
