@@ -31,7 +31,8 @@ import pykernels.attention as patt
 # key-padding mask (lengths 256..512) and with attention dropout 0.1 (the Triton kernels), GPT-2, long D = 128
 CASES = {"bert": (32, 12, 512, 64, False, None), "bert128": (128, 12, 128, 64, False, None),
          "bertpad": (32, 12, 512, 64, False, "keypad"), "bertdrop": (32, 12, 512, 64, False, "dropout"),
-         "gpt2": (16, 12, 1024, 64, True, None), "s4096c": (4, 16, 4096, 128, True, None)}
+         "gpt2": (16, 12, 1024, 64, True, None), "s4096c": (4, 16, 4096, 128, True, None),
+         "bertvarlen": (32, 12, 512, 64, False, "varlen")}  # (varlen_attention on the packed lengths 256..512)
 SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU time queued before each timed call
 
 
@@ -96,6 +97,17 @@ def main() -> None:
           f"(least of 100, GPU busy) and do_bench us (eager calls); best of {args.rounds} alternating rounds")
     for name, (b, h, s, d, causal, extra) in CASES.items():
         if name not in args.cases.split(","):
+            continue
+        if extra == "varlen":  # packed (T, H, D): only the paired A/B takes it
+            if args.paired:
+                lens = torch.randint(s // 2, s + 1, (b,), generator=torch.Generator().manual_seed(0))
+                cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32).cuda()
+                t = int(cu[-1])
+                q, k, v = (torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                           for _ in range(3))
+                mx = int(lens.max())
+                paired(name, lambda q=q, k=k, v=v, cu=cu, mx=mx: pykernels.varlen_attention(q, k, v, cu, cu, mx, mx),
+                       q, k, v, torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16), args.paired)
             continue
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
