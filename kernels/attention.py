@@ -966,6 +966,8 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
         for t in (dq, dk, dv):
             t.zero_()
         return dq, dk, dv
+    # (batch, head, row) strides of each tensor, once (each launch below takes six of them)
+    s_q, s_k, s_v, s_do, s_dq, s_dk, s_dv, s_o = (seq3(t) for t in (q, k, v, do, dq, dk, dv, o))
     dummy = _placeholder(q.device)
     mask_t, mask_kind, ms = _mask_args(mask, dummy)
     cu_q = cu_seqlens_q if varlen else dummy
@@ -984,12 +986,12 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
     common = dict(D=d, DV=dv_dim, BLOCK_D=bd, BLOCK_DV=bdv, EVEN_D=bd == d and bdv == dv_dim, IS_CAUSAL=bool(causal), MASK_KIND=mask_kind,
                   HAS_KV_RANGE=kv_range is not None, HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen,
                   PRECISION=_precision(q.dtype),
-                  IDX64=_needs_idx64(sq, sk, [seq3(t)[2] for t in (q, k, v, do, dq, dk, dv, o)], ms))
+                  IDX64=_needs_idx64(sq, sk, [t[2] for t in (s_q, s_k, s_v, s_do, s_dq, s_dk, s_dv, s_o)], ms))
 
     def triton_dq(compute_delta: bool):
         _launch.fast(_attention_bwd_dq_kernel)[lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)](
             q, k, v, do, dq, lse, delta, o, mask_t, kvr, cu_q, cu_k,
-            *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dq), *seq3(o), *ls, *ms,
+            *s_q, *s_k, *s_v, *s_do, *s_dq, *s_o, *ls, *ms,
             hq, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common,
             COMPUTE_DELTA=compute_delta)
 
@@ -1001,7 +1003,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
     if not dq_done:
         pre_bm = 16 if _tuning.interpret() else 64
         _launch.fast(_attention_bwd_preprocess_kernel)[(_tuning.cdiv(sq, pre_bm), hq, batch)](
-            o, do, delta, cu_q, *seq3(o), *seq3(do), *ls, hq, sq,
+            o, do, delta, cu_q, *s_o, *s_do, *ls, hq, sq,
             DV=dv_dim, BLOCK_DV=bdv, IS_VARLEN=varlen, BLOCK_M=pre_bm)
     fused = gluon == "fused" and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal,
                                                             scale=scale, dq=dq)
@@ -1009,7 +1011,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
                                                                          causal=causal, scale=scale)):
         _launch.fast(_attention_bwd_dkdv_kernel)[lambda meta: (_tuning.cdiv(sk, meta["BLOCK_N"]), hkv, batch)](
             q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
-            *seq3(q), *seq3(k), *seq3(v), *seq3(do), *seq3(dk), *seq3(dv), *ls, *ms,
+            *s_q, *s_k, *s_v, *s_do, *s_dk, *s_dv, *ls, *ms,
             hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, float(dropout_p), int(seed), bucket, **common)
     if not fused and not dq_done:
         triton_dq(False)
