@@ -510,6 +510,20 @@ _LANE: dict = {}
 _LANE_MAX = 1024  # the cache starts over when full (bounded whatever the callers vary)
 
 
+def _lane_served(q: Tensor, k: Tensor, v: Tensor, requested: str) -> bool:
+    """What both lanes require of q, k, v (their dims and shapes checked by the caller): one dtype the kernels
+    take, one device, and the Triton backend serving the call (``select``'s answer for "auto" on CUDA or
+    "triton"; the interpreter serves CPU tensors for "triton" as the full path does)."""
+    dtype, dev = q.dtype, q.device
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != dtype or v.dtype != dtype:
+        return False
+    if k.device != dev or v.device != dev or requested not in ("auto", "triton"):
+        return False
+    if requested == "auto" and dev.type != "cuda":
+        return False  # (auto runs the reference off CUDA)
+    return _support(q, k, v)["triton"] is None and _backend_availability("triton", dev) is None
+
+
 def _lane_scale(query: Tensor, key: Tensor, value: Tensor, mask, scale, requested: str):
     """The softmax scale of a call the lane covers, else None: four-dim tensors of one batch, dtype and device
     (CUDA; CPU tensors under the interpreter with ``backend="triton"``, as the full path serves them), Hq a
@@ -517,14 +531,6 @@ def _lane_scale(query: Tensor, key: Tensor, value: Tensor, mask, scale, requeste
     (B, Hq, Sq, Sk), and the Triton backend serving it (``select``'s answer for "auto" or "triton")."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return None
-    dtype = query.dtype
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or key.dtype != dtype or value.dtype != dtype:
-        return None
-    dev = query.device
-    if key.device != dev or value.device != dev or requested not in ("auto", "triton"):
-        return None
-    if requested == "auto" and dev.type != "cuda":
-        return None  # (auto runs the reference off CUDA; the interpreter serves CPU tensors for "triton")
     b, hq, sq, d = query.shape
     _, hk, sk, _ = key.shape
     if (key.shape[0] != b or value.shape[0] != b or key.shape[3] != d or value.shape[1] != hk
@@ -534,11 +540,11 @@ def _lane_scale(query: Tensor, key: Tensor, value: Tensor, mask, scale, requeste
         return None
     if query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1:
         return None
-    if mask is not None and (mask.device != dev or mask.dim() > 4
+    if mask is not None and (mask.device != query.device or mask.dim() > 4
                              or not (mask.dtype == torch.bool or mask.is_floating_point())
                              or not _broadcasts_to(mask.shape, (b, hq, sq, sk))):
         return None
-    if _support(query, key, value)["triton"] is not None or _backend_availability("triton", dev) is not None:
+    if not _lane_served(query, key, value, requested):
         return None
     return float(scale) if scale is not None else 1.0 / math.sqrt(d)
 
@@ -615,21 +621,15 @@ def _varlen_lane_scale(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tens
     batch): the lane checks those per call."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or cu_q.dim() != 1 or cu_k.dim() != 1:
         return None
-    dtype = q.dtype
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != dtype or v.dtype != dtype:
-        return None
     if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32 or cu_q.numel() < 1 or cu_q.numel() != cu_k.numel():
         return None
-    dev = q.device
-    if k.device != dev or v.device != dev or cu_q.device != dev or cu_k.device != dev:
-        return None
-    if requested not in ("auto", "triton") or (requested == "auto" and dev.type != "cuda"):
+    if cu_q.device != q.device or cu_k.device != q.device:
         return None
     if q.shape[2] != k.shape[2] or k.shape[1] != v.shape[1] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         return None
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
         return None
-    if _support(q, k, v)["triton"] is not None or _backend_availability("triton", dev) is not None:
+    if not _lane_served(q, k, v, requested):
         return None
     return float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[2])
 
