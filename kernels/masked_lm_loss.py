@@ -100,16 +100,18 @@ the whole (rows, V) chunk is materialised, and then dW must be accumulated acros
 fp32 (V, H) buffer (94 MiB for BERT-base), over the memory budget.
 
 Memory above the inputs (BERT-base MLM: N 16384, M 2446, V 30522, H 768, bf16; measured peaks in
-benchmarks/results/*_run14.csv). Sized: dhidden (N H) and dW (V H) in the input dtype (24 + 45 MiB), the
-(M, VC) dlogits chunks inside dhidden's memory (24 MiB: 6 chunks), h_c and the fp32 (M, H) accumulator
-(4 + 7 MiB): 84 MiB; GPT-2 (N = M = 8192, V 50257; the chunks do not fit in dhidden, a 16 MiB buffer):
+benchmarks/results/*_run14.csv, *_run148.txt). Sized: dhidden (N H) and dW (V H) in the input dtype (24 + 45
+MiB), the (M, VC) dlogits chunks in a buffer of the budget plus dhidden's bytes (36 MiB: 4 chunks; dhidden is
+allocated after it is freed; inside dhidden's own memory, 24 MiB, they would need 6 chunks, ``_chunk_layout``),
+h_c and the fp32 (M, H) accumulator (4 + 7 MiB): 92 MiB (84 with the 6 chunks, GPU time 1.00 against 0.95 ms); GPT-2 (N = M = 8192, V 50257; the chunks do not fit in dhidden, a 16 MiB buffer):
 126 MiB. The TMA forward's transient compacted rows and per-tile partials (71 MiB at BERT-base, 51 MiB
 at GPT-2, ``TMA_FWD_BUDGET_BYTES``) are freed before the backward. Graph-safe: the (N, VC) buffer
 (64 MiB) and an fp32 (N, H) accumulator (48 MiB) instead, both sized for N because the count stays on
 the device: 181 and 174 MiB.
 
 Launches per call: forward 3-4 Triton kernels (compaction, [row gather,] logits, combine) + the count
-copy; sized backward 3 per chunk (dz kernel, two GEMMs) + ~5 small torch ops; graph-safe backward 2
+copy; sized backward 3 per chunk (dz kernel, two GEMMs) + the row gather and the dhidden scatter (one Triton
+launch each: the gathered rows in, every position of dhidden out, 0 at the ignored ones); graph-safe backward 2
 Triton kernels per chunk. Host time is what limits the sized backward at BERT-base on the GPU
 machines' slow host CPUs: ~1.1-1.3 ms of host time for ~0.7-0.8 ms of GPU time (6 chunks, ~150-200 us
 of Python, torch dispatch and launches each), so fewer, wider chunks pay off more than faster kernels.
@@ -639,12 +641,13 @@ def compact(target: torch.Tensor, ignore_index: int
 
 
 @triton.jit
-def _gather_rows_kernel(h_ptr, rows_ptr, count_ptr, out_ptr, H, stride_hn, stride_hh,
+def _gather_rows_kernel(h_ptr, rows_ptr, count_ptr, out_ptr, H, R, stride_hn, stride_hh,
                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[i] = h[rows[i]] for i < count (device count): the valid rows, compacted for the TMA tiles.
-    Rows past count are left as they are (the logits kernel never reads them into a result)."""
+    """out[i] = h[rows[i]] for i < min(count, R) (device count, R rows in ``out``): the valid rows,
+    compacted. Rows past count are left as they are (the logits kernel never reads them into a result;
+    the sized backward's dz is NaN when its host count is not the device's)."""
     start = tl.program_id(0) * BLOCK_R
-    count = tl.load(count_ptr)
+    count = tl.minimum(tl.load(count_ptr), R)
     if start < count:
         offs_r = start + tl.arange(0, BLOCK_R)
         mask_r = offs_r < count
@@ -654,6 +657,40 @@ def _gather_rows_kernel(h_ptr, rows_ptr, count_ptr, out_ptr, H, stride_hn, strid
             mask = mask_r[:, None] & (offs_h < H)[None, :]
             x = tl.load(h_ptr + rows[:, None] * stride_hn + offs_h[None, :] * stride_hh, mask=mask)
             tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * H + offs_h[None, :], x, mask=mask)
+
+
+@triton.jit
+def _scatter_rows_kernel(acc_ptr, rows_ptr, count_ptr, tgt_ptr, dh_ptr, N, M, H, ignore_index, stride_acc,
+                         ZERO_IGNORED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """dhidden by position from the compacted rows: dh[rows[i]] = acc[i] (cast) for i < M (the first
+    cdiv(M, BLOCK_R) programs); with ZERO_IGNORED the other cdiv(N, BLOCK_R) programs write 0 at every
+    position whose target is ``ignore_index``, so every position is written once, with no memset. If the
+    device count is not M, those programs write NaN at the valid positions too (as the dz kernels do):
+    never a silently partial gradient."""
+    pid = tl.program_id(0)
+    row_programs = tl.cdiv(M, BLOCK_R)
+    offs_r = (pid % row_programs) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if pid < row_programs:
+        mask_r = offs_r < M
+        pos = tl.load(rows_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask = mask_r[:, None] & (offs_h < H)[None, :]
+            x = tl.load(acc_ptr + offs_r.to(tl.int64)[:, None] * stride_acc + offs_h[None, :], mask=mask)
+            tl.store(dh_ptr + pos[:, None] * H + offs_h[None, :], x.to(dh_ptr.dtype.element_ty), mask=mask)
+    elif ZERO_IGNORED:
+        offs_p = (pid - row_programs) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask_p = offs_p < N
+        t = tl.load(tgt_ptr + offs_p, mask=mask_p, other=0)
+        ignored = t == ignore_index
+        bad = tl.load(count_ptr) != M
+        fill = tl.where(ignored, 0.0, float("nan"))
+        write = mask_p & (ignored | bad)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            val = tl.zeros((BLOCK_R, BLOCK_H), tl.float32) + fill[:, None]
+            tl.store(dh_ptr + offs_p.to(tl.int64)[:, None] * H + offs_h[None, :], val.to(dh_ptr.dtype.element_ty),
+                     mask=write[:, None] & (offs_h < H)[None, :])
 
 
 # Logit tiles through Hopper tensor descriptors (``_logits_tma_kernel``) where they apply (sm_90+,
@@ -695,15 +732,34 @@ def _tma_cfg(cfg: tuple) -> tuple:
     return (16, 32, 16, 1, 1) if _INTERPRET else cfg
 
 
-def gather_rows(hidden: torch.Tensor, rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """(N, H) buffer whose first ``count`` rows are ``hidden[rows[:count]]`` (device count, no sync)."""
+def gather_rows(hidden: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, n_rows: int | None = None
+                ) -> torch.Tensor:
+    """(R, H) buffer whose first ``count`` rows are ``hidden[rows[:count]]`` (device count, no sync);
+    R = ``n_rows`` (the sized backward's host count) or N."""
     n, h = hidden.shape
-    out = empty(n, h, dtype=hidden.dtype, device=hidden.device)
+    r = n if n_rows is None else n_rows
+    out = empty(r, h, dtype=hidden.dtype, device=hidden.device)
     block_r, block_h = (16, 32) if _INTERPRET else (32, 256)
-    _launch.fast(_gather_rows_kernel)[(_tuning.cdiv(n, block_r),)](
-        hidden, rows, count, out, h, hidden.stride(0), hidden.stride(1), BLOCK_R=block_r, BLOCK_H=block_h,
+    _launch.fast(_gather_rows_kernel)[(_tuning.cdiv(r, block_r),)](
+        hidden, rows, count, out, h, r, hidden.stride(0), hidden.stride(1), BLOCK_R=block_r, BLOCK_H=block_h,
         num_warps=4)
     return out
+
+
+def scatter_rows(acc: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, target: torch.Tensor,
+                 dhidden: torch.Tensor, ignore_index: int | None) -> None:
+    """dhidden (N, H) contiguous <- ``acc`` (M, H) at positions ``rows[:M]``, 0 where the target is
+    ``ignore_index`` (one launch; ``ignore_index`` None: zero-fill first, then scatter)."""
+    n, h = dhidden.shape
+    m = acc.shape[0]
+    acc = acc if acc.stride(1) == 1 else acc.contiguous()
+    if ignore_index is None:
+        dhidden.zero_()
+    block_r, block_h = (16, 32) if _INTERPRET else (32, 256)
+    programs = _tuning.cdiv(m, block_r) + (_tuning.cdiv(n, block_r) if ignore_index is not None else 0)
+    _launch.fast(_scatter_rows_kernel)[(programs,)](
+        acc, rows, count, target, dhidden, n, m, h, 0 if ignore_index is None else int(ignore_index),
+        acc.stride(0), ZERO_IGNORED=ignore_index is not None, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
 
 
 def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n, n_rows,
@@ -847,6 +903,23 @@ def _chunk_plan(v: int, vc: int, m: int, h: int, pad: int, dw_rows: int) -> list
     return plan
 
 
+def _chunk_layout(m: int, v: int, h: int, elem: int, budget: int, dh_elems: int, dh_elem: int, pad: int,
+                  scratch_rows: int) -> tuple[int, bool]:
+    """The sized backward's chunk width and where its dlogits live: (VC, shared). Two layouts: in dhidden's
+    memory (shared: chunks of max(budget, dhidden's bytes)), or in a buffer of the budget plus dhidden's
+    bytes, dhidden allocated after that buffer is freed. The second costs the budget in peak memory; it is
+    taken when the first does not fit or needs more chunks (each chunk is a kernel launch and two or three
+    cuBLAS calls of host time, and narrow GEMMs run slower). BERT-base MLM (M 2446, V 30522, H 768, bf16):
+    4 chunks of 7680 columns instead of 6 (7168, 5376, 5120 x 3, 2618), peak ~84 -> ~96 MiB."""
+    vc = _chunk_columns(m, v, elem, max(budget, dh_elems * dh_elem))
+    vc_own = _chunk_columns(m, v, elem, budget + dh_elems * dh_elem)
+    if (m * _tuning.cdiv(vc, pad) * pad <= dh_elems
+            and len(_chunk_plan(v, vc, m, h, pad, scratch_rows)) <= len(_chunk_plan(v, vc_own, m, h, pad,
+                                                                                  scratch_rows))):
+        return vc, True
+    return vc_own, False
+
+
 def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                        target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor,
                        rows: torch.Tensor, count: torch.Tensor, *, label_smoothing: float,
@@ -955,7 +1028,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                              target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor,
                              rows: torch.Tensor, count: torch.Tensor, num_rows: int, *, label_smoothing: float,
                              compute_dhidden: bool = True, compute_dweight: bool = True,
-                             dlogits_budget_bytes: int | None = None,
+                             dlogits_budget_bytes: int | None = None, ignore_index: int | None = None,
                              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The backward when the number of valid rows ``num_rows`` (= ``count``) is known on the host.
 
@@ -972,7 +1045,9 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     * dh_c (+)= dz W[chunk] (cuBLAS with an fp32 output accumulated across chunks), written once to the
       valid positions of dhidden (zeroed after the last chunk: its memory may have held dz).
 
-    ``h_c`` is the (M, H) gather of the valid rows (``hidden`` itself when every row is valid)."""
+    ``h_c`` is the (M, H) gather of the valid rows (``hidden`` itself when every row is valid). With
+    ``ignore_index`` the last step writes every position of dhidden in one launch (the accumulated rows
+    at theirs, 0 where the target is ``ignore_index``); without it dhidden is zero-filled first."""
     n, h = hidden.shape
     v = weight.shape[0]
     m = int(num_rows)
@@ -995,7 +1070,6 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     grad_loss = grad_loss.to(torch.float32).contiguous()
     lse = lse.contiguous()
     all_rows = m == n  # compaction keeps order: every row valid means rows[i] == i
-    rows_m = None if all_rows else rows[:m].long()
     # dhidden is written only after the last chunk, so its memory serves the dlogits chunks first: they
     # live in dhidden itself when the budget's chunk fits there (BERT MLM: N x H is ~6 times M x 768
     # columns); else (causal LM, M = N) dhidden is allocated only after the chunks, and the chunk buffer
@@ -1005,16 +1079,15 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     dh_elems = n * h if compute_dhidden else 0
     elem = weight.element_size()
     budget = SIZED_DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
-    vc = _chunk_columns(m, v, elem, max(budget, dh_elems * hidden.element_size()))
-    shared = m * _tuning.cdiv(vc, pad) * pad <= dh_elems
-    if not shared:
-        vc = _chunk_columns(m, v, elem, budget + dh_elems * hidden.element_size())
+    dw_rows = _tuning.cdiv(v, pad) * pad if compute_dweight else 0
+    scratch_rows = dw_rows if use_tma else 0
+    vc, shared = _chunk_layout(m, v, h, elem, budget, dh_elems, hidden.element_size(), pad, scratch_rows)
     ld = _tuning.cdiv(vc, pad) * pad  # TMA: row stride padded to 16 bytes
     dhidden = empty(n, h, dtype=hidden.dtype, device=dev) if compute_dhidden and shared else None
     dl = (dhidden.view(-1)[:m * ld] if shared else empty(m * ld, dtype=weight.dtype, device=dev)).view(m, ld)
     hc = None
     if compute_dweight or use_tma:
-        hc = hidden if all_rows else hidden.index_select(0, rows_m)
+        hc = hidden if all_rows else gather_rows(hidden, rows, count, m)
         elem = hc.element_size()
         if use_tma and not (hc.stride(1) == 1 and (hc.stride(0) * elem) % 16 == 0 and hc.data_ptr() % 16 == 0):
             hc = hc.clone(memory_format=torch.contiguous_format)  # rows as tensor descriptors need them
@@ -1025,8 +1098,11 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
         dz_launch = _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, None, n=n, n_rows=m,
                                 label_smoothing=label_smoothing, cfg=TMA_DZ_CONFIG, dz=True)
     flat_dw = dw_buf.view(-1) if dw_buf is not None and use_tma else None
+    db32 = None
+    if dbias is not None:
+        db32 = dbias if dbias.dtype == torch.float32 else empty(v, dtype=torch.float32, device=dev)
     acc = None
-    for v_off, vc_c, scratch in _chunk_plan(v, vc, m, h, pad, dw_buf.shape[0] if flat_dw is not None else 0):
+    for v_off, vc_c, scratch in _chunk_plan(v, vc, m, h, pad, scratch_rows):
         w_pad = _tuning.cdiv(vc_c, pad) * pad
         if scratch:  # this chunk's dlogits in dW's rows past the chunk (written by later chunks only)
             start = (v_off + w_pad) * h
@@ -1046,8 +1122,8 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 HAS_BIAS=bias is not None, DOT_PRECISION=prec)
         if compute_dweight:
             torch.mm(d_pad.t(), hc, out=dw_buf[v_off:v_off + w_pad])
-            if dbias is not None:
-                dbias[v_off:v_off + vc_c] = d.sum(0, dtype=torch.float32)
+            if dbias is not None:  # column sums in fp32, rounded once at the end (one call a chunk)
+                torch.sum(d, 0, dtype=torch.float32, out=db32[v_off:v_off + vc_c])
         if compute_dhidden:
             wc = weight[v_off:v_off + vc_c]
             # K a multiple of 8 (as for dW above): the odd tail of the last chunk as its own tiny GEMM
@@ -1059,6 +1135,8 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
             else:
                 acc = _addmm_f32(acc, d[:, :k8], wc[:k8])
                 acc = _addmm_f32(acc, d[:, k8:], wc[k8:])
+    if db32 is not None and db32 is not dbias:
+        dbias.copy_(db32)
     if compute_dhidden:  # the dlogits are dead now: their memory becomes dhidden
         if not shared:
             del dl, d, d_pad  # the chunk buffer goes back to the allocator before dhidden takes its place
@@ -1066,6 +1144,5 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
         if all_rows:
             dhidden.copy_(acc)
         else:
-            dhidden.zero_()
-            dhidden.index_copy_(0, rows_m, acc.to(dtype))
+            scatter_rows(acc, rows, count, target, dhidden, ignore_index)
     return dhidden, dweight, dbias

@@ -13,6 +13,7 @@ upstream gradient.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Optional
 
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ._backend import select
-from ._op import custom_op
+from ._op import _plain_eager, custom_op
 from ._checks import check_prob, check_same, check_tensor
 from ._kernels._tuning import capturing
 
@@ -132,22 +133,41 @@ class _CountCopies:
 
     def __init__(self):
         self._entries: dict[tuple, tuple] = {}
+        self._rings: dict[torch.device, list] = {}  # device -> [pinned int32 slots, events, owner keys, next]
         self._lock = threading.Lock()  # forwards (caller's thread) and backwards (autograd's) both use it
 
     @staticmethod
     def _key(count: Tensor, rows: Tensor, lse: Tensor) -> tuple:
         return (count.device, count.data_ptr(), rows.data_ptr(), lse.data_ptr())
 
-    @staticmethod
-    def start(count: Tensor) -> tuple:
-        """Begin the host copy of ``count`` (no wait): returns (host tensor, event or None)."""
+    def start(self, count: Tensor) -> tuple:
+        """Begin the host copy of ``count`` (no wait): returns (host tensor, event or None).
+
+        The pinned slots and their events are a ring per device (``_LIMIT`` of them, allocated once: a
+        pinned allocation, a copy and a new event were ~130 us of host time a forward on a slow host).
+        A slot is reused ``_LIMIT`` forwards later; the entry still pointing at it, if any (a forward
+        whose backward never ran), is dropped first, so a reused slot is never read for an old forward."""
         if not count.is_cuda:
             return count.clone(), None
-        host = torch.empty(1, dtype=count.dtype, pin_memory=True)
-        host.copy_(count, non_blocking=True)
-        event = torch.cuda.Event()
+        with self._lock:
+            ring = self._rings.get(count.device)
+            if ring is None:
+                host = torch.empty(self._LIMIT, dtype=torch.int32, pin_memory=True)
+                ring = self._rings[count.device] = [host, [None] * self._LIMIT, [None] * self._LIMIT, 0]
+            host, events, owners, i = ring
+            ring[3] = (i + 1) % self._LIMIT
+            owner = owners[i]
+            if owner is not None:  # drop the entry still reading this slot (not a newer one at its key)
+                entry = self._entries.get(owner)
+                if entry is not None and len(entry) > 2 and entry[2] == (count.device, i):
+                    del self._entries[owner]
+                owners[i] = None
+            if events[i] is None:
+                events[i] = torch.cuda.Event()
+            slot, event = host[i:i + 1], events[i]
+        slot.copy_(count, non_blocking=True)
         event.record()
-        return host, event
+        return slot, event, (count.device, i)
 
     def put(self, count: Tensor, rows: Tensor, lse: Tensor, copy: Optional[tuple]) -> None:
         """Record this forward's copy, or (``copy`` None) drop any entry left at its addresses."""
@@ -158,6 +178,9 @@ class _CountCopies:
                 return
             if len(self._entries) >= self._LIMIT:
                 self._entries.pop(next(iter(self._entries)))
+            if len(copy) > 2:  # a ring slot: remember which entry holds it
+                dev, i = copy[2]
+                self._rings[dev][2][i] = key
             self._entries[key] = copy
 
     def get(self, count: Tensor, rows: Tensor, lse: Tensor) -> Optional[int]:
@@ -167,7 +190,7 @@ class _CountCopies:
             entry = self._entries.get(self._key(count, rows, lse))
         if entry is None:
             return None
-        host, event = entry
+        host, event = entry[:2]
         if event is not None:
             event.synchronize()
         return int(host[0])
@@ -249,7 +272,7 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
         elif m is not None:
             dh, dw, db = k.masked_lm_loss_bwd_sized(
                 grad_loss, hidden, weight, target, bias, lse, rows, count, m, label_smoothing=label_smoothing,
-                compute_dhidden=need_dhidden, compute_dweight=need_dweight)
+                compute_dhidden=need_dhidden, compute_dweight=need_dweight, ignore_index=ignore_index)
         else:
             dh, dw, db = k.masked_lm_loss_bwd(grad_loss, hidden, weight, target, bias, lse, rows, count,
                                               label_smoothing=label_smoothing, compute_dhidden=need_dhidden,
@@ -310,6 +333,65 @@ def _backward(ctx, grad_loss, grad_lse, grad_rows, grad_count):
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---- eager path: the op and the reduction in one autograd node ----------------------------------------
+
+_LANE_ON = os.environ.get("PYKERNELS_EAGER_LANE", "1") not in ("", "0")  # read once (tests flip the attribute)
+
+
+def _denominator(count: Tensor, num_valid, total: Tensor):
+    """What ``_reduce`` divides the mean by, the same expression (so the same bits)."""
+    if num_valid is None:
+        return count.reshape(()).clamp(min=1).to(total.dtype)
+    if isinstance(num_valid, Tensor):
+        return num_valid.to(device=total.device, dtype=total.dtype)
+    return float(num_valid)
+
+
+class _EagerLoss(torch.autograd.Function):
+    """Plain eager calls: the op's forward body, then the reduction, recorded as one autograd node
+    instead of four (the op's, the reshape's, the sum's and the division's); its backward forms the
+    per-position upstream gradient as those nodes would (``grad / denominator``, expanded) and calls
+    the backward op. The same functions in the same order as the registered op and ``_reduce``: the
+    results are bit for bit the same, with less host time (the custom op's wrapper and three autograd
+    nodes per call). ``PYKERNELS_EAGER_LANE=0`` keeps the op-plus-reduction path."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend,
+                reduction, num_valid, shape):
+        loss, lse, rows, count = _fwd.impl(hidden, weight, target, bias, ignore_index, label_smoothing,
+                                           graph_safe, dense, backend)
+        ctx.save_for_backward(hidden, weight, target, bias, lse, rows, count)
+        ctx.args = (ignore_index, label_smoothing, dense, backend)
+        ctx.reduction = reduction
+        loss = loss.reshape(shape)
+        if reduction == "none":
+            return loss
+        total = loss.sum()
+        if reduction == "sum":
+            return total
+        ctx.denom = _denominator(count, num_valid, total)
+        return total / ctx.denom
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, target, bias, lse, rows, count = ctx.saved_tensors
+        n = hidden.shape[0]
+        if ctx.reduction == "none":
+            grad_loss = grad.reshape(n)
+        elif ctx.reduction == "sum":
+            grad_loss = grad.expand(n)
+        else:
+            grad_loss = (grad / ctx.denom).expand(n)
+        needs = ctx.needs_input_grad
+        need_dh = needs[0]
+        need_dw = needs[1] or (bias is not None and needs[3])
+        ignore_index, label_smoothing, dense, backend = ctx.args
+        dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index,
+                          label_smoothing, need_dh, need_dw, dense, backend)
+        return (dh if need_dh else None, dw if needs[1] else None, None,
+                db if bias is not None and needs[3] else None) + (None,) * 8
+
+
 # ---- public function ---------------------------------------------------------------------------------
 
 def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tensor | None = None,
@@ -351,8 +433,9 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
 
     The Triton forward never waits for the device (the valid positions are compacted on the device).
     Memory of the backward besides the gradients: by default (the sized path) an (M, VC) dlogits buffer
-    inside dhidden's memory when it fits there (few valid rows), else of at most
-    ``pykernels._kernels.masked_lm_loss.SIZED_DLOGITS_BUDGET_BYTES`` (16 MiB), the (M, H)
+    inside dhidden's memory when it fits there (few valid rows) with no more vocabulary chunks than the
+    alternative, else of at most ``pykernels._kernels.masked_lm_loss.SIZED_DLOGITS_BUDGET_BYTES`` (16 MiB)
+    plus dhidden's bytes (dhidden allocated after it is freed), the (M, H)
     gathered valid rows and an fp32 (M, H) dhidden accumulator, M = valid positions; graph-safe, an
     (N, VC) buffer of at most ``DLOGITS_BUDGET_BYTES`` (64 MiB) and an fp32 (N, H) accumulator. A target
     outside [0, V) that is not ``ignore_index`` gives a NaN loss on the Triton path (no out-of-bounds
@@ -409,6 +492,10 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
         raise TypeError(f"graph_safe must be a bool, got {type(graph_safe).__name__}")
     if not isinstance(dense, bool):
         raise TypeError(f"dense must be a bool, got {type(dense).__name__}")
+    if (_LANE_ON and _plain_eager((h2, weight, t1, bias, num_valid))
+            and not (isinstance(num_valid, Tensor) and num_valid.requires_grad)):
+        return _EagerLoss.apply(h2, weight, t1, bias, ignore_index, label_smoothing, graph_safe, dense,
+                                backend or "", reduction, num_valid, target.shape)
     loss, _, _, count = _fwd(h2, weight, t1, bias, ignore_index, label_smoothing, graph_safe, dense,
                              backend or "")
     return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid, count)

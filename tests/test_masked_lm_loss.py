@@ -141,7 +141,10 @@ def test_sized_backward_dlogits_in_dhidden_memory(device, monkeypatch, path_spy)
     m = int((target != IGN).sum())
     out = _check(hidden, weight, target, b, reduction="sum", label_smoothing=0.1)
     assert path_spy == ["sized"]
-    assert taken == [(m, 517, 2, 64 * 64 * 2)] and kmod._tuning.cdiv(517, real(*taken[0])) >= 2
+    # both layouts are sized (dhidden's memory; a buffer of the budget plus dhidden's bytes): with a 1-byte
+    # budget they give as many chunks, and the tie goes to dhidden's memory (no extra peak)
+    assert taken == [(m, 517, 2, 64 * 64 * 2), (m, 517, 2, 1 + 64 * 64 * 2)]
+    assert kmod._tuning.cdiv(517, real(*taken[0])) >= 2
     dh = out[1]
     assert (dh[target == IGN] == 0).all()
 
@@ -189,6 +192,23 @@ def test_chunk_plan_covers_the_vocabulary_once():
     assert len(kmod._chunk_plan(50257, 1024, 8192, 768, 8, 50264)) == 29  # 50 without the scratch
 
 
+def test_chunk_layout_takes_the_one_with_fewer_chunks():
+    # (VC, shared) for BERT-base MLM, BERT-large and GPT-2 (bf16, TMA padding, dW scratch rows): the own
+    # buffer (budget + dhidden's bytes) where it needs fewer chunks than dhidden's memory, dhidden's memory
+    # on a tie (no extra peak), the own buffer where the chunks do not fit in dhidden (every row valid).
+    budget = kmod.SIZED_DLOGITS_BUDGET_BYTES
+    for (n, m, h, v), want_shared, want_chunks in [((16384, 2446, 768, 30522), False, 4),
+                                                   ((16384, 2377, 1024, 30522), False, 3),
+                                                   ((8192, 8192, 768, 50257), False, 22),
+                                                   ((16384, 2446, 768, 4096), True, 1)]:
+        rows = -(-v // 8) * 8
+        vc, shared = kmod._chunk_layout(m, v, h, 2, budget, n * h, 2, 8, rows)
+        assert shared == want_shared
+        assert len(kmod._chunk_plan(v, vc, m, h, 8, rows)) == want_chunks
+        held = m * -(-vc // 8) * 8 * 2  # the chunk buffer's bytes
+        assert held <= (n * h * 2 if shared else budget + n * h * 2)
+
+
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
 def test_fp16_logit_tiles_through_tma_and_pointers(device, monkeypatch, use_tma):
     # fp16 takes the tensor-descriptor kernel on Hopper and under the interpreter; both paths must hold.
@@ -202,22 +222,27 @@ def test_fp16_logit_tiles_through_tma_and_pointers(device, monkeypatch, use_tma)
     assert calls == ([False, True] if use_tma and applies else [])
 
 
-def test_sized_backward_poisons_a_wrong_host_count(device):
+@pytest.mark.parametrize("ignore_index", [None, IGN], ids=["zero-fill", "one-launch"])
+def test_sized_backward_poisons_a_wrong_host_count(device, ignore_index):
     # The grid of the sized backward is sized by the host count; a count that is not the device's must
-    # never give a silently partial gradient.
+    # never give a silently partial gradient. With ignore_index the last step writes every position of
+    # dhidden in one launch (rows scattered, 0 at ignored positions): NaN at every valid position then.
     hidden, weight, target, _ = _inputs((37,), 32, 517, torch.float32, device, frac=0.5)
     from pykernels.masked_lm_loss import compact_rows
     rows, count = compact_rows(target, IGN)
     lse = torch.logsumexp(hidden @ weight.t(), -1)
     g = torch.ones(37, device=device)
     m = int(count)
-    good = kmod.masked_lm_loss_bwd_sized(g, hidden, weight, target, None, lse, rows, count, m, label_smoothing=0.0)
+    kw = dict(label_smoothing=0.0, ignore_index=ignore_index)
+    good = kmod.masked_lm_loss_bwd_sized(g, hidden, weight, target, None, lse, rows, count, m, **kw)
     assert all(torch.isfinite(t).all() for t in good[:2])
+    assert (good[0][target == IGN] == 0).all() and (good[0][target != IGN].abs().sum(-1) > 0).all()
     for wrong in (m - 1, m + 1):
-        dh, dw, _ = kmod.masked_lm_loss_bwd_sized(g, hidden, weight, target, None, lse, rows, count, wrong,
-                                                  label_smoothing=0.0)
+        dh, dw, _ = kmod.masked_lm_loss_bwd_sized(g, hidden, weight, target, None, lse, rows, count, wrong, **kw)
         assert torch.isnan(dw).all()
         assert torch.isnan(dh[target != IGN]).any()
+        if ignore_index is not None:
+            assert torch.isnan(dh[target != IGN]).all() and (dh[target == IGN] == 0).all()
     with pytest.raises(ValueError, match="num_rows"):
         kmod.masked_lm_loss_bwd_sized(g, hidden, weight, target, None, lse, rows, count, 38, label_smoothing=0.0)
 
@@ -501,6 +526,28 @@ def test_gpu_sized_backward_waits_only_for_the_count():
 
 
 @pytest.mark.gpu
+def test_gpu_count_copies_ring(path_spy):
+    # The forwards' count copies share a ring of pinned slots: a forward whose backward runs more than a
+    # ring's length of forwards later has lost its slot and takes the graph-safe backward (no wait); the
+    # recent ones keep theirs. Every gradient is right either way.
+    limit = _P._COUNTS._LIMIT
+    hidden, weight, target, _ = _inputs((256,), 64, 512, torch.bfloat16, "cuda", frac=0.3)
+    h = hidden.requires_grad_(True)
+    losses = [masked_lm_loss(h * 1.0, weight, target, backend="triton") for _ in range(limit + 3)]
+    ref = masked_lm_loss_reference(hidden.double(), weight.double(), target)
+    (d_ref,) = torch.autograd.grad(masked_lm_loss(h, weight, target, backend="triton"), [h])
+    path_spy.clear()
+    for loss, exact in ((losses[-1], True), (losses[0], False)):
+        assert abs(loss.item() - ref.item()) < 1e-2
+        (dh,) = torch.autograd.grad(loss, [h])
+        if exact:  # the same sized backward
+            torch.testing.assert_close(dh, d_ref, rtol=0, atol=0)
+        else:  # the graph-safe kernels: bf16 within a rounding
+            torch.testing.assert_close(dh, d_ref)
+    assert path_spy == ["sized", "graph-safe"]
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_capture_follows_the_data():
     # Captured once, replayed with a different number of valid targets: the valid count is data.
     hidden, weight, target, b = _inputs((4096,), 256, 8192, torch.bfloat16, "cuda", frac=0.15, bias=True)
@@ -635,3 +682,60 @@ def test_gradient_of_one_input_only(device, which, monkeypatch):
     ref_loss = masked_lm_loss_reference(ref["hidden"], ref["weight"], target, bias=ref["bias"])
     (want,) = torch.autograd.grad(ref_loss, [ref[which]])
     assert max_err(got, want) < 1e-5
+
+
+# ---- the eager lane: op and reduction in one autograd node --------------------------------------------
+
+_P = __import__("sys").modules["pykernels.masked_lm_loss"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reduction,num_valid,bias,ls", [
+    ("mean", None, True, 0.0), ("mean", 23, False, 0.1), ("mean", "tensor", True, 0.0),
+    ("sum", None, False, 0.0), ("none", None, True, 0.2)])
+def test_eager_lane_equals_op_path(device, monkeypatch, mode, reduction, num_valid, bias, ls):
+    # The lane (default for plain eager calls) and the registered op plus torch's reduction: loss and
+    # every gradient bit for bit equal, with a (2, 19) target and strided hidden; the lane's node is the
+    # loss's grad_fn.
+    hidden, weight, target, b = _inputs((2, 19), 32, 517, torch.float16, device, frac=0.3, bias=bias)
+    hidden = torch.randn(19, 2, 48, device=device, dtype=torch.float16).transpose(0, 1)[..., 8:40]
+    nv = torch.tensor(23.0, device=device) if num_valid == "tensor" else num_valid
+    grad_out = torch.randn(target.shape, device=device) if reduction == "none" else None
+    kw = dict(reduction=reduction, num_valid=nv, label_smoothing=ls, backend="triton", **MODES[mode])
+    f = lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, **kw)  # noqa: E731
+    nodes = []
+    real_apply = _P._EagerLoss.apply
+    monkeypatch.setattr(_P._EagerLoss, "apply", lambda *a: (nodes.append(1), real_apply(*a))[1])
+    lane = _run(f, hidden, weight, b, grad_out)
+    assert len(nodes) == 1
+    monkeypatch.setattr(_P, "_LANE_ON", False)
+    full = _run(f, hidden, weight, b, grad_out)
+    assert len(nodes) == 1
+    for x, y in zip(lane, full):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+    with torch.no_grad():
+        torch.testing.assert_close(f(hidden, weight, b), full[0], rtol=0, atol=0)
+
+
+def test_eager_lane_backward_paths(device, monkeypatch):
+    hidden, weight, target, b = _inputs((37,), 32, 517, torch.float32, device, frac=0.3, bias=True)
+    h = hidden.clone().requires_grad_(True)
+    loss = masked_lm_loss(h, weight, target, bias=b, backend="triton")
+    assert type(loss.grad_fn).__name__ == "_EagerLossBackward"
+    # create_graph: the backward runs through the registered backward op, which has no gradient itself:
+    # a second backward raises instead of silently missing a term
+    (dh,) = torch.autograd.grad(loss, [h], create_graph=True)
+    ref = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, backend="triton"), hidden, weight, b,
+               None)[1]
+    torch.testing.assert_close(dh.detach(), ref, rtol=0, atol=0)
+    with pytest.raises(RuntimeError):
+        dh.sum().backward()
+    # a num_valid that needs a gradient, and a tracing context, take the op path
+    nv = torch.tensor(23.0, device=device, requires_grad=True)
+    loss = masked_lm_loss(h, weight, target, bias=b, backend="triton", num_valid=nv)
+    assert type(loss.grad_fn).__name__ == "DivBackward0"
+    loss.backward()
+    assert nv.grad is not None
+    monkeypatch.setattr(_P, "_LANE_ON", False)
+    assert type(masked_lm_loss(h, weight, target, backend="triton").grad_fn).__name__ == "DivBackward0"
