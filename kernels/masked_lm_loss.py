@@ -697,11 +697,14 @@ def _scatter_rows_kernel(acc_ptr, rows_ptr, count_ptr, tgt_ptr, dh_ptr, N, M, H,
 # fp16/bf16, 16-byte aligned rows); PYKERNELS_MLM_TMA=0 keeps the pointer kernels everywhere.
 USE_TMA = os.environ.get("PYKERNELS_MLM_TMA", "1") not in ("", "0")
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the TMA logits kernel, forward (statistics epilogue) and
-# backward (dz epilogue), from 8 tiles timed on an H200 (benchmarks/dev/mlm_tma_probe.py): the forward's
-# was fastest at BERT-base and GPT-2 sizes in three runs; the backward's at GPT-2 size (GPU-bound), where
-# BERT-base's sized backward is host-bound and ranks the tiles differently from run to run.
+# backward (dz epilogue). The forward's was fastest at BERT-base and GPT-2 sizes in three runs of 8 tiles
+# timed with do_bench on an H200 (benchmarks/dev/mlm_tma_probe.py). The backward's from the same tiles
+# timed in GPU time (a public forward+backward's kernels, torch.profiler; do_bench ranks them by host noise
+# at BERT-base, where the sized backward is host-bound): H100 run151, 128 x 256 x 64 took BERT-base MLM
+# from 945 to 898 us and GPT-2 from 4822 to 4718 us against the 128 x 128 x 128 before it
+# (benchmarks/dev/mlm_config_gpu_sweep.py, benchmarks/results/mlm_config_gpu_sweep_*_run151.txt).
 TMA_FWD_CONFIG = (256, 128, 64, 8, 3)
-TMA_DZ_CONFIG = (128, 128, 128, 8, 3)
+TMA_DZ_CONFIG = (128, 256, 64, 8, 3)
 # The TMA forward's transient buffers, the (N, H) compacted rows and the per-tile partials (one per
 # BLOCK_N vocabulary columns), are sized for all N rows (the count stays on the device); above this many
 # bytes the forward keeps the pointer kernel (gathered rows, ~32 vocabulary slices: ~32 partials a row).
