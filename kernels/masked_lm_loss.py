@@ -361,6 +361,8 @@ def _masked_lm_loss_dlogits_kernel(
     stride_dl,      # row stride of the dlogits buffer
     smooth_eps,
     expected_count,  # the sized backward's host count (-1: none); a mismatch poisons dz with NaN
+    capacity,       # 1: expected_count is an upper bound (max_valid): rows past the device count get dz 0,
+                    # and only a device count above it poisons
     DTYPE_KEY,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -381,7 +383,10 @@ def _masked_lm_loss_dlogits_kernel(
     mismatch = False
     if expected_count >= 0:
         n_rows = expected_count
-        mismatch = count != expected_count
+        if capacity:
+            mismatch = count > expected_count
+        else:
+            mismatch = count != expected_count
     start_m = pid_m * BLOCK_M
     if start_m < n_rows:
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -406,6 +411,7 @@ def _masked_lm_loss_dlogits_kernel(
             bias = tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)
             acc += bias[None, :]
         d = _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V)
+        d = tl.where((offs_m < count)[:, None], d, 0.0)  # (capacity rows past the count)
         if mismatch:
             d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
         dst = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl + offs_c[None, :]
@@ -529,6 +535,8 @@ def _logits_tma_kernel(
     part_m_ptr, part_s_ptr, part_zt_ptr, part_zsum_ptr,  # not DZ: (n_vtiles, N) per-tile partials
     N, V, H, R, v_off, VC,
     n_rows,         # rows to cover (-1: read the device count)
+    capacity,       # 1: n_rows is an upper bound (max_valid): rows past the device count get dz 0, and
+                    # only a device count above n_rows poisons
     lda, stride_wv, ldo, stride_b, smooth_eps,
     NUM_PROGRAMS: tl.constexpr, DZ: tl.constexpr, HAS_BIAS: tl.constexpr, SMOOTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -545,6 +553,8 @@ def _logits_tma_kernel(
     mismatch = False
     if n_rows < 0:
         n_rows = count
+    elif capacity:
+        mismatch = count > n_rows
     else:
         mismatch = count != n_rows
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[R, H], strides=[lda, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -577,7 +587,8 @@ def _logits_tma_kernel(
         if DZ:
             lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * 1.4426950408889634
             g = tl.load(gloss_ptr + rows, mask=mask_m, other=0.0)
-            d = tl.where(mask_n[None, :], _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V), 0.0)
+            d = tl.where(mask_n[None, :] & (offs_m < count)[:, None],
+                         _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V), 0.0)
             if mismatch:
                 d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
             out_desc.store([off_m, off_c], d.to(out_ptr.dtype.element_ty))
@@ -642,12 +653,22 @@ def compact(target: torch.Tensor, ignore_index: int
 
 @triton.jit
 def _gather_rows_kernel(h_ptr, rows_ptr, count_ptr, out_ptr, H, R, stride_hn, stride_hh,
-                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                        ZERO_TAIL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[i] = h[rows[i]] for i < min(count, R) (device count, R rows in ``out``): the valid rows,
     compacted. Rows past count are left as they are (the logits kernel never reads them into a result;
-    the sized backward's dz is NaN when its host count is not the device's)."""
+    the sized backward's dz is NaN when its host count is not the device's), or with ZERO_TAIL set to 0
+    (the capacity backward's rows past the count: their dz is 0, and 0 x NaN would not be)."""
     start = tl.program_id(0) * BLOCK_R
     count = tl.minimum(tl.load(count_ptr), R)
+    if ZERO_TAIL:
+        offs_t = start + tl.arange(0, BLOCK_R)
+        tail = (offs_t >= count) & (offs_t < R)
+        if start + BLOCK_R > count:
+            for h0 in range(0, H, BLOCK_H):
+                offs_h = h0 + tl.arange(0, BLOCK_H)
+                tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :],
+                         tl.zeros((BLOCK_R, BLOCK_H), out_ptr.dtype.element_ty),
+                         mask=tail[:, None] & (offs_h < H)[None, :])
     if start < count:
         offs_r = start + tl.arange(0, BLOCK_R)
         mask_r = offs_r < count
@@ -661,17 +682,19 @@ def _gather_rows_kernel(h_ptr, rows_ptr, count_ptr, out_ptr, H, R, stride_hn, st
 
 @triton.jit
 def _scatter_rows_kernel(acc_ptr, rows_ptr, count_ptr, tgt_ptr, dh_ptr, N, M, H, ignore_index, stride_acc,
-                         ZERO_IGNORED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                         capacity, ZERO_IGNORED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """dhidden by position from the compacted rows: dh[rows[i]] = acc[i] (cast) for i < M (the first
     cdiv(M, BLOCK_R) programs); with ZERO_IGNORED the other cdiv(N, BLOCK_R) programs write 0 at every
     position whose target is ``ignore_index``, so every position is written once, with no memset. If the
-    device count is not M, those programs write NaN at the valid positions too (as the dz kernels do):
-    never a silently partial gradient."""
+    device count is not M (``capacity``: above M; M rows are an upper bound and those past the count are
+    not positions), those programs write NaN at the valid positions too (as the dz kernels do): never a
+    silently partial gradient."""
     pid = tl.program_id(0)
     row_programs = tl.cdiv(M, BLOCK_R)
     offs_r = (pid % row_programs) * BLOCK_R + tl.arange(0, BLOCK_R)
+    count = tl.load(count_ptr)
     if pid < row_programs:
-        mask_r = offs_r < M
+        mask_r = (offs_r < M) & (offs_r < count)
         pos = tl.load(rows_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -683,7 +706,10 @@ def _scatter_rows_kernel(acc_ptr, rows_ptr, count_ptr, tgt_ptr, dh_ptr, N, M, H,
         mask_p = offs_p < N
         t = tl.load(tgt_ptr + offs_p, mask=mask_p, other=0)
         ignored = t == ignore_index
-        bad = tl.load(count_ptr) != M
+        if capacity:
+            bad = count > M
+        else:
+            bad = count != M
         fill = tl.where(ignored, 0.0, float("nan"))
         write = mask_p & (ignored | bad)
         for h0 in range(0, H, BLOCK_H):
@@ -735,22 +761,22 @@ def _tma_cfg(cfg: tuple) -> tuple:
     return (16, 32, 16, 1, 1) if _INTERPRET else cfg
 
 
-def gather_rows(hidden: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, n_rows: int | None = None
-                ) -> torch.Tensor:
+def gather_rows(hidden: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, n_rows: int | None = None,
+                zero_tail: bool = False) -> torch.Tensor:
     """(R, H) buffer whose first ``count`` rows are ``hidden[rows[:count]]`` (device count, no sync);
-    R = ``n_rows`` (the sized backward's host count) or N."""
+    R = ``n_rows`` (the sized backward's host count or capacity) or N; ``zero_tail``: rows past the count 0."""
     n, h = hidden.shape
     r = n if n_rows is None else n_rows
     out = empty(r, h, dtype=hidden.dtype, device=hidden.device)
     block_r, block_h = (16, 32) if _INTERPRET else (32, 256)
     _launch.fast(_gather_rows_kernel)[(_tuning.cdiv(r, block_r),)](
-        hidden, rows, count, out, h, r, hidden.stride(0), hidden.stride(1), BLOCK_R=block_r, BLOCK_H=block_h,
-        num_warps=4)
+        hidden, rows, count, out, h, r, hidden.stride(0), hidden.stride(1), ZERO_TAIL=zero_tail, BLOCK_R=block_r,
+        BLOCK_H=block_h, num_warps=4)
     return out
 
 
 def scatter_rows(acc: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, target: torch.Tensor,
-                 dhidden: torch.Tensor, ignore_index: int | None) -> None:
+                 dhidden: torch.Tensor, ignore_index: int | None, capacity: bool = False) -> None:
     """dhidden (N, H) contiguous <- ``acc`` (M, H) at positions ``rows[:M]``, 0 where the target is
     ``ignore_index`` (one launch; ``ignore_index`` None: zero-fill first, then scatter)."""
     n, h = dhidden.shape
@@ -762,16 +788,18 @@ def scatter_rows(acc: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, tar
     programs = _tuning.cdiv(m, block_r) + (_tuning.cdiv(n, block_r) if ignore_index is not None else 0)
     _launch.fast(_scatter_rows_kernel)[(programs,)](
         acc, rows, count, target, dhidden, n, m, h, 0 if ignore_index is None else int(ignore_index),
-        acc.stride(0), ZERO_IGNORED=ignore_index is not None, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+        acc.stride(0), int(capacity), ZERO_IGNORED=ignore_index is not None, BLOCK_R=block_r, BLOCK_H=block_h,
+        num_warps=4)
 
 
 def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n, n_rows,
-                label_smoothing, cfg, dz):
+                label_smoothing, cfg, dz, capacity: bool = False):
     """``launch(out, v_off, vc)``: runs ``_logits_tma_kernel`` over ``hc`` (R, H) x weight[v_off:v_off + vc],
     dz into ``out`` (dz) or the statistics into ``partials`` (m, s, zt, zsum). What does not change
     between the chunks of a backward is worked out once, here (host time is what limits those loops)."""
     bm, bn, bk, warps, stages = _tma_cfg(cfg)
     v, h = weight.shape
+    cap = int(capacity)
     if not _INTERPRET:
         _tuning.ensure_allocator()
     parts = tuple(partials) if partials is not None else (lse,) * 4
@@ -790,7 +818,7 @@ def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials,
         if out is None:
             out = hc  # placeholder, never read
         programs = max(1, min(sms, row_tiles * _tuning.cdiv(vc, bn)))
-        kernel[(programs,)](*head, out, *mid, v_off, vc, n_rows, *strides, out.stride(0), *tail,
+        kernel[(programs,)](*head, out, *mid, v_off, vc, n_rows, cap, *strides, out.stride(0), *tail,
                             NUM_PROGRAMS=programs, **flags)
     return launch
 
@@ -964,7 +992,7 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
             hidden, weight, b, target, rows, count, lse, grad_loss, dl,
             n, v, h, v_off, vc_c,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-            bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), -1, key,
+            bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), -1, 0, key,
             HAS_BIAS=bias is not None, DOT_PRECISION=prec)
 
         def grid(m):
@@ -1032,8 +1060,11 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                              rows: torch.Tensor, count: torch.Tensor, num_rows: int, *, label_smoothing: float,
                              compute_dhidden: bool = True, compute_dweight: bool = True,
                              dlogits_budget_bytes: int | None = None, ignore_index: int | None = None,
+                             capacity: bool = False,
                              ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The backward when the number of valid rows ``num_rows`` (= ``count``) is known on the host.
+    """The backward when the number of valid rows ``num_rows`` (= ``count``) is known on the host, or with
+    ``capacity`` an upper bound of it (``max_valid``: nothing waits for the device; the rows past the device
+    count are zero rows, and a device count above ``num_rows`` makes every gradient NaN).
 
     Same arguments and results as :func:`masked_lm_loss_bwd`. Buffers and grids are sized for the M valid
     rows instead of all N, so the vocabulary chunks are N / M times wider for the same memory, and the two
@@ -1072,7 +1103,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     target = target.contiguous()
     grad_loss = grad_loss.to(torch.float32).contiguous()
     lse = lse.contiguous()
-    all_rows = m == n  # compaction keeps order: every row valid means rows[i] == i
+    all_rows = m == n and not capacity  # compaction keeps order: every row valid means rows[i] == i
     # dhidden is written only after the last chunk, so its memory serves the dlogits chunks first: they
     # live in dhidden itself when the budget's chunk fits there (BERT MLM: N x H is ~6 times M x 768
     # columns); else (causal LM, M = N) dhidden is allocated only after the chunks, and the chunk buffer
@@ -1090,7 +1121,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     dl = (dhidden.view(-1)[:m * ld] if shared else empty(m * ld, dtype=weight.dtype, device=dev)).view(m, ld)
     hc = None
     if compute_dweight or use_tma:
-        hc = hidden if all_rows else gather_rows(hidden, rows, count, m)
+        hc = hidden if all_rows else gather_rows(hidden, rows, count, m, zero_tail=capacity)
         elem = hc.element_size()
         if use_tma and not (hc.stride(1) == 1 and (hc.stride(0) * elem) % 16 == 0 and hc.data_ptr() % 16 == 0):
             hc = hc.clone(memory_format=torch.contiguous_format)  # rows as tensor descriptors need them
@@ -1099,7 +1130,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     key = _dtype_key(dtype)
     if use_tma:
         dz_launch = _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, None, n=n, n_rows=m,
-                                label_smoothing=label_smoothing, cfg=TMA_DZ_CONFIG, dz=True)
+                                label_smoothing=label_smoothing, cfg=TMA_DZ_CONFIG, dz=True, capacity=capacity)
     flat_dw = dw_buf.view(-1) if dw_buf is not None and use_tma else None
     db32 = None
     if dbias is not None:
@@ -1121,7 +1152,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 hidden, weight, b, target, rows, count, lse, grad_loss, dl,
                 n, v, h, v_off, vc_c,
                 hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-                bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), m, key,
+                bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), m, int(capacity), key,
                 HAS_BIAS=bias is not None, DOT_PRECISION=prec)
         if compute_dweight:
             torch.mm(d_pad.t(), hc, out=dw_buf[v_off:v_off + w_pad])
@@ -1147,5 +1178,5 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
         if all_rows:
             dhidden.copy_(acc)
         else:
-            scatter_rows(acc, rows, count, target, dhidden, ignore_index)
+            scatter_rows(acc, rows, count, target, dhidden, ignore_index, capacity)
     return dhidden, dweight, dbias

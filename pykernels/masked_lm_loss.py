@@ -222,7 +222,7 @@ def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing):
 
 @custom_op("pykernels::masked_lm_loss_fwd", mutates_args=())
 def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
-         label_smoothing: float, graph_safe: bool, dense: bool, backend: str
+         label_smoothing: float, graph_safe: bool, dense: bool, backend: str, max_valid: int
          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # hidden (N, H), weight (V, H), target (N,) int64, bias (V,) or None -> loss (N,) fp32, lse (N,) fp32,
     # rows (N,) int32, count (1,) int32 (the compaction, computed once and saved for the backward)
@@ -237,7 +237,7 @@ def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
             rows, count = compact_rows(target, ignore_index)
             loss = lse = None
         # no wait here; the dense backward needs no count on the host at all
-        copy = None if graph_safe or dense or capturing(hidden.device) else _COUNTS.start(count)
+        copy = None if graph_safe or dense or max_valid or capturing(hidden.device) else _COUNTS.start(count)
         loss, lse = k.masked_lm_loss_fwd(hidden, weight, target, bias, rows, count,
                                          label_smoothing=label_smoothing, loss=loss, lse=lse)
     else:
@@ -249,7 +249,7 @@ def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
 
 
 @_fwd.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend):
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend, max_valid):
     n = hidden.shape[0]
     return (hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32),
             hidden.new_empty(n, dtype=torch.int32), hidden.new_empty(1, dtype=torch.int32))
@@ -258,17 +258,23 @@ def _(hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, d
 @custom_op("pykernels::masked_lm_loss_bwd", mutates_args=())
 def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
          lse: Tensor, rows: Tensor, count: Tensor, ignore_index: int, label_smoothing: float,
-         need_dhidden: bool, need_dweight: bool, dense: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+         need_dhidden: bool, need_dweight: bool, dense: bool, backend: str, max_valid: int
+         ) -> tuple[Tensor, Tensor, Tensor]:
     # -> dhidden (N, H), dweight (V, H), dbias (V,); an empty (0,) tensor for each gradient not needed
     # (need_dweight covers weight and bias) and for dbias when bias is None
     impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
     if impl == "triton":
         from ._kernels import masked_lm_loss as k
-        m = None if dense or capturing(hidden.device) else _COUNTS.get(count, rows, lse)
+        m = None if dense or max_valid or capturing(hidden.device) else _COUNTS.get(count, rows, lse)
         if dense:
             dh, dw, db = k.masked_lm_loss_bwd_dense(
                 grad_loss, hidden, weight, target, bias, lse, ignore_index=ignore_index,
                 label_smoothing=label_smoothing, compute_dhidden=need_dhidden, compute_dweight=need_dweight)
+        elif max_valid:  # an upper bound of the count on the host: sized for it, no wait, capturable
+            dh, dw, db = k.masked_lm_loss_bwd_sized(
+                grad_loss, hidden, weight, target, bias, lse, rows, count, min(max_valid, hidden.shape[0]),
+                label_smoothing=label_smoothing, compute_dhidden=need_dhidden, compute_dweight=need_dweight,
+                ignore_index=ignore_index, capacity=True)
         elif m is not None:
             dh, dw, db = k.masked_lm_loss_bwd_sized(
                 grad_loss, hidden, weight, target, bias, lse, rows, count, m, label_smoothing=label_smoothing,
@@ -301,7 +307,7 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
 
 @_bwd.register_fake
 def _(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index, label_smoothing,
-      need_dhidden, need_dweight, dense, backend):
+      need_dhidden, need_dweight, dense, backend, max_valid):
     dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_dhidden else hidden.new_empty(0)
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dweight else hidden.new_empty(0)
     db = (torch.empty_like(bias, memory_format=torch.contiguous_format) if need_dweight and bias is not None
@@ -310,13 +316,14 @@ def _(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index, l
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend = inputs
+    hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend, max_valid = inputs
     _, lse, rows, count = output
     ctx.save_for_backward(hidden, weight, target, bias, lse, rows, count)
     ctx.ignore_index = ignore_index
     ctx.label_smoothing = label_smoothing
     ctx.backend = backend
     ctx.dense = dense
+    ctx.max_valid = max_valid
     ctx.mark_non_differentiable(lse, rows, count)
 
 
@@ -325,9 +332,9 @@ def _backward(ctx, grad_loss, grad_lse, grad_rows, grad_count):
     need_dh = ctx.needs_input_grad[0]
     need_dw = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[3])
     dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, rows, count, ctx.ignore_index,
-                      ctx.label_smoothing, need_dh, need_dw, ctx.dense, ctx.backend)
+                      ctx.label_smoothing, need_dh, need_dw, ctx.dense, ctx.backend, ctx.max_valid)
     return (dh if need_dh else None, dw if ctx.needs_input_grad[1] else None, None,
-            db if bias is not None and ctx.needs_input_grad[3] else None, None, None, None, None, None)
+            db if bias is not None and ctx.needs_input_grad[3] else None, None, None, None, None, None, None)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -357,11 +364,11 @@ class _EagerLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend,
-                reduction, num_valid, shape):
+                max_valid, reduction, num_valid, shape):
         loss, lse, rows, count = _fwd.impl(hidden, weight, target, bias, ignore_index, label_smoothing,
-                                           graph_safe, dense, backend)
+                                           graph_safe, dense, backend, max_valid)
         ctx.save_for_backward(hidden, weight, target, bias, lse, rows, count)
-        ctx.args = (ignore_index, label_smoothing, dense, backend)
+        ctx.args = (ignore_index, label_smoothing, dense, backend, max_valid)
         ctx.reduction = reduction
         loss = loss.reshape(shape)
         if reduction == "none":
@@ -385,18 +392,18 @@ class _EagerLoss(torch.autograd.Function):
         needs = ctx.needs_input_grad
         need_dh = needs[0]
         need_dw = needs[1] or (bias is not None and needs[3])
-        ignore_index, label_smoothing, dense, backend = ctx.args
+        ignore_index, label_smoothing, dense, backend, max_valid = ctx.args
         dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index,
-                          label_smoothing, need_dh, need_dw, dense, backend)
+                          label_smoothing, need_dh, need_dw, dense, backend, max_valid)
         return (dh if need_dh else None, dw if needs[1] else None, None,
-                db if bias is not None and needs[3] else None) + (None,) * 8
+                db if bias is not None and needs[3] else None) + (None,) * 9
 
 
 # ---- public function ---------------------------------------------------------------------------------
 
 def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tensor | None = None,
                    ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                   num_valid=None, graph_safe: bool = False, dense: bool = False,
+                   num_valid=None, graph_safe: bool = False, dense: bool = False, max_valid: int | None = None,
                    backend: str | None = None) -> Tensor:
     """Cross-entropy of the LM head ``hidden @ weight.T + bias`` at the positions whose target is not
     ``ignore_index``, without materialising the logits.
@@ -425,6 +432,12 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
             in a CUDA graph at the sized path's speed. Right when nearly every target is valid (causal
             LM: one ignored position per sequence after :func:`shift_labels`); at 15% masking it does
             N / M = 6.7 times the backward's work, so leave it off for MLM. Overrides ``graph_safe``.
+        max_valid: Triton path only: an upper bound of the number of valid targets, known to the caller
+            (MLM: e.g. 20% of the tokens for 15% masking). The backward is then the sized one for
+            ``min(max_valid, N)`` rows, without the count copy or any wait: capturable in a CUDA graph at
+            the sized path's speed, for any count up to the bound (the rows past the count are zero rows).
+            A call whose count exceeds ``max_valid`` gets NaN gradients (the loss is still right): never a
+            silently partial gradient. Cannot be combined with ``dense`` or ``graph_safe``.
         backend: ``"auto" | "triton" | "reference"`` or None (the current default).
 
     Returns:
@@ -492,10 +505,19 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
         raise TypeError(f"graph_safe must be a bool, got {type(graph_safe).__name__}")
     if not isinstance(dense, bool):
         raise TypeError(f"dense must be a bool, got {type(dense).__name__}")
+    if max_valid is None:
+        max_valid = 0
+    elif isinstance(max_valid, bool) or not isinstance(max_valid, int):
+        raise TypeError(f"max_valid must be a positive int or None, got {type(max_valid).__name__}")
+    elif max_valid <= 0:
+        raise ValueError(f"max_valid must be a positive int (an upper bound of the valid targets), got {max_valid}")
+    elif dense or graph_safe:
+        raise ValueError("max_valid sizes the backward for at most max_valid valid targets; it cannot be combined "
+                         f"with dense=True or graph_safe=True (got dense={dense}, graph_safe={graph_safe})")
     if (_LANE_ON and _plain_eager((h2, weight, t1, bias, num_valid))
             and not (isinstance(num_valid, Tensor) and num_valid.requires_grad)):
         return _EagerLoss.apply(h2, weight, t1, bias, ignore_index, label_smoothing, graph_safe, dense,
-                                backend or "", reduction, num_valid, target.shape)
+                                backend or "", max_valid, reduction, num_valid, target.shape)
     loss, _, _, count = _fwd(h2, weight, t1, bias, ignore_index, label_smoothing, graph_safe, dense,
-                             backend or "")
+                             backend or "", max_valid)
     return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid, count)

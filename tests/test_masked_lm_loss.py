@@ -42,14 +42,14 @@ def _run(fn, hidden, weight, bias, grad_out, **kw):
 
 
 def _check(hidden, weight, target, bias=None, *, reduction="mean", label_smoothing=0.0, num_valid=None,
-           grad_out=None, backend="triton", ignore_index=IGN, graph_safe=False, dense=False):
+           grad_out=None, backend="triton", ignore_index=IGN, graph_safe=False, dense=False, max_valid=None):
     """The kernel vs the float64 reference, bounded by twice the eager same-dtype reference's error."""
     kw = dict(reduction=reduction, label_smoothing=label_smoothing, num_valid=num_valid,
               ignore_index=ignore_index)
     if grad_out is None and reduction == "none":
         grad_out = torch.randn(target.shape, device=hidden.device)
     out = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, backend=backend,
-                                                 graph_safe=graph_safe, dense=dense, **kw),
+                                                 graph_safe=graph_safe, dense=dense, max_valid=max_valid, **kw),
                hidden, weight, bias, grad_out)
     lo = _run(lambda h, w, bias: masked_lm_loss_reference(h, w, target, bias=bias, **kw),
               hidden, weight, bias, grad_out)
@@ -548,6 +548,38 @@ def test_gpu_count_copies_ring(path_spy):
 
 
 @pytest.mark.gpu
+def test_gpu_max_valid_captured_without_a_wait(path_spy):
+    # max_valid: nothing synchronises in forward or backward; captured in a CUDA graph (the sized
+    # backward for the bound) and replayed with other counts up to it, the graph equals the same call run
+    # eagerly, bit for bit, and the reference within the bf16 rule's reach; above the bound, NaN gradients.
+    hidden, weight, target, b = _inputs((4096,), 256, 8192, torch.bfloat16, "cuda", frac=0.15, bias=True)
+    h = hidden.clone().requires_grad_(True)
+    static_t = target.clone()
+    cap = 1000
+
+    def step():
+        loss = masked_lm_loss(h, weight, static_t, bias=b, backend="triton", reduction="sum", max_valid=cap)
+        (dh,) = torch.autograd.grad(loss, [h])
+        return loss, dh
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _capture_replay_compare(step, step, static_t, (0.05, 0.2, 0.0))
+    assert set(path_spy) == {"sized"}
+    loss, dh = step()
+    ref = masked_lm_loss_reference(hidden.float(), weight.float(), static_t, bias=b.float(), reduction="sum")
+    assert abs(loss.item() - ref.item()) <= 1e-2 * abs(ref.item()) + 1e-3
+    static_t.copy_(_inputs((4096,), 8, 8192, torch.bfloat16, "cuda", frac=0.5)[2])  # ~2048 > cap
+    loss, dh = step()
+    assert torch.isfinite(loss) and torch.isnan(dh[static_t != IGN]).all()
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_capture_follows_the_data():
     # Captured once, replayed with a different number of valid targets: the valid count is data.
     hidden, weight, target, b = _inputs((4096,), 256, 8192, torch.bfloat16, "cuda", frac=0.15, bias=True)
@@ -682,6 +714,58 @@ def test_gradient_of_one_input_only(device, which, monkeypatch):
     ref_loss = masked_lm_loss_reference(ref["hidden"], ref["weight"], target, bias=ref["bias"])
     (want,) = torch.autograd.grad(ref_loss, [ref[which]])
     assert max_err(got, want) < 1e-5
+
+
+# ---- max_valid: the sized backward for an upper bound of the count, no wait ------------------------------
+
+@pytest.mark.parametrize("dtype,bias,reduction,ls,extra", [
+    (torch.float32, False, "mean", 0.0, 0), (torch.float32, True, "none", 0.1, 5),
+    (torch.float16, True, "sum", 0.0, 3), (torch.float16, False, "mean", 0.2, 1000)])
+def test_max_valid_matches_reference(device, monkeypatch, path_spy, dtype, bias, reduction, ls, extra):
+    # max_valid = the count (+ extra; past N it is clamped): the sized backward with zero rows past the count,
+    # and no count copy to the host (nothing would wait for it)
+    monkeypatch.setattr(_P._COUNTS, "start", lambda count: pytest.fail("max_valid must not copy the count"))
+    hidden, weight, target, b = _inputs((2, 19), 32, 517, dtype, device, frac=0.3, bias=bias)
+    count = int((target != IGN).sum())
+    out = _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, max_valid=count + extra)
+    assert path_spy == ["sized"]
+    assert (out[1][target == IGN] == 0).all()
+
+
+def test_max_valid_with_chunks_every_row_valid_and_none_valid(device, monkeypatch, path_spy):
+    monkeypatch.setattr(kmod, "SIZED_DLOGITS_BUDGET_BYTES", 1)  # several vocabulary chunks
+    hidden, weight, target, b = _inputs((37,), 32, 700, torch.float16, device, frac=0.4, bias=True)
+    _check(hidden, weight, target, b, reduction="sum", max_valid=30)
+    full = _inputs((37,), 32, 700, torch.float16, device, frac=1.0)[2]
+    assert (full != IGN).all()
+    _check(hidden, weight, full, b, reduction="mean", max_valid=37)  # rows are positions, via the compaction
+    none = torch.full_like(target, IGN)
+    loss, dh, dw, db = _run(lambda h, w, bias: masked_lm_loss(h, w, none, bias=bias, backend="triton", max_valid=8),
+                            hidden, weight, b, None)
+    assert loss.item() == 0 and not dh.any() and not dw.any() and not db.any()
+
+
+def test_max_valid_below_the_count_gives_nan_gradients(device):
+    # More valid targets than max_valid: the loss is still right, the gradients NaN (never partial)
+    hidden, weight, target, b = _inputs((37,), 32, 517, torch.float16, device, frac=0.5, bias=True)
+    count = int((target != IGN).sum())
+    assert count >= 3
+    loss, dh, dw, db = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, backend="triton",
+                                                             max_valid=count - 2), hidden, weight, b, None)
+    ref = masked_lm_loss_reference(hidden.double(), weight.double(), target, bias=b.double())
+    assert abs(loss.item() - ref.item()) < 1e-2 * abs(ref.item())
+    assert torch.isnan(dw).all() and torch.isnan(db).all()
+    assert torch.isnan(dh[target != IGN]).all() and (dh[target == IGN] == 0).all()
+
+
+def test_max_valid_bad_values(device):
+    hidden, weight, target, _ = _inputs((37,), 32, 517, torch.float32, device)
+    for bad, err in ((0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError), ("8", TypeError)):
+        with pytest.raises(err, match="max_valid"):
+            masked_lm_loss(hidden, weight, target, max_valid=bad, backend="triton")
+    for kw in (dict(dense=True), dict(graph_safe=True)):
+        with pytest.raises(ValueError, match="max_valid"):
+            masked_lm_loss(hidden, weight, target, max_valid=8, backend="triton", **kw)
 
 
 # ---- the eager lane: op and reduction in one autograd node --------------------------------------------
