@@ -266,13 +266,14 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
     if impl == "triton":
         from ._kernels import masked_lm_loss as k
         m = None if dense or max_valid or capturing(hidden.device) else _COUNTS.get(count, rows, lse)
-        if dense:
+        if dense or max_valid >= hidden.shape[0] > 0:  # (a bound of every position: the dense backward,
+            # which needs no row gather)
             dh, dw, db = k.masked_lm_loss_bwd_dense(
                 grad_loss, hidden, weight, target, bias, lse, ignore_index=ignore_index,
                 label_smoothing=label_smoothing, compute_dhidden=need_dhidden, compute_dweight=need_dweight)
         elif max_valid:  # an upper bound of the count on the host: sized for it, no wait, capturable
             dh, dw, db = k.masked_lm_loss_bwd_sized(
-                grad_loss, hidden, weight, target, bias, lse, rows, count, min(max_valid, hidden.shape[0]),
+                grad_loss, hidden, weight, target, bias, lse, rows, count, max_valid,
                 label_smoothing=label_smoothing, compute_dhidden=need_dhidden, compute_dweight=need_dweight,
                 ignore_index=ignore_index, capacity=True)
         elif m is not None:
@@ -434,8 +435,9 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
             N / M = 6.7 times the backward's work, so leave it off for MLM. Overrides ``graph_safe``.
         max_valid: Triton path only: an upper bound of the number of valid targets, known to the caller
             (MLM: e.g. 20% of the tokens for 15% masking). The backward is then the sized one for
-            ``min(max_valid, N)`` rows, without the count copy or any wait: capturable in a CUDA graph at
-            the sized path's speed, for any count up to the bound (the rows past the count are zero rows).
+            ``max_valid`` rows, without the count copy or any wait: capturable in a CUDA graph at the sized
+            path's speed, for any count up to the bound (the rows past the count are zero rows); a bound of
+            N or more runs the ``dense`` backward (every position a row: no row gather).
             A call whose count exceeds ``max_valid`` gets NaN gradients (the loss is still right): never a
             silently partial gradient. Cannot be combined with ``dense`` or ``graph_safe``.
         backend: ``"auto" | "triton" | "reference"`` or None (the current default).

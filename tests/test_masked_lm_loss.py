@@ -722,13 +722,13 @@ def test_gradient_of_one_input_only(device, which, monkeypatch):
     (torch.float32, False, "mean", 0.0, 0), (torch.float32, True, "none", 0.1, 5),
     (torch.float16, True, "sum", 0.0, 3), (torch.float16, False, "mean", 0.2, 1000)])
 def test_max_valid_matches_reference(device, monkeypatch, path_spy, dtype, bias, reduction, ls, extra):
-    # max_valid = the count (+ extra; past N it is clamped): the sized backward with zero rows past the count,
-    # and no count copy to the host (nothing would wait for it)
+    # max_valid = the count (+ extra): the sized backward with zero rows past the count (a bound of N or more:
+    # the dense backward), and no count copy to the host (nothing would wait for it)
     monkeypatch.setattr(_P._COUNTS, "start", lambda count: pytest.fail("max_valid must not copy the count"))
     hidden, weight, target, b = _inputs((2, 19), 32, 517, dtype, device, frac=0.3, bias=bias)
     count = int((target != IGN).sum())
     out = _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, max_valid=count + extra)
-    assert path_spy == ["sized"]
+    assert path_spy == (["dense", "sized"] if count + extra >= 38 else ["sized"])
     assert (out[1][target == IGN] == 0).all()
 
 
@@ -738,7 +738,8 @@ def test_max_valid_with_chunks_every_row_valid_and_none_valid(device, monkeypatc
     _check(hidden, weight, target, b, reduction="sum", max_valid=30)
     full = _inputs((37,), 32, 700, torch.float16, device, frac=1.0)[2]
     assert (full != IGN).all()
-    _check(hidden, weight, full, b, reduction="mean", max_valid=37)  # rows are positions, via the compaction
+    _check(hidden, weight, full, b, reduction="mean", max_valid=37)  # every row valid: a bound of N, dense
+    assert path_spy == ["sized", "dense", "sized"]
     none = torch.full_like(target, IGN)
     loss, dh, dw, db = _run(lambda h, w, bias: masked_lm_loss(h, w, none, bias=bias, backend="triton", max_valid=8),
                             hidden, weight, b, None)
