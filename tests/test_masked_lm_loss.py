@@ -367,11 +367,13 @@ def test_out_of_range_target(device):
         masked_lm_loss(hidden, weight, target, backend="reference")
 
 
-def test_torch_compile_fullgraph_matches_eager(device):
+@pytest.mark.parametrize("max_valid", [None, 16], ids=["sized", "max_valid"])
+def test_torch_compile_fullgraph_matches_eager(device, max_valid):
     hidden, weight, target, b = _inputs((2, 11), 32, 517, torch.float32, device, frac=0.4, bias=True)
+    assert int((target != IGN).sum()) <= 16
 
     def f(h, w, bias):
-        return masked_lm_loss(h, w, target, bias=bias, label_smoothing=0.1, backend="triton")
+        return masked_lm_loss(h, w, target, bias=bias, label_smoothing=0.1, backend="triton", max_valid=max_valid)
 
     eager = _run(f, hidden, weight, b, None)
     compiled = _run(torch.compile(f, fullgraph=True, backend="aot_eager"), hidden, weight, b, None)
