@@ -273,7 +273,7 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
                 label_smoothing=label_smoothing, compute_dhidden=need_dhidden, compute_dweight=need_dweight)
         elif max_valid:  # an upper bound of the count on the host: sized for it, no wait, capturable
             dh, dw, db = k.masked_lm_loss_bwd_sized(
-                grad_loss, hidden, weight, target, bias, lse, rows, count, max_valid,
+                grad_loss, hidden, weight, target, bias, lse, rows, count, min(max_valid, hidden.shape[0]),
                 label_smoothing=label_smoothing, compute_dhidden=need_dhidden, compute_dweight=need_dweight,
                 ignore_index=ignore_index, capacity=True)
         elif m is not None:

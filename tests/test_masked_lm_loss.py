@@ -746,6 +746,10 @@ def test_max_valid_with_chunks_every_row_valid_and_none_valid(device, monkeypatc
     loss, dh, dw, db = _run(lambda h, w, bias: masked_lm_loss(h, w, none, bias=bias, backend="triton", max_valid=8),
                             hidden, weight, b, None)
     assert loss.item() == 0 and not dh.any() and not dw.any() and not db.any()
+    empty = torch.zeros(0, dtype=torch.long, device=device)  # no positions at all
+    loss, dh, dw, db = _run(lambda h, w, bias: masked_lm_loss(h, w, empty, bias=bias, backend="triton", max_valid=8),
+                            hidden[:0], weight, b, None)
+    assert loss.item() == 0 and dh.shape == (0, 32) and not dw.any() and not db.any()
 
 
 def test_max_valid_below_the_count_gives_nan_gradients(device):
