@@ -103,7 +103,8 @@ Memory above the inputs (BERT-base MLM: N 16384, M 2446, V 30522, H 768, bf16; m
 benchmarks/results/*_run14.csv, *_run148.txt). Sized: dhidden (N H) and dW (V H) in the input dtype (24 + 45
 MiB), the (M, VC) dlogits chunks in a buffer of the budget plus dhidden's bytes (36 MiB: 4 chunks; dhidden is
 allocated after it is freed; inside dhidden's own memory, 24 MiB, they would need 6 chunks, ``_chunk_layout``),
-h_c and the fp32 (M, H) accumulator (4 + 7 MiB): 92 MiB (84 with the 6 chunks, GPU time 1.00 against 0.95 ms); GPT-2 (N = M = 8192, V 50257; the chunks do not fit in dhidden, a 16 MiB buffer):
+h_c and the fp32 (M, H) accumulator (4 + 7 MiB): 92 MiB (84 with the 6 chunks, GPU time 1.00 against 0.95
+ms); GPT-2 (N = M = 8192, V 50257; the chunks do not fit in dhidden, a 16 MiB buffer):
 126 MiB. The TMA forward's transient compacted rows and per-tile partials (71 MiB at BERT-base, 51 MiB
 at GPT-2, ``TMA_FWD_BUDGET_BYTES``) are freed before the backward. Graph-safe: the (N, VC) buffer
 (64 MiB) and an fp32 (N, H) accumulator (48 MiB) instead, both sized for N because the count stays on
@@ -941,7 +942,7 @@ def _chunk_layout(m: int, v: int, h: int, elem: int, budget: int, dh_elems: int,
     bytes, dhidden allocated after that buffer is freed. The second costs the budget in peak memory; it is
     taken when the first does not fit or needs more chunks (each chunk is a kernel launch and two or three
     cuBLAS calls of host time, and narrow GEMMs run slower). BERT-base MLM (M 2446, V 30522, H 768, bf16):
-    4 chunks of 7680 columns instead of 6 (7168, 5376, 5120 x 3, 2618), peak ~84 -> ~96 MiB."""
+    4 chunks of 7680 columns instead of 6 (7168, 5376, 5120 x 3, 2618), peak 84 -> 92 MiB (run148)."""
     vc = _chunk_columns(m, v, elem, max(budget, dh_elems * dh_elem))
     vc_own = _chunk_columns(m, v, elem, budget + dh_elems * dh_elem)
     if (m * _tuning.cdiv(vc, pad) * pad <= dh_elems
