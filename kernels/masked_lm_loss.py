@@ -59,8 +59,10 @@ is multiplied by a stride):
    the budget plus dhidden's bytes, dhidden being allocated only after the chunks), per chunk:
    a. the TMA kernel's dz epilogue, or ``_masked_lm_loss_dlogits_kernel``: either recomputes the logit
       tile in fp32 (2 M VC H FLOPs), turns it into dz with the saved lse and the upstream grad, and
-      stores dz in the weight dtype (compacted rows). Its grid covers the host's M rows; if the device count differs, every dz is NaN (never a
-      silently partial gradient).
+      stores dz in the weight dtype (compacted rows). Its grid covers the host's M rows; if the device
+      count differs, every dz is NaN (never a silently partial gradient). With ``max_valid`` (capacity
+      mode) M is the caller's upper bound instead: nothing waits for the count, the rows past the device
+      count get dz 0 (and zero gathered rows), and only a count above M poisons.
    b. dW[chunk] = dz^T h_c (cuBLAS, fp32 accumulation, written once: each chunk owns its rows of dW);
       dbias[chunk] = column sums of dz in fp32; dh_c += dz W[chunk] (cuBLAS with an fp32 output,
       ``out_dtype``, accumulated in place across chunks), scattered once to the valid positions.
