@@ -605,8 +605,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+_DTYPE_KEYS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
 def _dtype_key(dtype: torch.dtype) -> int:
-    return {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[dtype]
+    return _DTYPE_KEYS[dtype]
 
 
 @triton.jit
