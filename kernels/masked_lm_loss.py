@@ -362,6 +362,7 @@ def _masked_lm_loss_dlogits_kernel(
     VC,             # columns in this chunk
     stride_hn, stride_hh, stride_wv, stride_wh, stride_b,
     stride_dl,      # row stride of the dlogits buffer
+    stride_g,       # stride of the upstream gradient (0: one value for every position, a mean's or sum's)
     smooth_eps,
     expected_count,  # the sized backward's host count (-1: none); a mismatch poisons dz with NaN
     capacity,       # 1: expected_count is an upper bound (max_valid): rows past the device count get dz 0,
@@ -397,7 +398,7 @@ def _masked_lm_loss_dlogits_kernel(
         rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
         tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)
         lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * 1.4426950408889634
-        g = tl.load(gloss_ptr + rows, mask=mask_m, other=0.0)
+        g = tl.load(gloss_ptr + rows * stride_g, mask=mask_m, other=0.0)
         offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # column within the chunk
         mask_n = offs_c < VC
         offs_n = v_off + offs_c                              # vocabulary column
@@ -540,7 +541,7 @@ def _logits_tma_kernel(
     n_rows,         # rows to cover (-1: read the device count)
     capacity,       # 1: n_rows is an upper bound (max_valid): rows past the device count get dz 0, and
                     # only a device count above n_rows poisons
-    lda, stride_wv, ldo, stride_b, smooth_eps,
+    lda, stride_wv, ldo, stride_b, stride_g, smooth_eps,
     NUM_PROGRAMS: tl.constexpr, DZ: tl.constexpr, HAS_BIAS: tl.constexpr, SMOOTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -589,7 +590,7 @@ def _logits_tma_kernel(
         tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)
         if DZ:
             lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * 1.4426950408889634
-            g = tl.load(gloss_ptr + rows, mask=mask_m, other=0.0)
+            g = tl.load(gloss_ptr + rows * stride_g, mask=mask_m, other=0.0)
             d = tl.where(mask_n[None, :] & (offs_m < count)[:, None],
                          _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V), 0.0)
             if mismatch:
@@ -816,7 +817,7 @@ def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials,
     mid = ((bias if bias is not None else weight, target, rows, count, lse, grad_loss) + parts
            + (n, v, h, hc.shape[0]))
     strides = (hc.stride(0), weight.stride(0))
-    tail = (bias.stride(0) if bias is not None else 0, float(label_smoothing))
+    tail = (bias.stride(0) if bias is not None else 0, grad_loss.stride(0) if dz else 0, float(label_smoothing))
     flags = dict(DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0,
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
@@ -971,7 +972,7 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
     v = weight.shape[0]
     dev = hidden.device
     target = target.contiguous()
-    grad_loss = grad_loss.to(torch.float32).contiguous()
+    grad_loss = _grad_vector(grad_loss)
     lse = lse.contiguous()
     dhidden, dweight, dbias = _grad_buffers(hidden, weight, bias, compute_dhidden, compute_dweight)
     if n == 0 or not (compute_dhidden or compute_dweight):
@@ -998,7 +999,8 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
             hidden, weight, b, target, rows, count, lse, grad_loss, dl,
             n, v, h, v_off, vc_c,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-            bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), -1, 0, key,
+            bias.stride(0) if bias is not None else 0, dl.stride(0), grad_loss.stride(0), float(label_smoothing),
+            -1, 0, key,
             HAS_BIAS=bias is not None, DOT_PRECISION=prec)
 
         def grid(m):
@@ -1012,6 +1014,12 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
             key, int(c == 0), int(c == n_chunks - 1), int(compute_dweight),
             HAS_BIAS=bias is not None and compute_dweight, DOT_PRECISION=prec)
     return dhidden, dweight, dbias
+
+
+def _grad_vector(grad_loss: torch.Tensor) -> torch.Tensor:
+    """The (N,) upstream gradient as the kernels read it: fp32, any stride (a mean's or sum's gradient
+    arrives expanded from one value, stride 0: read in place instead of materialised, one launch less)."""
+    return grad_loss if grad_loss.dtype == torch.float32 else grad_loss.to(torch.float32)
 
 
 _ADDMM_OUT_DTYPE: bool | None = None
@@ -1107,7 +1115,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     dweight = dw_buf[:v] if compute_dweight else None
     dbias = empty(v, dtype=bias.dtype, device=dev) if compute_dweight and bias is not None else None
     target = target.contiguous()
-    grad_loss = grad_loss.to(torch.float32).contiguous()
+    grad_loss = _grad_vector(grad_loss)
     lse = lse.contiguous()
     all_rows = m == n and not capacity  # compaction keeps order: every row valid means rows[i] == i
     # dhidden is written only after the last chunk, so its memory serves the dlogits chunks first: they
@@ -1158,7 +1166,8 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 hidden, weight, b, target, rows, count, lse, grad_loss, dl,
                 n, v, h, v_off, vc_c,
                 hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-                bias.stride(0) if bias is not None else 0, dl.stride(0), float(label_smoothing), m, int(capacity), key,
+                bias.stride(0) if bias is not None else 0, dl.stride(0), grad_loss.stride(0), float(label_smoothing),
+                m, int(capacity), key,
                 HAS_BIAS=bias is not None, DOT_PRECISION=prec)
         if compute_dweight:
             torch.mm(d_pad.t(), hc, out=dw_buf[v_off:v_off + w_pad])

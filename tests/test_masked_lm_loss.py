@@ -351,6 +351,19 @@ def test_leading_dims_and_strided_hidden(device):
     _check(column_major, wt, target1, reduction="mean", label_smoothing=0.1)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_upstream_gradient_read_through_its_stride(device, mode):
+    # reduction="none" with a strided upstream gradient (stride 2), and "mean" / "sum" whose gradient arrives
+    # expanded from one value (stride 0): the kernels read it in place, whatever the stride
+    hidden, weight, target, b = _inputs((37,), 32, 517, torch.float16, device, frac=0.4, bias=True)
+    g = torch.randn(74, device=device)[::2]
+    assert g.stride(0) == 2
+    _check(hidden, weight, target, b, reduction="none", grad_out=g, **MODES[mode])
+    for reduction in ("mean", "sum"):
+        _check(hidden, weight, target, b, reduction=reduction, grad_out=torch.tensor(0.7, device=device),
+               **MODES[mode])
+
+
 def test_out_of_range_target(device):
     hidden, weight, target, _ = _inputs((37,), 32, 517, torch.float32, device, frac=0.5)
     target[0] = 517
