@@ -942,8 +942,9 @@ def _chunk_plan(v: int, vc: int, m: int, h: int, pad: int, dw_rows: int) -> list
 
 
 def _chunk_layout(m: int, v: int, h: int, elem: int, budget: int, dh_elems: int, dh_elem: int, pad: int,
-                  scratch_rows: int) -> tuple[int, bool]:
-    """The sized backward's chunk width and where its dlogits live: (VC, shared). Two layouts: in dhidden's
+                  scratch_rows: int) -> tuple[int, bool, list[tuple[int, int, bool]]]:
+    """The sized backward's chunk width, where its dlogits live, and its chunks: (VC, shared, plan). Two
+    layouts: in dhidden's
     memory (shared: chunks of max(budget, dhidden's bytes)), or in a buffer of the budget plus dhidden's
     bytes, dhidden allocated after that buffer is freed. The second costs the budget in peak memory; it is
     taken when the first does not fit or needs more chunks (each chunk is a kernel launch and two or three
@@ -951,11 +952,12 @@ def _chunk_layout(m: int, v: int, h: int, elem: int, budget: int, dh_elems: int,
     4 chunks of 7680 columns instead of 6 (7168, 5376, 5120 x 3, 2618), peak 84 -> 92 MiB (run148)."""
     vc = _chunk_columns(m, v, elem, max(budget, dh_elems * dh_elem))
     vc_own = _chunk_columns(m, v, elem, budget + dh_elems * dh_elem)
-    if (m * _tuning.cdiv(vc, pad) * pad <= dh_elems
-            and len(_chunk_plan(v, vc, m, h, pad, scratch_rows)) <= len(_chunk_plan(v, vc_own, m, h, pad,
-                                                                                  scratch_rows))):
-        return vc, True
-    return vc_own, False
+    plan_own = _chunk_plan(v, vc_own, m, h, pad, scratch_rows)
+    if m * _tuning.cdiv(vc, pad) * pad <= dh_elems:
+        plan = _chunk_plan(v, vc, m, h, pad, scratch_rows)
+        if len(plan) <= len(plan_own):
+            return vc, True, plan
+    return vc_own, False, plan_own
 
 
 def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
@@ -1129,7 +1131,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     budget = SIZED_DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
     dw_rows = _tuning.cdiv(v, pad) * pad if compute_dweight else 0
     scratch_rows = dw_rows if use_tma else 0
-    vc, shared = _chunk_layout(m, v, h, elem, budget, dh_elems, hidden.element_size(), pad, scratch_rows)
+    vc, shared, plan = _chunk_layout(m, v, h, elem, budget, dh_elems, hidden.element_size(), pad, scratch_rows)
     ld = _tuning.cdiv(vc, pad) * pad  # TMA: row stride padded to 16 bytes
     dhidden = empty(n, h, dtype=hidden.dtype, device=dev) if compute_dhidden and shared else None
     dl = (dhidden.view(-1)[:m * ld] if shared else empty(m * ld, dtype=weight.dtype, device=dev)).view(m, ld)
@@ -1150,7 +1152,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     if dbias is not None:
         db32 = dbias if dbias.dtype == torch.float32 else empty(v, dtype=torch.float32, device=dev)
     acc = None
-    for v_off, vc_c, scratch in _chunk_plan(v, vc, m, h, pad, scratch_rows):
+    for v_off, vc_c, scratch in plan:
         w_pad = _tuning.cdiv(vc_c, pad) * pad
         if scratch:  # this chunk's dlogits in dW's rows past the chunk (written by later chunks only)
             start = (v_off + w_pad) * h

@@ -76,6 +76,16 @@ def masked_lm_loss_reference(hidden: Tensor, weight: Tensor, target: Tensor, *, 
     return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid)
 
 
+def _denominator(count: Tensor, num_valid, total: Tensor):
+    """What a mean divides by (``_reduce`` and the eager lane: the same expression, so the same bits): the
+    device count clamped to 1 (an all-ignored call divides 0 by 1, never 0 by 0), or ``num_valid``."""
+    if num_valid is None:
+        return count.reshape(()).clamp(min=1).to(total.dtype)
+    if isinstance(num_valid, Tensor):
+        return num_valid.to(device=total.device, dtype=total.dtype)
+    return float(num_valid)
+
+
 def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str, num_valid,
             count: Optional[Tensor] = None) -> Tensor:
     if reduction == "none":
@@ -83,16 +93,9 @@ def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str, num
     total = loss.sum()
     if reduction == "sum":
         return total
-    if num_valid is None:
-        # The device count of valid targets (the op's own when given); an all-ignored call divides 0 by
-        # 1, never 0 by 0.
-        if count is None:
-            count = (target != ignore_index).sum()
-        denom = count.reshape(()).clamp(min=1).to(total.dtype)
-    elif isinstance(num_valid, Tensor):
-        denom = num_valid.to(device=total.device, dtype=total.dtype)
-    else:
-        denom = float(num_valid)
+    if num_valid is None and count is None:
+        count = (target != ignore_index).sum()  # the device count of valid targets (the op's own when given)
+    denom = _denominator(count, num_valid, total)
     return total / denom
 
 
@@ -344,15 +347,6 @@ _fwd.register_autograd(_backward, setup_context=_setup_context)
 # ---- eager path: the op and the reduction in one autograd node ----------------------------------------
 
 _LANE_ON = os.environ.get("PYKERNELS_EAGER_LANE", "1") not in ("", "0")  # read once (tests flip the attribute)
-
-
-def _denominator(count: Tensor, num_valid, total: Tensor):
-    """What ``_reduce`` divides the mean by, the same expression (so the same bits)."""
-    if num_valid is None:
-        return count.reshape(()).clamp(min=1).to(total.dtype)
-    if isinstance(num_valid, Tensor):
-        return num_valid.to(device=total.device, dtype=total.dtype)
-    return float(num_valid)
 
 
 class _EagerLoss(torch.autograd.Function):

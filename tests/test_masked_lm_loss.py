@@ -202,9 +202,10 @@ def test_chunk_layout_takes_the_one_with_fewer_chunks():
                                                    ((8192, 8192, 768, 50257), False, 22),
                                                    ((16384, 2446, 768, 4096), True, 1)]:
         rows = -(-v // 8) * 8
-        vc, shared = kmod._chunk_layout(m, v, h, 2, budget, n * h, 2, 8, rows)
+        vc, shared, plan = kmod._chunk_layout(m, v, h, 2, budget, n * h, 2, 8, rows)
         assert shared == want_shared
-        assert len(kmod._chunk_plan(v, vc, m, h, 8, rows)) == want_chunks
+        assert plan == kmod._chunk_plan(v, vc, m, h, 8, rows)
+        assert len(plan) == want_chunks
         held = m * -(-vc // 8) * 8 * 2  # the chunk buffer's bytes
         assert held <= (n * h * 2 if shared else budget + n * h * 2)
 
