@@ -943,13 +943,12 @@ def _chunk_plan(v: int, vc: int, m: int, h: int, pad: int, dw_rows: int) -> list
 
 def _chunk_layout(m: int, v: int, h: int, elem: int, budget: int, dh_elems: int, dh_elem: int, pad: int,
                   scratch_rows: int) -> tuple[int, bool, list[tuple[int, int, bool]]]:
-    """The sized backward's chunk width, where its dlogits live, and its chunks: (VC, shared, plan). Two
-    layouts: in dhidden's
-    memory (shared: chunks of max(budget, dhidden's bytes)), or in a buffer of the budget plus dhidden's
-    bytes, dhidden allocated after that buffer is freed. The second costs the budget in peak memory; it is
-    taken when the first does not fit or needs more chunks (each chunk is a kernel launch and two or three
-    cuBLAS calls of host time, and narrow GEMMs run slower). BERT-base MLM (M 2446, V 30522, H 768, bf16):
-    4 chunks of 7680 columns instead of 6 (7168, 5376, 5120 x 3, 2618), peak 84 -> 92 MiB (run148)."""
+    """The sized backward's chunk width, where its dlogits live, and its chunks: (VC, shared, plan). Two layouts: in
+    dhidden's memory (shared: chunks of max(budget, dhidden's bytes)), or in a buffer of the budget plus dhidden's
+    bytes, dhidden allocated after that buffer is freed. The second costs the budget in peak memory; it is taken
+    when the first does not fit or needs more chunks (each chunk is a kernel launch and two or three cuBLAS calls
+    of host time, and narrow GEMMs run slower). BERT-base MLM (M 2446, V 30522, H 768, bf16): 4 chunks of 7680
+    columns instead of 6 (7168, 5376, 5120 x 3, 2618), peak 84 -> 92 MiB (run148)."""
     vc = _chunk_columns(m, v, elem, max(budget, dh_elems * dh_elem))
     vc_own = _chunk_columns(m, v, elem, budget + dh_elems * dh_elem)
     plan_own = _chunk_plan(v, vc_own, m, h, pad, scratch_rows)
