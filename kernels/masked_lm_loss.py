@@ -9,7 +9,8 @@ causal LM). Per valid row r: ``z = h_r W^T + b``, ``lse = logsumexp(z)``,
 ``dz = g_r (softmax(z) - (1 - eps) onehot(t) - eps/V)``, ``dh_r = dz W``, ``dW = sum_r dz_r^T h_r``,
 ``db = sum_r dz_r``. Neither the (N, V) nor the (M, V) logits ever exist in full.
 
-Compaction. ``_compact_kernel`` (one program, a running prefix sum; up to 65536 positions, else
+Compaction. ``_compact_kernel`` (one program per 1024 positions, each counting the valid targets before its
+slice, then a prefix sum within it; up to 65536 positions, else
 ``pykernels.masked_lm_loss.compact_rows`` with torch ops) turns ``target != ignore_index`` into a
 fixed-size (N,) int32 list of valid row indices and a device int32 ``count``, and zeroes the loss and
 lse outputs. Every forward kernel is launched on a grid sized for N rows (or for the vocabulary) and
@@ -314,7 +315,7 @@ def _masked_lm_loss_combine_kernel(
     lse_ptr,        # (N,) fp32 out, by position (pre-zeroed)
     N, V, SPLIT,
     smooth_eps,     # label smoothing eps
-    SMOOTH: tl.constexpr, BLOCK: tl.constexpr,
+    SMOOTH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
@@ -324,20 +325,26 @@ def _masked_lm_loss_combine_kernel(
         mask = offs < count
         rows = tl.load(rows_ptr + offs, mask=mask, other=0).to(tl.int64)
         tgt = tl.load(tgt_ptr + rows, mask=mask, other=0)
-        # one pass, online: the running max rescales the running sum (exp2(-inf) = 0 on the first slice)
+        # (BLOCK_S, BLOCK) tiles of partials, rows contiguous, online over the tiles: each tile's max
+        # rescales the running sum (exp2(-inf) = 0 on the first tile). Many loads in flight per program:
+        # one slice per step made this a chain of SPLIT dependent loads (33 us at BERT-base, H100 run156).
         m = tl.full((BLOCK,), float("-inf"), tl.float32)
         total = tl.zeros((BLOCK,), tl.float32)
         zt = tl.zeros((BLOCK,), tl.float32)
         zsum = tl.zeros((BLOCK,), tl.float32)
-        for s in range(0, SPLIT):
-            ms = tl.load(part_m_ptr + s * N + offs, mask=mask, other=0.0)
-            ss = tl.load(part_s_ptr + s * N + offs, mask=mask, other=0.0)
-            m_new = tl.maximum(m, ms)
-            total = total * tl.exp2(m - m_new) + ss * tl.exp2(ms - m_new)
+        for s0 in range(0, SPLIT, BLOCK_S):
+            sl = s0 + tl.arange(0, BLOCK_S)
+            m2 = (sl < SPLIT)[:, None] & mask[None, :]
+            off2 = sl.to(tl.int64)[:, None] * N + offs[None, :]
+            ms = tl.load(part_m_ptr + off2, mask=m2, other=float("-inf"))
+            ss = tl.load(part_s_ptr + off2, mask=m2, other=0.0)
+            m_new = tl.maximum(m, tl.max(ms, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (rows past the count: all -inf)
+            total = total * tl.exp2(m - m_safe) + tl.sum(ss * tl.exp2(ms - m_safe[None, :]), 0)
             m = m_new
-            zt += tl.load(part_zt_ptr + s * N + offs, mask=mask, other=0.0)
+            zt += tl.sum(tl.load(part_zt_ptr + off2, mask=m2, other=0.0), 0)
             if SMOOTH:
-                zsum += tl.load(part_zsum_ptr + s * N + offs, mask=mask, other=0.0)
+                zsum += tl.sum(tl.load(part_zsum_ptr + off2, mask=m2, other=0.0), 0)
         lse = (m + tl.log2(tl.where(mask, total, 1.0))) * 0.6931471805599453
         loss = lse - (1.0 - smooth_eps) * zt
         if SMOOTH:
@@ -614,29 +621,43 @@ def _dtype_key(dtype: torch.dtype) -> int:
 
 
 @triton.jit
-def _compact_kernel(tgt_ptr, rows_ptr, count_ptr, loss_ptr, lse_ptr, N, ignore_index, BLOCK: tl.constexpr):
-    """One program: rows[:count] = positions with target != ignore_index in increasing order, rows[count:]
-    = 0 (a valid position to read), count, and loss = lse = 0 everywhere (the forward fills the valid
-    positions). A running prefix sum over BLOCK-wide slices; used for N up to COMPACT_KERNEL_MAX_N."""
-    base = tl.zeros((), tl.int32)
-    for start in range(0, N, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        in_n = offs < N
-        t = tl.load(tgt_ptr + offs, mask=in_n, other=ignore_index)
-        valid = ((t != ignore_index) & in_n).to(tl.int32)
-        pos = base + tl.cumsum(valid, 0) - 1
-        tl.store(rows_ptr + pos, offs, mask=valid != 0)
-        tl.store(loss_ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=in_n)
-        tl.store(lse_ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=in_n)
-        base += tl.sum(valid, 0)
-    tl.store(count_ptr, base)
-    for start in range(0, N, BLOCK):  # disjoint from the slots written above
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(rows_ptr + offs, tl.zeros((BLOCK,), tl.int32), mask=(offs >= base) & (offs < N))
+def _compact_kernel(tgt_ptr, rows_ptr, count_ptr, loss_ptr, lse_ptr, N, ignore_index, BLOCK: tl.constexpr,
+                    SCAN: tl.constexpr):
+    """rows[:count] = positions with target != ignore_index in increasing order, rows[count:] = 0 (a valid
+    position to read), count, and loss = lse = 0 everywhere (the forward fills the valid positions). Program p
+    owns positions [p BLOCK, (p + 1) BLOCK): it counts the valid targets before its slice and in all (one pass
+    over the targets, SCAN at a time: N <= COMPACT_KERNEL_MAX_N, mostly from L2), then writes its slice's
+    rows at that base plus their prefix sum, its slice of loss and lse, and its slice of rows[count:].
+    (One program walking the slices in turn took 15 us at BERT-base's 16384 positions, this 3.5: H100 run159.)"""
+    pid = tl.program_id(0)
+    start = pid * BLOCK
+    before = tl.zeros((), tl.int32)
+    total = tl.zeros((), tl.int32)
+    for s0 in range(0, N, SCAN):
+        offs_s = s0 + tl.arange(0, SCAN)
+        t = tl.load(tgt_ptr + offs_s, mask=offs_s < N, other=ignore_index)
+        valid = (t != ignore_index).to(tl.int32)
+        total += tl.sum(valid, 0)
+        before += tl.sum(tl.where(offs_s < start, valid, 0), 0)
+    offs = start + tl.arange(0, BLOCK)
+    in_n = offs < N
+    t = tl.load(tgt_ptr + offs, mask=in_n, other=ignore_index)
+    valid = ((t != ignore_index) & in_n).to(tl.int32)
+    pos = before + tl.cumsum(valid, 0) - 1
+    tl.store(rows_ptr + pos, offs, mask=valid != 0)
+    tl.store(loss_ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=in_n)
+    tl.store(lse_ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=in_n)
+    tl.store(rows_ptr + offs, tl.zeros((BLOCK,), tl.int32), mask=in_n & (offs >= total))  # (disjoint slots)
+    if pid == 0:
+        tl.store(count_ptr, total)
 
 
-# Above this many positions the compaction uses torch's multi-block scan (the kernel is one program).
+# Above this many positions the compaction uses torch's multi-block scan (each program of the kernel reads
+# every target).
 COMPACT_KERNEL_MAX_N = 1 << 16
+# The compaction's (positions a program, targets a counting step, warps): H100 run159 3.5 us at BERT-base's 16384
+# positions (the one-program kernel before it 15 us), the fastest of six.
+COMPACT_CONFIG = (1024, 8192, 8)
 
 
 def compact(target: torch.Tensor, ignore_index: int
@@ -652,9 +673,10 @@ def compact(target: torch.Tensor, ignore_index: int
     count = empty(1, dtype=torch.int32, device=dev)
     loss = empty(n, dtype=torch.float32, device=dev)
     lse = empty(n, dtype=torch.float32, device=dev)
-    block = 32 if _INTERPRET else 4096
-    _launch.fast(_compact_kernel)[(1,)](target.contiguous(), rows, count, loss, lse, n, int(ignore_index),
-                                         BLOCK=block, num_warps=8 if block >= 1024 else 1)
+    block, scan, warps = (16, 32, 1) if _INTERPRET else COMPACT_CONFIG
+    scan = min(scan, max(triton.next_power_of_2(n), block))
+    _launch.fast(_compact_kernel)[(_tuning.cdiv(n, block),)](
+        target.contiguous(), rows, count, loss, lse, n, int(ignore_index), BLOCK=block, SCAN=scan, num_warps=warps)
     return rows, count, loss, lse
 
 
@@ -688,14 +710,17 @@ def _gather_rows_kernel(h_ptr, rows_ptr, count_ptr, out_ptr, H, R, stride_hn, st
 
 
 @triton.jit
-def _scatter_rows_kernel(acc_ptr, rows_ptr, count_ptr, tgt_ptr, dh_ptr, N, M, H, ignore_index, stride_acc,
+def _scatter_rows_kernel(acc_ptr, rows_ptr, count_ptr, tgt_ptr, dh_ptr, tail_ptr, wt_ptr, N, M, H, ignore_index,
+                         stride_acc, n_tail, stride_tail, stride_wt,
                          capacity, ZERO_IGNORED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """dhidden by position from the compacted rows: dh[rows[i]] = acc[i] (cast) for i < M (the first
     cdiv(M, BLOCK_R) programs); with ZERO_IGNORED the other cdiv(N, BLOCK_R) programs write 0 at every
     position whose target is ``ignore_index``, so every position is written once, with no memset. If the
     device count is not M (``capacity``: above M; M rows are an upper bound and those past the count are
     not positions), those programs write NaN at the valid positions too (as the dz kernels do): never a
-    silently partial gradient."""
+    silently partial gradient. ``n_tail`` (< 8) more columns of dlogits (``tail`` (M, n_tail)) and rows of the
+    weight (``wt``) are added to acc on the way, in fp32: the last chunk's odd tail, which as a cuBLAS GEMM
+    read and wrote all of acc (10 us at BERT-base, H100 run156)."""
     pid = tl.program_id(0)
     row_programs = tl.cdiv(M, BLOCK_R)
     offs_r = (pid % row_programs) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -707,6 +732,11 @@ def _scatter_rows_kernel(acc_ptr, rows_ptr, count_ptr, tgt_ptr, dh_ptr, N, M, H,
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask = mask_r[:, None] & (offs_h < H)[None, :]
             x = tl.load(acc_ptr + offs_r.to(tl.int64)[:, None] * stride_acc + offs_h[None, :], mask=mask)
+            x = x.to(tl.float32)  # (acc is fp32, or the one chunk's product in the input dtype)
+            for j in range(0, n_tail):
+                dc = tl.load(tail_ptr + offs_r.to(tl.int64) * stride_tail + j, mask=mask_r, other=0.0)
+                wr = tl.load(wt_ptr + j * stride_wt + offs_h, mask=offs_h < H, other=0.0)
+                x += dc.to(tl.float32)[:, None] * wr.to(tl.float32)[None, :]
             tl.store(dh_ptr + pos[:, None] * H + offs_h[None, :], x.to(dh_ptr.dtype.element_ty), mask=mask)
     elif ZERO_IGNORED:
         offs_p = (pid - row_programs) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -783,20 +813,29 @@ def gather_rows(hidden: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, n
 
 
 def scatter_rows(acc: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, target: torch.Tensor,
-                 dhidden: torch.Tensor, ignore_index: int | None, capacity: bool = False) -> None:
+                 dhidden: torch.Tensor, ignore_index: int | None, capacity: bool = False,
+                 tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """dhidden (N, H) contiguous <- ``acc`` (M, H) at positions ``rows[:M]``, 0 where the target is
-    ``ignore_index`` (one launch; ``ignore_index`` None: zero-fill first, then scatter)."""
+    ``ignore_index`` (one launch; ``ignore_index`` None: zero-fill first, then scatter). ``tail``: (dz (M, T),
+    w (T, H)) with T < 8, whose product is added to acc in fp32 on the way."""
     n, h = dhidden.shape
     m = acc.shape[0]
     acc = acc if acc.stride(1) == 1 else acc.contiguous()
+    if tail is not None:
+        dt, wt = tail
+        if dt.shape[1] >= 8 or dt.shape != (m, wt.shape[0]) or wt.shape[1] != h or dt.stride(1) != 1 \
+                or wt.stride(1) != 1:
+            raise ValueError("scatter_rows: tail must be (dz (M, T), w (T, H)) with T < 8 and unit last strides")
+    else:
+        dt = wt = acc  # placeholders, never read (no tail columns)
     if ignore_index is None:
         dhidden.zero_()
     block_r, block_h = (16, 32) if _INTERPRET else (32, 256)
     programs = _tuning.cdiv(m, block_r) + (_tuning.cdiv(n, block_r) if ignore_index is not None else 0)
     _launch.fast(_scatter_rows_kernel)[(programs,)](
-        acc, rows, count, target, dhidden, n, m, h, 0 if ignore_index is None else int(ignore_index),
-        acc.stride(0), int(capacity), ZERO_IGNORED=ignore_index is not None, BLOCK_R=block_r, BLOCK_H=block_h,
-        num_warps=4)
+        acc, rows, count, target, dhidden, dt, wt, n, m, h, 0 if ignore_index is None else int(ignore_index),
+        acc.stride(0), 0 if tail is None else dt.shape[1], dt.stride(0), wt.stride(0), int(capacity),
+        ZERO_IGNORED=ignore_index is not None, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
 
 
 def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n, n_rows,
@@ -878,11 +917,19 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
             bias.stride(0) if bias is not None else 0,
             _dtype_key(hidden.dtype),
             HAS_BIAS=bias is not None, SMOOTH=smooth, DOT_PRECISION=_dot_precision(hidden.dtype))
-    block = 32  # small blocks: 2446 valid rows are 77 programs (each walks all SPLIT partials)
+    block, block_s = COMBINE_BLOCKS  # small row blocks: 2446 valid rows are 77 programs of 32 rows
     _launch.fast(_masked_lm_loss_combine_kernel)[(_tuning.cdiv(n, block),)](
         target, rows, count, part_m, part_s, part_zt, part_zsum, loss, lse,
-        n, v, split, float(label_smoothing), SMOOTH=smooth, BLOCK=block, num_warps=1)
+        n, v, split, float(label_smoothing), SMOOTH=smooth, BLOCK=block, BLOCK_S=block_s,
+        num_warps=COMBINE_WARPS)
     return loss, lse
+
+
+# The combine kernel's (rows, partials) tile and warps: H100 run159 (device time a launch, six tiles) 8.6 us at
+# BERT-base (2446 rows x 239 partials), 25.4 at GPT-2 (8192 x 393); 32 x 64 on 4 warps 10.5 / 27.5 us, and the
+# one-slice-a-step loop before it 33 / 66 us (run156).
+COMBINE_BLOCKS = (16, 16) if _INTERPRET else (32, 128)
+COMBINE_WARPS = 1 if _INTERPRET else 8
 
 
 def _grad_buffers(hidden, weight, bias, compute_dhidden: bool, compute_dweight: bool):
@@ -1150,7 +1197,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     db32 = None
     if dbias is not None:
         db32 = dbias if dbias.dtype == torch.float32 else empty(v, dtype=torch.float32, device=dev)
-    acc = None
+    acc = tail = None
     for v_off, vc_c, scratch in plan:
         w_pad = _tuning.cdiv(vc_c, pad) * pad
         if scratch:  # this chunk's dlogits in dW's rows past the chunk (written by later chunks only)
@@ -1177,6 +1224,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
         if compute_dhidden:
             wc = weight[v_off:v_off + vc_c]
             # K a multiple of 8 (as for dW above): the odd tail of the last chunk as its own tiny GEMM
+            # (or, when the rows are scattered at the end, the scatter kernel adds it: no pass over acc)
             k8 = vc_c - vc_c % pad if vc_c > pad else vc_c
             if acc is None and vc_c == v and k8 == vc_c:
                 acc = torch.mm(d, wc)  # one chunk: cuBLAS accumulates the whole sum in fp32
@@ -1184,7 +1232,10 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 acc = _addmm_f32(acc, d, wc)
             else:
                 acc = _addmm_f32(acc, d[:, :k8], wc[:k8])
-                acc = _addmm_f32(acc, d[:, k8:], wc[k8:])
+                if all_rows:
+                    acc = _addmm_f32(acc, d[:, k8:], wc[k8:])
+                else:
+                    tail = (d[:, k8:].contiguous(), wc[k8:])  # (copied out: dl's memory becomes dhidden)
     if db32 is not None and db32 is not dbias:
         dbias.copy_(db32)
     if compute_dhidden:  # the dlogits are dead now: their memory becomes dhidden
@@ -1194,5 +1245,5 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
         if all_rows:
             dhidden.copy_(acc)
         else:
-            scatter_rows(acc, rows, count, target, dhidden, ignore_index, capacity)
+            scatter_rows(acc, rows, count, target, dhidden, ignore_index, capacity, tail)
     return dhidden, dweight, dbias

@@ -696,8 +696,9 @@ def test_compact_rows_lists_valid_positions_in_order(device):
     assert count.item() == 0 and rows.numel() == 0
 
 
-@pytest.mark.parametrize("n,frac", [(1, 1.0), (37, 0.3), (37, 0.0), (37, 1.0), (100, 0.5)])
+@pytest.mark.parametrize("n,frac", [(1, 1.0), (37, 0.3), (37, 0.0), (37, 1.0), (100, 0.5), (161, 0.15)])
 def test_compaction_kernel_equals_torch_compaction(device, n, frac):
+    # several programs (16 positions each on CPU, 1024 on the GPU), each counting the targets before its slice
     from pykernels.masked_lm_loss import compact_rows
     target = torch.randint(0, 50, (n,), device=device)
     target[torch.rand(n, device=device) >= frac] = IGN
@@ -708,9 +709,21 @@ def test_compaction_kernel_equals_torch_compaction(device, n, frac):
     assert torch.equal(loss, torch.zeros_like(loss)) and torch.equal(lse, torch.zeros_like(lse))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,frac", [(16384, 0.15), (8192, 1.0), (1 << 16, 0.15), (5000, 0.0), (1025, 0.5)])
+def test_gpu_compaction_kernel_at_scale(n, frac):
+    from pykernels.masked_lm_loss import compact_rows
+    target = torch.randint(0, 30522, (n,), device="cuda")
+    target[torch.rand(n, device="cuda") >= frac] = IGN
+    rows, count, loss, lse = kmod.compact(target, IGN)
+    want_rows, want_count = compact_rows(target, IGN)
+    assert torch.equal(count, want_count) and torch.equal(rows, want_rows)
+    assert torch.equal(loss, torch.zeros_like(loss)) and torch.equal(lse, torch.zeros_like(lse))
+
+
 def test_long_inputs_use_the_torch_compaction(device, monkeypatch):
-    # Past COMPACT_KERNEL_MAX_N positions the one-program kernel would be slow: torch's scan is used,
-    # with the same results.
+    # Past COMPACT_KERNEL_MAX_N positions the kernel (each program reads every target) would be slow: torch's
+    # scan is used, with the same results.
     monkeypatch.setattr(kmod, "COMPACT_KERNEL_MAX_N", 16)
     assert kmod.compact(torch.zeros(37, dtype=torch.long, device=device), IGN) is None
     hidden, weight, target, b = _inputs((37,), 32, 517, torch.float32, device, frac=0.3, bias=True)
