@@ -76,6 +76,9 @@ is multiplied by a stride):
    h_c is the (M, H) gather of the valid rows (``hidden`` itself when every row is valid). On the TMA
    path every chunk is padded to a multiple of 8 columns (dz 0 there, dW a view of a padded buffer):
    cuBLAS fell back to a ~3x slower sm_80 kernel for BERT's 4922-column last chunk (H100, 2026-11-26).
+   The dh GEMM stops at the chunk's last multiple of 8 columns; the rest (< 8 columns) is added by the
+   dhidden scatter kernel, which reads the fp32 accumulator anyway (a second cuBLAS GEMM there read and
+   wrote all of it: 10 us at BERT-base), or, where every row is valid, by that second GEMM.
    (Measured and dropped: the logits from a cuBLAS GEMM in the input dtype plus an in-place elementwise
    kernel, ~8% less GPU time on an H200 (run6), but the rounded logits no longer match the forward's
    fp32 lse exactly: at V = 1 the exact-zero gradient came out ~1e-7..1e-4 where eager gives 0.)
@@ -1156,8 +1159,8 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     use_tma = tma_applies(hidden, weight)
     # With TMA the chunks' widths are padded to multiples of 8 columns (dz is 0 there): cuBLAS picks a
     # ~3x slower sm_80 kernel for a GEMM with an odd output or reduction width (BERT's last chunk, 4922
-    # of V = 30522), so dweight is a view of a buffer with up to 7 more rows, and the dhidden GEMM takes
-    # the chunk's odd tail (< 8 columns) as a second, tiny GEMM.
+    # of V = 30522), so dweight is a view of a buffer with up to 7 more rows, and the chunk's odd tail (< 8
+    # columns) is added to dhidden by the scatter kernel (or, where every row is valid, a second tiny GEMM).
     pad = 8 if use_tma else 1
     dw_buf = empty(_tuning.cdiv(v, pad) * pad, h, dtype=weight.dtype, device=dev) if compute_dweight else None
     dweight = dw_buf[:v] if compute_dweight else None
