@@ -211,14 +211,17 @@ _BWD_CONFIGS, _BWD_FP32 = _configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), 
 
 
 @triton.jit
-def _tile_stats(acc, tgt, offs_n, mask_n, SMOOTH: tl.constexpr):
+def _tile_stats(acc, tgt, offs_n, mask_n, SMOOTH: tl.constexpr, ZT: tl.constexpr):
     """Per-row statistics of one fp32 logit tile (columns ``offs_n``, valid where ``mask_n``): max of the
-    log2-scaled logits, sum of exp2 relative to it, the target's logit (0 if not in the tile) and, with
-    SMOOTH, the sum of the logits."""
+    log2-scaled logits, sum of exp2 relative to it, with ZT the target's logit (0 if not in the tile; else
+    the combine kernel computes it) and, with SMOOTH, the sum of the logits."""
     z2 = tl.where(mask_n[None, :], acc * 1.4426950408889634, float("-inf"))
     m = tl.max(z2, axis=1)
     s = tl.sum(tl.exp2(z2 - m[:, None]), axis=1)
-    zt = tl.sum(tl.where(offs_n[None, :] == tgt[:, None], acc, 0.0), axis=1)
+    if ZT:
+        zt = tl.sum(tl.where(offs_n[None, :] == tgt[:, None], acc, 0.0), axis=1)
+    else:
+        zt = s  # (not stored)
     zsum = zt
     if SMOOTH:
         zsum = tl.sum(tl.where(mask_n[None, :], acc, 0.0), axis=1)
@@ -296,16 +299,17 @@ def _masked_lm_loss_fwd_kernel(
             if SMOOTH:
                 zsum_i += tl.sum(tl.where(mask_n[None, :], acc, 0.0), axis=1)
         _store_partials(part_m_ptr, part_s_ptr, part_zt_ptr, part_zsum_ptr, pid_s.to(tl.int64) * N + offs_m,
-                        mask_m, m_i, s_i, zt_i, zsum_i, SMOOTH)
+                        mask_m, m_i, s_i, zt_i, zsum_i, SMOOTH, True)
 
 
 @triton.jit
 def _store_partials(part_m_ptr, part_s_ptr, part_zt_ptr, part_zsum_ptr, out, mask, m, s, zt, zsum,
-                    SMOOTH: tl.constexpr):
+                    SMOOTH: tl.constexpr, ZT: tl.constexpr):
     """One slice's (or tile's) row statistics into the (SPLIT, N) partials the combine kernel merges."""
     tl.store(part_m_ptr + out, m, mask=mask)
     tl.store(part_s_ptr + out, s, mask=mask)
-    tl.store(part_zt_ptr + out, zt, mask=mask)
+    if ZT:
+        tl.store(part_zt_ptr + out, zt, mask=mask)
     if SMOOTH:
         tl.store(part_zsum_ptr + out, zsum, mask=mask)
 
@@ -316,10 +320,16 @@ def _masked_lm_loss_combine_kernel(
     part_m_ptr, part_s_ptr, part_zt_ptr, part_zsum_ptr,  # (SPLIT, N) fp32 partials of the forward kernel
     loss_ptr,       # (N,) fp32 out, by position (pre-zeroed: ignored positions stay 0)
     lse_ptr,        # (N,) fp32 out, by position (pre-zeroed)
-    N, V, SPLIT,
+    h_ptr, w_ptr, b_ptr,  # ZT_DOT: hidden (by position), weight and bias, for the target logits
+    N, V, H, SPLIT,
     smooth_eps,     # label smoothing eps
-    SMOOTH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+    stride_hn, stride_hh, stride_wv, stride_wh, stride_b,
+    SMOOTH: tl.constexpr, ZT_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    """Merges the forward's per-tile partials of each valid row into its loss and lse. With ZT_DOT the
+    target's logit is not in the partials (the TMA forward's tiles skip it): it is the row's dot product with
+    the target's weight row (plus its bias), in fp32 from the inputs' values."""
     pid = tl.program_id(0)
     count = tl.load(count_ptr)
     start = pid * BLOCK
@@ -345,9 +355,21 @@ def _masked_lm_loss_combine_kernel(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (rows past the count: all -inf)
             total = total * tl.exp2(m - m_safe) + tl.sum(ss * tl.exp2(ms - m_safe[None, :]), 0)
             m = m_new
-            zt += tl.sum(tl.load(part_zt_ptr + off2, mask=m2, other=0.0), 0)
+            if not ZT_DOT:
+                zt += tl.sum(tl.load(part_zt_ptr + off2, mask=m2, other=0.0), 0)
             if SMOOTH:
                 zsum += tl.sum(tl.load(part_zsum_ptr + off2, mask=m2, other=0.0), 0)
+        if ZT_DOT:
+            t_in = mask & (tgt >= 0) & (tgt < V)
+            t_row = tl.where(t_in, tgt, 0)
+            for h0 in range(0, H, BLOCK_H):
+                offs_h = h0 + tl.arange(0, BLOCK_H)
+                hm = t_in[:, None] & (offs_h < H)[None, :]
+                hv = tl.load(h_ptr + rows[:, None] * stride_hn + offs_h[None, :] * stride_hh, mask=hm, other=0.0)
+                wv = tl.load(w_ptr + t_row[:, None] * stride_wv + offs_h[None, :] * stride_wh, mask=hm, other=0.0)
+                zt += tl.sum(hv.to(tl.float32) * wv.to(tl.float32), 1)
+            if HAS_BIAS:
+                zt += tl.load(b_ptr + t_row * stride_b, mask=t_in, other=0.0).to(tl.float32)
         lse = (m + tl.log2(tl.where(mask, total, 1.0))) * 0.6931471805599453
         loss = lse - (1.0 - smooth_eps) * zt
         if SMOOTH:
@@ -553,7 +575,7 @@ def _logits_tma_kernel(
                     # only a device count above n_rows poisons
     lda, stride_wv, ldo, stride_b, stride_g, smooth_eps,
     NUM_PROGRAMS: tl.constexpr, DZ: tl.constexpr, HAS_BIAS: tl.constexpr, SMOOTH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ZT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Persistent logit tiles z = h_c W[v_off:v_off + VC]^T through Hopper tensor descriptors (TMA), with
     one of two epilogues: DZ writes dz (the sized backward's dlogits), else the tile's row statistics
@@ -596,8 +618,11 @@ def _logits_tma_kernel(
         mask_n = (offs_c < VC) & (offs_n < V)  # (the sized backward may pad the last chunk past V)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-        tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)
+        if DZ or ZT:
+            rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+            tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)
+        else:
+            tgt = offs_m  # (unused)
         if DZ:
             lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * 1.4426950408889634
             g = tl.load(gloss_ptr + rows * stride_g, mask=mask_m, other=0.0)
@@ -607,9 +632,9 @@ def _logits_tma_kernel(
                 d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
             out_desc.store([off_m, off_c], d.to(out_ptr.dtype.element_ty))
         else:
-            m, s, zt, zsum = _tile_stats(acc, tgt, offs_n, mask_n, SMOOTH)
+            m, s, zt, zsum = _tile_stats(acc, tgt, offs_n, mask_n, SMOOTH, ZT)
             _store_partials(part_m_ptr, part_s_ptr, part_zt_ptr, part_zsum_ptr, pid_n.to(tl.int64) * N + offs_m,
-                            mask_m, m, s, zt, zsum, SMOOTH)
+                            mask_m, m, s, zt, zsum, SMOOTH, ZT)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -842,7 +867,7 @@ def scatter_rows(acc: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, tar
 
 
 def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n, n_rows,
-                label_smoothing, cfg, dz, capacity: bool = False):
+                label_smoothing, cfg, dz, capacity: bool = False, zt: bool = True):
     """``launch(out, v_off, vc)``: runs ``_logits_tma_kernel`` over ``hc`` (R, H) x weight[v_off:v_off + vc],
     dz into ``out`` (dz) or the statistics into ``partials`` (m, s, zt, zsum). What does not change
     between the chunks of a backward is worked out once, here (host time is what limits those loops)."""
@@ -860,7 +885,7 @@ def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials,
            + (n, v, h, hc.shape[0]))
     strides = (hc.stride(0), weight.stride(0))
     tail = (bias.stride(0) if bias is not None else 0, grad_loss.stride(0) if dz else 0, float(label_smoothing))
-    flags = dict(DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0,
+    flags = dict(DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0, ZT=zt or dz,
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
     def launch(out, v_off: int, vc: int) -> None:
@@ -900,11 +925,14 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
         return parts if smooth else parts + [parts[2]]
 
     split = _tuning.cdiv(v, _tma_cfg(TMA_FWD_CONFIG)[1])  # one partial per vocabulary tile
+    zt_dot = False
     if (tma_applies(hidden, weight)
             and split * n * 4 * n_parts + n * h * hidden.element_size() <= TMA_FWD_BUDGET_BYTES):
+        zt_dot = FWD_TARGET_DOT
         part_m, part_s, part_zt, part_zsum = parts = partials(split)
         _logits_tma(gather_rows(hidden, rows, count), weight, bias, target, rows, count, lse, lse, parts,
-                    n=n, n_rows=-1, label_smoothing=label_smoothing, cfg=TMA_FWD_CONFIG, dz=False)(None, 0, v)
+                    n=n, n_rows=-1, label_smoothing=label_smoothing, cfg=TMA_FWD_CONFIG, dz=False,
+                    zt=not zt_dot)(None, 0, v)
     else:
         # About 32 vocabulary slices of >= 1024 columns (multiples of 256): enough programs (and small
         # ones, so the last wave is short) when few rows are valid, and few partials to merge.
@@ -923,11 +951,20 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
     block, block_s = COMBINE_BLOCKS  # small row blocks: 2446 valid rows are 77 programs of 32 rows
     _launch.fast(_masked_lm_loss_combine_kernel)[(_tuning.cdiv(n, block),)](
         target, rows, count, part_m, part_s, part_zt, part_zsum, loss, lse,
-        n, v, split, float(label_smoothing), SMOOTH=smooth, BLOCK=block, BLOCK_S=block_s,
-        num_warps=COMBINE_WARPS)
+        hidden, weight, bias if bias is not None else weight,
+        n, v, h, split, float(label_smoothing),
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        SMOOTH=smooth, ZT_DOT=zt_dot, HAS_BIAS=bias is not None, BLOCK=block, BLOCK_S=block_s,
+        BLOCK_H=32 if _INTERPRET else 128, num_warps=COMBINE_WARPS)
     return loss, lse
 
 
+# The TMA forward's tiles leave the target's logit out of their epilogue (a compare, a select and a sum over
+# every logit) and the combine kernel computes it as a dot product. H100 run163 (kernel time of a public
+# forward+backward, alternating, two rounds): BERT-base 873 -> 841 us, BERT-large 1033 -> 1008, GPT-2 4687 ->
+# 4563 (the combine kernel 2-4 us longer); the gradients bitwise the same. PYKERNELS_MLM_TARGET_DOT=0: off.
+FWD_TARGET_DOT = os.environ.get("PYKERNELS_MLM_TARGET_DOT", "1") not in ("", "0")
 # The combine kernel's (rows, partials) tile and warps: H100 run159 (device time a launch, six tiles) 8.6 us at
 # BERT-base (2446 rows x 239 partials), 25.4 at GPT-2 (8192 x 393); 32 x 64 on 4 warps 10.5 / 27.5 us, and the
 # one-slice-a-step loop before it 33 / 66 us (run156).
