@@ -223,6 +223,22 @@ def test_fp16_logit_tiles_through_tma_and_pointers(device, monkeypatch, use_tma)
     assert calls == ([False, True] if use_tma and applies else [])
 
 
+@pytest.mark.parametrize("target_dot", [True, False], ids=["dot-in-combine", "in-tiles"])
+@pytest.mark.parametrize("smoothing,bias", [(0.0, True), (0.1, False)])
+def test_target_logit_from_the_combine_kernel_or_the_tiles(device, monkeypatch, target_dot, smoothing, bias):
+    # The TMA forward's tiles leave the target logit to the combine kernel (a dot product with the target's
+    # weight row, plus its bias); PYKERNELS_MLM_TARGET_DOT=0 picks it out of the tiles. Both against the
+    # reference, with an out-of-range target (NaN loss at its row, never a read out of bounds).
+    monkeypatch.setattr(kmod, "FWD_TARGET_DOT", target_dot)
+    hidden, weight, target, b = _inputs((37,), 32, 517, torch.float16, device, frac=0.4, bias=bias)
+    _check(hidden, weight, target, b, reduction="none", label_smoothing=smoothing)
+    bad = target.clone()
+    row = int((bad != IGN).nonzero()[0])
+    bad[row] = 517
+    loss = masked_lm_loss(hidden, weight, bad, bias=b, reduction="none", backend="triton")
+    assert torch.isnan(loss[row]) and torch.isfinite(loss[torch.arange(37, device=device) != row]).all()
+
+
 @pytest.mark.parametrize("ignore_index", [None, IGN], ids=["zero-fill", "one-launch"])
 def test_sized_backward_poisons_a_wrong_host_count(device, ignore_index):
     # The grid of the sized backward is sized by the host count; a count that is not the device's must
