@@ -922,16 +922,20 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
     smooth = label_smoothing > 0.0
     n_parts = 4 if smooth else 3
 
-    def partials(split):
-        parts = [empty(split, n, dtype=torch.float32, device=dev) for _ in range(n_parts)]
-        return parts if smooth else parts + [parts[2]]
+    def partials(split, zt=True):
+        """(m, s, zt, zsum) partials; zt a placeholder when the combine kernel computes the target logit,
+        zsum when there is no smoothing (neither written nor read then)."""
+        part = lambda: empty(split, n, dtype=torch.float32, device=dev)  # noqa: E731
+        m_s = [part(), part()]
+        zt_buf = part() if zt else m_s[0]
+        return m_s + [zt_buf, part() if smooth else zt_buf]
 
     split = _tuning.cdiv(v, _tma_cfg(TMA_FWD_CONFIG)[1])  # one partial per vocabulary tile
     zt_dot = False
     if (tma_applies(hidden, weight)
             and split * n * 4 * n_parts + n * h * hidden.element_size() <= TMA_FWD_BUDGET_BYTES):
         zt_dot = FWD_TARGET_DOT
-        part_m, part_s, part_zt, part_zsum = parts = partials(split)
+        part_m, part_s, part_zt, part_zsum = parts = partials(split, zt=not zt_dot)
         _logits_tma(gather_rows(hidden, rows, count), weight, bias, target, rows, count, lse, lse, parts,
                     n=n, n_rows=-1, label_smoothing=label_smoothing, cfg=TMA_FWD_CONFIG, dz=False,
                     zt=not zt_dot)(None, 0, v)
