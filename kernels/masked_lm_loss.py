@@ -868,11 +868,23 @@ def scatter_rows(acc: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, tar
         ZERO_IGNORED=ignore_index is not None, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
 
 
+def _sm90(hidden: torch.Tensor, dz: bool) -> bool:
+    """Whether the logit tiles run the warp-specialised Gluon kernel (``masked_lm_loss_sm90``) rather than
+    ``_logits_tma_kernel``: an sm_90 card and that epilogue's switch on (``PYKERNELS_MLM_SM90``)."""
+    if not (SM90_DZ if dz else SM90_FWD) or _INTERPRET or not hidden.is_cuda:
+        return False
+    return _tuning.device_properties(hidden.device).major == 9
+
+
 def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n, n_rows,
                 label_smoothing, cfg, dz, capacity: bool = False, zt: bool = True):
     """``launch(out, v_off, vc)``: runs ``_logits_tma_kernel`` over ``hc`` (R, H) x weight[v_off:v_off + vc],
     dz into ``out`` (dz) or the statistics into ``partials`` (m, s, zt, zsum). What does not change
     between the chunks of a backward is worked out once, here (host time is what limits those loops)."""
+    if (dz or not zt) and _sm90(hc, dz):
+        from . import masked_lm_loss_sm90
+        return masked_lm_loss_sm90.logits(hc, weight, bias, target, rows, count, lse, grad_loss, partials, n=n,
+                                          n_rows=n_rows, label_smoothing=label_smoothing, dz=dz, capacity=capacity)
     bm, bn, bk, warps, stages = _tma_cfg(cfg)
     v, h = weight.shape
     cap = int(capacity)
@@ -930,11 +942,16 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
         zt_buf = part() if zt else m_s[0]
         return m_s + [zt_buf, part() if smooth else zt_buf]
 
-    split = _tuning.cdiv(v, _tma_cfg(TMA_FWD_CONFIG)[1])  # one partial per vocabulary tile
+    sm90 = bias is not None and _sm90(hidden, False)  # (without a bias the Triton tiles are as fast: run166)
+    if sm90:
+        from . import masked_lm_loss_sm90
+        split = _tuning.cdiv(v, masked_lm_loss_sm90.FWD_CONFIG[1])
+    else:
+        split = _tuning.cdiv(v, _tma_cfg(TMA_FWD_CONFIG)[1])  # one partial per vocabulary tile
     zt_dot = False
     if (tma_applies(hidden, weight)
             and split * n * 4 * n_parts + n * h * hidden.element_size() <= TMA_FWD_BUDGET_BYTES):
-        zt_dot = FWD_TARGET_DOT
+        zt_dot = FWD_TARGET_DOT or sm90  # (the Gluon kernel's tiles leave the target logit to the combine)
         part_m, part_s, part_zt, part_zsum = parts = partials(split, zt=not zt_dot)
         _logits_tma(gather_rows(hidden, rows, count), weight, bias, target, rows, count, lse, lse, parts,
                     n=n, n_rows=-1, label_smoothing=label_smoothing, cfg=TMA_FWD_CONFIG, dz=False,
@@ -971,6 +988,16 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
 # forward+backward, alternating, two rounds): BERT-base 873 -> 841 us, BERT-large 1033 -> 1008, GPT-2 4687 ->
 # 4563 (the combine kernel 2-4 us longer); the gradients bitwise the same. PYKERNELS_MLM_TARGET_DOT=0: off.
 FWD_TARGET_DOT = os.environ.get("PYKERNELS_MLM_TARGET_DOT", "1") not in ("", "0")
+# The warp-specialised Gluon kernel for the logit tiles on sm_90 (``masked_lm_loss_sm90``): its softmax
+# epilogues run while the other consumer warpgroup's GEMMs do. H100 run166 (device time a launch,
+# benchmarks/dev/mlm_logits_sm90.py; outputs bitwise the Triton kernel's): the sized backward's dz 1.21x at
+# BERT-base (a 7680-column chunk 68 -> 56 us), 1.16-1.19x BERT-large, 1.23-1.27x GPT-2, 1.32-1.42x with a bias;
+# the forward 1.25x with a bias (BERT-base 232 -> 185 us) and 0.96-1.01x without one, so the forward takes
+# it only with a bias. A public forward+backward's kernel time at BERT-base 837-847 -> 818 us, GPT-2 4505-4551
+# -> 4295. PYKERNELS_MLM_SM90=0 keeps the Triton kernel for both; "fwd" or "dz" takes it for that one only.
+_SM90_ENV = os.environ.get("PYKERNELS_MLM_SM90", "1").strip().lower()
+SM90_FWD = _SM90_ENV in ("1", "fwd")
+SM90_DZ = _SM90_ENV in ("1", "dz")
 # The combine kernel's (rows, partials) tile and warps: H100 run159 (device time a launch, six tiles) 8.6 us at
 # BERT-base (2446 rows x 239 partials), 25.4 at GPT-2 (8192 x 393); 32 x 64 on 4 warps 10.5 / 27.5 us, and the
 # one-slice-a-step loop before it 33 / 66 us (run156).

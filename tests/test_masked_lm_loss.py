@@ -737,6 +737,65 @@ def test_gpu_compaction_kernel_at_scale(n, frac):
     assert torch.equal(loss, torch.zeros_like(loss)) and torch.equal(lse, torch.zeros_like(lse))
 
 
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon logits kernel is sm_90's (Hopper)")
+@pytest.mark.parametrize("n,h,v,frac,bias,ls", [
+    (300, 64, 517, 0.5, True, 0.1),       # one row block, the last chunk's columns past V
+    (2000, 768, 30522, 0.15, False, 0.0),  # BERT-like rows (3 row blocks, the last partial)
+    (513, 128, 1000, 1.0, True, 0.0),      # every row valid, 5 row blocks
+])
+def test_gpu_sm90_logits_kernel_equals_the_triton_kernel(n, h, v, frac, bias, ls, monkeypatch):
+    # kernels/masked_lm_loss_sm90.py takes _logits_tma_kernel's place on sm_90 (the backward's dz always, the
+    # forward with a bias): the same partials and dz, chunk by chunk, with the host count, with a bound above
+    # the count (rows past it 0) and with a wrong host count (NaN in every used column)
+    from pykernels._kernels import masked_lm_loss_sm90 as sm90
+    hidden, weight, target, b = _inputs((n,), h, v, torch.bfloat16, "cuda", frac=frac, bias=bias)
+    rows, count, _, _ = kmod.compact(target, IGN)
+    m = int(count.item())
+    hc = kmod.gather_rows(hidden, rows, count)
+    monkeypatch.setattr(kmod, "SM90_FWD", False)
+    monkeypatch.setattr(kmod, "SM90_DZ", False)
+    assert kmod._sm90(hidden, True) is False
+    # forward: per-tile max and sum-exp (and the row sum with smoothing), 128 columns a tile in both kernels
+    split = -(-v // sm90.FWD_CONFIG[1])
+    assert split == -(-v // kmod.TMA_FWD_CONFIG[1])
+    lse = torch.zeros(n, device="cuda")
+    got, want = ([torch.full((split, n), float("nan"), device="cuda") for _ in range(4)] for _ in range(2))
+    sm90.logits(hc, weight, b, target, rows, count, lse, lse, got, n=n, n_rows=-1, label_smoothing=ls,
+                dz=False)(None, 0, v)
+    kmod._logits_tma(hc, weight, b, target, rows, count, lse, lse, want, n=n, n_rows=-1, label_smoothing=ls,
+                     cfg=kmod.TMA_FWD_CONFIG, dz=False, zt=False)(None, 0, v)
+    for i in ((0, 1, 3) if ls > 0 else (0, 1)):
+        assert torch.isfinite(got[i][:, :m]).all()
+        torch.testing.assert_close(got[i][:, :m], want[i][:, :m], rtol=1e-5, atol=1e-5)
+    # dz in two chunks (the second padded to 8 columns, past V at V = 517)
+    _, lse = kmod.masked_lm_loss_fwd(hidden, weight, target, b, rows, count, label_smoothing=ls)
+    g = torch.rand(n, device="cuda") + 0.5
+    first = 256 if v < 2000 else 7680
+    for n_rows, capacity in ((m, False), (m + 37, True), (max(m - 1, 1), False)):
+        for v_off, vc in ((0, first), (first, -(-(v - first) // 8) * 8)):
+            outs = []
+            for launch in (sm90.logits(hc, weight, b, target, rows, count, lse, g, None, n=n, n_rows=n_rows,
+                                       label_smoothing=ls, dz=True, capacity=capacity),
+                           kmod._logits_tma(hc, weight, b, target, rows, count, lse, g, None, n=n, n_rows=n_rows,
+                                            label_smoothing=ls, cfg=kmod.TMA_DZ_CONFIG, dz=True,
+                                            capacity=capacity)):
+                d = torch.full((n_rows, vc), float("nan"), device="cuda", dtype=torch.bfloat16)
+                launch(d, v_off, vc)
+                outs.append(d[:, :min(vc, v - v_off)].float())
+            got_d, want_d = outs
+            if n_rows != m and not capacity:
+                assert torch.isnan(got_d).all() and torch.isnan(want_d).all()
+                continue
+            assert torch.isfinite(got_d).all()
+            torch.testing.assert_close(got_d, want_d, rtol=0.01, atol=1e-6)
+            assert (got_d[m:] == 0).all()  # rows past the device count (the bound's extra rows)
+
+
 def test_long_inputs_use_the_torch_compaction(device, monkeypatch):
     # Past COMPACT_KERNEL_MAX_N positions the kernel (each program reads every target) would be slow: torch's
     # scan is used, with the same results.

@@ -1,0 +1,276 @@
+"""The masked-LM loss's logit tiles as a warp-specialised Gluon kernel for sm_90 (Hopper).
+
+Same job as ``masked_lm_loss._logits_tma_kernel`` (z = h_c W[v_off:v_off + VC]^T over the compacted rows, one
+of two epilogues: the forward's per-tile row statistics, or the sized backward's dz), in the structure of
+CUTLASS's "ping-pong" GEMMs, so that the softmax epilogue of one tile runs while the tensor cores work on the
+next (Triton 3.6 does not warp-specialise on sm_90; the Triton kernel's epilogue and mainloop take turns on
+the same warps). A persistent CTA (one per SM) walks the (row block, vocabulary tile) grid, row blocks
+fastest, as the Triton kernel does, with three partitions:
+
+* a 1-warp **loader** (24 registers) streams the H / BLOCK_K k-steps of each tile's hidden rows and weight
+  rows by TMA into a STAGES-deep ring (one ``ready`` and one ``empty`` mbarrier per stage);
+* two **consumer warpgroups** (240 registers each) take the CTA's tiles in turn (even / odd). A warpgroup
+  runs its tile's mainloop (async wgmma, one group in flight, each stage released as soon as the wgmma
+  reading it completed), passes the mainloop turn to the other warpgroup (``turn`` mbarriers, which also keep
+  the two warpgroups' ring waits in order) and runs its epilogue while the other's GEMMs run:
+  - forward: bias, then the tile's row max of the log2-scaled logits and sum of exp2 (and with label
+    smoothing the row sum), stored as the (n_vtiles, N) partials ``_masked_lm_loss_combine_kernel`` merges
+    (which computes the target logit itself, ``ZT_DOT``);
+  - dz: g (softmax - (1 - eps) onehot - eps / V) from the saved lse, 0 at rows past the device count and
+    columns past the chunk, NaN everywhere when the device count contradicts the host's; written as bf16/fp16
+    into the warpgroup's own shared tile and stored by TMA (clipped to (n_rows, VC)) while the next tile's
+    mainloop runs.
+
+The arithmetic is the Triton kernel's, expression for expression (``_tile_stats``, ``_dlogits_tile``), so
+the two kernels' outputs agree to the accumulation order of the wgmma instructions. Gluon kernels do not run
+under the interpreter: the CPU tests compile this one for sm_90 (``tests/test_gluon_sm90_compile.py``), the GPU
+tests compare it with the Triton kernel and the reference.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from . import _tuning
+
+LOG2E = gl.constexpr(1.4426950408889634)
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES) per epilogue; BLOCK_M x BLOCK_N is one warpgroup's tile (fp32
+# accumulator: 128 registers a thread at 128 x 128)
+FWD_CONFIG = (128, 128, 64, 4)
+DZ_CONFIG = (128, 128, 64, 4)
+MAX_REGS = 65536 // (12 * 32) // 8 * 8  # 4 + 4 consumer warps and the loader's warpgroup, one CTA per SM
+
+
+@gluon.jit
+def _loader(a_desc, w_desc, a_smem, w_smem, ready_bar, empty_bar, n_rows, VC, H, v_off,
+            NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+            STAGES: gl.constexpr):
+    m_tiles = gl.cdiv(n_rows, BLOCK_M)
+    n_tiles = m_tiles * gl.cdiv(VC, BLOCK_N)
+    ksteps = gl.cdiv(H, BLOCK_K)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    idx = 0
+    for tile in range(gl.program_id(0), n_tiles, NUM_PROGRAMS):
+        off_m = (tile % m_tiles) * BLOCK_M
+        off_n = v_off + (tile // m_tiles) * BLOCK_N
+        for k in range(ksteps):
+            slot = idx % STAGES
+            mbarrier.wait(empty_bar.index(slot), ((idx // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready_bar.index(slot), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, k * BLOCK_K], ready_bar.index(slot), a_smem.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [off_n, k * BLOCK_K], ready_bar.index(slot), w_smem.index(slot))
+            idx += 1
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar,
+              b_ptr, tgt_ptr, rows_ptr, lse_ptr, gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr,
+              N, V, H, v_off, VC, n_rows, count, mismatch, stride_b, stride_g, smooth_eps,
+              NUM_PROGRAMS: gl.constexpr, DZ: gl.constexpr, HAS_BIAS: gl.constexpr, SMOOTH: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Tiles WG, WG + 2, ... of this CTA (local order): mainloop on the turn, epilogue after passing it."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    m_tiles = gl.cdiv(n_rows, BLOCK_M)
+    n_tiles = m_tiles * gl.cdiv(VC, BLOCK_N)
+    ksteps = gl.cdiv(H, BLOCK_K)
+    pid = gl.program_id(0)
+    my_tiles = gl.cdiv(n_tiles - pid, NUM_PROGRAMS)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    for t in range(WG, my_tiles, 2):
+        tile = pid + t * NUM_PROGRAMS
+        pid_m = tile % m_tiles
+        pid_n = tile // m_tiles
+        mbarrier.wait(turn_bar.index(WG), (t // 2) & 1)
+        base = t * ksteps
+        acc = zero
+        for k in range(ksteps):
+            idx = base + k
+            slot = idx % STAGES
+            mbarrier.wait(ready_bar.index(slot), (idx // STAGES) & 1)
+            acc = warpgroup_mma(a_smem.index(slot), w_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            # the previous k-step's wgmma has completed: its stage goes back to the loader
+            mbarrier.arrive(empty_bar.index((idx + STAGES - 1) % STAGES), count=1, pred=k > 0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty_bar.index((base + ksteps - 1) % STAGES), count=1)
+        mbarrier.arrive(turn_bar.index(1 - WG), count=1)  # the other warpgroup's mainloop may start
+
+        off_m = pid_m * BLOCK_M
+        off_c = pid_n * BLOCK_N
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_l)
+        mask_m = offs_m < n_rows
+        offs_c = off_c + gl.arange(0, BLOCK_N, layout=col_l)
+        offs_n = v_off + offs_c
+        mask_n = (offs_c < VC) & (offs_n < V)  # (the sized backward may pad the last chunk past V)
+        if DZ:
+            rows = gl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(gl.int64)
+            tgt = gl.load(tgt_ptr + rows, mask=mask_m, other=-1)
+            lse2 = gl.load(lse_ptr + rows, mask=mask_m, other=0.0) * LOG2E
+            g = gl.load(gloss_ptr + rows * stride_g, mask=mask_m, other=0.0)
+            # a device count that contradicts the host's: NaN in every row (a branch to a NaN tile would keep
+            # a second tile live: 660 bytes of spills)
+            g = gl.where(mismatch != 0, float("nan"), g)
+            row_ok = (offs_m < count) | (mismatch != 0)
+            if HAS_BIAS:
+                bias = gl.load(b_ptr + offs_n.to(gl.int64) * stride_b, mask=mask_n, other=0.0).to(gl.float32)
+                acc = acc + gl.expand_dims(bias, 0)
+            p = gl.exp2(acc * LOG2E - gl.expand_dims(lse2, 1))
+            # the target's column within the tile (-1 outside it), compared in int32: an int64 compare
+            # widens every column index of the tile
+            t0 = v_off + off_c
+            tcol = gl.where((tgt >= t0) & (tgt < t0 + BLOCK_N), tgt - t0, -1).to(gl.int32)
+            cols = gl.arange(0, BLOCK_N, layout=col_l)
+            d = p - gl.where(gl.expand_dims(cols, 0) == gl.expand_dims(tcol, 1), 1.0 - smooth_eps, 0.0) \
+                - smooth_eps / V
+            d = d * gl.expand_dims(g, 1)
+            d = gl.where(gl.expand_dims(mask_n, 0) & gl.expand_dims(row_ok, 1), d, 0.0)
+            buf = o_smem.index(WG)
+            tma.store_wait(pendings=0)  # this warpgroup's previous tile has left its buffer
+            buf.store(d.to(o_smem.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [off_m, off_c], buf)
+        else:
+            if HAS_BIAS:
+                bias = gl.load(b_ptr + offs_n.to(gl.int64) * stride_b, mask=mask_n, other=0.0).to(gl.float32)
+                acc = acc + gl.expand_dims(bias, 0)
+            z2 = gl.where(gl.expand_dims(mask_n, 0), acc * LOG2E, float("-inf"))
+            m = gl.max(z2, axis=1)
+            s = gl.sum(gl.exp2(z2 - gl.expand_dims(m, 1)), axis=1)
+            out = pid_n.to(gl.int64) * N + offs_m
+            gl.store(part_m_ptr + out, m, mask=mask_m)
+            gl.store(part_s_ptr + out, s, mask=mask_m)
+            if SMOOTH:
+                zsum = gl.sum(gl.where(gl.expand_dims(mask_n, 0), acc, 0.0), axis=1)
+                gl.store(part_zsum_ptr + out, zsum, mask=mask_m)
+    if DZ:
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _consumer0(a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
+               gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
+               stride_b, stride_g, smooth_eps, NUM_PROGRAMS: gl.constexpr, DZ: gl.constexpr, HAS_BIAS: gl.constexpr,
+               SMOOTH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+               STAGES: gl.constexpr):
+    _consumer(0, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
+              gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
+              stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+
+
+@gluon.jit
+def _consumer1(a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
+               gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
+               stride_b, stride_g, smooth_eps, NUM_PROGRAMS: gl.constexpr, DZ: gl.constexpr, HAS_BIAS: gl.constexpr,
+               SMOOTH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+               STAGES: gl.constexpr):
+    _consumer(1, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
+              gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
+              stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+
+
+@gluon.jit
+def _logits_sm90_kernel(
+    a_ptr,          # (R, H) compacted hidden rows, row stride lda (16-byte multiple), columns contiguous
+    w_ptr,          # (V, H) weight, row stride stride_wv (16-byte multiple), columns contiguous
+    out_ptr,        # DZ: (M, VC) dlogits of the chunk, row stride ldo (16-byte multiple); else unused
+    b_ptr, tgt_ptr, rows_ptr, count_ptr,
+    lse_ptr, gloss_ptr,                     # DZ: saved lse and upstream grad, by position
+    part_m_ptr, part_s_ptr, part_zsum_ptr,  # not DZ: (n_vtiles, N) per-tile partials
+    N, V, H, R, v_off, VC,
+    n_rows,         # rows to cover (-1: the device count)
+    capacity,       # 1: n_rows is an upper bound (max_valid): only a device count above it poisons
+    lda, stride_wv, ldo, stride_b, stride_g, smooth_eps,
+    NUM_PROGRAMS: gl.constexpr, DZ: gl.constexpr, HAS_BIAS: gl.constexpr, SMOOTH: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    a_layout: gl.constexpr, w_layout: gl.constexpr, o_layout: gl.constexpr, num_warps: gl.constexpr,
+):
+    """The arguments of ``_logits_tma_kernel`` (less the target-logit partials); num_warps = 4 (the default
+    partition is one consumer warpgroup)."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    count = gl.load(count_ptr)
+    # the forward covers the device count (n_rows = -1); the sized backward its host count (or bound), and if
+    # the device contradicts it every dz is NaN (as in the Triton kernels)
+    bad = gl.where(capacity != 0, count > n_rows, count != n_rows)
+    mismatch = gl.where(n_rows < 0, 0, bad.to(gl.int32))
+    n_rows = gl.where(n_rows < 0, count, n_rows)
+    a_desc = tma.make_tensor_descriptor(a_ptr, [R, H], [lda, 1], [BLOCK_M, BLOCK_K], a_layout)
+    w_desc = tma.make_tensor_descriptor(w_ptr, [V, H], [stride_wv, 1], [BLOCK_N, BLOCK_K], w_layout)
+    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    w_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_layout)
+    if DZ:
+        # rows past n_rows and columns past VC are clipped on store
+        out_desc = tma.make_tensor_descriptor(out_ptr, [n_rows, VC], [ldo, 1], [BLOCK_M, BLOCK_N], o_layout)
+        o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], o_layout)
+    else:
+        out_desc = a_desc  # (unused)
+        o_smem = a_smem
+    ready_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bar.index(i), count=1)
+        mbarrier.init(empty_bar.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn_bar.index(i), count=1)
+    mbarrier.arrive(turn_bar.index(0), count=1)  # warpgroup 0 runs the first mainloop
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer0, (a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
+                      gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
+                      stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N, BLOCK_K,
+                      STAGES)),
+        (_loader, (a_desc, w_desc, a_smem, w_smem, ready_bar, empty_bar, n_rows, VC, H, v_off, NUM_PROGRAMS,
+                   BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+        (_consumer1, (a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
+                      gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
+                      stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N, BLOCK_K,
+                      STAGES)),
+    ], [1, 4], [24, 240])
+
+
+def _gl_dtype(dtype: torch.dtype):
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
+def smem_layouts(cfg: tuple, dtype: torch.dtype) -> tuple:
+    bm, bn, bk, _ = cfg
+    gdt = _gl_dtype(dtype)
+    return (gl.NVMMASharedLayout.get_default_for([bm, bk], gdt), gl.NVMMASharedLayout.get_default_for([bn, bk], gdt),
+            gl.NVMMASharedLayout.get_default_for([bm, bn], gdt))
+
+
+def logits(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n, n_rows, label_smoothing, dz,
+           capacity: bool = False, cfg: tuple | None = None):
+    """``launch(out, v_off, vc)`` as ``masked_lm_loss._logits_tma`` returns it: dz into ``out`` (dz) or the
+    statistics into ``partials`` (m, s, zsum; the combine kernel computes the target logit)."""
+    cfg = cfg or (DZ_CONFIG if dz else FWD_CONFIG)
+    bm, bn, bk, stages = cfg
+    v, h = weight.shape
+    _tuning.ensure_allocator()
+    parts = (partials[0], partials[1], partials[3]) if partials is not None else (lse,) * 3
+    row_tiles = _tuning.cdiv(hc.shape[0] if n_rows < 0 else n_rows, bm)
+    sms = _tuning.device_properties(hc.device).multi_processor_count
+    al, wl, ol = smem_layouts(cfg, hc.dtype)
+    head = (hc, weight)
+    mid = ((bias if bias is not None else weight, target, rows, count, lse, grad_loss) + parts
+           + (n, v, h, hc.shape[0]))
+    strides = (hc.stride(0), weight.stride(0))
+    tail = (bias.stride(0) if bias is not None else 0, grad_loss.stride(0) if dz else 0, float(label_smoothing))
+    flags = dict(DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0, BLOCK_M=bm, BLOCK_N=bn,
+                 BLOCK_K=bk, STAGES=stages, a_layout=al, w_layout=wl, o_layout=ol, num_warps=4, maxnreg=MAX_REGS)
+    cap = int(capacity)
+
+    def launch(out, v_off: int, vc: int) -> None:
+        if out is None:
+            out = hc  # placeholder, never read
+        programs = max(1, min(sms, row_tiles * _tuning.cdiv(vc, bn)))
+        _logits_sm90_kernel[(programs,)](*head, out, *mid, v_off, vc, n_rows, cap, *strides, out.stride(0), *tail,
+                                         NUM_PROGRAMS=programs, **flags)
+    return launch
