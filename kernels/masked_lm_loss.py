@@ -868,6 +868,13 @@ def scatter_rows(acc: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, tar
         ZERO_IGNORED=ignore_index is not None, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
 
 
+def _sm90_config(dz: bool) -> tuple:
+    """The Gluon kernel's (BLOCK_M, BLOCK_N, BLOCK_K, STAGES) for that epilogue (imported on first use: Gluon
+    kernels are sm_90 code)."""
+    from . import masked_lm_loss_sm90
+    return masked_lm_loss_sm90.DZ_CONFIG if dz else masked_lm_loss_sm90.FWD_CONFIG
+
+
 def _sm90(hidden: torch.Tensor, dz: bool) -> bool:
     """Whether the logit tiles run the warp-specialised Gluon kernel (``masked_lm_loss_sm90``) rather than
     ``_logits_tma_kernel``: an sm_90 card and that epilogue's switch on (``PYKERNELS_MLM_SM90``)."""
@@ -877,11 +884,15 @@ def _sm90(hidden: torch.Tensor, dz: bool) -> bool:
 
 
 def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n, n_rows,
-                label_smoothing, cfg, dz, capacity: bool = False, zt: bool = True):
+                label_smoothing, cfg, dz, capacity: bool = False, zt: bool = True, sm90: bool = False):
     """``launch(out, v_off, vc)``: runs ``_logits_tma_kernel`` over ``hc`` (R, H) x weight[v_off:v_off + vc],
-    dz into ``out`` (dz) or the statistics into ``partials`` (m, s, zt, zsum). What does not change
-    between the chunks of a backward is worked out once, here (host time is what limits those loops)."""
-    if (dz or not zt) and _sm90(hc, dz):
+    dz into ``out`` (dz) or the statistics into ``partials`` (m, s, zt, zsum), or with ``sm90`` the Gluon
+    kernel of ``masked_lm_loss_sm90`` (whose forward tiles leave the target logit to the combine kernel:
+    ``zt`` must be off). What does not change between the chunks of a backward is worked out once, here
+    (host time is what limits those loops)."""
+    if sm90:
+        if zt and not dz:
+            raise ValueError("_logits_tma: the sm_90 kernel's forward tiles do not compute the target logit")
         from . import masked_lm_loss_sm90
         return masked_lm_loss_sm90.logits(hc, weight, bias, target, rows, count, lse, grad_loss, partials, n=n,
                                           n_rows=n_rows, label_smoothing=label_smoothing, dz=dz, capacity=capacity)
@@ -944,8 +955,7 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
 
     sm90 = bias is not None and _sm90(hidden, False)  # (without a bias the Triton tiles are as fast: run166)
     if sm90:
-        from . import masked_lm_loss_sm90
-        split = _tuning.cdiv(v, masked_lm_loss_sm90.FWD_CONFIG[1])
+        split = _tuning.cdiv(v, _sm90_config(False)[1])
     else:
         split = _tuning.cdiv(v, _tma_cfg(TMA_FWD_CONFIG)[1])  # one partial per vocabulary tile
     zt_dot = False
@@ -955,7 +965,7 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
         part_m, part_s, part_zt, part_zsum = parts = partials(split, zt=not zt_dot)
         _logits_tma(gather_rows(hidden, rows, count), weight, bias, target, rows, count, lse, lse, parts,
                     n=n, n_rows=-1, label_smoothing=label_smoothing, cfg=TMA_FWD_CONFIG, dz=False,
-                    zt=not zt_dot)(None, 0, v)
+                    zt=not zt_dot, sm90=sm90)(None, 0, v)
     else:
         # About 32 vocabulary slices of >= 1024 columns (multiples of 256): enough programs (and small
         # ones, so the last wave is short) when few rows are valid, and few partials to merge.
@@ -988,6 +998,9 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
 # forward+backward, alternating, two rounds): BERT-base 873 -> 841 us, BERT-large 1033 -> 1008, GPT-2 4687 ->
 # 4563 (the combine kernel 2-4 us longer); the gradients bitwise the same. PYKERNELS_MLM_TARGET_DOT=0: off.
 FWD_TARGET_DOT = os.environ.get("PYKERNELS_MLM_TARGET_DOT", "1") not in ("", "0")
+# The sized backward's chunk width chosen for whole rounds of the dz kernel's tiles (``_chunk_columns``);
+# PYKERNELS_MLM_WAVE_CHUNKS=0: the evenly split width.
+WAVE_CHUNKS = os.environ.get("PYKERNELS_MLM_WAVE_CHUNKS", "1") not in ("", "0")
 # The warp-specialised Gluon kernel for the logit tiles on sm_90 (``masked_lm_loss_sm90``): its softmax
 # epilogues run while the other consumer warpgroup's GEMMs do. H100 run166 (device time a launch,
 # benchmarks/dev/mlm_logits_sm90.py; outputs bitwise the Triton kernel's): the sized backward's dz 1.21x at
@@ -1025,14 +1038,30 @@ def _no_rows(dhidden, dweight, dbias):
     return dhidden, dweight, dbias
 
 
-def _chunk_columns(n: int, v: int, elem: int, budget: int) -> int:
+def _chunk_columns(n: int, v: int, elem: int, budget: int, waves: tuple[int, int, int] | None = None) -> int:
     """Vocabulary columns per backward chunk: the (n, VC) dlogits buffer stays within ``budget`` bytes
-    (VC a multiple of 256, at least 256), and chunks are evened out so the last is not a sliver."""
+    (VC a multiple of 256, at least 256), and chunks are evened out so the last is not a sliver.
+
+    ``waves`` = (row tiles, tile columns, persistent programs) of the dz kernel: among the widths from the
+    even one up to the budget's (multiples of the tile columns; the same number of chunks), the one whose
+    chunks take the fewest rounds of tiles over the programs (the last round of a chunk's kernel runs on
+    few SMs while the rest wait for the GEMMs after it). BERT-base MLM on an H100 (20 row tiles of 128, 132
+    SMs): 4 chunks of 8448 columns (66 tiles: 10 full rounds each, the last chunk 7) instead of 7680 (60
+    tiles: 9.1 rounds, so 10, and 9), 39 -> 37 rounds for 3.6 MiB more of the budget's memory."""
     vc = max(256, (budget // max(n * elem, 1)) // 256 * 256)
     if vc >= v:
         return v
     chunks = _tuning.cdiv(v, vc)
-    return _tuning.cdiv(_tuning.cdiv(v, chunks), 256) * 256
+    even = _tuning.cdiv(_tuning.cdiv(v, chunks), 256) * 256
+    if waves is None:
+        return even
+    row_tiles, bn, programs = waves
+
+    def rounds(w: int) -> int:
+        widths = [w] * (chunks - 1) + [v - (chunks - 1) * w]
+        return sum(_tuning.cdiv(row_tiles * _tuning.cdiv(c, bn), programs) for c in widths)
+    return min(range(_tuning.cdiv(_tuning.cdiv(v, chunks), bn) * bn, vc + 1, bn), key=lambda w: (rounds(w), w),
+               default=even)
 
 
 def _chunk_plan(v: int, vc: int, m: int, h: int, pad: int, dw_rows: int) -> list[tuple[int, int, bool]]:
@@ -1062,15 +1091,17 @@ def _chunk_plan(v: int, vc: int, m: int, h: int, pad: int, dw_rows: int) -> list
 
 
 def _chunk_layout(m: int, v: int, h: int, elem: int, budget: int, dh_elems: int, dh_elem: int, pad: int,
-                  scratch_rows: int) -> tuple[int, bool, list[tuple[int, int, bool]]]:
+                  scratch_rows: int, waves: tuple[int, int, int] | None = None
+                  ) -> tuple[int, bool, list[tuple[int, int, bool]]]:
     """The sized backward's chunk width, where its dlogits live, and its chunks: (VC, shared, plan). Two layouts: in
     dhidden's memory (shared: chunks of max(budget, dhidden's bytes)), or in a buffer of the budget plus dhidden's
     bytes, dhidden allocated after that buffer is freed. The second costs the budget in peak memory; it is taken
     when the first does not fit or needs more chunks (each chunk is a kernel launch and two or three cuBLAS calls
     of host time, and narrow GEMMs run slower). BERT-base MLM (M 2446, V 30522, H 768, bf16): 4 chunks of 7680
-    columns instead of 6 (7168, 5376, 5120 x 3, 2618), peak 84 -> 92 MiB (run148)."""
-    vc = _chunk_columns(m, v, elem, max(budget, dh_elems * dh_elem))
-    vc_own = _chunk_columns(m, v, elem, budget + dh_elems * dh_elem)
+    columns instead of 6 (7168, 5376, 5120 x 3, 2618), peak 84 -> 92 MiB (run148). ``waves``: see
+    :func:`_chunk_columns`."""
+    vc = _chunk_columns(m, v, elem, max(budget, dh_elems * dh_elem), waves)
+    vc_own = _chunk_columns(m, v, elem, budget + dh_elems * dh_elem, waves)
     plan_own = _chunk_plan(v, vc_own, m, h, pad, scratch_rows)
     if m * _tuning.cdiv(vc, pad) * pad <= dh_elems:
         plan = _chunk_plan(v, vc, m, h, pad, scratch_rows)
@@ -1250,7 +1281,13 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     budget = SIZED_DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
     dw_rows = _tuning.cdiv(v, pad) * pad if compute_dweight else 0
     scratch_rows = dw_rows if use_tma else 0
-    vc, shared, plan = _chunk_layout(m, v, h, elem, budget, dh_elems, hidden.element_size(), pad, scratch_rows)
+    waves = None
+    sm90_dz = use_tma and _sm90(hidden, True)
+    if use_tma and WAVE_CHUNKS:
+        bm_dz, bn_dz = _sm90_config(True)[:2] if sm90_dz else _tma_cfg(TMA_DZ_CONFIG)[:2]
+        waves = (_tuning.cdiv(m, bm_dz), bn_dz, _num_programs(dev))
+    vc, shared, plan = _chunk_layout(m, v, h, elem, budget, dh_elems, hidden.element_size(), pad, scratch_rows,
+                                     waves)
     ld = _tuning.cdiv(vc, pad) * pad  # TMA: row stride padded to 16 bytes
     dhidden = empty(n, h, dtype=hidden.dtype, device=dev) if compute_dhidden and shared else None
     dl = (dhidden.view(-1)[:m * ld] if shared else empty(m * ld, dtype=weight.dtype, device=dev)).view(m, ld)
@@ -1265,7 +1302,8 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     key = _dtype_key(dtype)
     if use_tma:
         dz_launch = _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, None, n=n, n_rows=m,
-                                label_smoothing=label_smoothing, cfg=TMA_DZ_CONFIG, dz=True, capacity=capacity)
+                                label_smoothing=label_smoothing, cfg=TMA_DZ_CONFIG, dz=True, capacity=capacity,
+                                sm90=sm90_dz)
     flat_dw = dw_buf.view(-1) if dw_buf is not None and use_tma else None
     db32 = None
     if dbias is not None:

@@ -143,7 +143,8 @@ def test_sized_backward_dlogits_in_dhidden_memory(device, monkeypatch, path_spy)
     assert path_spy == ["sized"]
     # both layouts are sized (dhidden's memory; a buffer of the budget plus dhidden's bytes): with a 1-byte
     # budget they give as many chunks, and the tie goes to dhidden's memory (no extra peak)
-    assert taken == [(m, 517, 2, 64 * 64 * 2), (m, 517, 2, 1 + 64 * 64 * 2)]
+    # (the dz tiles' geometry rides along as a fifth argument: test_chunk_width_for_whole_rounds_of_tiles)
+    assert [a[:4] for a in taken] == [(m, 517, 2, 64 * 64 * 2), (m, 517, 2, 1 + 64 * 64 * 2)]
     assert kmod._tuning.cdiv(517, real(*taken[0])) >= 2
     dh = out[1]
     assert (dh[target == IGN] == 0).all()
@@ -163,7 +164,7 @@ def test_sized_backward_chunk_buffer_takes_dhidden_bytes_when_chunks_do_not_fit_
     assert (target != IGN).all()
     _check(hidden, weight, target, b, reduction="mean")
     assert path_spy == ["sized"]
-    assert taken[-1] == ((m, v, 4, m * 4 * 512 + m * h * 4), 768)
+    assert taken[-1] == ((m, v, 4, m * 4 * 512 + m * h * 4, None), 768)  # (fp32: no TMA tiles, no waves)
 
 
 def test_sized_backward_dlogits_in_dweight_rows_not_yet_written(device, monkeypatch, path_spy):
@@ -208,6 +209,28 @@ def test_chunk_layout_takes_the_one_with_fewer_chunks():
         assert len(plan) == want_chunks
         held = m * -(-vc // 8) * 8 * 2  # the chunk buffer's bytes
         assert held <= (n * h * 2 if shared else budget + n * h * 2)
+
+
+def test_chunk_width_for_whole_rounds_of_tiles():
+    # With the dz kernel's geometry (row tiles, tile columns, programs) the width is the one whose chunks take
+    # the fewest rounds of tiles, within the same budget and the same number of chunks
+    budget = kmod.SIZED_DLOGITS_BUDGET_BYTES
+
+    def rounds(plan, m, bn=128, programs=132):
+        return sum(-(-(-(-m // 128) * -(-w // bn)) // programs) for _, w, _ in plan)
+    for (n, m, h, v), want_vc, want_rounds in [((16384, 2446, 768, 30522), 8320, (39, 37)),
+                                                ((16384, 2377, 1024, 30522), 10496, (36, 35)),
+                                                ((16384, 2446, 768, 4096), 4096, (5, 5))]:
+        rows = -(-v // 8) * 8
+        waves = (-(-m // 128), 128, 132)
+        vc0, shared0, plan0 = kmod._chunk_layout(m, v, h, 2, budget, n * h, 2, 8, rows)
+        vc, shared, plan = kmod._chunk_layout(m, v, h, 2, budget, n * h, 2, 8, rows, waves)
+        assert vc == want_vc and shared == shared0 and len(plan) == len(plan0)
+        assert (rounds(plan0, m), rounds(plan, m)) == want_rounds
+        assert sum(w for _, w, _ in plan) == v
+        assert m * -(-vc // 8) * 8 * 2 <= (n * h * 2 if shared else budget + n * h * 2)
+    # no better width: the even one
+    assert kmod._chunk_columns(2446, 30522, 2, 40 * 2**20, (20, 256, 132)) in (7680, 7936, 8192)
 
 
 @pytest.mark.parametrize("use_tma", [True, False], ids=["tma", "pointer"])
@@ -748,7 +771,7 @@ def _sm90() -> bool:
     (2000, 768, 30522, 0.15, False, 0.0),  # BERT-like rows (3 row blocks, the last partial)
     (513, 128, 1000, 1.0, True, 0.0),      # every row valid, 5 row blocks
 ])
-def test_gpu_sm90_logits_kernel_equals_the_triton_kernel(n, h, v, frac, bias, ls, monkeypatch):
+def test_gpu_sm90_logits_kernel_equals_the_triton_kernel(n, h, v, frac, bias, ls):
     # kernels/masked_lm_loss_sm90.py takes _logits_tma_kernel's place on sm_90 (the backward's dz always, the
     # forward with a bias): the same partials and dz, chunk by chunk, with the host count, with a bound above
     # the count (rows past it 0) and with a wrong host count (NaN in every used column)
@@ -757,9 +780,7 @@ def test_gpu_sm90_logits_kernel_equals_the_triton_kernel(n, h, v, frac, bias, ls
     rows, count, _, _ = kmod.compact(target, IGN)
     m = int(count.item())
     hc = kmod.gather_rows(hidden, rows, count)
-    monkeypatch.setattr(kmod, "SM90_FWD", False)
-    monkeypatch.setattr(kmod, "SM90_DZ", False)
-    assert kmod._sm90(hidden, True) is False
+    assert kmod._sm90(hidden, True)  # the package's choice for the sized backward on this card
     # forward: per-tile max and sum-exp (and the row sum with smoothing), 128 columns a tile in both kernels
     split = -(-v // sm90.FWD_CONFIG[1])
     assert split == -(-v // kmod.TMA_FWD_CONFIG[1])

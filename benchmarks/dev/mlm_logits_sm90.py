@@ -4,8 +4,8 @@ Triton TMA kernel (``_logits_tma_kernel``) it replaces on sm_90.
 1. ``kernels``: per case, the forward's partials (merged to each row's base-2 logsumexp) and one backward chunk's
    dz (``CHUNK`` columns) from both kernels, compared with each other, and each kernel's device time (torch.profiler,
    median of 10 launches) for a few Gluon tile configs.
-2. ``ab``: kernel time of a public forward+backward (torch.profiler, as ``mlm_kernel_probe.kernel_table``) with the Gluon kernel off / on alternating (``SM90_FWD`` / ``SM90_DZ``), two rounds, then each
-   epilogue alone; loss and gradients of "on" against "off".
+2. ``ab``: kernel time of a public forward+backward (torch.profiler, as ``mlm_kernel_probe.kernel_table``) with the Gluon kernel off / on (``SM90_FWD`` / ``SM90_DZ``) and the wave-sized chunks (``WAVE_CHUNKS``)
+   alternating, two rounds; loss and gradients against all off.
 
 Usage (GPU): ``python benchmarks/dev/mlm_logits_sm90.py [--cases bert,bert_large,gpt2] [--parts kernels,ab]``;
 ``--compile-only`` anywhere (sm_90 with Triton's ptxas: shared memory, registers, spills).
@@ -22,11 +22,12 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-CASES = {"bert": (16384, 2446, 768, 30522), "bert_large": (16384, 2377, 1024, 30522), "gpt2": (8192, 8192, 768, 50257)}
+CASES = {"bert": (16384, 2446, 768, 30522), "bert_large": (16384, 2377, 1024, 30522), "gpt2": (8192, 8192, 768, 50257),
+         "bert_bias": (16384, 2446, 768, 30522)}  # (ab: with the LM head's bias)
 CHUNK = 7680
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES) tried per epilogue; the first is the module's default
 FWD_CONFIGS = [(128, 128, 64, 4), (128, 128, 64, 6), (128, 128, 128, 3)]
-DZ_CONFIGS = [(128, 128, 64, 4), (128, 128, 64, 3)]
+DZ_CONFIGS = [(128, 128, 64, 4), (128, 128, 64, 5)]
 
 
 def compile_only() -> None:
@@ -155,10 +156,11 @@ def ab(name, n, m, h, v):
     from torch.profiler import ProfilerActivity, profile
     hidden, weight, target = make(n, m, h, v)
     dense = name == "gpt2"
+    bias = (torch.randn(v, device="cuda") * 0.1).to(hidden.dtype).requires_grad_(True) if "bias" in name else None
 
     def run():
         hidden.grad = weight.grad = None
-        loss = pykernels.masked_lm_loss(hidden, weight, target, dense=dense)
+        loss = pykernels.masked_lm_loss(hidden, weight, target, bias=bias, dense=dense)
         loss.backward()
         return loss.detach(), hidden.grad, weight.grad
 
@@ -179,20 +181,31 @@ def ab(name, n, m, h, v):
 
     res = {}
     print(f"\n== {name}: public forward+backward, kernel time (torch.profiler, 5 calls)")
-    for fwd, dz in [(False, False), (True, True), (False, False), (True, True), (True, False), (False, True)]:
-        kmod.SM90_FWD, kmod.SM90_DZ = fwd, dz
+    configs = [(False, False, False), (True, True, False), (True, True, True)] * 2
+    if bias is not None:
+        configs += [(False, True, True)]
+    for fwd, dz, waves in configs:
+        kmod.SM90_FWD, kmod.SM90_DZ, kmod.WAVE_CHUNKS = fwd, dz, waves
         us, logits = kernel_us()
+        hidden.grad = weight.grad = None
+        if bias is not None:
+            bias.grad = None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         out = run()
-        res.setdefault((fwd, dz), out)
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+        res.setdefault((fwd, dz, waves), out)
         parts = ", ".join(f"{k} {t:.1f}" for k, t in sorted(logits.items()))
-        print(f"  SM90_FWD={fwd!s:5} SM90_DZ={dz!s:5}: {us:8.1f} us (logits kernels: {parts})", flush=True)
-    base = res[(False, False)]
+        print(f"  SM90_FWD={fwd!s:5} SM90_DZ={dz!s:5} WAVE_CHUNKS={waves!s:5}: {us:8.1f} us (logits kernels: "
+              f"{parts}); peak {peak:.1f} MiB above the inputs (gradients included)", flush=True)
+    base = res[(False, False, False)]
     for key, out in res.items():
-        if key == (False, False):
+        if key == (False, False, False):
             continue
         print(f"  {key}: loss {out[0].item():.6f} vs {base[0].item():.6f}; max |dh| diff "
               f"{(out[1] - base[1]).abs().max().item():.3e}, max |dw| diff {(out[2] - base[2]).abs().max().item():.3e}")
-    kmod.SM90_FWD = kmod.SM90_DZ = True
+    kmod.SM90_FWD = kmod.SM90_DZ = kmod.WAVE_CHUNKS = True
 
 
 def main() -> None:
