@@ -252,7 +252,10 @@ def smem_layouts(cfg: tuple, dtype: torch.dtype) -> tuple:
 def logits(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n, n_rows, label_smoothing, dz,
            capacity: bool = False, cfg: tuple | None = None):
     """``launch(out, v_off, vc)`` as ``masked_lm_loss._logits_tma`` returns it: dz into ``out`` (dz) or the
-    statistics into ``partials`` (m, s, zsum; the combine kernel computes the target logit)."""
+    statistics into ``partials`` (m, s, zsum; the combine kernel computes the target logit). ``n_rows`` (the
+    host count or a ``max_valid`` bound) must be at most N: the epilogue reads ``rows[:n_rows]`` and indexes the
+    targets, lse and upstream gradient with them (the op checks it; a bound past N read past the compacted
+    rows and faulted on a garbage index, run173-174)."""
     cfg = cfg or (DZ_CONFIG if dz else FWD_CONFIG)
     bm, bn, bk, stages = cfg
     v, h = weight.shape

@@ -3,7 +3,7 @@ ANCHORS times the peers), its GPU time (the kernels' device time, torch.profiler
 inputs, and the host time of the forward and of the backward with the GPU kept busy (a queued sleep: only
 the host's own work). Run it once per tree being compared, alternating, in one call on one machine.
 
-Usage (GPU): ``python benchmarks/dev/mlm_ab.py --label new [--cases bert,large,gpt2] [--rounds 2]``"""
+Usage (GPU): ``python benchmarks/dev/mlm_ab.py --label new [--cases bert,large,gpt2] [--bias] [--max-valid 0.2]``"""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--cases", default="bert,large,gpt2")
     ap.add_argument("--bias", action="store_true", help="with a decoder bias (BERT's MLM head has one)")
+    ap.add_argument("--max-valid", type=float, default=0.0,
+                    help="MLM cases: max_valid = this fraction of the tokens (the CUDA-graph path; graph replay timed)")
     args = ap.parse_args()
     print(f"# {args.label}: {pykernels.__file__} {torch.cuda.get_device_name()} torch {torch.__version__} "
           f"triton {triton.__version__}")
@@ -62,6 +64,8 @@ def main() -> None:
         h = hidden.requires_grad_(True)
         w = weight.requires_grad_(True)
         kw = {} if masked else {"dense": True}
+        if masked and args.max_valid > 0:
+            kw = {"max_valid": int(args.max_valid * n)}
 
         def fwd():
             return pykernels.masked_lm_loss(h, w, target, bias=bias, **kw)
@@ -76,7 +80,8 @@ def main() -> None:
         h.grad = w.grad = None
         peak = common.peak_extra_mib(step)
         gpu = common.gpu_kernel_ms(step, reps=5)
-        graph = float(triton.testing.do_bench_cudagraph(step, rep=20)) if not masked else float("nan")
+        graph = (float(triton.testing.do_bench_cudagraph(step, rep=20)) if not masked or "max_valid" in kw
+                 else float("nan"))
         hf, hb = host_times(fwd, h, w)
         print(f"{args.label:5s} {name:6s} do_bench fwd {f_ms:.3f} bwd {b_ms:.3f} total {f_ms + b_ms:.3f} ms | "
               f"GPU {gpu:.3f} ms | graph {graph:.3f} | peak {peak:.1f} MiB | host fwd {hf:.0f} us bwd {hb:.0f} us",
