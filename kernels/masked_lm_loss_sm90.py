@@ -155,28 +155,6 @@ def _consumer(WG: gl.constexpr, a_smem, w_smem, o_smem, out_desc, ready_bar, emp
 
 
 @gluon.jit
-def _consumer0(a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
-               gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
-               stride_b, stride_g, smooth_eps, NUM_PROGRAMS: gl.constexpr, DZ: gl.constexpr, HAS_BIAS: gl.constexpr,
-               SMOOTH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-               STAGES: gl.constexpr):
-    _consumer(0, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
-              gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
-              stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
-
-
-@gluon.jit
-def _consumer1(a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
-               gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
-               stride_b, stride_g, smooth_eps, NUM_PROGRAMS: gl.constexpr, DZ: gl.constexpr, HAS_BIAS: gl.constexpr,
-               SMOOTH: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-               STAGES: gl.constexpr):
-    _consumer(1, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
-              gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
-              stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
-
-
-@gluon.jit
 def _logits_sm90_kernel(
     a_ptr,          # (R, H) compacted hidden rows, row stride lda (16-byte multiple), columns contiguous
     w_ptr,          # (V, H) weight, row stride stride_wv (16-byte multiple), columns contiguous
@@ -224,13 +202,13 @@ def _logits_sm90_kernel(
     mbarrier.arrive(turn_bar.index(0), count=1)  # warpgroup 0 runs the first mainloop
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer0, (a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
+        (_consumer, (0, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
                       gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
                       stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N, BLOCK_K,
                       STAGES)),
         (_loader, (a_desc, w_desc, a_smem, w_smem, ready_bar, empty_bar, n_rows, VC, H, v_off, NUM_PROGRAMS,
                    BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
-        (_consumer1, (a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
+        (_consumer, (1, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
                       gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
                       stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N, BLOCK_K,
                       STAGES)),
