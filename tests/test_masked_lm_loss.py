@@ -211,6 +211,26 @@ def test_chunk_layout_takes_the_one_with_fewer_chunks():
         assert held <= (n * h * 2 if shared else budget + n * h * 2)
 
 
+@pytest.mark.parametrize("value,want", [(None, (True, True, True)), ("0", (False, False, True)),
+                                        ("dz", (False, True, True)), ("fwd", (True, False, True))])
+def test_sm90_and_wave_switches_read_at_import(value, want):
+    # PYKERNELS_MLM_SM90 picks the logits kernels that take the Gluon kernel on sm_90 (1: both, the forward only
+    # with a bias; 0: neither; dz / fwd: that one); PYKERNELS_MLM_WAVE_CHUNKS=0 turns the wave-sized chunks off
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("PYKERNELS_MLM_SM90", "PYKERNELS_MLM_WAVE_CHUNKS")}
+    if value is not None:
+        env["PYKERNELS_MLM_SM90"] = value
+    code = ("from pykernels._kernels import masked_lm_loss as k; print(k.SM90_FWD, k.SM90_DZ, k.WAVE_CHUNKS)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(x) for x in want]
+    env["PYKERNELS_MLM_WAVE_CHUNKS"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[2] == "False", out.stderr[-2000:]
+
+
 def test_chunk_width_for_whole_rounds_of_tiles():
     # With the dz kernel's geometry (row tiles, tile columns, programs) the width is the one whose chunks take
     # the fewest rounds of tiles, within the same budget and the same number of chunks
