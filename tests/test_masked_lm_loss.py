@@ -780,6 +780,59 @@ def test_gpu_compaction_kernel_at_scale(n, frac):
     assert torch.equal(loss, torch.zeros_like(loss)) and torch.equal(lse, torch.zeros_like(lse))
 
 
+@pytest.mark.parametrize("dz", [False, True], ids=["forward", "dz"])
+def test_sm90_logits_launch_binds_the_kernel_signature(monkeypatch, dz):
+    # The Gluon kernel runs only on an H100/H200; its host side runs here: every launch argument must land on
+    # the kernel parameter of that name (a reordered signature would otherwise show only on the GPU), with the
+    # grid and constexprs the sized backward and the forward need.
+    from pykernels._kernels import masked_lm_loss_sm90 as sm90
+    calls = []
+
+    class _Fake:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k))
+    monkeypatch.setattr(sm90._launch, "fast", lambda kernel: _Fake())
+    monkeypatch.setattr(sm90._tuning, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(sm90._tuning, "device_properties", lambda dev: type("P", (), {"multi_processor_count": 132}))
+    n, h, v, m = 700, 64, 1000, 300
+    hc = torch.zeros(n, h, dtype=torch.bfloat16)
+    weight = torch.zeros(v, h + 8, dtype=torch.bfloat16)[:, :h]  # distinct strides, so that a swap shows
+    bias = torch.zeros(2 * v, dtype=torch.bfloat16)[::2]
+    target = torch.zeros(n, dtype=torch.long)
+    rows = torch.zeros(n, dtype=torch.int32)
+    count = torch.zeros(1, dtype=torch.int32)
+    lse = torch.zeros(n)
+    grad = torch.zeros(3 * n)[::3]
+    parts = [torch.zeros(8, n) for _ in range(4)]
+    out = torch.zeros(m, 264, dtype=torch.bfloat16)
+    launch = sm90.logits(hc, weight, bias, target, rows, count, lse, grad, None if dz else parts, n=n,
+                         n_rows=m if dz else -1, label_smoothing=0.1, dz=dz, capacity=dz)
+    launch(out if dz else None, 256 if dz else 0, 264 if dz else v)
+    (grid, args, kwargs), = calls
+    names = sm90._logits_sm90_kernel.arg_names
+    bound = dict(zip(names, args))
+    assert not set(bound) & set(kwargs) and set(bound) | set(kwargs) == set(names) | {"maxnreg"}
+    bound.update(kwargs)
+    assert bound["a_ptr"] is hc and bound["w_ptr"] is weight and bound["b_ptr"] is bias
+    assert bound["tgt_ptr"] is target and bound["rows_ptr"] is rows and bound["count_ptr"] is count
+    assert (bound["N"], bound["V"], bound["H"], bound["R"]) == (n, v, h, n)
+    assert (bound["lda"], bound["stride_wv"], bound["stride_b"]) == (h, h + 8, 2)
+    assert bound["smooth_eps"] == 0.1 and bound["SMOOTH"] and bound["HAS_BIAS"] and bound["DZ"] == dz
+    cfg = sm90.DZ_CONFIG if dz else sm90.FWD_CONFIG
+    assert (bound["BLOCK_M"], bound["BLOCK_N"], bound["BLOCK_K"], bound["STAGES"]) == cfg
+    assert bound["num_warps"] == 4 and bound["maxnreg"] == sm90.MAX_REGS
+    if dz:
+        assert bound["out_ptr"] is out and bound["ldo"] == 264 and bound["lse_ptr"] is lse
+        assert bound["gloss_ptr"] is grad and bound["stride_g"] == 3
+        assert (bound["v_off"], bound["VC"], bound["n_rows"], bound["capacity"]) == (256, 264, m, 1)
+        tiles = -(-m // 128) * -(-264 // 128)
+    else:
+        assert all(bound[k] is parts[i] for k, i in (("part_m_ptr", 0), ("part_s_ptr", 1), ("part_zsum_ptr", 3)))
+        assert (bound["v_off"], bound["VC"], bound["n_rows"], bound["capacity"]) == (0, v, -1, 0)
+        tiles = -(-n // 128) * -(-v // 128)  # (sized for all N rows: the count stays on the device)
+    assert grid == (min(132, tiles),) and bound["NUM_PROGRAMS"] == grid[0]
+
+
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
