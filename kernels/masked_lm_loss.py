@@ -1046,10 +1046,12 @@ def _chunk_columns(n: int, v: int, elem: int, budget: int, waves: tuple[int, int
 
     ``waves`` = (row tiles, tile columns, persistent programs) of the dz kernel: among the widths from the
     even one up to the budget's (multiples of the tile columns; the same number of chunks), the one whose
-    chunks take the fewest rounds of tiles over the programs (the last round of a chunk's kernel runs on
-    few SMs while the rest wait for the GEMMs after it). BERT-base MLM on an H100 (20 row tiles of 128, 132
-    SMs): 4 chunks of 8448 columns (66 tiles: 10 full rounds each, the last chunk 7) instead of 7680 (60
-    tiles: 9.1 rounds, so 10, and 9), 39 -> 37 rounds for 3.6 MiB more of the budget's memory."""
+    chunks take the fewest rounds of tiles over the programs, the narrowest on a tie (the last round of a
+    chunk's kernel runs on few SMs while the rest wait for the GEMMs after it). BERT-base MLM on an H100 (20
+    row tiles of 128, 132 SMs): 4 chunks of 8320 columns (65 tiles: 10 rounds each, the last chunk 7)
+    instead of 7680 (60 tiles: 9.1 rounds, so 10, and 9), 39 -> 37 rounds for 3.0 MiB more of the budget's
+    memory (run167, kernel time of a forward+backward: 819-831 us with the Gluon dz kernel and even chunks,
+    811-814 with these widths)."""
     vc = max(256, (budget // max(n * elem, 1)) // 256 * 256)
     if vc >= v:
         return v
