@@ -899,28 +899,37 @@ def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials,
         return masked_lm_loss_sm90.logits(hc, weight, bias, target, rows, count, lse, grad_loss, partials, n=n,
                                           n_rows=n_rows, label_smoothing=label_smoothing, dz=dz, capacity=capacity)
     bm, bn, bk, warps, stages = _tma_cfg(cfg)
-    v, h = weight.shape
-    cap = int(capacity)
     if not _INTERPRET:
         _tuning.ensure_allocator()
     parts = tuple(partials) if partials is not None else (lse,) * 4
-    row_tiles = _tuning.cdiv(hc.shape[0] if n_rows < 0 else n_rows, bm)
-    sms = _num_programs(hc.device)
-    kernel = _launch.fast(_logits_tma_kernel)
+    flags = dict(DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0, ZT=zt or dz,
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return _tile_launcher(_launch.fast(_logits_tma_kernel), hc, weight, bias, target, rows, count, lse, grad_loss,
+                          parts, n=n, n_rows=n_rows, label_smoothing=label_smoothing, dz=dz, capacity=capacity,
+                          block_m=bm, block_n=bn, programs=_num_programs(hc.device), flags=flags)
+
+
+def _tile_launcher(kernel, hc, weight, bias, target, rows, count, lse, grad_loss, parts, *, n, n_rows,
+                   label_smoothing, dz, capacity, block_m, block_n, programs, flags):
+    """``launch(out, v_off, vc)`` of a persistent logit-tile kernel, ``_logits_tma_kernel`` or the Gluon
+    ``masked_lm_loss_sm90._logits_sm90_kernel`` (``kernel``: its fast launcher), which take the same runtime
+    parameters in the same order (``parts``: the partials that kernel reads, ``flags``: its constexprs and
+    compile options). The grid is one program per SM, at most one per (block_m x block_n) tile."""
+    v, h = weight.shape
+    cap = int(capacity)
+    row_tiles = _tuning.cdiv(hc.shape[0] if n_rows < 0 else n_rows, block_m)
     head = (hc, weight)
-    mid = ((bias if bias is not None else weight, target, rows, count, lse, grad_loss) + parts
+    mid = ((bias if bias is not None else weight, target, rows, count, lse, grad_loss) + tuple(parts)
            + (n, v, h, hc.shape[0]))
     strides = (hc.stride(0), weight.stride(0))
     tail = (bias.stride(0) if bias is not None else 0, grad_loss.stride(0) if dz else 0, float(label_smoothing))
-    flags = dict(DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0, ZT=zt or dz,
-                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
     def launch(out, v_off: int, vc: int) -> None:
         if out is None:
             out = hc  # placeholder, never read
-        programs = max(1, min(sms, row_tiles * _tuning.cdiv(vc, bn)))
-        kernel[(programs,)](*head, out, *mid, v_off, vc, n_rows, cap, *strides, out.stride(0), *tail,
-                            NUM_PROGRAMS=programs, **flags)
+        grid = max(1, min(programs, row_tiles * _tuning.cdiv(vc, block_n)))
+        kernel[(grid,)](*head, out, *mid, v_off, vc, n_rows, cap, *strides, out.stride(0), *tail,
+                        NUM_PROGRAMS=grid, **flags)
     return launch
 
 
@@ -1060,12 +1069,13 @@ def _chunk_columns(n: int, v: int, elem: int, budget: int, waves: tuple[int, int
     if waves is None:
         return even
     row_tiles, bn, programs = waves
-
-    def rounds(w: int) -> int:
-        widths = [w] * (chunks - 1) + [v - (chunks - 1) * w]
-        return sum(_tuning.cdiv(row_tiles * _tuning.cdiv(c, bn), programs) for c in widths)
-    return min(range(_tuning.cdiv(_tuning.cdiv(v, chunks), bn) * bn, vc + 1, bn), key=lambda w: (rounds(w), w),
-               default=even)
+    best, width = None, even
+    for w in range(-(-(-(-v // chunks)) // bn) * bn, vc + 1, bn):  # (integer arithmetic: on every backward)
+        r = ((chunks - 1) * -(-(row_tiles * -(-w // bn)) // programs)
+             + -(-(row_tiles * -(-(v - (chunks - 1) * w) // bn)) // programs))
+        if best is None or r < best:  # (the narrowest of the fewest rounds)
+            best, width = r, w
+    return width
 
 
 def _chunk_plan(v: int, vc: int, m: int, h: int, pad: int, dw_rows: int) -> list[tuple[int, int, bool]]:

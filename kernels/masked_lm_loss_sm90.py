@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from . import _launch, _tuning
+from .masked_lm_loss import _tile_launcher
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES) per epilogue; BLOCK_M x BLOCK_N is one warpgroup's tile (fp32
@@ -236,26 +237,13 @@ def logits(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n
     rows and faulted on a garbage index, run173-174)."""
     cfg = cfg or (DZ_CONFIG if dz else FWD_CONFIG)
     bm, bn, bk, stages = cfg
-    v, h = weight.shape
     _tuning.ensure_allocator()
     parts = (partials[0], partials[1], partials[3]) if partials is not None else (lse,) * 3
-    row_tiles = _tuning.cdiv(hc.shape[0] if n_rows < 0 else n_rows, bm)
-    sms = _tuning.device_properties(hc.device).multi_processor_count
     al, wl, ol = smem_layouts(cfg, hc.dtype)
-    head = (hc, weight)
-    mid = ((bias if bias is not None else weight, target, rows, count, lse, grad_loss) + parts
-           + (n, v, h, hc.shape[0]))
-    strides = (hc.stride(0), weight.stride(0))
-    tail = (bias.stride(0) if bias is not None else 0, grad_loss.stride(0) if dz else 0, float(label_smoothing))
     flags = dict(DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0, BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, STAGES=stages, a_layout=al, w_layout=wl, o_layout=ol, num_warps=4, maxnreg=MAX_REGS)
-    cap = int(capacity)
-    kernel = _launch.fast(_logits_sm90_kernel)  # (``kernel[grid]`` costs 60-85 us of host time a launch there)
-
-    def launch(out, v_off: int, vc: int) -> None:
-        if out is None:
-            out = hc  # placeholder, never read
-        programs = max(1, min(sms, row_tiles * _tuning.cdiv(vc, bn)))
-        kernel[(programs,)](*head, out, *mid, v_off, vc, n_rows, cap, *strides, out.stride(0), *tail,
-                            NUM_PROGRAMS=programs, **flags)
-    return launch
+    # (``kernel[grid]`` costs 60-85 us of host time a launch there: the fast launcher, as for the Triton kernels)
+    return _tile_launcher(_launch.fast(_logits_sm90_kernel), hc, weight, bias, target, rows, count, lse,
+                          grad_loss, parts, n=n, n_rows=n_rows, label_smoothing=label_smoothing, dz=dz,
+                          capacity=capacity, block_m=bm, block_n=bn,
+                          programs=_tuning.device_properties(hc.device).multi_processor_count, flags=flags)

@@ -35,24 +35,33 @@ def make(n, m, h, v, seed=0):
     return hidden, weight, target
 
 
+def cuda_events(fn, calls=5, warmup=3):
+    """The CUDA kernel events (torch.profiler) of ``calls`` back-to-back calls of ``fn``, after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_rows(events, calls=5):
+    """{kernel name: [device us per call, launches]} of ``cuda_events``' events."""
+    rows = {}
+    for e in events:
+        r = rows.setdefault(e.name, [0.0, 0])
+        r[0] += e.device_time_total / calls
+        r[1] += 1
+    return rows
+
+
 def kernel_table(name, hidden, weight, target, dense):
     def step():
         hidden.grad = weight.grad = None
         pykernels.masked_lm_loss(hidden, weight, target, dense=dense).backward()
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-    rows = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        r = rows.setdefault(e.name, [0.0, 0])
-        r[0] += e.device_time_total / 5
-        r[1] += 1
+    rows = kernel_rows(cuda_events(step))
     total = sum(r[0] for r in rows.values())
     print(f"\n== {name}: kernel time per forward+backward {total:.1f} us")
     for k, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:14]:

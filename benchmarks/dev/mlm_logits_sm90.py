@@ -57,16 +57,8 @@ def compile_only() -> None:
 def ev_us(fn, calls=10):
     """Median device time of the logits kernel over ``calls`` back-to-back launches (torch.profiler: CUDA
     events around one launch on an idle GPU time the host's launch too)."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    ts = [e.device_time_total for e in prof.events()
-          if e.device_type == torch.autograd.DeviceType.CUDA and "_logits_" in e.name]
+    from mlm_kernel_probe import cuda_events
+    ts = [e.device_time_total for e in cuda_events(fn, calls) if "_logits_" in e.name]
     return statistics.median(ts) if ts else float("nan")
 
 
@@ -151,9 +143,8 @@ def kernels(name, n, m, h, v):
 
 def ab(name, n, m, h, v):
     import pykernels
-    from mlm_kernel_probe import make
+    from mlm_kernel_probe import cuda_events, kernel_rows, make
     from pykernels._kernels import masked_lm_loss as kmod
-    from torch.profiler import ProfilerActivity, profile
     hidden, weight, target = make(n, m, h, v)
     dense = name == "gpt2"
     bias = (torch.randn(v, device="cuda") * 0.1).to(hidden.dtype).requires_grad_(True) if "bias" in name else None
@@ -165,19 +156,9 @@ def ab(name, n, m, h, v):
         return loss.detach(), hidden.grad, weight.grad
 
     def kernel_us():
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                run()
-            torch.cuda.synchronize()
-        ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        logits = {}
-        for e in ev:
-            if "_logits_" in e.name:
-                logits[e.name[:24]] = logits.get(e.name[:24], 0.0) + e.device_time_total / 5
-        return sum(e.device_time_total for e in ev) / 5, logits
+        rows = kernel_rows(cuda_events(run))
+        logits = {k: t for k, (t, _) in rows.items() if "_logits_" in k}
+        return sum(t for t, _ in rows.values()), logits
 
     res = {}
     print(f"\n== {name}: public forward+backward, kernel time (torch.profiler, 5 calls)")
