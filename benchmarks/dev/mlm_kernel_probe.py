@@ -35,14 +35,17 @@ def make(n, m, h, v, seed=0):
     return hidden, weight, target
 
 
-def cuda_events(fn, calls=5, warmup=3):
-    """The CUDA kernel events (torch.profiler) of ``calls`` back-to-back calls of ``fn``, after ``warmup``."""
+def cuda_events(fn, calls=5, warmup=3, sync_each=False):
+    """The CUDA kernel events (torch.profiler) of ``calls`` calls of ``fn`` after ``warmup``, back to back or
+    (``sync_each``) one at a time."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
+            if sync_each:
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
@@ -107,14 +110,7 @@ def gemm_probe(m=2446, vc=7680, h=768):
 
 def kernel_us(fn, pattern, calls=10):
     """Median device time of the kernels whose name contains ``pattern``, one call at a time (torch.profiler)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-            torch.cuda.synchronize()
-    ts = [e.device_time_total for e in prof.events()
-          if e.device_type == torch.autograd.DeviceType.CUDA and pattern in e.name]
+    ts = [e.device_time_total for e in cuda_events(fn, calls, warmup=1, sync_each=True) if pattern in e.name]
     return statistics.median(ts) if ts else float("nan")
 
 
