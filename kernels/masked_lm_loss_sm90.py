@@ -19,7 +19,8 @@ fastest, as the Triton kernel does, with three partitions:
   - dz: g (softmax - (1 - eps) onehot - eps / V) from the saved lse, 0 at rows past the device count and
     columns past the chunk, NaN everywhere when the device count contradicts the host's; written as bf16/fp16
     into the warpgroup's own shared tile and stored by TMA (clipped to (n_rows, VC)) while the next tile's
-    mainloop runs.
+    mainloop runs. Under a ``max_valid`` bound, tiles whose rows all lie past the device count take no k-steps
+    (no loads, no GEMM; the loader and both warpgroups count the same ring steps) and store their zeros.
 
 The arithmetic is the Triton kernel's, expression for expression (``_tile_stats``, ``_dlogits_tile``), so
 the two kernels' outputs agree to the accumulation order of the wgmma instructions. Gluon kernels do not run
@@ -48,18 +49,32 @@ MAX_REGS = 65536 // (12 * 32) // 8 * 8  # 4 + 4 consumer warps and the loader's 
 
 
 @gluon.jit
-def _loader(a_desc, w_desc, a_smem, w_smem, ready_bar, empty_bar, n_rows, VC, H, v_off,
-            NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+def _ksteps(pid, t, m_tiles, live_rows, ksteps, DZ: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+            BLOCK_M: gl.constexpr):
+    """The k-steps of the CTA's t-th tile: all of them, or (dz) none for a tile whose rows all lie past the live
+    rows (max_valid; its dz is all 0). A trip count rather than a branch: the accumulator's dataflow (and the
+    epilogue's code) stays that of the plain loop. (The forward covers the device count: no tile to skip.)"""
+    n = ksteps
+    if DZ:
+        n = gl.where(((pid + t * NUM_PROGRAMS) % m_tiles) * BLOCK_M < live_rows, ksteps, 0)
+    return n
+
+
+@gluon.jit
+def _loader(a_desc, w_desc, a_smem, w_smem, ready_bar, empty_bar, n_rows, live_rows, VC, H, v_off,
+            DZ: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
             STAGES: gl.constexpr):
     m_tiles = gl.cdiv(n_rows, BLOCK_M)
     n_tiles = m_tiles * gl.cdiv(VC, BLOCK_N)
     ksteps = gl.cdiv(H, BLOCK_K)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    pid = gl.program_id(0)
     idx = 0
-    for tile in range(gl.program_id(0), n_tiles, NUM_PROGRAMS):
+    for t in range(gl.cdiv(n_tiles - pid, NUM_PROGRAMS)):
+        tile = pid + t * NUM_PROGRAMS
         off_m = (tile % m_tiles) * BLOCK_M
         off_n = v_off + (tile // m_tiles) * BLOCK_N
-        for k in range(ksteps):
+        for k in range(_ksteps(pid, t, m_tiles, live_rows, ksteps, DZ, NUM_PROGRAMS, BLOCK_M)):
             slot = idx % STAGES
             mbarrier.wait(empty_bar.index(slot), ((idx // STAGES) & 1) ^ 1)
             mbarrier.expect(ready_bar.index(slot), nbytes)
@@ -71,7 +86,7 @@ def _loader(a_desc, w_desc, a_smem, w_smem, ready_bar, empty_bar, n_rows, VC, H,
 @gluon.jit
 def _consumer(WG: gl.constexpr, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar,
               b_ptr, tgt_ptr, rows_ptr, lse_ptr, gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr,
-              N, V, H, v_off, VC, n_rows, count, mismatch, stride_b, stride_g, smooth_eps,
+              N, V, H, v_off, VC, n_rows, live_rows, count, mismatch, stride_b, stride_g, smooth_eps,
               NUM_PROGRAMS: gl.constexpr, DZ: gl.constexpr, HAS_BIAS: gl.constexpr, SMOOTH: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """Tiles WG, WG + 2, ... of this CTA (local order): mainloop on the turn, epilogue after passing it."""
@@ -85,14 +100,18 @@ def _consumer(WG: gl.constexpr, a_smem, w_smem, o_smem, out_desc, ready_bar, emp
     pid = gl.program_id(0)
     my_tiles = gl.cdiv(n_tiles - pid, NUM_PROGRAMS)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    # ring steps of the CTA's tiles before this warpgroup's first (the loader's count: a skipped tile has none)
+    base = 0
+    if WG == 1:
+        base = _ksteps(pid, 0, m_tiles, live_rows, ksteps, DZ, NUM_PROGRAMS, BLOCK_M)
     for t in range(WG, my_tiles, 2):
         tile = pid + t * NUM_PROGRAMS
         pid_m = tile % m_tiles
         pid_n = tile // m_tiles
+        nk = _ksteps(pid, t, m_tiles, live_rows, ksteps, DZ, NUM_PROGRAMS, BLOCK_M)
         mbarrier.wait(turn_bar.index(WG), (t // 2) & 1)
-        base = t * ksteps
         acc = zero
-        for k in range(ksteps):
+        for k in range(nk):
             idx = base + k
             slot = idx % STAGES
             mbarrier.wait(ready_bar.index(slot), (idx // STAGES) & 1)
@@ -101,8 +120,10 @@ def _consumer(WG: gl.constexpr, a_smem, w_smem, o_smem, out_desc, ready_bar, emp
             # the previous k-step's wgmma has completed: its stage goes back to the loader
             mbarrier.arrive(empty_bar.index((idx + STAGES - 1) % STAGES), count=1, pred=k > 0)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty_bar.index((base + ksteps - 1) % STAGES), count=1)
+        mbarrier.arrive(empty_bar.index((base + nk - 1) % STAGES), count=1, pred=nk > 0)
         mbarrier.arrive(turn_bar.index(1 - WG), count=1)  # the other warpgroup's mainloop may start
+        # past this tile and the other warpgroup's next one
+        base += nk + _ksteps(pid, t + 1, m_tiles, live_rows, ksteps, DZ, NUM_PROGRAMS, BLOCK_M)
 
         off_m = pid_m * BLOCK_M
         off_c = pid_n * BLOCK_N
@@ -181,6 +202,9 @@ def _logits_sm90_kernel(
     bad = gl.where(capacity != 0, count > n_rows, count != n_rows)
     mismatch = gl.where(n_rows < 0, 0, bad.to(gl.int32))
     n_rows = gl.where(n_rows < 0, count, n_rows)
+    # under a bound (max_valid) the row tiles wholly past the device count are skipped (no loads, no GEMM: dz
+    # 0); with a contradicting count (NaN everywhere) or without a bound every tile runs
+    live_rows = gl.where((capacity != 0) & (mismatch == 0), gl.minimum(count, n_rows), n_rows)
     a_desc = tma.make_tensor_descriptor(a_ptr, [R, H], [lda, 1], [BLOCK_M, BLOCK_K], a_layout)
     w_desc = tma.make_tensor_descriptor(w_ptr, [V, H], [stride_wv, 1], [BLOCK_N, BLOCK_K], w_layout)
     a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
@@ -204,15 +228,15 @@ def _logits_sm90_kernel(
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (0, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
-                      gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
-                      stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N, BLOCK_K,
-                      STAGES)),
-        (_loader, (a_desc, w_desc, a_smem, w_smem, ready_bar, empty_bar, n_rows, VC, H, v_off, NUM_PROGRAMS,
-                   BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                      gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, live_rows, count,
+                      mismatch, stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N,
+                      BLOCK_K, STAGES)),
+        (_loader, (a_desc, w_desc, a_smem, w_smem, ready_bar, empty_bar, n_rows, live_rows, VC, H, v_off,
+                   DZ, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         (_consumer, (1, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
-                      gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, count, mismatch,
-                      stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N, BLOCK_K,
-                      STAGES)),
+                      gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, live_rows, count,
+                      mismatch, stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N,
+                      BLOCK_K, STAGES)),
     ], [1, 4], [24, 240])
 
 
