@@ -84,11 +84,34 @@ def _loader(a_desc, w_desc, a_smem, w_smem, ready_bar, empty_bar, n_rows, live_r
 
 
 @gluon.jit
+def _dz_rows(rows_ptr, tgt_ptr, lse_ptr, gloss_ptr, offs_m, n_rows, count, mismatch, stride_g, t0,
+             BLOCK_N: gl.constexpr):
+    """Per row of a dz tile: lse * log2 e, the upstream gradient g and the target's column within the tile
+    (t0: the tile's first vocabulary column; -1 outside it, in int32: an int64 compare widens every column index
+    of the tile). Rows past the device count (or past n_rows: clipped on store) get lse = +inf and g = 0, so
+    their p and dz are 0 with no select per element (their logits are finite: under a bound the gathered rows
+    past the count are 0). A device count that contradicts the host's: g NaN in every row (a branch to a NaN
+    tile would keep a second tile live: 660 bytes of spills)."""
+    mask_m = offs_m < n_rows
+    rows = gl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(gl.int64)
+    tgt = gl.load(tgt_ptr + rows, mask=mask_m, other=-1)
+    lse2 = gl.load(lse_ptr + rows, mask=mask_m, other=0.0) * LOG2E
+    g = gl.load(gloss_ptr + rows * stride_g, mask=mask_m, other=0.0)
+    g = gl.where(mismatch != 0, float("nan"), g)
+    row_ok = (offs_m < count) | (mismatch != 0)
+    lse2 = gl.where(row_ok, lse2, float("inf"))
+    g = gl.where(row_ok, g, 0.0)
+    tcol = gl.where((tgt >= t0) & (tgt < t0 + BLOCK_N), tgt - t0, -1).to(gl.int32)
+    return lse2, g, tcol
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar,
               b_ptr, tgt_ptr, rows_ptr, lse_ptr, gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr,
               N, V, H, v_off, VC, n_rows, live_rows, count, mismatch, stride_b, stride_g, smooth_eps,
               NUM_PROGRAMS: gl.constexpr, DZ: gl.constexpr, HAS_BIAS: gl.constexpr, SMOOTH: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+              COL_MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              STAGES: gl.constexpr):
     """Tiles WG, WG + 2, ... of this CTA (local order): mainloop on the turn, epilogue after passing it."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
@@ -133,27 +156,26 @@ def _consumer(WG: gl.constexpr, a_smem, w_smem, o_smem, out_desc, ready_bar, emp
         offs_n = v_off + offs_c
         mask_n = (offs_c < VC) & (offs_n < V)  # (the sized backward may pad the last chunk past V)
         if DZ:
-            rows = gl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(gl.int64)
-            tgt = gl.load(tgt_ptr + rows, mask=mask_m, other=-1)
-            lse2 = gl.load(lse_ptr + rows, mask=mask_m, other=0.0) * LOG2E
-            g = gl.load(gloss_ptr + rows * stride_g, mask=mask_m, other=0.0)
-            # a device count that contradicts the host's: NaN in every row (a branch to a NaN tile would keep
-            # a second tile live: 660 bytes of spills)
-            g = gl.where(mismatch != 0, float("nan"), g)
-            row_ok = (offs_m < count) | (mismatch != 0)
+            # (loaded here, after the mainloop: loaded before it, in flight through the turn wait and the GEMM,
+            # they made dz 1.12x slower, run178)
+            lse2, g, tcol = _dz_rows(rows_ptr, tgt_ptr, lse_ptr, gloss_ptr, offs_m, n_rows, count, mismatch,
+                                     stride_g, v_off + off_c, BLOCK_N)
             if HAS_BIAS:
                 bias = gl.load(b_ptr + offs_n.to(gl.int64) * stride_b, mask=mask_n, other=0.0).to(gl.float32)
                 acc = acc + gl.expand_dims(bias, 0)
             p = gl.exp2(acc * LOG2E - gl.expand_dims(lse2, 1))
-            # the target's column within the tile (-1 outside it), compared in int32: an int64 compare
-            # widens every column index of the tile
-            t0 = v_off + off_c
-            tcol = gl.where((tgt >= t0) & (tgt < t0 + BLOCK_N), tgt - t0, -1).to(gl.int32)
-            cols = gl.arange(0, BLOCK_N, layout=col_l)
-            d = p - gl.where(gl.expand_dims(cols, 0) == gl.expand_dims(tcol, 1), 1.0 - smooth_eps, 0.0) \
-                - smooth_eps / V
-            d = d * gl.expand_dims(g, 1)
-            d = gl.where(gl.expand_dims(mask_n, 0) & gl.expand_dims(row_ok, 1), d, 0.0)
+            onehot = gl.expand_dims(gl.arange(0, BLOCK_N, layout=col_l), 0) == gl.expand_dims(tcol, 1)
+            # dz = g p - g ((1 - eps) onehot + eps / V): per row the two values subtracted, then one select and
+            # one FMA an element (the epilogue runs on one warp a scheduler, latency-bound: run177's profile)
+            if SMOOTH:
+                g_off = g * (smooth_eps / V)
+                g_on = g * (1.0 - smooth_eps) + g_off
+                sub = gl.where(onehot, gl.expand_dims(g_on, 1), gl.expand_dims(g_off, 1))
+            else:
+                sub = gl.where(onehot, gl.expand_dims(g, 1), 0.0)
+            d = p * gl.expand_dims(g, 1) - sub
+            if COL_MASK:  # the last chunk padded past V: its columns past V are 0 (past VC the store clips)
+                d = gl.where(gl.expand_dims(mask_n, 0), d, 0.0)
             buf = o_smem.index(WG)
             tma.store_wait(pendings=0)  # this warpgroup's previous tile has left its buffer
             buf.store(d.to(o_smem.dtype))
@@ -189,6 +211,7 @@ def _logits_sm90_kernel(
     capacity,       # 1: n_rows is an upper bound (max_valid): only a device count above it poisons
     lda, stride_wv, ldo, stride_b, stride_g, smooth_eps,
     NUM_PROGRAMS: gl.constexpr, DZ: gl.constexpr, HAS_BIAS: gl.constexpr, SMOOTH: gl.constexpr,
+    COL_MASK: gl.constexpr,  # dz: the chunk reaches past V (the launcher sets it per chunk)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     a_layout: gl.constexpr, w_layout: gl.constexpr, o_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -229,14 +252,14 @@ def _logits_sm90_kernel(
     gl.warp_specialize([
         (_consumer, (0, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
                       gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, live_rows, count,
-                      mismatch, stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N,
-                      BLOCK_K, STAGES)),
+                      mismatch, stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, COL_MASK, BLOCK_M,
+                      BLOCK_N, BLOCK_K, STAGES)),
         (_loader, (a_desc, w_desc, a_smem, w_smem, ready_bar, empty_bar, n_rows, live_rows, VC, H, v_off,
                    DZ, NUM_PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
         (_consumer, (1, a_smem, w_smem, o_smem, out_desc, ready_bar, empty_bar, turn_bar, b_ptr, tgt_ptr, rows_ptr, lse_ptr,
                       gloss_ptr, part_m_ptr, part_s_ptr, part_zsum_ptr, N, V, H, v_off, VC, n_rows, live_rows, count,
-                      mismatch, stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, BLOCK_M, BLOCK_N,
-                      BLOCK_K, STAGES)),
+                      mismatch, stride_b, stride_g, smooth_eps, NUM_PROGRAMS, DZ, HAS_BIAS, SMOOTH, COL_MASK, BLOCK_M,
+                      BLOCK_N, BLOCK_K, STAGES)),
     ], [1, 4], [24, 240])
 
 
@@ -270,4 +293,5 @@ def logits(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n
     return _tile_launcher(_launch.fast(_logits_sm90_kernel), hc, weight, bias, target, rows, count, lse,
                           grad_loss, parts, n=n, n_rows=n_rows, label_smoothing=label_smoothing, dz=dz,
                           capacity=capacity, block_m=bm, block_n=bn,
-                          programs=_tuning.device_properties(hc.device).multi_processor_count, flags=flags)
+                          programs=_tuning.device_properties(hc.device).multi_processor_count, flags=flags,
+                          col_mask=True)

@@ -35,8 +35,8 @@ def compile_only() -> None:
 
     from pykernels._kernels import masked_lm_loss_sm90 as g
     fn = g._logits_sm90_kernel
-    consts_names = {"NUM_PROGRAMS", "DZ", "HAS_BIAS", "SMOOTH", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES",
-                    "a_layout", "w_layout", "o_layout", "num_warps"}
+    consts_names = {"NUM_PROGRAMS", "DZ", "HAS_BIAS", "SMOOTH", "COL_MASK", "BLOCK_M", "BLOCK_N", "BLOCK_K",
+                    "STAGES", "a_layout", "w_layout", "o_layout", "num_warps"}
     sig = {}
     for p in fn.params:
         n = p.name
@@ -48,8 +48,9 @@ def compile_only() -> None:
         for bias, smooth in ((False, False), (True, True)):
             al, wl, ol = g.smem_layouts(cfg, torch.bfloat16)
             bm, bn, bk, stages = cfg
-            consts = dict(NUM_PROGRAMS=132, DZ=dz, HAS_BIAS=bias, SMOOTH=smooth, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                          STAGES=stages, a_layout=al, w_layout=wl, o_layout=ol, num_warps=4)
+            # (dz with a bias and smoothing: the last chunk's column mask too, the most live state)
+            consts = dict(NUM_PROGRAMS=132, DZ=dz, HAS_BIAS=bias, SMOOTH=smooth, COL_MASK=dz and bias, BLOCK_M=bm,
+                          BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, a_layout=al, w_layout=wl, o_layout=ol, num_warps=4)
             report = ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=g.MAX_REGS))
             print(f"mlm-sm90 {'dz' if dz else 'fwd'} cfg{cfg} bias={bias} smooth={smooth}: {report}", flush=True)
 
