@@ -831,6 +831,11 @@ def test_sm90_logits_launch_binds_the_kernel_signature(monkeypatch, dz):
         assert (bound["v_off"], bound["VC"], bound["n_rows"], bound["capacity"]) == (0, v, -1, 0)
         tiles = -(-n // 128) * -(-v // 128)  # (sized for all N rows: the count stays on the device)
     assert grid == (min(132, tiles),) and bound["NUM_PROGRAMS"] == grid[0]
+    # the dz epilogue masks columns only in a chunk that reaches past V (past VC the TMA store clips)
+    assert bound["COL_MASK"] is False
+    if dz:
+        launch(out, v - 200, 264)  # the last chunk, padded past V
+        assert calls[-1][2]["COL_MASK"] is True and calls[-1][1][names.index("v_off")] == v - 200
 
 
 def _sm90() -> bool:
