@@ -36,7 +36,7 @@ gather stays eager, the matmul+loss is compiled); Liger ``LigerFusedLinearCrossE
 the gathered rows; Cut Cross-Entropy ``linear_cross_entropy(..., impl="cce")`` on all rows with
 ``ignore_index``. A peer whose import fails is recorded "unavailable".
 
-Usage (GPU): ``PYTHONPATH=/tmp/site python benchmarks/masked_lm_loss.py [--budget-s 115] [--cases a,b]``
+Usage (GPU): ``PYTHONPATH=/tmp/site python benchmarks/masked_lm_loss.py [--budget-s 160] [--cases a,b]``
 (cases: bert-base-mlm, bert-large-mlm, gpt2-lm). Rows go to
 ``benchmarks/results/masked_lm_loss_<card>_<date>.csv`` and ``$OUT/masked_lm_loss.csv``, rewritten
 after every case so a timeout keeps what was measured. Past 60% of the budget torch.compile (whose
@@ -320,7 +320,7 @@ def time_impl(args, row, rows, name, fn, hidden, weight, target, ref_loss, ref_d
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--budget-s", type=float, default=115.0)
+    ap.add_argument("--budget-s", type=float, default=160.0)  # (115 left GPT-2's torch.compile out: run180)
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU under TRITON_INTERPRET=1")
     args = ap.parse_args()
