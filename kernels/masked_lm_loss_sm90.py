@@ -22,8 +22,12 @@ fastest, as the Triton kernel does, with three partitions:
     mainloop runs. Under a ``max_valid`` bound, tiles whose rows all lie past the device count take no k-steps
     (no loads, no GEMM; the loader and both warpgroups count the same ring steps) and store their zeros.
 
-The arithmetic is the Triton kernel's, expression for expression (``_tile_stats``, ``_dlogits_tile``), so
-the two kernels' outputs agree to the accumulation order of the wgmma instructions. Gluon kernels do not run
+The forward's arithmetic is the Triton kernel's, expression for expression (``_tile_stats``); dz is the same
+quantity as ``_dlogits_tile``'s, formed as g p - g ((1 - eps) onehot + eps / V) with one select and one FMA an
+element (run177-179: a third fewer instructions in the latency-bound epilogue; its single rounding could differ
+from the Triton kernel's two in the last fp32 bit, which bf16 hides: the dz compared in run178-179 over 19-63 M
+elements was bitwise equal). Otherwise the two kernels' outputs can differ only by the wgmma instructions'
+accumulation order. Gluon kernels do not run
 under the interpreter: the CPU tests compile this one for sm_90 (``tests/test_gluon_sm90_compile.py``), the GPU
 tests compare it with the Triton kernel and the reference.
 """
@@ -62,8 +66,8 @@ def _ksteps(pid, t, m_tiles, live_rows, ksteps, DZ: gl.constexpr, NUM_PROGRAMS: 
 
 @gluon.jit
 def _loader(a_desc, w_desc, a_smem, w_smem, ready_bar, empty_bar, n_rows, live_rows, VC, H, v_off,
-            DZ: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-            STAGES: gl.constexpr):
+            DZ: gl.constexpr, NUM_PROGRAMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     m_tiles = gl.cdiv(n_rows, BLOCK_M)
     n_tiles = m_tiles * gl.cdiv(VC, BLOCK_N)
     ksteps = gl.cdiv(H, BLOCK_K)
