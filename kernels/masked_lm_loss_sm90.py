@@ -186,10 +186,19 @@ def _consumer(WG: gl.constexpr, a_smem, w_smem, o_smem, out_desc, ready_bar, emp
             fence_async_shared()
             tma.async_copy_shared_to_global(out_desc, [off_m, off_c], buf)
         else:
-            if HAS_BIAS:
+            # columns past V (the weight's rows past V read as 0 by TMA) are -inf in the row max and sum: through
+            # the bias's masked load, or a per-column 0 / -inf added by the same FMA that scales by log2 e (not
+            # a select an element)
+            if HAS_BIAS and not SMOOTH:
+                bias = gl.load(b_ptr + offs_n.to(gl.int64) * stride_b, mask=mask_n,
+                               other=float("-inf")).to(gl.float32)
+                z2 = (acc + gl.expand_dims(bias, 0)) * LOG2E
+            elif HAS_BIAS:  # (smoothing's row sum needs the masked columns' 0; this way ptxas spills nothing)
                 bias = gl.load(b_ptr + offs_n.to(gl.int64) * stride_b, mask=mask_n, other=0.0).to(gl.float32)
                 acc = acc + gl.expand_dims(bias, 0)
-            z2 = gl.where(gl.expand_dims(mask_n, 0), acc * LOG2E, float("-inf"))
+                z2 = gl.where(gl.expand_dims(mask_n, 0), acc * LOG2E, float("-inf"))
+            else:
+                z2 = acc * LOG2E + gl.expand_dims(gl.where(mask_n, 0.0, float("-inf")), 0)
             m = gl.max(z2, axis=1)
             s = gl.sum(gl.exp2(z2 - gl.expand_dims(m, 1)), axis=1)
             out = pid_n.to(gl.int64) * N + offs_m
