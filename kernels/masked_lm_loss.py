@@ -47,9 +47,10 @@ is multiplied by a stride):
    ``benchmarks/dev/mlm_tma_probe.py``): BERT-base forward 0.298 vs 0.317 ms, sized backward 0.77 vs
    1.01 ms; GPT-2 forward 1.24 vs 1.47 ms, backward 4.29 vs 5.44 ms (pointer kernels). Hopper's automatic
    warp specialisation (``warp_specialize=True``) leaves the sm_90 code unchanged in Triton 3.6
-   (``benchmarks/dev/sm90_codegen.py``), so on sm_90 the sized backward's dz (and the forward with a bias)
-   run the warp-specialised Gluon kernel of ``masked_lm_loss_sm90`` instead (``_sm90``, ``SM90_DZ`` /
-   ``SM90_FWD``: 1.21x for dz at BERT-base, H100 run166), with the same arguments and outputs.
+   (``benchmarks/dev/sm90_codegen.py``), so on sm_90 the sized backward's dz and the forward's
+   statistics run the warp-specialised Gluon kernel of ``masked_lm_loss_sm90`` instead (``_sm90``, ``SM90_DZ``
+   / ``SM90_FWD``: 1.21x for dz at BERT-base, H100 run166; the forward 1.29-1.36x with a bias, 1.02-1.05x
+   without one, run181-182), with the same arguments and outputs.
    Otherwise, and for fp32, the pointer kernels 1 and 2a:
 1. ``_masked_lm_loss_fwd_kernel``, grid (N / BLOCK_M row blocks, SPLIT vocabulary slices): for its
    rows and its slice of V it computes logit tiles with ``tl.dot`` (K loop over H) and keeps an
@@ -966,7 +967,9 @@ def masked_lm_loss_fwd(hidden: torch.Tensor, weight: torch.Tensor, target: torch
         zt_buf = part() if zt else m_s[0]
         return m_s + [zt_buf, part() if smooth else zt_buf]
 
-    sm90 = bias is not None and _sm90(hidden, False)  # (without a bias the Triton tiles are as fast: run166)
+    # (the Gluon forward: 1.29-1.36x the Triton 256 x 128 tiles with a bias, 1.02-1.05x without one since its
+    # epilogue lost the select an element: run181-182)
+    sm90 = _sm90(hidden, False)
     if sm90:
         split = _tuning.cdiv(v, _sm90_config(False)[1])
     else:
@@ -1018,9 +1021,11 @@ WAVE_CHUNKS = os.environ.get("PYKERNELS_MLM_WAVE_CHUNKS", "1") not in ("", "0")
 # epilogues run while the other consumer warpgroup's GEMMs do. H100 run166 (device time a launch,
 # benchmarks/dev/mlm_logits_sm90.py; outputs bitwise the Triton kernel's): the sized backward's dz 1.21x at
 # BERT-base (a 7680-column chunk 68 -> 56 us), 1.16-1.19x BERT-large, 1.23-1.27x GPT-2, 1.32-1.42x with a bias;
-# the forward 1.25x with a bias (BERT-base 232 -> 185 us) and 0.96-1.01x without one, so the forward takes
+# the forward 1.25x with a bias (BERT-base 232 -> 185 us) and 0.96-1.01x without one, so the forward took
 # it only with a bias. A public forward+backward's kernel time at BERT-base 837-847 -> 818 us, GPT-2 4505-4551
-# -> 4295. PYKERNELS_MLM_SM90=0 keeps the Triton kernel for both; "fwd" or "dz" takes it for that one only.
+# -> 4295. Since the forward's epilogue lost its select an element (run181-183) it is 1.02-1.05x the Triton
+# forward without a bias too, and the forward always takes it (public GPU time 0.793 -> 0.787-0.792 ms at
+# BERT-base, 4.42-4.43 -> 4.34-4.38 at GPT-2, run183). PYKERNELS_MLM_SM90=0 keeps the Triton kernel for both; "fwd" or "dz" takes it for that one only.
 _SM90_ENV = os.environ.get("PYKERNELS_MLM_SM90", "1").strip().lower()
 SM90_FWD = _SM90_ENV in ("1", "fwd")
 SM90_DZ = _SM90_ENV in ("1", "dz")

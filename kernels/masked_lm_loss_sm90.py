@@ -22,7 +22,9 @@ fastest, as the Triton kernel does, with three partitions:
     mainloop runs. Under a ``max_valid`` bound, tiles whose rows all lie past the device count take no k-steps
     (no loads, no GEMM; the loader and both warpgroups count the same ring steps) and store their zeros.
 
-The forward's arithmetic is the Triton kernel's, expression for expression (``_tile_stats``); dz is the same
+The forward's arithmetic is the Triton kernel's (``_tile_stats``), its partials bitwise equal (run181): the columns
+past V become -inf through the bias's masked load, or without a bias through a per-column 0 / -inf that the
+log2 e FMA adds, rather than a select an element (bias with smoothing keeps the select); dz is the same
 quantity as ``_dlogits_tile``'s, formed as g p - g ((1 - eps) onehot + eps / V) with one select and one FMA an
 element (run177-179: a third fewer instructions in the latency-bound epilogue; its single rounding could differ
 from the Triton kernel's two in the last fp32 bit, which bf16 hides: the dz compared in run178-179 over 19-63 M

@@ -850,8 +850,8 @@ def _sm90() -> bool:
     (513, 128, 1000, 1.0, True, 0.0),      # every row valid, 5 row blocks
 ])
 def test_gpu_sm90_logits_kernel_equals_the_triton_kernel(n, h, v, frac, bias, ls):
-    # kernels/masked_lm_loss_sm90.py takes _logits_tma_kernel's place on sm_90 (the backward's dz always, the
-    # forward with a bias): the same partials and dz, chunk by chunk, with the host count, with a bound above
+    # kernels/masked_lm_loss_sm90.py takes _logits_tma_kernel's place on sm_90 (the backward's dz and the
+    # forward's statistics): the same partials and dz, chunk by chunk, with the host count, with a bound above
     # the count (rows past it 0) and with a wrong host count (NaN in every used column)
     from pykernels._kernels import masked_lm_loss_sm90 as sm90
     hidden, weight, target, b = _inputs((n,), h, v, torch.bfloat16, "cuda", frac=frac, bias=bias)
