@@ -54,18 +54,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="bert,gpt2")
     args = ap.parse_args()
+    from mlm_kernel_probe import make
+
     from pykernels._kernels import masked_lm_loss as kmod
     from pykernels._kernels import masked_lm_loss_sm90 as g
     d_mod = direct_variant()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
     for name in args.cases.split(","):
         n, m, h, v = CASES[name]
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=gen)
-        weight = (torch.randn(v, h, device="cuda", generator=gen) * h**-0.5).to(torch.bfloat16)
-        target = torch.full((n,), -100, device="cuda")
-        pos = torch.randperm(n, device="cuda", generator=gen)[:m]
-        target[pos] = torch.randint(0, v, (m,), device="cuda", generator=gen)
+        hidden, weight, target = (t.detach() for t in make(n, m, h, v))
         rows, count, _, _ = kmod.compact(target, -100)
         hc = kmod.gather_rows(hidden, rows, count)
         _, lse = kmod.masked_lm_loss_fwd(hidden, weight, target, None, rows, count, label_smoothing=0.0)
