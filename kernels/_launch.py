@@ -335,6 +335,26 @@ def fast(kernel) -> FastKernel:
     return fk
 
 
+_TensorDescriptor = None
+
+
+def host_descriptor(t: torch.Tensor, shape: list, strides: list, block_shape: list, layout):
+    """A Gluon host TMA descriptor (``triton.experimental.gluon.nvidia.hopper.TensorDescriptor``) over ``t``
+    with these fields, set directly: ``TensorDescriptor.__post_init__`` re-checks (16-byte base and strides, unit
+    last stride, positive shape) what the callers' TMA rules established, at ~2 us a descriptor. A kernel that
+    takes it as an argument gets it encoded by the launcher, not made on the device (which cost several us a
+    CTA before its first load: the attention forward's run31)."""
+    global _TensorDescriptor
+    if _TensorDescriptor is None:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        _TensorDescriptor = TensorDescriptor
+    desc = object.__new__(_TensorDescriptor)
+    desc.base = t
+    desc.shape, desc.strides, desc.block_shape, desc.layout = shape, strides, block_shape, layout
+    desc.padding = "zero"
+    return desc
+
+
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` with the cached fast path; returns what Triton returns."""
     return fast(kernel).call(grid, args, kwargs)

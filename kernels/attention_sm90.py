@@ -657,9 +657,6 @@ def _flat_geometry(shape, strides, block_rows: int):
     return rows, sm
 
 
-_TensorDescriptor = None
-
-
 def _descriptor_fields(geometry, block_rows: int, d: int, layout) -> tuple:
     """(shape, strides, block shape, layout) of the host descriptor of ``_flat_geometry``'s ``geometry``
     (rows, row stride): what ``_descriptor`` sets (the lists are only read by the launcher)."""
@@ -668,18 +665,8 @@ def _descriptor_fields(geometry, block_rows: int, d: int, layout) -> tuple:
 
 
 def _descriptor(t: torch.Tensor, fields):
-    """The host descriptor over ``t`` with ``_descriptor_fields``' ``fields``. They are set directly:
-    TensorDescriptor.__post_init__ re-checks what ``_tma_ok`` and the geometry established (16-byte base and
-    strides, unit last stride, positive shape) at ~2 us a descriptor."""
-    global _TensorDescriptor
-    if _TensorDescriptor is None:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-        _TensorDescriptor = TensorDescriptor
-    desc = object.__new__(_TensorDescriptor)
-    desc.base = t
-    desc.shape, desc.strides, desc.block_shape, desc.layout = fields
-    desc.padding = "zero"
-    return desc
+    """The host descriptor over ``t`` with ``_descriptor_fields``' ``fields`` (``_launch.host_descriptor``)."""
+    return _launch.host_descriptor(t, *fields)
 
 
 def _flat_descriptor(t: torch.Tensor, block_rows: int, layout):

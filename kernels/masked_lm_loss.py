@@ -911,16 +911,19 @@ def _logits_tma(hc, weight, bias, target, rows, count, lse, grad_loss, partials,
 
 
 def _tile_launcher(kernel, hc, weight, bias, target, rows, count, lse, grad_loss, parts, *, n, n_rows,
-                   label_smoothing, dz, capacity, block_m, block_n, programs, flags, col_mask=False):
+                   label_smoothing, dz, capacity, block_m, block_n, programs, flags, col_mask=False,
+                   descriptors=None):
     """``launch(out, v_off, vc)`` of a persistent logit-tile kernel, ``_logits_tma_kernel`` or the Gluon
     ``masked_lm_loss_sm90._logits_sm90_kernel`` (``kernel``: its fast launcher), which take the same runtime
     parameters in the same order (``parts``: the partials that kernel reads, ``flags``: its constexprs and
     compile options; ``col_mask``: the kernel takes a ``COL_MASK`` constexpr, set for a chunk that reaches
-    past V). The grid is one program per SM, at most one per (block_m x block_n) tile."""
+    past V; ``descriptors``: (hc's, weight's, ``f(out, vc)`` giving out's) host TMA descriptors, passed where the
+    Triton kernel takes the three pointers). The grid is one program per SM, at most one per (block_m x
+    block_n) tile."""
     v, h = weight.shape
     cap = int(capacity)
     row_tiles = _tuning.cdiv(hc.shape[0] if n_rows < 0 else n_rows, block_m)
-    head = (hc, weight)
+    head = (hc, weight) if descriptors is None else descriptors[:2]
     mid = ((bias if bias is not None else weight, target, rows, count, lse, grad_loss) + tuple(parts)
            + (n, v, h, hc.shape[0]))
     strides = (hc.stride(0), weight.stride(0))
@@ -931,7 +934,8 @@ def _tile_launcher(kernel, hc, weight, bias, target, rows, count, lse, grad_loss
             out = hc  # placeholder, never read
         grid = max(1, min(programs, row_tiles * _tuning.cdiv(vc, block_n)))
         extra = {"COL_MASK": v_off + vc > v} if col_mask else {}
-        kernel[(grid,)](*head, out, *mid, v_off, vc, n_rows, cap, *strides, out.stride(0), *tail,
+        o = out if descriptors is None else descriptors[2](out, vc)
+        kernel[(grid,)](*head, o, *mid, v_off, vc, n_rows, cap, *strides, out.stride(0), *tail,
                         NUM_PROGRAMS=grid, **flags, **extra)
     return launch
 

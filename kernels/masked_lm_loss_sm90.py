@@ -22,6 +22,10 @@ fastest, as the Triton kernel does, with three partitions:
     mainloop runs. Under a ``max_valid`` bound, tiles whose rows all lie past the device count take no k-steps
     (no loads, no GEMM; the loader and both warpgroups count the same ring steps) and store their zeros.
 
+The three matrices come as host-built TMA descriptors (``_launch.host_descriptor``; the launcher encodes them),
+not made on the device at each CTA's start as the Triton kernel's are: every vocabulary chunk is a launch (4 at
+BERT-base, 22 at GPT-2), and the attention forward measured several microseconds a CTA for device-made ones.
+
 The forward's arithmetic is the Triton kernel's (``_tile_stats``), its partials bitwise equal (run181): the columns
 past V become -inf through the bias's masked load, or without a bias through a per-column 0 / -inf that the
 log2 e FMA adds, rather than a select an element (bias with smoothing keeps the select); dz is the same
@@ -215,25 +219,28 @@ def _consumer(WG: gl.constexpr, a_smem, w_smem, o_smem, out_desc, ready_bar, emp
 
 @gluon.jit
 def _logits_sm90_kernel(
-    a_ptr,          # (R, H) compacted hidden rows, row stride lda (16-byte multiple), columns contiguous
-    w_ptr,          # (V, H) weight, row stride stride_wv (16-byte multiple), columns contiguous
-    out_ptr,        # DZ: (M, VC) dlogits of the chunk, row stride ldo (16-byte multiple); else unused
+    a_desc,         # host TMA descriptor over the (R, H) compacted hidden rows, block (BLOCK_M, BLOCK_K)
+    w_desc,         # over the (V, H) weight, block (BLOCK_N, BLOCK_K) (rows past V read as 0)
+    out_desc,       # DZ: over the chunk's (n_rows, VC) dlogits, block (BLOCK_M, BLOCK_N) (stores clipped); else
+                    # a_desc again (unused)
     b_ptr, tgt_ptr, rows_ptr, count_ptr,
     lse_ptr, gloss_ptr,                     # DZ: saved lse and upstream grad, by position
     part_m_ptr, part_s_ptr, part_zsum_ptr,  # not DZ: (n_vtiles, N) per-tile partials
     N, V, H, R, v_off, VC,
     n_rows,         # rows to cover (-1: the device count)
     capacity,       # 1: n_rows is an upper bound (max_valid): only a device count above it poisons
-    lda, stride_wv, ldo, stride_b, stride_g, smooth_eps,
+    lda, stride_wv, ldo,  # (the descriptors carry these: unused here, the Triton kernel's positions)
+    stride_b, stride_g, smooth_eps,
     NUM_PROGRAMS: gl.constexpr, DZ: gl.constexpr, HAS_BIAS: gl.constexpr, SMOOTH: gl.constexpr,
     COL_MASK: gl.constexpr,  # dz: the chunk reaches past V (the launcher sets it per chunk)
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    a_layout: gl.constexpr, w_layout: gl.constexpr, o_layout: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
-    """The arguments of ``_logits_tma_kernel`` (less the target-logit partials); num_warps = 4 (the default
-    partition is one consumer warpgroup)."""
+    """The arguments of ``_logits_tma_kernel`` (less the target-logit partials), with host-built descriptors in
+    place of its three matrix pointers (a descriptor made on the device costs each CTA microseconds before its
+    first load; every chunk is a launch); num_warps = 4 (the default partition is one consumer warpgroup)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    dtype: gl.constexpr = a_desc.dtype
     count = gl.load(count_ptr)
     # the forward covers the device count (n_rows = -1); the sized backward its host count (or bound), and if
     # the device contradicts it every dz is NaN (as in the Triton kernels)
@@ -243,17 +250,12 @@ def _logits_sm90_kernel(
     # under a bound (max_valid) the row tiles wholly past the device count are skipped (no loads, no GEMM: dz
     # 0); with a contradicting count (NaN everywhere) or without a bound every tile runs
     live_rows = gl.where((capacity != 0) & (mismatch == 0), gl.minimum(count, n_rows), n_rows)
-    a_desc = tma.make_tensor_descriptor(a_ptr, [R, H], [lda, 1], [BLOCK_M, BLOCK_K], a_layout)
-    w_desc = tma.make_tensor_descriptor(w_ptr, [V, H], [stride_wv, 1], [BLOCK_N, BLOCK_K], w_layout)
-    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
-    w_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_layout)
+    a_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     if DZ:
-        # rows past n_rows and columns past VC are clipped on store
-        out_desc = tma.make_tensor_descriptor(out_ptr, [n_rows, VC], [ldo, 1], [BLOCK_M, BLOCK_N], o_layout)
-        o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], o_layout)
+        o_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], out_desc.layout)
     else:
-        out_desc = a_desc  # (unused)
-        o_smem = a_smem
+        o_smem = a_smem  # (unused)
     ready_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -296,17 +298,25 @@ def logits(hc, weight, bias, target, rows, count, lse, grad_loss, partials, *, n
     statistics into ``partials`` (m, s, zsum; the combine kernel computes the target logit). ``n_rows`` (the
     host count or a ``max_valid`` bound) must be at most N: the epilogue reads ``rows[:n_rows]`` and indexes the
     targets, lse and upstream gradient with them (the op checks it; a bound past N read past the compacted
-    rows and faulted on a garbage index, run173-174)."""
+    rows and faulted on a garbage index, run173-174). ``hc``, ``weight`` and ``out`` take TMA descriptors: 16-byte
+    aligned bases and row strides, unit column strides (``masked_lm_loss.tma_applies``)."""
     cfg = cfg or (DZ_CONFIG if dz else FWD_CONFIG)
     bm, bn, bk, stages = cfg
-    _tuning.ensure_allocator()
     parts = (partials[0], partials[1], partials[3]) if partials is not None else (lse,) * 3
     al, wl, ol = smem_layouts(cfg, hc.dtype)
+    (r, h), v = hc.shape, weight.shape[0]
+    a_desc = _launch.host_descriptor(hc, [r, h], [hc.stride(0), 1], [bm, bk], al)
+    w_desc = _launch.host_descriptor(weight, [v, h], [weight.stride(0), 1], [bn, bk], wl)
+
+    def out_desc(out, vc):
+        """The chunk's dz, clipped to (n_rows, vc) on store (the forward's placeholder: a_desc, never read)."""
+        return _launch.host_descriptor(out, [n_rows, vc], [out.stride(0), 1], [bm, bn], ol) if dz else a_desc
+
     flags = dict(DZ=dz, HAS_BIAS=bias is not None, SMOOTH=label_smoothing > 0.0, BLOCK_M=bm, BLOCK_N=bn,
-                 BLOCK_K=bk, STAGES=stages, a_layout=al, w_layout=wl, o_layout=ol, num_warps=4, maxnreg=MAX_REGS)
+                 BLOCK_K=bk, STAGES=stages, num_warps=4, maxnreg=MAX_REGS)
     # (``kernel[grid]`` costs 60-85 us of host time a launch there: the fast launcher, as for the Triton kernels)
     return _tile_launcher(_launch.fast(_logits_sm90_kernel), hc, weight, bias, target, rows, count, lse,
                           grad_loss, parts, n=n, n_rows=n_rows, label_smoothing=label_smoothing, dz=dz,
                           capacity=capacity, block_m=bm, block_n=bn,
                           programs=_tuning.device_properties(hc.device).multi_processor_count, flags=flags,
-                          col_mask=True)
+                          col_mask=True, descriptors=(a_desc, w_desc, out_desc))

@@ -784,7 +784,8 @@ def test_gpu_compaction_kernel_at_scale(n, frac):
 def test_sm90_logits_launch_binds_the_kernel_signature(monkeypatch, dz):
     # The Gluon kernel runs only on an H100/H200; its host side runs here: every launch argument must land on
     # the kernel parameter of that name (a reordered signature would otherwise show only on the GPU), with the
-    # grid and constexprs the sized backward and the forward need.
+    # grid and constexprs the sized backward and the forward need, and host TMA descriptors over the rows, the
+    # weight and (dz) the chunk's output, clipped to (n_rows, VC).
     from pykernels._kernels import masked_lm_loss_sm90 as sm90
     calls = []
 
@@ -813,7 +814,12 @@ def test_sm90_logits_launch_binds_the_kernel_signature(monkeypatch, dz):
     bound = dict(zip(names, args))
     assert not set(bound) & set(kwargs) and set(bound) | set(kwargs) == set(names) | {"maxnreg"}
     bound.update(kwargs)
-    assert bound["a_ptr"] is hc and bound["w_ptr"] is weight and bound["b_ptr"] is bias
+    bm, bn, bk, _ = sm90.DZ_CONFIG if dz else sm90.FWD_CONFIG
+    a_desc, w_desc = bound["a_desc"], bound["w_desc"]
+    assert a_desc.base is hc and (a_desc.shape, a_desc.strides, a_desc.block_shape) == ([n, h], [h, 1], [bm, bk])
+    assert w_desc.base is weight and (w_desc.shape, w_desc.strides, w_desc.block_shape) == ([v, h], [h + 8, 1],
+                                                                                            [bn, bk])
+    assert bound["b_ptr"] is bias
     assert bound["tgt_ptr"] is target and bound["rows_ptr"] is rows and bound["count_ptr"] is count
     assert (bound["N"], bound["V"], bound["H"], bound["R"]) == (n, v, h, n)
     assert (bound["lda"], bound["stride_wv"], bound["stride_b"]) == (h, h + 8, 2)
@@ -822,11 +828,15 @@ def test_sm90_logits_launch_binds_the_kernel_signature(monkeypatch, dz):
     assert (bound["BLOCK_M"], bound["BLOCK_N"], bound["BLOCK_K"], bound["STAGES"]) == cfg
     assert bound["num_warps"] == 4 and bound["maxnreg"] == sm90.MAX_REGS
     if dz:
-        assert bound["out_ptr"] is out and bound["ldo"] == 264 and bound["lse_ptr"] is lse
+        o_desc = bound["out_desc"]
+        assert o_desc.base is out and (o_desc.shape, o_desc.strides, o_desc.block_shape) == ([m, 264], [264, 1],
+                                                                                            [bm, bn])
+        assert bound["ldo"] == 264 and bound["lse_ptr"] is lse
         assert bound["gloss_ptr"] is grad and bound["stride_g"] == 3
         assert (bound["v_off"], bound["VC"], bound["n_rows"], bound["capacity"]) == (256, 264, m, 1)
         tiles = -(-m // 128) * -(-264 // 128)
     else:
+        assert bound["out_desc"] is a_desc  # (a placeholder the forward never reads)
         assert all(bound[k] is parts[i] for k, i in (("part_m_ptr", 0), ("part_s_ptr", 1), ("part_zsum_ptr", 3)))
         assert (bound["v_off"], bound["VC"], bound["n_rows"], bound["capacity"]) == (0, v, -1, 0)
         tiles = -(-n // 128) * -(-v // 128)  # (sized for all N rows: the count stays on the device)

@@ -32,25 +32,31 @@ DZ_CONFIGS = [(128, 128, 64, 4), (128, 128, 64, 5)]
 
 def compile_only() -> None:
     import attention_sm90_gluon_ws as ws
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
 
     from pykernels._kernels import masked_lm_loss_sm90 as g
     fn = g._logits_sm90_kernel
     consts_names = {"NUM_PROGRAMS", "DZ", "HAS_BIAS", "SMOOTH", "COL_MASK", "BLOCK_M", "BLOCK_N", "BLOCK_K",
-                    "STAGES", "a_layout", "w_layout", "o_layout", "num_warps"}
+                    "STAGES", "num_warps"}
     sig = {}
     for p in fn.params:
         n = p.name
-        sig[n] = ("*bf16" if n in ("a_ptr", "w_ptr", "out_ptr", "b_ptr") else "*i64" if n == "tgt_ptr"
+        sig[n] = ("*bf16" if n == "b_ptr" else "*i64" if n == "tgt_ptr"
                   else "*i32" if n in ("rows_ptr", "count_ptr") else "*fp32" if n.endswith("_ptr")
                   else "fp32" if n == "smooth_eps" else "constexpr" if n in consts_names else "i32")
+    t = torch.empty(4096, 768, dtype=torch.bfloat16)  # (a CPU stand-in: only the descriptors' types matter)
     for dz in (False, True):
         cfg = g.DZ_CONFIG if dz else g.FWD_CONFIG
         for bias, smooth in ((False, False), (True, True)):
             al, wl, ol = g.smem_layouts(cfg, torch.bfloat16)
             bm, bn, bk, stages = cfg
+            ad, wd, od = (mangle_type(TensorDescriptor.from_tensor(t, blk, lay))
+                          for blk, lay in (([bm, bk], al), ([bn, bk], wl), ([bm, bn], ol)))
+            sig.update(a_desc=ad, w_desc=wd, out_desc=od if dz else ad)
             # (dz with a bias and smoothing: the last chunk's column mask too, the most live state)
             consts = dict(NUM_PROGRAMS=132, DZ=dz, HAS_BIAS=bias, SMOOTH=smooth, COL_MASK=dz and bias, BLOCK_M=bm,
-                          BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, a_layout=al, w_layout=wl, o_layout=ol, num_warps=4)
+                          BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=4)
             report = ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=g.MAX_REGS))
             print(f"mlm-sm90 {'dz' if dz else 'fwd'} cfg{cfg} bias={bias} smooth={smooth}: {report}", flush=True)
 
