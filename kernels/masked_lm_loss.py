@@ -1029,7 +1029,8 @@ WAVE_CHUNKS = os.environ.get("PYKERNELS_MLM_WAVE_CHUNKS", "1") not in ("", "0")
 # it only with a bias. A public forward+backward's kernel time at BERT-base 837-847 -> 818 us, GPT-2 4505-4551
 # -> 4295. Since the forward's epilogue lost its select an element (run181-183) it is 1.02-1.05x the Triton
 # forward without a bias too, and the forward always takes it (public GPU time 0.793 -> 0.787-0.792 ms at
-# BERT-base, 4.42-4.43 -> 4.34-4.38 at GPT-2, run183). PYKERNELS_MLM_SM90=0 keeps the Triton kernel for both; "fwd" or "dz" takes it for that one only.
+# BERT-base, 4.42-4.43 -> 4.34-4.38 at GPT-2, run183). PYKERNELS_MLM_SM90=0 keeps the Triton kernel for both;
+# "fwd" or "dz" takes it for that one only.
 _SM90_ENV = os.environ.get("PYKERNELS_MLM_SM90", "1").strip().lower()
 SM90_FWD = _SM90_ENV in ("1", "fwd")
 SM90_DZ = _SM90_ENV in ("1", "dz")

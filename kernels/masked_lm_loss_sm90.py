@@ -26,7 +26,8 @@ The three matrices come as host-built TMA descriptors (``_launch.host_descriptor
 not made on the device at each CTA's start as the Triton kernel's are: every vocabulary chunk is a launch (4 at
 BERT-base, 22 at GPT-2), and the attention forward measured several microseconds a CTA for device-made ones.
 
-The forward's arithmetic is the Triton kernel's (``_tile_stats``), its partials bitwise equal (run181): the columns
+The forward's arithmetic is the Triton kernel's (``_tile_stats``; the merged lse bitwise equal without a bias, within
+2e-6 with one, as before: the bias add's order, run181-186): the columns
 past V become -inf through the bias's masked load, or without a bias through a per-column 0 / -inf that the
 log2 e FMA adds, rather than a select an element (bias with smoothing keeps the select); dz is the same
 quantity as ``_dlogits_tile``'s, formed as g p - g ((1 - eps) onehot + eps / V) with one select and one FMA an
