@@ -1081,10 +1081,14 @@ def _chunk_columns(n: int, v: int, elem: int, budget: int, waves: tuple[int, int
     if waves is None:
         return even
     row_tiles, bn, programs = waves
+    cdiv = _tuning.cdiv
+
+    def rounds(width: int) -> int:  # a chunk's rounds of tiles over the programs
+        return cdiv(row_tiles * cdiv(width, bn), programs)
+
     best, width = None, even
-    for w in range(-(-(-(-v // chunks)) // bn) * bn, vc + 1, bn):  # (integer arithmetic: on every backward)
-        r = ((chunks - 1) * -(-(row_tiles * -(-w // bn)) // programs)
-             + -(-(row_tiles * -(-(v - (chunks - 1) * w) // bn)) // programs))
+    for w in range(cdiv(cdiv(v, chunks), bn) * bn, vc + 1, bn):
+        r = (chunks - 1) * rounds(w) + rounds(v - (chunks - 1) * w)
         if best is None or r < best:  # (the narrowest of the fewest rounds)
             best, width = r, w
     return width

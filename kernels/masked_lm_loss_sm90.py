@@ -227,7 +227,7 @@ def _logits_sm90_kernel(
     b_ptr, tgt_ptr, rows_ptr, count_ptr,
     lse_ptr, gloss_ptr,                     # DZ: saved lse and upstream grad, by position
     part_m_ptr, part_s_ptr, part_zsum_ptr,  # not DZ: (n_vtiles, N) per-tile partials
-    N, V, H, R, v_off, VC,
+    N, V, H, R, v_off, VC,  # (R: the descriptor's; unused here)
     n_rows,         # rows to cover (-1: the device count)
     capacity,       # 1: n_rows is an upper bound (max_valid): only a device count above it poisons
     lda, stride_wv, ldo,  # (the descriptors carry these: unused here, the Triton kernel's positions)
