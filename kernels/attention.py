@@ -83,7 +83,8 @@ S^T/dP^T wgmma tiles warps [8, 1] along BLOCK_N at 8 warps, so a 64-row tile the
 both warpgroups (those two products computed twice): BLOCK_N = 128 at 8 warps, BLOCK_N = 64 only at
 4 warps. Loops that run at most a few iterations (key / query tail, causal diagonal band) of the
 backward are not software-pipelined, which frees registers for the main loop.
-None of this has been timed on a GPU yet: the benchmark records the configs the autotuner picks.
+The D = 64 backward's entries are ordered by H100 timings (run190); the benchmark records the configs the
+autotuner picks.
 
 Limits: head dims up to 256 (padded to the next power of two >= 16 with masked loads; D=256 uses
 small tiles to fit shared memory), Dv may differ from D. fp16/bf16 use tensor-core dots with fp32
@@ -126,10 +127,13 @@ _TABLE = {
                   256: [(64, 32, 8, 2)]},
     # dK/dV: with 8 warps (two warpgroups) BLOCK_N must be >= 128, else the (BLOCK_N x BLOCK_M) S^T and
     # dP^T wgmma tiles (warps [8, 1] along BLOCK_N) are computed twice, once per warpgroup.
-    "dkdv": {64: [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)],
+    # D = 64 (dK/dV and dQ): ordered by the H100's timings at BERT-base, BERT key padding and GPT-2 causal (run190,
+    # benchmarks/dev/attention_bwd_configs.py: each kernel's candidates timed by its autotuner); the first entry, the
+    # default without autotuning, was the slowest one before (dK/dV 32x128/w8/s3 185 us against 135 at BERT-base).
+    "dkdv": {64: [(32, 64, 4, 4), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3)],
              128: [(32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 4, 3)],
              256: [(16, 32, 4, 2), (16, 64, 8, 2)]},
-    "dq": {64: [(128, 32, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+    "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
            128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)],
            256: [(32, 16, 8, 2), (32, 16, 4, 2)]},
     # Dropout (in-kernel Philox per score) needs registers: the entries above that spill with it are

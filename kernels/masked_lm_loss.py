@@ -83,7 +83,8 @@ is multiplied by a stride):
    cuBLAS fell back to a ~3x slower sm_80 kernel for BERT's 4922-column last chunk (H100, 2026-11-26).
    The dh GEMM stops at the chunk's last multiple of 8 columns; the rest (< 8 columns) is added by the
    dhidden scatter kernel, which reads the fp32 accumulator anyway (a second cuBLAS GEMM there read and
-   wrote all of it: 10 us at BERT-base), or, where every row is valid, by that second GEMM.
+   wrote all of it: 10 us at BERT-base, 17 us at GPT-2), also where every row is valid (rows[i] = i: the
+   scatter is then the accumulator's cast to dhidden, with the tail added).
    (Measured and dropped: the logits from a cuBLAS GEMM in the input dtype plus an in-place elementwise
    kernel, ~8% less GPU time on an H200 (run6), but the rounded logits no longer match the forward's
    fp32 lse exactly: at V = 1 the exact-zero gradient came out ~1e-7..1e-4 where eager gives 0.)
@@ -847,10 +848,12 @@ def gather_rows(hidden: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, n
 
 def scatter_rows(acc: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, target: torch.Tensor,
                  dhidden: torch.Tensor, ignore_index: int | None, capacity: bool = False,
-                 tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 tail: tuple[torch.Tensor, torch.Tensor] | None = None, covers_all: bool = False) -> None:
     """dhidden (N, H) contiguous <- ``acc`` (M, H) at positions ``rows[:M]``, 0 where the target is
     ``ignore_index`` (one launch; ``ignore_index`` None: zero-fill first, then scatter). ``tail``: (dz (M, T),
-    w (T, H)) with T < 8, whose product is added to acc in fp32 on the way."""
+    w (T, H)) with T < 8, whose product is added to acc in fp32 on the way. ``covers_all``: ``rows[:M]`` are
+    every position (M = N, the device count M), so the scatter alone writes all of dhidden: no zero fill and
+    no programs for ignored positions."""
     n, h = dhidden.shape
     m = acc.shape[0]
     acc = acc if acc.stride(1) == 1 else acc.contiguous()
@@ -861,14 +864,21 @@ def scatter_rows(acc: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, tar
             raise ValueError("scatter_rows: tail must be (dz (M, T), w (T, H)) with T < 8 and unit last strides")
     else:
         dt = wt = acc  # placeholders, never read (no tail columns)
-    if ignore_index is None:
-        dhidden.zero_()
+    if covers_all:
+        if m != n:
+            raise ValueError(f"scatter_rows: covers_all needs as many rows as positions, got {m} and {n}")
+        ignore_index = -1  # (unused: no ZERO_IGNORED programs)
+        zero_ignored = False
+    else:
+        zero_ignored = ignore_index is not None
+        if ignore_index is None:
+            dhidden.zero_()
     block_r, block_h = (16, 32) if _INTERPRET else (32, 256)
-    programs = _tuning.cdiv(m, block_r) + (_tuning.cdiv(n, block_r) if ignore_index is not None else 0)
+    programs = _tuning.cdiv(m, block_r) + (_tuning.cdiv(n, block_r) if zero_ignored else 0)
     _launch.fast(_scatter_rows_kernel)[(programs,)](
         acc, rows, count, target, dhidden, dt, wt, n, m, h, 0 if ignore_index is None else int(ignore_index),
         acc.stride(0), 0 if tail is None else dt.shape[1], dt.stride(0), wt.stride(0), int(capacity),
-        ZERO_IGNORED=ignore_index is not None, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+        ZERO_IGNORED=zero_ignored, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
 
 
 def _sm90_config(dz: bool) -> tuple:
@@ -1364,8 +1374,9 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 torch.sum(d, 0, dtype=torch.float32, out=db32[v_off:v_off + vc_c])
         if compute_dhidden:
             wc = weight[v_off:v_off + vc_c]
-            # K a multiple of 8 (as for dW above): the odd tail of the last chunk as its own tiny GEMM
-            # (or, when the rows are scattered at the end, the scatter kernel adds it: no pass over acc)
+            # K a multiple of 8 (as for dW above): the odd tail of the last chunk (< 8 columns) is added
+            # by the kernel that writes dhidden, which reads acc anyway (a cuBLAS GEMM for it read and wrote
+            # all of acc: 10 us at BERT-base, H100 run156; 17 us at GPT-2, run189)
             k8 = vc_c - vc_c % pad if vc_c > pad else vc_c
             if acc is None and vc_c == v and k8 == vc_c:
                 acc = torch.mm(d, wc)  # one chunk: cuBLAS accumulates the whole sum in fp32
@@ -1373,18 +1384,15 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 acc = _addmm_f32(acc, d, wc)
             else:
                 acc = _addmm_f32(acc, d[:, :k8], wc[:k8])
-                if all_rows:
-                    acc = _addmm_f32(acc, d[:, k8:], wc[k8:])
-                else:
-                    tail = (d[:, k8:].contiguous(), wc[k8:])  # (copied out: dl's memory becomes dhidden)
+                tail = (d[:, k8:].contiguous(), wc[k8:])  # (copied out: dl's memory becomes dhidden)
     if db32 is not None and db32 is not dbias:
         dbias.copy_(db32)
     if compute_dhidden:  # the dlogits are dead now: their memory becomes dhidden
         if not shared:
             del dl, d, d_pad  # the chunk buffer goes back to the allocator before dhidden takes its place
             dhidden = empty(n, h, dtype=hidden.dtype, device=dev)
-        if all_rows:
+        if all_rows and tail is None:
             dhidden.copy_(acc)
-        else:
-            scatter_rows(acc, rows, count, target, dhidden, ignore_index, capacity, tail)
+        else:  # (every row valid: rows[i] = i, so the scatter is a cast that adds the tail)
+            scatter_rows(acc, rows, count, target, dhidden, ignore_index, capacity, tail, covers_all=all_rows)
     return dhidden, dweight, dbias

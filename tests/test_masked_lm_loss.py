@@ -916,6 +916,39 @@ def test_gpu_sm90_logits_kernel_equals_the_triton_kernel(n, h, v, frac, bias, ls
     assert _launch.stats(sm90._logits_sm90_kernel)[0] > before
 
 
+@pytest.mark.parametrize("covers_all", [False, True])
+@pytest.mark.parametrize("n_tail", [0, 1, 7])
+def test_scatter_rows_adds_the_tail(device, covers_all, n_tail):
+    # The sized backward's last step: dhidden[rows[i]] = acc[i] + tail_dz[i] @ tail_w in fp32, cast once; 0 at
+    # ignored positions, or (covers_all: every position a row, as where every target is valid) no zero fill
+    # and no programs for ignored positions. dhidden is NaN-poisoned first: every position must be written.
+    n, h = 37, 40
+    if covers_all:
+        target = torch.randint(0, 50, (n,), device=device)
+    else:
+        target = torch.where(torch.rand(n, device=device) < 0.4, torch.randint(0, 50, (n,), device=device), IGN)
+        target[3] = 5
+    rows, count, _, _ = kmod.compact(target, IGN)
+    m = int(count.item())
+    acc = torch.randn(m, h, device=device)
+    tail = None
+    want = torch.zeros(n, h, device=device, dtype=torch.float64)
+    add = torch.zeros(m, h, device=device, dtype=torch.float64)
+    if n_tail:
+        dt = torch.randn(m, n_tail, device=device, dtype=torch.float16)
+        wt = torch.randn(n_tail, h, device=device, dtype=torch.float16)
+        tail = (dt, wt)
+        add = dt.double() @ wt.double()
+    want[rows[:m].long()] = acc.double() + add
+    dh = torch.full((n, h), float("nan"), device=device, dtype=torch.float16)
+    kmod.scatter_rows(acc, rows, count, target, dh, IGN, tail=tail, covers_all=covers_all)
+    torch.testing.assert_close(dh.double(), want.to(torch.float16).double(), rtol=2e-3, atol=2e-3)
+    assert (dh[target == IGN] == 0).all()
+    if not covers_all:
+        with pytest.raises(ValueError, match="covers_all"):
+            kmod.scatter_rows(acc, rows, count, target, dh, IGN, covers_all=True)
+
+
 def test_long_inputs_use_the_torch_compaction(device, monkeypatch):
     # Past COMPACT_KERNEL_MAX_N positions the kernel (each program reads every target) would be slow: torch's
     # scan is used, with the same results.
