@@ -92,10 +92,13 @@ def main() -> int:
     # (--smoke skips it: Inductor on CPU compiles C++, slow and not what is being checked.)
     compiled = None if args.no_compile or args.smoke else torch.compile(upcast, dynamic=False)
 
+    cuda_reason = pykernels.backends()["cuda"].reason
     impls = [
         ("pykernels", lambda x, t: pykernels.cross_entropy(x, t, backend="triton"), None),
         ("pykernels inplace_backward",
          lambda x, t: pykernels.cross_entropy(x, t, backend="triton", inplace_backward=True), None),
+        ("pykernels cuda (C++ op)", lambda x, t: pykernels.cross_entropy(x, t, backend="cuda"),
+         None if cuda_reason is None else f"unavailable ({cuda_reason[:60]})"),
         ("eager bf16" if not args.smoke else "eager", lambda x, t: F.cross_entropy(x, t), None),
         ("eager .float()", upcast, None),
         ("torch.compile .float()", compiled, None if compiled is not None else "skipped (--no-compile or --smoke)"),

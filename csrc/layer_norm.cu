@@ -46,6 +46,7 @@
 #include <string>
 #include <type_traits>
 
+#include "pack.cuh"
 #include "philox.cuh"
 
 namespace pykernels {
@@ -58,46 +59,6 @@ constexpr int kWarps = 8;  // rows per block (one warp each)
 constexpr int kThreads = kWarps * 32;
 constexpr int kMaxElemsPerLane = 32;  // registers: a backward thread keeps a row's share as raw packs
 constexpr int kMaxN16 = 8192, kMaxN32 = 4096;  // widest rows (fp16/bf16, fp32): 32 elements per thread
-
-template <typename T>
-struct Pack {
-  static constexpr int n = 16 / sizeof(T);
-};
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-template <typename T>
-__device__ __forceinline__ void load_pack(const T* p, float* out) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < Pack<T>::n; ++i) out[i] = to_f(e[i]);
-}
-
-template <typename T>
-__device__ __forceinline__ void store_pack(T* p, const float* in) {
-  uint4 raw;
-  T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < Pack<T>::n; ++i) e[i] = from_f<T>(in[i]);
-  *reinterpret_cast<uint4*>(p) = raw;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // Dropout keep decision of element ``index`` (row * N + col): Triton's tl.rand(seed, index) >= p
 __device__ __forceinline__ bool keep(uint64_t seed, int64_t index, float p) {

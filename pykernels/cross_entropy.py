@@ -7,6 +7,11 @@ second one-program kernel sums the row losses in a fixed order and divides by th
 counted on the device, or by ``num_valid``), the saved logsumexp (fp32) and the backward's scale
 (1/denominator): no host sync, two launches. The kernels and their design note are in
 ``kernels/cross_entropy.py``.
+
+The ``cuda`` backend is the CUDA C++ op ``torch.ops.pykernels_cuda.cross_entropy`` (``csrc/cross_entropy.cu``:
+the same algorithm, its autograd in C++), which serves plain eager calls (``cross_entropy`` routes them to
+it before the custom op, as ``layer_norm`` does); traced calls (torch.compile, dispatch modes) take the
+Triton custom op.
 """
 from __future__ import annotations
 
@@ -17,11 +22,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks
-from ._backend import check_backend_name, select
-from ._op import custom_op
+from ._backend import _availability, check_backend_name, default_backend, select
+from ._kernels._tuning import capturing
+from ._op import _plain_eager, custom_op
 
 _OP = "cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
+_REDUCTION_CODES = {"none": 0, "sum": 1, "mean": 2}  # the C++ op's (csrc/cross_entropy.cu)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,7 +85,43 @@ def _support(logits: Tensor, target: Tensor) -> dict:
     reason = None
     if logits.dtype == torch.float64:
         reason = "float64 logits (the kernel computes in fp32)"
-    return {"triton": reason}
+    return {"triton": reason, "cuda": reason or _CUDA_TRACED}
+
+
+# The C++ op serves plain eager calls (``cross_entropy`` routes them before the custom op); what reaches the
+# custom op with backend="cuda" is traced (torch.compile, make_fx, dispatch modes).
+_CUDA_TRACED = ("the cuda backend runs in eager mode only; under torch.compile and dispatch modes the op is "
+                "the Triton custom op (backend 'triton' or 'auto')")
+
+
+def _cuda_cover(x: Tensor, t: Tensor, num_valid: Tensor | None) -> str | None:
+    """None when the CUDA C++ op ``pykernels_cuda::cross_entropy`` covers the (N, V) call, else why not."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {x.dtype} (the CUDA kernels take float16, bfloat16 and float32)"
+    n, v = x.shape
+    if n >= 2**31 or v >= 2**31:
+        return f"(N, V) = {(n, v)}: the CUDA kernels take N and V below 2^31"
+    if not _plain_eager((x, t, num_valid)):
+        return "under torch.compile and dispatch modes the op is the Triton custom op (pykernels::cross_entropy_fwd)"
+    return None
+
+
+def _use_cuda(backend: str | None, x: Tensor, t: Tensor, num_valid: Tensor | None) -> bool:
+    """Whether this call runs the CUDA C++ op: asked for by name (raises when it cannot serve the call), or
+    ``auto`` on a CUDA device where the extension is built and covers the call, outside CUDA-graph capture
+    (in eager mode it comes before Triton: the same kernels' speed class, and its forward and backward cost no
+    Python host time)."""
+    if torch.compiler.is_compiling():  # traced: the Triton custom op
+        return False
+    requested = backend or default_backend()
+    if requested == "cuda":
+        select(_OP, "cuda", x.device, {"cuda": _cuda_cover(x, t, num_valid)})
+        return True
+    if requested != "auto" or x.device.type != "cuda" or _availability("cuda", x.device) is not None:
+        return False
+    if capturing(x.device):  # the host time the C++ op saves is gone in a graph; Triton's kernels there
+        return False
+    return _cuda_cover(x, t, num_valid) is None
 
 
 def _ref_fwd(logits: Tensor, target: Tensor, num_valid: Tensor | None, ignore_index: int,
@@ -253,7 +296,9 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
             of allocating a new (N, V) tensor. The logits tensor's contents are then overwritten by
             its gradient during backward, so the caller must not use them afterwards (autograd
             raises if another op saved them for its backward). Default False: never in place.
-        backend: ``"auto" | "triton" | "reference"`` or None (the current default).
+        backend: ``"auto" | "triton" | "cuda" | "reference"`` or None (the current default). ``"cuda"`` is
+            the CUDA C++ op (built with the extension; eager calls only), which ``"auto"`` takes for plain
+            eager calls on a GPU where it is built, outside CUDA-graph capture; else the Triton kernels.
 
     Returns:
         The loss in the logits' dtype: a 0-dim tensor, or ``target.shape`` for ``reduction="none"``
@@ -315,7 +360,11 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
                                  else torch.float32)
     elif num_valid is not None:
         nv_int = int(num_valid)
-    loss, _, _ = _fwd(x, t, nv_tensor, ignore_index, float(label_smoothing),
-                                                       float(z_loss), reduction, nv_int, inplace_backward,
-                                                       backend or "")
+    if _use_cuda(backend, x, t, nv_tensor):
+        loss = torch.ops.pykernels_cuda.cross_entropy(x, t, nv_tensor, ignore_index, float(label_smoothing),
+                                                      float(z_loss), _REDUCTION_CODES[reduction], nv_int,
+                                                      inplace_backward)
+    else:
+        loss, _, _ = _fwd(x, t, nv_tensor, ignore_index, float(label_smoothing), float(z_loss), reduction, nv_int,
+                          inplace_backward, backend or "")
     return loss.reshape(target.shape) if reduction == "none" and target.dim() != 1 else loss

@@ -433,13 +433,16 @@ def test_gpu_odd_shapes(N, V):
 
 
 @pytest.mark.gpu
-def test_gpu_auto_uses_triton_and_matches():
+def test_gpu_auto_uses_a_kernel_and_matches():
+    # auto takes the CUDA C++ op for plain eager calls where the extension is built, else Triton: bitwise the
+    # chosen backend's result, no fallback warning
     logits = torch.randn(2048, 50257, device="cuda", dtype=torch.bfloat16)
     target = _targets(2048, 50257, "cuda")
     with warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)  # no fallback on CUDA
         out = pykernels.cross_entropy(logits, target)
-    torch.testing.assert_close(out, pykernels.cross_entropy(logits, target, backend="triton"), rtol=0, atol=0)
+    chosen = "cuda" if _cuda_built() else "triton"
+    torch.testing.assert_close(out, pykernels.cross_entropy(logits, target, backend=chosen), rtol=0, atol=0)
     _check(logits, target, backend=None)
 
 
@@ -507,6 +510,187 @@ def test_gpu_int64_offsets():
     logits = torch.randn(N, V, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     target = torch.randint(0, V, (N,), device="cuda")
     rows = pykernels.cross_entropy(logits, target, reduction="none", backend="triton")
+    upstream = torch.randn(N, device="cuda")
+    rows.backward(upstream.to(rows.dtype))
+    tail = slice(N - 8, N)
+    x_tail = logits.detach()[tail].double().requires_grad_()
+    ref = cross_entropy_reference(x_tail, target[tail], reduction="none")
+    ref.backward(upstream[tail].to(torch.bfloat16).double())
+    torch.testing.assert_close(rows[tail].double(), ref.detach(), rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(logits.grad[tail].double(), x_tail.grad, rtol=1e-2, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA C++ backend (csrc/cross_entropy.cu): built on the GPU machine only
+# ---------------------------------------------------------------------------------------------
+
+def _cuda_built() -> bool:
+    return pykernels.backends()["cuda"].available
+
+
+needs_cuda_ext = pytest.mark.skipif(not torch.cuda.is_available() or not _cuda_built(),
+                                    reason="needs a CUDA device and the built extension pykernels._C")
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("N,V", [(4096, 30522), (2048, 50257), (8, 256000), (300, 1), (1000, 517), (3, 17),
+                                 (127, 1000), (1, 8)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cuda_backend(dtype, N, V, reduction):
+    logits = torch.randn(N, V, device="cuda", dtype=dtype) * 3
+    target = _targets(N, V, "cuda", ignore_frac=0.2)
+    _check(logits, target, backend="cuda", reduction=reduction)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("label_smoothing,z_loss", [(0.1, 0.0), (0.0, 1e-2), (0.25, 1e-3), (1.0, 0.0)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cuda_backend_smoothing_and_z_loss(dtype, label_smoothing, z_loss, reduction):
+    logits = torch.randn(777, 30522, device="cuda", dtype=dtype) * 2
+    target = _targets(777, 30522, "cuda")
+    _check(logits, target, backend="cuda", reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("V", [2, 3, 7, 8, 9, 136, 263, 8193])
+def test_cuda_backend_row_alignments(V):
+    """Rows at every offset modulo 16 bytes: heads, bodies and tails of every length; rows shorter than a pack."""
+    for dtype in (torch.float16, torch.float32):
+        logits = torch.randn(11, V, device="cuda", dtype=dtype) * 2
+        _check(logits, _targets(11, V, "cuda"), backend="cuda", reduction="none", label_smoothing=0.1)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("offset,pad", [(8, 16), (8, 9), (3, 8)])
+def test_cuda_backend_padded_buffers_and_in_place(offset, pad):
+    """Slices of a padded fp16 buffer (aligned or not, row strides congruent to V modulo 8 elements or not:
+    the backward's vector or element path), and the gradient written over them in place, bitwise the
+    out-of-place one, with the padding untouched."""
+    V = 1201
+    buf = torch.randn(9, V + pad + offset, device="cuda", dtype=torch.float16)
+    logits = buf[:, offset:offset + V]
+    target = _targets(9, V, "cuda")
+    _check(logits, target, backend="cuda", reduction="none", z_loss=1e-2)
+    out, g = _loss_and_grad(pykernels.cross_entropy, logits, target, torch.ones((), device="cuda"), backend="cuda")
+    base = buf.detach().clone()
+    view = base[:, offset:offset + V]
+    view.requires_grad_()
+    loss = pykernels.cross_entropy(view, target, backend="cuda", inplace_backward=True)
+    (grad,) = torch.autograd.grad(loss, view)
+    assert grad.data_ptr() == view.data_ptr()
+    torch.testing.assert_close(loss, out, rtol=0, atol=0)
+    torch.testing.assert_close(grad, g, rtol=0, atol=0)
+    torch.testing.assert_close(base[:, :offset], buf[:, :offset], rtol=0, atol=0)
+    torch.testing.assert_close(base[:, offset + V:], buf[:, offset + V:], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_cuda_backend_inplace_and_saved_logits():
+    base = torch.randn(64, 50257, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = _targets(64, 50257, "cuda")
+    pykernels.cross_entropy(base * 2, target, backend="cuda", label_smoothing=0.1).backward()
+    g_ref = base.grad.clone()
+    base.grad = None
+    logits = base * 2
+    ptrs = []
+    logits.register_hook(lambda g: ptrs.append(g.data_ptr()))
+    pykernels.cross_entropy(logits, target, backend="cuda", label_smoothing=0.1, inplace_backward=True).backward()
+    assert ptrs == [logits.data_ptr()]
+    torch.testing.assert_close(base.grad, g_ref, rtol=0, atol=0)
+    # another op saved the logits (and runs its backward after the loss's): overwriting them is an autograd
+    # error, not a silent wrong gradient
+    logits = base * 1.0
+    other = (logits * logits).sum()
+    loss = pykernels.cross_entropy(logits, target, backend="cuda", inplace_backward=True) + other
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    # by default the logits are left alone
+    x = (base.detach() * 2).requires_grad_()
+    before = x.detach().clone()
+    pykernels.cross_entropy(x, target, backend="cuda").backward()
+    assert torch.equal(x.detach(), before)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_cuda_backend_ignored_num_valid_out_of_range_and_empty():
+    V = 1000
+    logits = torch.randn(50, V, device="cuda", requires_grad=True)
+    none = torch.full((50,), -100, device="cuda")
+    for reduction in ("mean", "sum", "none"):  # all ignored: 0 and zero gradients, never NaN
+        loss = pykernels.cross_entropy(logits, none, backend="cuda", reduction=reduction)
+        (g,) = torch.autograd.grad(loss.sum(), logits)
+        assert torch.equal(loss.detach(), torch.zeros_like(loss)) and torch.equal(g, torch.zeros_like(g))
+    target = _targets(50, V, "cuda")
+    ref_sum = cross_entropy_reference(logits.detach().double(), target, reduction="sum")
+    for nv in (7, torch.tensor(7.0, device="cuda"), 0):
+        got = pykernels.cross_entropy(logits, target, backend="cuda", num_valid=nv)
+        torch.testing.assert_close(got.double(), ref_sum / max(float(nv), 1.0), rtol=1e-5, atol=0)
+    t5 = torch.where(target == -100, 5, target)  # a custom ignore_index
+    _check(logits.detach(), t5, backend="cuda", ignore_index=5)
+    for dt in (torch.int32, torch.int16):  # int32 read as is, smaller ints widened by the wrapper
+        torch.testing.assert_close(pykernels.cross_entropy(logits, target.to(dt), backend="cuda", reduction="none"),
+                                   pykernels.cross_entropy(logits, target, backend="cuda", reduction="none"))
+    bad = torch.tensor([1, V, -100, 2, -1], device="cuda")
+    x = torch.randn(5, V, device="cuda", requires_grad=True)
+    rows = pykernels.cross_entropy(x, bad, backend="cuda", reduction="none")
+    assert torch.isnan(rows[[1, 4]]).all() and torch.isfinite(rows[[0, 2, 3]]).all()
+    rows.sum().backward()
+    assert torch.isnan(x.grad[[1, 4]]).all() and torch.isfinite(x.grad[[0, 2, 3]]).all()
+    for reduction in ("mean", "sum", "none"):
+        e = torch.randn(0, V, device="cuda", requires_grad=True)
+        loss = pykernels.cross_entropy(e, torch.zeros(0, dtype=torch.long, device="cuda"), backend="cuda",
+                                       reduction=reduction)
+        assert loss.shape == ((0,) if reduction == "none" else ()) and not loss.detach().any()
+        loss.sum().backward()
+        assert e.grad.shape == (0, V)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_cuda_backend_routing():
+    from pykernels.cross_entropy import _use_cuda
+    x = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16)
+    t = _targets(64, 1000, "cuda")
+    assert _use_cuda(None, x, t, None) and _use_cuda("cuda", x, t, None)
+    assert not _use_cuda("triton", x, t, None)
+    with pytest.raises(BackendUnavailableError, match="float64"):
+        pykernels.cross_entropy(x.double(), t, backend="cuda")
+    # traced: the Triton custom op (a named cuda backend raises there, naming why)
+    compiled = torch.compile(lambda a, b: pykernels.cross_entropy(a, b), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, t), pykernels.cross_entropy(x, t, backend="triton"))
+    with pytest.raises(Exception, match="eager mode only"):
+        torch.compile(lambda a, b: pykernels.cross_entropy(a, b, backend="cuda"), fullgraph=True,
+                      backend="aot_eager")(x, t)
+    # inside a CUDA-graph capture auto takes Triton (the capture records its kernels)
+    g = torch.cuda.CUDAGraph()
+    pykernels.cross_entropy(x, t)  # warm up the Triton path's autotuner and the caches outside the capture
+    pykernels.cross_entropy(x, t, backend="triton")
+    with torch.cuda.graph(g):
+        assert not _use_cuda(None, x, t, None)
+        out = pykernels.cross_entropy(x, t)
+    g.replay()
+    torch.testing.assert_close(out, pykernels.cross_entropy(x, t, backend="triton"), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_cuda_backend_int64_offsets():
+    """N * V > 2**31 elements: the last rows (whose offsets overflow int32) are right, forward and backward."""
+    V = 50257
+    N = (2**31) // V + 64
+    if torch.cuda.get_device_properties(0).total_memory < 3 * N * V * 2:
+        pytest.skip("not enough GPU memory for two > 2**31-element bf16 tensors")
+    logits = torch.randn(N, V, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, V, (N,), device="cuda")
+    rows = pykernels.cross_entropy(logits, target, reduction="none", backend="cuda")
     upstream = torch.randn(N, device="cuda")
     rows.backward(upstream.to(rows.dtype))
     tail = slice(N - 8, N)
