@@ -121,6 +121,12 @@ def impl_pykernels_dense(h, w, t):
     return pykernels.masked_lm_loss(h, w, t, backend="triton", dense=True)
 
 
+def impl_pykernels_cuda(h, w, t):
+    # the CUDA C++ op (csrc/masked_lm_loss.cu): cuBLAS over the compacted rows, one host sync for their count
+    import pykernels
+    return pykernels.masked_lm_loss(h, w, t, backend="cuda")
+
+
 def impl_eager_full(h, w, t):
     return F.cross_entropy(h @ w.t(), t, ignore_index=IGN)
 
@@ -176,6 +182,7 @@ IMPLS = [
     ("pykernels graph_safe=True", impl_pykernels_graph_safe, None),
     ("pykernels dense=True", impl_pykernels_dense, None),
     ("pykernels max_valid=N/5 (MLM) or N", impl_pykernels_max_valid, None),
+    ("pykernels cuda (C++ op)", impl_pykernels_cuda, None),
     ("Cut Cross-Entropy (all rows)", impl_cce, _cce),
     ("Liger fused linear CE (masked rows)", impl_liger, _liger),
     ("torch.compile gather-first", impl_compile_gather, None),

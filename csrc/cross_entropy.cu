@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "loss.cuh"
 #include "pack.cuh"
 
 namespace pykernels {
@@ -46,35 +47,9 @@ namespace {
 using at::Tensor;
 using c10::optional;
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kFwdThreads = 256;    // a forward block: one row
 constexpr int kBwdThreads = 256;    // a backward block: one chunk of a row
 constexpr int kUnroll = 4;          // 16-byte packs in flight per thread
-constexpr int kReduceThreads = 1024;
-
-// reduction codes shared with pykernels/cross_entropy.py (_REDUCTION_CODES)
-constexpr int64_t kNone = 0, kSum = 1, kMean = 2;
-
-// (m, s) of an online logsumexp in the log2 domain folded with one more value x2 (already times log2 e)
-__device__ __forceinline__ void fold(float x2, float& m, float& s) {
-  if (x2 > m) {
-    s *= exp2f(m - x2);  // m = -inf: 0 * 0
-    m = x2;
-  }
-  if (m != -INFINITY) s += exp2f(x2 - m);
-}
-
-// (m, s) <- (m, s) + (m2, s2)
-__device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) {
-  const float mx = fmaxf(m, m2);
-  if (mx == -INFINITY) {
-    s = 0.f;
-  } else {
-    s = s * exp2f(m - mx) + s2 * exp2f(m2 - mx);
-  }
-  m = mx;
-}
 
 template <typename T, bool SMOOTH>
 __device__ __forceinline__ void fold_pack(const uint4& raw, float& m, float& s, float& sx) {
@@ -103,11 +78,6 @@ template <typename T>
 __device__ __forceinline__ int head_of(const T* p, int V) {
   const int lead = static_cast<int>((16u - static_cast<unsigned>(reinterpret_cast<uintptr_t>(p) & 15u)) & 15u);
   return min(V, lead / static_cast<int>(sizeof(T)));
-}
-
-template <typename TT>
-__device__ __forceinline__ int64_t target_at(const TT* target, int64_t row) {
-  return static_cast<int64_t>(target[row]);
 }
 
 template <typename T, typename TT, bool SMOOTH>
@@ -149,32 +119,8 @@ __global__ void __launch_bounds__(kFwdThreads) ce_fwd_kernel(
     if (SMOOTH) sx += v;
     fold(v * kLog2e, m, s);
   }
-  // the block's (m, s, sx): shuffles within each warp, then warp 0 over the warps' results
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-    const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    combine(m, s, m2, s2);
-    if (SMOOTH) sx += __shfl_xor_sync(0xffffffffu, sx, o);
-  }
-  constexpr int kWarpsFwd = kFwdThreads / 32;
-  __shared__ float red_m[kWarpsFwd], red_s[kWarpsFwd], red_x[kWarpsFwd];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) {
-    red_m[warp] = m;
-    red_s[warp] = s;
-    red_x[warp] = sx;
-  }
-  __syncthreads();
+  block_lse<kFwdThreads, SMOOTH>(m, s, sx);
   if (threadIdx.x != 0) return;
-  m = red_m[0];
-  s = red_s[0];
-  sx = red_x[0];
-#pragma unroll
-  for (int w = 1; w < kWarpsFwd; ++w) {
-    combine(m, s, red_m[w], red_s[w]);
-    sx += red_x[w];
-  }
   float lse = (m + log2f(s)) * kLn2;  // every logit -inf: -inf, and the loss NaN (as torch)
   float loss;
   if (t >= 0 && t < V) {
@@ -187,50 +133,6 @@ __global__ void __launch_bounds__(kFwdThreads) ce_fwd_kernel(
   if (loss_t != nullptr) loss_t[row] = from_f<T>(loss);
   else loss_f32[row] = loss;
   lse_out[row] = lse;
-}
-
-// out = sum (or mean) of the N row losses, in a fixed order; scale = d(out) / d(row loss)
-template <typename T, typename TT>
-__global__ void __launch_bounds__(kReduceThreads) ce_reduce_kernel(
-    const float* __restrict__ loss_rows, const TT* __restrict__ target, int64_t N, int64_t ignore_index,
-    int64_t reduction, double denom_host, const float* __restrict__ denom_dev, T* __restrict__ out,
-    float* __restrict__ scale) {
-  // fp64 accumulation: the sum's rounding is then the final cast's alone (an fp32 sum of 10^4 row losses
-  // of ~10 can be off by more than twice torch's cascade sum)
-  double total = 0.0;
-  int64_t count = 0;
-  for (int64_t i = threadIdx.x; i < N; i += kReduceThreads) {
-    total += static_cast<double>(loss_rows[i]);
-    count += target_at(target, i) != ignore_index;
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    total += __shfl_xor_sync(0xffffffffu, total, o);
-    count += __shfl_xor_sync(0xffffffffu, count, o);
-  }
-  __shared__ double red_t[kReduceThreads / 32];
-  __shared__ long long red_c[kReduceThreads / 32];
-  const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) == 0) {
-    red_t[warp] = total;
-    red_c[warp] = count;
-  }
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  total = 0.0;
-  count = 0;
-  for (int w = 0; w < kReduceThreads / 32; ++w) {
-    total += red_t[w];
-    count += red_c[w];
-  }
-  double denom = 1.0;
-  if (reduction == kMean) {
-    denom = denom_dev != nullptr ? static_cast<double>(*denom_dev)
-                                 : (denom_host >= 0.0 ? denom_host : static_cast<double>(count));
-    denom = fmax(denom, 1.0);
-  }
-  *out = from_f<T>(static_cast<float>(reduction == kMean ? total / denom : total));
-  *scale = static_cast<float>(1.0 / denom);
 }
 
 // dlogits of one chunk of one row. VEC: 16-byte packs (dlogits' rows congruent to the logits' modulo 16
@@ -380,10 +282,10 @@ std::vector<Tensor> forward_impl(const Tensor& logits, const Tensor& target_in, 
       if (reduction == kNone) {
         scale.fill_(1.f);
       } else {
-        ce_reduce_kernel<T, TT><<<1, kReduceThreads, 0, stream>>>(
+        loss_reduce_kernel<T, TT><<<1, kReduceThreads, 0, stream>>>(
             N > 0 ? rows.data_ptr<float>() : nullptr, tp, N, ignore_index, reduction,
             static_cast<double>(num_valid_int), num_valid.has_value() ? num_valid->data_ptr<float>() : nullptr,
-            static_cast<T*>(loss.data_ptr()), scale.data_ptr<float>());
+            /*clamp_given=*/true, static_cast<T*>(loss.data_ptr()), scale.data_ptr<float>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     });

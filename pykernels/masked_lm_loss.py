@@ -10,6 +10,10 @@ The ops work per position: the forward returns the per-position loss (fp32, 0 at
 and the lse it saves for the backward; the reduction (sum, mean over the valid count or ``num_valid``)
 is plain torch on an (N,) vector, so every reduction shares one backward that takes a per-position
 upstream gradient.
+
+The ``cuda`` backend is the CUDA C++ op ``torch.ops.pykernels_cuda.masked_lm_loss`` (``csrc/masked_lm_loss.cu``:
+cuBLAS GEMMs over the compacted rows, an fp32 logits chunk at a time, and its autograd in C++), taken when named
+(``backend="cuda"``) for plain eager calls; ``auto`` keeps the Triton kernels, which are faster on the GPU.
 """
 from __future__ import annotations
 
@@ -20,12 +24,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._backend import select
+from ._backend import default_backend, select
 from ._op import _plain_eager, custom_op
 from ._checks import check_prob, check_same, check_tensor
 from ._kernels._tuning import capturing
 
 _REDUCTIONS = ("mean", "sum", "none")
+_REDUCTION_CODES = {"none": 0, "sum": 1, "mean": 2}  # the C++ op's (csrc/masked_lm_loss.cu)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -204,8 +209,44 @@ _COUNTS = _CountCopies()
 
 def _support(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> dict:
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-        return {"triton": f"mixed dtypes (hidden {hidden.dtype}, weight {weight.dtype})"}
-    return {"triton": None}
+        reason = f"mixed dtypes (hidden {hidden.dtype}, weight {weight.dtype})"
+        return {"triton": reason, "cuda": reason}
+    return {"triton": None, "cuda": _CUDA_TRACED}
+
+
+# The C++ op serves plain eager calls that name it (``masked_lm_loss`` routes them before the custom ops); what
+# reaches the custom ops with backend="cuda" is traced (torch.compile, make_fx, dispatch modes).
+_CUDA_TRACED = ("the cuda backend runs in eager mode only; under torch.compile and dispatch modes the op is "
+                "the Triton custom op (backend 'triton' or 'auto')")
+
+
+def _cuda_cover(h2: Tensor, weight: Tensor, t1: Tensor, bias: Optional[Tensor], graph_safe: bool, dense: bool,
+                max_valid: int, num_valid) -> Optional[str]:
+    """None when the CUDA C++ op ``pykernels_cuda::masked_lm_loss`` covers the call, else why not."""
+    if h2.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {h2.dtype} (the CUDA backend takes float16, bfloat16 and float32)"
+    if h2.shape[0] >= 2**31 or weight.shape[0] >= 2**31:
+        return "N and V must be below 2^31"
+    if graph_safe or dense or max_valid or capturing(h2.device):
+        return ("the cuda backend waits for the valid count (one host sync in its forward): graph_safe, dense, "
+                "max_valid and CUDA-graph capture are the Triton path's")
+    if not _plain_eager((h2, weight, t1, bias, num_valid if isinstance(num_valid, Tensor) else None)):
+        return "under torch.compile and dispatch modes the op is the Triton custom op (pykernels::masked_lm_loss_fwd)"
+    return None
+
+
+def _use_cuda(backend: Optional[str], h2: Tensor, weight: Tensor, t1: Tensor, bias: Optional[Tensor],
+              graph_safe: bool, dense: bool, max_valid: int, num_valid) -> bool:
+    """Whether this call runs the CUDA C++ op: only when named (``backend="cuda"`` or the default set to it);
+    it raises when it cannot serve the call. ``auto`` keeps Triton (its fused logit tiles are faster on the GPU
+    than cuBLAS with an fp32 logits chunk)."""
+    if torch.compiler.is_compiling():
+        return False
+    if (backend or default_backend()) != "cuda":
+        return False
+    select("masked_lm_loss", "cuda", h2.device,
+           {"cuda": _cuda_cover(h2, weight, t1, bias, graph_safe, dense, max_valid, num_valid)})
+    return True
 
 
 def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing):
@@ -436,7 +477,10 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
             N or more runs the ``dense`` backward (every position a row: no row gather).
             A call whose count exceeds ``max_valid`` gets NaN gradients (the loss is still right): never a
             silently partial gradient. Cannot be combined with ``dense`` or ``graph_safe``.
-        backend: ``"auto" | "triton" | "reference"`` or None (the current default).
+        backend: ``"auto" | "triton" | "cuda" | "reference"`` or None (the current default). ``"cuda"``: the
+            CUDA C++ op (built with the extension; plain eager calls; it waits once for the valid count in
+            the forward and sizes cuBLAS GEMMs for it; not with graph_safe, dense or max_valid). ``"auto"``
+            takes the Triton kernels on a GPU.
 
     Returns:
         fp32 loss: a scalar, or shaped like ``target`` for ``reduction="none"``. Gradients flow to
@@ -512,6 +556,15 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
     elif dense or graph_safe:
         raise ValueError("max_valid sizes the backward for at most max_valid valid targets; it cannot be combined "
                          f"with dense=True or graph_safe=True (got dense={dense}, graph_safe={graph_safe})")
+    if _use_cuda(backend, h2, weight, t1, bias, graph_safe, dense, max_valid, num_valid):
+        nv_tensor, nv_host = None, -1.0
+        if isinstance(num_valid, Tensor):
+            nv_tensor = num_valid.to(device=h2.device, dtype=torch.float32).reshape(())
+        elif num_valid is not None:
+            nv_host = float(num_valid)
+        loss = torch.ops.pykernels_cuda.masked_lm_loss(h2, weight, t1, bias, ignore_index, label_smoothing,
+                                                       _REDUCTION_CODES[reduction], nv_tensor, nv_host)
+        return loss.reshape(target.shape) if reduction == "none" else loss
     if (_LANE_ON and _plain_eager((h2, weight, t1, bias, num_valid))
             and not (isinstance(num_valid, Tensor) and num_valid.requires_grad)):
         return _EagerLoss.apply(h2, weight, t1, bias, ignore_index, label_smoothing, graph_safe, dense,

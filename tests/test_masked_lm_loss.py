@@ -1085,3 +1085,76 @@ def test_eager_lane_backward_paths(device, monkeypatch):
     assert nv.grad is not None
     monkeypatch.setattr(_P, "_LANE_ON", False)
     assert type(masked_lm_loss(h, weight, target, backend="triton").grad_fn).__name__ == "DivBackward0"
+
+
+# ---- CUDA C++ backend (csrc/masked_lm_loss.cu): built on the GPU machine only ---------------------------
+
+def _cuda_built() -> bool:
+    import pykernels
+    return pykernels.backends()["cuda"].available
+
+
+needs_cuda_ext = pytest.mark.skipif(not torch.cuda.is_available() or not _cuda_built(),
+                                    reason="needs a CUDA device and the built extension pykernels._C")
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("n,h,v,frac,bias,reduction,ls", [
+    (4096, 768, 30522, 0.15, True, "mean", 0.0),     # BERT-base-like, several vocabulary chunks
+    (2048, 1024, 30522, 0.15, False, "sum", 0.1),
+    (1024, 768, 50257, 1.0, False, "mean", 0.0),     # causal LM: every position
+    (37, 32, 517, 0.3, True, "none", 0.2),
+    (300, 64, 1, 0.5, True, "mean", 0.0),            # V = 1: exactly zero gradients
+    (127, 96, 1000, 0.2, False, "none", 0.0),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_cuda_backend(n, h, v, frac, bias, reduction, ls, dtype):
+    hidden, weight, target, b = _inputs((n,), h, v, dtype, "cuda", frac=frac, bias=bias)
+    _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, backend="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_cuda_backend_edges():
+    # all ignored: loss 0 and zero gradients; num_valid (int, float and tensor); a strided 3-D hidden; one input's
+    # gradient only; out-of-range targets: NaN loss, the plain softmax's gradient (as the Triton path)
+    hidden, weight, target, b = _inputs((4, 50), 64, 517, torch.bfloat16, "cuda", frac=0.3, bias=True)
+    for reduction in ("mean", "sum", "none"):
+        none = torch.full_like(target, IGN)
+        out = _run(lambda h_, w_, bias: masked_lm_loss(h_, w_, none, bias=bias, reduction=reduction, backend="cuda"),
+                   hidden, weight, b, torch.ones(none.shape, device="cuda") if reduction == "none" else None)
+        for x in out:
+            assert torch.equal(x, torch.zeros_like(x))
+    for nv in (7, 2.5, torch.tensor(7.0, device="cuda")):
+        _check(hidden, weight, target, b, num_valid=nv, backend="cuda")
+    strided = torch.randn(4, 100, 64, device="cuda", dtype=torch.bfloat16)[:, ::2]
+    _check(strided, weight, target, b, reduction="none", backend="cuda")
+    w = weight.clone().requires_grad_()
+    h = hidden.clone()  # no gradient wanted for hidden
+    (gw,) = torch.autograd.grad(masked_lm_loss(h, w, target, backend="cuda"), [w])
+    (gw_t,) = torch.autograd.grad(masked_lm_loss(h, w, target, backend="triton"), [w])
+    torch.testing.assert_close(gw, gw_t, rtol=2e-2, atol=1e-4)
+    bad = target.clone().reshape(-1)
+    bad[0], bad[1] = 517, -5
+    x = hidden.reshape(-1, 64).clone().requires_grad_()
+    rows = masked_lm_loss(x, weight, bad, reduction="none", backend="cuda")
+    assert torch.isnan(rows[:2]).all() and torch.isfinite(rows[2:]).all()
+    rows[2:].sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_cuda_backend_routing():
+    hidden, weight, target, b = _inputs((256,), 64, 517, torch.bfloat16, "cuda", frac=0.3, bias=True)
+    # auto keeps Triton (bitwise the Triton backend's loss); named, the C++ op
+    torch.testing.assert_close(masked_lm_loss(hidden, weight, target), masked_lm_loss(hidden, weight, target,
+                                                                                      backend="triton"),
+                               rtol=0, atol=0)
+    for kw in (dict(graph_safe=True), dict(dense=True), dict(max_valid=100)):
+        with pytest.raises(BackendUnavailableError, match="host sync"):
+            masked_lm_loss(hidden, weight, target, backend="cuda", **kw)
+    with pytest.raises(Exception, match="eager mode only"):
+        torch.compile(lambda h_: masked_lm_loss(h_, weight, target, backend="cuda"), fullgraph=True,
+                      backend="aot_eager")(hidden)
