@@ -74,8 +74,10 @@ Tuning: per-kernel tables of (BLOCK_M, BLOCK_N, warps, stages) keyed on the padd
 Entries were picked by compiling every variant for sm_90 on a CPU-only machine (Triton's bundled ptxas)
 with the specialisation the JIT applies at run time (16-byte aligned pointers, strides and lengths
 divisible by 16, GROUP == 1): without it the loads do not vectorise, are not turned into cp.async
-pipelines, and register/spill counts are misleading. Every bf16 backward entry for D = 64/128 is
-spill-free for the plain, causal and key-padding variants, and dropout has its own spill-free lists.
+pipelines, and register/spill counts are misleading. Every bf16 backward entry for D = 64/128 was
+spill-free for the plain, causal and key-padding variants, and dropout has its own spill-free lists (the D = 64
+entries that run190 added by measured time, dK/dV 32x64/w4/s4 and 64x64/w4/s3 and dQ 64x32/w4/s4, were not
+compiled for this check; they were the fastest of their kernel's candidates on the H100).
 Exceptions (8 to 80 bytes of stack): forward 128x128 at D = 128 with causal/masks, varlen D = 64
 forward 128x64/4 warps, varlen D = 128 dK/dV 32x64/4 warps; the autotuner can avoid them. D = 256
 still spills. Rules the tables follow: the TTGIR of the dK/dV kernel gives its (BLOCK_N x BLOCK_M)
