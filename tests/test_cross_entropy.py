@@ -699,3 +699,21 @@ def test_cuda_backend_int64_offsets():
     ref.backward(upstream[tail].to(torch.bfloat16).double())
     torch.testing.assert_close(rows[tail].double(), ref.detach(), rtol=1e-2, atol=2e-2)
     torch.testing.assert_close(logits.grad[tail].double(), x_tail.grad, rtol=1e-2, atol=1e-4)
+
+
+def test_cuda_cover_and_routing_rules(device):
+    """The C++ op's cover and the routing rule, on any machine: what it declines and why; auto never takes it off a
+    CUDA device or where the extension is missing; named, it raises with the reason."""
+    from pykernels.cross_entropy import _cuda_cover, _use_cuda
+    x = torch.randn(4, 10, device=device)
+    t = torch.randint(0, 10, (4,), device=device)
+    assert _cuda_cover(x, t, None) is None
+    assert "float64" in _cuda_cover(x.double(), t, None)
+    assert not _use_cuda(None, x, t, None) or device.type == "cuda"
+    assert not _use_cuda("triton", x, t, None) and not _use_cuda("reference", x, t, None)
+    if not pykernels.backends()["cuda"].available:
+        assert not _use_cuda(None, x, t, None) and not _use_cuda("auto", x, t, None)
+        with pytest.raises(BackendUnavailableError, match="pykernels._C is not built"):
+            pykernels.cross_entropy(x, t, backend="cuda")
+    with pykernels.use_backend("triton"):  # the default backend decides when none is named
+        assert not _use_cuda(None, x, t, None)

@@ -1158,3 +1158,20 @@ def test_gpu_cuda_backend_routing():
     with pytest.raises(Exception, match="eager mode only"):
         torch.compile(lambda h_: masked_lm_loss(h_, weight, target, backend="cuda"), fullgraph=True,
                       backend="aot_eager")(hidden)
+
+
+def test_cuda_cover_and_routing_rules(device):
+    """The C++ op's cover on any machine: the Triton path's no-wait options and dtypes it declines, with why; it is
+    never taken unless named."""
+    from pykernels.masked_lm_loss import _cuda_cover, _use_cuda
+    import pykernels
+    hidden, weight, target, b = _inputs((8,), 16, 33, torch.float32, device, frac=0.5, bias=True)
+    assert _cuda_cover(hidden, weight, target, b, False, False, 0, None) is None
+    for flags in ((True, False, 0), (False, True, 0), (False, False, 4)):
+        assert "host sync" in _cuda_cover(hidden, weight, target, b, *flags, None)
+    assert "float64" in _cuda_cover(hidden.double(), weight.double(), target, None, False, False, 0, None)
+    for backend in (None, "auto", "triton", "reference"):
+        assert not _use_cuda(backend, hidden, weight, target, b, False, False, 0, None)
+    if not pykernels.backends()["cuda"].available:
+        with pytest.raises(BackendUnavailableError, match="pykernels._C is not built"):
+            masked_lm_loss(hidden, weight, target, backend="cuda")
