@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "dispatch.h"
 #include "loss.cuh"
 #include "pack.cuh"
 
@@ -205,16 +206,6 @@ __global__ void __launch_bounds__(kBwdThreads) ce_bwd_kernel(
 }
 
 template <typename F>
-void dispatch_dtype(at::ScalarType st, F&& f) {
-  switch (st) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(__half{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    default: TORCH_CHECK(false, "pykernels_cuda.cross_entropy: logits must be float16, bfloat16 or float32, got ", st);
-  }
-}
-
-template <typename F>
 void dispatch_target(at::ScalarType st, F&& f) {
   switch (st) {
     case at::kLong: f(int64_t{}); break;
@@ -262,7 +253,7 @@ std::vector<Tensor> forward_impl(const Tensor& logits, const Tensor& target_in, 
   Tensor loss = reduction == kNone ? at::empty({N}, logits.options()) : at::empty({}, logits.options());
   Tensor rows = reduction == kNone ? Tensor() : at::empty({N}, f32);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(logits.scalar_type(), [&](auto tag) {
+  dispatch_float_dtype(logits.scalar_type(), "pykernels_cuda.cross_entropy: logits", [&](auto tag) {
     using T = decltype(tag);
     dispatch_target(target.scalar_type(), [&](auto ttag) {
       using TT = decltype(ttag);
@@ -305,7 +296,7 @@ void backward_impl(const Tensor& grad_in, const Tensor& logits, const Tensor& ta
               "pykernels_cuda.cross_entropy: the loss gradient must be a scalar or (N,)");
   const int64_t stride_g = grad.numel() == 1 && grad.dim() == 0 ? 0 : grad.stride(0);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(logits.scalar_type(), [&](auto tag) {
+  dispatch_float_dtype(logits.scalar_type(), "pykernels_cuda.cross_entropy: logits", [&](auto tag) {
     using T = decltype(tag);
     constexpr int n = Pack<T>::n;
     const int64_t chunk_cols = static_cast<int64_t>(kBwdThreads) * kUnroll * n;

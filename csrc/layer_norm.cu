@@ -46,6 +46,7 @@
 #include <string>
 #include <type_traits>
 
+#include "dispatch.h"
 #include "pack.cuh"
 #include "philox.cuh"
 
@@ -197,13 +198,6 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
       store_pack(y + base + col, o);
     }
   }
-}
-
-template <typename T>
-__device__ __forceinline__ void unpack(const uint4& raw, float* out) {
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < Pack<T>::n; ++i) out[i] = to_f(e[i]);
 }
 
 // one pack of a backward row: s (= the raw s or x, plus the residual when given), dy and the weight
@@ -430,16 +424,6 @@ __global__ void __launch_bounds__(256) ln_partial_sum_kernel(const float* __rest
   }
 }
 
-template <typename F>
-void dispatch_dtype(at::ScalarType st, F&& f) {
-  switch (st) {
-    case at::kHalf: f(__half{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    case at::kFloat: f(float{}); break;
-    default: TORCH_CHECK(false, "pykernels_cuda.layer_norm: x must be float16, bfloat16 or float32, got ", st);
-  }
-}
-
 // f(VPL, RT) for the forward: rows of up to 32 elements per lane (N <= 1024) are one warp's (RT = 32, 1..4 packs per
 // lane for fp16/bf16, 1..8 for fp32); wider rows are one block's (RT = 256, 1..4 packs per thread:
 // N <= 8192 fp16/bf16, <= 4096 fp32).
@@ -616,7 +600,7 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
   const auto blocks = static_cast<unsigned>((M + rows_per_block - 1) / rows_per_block);
   TORCH_CHECK(blocks < (1u << 31), "pykernels_cuda.layer_norm: too many rows");
   auto stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+  dispatch_float_dtype(x.scalar_type(), "pykernels_cuda.layer_norm: x", [&](auto tag) {
     using T = decltype(tag);
     dispatch_shape<T>(N, [&](auto v, auto rt) {
      const auto launch = [&](auto drop) {
@@ -656,12 +640,12 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   const bool need = w.defined() || has_b;
   const int sms = sm_count(a.get_device());
   int rt_threads = kThreads;
-  dispatch_dtype(a.scalar_type(), [&](auto tag) { rt_threads = bwd_row_threads<decltype(tag)>(N); });
+  dispatch_float_dtype(a.scalar_type(), "pykernels_cuda.layer_norm: x", [&](auto tag) { rt_threads = bwd_row_threads<decltype(tag)>(N); });
   const int64_t rows_per_block = kThreads / rt_threads;
   const int64_t want = (M + rows_per_block - 1) / rows_per_block;
   const size_t smem = need && rt_threads < kThreads ? 2 * N * sizeof(float) : 0;
   int per_sm = 1;
-  dispatch_dtype(a.scalar_type(), [&](auto tag) {
+  dispatch_float_dtype(a.scalar_type(), "pykernels_cuda.layer_norm: x", [&](auto tag) {
     using T = decltype(tag);
     dispatch_bwd_shape<T>(N, [&](auto v, auto rt) {
       constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
@@ -676,7 +660,7 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   Tensor dw = w.defined() ? at::empty({N}, a.options()) : Tensor();
   Tensor db = has_b ? at::empty({N}, a.options()) : Tensor();
   auto stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_dtype(a.scalar_type(), [&](auto tag) {
+  dispatch_float_dtype(a.scalar_type(), "pykernels_cuda.layer_norm: x", [&](auto tag) {
     using T = decltype(tag);
     if (M > 0) {
       dispatch_bwd_shape<T>(N, [&](auto v, auto rt) {

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "dispatch.h"
 #include "loss.cuh"
 #include "pack.cuh"
 
@@ -112,16 +113,6 @@ __global__ void __launch_bounds__(kRowThreads) mlm_dz_kernel(
   }
 }
 
-template <typename F>
-void dispatch_dtype(at::ScalarType st, F&& f) {
-  switch (st) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(__half{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    default: TORCH_CHECK(false, "pykernels_cuda.masked_lm_loss: hidden must be float16, bfloat16 or float32, got ", st);
-  }
-}
-
 // T*, or nullptr for an undefined tensor
 template <typename T>
 const T* ptr_or_null(const Tensor& t) {
@@ -193,7 +184,7 @@ Forward forward_impl(const Tensor& hidden, const Tensor& weight_in, const Tensor
     Tensor m_state = at::full({M}, -INFINITY, f32), s_state = at::zeros({M}, f32), sx_state = at::zeros({M}, f32);
     Tensor zt_state = at::full({M}, NAN, f32);
     const int64_t vc_max = chunk_columns(M, V);
-    dispatch_dtype(hidden.scalar_type(), [&](auto tag) {
+    dispatch_float_dtype(hidden.scalar_type(), "pykernels_cuda.masked_lm_loss: hidden", [&](auto tag) {
       using T = decltype(tag);
       for (int64_t v0 = 0; v0 < V; v0 += vc_max) {
         const int64_t vc = std::min(vc_max, V - v0);
@@ -248,7 +239,7 @@ std::vector<Tensor> backward_impl(const Tensor& grad_in, const Tensor& hc, const
     const int64_t vc_max = chunk_columns(M, V);
     Tensor acc;
     Tensor dz_buf = at::empty({M * vc_max}, hc.options());
-    dispatch_dtype(hc.scalar_type(), [&](auto tag) {
+    dispatch_float_dtype(hc.scalar_type(), "pykernels_cuda.masked_lm_loss: hidden", [&](auto tag) {
       using T = decltype(tag);
       for (int64_t v0 = 0; v0 < V; v0 += vc_max) {
         const int64_t vc = std::min(vc_max, V - v0);

@@ -16,7 +16,7 @@ from pykernels import BackendUnavailableError, FallbackWarning
 from pykernels._rng import new_seed
 from pykernels.layer_norm import layer_norm_dropout_mask, layer_norm_reference
 
-from utils import assert_close_to_ref
+from utils import assert_close_to_ref, cuda_built, needs_cuda_ext
 
 CPU_DTYPES = [torch.float32, torch.float16]
 
@@ -597,12 +597,6 @@ def test_gpu_int64_offsets():
 # ----------------------------------------------------------------------------------------------------
 # CUDA C++ backend (csrc/layer_norm.cu): built on the GPU machine only
 # ----------------------------------------------------------------------------------------------------
-def _cuda_built() -> bool:
-    return pykernels.backends()["cuda"].available
-
-
-needs_cuda_ext = pytest.mark.skipif(not torch.cuda.is_available() or not _cuda_built(),
-                                    reason="needs a CUDA device and the built extension pykernels._C")
 
 # rows of one warp (N <= 1024) and of one block (wider: 1032 .. 4096 here, 8192 for fp16/bf16 below)
 CUDA_CASES = [((1, 8), "post"), ((17, 64), "pre"), ((1000, 768), "post"), ((1000, 768), "pre"),
@@ -815,7 +809,7 @@ def test_cuda_cover_reasons_cpu():
     assert _cuda_cover(xm, None, None, None, 0.0, False) is None  # (device is checked by the caller)
 
 
-@pytest.mark.parametrize("backend", ["triton"] + (["cuda"] if torch.cuda.is_available() and _cuda_built() else []))
+@pytest.mark.parametrize("backend", ["triton"] + (["cuda"] if torch.cuda.is_available() and cuda_built() else []))
 def test_double_backward_raises_never_silent(backend, device):
     """create_graph=True, then a second backward through the op's backward: a clear error, never a
     second-order gradient that is silently zero."""

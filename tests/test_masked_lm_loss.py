@@ -13,7 +13,7 @@ from pykernels import BackendUnavailableError, masked_lm_loss, shift_labels
 from pykernels.masked_lm_loss import masked_lm_loss_reference
 from pykernels._kernels import masked_lm_loss as kmod
 
-from utils import assert_close_to_ref, max_err
+from utils import assert_close_to_ref, max_err, needs_cuda_ext
 
 IGN = -100
 
@@ -1088,14 +1088,6 @@ def test_eager_lane_backward_paths(device, monkeypatch):
 
 
 # ---- CUDA C++ backend (csrc/masked_lm_loss.cu): built on the GPU machine only ---------------------------
-
-def _cuda_built() -> bool:
-    import pykernels
-    return pykernels.backends()["cuda"].available
-
-
-needs_cuda_ext = pytest.mark.skipif(not torch.cuda.is_available() or not _cuda_built(),
-                                    reason="needs a CUDA device and the built extension pykernels._C")
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ times the error of PyTorch's own eager op in the same dtype against that referen
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -23,3 +24,14 @@ def assert_close_to_ref(name: str, out: torch.Tensor, ref_hi: torch.Tensor, ref_
     base = max_err(ref_lo, ref_hi)
     assert err <= factor * base + atol, (
         f"{name}: max error {err:.3e} exceeds {factor} x eager error {base:.3e} + atol {atol:.1e}")
+
+
+def cuda_built() -> bool:
+    """Whether the CUDA C++ extension (``pykernels._C``) is built and importable here."""
+    import pykernels
+    return pykernels.backends()["cuda"].available
+
+
+# GPU tests of the CUDA C++ backend: they skip on CPU and where the extension is not built
+needs_cuda_ext = pytest.mark.skipif(not torch.cuda.is_available() or not cuda_built(),
+                                    reason="needs a CUDA device and the built extension pykernels._C")
