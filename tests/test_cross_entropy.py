@@ -178,16 +178,21 @@ def test_row_alignments(device, dtype, V):
 def test_padded_buffers(device, offset, pad):
     """Slices of a padded fp16 buffer: 16-byte-aligned base with a row stride congruent (or not) to
     V modulo 8 elements, and an unaligned base; also overwritten in place."""
-    V = 201
+    _padded_buffer_case(device, 201, offset, pad, "triton")
+
+
+def _padded_buffer_case(device, V, offset, pad, backend):
+    """Rows [offset, offset + V) of a padded fp16 buffer against the reference, then the gradient written over
+    them in place: bitwise the out-of-place one, in the view's own memory, the padding untouched."""
     buf = torch.randn(9, V + pad + offset, device=device, dtype=torch.float16)
     logits = buf[:, offset:offset + V]
     target = _targets(9, V, device)
-    _check(logits, target, reduction="none", z_loss=1e-2)
-    out, g = _loss_and_grad(pykernels.cross_entropy, logits, target, torch.ones((), device=device), backend="triton")
+    _check(logits, target, backend=backend, reduction="none", z_loss=1e-2)
+    out, g = _loss_and_grad(pykernels.cross_entropy, logits, target, torch.ones((), device=device), backend=backend)
     base = buf.detach().clone()                             # same strides and alignment as buf
     view = base[:, offset:offset + V]
     view.requires_grad_()
-    loss = pykernels.cross_entropy(view, target, backend="triton", inplace_backward=True)
+    loss = pykernels.cross_entropy(view, target, backend=backend, inplace_backward=True)
     (grad,) = torch.autograd.grad(loss, view)
     assert grad.data_ptr() == view.data_ptr()
     torch.testing.assert_close(loss, out, rtol=0, atol=0)
@@ -567,22 +572,7 @@ def test_cuda_backend_padded_buffers_and_in_place(offset, pad):
     """Slices of a padded fp16 buffer (aligned or not, row strides congruent to V modulo 8 elements or not:
     the backward's vector or element path), and the gradient written over them in place, bitwise the
     out-of-place one, with the padding untouched."""
-    V = 1201
-    buf = torch.randn(9, V + pad + offset, device="cuda", dtype=torch.float16)
-    logits = buf[:, offset:offset + V]
-    target = _targets(9, V, "cuda")
-    _check(logits, target, backend="cuda", reduction="none", z_loss=1e-2)
-    out, g = _loss_and_grad(pykernels.cross_entropy, logits, target, torch.ones((), device="cuda"), backend="cuda")
-    base = buf.detach().clone()
-    view = base[:, offset:offset + V]
-    view.requires_grad_()
-    loss = pykernels.cross_entropy(view, target, backend="cuda", inplace_backward=True)
-    (grad,) = torch.autograd.grad(loss, view)
-    assert grad.data_ptr() == view.data_ptr()
-    torch.testing.assert_close(loss, out, rtol=0, atol=0)
-    torch.testing.assert_close(grad, g, rtol=0, atol=0)
-    torch.testing.assert_close(base[:, :offset], buf[:, :offset], rtol=0, atol=0)
-    torch.testing.assert_close(base[:, offset + V:], buf[:, offset + V:], rtol=0, atol=0)
+    _padded_buffer_case("cuda", 1201, offset, pad, "cuda")
 
 
 @pytest.mark.gpu
