@@ -27,6 +27,8 @@ from typing import Iterator, Mapping
 
 import torch
 
+from ._kernels._tuning import capturing
+
 BACKENDS = ("auto", "triton", "cuda", "reference")
 KERNEL_BACKENDS = ("cuda", "triton")
 
@@ -191,3 +193,29 @@ def select(op: str, backend: str | None, device: torch.device, support: Mapping[
         warn_once(op, "no kernel backend is available (" + "; ".join(
             f"{n}: {_availability(n, device)}" for n in support) + ")")
     return "reference"
+
+
+# The C++ ops (csrc/) serve plain eager calls; what reaches a custom op with backend="cuda" is traced
+# (torch.compile, make_fx, dispatch modes): the ops' ``_support`` give this reason for "cuda" there.
+CUDA_TRACED = ("the cuda backend runs in eager mode only; under torch.compile and dispatch modes the op is "
+               "the Triton custom op (backend 'triton' or 'auto')")
+
+
+def use_cuda_op(op: str, backend: str | None, device: torch.device, cover, *, auto: bool = True) -> bool:
+    """Whether an eager call runs the op's CUDA C++ implementation (``torch.ops.pykernels_cuda.<op>``) instead of
+    its custom op. Named (``backend="cuda"`` or the default set to it): yes, or ``BackendUnavailableError`` with
+    the reason it cannot serve the call. ``auto`` (where the op's C++ path is as fast as Triton's: ``auto=True``):
+    on a CUDA device where the extension is built and ``cover()`` is None, outside CUDA-graph capture (there the
+    host time it saves is gone, and Triton's kernels are as fast). Traced calls: never (the Triton custom op).
+    ``cover``: a callable giving None when the C++ op covers the call, else why not (called only when needed)."""
+    if torch.compiler.is_compiling():  # (default_backend reads a ContextVar)
+        return False
+    requested = backend or default_backend()
+    if requested == "cuda":
+        select(op, "cuda", device, {"cuda": cover()})
+        return True
+    if not auto or requested != "auto" or device.type != "cuda" or _availability("cuda", device) is not None:
+        return False
+    if capturing(device):
+        return False
+    return cover() is None

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks
-from ._backend import _availability, check_backend_name, default_backend, select
-from ._kernels._tuning import capturing
+from ._backend import CUDA_TRACED, check_backend_name, select, use_cuda_op
 from ._op import _plain_eager, custom_op
 
 _OP = "cross_entropy"
@@ -85,13 +84,7 @@ def _support(logits: Tensor, target: Tensor) -> dict:
     reason = None
     if logits.dtype == torch.float64:
         reason = "float64 logits (the kernel computes in fp32)"
-    return {"triton": reason, "cuda": reason or _CUDA_TRACED}
-
-
-# The C++ op serves plain eager calls (``cross_entropy`` routes them before the custom op); what reaches the
-# custom op with backend="cuda" is traced (torch.compile, make_fx, dispatch modes).
-_CUDA_TRACED = ("the cuda backend runs in eager mode only; under torch.compile and dispatch modes the op is "
-                "the Triton custom op (backend 'triton' or 'auto')")
+    return {"triton": reason, "cuda": reason or CUDA_TRACED}
 
 
 def _cuda_cover(x: Tensor, t: Tensor, num_valid: Tensor | None) -> str | None:
@@ -107,21 +100,10 @@ def _cuda_cover(x: Tensor, t: Tensor, num_valid: Tensor | None) -> str | None:
 
 
 def _use_cuda(backend: str | None, x: Tensor, t: Tensor, num_valid: Tensor | None) -> bool:
-    """Whether this call runs the CUDA C++ op: asked for by name (raises when it cannot serve the call), or
-    ``auto`` on a CUDA device where the extension is built and covers the call, outside CUDA-graph capture
-    (in eager mode it comes before Triton: the same kernels' speed class, and its forward and backward cost no
-    Python host time)."""
-    if torch.compiler.is_compiling():  # traced: the Triton custom op
-        return False
-    requested = backend or default_backend()
-    if requested == "cuda":
-        select(_OP, "cuda", x.device, {"cuda": _cuda_cover(x, t, num_valid)})
-        return True
-    if requested != "auto" or x.device.type != "cuda" or _availability("cuda", x.device) is not None:
-        return False
-    if capturing(x.device):  # the host time the C++ op saves is gone in a graph; Triton's kernels there
-        return False
-    return _cuda_cover(x, t, num_valid) is None
+    """Whether this call runs the CUDA C++ op (``_backend.use_cuda_op``: named, or ``auto`` in eager mode where it is
+    built and covers the call, outside CUDA-graph capture: it is as fast as the Triton kernels and costs no Python
+    host time)."""
+    return use_cuda_op(_OP, backend, x.device, lambda: _cuda_cover(x, t, num_valid))
 
 
 def _ref_fwd(logits: Tensor, target: Tensor, num_valid: Tensor | None, ignore_index: int,

@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._backend import _availability, check_backend_name, default_backend, select
+from ._backend import CUDA_TRACED, check_backend_name, select, use_cuda_op
 from ._op import _plain_eager, custom_op
 from ._checks import check_prob, check_same
-from ._kernels._tuning import capturing
 from ._rng import fake_seed, op_seed
 
 _OP = "layer_norm"
@@ -125,14 +124,8 @@ def _support(*tensors: Optional[Tensor]) -> dict:
     for t in tensors:
         if t is not None and t.dtype not in _KERNEL_DTYPES:
             return {"triton": f"dtype {t.dtype} is not supported by the Triton kernels (fp16, bf16, fp32)",
-                    "cuda": _CUDA_TRACED}
-    return {"triton": None, "cuda": _CUDA_TRACED}
-
-
-# The C++ op serves plain eager calls (``layer_norm`` routes them before the custom op); what reaches the
-# custom op with backend="cuda" is traced (torch.compile, make_fx, dispatch modes).
-_CUDA_TRACED = ("the cuda backend runs in eager mode only; under torch.compile and dispatch modes the op is "
-                "the Triton custom op (backend 'triton' or 'auto')")
+                    "cuda": CUDA_TRACED}
+    return {"triton": None, "cuda": CUDA_TRACED}
 
 
 def _cuda_cover(x2: Tensor, w: Optional[Tensor], b: Optional[Tensor], r2: Optional[Tensor], dropout_p: float,
@@ -156,23 +149,10 @@ def _cuda_cover(x2: Tensor, w: Optional[Tensor], b: Optional[Tensor], r2: Option
 
 
 def _use_cuda(backend: Optional[str], x2: Tensor, w, b, r2, dropout_p: float, residual_in_fp32: bool) -> bool:
-    """Whether this call runs the CUDA C++ op: asked for by name (raises when it cannot serve the call), or
-    ``auto`` on a CUDA device where the extension is built and covers the call, outside CUDA-graph capture
-    (it comes before Triton in eager mode: same kernels' speed class, and its forward and backward cost no
-    Python host time)."""
-    if torch.compiler.is_compiling():  # traced: the Triton custom op (default_backend reads a ContextVar)
-        return False
-    requested = backend or default_backend()
-    if requested == "cuda":
-        select(_OP, "cuda", x2.device, {"cuda": _cuda_cover(x2, w, b, r2, dropout_p, residual_in_fp32)})
-        return True
-    if requested != "auto" or x2.device.type != "cuda" or _availability("cuda", x2.device) is not None:
-        return False
-    if capturing(x2.device):
-        # inside a CUDA-graph capture the host time the C++ op saves is gone, and Triton's kernels are as
-        # fast or faster in GPU time (graph replay, H100: equal at N = 768, 5-15% faster at N >= 1024)
-        return False
-    return _cuda_cover(x2, w, b, r2, dropout_p, residual_in_fp32) is None
+    """Whether this call runs the CUDA C++ op (``_backend.use_cuda_op``: named, or ``auto`` in eager mode where it is
+    built and covers the call, outside CUDA-graph capture, where Triton's kernels are as fast or faster in GPU time:
+    graph replay, H100, equal at N = 768, 5-15% faster at N >= 1024)."""
+    return use_cuda_op(_OP, backend, x2.device, lambda: _cuda_cover(x2, w, b, r2, dropout_p, residual_in_fp32))
 
 
 def _s_dtype(x: Tensor, residual: Optional[Tensor], residual_in_fp32: bool) -> torch.dtype:

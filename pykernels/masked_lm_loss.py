@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._backend import default_backend, select
+from ._backend import CUDA_TRACED, select, use_cuda_op
 from ._op import _plain_eager, custom_op
 from ._checks import check_prob, check_same, check_tensor
 from ._kernels._tuning import capturing
@@ -211,13 +211,7 @@ def _support(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> dict:
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         reason = f"mixed dtypes (hidden {hidden.dtype}, weight {weight.dtype})"
         return {"triton": reason, "cuda": reason}
-    return {"triton": None, "cuda": _CUDA_TRACED}
-
-
-# The C++ op serves plain eager calls that name it (``masked_lm_loss`` routes them before the custom ops); what
-# reaches the custom ops with backend="cuda" is traced (torch.compile, make_fx, dispatch modes).
-_CUDA_TRACED = ("the cuda backend runs in eager mode only; under torch.compile and dispatch modes the op is "
-                "the Triton custom op (backend 'triton' or 'auto')")
+    return {"triton": None, "cuda": CUDA_TRACED}
 
 
 def _cuda_cover(h2: Tensor, weight: Tensor, t1: Tensor, bias: Optional[Tensor], graph_safe: bool, dense: bool,
@@ -237,16 +231,10 @@ def _cuda_cover(h2: Tensor, weight: Tensor, t1: Tensor, bias: Optional[Tensor], 
 
 def _use_cuda(backend: Optional[str], h2: Tensor, weight: Tensor, t1: Tensor, bias: Optional[Tensor],
               graph_safe: bool, dense: bool, max_valid: int, num_valid) -> bool:
-    """Whether this call runs the CUDA C++ op: only when named (``backend="cuda"`` or the default set to it);
-    it raises when it cannot serve the call. ``auto`` keeps Triton (its fused logit tiles are faster on the GPU
-    than cuBLAS with an fp32 logits chunk)."""
-    if torch.compiler.is_compiling():
-        return False
-    if (backend or default_backend()) != "cuda":
-        return False
-    select("masked_lm_loss", "cuda", h2.device,
-           {"cuda": _cuda_cover(h2, weight, t1, bias, graph_safe, dense, max_valid, num_valid)})
-    return True
+    """Whether this call runs the CUDA C++ op: only when named (``_backend.use_cuda_op`` with ``auto=False``: the
+    Triton path's fused logit tiles are faster on the GPU than cuBLAS with an fp32 logits chunk)."""
+    return use_cuda_op("masked_lm_loss", backend, h2.device,
+                       lambda: _cuda_cover(h2, weight, t1, bias, graph_safe, dense, max_valid, num_valid), auto=False)
 
 
 def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing):
