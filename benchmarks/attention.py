@@ -127,10 +127,16 @@ def no_kernel(e: BaseException) -> bool:
 # ---------------------------------------------------------------------------------------------
 # implementations: each is fwd(q, k, v) -> o for fixed mask/causal, on (B, H, S, D) tensors
 
-def pykernels_impl(mask, causal):
+def pykernels_impl(mask, causal, backend="triton"):
     import pykernels
     return lambda q, k, v: pykernels.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                                   backend="triton")
+                                                                   backend=backend)
+
+
+def cuda_built() -> bool:
+    """Whether pykernels' CUDA C++ extension is built here (then its attention gets a row of its own)."""
+    import pykernels
+    return pykernels.backends()["cuda"].available and not SMOKE
 
 
 def sdpa_impl(mask, causal, backend=None):
@@ -394,30 +400,9 @@ def run_case(case: Case, budget: Budget) -> list[dict]:
     q, k, v, do, lengths, mask = case_inputs(case)
     rows = []
 
-    # pykernels: validate, then time, then memory
-    row = {**base, "impl": "pykernels triton"}
-    ours_fwd = pykernels_impl(mask, case.causal)
-    try:
-        ok, info = validate(ours_fwd, mask, case.causal, q, k, v, do)
-        row.update(info)
-        if not ok:
-            row["status"] = "INVALID"
-        else:
-            f_ms, b_ms = time_impl(ours_fwd, q, k, v, do)
-            qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-            peak = peak_mib(lambda: ours_fwd(qq, kk, vv).backward(do))
-            # output + 3 gradients are unavoidable; the rest is the kernels' scratch (lse, delta, ...),
-            # which must stay O(B*H*S): compare with one fp32 (B, H, S) tensor
-            io_mib = 4 * q.numel() * q.element_size() / 2**20
-            row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4), peak_extra_MiB=peak,
-                       **graph_time(ours_fwd, q, k, v, do), out_and_grads_MiB=round(io_mib, 1),
-                       scratch_MiB=None if peak is None else round(peak - io_mib, 1),
-                       fp32_BHS_MiB=round(case.B * case.H * case.S * 4 / 2**20, 2),
-                       configs=tuned_configs(case.D, case.S, case.causal, 3 if case.key_padding else 0,
-                                              B=case.B, H=case.H))
-    except Exception as e:  # noqa: BLE001 - record and go on with the peers
-        row["status"] = f"error: {short(e)}"
-    rows.append(row)
+    # pykernels: validate, then time, then memory (the Triton backend; the CUDA C++ one where it is built)
+    for backend in ("triton", "cuda") if cuda_built() else ("triton",):
+        rows.append(time_ours(case, backend, q, k, v, do, mask))
 
     additive = additive_mask(mask)
     peers = [("sdpa flash", sdpa_impl(mask, case.causal, SDPBackend.FLASH_ATTENTION), None),
@@ -494,6 +479,37 @@ def additive_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return torch.zeros(mask.shape, dtype=DTYPE, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
+def time_ours(case: Case, backend: str, q, k, v, do, mask) -> dict:
+    """pykernels' row for one backend: validated against the fp32 reference, then timed (do_bench and graph
+    replay), then its peak extra memory."""
+    base = dict(case=case.name, shape=case.label, B=case.B, H=case.H, S=case.S, D=case.D, causal=case.causal,
+                key_padding=case.key_padding, flops_fwd=f"{case.fwd_flops:.4g}")
+    row = {**base, "impl": f"pykernels {backend}"}
+    ours_fwd = pykernels_impl(mask, case.causal, backend)
+    try:
+        ok, info = validate(ours_fwd, mask, case.causal, q, k, v, do)
+        row.update(info)
+        if not ok:
+            row["status"] = "INVALID"
+            return row
+        f_ms, b_ms = time_impl(ours_fwd, q, k, v, do)
+        qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        peak = peak_mib(lambda: ours_fwd(qq, kk, vv).backward(do))
+        # output + 3 gradients are unavoidable; the rest is the kernels' scratch (lse, delta, ...),
+        # which must stay O(B*H*S): compare with one fp32 (B, H, S) tensor
+        io_mib = 4 * q.numel() * q.element_size() / 2**20
+        row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4), peak_extra_MiB=peak,
+                   **graph_time(ours_fwd, q, k, v, do), out_and_grads_MiB=round(io_mib, 1),
+                   scratch_MiB=None if peak is None else round(peak - io_mib, 1),
+                   fp32_BHS_MiB=round(case.B * case.H * case.S * 4 / 2**20, 2))
+        if backend == "triton":
+            row["configs"] = tuned_configs(case.D, case.S, case.causal, 3 if case.key_padding else 0, B=case.B,
+                                           H=case.H)
+    except Exception as e:  # noqa: BLE001 - record and go on with the peers
+        row["status"] = f"error: {short(e)}"
+    return row
+
+
 def time_peer(fwd, alt, q, k, v, do, graph: bool = True) -> dict:
     """Run once (compiles FlexAttention; finds out whether a forced SDPA backend has a kernel), then time.
     ``alt``: the same peer given the mask in additive form, tried when the bool form has no kernel."""
@@ -566,31 +582,34 @@ def run_varlen(budget: Budget) -> list[dict]:
     def padded_fn(inner):
         return lambda q_, k_, v_: from_padded(inner(to_padded(q_), to_padded(k_), to_padded(v_)))
 
-    def varlen_fwd(q_, k_, v_):
-        return pykernels.varlen_attention(q_, k_, v_, cu, cu, max_len, max_len, backend="triton")
+    def varlen_impl(backend):
+        return lambda q_, k_, v_: pykernels.varlen_attention(q_, k_, v_, cu, cu, max_len, max_len, backend=backend)
 
     rows = []
-    row = {**base, "impl": "pykernels varlen (packed)"}
-    try:
-        ref = fwd_bwd(padded_fn(lambda a, b, c: reference_fp32_fwd(mask, a, b, c)), *(t.float() for t in (q, k, v)),
-                      do.float())
-        peer = fwd_bwd(padded_fn(sdpa_impl(mask, False)), q, k, v, do)
-        ours = fwd_bwd(varlen_fwd, q, k, v, do)
-        ok, info = three_way(ours, peer, ref)
-        row.update(info)
-        del ref, peer, ours
-        if not ok:
-            row["status"] = "INVALID"
-        else:
-            f_ms, b_ms = time_impl(varlen_fwd, q, k, v, do)
-            qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-            row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4),
-                       peak_extra_MiB=peak_mib(lambda: varlen_fwd(qq, kk, vv).backward(do)),
-                       **graph_time(varlen_fwd, q, k, v, do),
-                       configs=tuned_configs(D, max_len, False, 0, varlen=True))
-    except Exception as e:  # noqa: BLE001
-        row["status"] = f"error: {short(e)}"
-    rows.append(row)
+    for backend in ("triton", "cuda") if cuda_built() else ("triton",):
+        varlen_fwd = varlen_impl(backend)
+        row = {**base, "impl": "pykernels varlen (packed)" if backend == "triton" else "pykernels cuda varlen (packed)"}
+        try:
+            ref = fwd_bwd(padded_fn(lambda a, b, c: reference_fp32_fwd(mask, a, b, c)),
+                          *(t.float() for t in (q, k, v)), do.float())
+            peer = fwd_bwd(padded_fn(sdpa_impl(mask, False)), q, k, v, do)
+            ours = fwd_bwd(varlen_fwd, q, k, v, do)
+            ok, info = three_way(ours, peer, ref)
+            row.update(info)
+            del ref, peer, ours
+            if not ok:
+                row["status"] = "INVALID"
+            else:
+                f_ms, b_ms = time_impl(varlen_fwd, q, k, v, do)
+                qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+                row.update(status="ok", fwd_ms=round(f_ms, 4), bwd_ms=round(b_ms, 4),
+                           peak_extra_MiB=peak_mib(lambda: varlen_fwd(qq, kk, vv).backward(do)),
+                           **graph_time(varlen_fwd, q, k, v, do))
+                if backend == "triton":
+                    row["configs"] = tuned_configs(D, max_len, False, 0, varlen=True)
+        except Exception as e:  # noqa: BLE001
+            row["status"] = f"error: {short(e)}"
+        rows.append(row)
 
     # padded peers time only the attention on already-padded tensors (the padding copies are not theirs)
     qp, kp, vp, dop = (torch.randn(B, H, S, D, device=DEVICE, dtype=DTYPE) for _ in range(4))

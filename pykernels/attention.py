@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._backend import BackendUnavailableError, check_backend_name, default_backend, select, warn_once
+from ._backend import CUDA_TRACED, BackendUnavailableError, check_backend_name, default_backend, select, use_cuda_op
+from ._backend import warn_once
 from ._backend import _availability as _backend_availability
 from ._op import custom_op
 from ._rng import fake_seed, op_seed
@@ -244,18 +245,59 @@ def _ref_varlen_bwd(do, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, sc
 # Custom ops: dense
 # ---------------------------------------------------------------------------------------------
 def _support(q: Tensor, k: Tensor, v: Tensor) -> dict:
+    """What the custom ops' backends say to this call: None (covered) or why not. The custom ops' "cuda" entry
+    is reached only by traced calls (eager calls that name "cuda" run the C++ op before them: ``_use_cuda``)."""
+    reason = _triton_decline(q, k, v)
+    return {"triton": reason, "cuda": reason or CUDA_TRACED}
+
+
+def _triton_decline(q: Tensor, k: Tensor, v: Tensor) -> str | None:
     d, dv = q.shape[-1], v.shape[-1]
     if q.dtype == torch.float64:
-        return {"triton": "float64 inputs (the kernels take fp16, bf16, fp32)"}
+        return "float64 inputs (the kernels take fp16, bf16, fp32)"
     if d > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
-        return {"triton": f"head dim {max(d, dv)} > {MAX_HEAD_DIM}"}
+        return f"head dim {max(d, dv)} > {MAX_HEAD_DIM}"
     if d == 0 or dv == 0:
-        return {"triton": "empty head dim"}
+        return "empty head dim"
     if q.dim() == 4 and (q.shape[0] > 65535 or q.shape[1] > 65535):
-        return {"triton": f"batch {q.shape[0]} or heads {q.shape[1]} > 65535 (grid y/z limit)"}
+        return f"batch {q.shape[0]} or heads {q.shape[1]} > 65535 (grid y/z limit)"
     if q.dim() == 3 and q.shape[1] > 65535:
-        return {"triton": f"heads {q.shape[1]} > 65535 (grid y limit)"}
-    return {"triton": None}
+        return f"heads {q.shape[1]} > 65535 (grid y limit)"
+    return None
+
+
+def _cuda_cover(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, batch: int) -> str | None:
+    """None when the CUDA C++ op ``pykernels_cuda::attention`` (``csrc/attention.cu``) covers the call (q, k, v as
+    the custom ops take them: (B, H, S, D), or (tokens, H, D) for varlen with ``batch`` sequences), else why not."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} (the CUDA C++ kernels take float16 and bfloat16)"
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv != d:
+        return f"value head dim {dv} != query head dim {d} (the CUDA C++ kernels take one head dim)"
+    if d == 0 or d % 8 or d > MAX_HEAD_DIM:
+        return f"head dim {d} (the CUDA C++ kernels take multiples of 8 up to {MAX_HEAD_DIM})"
+    if batch > 65535 or q.shape[1] > 65535:
+        return f"batch {batch} or heads {q.shape[1]} > 65535 (grid y/z limit)"
+    if mask is not None and mask.dtype not in (torch.bool, torch.float16, torch.bfloat16, torch.float32,
+                                               torch.float64):
+        return f"attn_mask dtype {mask.dtype}"
+    return None
+
+
+def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+              batch: int) -> bool:
+    """Whether this eager call runs the C++ op: only when named (``_backend.use_cuda_op`` with ``auto=False``: the
+    Triton kernels, with Hopper's TMA and warpgroup MMA, are faster)."""
+    return use_cuda_op(op, backend, q.device, lambda: _cuda_cover(q, k, v, mask, batch), auto=False)
+
+
+def _cuda_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cu_q: Tensor | None, cu_k: Tensor | None,
+                    max_q: int, max_k: int, dropout_p: float, causal: bool, scale: float) -> Tensor:
+    """The C++ op (its autograd in C++), with the seed drawn as the custom ops draw it (``op_seed``): the same seed,
+    hence the same dropout mask, as the Triton backend's for one ``torch.manual_seed``."""
+    seed = op_seed(dropout_p, q.device)
+    return torch.ops.pykernels_cuda.attention(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale,
+                                              int(seed[0]) if dropout_p > 0 else 0)
 
 
 def _last_dim_contig(t: Tensor) -> Tensor:
@@ -797,7 +839,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         return attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, hq != hk)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    o = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "", deterministic)[0]
+    if _use_cuda(_OP, backend, q4, k4, v4, m4, q4.shape[0]):
+        o = _cuda_attention(q4, k4, v4, m4, None, None, 0, 0, dropout_p, bool(is_causal), scale)
+    else:
+        o = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "", deterministic)[0]
     if o.dim() == 4 and len(batch) == 1 and len(out_heads) == 1:
         return o  # already (B, H, Sq, Dv)
     return o.reshape(*batch, *out_heads, sq, dv)
@@ -853,6 +898,9 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     q, k, v = _last_dim_contig(q), _last_dim_contig(k), _last_dim_contig(v)
+    if _use_cuda(_VOP, backend, q, k, v, None, cu_seqlens_q.shape[0] - 1):
+        return _cuda_attention(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               bool(causal), scale)
     o, _, _ = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, bool(causal),
                           scale, backend or "")
     return o

@@ -18,7 +18,7 @@ from pykernels import BackendUnavailableError, FallbackWarning
 from pykernels._rng import new_seed
 from pykernels.attention import (attention_dropout_mask, attention_reference, pad_input, philox_uniform,
                                  scaled_dot_product_attention as sdpa, unpad_input, varlen_attention)
-from utils import assert_close_to_ref
+from utils import assert_close_to_ref, needs_cuda_ext
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # Interpreter-sized matrix tests: on a GPU machine they would compile ~100 kernel variants (minutes of
@@ -1487,3 +1487,176 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
         assert kb.kernels(q, k, causal=False, sms=132) == "dkdv,dq"
     finally:
         torch.use_deterministic_algorithms(det)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA C++ backend (csrc/attention.cu, torch.ops.pykernels_cuda.attention): taken only when named
+# ---------------------------------------------------------------------------------------------
+CUDA_DENSE = [  # b, hq, hkv, sq, sk, d, causal: odd lengths, Sq != Sk both ways, GQA / MQA, head dims 16..256
+    (2, 4, 4, 1000, 1000, 64, False),
+    (2, 4, 2, 127, 1000, 128, True),
+    (1, 3, 1, 1, 17, 80, True),
+    (2, 2, 2, 17, 1, 96, False),
+    (1, 2, 2, 300, 257, 16, True),
+    (1, 4, 2, 129, 130, 256, True),
+    (1, 2, 2, 200, 190, 160, False),
+    (1, 2, 1, 1000, 777, 40, True),
+    (1, 2, 2, 65, 64, 224, False),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", CUDA_DENSE)
+def test_gpu_cuda_backend_dense(dtype, b, hq, hkv, sq, sk, d, causal):
+    q, k, v = _inputs((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), dtype, "cuda")
+    out, _ = _check_against_ref(q, k, v, causal=causal, backend="cuda")
+    assert "AttentionFunction" in out.grad_fn.name()  # the C++ op's autograd node
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_cuda_backend_masks_and_dead_rows():
+    b, hq, hkv, s, d = 2, 4, 2, 300, 64
+    q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
+    # key padding, the second batch with no key at all: its output and gradients are 0
+    kp = (torch.arange(s, device="cuda")[None, :] < torch.tensor([211, 0], device="cuda")[:, None]).view(b, 1, 1, s)
+    out, grads = _check_against_ref(q, k, v, mask=kp, backend="cuda")
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    for g in grads:
+        assert torch.equal(g[1], torch.zeros_like(g[1]))
+    _check_against_ref(q, k, v, mask=torch.rand(b, 1, s, s, device="cuda") > 0.5, causal=True, backend="cuda")
+    for mdtype in (torch.float32, BF16, torch.float16, torch.float64):
+        _check_against_ref(q, k, v, mask=torch.randn(1, hq, s, s, device="cuda", dtype=mdtype), backend="cuda")
+    # an additive mask with -inf rows (fully masked queries) and a -inf column
+    add = torch.randn(b, 1, s, s, device="cuda")
+    add[:, :, 5:40] = float("-inf")
+    add[..., 7] = float("-inf")
+    out, grads = _check_against_ref(q, k, v, mask=add, backend="cuda")
+    assert torch.equal(out[:, :, 5:40], torch.zeros_like(out[:, :, 5:40]))
+    assert torch.equal(grads[0][:, :, 5:40], torch.zeros_like(grads[0][:, :, 5:40]))
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_cuda_backend_layouts():
+    # the transformers layout ((B, S, H, D) storage seen as (B, H, S, D)), K / V broadcast over the batch with
+    # stride 0, a query head broadcast over the kv heads, rows at a storage offset that is not 16-byte aligned
+    b, h, s, d = 2, 4, 150, 64
+    q = torch.randn(b, s, h, d, device="cuda", dtype=BF16).transpose(1, 2).requires_grad_(True)
+    k0 = torch.randn(1, h, s, d, device="cuda", dtype=BF16, requires_grad=True)
+    v0 = torch.randn(1, h, s, d, device="cuda", dtype=BF16, requires_grad=True)
+    out = sdpa(q, k0.expand(b, h, s, d), v0.expand(b, h, s, d), is_causal=True, backend="cuda")
+    assert out.stride() == q.stride()  # the output keeps q's layout
+    ref = sdpa(q, k0.expand(b, h, s, d), v0.expand(b, h, s, d), is_causal=True, backend="reference")
+    do = torch.randn_like(out)
+    for a, r in zip((out, *_grads(out, (q, k0, v0), do)), (ref, *_grads(ref, (q, k0, v0), do))):
+        torch.testing.assert_close(a, r, atol=3e-2, rtol=3e-2)
+    kb, vb = (t.detach().expand(b, h, s, d).clone().requires_grad_(True) for t in (k0, v0))
+    flat = torch.randn(b * h * s * d + 3, device="cuda", dtype=BF16)
+    qo = flat[3:].view(b, h, s, d).detach().requires_grad_(True)  # 6 bytes past an aligned start
+    _check_against_ref(qo, kb, vb, backend="cuda")
+    q1 = torch.randn(b, 1, s, d, device="cuda", dtype=BF16, requires_grad=True)
+    _check_against_ref(q1, kb, vb, backend="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_cuda_backend_dropout_and_determinism():
+    b, hq, hkv, s, d = 2, 4, 2, 200, 64
+    q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
+    torch.manual_seed(5)
+    seed = int(new_seed()[0])
+    torch.manual_seed(5)
+    out = sdpa(q, k, v, dropout_p=0.2, is_causal=True, backend="cuda")
+    dmask = attention_dropout_mask(seed, b, hq, s, s, 0.2, "cuda")
+    keep = dmask.float().tril().sum() / torch.ones(s, s, device="cuda").tril().sum() / (b * hq)
+    assert abs(keep.item() - 0.8) < 0.01
+    do = torch.randn_like(out)
+    _, grads = _check_against_ref(q, k, v, causal=True, dropout_p=0.2, dropout_mask=dmask, out=out, do=do)
+    # the Triton backend draws the same mask for the same torch seed
+    torch.manual_seed(5)
+    out_t = sdpa(q, k, v, dropout_p=0.2, is_causal=True, backend="triton")
+    torch.testing.assert_close(out, out_t, atol=2e-2, rtol=2e-2)
+    # same seed again: bitwise the same output and gradients (no atomics)
+    torch.manual_seed(5)
+    out2 = sdpa(q, k, v, dropout_p=0.2, is_causal=True, backend="cuda")
+    assert torch.equal(out, out2)
+    for a, b_ in zip(grads, _grads(out2, (q, k, v), do)):
+        assert torch.equal(a, b_)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("causal,d", [(False, 64), (True, 128), (True, 96)])
+def test_gpu_cuda_backend_varlen(causal, d):
+    lq, lk = [1000, 1, 0, 513, 77, 3], [900, 5, 3, 513, 77, 0]
+    q, k, v, cu_q, cu_k = _varlen_case(lq, lk, 8, 2, d, BF16, "cuda", extra_rows=5)
+    out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="cuda")
+    do = torch.randn_like(out)
+    grads = _grads(out, (q, k, v), do)
+    # rows past cu_seqlens[-1] are 0, output and gradients
+    for t, cu in ((out, cu_q), (grads[0], cu_q), (grads[1], cu_k), (grads[2], cu_k)):
+        assert torch.equal(t[int(cu[-1]):], torch.zeros_like(t[int(cu[-1]):]))
+    _check_varlen_per_sequence(out, grads, q, k, v, do, cu_q, cu_k, causal, BF16)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_cuda_backend_int64_offsets():
+    """More than 2**31 elements per tensor: the C++ kernels' offsets are int64. Checks the last batches."""
+    b, h, s, d = 8192, 16, 136, 128  # 2.28e9 elements per tensor (4.6 GB in bf16)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=BF16).requires_grad_(True) for _ in range(3))
+    out = sdpa(q, k, v, is_causal=True, backend="cuda")
+    do = torch.randn_like(out)
+    dq, dk, dv = _grads(out, (q, k, v), do)
+    tail = slice(b - 2, b)
+
+    def ref(dt):
+        qq, kk, vv = (t.detach()[tail].to(dt).requires_grad_(True) for t in (q, k, v))
+        o = attention_reference(qq, kk, vv, is_causal=True)
+        return (o, *_grads(o, (qq, kk, vv), do[tail].to(dt)))
+
+    for name, a, hi, lo in zip(("out", "dq", "dk", "dv"), (out[tail], dq[tail], dk[tail], dv[tail]),
+                               ref(torch.float64), ref(BF16)):
+        assert_close_to_ref(name, a, hi, lo)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_cuda_backend_routing():
+    q, k, v = _inputs((2, 4, 64, 64), (2, 4, 64, 64), (2, 4, 64, 64), BF16, "cuda")
+    # auto keeps Triton; named, the C++ op (its autograd node is C++'s)
+    assert "AttentionFunction" not in sdpa(q, k, v).grad_fn.name()
+    assert "AttentionFunction" in sdpa(q, k, v, backend="cuda").grad_fn.name()
+    with pykernels.use_backend("cuda"):
+        assert "AttentionFunction" in sdpa(q, k, v).grad_fn.name()
+    for dt, d, dv, why in ((F32, 64, 64, "float32"), (BF16, 72, 64, "value head dim"), (BF16, 36, 36, "head dim 36")):
+        qq, kk, vv = _inputs((1, 2, 8, d), (1, 2, 8, d), (1, 2, 8, dv), dt, "cuda")
+        with pytest.raises(BackendUnavailableError, match=why):
+            sdpa(qq, kk, vv, backend="cuda")
+    with pytest.raises(Exception, match="eager mode only"):
+        torch.compile(lambda x: sdpa(x, k, v, backend="cuda"), fullgraph=True, backend="aot_eager")(q)
+
+
+def test_cuda_cover_rules(device):
+    """The C++ op's cover on any machine, and that nothing but naming it routes a call there."""
+    from pykernels.attention import _cuda_cover, _use_cuda
+    q, k, v = _inputs((1, 2, 8, 64), (1, 2, 8, 64), (1, 2, 8, 64), F16, device, requires_grad=False)
+    assert _cuda_cover(q, k, v, None, 1) is None
+    assert _cuda_cover(q, k, v, torch.ones(1, 2, 8, 8, dtype=torch.bool, device=device), 1) is None
+    assert "float32" in _cuda_cover(q.float(), k.float(), v.float(), None, 1)
+    assert "head dim 20" in _cuda_cover(q[..., :20], k[..., :20], v[..., :20], None, 1)
+    assert "value head dim" in _cuda_cover(q, k, v[..., :32], None, 1)
+    assert "65535" in _cuda_cover(q, k, v, None, 70000)
+    assert "int32" in _cuda_cover(q, k, v, torch.ones(1, 2, 8, 8, dtype=torch.int32, device=device), 1)
+    for backend in (None, "auto", "triton", "reference"):
+        assert not _use_cuda("scaled_dot_product_attention", backend, q, k, v, None, 1)
+    if not pykernels.backends()["cuda"].available:
+        with pytest.raises(BackendUnavailableError, match="pykernels._C is not built"):
+            sdpa(q, k, v, backend="cuda")
+        cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
+        with pytest.raises(BackendUnavailableError, match="pykernels._C is not built"):
+            varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 8, 8,
+                             backend="cuda")
