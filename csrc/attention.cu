@@ -209,8 +209,8 @@ __device__ __forceinline__ Seq seq_of(const Params& p, int b) {
   return s;
 }
 
-// The mask's addend in log2 units at element offset ``off``
-__device__ __forceinline__ float mask_log2(const void* mask, int kind, int64_t off) {
+// The mask's addend in log2 units at element offset ``off`` (out of line: the tiles' unrolled loops call it)
+__device__ __noinline__ float mask_log2(const void* mask, int kind, int64_t off) {
   switch (kind) {
     case kBoolMask: return static_cast<const bool*>(mask)[off] ? 0.f : -INFINITY;
     case kF32Mask: return static_cast<const float*>(mask)[off] * kLog2e;
@@ -253,8 +253,7 @@ template <int D>
 struct FwdCfg {
   static constexpr int BC = D > 128 ? 32 : 64;  // keys a block
   static constexpr int LD = D + 8;
-  // Q, and two buffers of K and V
-  static constexpr size_t smem(size_t elt) { return static_cast<size_t>(kRows + 4 * BC) * LD * elt; }
+  static constexpr size_t smem(size_t elt) { return static_cast<size_t>(kRows + 2 * BC) * LD * elt; }
 };
 
 template <typename T, int D>
@@ -263,7 +262,8 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
   constexpr int BC = C::BC, LD = C::LD;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* const sKV = sQ + kRows * LD;  // buffer u: K at sKV + 2u BC LD, V at sKV + (2u + 1) BC LD
+  T* sK = sQ + kRows * LD;
+  T* sV = sK + BC * LD;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   const Seq s = seq_of(p, b);
@@ -274,20 +274,12 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
   const int n_end = p.causal ? min(s.sk, q0 + kRows) : s.sk;  // keys past n_end are masked for every row here
   const int nblocks = (n_end + BC - 1) / BC;
-  // key block nb into buffer nb % 2 (one cp.async group a block, committed even when empty)
-  const auto issue = [&](int nb) {
-    if (nb < nblocks) {
-      const int k0 = nb * BC, rows = min(BC, s.sk - k0);
-      T* buf = sKV + (nb & 1) * 2 * BC * LD;
-      load_tile<T, BC, D>(buf, K + k0 * p.k_ss, p.k_ss, rows, p.d, tid);
-      load_tile<T, BC, D>(buf + BC * LD, V + k0 * p.v_ss, p.v_ss, rows, p.d, tid);
-    }
-    cp_async_commit();
-  };
 
   load_tile<T, kRows, D>(sQ, Q, p.q_ss, min(kRows, s.sq - q0), p.d, tid);
-  issue(0);  // (with Q)
-  issue(1);
+  if (nblocks > 0) load_tile<T, BC, D>(sK, K, p.k_ss, min(BC, s.sk), p.d, tid);
+  cp_async_commit();
+  if (nblocks > 0) load_tile<T, BC, D>(sV, V, p.v_ss, min(BC, s.sk), p.d, tid);
+  cp_async_commit();
 
   float o[D / 8][4];
 #pragma unroll
@@ -299,9 +291,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
 
   for (int nb = 0; nb < nblocks; ++nb) {
     const int k0 = nb * BC;
-    const T* sK = sKV + (nb & 1) * 2 * BC * LD;
-    const T* sV = sK + BC * LD;
-    cp_async_wait<1>();  // this block (block nb + 1 may still be in flight)
+    cp_async_wait<1>();  // Q and this K block
     __syncthreads();
     if constexpr (kQRegs) {
       if (nb == 0) {
@@ -325,6 +315,9 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
         mma<T>(sc[nt + 1], a, bk[2], bk[3]);
       }
     }
+    __syncthreads();  // every warp is done with sK
+    if (nb + 1 < nblocks) load_tile<T, BC, D>(sK, K + (k0 + BC) * p.k_ss, p.k_ss, min(BC, s.sk - k0 - BC), p.d, tid);
+    cp_async_commit();
 
     // online softmax (log2 domain); the row's 4 threads (t4 = 0..3) share its max through shuffles
     const bool edge = k0 + BC > s.sk || (p.causal && k0 + BC - 1 > q0);
@@ -371,6 +364,8 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
         for (int e = 0; e < 4; ++e) sc[nt][e] *= keep_factor(p, b, h, row[e >> 1], k0 + nt * 8 + 2 * t4 + (e & 1));
     }
 
+    cp_async_wait<1>();  // this V block (the next K block may still be in flight)
+    __syncthreads();
 #pragma unroll
     for (int kt = 0; kt < BC / 16; ++kt) {
       uint32_t a[4];
@@ -383,8 +378,9 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
         mma<T>(o[dt + 1], a, bv[2], bv[3]);
       }
     }
-    __syncthreads();  // every warp is done with this buffer
-    issue(nb + 2);
+    __syncthreads();  // every warp is done with sV
+    if (nb + 1 < nblocks) load_tile<T, BC, D>(sV, V + (k0 + BC) * p.v_ss, p.v_ss, min(BC, s.sk - k0 - BC), p.d, tid);
+    cp_async_commit();
   }
   cp_async_wait<0>();
 
@@ -441,9 +437,8 @@ struct DkdvCfg {
   static constexpr int CHUNKS = D / DC;
   static constexpr int BQ = D > 64 ? 32 : 64;      // query rows an iteration
   static constexpr int LD = D + 8;
-  // K, V, and two buffers of (Q, dO, lse, delta)
   static constexpr size_t smem(size_t elt) {
-    return static_cast<size_t>(2 * kRows + 4 * BQ) * LD * elt + 4 * BQ * sizeof(float);
+    return static_cast<size_t>(2 * kRows + 2 * BQ) * LD * elt + 2 * BQ * sizeof(float);
   }
 };
 
@@ -454,8 +449,10 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const Params p)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kRows * LD;
-  T* const sQO = sV + kRows * LD;                               // buffer u: Q at + 2u BQ LD, dO at + (2u + 1) BQ LD
-  float* const sLD = reinterpret_cast<float*>(sQO + 4 * BQ * LD);  // buffer u: lse at + 2u BQ, delta at + (2u + 1) BQ
+  T* sQ = sV + kRows * LD;
+  T* sO = sQ + BQ * LD;  // dO
+  float* sL = reinterpret_cast<float*>(sO + BQ * LD);
+  float* sDelta = sL + BQ;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int chunk = blockIdx.x % C::CHUNKS, k0 = (blockIdx.x / C::CHUNKS) * kRows;
   const int c0 = chunk * DC;
@@ -464,32 +461,9 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const Params p)
   if (k0 >= s.sk) return;
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + (s.k_off + k0) * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + (s.k_off + k0) * p.v_ss;
-  const int q_first = p.causal ? (k0 / BQ) * BQ : 0;  // queries i < k0 see no key of this block
-  const int nqb = s.sq > q_first ? (s.sq - q_first + BQ - 1) / BQ : 0;
-  const int iters = p.group * nqb;  // (query head of the group, query block) pairs
-  // iteration it's query tile into buffer it % 2 (one cp.async group an iteration, committed even when empty)
-  const auto issue = [&](int it) {
-    if (it < iters) {
-      const int h = hk * p.group + it / nqb, qs = q_first + (it % nqb) * BQ, nq = min(BQ, s.sq - qs);
-      T* buf = sQO + (it & 1) * 2 * BQ * LD;
-      load_tile<T, BQ, D>(buf, static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + qs) * p.q_ss,
-                          p.q_ss, nq, p.d, tid);
-      load_tile<T, BQ, D>(buf + BQ * LD,
-                          static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + qs) * p.do_ss,
-                          p.do_ss, nq, p.d, tid);
-      if (tid < BQ) {
-        const int64_t at = b * p.lse_sb + h * p.lse_sh + s.q_off + qs + tid;
-        float* lb = sLD + (it & 1) * 2 * BQ;
-        lb[tid] = tid < nq ? lse_log2(p.lse[at]) : INFINITY;
-        lb[BQ + tid] = tid < nq ? p.delta[at] : 0.f;
-      }
-    }
-    cp_async_commit();
-  };
   load_tile<T, kRows, D>(sK, K, p.k_ss, min(kRows, s.sk - k0), p.d, tid);
   load_tile<T, kRows, D>(sV, V, p.v_ss, min(kRows, s.sk - k0), p.d, tid);
-  issue(0);  // (with K and V)
-  issue(1);
+  cp_async_commit();
 
   float dk[DC / 8][4], dv[DC / 8][4];
 #pragma unroll
@@ -497,72 +471,81 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const Params p)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
   const int key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
+  const int q_first = p.causal ? (k0 / BQ) * BQ : 0;  // queries i < k0 see no key of this block
 
-  for (int it = 0; it < iters; ++it) {
-    const int h = hk * p.group + it / nqb, qs = q_first + (it % nqb) * BQ;
-    const T* sQ = sQO + (it & 1) * 2 * BQ * LD;
-    const T* sO = sQ + BQ * LD;  // dO
-    const float* sL = sLD + (it & 1) * 2 * BQ;
-    const float* sDelta = sL + BQ;
-    cp_async_wait<1>();  // this iteration's tile (the next may still be in flight)
-    __syncthreads();
+  for (int hh = 0; hh < p.group; ++hh) {
+    const int h = hk * p.group + hh;
+    const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + s.q_off * p.q_ss;
+    const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + s.q_off * p.do_ss;
+    const int64_t lrow = b * p.lse_sb + h * p.lse_sh + s.q_off;
+    for (int qs = q_first; qs < s.sq; qs += BQ) {
+      const int nq = min(BQ, s.sq - qs);
+      load_tile<T, BQ, D>(sQ, Q + qs * p.q_ss, p.q_ss, nq, p.d, tid);
+      load_tile<T, BQ, D>(sO, dO + qs * p.do_ss, p.do_ss, nq, p.d, tid);
+      cp_async_commit();
+      if (tid < BQ) {
+        sL[tid] = tid < nq ? lse_log2(p.lse[lrow + qs + tid]) : INFINITY;
+        sDelta[tid] = tid < nq ? p.delta[lrow + qs + tid] : 0.f;
+      }
+      cp_async_wait<0>();
+      __syncthreads();
 
-    // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x BQ queries
-    float st[BQ / 8][4], dpt[BQ / 8][4];
+      // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x BQ queries
+      float st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
-    for (int i = 0; i < BQ / 8; ++i)
+      for (int i = 0; i < BQ / 8; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.f;
+        for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.f;
 #pragma unroll
-    for (int kt = 0; kt < D / 16; ++kt) {
-      uint32_t ak[4], av[4];
-      ldsm_x4(ak, a_addr<T, LD>(sK, warp * 16, kt * 16, lane));
-      ldsm_x4(av, a_addr<T, LD>(sV, warp * 16, kt * 16, lane));
+      for (int kt = 0; kt < D / 16; ++kt) {
+        uint32_t ak[4], av[4];
+        ldsm_x4(ak, a_addr<T, LD>(sK, warp * 16, kt * 16, lane));
+        ldsm_x4(av, a_addr<T, LD>(sV, warp * 16, kt * 16, lane));
 #pragma unroll
-      for (int nt = 0; nt < BQ / 8; nt += 2) {
-        uint32_t bq[4], bo[4];
-        ldsm_x4(bq, b_addr<T, LD>(sQ, nt * 8, kt * 16, lane));
-        mma<T>(st[nt], ak, bq[0], bq[1]);
-        mma<T>(st[nt + 1], ak, bq[2], bq[3]);
-        ldsm_x4(bo, b_addr<T, LD>(sO, nt * 8, kt * 16, lane));
-        mma<T>(dpt[nt], av, bo[0], bo[1]);
-        mma<T>(dpt[nt + 1], av, bo[2], bo[3]);
+        for (int nt = 0; nt < BQ / 8; nt += 2) {
+          uint32_t bq[4], bo[4];
+          ldsm_x4(bq, b_addr<T, LD>(sQ, nt * 8, kt * 16, lane));
+          mma<T>(st[nt], ak, bq[0], bq[1]);
+          mma<T>(st[nt + 1], ak, bq[2], bq[3]);
+          ldsm_x4(bo, b_addr<T, LD>(sO, nt * 8, kt * 16, lane));
+          mma<T>(dpt[nt], av, bo[0], bo[1]);
+          mma<T>(dpt[nt + 1], av, bo[2], bo[3]);
+        }
       }
-    }
-    // P^T; then dS^T = P^T (dP^T Z - delta) into st and P^T Z (for dV) into dpt
-    const bool edge = p.causal && qs < k0 + kRows - 1;
+      // P^T, then dS^T = P^T (dP^T Z - delta) in st and P^T Z (for dV) in dpt's place after use
+      const bool edge = p.causal && qs < k0 + kRows - 1;
 #pragma unroll
-    for (int nt = 0; nt < BQ / 8; ++nt) {
+      for (int nt = 0; nt < BQ / 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
-        const float x = score(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge);
-        const float pe = exp2f(x - sL[il]);
-        const float z = p.p_drop > 0.f ? keep_factor(p, b, h, i, j) : 1.f;
-        st[nt][e] = pe * (dpt[nt][e] * z - sDelta[il]);  // dS^T
-        dpt[nt][e] = pe * z;                              // P^T with dropout
+        for (int e = 0; e < 4; ++e) {
+          const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
+          const float x = score(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge);
+          const float pe = exp2f(x - sL[il]);
+          const float z = p.p_drop > 0.f ? keep_factor(p, b, h, i, j) : 1.f;
+          st[nt][e] = pe * (dpt[nt][e] * z - sDelta[il]);  // dS^T
+          dpt[nt][e] = pe * z;                              // P^T with dropout
+        }
       }
-    }
 #pragma unroll
-    for (int kq = 0; kq < BQ / 16; ++kq) {
-      uint32_t ap[4], as[4];
-      acc_to_a<T>(ap, dpt[2 * kq], dpt[2 * kq + 1]);
-      acc_to_a<T>(as, st[2 * kq], st[2 * kq + 1]);
+      for (int kq = 0; kq < BQ / 16; ++kq) {
+        uint32_t ap[4], as[4];
+        acc_to_a<T>(ap, dpt[2 * kq], dpt[2 * kq + 1]);
+        acc_to_a<T>(as, st[2 * kq], st[2 * kq + 1]);
 #pragma unroll
-      for (int dt = 0; dt < DC / 8; dt += 2) {
-        uint32_t bo[4], bq[4];
-        ldsm_x4_t(bo, bt_addr<T, LD>(sO, kq * 16, c0 + dt * 8, lane));
-        mma<T>(dv[dt], ap, bo[0], bo[1]);
-        mma<T>(dv[dt + 1], ap, bo[2], bo[3]);
-        ldsm_x4_t(bq, bt_addr<T, LD>(sQ, kq * 16, c0 + dt * 8, lane));
-        mma<T>(dk[dt], as, bq[0], bq[1]);
-        mma<T>(dk[dt + 1], as, bq[2], bq[3]);
+        for (int dt = 0; dt < DC / 8; dt += 2) {
+          uint32_t bo[4], bq[4];
+          ldsm_x4_t(bo, bt_addr<T, LD>(sO, kq * 16, c0 + dt * 8, lane));
+          mma<T>(dv[dt], ap, bo[0], bo[1]);
+          mma<T>(dv[dt + 1], ap, bo[2], bo[3]);
+          ldsm_x4_t(bq, bt_addr<T, LD>(sQ, kq * 16, c0 + dt * 8, lane));
+          mma<T>(dk[dt], as, bq[0], bq[1]);
+          mma<T>(dk[dt + 1], as, bq[2], bq[3]);
+        }
       }
+      __syncthreads();  // before the next iteration overwrites sQ, sO, sL, sDelta
     }
-    __syncthreads();  // every warp is done with this buffer
-    issue(it + 2);
   }
-  cp_async_wait<0>();  // (no iteration: the K / V loads)
+  cp_async_wait<0>();  // (no query block: the K / V loads)
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -585,8 +568,7 @@ template <int D>
 struct DqCfg {
   static constexpr int BC = D > 128 ? 32 : 64;  // keys an iteration
   static constexpr int LD = D + 8;
-  // Q, dO, and two buffers of K and V
-  static constexpr size_t smem(size_t elt) { return static_cast<size_t>(2 * kRows + 4 * BC) * LD * elt; }
+  static constexpr size_t smem(size_t elt) { return static_cast<size_t>(2 * kRows + 2 * BC) * LD * elt; }
 };
 
 template <typename T, int D>
@@ -596,7 +578,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sO = sQ + kRows * LD;  // dO
-  T* const sKV = sO + kRows * LD;  // buffer u: K at + 2u BC LD, V at + (2u + 1) BC LD
+  T* sK = sO + kRows * LD;
+  T* sV = sK + BC * LD;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   const Seq s = seq_of(p, b);
@@ -606,21 +589,9 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
   const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + q0) * p.do_ss;
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
-  const int n_end = p.causal ? min(s.sk, q0 + kRows) : s.sk;
-  const int nblocks = (n_end + BC - 1) / BC;
-  const auto issue = [&](int nb) {  // key block nb into buffer nb % 2
-    if (nb < nblocks) {
-      const int k0 = nb * BC, rows = min(BC, s.sk - k0);
-      T* buf = sKV + (nb & 1) * 2 * BC * LD;
-      load_tile<T, BC, D>(buf, K + k0 * p.k_ss, p.k_ss, rows, p.d, tid);
-      load_tile<T, BC, D>(buf + BC * LD, V + k0 * p.v_ss, p.v_ss, rows, p.d, tid);
-    }
-    cp_async_commit();
-  };
   load_tile<T, kRows, D>(sQ, Q, p.q_ss, min(kRows, s.sq - q0), p.d, tid);
   load_tile<T, kRows, D>(sO, dO, p.do_ss, min(kRows, s.sq - q0), p.d, tid);
-  issue(0);  // (with Q and dO)
-  issue(1);
+  cp_async_commit();
 
   const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
   float lse2[2], dl[2];
@@ -633,11 +604,12 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
   float dq[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
-  for (int nb = 0; nb < nblocks; ++nb) {
-    const int k0 = nb * BC;
-    const T* sK = sKV + (nb & 1) * 2 * BC * LD;
-    const T* sV = sK + BC * LD;
-    cp_async_wait<1>();
+  const int n_end = p.causal ? min(s.sk, q0 + kRows) : s.sk;
+  for (int k0 = 0; k0 < n_end; k0 += BC) {
+    load_tile<T, BC, D>(sK, K + k0 * p.k_ss, p.k_ss, min(BC, s.sk - k0), p.d, tid);
+    load_tile<T, BC, D>(sV, V + k0 * p.v_ss, p.v_ss, min(BC, s.sk - k0), p.d, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
     float sc[BC / 8][4], dp[BC / 8][4];
 #pragma unroll
@@ -684,8 +656,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
         mma<T>(dq[dt + 1], a, bk[2], bk[3]);
       }
     }
-    __syncthreads();  // every warp is done with this buffer
-    issue(nb + 2);
+    __syncthreads();  // before the next iteration overwrites sK, sV
   }
   cp_async_wait<0>();
 
