@@ -251,55 +251,43 @@ __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ?
 // ---------------------------------------------------------------------------------------------------------------
 template <int D>
 struct FwdCfg {
-  static constexpr int MT = D <= 128 ? 2 : 1;   // 16-row m-tiles a warp: each K / V fragment feeds MT mma
-  static constexpr int BR = 4 * 16 * MT;        // query rows a block (warp w: rows 64 mt + 16 w + 0..15)
-  static constexpr int BC = D <= 64 ? 64 : 32;  // keys a block
+  static constexpr int BC = D > 128 ? 32 : 64;  // keys a block
   static constexpr int LD = D + 8;
-  static constexpr bool kQRegs = MT * D <= 128;  // Q's fragments stay in registers (else: read from shared memory)
-  static constexpr size_t smem(size_t elt) { return static_cast<size_t>(BR + 2 * BC) * LD * elt; }
+  static constexpr size_t smem(size_t elt) { return static_cast<size_t>(kRows + 2 * BC) * LD * elt; }
 };
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
   using C = FwdCfg<D>;
-  constexpr int MT = C::MT, BR = C::BR, BC = C::BC, LD = C::LD;
-  constexpr bool kQRegs = C::kQRegs;
+  constexpr int BC = C::BC, LD = C::LD;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + BR * LD;
+  T* sK = sQ + kRows * LD;
   T* sV = sK + BC * LD;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   const Seq s = seq_of(p, b);
-  const int q0 = blockIdx.x * BR;
+  const int q0 = blockIdx.x * kRows;
   if (q0 >= s.sq) return;  // (varlen: this sequence is shorter than the grid's max)
   const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + q0) * p.q_ss;
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
-  const int n_end = p.causal ? min(s.sk, q0 + BR) : s.sk;  // keys past n_end are masked for every row here
+  const int n_end = p.causal ? min(s.sk, q0 + kRows) : s.sk;  // keys past n_end are masked for every row here
   const int nblocks = (n_end + BC - 1) / BC;
 
-  load_tile<T, BR, D>(sQ, Q, p.q_ss, min(BR, s.sq - q0), p.d, tid);
+  load_tile<T, kRows, D>(sQ, Q, p.q_ss, min(kRows, s.sq - q0), p.d, tid);
   if (nblocks > 0) load_tile<T, BC, D>(sK, K, p.k_ss, min(BC, s.sk), p.d, tid);
   cp_async_commit();
   if (nblocks > 0) load_tile<T, BC, D>(sV, V, p.v_ss, min(BC, s.sk), p.d, tid);
   cp_async_commit();
 
-  float o[MT][D / 8][4];
-  float m[MT][2], l[MT][2];
-  int row[MT][2];
+  float o[D / 8][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.f;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      m[mt][r] = -INFINITY;
-      l[mt][r] = 0.f;
-      row[mt][r] = q0 + mt * 64 + warp * 16 + g + 8 * r;
-    }
-  }
-  uint32_t qf[kQRegs ? MT : 1][kQRegs ? D / 16 : 1][4];
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  constexpr bool kQRegs = D <= 128;  // Q's fragments stay in registers (above: read from shared memory each block)
+  uint32_t qf[kQRegs ? D / 16 : 1][4];
 
   for (int nb = 0; nb < nblocks; ++nb) {
     const int k0 = nb * BC;
@@ -308,105 +296,86 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
     if constexpr (kQRegs) {
       if (nb == 0) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int kt = 0; kt < D / 16; ++kt)
-            ldsm_x4(qf[mt][kt], a_addr<T, LD>(sQ, mt * 64 + warp * 16, kt * 16, lane));
+        for (int kt = 0; kt < D / 16; ++kt) ldsm_x4(qf[kt], a_addr<T, LD>(sQ, warp * 16, kt * 16, lane));
       }
     }
-    float sc[MT][BC / 8][4];
+    float sc[BC / 8][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int i = 0; i < BC / 8; ++i) sc[mt][i][0] = sc[mt][i][1] = sc[mt][i][2] = sc[mt][i][3] = 0.f;
+    for (int i = 0; i < BC / 8; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
 #pragma unroll
     for (int kt = 0; kt < D / 16; ++kt) {
-      uint32_t qa[MT][4];
-      if constexpr (!kQRegs) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) ldsm_x4(qa[mt], a_addr<T, LD>(sQ, mt * 64 + warp * 16, kt * 16, lane));
-      }
+      uint32_t qa[4];
+      if constexpr (!kQRegs) ldsm_x4(qa, a_addr<T, LD>(sQ, warp * 16, kt * 16, lane));
+      const uint32_t(&a)[4] = kQRegs ? qf[kQRegs ? kt : 0] : qa;
 #pragma unroll
       for (int nt = 0; nt < BC / 8; nt += 2) {
         uint32_t bk[4];
         ldsm_x4(bk, b_addr<T, LD>(sK, nt * 8, kt * 16, lane));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const uint32_t(&a)[4] = kQRegs ? qf[kQRegs ? mt : 0][kQRegs ? kt : 0] : qa[mt];
-          mma<T>(sc[mt][nt], a, bk[0], bk[1]);
-          mma<T>(sc[mt][nt + 1], a, bk[2], bk[3]);
-        }
+        mma<T>(sc[nt], a, bk[0], bk[1]);
+        mma<T>(sc[nt + 1], a, bk[2], bk[3]);
       }
     }
     __syncthreads();  // every warp is done with sK
     if (nb + 1 < nblocks) load_tile<T, BC, D>(sK, K + (k0 + BC) * p.k_ss, p.k_ss, min(BC, s.sk - k0 - BC), p.d, tid);
     cp_async_commit();
 
-    // online softmax (log2 domain); a row's 4 threads (t4 = 0..3) share its max through shuffles
+    // online softmax (log2 domain); the row's 4 threads (t4 = 0..3) share its max through shuffles
     const bool edge = k0 + BC > s.sk || (p.causal && k0 + BC - 1 > q0);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = -INFINITY;
+      for (int nt = 0; nt < BC / 8; ++nt) {
 #pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = k0 + nt * 8 + 2 * t4 + e;
-            const float x = score(p, sc[mt][nt][2 * r + e], b, h, row[mt][r], j, s.sq, s.sk, edge);
-            sc[mt][nt][2 * r + e] = x;
-            mx = fmaxf(mx, x);
-          }
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[mt][r], mx);
-        const float base = m_new == -INFINITY ? 0.f : m_new;  // a row masked so far: exp2(-inf - 0) = 0
-        const float alpha = exp2f(m[mt][r] - base);
-        m[mt][r] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pe = exp2f(sc[mt][nt][2 * r + e] - base);
-            sc[mt][nt][2 * r + e] = pe;
-            sum += pe;
-          }
-        }
-        l[mt][r] = l[mt][r] * alpha + sum;
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          o[mt][dt][2 * r] *= alpha;
-          o[mt][dt][2 * r + 1] *= alpha;
+        for (int e = 0; e < 2; ++e) {
+          const int j = k0 + nt * 8 + 2 * t4 + e;
+          const float x = score(p, sc[nt][2 * r + e], b, h, row[r], j, s.sq, s.sk, edge);
+          sc[nt][2 * r + e] = x;
+          mx = fmaxf(mx, x);
         }
       }
-      if (p.p_drop > 0.f) {
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[r], mx);
+      const float base = m_new == -INFINITY ? 0.f : m_new;  // a row masked so far: exp2(-inf - 0) = 0
+      const float alpha = exp2f(m[r] - base);
+      m[r] = m_new;
+      float sum = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < BC / 8; ++nt)
+      for (int nt = 0; nt < BC / 8; ++nt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            sc[mt][nt][e] *= keep_factor(p, b, h, row[mt][e >> 1], k0 + nt * 8 + 2 * t4 + (e & 1));
+        for (int e = 0; e < 2; ++e) {
+          const float pe = exp2f(sc[nt][2 * r + e] - base);
+          sc[nt][2 * r + e] = pe;
+          sum += pe;
+        }
       }
+      l[r] = l[r] * alpha + sum;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        o[dt][2 * r] *= alpha;
+        o[dt][2 * r + 1] *= alpha;
+      }
+    }
+    if (p.p_drop > 0.f) {
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt][e] *= keep_factor(p, b, h, row[e >> 1], k0 + nt * 8 + 2 * t4 + (e & 1));
     }
 
     cp_async_wait<1>();  // this V block (the next K block may still be in flight)
     __syncthreads();
 #pragma unroll
     for (int kt = 0; kt < BC / 16; ++kt) {
-      uint32_t a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) acc_to_a<T>(a[mt], sc[mt][2 * kt], sc[mt][2 * kt + 1]);
+      uint32_t a[4];
+      acc_to_a<T>(a, sc[2 * kt], sc[2 * kt + 1]);
 #pragma unroll
       for (int dt = 0; dt < D / 8; dt += 2) {
         uint32_t bv[4];
         ldsm_x4_t(bv, bt_addr<T, LD>(sV, kt * 16, dt * 8, lane));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma<T>(o[mt][dt], a[mt], bv[0], bv[1]);
-          mma<T>(o[mt][dt + 1], a[mt], bv[2], bv[3]);
-        }
+        mma<T>(o[dt], a, bv[0], bv[1]);
+        mma<T>(o[dt + 1], a, bv[2], bv[3]);
       }
     }
     __syncthreads();  // every warp is done with sV
@@ -416,25 +385,20 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
   cp_async_wait<0>();
 
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int i = row[r];
+    if (i >= s.sq) continue;
+    T* O = static_cast<T*>(p.out) + b * p.o_sb + h * p.o_sh + (s.q_off + i) * p.o_ss;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = l[mt][r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      const int i = row[mt][r];
-      if (i >= s.sq) continue;
-      T* O = static_cast<T*>(p.out) + b * p.o_sb + h * p.o_sh + (s.q_off + i) * p.o_ss;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        const int c = dt * 8 + 2 * t4;
-        if (c < p.d)
-          *reinterpret_cast<uint32_t*>(O + c) = pack2<T>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-      }
-      if (t4 == 0)
-        p.lse[b * p.lse_sb + h * p.lse_sh + s.q_off + i] = sum > 0.f ? (m[mt][r] + log2f(sum)) / kLog2e : -INFINITY;
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const int c = dt * 8 + 2 * t4;
+      if (c < p.d) *reinterpret_cast<uint32_t*>(O + c) = pack2<T>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
     }
+    if (t4 == 0) p.lse[b * p.lse_sb + h * p.lse_sh + s.q_off + i] = sum > 0.f ? (m[r] + log2f(sum)) / kLog2e : -INFINITY;
   }
 }
 
@@ -860,7 +824,7 @@ Params base_params(const Shape& s, const Tensor& q, const Tensor& k, const Tenso
   return p;
 }
 
-unsigned blocks_of(int64_t rows, int per = kRows) { return static_cast<unsigned>((rows + per - 1) / per); }
+unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + kRows - 1) / kRows); }
 
 // (o, lse)
 std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
@@ -881,12 +845,12 @@ std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const T
   set_strides(o, s.varlen, p.o_sb, p.o_sh, p.o_ss);
   p.lse = lse.data_ptr<float>();
   auto stream = c10::cuda::getCurrentCUDAStream();
+  const dim3 grid(blocks_of(s.Sq), static_cast<unsigned>(s.Hq), static_cast<unsigned>(s.B));
   dispatch_float_dtype(q.scalar_type(), "pykernels_cuda.attention: query", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, float>) {
       dispatch_head_dim(p.d, [&](auto dc) {
         constexpr int D = decltype(dc)::value;
-        const dim3 grid(blocks_of(s.Sq, FwdCfg<D>::BR), static_cast<unsigned>(s.Hq), static_cast<unsigned>(s.B));
         launch(attn_fwd_kernel<T, D>, grid, FwdCfg<D>::smem(sizeof(T)), p, stream);
       });
     }
