@@ -836,10 +836,9 @@ std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const T
   const Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in);
   // o in q's layout where q is dense (transformers' transposed views reshape back for free); varlen rows past
   // cu_seqlens_q[-1] are 0
-  Tensor o = s.varlen ? at::zeros_like(q, at::MemoryFormat::Contiguous) : at::empty_like(q);
-  o = aligned(o);
+  Tensor o = s.varlen ? at::zeros_like(q, at::MemoryFormat::Contiguous) : poisoned(aligned(at::empty_like(q)));
   Tensor lse = s.varlen ? at::full({s.Hq, q.size(0)}, -INFINITY, q.options().dtype(at::kFloat))
-                        : at::empty({s.B, s.Hq, s.Sq}, q.options().dtype(at::kFloat));
+                        : poisoned(at::empty({s.B, s.Hq, s.Sq}, q.options().dtype(at::kFloat)));
   Params p = base_params(s, q, k, v, mask, cu_q, cu_k, p_drop, causal, scale, seed);
   p.out = o.data_ptr();
   set_strides(o, s.varlen, p.o_sb, p.o_sh, p.o_ss);
@@ -870,7 +869,7 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
   const Tensor dout = aligned(dout_in.scalar_type() == q.scalar_type() ? dout_in : dout_in.to(q.scalar_type()));
   // varlen: rows past cu_seqlens[-1] (which no block writes) are 0; dense: every row is written
   const auto alloc = [&](const Tensor& t) {
-    return s.varlen ? at::zeros_like(t, at::MemoryFormat::Contiguous) : aligned(at::empty_like(t));
+    return s.varlen ? at::zeros_like(t, at::MemoryFormat::Contiguous) : poisoned(aligned(at::empty_like(t)));
   };
   Tensor dq = alloc(q), dk = alloc(k), dv = alloc(v);
   Tensor delta = at::empty_like(lse);

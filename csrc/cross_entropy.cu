@@ -248,9 +248,9 @@ std::vector<Tensor> forward_impl(const Tensor& logits, const Tensor& target_in, 
   const int64_t N = logits.size(0);
   const int V = static_cast<int>(logits.size(1));
   auto f32 = logits.options().dtype(at::kFloat);
-  Tensor lse = at::empty({N}, f32);
+  Tensor lse = poisoned(at::empty({N}, f32));
   Tensor scale = at::empty({}, f32);
-  Tensor loss = reduction == kNone ? at::empty({N}, logits.options()) : at::empty({}, logits.options());
+  Tensor loss = poisoned(reduction == kNone ? at::empty({N}, logits.options()) : at::empty({}, logits.options()));
   Tensor rows = reduction == kNone ? Tensor() : at::empty({N}, f32);
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_float_dtype(logits.scalar_type(), "pykernels_cuda.cross_entropy: logits", [&](auto tag) {
@@ -344,7 +344,7 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
     const Tensor& logits = saved[0];
     const bool inplace = ctx->saved_data["inplace"].toBool();
     // in place: the gradient is an alias of the logits' memory (detached: no autograd history of its own)
-    Tensor dlogits = inplace ? logits.detach() : at::empty({logits.size(0), logits.size(1)}, logits.options());
+    Tensor dlogits = inplace ? logits.detach() : poisoned(at::empty({logits.size(0), logits.size(1)}, logits.options()));
     const Tensor grad = grads[0].defined() ? grads[0] : at::zeros({}, logits.options());
     backward_impl(grad, logits, saved[1], saved[2], saved[3], dlogits, ctx->saved_data["ignore_index"].toInt(),
                   ctx->saved_data["eps"].toDouble(), ctx->saved_data["z"].toDouble());

@@ -591,8 +591,8 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
   const int64_t M = x.size(0);
   const int N = static_cast<int>(x.size(1));
   auto f32 = x.options().dtype(at::kFloat);
-  Tensor y = at::empty_like(x);
-  Tensor s = prenorm ? at::empty_like(x) : at::empty({0}, x.options());
+  Tensor y = poisoned(at::empty_like(x));
+  Tensor s = prenorm ? poisoned(at::empty_like(x)) : at::empty({0}, x.options());
   Tensor mean = at::empty({rms ? 0 : M}, f32);
   Tensor rstd = at::empty({M}, f32);
   if (M == 0) return {y, s, mean, rstd, x, r};
@@ -634,9 +634,9 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   const Tensor ds = ds_in.defined() ? dense(ds_in) : Tensor();
   const int64_t M = a.size(0);
   const int N = static_cast<int>(a.size(1));
-  Tensor dx = at::empty_like(a);
+  Tensor dx = poisoned(at::empty_like(a));
   const bool dropout = dropout_p > 0.0;
-  Tensor dres = dropout ? at::empty_like(a) : dx;
+  Tensor dres = dropout ? poisoned(at::empty_like(a)) : dx;
   const bool need = w.defined() || has_b;
   const int sms = sm_count(a.get_device());
   int rt_threads = kThreads;
@@ -657,8 +657,8 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   const int progs = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, static_cast<int64_t>(per_sm) * sms)));
   auto f32 = a.options().dtype(at::kFloat);
   Tensor partial = at::empty({need ? 2 * progs * N : 0}, f32);
-  Tensor dw = w.defined() ? at::empty({N}, a.options()) : Tensor();
-  Tensor db = has_b ? at::empty({N}, a.options()) : Tensor();
+  Tensor dw = w.defined() ? poisoned(at::empty({N}, a.options())) : Tensor();
+  Tensor db = has_b ? poisoned(at::empty({N}, a.options())) : Tensor();
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_float_dtype(a.scalar_type(), "pykernels_cuda.layer_norm: x", [&](auto tag) {
     using T = decltype(tag);

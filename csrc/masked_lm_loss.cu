@@ -232,7 +232,8 @@ std::vector<Tensor> backward_impl(const Tensor& grad_in, const Tensor& hc, const
   const int64_t stride_g = grad.dim() == 0 ? 0 : grad.stride(0);
   auto f32 = hc.options().dtype(at::kFloat);
   Tensor dh = need_dh ? at::zeros({N, H}, hc.options()) : Tensor();
-  Tensor dw = need_dw ? (M > 0 ? at::empty({V, H}, weight.options()) : at::zeros({V, H}, weight.options())) : Tensor();
+  Tensor dw = need_dw ? (M > 0 ? poisoned(at::empty({V, H}, weight.options())) : at::zeros({V, H}, weight.options()))
+                      : Tensor();
   Tensor db32 = need_dw && bias.defined() ? at::zeros({V}, f32) : Tensor();
   if (M > 0 && (need_dh || need_dw)) {
     auto stream = c10::cuda::getCurrentCUDAStream();
