@@ -77,6 +77,7 @@ struct Params {
   float scale;
   const void* mask;
   int mask_kind;
+  bool mask_keys;          // the mask depends on (batch, key) only (key padding): read once a key, not an element
   int64_t m_sb, m_sh, m_sq, m_sk;
   bool causal;
   float p_drop, inv_keep;
@@ -222,15 +223,22 @@ __device__ __noinline__ float mask_log2(const void* mask, int kind, int64_t off)
 }
 
 // The scaled score (log2 units) of query i and key j, -inf where masked. ``edge``: the tile may hold keys past
-// the sequence or above the causal diagonal. The mask is read only inside the (sq, sk) rectangle.
+// the sequence or above the causal diagonal. ``kb``: key j's mask addend for a key-only mask (else 0); other masks
+// are read here, only inside the (sq, sk) rectangle.
 __device__ __forceinline__ float score(const Params& p, float acc, int b, int h, int i, int j, int sq, int sk,
-                                       bool edge) {
-  float x = acc * p.scale_log2;
-  if (p.mask_kind != kNoMask)
+                                       bool edge, float kb) {
+  float x = acc * p.scale_log2 + kb;
+  if (p.mask_kind != kNoMask && !p.mask_keys)
     x = i < sq && j < sk ? x + mask_log2(p.mask, p.mask_kind, b * p.m_sb + h * p.m_sh + i * p.m_sq + j * p.m_sk)
                          : -INFINITY;
   if (edge && (j >= sk || (p.causal && j > i))) x = -INFINITY;
   return x;
+}
+
+// A key-only mask's addend for key j of batch b (-inf past the sequence); 0 without one
+__device__ __forceinline__ float key_bias(const Params& p, int b, int j, int sk) {
+  if (p.mask_kind == kNoMask || !p.mask_keys) return 0.f;
+  return j < sk ? mask_log2(p.mask, p.mask_kind, b * p.m_sb + j * p.m_sk) : -INFINITY;
 }
 
 // The dropout factor (0 or 1 / (1 - p)) of (b, h, i, j): Philox at ((b Hq + h) Sq + i) Sk + j
@@ -274,6 +282,12 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
   const int n_end = p.causal ? min(s.sk, q0 + kRows) : s.sk;  // keys past n_end are masked for every row here
   const int nblocks = (n_end + BC - 1) / BC;
+  // a key-only mask's addends of key block nb, into skb[nb % 2] (written before the barrier that precedes their use)
+  __shared__ float skb[2][BC];
+  const auto keys_of = [&](int nb) {
+    if (p.mask_keys && p.mask_kind != kNoMask && nb < nblocks && tid < BC) skb[nb & 1][tid] = key_bias(p, b, nb * BC + tid, s.sk);
+  };
+  keys_of(0);
 
   load_tile<T, kRows, D>(sQ, Q, p.q_ss, min(kRows, s.sq - q0), p.d, tid);
   if (nblocks > 0) load_tile<T, BC, D>(sK, K, p.k_ss, min(BC, s.sk), p.d, tid);
@@ -318,6 +332,9 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
     __syncthreads();  // every warp is done with sK
     if (nb + 1 < nblocks) load_tile<T, BC, D>(sK, K + (k0 + BC) * p.k_ss, p.k_ss, min(BC, s.sk - k0 - BC), p.d, tid);
     cp_async_commit();
+    keys_of(nb + 1);
+    const float* kbs = skb[nb & 1];
+    const bool keys = p.mask_keys && p.mask_kind != kNoMask;
 
     // online softmax (log2 domain); the row's 4 threads (t4 = 0..3) share its max through shuffles
     const bool edge = k0 + BC > s.sk || (p.causal && k0 + BC - 1 > q0);
@@ -329,7 +346,8 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int j = k0 + nt * 8 + 2 * t4 + e;
-          const float x = score(p, sc[nt][2 * r + e], b, h, row[r], j, s.sq, s.sk, edge);
+          const float x = score(p, sc[nt][2 * r + e], b, h, row[r], j, s.sq, s.sk, edge,
+                                keys ? kbs[nt * 8 + 2 * t4 + e] : 0.f);
           sc[nt][2 * r + e] = x;
           mx = fmaxf(mx, x);
         }
@@ -471,6 +489,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const Params p)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
   const int key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
+  const float kb[2] = {key_bias(p, b, key[0], s.sk), key_bias(p, b, key[1], s.sk)};
   const int q_first = p.causal ? (k0 / BQ) * BQ : 0;  // queries i < k0 see no key of this block
 
   for (int hh = 0; hh < p.group; ++hh) {
@@ -519,7 +538,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const Params p)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
-          const float x = score(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge);
+          const float x = score(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
           const float pe = exp2f(x - sL[il]);
           const float z = p.p_drop > 0.f ? keep_factor(p, b, h, i, j) : 1.f;
           st[nt][e] = pe * (dpt[nt][e] * z - sDelta[il]);  // dS^T
@@ -605,7 +624,11 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
   const int n_end = p.causal ? min(s.sk, q0 + kRows) : s.sk;
+  __shared__ float skb[2][BC];  // a key-only mask's addends of the key block (alternating halves)
+  const bool keys = p.mask_keys && p.mask_kind != kNoMask;
   for (int k0 = 0; k0 < n_end; k0 += BC) {
+    const int half = (k0 / BC) & 1;
+    if (keys && tid < BC) skb[half][tid] = key_bias(p, b, k0 + tid, s.sk);
     load_tile<T, BC, D>(sK, K + k0 * p.k_ss, p.k_ss, min(BC, s.sk - k0), p.d, tid);
     load_tile<T, BC, D>(sV, V + k0 * p.v_ss, p.v_ss, min(BC, s.sk - k0), p.d, tid);
     cp_async_commit();
@@ -638,7 +661,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1, i = row[r], j = k0 + nt * 8 + 2 * t4 + (e & 1);
-        const float x = score(p, sc[nt][e], b, h, i, j, s.sq, s.sk, edge);
+        const float x = score(p, sc[nt][e], b, h, i, j, s.sq, s.sk, edge, keys ? skb[half][j - k0] : 0.f);
         const float pe = exp2f(x - lse2[r]);
         const float z = p.p_drop > 0.f ? keep_factor(p, b, h, i, j) : 1.f;
         sc[nt][e] = pe * (dp[nt][e] * z - dl[r]);  // dS
@@ -816,6 +839,7 @@ Params base_params(const Shape& s, const Tensor& q, const Tensor& k, const Tenso
     p.m_sh = m.stride(1);
     p.m_sq = m.stride(2);
     p.m_sk = m.stride(3);
+    p.mask_keys = (m.size(1) == 1 || m.stride(1) == 0) && (m.size(2) == 1 || m.stride(2) == 0);
   }
   p.causal = causal;
   p.p_drop = static_cast<float>(p_drop);

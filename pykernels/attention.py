@@ -1,7 +1,8 @@
 """Attention: ``scaled_dot_product_attention``, ``varlen_attention``, ``unpad_input``/``pad_input``.
 
 Layers: the Triton kernels and launchers live in ``pykernels._kernels.attention`` (design note
-there). This module holds the input checks, the eager reference (``attention_reference``), the
+there); the CUDA C++ implementation is ``torch.ops.pykernels_cuda.attention`` (``csrc/attention.cu``), which eager
+calls that name ``backend="cuda"`` run (``_use_cuda``). This module holds the input checks, the eager reference (``attention_reference``), the
 dropout-mask helper that reproduces the kernels' Philox stream (``attention_dropout_mask``), the
 torch custom ops ``pykernels::attention_fwd/bwd`` and ``pykernels::varlen_attention_fwd/bwd`` with
 fake impls and autograd, and the documented public functions.
@@ -736,7 +737,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       it); K/V are never repeated in memory.
     * ``dropout_p``: in-kernel Philox dropout; the seed comes from torch's default CPU generator, so
       ``torch.manual_seed`` makes it reproducible; :func:`attention_dropout_mask` gives the mask.
-    * ``backend``: None (the current default), "auto", "triton", "cuda", "reference".
+    * ``backend``: None (the current default), "auto", "triton", "cuda", "reference". "cuda" is the CUDA C++ op
+      (``csrc/attention.cu``: fp16 / bf16, one head dim for q, k, v, a multiple of 8 up to 256; always
+      deterministic), taken only when named; "auto" takes Triton (faster).
     * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. True (or torch's
       deterministic mode) makes the backward bitwise reproducible. Otherwise, on Hopper at D = 128 with
       enough work (full attention; causal from 8192 keys), the backward is one fused kernel that adds dQ by

@@ -1,8 +1,8 @@
 """The CUDA C++ sources compile for sm_90 against the installed torch's headers, on any machine with nvcc
 (CPU-only CI included): API drift in torch's C++ headers or a syntax slip shows here, before a GPU run.
 ptxas's resource report is checked too: no kernel may spill more than 64 bytes (the LayerNorm backward at
-32 elements per thread spills at its 128-register cap: 36 bytes in the 2026-11-27 compile; the cross-entropy and
-masked-LM kernels 0-2)."""
+32 elements per thread spills at its 128-register cap: 36 bytes in the 2026-11-27 compile; the cross-entropy,
+masked-LM and attention kernels 0-8)."""
 from __future__ import annotations
 
 import glob
@@ -50,8 +50,9 @@ def test_cuda_source_compiles_for_sm90(source, tmp_path):
     report = res.stdout + res.stderr
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
     assert kernels, "ptxas reported no kernels"
+    # one report a kernel, and one a non-inlined device function (attention.cu's mask read and Philox draw)
     spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", report)]
-    assert len(spills) == len(kernels)
+    assert len(spills) >= len(kernels)
     assert max(spills) <= 64, f"a kernel spills {max(spills)} bytes"
 
 
