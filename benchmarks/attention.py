@@ -588,7 +588,8 @@ def run_varlen(budget: Budget) -> list[dict]:
     rows = []
     for backend in ("triton", "cuda") if cuda_built() else ("triton",):
         varlen_fwd = varlen_impl(backend)
-        row = {**base, "impl": "pykernels varlen (packed)" if backend == "triton" else "pykernels cuda varlen (packed)"}
+        name = "pykernels varlen (packed)" if backend == "triton" else "pykernels cuda varlen (packed)"
+        row = {**base, "impl": name}
         try:
             ref = fwd_bwd(padded_fn(lambda a, b, c: reference_fp32_fwd(mask, a, b, c)),
                           *(t.float() for t in (q, k, v)), do.float())

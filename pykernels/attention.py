@@ -1,11 +1,11 @@
 """Attention: ``scaled_dot_product_attention``, ``varlen_attention``, ``unpad_input``/``pad_input``.
 
 Layers: the Triton kernels and launchers live in ``pykernels._kernels.attention`` (design note
-there); the CUDA C++ implementation is ``torch.ops.pykernels_cuda.attention`` (``csrc/attention.cu``), which eager
-calls that name ``backend="cuda"`` run (``_use_cuda``). This module holds the input checks, the eager reference (``attention_reference``), the
-dropout-mask helper that reproduces the kernels' Philox stream (``attention_dropout_mask``), the
-torch custom ops ``pykernels::attention_fwd/bwd`` and ``pykernels::varlen_attention_fwd/bwd`` with
-fake impls and autograd, and the documented public functions.
+there); the CUDA C++ implementation is ``torch.ops.pykernels_cuda.attention`` (``csrc/attention.cu``), which
+eager calls that name ``backend="cuda"`` run (``_use_cuda``). This module holds the input checks, the eager
+reference (``attention_reference``), the dropout-mask helper that reproduces the kernels' Philox stream
+(``attention_dropout_mask``), the torch custom ops ``pykernels::attention_fwd/bwd`` and
+``pykernels::varlen_attention_fwd/bwd`` with fake impls and autograd, and the documented public functions.
 
 Causal alignment (``is_causal=True``) is TOP-LEFT, exactly like
 ``torch.nn.functional.scaled_dot_product_attention`` (``tril(diagonal=0)``): query i sees keys
