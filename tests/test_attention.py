@@ -1604,6 +1604,22 @@ def test_gpu_cuda_backend_varlen(causal, d):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+def test_gpu_cuda_backend_varlen_dropout_is_tritons_mask():
+    """Varlen dropout keys Philox by the max lengths and the positions inside each sequence, as the Triton kernels
+    do: the same torch seed gives the same mask, so the two backends' outputs and gradients agree."""
+    lq, lk = [300, 0, 77, 128], [250, 9, 77, 0]
+    q, k, v, cu_q, cu_k = _varlen_case(lq, lk, 4, 2, 64, BF16, "cuda")
+    runs = []
+    for backend in ("cuda", "triton"):
+        torch.manual_seed(3)
+        out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), dropout_p=0.25, causal=True, backend=backend)
+        runs.append((out, *_grads(out, (q, k, v), torch.ones_like(out))))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 def test_gpu_cuda_backend_int64_offsets():
     """More than 2**31 elements per tensor: the C++ kernels' offsets are int64. Checks the last batches."""
     b, h, s, d = 8192, 16, 136, 128  # 2.28e9 elements per tensor (4.6 GB in bf16)
