@@ -19,7 +19,9 @@
 //                    dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q;
 //             dQ   : a block per (64 queries, head, batch) looping over key blocks: dQ += dS K.
 // Semantics are pykernels.attention's: top-left causal (query i sees keys j <= i), a boolean (True = take part)
-// or additive mask read through its strides (stride 0 where it broadcasts), rows with no key to attend to give
+// or additive mask read through its strides (stride 0 where it broadcasts: a mask of batch and key only, key
+// padding, is read once a key into shared memory (forward, dQ) or registers (dK/dV), any other once an element
+// through an out-of-line call), rows with no key to attend to give
 // output 0, lse -inf and zero gradients; dropout keeps an element where philox(seed, ((b Hq + h) Sq + i) Sk + j)
 // >= p (philox.cuh: Triton's tl.rand bit for bit, so the mask is the Triton kernels' and
 // pykernels.attention_dropout_mask's; varlen: Sq, Sk = the max lengths, i, j inside the sequence).
@@ -28,6 +30,9 @@
 // 32, 64, 96, 128, 192, 256, the padding columns zero-filled); unit last stride (other strides any: rows are
 // read through them; a tensor whose rows are not 16-byte aligned is copied); batch and heads up to 65535;
 // int64 offsets throughout.
+// Measured (H200, graph replay; benchmarks/results/HISTORY.md, twenty-second session): about a third of the Triton
+// path's speed (BERT-base 111 / 83 TFLOP/s forward / backward, Triton's 336 / 305), so pykernels takes it only when
+// named. Double-buffered tiles and two m-tiles a warp measured slower; the kernel is latency-bound at 12 warps an SM.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
