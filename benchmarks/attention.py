@@ -402,7 +402,7 @@ def run_case(case: Case, budget: Budget) -> list[dict]:
 
     # pykernels: validate, then time, then memory (the Triton backend; the CUDA C++ one where it is built)
     for backend in ("triton", "cuda") if cuda_built() else ("triton",):
-        rows.append(time_ours(case, backend, q, k, v, do, mask))
+        rows.append(time_ours(case, base, backend, q, k, v, do, mask))
 
     additive = additive_mask(mask)
     peers = [("sdpa flash", sdpa_impl(mask, case.causal, SDPBackend.FLASH_ATTENTION), None),
@@ -479,11 +479,9 @@ def additive_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return torch.zeros(mask.shape, dtype=DTYPE, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
-def time_ours(case: Case, backend: str, q, k, v, do, mask) -> dict:
-    """pykernels' row for one backend: validated against the fp32 reference, then timed (do_bench and graph
-    replay), then its peak extra memory."""
-    base = dict(case=case.name, shape=case.label, B=case.B, H=case.H, S=case.S, D=case.D, causal=case.causal,
-                key_padding=case.key_padding, flops_fwd=f"{case.fwd_flops:.4g}")
+def time_ours(case: Case, base: dict, backend: str, q, k, v, do, mask) -> dict:
+    """pykernels' row for one backend (``base``: the case's columns): validated against the fp32 reference, then
+    timed (do_bench and graph replay), then its peak extra memory."""
     row = {**base, "impl": f"pykernels {backend}"}
     ours_fwd = pykernels_impl(mask, case.causal, backend)
     try:
