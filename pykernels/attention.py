@@ -1,11 +1,12 @@
 """Attention: ``scaled_dot_product_attention``, ``varlen_attention``, ``unpad_input``/``pad_input``.
 
 Layers: the Triton kernels and launchers live in ``pykernels._kernels.attention`` (design note
-there); the CUDA C++ implementation is ``torch.ops.pykernels_cuda.attention`` (``csrc/attention.cu``), which
-eager calls that name ``backend="cuda"`` run (``_use_cuda``). This module holds the input checks, the eager
-reference (``attention_reference``), the dropout-mask helper that reproduces the kernels' Philox stream
-(``attention_dropout_mask``), the torch custom ops ``pykernels::attention_fwd/bwd`` and
-``pykernels::varlen_attention_fwd/bwd`` with fake impls and autograd, and the documented public functions.
+there); the CUDA C++ implementation is ``torch.ops.pykernels_cuda.attention`` (``csrc/attention.cpp``, its
+kernels in ``csrc/attention.cuh``), which eager calls that name ``backend="cuda"`` run (``_use_cuda``). This
+module holds the input checks, the eager reference (``attention_reference``), the dropout-mask helper that
+reproduces the kernels' Philox stream (``attention_dropout_mask``), the torch custom ops
+``pykernels::attention_fwd/bwd`` and ``pykernels::varlen_attention_fwd/bwd`` with fake impls and autograd, and the
+documented public functions.
 
 Causal alignment (``is_causal=True``) is TOP-LEFT, exactly like
 ``torch.nn.functional.scaled_dot_product_attention`` (``tril(diagonal=0)``): query i sees keys
@@ -268,8 +269,9 @@ def _triton_decline(q: Tensor, k: Tensor, v: Tensor) -> str | None:
 
 
 def _cuda_cover(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, batch: int) -> str | None:
-    """None when the CUDA C++ op ``pykernels_cuda::attention`` (``csrc/attention.cu``) covers the call (q, k, v as
-    the custom ops take them: (B, H, S, D), or (tokens, H, D) for varlen with ``batch`` sequences), else why not."""
+    """None when the CUDA C++ op ``pykernels_cuda::attention`` (``csrc/attention.cpp``, ``csrc/attention.cuh``) covers
+    the call (q, k, v as the custom ops take them: (B, H, S, D), or (tokens, H, D) for varlen with ``batch``
+    sequences), else why not."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {q.dtype} (the CUDA C++ kernels take float16 and bfloat16)"
     d, dv = q.shape[-1], v.shape[-1]
@@ -738,8 +740,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     * ``dropout_p``: in-kernel Philox dropout; the seed comes from torch's default CPU generator, so
       ``torch.manual_seed`` makes it reproducible; :func:`attention_dropout_mask` gives the mask.
     * ``backend``: None (the current default), "auto", "triton", "cuda", "reference". "cuda" is the CUDA C++ op
-      (``csrc/attention.cu``: fp16 / bf16, one head dim for q, k, v, a multiple of 8 up to 256; always
-      deterministic), taken only when named; "auto" takes Triton (faster).
+      (``csrc/attention.cpp`` and ``attention.cuh``: fp16 / bf16, one head dim for q, k, v, a multiple of 8 up to
+      256; always deterministic), taken only when named; "auto" takes Triton (faster).
     * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. True (or torch's
       deterministic mode) makes the backward bitwise reproducible. Otherwise, on Hopper at D = 128 with
       enough work (full attention; causal from 8192 keys), the backward is one fused kernel that adds dQ by

@@ -1540,6 +1540,32 @@ def test_gpu_cuda_backend_masks_and_dead_rows():
 
 @pytest.mark.gpu
 @needs_cuda_ext
+@pytest.mark.parametrize("d,causal,dtype", [(64, False, BF16), (64, True, F16), (128, True, BF16), (256, False, BF16)])
+def test_gpu_cuda_backend_key_padding_ranges(d, causal, dtype):
+    """A key-only mask: the forward and dQ kernels visit only the key blocks between each batch's first and last
+    valid key, and a dK/dV block whose keys are all masked writes zeros without visiting a query. Ranges that start
+    and end inside a block, a hole inside the range, a batch with one valid key, one with none, left padding (under
+    causal, queries before the first valid key have no key: output and dQ 0), boolean and additive masks."""
+    b, hq, hkv, s = 4, 4, 2, 333
+    q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), dtype, "cuda")
+    pos = torch.arange(s, device="cuda")
+    lo = torch.tensor([70, 0, 200, 0], device="cuda")[:, None]
+    hi = torch.tensor([250, 333, 201, 0], device="cuda")[:, None]
+    valid = (pos >= lo) & (pos < hi) & ~((pos >= 100) & (pos < 110))
+    for mask in (valid.view(b, 1, 1, s),
+                 torch.where(valid, torch.randn(b, s, device="cuda"), float("-inf")).to(dtype).view(b, 1, 1, s)):
+        out, (dq, dk, dv) = _check_against_ref(q, k, v, mask=mask, causal=causal, backend="cuda")
+        assert torch.equal(dk[3], torch.zeros_like(dk[3])) and torch.equal(dv[3], torch.zeros_like(dv[3]))
+        dead = ~valid[:, None, None, :]  # keys no query sees get zero dK, dV
+        assert torch.equal(dk.masked_fill(dead.transpose(-1, -2).expand_as(dk), 0), dk)
+        assert torch.equal(dv.masked_fill(dead.transpose(-1, -2).expand_as(dv), 0), dv)
+        if causal:
+            assert torch.equal(out[0, :, :70], torch.zeros_like(out[0, :, :70]))
+            assert torch.equal(dq[0, :, :70], torch.zeros_like(dq[0, :, :70]))
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 def test_gpu_cuda_backend_layouts():
     # the transformers layout ((B, S, H, D) storage seen as (B, H, S, D)), K / V broadcast over the batch with
     # stride 0, a query head broadcast over the kv heads, rows at a storage offset that is not 16-byte aligned

@@ -2,7 +2,8 @@
 (CPU-only CI included): API drift in torch's C++ headers or a syntax slip shows here, before a GPU run.
 ptxas's resource report is checked too: no kernel may spill more than 64 bytes (the LayerNorm backward at
 32 elements per thread spills at its 128-register cap: 36 bytes in the 2026-11-27 compile; the cross-entropy,
-masked-LM and attention kernels 0-8)."""
+masked-LM and attention kernels 0-8). The host-only sources (``*.cpp``: attention's checks, autograd and
+registration) get a g++ syntax check against the same headers."""
 from __future__ import annotations
 
 import glob
@@ -17,6 +18,7 @@ import torch.utils.cpp_extension as cpp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cu")))
+HOST_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")))
 
 
 def _nvcc() -> str | None:
@@ -33,27 +35,48 @@ NVCC = _nvcc()
 PY_INCLUDE = sysconfig.get_paths()["include"]
 
 
+def _includes(tmp_path) -> list[str]:
+    """-I flags for torch's C++ headers (with a stub for the header CMake generates for CUDA builds, which CPU
+    wheels of torch lack), Python's and csrc's."""
+    stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
+    stub.mkdir(parents=True)
+    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    includes = [str(tmp_path / "stub")] + cpp.include_paths() + [PY_INCLUDE, os.path.join(ROOT, "csrc")]
+    return [f"-I{i}" for i in includes]
+
+
+DEFINES = ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "-D_GLIBCXX_USE_CXX11_ABI=1"]
+
+
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc (CUDA toolkit)")
 @pytest.mark.skipif(not os.path.exists(os.path.join(PY_INCLUDE, "Python.h")), reason="needs Python headers")
 @pytest.mark.parametrize("source", SOURCES, ids=[os.path.basename(s) for s in SOURCES])
 def test_cuda_source_compiles_for_sm90(source, tmp_path):
-    # CPU wheels of torch ship c10/cuda without the header CMake generates for CUDA builds: a stub
-    stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
-    stub.mkdir(parents=True)
-    (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    includes = [str(tmp_path / "stub")] + cpp.include_paths() + [PY_INCLUDE]
     cmd = [NVCC, "-c", source, "-o", str(tmp_path / "out.o"), "-std=c++17", "-O3", "--use_fast_math",
-           "-arch=sm_90", "-Xptxas", "-v", "-diag-suppress", "3306", "-DTORCH_EXTENSION_NAME=_C",
-           "-DTORCH_API_INCLUDE_EXTENSION_H", "-D_GLIBCXX_USE_CXX11_ABI=1"] + [f"-I{i}" for i in includes]
+           "-arch=sm_90", "-Xptxas", "-v", "-diag-suppress", "3306"] + DEFINES + _includes(tmp_path)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     report = res.stdout + res.stderr
     kernels = re.findall(r"Compiling entry function '(\w+)'", report)
     assert kernels, "ptxas reported no kernels"
-    # one report a kernel, and one a non-inlined device function (attention.cu's mask read and Philox draw)
+    # one report a kernel, and one a non-inlined device function (attention.cuh's mask read and Philox draw)
     spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", report)]
     assert len(spills) >= len(kernels)
     assert max(spills) <= 64, f"a kernel spills {max(spills)} bytes"
+
+
+@pytest.mark.skipif(NVCC is None or shutil.which("g++") is None, reason="needs nvcc (CUDA toolkit) and g++")
+@pytest.mark.skipif(not os.path.exists(os.path.join(PY_INCLUDE, "Python.h")), reason="needs Python headers")
+@pytest.mark.parametrize("source", HOST_SOURCES, ids=[os.path.basename(s) for s in HOST_SOURCES])
+def test_host_source_compiles(source, tmp_path):
+    # the toolkit's headers (cuda_runtime_api.h): next to nvcc, or where CUDA_HOME / the usual installs put them
+    homes = [os.path.dirname(os.path.dirname(os.path.realpath(NVCC))), os.environ.get("CUDA_HOME"), cpp.CUDA_HOME]
+    homes += sorted(glob.glob("/usr/local/cuda*"), reverse=True)
+    found = [h for h in homes if h and os.path.exists(os.path.join(h, "include", "cuda_runtime_api.h"))]
+    assert found, f"nvcc at {NVCC} but no cuda_runtime_api.h in {homes}"
+    cmd = ["g++", "-fsyntax-only", "-std=c++17", source, f"-I{found[0]}/include"] + DEFINES + _includes(tmp_path)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")

@@ -1,6 +1,7 @@
-// Scaled dot-product attention, forward and backward, in CUDA C++ with its autograd in C++:
-// torch.ops.pykernels_cuda.attention, the CUDA backend of pykernels.scaled_dot_product_attention and
-// pykernels.varlen_attention.
+// Scaled dot-product attention's CUDA kernels, forward and backward, and their launchers: the device half of
+// torch.ops.pykernels_cuda.attention (attention.cpp: inputs, outputs, autograd, registration), the CUDA backend of
+// pykernels.scaled_dot_product_attention and pykernels.varlen_attention. Included by the four translation units
+// attention_{fwd,bwd}_{fp16,bf16}.cu, each instantiating one launcher.
 //
 // Algorithm: FlashAttention-2 on the warp-level tensor-core instruction mma.sync.m16n8k16 (fp16 / bf16 operands,
 // fp32 accumulators), tiles staged in shared memory by cp.async and read into fragments by ldmatrix. Rows of
@@ -33,61 +34,26 @@
 // Measured (H200, graph replay; benchmarks/results/HISTORY.md, twenty-second session): about a third of the Triton
 // path's speed (BERT-base 111 / 83 TFLOP/s forward / backward, Triton's 336 / 305), so pykernels takes it only when
 // named. Double-buffered tiles and two m-tiles a warp measured slower; the kernel is latency-bound at 12 warps an SM.
+#pragma once
+
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/extension.h>
 
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
-#include "dispatch.h"
+#include "attention.h"
 #include "pack.cuh"
 #include "philox.cuh"
 
 namespace pykernels {
-namespace {
+namespace attn {
 
-using at::Tensor;
-using c10::optional;
-
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kThreads = 128;  // 4 warps a block, every kernel
 constexpr int kRows = 64;      // query rows (forward, dQ) or key rows (dK/dV) a block: 16 a warp
-
-enum MaskKind : int { kNoMask = 0, kBoolMask = 1, kF32Mask = 2, kF16Mask = 3, kBF16Mask = 4, kF64Mask = 5 };
-
-struct Params {
-  const void* q;
-  const void* k;
-  const void* v;
-  const void* o;
-  const void* dout;
-  void* out;  // forward: o; backward: unused
-  void* dq;
-  void* dk;
-  void* dv;
-  float* lse;
-  float* delta;
-  int64_t q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, do_sb, do_sh, do_ss;
-  int64_t dq_sb, dq_sh, dq_ss, dk_sb, dk_sh, dk_ss, dv_sb, dv_sh, dv_ss;
-  int64_t lse_sb, lse_sh;  // lse / delta of (b, h, i): lse[b lse_sb + h lse_sh + row offset + i]
-  const int* cu_q;         // varlen: sequence b is rows cu[b]:cu[b+1] (nullptr: dense)
-  const int* cu_k;
-  int sq, sk;              // dense lengths; varlen: the max lengths (the dropout counter's Sq, Sk)
-  int hq, group;           // query heads; query heads per kv head
-  int d;                   // the real head dim (a multiple of 8)
-  float scale_log2;        // softmax scale * log2(e)
-  float scale;
-  const void* mask;
-  int mask_kind;
-  bool mask_keys;          // the mask depends on (batch, key) only (key padding): read once a key, not an element
-  int64_t m_sb, m_sh, m_sq, m_sk;
-  bool causal;
-  float p_drop, inv_keep;
-  uint64_t seed;
-};
 
 // ---------------------------------------------------------------------------------------------------------------
 // PTX wrappers
@@ -192,6 +158,53 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t stride, int 
   }
 }
 
+// The two tile products every kernel is made of, for one warp's 16 rows (N, K multiples of 16):
+// acc (16 x N) += A (16 x K) B^T, B N rows of a [n][k] shared tile; a_of(kt, a) gives A's fragment of k-step kt
+// (from registers, or ldmatrix from a shared tile: smem_rows)
+template <typename T, int LD, int K, int N, typename AF>
+__device__ __forceinline__ void mma_abt(float (&acc)[N / 8][4], AF&& a_of, const T* sB, int lane) {
+#pragma unroll
+  for (int kt = 0; kt < K / 16; ++kt) {
+    uint32_t a[4];
+    a_of(kt, a);
+#pragma unroll
+    for (int nt = 0; nt < N / 8; nt += 2) {
+      uint32_t bf[4];
+      ldsm_x4(bf, b_addr<T, LD>(sB, nt * 8, kt * 16, lane));
+      mma<T>(acc[nt], a, bf[0], bf[1]);
+      mma<T>(acc[nt + 1], a, bf[2], bf[3]);
+    }
+  }
+}
+// A's fragments for mma_abt: 16 rows from r0 of a [m][k] shared tile
+template <typename T, int LD>
+__device__ __forceinline__ auto smem_rows(const T* s, int r0, int lane) {
+  return [=](int kt, uint32_t(&a)[4]) { ldsm_x4(a, a_addr<T, LD>(s, r0, kt * 16, lane)); };
+}
+// acc (16 x N) += A (16 x K) B: A in accumulator registers (K / 8 n-tiles of 16 rows, as an mma left them: P, dS),
+// B the K x N block from column c0 of a [k][n] shared tile, read transposed
+template <typename T, int LD, int K, int N>
+__device__ __forceinline__ void mma_acc_b(float (&acc)[N / 8][4], const float (&s)[K / 8][4], const T* sB, int c0,
+                                          int lane) {
+#pragma unroll
+  for (int kt = 0; kt < K / 16; ++kt) {
+    uint32_t a[4];
+    acc_to_a<T>(a, s[2 * kt], s[2 * kt + 1]);
+#pragma unroll
+    for (int nt = 0; nt < N / 8; nt += 2) {
+      uint32_t bf[4];
+      ldsm_x4_t(bf, bt_addr<T, LD>(sB, kt * 16, c0 + nt * 8, lane));
+      mma<T>(acc[nt], a, bf[0], bf[1]);
+      mma<T>(acc[nt + 1], a, bf[2], bf[3]);
+    }
+  }
+}
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Element rules shared by the kernels
 // ---------------------------------------------------------------------------------------------------------------
@@ -227,13 +240,24 @@ __device__ __noinline__ float mask_log2(const void* mask, int kind, int64_t off)
   }
 }
 
+// How a kernel reads the mask, a template flag of the forward and dQ kernels chosen on the host (mask_mode): none;
+// key-only (key padding: an addend a key of the batch, read once a key, and the key blocks outside the batch's valid
+// range skipped); any other (read once an element). The dK/dV kernel decides at run time (kModeRuntime).
+enum MaskMode : int { kModeNone = 0, kModeKeys = 1, kModeAny = 2, kModeRuntime = 3 };
+
+inline int mask_mode(const Params& p) {
+  return p.mask_kind == kNoMask ? kModeNone : p.mask_keys ? kModeKeys : kModeAny;
+}
+
 // The scaled score (log2 units) of query i and key j, -inf where masked. ``edge``: the tile may hold keys past
-// the sequence or above the causal diagonal. ``kb``: key j's mask addend for a key-only mask (else 0); other masks
-// are read here, only inside the (sq, sk) rectangle.
+// the sequence or above the causal diagonal. ``kb``: key j's addend of a key-only mask (kModeKeys; kModeRuntime: 0
+// without one); other masks are read here, only inside the (sq, sk) rectangle.
+template <int MODE>
 __device__ __forceinline__ float score(const Params& p, float acc, int b, int h, int i, int j, int sq, int sk,
                                        bool edge, float kb) {
-  float x = acc * p.scale_log2 + kb;
-  if (p.mask_kind != kNoMask && !p.mask_keys)
+  float x = acc * p.scale_log2;
+  if constexpr (MODE == kModeKeys || MODE == kModeRuntime) x += kb;
+  if (MODE == kModeAny || (MODE == kModeRuntime && p.mask_kind != kNoMask && !p.mask_keys))
     x = i < sq && j < sk ? x + mask_log2(p.mask, p.mask_kind, b * p.m_sb + h * p.m_sh + i * p.m_sq + j * p.m_sk)
                          : -INFINITY;
   if (edge && (j >= sk || (p.causal && j > i))) x = -INFINITY;
@@ -244,6 +268,30 @@ __device__ __forceinline__ float score(const Params& p, float acc, int b, int h,
 __device__ __forceinline__ float key_bias(const Params& p, int b, int j, int sk) {
   if (p.mask_kind == kNoMask || !p.mask_keys) return 0.f;
   return j < sk ? mask_log2(p.mask, p.mask_kind, b * p.m_sb + j * p.m_sk) : -INFINITY;
+}
+
+// The keys [lo, hi) of [0, n) outside which batch b's key-only mask masks every key (lo >= hi: it masks them all),
+// found by the block's threads together: the forward and dQ kernels visit only the key blocks that meet it
+__device__ __forceinline__ int2 key_range(const Params& p, int b, int n, int sk) {
+  __shared__ int range[2];
+  if (threadIdx.x == 0) {
+    range[0] = n;
+    range[1] = 0;
+  }
+  __syncthreads();
+  int lo = n, hi = 0;
+  for (int j = threadIdx.x; j < n; j += kThreads) {
+    if (key_bias(p, b, j, sk) != -INFINITY) {
+      lo = min(lo, j);
+      hi = j + 1;
+    }
+  }
+  if (lo < hi) {
+    atomicMin(&range[0], lo);
+    atomicMax(&range[1], hi);
+  }
+  __syncthreads();
+  return make_int2(range[0], range[1]);
 }
 
 // The dropout factor (0 or 1 / (1 - p)) of (b, h, i, j): Philox at ((b Hq + h) Sq + i) Sk + j
@@ -269,10 +317,11 @@ struct FwdCfg {
   static constexpr size_t smem(size_t elt) { return static_cast<size_t>(kRows + 2 * BC) * LD * elt; }
 };
 
-template <typename T, int D>
+template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
   using C = FwdCfg<D>;
   constexpr int BC = C::BC, LD = C::LD;
+  constexpr bool kKeys = MODE == kModeKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + kRows * LD;
@@ -286,60 +335,59 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
   const int n_end = p.causal ? min(s.sk, q0 + kRows) : s.sk;  // keys past n_end are masked for every row here
-  const int nblocks = (n_end + BC - 1) / BC;
+  int nb0 = 0, nb1 = (n_end + BC - 1) / BC;                  // the key blocks visited
+  if constexpr (kKeys) {
+    const int2 r = key_range(p, b, n_end, s.sk);
+    nb0 = r.x / BC;
+    nb1 = r.x < r.y ? (r.y + BC - 1) / BC : nb0;
+  }
   // a key-only mask's addends of key block nb, into skb[nb % 2] (written before the barrier that precedes their use)
-  __shared__ float skb[2][BC];
+  __shared__ float skb[2][kKeys ? BC : 1];
   const auto keys_of = [&](int nb) {
-    if (p.mask_keys && p.mask_kind != kNoMask && nb < nblocks && tid < BC) skb[nb & 1][tid] = key_bias(p, b, nb * BC + tid, s.sk);
+    if constexpr (kKeys) {
+      if (nb < nb1 && tid < BC) skb[nb & 1][tid] = key_bias(p, b, nb * BC + tid, s.sk);
+    }
   };
-  keys_of(0);
+  keys_of(nb0);
 
   load_tile<T, kRows, D>(sQ, Q, p.q_ss, min(kRows, s.sq - q0), p.d, tid);
-  if (nblocks > 0) load_tile<T, BC, D>(sK, K, p.k_ss, min(BC, s.sk), p.d, tid);
+  if (nb0 < nb1) load_tile<T, BC, D>(sK, K + nb0 * BC * p.k_ss, p.k_ss, min(BC, s.sk - nb0 * BC), p.d, tid);
   cp_async_commit();
-  if (nblocks > 0) load_tile<T, BC, D>(sV, V, p.v_ss, min(BC, s.sk), p.d, tid);
+  if (nb0 < nb1) load_tile<T, BC, D>(sV, V + nb0 * BC * p.v_ss, p.v_ss, min(BC, s.sk - nb0 * BC), p.d, tid);
   cp_async_commit();
 
   float o[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  zero(o);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
   constexpr bool kQRegs = D <= 128;  // Q's fragments stay in registers (above: read from shared memory each block)
   uint32_t qf[kQRegs ? D / 16 : 1][4];
+  const auto q_of = [&](int kt, uint32_t(&a)[4]) {
+    if constexpr (kQRegs) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[e] = qf[kt][e];
+    } else {
+      ldsm_x4(a, a_addr<T, LD>(sQ, warp * 16, kt * 16, lane));
+    }
+  };
 
-  for (int nb = 0; nb < nblocks; ++nb) {
+  for (int nb = nb0; nb < nb1; ++nb) {
     const int k0 = nb * BC;
     cp_async_wait<1>();  // Q and this K block
     __syncthreads();
     if constexpr (kQRegs) {
-      if (nb == 0) {
+      if (nb == nb0) {
 #pragma unroll
         for (int kt = 0; kt < D / 16; ++kt) ldsm_x4(qf[kt], a_addr<T, LD>(sQ, warp * 16, kt * 16, lane));
       }
     }
     float sc[BC / 8][4];
-#pragma unroll
-    for (int i = 0; i < BC / 8; ++i) sc[i][0] = sc[i][1] = sc[i][2] = sc[i][3] = 0.f;
-#pragma unroll
-    for (int kt = 0; kt < D / 16; ++kt) {
-      uint32_t qa[4];
-      if constexpr (!kQRegs) ldsm_x4(qa, a_addr<T, LD>(sQ, warp * 16, kt * 16, lane));
-      const uint32_t(&a)[4] = kQRegs ? qf[kQRegs ? kt : 0] : qa;
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; nt += 2) {
-        uint32_t bk[4];
-        ldsm_x4(bk, b_addr<T, LD>(sK, nt * 8, kt * 16, lane));
-        mma<T>(sc[nt], a, bk[0], bk[1]);
-        mma<T>(sc[nt + 1], a, bk[2], bk[3]);
-      }
-    }
+    zero(sc);
+    mma_abt<T, LD, D, BC>(sc, q_of, sK, lane);  // S = Q K^T
     __syncthreads();  // every warp is done with sK
-    if (nb + 1 < nblocks) load_tile<T, BC, D>(sK, K + (k0 + BC) * p.k_ss, p.k_ss, min(BC, s.sk - k0 - BC), p.d, tid);
+    if (nb + 1 < nb1) load_tile<T, BC, D>(sK, K + (k0 + BC) * p.k_ss, p.k_ss, min(BC, s.sk - k0 - BC), p.d, tid);
     cp_async_commit();
     keys_of(nb + 1);
-    const float* kbs = skb[nb & 1];
-    const bool keys = p.mask_keys && p.mask_kind != kNoMask;
 
     // online softmax (log2 domain); the row's 4 threads (t4 = 0..3) share its max through shuffles
     const bool edge = k0 + BC > s.sk || (p.causal && k0 + BC - 1 > q0);
@@ -350,9 +398,9 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
       for (int nt = 0; nt < BC / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int j = k0 + nt * 8 + 2 * t4 + e;
-          const float x = score(p, sc[nt][2 * r + e], b, h, row[r], j, s.sq, s.sk, edge,
-                                keys ? kbs[nt * 8 + 2 * t4 + e] : 0.f);
+          const int jl = nt * 8 + 2 * t4 + e;
+          const float x = score<MODE>(p, sc[nt][2 * r + e], b, h, row[r], k0 + jl, s.sq, s.sk, edge,
+                                      kKeys ? skb[nb & 1][kKeys ? jl : 0] : 0.f);
           sc[nt][2 * r + e] = x;
           mx = fmaxf(mx, x);
         }
@@ -389,20 +437,9 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
 
     cp_async_wait<1>();  // this V block (the next K block may still be in flight)
     __syncthreads();
-#pragma unroll
-    for (int kt = 0; kt < BC / 16; ++kt) {
-      uint32_t a[4];
-      acc_to_a<T>(a, sc[2 * kt], sc[2 * kt + 1]);
-#pragma unroll
-      for (int dt = 0; dt < D / 8; dt += 2) {
-        uint32_t bv[4];
-        ldsm_x4_t(bv, bt_addr<T, LD>(sV, kt * 16, dt * 8, lane));
-        mma<T>(o[dt], a, bv[0], bv[1]);
-        mma<T>(o[dt + 1], a, bv[2], bv[3]);
-      }
-    }
+    mma_acc_b<T, LD, BC, D>(o, sc, sV, 0, lane);  // O += P V
     __syncthreads();  // every warp is done with sV
-    if (nb + 1 < nblocks) load_tile<T, BC, D>(sV, V + (k0 + BC) * p.v_ss, p.v_ss, min(BC, s.sk - k0 - BC), p.d, tid);
+    if (nb + 1 < nb1) load_tile<T, BC, D>(sV, V + (k0 + BC) * p.v_ss, p.v_ss, min(BC, s.sk - k0 - BC), p.d, tid);
     cp_async_commit();
   }
   cp_async_wait<0>();
@@ -489,15 +526,16 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const Params p)
   cp_async_commit();
 
   float dk[DC / 8][4], dv[DC / 8][4];
-#pragma unroll
-  for (int i = 0; i < DC / 8; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+  zero(dk);
+  zero(dv);
   const int key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
   const float kb[2] = {key_bias(p, b, key[0], s.sk), key_bias(p, b, key[1], s.sk)};
   const int q_first = p.causal ? (k0 / BQ) * BQ : 0;  // queries i < k0 see no key of this block
+  // a key-only mask that masks every key of this block: dK = dV = 0, no query visited (block-uniform test)
+  const bool keys = p.mask_kind != kNoMask && p.mask_keys;
+  const int heads = !keys || __syncthreads_or(kb[0] != -INFINITY || kb[1] != -INFINITY) ? p.group : 0;
 
-  for (int hh = 0; hh < p.group; ++hh) {
+  for (int hh = 0; hh < heads; ++hh) {
     const int h = hk * p.group + hh;
     const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + s.q_off * p.q_ss;
     const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + s.q_off * p.do_ss;
@@ -516,26 +554,10 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const Params p)
 
       // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys x BQ queries
       float st[BQ / 8][4], dpt[BQ / 8][4];
-#pragma unroll
-      for (int i = 0; i < BQ / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[i][e] = dpt[i][e] = 0.f;
-#pragma unroll
-      for (int kt = 0; kt < D / 16; ++kt) {
-        uint32_t ak[4], av[4];
-        ldsm_x4(ak, a_addr<T, LD>(sK, warp * 16, kt * 16, lane));
-        ldsm_x4(av, a_addr<T, LD>(sV, warp * 16, kt * 16, lane));
-#pragma unroll
-        for (int nt = 0; nt < BQ / 8; nt += 2) {
-          uint32_t bq[4], bo[4];
-          ldsm_x4(bq, b_addr<T, LD>(sQ, nt * 8, kt * 16, lane));
-          mma<T>(st[nt], ak, bq[0], bq[1]);
-          mma<T>(st[nt + 1], ak, bq[2], bq[3]);
-          ldsm_x4(bo, b_addr<T, LD>(sO, nt * 8, kt * 16, lane));
-          mma<T>(dpt[nt], av, bo[0], bo[1]);
-          mma<T>(dpt[nt + 1], av, bo[2], bo[3]);
-        }
-      }
+      zero(st);
+      zero(dpt);
+      mma_abt<T, LD, D, BQ>(st, smem_rows<T, LD>(sK, warp * 16, lane), sQ, lane);
+      mma_abt<T, LD, D, BQ>(dpt, smem_rows<T, LD>(sV, warp * 16, lane), sO, lane);
       // P^T, then dS^T = P^T (dP^T Z - delta) in st and P^T Z (for dV) in dpt's place after use
       const bool edge = p.causal && qs < k0 + kRows - 1;
 #pragma unroll
@@ -543,29 +565,15 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const Params p)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
-          const float x = score(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
+          const float x = score<kModeRuntime>(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
           const float pe = exp2f(x - sL[il]);
           const float z = p.p_drop > 0.f ? keep_factor(p, b, h, i, j) : 1.f;
           st[nt][e] = pe * (dpt[nt][e] * z - sDelta[il]);  // dS^T
           dpt[nt][e] = pe * z;                              // P^T with dropout
         }
       }
-#pragma unroll
-      for (int kq = 0; kq < BQ / 16; ++kq) {
-        uint32_t ap[4], as[4];
-        acc_to_a<T>(ap, dpt[2 * kq], dpt[2 * kq + 1]);
-        acc_to_a<T>(as, st[2 * kq], st[2 * kq + 1]);
-#pragma unroll
-        for (int dt = 0; dt < DC / 8; dt += 2) {
-          uint32_t bo[4], bq[4];
-          ldsm_x4_t(bo, bt_addr<T, LD>(sO, kq * 16, c0 + dt * 8, lane));
-          mma<T>(dv[dt], ap, bo[0], bo[1]);
-          mma<T>(dv[dt + 1], ap, bo[2], bo[3]);
-          ldsm_x4_t(bq, bt_addr<T, LD>(sQ, kq * 16, c0 + dt * 8, lane));
-          mma<T>(dk[dt], as, bq[0], bq[1]);
-          mma<T>(dk[dt + 1], as, bq[2], bq[3]);
-        }
-      }
+      mma_acc_b<T, LD, BQ, DC>(dv, dpt, sO, c0, lane);  // dV += P^T dO
+      mma_acc_b<T, LD, BQ, DC>(dk, st, sQ, c0, lane);   // dK += dS^T Q
       __syncthreads();  // before the next iteration overwrites sQ, sO, sL, sDelta
     }
   }
@@ -595,10 +603,11 @@ struct DqCfg {
   static constexpr size_t smem(size_t elt) { return static_cast<size_t>(2 * kRows + 2 * BC) * LD * elt; }
 };
 
-template <typename T, int D>
+template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
   using C = DqCfg<D>;
   constexpr int BC = C::BC, LD = C::LD;
+  constexpr bool kKeys = MODE == kModeKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sO = sQ + kRows * LD;  // dO
@@ -626,64 +635,43 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
     dl[r] = row[r] < s.sq ? p.delta[lrow + row[r]] : 0.f;
   }
   float dq[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
-  const int n_end = p.causal ? min(s.sk, q0 + kRows) : s.sk;
-  __shared__ float skb[2][BC];  // a key-only mask's addends of the key block (alternating halves)
-  const bool keys = p.mask_keys && p.mask_kind != kNoMask;
-  for (int k0 = 0; k0 < n_end; k0 += BC) {
+  zero(dq);
+  int k_lo = 0, k_hi = p.causal ? min(s.sk, q0 + kRows) : s.sk;  // the keys visited
+  if constexpr (kKeys) {
+    const int2 r = key_range(p, b, k_hi, s.sk);
+    k_lo = r.x / BC * BC;
+    k_hi = r.x < r.y ? r.y : k_lo;
+  }
+  __shared__ float skb[2][kKeys ? BC : 1];  // a key-only mask's addends of the key block (alternating halves)
+  for (int k0 = k_lo; k0 < k_hi; k0 += BC) {
     const int half = (k0 / BC) & 1;
-    if (keys && tid < BC) skb[half][tid] = key_bias(p, b, k0 + tid, s.sk);
+    if constexpr (kKeys) {
+      if (tid < BC) skb[half][tid] = key_bias(p, b, k0 + tid, s.sk);
+    }
     load_tile<T, BC, D>(sK, K + k0 * p.k_ss, p.k_ss, min(BC, s.sk - k0), p.d, tid);
     load_tile<T, BC, D>(sV, V + k0 * p.v_ss, p.v_ss, min(BC, s.sk - k0), p.d, tid);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
     float sc[BC / 8][4], dp[BC / 8][4];
-#pragma unroll
-    for (int i = 0; i < BC / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[i][e] = dp[i][e] = 0.f;
-#pragma unroll
-    for (int kt = 0; kt < D / 16; ++kt) {
-      uint32_t aq[4], ao[4];
-      ldsm_x4(aq, a_addr<T, LD>(sQ, warp * 16, kt * 16, lane));
-      ldsm_x4(ao, a_addr<T, LD>(sO, warp * 16, kt * 16, lane));
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; nt += 2) {
-        uint32_t bk[4], bv[4];
-        ldsm_x4(bk, b_addr<T, LD>(sK, nt * 8, kt * 16, lane));
-        mma<T>(sc[nt], aq, bk[0], bk[1]);
-        mma<T>(sc[nt + 1], aq, bk[2], bk[3]);
-        ldsm_x4(bv, b_addr<T, LD>(sV, nt * 8, kt * 16, lane));
-        mma<T>(dp[nt], ao, bv[0], bv[1]);
-        mma<T>(dp[nt + 1], ao, bv[2], bv[3]);
-      }
-    }
+    zero(sc);
+    zero(dp);
+    mma_abt<T, LD, D, BC>(sc, smem_rows<T, LD>(sQ, warp * 16, lane), sK, lane);  // S = Q K^T
+    mma_abt<T, LD, D, BC>(dp, smem_rows<T, LD>(sO, warp * 16, lane), sV, lane);  // dP = dO V^T
     const bool edge = k0 + BC > s.sk || (p.causal && k0 + BC - 1 > q0);
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1, i = row[r], j = k0 + nt * 8 + 2 * t4 + (e & 1);
-        const float x = score(p, sc[nt][e], b, h, i, j, s.sq, s.sk, edge, keys ? skb[half][j - k0] : 0.f);
+        const float x = score<MODE>(p, sc[nt][e], b, h, i, j, s.sq, s.sk, edge,
+                                    kKeys ? skb[half][kKeys ? j - k0 : 0] : 0.f);
         const float pe = exp2f(x - lse2[r]);
         const float z = p.p_drop > 0.f ? keep_factor(p, b, h, i, j) : 1.f;
         sc[nt][e] = pe * (dp[nt][e] * z - dl[r]);  // dS
       }
     }
-#pragma unroll
-    for (int kt = 0; kt < BC / 16; ++kt) {
-      uint32_t a[4];
-      acc_to_a<T>(a, sc[2 * kt], sc[2 * kt + 1]);
-#pragma unroll
-      for (int dt = 0; dt < D / 8; dt += 2) {
-        uint32_t bk[4];
-        ldsm_x4_t(bk, bt_addr<T, LD>(sK, kt * 16, dt * 8, lane));
-        mma<T>(dq[dt], a, bk[0], bk[1]);
-        mma<T>(dq[dt + 1], a, bk[2], bk[3]);
-      }
-    }
+    mma_acc_b<T, LD, BC, D>(dq, sc, sK, 0, lane);  // dQ += dS K
     __syncthreads();  // before the next iteration overwrites sK, sV
   }
   cp_async_wait<0>();
@@ -702,10 +690,8 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Host
+// Launchers
 // ---------------------------------------------------------------------------------------------------------------
-constexpr const char* kOp = "pykernels_cuda.attention";
-
 // The computed head dim: the next of 32, 64, 96, 128, 192, 256
 template <typename F>
 void dispatch_head_dim(int d, F&& f) {
@@ -717,277 +703,64 @@ void dispatch_head_dim(int d, F&& f) {
   else f(std::integral_constant<int, 256>{});
 }
 
-template <typename K>
-void launch(K kernel, dim3 grid, size_t smem, const Params& p, cudaStream_t stream) {
+// Calls f with the mask mode as a constant
+template <typename F>
+void dispatch_mask_mode(const Params& p, F&& f) {
+  switch (mask_mode(p)) {
+    case kModeNone: f(std::integral_constant<int, kModeNone>{}); break;
+    case kModeKeys: f(std::integral_constant<int, kModeKeys>{}); break;
+    default: f(std::integral_constant<int, kModeAny>{}); break;
+  }
+}
+
+// A kernel's dynamic shared memory above 48 KB must be allowed once a device: remembered per kernel and device
+inline void allow_smem(const void* kernel, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, size_t> allowed;
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const std::lock_guard<std::mutex> lock(mu);
+  size_t& done = allowed[{kernel, dev}];
+  if (done < smem) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    done = smem;
+  }
+}
+
+inline void launch(void (*kernel)(Params), dim3 grid, size_t smem, const Params& p, cudaStream_t stream) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-  if (smem > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                            static_cast<int>(smem)));
+  if (smem > 48 * 1024) allow_smem(reinterpret_cast<const void*>(kernel), smem);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// rows that cp.async can read 16 bytes at a time: a 16-byte aligned start and row / head / batch strides that
-// keep it (stride 0 included); otherwise a contiguous copy
-Tensor aligned(const Tensor& t) {
-  const int64_t esz = t.element_size();
-  bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int i = 0; i + 1 < t.dim() && ok; ++i) ok = (t.stride(i) * esz) % 16 == 0;
-  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
-}
+inline unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + kRows - 1) / kRows); }
 
-struct Shape {
-  bool varlen;
-  int64_t B, Hq, Hkv, Sq, Sk, D;
-};
-
-Shape check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
-                   const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k) {
-  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), kOp, ": query, key and value must be CUDA tensors");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), kOp,
-              ": query, key and value must have one dtype");
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, kOp,
-              ": query must be float16 or bfloat16, got ", q.scalar_type());
-  const bool varlen = cu_q.has_value();
-  TORCH_CHECK(varlen == cu_k.has_value(), kOp, ": cu_seqlens_q and cu_seqlens_k go together");
-  const int nd = varlen ? 3 : 4;
-  TORCH_CHECK(q.dim() == nd && k.dim() == nd && v.dim() == nd, kOp, ": query, key and value must be ",
-              varlen ? "(tokens, heads, D)" : "(B, H, S, D)");
-  Shape s;
-  s.varlen = varlen;
-  s.D = q.size(-1);
-  TORCH_CHECK(k.size(-1) == s.D && v.size(-1) == s.D, kOp, ": query, key and value must have one head dim");
-  TORCH_CHECK(s.D > 0 && s.D <= 256 && s.D % 8 == 0, kOp, ": head dim must be a multiple of 8 up to 256, got ", s.D);
-  s.Hq = q.size(1);  // (B, H, S, D) and (tokens, H, D) alike
-  s.Hkv = k.size(1);
-  TORCH_CHECK(v.size(1) == s.Hkv && s.Hkv > 0 && s.Hq % s.Hkv == 0, kOp,
-              ": query heads must be a multiple of key/value heads");
-  TORCH_CHECK(s.Hq <= 65535, kOp, ": at most 65535 heads");
-  if (varlen) {
-    TORCH_CHECK(mask == c10::nullopt || !mask->defined(), kOp, ": varlen takes no mask");
-    TORCH_CHECK(cu_q->scalar_type() == at::kInt && cu_k->scalar_type() == at::kInt && cu_q->dim() == 1 &&
-                    cu_q->numel() == cu_k->numel() && cu_q->numel() >= 1 && cu_q->is_cuda() && cu_k->is_cuda(),
-                kOp, ": cu_seqlens_q / cu_seqlens_k must be int32 CUDA tensors of B + 1 entries");
-    TORCH_CHECK(k.size(0) == v.size(0), kOp, ": key and value must have the same tokens");
-    s.B = cu_q->numel() - 1;
-    s.Sq = max_q;
-    s.Sk = max_k;
-  } else {
-    s.B = q.size(0);
-    s.Sq = q.size(2);
-    s.Sk = k.size(2);
-    TORCH_CHECK(k.size(0) == s.B && v.size(0) == s.B && v.size(2) == s.Sk, kOp,
-                ": key and value must be (B, Hkv, Sk, D) with query's B");
-    if (mask.has_value() && mask->defined()) {
-      TORCH_CHECK(mask->dim() == 4 && mask->size(0) == s.B && mask->size(1) == s.Hq && mask->size(2) == s.Sq &&
-                      mask->size(3) == s.Sk && mask->is_cuda(),
-                  kOp, ": attn_mask must be a (B, Hq, Sq, Sk) CUDA view");
-      const auto mt = mask->scalar_type();
-      TORCH_CHECK(mt == at::kBool || mt == at::kFloat || mt == at::kHalf || mt == at::kBFloat16 || mt == at::kDouble,
-                  kOp, ": attn_mask must be bool or float, got ", mt);
-    }
-  }
-  TORCH_CHECK(s.B <= 65535, kOp, ": at most 65535 sequences");
-  TORCH_CHECK(s.Sq < (int64_t{1} << 31) - 64 && s.Sk < (int64_t{1} << 31) - 64, kOp, ": sequences below 2^31");
-  return s;
-}
-
-void set_strides(const Tensor& t, bool varlen, int64_t& sb, int64_t& sh, int64_t& ss) {
-  if (varlen) {
-    sb = 0;
-    ss = t.stride(0);
-    sh = t.stride(1);
-  } else {
-    sb = t.stride(0);
-    sh = t.stride(1);
-    ss = t.stride(2);
-  }
-}
-
-Params base_params(const Shape& s, const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
-                   const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, double p_drop, bool causal,
-                   double scale, int64_t seed) {
-  Params p{};
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  set_strides(q, s.varlen, p.q_sb, p.q_sh, p.q_ss);
-  set_strides(k, s.varlen, p.k_sb, p.k_sh, p.k_ss);
-  set_strides(v, s.varlen, p.v_sb, p.v_sh, p.v_ss);
-  if (s.varlen) {
-    p.cu_q = cu_q->data_ptr<int>();
-    p.cu_k = cu_k->data_ptr<int>();
-    p.lse_sb = 0;
-    p.lse_sh = q.size(0);
-  } else {
-    p.lse_sb = s.Hq * s.Sq;
-    p.lse_sh = s.Sq;
-  }
-  p.sq = static_cast<int>(s.Sq);
-  p.sk = static_cast<int>(s.Sk);
-  p.hq = static_cast<int>(s.Hq);
-  p.group = static_cast<int>(s.Hq / s.Hkv);
-  p.d = static_cast<int>(s.D);
-  p.scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale) * kLog2e;
-  p.mask_kind = kNoMask;
-  if (mask.has_value() && mask->defined()) {
-    const Tensor& m = *mask;
-    p.mask = m.data_ptr();
-    switch (m.scalar_type()) {
-      case at::kBool: p.mask_kind = kBoolMask; break;
-      case at::kFloat: p.mask_kind = kF32Mask; break;
-      case at::kHalf: p.mask_kind = kF16Mask; break;
-      case at::kBFloat16: p.mask_kind = kBF16Mask; break;
-      default: p.mask_kind = kF64Mask; break;
-    }
-    p.m_sb = m.stride(0);
-    p.m_sh = m.stride(1);
-    p.m_sq = m.stride(2);
-    p.m_sk = m.stride(3);
-    p.mask_keys = (m.size(1) == 1 || m.stride(1) == 0) && (m.size(2) == 1 || m.stride(2) == 0);
-  }
-  p.causal = causal;
-  p.p_drop = static_cast<float>(p_drop);
-  p.inv_keep = p_drop > 0.0 ? static_cast<float>(1.0 / (1.0 - p_drop)) : 1.f;
-  p.seed = static_cast<uint64_t>(seed);
-  return p;
-}
-
-unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + kRows - 1) / kRows); }
-
-// (o, lse)
-std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
-                                 const optional<Tensor>& mask, const optional<Tensor>& cu_q,
-                                 const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k, double p_drop,
-                                 bool causal, double scale, int64_t seed) {
-  const Shape s = check_inputs(q_in, k_in, v_in, mask, cu_q, cu_k, max_q, max_k);
-  const c10::cuda::CUDAGuard guard(q_in.device());
-  const Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in);
-  // o in q's layout where q is dense (transformers' transposed views reshape back for free); varlen rows past
-  // cu_seqlens_q[-1] are 0
-  Tensor o = s.varlen ? at::zeros_like(q, at::MemoryFormat::Contiguous) : poisoned(aligned(at::empty_like(q)));
-  Tensor lse = s.varlen ? at::full({s.Hq, q.size(0)}, -INFINITY, q.options().dtype(at::kFloat))
-                        : poisoned(at::empty({s.B, s.Hq, s.Sq}, q.options().dtype(at::kFloat)));
-  Params p = base_params(s, q, k, v, mask, cu_q, cu_k, p_drop, causal, scale, seed);
-  p.out = o.data_ptr();
-  set_strides(o, s.varlen, p.o_sb, p.o_sh, p.o_ss);
-  p.lse = lse.data_ptr<float>();
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 grid(blocks_of(s.Sq), static_cast<unsigned>(s.Hq), static_cast<unsigned>(s.B));
-  dispatch_float_dtype(q.scalar_type(), "pykernels_cuda.attention: query", [&](auto tag) {
-    using T = decltype(tag);
-    if constexpr (!std::is_same_v<T, float>) {
-      dispatch_head_dim(p.d, [&](auto dc) {
-        constexpr int D = decltype(dc)::value;
-        launch(attn_fwd_kernel<T, D>, grid, FwdCfg<D>::smem(sizeof(T)), p, stream);
-      });
-    }
+template <typename T>
+void launch_forward(const Params& p, cudaStream_t stream) {
+  const dim3 grid(blocks_of(p.sq), static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
+  dispatch_head_dim(p.d, [&](auto dc) {
+    constexpr int D = decltype(dc)::value;
+    dispatch_mask_mode(p, [&](auto mode) {
+      launch(attn_fwd_kernel<T, D, decltype(mode)::value>, grid, FwdCfg<D>::smem(sizeof(T)), p, stream);
+    });
   });
-  return {o, lse};
 }
 
-// (dq, dk, dv)
-std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
-                                  const Tensor& o_in, const Tensor& lse, const optional<Tensor>& mask,
-                                  const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q,
-                                  int64_t max_k, double p_drop, bool causal, double scale, int64_t seed) {
-  const Shape s = check_inputs(q_in, k_in, v_in, mask, cu_q, cu_k, max_q, max_k);
-  TORCH_CHECK(dout_in.sizes() == o_in.sizes(), kOp, ": the output gradient must have the output's shape");
-  const c10::cuda::CUDAGuard guard(q_in.device());
-  const Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in), o = aligned(o_in);
-  const Tensor dout = aligned(dout_in.scalar_type() == q.scalar_type() ? dout_in : dout_in.to(q.scalar_type()));
-  // varlen: rows past cu_seqlens[-1] (which no block writes) are 0; dense: every row is written
-  const auto alloc = [&](const Tensor& t) {
-    return s.varlen ? at::zeros_like(t, at::MemoryFormat::Contiguous) : poisoned(aligned(at::empty_like(t)));
-  };
-  Tensor dq = alloc(q), dk = alloc(k), dv = alloc(v);
-  Tensor delta = at::empty_like(lse);
-  Params p = base_params(s, q, k, v, mask, cu_q, cu_k, p_drop, causal, scale, seed);
-  p.o = o.data_ptr();
-  p.dout = dout.data_ptr();
-  p.dq = dq.data_ptr();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
-  p.lse = const_cast<float*>(lse.data_ptr<float>());
-  p.delta = delta.data_ptr<float>();
-  set_strides(o, s.varlen, p.o_sb, p.o_sh, p.o_ss);
-  set_strides(dout, s.varlen, p.do_sb, p.do_sh, p.do_ss);
-  set_strides(dq, s.varlen, p.dq_sb, p.dq_sh, p.dq_ss);
-  set_strides(dk, s.varlen, p.dk_sb, p.dk_sh, p.dk_ss);
-  set_strides(dv, s.varlen, p.dv_sb, p.dv_sh, p.dv_ss);
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 qgrid(blocks_of(s.Sq), static_cast<unsigned>(s.Hq), static_cast<unsigned>(s.B));
-  dispatch_float_dtype(q.scalar_type(), "pykernels_cuda.attention: query", [&](auto tag) {
-    using T = decltype(tag);
-    if constexpr (!std::is_same_v<T, float>) {
-      launch(attn_bwd_pre_kernel<T>, qgrid, 0, p, stream);
-      dispatch_head_dim(p.d, [&](auto dc) {
-        constexpr int D = decltype(dc)::value;
-        const dim3 kgrid(blocks_of(s.Sk) * DkdvCfg<D>::CHUNKS, static_cast<unsigned>(s.Hkv),
-                         static_cast<unsigned>(s.B));
-        launch(attn_bwd_dkdv_kernel<T, D>, kgrid, DkdvCfg<D>::smem(sizeof(T)), p, stream);
-        launch(attn_bwd_dq_kernel<T, D>, qgrid, DqCfg<D>::smem(sizeof(T)), p, stream);
-      });
-    }
+template <typename T>
+void launch_backward(const Params& p, cudaStream_t stream) {
+  const dim3 qgrid(blocks_of(p.sq), static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
+  launch(attn_bwd_pre_kernel<T>, qgrid, 0, p, stream);
+  dispatch_head_dim(p.d, [&](auto dc) {
+    constexpr int D = decltype(dc)::value;
+    const dim3 kgrid(blocks_of(p.sk) * DkdvCfg<D>::CHUNKS, static_cast<unsigned>(p.hq / p.group),
+                     static_cast<unsigned>(p.batch));
+    launch(attn_bwd_dkdv_kernel<T, D>, kgrid, DkdvCfg<D>::smem(sizeof(T)), p, stream);
+    dispatch_mask_mode(p, [&](auto mode) {
+      launch(attn_bwd_dq_kernel<T, D, decltype(mode)::value>, qgrid, DqCfg<D>::smem(sizeof(T)), p, stream);
+    });
   });
-  return {dq, dk, dv};
 }
 
-class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
- public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& q,
-                                                const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
-                                                const optional<Tensor>& cu_q, const optional<Tensor>& cu_k,
-                                                int64_t max_q, int64_t max_k, double p_drop, bool causal,
-                                                double scale, int64_t seed) {
-    auto out = forward_impl(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed);
-    const Tensor none;
-    ctx->save_for_backward({q, k, v, out[0], out[1], mask.value_or(none), cu_q.value_or(none), cu_k.value_or(none)});
-    ctx->saved_data["max_q"] = max_q;
-    ctx->saved_data["max_k"] = max_k;
-    ctx->saved_data["p_drop"] = p_drop;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["seed"] = seed;
-    return {out[0]};
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(), "pykernels_cuda::attention: double backward (create_graph=True) is "
-                "not supported; use backend='reference'");
-    auto saved = ctx->get_saved_variables();
-    const auto opt = [](const Tensor& t) { return t.defined() ? optional<Tensor>(t) : optional<Tensor>(); };
-    const Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
-    auto g = backward_impl(dout, saved[0], saved[1], saved[2], saved[3], saved[4], opt(saved[5]), opt(saved[6]),
-                           opt(saved[7]), ctx->saved_data["max_q"].toInt(), ctx->saved_data["max_k"].toInt(),
-                           ctx->saved_data["p_drop"].toDouble(), ctx->saved_data["causal"].toBool(),
-                           ctx->saved_data["scale"].toDouble(), ctx->saved_data["seed"].toInt());
-    return {g[0], g[1], g[2], Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor()};
-  }
-};
-
-Tensor attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
-                          const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
-                          double p_drop, bool causal, double scale, int64_t seed) {
-  return AttentionFunction::apply(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed)[0];
-}
-
-Tensor attention_nograd(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
-                        const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
-                        double p_drop, bool causal, double scale, int64_t seed) {
-  return forward_impl(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed)[0];
-}
-
-}  // namespace
+}  // namespace attn
 }  // namespace pykernels
-
-TORCH_LIBRARY_FRAGMENT(pykernels_cuda, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-        "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale, int seed) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pykernels_cuda, CUDA, m) { m.impl("attention", &pykernels::attention_nograd); }
-
-TORCH_LIBRARY_IMPL(pykernels_cuda, Autograd, m) { m.impl("attention", &pykernels::attention_autograd); }

@@ -1,0 +1,64 @@
+// What the CUDA C++ attention's host code (attention.cpp) and its kernels (attention.cuh) share: the kernels'
+// parameters and the launchers. The launchers are defined in attention.cuh and instantiated one translation unit a
+// direction and dtype (attention_{fwd,bwd}_{fp16,bf16}.cu), so that nvcc compiles the four in parallel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace pykernels {
+namespace attn {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+enum MaskKind : int { kNoMask = 0, kBoolMask = 1, kF32Mask = 2, kF16Mask = 3, kBF16Mask = 4, kF64Mask = 5 };
+
+struct Params {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* o;
+  const void* dout;
+  void* out;  // forward: o; backward: unused
+  void* dq;
+  void* dk;
+  void* dv;
+  float* lse;
+  float* delta;
+  int64_t q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, do_sb, do_sh, do_ss;
+  int64_t dq_sb, dq_sh, dq_ss, dk_sb, dk_sh, dk_ss, dv_sb, dv_sh, dv_ss;
+  int64_t lse_sb, lse_sh;  // lse / delta of (b, h, i): lse[b lse_sb + h lse_sh + row offset + i]
+  const int* cu_q;         // varlen: sequence b is rows cu[b]:cu[b+1] (nullptr: dense)
+  const int* cu_k;
+  int batch;               // B (varlen: the number of sequences)
+  int sq, sk;              // dense lengths; varlen: the max lengths (the dropout counter's Sq, Sk)
+  int hq, group;           // query heads; query heads per kv head
+  int d;                   // the real head dim (a multiple of 8)
+  float scale_log2;        // softmax scale * log2(e)
+  float scale;
+  const void* mask;
+  int mask_kind;
+  bool mask_keys;          // the mask depends on (batch, key) only (key padding): read once a key, not an element
+  int64_t m_sb, m_sh, m_sq, m_sk;
+  bool causal;
+  float p_drop, inv_keep;
+  uint64_t seed;
+};
+
+// o and lse (Params::out, Params::lse) from q, k, v on ``stream``; T is __half or __nv_bfloat16
+template <typename T>
+void launch_forward(const Params& p, cudaStream_t stream);
+// dq, dk, dv (and the delta scratch) from dout, q, k, v, o, lse
+template <typename T>
+void launch_backward(const Params& p, cudaStream_t stream);
+
+extern template void launch_forward<__half>(const Params&, cudaStream_t);
+extern template void launch_forward<__nv_bfloat16>(const Params&, cudaStream_t);
+extern template void launch_backward<__half>(const Params&, cudaStream_t);
+extern template void launch_backward<__nv_bfloat16>(const Params&, cudaStream_t);
+
+}  // namespace attn
+}  // namespace pykernels
