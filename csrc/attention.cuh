@@ -229,7 +229,7 @@ __device__ __forceinline__ Seq seq_of(const Params& p, int b) {
 }
 
 // The mask's addend in log2 units at element offset ``off`` (out of line: the tiles' unrolled loops call it)
-__device__ __noinline__ float mask_log2(const void* mask, int kind, int64_t off) {
+static __device__ __noinline__ float mask_log2(const void* mask, int kind, int64_t off) {
   switch (kind) {
     case kBoolMask: return static_cast<const bool*>(mask)[off] ? 0.f : -INFINITY;
     case kF32Mask: return static_cast<const float*>(mask)[off] * kLog2e;
@@ -295,7 +295,7 @@ __device__ __forceinline__ int2 key_range(const Params& p, int b, int n, int sk)
 }
 
 // The dropout factor (0 or 1 / (1 - p)) of (b, h, i, j): Philox at ((b Hq + h) Sq + i) Sk + j
-__device__ __noinline__ float keep_at(uint64_t seed, uint64_t off, float p_drop, float inv_keep) {
+static __device__ __noinline__ float keep_at(uint64_t seed, uint64_t off, float p_drop, float inv_keep) {
   return philox_uniform(seed, off) >= p_drop ? inv_keep : 0.f;
 }
 __device__ __forceinline__ float keep_factor(const Params& p, int b, int h, int i, int j) {
