@@ -1,0 +1,33 @@
+"""The CUDA C++ attention's speed on the quick shapes, for an A/B of two builds in one device call (build one,
+run this with its label, rebuild, run it again): CUDA-graph replay of the forward and of forward+backward
+(``benchmarks/attention.py``'s ``graph_time``), TFLOP/s as that script counts them, bf16.
+
+Usage (GPU): ``python benchmarks/dev/attention_cuda_ab.py LABEL``. One line a shape:
+``LABEL case fwd_ms bwd_ms fwd_TFLOPs bwd_TFLOPs``."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import attention as bench  # noqa: E402  (benchmarks/attention.py)
+
+CASES = [c for c in bench.CASES if c.quick] + [bench.Case("causal_2k_d128", 4, 16, 2048, 128, causal=True)]
+
+
+def main() -> None:
+    label = sys.argv[1] if len(sys.argv) > 1 else "build"
+    for case in CASES:
+        q, k, v, do, _, mask = bench.case_inputs(case)
+        t = bench.graph_time(bench.pykernels_impl(mask, case.causal, "cuda"), q, k, v, do)
+        if "graph_fwd_ms" not in t:
+            print(label, case.name, t)
+            continue
+        f, b = t["graph_fwd_ms"], t["graph_bwd_ms"]
+        print(f"{label} {case.name} {f:.4f} {b:.4f} {bench.tflops(case.fwd_flops, f):.1f} "
+              f"{bench.tflops(2.5 * case.fwd_flops, b):.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
