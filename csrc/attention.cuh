@@ -16,13 +16,19 @@
 //             pre  : delta = rowsum(dO * O) (fp32), one warp a row;
 //             dK/dV: a block per (64 keys, kv head, batch; and a half of the head dim above D = 128, where the
 //                    two accumulators would not fit in registers), looping over the query heads of its group
-//                    (GQA) and their query blocks: S^T = K Q^T, P^T = exp2(S^T - lse), dV += P^T dO,
+//                    (GQA) and their blocks of 32 queries: S^T = K Q^T, P^T = exp2(S^T - lse), dV += P^T dO,
 //                    dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q;
 //             dQ   : a block per (64 queries, head, batch) looping over key blocks: dQ += dS K.
+//   Every product is one of two helpers on a warp's 16 rows: mma_abt (A B^T, A from registers or a shared tile:
+//   S, S^T, dP, dP^T) and mma_acc_b (A B with A in accumulator registers: P V, P^T dO, dS^T Q, dS K).
+// Masks: the forward and dQ kernels take the mask's mode as a template flag (MaskMode, chosen on the host), so the
+// unmasked kernel's softmax carries no mask code at all. A mask of batch and key only (key padding; strides 0 over
+// heads and queries) is read once a key (into shared memory; registers in dK/dV); the forward and dQ blocks first
+// find the batch's valid key range [lo, hi) (key_range: the threads scan the mask row together) and visit only the
+// key blocks that meet it, and a dK/dV block whose 64 keys are all masked writes zeros without visiting a query.
+// Any other mask is read once an element through an out-of-line call.
 // Semantics are pykernels.attention's: top-left causal (query i sees keys j <= i), a boolean (True = take part)
-// or additive mask read through its strides (stride 0 where it broadcasts: a mask of batch and key only, key
-// padding, is read once a key into shared memory (forward, dQ) or registers (dK/dV), any other once an element
-// through an out-of-line call), rows with no key to attend to give
+// or additive mask read through its strides (stride 0 where it broadcasts), rows with no key to attend to give
 // output 0, lse -inf and zero gradients; dropout keeps an element where philox(seed, ((b Hq + h) Sq + i) Sk + j)
 // >= p (philox.cuh: Triton's tl.rand bit for bit, so the mask is the Triton kernels' and
 // pykernels.attention_dropout_mask's; varlen: Sq, Sk = the max lengths, i, j inside the sequence).
@@ -31,9 +37,11 @@
 // 32, 64, 96, 128, 192, 256, the padding columns zero-filled); unit last stride (other strides any: rows are
 // read through them; a tensor whose rows are not 16-byte aligned is copied); batch and heads up to 65535;
 // int64 offsets throughout.
-// Measured (H200, graph replay; benchmarks/results/HISTORY.md, twenty-second session): about a third of the Triton
-// path's speed (BERT-base 111 / 83 TFLOP/s forward / backward, Triton's 336 / 305), so pykernels takes it only when
-// named. Double-buffered tiles and two m-tiles a warp measured slower; the kernel is latency-bound at 12 warps an SM.
+// Measured (H200, graph replay; benchmarks/results/HISTORY.md, twenty-second and twenty-third sessions): about half
+// the Triton path's speed forward and a third backward (run202-203: BERT-base 163 / 100 TFLOP/s forward / backward,
+// Triton's 335 / 303), so pykernels takes it only when named. The mask mode as a template flag took the unmasked
+// forward from 111 to 161 (run200 -> run202); double-buffered tiles and two m-tiles a warp measured slower
+// (run198-199): the kernel is latency-bound at 12 warps an SM.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -495,7 +503,10 @@ template <int D>
 struct DkdvCfg {
   static constexpr int DC = D > 128 ? D / 2 : D;  // accumulator columns a block (two blocks a key block above 128)
   static constexpr int CHUNKS = D / DC;
-  static constexpr int BQ = D > 64 ? 32 : 64;      // query rows an iteration
+  static constexpr int BQ = 32;  // query rows an iteration
+  // D <= 64: 3 blocks an SM (168 registers; ptxas spills up to 52 bytes at D = 64): 4% faster than 2 blocks at 64
+  // query rows an iteration (run203)
+  static constexpr int MIN_BLOCKS = D <= 64 ? 3 : 1;
   static constexpr int LD = D + 8;
   static constexpr size_t smem(size_t elt) {
     return static_cast<size_t>(2 * kRows + 2 * BQ) * LD * elt + 2 * BQ * sizeof(float);
@@ -503,7 +514,7 @@ struct DkdvCfg {
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attn_bwd_dkdv_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, DkdvCfg<D>::MIN_BLOCKS) attn_bwd_dkdv_kernel(const Params p) {
   using C = DkdvCfg<D>;
   constexpr int DC = C::DC, BQ = C::BQ, LD = C::LD;
   extern __shared__ __align__(16) unsigned char smem_raw[];

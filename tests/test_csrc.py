@@ -1,8 +1,9 @@
 """The CUDA C++ sources compile for sm_90 against the installed torch's headers, on any machine with nvcc
 (CPU-only CI included): API drift in torch's C++ headers or a syntax slip shows here, before a GPU run.
 ptxas's resource report is checked too: no kernel may spill more than 64 bytes (the LayerNorm backward at
-32 elements per thread spills at its 128-register cap: 36 bytes in the 2026-11-27 compile; the cross-entropy,
-masked-LM and attention kernels 0-8). The host-only sources (``*.cpp``: attention's checks, autograd and
+32 elements per thread spills at its 128-register cap: 36 bytes in the 2026-11-27 compile; the attention dK/dV
+kernel at D = 64, capped at 168 registers for 3 blocks an SM, 52; the cross-entropy, masked-LM and other attention
+kernels 0-20). The host-only sources (``*.cpp``: attention's checks, autograd and
 registration) get a g++ syntax check against the same headers."""
 from __future__ import annotations
 
