@@ -236,8 +236,8 @@ __device__ __forceinline__ Seq seq_of(const Params& p, int b) {
   return s;
 }
 
-// The mask's addend in log2 units at element offset ``off`` (out of line: the tiles' unrolled loops call it)
-static __device__ __noinline__ float mask_log2(const void* mask, int kind, int64_t off) {
+// The mask's addend in log2 units at element offset ``off``
+__device__ __forceinline__ float mask_log2_at(const void* mask, int kind, int64_t off) {
   switch (kind) {
     case kBoolMask: return static_cast<const bool*>(mask)[off] ? 0.f : -INFINITY;
     case kF32Mask: return static_cast<const float*>(mask)[off] * kLog2e;
@@ -246,6 +246,10 @@ static __device__ __noinline__ float mask_log2(const void* mask, int kind, int64
     case kF64Mask: return static_cast<float>(static_cast<const double*>(mask)[off]) * kLog2e;
     default: return 0.f;
   }
+}
+// The same out of line, for the tiles' unrolled loops (an element each)
+static __device__ __noinline__ float mask_log2(const void* mask, int kind, int64_t off) {
+  return mask_log2_at(mask, kind, off);
 }
 
 // How a kernel reads the mask, a template flag of the forward and dQ kernels chosen on the host (mask_mode): none;
@@ -272,10 +276,15 @@ __device__ __forceinline__ float score(const Params& p, float acc, int b, int h,
   return x;
 }
 
-// A key-only mask's addend for key j of batch b (-inf past the sequence); 0 without one
+// A key-only mask's addend for key j of batch b (-inf past the sequence); 0 without one. Inline by default (the
+// forward and dQ kernels read it a block ahead of its use, which an out-of-line call would wait for); the dK/dV
+// kernel, which reads it once, calls out of line (inline, its D = 64 kernel spills 8 bytes more at 168 registers).
+template <bool kInline = true>
 __device__ __forceinline__ float key_bias(const Params& p, int b, int j, int sk) {
   if (p.mask_kind == kNoMask || !p.mask_keys) return 0.f;
-  return j < sk ? mask_log2(p.mask, p.mask_kind, b * p.m_sb + j * p.m_sk) : -INFINITY;
+  if (j >= sk) return -INFINITY;
+  const int64_t off = b * p.m_sb + j * p.m_sk;
+  return kInline ? mask_log2_at(p.mask, p.mask_kind, off) : mask_log2(p.mask, p.mask_kind, off);
 }
 
 // The keys [lo, hi) of [0, n) outside which batch b's key-only mask masks every key (lo >= hi: it masks them all),
@@ -288,6 +297,7 @@ __device__ __forceinline__ int2 key_range(const Params& p, int b, int n, int sk)
   }
   __syncthreads();
   int lo = n, hi = 0;
+#pragma unroll 4
   for (int j = threadIdx.x; j < n; j += kThreads) {
     if (key_bias(p, b, j, sk) != -INFINITY) {
       lo = min(lo, j);
@@ -342,6 +352,8 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
   const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + q0) * p.q_ss;
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
+  load_tile<T, kRows, D>(sQ, Q, p.q_ss, min(kRows, s.sq - q0), p.d, tid);
+  cp_async_commit();  // (Q in flight while a key-only mask's range is found)
   const int n_end = p.causal ? min(s.sk, q0 + kRows) : s.sk;  // keys past n_end are masked for every row here
   int nb0 = 0, nb1 = (n_end + BC - 1) / BC;                  // the key blocks visited
   if constexpr (kKeys) {
@@ -349,16 +361,23 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
     nb0 = r.x / BC;
     nb1 = r.x < r.y ? (r.y + BC - 1) / BC : nb0;
   }
-  // a key-only mask's addends of key block nb, into skb[nb % 2] (written before the barrier that precedes their use)
+  // a key-only mask's addends of key block nb go to skb[nb % 2] (written before the barrier that precedes their use),
+  // read from global memory a block earlier into kb_next, so that the read's latency hides behind a block's work
   __shared__ float skb[2][kKeys ? BC : 1];
-  const auto keys_of = [&](int nb) {
+  float kb_next = 0.f;
+  const auto keys_of = [&](int nb) {  // stores block nb's addends, reads block nb + 1's
     if constexpr (kKeys) {
-      if (nb < nb1 && tid < BC) skb[nb & 1][tid] = key_bias(p, b, nb * BC + tid, s.sk);
+      if (tid < BC) {
+        skb[nb & 1][tid] = kb_next;
+        kb_next = nb + 1 < nb1 ? key_bias(p, b, (nb + 1) * BC + tid, s.sk) : -INFINITY;
+      }
     }
   };
+  if constexpr (kKeys) {
+    if (tid < BC && nb0 < nb1) kb_next = key_bias(p, b, nb0 * BC + tid, s.sk);
+  }
   keys_of(nb0);
 
-  load_tile<T, kRows, D>(sQ, Q, p.q_ss, min(kRows, s.sq - q0), p.d, tid);
   if (nb0 < nb1) load_tile<T, BC, D>(sK, K + nb0 * BC * p.k_ss, p.k_ss, min(BC, s.sk - nb0 * BC), p.d, tid);
   cp_async_commit();
   if (nb0 < nb1) load_tile<T, BC, D>(sV, V + nb0 * BC * p.v_ss, p.v_ss, min(BC, s.sk - nb0 * BC), p.d, tid);
@@ -395,7 +414,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
     __syncthreads();  // every warp is done with sK
     if (nb + 1 < nb1) load_tile<T, BC, D>(sK, K + (k0 + BC) * p.k_ss, p.k_ss, min(BC, s.sk - k0 - BC), p.d, tid);
     cp_async_commit();
-    keys_of(nb + 1);
+    if (nb + 1 < nb1) keys_of(nb + 1);
 
     // online softmax (log2 domain); the row's 4 threads (t4 = 0..3) share its max through shuffles
     const bool edge = k0 + BC > s.sk || (p.causal && k0 + BC - 1 > q0);
@@ -540,7 +559,7 @@ __global__ void __launch_bounds__(kThreads, DkdvCfg<D>::MIN_BLOCKS) attn_bwd_dkd
   zero(dk);
   zero(dv);
   const int key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
-  const float kb[2] = {key_bias(p, b, key[0], s.sk), key_bias(p, b, key[1], s.sk)};
+  const float kb[2] = {key_bias<false>(p, b, key[0], s.sk), key_bias<false>(p, b, key[1], s.sk)};
   const int q_first = p.causal ? (k0 / BQ) * BQ : 0;  // queries i < k0 see no key of this block
   // a key-only mask that masks every key of this block: dK = dV = 0, no query visited (block-uniform test)
   const bool keys = p.mask_kind != kNoMask && p.mask_keys;
@@ -653,11 +672,19 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
     k_lo = r.x / BC * BC;
     k_hi = r.x < r.y ? r.y : k_lo;
   }
-  __shared__ float skb[2][kKeys ? BC : 1];  // a key-only mask's addends of the key block (alternating halves)
+  // a key-only mask's addends of the key block (alternating halves), read from global memory an iteration earlier
+  __shared__ float skb[2][kKeys ? BC : 1];
+  float kb_next = 0.f;
+  if constexpr (kKeys) {
+    if (tid < BC && k_lo < k_hi) kb_next = key_bias(p, b, k_lo + tid, s.sk);
+  }
   for (int k0 = k_lo; k0 < k_hi; k0 += BC) {
     const int half = (k0 / BC) & 1;
     if constexpr (kKeys) {
-      if (tid < BC) skb[half][tid] = key_bias(p, b, k0 + tid, s.sk);
+      if (tid < BC) {
+        skb[half][tid] = kb_next;
+        kb_next = k0 + BC < k_hi ? key_bias(p, b, k0 + BC + tid, s.sk) : -INFINITY;
+      }
     }
     load_tile<T, BC, D>(sK, K + k0 * p.k_ss, p.k_ss, min(BC, s.sk - k0), p.d, tid);
     load_tile<T, BC, D>(sV, V + k0 * p.v_ss, p.v_ss, min(BC, s.sk - k0), p.d, tid);
