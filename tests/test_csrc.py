@@ -3,7 +3,7 @@
 ptxas's resource report is checked too: no kernel may spill more than 64 bytes (the LayerNorm backward at
 32 elements per thread spills at its 128-register cap: 36 bytes in the 2026-11-27 compile; the attention dK/dV
 kernel at D = 64, capped at 168 registers for 3 blocks an SM, 52; the cross-entropy, masked-LM and other attention
-kernels 0-20). The host-only sources (``*.cpp``: attention's checks, autograd and
+kernels 0-16). The host-only sources (``*.cpp``: attention's checks, autograd and
 registration) get a g++ syntax check against the same headers."""
 from __future__ import annotations
 
