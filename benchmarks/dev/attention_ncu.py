@@ -36,24 +36,32 @@ CASES = {  # name -> (B, H, S, D, causal)
 }
 
 
-def run_case(name: str, reps: int, peer: str = "pykernels") -> None:
-    """``reps`` forward+backward calls of one case through ``pykernels`` or (``peer`` "cudnn" / "flash") torch's
-    SDPA with that backend alone, for a profile of the peer's kernels beside ours."""
+def run_case(name: str, reps: int, peer: str = "pykernels", backend: str | None = None) -> None:
+    """``reps`` forward+backward calls of one case through ``pykernels`` (``backend``: which of its backends; "cuda"
+    profiles the C++ kernels, ``-k regex:attn_fwd_kernel``) or (``peer`` "cudnn" / "flash") torch's SDPA with that
+    backend alone, for a profile of the peer's kernels beside ours. "bertpad" takes the benchmark's key-padding mask
+    (lengths 256..512 of 512, ``benchmarks/attention.py``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     b, h, s, d, causal = CASES[name]
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}.get(peer)
+    mask = None
+    if name == "bertpad":
+        g = torch.Generator().manual_seed(1234)  # the benchmark's lengths (bert_lengths)
+        lengths = torch.randint(s // 2, s + 1, (b,), generator=g).cuda()
+        mask = (torch.arange(s, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+    sdpa_backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}.get(peer)
     for _ in range(reps):
-        if backend is None:
-            o = pykernels.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if sdpa_backend is None:
+            o = pykernels.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, backend=backend)
         else:
-            with sdpa_kernel(backend):
-                o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            with sdpa_kernel(sdpa_backend):
+                o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         o.backward(do)
     torch.cuda.synchronize()
-    print(f"{name}: B{b} H{h} S{s} D{d} causal={causal}: {reps} forward+backward calls through {peer}")
+    via = peer if sdpa_backend is not None else f"pykernels (backend {backend or 'default'})"
+    print(f"{name}: B{b} H{h} S{s} D{d} causal={causal}: {reps} forward+backward calls through {via}")
 
 
 def sweep(d: int) -> None:
@@ -182,6 +190,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--peer", choices=("pykernels", "cudnn", "flash"), default="pykernels",
                     help="--case through torch's SDPA with this backend instead (a peer's kernels for ncu)")
+    ap.add_argument("--backend", choices=("auto", "triton", "cuda"),
+                    help="--case through this pykernels backend (cuda: the C++ kernels)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--ab", metavar="KEY=A/B", help="the whole backward with a setting at A, then B (see ab())")
@@ -198,7 +208,7 @@ def main() -> None:
     if args.sweep:
         sweep(args.d)
     if args.case:
-        run_case(args.case, args.reps, args.peer)
+        run_case(args.case, args.reps, args.peer, args.backend)
 
 
 if __name__ == "__main__":
