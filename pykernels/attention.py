@@ -297,10 +297,10 @@ def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mas
 def _cuda_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cu_q: Tensor | None, cu_k: Tensor | None,
                     max_q: int, max_k: int, dropout_p: float, causal: bool, scale: float) -> Tensor:
     """The C++ op (its autograd in C++), with the seed drawn as the custom ops draw it (``op_seed``): the same seed,
-    hence the same dropout mask, as the Triton backend's for one ``torch.manual_seed``."""
-    seed = op_seed(dropout_p, q.device)
-    return torch.ops.pykernels_cuda.attention(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale,
-                                              int(seed[0]) if dropout_p > 0 else 0)
+    hence the same dropout mask, as the Triton backend's for one ``torch.manual_seed``. Without dropout no seed
+    is drawn (nor op_seed's placeholder tensor allocated)."""
+    seed = int(op_seed(dropout_p, q.device)[0]) if dropout_p > 0 else 0
+    return torch.ops.pykernels_cuda.attention(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, seed)
 
 
 def _last_dim_contig(t: Tensor) -> Tensor:
