@@ -4,7 +4,8 @@ The Triton kernels in ``kernels/`` install as the private package ``pykernels._k
 top-level ``kernels``, which would shadow Hugging Face's ``kernels`` package). The CUDA C++ sources
 in ``csrc/`` build the extension ``pykernels._C`` with ninja when there are sources to build, a CUDA
 toolkit, and either a visible GPU or ``FORCE_CUDA=1``; ``PYKERNELS_SKIP_CUDA_BUILD=1`` skips it.
-Environment: ``TORCH_CUDA_ARCH_LIST`` (default "9.0"), ``MAX_JOBS`` (ninja parallelism).
+Environment: ``TORCH_CUDA_ARCH_LIST`` (default "9.0a": H100 / H200, with the attention forward's wgmma kernel;
+"9.0" or other lists build without it), ``MAX_JOBS`` (ninja parallelism).
 Building the extension needs torch at build time: ``pip install --no-build-isolation -e .``.
 """
 import glob
@@ -24,13 +25,15 @@ def _cuda_extensions():
         return [], {}
     if CUDA_HOME is None or not (torch.cuda.is_available() or os.environ.get("FORCE_CUDA") == "1"):
         return [], {}
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    # sm_90a: the Hopper-only instructions (wgmma) of the attention forward; other lists build without them
+    arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+    sm90a = ["-DPYKERNELS_SM90A"] if "9.0a" in arch_list.replace(" ", ";").split(";") else []
     ext = CUDAExtension(
         name="pykernels._C",
         sources=sources,
         include_dirs=[os.path.abspath("csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"],
-                            "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]},
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + sm90a,
+                            "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"] + sm90a},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

@@ -48,6 +48,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -56,6 +57,7 @@
 #include "attention.h"
 #include "pack.cuh"
 #include "philox.cuh"
+#include "wgmma.cuh"
 
 namespace pykernels {
 namespace attn {
@@ -289,6 +291,7 @@ __device__ __forceinline__ float key_bias(const Params& p, int b, int j, int sk)
 
 // The keys [lo, hi) of [0, n) outside which batch b's key-only mask masks every key (lo >= hi: it masks them all),
 // found by the block's threads together: the forward and dQ kernels visit only the key blocks that meet it
+template <int NT = kThreads>
 __device__ __forceinline__ int2 key_range(const Params& p, int b, int n, int sk) {
   __shared__ int range[2];
   if (threadIdx.x == 0) {
@@ -298,7 +301,7 @@ __device__ __forceinline__ int2 key_range(const Params& p, int b, int n, int sk)
   __syncthreads();
   int lo = n, hi = 0;
 #pragma unroll 4
-  for (int j = threadIdx.x; j < n; j += kThreads) {
+  for (int j = threadIdx.x; j < n; j += NT) {
     if (key_bias(p, b, j, sk) != -INFINITY) {
       lo = min(lo, j);
       hi = j + 1;
@@ -310,6 +313,23 @@ __device__ __forceinline__ int2 key_range(const Params& p, int b, int n, int sk)
   }
   __syncthreads();
   return make_int2(range[0], range[1]);
+}
+
+// A key-only mask's addends of key block nb (keys nb BC .. nb BC + BC - 1, a thread a key) go to buf[nb % 2] before
+// the barrier that precedes their use, read from global memory a block earlier into ``next``, so that the read's
+// latency hides behind a block's work. key_addends_first reads the first block's (nb0; none when nb0 >= nb1);
+// key_addends(nb) stores block nb's and reads block nb + 1's (-inf from nb1 on).
+template <int BC>
+__device__ __forceinline__ float key_addends_first(const Params& p, int b, int nb0, int nb1, int sk) {
+  return threadIdx.x < BC && nb0 < nb1 ? key_bias(p, b, nb0 * BC + threadIdx.x, sk) : 0.f;
+}
+template <int BC>
+__device__ __forceinline__ void key_addends(const Params& p, float (&buf)[2][BC], float& next, int nb, int nb1, int b,
+                                            int sk) {
+  if (threadIdx.x < BC) {
+    buf[nb & 1][threadIdx.x] = next;
+    next = nb + 1 < nb1 ? key_bias(p, b, (nb + 1) * BC + threadIdx.x, sk) : -INFINITY;
+  }
 }
 
 // The dropout factor (0 or 1 / (1 - p)) of (b, h, i, j): Philox at ((b Hq + h) Sq + i) Sk + j
@@ -328,6 +348,82 @@ __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ?
 // ---------------------------------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------------------------------
+// The online softmax of one key block (keys k0 ..) on a warp's 16 query rows, two a thread (row[0], row[1]; the
+// thread's columns 2 t4, 2 t4 + 1 of each 8-key n-tile, mma.sync's and wgmma's accumulator layout): the scores sc
+// (raw Q K^T) become P (dropout applied), the running max m and sum l (log2 domain; per thread, the row's 4 threads
+// share the max through shuffles) move on, and O is rescaled. ``kb``: the block's key addends (kModeKeys).
+template <int MODE, int BC, int D>
+__device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 8][4], float (&o)[D / 8][4],
+                                              float (&m)[2], float (&l)[2], int b, int h, const int (&row)[2],
+                                              int k0, const Seq& s, bool edge, const float* kb, int t4) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int jl = nt * 8 + 2 * t4 + e;
+        const float x = score<MODE>(p, sc[nt][2 * r + e], b, h, row[r], k0 + jl, s.sq, s.sk, edge,
+                                    MODE == kModeKeys ? kb[jl] : 0.f);
+        sc[nt][2 * r + e] = x;
+        mx = fmaxf(mx, x);
+      }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[r], mx);
+    const float base = m_new == -INFINITY ? 0.f : m_new;  // a row masked so far: exp2(-inf - 0) = 0
+    const float alpha = exp2f(m[r] - base);
+    m[r] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = exp2f(sc[nt][2 * r + e] - base);
+        sc[nt][2 * r + e] = pe;
+        sum += pe;
+      }
+    }
+    l[r] = l[r] * alpha + sum;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      o[dt][2 * r] *= alpha;
+      o[dt][2 * r + 1] *= alpha;
+    }
+  }
+  if (p.p_drop > 0.f) {
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[nt][e] *= keep_factor(p, b, h, row[e >> 1], k0 + nt * 8 + 2 * t4 + (e & 1));
+  }
+}
+
+// O / l and the lse (natural log; -inf for a row with no key) of a warp's rows, as softmax_block left them
+template <typename T, int D>
+__device__ __forceinline__ void store_out(const Params& p, const float (&o)[D / 8][4], const float (&m)[2],
+                                          const float (&l)[2], int b, int h, const int (&row)[2], const Seq& s,
+                                          int t4) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int i = row[r];
+    if (i >= s.sq) continue;
+    T* O = static_cast<T*>(p.out) + b * p.o_sb + h * p.o_sh + (s.q_off + i) * p.o_ss;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      const int c = dt * 8 + 2 * t4;
+      if (c < p.d) *reinterpret_cast<uint32_t*>(O + c) = pack2<T>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+    }
+    if (t4 == 0) p.lse[b * p.lse_sb + h * p.lse_sh + s.q_off + i] = sum > 0.f ? (m[r] + log2f(sum)) / kLog2e : -INFINITY;
+  }
+}
+
 template <int D>
 struct FwdCfg {
   static constexpr int BC = D > 128 ? 32 : 64;  // keys a block
@@ -361,22 +457,9 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
     nb0 = r.x / BC;
     nb1 = r.x < r.y ? (r.y + BC - 1) / BC : nb0;
   }
-  // a key-only mask's addends of key block nb go to skb[nb % 2] (written before the barrier that precedes their use),
-  // read from global memory a block earlier into kb_next, so that the read's latency hides behind a block's work
-  __shared__ float skb[2][kKeys ? BC : 1];
-  float kb_next = 0.f;
-  const auto keys_of = [&](int nb) {  // stores block nb's addends, reads block nb + 1's
-    if constexpr (kKeys) {
-      if (tid < BC) {
-        skb[nb & 1][tid] = kb_next;
-        kb_next = nb + 1 < nb1 ? key_bias(p, b, (nb + 1) * BC + tid, s.sk) : -INFINITY;
-      }
-    }
-  };
-  if constexpr (kKeys) {
-    if (tid < BC && nb0 < nb1) kb_next = key_bias(p, b, nb0 * BC + tid, s.sk);
-  }
-  keys_of(nb0);
+  __shared__ float skb[2][kKeys ? BC : 1];  // the key addends (key_addends)
+  float kb_next = kKeys ? key_addends_first<BC>(p, b, nb0, nb1, s.sk) : 0.f;
+  if constexpr (kKeys) key_addends(p, skb, kb_next, nb0, nb1, b, s.sk);
 
   if (nb0 < nb1) load_tile<T, BC, D>(sK, K + nb0 * BC * p.k_ss, p.k_ss, min(BC, s.sk - nb0 * BC), p.d, tid);
   cp_async_commit();
@@ -414,53 +497,12 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
     __syncthreads();  // every warp is done with sK
     if (nb + 1 < nb1) load_tile<T, BC, D>(sK, K + (k0 + BC) * p.k_ss, p.k_ss, min(BC, s.sk - k0 - BC), p.d, tid);
     cp_async_commit();
-    if (nb + 1 < nb1) keys_of(nb + 1);
+    if constexpr (kKeys) {
+      if (nb + 1 < nb1) key_addends(p, skb, kb_next, nb + 1, nb1, b, s.sk);
+    }
 
-    // online softmax (log2 domain); the row's 4 threads (t4 = 0..3) share its max through shuffles
     const bool edge = k0 + BC > s.sk || (p.causal && k0 + BC - 1 > q0);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int jl = nt * 8 + 2 * t4 + e;
-          const float x = score<MODE>(p, sc[nt][2 * r + e], b, h, row[r], k0 + jl, s.sq, s.sk, edge,
-                                      kKeys ? skb[nb & 1][kKeys ? jl : 0] : 0.f);
-          sc[nt][2 * r + e] = x;
-          mx = fmaxf(mx, x);
-        }
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[r], mx);
-      const float base = m_new == -INFINITY ? 0.f : m_new;  // a row masked so far: exp2(-inf - 0) = 0
-      const float alpha = exp2f(m[r] - base);
-      m[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = exp2f(sc[nt][2 * r + e] - base);
-          sc[nt][2 * r + e] = pe;
-          sum += pe;
-        }
-      }
-      l[r] = l[r] * alpha + sum;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        o[dt][2 * r] *= alpha;
-        o[dt][2 * r + 1] *= alpha;
-      }
-    }
-    if (p.p_drop > 0.f) {
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[nt][e] *= keep_factor(p, b, h, row[e >> 1], k0 + nt * 8 + 2 * t4 + (e & 1));
-    }
+    softmax_block<MODE, BC, D>(p, sc, o, m, l, b, h, row, k0, s, edge, skb[nb & 1], t4);
 
     cp_async_wait<1>();  // this V block (the next K block may still be in flight)
     __syncthreads();
@@ -470,23 +512,140 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
     cp_async_commit();
   }
   cp_async_wait<0>();
+  store_out<T, D>(p, o, m, l, b, h, row, s, t4);
+}
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float sum = l[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int i = row[r];
-    if (i >= s.sq) continue;
-    T* O = static_cast<T*>(p.out) + b * p.o_sb + h * p.o_sh + (s.q_off + i) * p.o_ss;
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      const int c = dt * 8 + 2 * t4;
-      if (c < p.d) *reinterpret_cast<uint32_t*>(O + c) = pack2<T>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
-    }
-    if (t4 == 0) p.lse[b * p.lse_sb + h * p.lse_sh + s.q_off + i] = sum > 0.f ? (m[r] + log2f(sum)) / kLog2e : -INFINITY;
+// The forward on Hopper's warpgroup MMA (sm_90a; D = 64 or 128, every mask mode, dropout, varlen, GQA): blocks of
+// NWG warpgroups (4 warps each) per (64 NWG queries, head, batch), each warpgroup owning 64 query rows; S = Q K^T is
+// one wgmma chain from shared Q and K, O += P V one from P in registers (S's accumulators, as in the mma.sync kernel)
+// and V in shared memory, read N-major. K and V blocks (BN keys) are double-buffered: block nb + 1 loads (cp.async,
+// 128-byte swizzled rows, wgmma.cuh) while block nb computes. A warpgroup whose rows all lie above the causal
+// diagonal of a key block, or past the sequence, skips that block's products. The softmax, mask, dropout and output
+// rules are the mma.sync kernel's (softmax_block, store_out).
+// Measured (H200, benchmarks/results/HISTORY.md, twenty-fourth session): one warpgroup a block, 2-3 blocks an SM
+// (run206: BERT-base 185 TFLOP/s against the mma.sync kernel's 163, GPT-2 135 / 126, S2048 D128 causal 189 / 177);
+// three warpgroups a block (the block-wide barriers keep them in step, so their softmax never overlaps another's
+// MMA) ran 164 / 108 / 200 (run205); issuing the next block's S before the softmax (two S accumulators; written in
+// place, ptxas serialized the chains, C7515; on a copy) ran 152 / 115 / 208 and failed tests (run207): not kept.
+template <int D>
+struct FwdSm90Cfg {
+  static constexpr int NWG = 1;                  // warpgroups a block
+  static constexpr int BM = 64 * NWG;            // query rows a block
+  static constexpr int BN = D == 64 ? 128 : 64;  // keys a block: S and O accumulators of 64 + 32 (32 + 64 at D = 128)
+  static constexpr int NT = 128 * NWG;
+  static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;  // blocks an SM (D = 64: 168 registers, 74 KB shared)
+  static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
+  static constexpr size_t smem() { return 1024 + QBYTES + 4 * KVBYTES; }  // Q, 2 stages of K and V; 1024-aligned
+};
+static_assert(FwdSm90Cfg<64>::BM == FwdSm90Cfg<128>::BM, "one grid for both head dims (launch_forward)");
+
+// Rows [0, nrows) of an R x D tile from global rows g + r * stride into 128-byte swizzled rows at shared address s
+// (columns past d and rows past nrows zero-filled)
+template <typename T, int R, int D, int NT>
+__device__ __forceinline__ void load_tile_sw128(uint32_t s, const T* g, int64_t stride, int nrows, int d, int tid) {
+  constexpr int C = D / 8;
+#pragma unroll 4
+  for (int i = tid; i < R * C; i += NT) {
+    const int r = i / C, c = i % C;
+    const bool ok = r < nrows && c * 8 < d;
+    cp_async16(s + sw128_offset(R, r, c * 8), ok ? g + r * stride + c * 8 : g, ok);
   }
+}
+
+template <typename T, int D, int MODE>
+__global__ void __launch_bounds__(FwdSm90Cfg<D>::NT, FwdSm90Cfg<D>::MIN_BLOCKS) attn_fwd_sm90_kernel(const Params p) {
+#if defined(PK_WGMMA)
+  using C = FwdSm90Cfg<D>;
+  constexpr int BM = C::BM, BN = C::BN, NT = C::NT;
+  constexpr bool kKeys = MODE == kModeKeys;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sK = sQ + C::QBYTES, sV = sK + 2 * C::KVBYTES;  // stage st at + st * KVBYTES
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int wg = warp >> 2;  // warpgroup
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const Seq s = seq_of(p, b);
+  const int q0 = blockIdx.x * BM;
+  if (q0 >= s.sq) return;  // (varlen: this sequence is shorter than the grid's max)
+  const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + q0) * p.q_ss;
+  const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
+  const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
+  load_tile_sw128<T, BM, D, NT>(sQ, Q, p.q_ss, min(BM, s.sq - q0), p.d, tid);
+  cp_async_commit();
+  const int n_end = p.causal ? min(s.sk, q0 + BM) : s.sk;  // keys past n_end are masked for every row here
+  int nb0 = 0, nb1 = (n_end + BN - 1) / BN;               // the key blocks visited
+  if constexpr (kKeys) {
+    const int2 r = key_range<NT>(p, b, n_end, s.sk);
+    nb0 = r.x / BN;
+    nb1 = r.x < r.y ? (r.y + BN - 1) / BN : nb0;
+  }
+  __shared__ float skb[2][kKeys ? BN : 1];  // the key addends (key_addends)
+  float kb_next = kKeys ? key_addends_first<BN>(p, b, nb0, nb1, s.sk) : 0.f;
+  if constexpr (kKeys) key_addends(p, skb, kb_next, nb0, nb1, b, s.sk);
+  const auto load_kv = [&](int nb, int st) {
+    const int k0 = nb * BN, n = min(BN, s.sk - k0);
+    load_tile_sw128<T, BN, D, NT>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
+    load_tile_sw128<T, BN, D, NT>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
+  };
+  if (nb0 < nb1) load_kv(nb0, 0);
+  cp_async_commit();
+
+  float o[D / 8][4];
+  zero(o);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int qw = q0 + wg * 64;  // the warpgroup's first row
+  const int row[2] = {qw + (warp & 3) * 16 + g, qw + (warp & 3) * 16 + g + 8};
+  // descriptors: Q (K-major, the warpgroup's 64 rows), K (K-major, BN rows), V (N-major: 16 keys a k-step)
+  const uint32_t q_base = sQ + wg * 64 * 128;
+
+  for (int nb = nb0; nb < nb1; ++nb) {
+    const int k0 = nb * BN, st = (nb - nb0) & 1;
+    if (nb + 1 < nb1) load_kv(nb + 1, st ^ 1);  // (stage st ^ 1 was freed by the last iteration's final barrier)
+    cp_async_commit();
+    if constexpr (kKeys) {
+      if (nb + 1 < nb1) key_addends(p, skb, kb_next, nb + 1, nb1, b, s.sk);
+    }
+    cp_async_wait<1>();  // Q and this block's K and V
+    fence_async_smem();
+    __syncthreads();
+    if (qw < s.sq && !(p.causal && k0 > qw + 63)) {  // the warpgroup has a row that sees a key here
+      const uint32_t k_base = sK + st * C::KVBYTES, v_base = sV + st * C::KVBYTES;
+      float sc[BN / 8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < D / 16; ++kt) {  // S = Q K^T
+        const uint32_t col = (kt >> 2) * 1u, kk = (kt & 3) * 32u;
+        const uint64_t da = gmma_desc<16, 1024>(q_base + col * BM * 128 + kk);
+        const uint64_t db = gmma_desc<16, 1024>(k_base + col * BN * 128 + kk);
+        if (kt == 0)
+          wgmma_ss_first<T, BN>(sc, da, db);
+        else
+          wgmma_ss<T, BN>(sc, da, db);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_acc(sc);
+      const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
+      softmax_block<MODE, BN, D>(p, sc, o, m, l, b, h, row, k0, s, edge, skb[nb & 1], t4);
+      uint32_t pa[BN / 16][4];
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
+      fence_acc(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt)  // O += P V
+        wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base + kt * 16 * 128));
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_acc(o);
+    }
+    __syncthreads();  // every warpgroup is done with stage st
+  }
+  cp_async_wait<0>();
+  store_out<T, D>(p, o, m, l, b, h, row, s, t4);
+#else
+  __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -672,20 +831,13 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
     k_lo = r.x / BC * BC;
     k_hi = r.x < r.y ? r.y : k_lo;
   }
-  // a key-only mask's addends of the key block (alternating halves), read from global memory an iteration earlier
+  // a key-only mask's addends of the key block (key_addends: alternating halves, read an iteration earlier)
   __shared__ float skb[2][kKeys ? BC : 1];
-  float kb_next = 0.f;
-  if constexpr (kKeys) {
-    if (tid < BC && k_lo < k_hi) kb_next = key_bias(p, b, k_lo + tid, s.sk);
-  }
+  const int nb1 = (k_hi + BC - 1) / BC;
+  float kb_next = kKeys ? key_addends_first<BC>(p, b, k_lo / BC, nb1, s.sk) : 0.f;
   for (int k0 = k_lo; k0 < k_hi; k0 += BC) {
     const int half = (k0 / BC) & 1;
-    if constexpr (kKeys) {
-      if (tid < BC) {
-        skb[half][tid] = kb_next;
-        kb_next = k0 + BC < k_hi ? key_bias(p, b, k0 + BC + tid, s.sk) : -INFINITY;
-      }
-    }
+    if constexpr (kKeys) key_addends(p, skb, kb_next, k0 / BC, nb1, b, s.sk);
     load_tile<T, BC, D>(sK, K + k0 * p.k_ss, p.k_ss, min(BC, s.sk - k0), p.d, tid);
     load_tile<T, BC, D>(sV, V + k0 * p.v_ss, p.v_ss, min(BC, s.sk - k0), p.d, tid);
     cp_async_commit();
@@ -765,17 +917,49 @@ inline void allow_smem(const void* kernel, size_t smem) {
   }
 }
 
-inline void launch(void (*kernel)(Params), dim3 grid, size_t smem, const Params& p, cudaStream_t stream) {
+inline void launch(void (*kernel)(Params), dim3 grid, size_t smem, const Params& p, cudaStream_t stream,
+                   int threads = kThreads) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   if (smem > 48 * 1024) allow_smem(reinterpret_cast<const void*>(kernel), smem);
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  kernel<<<grid, threads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Whether the forward runs attn_fwd_sm90_kernel: a build with sm_90a code (PYKERNELS_SM90A: setup.py's default
+// TORCH_CUDA_ARCH_LIST), a device of compute capability 9.0, a head dim up to 128, and the environment variable
+// PYKERNELS_CUDA_ATTN_SM90 not "0" (which selects the mma.sync kernel: A/B runs and its tests)
+inline bool use_sm90_forward(const Params& p) {
+#if defined(PYKERNELS_SM90A)
+  if (p.d > 128) return false;
+  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_SM90");
+  if (env != nullptr && env[0] == '0') return false;
+  int dev = 0, major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  return major == 9 && minor == 0;
+#else
+  (void)p;
+  return false;
+#endif
 }
 
 inline unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + kRows - 1) / kRows); }
 
 template <typename T>
 void launch_forward(const Params& p, cudaStream_t stream) {
+  if (use_sm90_forward(p)) {
+    static_assert(FwdSm90Cfg<64>::BM == kRows && FwdSm90Cfg<128>::BM == kRows, "the grid of blocks_of");
+    const dim3 grid(blocks_of(p.sq), static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
+    dispatch_mask_mode(p, [&](auto mode) {
+      constexpr int M = decltype(mode)::value;
+      if (p.d <= 64)
+        launch(attn_fwd_sm90_kernel<T, 64, M>, grid, FwdSm90Cfg<64>::smem(), p, stream, FwdSm90Cfg<64>::NT);
+      else
+        launch(attn_fwd_sm90_kernel<T, 128, M>, grid, FwdSm90Cfg<128>::smem(), p, stream, FwdSm90Cfg<128>::NT);
+    });
+    return;
+  }
   const dim3 grid(blocks_of(p.sq), static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
   dispatch_head_dim(p.d, [&](auto dc) {
     constexpr int D = decltype(dc)::value;

@@ -763,4 +763,10 @@ TORCH_LIBRARY_IMPL(pykernels_cuda, Autograd, m) { m.impl("layer_norm", &pykernel
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pykernels CUDA C++ kernels; the ops are registered as torch.ops.pykernels_cuda.*";
+  // whether this build has sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0a: the attention forward's wgmma kernel)
+#if defined(PYKERNELS_SM90A)
+  m.attr("sm90a") = true;
+#else
+  m.attr("sm90a") = false;
+#endif
 }

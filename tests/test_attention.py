@@ -1505,11 +1505,50 @@ CUDA_DENSE = [  # b, hq, hkv, sq, sk, d, causal: odd lengths, Sq != Sk both ways
 ]
 
 
+@pytest.fixture(params=["default", "mma_sync"])
+def cuda_fwd(request, monkeypatch):
+    """The C++ forward kernel under test: the default (on an sm_90a build and a compute-capability 9.0 device, the
+    wgmma kernel at head dims up to 128) or the mma.sync kernel (PYKERNELS_CUDA_ATTN_SM90=0, read at each launch)."""
+    if request.param == "mma_sync":
+        monkeypatch.setenv("PYKERNELS_CUDA_ATTN_SM90", "0")
+    else:
+        monkeypatch.delenv("PYKERNELS_CUDA_ATTN_SM90", raising=False)
+    return request.param
+
+
+def _cuda_fwd_kernels(q, k, v, **kw) -> list[str]:
+    """The names of the attention forward kernels one C++ call launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sdpa(q, k, v, backend="cuda", **kw)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "attn_fwd" in e.name]
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_cuda_forward_kernel_choice(monkeypatch):
+    """Which C++ forward runs: the wgmma kernel (attn_fwd_sm90_kernel) at head dims up to 128 when the build has
+    sm_90a code and the device is compute capability 9.0 (H100 / H200: the GPU runs take this branch), else and
+    above 128 the mma.sync kernel, which PYKERNELS_CUDA_ATTN_SM90=0 selects too."""
+    import pykernels._C as ext
+    hopper = bool(ext.sm90a) and torch.cuda.get_device_capability() == (9, 0)
+    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_SM90", raising=False)
+    for d in (16, 64, 80, 128, 160):
+        q, k, v = _inputs((1, 2, 100, d), (1, 2, 100, d), (1, 2, 100, d), BF16, "cuda", requires_grad=False)
+        names = _cuda_fwd_kernels(q, k, v, is_causal=True)
+        assert len(names) == 1, names
+        assert ("attn_fwd_sm90_kernel" in names[0]) == (hopper and d <= 128), (d, names)
+    monkeypatch.setenv("PYKERNELS_CUDA_ATTN_SM90", "0")
+    names = _cuda_fwd_kernels(q[..., :64], k[..., :64], v[..., :64])
+    assert len(names) == 1 and "attn_fwd_sm90_kernel" not in names[0] and "attn_fwd_kernel" in names[0], names
+
+
 @pytest.mark.gpu
 @needs_cuda_ext
 @pytest.mark.parametrize("dtype", [BF16, F16])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", CUDA_DENSE)
-def test_gpu_cuda_backend_dense(dtype, b, hq, hkv, sq, sk, d, causal):
+def test_gpu_cuda_backend_dense(dtype, b, hq, hkv, sq, sk, d, causal, cuda_fwd):
     q, k, v = _inputs((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), dtype, "cuda")
     out, _ = _check_against_ref(q, k, v, causal=causal, backend="cuda")
     assert "AttentionFunction" in out.grad_fn.name()  # the C++ op's autograd node
@@ -1517,7 +1556,7 @@ def test_gpu_cuda_backend_dense(dtype, b, hq, hkv, sq, sk, d, causal):
 
 @pytest.mark.gpu
 @needs_cuda_ext
-def test_gpu_cuda_backend_masks_and_dead_rows():
+def test_gpu_cuda_backend_masks_and_dead_rows(cuda_fwd):
     b, hq, hkv, s, d = 2, 4, 2, 300, 64
     q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
     # key padding, the second batch with no key at all: its output and gradients are 0
@@ -1541,7 +1580,7 @@ def test_gpu_cuda_backend_masks_and_dead_rows():
 @pytest.mark.gpu
 @needs_cuda_ext
 @pytest.mark.parametrize("d,causal,dtype", [(64, False, BF16), (64, True, F16), (128, True, BF16), (256, False, BF16)])
-def test_gpu_cuda_backend_key_padding_ranges(d, causal, dtype):
+def test_gpu_cuda_backend_key_padding_ranges(d, causal, dtype, cuda_fwd):
     """A key-only mask: the forward and dQ kernels visit only the key blocks between each batch's first and last
     valid key, and a dK/dV block whose keys are all masked writes zeros without visiting a query. Ranges that start
     and end inside a block, a hole inside the range, a batch with one valid key, one with none, left padding (under
@@ -1566,7 +1605,7 @@ def test_gpu_cuda_backend_key_padding_ranges(d, causal, dtype):
 
 @pytest.mark.gpu
 @needs_cuda_ext
-def test_gpu_cuda_backend_layouts():
+def test_gpu_cuda_backend_layouts(cuda_fwd):
     # the transformers layout ((B, S, H, D) storage seen as (B, H, S, D)), K / V broadcast over the batch with
     # stride 0, a query head broadcast over the kv heads, rows at a storage offset that is not 16-byte aligned
     b, h, s, d = 2, 4, 150, 64
@@ -1589,7 +1628,7 @@ def test_gpu_cuda_backend_layouts():
 
 @pytest.mark.gpu
 @needs_cuda_ext
-def test_gpu_cuda_backend_dropout_and_determinism():
+def test_gpu_cuda_backend_dropout_and_determinism(cuda_fwd):
     b, hq, hkv, s, d = 2, 4, 2, 200, 64
     q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
     torch.manual_seed(5)
@@ -1616,7 +1655,7 @@ def test_gpu_cuda_backend_dropout_and_determinism():
 @pytest.mark.gpu
 @needs_cuda_ext
 @pytest.mark.parametrize("causal,d", [(False, 64), (True, 128), (True, 96)])
-def test_gpu_cuda_backend_varlen(causal, d):
+def test_gpu_cuda_backend_varlen(causal, d, cuda_fwd):
     lq, lk = [1000, 1, 0, 513, 77, 3], [900, 5, 3, 513, 77, 0]
     q, k, v, cu_q, cu_k = _varlen_case(lq, lk, 8, 2, d, BF16, "cuda", extra_rows=5)
     out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="cuda")

@@ -1,4 +1,4 @@
-"""The CUDA C++ sources compile for sm_90 against the installed torch's headers, on any machine with nvcc
+"""The CUDA C++ sources compile for sm_90a (setup.py's default arch list) against the installed torch's headers, on any machine with nvcc
 (CPU-only CI included): API drift in torch's C++ headers or a syntax slip shows here, before a GPU run.
 ptxas's resource report is checked too: no kernel may spill more than 64 bytes (the LayerNorm backward at
 32 elements per thread spills at its 128-register cap: 36 bytes in the 2026-11-27 compile; the attention dK/dV
@@ -52,9 +52,10 @@ DEFINES = ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "-D_G
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc (CUDA toolkit)")
 @pytest.mark.skipif(not os.path.exists(os.path.join(PY_INCLUDE, "Python.h")), reason="needs Python headers")
 @pytest.mark.parametrize("source", SOURCES, ids=[os.path.basename(s) for s in SOURCES])
-def test_cuda_source_compiles_for_sm90(source, tmp_path):
+def test_cuda_source_compiles_for_sm90a(source, tmp_path):
     cmd = [NVCC, "-c", source, "-o", str(tmp_path / "out.o"), "-std=c++17", "-O3", "--use_fast_math",
-           "-arch=sm_90", "-Xptxas", "-v", "-diag-suppress", "3306"] + DEFINES + _includes(tmp_path)
+           "-gencode", "arch=compute_90a,code=sm_90a", "-DPYKERNELS_SM90A", "-Xptxas", "-v", "-diag-suppress", "3306"]
+    cmd += DEFINES + _includes(tmp_path)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     report = res.stdout + res.stderr

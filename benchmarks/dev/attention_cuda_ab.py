@@ -2,8 +2,10 @@
 run this with its label, rebuild, run it again): CUDA-graph replay of the forward and of forward+backward
 (``benchmarks/attention.py``'s ``graph_time``), TFLOP/s as that script counts them, bf16.
 
-Usage (GPU): ``python benchmarks/dev/attention_cuda_ab.py LABEL``. One line a shape:
-``LABEL case fwd_ms bwd_ms fwd_TFLOPs bwd_TFLOPs``."""
+Usage (GPU): ``python benchmarks/dev/attention_cuda_ab.py LABEL [--fwd-kernels]``. One line a shape:
+``LABEL case fwd_ms bwd_ms fwd_TFLOPs bwd_TFLOPs``. ``--fwd-kernels``: each shape twice in this process, with the
+mma.sync forward (``PYKERNELS_CUDA_ATTN_SM90=0``, labels ``LABEL-mma``) and the default (``LABEL-default``: the
+wgmma forward on an sm_90a build and a 9.0 device)."""
 from __future__ import annotations
 
 import os
@@ -17,7 +19,20 @@ CASES = [c for c in bench.CASES if c.quick] + [bench.Case("causal_2k_d128", 4, 1
 
 
 def main() -> None:
-    label = sys.argv[1] if len(sys.argv) > 1 else "build"
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    label = args[0] if args else "build"
+    if "--fwd-kernels" not in sys.argv:
+        run(label)
+        return
+    for kernel, env in (("mma", "0"), ("default", None)):
+        if env is None:
+            os.environ.pop("PYKERNELS_CUDA_ATTN_SM90", None)
+        else:
+            os.environ["PYKERNELS_CUDA_ATTN_SM90"] = env
+        run(f"{label}-{kernel}")
+
+
+def run(label: str) -> None:
     for case in CASES:
         q, k, v, do, _, mask = bench.case_inputs(case)
         t = bench.graph_time(bench.pykernels_impl(mask, case.causal, "cuda"), q, k, v, do)
