@@ -515,29 +515,34 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
   store_out<T, D>(p, o, m, l, b, h, row, s, t4);
 }
 
-// The forward on Hopper's warpgroup MMA (sm_90a; D = 64 or 128, every mask mode, dropout, varlen, GQA): blocks of
-// NWG warpgroups (4 warps each) per (64 NWG queries, head, batch), each warpgroup owning 64 query rows; S = Q K^T is
-// one wgmma chain from shared Q and K, O += P V one from P in registers (S's accumulators, as in the mma.sync kernel)
-// and V in shared memory, read N-major. K and V blocks (BN keys) are double-buffered: block nb + 1 loads (cp.async,
-// 128-byte swizzled rows, wgmma.cuh) while block nb computes. A warpgroup whose rows all lie above the causal
-// diagonal of a key block, or past the sequence, skips that block's products. The softmax, mask, dropout and output
-// rules are the mma.sync kernel's (softmax_block, store_out).
-// Measured (H200, benchmarks/results/HISTORY.md, twenty-fourth session): one warpgroup a block, 2-3 blocks an SM
-// (run206: BERT-base 185 TFLOP/s against the mma.sync kernel's 163, GPT-2 135 / 126, S2048 D128 causal 189 / 177);
-// three warpgroups a block (the block-wide barriers keep them in step, so their softmax never overlaps another's
-// MMA) ran 164 / 108 / 200 (run205); issuing the next block's S before the softmax (two S accumulators; written in
-// place, ptxas serialized the chains, C7515; on a copy) ran 152 / 115 / 208 and failed tests (run207): not kept.
+// The forwards on Hopper's warpgroup MMA (sm_90a; every mask mode, dropout, varlen, GQA), which launch_forward takes
+// at head dims up to 128 on a 9.0 device (use_sm90_forward). Both stage K and V blocks of 64 keys in 128-byte
+// swizzled rows (cp.async, wgmma.cuh), two buffers each, and issue S = Q K^T as a wgmma chain from shared Q and K and
+// O += P V as one from P in registers (S's accumulators, as in the mma.sync kernel) and V in shared memory, read
+// N-major; the softmax, mask, dropout and output rules are the mma.sync kernel's (softmax_block, store_out).
+//   attn_fwd_sm90_kernel (D <= 64): a block of 2 warpgroups (4 warps each) per (128 queries, head, batch), each
+//     warpgroup owning 64 rows, 2 blocks an SM; each warpgroup waits for its S, runs the softmax, then P V. A
+//     warpgroup whose rows all lie above the causal diagonal of a key block, or past the sequence, skips that
+//     block's products.
+//   attn_fwd_sm90_pipe_kernel (D <= 128): one warpgroup per (64 queries, head, batch); the next key block's S is
+//     issued before this block's softmax, so the tensor cores run it meanwhile.
+// Measured (H200, graph replay, TFLOP/s forward; benchmarks/results/HISTORY.md, twenty-fourth session), against the
+// mma.sync kernel's 163 at BERT-base, 157 with key padding, 126 at GPT-2 and 177 at S2048 D128 causal: the two
+// warpgroups 188 / 181 / 131 (run209); one warpgroup of 128-key blocks, 3 blocks an SM, 183 / 172 / 133 (run208);
+// three warpgroups a block (one block an SM: the block-wide barriers keep them in step, so no softmax overlaps
+// another warpgroup's MMA) 164 / 155 / 108; at D = 128 the pipelined kernel 207 where the others run 189-190
+// (run208-209), at D = 64 (64-key blocks, 2 blocks an SM at 226 registers) 151 / 135 / 114. Written in place, the
+// softmax's S registers (the next chain's accumulators) make ptxas serialize the chains (C7515): it works on a copy.
 template <int D>
 struct FwdSm90Cfg {
-  static constexpr int NWG = 1;                  // warpgroups a block
-  static constexpr int BM = 64 * NWG;            // query rows a block
-  static constexpr int BN = D == 64 ? 128 : 64;  // keys a block: S and O accumulators of 64 + 32 (32 + 64 at D = 128)
+  static constexpr int NWG = 2;        // warpgroups a block
+  static constexpr int BM = 64 * NWG;  // query rows a block
+  static constexpr int BN = 64;        // keys a block
   static constexpr int NT = 128 * NWG;
-  static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;  // blocks an SM (D = 64: 168 registers, 74 KB shared)
+  static constexpr int MIN_BLOCKS = 2;  // blocks an SM (128 registers a thread)
   static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
-  static constexpr size_t smem() { return 1024 + QBYTES + 4 * KVBYTES; }  // Q, 2 stages of K and V; 1024-aligned
+  static constexpr size_t smem() { return 1024 + QBYTES + 4 * KVBYTES; }  // Q, 2 buffers of K and V; 1024-aligned
 };
-static_assert(FwdSm90Cfg<64>::BM == FwdSm90Cfg<128>::BM, "one grid for both head dims (launch_forward)");
 
 // Rows [0, nrows) of an R x D tile from global rows g + r * stride into 128-byte swizzled rows at shared address s
 // (columns past d and rows past nrows zero-filled)
@@ -648,6 +653,145 @@ __global__ void __launch_bounds__(FwdSm90Cfg<D>::NT, FwdSm90Cfg<D>::MIN_BLOCKS) 
 #endif
 }
 
+// attn_fwd_sm90_pipe_kernel's blocks: key block nb + 1's S accumulates in one register set while block nb's is
+// the softmax's input (two sets, alternating); K block nb + 3 and V block nb + 2 load while blocks nb, nb + 1 compute
+template <int D>
+struct FwdSm90PipeCfg {
+  static constexpr int BM = 64;  // query rows a block: one warpgroup
+  static constexpr int BN = 64;  // keys a block
+  static constexpr int NT = 128;
+  static constexpr int MIN_BLOCKS = 2;  // blocks an SM (up to 255 registers a thread)
+  static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
+  static constexpr size_t smem() { return 1024 + QBYTES + 4 * KVBYTES; }  // Q, 2 buffers of K and V; 1024-aligned
+};
+
+template <typename T, int D, int MODE>
+__global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_BLOCKS) attn_fwd_sm90_pipe_kernel(const Params p) {
+#if defined(PK_WGMMA)
+  using C = FwdSm90PipeCfg<D>;
+  constexpr int BM = C::BM, BN = C::BN, NT = C::NT;
+  constexpr bool kKeys = MODE == kModeKeys;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sK = sQ + C::QBYTES, sV = sK + 2 * C::KVBYTES;  // key block nb's K and V at + (nb % 2) KVBYTES
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const Seq s = seq_of(p, b);
+  const int q0 = blockIdx.x * BM;
+  if (q0 >= s.sq) return;  // (varlen: this sequence is shorter than the grid's max)
+  const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + q0) * p.q_ss;
+  const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
+  const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
+  const int n_end = p.causal ? min(s.sk, q0 + BM) : s.sk;  // keys past n_end are masked for every row here
+  int nb0 = 0, nb1 = (n_end + BN - 1) / BN;               // the key blocks visited
+  const auto load_k = [&](int nb) {
+    if (nb < nb1)
+      load_tile_sw128<T, BN, D, NT>(sK + (nb & 1) * C::KVBYTES, K + nb * BN * p.k_ss, p.k_ss, min(BN, s.sk - nb * BN),
+                                    p.d, tid);
+  };
+  const auto load_v = [&](int nb) {
+    if (nb < nb1)
+      load_tile_sw128<T, BN, D, NT>(sV + (nb & 1) * C::KVBYTES, V + nb * BN * p.v_ss, p.v_ss, min(BN, s.sk - nb * BN),
+                                    p.d, tid);
+  };
+  load_tile_sw128<T, BM, D, NT>(sQ, Q, p.q_ss, min(BM, s.sq - q0), p.d, tid);
+  if constexpr (kKeys) {  // (Q in flight while the range is found)
+    const int2 r = key_range(p, b, n_end, s.sk);
+    nb0 = r.x / BN;
+    nb1 = r.x < r.y ? (r.y + BN - 1) / BN : nb0;
+  }
+  __shared__ float skb[2][kKeys ? BN : 1];  // the key addends (key_addends)
+  float kb_next = kKeys ? key_addends_first<BN>(p, b, nb0, nb1, s.sk) : 0.f;
+  if constexpr (kKeys) key_addends(p, skb, kb_next, nb0, nb1, b, s.sk);
+  // cp.async groups: {Q, K nb0}, {K nb0 + 1, V nb0}, {K nb0 + 2, V nb0 + 1} (after block nb0's S), then one an
+  // iteration: {K nb + 3, V nb + 2}
+  load_k(nb0);
+  cp_async_commit();
+  load_k(nb0 + 1);
+  load_v(nb0);
+  cp_async_commit();
+
+  float o[D / 8][4];
+  zero(o);
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  // S = Q K^T of key block nb into acc, issued (committed, not waited for)
+  const auto issue_s = [&](float(&acc)[BN / 8][4], int nb) {
+    const uint32_t k_base = sK + (nb & 1) * C::KVBYTES;
+    wgmma_fence();
+#pragma unroll
+    for (int kt = 0; kt < D / 16; ++kt) {
+      const uint32_t col = kt >> 2, kk = (kt & 3) * 32u;
+      const uint64_t da = gmma_desc<16, 1024>(sQ + col * BM * 128 + kk);
+      const uint64_t db = gmma_desc<16, 1024>(k_base + col * BN * 128 + kk);
+      if (kt == 0)
+        wgmma_ss_first<T, BN>(acc, da, db);
+      else
+        wgmma_ss<T, BN>(acc, da, db);
+    }
+    wgmma_commit();
+  };
+  // one key block: cur holds its S; the next block's S is issued into nxt before the softmax and lands by the end
+  const auto step = [&](int nb, float(&cur)[BN / 8][4], float(&nxt)[BN / 8][4]) {
+    const int k0 = nb * BN;
+    cp_async_wait<1>();  // K block nb + 1 and V block nb
+    fence_async_smem();
+    __syncthreads();
+    float x[BN / 8][4];
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[i][e] = cur[i][e];
+    if (nb + 1 < nb1) issue_s(nxt, nb + 1);
+    if constexpr (kKeys) {
+      if (nb + 1 < nb1) key_addends(p, skb, kb_next, nb + 1, nb1, b, s.sk);
+    }
+    const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > q0);
+    softmax_block<MODE, BN, D>(p, x, o, m, l, b, h, row, k0, s, edge, skb[nb & 1], t4);
+    uint32_t pa[BN / 16][4];
+#pragma unroll
+    for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], x[2 * kt], x[2 * kt + 1]);
+    fence_acc(o);
+    wgmma_fence();
+    const uint32_t v_base = sV + (nb & 1) * C::KVBYTES;
+#pragma unroll
+    for (int kt = 0; kt < BN / 16; ++kt)  // O += P V
+      wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base + kt * 16 * 128));
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_acc(o);
+    fence_acc(nxt);
+    __syncthreads();  // every warp is done with K block nb + 1 and V block nb: their buffers take nb + 3, nb + 2
+    load_k(nb + 3);
+    load_v(nb + 2);
+    cp_async_commit();
+  };
+
+  float sa[BN / 8][4], sb[BN / 8][4];  // S of key blocks nb0, nb0 + 2, ... and nb0 + 1, nb0 + 3, ...
+  cp_async_wait<1>();                  // Q and K block nb0
+  fence_async_smem();
+  __syncthreads();
+  if (nb0 < nb1) {
+    issue_s(sa, nb0);
+    wgmma_wait_all();
+    fence_acc(sa);
+  }
+  __syncthreads();  // every warp is done with K block nb0: its buffer takes nb0 + 2
+  load_k(nb0 + 2);
+  load_v(nb0 + 1);
+  cp_async_commit();
+  for (int nb = nb0; nb < nb1; nb += 2) {
+    step(nb, sa, sb);
+    if (nb + 1 < nb1) step(nb + 1, sb, sa);
+  }
+  cp_async_wait<0>();
+  store_out<T, D>(p, o, m, l, b, h, row, s, t4);
+#else
+  __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // ---------------------------------------------------------------------------------------------------------------
 // Backward
 // ---------------------------------------------------------------------------------------------------------------
@@ -949,14 +1093,19 @@ inline unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + k
 template <typename T>
 void launch_forward(const Params& p, cudaStream_t stream) {
   if (use_sm90_forward(p)) {
-    static_assert(FwdSm90Cfg<64>::BM == kRows && FwdSm90Cfg<128>::BM == kRows, "the grid of blocks_of");
-    const dim3 grid(blocks_of(p.sq), static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
     dispatch_mask_mode(p, [&](auto mode) {
       constexpr int M = decltype(mode)::value;
-      if (p.d <= 64)
-        launch(attn_fwd_sm90_kernel<T, 64, M>, grid, FwdSm90Cfg<64>::smem(), p, stream, FwdSm90Cfg<64>::NT);
-      else
-        launch(attn_fwd_sm90_kernel<T, 128, M>, grid, FwdSm90Cfg<128>::smem(), p, stream, FwdSm90Cfg<128>::NT);
+      if (p.d <= 64) {
+        using C = FwdSm90Cfg<64>;
+        const dim3 grid(static_cast<unsigned>((p.sq + C::BM - 1) / C::BM), static_cast<unsigned>(p.hq),
+                        static_cast<unsigned>(p.batch));
+        launch(attn_fwd_sm90_kernel<T, 64, M>, grid, C::smem(), p, stream, C::NT);
+      } else {
+        using C = FwdSm90PipeCfg<128>;
+        const dim3 grid(static_cast<unsigned>((p.sq + C::BM - 1) / C::BM), static_cast<unsigned>(p.hq),
+                        static_cast<unsigned>(p.batch));
+        launch(attn_fwd_sm90_pipe_kernel<T, 128, M>, grid, C::smem(), p, stream, C::NT);
+      }
     });
     return;
   }

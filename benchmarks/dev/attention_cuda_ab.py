@@ -5,7 +5,7 @@ run this with its label, rebuild, run it again): CUDA-graph replay of the forwar
 Usage (GPU): ``python benchmarks/dev/attention_cuda_ab.py LABEL [--fwd-kernels]``. One line a shape:
 ``LABEL case fwd_ms bwd_ms fwd_TFLOPs bwd_TFLOPs``. ``--fwd-kernels``: each shape twice in this process, with the
 mma.sync forward (``PYKERNELS_CUDA_ATTN_SM90=0``, labels ``LABEL-mma``) and the default (``LABEL-default``: the
-wgmma forward on an sm_90a build and a 9.0 device)."""
+wgmma forwards on an sm_90a build and a 9.0 device)."""
 from __future__ import annotations
 
 import os
