@@ -403,6 +403,24 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
   }
 }
 
+// A warp's tile of N columns (an m16n8 accumulator per 8) times ``scale`` into rows off + row[r] (those below n) of a
+// (b, h, row, column) tensor, from column c0 (columns from d on are not written)
+template <typename T, int N>
+__device__ __forceinline__ void store_rows(void* out, int64_t sb, int64_t sh, int64_t ss, const float (&acc)[N / 8][4],
+                                           float scale, int b, int h, const int (&row)[2], int64_t off, int n, int c0,
+                                           int d, int t4) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (row[r] >= n) continue;
+    T* dst = static_cast<T*>(out) + b * sb + h * sh + (off + row[r]) * ss;
+#pragma unroll
+    for (int dt = 0; dt < N / 8; ++dt) {
+      const int c = c0 + dt * 8 + 2 * t4;
+      if (c < d) *reinterpret_cast<uint32_t*>(dst + c) = pack2<T>(acc[dt][2 * r] * scale, acc[dt][2 * r + 1] * scale);
+    }
+  }
+}
+
 // O / l and the lse (natural log; -inf for a row with no key) of a warp's rows, as softmax_block left them
 template <typename T, int D>
 __device__ __forceinline__ void store_out(const Params& p, const float (&o)[D / 8][4], const float (&m)[2],
@@ -518,7 +536,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
 }
 
 // The forwards on Hopper's warpgroup MMA (sm_90a; every mask mode, dropout, varlen, GQA), which launch_forward takes
-// at head dims up to 128 on a 9.0 device (use_sm90_forward). Both stage K and V blocks of 64 keys in 128-byte
+// at head dims up to 128 on a 9.0 device (use_sm90). Both stage K and V blocks of 64 keys in 128-byte
 // swizzled rows (cp.async, wgmma.cuh), two buffers each, and issue S = Q K^T as a wgmma chain from shared Q and K and
 // O += P V as one from P in registers (S's accumulators, as in the mma.sync kernel) and V in shared memory, read
 // N-major; the softmax, mask, dropout and output rules are the mma.sync kernel's (softmax_block, store_out).
@@ -797,6 +815,45 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // ---------------------------------------------------------------------------------------------------------------
 // Backward
 // ---------------------------------------------------------------------------------------------------------------
+// dS = P (dP Z - delta) on a query-row tile (the dQ kernels; keys k0 .., rows row[0], row[1] of the thread, lse2 and
+// dl their lse in log2 units and delta): sc holds S and becomes dS; ``kb`` the block's key addends (kModeKeys)
+template <int MODE, int BC>
+__device__ __forceinline__ void ds_rows(const Params& p, float (&sc)[BC / 8][4], const float (&dp)[BC / 8][4], int b,
+                                        int h, const int (&row)[2], int k0, const Seq& s, bool edge, const float* kb,
+                                        const float (&lse2)[2], const float (&dl)[2], int t4) {
+#pragma unroll
+  for (int nt = 0; nt < BC / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1, i = row[r], jl = nt * 8 + 2 * t4 + (e & 1), j = k0 + jl;
+      const float x = score<MODE>(p, sc[nt][e], b, h, i, j, s.sq, s.sk, edge, MODE == kModeKeys ? kb[jl] : 0.f);
+      const float pe = exp2f(x - lse2[r]);
+      const float z = p.p_drop > 0.f ? keep_factor(p, b, h, i, j) : 1.f;
+      sc[nt][e] = pe * (dp[nt][e] * z - dl[r]);
+    }
+  }
+}
+// dS^T and P^T Z on a key-row tile (the dK/dV kernels; queries qs .., keys key[0], key[1] of the thread with their
+// key addends kb; sL, sD the queries' lse in log2 units and delta): st holds S^T and becomes dS^T, dpt holds dP^T
+// and becomes P^T Z (for dV)
+template <int BQ>
+__device__ __forceinline__ void dst_rows(const Params& p, float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4], int b,
+                                         int h, const int (&key)[2], int qs, const Seq& s, bool edge,
+                                         const float (&kb)[2], const float* sL, const float* sD, int t4) {
+#pragma unroll
+  for (int nt = 0; nt < BQ / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
+      const float x = score<kModeRuntime>(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
+      const float pe = exp2f(x - sL[il]);
+      const float z = p.p_drop > 0.f ? keep_factor(p, b, h, i, j) : 1.f;
+      st[nt][e] = pe * (dpt[nt][e] * z - sD[il]);  // dS^T
+      dpt[nt][e] = pe * z;                          // P^T with dropout
+    }
+  }
+}
+
 // delta = rowsum(dO * O) in fp32; a warp a row, a lane a 16-byte pack (D <= 256)
 template <typename T>
 __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) {
@@ -893,20 +950,9 @@ __global__ void __launch_bounds__(kThreads, DkdvCfg<D>::MIN_BLOCKS) attn_bwd_dkd
       zero(dpt);
       mma_abt<T, LD, D, BQ>(st, smem_rows<T, LD>(sK, warp * 16, lane), sQ, lane);
       mma_abt<T, LD, D, BQ>(dpt, smem_rows<T, LD>(sV, warp * 16, lane), sO, lane);
-      // P^T, then dS^T = P^T (dP^T Z - delta) in st and P^T Z (for dV) in dpt's place after use
+      // dS^T = P^T (dP^T Z - delta) in st, P^T Z (for dV) in dpt
       const bool edge = p.causal && qs < k0 + kRows - 1;
-#pragma unroll
-      for (int nt = 0; nt < BQ / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
-          const float x = score<kModeRuntime>(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
-          const float pe = exp2f(x - sL[il]);
-          const float z = p.p_drop > 0.f ? keep_factor(p, b, h, i, j) : 1.f;
-          st[nt][e] = pe * (dpt[nt][e] * z - sDelta[il]);  // dS^T
-          dpt[nt][e] = pe * z;                              // P^T with dropout
-        }
-      }
+      dst_rows<BQ>(p, st, dpt, b, h, key, qs, s, edge, kb, sL, sDelta, t4);
       mma_acc_b<T, LD, BQ, DC>(dv, dpt, sO, c0, lane);  // dV += P^T dO
       mma_acc_b<T, LD, BQ, DC>(dk, st, sQ, c0, lane);   // dK += dS^T Q
       __syncthreads();  // before the next iteration overwrites sQ, sO, sL, sDelta
@@ -914,21 +960,8 @@ __global__ void __launch_bounds__(kThreads, DkdvCfg<D>::MIN_BLOCKS) attn_bwd_dkd
   }
   cp_async_wait<0>();  // (no query block: the K / V loads)
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int j = key[r];
-    if (j >= s.sk) continue;
-    T* dK = static_cast<T*>(p.dk) + b * p.dk_sb + hk * p.dk_sh + (s.k_off + j) * p.dk_ss;
-    T* dV = static_cast<T*>(p.dv) + b * p.dv_sb + hk * p.dv_sh + (s.k_off + j) * p.dv_ss;
-#pragma unroll
-    for (int dt = 0; dt < DC / 8; ++dt) {
-      const int c = c0 + dt * 8 + 2 * t4;
-      if (c < p.d) {
-        *reinterpret_cast<uint32_t*>(dK + c) = pack2<T>(dk[dt][2 * r] * p.scale, dk[dt][2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dV + c) = pack2<T>(dv[dt][2 * r], dv[dt][2 * r + 1]);
-      }
-    }
-  }
+  store_rows<T, DC>(p.dk, p.dk_sb, p.dk_sh, p.dk_ss, dk, p.scale, b, hk, key, s.k_off, s.sk, c0, p.d, t4);
+  store_rows<T, DC>(p.dv, p.dv_sb, p.dv_sh, p.dv_ss, dv, 1.f, b, hk, key, s.k_off, s.sk, c0, p.d, t4);
 }
 
 template <int D>
@@ -995,34 +1028,250 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
     mma_abt<T, LD, D, BC>(sc, smem_rows<T, LD>(sQ, warp * 16, lane), sK, lane);  // S = Q K^T
     mma_abt<T, LD, D, BC>(dp, smem_rows<T, LD>(sO, warp * 16, lane), sV, lane);  // dP = dO V^T
     const bool edge = k0 + BC > s.sk || (p.causal && k0 + BC - 1 > q0);
-#pragma unroll
-    for (int nt = 0; nt < BC / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1, i = row[r], j = k0 + nt * 8 + 2 * t4 + (e & 1);
-        const float x = score<MODE>(p, sc[nt][e], b, h, i, j, s.sq, s.sk, edge,
-                                    kKeys ? skb[half][kKeys ? j - k0 : 0] : 0.f);
-        const float pe = exp2f(x - lse2[r]);
-        const float z = p.p_drop > 0.f ? keep_factor(p, b, h, i, j) : 1.f;
-        sc[nt][e] = pe * (dp[nt][e] * z - dl[r]);  // dS
-      }
-    }
+    ds_rows<MODE, BC>(p, sc, dp, b, h, row, k0, s, edge, skb[half], lse2, dl, t4);  // dS
     mma_acc_b<T, LD, BC, D>(dq, sc, sK, 0, lane);  // dQ += dS K
     __syncthreads();  // before the next iteration overwrites sK, sV
   }
   cp_async_wait<0>();
 
+  store_rows<T, D>(p.dq, p.dq_sb, p.dq_sh, p.dq_ss, dq, p.scale, b, h, row, s.q_off, s.sq, 0, p.d, t4);
+}
+
+// The backward's dQ and dK/dV kernels on warpgroup MMA (sm_90a, head dims up to 128; launch_backward takes them
+// where use_sm90 holds), with the mma.sync kernels' element rules (ds_rows, dst_rows) and no atomics:
+//   dQ: NWG warpgroups a block of 64 NWG queries; key blocks of 64 double-buffered in swizzled rows as in the forward;
+//       S = Q K^T and dP = dO V^T are two wgmma chains from shared memory, dQ += dS K one from dS in registers with
+//       K read N-major.
+//   dK/dV: one warpgroup a block of 64 keys, its K and V in shared memory; query blocks (BQ, all heads of the GQA
+//       group in turn) double-buffered with their lse and delta; S^T = K Q^T and dP^T = V dO^T from shared memory,
+//       dV += P^T Z dO and dK += dS^T Q from registers with dO and Q read N-major.
+template <int D>
+struct DqSm90Cfg {
+  static constexpr int NWG = D == 64 ? 2 : 1;  // warpgroups a block
+  static constexpr int BM = 64 * NWG, BN = 64, NT = 128 * NWG;
+  static constexpr int MIN_BLOCKS = 2;
+  static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
+  static constexpr size_t smem() { return 1024 + 2 * QBYTES + 4 * KVBYTES; }  // Q, dO, 2 buffers of K and V
+};
+
+template <typename T, int D, int MODE>
+__global__ void __launch_bounds__(DqSm90Cfg<D>::NT, DqSm90Cfg<D>::MIN_BLOCKS) attn_bwd_dq_sm90_kernel(const Params p) {
+#if defined(PK_WGMMA)
+  using C = DqSm90Cfg<D>;
+  constexpr int BM = C::BM, BN = C::BN, NT = C::NT;
+  constexpr bool kKeys = MODE == kModeKeys;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sO = sQ + C::QBYTES, sK = sO + C::QBYTES, sV = sK + 2 * C::KVBYTES;  // (dO; buffer st at + st KVBYTES)
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int wg = warp >> 2;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const Seq s = seq_of(p, b);
+  const int q0 = blockIdx.x * BM;
+  if (q0 >= s.sq) return;
+  const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + q0) * p.q_ss;
+  const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + q0) * p.do_ss;
+  const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
+  const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
+  load_tile_sw128<T, BM, D, NT>(sQ, Q, p.q_ss, min(BM, s.sq - q0), p.d, tid);
+  load_tile_sw128<T, BM, D, NT>(sO, dO, p.do_ss, min(BM, s.sq - q0), p.d, tid);
+  cp_async_commit();
+  const int qw = q0 + wg * 64;  // the warpgroup's first row
+  const int row[2] = {qw + (warp & 3) * 16 + g, qw + (warp & 3) * 16 + g + 8};
+  float lse2[2], dl[2];
+  const int64_t lrow = b * p.lse_sb + h * p.lse_sh + s.q_off;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int i = row[r];
-    if (i >= s.sq) continue;
-    T* dQ = static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh + (s.q_off + i) * p.dq_ss;
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      const int c = dt * 8 + 2 * t4;
-      if (c < p.d) *reinterpret_cast<uint32_t*>(dQ + c) = pack2<T>(dq[dt][2 * r] * p.scale, dq[dt][2 * r + 1] * p.scale);
-    }
+    lse2[r] = row[r] < s.sq ? lse_log2(p.lse[lrow + row[r]]) : INFINITY;
+    dl[r] = row[r] < s.sq ? p.delta[lrow + row[r]] : 0.f;
   }
+  const int n_end = p.causal ? min(s.sk, q0 + BM) : s.sk;  // keys past n_end are masked for every row here
+  int nb0 = 0, nb1 = (n_end + BN - 1) / BN;               // the key blocks visited
+  if constexpr (kKeys) {
+    const int2 r = key_range<NT>(p, b, n_end, s.sk);
+    nb0 = r.x / BN;
+    nb1 = r.x < r.y ? (r.y + BN - 1) / BN : nb0;
+  }
+  __shared__ float skb[2][kKeys ? BN : 1];  // the key addends (key_addends)
+  float kb_next = kKeys ? key_addends_first<BN>(p, b, nb0, nb1, s.sk) : 0.f;
+  if constexpr (kKeys) key_addends(p, skb, kb_next, nb0, nb1, b, s.sk);
+  const auto load_kv = [&](int nb, int st) {
+    const int k0 = nb * BN, n = min(BN, s.sk - k0);
+    load_tile_sw128<T, BN, D, NT>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
+    load_tile_sw128<T, BN, D, NT>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
+  };
+  if (nb0 < nb1) load_kv(nb0, 0);
+  cp_async_commit();
+
+  float dq[D / 8][4];
+  zero(dq);
+  const uint32_t q_base = sQ + wg * 64 * 128, o_base = sO + wg * 64 * 128;
+  for (int nb = nb0; nb < nb1; ++nb) {
+    const int k0 = nb * BN, st = (nb - nb0) & 1;
+    if (nb + 1 < nb1) load_kv(nb + 1, st ^ 1);  // (its buffer was freed by the last iteration's final barrier)
+    cp_async_commit();
+    if constexpr (kKeys) {
+      if (nb + 1 < nb1) key_addends(p, skb, kb_next, nb + 1, nb1, b, s.sk);
+    }
+    cp_async_wait<1>();  // Q, dO and this block's K and V
+    fence_async_smem();
+    __syncthreads();
+    if (qw < s.sq && !(p.causal && k0 > qw + 63)) {  // the warpgroup has a row that sees a key here
+      const uint32_t k_base = sK + st * C::KVBYTES, v_base = sV + st * C::KVBYTES;
+      float sc[BN / 8][4], dp[BN / 8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < D / 16; ++kt) {  // S = Q K^T, dP = dO V^T
+        const uint32_t col = kt >> 2, kk = (kt & 3) * 32u;
+        const uint64_t dq_ = gmma_desc<16, 1024>(q_base + col * BM * 128 + kk);
+        const uint64_t dk_ = gmma_desc<16, 1024>(k_base + col * BN * 128 + kk);
+        const uint64_t do_ = gmma_desc<16, 1024>(o_base + col * BM * 128 + kk);
+        const uint64_t dv_ = gmma_desc<16, 1024>(v_base + col * BN * 128 + kk);
+        if (kt == 0) {
+          wgmma_ss_first<T, BN>(sc, dq_, dk_);
+          wgmma_ss_first<T, BN>(dp, do_, dv_);
+        } else {
+          wgmma_ss<T, BN>(sc, dq_, dk_);
+          wgmma_ss<T, BN>(dp, do_, dv_);
+        }
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_acc(sc);
+      fence_acc(dp);
+      const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
+      ds_rows<MODE, BN>(p, sc, dp, b, h, row, k0, s, edge, skb[nb & 1], lse2, dl, t4);  // dS
+      uint32_t pa[BN / 16][4];
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
+      fence_acc(dq);
+      wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt)  // dQ += dS K
+        wgmma_rs<T, D>(dq, pa[kt], gmma_desc<BN * 128, 1024>(k_base + kt * 16 * 128));
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_acc(dq);
+    }
+    __syncthreads();  // every warpgroup is done with buffer st
+  }
+  cp_async_wait<0>();
+  store_rows<T, D>(p.dq, p.dq_sb, p.dq_sh, p.dq_ss, dq, p.scale, b, h, row, s.q_off, s.sq, 0, p.d, t4);
+#else
+  __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
+#endif
+}
+
+template <int D>
+struct DkdvSm90Cfg {
+  static constexpr int BN = 64;                  // keys a block: one warpgroup
+  static constexpr int BQ = D == 64 ? 64 : 32;   // queries an iteration (D = 128: dK, dV take 128 registers)
+  static constexpr int NT = 128;
+  static constexpr int MIN_BLOCKS = 2;
+  static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2;
+  static constexpr size_t smem() { return 1024 + 2 * KBYTES + 4 * QBYTES; }  // K, V, 2 buffers of Q and dO
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS) attn_bwd_dkdv_sm90_kernel(const Params p) {
+#if defined(PK_WGMMA)
+  using C = DkdvSm90Cfg<D>;
+  constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
+  __shared__ float sL[2][BQ], sD[2][BQ];  // the query block's lse (log2 units) and delta
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int k0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+  const Seq s = seq_of(p, b);
+  if (k0 >= s.sk) return;
+  const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + (s.k_off + k0) * p.k_ss;
+  const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + (s.k_off + k0) * p.v_ss;
+  load_tile_sw128<T, BN, D, NT>(sK, K, p.k_ss, min(BN, s.sk - k0), p.d, tid);
+  load_tile_sw128<T, BN, D, NT>(sV, V, p.v_ss, min(BN, s.sk - k0), p.d, tid);
+  const int key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
+  const float kb[2] = {key_bias<false>(p, b, key[0], s.sk), key_bias<false>(p, b, key[1], s.sk)};
+  const int q_first = p.causal ? (k0 / BQ) * BQ : 0;  // queries i < k0 see no key of this block
+  // a key-only mask that masks every key of this block: dK = dV = 0, no query visited (block-uniform test)
+  const bool keys = p.mask_kind != kNoMask && p.mask_keys;
+  const int heads = !keys || __syncthreads_or(kb[0] != -INFINITY || kb[1] != -INFINITY) ? p.group : 0;
+  const int nqb = q_first < s.sq ? (s.sq - q_first + BQ - 1) / BQ : 0;  // query blocks a head
+  const int total = heads * nqb;                                        // iterations: (head, query block)
+  const auto load_q = [&](int it, int u) {  // iteration it's Q, dO tiles (cp.async), lse and delta into buffer u
+    const int h = hk * p.group + it / nqb, qs = q_first + (it % nqb) * BQ, nq = min(BQ, s.sq - qs);
+    const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + qs) * p.q_ss;
+    const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + qs) * p.do_ss;
+    load_tile_sw128<T, BQ, D, NT>(sQ + u * C::QBYTES, Q, p.q_ss, nq, p.d, tid);
+    load_tile_sw128<T, BQ, D, NT>(sO + u * C::QBYTES, dO, p.do_ss, nq, p.d, tid);
+    if (tid < BQ) {
+      const int64_t lrow = b * p.lse_sb + h * p.lse_sh + s.q_off + qs;
+      sL[u][tid] = tid < nq ? lse_log2(p.lse[lrow + tid]) : INFINITY;
+      sD[u][tid] = tid < nq ? p.delta[lrow + tid] : 0.f;
+    }
+  };
+  if (total > 0) load_q(0, 0);
+  cp_async_commit();  // {K, V, the first query block}
+
+  float dk[D / 8][4], dv[D / 8][4];
+  zero(dk);
+  zero(dv);
+  for (int it = 0; it < total; ++it) {
+    const int u = it & 1, h = hk * p.group + it / nqb, qs = q_first + (it % nqb) * BQ;
+    if (it + 1 < total) load_q(it + 1, u ^ 1);  // (its buffer was freed by the last iteration's final barrier)
+    cp_async_commit();
+    cp_async_wait<1>();  // K, V and this query block
+    fence_async_smem();
+    __syncthreads();
+    const uint32_t q_base = sQ + u * C::QBYTES, o_base = sO + u * C::QBYTES;
+    float st[BQ / 8][4], dpt[BQ / 8][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kt = 0; kt < D / 16; ++kt) {  // S^T = K Q^T, dP^T = V dO^T
+      const uint32_t col = kt >> 2, kk = (kt & 3) * 32u;
+      const uint64_t dk_ = gmma_desc<16, 1024>(sK + col * BN * 128 + kk);
+      const uint64_t dq_ = gmma_desc<16, 1024>(q_base + col * BQ * 128 + kk);
+      const uint64_t dv_ = gmma_desc<16, 1024>(sV + col * BN * 128 + kk);
+      const uint64_t do_ = gmma_desc<16, 1024>(o_base + col * BQ * 128 + kk);
+      if (kt == 0) {
+        wgmma_ss_first<T, BQ>(st, dk_, dq_);
+        wgmma_ss_first<T, BQ>(dpt, dv_, do_);
+      } else {
+        wgmma_ss<T, BQ>(st, dk_, dq_);
+        wgmma_ss<T, BQ>(dpt, dv_, do_);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_acc(st);
+    fence_acc(dpt);
+    const bool edge = p.causal && qs < k0 + BN - 1;
+    dst_rows<BQ>(p, st, dpt, b, h, key, qs, s, edge, kb, sL[u], sD[u], t4);  // dS^T in st, P^T Z in dpt
+    uint32_t ps[BQ / 16][4], pz[BQ / 16][4];
+#pragma unroll
+    for (int kt = 0; kt < BQ / 16; ++kt) {
+      acc_to_a<T>(ps[kt], st[2 * kt], st[2 * kt + 1]);
+      acc_to_a<T>(pz[kt], dpt[2 * kt], dpt[2 * kt + 1]);
+    }
+    fence_acc(dk);
+    fence_acc(dv);
+    wgmma_fence();
+#pragma unroll
+    for (int kt = 0; kt < BQ / 16; ++kt) {  // dV += P^T Z dO, dK += dS^T Q
+      wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base + kt * 16 * 128));
+      wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base + kt * 16 * 128));
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_acc(dk);
+    fence_acc(dv);
+    __syncthreads();  // every warp is done with buffer u
+  }
+  cp_async_wait<0>();  // (no query block: the K / V loads)
+  store_rows<T, D>(p.dk, p.dk_sb, p.dk_sh, p.dk_ss, dk, p.scale, b, hk, key, s.k_off, s.sk, 0, p.d, t4);
+  store_rows<T, D>(p.dv, p.dv_sb, p.dv_sh, p.dv_ss, dv, 1.f, b, hk, key, s.k_off, s.sk, 0, p.d, t4);
+#else
+  __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1071,10 +1320,10 @@ inline void launch(void (*kernel)(Params), dim3 grid, size_t smem, const Params&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Whether the forward runs attn_fwd_sm90_kernel: a build with sm_90a code (PYKERNELS_SM90A: setup.py's default
+// Whether the forward and backward run their warpgroup-MMA kernels (attn_fwd_sm90_kernel and the rest): a build with sm_90a code (PYKERNELS_SM90A: setup.py's default
 // TORCH_CUDA_ARCH_LIST), a device of compute capability 9.0, a head dim up to 128, and the environment variable
 // PYKERNELS_CUDA_ATTN_SM90 not "0" (which selects the mma.sync kernel: A/B runs and its tests)
-inline bool use_sm90_forward(const Params& p) {
+inline bool use_sm90(const Params& p) {
 #if defined(PYKERNELS_SM90A)
   if (p.d > 128) return false;
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_SM90");
@@ -1094,7 +1343,7 @@ inline unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + k
 
 template <typename T>
 void launch_forward(const Params& p, cudaStream_t stream) {
-  if (use_sm90_forward(p)) {
+  if (use_sm90(p)) {
     dispatch_mask_mode(p, [&](auto mode) {
       constexpr int M = decltype(mode)::value;
       if (p.d <= 64) {
@@ -1120,10 +1369,32 @@ void launch_forward(const Params& p, cudaStream_t stream) {
   });
 }
 
+template <int D, typename T, int M>
+void launch_backward_sm90(const Params& p, cudaStream_t stream) {
+  using Cq = DqSm90Cfg<D>;
+  using Ck = DkdvSm90Cfg<D>;
+  const dim3 kgrid(static_cast<unsigned>((p.sk + Ck::BN - 1) / Ck::BN), static_cast<unsigned>(p.hq / p.group),
+                   static_cast<unsigned>(p.batch));
+  launch(attn_bwd_dkdv_sm90_kernel<T, D>, kgrid, Ck::smem(), p, stream, Ck::NT);
+  const dim3 qgrid(static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM), static_cast<unsigned>(p.hq),
+                   static_cast<unsigned>(p.batch));
+  launch(attn_bwd_dq_sm90_kernel<T, D, M>, qgrid, Cq::smem(), p, stream, Cq::NT);
+}
+
 template <typename T>
 void launch_backward(const Params& p, cudaStream_t stream) {
   const dim3 qgrid(blocks_of(p.sq), static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
   launch(attn_bwd_pre_kernel<T>, qgrid, 0, p, stream);
+  if (use_sm90(p)) {
+    dispatch_mask_mode(p, [&](auto mode) {
+      constexpr int M = decltype(mode)::value;
+      if (p.d <= 64)
+        launch_backward_sm90<64, T, M>(p, stream);
+      else
+        launch_backward_sm90<128, T, M>(p, stream);
+    });
+    return;
+  }
   dispatch_head_dim(p.d, [&](auto dc) {
     constexpr int D = decltype(dc)::value;
     const dim3 kgrid(blocks_of(p.sk) * DkdvCfg<D>::CHUNKS, static_cast<unsigned>(p.hq / p.group),
