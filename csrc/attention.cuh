@@ -37,8 +37,9 @@
 // 32, 64, 96, 128, 192, 256, the padding columns zero-filled); unit last stride (other strides any: rows are
 // read through them; a tensor whose rows are not 16-byte aligned is copied); batch and heads up to 65535;
 // int64 offsets throughout.
-// On Hopper (sm_90a build, 9.0 device) the forward at head dims up to 128 runs on warpgroup MMA instead: see the
-// design note above attn_fwd_sm90_kernel (188 TFLOP/s at BERT-base against this kernel's 163, run210).
+// On Hopper (sm_90a build, 9.0 device) the forward and the dQ and dK/dV kernels at head dims up to 128 run on
+// warpgroup MMA instead (use_sm90): see the design notes above attn_fwd_sm90_kernel and attn_bwd_dq_sm90_kernel
+// (run212: BERT-base 188 / 113 TFLOP/s forward / backward against these kernels' 163 / 102).
 // Measured (H200, graph replay; benchmarks/results/HISTORY.md, twenty-second and twenty-third sessions): about half
 // the Triton path's speed forward and a third backward (run202-203: BERT-base 163 / 100 TFLOP/s forward / backward,
 // Triton's 335 / 303), so pykernels takes it only when named. The mask mode as a template flag took the unmasked
@@ -1039,17 +1040,22 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 
 // The backward's dQ and dK/dV kernels on warpgroup MMA (sm_90a, head dims up to 128; launch_backward takes them
 // where use_sm90 holds), with the mma.sync kernels' element rules (ds_rows, dst_rows) and no atomics:
-//   dQ: NWG warpgroups a block of 64 NWG queries; key blocks of 64 double-buffered in swizzled rows as in the forward;
-//       S = Q K^T and dP = dO V^T are two wgmma chains from shared memory, dQ += dS K one from dS in registers with
-//       K read N-major.
-//   dK/dV: one warpgroup a block of 64 keys, its K and V in shared memory; query blocks (BQ, all heads of the GQA
-//       group in turn) double-buffered with their lse and delta; S^T = K Q^T and dP^T = V dO^T from shared memory,
-//       dV += P^T Z dO and dK += dS^T Q from registers with dO and Q read N-major.
+//   dQ: one warpgroup a block of 64 queries (3 blocks an SM at D = 64, 2 above); key blocks of 64 double-buffered in
+//       swizzled rows as in the forward; S = Q K^T and dP = dO V^T are two wgmma chains from shared memory, dQ += dS
+//       K one from dS in registers with K read N-major.
+//   dK/dV: one warpgroup a block of 64 keys (3 blocks an SM at D = 64, 2 above), its K and V in shared memory; query
+//       blocks of 32 (all heads of the GQA group in turn) double-buffered with their lse and delta; S^T = K Q^T and
+//       dP^T = V dO^T from shared memory, dV += P^T Z dO and dK += dS^T Q from registers with dO and Q read N-major.
+// Measured (H200, graph replay, backward TFLOP/s; the mma.sync kernels' in the same call: 102 / 104 / 81 / 114):
+// BERT-base 113, key padding 115, GPT-2 92, S2048 D128 causal 144 (run212); with 2 warpgroups a dQ block at D = 64
+// and 64-query blocks in dK/dV (2 blocks an SM) 112 / 114 / 87 / 145 (run211). Each warpgroup waits for its chains
+// (no overlap of the softmax-like element work with its own MMA), which leaves it at about 0.4x the Triton path's
+// backward; FlashAttention-3's producer warp, ping-pong and pipelining are what is left.
 template <int D>
 struct DqSm90Cfg {
-  static constexpr int NWG = D == 64 ? 2 : 1;  // warpgroups a block
+  static constexpr int NWG = 1;  // warpgroups a block
   static constexpr int BM = 64 * NWG, BN = 64, NT = 128 * NWG;
-  static constexpr int MIN_BLOCKS = 2;
+  static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
   static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
   static constexpr size_t smem() { return 1024 + 2 * QBYTES + 4 * KVBYTES; }  // Q, dO, 2 buffers of K and V
 };
@@ -1165,9 +1171,9 @@ __global__ void __launch_bounds__(DqSm90Cfg<D>::NT, DqSm90Cfg<D>::MIN_BLOCKS) at
 template <int D>
 struct DkdvSm90Cfg {
   static constexpr int BN = 64;                  // keys a block: one warpgroup
-  static constexpr int BQ = D == 64 ? 64 : 32;   // queries an iteration (D = 128: dK, dV take 128 registers)
+  static constexpr int BQ = 32;                  // queries an iteration
   static constexpr int NT = 128;
-  static constexpr int MIN_BLOCKS = 2;
+  static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
   static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2;
   static constexpr size_t smem() { return 1024 + 2 * KBYTES + 4 * QBYTES; }  // K, V, 2 buffers of Q and dO
 };
