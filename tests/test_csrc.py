@@ -1,10 +1,10 @@
-"""The CUDA C++ sources compile for sm_90a (setup.py's default arch list) against the installed torch's headers, on any machine with nvcc
-(CPU-only CI included): API drift in torch's C++ headers or a syntax slip shows here, before a GPU run.
-ptxas's resource report is checked too: no kernel may spill more than 64 bytes (the LayerNorm backward at
-32 elements per thread spills at its 128-register cap: 36 bytes in the 2026-11-27 compile; the attention dK/dV
-kernel at D = 64, capped at 168 registers for 3 blocks an SM, 52; the cross-entropy, masked-LM and other attention
-kernels 0-16). The host-only sources (``*.cpp``: attention's checks, autograd and
-registration) get a g++ syntax check against the same headers."""
+"""The CUDA C++ sources compile for sm_90a (setup.py's default arch list) against the installed torch's headers, on
+any machine with nvcc (CPU-only CI included): API drift in torch's C++ headers or a syntax slip shows here, before a
+GPU run. ptxas's resource report is checked too: no kernel may spill more than 64 bytes (the LayerNorm backward at
+32 elements per thread spills at its 128-register cap: 36 bytes in the 2026-11-27 compile; the attention's mma.sync
+dK/dV kernel at D = 64, capped at 168 registers for 3 blocks an SM, 40; the cross-entropy, masked-LM and other
+kernels 0-16), and no warpgroup MMA chain may be serialized by ptxas (C7515 and its kin). The host-only sources
+(``*.cpp``: attention's checks, autograd and registration) get a g++ syntax check against the same headers."""
 from __future__ import annotations
 
 import glob
@@ -65,6 +65,10 @@ def test_cuda_source_compiles_for_sm90a(source, tmp_path):
     spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", report)]
     assert len(spills) >= len(kernels)
     assert max(spills) <= 64, f"a kernel spills {max(spills)} bytes"
+    # ptxas keeps the attention's wgmma chains asynchronous (it serializes them, with a C75xx note, when registers
+    # an MMA in flight owns are written by other instructions or run short)
+    serialized = [line for line in report.splitlines() if "wgmma.mma_async instructions are serialized" in line]
+    assert not serialized, serialized[:3]
 
 
 @pytest.mark.skipif(NVCC is None or shutil.which("g++") is None, reason="needs nvcc (CUDA toolkit) and g++")
