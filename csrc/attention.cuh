@@ -49,6 +49,7 @@
 
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -812,7 +813,226 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 #endif
 }
 
-// ---------------------------------------------------------------------------------------------------------------
+// attn_fwd_sm90_ws_kernel: FlashAttention-3's warp specialisation on a persistent grid (one block an SM walks the
+// (query tile, head, batch) tiles gridDim.x apart; causal tiles longest first in each head). Warpgroup 0 is the
+// producer: it drops to 40 registers and streams each tile's Q (two buffers, so the next tile's Q lands during this
+// one) and its key blocks' K and V (a ring of STAGES) by cp.async, each load announced on an mbarrier when it lands
+// (cp.async.mbarrier.arrive.noinc); masked-out rows and columns past d are zero-filled as in the other kernels.
+// Warpgroups 1 and 2 are the consumers (232 registers), 64 query rows each: for key block j, on its turn (two named
+// barriers hand the turn back and forth, so one warpgroup's products run while the other's softmax does), a
+// warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as one group, passes the turn, waits, frees K_j and V_{j-1}
+// (mbarrier arrivals, one a warp), then runs the softmax of S_j (softmax_block, every rule of the other kernels).
+// No block-wide barrier after the set-up. Key-only masks (key padding) keep attn_fwd_sm90_kernel, whose blocks find
+// their key range together.
+template <int D>
+struct FwdWsCfg {
+  static constexpr int BM = 128;  // query rows a tile: two consumer warpgroups of 64
+  static constexpr int BN = 128;  // keys a block
+  static constexpr int STAGES = 2;
+  static constexpr int NT = 384;  // the producer warpgroup and two consumers
+  static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
+  static constexpr int NBAR = 4 + 4 * STAGES;  // q full / empty (2 each), k full / empty, v full / empty
+  static constexpr size_t smem() { return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES + NBAR * 8; }
+};
+
+// The producer warpgroup's copy of rows [0, nrows) of an R x D tile (as load_tile_sw128, 128 threads): thread tid
+// takes column chunk tid % C of rows tid / C + k 128 / C, so its swizzled offsets are one constant apart
+template <typename T, int R, int D>
+__device__ __forceinline__ void load_tile_ws(uint32_t s, const T* g, int64_t stride, int nrows, int d, int tid) {
+  constexpr int C = D / 8, RS = 128 / C;  // column chunks a row; rows a pass (a multiple of 8)
+  static_assert(RS % 8 == 0 && R % RS == 0, "tile shape");
+  const int c = tid % C, r0 = tid / C;
+  const bool col_ok = c * 8 < d;
+  const T* src = g + r0 * stride + c * 8;
+  const uint32_t dst = s + sw128_offset(R, r0, c * 8);
+#pragma unroll 1
+  for (int k = 0; k < R / RS; ++k) {
+    const bool ok = col_ok && r0 + k * RS < nrows;
+    cp_async16(dst + k * RS * 128, ok ? src : g, ok);
+    src += RS * stride;
+  }
+}
+
+// Tile t of the persistent walk: (query tile, head, batch), query tiles fastest (a head's K and V stay in L2),
+// causal tiles longest first
+struct Tile {
+  int m, h, b;
+};
+__device__ __forceinline__ Tile tile_at(const Params& p, int64_t t, int n_m) {
+  const int64_t bh = t / n_m;
+  Tile x;
+  x.m = static_cast<int>(t - bh * n_m);
+  if (p.causal) x.m = n_m - 1 - x.m;
+  x.h = static_cast<int>(bh % p.hq);
+  x.b = static_cast<int>(bh / p.hq);
+  return x;
+}
+
+template <typename T, int D, int MODE>
+__global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(const Params p) {
+#if defined(PK_WGMMA)
+  using C = FwdWsCfg<D>;
+  constexpr int BM = C::BM, BN = C::BN, S = C::STAGES;
+  constexpr int kTurn = 1;  // named barriers kTurn + w: consumer warpgroup w's turn to issue its products
+  static_assert(MODE != kModeKeys, "key-only masks take attn_fwd_sm90_kernel");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 2 Q buffers, then the K and V rings
+  const uint32_t sK = sQ + 2 * C::QBYTES, sV = sK + S * C::KVBYTES, bars = sV + S * C::KVBYTES;
+  const auto q_full = [&](int i) { return bars + 8u * i; };
+  const auto q_empty = [&](int i) { return bars + 8u * (2 + i); };
+  const auto k_full = [&](int i) { return bars + 8u * (4 + i); };
+  const auto k_empty = [&](int i) { return bars + 8u * (4 + S + i); };
+  const auto v_full = [&](int i) { return bars + 8u * (4 + 2 * S + i); };
+  const auto v_empty = [&](int i) { return bars + 8u * (4 + 3 * S + i); };
+  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
+  if (tid == 0) {
+    // full: the producer's 128 threads' cp.async arrivals; empty: the consumers' 8 warps
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(q_full(i), 128);
+      mbar_init(q_empty(i), 8);
+    }
+    for (int i = 0; i < S; ++i) {
+      mbar_init(k_full(i), 128);
+      mbar_init(k_empty(i), 8);
+      mbar_init(v_full(i), 128);
+      mbar_init(v_empty(i), 8);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int n_m = (p.sq + BM - 1) / BM;
+  const int64_t n_tiles = static_cast<int64_t>(n_m) * p.hq * p.batch;
+  // the key blocks a tile visits: keys past n_end are masked for each of its rows
+  const auto n_blocks = [&](const Seq& s, int q0) {
+    const int n_end = p.causal ? min(s.sk, q0 + BM) : s.sk;
+    return n_end > 0 ? (n_end + BN - 1) / BN : 0;
+  };
+
+  if (wg == 0) {  // producer
+    regs_dec<56>();
+    int qi = 0;      // tiles loaded (Q buffer qi % 2)
+    uint32_t g = 0;  // key blocks loaded (ring slot g % S)
+    for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+      const Tile x = tile_at(p, t, n_m);
+      const Seq s = seq_of(p, x.b);
+      const int q0 = x.m * BM;
+      if (q0 >= s.sq) continue;  // (varlen: this sequence is shorter than the max)
+      const int hk = x.h / p.group;
+      const int qb = qi & 1;
+      mbar_wait(q_empty(qb), ((qi >> 1) & 1) ^ 1);
+      load_tile_ws<T, BM, D>(sQ + qb * C::QBYTES,
+                                     static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + (s.q_off + q0) * p.q_ss,
+                                     p.q_ss, min(BM, s.sq - q0), p.d, tid);
+      cp_async_arrive(q_full(qb));
+      ++qi;
+      const T* K = static_cast<const T*>(p.k) + x.b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
+      const T* V = static_cast<const T*>(p.v) + x.b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
+      const int nb1 = n_blocks(s, q0);
+      for (int nb = 0; nb < nb1; ++nb, ++g) {
+        const int st = g % S, k0 = nb * BN, n = min(BN, s.sk - k0);
+        const uint32_t ph = ((g / S) & 1) ^ 1;
+        mbar_wait(k_empty(st), ph);
+        load_tile_ws<T, BN, D>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
+        cp_async_arrive(k_full(st));
+        mbar_wait(v_empty(st), ph);
+        load_tile_ws<T, BN, D>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
+        cp_async_arrive(v_full(st));
+      }
+    }
+    cp_async_wait_all();
+    return;
+  }
+
+  // consumers
+  regs_inc<224>();
+  const int cw = wg - 1, warp = (tid >> 5) & 3, g8 = lane >> 2, t4 = lane & 3;
+  if (cw == 1) named_arrive(kTurn, 256);  // consumer 0 takes the first turn
+  int qi = 0;
+  uint32_t g = 0;
+  for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+    const Tile x = tile_at(p, t, n_m);
+    const Seq s = seq_of(p, x.b);
+    const int q0 = x.m * BM;
+    if (q0 >= s.sq) continue;
+    const int qb = qi & 1;
+    mbar_wait(q_full(qb), (qi >> 1) & 1);
+    ++qi;
+    const int qw = q0 + cw * 64;  // the warpgroup's first row
+    const int row[2] = {qw + warp * 16 + g8, qw + warp * 16 + g8 + 8};
+    const uint32_t q_base = sQ + qb * C::QBYTES + cw * 64 * 128;
+    float o[D / 8][4];
+    zero(o);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    uint32_t pa[BN / 16][4];  // P of the previous key block (the A operand of its P V)
+    const int nb1 = n_blocks(s, q0);
+    // O += P V of the key block in ring slot st (issued, not committed)
+    const auto issue_pv = [&](int st) {
+      const uint32_t v_base = sV + st * C::KVBYTES;
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base + kt * 16 * 128));
+    };
+    for (int nb = 0; nb < nb1; ++nb, ++g) {
+      const int st = g % S, pst = (g + S - 1) % S, k0 = nb * BN;
+      mbar_wait(k_full(st), (g / S) & 1);
+      if (nb > 0) mbar_wait(v_full(pst), ((g - 1) / S) & 1);
+      fence_async_smem();
+      float sc[BN / 8][4];
+      named_sync(kTurn + cw, 256);
+      fence_acc(o);
+      wgmma_fence();
+      const uint32_t k_base = sK + st * C::KVBYTES;
+#pragma unroll
+      for (int kt = 0; kt < D / 16; ++kt) {  // S = Q K^T
+        const uint32_t col = kt >> 2, kk = (kt & 3) * 32u;
+        const uint64_t da = gmma_desc<16, 1024>(q_base + col * BM * 128 + kk);
+        const uint64_t db = gmma_desc<16, 1024>(k_base + col * BN * 128 + kk);
+        if (kt == 0)
+          wgmma_ss_first<T, BN>(sc, da, db);
+        else
+          wgmma_ss<T, BN>(sc, da, db);
+      }
+      if (nb > 0) issue_pv(pst);
+      wgmma_commit();
+      named_arrive(kTurn + (cw ^ 1), 256);
+      wgmma_wait_all();
+      fence_acc(sc);
+      fence_acc(o);
+      __syncwarp();
+      if (lane == 0) {
+        mbar_arrive(k_empty(st));
+        if (nb > 0) mbar_arrive(v_empty(pst));
+        if (nb == nb1 - 1) mbar_arrive(q_empty(qb));  // the tile's last read of Q
+      }
+      const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
+      softmax_block<MODE, BN, D>(p, sc, o, m, l, x.b, x.h, row, k0, s, edge, nullptr, t4);
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
+    }
+    if (nb1 > 0) {  // the last block's P V
+      const int pst = (g + S - 1) % S;
+      mbar_wait(v_full(pst), ((g - 1) / S) & 1);
+      fence_async_smem();
+      named_sync(kTurn + cw, 256);
+      fence_acc(o);
+      wgmma_fence();
+      issue_pv(pst);
+      wgmma_commit();
+      named_arrive(kTurn + (cw ^ 1), 256);
+      wgmma_wait_all();
+      fence_acc(o);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(v_empty(pst));
+    } else if (lane == 0) {
+      mbar_arrive(q_empty(qb));  // (no key: Q unread)
+    }
+    store_out<T, D>(p, o, m, l, x.b, x.h, row, s, t4);
+  }
+  if (cw == 0) named_sync(kTurn, 256);  // consumer 1's last pass of the turn
+#else
+  __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Backward
 // ---------------------------------------------------------------------------------------------------------------
@@ -1326,19 +1546,43 @@ inline void launch(void (*kernel)(Params), dim3 grid, size_t smem, const Params&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Whether the forward and backward run their warpgroup-MMA kernels (attn_fwd_sm90_kernel and the rest): a build with sm_90a code (PYKERNELS_SM90A: setup.py's default
-// TORCH_CUDA_ARCH_LIST), a device of compute capability 9.0, a head dim up to 128, and the environment variable
-// PYKERNELS_CUDA_ATTN_SM90 not "0" (which selects the mma.sync kernel: A/B runs and its tests)
-inline bool use_sm90(const Params& p) {
-#if defined(PYKERNELS_SM90A)
-  if (p.d > 128) return false;
-  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_SM90");
-  if (env != nullptr && env[0] == '0') return false;
-  int dev = 0, major = 0, minor = 0;
+// The device's compute capability 9.0 and SM count, asked once a device
+struct DeviceInfo {
+  bool hopper;
+  int sms;
+};
+inline DeviceInfo device_info() {
+  static std::mutex mu;
+  static std::map<int, DeviceInfo> known;
+  int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = known.find(dev);
+  if (it != known.end()) return it->second;
+  int major = 0, minor = 0, sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  return major == 9 && minor == 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return known[dev] = DeviceInfo{major == 9 && minor == 0, sms};
+}
+
+// The environment variable PYKERNELS_CUDA_ATTN_SM90 (read each launch, for A/B runs and tests): "0" selects the
+// mma.sync kernels, "1" the warpgroup-MMA kernels without the warp-specialised forward; unset (or anything else),
+// the default
+enum Sm90Choice : int { kSm90Off = 0, kSm90Plain = 1, kSm90Default = 2 };
+inline int sm90_choice() {
+  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_SM90");
+  if (env != nullptr && env[0] == '0') return kSm90Off;
+  if (env != nullptr && env[0] == '1') return kSm90Plain;
+  return kSm90Default;
+}
+
+// Whether the forward and backward run their warpgroup-MMA kernels (attn_fwd_sm90_ws_kernel and the rest): a build
+// with sm_90a code (PYKERNELS_SM90A: setup.py's default TORCH_CUDA_ARCH_LIST), a device of compute capability 9.0,
+// a head dim up to 128, and PYKERNELS_CUDA_ATTN_SM90 not "0"
+inline bool use_sm90(const Params& p) {
+#if defined(PYKERNELS_SM90A)
+  return p.d <= 128 && sm90_choice() != kSm90Off && device_info().hopper;
 #else
   (void)p;
   return false;
@@ -1352,7 +1596,19 @@ void launch_forward(const Params& p, cudaStream_t stream) {
   if (use_sm90(p)) {
     dispatch_mask_mode(p, [&](auto mode) {
       constexpr int M = decltype(mode)::value;
-      if (p.d <= 64) {
+      if (M != kModeKeys && sm90_choice() == kSm90Default) {  // the warp-specialised kernel, persistent
+        const auto ws = [&](auto dc) {
+          constexpr int D = decltype(dc)::value;
+          using C = FwdWsCfg<D>;
+          const int64_t tiles = static_cast<int64_t>((p.sq + C::BM - 1) / C::BM) * p.hq * p.batch;
+          const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, device_info().sms)));
+          launch(attn_fwd_sm90_ws_kernel<T, D, M == kModeKeys ? kModeNone : M>, grid, C::smem(), p, stream, C::NT);
+        };
+        if (p.d <= 64)
+          ws(std::integral_constant<int, 64>{});
+        else
+          ws(std::integral_constant<int, 128>{});
+      } else if (p.d <= 64) {
         using C = FwdSm90Cfg<64>;
         const dim3 grid(static_cast<unsigned>((p.sq + C::BM - 1) / C::BM), static_cast<unsigned>(p.hq),
                         static_cast<unsigned>(p.batch));

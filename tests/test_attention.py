@@ -1502,17 +1502,21 @@ CUDA_DENSE = [  # b, hq, hkv, sq, sk, d, causal: odd lengths, Sq != Sk both ways
     (1, 2, 2, 200, 190, 160, False),
     (1, 2, 1, 1000, 777, 40, True),
     (1, 2, 2, 65, 64, 224, False),
+    (4, 12, 4, 1000, 1000, 64, True),  # more query tiles than SMs: the persistent forward's blocks take several
+    (3, 16, 16, 513, 513, 128, False),
 ]
 
 
-@pytest.fixture(params=["default", "mma_sync"])
+@pytest.fixture(params=["default", "wgmma", "mma_sync"])
 def cuda_fwd(request, monkeypatch):
-    """The C++ forward kernel under test: the default (on an sm_90a build and a compute-capability 9.0 device, the
-    wgmma kernel at head dims up to 128) or the mma.sync kernel (PYKERNELS_CUDA_ATTN_SM90=0, read at each launch)."""
-    if request.param == "mma_sync":
-        monkeypatch.setenv("PYKERNELS_CUDA_ATTN_SM90", "0")
-    else:
+    """The C++ forward kernel under test (PYKERNELS_CUDA_ATTN_SM90, read at each launch): the default (on an sm_90a
+    build and a compute-capability 9.0 device, the warp-specialised wgmma kernel at head dims up to 128, or without a
+    key-only mask), the wgmma kernels without warp specialisation ("1") or the mma.sync kernel ("0")."""
+    env = {"wgmma": "1", "mma_sync": "0"}.get(request.param)
+    if env is None:
         monkeypatch.delenv("PYKERNELS_CUDA_ATTN_SM90", raising=False)
+    else:
+        monkeypatch.setenv("PYKERNELS_CUDA_ATTN_SM90", env)
     return request.param
 
 
@@ -1529,18 +1533,35 @@ def _cuda_fwd_kernels(q, k, v, **kw) -> list[str]:
 @needs_cuda_ext
 def test_gpu_cuda_forward_kernel_choice(monkeypatch):
     """Which C++ forward runs: when the build has sm_90a code and the device is compute capability 9.0 (H100 / H200:
-    the GPU runs take this branch), a wgmma kernel at head dims up to 128 (attn_fwd_sm90_kernel up to 64,
-    attn_fwd_sm90_pipe_kernel above), else and above 128 the mma.sync kernel, which PYKERNELS_CUDA_ATTN_SM90=0
-    selects too."""
+    the GPU runs take this branch), at head dims up to 128 the warp-specialised wgmma kernel (attn_fwd_sm90_ws_kernel),
+    or with a key-only mask attn_fwd_sm90_kernel (up to 64) / attn_fwd_sm90_pipe_kernel (above), which
+    PYKERNELS_CUDA_ATTN_SM90=1 selects for every mask; else, and above 128, the mma.sync kernel, which
+    PYKERNELS_CUDA_ATTN_SM90=0 selects too."""
     import pykernels._C as ext
     hopper = bool(ext.sm90a) and torch.cuda.get_device_capability() == (9, 0)
-    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_SM90", raising=False)
-    for d in (16, 64, 80, 128, 160):
-        q, k, v = _inputs((1, 2, 100, d), (1, 2, 100, d), (1, 2, 100, d), BF16, "cuda", requires_grad=False)
-        names = _cuda_fwd_kernels(q, k, v, is_causal=True)
-        assert len(names) == 1, names
-        want = "attn_fwd_kernel" if not hopper or d > 128 else "attn_fwd_sm90_kernel" if d <= 64 else "attn_fwd_sm90_pipe"
-        assert want in names[0], (d, names)
+
+    def plain(d):
+        return "attn_fwd_sm90_kernel" if d <= 64 else "attn_fwd_sm90_pipe"
+
+    for env in (None, "1"):
+        if env is None:
+            monkeypatch.delenv("PYKERNELS_CUDA_ATTN_SM90", raising=False)
+        else:
+            monkeypatch.setenv("PYKERNELS_CUDA_ATTN_SM90", env)
+        for d in (16, 64, 80, 128, 160):
+            q, k, v = _inputs((2, 2, 100, d), (2, 2, 100, d), (2, 2, 100, d), BF16, "cuda", requires_grad=False)
+            pad = torch.ones(2, 1, 1, 100, dtype=torch.bool, device="cuda")
+            pad[1, ..., 60:] = False
+            for mask, causal in ((None, True), (pad, False), (torch.rand(2, 2, 100, 100, device="cuda") > 0.3, False)):
+                names = _cuda_fwd_kernels(q, k, v, attn_mask=mask, is_causal=causal)
+                assert len(names) == 1, names
+                if not hopper or d > 128:
+                    want = "attn_fwd_kernel"
+                elif env is None and (mask is None or mask.shape[1] != 1):
+                    want = "attn_fwd_sm90_ws_kernel"
+                else:
+                    want = plain(d)
+                assert want in names[0], (env, d, None if mask is None else mask.shape, names)
     monkeypatch.setenv("PYKERNELS_CUDA_ATTN_SM90", "0")
     names = _cuda_fwd_kernels(q[..., :64], k[..., :64], v[..., :64])
     assert len(names) == 1 and "attn_fwd_kernel" in names[0], names

@@ -3,9 +3,10 @@ run this with its label, rebuild, run it again): CUDA-graph replay of the forwar
 (``benchmarks/attention.py``'s ``graph_time``), TFLOP/s as that script counts them, bf16.
 
 Usage (GPU): ``python benchmarks/dev/attention_cuda_ab.py LABEL [--fwd-kernels]``. One line a shape:
-``LABEL case fwd_ms bwd_ms fwd_TFLOPs bwd_TFLOPs``. ``--fwd-kernels``: each shape twice in this process, with the
-mma.sync forward (``PYKERNELS_CUDA_ATTN_SM90=0``, labels ``LABEL-mma``) and the default (``LABEL-default``: the
-wgmma forwards on an sm_90a build and a 9.0 device)."""
+``LABEL case fwd_ms bwd_ms fwd_TFLOPs bwd_TFLOPs``. ``--fwd-kernels``: each shape three times in this process, with
+the mma.sync kernels (``PYKERNELS_CUDA_ATTN_SM90=0``, labels ``LABEL-mma``), the wgmma kernels without the
+warp-specialised forward (``=1``, ``LABEL-wgmma``) and the default (``LABEL-default``: on an sm_90a build and a 9.0
+device, the warp-specialised forward where it covers the case)."""
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ def main() -> None:
     if "--fwd-kernels" not in sys.argv:
         run(label)
         return
-    for kernel, env in (("mma", "0"), ("default", None)):
+    for kernel, env in (("mma", "0"), ("wgmma", "1"), ("default", None)):
         if env is None:
             os.environ.pop("PYKERNELS_CUDA_ATTN_SM90", None)
         else:
