@@ -824,11 +824,17 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // (mbarrier arrivals, one a warp), then runs the softmax of S_j (softmax_block, every rule of the other kernels).
 // No block-wide barrier after the set-up. Key-only masks (key padding) keep attn_fwd_sm90_kernel, whose blocks find
 // their key range together.
+#ifndef PK_WS_STAGES64
+#define PK_WS_STAGES64 2
+#endif
+#ifndef PK_EDGE_SPLIT
+#define PK_EDGE_SPLIT 0
+#endif
 template <int D>
 struct FwdWsCfg {
   static constexpr int BM = 128;  // query rows a tile: two consumer warpgroups of 64
   static constexpr int BN = 128;  // keys a block
-  static constexpr int STAGES = 2;
+  static constexpr int STAGES = D <= 64 ? PK_WS_STAGES64 : 2;
   static constexpr int NT = 384;  // the producer warpgroup and two consumers
   static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
   static constexpr int NBAR = 4 + 4 * STAGES;  // q full / empty (2 each), k full / empty, v full / empty
@@ -1004,7 +1010,14 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
         if (nb == nb1 - 1) mbar_arrive(q_empty(qb));  // the tile's last read of Q
       }
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
+#if PK_EDGE_SPLIT
+      if (edge)
+        softmax_block<MODE, BN, D>(p, sc, o, m, l, x.b, x.h, row, k0, s, true, nullptr, t4);
+      else
+        softmax_block<MODE, BN, D>(p, sc, o, m, l, x.b, x.h, row, k0, s, false, nullptr, t4);
+#else
       softmax_block<MODE, BN, D>(p, sc, o, m, l, x.b, x.h, row, k0, s, edge, nullptr, t4);
+#endif
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
     }
