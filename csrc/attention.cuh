@@ -268,7 +268,7 @@ inline int mask_mode(const Params& p) {
 }
 
 // The scaled score (log2 units) of query i and key j, -inf where masked. ``edge``: the tile may hold keys past
-// the sequence or above the causal diagonal. ``kb``: key j's addend of a key-only mask (kModeKeys; kModeRuntime: 0
+// the sequence or above the causal diagonal (a compile-time constant where the caller splits on it: with_flag). ``kb``: key j's addend of a key-only mask (kModeKeys; kModeRuntime: 0
 // without one); other masks are read here, only inside the (sq, sk) rectangle.
 template <int MODE>
 __device__ __forceinline__ float score(const Params& p, float acc, int b, int h, int i, int j, int sq, int sk,
@@ -278,8 +278,22 @@ __device__ __forceinline__ float score(const Params& p, float acc, int b, int h,
   if (MODE == kModeAny || (MODE == kModeRuntime && p.mask_kind != kNoMask && !p.mask_keys))
     x = i < sq && j < sk ? x + mask_log2(p.mask, p.mask_kind, b * p.m_sb + h * p.m_sh + i * p.m_sq + j * p.m_sk)
                          : -INFINITY;
-  if (edge && (j >= sk || (p.causal && j > i))) x = -INFINITY;
+  if (edge) {  // (a constant at the call sites: with_flag)
+    const int lim = p.causal ? min(sk, i + 1) : sk;  // keys j < lim take part
+    x = j < lim ? x : -INFINITY;
+  }
   return x;
+}
+
+// f(std::true_type) or f(std::false_type) as ``flag`` is: the element code compiled twice, so that a block without
+// keys past the sequence or above the diagonal (edge) or a call without dropout runs none of their tests (run215:
+// the per-element tests as branches cost the forward 30%)
+template <typename F>
+__device__ __forceinline__ void with_flag(bool flag, F&& f) {
+  if (flag)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
 }
 
 // A key-only mask's addend for key j of batch b (-inf past the sequence); 0 without one. Inline by default (the
@@ -356,27 +370,35 @@ __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ?
 // thread's columns 2 t4, 2 t4 + 1 of each 8-key n-tile, mma.sync's and wgmma's accumulator layout): the scores sc
 // (raw Q K^T) become P (dropout applied), the running max m and sum l (log2 domain; per thread, the row's 4 threads
 // share the max through shuffles) move on, and O is rescaled. ``kb``: the block's key addends (kModeKeys).
-template <int MODE, int BC, int D>
+// ``kRaw`` (no mask, a positive scale: the caller checks both): the max is taken over the raw scores and each
+// exponent is one FFMA, raw * scale - max (FlashAttention's form; an FMUL an element fewer).
+template <int MODE, int BC, int D, bool kRaw = false>
 __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 8][4], float (&o)[D / 8][4],
                                               float (&m)[2], float (&l)[2], int b, int h, const int (&row)[2],
                                               int k0, const Seq& s, bool edge, const float* kb, int t4) {
+  static_assert(!kRaw || MODE == kModeNone, "raw scores only without a mask");
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
+    const int lim = p.causal ? min(s.sk, row[r] + 1) : s.sk;  // (kRaw, edge) keys j < lim take part
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int jl = nt * 8 + 2 * t4 + e;
-        const float x = score<MODE>(p, sc[nt][2 * r + e], b, h, row[r], k0 + jl, s.sq, s.sk, edge,
-                                    MODE == kModeKeys ? kb[jl] : 0.f);
+        float x;
+        if constexpr (kRaw)
+          x = !edge || k0 + jl < lim ? sc[nt][2 * r + e] : -INFINITY;
+        else
+          x = score<MODE>(p, sc[nt][2 * r + e], b, h, row[r], k0 + jl, s.sq, s.sk, edge,
+                          MODE == kModeKeys ? kb[jl] : 0.f);
         sc[nt][2 * r + e] = x;
         mx = fmaxf(mx, x);
       }
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[r], mx);
+    const float m_new = fmaxf(m[r], kRaw ? mx * p.scale_log2 : mx);
     const float base = m_new == -INFINITY ? 0.f : m_new;  // a row masked so far: exp2(-inf - 0) = 0
     const float alpha = exp2f(m[r] - base);
     m[r] = m_new;
@@ -385,7 +407,8 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
     for (int nt = 0; nt < BC / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pe = exp2f(sc[nt][2 * r + e] - base);
+        const float x = sc[nt][2 * r + e];
+        const float pe = exp2f(kRaw ? fmaf(x, p.scale_log2, -base) : x - base);
         sc[nt][2 * r + e] = pe;
         sum += pe;
       }
@@ -524,7 +547,7 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
     }
 
     const bool edge = k0 + BC > s.sk || (p.causal && k0 + BC - 1 > q0);
-    softmax_block<MODE, BC, D>(p, sc, o, m, l, b, h, row, k0, s, edge, skb[nb & 1], t4);
+    with_flag(edge, [&](auto e) { softmax_block<MODE, BC, D>(p, sc, o, m, l, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], t4); });
 
     cp_async_wait<1>();  // this V block (the next K block may still be in flight)
     __syncthreads();
@@ -653,7 +676,7 @@ __global__ void __launch_bounds__(FwdSm90Cfg<D>::NT, FwdSm90Cfg<D>::MIN_BLOCKS) 
       wgmma_wait_all();
       fence_acc(sc);
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
-      softmax_block<MODE, BN, D>(p, sc, o, m, l, b, h, row, k0, s, edge, skb[nb & 1], t4);
+      with_flag(edge, [&](auto e) { softmax_block<MODE, BN, D>(p, sc, o, m, l, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], t4); });
       uint32_t pa[BN / 16][4];
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
@@ -769,7 +792,7 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
       if (nb + 1 < nb1) key_addends(p, skb, kb_next, nb + 1, nb1, b, s.sk);
     }
     const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > q0);
-    softmax_block<MODE, BN, D>(p, x, o, m, l, b, h, row, k0, s, edge, skb[nb & 1], t4);
+    with_flag(edge, [&](auto e) { softmax_block<MODE, BN, D>(p, x, o, m, l, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], t4); });
     uint32_t pa[BN / 16][4];
 #pragma unroll
     for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], x[2 * kt], x[2 * kt + 1]);
@@ -824,17 +847,11 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // (mbarrier arrivals, one a warp), then runs the softmax of S_j (softmax_block, every rule of the other kernels).
 // No block-wide barrier after the set-up. Key-only masks (key padding) keep attn_fwd_sm90_kernel, whose blocks find
 // their key range together.
-#ifndef PK_WS_STAGES64
-#define PK_WS_STAGES64 2
-#endif
-#ifndef PK_EDGE_SPLIT
-#define PK_EDGE_SPLIT 0
-#endif
 template <int D>
 struct FwdWsCfg {
   static constexpr int BM = 128;  // query rows a tile: two consumer warpgroups of 64
   static constexpr int BN = 128;  // keys a block
-  static constexpr int STAGES = D <= 64 ? PK_WS_STAGES64 : 2;
+  static constexpr int STAGES = 2;  // (4 at D = 64: no faster, run215)
   static constexpr int NT = 384;  // the producer warpgroup and two consumers
   static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
   static constexpr int NBAR = 4 + 4 * STAGES;  // q full / empty (2 each), k full / empty, v full / empty
@@ -1010,14 +1027,9 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
         if (nb == nb1 - 1) mbar_arrive(q_empty(qb));  // the tile's last read of Q
       }
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
-#if PK_EDGE_SPLIT
-      if (edge)
-        softmax_block<MODE, BN, D>(p, sc, o, m, l, x.b, x.h, row, k0, s, true, nullptr, t4);
-      else
-        softmax_block<MODE, BN, D>(p, sc, o, m, l, x.b, x.h, row, k0, s, false, nullptr, t4);
-#else
-      softmax_block<MODE, BN, D>(p, sc, o, m, l, x.b, x.h, row, k0, s, edge, nullptr, t4);
-#endif
+      with_flag(edge, [&](auto e) {
+        softmax_block<MODE, BN, D, MODE == kModeNone>(p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value, nullptr, t4);
+      });
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
     }
@@ -1055,17 +1067,19 @@ template <int MODE, int BC>
 __device__ __forceinline__ void ds_rows(const Params& p, float (&sc)[BC / 8][4], const float (&dp)[BC / 8][4], int b,
                                         int h, const int (&row)[2], int k0, const Seq& s, bool edge, const float* kb,
                                         const float (&lse2)[2], const float (&dl)[2], int t4) {
+  with_flag(p.p_drop > 0.f, [&](auto drop) {
 #pragma unroll
-  for (int nt = 0; nt < BC / 8; ++nt) {
+    for (int nt = 0; nt < BC / 8; ++nt) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = e >> 1, i = row[r], jl = nt * 8 + 2 * t4 + (e & 1), j = k0 + jl;
-      const float x = score<MODE>(p, sc[nt][e], b, h, i, j, s.sq, s.sk, edge, MODE == kModeKeys ? kb[jl] : 0.f);
-      const float pe = exp2f(x - lse2[r]);
-      const float z = p.p_drop > 0.f ? keep_factor(p, b, h, i, j) : 1.f;
-      sc[nt][e] = pe * (dp[nt][e] * z - dl[r]);
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, i = row[r], jl = nt * 8 + 2 * t4 + (e & 1), j = k0 + jl;
+        const float x = score<MODE>(p, sc[nt][e], b, h, i, j, s.sq, s.sk, edge, MODE == kModeKeys ? kb[jl] : 0.f);
+        const float pe = exp2f(x - lse2[r]);
+        const float z = decltype(drop)::value ? keep_factor(p, b, h, i, j) : 1.f;
+        sc[nt][e] = pe * (dp[nt][e] * z - dl[r]);
+      }
     }
-  }
+  });
 }
 // dS^T and P^T Z on a key-row tile (the dK/dV kernels; queries qs .., keys key[0], key[1] of the thread with their
 // key addends kb; sL, sD the queries' lse in log2 units and delta): st holds S^T and becomes dS^T, dpt holds dP^T
@@ -1074,18 +1088,20 @@ template <int BQ>
 __device__ __forceinline__ void dst_rows(const Params& p, float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4], int b,
                                          int h, const int (&key)[2], int qs, const Seq& s, bool edge,
                                          const float (&kb)[2], const float* sL, const float* sD, int t4) {
+  with_flag(p.p_drop > 0.f, [&](auto drop) {
 #pragma unroll
-  for (int nt = 0; nt < BQ / 8; ++nt) {
+    for (int nt = 0; nt < BQ / 8; ++nt) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
-      const float x = score<kModeRuntime>(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
-      const float pe = exp2f(x - sL[il]);
-      const float z = p.p_drop > 0.f ? keep_factor(p, b, h, i, j) : 1.f;
-      st[nt][e] = pe * (dpt[nt][e] * z - sD[il]);  // dS^T
-      dpt[nt][e] = pe * z;                          // P^T with dropout
+      for (int e = 0; e < 4; ++e) {
+        const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
+        const float x = score<kModeRuntime>(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
+        const float pe = exp2f(x - sL[il]);
+        const float z = decltype(drop)::value ? keep_factor(p, b, h, i, j) : 1.f;
+        st[nt][e] = pe * (dpt[nt][e] * z - sD[il]);  // dS^T
+        dpt[nt][e] = pe * z;                          // P^T with dropout
+      }
     }
-  }
+  });
 }
 
 // delta = rowsum(dO * O) in fp32; a warp a row, a lane a 16-byte pack (D <= 256)
@@ -1186,7 +1202,7 @@ __global__ void __launch_bounds__(kThreads, DkdvCfg<D>::MIN_BLOCKS) attn_bwd_dkd
       mma_abt<T, LD, D, BQ>(dpt, smem_rows<T, LD>(sV, warp * 16, lane), sO, lane);
       // dS^T = P^T (dP^T Z - delta) in st, P^T Z (for dV) in dpt
       const bool edge = p.causal && qs < k0 + kRows - 1;
-      dst_rows<BQ>(p, st, dpt, b, h, key, qs, s, edge, kb, sL, sDelta, t4);
+      with_flag(edge, [&](auto e) { dst_rows<BQ>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL, sDelta, t4); });
       mma_acc_b<T, LD, BQ, DC>(dv, dpt, sO, c0, lane);  // dV += P^T dO
       mma_acc_b<T, LD, BQ, DC>(dk, st, sQ, c0, lane);   // dK += dS^T Q
       __syncthreads();  // before the next iteration overwrites sQ, sO, sL, sDelta
@@ -1262,7 +1278,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
     mma_abt<T, LD, D, BC>(sc, smem_rows<T, LD>(sQ, warp * 16, lane), sK, lane);  // S = Q K^T
     mma_abt<T, LD, D, BC>(dp, smem_rows<T, LD>(sO, warp * 16, lane), sV, lane);  // dP = dO V^T
     const bool edge = k0 + BC > s.sk || (p.causal && k0 + BC - 1 > q0);
-    ds_rows<MODE, BC>(p, sc, dp, b, h, row, k0, s, edge, skb[half], lse2, dl, t4);  // dS
+    with_flag(edge, [&](auto e) { ds_rows<MODE, BC>(p, sc, dp, b, h, row, k0, s, decltype(e)::value, skb[half], lse2, dl, t4); });  // dS
     mma_acc_b<T, LD, BC, D>(dq, sc, sK, 0, lane);  // dQ += dS K
     __syncthreads();  // before the next iteration overwrites sK, sV
   }
@@ -1379,7 +1395,7 @@ __global__ void __launch_bounds__(DqSm90Cfg<D>::NT, DqSm90Cfg<D>::MIN_BLOCKS) at
       fence_acc(sc);
       fence_acc(dp);
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
-      ds_rows<MODE, BN>(p, sc, dp, b, h, row, k0, s, edge, skb[nb & 1], lse2, dl, t4);  // dS
+      with_flag(edge, [&](auto e) { ds_rows<MODE, BN>(p, sc, dp, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], lse2, dl, t4); });  // dS
       uint32_t pa[BN / 16][4];
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
@@ -1484,7 +1500,7 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
     fence_acc(st);
     fence_acc(dpt);
     const bool edge = p.causal && qs < k0 + BN - 1;
-    dst_rows<BQ>(p, st, dpt, b, h, key, qs, s, edge, kb, sL[u], sD[u], t4);  // dS^T in st, P^T Z in dpt
+    with_flag(edge, [&](auto e) { dst_rows<BQ>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL[u], sD[u], t4); });  // dS^T, P^T Z
     uint32_t ps[BQ / 16][4], pz[BQ / 16][4];
 #pragma unroll
     for (int kt = 0; kt < BQ / 16; ++kt) {
@@ -1609,7 +1625,8 @@ void launch_forward(const Params& p, cudaStream_t stream) {
   if (use_sm90(p)) {
     dispatch_mask_mode(p, [&](auto mode) {
       constexpr int M = decltype(mode)::value;
-      if (M != kModeKeys && sm90_choice() == kSm90Default) {  // the warp-specialised kernel, persistent
+      // the warp-specialised kernel, persistent (unmasked: raw scores, so a positive scale; softmax_block)
+      if (M != kModeKeys && sm90_choice() == kSm90Default && (M != kModeNone || p.scale_log2 > 0.f)) {
         const auto ws = [&](auto dc) {
           constexpr int D = decltype(dc)::value;
           using C = FwdWsCfg<D>;

@@ -1569,6 +1569,17 @@ def test_gpu_cuda_forward_kernel_choice(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 1e-3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_cuda_backend_scale_sign(scale, causal, cuda_fwd):
+    """A scale of any sign: the default forward's unmasked softmax takes the max of the raw scores, which needs a
+    positive scale, so zero and negative scales take the kernels that scale first."""
+    q, k, v = _inputs((2, 3, 200, 64), (2, 3, 200, 64), (2, 3, 200, 64), BF16, "cuda")
+    _check_against_ref(q, k, v, causal=causal, scale=scale, backend="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 @pytest.mark.parametrize("dtype", [BF16, F16])
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,causal", CUDA_DENSE)
 def test_gpu_cuda_backend_dense(dtype, b, hq, hkv, sq, sk, d, causal, cuda_fwd):
