@@ -845,8 +845,10 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // barriers hand the turn back and forth, so one warpgroup's products run while the other's softmax does), a
 // warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as one group, passes the turn, waits, frees K_j and V_{j-1}
 // (mbarrier arrivals, one a warp), then runs the softmax of S_j (softmax_block, every rule of the other kernels).
-// No block-wide barrier after the set-up. Key-only masks (key padding) keep attn_fwd_sm90_kernel, whose blocks find
-// their key range together.
+// No block-wide barrier after the set-up. A key-only mask (key padding): the producer finds each tile's valid key
+// range (its 128 threads together) and streams only the key blocks that meet it, and it writes each block's key
+// addends into a ring slot that the consumers free after their softmax; both announced on the full barriers by
+// plain (release) arrivals next to the cp.async ones.
 template <int D>
 struct FwdWsCfg {
   static constexpr int BM = 128;  // query rows a tile: two consumer warpgroups of 64
@@ -854,8 +856,11 @@ struct FwdWsCfg {
   static constexpr int STAGES = 2;  // (4 at D = 64: no faster, run215)
   static constexpr int NT = 384;  // the producer warpgroup and two consumers
   static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
-  static constexpr int NBAR = 4 + 4 * STAGES;  // q full / empty (2 each), k full / empty, v full / empty
-  static constexpr size_t smem() { return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES + NBAR * 8; }
+  // q full / empty (2 each), k full / empty, v full / empty, key addends empty (key-only masks)
+  static constexpr int NBAR = 4 + 5 * STAGES;
+  // then (key-only masks) the key addends a ring slot, each tile's key-block range, the producer's reduction
+  static constexpr size_t EXTRA = STAGES * BN * 4 + 2 * 2 * 4 + 2 * 4 * 2 * 4;
+  static constexpr size_t smem() { return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES + NBAR * 8 + EXTRA; }
 };
 
 // The producer warpgroup's copy of rows [0, nrows) of an R x D tile (as load_tile_sw128, 128 threads): thread tid
@@ -897,7 +902,8 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
   using C = FwdWsCfg<D>;
   constexpr int BM = C::BM, BN = C::BN, S = C::STAGES;
   constexpr int kTurn = 1;  // named barriers kTurn + w: consumer warpgroup w's turn to issue its products
-  static_assert(MODE != kModeKeys, "key-only masks take attn_fwd_sm90_kernel");
+  constexpr int kProducer = 3;  // the producer warpgroup's named barrier (key-only masks)
+  constexpr bool kKeys = MODE == kModeKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 2 Q buffers, then the K and V rings
   const uint32_t sK = sQ + 2 * C::QBYTES, sV = sK + S * C::KVBYTES, bars = sV + S * C::KVBYTES;
@@ -907,18 +913,26 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
   const auto k_empty = [&](int i) { return bars + 8u * (4 + S + i); };
   const auto v_full = [&](int i) { return bars + 8u * (4 + 2 * S + i); };
   const auto v_empty = [&](int i) { return bars + 8u * (4 + 3 * S + i); };
+  const auto b_empty = [&](int i) { return bars + 8u * (4 + 4 * S + i); };
+  // key-only masks: the key addends of ring slot i, the key blocks [nb0, nb1) of the tile in Q buffer i, the
+  // producer warps' partial ranges (two sets, alternating by tile)
+  float* const skb = reinterpret_cast<float*>(smem_raw + (bars + 8u * C::NBAR - smem_addr(smem_raw)));
+  int* const srange = reinterpret_cast<int*>(skb + S * BN);
+  int* const sred = srange + 4;
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
   if (tid == 0) {
     // full: the producer's 128 threads' cp.async arrivals; empty: the consumers' 8 warps
+    // (key-only masks: one more on q full for the range, 128 more on k full for the addends)
     for (int i = 0; i < 2; ++i) {
-      mbar_init(q_full(i), 128);
+      mbar_init(q_full(i), kKeys ? 129 : 128);
       mbar_init(q_empty(i), 8);
     }
     for (int i = 0; i < S; ++i) {
-      mbar_init(k_full(i), 128);
+      mbar_init(k_full(i), kKeys ? 256 : 128);
       mbar_init(k_empty(i), 8);
       mbar_init(v_full(i), 128);
       mbar_init(v_empty(i), 8);
+      mbar_init(b_empty(i), 8);
     }
     mbar_init_fence();
   }
@@ -947,16 +961,52 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
                                      static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + (s.q_off + q0) * p.q_ss,
                                      p.q_ss, min(BM, s.sq - q0), p.d, tid);
       cp_async_arrive(q_full(qb));
-      ++qi;
       const T* K = static_cast<const T*>(p.k) + x.b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
       const T* V = static_cast<const T*>(p.v) + x.b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
-      const int nb1 = n_blocks(s, q0);
-      for (int nb = 0; nb < nb1; ++nb, ++g) {
+      int nb0 = 0, nb1 = n_blocks(s, q0);
+      if constexpr (kKeys) {  // the valid keys [lo, hi) of [0, n_end) (key_range's rule, on this warpgroup)
+        const int n_end = p.causal ? min(s.sk, q0 + BM) : s.sk;
+        int lo = n_end, hi = 0;
+        for (int j = tid; j < n_end; j += 128) {
+          if (key_bias(p, x.b, j, s.sk) != -INFINITY) {
+            lo = min(lo, j);
+            hi = j + 1;
+          }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+          hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+        }
+        int* red = sred + qb * 8;
+        if (lane == 0) {
+          red[2 * (tid >> 5)] = lo;
+          red[2 * (tid >> 5) + 1] = hi;
+        }
+        named_sync(kProducer, 128);
+        lo = min(min(red[0], red[2]), min(red[4], red[6]));
+        hi = max(max(red[1], red[3]), max(red[5], red[7]));
+        nb0 = lo / BN;
+        nb1 = lo < hi ? (hi + BN - 1) / BN : nb0;
+        if (tid == 0) {
+          srange[2 * qb] = nb0;
+          srange[2 * qb + 1] = nb1;
+          mbar_arrive(q_full(qb));
+        }
+      }
+      ++qi;
+      for (int nb = nb0; nb < nb1; ++nb, ++g) {
         const int st = g % S, k0 = nb * BN, n = min(BN, s.sk - k0);
         const uint32_t ph = ((g / S) & 1) ^ 1;
         mbar_wait(k_empty(st), ph);
         load_tile_ws<T, BN, D>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
         cp_async_arrive(k_full(st));
+        if constexpr (kKeys) {
+          const float kb = key_bias(p, x.b, k0 + tid, s.sk);
+          mbar_wait(b_empty(st), ph);
+          skb[st * BN + tid] = kb;
+          mbar_arrive(k_full(st));
+        }
         mbar_wait(v_empty(st), ph);
         load_tile_ws<T, BN, D>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
         cp_async_arrive(v_full(st));
@@ -987,17 +1037,21 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
     zero(o);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     uint32_t pa[BN / 16][4];  // P of the previous key block (the A operand of its P V)
-    const int nb1 = n_blocks(s, q0);
+    int nb0 = 0, nb1 = n_blocks(s, q0);
+    if constexpr (kKeys) {
+      nb0 = srange[2 * qb];
+      nb1 = srange[2 * qb + 1];
+    }
     // O += P V of the key block in ring slot st (issued, not committed)
     const auto issue_pv = [&](int st) {
       const uint32_t v_base = sV + st * C::KVBYTES;
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base + kt * 16 * 128));
     };
-    for (int nb = 0; nb < nb1; ++nb, ++g) {
+    for (int nb = nb0; nb < nb1; ++nb, ++g) {
       const int st = g % S, pst = (g + S - 1) % S, k0 = nb * BN;
       mbar_wait(k_full(st), (g / S) & 1);
-      if (nb > 0) mbar_wait(v_full(pst), ((g - 1) / S) & 1);
+      if (nb > nb0) mbar_wait(v_full(pst), ((g - 1) / S) & 1);
       fence_async_smem();
       float sc[BN / 8][4];
       named_sync(kTurn + cw, 256);
@@ -1014,7 +1068,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
         else
           wgmma_ss<T, BN>(sc, da, db);
       }
-      if (nb > 0) issue_pv(pst);
+      if (nb > nb0) issue_pv(pst);
       wgmma_commit();
       named_arrive(kTurn + (cw ^ 1), 256);
       wgmma_wait_all();
@@ -1023,17 +1077,22 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
       __syncwarp();
       if (lane == 0) {
         mbar_arrive(k_empty(st));
-        if (nb > 0) mbar_arrive(v_empty(pst));
+        if (nb > nb0) mbar_arrive(v_empty(pst));
         if (nb == nb1 - 1) mbar_arrive(q_empty(qb));  // the tile's last read of Q
       }
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
       with_flag(edge, [&](auto e) {
-        softmax_block<MODE, BN, D, MODE == kModeNone>(p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value, nullptr, t4);
+        softmax_block<MODE, BN, D, MODE == kModeNone>(p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value,
+                                                      skb + st * BN, t4);
       });
+      if constexpr (kKeys) {  // the warp's reads of the addends are done
+        __syncwarp();
+        if (lane == 0) mbar_arrive(b_empty(st));
+      }
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
     }
-    if (nb1 > 0) {  // the last block's P V
+    if (nb1 > nb0) {  // the last block's P V
       const int pst = (g + S - 1) % S;
       mbar_wait(v_full(pst), ((g - 1) / S) & 1);
       fence_async_smem();
@@ -1626,13 +1685,13 @@ void launch_forward(const Params& p, cudaStream_t stream) {
     dispatch_mask_mode(p, [&](auto mode) {
       constexpr int M = decltype(mode)::value;
       // the warp-specialised kernel, persistent (unmasked: raw scores, so a positive scale; softmax_block)
-      if (M != kModeKeys && sm90_choice() == kSm90Default && (M != kModeNone || p.scale_log2 > 0.f)) {
+      if (sm90_choice() == kSm90Default && (M != kModeNone || p.scale_log2 > 0.f)) {
         const auto ws = [&](auto dc) {
           constexpr int D = decltype(dc)::value;
           using C = FwdWsCfg<D>;
           const int64_t tiles = static_cast<int64_t>((p.sq + C::BM - 1) / C::BM) * p.hq * p.batch;
           const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, device_info().sms)));
-          launch(attn_fwd_sm90_ws_kernel<T, D, M == kModeKeys ? kModeNone : M>, grid, C::smem(), p, stream, C::NT);
+          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), p, stream, C::NT);
         };
         if (p.d <= 64)
           ws(std::integral_constant<int, 64>{});

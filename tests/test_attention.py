@@ -1533,10 +1533,11 @@ def _cuda_fwd_kernels(q, k, v, **kw) -> list[str]:
 @needs_cuda_ext
 def test_gpu_cuda_forward_kernel_choice(monkeypatch):
     """Which C++ forward runs: when the build has sm_90a code and the device is compute capability 9.0 (H100 / H200:
-    the GPU runs take this branch), at head dims up to 128 the warp-specialised wgmma kernel (attn_fwd_sm90_ws_kernel),
-    or with a key-only mask attn_fwd_sm90_kernel (up to 64) / attn_fwd_sm90_pipe_kernel (above), which
-    PYKERNELS_CUDA_ATTN_SM90=1 selects for every mask; else, and above 128, the mma.sync kernel, which
-    PYKERNELS_CUDA_ATTN_SM90=0 selects too."""
+    the GPU runs take this branch), at head dims up to 128 the warp-specialised wgmma kernel (attn_fwd_sm90_ws_kernel)
+    with or without a mask; PYKERNELS_CUDA_ATTN_SM90=1 selects attn_fwd_sm90_kernel (up to 64) /
+    attn_fwd_sm90_pipe_kernel (above) instead, as does a scale that is not positive without a mask
+    (test_gpu_cuda_backend_scale_sign); else, and above 128, the mma.sync kernel, which PYKERNELS_CUDA_ATTN_SM90=0
+    selects too."""
     import pykernels._C as ext
     hopper = bool(ext.sm90a) and torch.cuda.get_device_capability() == (9, 0)
 
@@ -1557,7 +1558,7 @@ def test_gpu_cuda_forward_kernel_choice(monkeypatch):
                 assert len(names) == 1, names
                 if not hopper or d > 128:
                     want = "attn_fwd_kernel"
-                elif env is None and (mask is None or mask.shape[1] != 1):
+                elif env is None:
                     want = "attn_fwd_sm90_ws_kernel"
                 else:
                     want = plain(d)
