@@ -372,12 +372,10 @@ __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ?
 // share the max through shuffles) move on, and O is rescaled. ``kb``: the block's key addends (kModeKeys).
 // ``kRaw`` (no mask, a positive scale: the caller checks both): the max is taken over the raw scores and each
 // exponent is one FFMA, raw * scale - max (FlashAttention's form; an FMUL an element fewer).
-// softmax_p is the softmax without O: it leaves O's rescale factors in ``alpha`` (rescale_o applies them), so that
-// the warp-specialised forward can run it while the previous block's P V is in flight.
-template <int MODE, int BC, bool kRaw = false>
-__device__ __forceinline__ void softmax_p(const Params& p, float (&sc)[BC / 8][4], float (&m)[2], float (&l)[2],
-                                          float (&alpha_out)[2], int b, int h, const int (&row)[2], int k0,
-                                          const Seq& s, bool edge, const float* kb, int t4) {
+template <int MODE, int BC, int D, bool kRaw = false>
+__device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 8][4], float (&o)[D / 8][4],
+                                              float (&m)[2], float (&l)[2], int b, int h, const int (&row)[2],
+                                              int k0, const Seq& s, bool edge, const float* kb, int t4) {
   static_assert(!kRaw || MODE == kModeNone, "raw scores only without a mask");
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -416,7 +414,11 @@ __device__ __forceinline__ void softmax_p(const Params& p, float (&sc)[BC / 8][4
       }
     }
     l[r] = l[r] * alpha + sum;
-    alpha_out[r] = alpha;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      o[dt][2 * r] *= alpha;
+      o[dt][2 * r + 1] *= alpha;
+    }
   }
   if (p.p_drop > 0.f) {
 #pragma unroll
@@ -424,24 +426,6 @@ __device__ __forceinline__ void softmax_p(const Params& p, float (&sc)[BC / 8][4
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[nt][e] *= keep_factor(p, b, h, row[e >> 1], k0 + nt * 8 + 2 * t4 + (e & 1));
   }
-}
-template <int D>
-__device__ __forceinline__ void rescale_o(float (&o)[D / 8][4], const float (&alpha)[2]) {
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    o[dt][0] *= alpha[0];
-    o[dt][1] *= alpha[0];
-    o[dt][2] *= alpha[1];
-    o[dt][3] *= alpha[1];
-  }
-}
-template <int MODE, int BC, int D, bool kRaw = false>
-__device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 8][4], float (&o)[D / 8][4],
-                                              float (&m)[2], float (&l)[2], int b, int h, const int (&row)[2],
-                                              int k0, const Seq& s, bool edge, const float* kb, int t4) {
-  float alpha[2];
-  softmax_p<MODE, BC, kRaw>(p, sc, m, l, alpha, b, h, row, k0, s, edge, kb, t4);
-  rescale_o<D>(o, alpha);
 }
 
 // A warp's tile of N columns (an m16n8 accumulator per 8) times ``scale`` into rows off + row[r] (those below n) of a
@@ -912,7 +896,7 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int64_t t, int n_m) {
   return x;
 }
 
-template <typename T, int D, int MODE, bool kOverlap>
+template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(const Params p) {
 #if defined(PK_WGMMA)
   using C = FwdWsCfg<D>;
@@ -1053,7 +1037,6 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
     zero(o);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     uint32_t pa[BN / 16][4];  // P of the previous key block (the A operand of its P V)
-    float alpha[2];           // O's rescale factors from the last softmax
     int nb0 = 0, nb1 = n_blocks(s, q0);
     if constexpr (kKeys) {
       nb0 = srange[2 * qb];
@@ -1085,61 +1068,26 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
         else
           wgmma_ss<T, BN>(sc, da, db);
       }
+      if (nb > nb0) issue_pv(pst);
+      wgmma_commit();
+      named_arrive(kTurn + (cw ^ 1), 256);
+      wgmma_wait_all();
+      fence_acc(sc);
+      fence_acc(o);
+      __syncwarp();
+      if (lane == 0) {
+        mbar_arrive(k_empty(st));
+        if (nb > nb0) mbar_arrive(v_empty(pst));
+        if (nb == nb1 - 1) mbar_arrive(q_empty(qb));  // the tile's last read of Q
+      }
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
-      const auto softmax = [&]() {
-        with_flag(edge, [&](auto e) {
-          softmax_p<MODE, BN, MODE == kModeNone>(p, sc, m, l, alpha, x.b, x.h, row, k0, s, decltype(e)::value,
-                                                 skb + st * BN, t4);
-        });
-        if constexpr (kKeys) {  // the warp's reads of the addends are done
-          __syncwarp();
-          if (lane == 0) mbar_arrive(b_empty(st));
-        }
-      };
-      if constexpr (kOverlap) {
-        // S_j is one group; O's rescale (the last softmax's) runs while it does, then P_{j-1} V_{j-1} is the second
-        // group, in flight during this block's softmax
-        wgmma_commit();
-        if (nb > nb0) {
-          rescale_o<D>(o, alpha);
-          fence_acc(o);
-          wgmma_fence();
-          issue_pv(pst);
-          wgmma_commit();
-        }
-        named_arrive(kTurn + (cw ^ 1), 256);
-        if (nb > nb0)
-          wgmma_wait<1>();
-        else
-          wgmma_wait_all();
-        fence_acc(sc);
+      with_flag(edge, [&](auto e) {
+        softmax_block<MODE, BN, D, MODE == kModeNone>(p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value,
+                                                      skb + st * BN, t4);
+      });
+      if constexpr (kKeys) {  // the warp's reads of the addends are done
         __syncwarp();
-        if (lane == 0) {
-          mbar_arrive(k_empty(st));
-          if (nb == nb1 - 1) mbar_arrive(q_empty(qb));  // the tile's last read of Q
-        }
-        softmax();
-        if (nb > nb0) {
-          wgmma_wait_all();
-          fence_acc(o);
-          __syncwarp();
-          if (lane == 0) mbar_arrive(v_empty(pst));
-        }
-      } else {
-        if (nb > nb0) issue_pv(pst);
-        wgmma_commit();
-        named_arrive(kTurn + (cw ^ 1), 256);
-        wgmma_wait_all();
-        fence_acc(sc);
-        fence_acc(o);
-        __syncwarp();
-        if (lane == 0) {
-          mbar_arrive(k_empty(st));
-          if (nb > nb0) mbar_arrive(v_empty(pst));
-          if (nb == nb1 - 1) mbar_arrive(q_empty(qb));  // the tile's last read of Q
-        }
-        softmax();
-        rescale_o<D>(o, alpha);
+        if (lane == 0) mbar_arrive(b_empty(st));
       }
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
@@ -1149,7 +1097,6 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
       mbar_wait(v_full(pst), ((g - 1) / S) & 1);
       fence_async_smem();
       named_sync(kTurn + cw, 256);
-      if constexpr (kOverlap) rescale_o<D>(o, alpha);
       fence_acc(o);
       wgmma_fence();
       issue_pv(pst);
@@ -1744,11 +1691,7 @@ void launch_forward(const Params& p, cudaStream_t stream) {
           using C = FwdWsCfg<D>;
           const int64_t tiles = static_cast<int64_t>((p.sq + C::BM - 1) / C::BM) * p.hq * p.batch;
           const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, device_info().sms)));
-          const char* ov = std::getenv("PYKERNELS_CUDA_ATTN_WS_OVERLAP");
-          if (ov != nullptr && ov[0] == '1')
-            launch(attn_fwd_sm90_ws_kernel<T, D, M, true>, grid, C::smem(), p, stream, C::NT);
-          else
-            launch(attn_fwd_sm90_ws_kernel<T, D, M, false>, grid, C::smem(), p, stream, C::NT);
+          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), p, stream, C::NT);
         };
         if (p.d <= 64)
           ws(std::integral_constant<int, 64>{});
