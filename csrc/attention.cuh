@@ -38,13 +38,16 @@
 // read through them; a tensor whose rows are not 16-byte aligned is copied); batch and heads up to 65535;
 // int64 offsets throughout.
 // On Hopper (sm_90a build, 9.0 device) the forward and the dQ and dK/dV kernels at head dims up to 128 run on
-// warpgroup MMA instead (use_sm90): see the design notes above attn_fwd_sm90_kernel and attn_bwd_dq_sm90_kernel
-// (run212: BERT-base 188 / 113 TFLOP/s forward / backward against these kernels' 163 / 102).
-// Measured (H200, graph replay; benchmarks/results/HISTORY.md, twenty-second and twenty-third sessions): about half
-// the Triton path's speed forward and a third backward (run202-203: BERT-base 163 / 100 TFLOP/s forward / backward,
-// Triton's 335 / 303), so pykernels takes it only when named. The mask mode as a template flag took the unmasked
-// forward from 111 to 161 (run200 -> run202); double-buffered tiles and two m-tiles a warp measured slower
-// (run198-199): the kernel is latency-bound at 12 warps an SM.
+// warpgroup MMA instead (use_sm90): the forward is warp-specialised (attn_fwd_sm90_ws_kernel: a producer warpgroup,
+// two consumer warpgroups taking turns, a persistent grid); see the design notes above attn_fwd_sm90_kernel,
+// attn_fwd_sm90_ws_kernel and attn_bwd_dq_sm90_kernel.
+// Measured (H100, graph replay, run218; benchmarks/results/HISTORY.md, twenty-fifth session): BERT-base 241 / 132
+// TFLOP/s forward / backward (FlashAttention-2's 237 / 156, the Triton path's 332 / 295, cuDNN's 353 / 250), key
+// padding 242 / 139, GPT-2 163 / 110, so pykernels takes it only when named. Every element test (the tile's edge:
+// keys past the sequence or above the diagonal; dropout) is a compile-time flag split at the call (with_flag): as
+// run-time tests inside the unrolled element loops they compiled to branches that cost the forward 30% and the
+// backward 17% (run215-216). The mma.sync kernels: the mask mode as a template flag took the unmasked forward from
+// 111 to 161 TFLOP/s (run200 -> run202); double-buffered tiles and two m-tiles a warp measured slower (run198-199).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -258,24 +261,26 @@ static __device__ __noinline__ float mask_log2(const void* mask, int kind, int64
   return mask_log2_at(mask, kind, off);
 }
 
-// How a kernel reads the mask, a template flag of the forward and dQ kernels chosen on the host (mask_mode): none;
-// key-only (key padding: an addend a key of the batch, read once a key, and the key blocks outside the batch's valid
-// range skipped); any other (read once an element). The dK/dV kernel decides at run time (kModeRuntime).
-enum MaskMode : int { kModeNone = 0, kModeKeys = 1, kModeAny = 2, kModeRuntime = 3 };
+// How a kernel reads the mask, a template flag of every kernel but the delta one, chosen on the host (mask_mode):
+// none; key-only (key padding: an addend a key of the batch, read once a key, and the key blocks outside the batch's
+// valid range skipped); any other (read once an element). (The dK/dV kernels decided at run time until run219: a
+// per-element branch in their unrolled loops.)
+enum MaskMode : int { kModeNone = 0, kModeKeys = 1, kModeAny = 2 };
 
 inline int mask_mode(const Params& p) {
   return p.mask_kind == kNoMask ? kModeNone : p.mask_keys ? kModeKeys : kModeAny;
 }
 
 // The scaled score (log2 units) of query i and key j, -inf where masked. ``edge``: the tile may hold keys past
-// the sequence or above the causal diagonal (a compile-time constant where the caller splits on it: with_flag). ``kb``: key j's addend of a key-only mask (kModeKeys; kModeRuntime: 0
-// without one); other masks are read here, only inside the (sq, sk) rectangle.
+// the sequence or above the causal diagonal (a compile-time constant where the caller splits on it: with_flag).
+// ``kb``: key j's addend of a key-only mask (kModeKeys); other masks are read here, only inside the (sq, sk)
+// rectangle.
 template <int MODE>
 __device__ __forceinline__ float score(const Params& p, float acc, int b, int h, int i, int j, int sq, int sk,
                                        bool edge, float kb) {
   float x = acc * p.scale_log2;
-  if constexpr (MODE == kModeKeys || MODE == kModeRuntime) x += kb;
-  if (MODE == kModeAny || (MODE == kModeRuntime && p.mask_kind != kNoMask && !p.mask_keys))
+  if constexpr (MODE == kModeKeys) x += kb;
+  if constexpr (MODE == kModeAny)
     x = i < sq && j < sk ? x + mask_log2(p.mask, p.mask_kind, b * p.m_sb + h * p.m_sh + i * p.m_sq + j * p.m_sk)
                          : -INFINITY;
   if (edge) {  // (a constant at the call sites: with_flag)
@@ -561,7 +566,9 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
 }
 
 // The forwards on Hopper's warpgroup MMA (sm_90a; every mask mode, dropout, varlen, GQA), which launch_forward takes
-// at head dims up to 128 on a 9.0 device (use_sm90). Both stage K and V blocks of 64 keys in 128-byte
+// at head dims up to 128 on a 9.0 device (use_sm90) with PYKERNELS_CUDA_ATTN_SM90=1, or without a mask and with a
+// scale that is not positive (the warp-specialised kernel below takes every other case). Both stage K and V blocks
+// of 64 keys in 128-byte
 // swizzled rows (cp.async, wgmma.cuh), two buffers each, and issue S = Q K^T as a wgmma chain from shared Q and K and
 // O += P V as one from P in registers (S's accumulators, as in the mma.sync kernel) and V in shared memory, read
 // N-major; the softmax, mask, dropout and output rules are the mma.sync kernel's (softmax_block, store_out).
@@ -838,17 +845,24 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 
 // attn_fwd_sm90_ws_kernel: FlashAttention-3's warp specialisation on a persistent grid (one block an SM walks the
 // (query tile, head, batch) tiles gridDim.x apart; causal tiles longest first in each head). Warpgroup 0 is the
-// producer: it drops to 40 registers and streams each tile's Q (two buffers, so the next tile's Q lands during this
+// producer: it drops to 56 registers and streams each tile's Q (two buffers, so the next tile's Q lands during this
 // one) and its key blocks' K and V (a ring of STAGES) by cp.async, each load announced on an mbarrier when it lands
 // (cp.async.mbarrier.arrive.noinc); masked-out rows and columns past d are zero-filled as in the other kernels.
-// Warpgroups 1 and 2 are the consumers (232 registers), 64 query rows each: for key block j, on its turn (two named
+// Warpgroups 1 and 2 are the consumers (224 registers), 64 query rows each: for key block j, on its turn (two named
 // barriers hand the turn back and forth, so one warpgroup's products run while the other's softmax does), a
 // warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as one group, passes the turn, waits, frees K_j and V_{j-1}
-// (mbarrier arrivals, one a warp), then runs the softmax of S_j (softmax_block, every rule of the other kernels).
-// No block-wide barrier after the set-up. A key-only mask (key padding): the producer finds each tile's valid key
+// (mbarrier arrivals, one a warp), then runs the softmax of S_j (softmax_block, every rule of the other kernels;
+// unmasked, on the raw scores with one FFMA an element, which needs a positive scale: the host checks). No block-wide
+// barrier after the set-up. A key-only mask (key padding): the producer finds each tile's valid key
 // range (its 128 threads together) and streams only the key blocks that meet it, and it writes each block's key
 // addends into a ring slot that the consumers free after their softmax; both announced on the full barriers by
 // plain (release) arrivals next to the cp.async ones.
+// Measured (H100, graph replay, TFLOP/s forward, run217-218; the plain wgmma kernels above in the same call): BERT-base
+// 242 (216), key padding 241 (208), GPT-2 162 (157), S2048 D128 causal 317 (233). Tried and not kept: 4 ring slots
+// at D = 64 (run215: no change); the previous block's P V left in flight during the softmax, O's rescale moved
+// before it (FlashAttention-3's intra-warpgroup overlap; run218: 0.98x BERT-base, 0.88x key padding). The profile
+// before the edge split (run215, Nsight Compute) put 24% of the samples on the producer's waits for free slots (idle,
+// as it should be) and 12% on branch resolution in the consumers' element loops, which with_flag removed.
 template <int D>
 struct FwdWsCfg {
   static constexpr int BM = 128;  // query rows a tile: two consumer warpgroups of 64
@@ -1142,8 +1156,8 @@ __device__ __forceinline__ void ds_rows(const Params& p, float (&sc)[BC / 8][4],
 }
 // dS^T and P^T Z on a key-row tile (the dK/dV kernels; queries qs .., keys key[0], key[1] of the thread with their
 // key addends kb; sL, sD the queries' lse in log2 units and delta): st holds S^T and becomes dS^T, dpt holds dP^T
-// and becomes P^T Z (for dV)
-template <int BQ>
+// and becomes P^T Z (for dV); MODE the mask's (kb is read with kModeKeys)
+template <int BQ, int MODE>
 __device__ __forceinline__ void dst_rows(const Params& p, float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4], int b,
                                          int h, const int (&key)[2], int qs, const Seq& s, bool edge,
                                          const float (&kb)[2], const float* sL, const float* sD, int t4) {
@@ -1153,7 +1167,7 @@ __device__ __forceinline__ void dst_rows(const Params& p, float (&st)[BQ / 8][4]
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
-        const float x = score<kModeRuntime>(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
+        const float x = score<MODE>(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
         const float pe = exp2f(x - sL[il]);
         const float z = decltype(drop)::value ? keep_factor(p, b, h, i, j) : 1.f;
         st[nt][e] = pe * (dpt[nt][e] * z - sD[il]);  // dS^T
@@ -1203,7 +1217,7 @@ struct DkdvCfg {
   }
 };
 
-template <typename T, int D>
+template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(kThreads, DkdvCfg<D>::MIN_BLOCKS) attn_bwd_dkdv_kernel(const Params p) {
   using C = DkdvCfg<D>;
   constexpr int DC = C::DC, BQ = C::BQ, LD = C::LD;
@@ -1261,7 +1275,7 @@ __global__ void __launch_bounds__(kThreads, DkdvCfg<D>::MIN_BLOCKS) attn_bwd_dkd
       mma_abt<T, LD, D, BQ>(dpt, smem_rows<T, LD>(sV, warp * 16, lane), sO, lane);
       // dS^T = P^T (dP^T Z - delta) in st, P^T Z (for dV) in dpt
       const bool edge = p.causal && qs < k0 + kRows - 1;
-      with_flag(edge, [&](auto e) { dst_rows<BQ>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL, sDelta, t4); });
+      with_flag(edge, [&](auto e) { dst_rows<BQ, MODE>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL, sDelta, t4); });
       mma_acc_b<T, LD, BQ, DC>(dv, dpt, sO, c0, lane);  // dV += P^T dO
       mma_acc_b<T, LD, BQ, DC>(dk, st, sQ, c0, lane);   // dK += dS^T Q
       __syncthreads();  // before the next iteration overwrites sQ, sO, sL, sDelta
@@ -1486,7 +1500,7 @@ struct DkdvSm90Cfg {
   static constexpr size_t smem() { return 1024 + 2 * KBYTES + 4 * QBYTES; }  // K, V, 2 buffers of Q and dO
 };
 
-template <typename T, int D>
+template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS) attn_bwd_dkdv_sm90_kernel(const Params p) {
 #if defined(PK_WGMMA)
   using C = DkdvSm90Cfg<D>;
@@ -1559,7 +1573,7 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
     fence_acc(st);
     fence_acc(dpt);
     const bool edge = p.causal && qs < k0 + BN - 1;
-    with_flag(edge, [&](auto e) { dst_rows<BQ>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL[u], sD[u], t4); });  // dS^T, P^T Z
+    with_flag(edge, [&](auto e) { dst_rows<BQ, MODE>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL[u], sD[u], t4); });  // dS^T, P^T Z
     uint32_t ps[BQ / 16][4], pz[BQ / 16][4];
 #pragma unroll
     for (int kt = 0; kt < BQ / 16; ++kt) {
@@ -1726,7 +1740,7 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   using Ck = DkdvSm90Cfg<D>;
   const dim3 kgrid(static_cast<unsigned>((p.sk + Ck::BN - 1) / Ck::BN), static_cast<unsigned>(p.hq / p.group),
                    static_cast<unsigned>(p.batch));
-  launch(attn_bwd_dkdv_sm90_kernel<T, D>, kgrid, Ck::smem(), p, stream, Ck::NT);
+  launch(attn_bwd_dkdv_sm90_kernel<T, D, M>, kgrid, Ck::smem(), p, stream, Ck::NT);
   const dim3 qgrid(static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM), static_cast<unsigned>(p.hq),
                    static_cast<unsigned>(p.batch));
   launch(attn_bwd_dq_sm90_kernel<T, D, M>, qgrid, Cq::smem(), p, stream, Cq::NT);
@@ -1750,8 +1764,8 @@ void launch_backward(const Params& p, cudaStream_t stream) {
     constexpr int D = decltype(dc)::value;
     const dim3 kgrid(blocks_of(p.sk) * DkdvCfg<D>::CHUNKS, static_cast<unsigned>(p.hq / p.group),
                      static_cast<unsigned>(p.batch));
-    launch(attn_bwd_dkdv_kernel<T, D>, kgrid, DkdvCfg<D>::smem(sizeof(T)), p, stream);
     dispatch_mask_mode(p, [&](auto mode) {
+      launch(attn_bwd_dkdv_kernel<T, D, decltype(mode)::value>, kgrid, DkdvCfg<D>::smem(sizeof(T)), p, stream);
       launch(attn_bwd_dq_kernel<T, D, decltype(mode)::value>, qgrid, DqCfg<D>::smem(sizeof(T)), p, stream);
     });
   });
