@@ -960,7 +960,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
   };
 
   if (wg == 0) {  // producer
-    regs_dec<40>();
+    regs_dec<56>();
     int qi = 0;      // tiles loaded (Q buffer qi % 2)
     uint32_t g = 0;  // key blocks loaded (ring slot g % S)
     for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
@@ -1031,45 +1031,11 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
   }
 
   // consumers
-  regs_inc<232>();
+  regs_inc<224>();
   const int cw = wg - 1, warp = (tid >> 5) & 3, g8 = lane >> 2, t4 = lane & 3;
   if (cw == 1) named_arrive(kTurn, 256);  // consumer 0 takes the first turn
   int qi = 0;
   uint32_t g = 0;
-  float o[D / 8][4];
-  uint32_t pa[BN / 16][4];  // P of the previous key block (the A operand of its P V)
-  // A tile's last P V is issued with the next tile's first S (one turn and one wait a tile fewer): until then its O
-  // stays in o, and what its epilogue needs here. At D = 128 the extra live registers spill: its tiles end alone.
-  constexpr bool kMerge = D <= 64;
-  bool pend = false;
-  int pend_b = 0, pend_h = 0, pend_row[2] = {0, 0};
-  Seq pend_s{};
-  float pend_m[2], pend_l[2];
-  // O += P V of the key block in ring slot st (issued, not committed)
-  const auto issue_pv = [&](int st) {
-    const uint32_t v_base = sV + st * C::KVBYTES;
-#pragma unroll
-    for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base + kt * 16 * 128));
-  };
-  // the tile's last P V on its own turn, then its epilogue
-  const auto flush = [&](const float(&fm)[2], const float(&fl)[2], int fb, int fh, const int(&frow)[2],
-                         const Seq& fs) {
-    const int pst = (g + S - 1) % S;
-    mbar_wait(v_full(pst), ((g - 1) / S) & 1);
-    fence_async_smem();
-    named_sync(kTurn + cw, 256);
-    fence_acc(o);
-    wgmma_fence();
-    issue_pv(pst);
-    wgmma_commit();
-    named_arrive(kTurn + (cw ^ 1), 256);
-    wgmma_wait_all();
-    fence_acc(o);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(v_empty(pst));
-    store_out<T, D>(p, o, fm, fl, fb, fh, frow, fs, t4);
-    pend = false;
-  };
   for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
     const Tile x = tile_at(p, t, n_m);
     const Seq s = seq_of(p, x.b);
@@ -1081,25 +1047,25 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
     const int qw = q0 + cw * 64;  // the warpgroup's first row
     const int row[2] = {qw + warp * 16 + g8, qw + warp * 16 + g8 + 8};
     const uint32_t q_base = sQ + qb * C::QBYTES + cw * 64 * 128;
+    float o[D / 8][4];
+    zero(o);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    uint32_t pa[BN / 16][4];  // P of the previous key block (the A operand of its P V)
     int nb0 = 0, nb1 = n_blocks(s, q0);
     if constexpr (kKeys) {
       nb0 = srange[2 * qb];
       nb1 = srange[2 * qb + 1];
     }
-    if (nb1 <= nb0) {  // no key: Q unread, O = 0
-      if (kMerge && pend) flush(pend_m, pend_l, pend_b, pend_h, pend_row, pend_s);
-      if (lane == 0) mbar_arrive(q_empty(qb));
-      zero(o);
-      store_out<T, D>(p, o, m, l, x.b, x.h, row, s, t4);
-      continue;
-    }
-    if (!(kMerge && pend)) zero(o);
+    // O += P V of the key block in ring slot st (issued, not committed)
+    const auto issue_pv = [&](int st) {
+      const uint32_t v_base = sV + st * C::KVBYTES;
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base + kt * 16 * 128));
+    };
     for (int nb = nb0; nb < nb1; ++nb, ++g) {
       const int st = g % S, pst = (g + S - 1) % S, k0 = nb * BN;
-      const bool pv = nb > nb0 || (kMerge && pend);  // a P V to issue with this S: this tile's last block's or the last tile's
       mbar_wait(k_full(st), (g / S) & 1);
-      if (pv) mbar_wait(v_full(pst), ((g - 1) / S) & 1);
+      if (nb > nb0) mbar_wait(v_full(pst), ((g - 1) / S) & 1);
       fence_async_smem();
       float sc[BN / 8][4];
       named_sync(kTurn + cw, 256);
@@ -1116,7 +1082,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
         else
           wgmma_ss<T, BN>(sc, da, db);
       }
-      if (pv) issue_pv(pst);
+      if (nb > nb0) issue_pv(pst);
       wgmma_commit();
       named_arrive(kTurn + (cw ^ 1), 256);
       wgmma_wait_all();
@@ -1125,13 +1091,8 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
       __syncwarp();
       if (lane == 0) {
         mbar_arrive(k_empty(st));
-        if (pv) mbar_arrive(v_empty(pst));
+        if (nb > nb0) mbar_arrive(v_empty(pst));
         if (nb == nb1 - 1) mbar_arrive(q_empty(qb));  // the tile's last read of Q
-      }
-      if (kMerge && nb == nb0 && pend) {  // the last tile's O is complete
-        store_out<T, D>(p, o, pend_m, pend_l, pend_b, pend_h, pend_row, pend_s, t4);
-        pend = false;
-        zero(o);
       }
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
       with_flag(edge, [&](auto e) {
@@ -1145,22 +1106,25 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
     }
-    if constexpr (kMerge) {  // this tile's last P V goes with the next tile's first S
-      pend = true;
-      pend_b = x.b;
-      pend_h = x.h;
-      pend_row[0] = row[0];
-      pend_row[1] = row[1];
-      pend_s = s;
-      pend_m[0] = m[0];
-      pend_m[1] = m[1];
-      pend_l[0] = l[0];
-      pend_l[1] = l[1];
-    } else {
-      flush(m, l, x.b, x.h, row, s);
+    if (nb1 > nb0) {  // the last block's P V
+      const int pst = (g + S - 1) % S;
+      mbar_wait(v_full(pst), ((g - 1) / S) & 1);
+      fence_async_smem();
+      named_sync(kTurn + cw, 256);
+      fence_acc(o);
+      wgmma_fence();
+      issue_pv(pst);
+      wgmma_commit();
+      named_arrive(kTurn + (cw ^ 1), 256);
+      wgmma_wait_all();
+      fence_acc(o);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(v_empty(pst));
+    } else if (lane == 0) {
+      mbar_arrive(q_empty(qb));  // (no key: Q unread)
     }
+    store_out<T, D>(p, o, m, l, x.b, x.h, row, s, t4);
   }
-  if (kMerge && pend) flush(pend_m, pend_l, pend_b, pend_h, pend_row, pend_s);
   if (cw == 0) named_sync(kTurn, 256);  // consumer 1's last pass of the turn
 #else
   __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
