@@ -933,7 +933,9 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
   float* const skb = reinterpret_cast<float*>(smem_raw + (bars + 8u * C::NBAR - smem_addr(smem_raw)));
   int* const srange = reinterpret_cast<int*>(skb + S * BN);
   int* const sred = srange + 4;
-  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
+  // the warpgroup, broadcast from lane 0 so that ptxas sees it uniform: a role branch on tid >> 7 is a divergent path
+  // to it, and it serializes the wgmma chains inside one (C7520)
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), lane = tid & 31;
   if (tid == 0) {
     // full: the producer's 128 threads' cp.async arrivals; empty: the consumers' 8 warps
     // (key-only masks: one more on q full for the range, 128 more on k full for the addends)
