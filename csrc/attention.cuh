@@ -41,12 +41,12 @@
 // warpgroup MMA instead (use_sm90): the forward is warp-specialised (attn_fwd_sm90_ws_kernel: a producer warpgroup,
 // two consumer warpgroups taking turns, a persistent grid); see the design notes above attn_fwd_sm90_kernel,
 // attn_fwd_sm90_ws_kernel and attn_bwd_dq_sm90_kernel.
-// Measured (H100, graph replay, run218; benchmarks/results/HISTORY.md, twenty-fifth session): BERT-base 241 / 132
-// TFLOP/s forward / backward (FlashAttention-2's 237 / 156, the Triton path's 332 / 295, cuDNN's 353 / 250), key
-// padding 242 / 139, GPT-2 163 / 110, so pykernels takes it only when named. Every element test (the tile's edge:
-// keys past the sequence or above the diagonal; dropout) is a compile-time flag split at the call (with_flag): as
-// run-time tests inside the unrolled element loops they compiled to branches that cost the forward 30% and the
-// backward 17% (run215-216). The mma.sync kernels: the mask mode as a template flag took the unmasked forward from
+// Measured (H100, graph replay, run223; benchmarks/results/HISTORY.md, twenty-fifth session): BERT-base 281 / 151
+// TFLOP/s forward / backward (FlashAttention-2's 235 / 155, the Triton path's 329 / 292, cuDNN's 352 / 247), key
+// padding 236 / 156, GPT-2 193 / 126, so pykernels takes it only when named. Every element test (the tile's edge:
+// keys past the sequence or above the diagonal; dropout; the mask's kind) is a compile-time flag split at the call
+// (with_flag) or a template mask mode: as run-time tests inside the unrolled element loops they compiled to
+// branches that cost the forward 30% and the backward 35% (run215-216, run219). The mma.sync kernels: the mask mode as a template flag took the unmasked forward from
 // 111 to 161 TFLOP/s (run200 -> run202); double-buffered tiles and two m-tiles a warp measured slower (run198-199).
 #pragma once
 
@@ -857,10 +857,13 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // range (its 128 threads together) and streams only the key blocks that meet it, and it writes each block's key
 // addends into a ring slot that the consumers free after their softmax; both announced on the full barriers by
 // plain (release) arrivals next to the cp.async ones.
-// Measured (H100, graph replay, TFLOP/s forward, run217-218; the plain wgmma kernels above in the same call): BERT-base
-// 242 (216), key padding 241 (208), GPT-2 162 (157), S2048 D128 causal 317 (233). Tried and not kept: 4 ring slots
+// Measured (H100, graph replay, TFLOP/s forward, run222; the plain wgmma kernels above in the same call): BERT-base
+// 286 (217), key padding 241 (209), GPT-2 195 (159), S2048 D128 causal 386 (233); before the warpgroup index was
+// made warp-uniform (ptxas had serialized the chains in the role branch, C7520) 242 / 241 / 162 / 317 (run217). Tried and not kept: 4 ring slots
 // at D = 64 (run215: no change); the previous block's P V left in flight during the softmax, O's rescale moved
-// before it (FlashAttention-3's intra-warpgroup overlap; run218: 0.98x BERT-base, 0.88x key padding). The profile
+// before it (FlashAttention-3's intra-warpgroup overlap; run218: 0.98x BERT-base, 0.88x key padding); a tile's last
+// P V issued with the next tile's first S at D = 64, consumers at 232 registers (run219: 0.97x BERT-base, 0.85x key
+// padding). Both were measured while the chains were still serialized (C7520): worth trying again. The profile
 // before the edge split (run215, Nsight Compute) put 24% of the samples on the producer's waits for free slots (idle,
 // as it should be) and 12% on branch resolution in the consumers' element loops, which with_flag removed.
 template <int D>
