@@ -46,8 +46,9 @@
 // padding 236 / 156, GPT-2 193 / 126, so pykernels takes it only when named. Every element test (the tile's edge:
 // keys past the sequence or above the diagonal; dropout; the mask's kind) is a compile-time flag split at the call
 // (with_flag) or a template mask mode: as run-time tests inside the unrolled element loops they compiled to
-// branches that cost the forward 30% and the backward 35% (run215-216, run219). The mma.sync kernels: the mask mode as a template flag took the unmasked forward from
-// 111 to 161 TFLOP/s (run200 -> run202); double-buffered tiles and two m-tiles a warp measured slower (run198-199).
+// branches that cost the forward 30% and the backward 35% (run215-216, run219). The mma.sync kernels: the mask
+// mode as a template flag took the unmasked forward from 111 to 161 TFLOP/s (run200 -> run202); double-buffered
+// tiles and two m-tiles a warp measured slower (run198-199).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -552,7 +553,9 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
     }
 
     const bool edge = k0 + BC > s.sk || (p.causal && k0 + BC - 1 > q0);
-    with_flag(edge, [&](auto e) { softmax_block<MODE, BC, D>(p, sc, o, m, l, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], t4); });
+    with_flag(edge, [&](auto e) {
+      softmax_block<MODE, BC, D>(p, sc, o, m, l, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], t4);
+    });
 
     cp_async_wait<1>();  // this V block (the next K block may still be in flight)
     __syncthreads();
@@ -683,7 +686,9 @@ __global__ void __launch_bounds__(FwdSm90Cfg<D>::NT, FwdSm90Cfg<D>::MIN_BLOCKS) 
       wgmma_wait_all();
       fence_acc(sc);
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
-      with_flag(edge, [&](auto e) { softmax_block<MODE, BN, D>(p, sc, o, m, l, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], t4); });
+      with_flag(edge, [&](auto e) {
+        softmax_block<MODE, BN, D>(p, sc, o, m, l, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], t4);
+      });
       uint32_t pa[BN / 16][4];
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
@@ -799,7 +804,9 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
       if (nb + 1 < nb1) key_addends(p, skb, kb_next, nb + 1, nb1, b, s.sk);
     }
     const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > q0);
-    with_flag(edge, [&](auto e) { softmax_block<MODE, BN, D>(p, x, o, m, l, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], t4); });
+    with_flag(edge, [&](auto e) {
+      softmax_block<MODE, BN, D>(p, x, o, m, l, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], t4);
+    });
     uint32_t pa[BN / 16][4];
 #pragma unroll
     for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], x[2 * kt], x[2 * kt + 1]);
@@ -853,19 +860,20 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as one group, passes the turn, waits, frees K_j and V_{j-1}
 // (mbarrier arrivals, one a warp), then runs the softmax of S_j (softmax_block, every rule of the other kernels;
 // unmasked, on the raw scores with one FFMA an element, which needs a positive scale: the host checks). No block-wide
-// barrier after the set-up. A key-only mask (key padding): the producer finds each tile's valid key
-// range (its 128 threads together) and streams only the key blocks that meet it, and it writes each block's key
-// addends into a ring slot that the consumers free after their softmax; both announced on the full barriers by
-// plain (release) arrivals next to the cp.async ones.
+// barrier after the set-up. A key-only mask (key padding): the producer finds each tile's valid key range (its 128
+// threads together) and streams only the key blocks that meet it, and it writes each block's key addends into a ring
+// slot that the consumers free after their softmax; both announced on the full barriers by plain (release) arrivals
+// next to the cp.async ones.
 // Measured (H100, graph replay, TFLOP/s forward, run222; the plain wgmma kernels above in the same call): BERT-base
 // 286 (217), key padding 241 (209), GPT-2 195 (159), S2048 D128 causal 386 (233); before the warpgroup index was
-// made warp-uniform (ptxas had serialized the chains in the role branch, C7520) 242 / 241 / 162 / 317 (run217). Tried and not kept: 4 ring slots
-// at D = 64 (run215: no change); the previous block's P V left in flight during the softmax, O's rescale moved
-// before it (FlashAttention-3's intra-warpgroup overlap; run218: 0.98x BERT-base, 0.88x key padding); a tile's last
-// P V issued with the next tile's first S at D = 64, consumers at 232 registers (run219: 0.97x BERT-base, 0.85x key
-// padding). Both were measured while the chains were still serialized (C7520): worth trying again. The profile
-// before the edge split (run215, Nsight Compute) put 24% of the samples on the producer's waits for free slots (idle,
-// as it should be) and 12% on branch resolution in the consumers' element loops, which with_flag removed.
+// made warp-uniform (ptxas had serialized the chains in the role branch, C7520) 242 / 241 / 162 / 317 (run217).
+// Tried and not kept: 4 ring slots at D = 64 (run215: no change); the previous block's P V left in flight during the
+// softmax, O's rescale moved before it (FlashAttention-3's intra-warpgroup overlap; run218: 0.98x BERT-base, 0.88x key
+// padding); a tile's last P V issued with the next tile's first S at D = 64, consumers at 232 registers (run219: 0.97x
+// BERT-base, 0.85x key padding). Both were measured while the chains were still serialized (C7520): worth trying
+// again. The profile before the edge split (run215, Nsight Compute) put 24% of the samples on the producer's waits for
+// free slots (idle, as it should be) and 12% on branch resolution in the consumers' element loops, which with_flag
+// removed.
 template <int D>
 struct FwdWsCfg {
   static constexpr int BM = 128;  // query rows a tile: two consumer warpgroups of 64
@@ -1280,7 +1288,9 @@ __global__ void __launch_bounds__(kThreads, DkdvCfg<D>::MIN_BLOCKS) attn_bwd_dkd
       mma_abt<T, LD, D, BQ>(dpt, smem_rows<T, LD>(sV, warp * 16, lane), sO, lane);
       // dS^T = P^T (dP^T Z - delta) in st, P^T Z (for dV) in dpt
       const bool edge = p.causal && qs < k0 + kRows - 1;
-      with_flag(edge, [&](auto e) { dst_rows<BQ, MODE>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL, sDelta, t4); });
+      with_flag(edge, [&](auto e) {
+        dst_rows<BQ, MODE>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL, sDelta, t4);
+      });
       mma_acc_b<T, LD, BQ, DC>(dv, dpt, sO, c0, lane);  // dV += P^T dO
       mma_acc_b<T, LD, BQ, DC>(dk, st, sQ, c0, lane);   // dK += dS^T Q
       __syncthreads();  // before the next iteration overwrites sQ, sO, sL, sDelta
@@ -1356,7 +1366,9 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
     mma_abt<T, LD, D, BC>(sc, smem_rows<T, LD>(sQ, warp * 16, lane), sK, lane);  // S = Q K^T
     mma_abt<T, LD, D, BC>(dp, smem_rows<T, LD>(sO, warp * 16, lane), sV, lane);  // dP = dO V^T
     const bool edge = k0 + BC > s.sk || (p.causal && k0 + BC - 1 > q0);
-    with_flag(edge, [&](auto e) { ds_rows<MODE, BC>(p, sc, dp, b, h, row, k0, s, decltype(e)::value, skb[half], lse2, dl, t4); });  // dS
+    with_flag(edge, [&](auto e) {  // dS
+      ds_rows<MODE, BC>(p, sc, dp, b, h, row, k0, s, decltype(e)::value, skb[half], lse2, dl, t4);
+    });
     mma_acc_b<T, LD, BC, D>(dq, sc, sK, 0, lane);  // dQ += dS K
     __syncthreads();  // before the next iteration overwrites sK, sV
   }
@@ -1473,7 +1485,9 @@ __global__ void __launch_bounds__(DqSm90Cfg<D>::NT, DqSm90Cfg<D>::MIN_BLOCKS) at
       fence_acc(sc);
       fence_acc(dp);
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
-      with_flag(edge, [&](auto e) { ds_rows<MODE, BN>(p, sc, dp, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], lse2, dl, t4); });  // dS
+      with_flag(edge, [&](auto e) {  // dS
+        ds_rows<MODE, BN>(p, sc, dp, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], lse2, dl, t4);
+      });
       uint32_t pa[BN / 16][4];
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
@@ -1578,7 +1592,9 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
     fence_acc(st);
     fence_acc(dpt);
     const bool edge = p.causal && qs < k0 + BN - 1;
-    with_flag(edge, [&](auto e) { dst_rows<BQ, MODE>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL[u], sD[u], t4); });  // dS^T, P^T Z
+    with_flag(edge, [&](auto e) {  // dS^T, P^T Z
+      dst_rows<BQ, MODE>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL[u], sD[u], t4);
+    });
     uint32_t ps[BQ / 16][4], pz[BQ / 16][4];
 #pragma unroll
     for (int kt = 0; kt < BQ / 16; ++kt) {
