@@ -1510,8 +1510,8 @@ CUDA_DENSE = [  # b, hq, hkv, sq, sk, d, causal: odd lengths, Sq != Sk both ways
 @pytest.fixture(params=["default", "wgmma", "mma_sync"])
 def cuda_fwd(request, monkeypatch):
     """The C++ forward kernel under test (PYKERNELS_CUDA_ATTN_SM90, read at each launch): the default (on an sm_90a
-    build and a compute-capability 9.0 device, the warp-specialised wgmma kernel at head dims up to 128, or without a
-    key-only mask), the wgmma kernels without warp specialisation ("1") or the mma.sync kernel ("0")."""
+    build and a compute-capability 9.0 device, the warp-specialised wgmma forward at head dims up to 128), the wgmma
+    kernels without warp specialisation ("1") or the mma.sync kernels ("0")."""
     env = {"wgmma": "1", "mma_sync": "0"}.get(request.param)
     if env is None:
         monkeypatch.delenv("PYKERNELS_CUDA_ATTN_SM90", raising=False)
@@ -1577,6 +1577,10 @@ def test_gpu_cuda_backend_scale_sign(scale, causal, cuda_fwd):
     positive scale, so zero and negative scales take the kernels that scale first."""
     q, k, v = _inputs((2, 3, 200, 64), (2, 3, 200, 64), (2, 3, 200, 64), BF16, "cuda")
     _check_against_ref(q, k, v, causal=causal, scale=scale, backend="cuda")
+    import pykernels._C as ext
+    if cuda_fwd == "default" and bool(ext.sm90a) and torch.cuda.get_device_capability() == (9, 0):
+        names = _cuda_fwd_kernels(q.detach(), k.detach(), v.detach(), is_causal=causal, scale=scale)
+        assert len(names) == 1 and ("attn_fwd_sm90_ws_kernel" in names[0]) == (scale > 0), (scale, names)
 
 
 @pytest.mark.gpu
