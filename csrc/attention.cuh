@@ -38,8 +38,8 @@
 // read through them; a tensor whose rows are not 16-byte aligned is copied); batch and heads up to 65535;
 // int64 offsets throughout.
 // On Hopper (sm_90a build, 9.0 device) the forward and the dQ and dK/dV kernels at head dims up to 128 run on
-// warpgroup MMA instead (use_sm90): the forward is warp-specialised (attn_fwd_sm90_ws_kernel: a producer warpgroup,
-// two consumer warpgroups taking turns, a persistent grid); see the design notes above attn_fwd_sm90_kernel,
+// warpgroup MMA instead (plan_of(p).sm90): the forward is warp-specialised (attn_fwd_sm90_ws_kernel: a producer
+// warpgroup, two consumer warpgroups taking turns, a persistent grid); see the design notes above attn_fwd_sm90_kernel,
 // attn_fwd_sm90_ws_kernel and attn_bwd_dq_sm90_kernel.
 // Measured (H100, graph replay, run223; benchmarks/results/HISTORY.md, twenty-fifth session): BERT-base 281 / 151
 // TFLOP/s forward / backward (FlashAttention-2's 235 / 155, the Triton path's 329 / 292, cuDNN's 352 / 247), key
@@ -314,29 +314,43 @@ __device__ __forceinline__ float key_bias(const Params& p, int b, int j, int sk)
 }
 
 // The keys [lo, hi) of [0, n) outside which batch b's key-only mask masks every key (lo >= hi: it masks them all),
-// found by the block's threads together: the forward and dQ kernels visit only the key blocks that meet it
-template <int NT = kThreads>
-__device__ __forceinline__ int2 key_range(const Params& p, int b, int n, int sk) {
-  __shared__ int range[2];
-  if (threadIdx.x == 0) {
-    range[0] = n;
-    range[1] = 0;
-  }
-  __syncthreads();
+// found by NT threads together (thread tid scans keys tid, tid + NT, ...; each warp reduces by shuffles, then every
+// thread reads the warps' partials from ``red`` (2 NT / 32 ints) after ``sync()``, the threads' barrier): the
+// forward and dQ kernels visit only the key blocks that meet it. ``red`` is read after the barrier, so a caller that
+// calls again alternates two buffers (the warp-specialised producer) or has a barrier between the calls.
+template <int NT, int UNROLL, typename Sync>
+__device__ __forceinline__ int2 key_range(const Params& p, int b, int n, int sk, int tid, int* red, Sync&& sync) {
+  static_assert(NT % 32 == 0, "whole warps");
   int lo = n, hi = 0;
-#pragma unroll 4
-  for (int j = threadIdx.x; j < n; j += NT) {
+#pragma unroll UNROLL
+  for (int j = tid; j < n; j += NT) {
     if (key_bias(p, b, j, sk) != -INFINITY) {
       lo = min(lo, j);
       hi = j + 1;
     }
   }
-  if (lo < hi) {
-    atomicMin(&range[0], lo);
-    atomicMax(&range[1], hi);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
   }
-  __syncthreads();
-  return make_int2(range[0], range[1]);
+  if ((tid & 31) == 0) {
+    red[2 * (tid >> 5)] = lo;
+    red[2 * (tid >> 5) + 1] = hi;
+  }
+  sync();
+#pragma unroll
+  for (int w = 0; w < NT / 32; ++w) {
+    lo = min(lo, red[2 * w]);
+    hi = max(hi, red[2 * w + 1]);
+  }
+  return make_int2(lo, hi);
+}
+// The whole block's (NT threads, __syncthreads)
+template <int NT = kThreads>
+__device__ __forceinline__ int2 key_range(const Params& p, int b, int n, int sk) {
+  __shared__ int red[2 * NT / 32];
+  return key_range<NT, 4>(p, b, n, sk, threadIdx.x, red, [] { __syncthreads(); });
 }
 
 // A key-only mask's addends of key block nb (keys nb BC .. nb BC + BC - 1, a thread a key) go to buf[nb % 2] before
@@ -569,12 +583,11 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
 }
 
 // The forwards on Hopper's warpgroup MMA (sm_90a; every mask mode, dropout, varlen, GQA), which launch_forward takes
-// at head dims up to 128 on a 9.0 device (use_sm90) with PYKERNELS_CUDA_ATTN_SM90=1, or without a mask and with a
-// scale that is not positive (the warp-specialised kernel below takes every other case). Both stage K and V blocks
-// of 64 keys in 128-byte
-// swizzled rows (cp.async, wgmma.cuh), two buffers each, and issue S = Q K^T as a wgmma chain from shared Q and K and
-// O += P V as one from P in registers (S's accumulators, as in the mma.sync kernel) and V in shared memory, read
-// N-major; the softmax, mask, dropout and output rules are the mma.sync kernel's (softmax_block, store_out).
+// at head dims up to 128 on a 9.0 device (plan_of(p).sm90) with PYKERNELS_CUDA_ATTN_SM90=1, or without a mask and
+// with a scale that is not positive (the warp-specialised kernel below takes every other case). Both stage K and V
+// blocks of 64 keys in 128-byte swizzled rows (cp.async, wgmma.cuh), two buffers each, and issue S = Q K^T as a
+// wgmma chain from shared Q and K and O += P V as one from P in registers (S's accumulators, as in the mma.sync
+// kernel) and V in shared memory, read N-major; the softmax, mask, dropout and output rules are the mma.sync kernel's (softmax_block, store_out).
 //   attn_fwd_sm90_kernel (D <= 64): a block of 2 warpgroups (4 warps each) per (128 queries, head, batch), each
 //     warpgroup owning 64 rows, 2 blocks an SM; each warpgroup waits for its S, runs the softmax, then P V. A
 //     warpgroup whose rows all lie above the causal diagonal of a key block, or past the sequence, skips that
@@ -600,15 +613,22 @@ struct FwdSm90Cfg {
 };
 
 // Rows [0, nrows) of an R x D tile from global rows g + r * stride into 128-byte swizzled rows at shared address s
-// (columns past d and rows past nrows zero-filled)
-template <typename T, int R, int D, int NT>
+// (columns past d and rows past nrows zero-filled), by NT threads: thread tid copies column chunk tid % C of rows
+// tid / C + k NT / C, so its swizzled offsets are one constant apart. UNROLL: the warp-specialised producer (56
+// registers) keeps the loop rolled.
+template <typename T, int R, int D, int NT, int UNROLL = 4>
 __device__ __forceinline__ void load_tile_sw128(uint32_t s, const T* g, int64_t stride, int nrows, int d, int tid) {
-  constexpr int C = D / 8;
-#pragma unroll 4
-  for (int i = tid; i < R * C; i += NT) {
-    const int r = i / C, c = i % C;
-    const bool ok = r < nrows && c * 8 < d;
-    cp_async16(s + sw128_offset(R, r, c * 8), ok ? g + r * stride + c * 8 : g, ok);
+  constexpr int C = D / 8, RS = NT / C;  // column chunks a row; rows a pass (a multiple of 8)
+  static_assert(NT % C == 0 && RS % 8 == 0 && R % RS == 0, "tile shape");
+  const int c = tid % C, r0 = tid / C;
+  const bool col_ok = c * 8 < d;
+  const T* src = g + r0 * stride + c * 8;
+  const uint32_t dst = s + sw128_offset(R, r0, c * 8);
+#pragma unroll UNROLL
+  for (int k = 0; k < R / RS; ++k) {
+    const bool ok = col_ok && r0 + k * RS < nrows;
+    cp_async16(dst + k * RS * 128, ok ? src : g, ok);
+    src += RS * stride;
   }
 }
 
@@ -888,24 +908,6 @@ struct FwdWsCfg {
   static constexpr size_t smem() { return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES + NBAR * 8 + EXTRA; }
 };
 
-// The producer warpgroup's copy of rows [0, nrows) of an R x D tile (as load_tile_sw128, 128 threads): thread tid
-// takes column chunk tid % C of rows tid / C + k 128 / C, so its swizzled offsets are one constant apart
-template <typename T, int R, int D>
-__device__ __forceinline__ void load_tile_ws(uint32_t s, const T* g, int64_t stride, int nrows, int d, int tid) {
-  constexpr int C = D / 8, RS = 128 / C;  // column chunks a row; rows a pass (a multiple of 8)
-  static_assert(RS % 8 == 0 && R % RS == 0, "tile shape");
-  const int c = tid % C, r0 = tid / C;
-  const bool col_ok = c * 8 < d;
-  const T* src = g + r0 * stride + c * 8;
-  const uint32_t dst = s + sw128_offset(R, r0, c * 8);
-#pragma unroll 1
-  for (int k = 0; k < R / RS; ++k) {
-    const bool ok = col_ok && r0 + k * RS < nrows;
-    cp_async16(dst + k * RS * 128, ok ? src : g, ok);
-    src += RS * stride;
-  }
-}
-
 // Tile t of the persistent walk: (query tile, head, batch), query tiles fastest (a head's K and V stay in L2),
 // causal tiles longest first
 struct Tile {
@@ -984,35 +986,17 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
       const int hk = x.h / p.group;
       const int qb = qi & 1;
       mbar_wait(q_empty(qb), ((qi >> 1) & 1) ^ 1);
-      load_tile_ws<T, BM, D>(sQ + qb * C::QBYTES,
+      load_tile_sw128<T, BM, D, 128, 1>(sQ + qb * C::QBYTES,
                                      static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + (s.q_off + q0) * p.q_ss,
                                      p.q_ss, min(BM, s.sq - q0), p.d, tid);
       cp_async_arrive(q_full(qb));
       const T* K = static_cast<const T*>(p.k) + x.b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
       const T* V = static_cast<const T*>(p.v) + x.b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
       int nb0 = 0, nb1 = n_blocks(s, q0);
-      if constexpr (kKeys) {  // the valid keys [lo, hi) of [0, n_end) (key_range's rule, on this warpgroup)
+      if constexpr (kKeys) {  // the valid keys [lo, hi) of [0, n_end), found by this warpgroup
         const int n_end = p.causal ? min(s.sk, q0 + BM) : s.sk;
-        int lo = n_end, hi = 0;
-        for (int j = tid; j < n_end; j += 128) {
-          if (key_bias(p, x.b, j, s.sk) != -INFINITY) {
-            lo = min(lo, j);
-            hi = j + 1;
-          }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-          hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-        }
-        int* red = sred + qb * 8;
-        if (lane == 0) {
-          red[2 * (tid >> 5)] = lo;
-          red[2 * (tid >> 5) + 1] = hi;
-        }
-        named_sync(kProducer, 128);
-        lo = min(min(red[0], red[2]), min(red[4], red[6]));
-        hi = max(max(red[1], red[3]), max(red[5], red[7]));
+        const int2 r = key_range<128, 1>(p, x.b, n_end, s.sk, tid, sred + qb * 8, [] { named_sync(kProducer, 128); });
+        const int lo = r.x, hi = r.y;
         nb0 = lo / BN;
         nb1 = lo < hi ? (hi + BN - 1) / BN : nb0;
         if (tid == 0) {
@@ -1026,7 +1010,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
         const int st = g % S, k0 = nb * BN, n = min(BN, s.sk - k0);
         const uint32_t ph = ((g / S) & 1) ^ 1;
         mbar_wait(k_empty(st), ph);
-        load_tile_ws<T, BN, D>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
+        load_tile_sw128<T, BN, D, 128, 1>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
         cp_async_arrive(k_full(st));
         if constexpr (kKeys) {
           const float kb = key_bias(p, x.b, k0 + tid, s.sk);
@@ -1035,7 +1019,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
           mbar_arrive(k_full(st));
         }
         mbar_wait(v_empty(st), ph);
-        load_tile_ws<T, BN, D>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
+        load_tile_sw128<T, BN, D, 128, 1>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
         cp_async_arrive(v_full(st));
       }
     }
@@ -1378,7 +1362,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 }
 
 // The backward's dQ and dK/dV kernels on warpgroup MMA (sm_90a, head dims up to 128; launch_backward takes them
-// where use_sm90 holds), with the mma.sync kernels' element rules (ds_rows, dst_rows) and no atomics:
+// where plan_of(p).sm90 holds), with the mma.sync kernels' element rules (ds_rows, dst_rows) and no atomics:
 //   dQ: one warpgroup a block of 64 queries (3 blocks an SM at D = 64, 2 above); key blocks of 64 double-buffered in
 //       swizzled rows as in the forward; S = Q K^T and dP = dO V^T are two wgmma chains from shared memory, dQ += dS
 //       K one from dS in registers with K read N-major.
@@ -1700,15 +1684,24 @@ inline int sm90_choice() {
   return kSm90Default;
 }
 
-// Whether the forward and backward run their warpgroup-MMA kernels (attn_fwd_sm90_ws_kernel and the rest): a build
-// with sm_90a code (PYKERNELS_SM90A: setup.py's default TORCH_CUDA_ARCH_LIST), a device of compute capability 9.0,
-// a head dim up to 128, and PYKERNELS_CUDA_ATTN_SM90 not "0"
-inline bool use_sm90(const Params& p) {
+// Which kernels a launch runs, read once a launch: ``sm90`` whether the forward and backward run their warpgroup-MMA
+// kernels (attn_fwd_sm90_ws_kernel and the rest: a build with sm_90a code, PYKERNELS_SM90A from setup.py's default
+// TORCH_CUDA_ARCH_LIST; a device of compute capability 9.0; a head dim up to 128; PYKERNELS_CUDA_ATTN_SM90 not "0"),
+// ``choice`` the environment's Sm90Choice, ``sms`` the device's SM count (the persistent grid)
+struct Plan {
+  bool sm90;
+  int choice;
+  int sms;
+};
+inline Plan plan_of(const Params& p) {
 #if defined(PYKERNELS_SM90A)
-  return p.d <= 128 && sm90_choice() != kSm90Off && device_info().hopper;
+  const int choice = sm90_choice();
+  if (p.d > 128 || choice == kSm90Off) return Plan{false, choice, 0};
+  const DeviceInfo info = device_info();
+  return Plan{info.hopper, choice, info.sms};
 #else
   (void)p;
-  return false;
+  return Plan{false, kSm90Off, 0};
 #endif
 }
 
@@ -1716,16 +1709,17 @@ inline unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + k
 
 template <typename T>
 void launch_forward(const Params& p, cudaStream_t stream) {
-  if (use_sm90(p)) {
+  const Plan plan = plan_of(p);
+  if (plan.sm90) {
     dispatch_mask_mode(p, [&](auto mode) {
       constexpr int M = decltype(mode)::value;
       // the warp-specialised kernel, persistent (unmasked: raw scores, so a positive scale; softmax_block)
-      if (sm90_choice() == kSm90Default && (M != kModeNone || p.scale_log2 > 0.f)) {
+      if (plan.choice == kSm90Default && (M != kModeNone || p.scale_log2 > 0.f)) {
         const auto ws = [&](auto dc) {
           constexpr int D = decltype(dc)::value;
           using C = FwdWsCfg<D>;
           const int64_t tiles = static_cast<int64_t>((p.sq + C::BM - 1) / C::BM) * p.hq * p.batch;
-          const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, device_info().sms)));
+          const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, plan.sms)));
           launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), p, stream, C::NT);
         };
         if (p.d <= 64)
@@ -1771,7 +1765,7 @@ template <typename T>
 void launch_backward(const Params& p, cudaStream_t stream) {
   const dim3 qgrid(blocks_of(p.sq), static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
   launch(attn_bwd_pre_kernel<T>, qgrid, 0, p, stream);
-  if (use_sm90(p)) {
+  if (plan_of(p).sm90) {
     dispatch_mask_mode(p, [&](auto mode) {
       constexpr int M = decltype(mode)::value;
       if (p.d <= 64)
