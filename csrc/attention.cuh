@@ -1174,29 +1174,42 @@ __device__ __forceinline__ void dst_rows(const Params& p, float (&st)[BQ / 8][4]
   });
 }
 
-// delta = rowsum(dO * O) in fp32; a warp a row, a lane a 16-byte pack (D <= 256)
-template <typename T>
+// delta = rowsum(dO * O) in fp32: L lanes a row (a 16-byte pack each; L 8 / 16 / 32 for D <= 64 / 128 / 256), each
+// warp 16 rows, up to 4 of a lane's rows loaded at once (a warp a row, one load at a time, ran at half the card's
+// bandwidth: 34 us of the BERT-base backward's 349, run225)
+template <typename T, int L>
 __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  constexpr int n = Pack<T>::n;                          // elements a 16-byte chunk
+  constexpr int RPW = 32 / L, ROWS = kRows / 4 / RPW;  // rows a warp a pass; passes (16 rows a warp)
+  constexpr int BATCH = ROWS < 4 ? ROWS : 4;             // passes whose loads are in flight together
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane % L;
   const int h = blockIdx.y, b = blockIdx.z;
   const Seq s = seq_of(p, b);
-  constexpr int n = Pack<T>::n;
-  for (int r = 0; r < kRows / 4; ++r) {
-    const int i = blockIdx.x * kRows + warp * (kRows / 4) + r;
-    if (i >= s.sq) return;
-    float acc = 0.f;
-    if (lane * n < p.d) {
-      const T* O = static_cast<const T*>(p.o) + b * p.o_sb + h * p.o_sh + (s.q_off + i) * p.o_ss + lane * n;
-      const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + i) * p.do_ss + lane * n;
-      float fo[n], fd[n];
-      unpack<T>(*reinterpret_cast<const uint4*>(O), fo);
-      unpack<T>(*reinterpret_cast<const uint4*>(dO), fd);
+  const int i0 = blockIdx.x * kRows + warp * (kRows / 4) + lane / L;  // this lane's first row; then + k RPW
+  const bool col_ok = c * n < p.d;
+  const T* O = static_cast<const T*>(p.o) + b * p.o_sb + h * p.o_sh + (s.q_off + i0) * p.o_ss + c * n;
+  const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + i0) * p.do_ss + c * n;
+  float* const delta = p.delta + b * p.lse_sb + h * p.lse_sh + s.q_off + i0;
 #pragma unroll
-      for (int e = 0; e < n; ++e) acc += fo[e] * fd[e];
+  for (int k0 = 0; k0 < ROWS; k0 += BATCH) {
+    uint4 ro[BATCH], rd[BATCH];
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) {
+      const bool ok = col_ok && i0 + (k0 + k) * RPW < s.sq;
+      ro[k] = ok ? *reinterpret_cast<const uint4*>(O + (k0 + k) * RPW * p.o_ss) : make_uint4(0u, 0u, 0u, 0u);
+      rd[k] = ok ? *reinterpret_cast<const uint4*>(dO + (k0 + k) * RPW * p.do_ss) : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) p.delta[b * p.lse_sb + h * p.lse_sh + s.q_off + i] = acc;
+    for (int k = 0; k < BATCH; ++k) {
+      float fo[n], fd[n], acc = 0.f;
+      unpack<T>(ro[k], fo);
+      unpack<T>(rd[k], fd);
+#pragma unroll
+      for (int e = 0; e < n; ++e) acc += fo[e] * fd[e];
+#pragma unroll
+      for (int off = L / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (c == 0 && i0 + (k0 + k) * RPW < s.sq) delta[(k0 + k) * RPW] = acc;
+    }
   }
 }
 
@@ -1528,8 +1541,17 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
   const int heads = !keys || __syncthreads_or(kb[0] != -INFINITY || kb[1] != -INFINITY) ? p.group : 0;
   const int nqb = q_first < s.sq ? (s.sq - q_first + BQ - 1) / BQ : 0;  // query blocks a head
   const int total = heads * nqb;                                        // iterations: (head, query block)
-  const auto load_q = [&](int it, int u) {  // iteration it's Q, dO tiles (cp.async), lse and delta into buffer u
-    const int h = hk * p.group + it / nqb, qs = q_first + (it % nqb) * BQ, nq = min(BQ, s.sq - qs);
+  // the iterations walk (head, query block) query blocks fastest: (h, qs) steps to the next by ``advance`` (a division
+  // by nqb an iteration cost more than it saves)
+  const auto advance = [&](int& h, int& qs) {
+    qs += BQ;
+    if (qs >= s.sq) {
+      qs = q_first;
+      ++h;
+    }
+  };
+  const auto load_q = [&](int h, int qs, int u) {  // (h, qs)'s Q, dO tiles (cp.async), lse and delta into buffer u
+    const int nq = min(BQ, s.sq - qs);
     const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + qs) * p.q_ss;
     const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + qs) * p.do_ss;
     load_tile_sw128<T, BQ, D, NT>(sQ + u * C::QBYTES, Q, p.q_ss, nq, p.d, tid);
@@ -1540,15 +1562,23 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
       sD[u][tid] = tid < nq ? p.delta[lrow + tid] : 0.f;
     }
   };
-  if (total > 0) load_q(0, 0);
+  int h = hk * p.group, qs = q_first;  // this iteration's head and first query
+  int lh = h, lqs = qs;                 // the next load's
+  if (total > 0) {
+    load_q(lh, lqs, 0);
+    advance(lh, lqs);
+  }
   cp_async_commit();  // {K, V, the first query block}
 
   float dk[D / 8][4], dv[D / 8][4];
   zero(dk);
   zero(dv);
-  for (int it = 0; it < total; ++it) {
-    const int u = it & 1, h = hk * p.group + it / nqb, qs = q_first + (it % nqb) * BQ;
-    if (it + 1 < total) load_q(it + 1, u ^ 1);  // (its buffer was freed by the last iteration's final barrier)
+  for (int it = 0; it < total; ++it, advance(h, qs)) {
+    const int u = it & 1;
+    if (it + 1 < total) {  // (its buffer was freed by the last iteration's final barrier)
+      load_q(lh, lqs, u ^ 1);
+      advance(lh, lqs);
+    }
     cp_async_commit();
     cp_async_wait<1>();  // K, V and this query block
     fence_async_smem();
@@ -1764,7 +1794,12 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
 template <typename T>
 void launch_backward(const Params& p, cudaStream_t stream) {
   const dim3 qgrid(blocks_of(p.sq), static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-  launch(attn_bwd_pre_kernel<T>, qgrid, 0, p, stream);
+  if (p.d <= 64)
+    launch(attn_bwd_pre_kernel<T, 8>, qgrid, 0, p, stream);
+  else if (p.d <= 128)
+    launch(attn_bwd_pre_kernel<T, 16>, qgrid, 0, p, stream);
+  else
+    launch(attn_bwd_pre_kernel<T, 32>, qgrid, 0, p, stream);
   if (plan_of(p).sm90) {
     dispatch_mask_mode(p, [&](auto mode) {
       constexpr int M = decltype(mode)::value;
