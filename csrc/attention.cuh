@@ -1550,7 +1550,12 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
       ++h;
     }
   };
-  const auto load_q = [&](int h, int qs, int u) {  // (h, qs)'s Q, dO tiles (cp.async), lse and delta into buffer u
+  // (h, qs)'s Q, dO tiles into buffer u (cp.async), its lse (log2 units) and delta into registers of threads
+  // tid < BQ (ld_lse, ld_delta), stored to sL / sD [u] by put_stats after the iteration's products, so that their
+  // latency hides behind them (stored at once, warp 0 stalled on the loads an iteration while the others waited at
+  // the barrier: run225's profile)
+  float ld_lse = INFINITY, ld_delta = 0.f;
+  const auto load_q = [&](int h, int qs, int u) {
     const int nq = min(BQ, s.sq - qs);
     const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + qs) * p.q_ss;
     const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + qs) * p.do_ss;
@@ -1558,14 +1563,21 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
     load_tile_sw128<T, BQ, D, NT>(sO + u * C::QBYTES, dO, p.do_ss, nq, p.d, tid);
     if (tid < BQ) {
       const int64_t lrow = b * p.lse_sb + h * p.lse_sh + s.q_off + qs;
-      sL[u][tid] = tid < nq ? lse_log2(p.lse[lrow + tid]) : INFINITY;
-      sD[u][tid] = tid < nq ? p.delta[lrow + tid] : 0.f;
+      ld_lse = tid < nq ? p.lse[lrow + tid] : -INFINITY;
+      ld_delta = tid < nq ? p.delta[lrow + tid] : 0.f;
+    }
+  };
+  const auto put_stats = [&](int u) {
+    if (tid < BQ) {
+      sL[u][tid] = lse_log2(ld_lse);  // (-inf: a row past the block, or one whose every key is masked)
+      sD[u][tid] = ld_delta;
     }
   };
   int h = hk * p.group, qs = q_first;  // this iteration's head and first query
   int lh = h, lqs = qs;                 // the next load's
   if (total > 0) {
     load_q(lh, lqs, 0);
+    put_stats(0);
     advance(lh, lqs);
   }
   cp_async_commit();  // {K, V, the first query block}
@@ -1627,7 +1639,8 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
     wgmma_wait_all();
     fence_acc(dk);
     fence_acc(dv);
-    __syncthreads();  // every warp is done with buffer u
+    if (it + 1 < total) put_stats(u ^ 1);
+    __syncthreads();  // every warp is done with buffer u (and the next iteration's lse and delta are stored)
   }
   cp_async_wait<0>();  // (no query block: the K / V loads)
   store_rows<T, D>(p.dk, p.dk_sb, p.dk_sh, p.dk_ss, dk, p.scale, b, hk, key, s.k_off, s.sk, 0, p.d, t4);
