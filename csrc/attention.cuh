@@ -1392,20 +1392,19 @@ struct DqSm90Cfg {
   static constexpr int NWG = 1;  // warpgroups a block
   static constexpr int BM = 64 * NWG, BN = 64, NT = 128 * NWG;
   static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
-  static constexpr int STAGES = D == 64 ? 3 : 2;  // K / V buffers (3 at D = 128 would not fit 2 blocks an SM)
   static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
-  static constexpr size_t smem() { return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES; }  // Q, dO, the K and V rings
+  static constexpr size_t smem() { return 1024 + 2 * QBYTES + 4 * KVBYTES; }  // Q, dO, 2 buffers of K and V
 };
 
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(DqSm90Cfg<D>::NT, DqSm90Cfg<D>::MIN_BLOCKS) attn_bwd_dq_sm90_kernel(const Params p) {
 #if defined(PK_WGMMA)
   using C = DqSm90Cfg<D>;
-  constexpr int BM = C::BM, BN = C::BN, NT = C::NT, S = C::STAGES;
+  constexpr int BM = C::BM, BN = C::BN, NT = C::NT;
   constexpr bool kKeys = MODE == kModeKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sO = sQ + C::QBYTES, sK = sO + C::QBYTES, sV = sK + S * C::KVBYTES;  // (dO; buffer st at + st KVBYTES)
+  const uint32_t sO = sQ + C::QBYTES, sK = sO + C::QBYTES, sV = sK + 2 * C::KVBYTES;  // (dO; buffer st at + st KVBYTES)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int wg = warp >> 2;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
@@ -1443,24 +1442,20 @@ __global__ void __launch_bounds__(DqSm90Cfg<D>::NT, DqSm90Cfg<D>::MIN_BLOCKS) at
     load_tile_sw128<T, BN, D, NT>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
     load_tile_sw128<T, BN, D, NT>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
   };
-#pragma unroll
-  for (int u = 0; u < S - 1; ++u) {  // the first S - 1 key blocks, a commit group each
-    if (nb0 + u < nb1) load_kv(nb0 + u, u);
-    cp_async_commit();
-  }
+  if (nb0 < nb1) load_kv(nb0, 0);
+  cp_async_commit();
 
   float dq[D / 8][4];
   zero(dq);
   const uint32_t q_base = sQ + wg * 64 * 128, o_base = sO + wg * 64 * 128;
-  for (int nb = nb0, st = 0; nb < nb1; ++nb, st = st == S - 1 ? 0 : st + 1) {
-    const int k0 = nb * BN;
-    // block nb + S - 1 into the last iteration's buffer (freed by its final barrier)
-    if (nb + S - 1 < nb1) load_kv(nb + S - 1, st == 0 ? S - 1 : st - 1);
+  for (int nb = nb0; nb < nb1; ++nb) {
+    const int k0 = nb * BN, st = (nb - nb0) & 1;
+    if (nb + 1 < nb1) load_kv(nb + 1, st ^ 1);  // (its buffer was freed by the last iteration's final barrier)
     cp_async_commit();
     if constexpr (kKeys) {
       if (nb + 1 < nb1) key_addends(p, skb, kb_next, nb + 1, nb1, b, s.sk);
     }
-    cp_async_wait<S - 1>();  // Q, dO and this block's K and V
+    cp_async_wait<1>();  // Q, dO and this block's K and V
     fence_async_smem();
     __syncthreads();
     if (qw < s.sq && !(p.causal && k0 > qw + 63)) {  // the warpgroup has a row that sees a key here
@@ -1517,20 +1512,19 @@ struct DkdvSm90Cfg {
   static constexpr int BQ = 32;                  // queries an iteration
   static constexpr int NT = 128;
   static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
-  static constexpr int STAGES = 3;  // Q / dO buffers: query blocks loaded two iterations ahead
   static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2;
-  static constexpr size_t smem() { return 1024 + 2 * KBYTES + 2 * STAGES * QBYTES; }  // K, V, the Q and dO rings
+  static constexpr size_t smem() { return 1024 + 2 * KBYTES + 4 * QBYTES; }  // K, V, 2 buffers of Q and dO
 };
 
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS) attn_bwd_dkdv_sm90_kernel(const Params p) {
 #if defined(PK_WGMMA)
   using C = DkdvSm90Cfg<D>;
-  constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT, S = C::STAGES;
+  constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + S * C::QBYTES;  // (buffer u at + u QBYTES)
-  __shared__ float sL[S][BQ], sD[S][BQ];  // the query blocks' lse (log2 units) and delta
+  const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
+  __shared__ float sL[2][BQ], sD[2][BQ];  // the query block's lse (log2 units) and delta
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int k0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
   const Seq s = seq_of(p, b);
@@ -1581,27 +1575,24 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
   };
   int h = hk * p.group, qs = q_first;  // this iteration's head and first query
   int lh = h, lqs = qs;                 // the next load's
-#pragma unroll
-  for (int u = 0; u < S - 1; ++u) {  // the first S - 1 query blocks; commit groups {K, V, block 0}, {block 1}, ...
-    if (u < total) {
-      load_q(lh, lqs, u);
-      put_stats(u);
-      advance(lh, lqs);
-    }
-    cp_async_commit();
+  if (total > 0) {
+    load_q(lh, lqs, 0);
+    put_stats(0);
+    advance(lh, lqs);
   }
+  cp_async_commit();  // {K, V, the first query block}
 
   float dk[D / 8][4], dv[D / 8][4];
   zero(dk);
   zero(dv);
-  for (int it = 0, u = 0; it < total; ++it, advance(h, qs), u = u == S - 1 ? 0 : u + 1) {
-    const int ul = u == 0 ? S - 1 : u - 1;  // the buffer of query block it + S - 1 (iteration it - 1's)
-    if (it + S - 1 < total) {  // (its buffer was freed by the last iteration's final barrier)
-      load_q(lh, lqs, ul);
+  for (int it = 0; it < total; ++it, advance(h, qs)) {
+    const int u = it & 1;
+    if (it + 1 < total) {  // (its buffer was freed by the last iteration's final barrier)
+      load_q(lh, lqs, u ^ 1);
       advance(lh, lqs);
     }
     cp_async_commit();
-    cp_async_wait<S - 1>();  // K, V and this query block
+    cp_async_wait<1>();  // K, V and this query block
     fence_async_smem();
     __syncthreads();
     const uint32_t q_base = sQ + u * C::QBYTES, o_base = sO + u * C::QBYTES;
@@ -1648,8 +1639,8 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
     wgmma_wait_all();
     fence_acc(dk);
     fence_acc(dv);
-    if (it + S - 1 < total) put_stats(ul);
-    __syncthreads();  // every warp is done with buffer u (and block it + S - 1's lse and delta are stored)
+    if (it + 1 < total) put_stats(u ^ 1);
+    __syncthreads();  // every warp is done with buffer u (and the next iteration's lse and delta are stored)
   }
   cp_async_wait<0>();  // (no query block: the K / V loads)
   store_rows<T, D>(p.dk, p.dk_sb, p.dk_sh, p.dk_ss, dk, p.scale, b, hk, key, s.k_off, s.sk, 0, p.d, t4);
