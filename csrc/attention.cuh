@@ -41,9 +41,9 @@
 // warpgroup MMA instead (plan_of(p).sm90): the forward is warp-specialised (attn_fwd_sm90_ws_kernel: a producer
 // warpgroup, two consumer warpgroups taking turns, a persistent grid); see the design notes above attn_fwd_sm90_kernel,
 // attn_fwd_sm90_ws_kernel and attn_bwd_dq_sm90_kernel.
-// Measured (H100, graph replay, run223; benchmarks/results/HISTORY.md, twenty-fifth session): BERT-base 281 / 151
-// TFLOP/s forward / backward (FlashAttention-2's 235 / 155, the Triton path's 329 / 292, cuDNN's 352 / 247), key
-// padding 236 / 156, GPT-2 193 / 126, so pykernels takes it only when named. Every element test (the tile's edge:
+// Measured (H100, graph replay, run228; benchmarks/results/HISTORY.md, twenty-sixth session): BERT-base 281 / 214
+// TFLOP/s forward / backward (FlashAttention-2's 236 / 156, the Triton path's 329 / 294, cuDNN's 354 / 248), key
+// padding 235 / 213, GPT-2 194 / 177, so pykernels takes it only when named. Every element test (the tile's edge:
 // keys past the sequence or above the diagonal; dropout; the mask's kind) is a compile-time flag split at the call
 // (with_flag) or a template mask mode: as run-time tests inside the unrolled element loops they compiled to
 // branches that cost the forward 30% and the backward 35% (run215-216, run219). The mma.sync kernels: the mask
@@ -582,12 +582,13 @@ __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
   store_out<T, D>(p, o, m, l, b, h, row, s, t4);
 }
 
-// The forwards on Hopper's warpgroup MMA (sm_90a; every mask mode, dropout, varlen, GQA), which launch_forward takes
-// at head dims up to 128 on a 9.0 device (plan_of(p).sm90) with PYKERNELS_CUDA_ATTN_SM90=1, or without a mask and
-// with a scale that is not positive (the warp-specialised kernel below takes every other case). Both stage K and V
-// blocks of 64 keys in 128-byte swizzled rows (cp.async, wgmma.cuh), two buffers each, and issue S = Q K^T as a
-// wgmma chain from shared Q and K and O += P V as one from P in registers (S's accumulators, as in the mma.sync
-// kernel) and V in shared memory, read N-major; the softmax, mask, dropout and output rules are the mma.sync kernel's (softmax_block, store_out).
+// The forwards on Hopper's warpgroup MMA (sm_90a; every mask mode, dropout, varlen, GQA), which launch_forward takes at
+// head dims up to 128 on a 9.0 device (plan_of(p).sm90) with PYKERNELS_CUDA_ATTN_SM90=1, or without a mask and with a
+// scale that is not positive (the warp-specialised kernel below takes every other case). Both stage K and V blocks of
+// 64 keys in 128-byte swizzled rows (cp.async, wgmma.cuh), two buffers each, and issue S = Q K^T as a wgmma chain from
+// shared Q and K and O += P V as one from P in registers (S's accumulators, as in the mma.sync kernel) and V in shared
+// memory, read N-major; the softmax, mask, dropout and output rules are the mma.sync kernel's (softmax_block,
+// store_out).
 //   attn_fwd_sm90_kernel (D <= 64): a block of 2 warpgroups (4 warps each) per (128 queries, head, batch), each
 //     warpgroup owning 64 rows, 2 blocks an SM; each warpgroup waits for its S, runs the softmax, then P V. A
 //     warpgroup whose rows all lie above the causal diagonal of a key block, or past the sequence, skips that
@@ -887,13 +888,16 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // Measured (H100, graph replay, TFLOP/s forward, run222; the plain wgmma kernels above in the same call): BERT-base
 // 286 (217), key padding 241 (209), GPT-2 195 (159), S2048 D128 causal 386 (233); before the warpgroup index was
 // made warp-uniform (ptxas had serialized the chains in the role branch, C7520) 242 / 241 / 162 / 317 (run217).
-// Tried and not kept: 4 ring slots at D = 64 (run215: no change); the previous block's P V left in flight during the
-// softmax, O's rescale moved before it (FlashAttention-3's intra-warpgroup overlap; run218: 0.98x BERT-base, 0.88x key
-// padding); a tile's last P V issued with the next tile's first S at D = 64, consumers at 232 registers (run219: 0.97x
-// BERT-base, 0.85x key padding). Both were measured while the chains were still serialized (C7520): worth trying
-// again. The profile before the edge split (run215, Nsight Compute) put 24% of the samples on the producer's waits for
-// free slots (idle, as it should be) and 12% on branch resolution in the consumers' element loops, which with_flag
-// removed.
+// Tried and not kept: 4 ring slots at D = 64 (run215: no change); FlashAttention-3's intra-warpgroup overlap (S_j and
+// P_{j-1} V_{j-1} in two commit groups, wait_group 1 before the softmax, O rescaled after both: run224, measured with
+// the chains unserialized, 0.95x BERT-base, 0.93x key padding, 0.96x GPT-2, 0.94x S2048 D128 causal: with two consumers
+// taking turns the tensor cores are already fed during a softmax); a tile's last P V issued with the next tile's first
+// S at D = 64, consumers at 232 registers (run219: 0.97x BERT-base, 0.85x key padding, measured while the chains were
+// serialized; rebuilt on the current kernel, ptxas serializes its chains again, C7520, even with the merge compiled
+// out, so it was not re-measured). (In the overlap variant an empty second commit group on a tile's first block kept
+// the chains whole; a branch around that commit made ptxas serialize them, C7514.) The profile before the edge split
+// (run215, Nsight Compute) put 24% of the samples on the producer's waits for free slots (idle, as it should be) and
+// 12% on branch resolution in the consumers' element loops, which with_flag removed.
 template <int D>
 struct FwdWsCfg {
   static constexpr int BM = 128;  // query rows a tile: two consumer warpgroups of 64
@@ -1385,8 +1389,14 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 // Measured (H200, graph replay, backward TFLOP/s; the mma.sync kernels' in the same call: 102 / 104 / 81 / 114):
 // BERT-base 113, key padding 115, GPT-2 92, S2048 D128 causal 144 (run212); with 2 warpgroups a dQ block at D = 64
 // and 64-query blocks in dK/dV (2 blocks an SM) 112 / 114 / 87 / 145 (run211). Each warpgroup waits for its chains
-// (no overlap of the softmax-like element work with its own MMA), which leaves it at about 0.4x the Triton path's
-// backward; FlashAttention-3's producer warp, ping-pong and pipelining are what is left.
+// (no overlap of the softmax-like element work with its own MMA), which left it at about 0.4x the Triton path's
+// backward. What held it there was index work more than MMA: a profile of BERT-base (run225: dK/dV 209 us, dQ 106,
+// delta 34 of 349) found IMAD the most issued opcode of dK/dV (18%) and barrier waits its largest stall (27%). One
+// tile loader that computes a thread's addresses once (the old loop divided by the chunk count every copy), the
+// delta kernel's L lanes a row, the (head, query block) walk without a division and the lse / delta loads taken off
+// warp 0's path took the backward to 214 / 213 / 177 / 255 TFLOP/s on an H100 (run226-228; 0.73x the Triton path's
+// at BERT-base). Three-deep Q / dO and K / V rings changed nothing (run230). FlashAttention-3's producer warp,
+// ping-pong and dQ by atomics in the dK/dV kernel (two GEMMs of seven fewer) are what is left.
 template <int D>
 struct DqSm90Cfg {
   static constexpr int NWG = 1;  // warpgroups a block
