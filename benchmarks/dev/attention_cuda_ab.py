@@ -1,5 +1,5 @@
 """The CUDA C++ attention's speed on the quick shapes, for an A/B of two builds in one device call (build one,
-run this with its label, rebuild, run it again): CUDA-graph replay of the forward and of forward+backward
+run this with its label, rebuild, run it again: ``attention_cuda_ab_builds.sh`` does both builds): CUDA-graph replay of the forward and of forward+backward
 (``benchmarks/attention.py``'s ``graph_time``), TFLOP/s as that script counts them, bf16.
 
 Usage (GPU): ``python benchmarks/dev/attention_cuda_ab.py LABEL [--fwd-kernels]``. One line a shape:
