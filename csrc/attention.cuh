@@ -693,16 +693,7 @@ __global__ void __launch_bounds__(FwdSm90Cfg<D>::NT, FwdSm90Cfg<D>::MIN_BLOCKS) 
       const uint32_t k_base = sK + st * C::KVBYTES, v_base = sV + st * C::KVBYTES;
       float sc[BN / 8][4];
       wgmma_fence();
-#pragma unroll
-      for (int kt = 0; kt < D / 16; ++kt) {  // S = Q K^T
-        const uint32_t col = (kt >> 2) * 1u, kk = (kt & 3) * 32u;
-        const uint64_t da = gmma_desc<16, 1024>(q_base + col * BM * 128 + kk);
-        const uint64_t db = gmma_desc<16, 1024>(k_base + col * BN * 128 + kk);
-        if (kt == 0)
-          wgmma_ss_first<T, BN>(sc, da, db);
-        else
-          wgmma_ss<T, BN>(sc, da, db);
-      }
+      wgmma_chain_ss<T, BN, D, BM, BN>(sc, q_base, k_base);  // S = Q K^T
       wgmma_commit();
       wgmma_wait_all();
       fence_acc(sc);
@@ -797,16 +788,7 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
   const auto issue_s = [&](float(&acc)[BN / 8][4], int nb) {
     const uint32_t k_base = sK + (nb & 1) * C::KVBYTES;
     wgmma_fence();
-#pragma unroll
-    for (int kt = 0; kt < D / 16; ++kt) {
-      const uint32_t col = kt >> 2, kk = (kt & 3) * 32u;
-      const uint64_t da = gmma_desc<16, 1024>(sQ + col * BM * 128 + kk);
-      const uint64_t db = gmma_desc<16, 1024>(k_base + col * BN * 128 + kk);
-      if (kt == 0)
-        wgmma_ss_first<T, BN>(acc, da, db);
-      else
-        wgmma_ss<T, BN>(acc, da, db);
-    }
+    wgmma_chain_ss<T, BN, D, BM, BN>(acc, sQ, k_base);
     wgmma_commit();
   };
   // one key block: cur holds its S; the next block's S is issued into nxt before the softmax and lands by the end
@@ -1072,17 +1054,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
       named_sync(kTurn + cw, 256);
       fence_acc(o);
       wgmma_fence();
-      const uint32_t k_base = sK + st * C::KVBYTES;
-#pragma unroll
-      for (int kt = 0; kt < D / 16; ++kt) {  // S = Q K^T
-        const uint32_t col = kt >> 2, kk = (kt & 3) * 32u;
-        const uint64_t da = gmma_desc<16, 1024>(q_base + col * BM * 128 + kk);
-        const uint64_t db = gmma_desc<16, 1024>(k_base + col * BN * 128 + kk);
-        if (kt == 0)
-          wgmma_ss_first<T, BN>(sc, da, db);
-        else
-          wgmma_ss<T, BN>(sc, da, db);
-      }
+      wgmma_chain_ss<T, BN, D, BM, BN>(sc, q_base, sK + st * C::KVBYTES);  // S = Q K^T
       if (nb > nb0) issue_pv(pst);
       wgmma_commit();
       named_arrive(kTurn + (cw ^ 1), 256);

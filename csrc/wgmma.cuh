@@ -392,6 +392,23 @@ __device__ __forceinline__ void wgmma_ss_first<__nv_bfloat16, 128>(float (&d)[16
         "=f"(d[14][3]), "=f"(d[15][0]), "=f"(d[15][1]), "=f"(d[15][2]), "=f"(d[15][3])
       : "l"(da), "l"(db), "r"(0));
 }
+
+// acc = A B^T, one wgmma chain over D / 16 k-steps (issued, not committed): A's rows at shared address a, B's at b,
+// both K-major in 128-byte swizzled rows (sw128_offset) of AR and BR rows a 64-column region; the first k-step
+// overwrites acc. S = Q K^T in the forward kernels.
+template <typename T, int N, int D, int AR, int BR>
+__device__ __forceinline__ void wgmma_chain_ss(float (&acc)[N / 8][4], uint32_t a, uint32_t b) {
+#pragma unroll
+  for (int kt = 0; kt < D / 16; ++kt) {
+    const uint32_t col = kt >> 2, kk = (kt & 3) * 32u;
+    const uint64_t da = gmma_desc<16, 1024>(a + col * AR * 128 + kk);
+    const uint64_t db = gmma_desc<16, 1024>(b + col * BR * 128 + kk);
+    if (kt == 0)
+      wgmma_ss_first<T, N>(acc, da, db);
+    else
+      wgmma_ss<T, N>(acc, da, db);
+  }
+}
 #endif  // PK_WGMMA
 
 }  // namespace attn
