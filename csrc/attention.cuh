@@ -40,7 +40,7 @@
 // On Hopper (sm_90a build, 9.0 device) the forward and the dQ and dK/dV kernels at head dims up to 128 run on
 // warpgroup MMA instead (plan_of(p).sm90): the forward is warp-specialised (attn_fwd_sm90_ws_kernel: a producer
 // warpgroup, two consumer warpgroups taking turns, a persistent grid); see the design notes above attn_fwd_sm90_kernel,
-// attn_fwd_sm90_ws_kernel and attn_bwd_dq_sm90_kernel.
+// attn_fwd_sm90_ws_kernel and attn_bwd_sm90_kernel.
 // Measured (H100, graph replay, run228; benchmarks/results/HISTORY.md, twenty-sixth session): BERT-base 281 / 214
 // TFLOP/s forward / backward (FlashAttention-2's 236 / 156, the Triton path's 329 / 294, cuDNN's 354 / 248), key
 // padding 235 / 213, GPT-2 194 / 177, so pykernels takes it only when named. Every element test (the tile's edge:
@@ -57,6 +57,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -884,7 +885,10 @@ template <int D>
 struct FwdWsCfg {
   static constexpr int BM = 128;  // query rows a tile: two consumer warpgroups of 64
   static constexpr int BN = 128;  // keys a block
-  static constexpr int STAGES = 2;  // (4 at D = 64: no faster, run215)
+  // K / V ring slots: 3 at D = 64 (V's slot frees one block after K's, its P V lagging a block: with 2 the producer
+  // loaded a block's V about a block before its use; 1.06-1.07x the forward with key padding, 1.00-1.01x otherwise,
+  // 4 no better, run233); 2 at D = 128 (3 would not fit)
+  static constexpr int STAGES = D == 64 ? 3 : 2;
   static constexpr int NT = 384;  // the producer warpgroup and two consumers
   static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
   // q full / empty (2 each), k full / empty, v full / empty, key addends empty (key-only masks)
@@ -1367,31 +1371,44 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 // tile loader that computes a thread's addresses once (the old loop divided by the chunk count every copy), the
 // delta kernel's L lanes a row, the (head, query block) walk without a division and the lse / delta loads taken off
 // warp 0's path took the backward to 214 / 213 / 177 / 255 TFLOP/s on an H100 (run226-228; 0.73x the Triton path's
-// at BERT-base). Three-deep Q / dO and K / V rings changed nothing (run230). FlashAttention-3's producer warp,
-// ping-pong and dQ by atomics in the dK/dV kernel (two GEMMs of seven fewer) are what is left.
-template <int D>
+// at BERT-base). Three-deep Q / dO and K / V rings changed nothing (run230).
+// Since run232 both run in one launch (attn_bwd_sm90_kernel: a block is dK/dV's or dQ's by its x), so that the two
+// kernels' blocks share the SMs with one tail instead of two in sequence: 1.02-1.10x the backward (GPT-2 175 -> 190-192,
+// key padding 210 -> 218-220). And at D = 64 without a mask the dQ blocks issue dQ_{j-1} += dS_{j-1} K_{j-1} after
+// S_j and dP_j as a second commit group, waited for only after dS_j is formed (PIPE, the Gluon dQ kernel's order; K
+// takes a third buffer, K_{j-1} being read while K_{j+1} loads): 1.02-1.04x more (BERT-base 220 -> 226-230). PIPE
+// is not taken with masks (spills past 64 bytes at 168 registers with key-only masks, and 0.98x there) nor at D = 128
+// (its third K buffer leaves one block an SM: 266 -> 194 at S2048 causal), run232.
+// FlashAttention-3's producer warp, ping-pong and dQ by atomics in the dK/dV blocks (two GEMMs of seven fewer) are
+// what is left.
+template <int D, int MODE>
+struct DqSm90Pipe : std::bool_constant<D == 64 && MODE == kModeNone> {};
+
+template <int D, bool PIPE>
 struct DqSm90Cfg {
   static constexpr int NWG = 1;  // warpgroups a block
   static constexpr int BM = 64 * NWG, BN = 64, NT = 128 * NWG;
   static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
+  static constexpr int KBUF = PIPE ? 3 : 2;  // K buffers (V: 2)
   static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
-  static constexpr size_t smem() { return 1024 + 2 * QBYTES + 4 * KVBYTES; }  // Q, dO, 2 buffers of K and V
+  static constexpr size_t smem() { return 1024 + 2 * QBYTES + (KBUF + 2) * KVBYTES; }  // Q, dO, K and V buffers
 };
 
-template <typename T, int D, int MODE>
-__global__ void __launch_bounds__(DqSm90Cfg<D>::NT, DqSm90Cfg<D>::MIN_BLOCKS) attn_bwd_dq_sm90_kernel(const Params p) {
 #if defined(PK_WGMMA)
-  using C = DqSm90Cfg<D>;
+template <typename T, int D, int MODE, bool PIPE>
+__device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, unsigned char* smem_raw, int bx, int h, int b) {
+  using C = DqSm90Cfg<D, PIPE>;
   constexpr int BM = C::BM, BN = C::BN, NT = C::NT;
+  static_assert(!PIPE || C::NWG == 1, "PIPE: every visited key block is the warpgroup's");
   constexpr bool kKeys = MODE == kModeKeys;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sO = sQ + C::QBYTES, sK = sO + C::QBYTES, sV = sK + 2 * C::KVBYTES;  // (dO; buffer st at + st KVBYTES)
+  // dO; K buffer st at sK + st KVBYTES, V buffer st at sV + st KVBYTES
+  const uint32_t sO = sQ + C::QBYTES, sK = sO + C::QBYTES, sV = sK + C::KBUF * C::KVBYTES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int wg = warp >> 2;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int hk = h / p.group;
   const Seq s = seq_of(p, b);
-  const int q0 = blockIdx.x * BM;
+  const int q0 = bx * BM;
   if (q0 >= s.sq) return;
   const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + q0) * p.q_ss;
   const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + q0) * p.do_ss;
@@ -1419,20 +1436,32 @@ __global__ void __launch_bounds__(DqSm90Cfg<D>::NT, DqSm90Cfg<D>::MIN_BLOCKS) at
   __shared__ float skb[2][kKeys ? BN : 1];  // the key addends (key_addends)
   float kb_next = kKeys ? key_addends_first<BN>(p, b, nb0, nb1, s.sk) : 0.f;
   if constexpr (kKeys) key_addends(p, skb, kb_next, nb0, nb1, b, s.sk);
-  const auto load_kv = [&](int nb, int st) {
+  const auto load_kv = [&](int nb, int kst, int vst) {
     const int k0 = nb * BN, n = min(BN, s.sk - k0);
-    load_tile_sw128<T, BN, D, NT>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
-    load_tile_sw128<T, BN, D, NT>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
+    load_tile_sw128<T, BN, D, NT>(sK + kst * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
+    load_tile_sw128<T, BN, D, NT>(sV + vst * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
   };
-  if (nb0 < nb1) load_kv(nb0, 0);
+  if (nb0 < nb1) load_kv(nb0, 0, 0);
   cp_async_commit();
 
   float dq[D / 8][4];
   zero(dq);
+  uint32_t pa[BN / 16][4];  // dS of the block (the A operand of dQ += dS K)
   const uint32_t q_base = sQ + wg * 64 * 128, o_base = sO + wg * 64 * 128;
-  for (int nb = nb0; nb < nb1; ++nb) {
-    const int k0 = nb * BN, st = (nb - nb0) & 1;
-    if (nb + 1 < nb1) load_kv(nb + 1, st ^ 1);  // (its buffer was freed by the last iteration's final barrier)
+  // dQ += dS K from pa with K at k_base (issued, not committed)
+  const auto issue_dq = [&](uint32_t k_base) {
+#pragma unroll
+    for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(dq, pa[kt], gmma_desc<BN * 128, 1024>(k_base + kt * 16 * 128));
+  };
+  int kst = 0;  // this block's K buffer
+  // one key block; PREV (PIPE, past the first block): dQ_{j-1} is issued with S_j and dP_j (a compile-time flag: a
+  // branch around that issue, on nb0 found by key_range, made ptxas serialize the chains, C7520)
+  const auto step = [&](int nb, auto prev_c) {
+    constexpr bool PREV = decltype(prev_c)::value;
+    const int k0 = nb * BN, vst = (nb - nb0) & 1, kn = kst + 1 == C::KBUF ? 0 : kst + 1;
+    // (their buffers were freed by an earlier iteration's final barrier: V_{j-1}'s by the last one, K_{j-2}'s, read
+    // by dQ_{j-2} under PIPE, by the last one too)
+    if (nb + 1 < nb1) load_kv(nb + 1, kn, vst ^ 1);
     cp_async_commit();
     if constexpr (kKeys) {
       if (nb + 1 < nb1) key_addends(p, skb, kb_next, nb + 1, nb1, b, s.sk);
@@ -1440,9 +1469,10 @@ __global__ void __launch_bounds__(DqSm90Cfg<D>::NT, DqSm90Cfg<D>::MIN_BLOCKS) at
     cp_async_wait<1>();  // Q, dO and this block's K and V
     fence_async_smem();
     __syncthreads();
-    if (qw < s.sq && !(p.causal && k0 > qw + 63)) {  // the warpgroup has a row that sees a key here
-      const uint32_t k_base = sK + st * C::KVBYTES, v_base = sV + st * C::KVBYTES;
+    if (PIPE || (qw < s.sq && !(p.causal && k0 > qw + 63))) {  // the warpgroup has a row that sees a key here
+      const uint32_t k_base = sK + kst * C::KVBYTES, v_base = sV + vst * C::KVBYTES;
       float sc[BN / 8][4], dp[BN / 8][4];
+      fence_acc(dq);
       wgmma_fence();
 #pragma unroll
       for (int kt = 0; kt < D / 16; ++kt) {  // S = Q K^T, dP = dO V^T
@@ -1460,33 +1490,49 @@ __global__ void __launch_bounds__(DqSm90Cfg<D>::NT, DqSm90Cfg<D>::MIN_BLOCKS) at
         }
       }
       wgmma_commit();
-      wgmma_wait_all();
+      if constexpr (PREV) {  // dQ_{j-1} as a second group; wait for S_j and dP_j only
+        issue_dq(sK + (kst == 0 ? C::KBUF - 1 : kst - 1) * C::KVBYTES);
+        wgmma_commit();
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
       fence_acc(sc);
       fence_acc(dp);
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
       with_flag(edge, [&](auto e) {  // dS
         ds_rows<MODE, BN>(p, sc, dp, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], lse2, dl, t4);
       });
-      uint32_t pa[BN / 16][4];
+      if constexpr (PREV) wgmma_wait<0>();  // dQ_{j-1}, which reads pa
+      fence_acc(dq);
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
-      fence_acc(dq);
-      wgmma_fence();
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt)  // dQ += dS K
-        wgmma_rs<T, D>(dq, pa[kt], gmma_desc<BN * 128, 1024>(k_base + kt * 16 * 128));
-      wgmma_commit();
-      wgmma_wait_all();
-      fence_acc(dq);
+      if constexpr (!PIPE) {
+        wgmma_fence();
+        issue_dq(k_base);  // dQ += dS K
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_acc(dq);
+      }
     }
-    __syncthreads();  // every warpgroup is done with buffer st
+    __syncthreads();  // every warpgroup is done with buffers kst and vst (PIPE: but for K_j, read by dQ_j next)
+    kst = kn;
+  };
+  if (PIPE && nb0 < nb1) {
+    step(nb0, std::false_type{});
+    for (int nb = nb0 + 1; nb < nb1; ++nb) step(nb, std::bool_constant<PIPE>{});
+    wgmma_fence();  // the last block's dQ
+    issue_dq(sK + (kst == 0 ? C::KBUF - 1 : kst - 1) * C::KVBYTES);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(dq);
+  } else {
+    for (int nb = nb0; nb < nb1; ++nb) step(nb, std::false_type{});
   }
   cp_async_wait<0>();
   store_rows<T, D>(p.dq, p.dq_sb, p.dq_sh, p.dq_ss, dq, p.scale, b, h, row, s.q_off, s.sq, 0, p.d, t4);
-#else
-  __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
-#endif
 }
+#endif  // PK_WGMMA
 
 template <int D>
 struct DkdvSm90Cfg {
@@ -1498,17 +1544,16 @@ struct DkdvSm90Cfg {
   static constexpr size_t smem() { return 1024 + 2 * KBYTES + 4 * QBYTES; }  // K, V, 2 buffers of Q and dO
 };
 
-template <typename T, int D, int MODE>
-__global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS) attn_bwd_dkdv_sm90_kernel(const Params p) {
 #if defined(PK_WGMMA)
+template <typename T, int D, int MODE>
+__device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, unsigned char* smem_raw, int bx, int hk, int b) {
   using C = DkdvSm90Cfg<D>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
   __shared__ float sL[2][BQ], sD[2][BQ];  // the query block's lse (log2 units) and delta
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const int k0 = blockIdx.x * BN, hk = blockIdx.y, b = blockIdx.z;
+  const int k0 = bx * BN;
   const Seq s = seq_of(p, b);
   if (k0 >= s.sk) return;
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + (s.k_off + k0) * p.k_ss;
@@ -1627,6 +1672,28 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
   cp_async_wait<0>();  // (no query block: the K / V loads)
   store_rows<T, D>(p.dk, p.dk_sb, p.dk_sh, p.dk_ss, dk, p.scale, b, hk, key, s.k_off, s.sk, 0, p.d, t4);
   store_rows<T, D>(p.dv, p.dv_sb, p.dv_sh, p.dv_ss, dv, 1.f, b, hk, key, s.k_off, s.sk, 0, p.d, t4);
+}
+#endif  // PK_WGMMA
+
+// The backward's dK/dV and dQ blocks in one launch: blocks x < nkb of the grid (nkb + nqb, hq, batch) are dK/dV's
+// (those whose y is past the kv heads leave at once), the rest dQ's; x runs fastest, so a head's dK/dV and dQ blocks
+// run side by side
+template <typename T, int D, int MODE>
+__global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS) attn_bwd_sm90_kernel(const Params p) {
+#if defined(PK_WGMMA)
+  constexpr bool PIPE = DqSm90Pipe<D, MODE>::value;
+  static_assert(DkdvSm90Cfg<D>::NT == DqSm90Cfg<D, PIPE>::NT &&
+                    DkdvSm90Cfg<D>::MIN_BLOCKS == DqSm90Cfg<D, PIPE>::MIN_BLOCKS,
+                "one block shape");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int nkb = (p.sk + DkdvSm90Cfg<D>::BN - 1) / DkdvSm90Cfg<D>::BN;
+  const int bx = blockIdx.x;
+  if (bx < nkb) {
+    if (static_cast<int>(blockIdx.y) < p.hq / p.group)
+      bwd_dkdv_sm90_block<T, D, MODE>(p, smem_raw, bx, blockIdx.y, blockIdx.z);
+  } else {
+    bwd_dq_sm90_block<T, D, MODE, PIPE>(p, smem_raw, bx - nkb, blockIdx.y, blockIdx.z);
+  }
 #else
   __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
 #endif
@@ -1776,14 +1843,13 @@ void launch_forward(const Params& p, cudaStream_t stream) {
 
 template <int D, typename T, int M>
 void launch_backward_sm90(const Params& p, cudaStream_t stream) {
-  using Cq = DqSm90Cfg<D>;
+  constexpr bool PIPE = DqSm90Pipe<D, M>::value;
+  using Cq = DqSm90Cfg<D, PIPE>;
   using Ck = DkdvSm90Cfg<D>;
-  const dim3 kgrid(static_cast<unsigned>((p.sk + Ck::BN - 1) / Ck::BN), static_cast<unsigned>(p.hq / p.group),
-                   static_cast<unsigned>(p.batch));
-  launch(attn_bwd_dkdv_sm90_kernel<T, D, M>, kgrid, Ck::smem(), p, stream, Ck::NT);
-  const dim3 qgrid(static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM), static_cast<unsigned>(p.hq),
-                   static_cast<unsigned>(p.batch));
-  launch(attn_bwd_dq_sm90_kernel<T, D, M>, qgrid, Cq::smem(), p, stream, Cq::NT);
+  const unsigned nkb = static_cast<unsigned>((p.sk + Ck::BN - 1) / Ck::BN);
+  const unsigned nqb = static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM);
+  const dim3 grid(nkb + nqb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
+  launch(attn_bwd_sm90_kernel<T, D, M>, grid, std::max(Ck::smem(), Cq::smem()), p, stream, Ck::NT);
 }
 
 template <typename T>
