@@ -1,0 +1,70 @@
+"""``benchmarks/attention.py``'s varlen goal ratio (each packed varlen row's time over cuDNN's on the sequences padded)
+must take cuDNN's row by name: with the C++ build the rows are Triton's varlen, the C++ varlen, then cuDNN's, and the
+old rows[1] compared the Triton row with the C++ one (run199-234). CPU only: rows with known times."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", os.path.join(ROOT, "benchmarks", "attention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (its dataclasses look their module up there)
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def _row(impl, fwd, bwd, gfwd=None, gbwd=None, status="ok"):
+    row = {"impl": impl, "status": status, "fwd_ms": fwd, "bwd_ms": bwd}
+    if gfwd is not None:
+        row.update(graph_fwd_ms=gfwd, graph_bwd_ms=gbwd)
+    return row
+
+
+def test_varlen_ratio_is_against_cudnn_whatever_the_row_order(bench):
+    rows = [_row("pykernels varlen (packed)", 0.2, 0.3, 0.1, 0.2),
+            _row("pykernels cuda varlen (packed)", 0.3, 0.6, 0.12, 0.24),
+            _row("sdpa cudnn (padded)", 0.3, 0.6, 0.15, 0.3),
+            _row("pykernels triton (padded)", 0.25, 0.5, 0.13, 0.26)]
+    bench.varlen_ratios(rows)
+    triton, cuda, cudnn, padded = rows
+    assert triton["time_vs_cudnn_padded"] == pytest.approx(0.5 / 0.9, abs=1e-3)
+    assert triton["goal_le_0.667"] == "met"
+    assert triton["graph_time_vs_cudnn_padded"] == pytest.approx(0.3 / 0.45, abs=1e-3)
+    assert cuda["time_vs_cudnn_padded"] == pytest.approx(1.0, abs=1e-3)
+    assert cuda["goal_le_0.667"] == "not met"
+    assert cuda["graph_time_vs_cudnn_padded"] == pytest.approx(0.36 / 0.45, abs=1e-3)
+    assert "time_vs_cudnn_padded" not in cudnn and "time_vs_cudnn_padded" not in padded
+    # the C++ row absent (a build without the extension) or listed first: the same answers for Triton's row
+    for order in ([rows[0], rows[2]], [rows[1], rows[0], rows[2]]):
+        fresh = [{k: v for k, v in r.items() if "vs_cudnn" not in k and "goal" not in k} for r in order]
+        bench.varlen_ratios(fresh)
+        t = next(r for r in fresh if r["impl"] == "pykernels varlen (packed)")
+        assert t["graph_time_vs_cudnn_padded"] == pytest.approx(0.3 / 0.45, abs=1e-3)
+
+
+def test_varlen_ratio_skips_rows_that_did_not_run(bench):
+    rows = [_row("pykernels varlen (packed)", 0.2, 0.4, status="INVALID"),
+            _row("sdpa cudnn (padded)", 0.3, 0.6, 0.15, 0.3)]
+    bench.varlen_ratios(rows)
+    assert "time_vs_cudnn_padded" not in rows[0]
+    rows = [_row("pykernels varlen (packed)", 0.2, 0.4, 0.1, 0.2), _row("sdpa cudnn (padded)", 0.3, 0.6,
+                                                                           status="error: no kernel")]
+    bench.varlen_ratios(rows)
+    assert "time_vs_cudnn_padded" not in rows[0]
+    # no graph times: the do_bench ratio alone
+    rows = [_row("pykernels varlen (packed)", 0.2, 0.5), _row("sdpa cudnn (padded)", 0.3, 0.6)]
+    bench.varlen_ratios(rows)
+    assert rows[0]["time_vs_cudnn_padded"] == pytest.approx(0.7 / 0.9, abs=1e-3)
+    assert rows[0]["goal_le_0.667"] == "not met"
+    assert "graph_time_vs_cudnn_padded" not in rows[0]
