@@ -41,9 +41,9 @@
 // warpgroup MMA instead (plan_of(p).sm90): the forward is warp-specialised (attn_fwd_sm90_ws_kernel: a producer
 // warpgroup, two consumer warpgroups taking turns, a persistent grid); see the design notes above attn_fwd_sm90_kernel,
 // attn_fwd_sm90_ws_kernel and attn_bwd_sm90_kernel.
-// Measured (H100, graph replay, run228; benchmarks/results/HISTORY.md, twenty-sixth session): BERT-base 281 / 214
-// TFLOP/s forward / backward (FlashAttention-2's 236 / 156, the Triton path's 329 / 294, cuDNN's 354 / 248), key
-// padding 235 / 213, GPT-2 194 / 177, so pykernels takes it only when named. Every element test (the tile's edge:
+// Measured (H100, graph replay, run234; benchmarks/results/HISTORY.md, twenty-seventh session): BERT-base 283 / 225
+// TFLOP/s forward / backward (FlashAttention-2's 237 / 156, the Triton path's 330 / 295, cuDNN's 352 / 247), key
+// padding 253 / 222, GPT-2 194 / 194, so pykernels takes it only when named. Every element test (the tile's edge:
 // keys past the sequence or above the diagonal; dropout; the mask's kind) is a compile-time flag split at the call
 // (with_flag) or a template mask mode: as run-time tests inside the unrolled element loops they compiled to
 // branches that cost the forward 30% and the backward 35% (run215-216, run219). The mma.sync kernels: the mask
@@ -885,9 +885,10 @@ template <int D>
 struct FwdWsCfg {
   static constexpr int BM = 128;  // query rows a tile: two consumer warpgroups of 64
   static constexpr int BN = 128;  // keys a block
-  // K / V ring slots: 3 at D = 64 (V's slot frees one block after K's, its P V lagging a block: with 2 the producer
-  // loaded a block's V about a block before its use; 1.06-1.07x the forward with key padding, 1.00-1.01x otherwise,
-  // 4 no better, run233); 2 at D = 128 (3 would not fit)
+  // K / V ring slots: 3 at D = 64, 2 at D = 128 (3 would not fit). A slot's V is freed a block after its K (P V lags a
+  // block), so with 2 slots the producer can issue a block's V only about one block before its P V; 3 took the
+  // forward 1.06-1.07x with key padding and 1.00-1.01x otherwise, 4 no further (run233; run215, before the edge
+  // split, had found 4 no faster)
   static constexpr int STAGES = D == 64 ? 3 : 2;
   static constexpr int NT = 384;  // the producer warpgroup and two consumers
   static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
@@ -1378,7 +1379,11 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 // S_j and dP_j as a second commit group, waited for only after dS_j is formed (PIPE, the Gluon dQ kernel's order; K
 // takes a third buffer, K_{j-1} being read while K_{j+1} loads): 1.02-1.04x more (BERT-base 220 -> 226-230). PIPE
 // is not taken with masks (spills past 64 bytes at 168 registers with key-only masks, and 0.98x there) nor at D = 128
-// (its third K buffer leaves one block an SM: 266 -> 194 at S2048 causal), run232.
+// (its third K buffer leaves one block an SM: 266 -> 194 at S2048 causal), run232. The same order in the dK/dV blocks
+// (the last query block's dV and dK products issued after S^T and dP^T, a third Q / dO buffer) measured 0.96x at
+// BERT-base and 0.98x at GPT-2 with every mask mode taking it (run235, spills 28-56 bytes at D = 64): not kept. One
+// launch for the mma.sync kernels too was not tried on the GPU: ptxas spills the merged kernel 60-176 bytes at D =
+// 64 and 256 (the two bodies' registers together), and it would lower the dQ blocks' occupancy at D = 96 and 192.
 // FlashAttention-3's producer warp, ping-pong and dQ by atomics in the dK/dV blocks (two GEMMs of seven fewer) are
 // what is left.
 template <int D, int MODE>
