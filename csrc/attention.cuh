@@ -1459,8 +1459,9 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, unsigned char
     for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(dq, pa[kt], gmma_desc<BN * 128, 1024>(k_base + kt * 16 * 128));
   };
   int kst = 0;  // this block's K buffer
-  // one key block; PREV (PIPE, past the first block): dQ_{j-1} is issued with S_j and dP_j (a compile-time flag: a
-  // branch around that issue, on nb0 found by key_range, made ptxas serialize the chains, C7520)
+  // one key block; PREV (PIPE, past the first block): dQ_{j-1} is issued with S_j and dP_j (a compile-time flag: as a
+  // run-time branch around that issue and its waits, ptxas injected warpgroup waits and serialized the chains, C7514,
+  // and C7520 where nb0 comes from key_range)
   const auto step = [&](int nb, auto prev_c) {
     constexpr bool PREV = decltype(prev_c)::value;
     const int k0 = nb * BN, vst = (nb - nb0) & 1, kn = kst + 1 == C::KBUF ? 0 : kst + 1;
