@@ -1570,6 +1570,36 @@ def test_gpu_cuda_forward_kernel_choice(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+def test_gpu_cuda_backward_kernel_choice(monkeypatch):
+    """Which C++ backward kernels one backward launches: on Hopper from an sm_90a build at head dims up to 128, the
+    delta kernel and one attn_bwd_sm90_kernel, whose blocks are dK/dV's or dQ's (since 850d1f1; GQA included, where the
+    dK/dV blocks past the kv heads leave at once); else, and with PYKERNELS_CUDA_ATTN_SM90=0, the delta kernel and the
+    mma.sync dK/dV and dQ kernels. The same calls are checked against the references."""
+    from torch.profiler import ProfilerActivity, profile
+    import pykernels._C as ext
+    hopper = bool(ext.sm90a) and torch.cuda.get_device_capability() == (9, 0)
+    for env in (None, "0"):
+        if env is None:
+            monkeypatch.delenv("PYKERNELS_CUDA_ATTN_SM90", raising=False)
+        else:
+            monkeypatch.setenv("PYKERNELS_CUDA_ATTN_SM90", env)
+        for d, hkv, causal in ((64, 4, False), (64, 2, True), (128, 1, False), (160, 2, False)):
+            q, k, v = _inputs((2, 4, 130, d), (2, hkv, 130, d), (2, hkv, 130, d), BF16, "cuda")
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:  # (the references launch no attn_ kernel)
+                _check_against_ref(q, k, v, causal=causal, enable_gqa=hkv != 4, backend="cuda")
+                torch.cuda.synchronize()
+            names = [e.name for e in prof.events() if "attn_bwd" in e.name]
+            assert sum("attn_bwd_pre_kernel" in n for n in names) == 1, names
+            rest = [n for n in names if "attn_bwd_pre_kernel" not in n]
+            if hopper and env is None and d <= 128:
+                assert len(rest) == 1 and "attn_bwd_sm90_kernel" in rest[0], (d, rest)
+            else:
+                assert len(rest) == 2 and "attn_bwd_dkdv_kernel" in rest[0] and "attn_bwd_dq_kernel" in rest[1], \
+                    (env, d, rest)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 @pytest.mark.parametrize("scale", [-0.3, 0.0, 1e-3])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_cuda_backend_scale_sign(scale, causal, cuda_fwd):
