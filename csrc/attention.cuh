@@ -1458,7 +1458,16 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, unsigned char
 #pragma unroll
     for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(dq, pa[kt], gmma_desc<BN * 128, 1024>(k_base + kt * 16 * 128));
   };
+  // the same, alone: issued, committed and waited for
+  const auto run_dq = [&](uint32_t k_base) {
+    wgmma_fence();
+    issue_dq(k_base);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(dq);
+  };
   int kst = 0;  // this block's K buffer
+  const auto k_prev = [&] { return sK + (kst == 0 ? C::KBUF - 1 : kst - 1) * C::KVBYTES; };  // the last block's
   // one key block; PREV (PIPE, past the first block): dQ_{j-1} is issued with S_j and dP_j (a compile-time flag: as a
   // run-time branch around that issue and its waits, ptxas injected warpgroup waits and serialized the chains, C7514,
   // and C7520 where nb0 comes from key_range)
@@ -1497,7 +1506,7 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, unsigned char
       }
       wgmma_commit();
       if constexpr (PREV) {  // dQ_{j-1} as a second group; wait for S_j and dP_j only
-        issue_dq(sK + (kst == 0 ? C::KBUF - 1 : kst - 1) * C::KVBYTES);
+        issue_dq(k_prev());
         wgmma_commit();
         wgmma_wait<1>();
       } else {
@@ -1513,13 +1522,7 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, unsigned char
       fence_acc(dq);
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
-      if constexpr (!PIPE) {
-        wgmma_fence();
-        issue_dq(k_base);  // dQ += dS K
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_acc(dq);
-      }
+      if constexpr (!PIPE) run_dq(k_base);  // dQ += dS K
     }
     __syncthreads();  // every warpgroup is done with buffers kst and vst (PIPE: but for K_j, read by dQ_j next)
     kst = kn;
@@ -1527,11 +1530,7 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, unsigned char
   if (PIPE && nb0 < nb1) {
     step(nb0, std::false_type{});
     for (int nb = nb0 + 1; nb < nb1; ++nb) step(nb, std::bool_constant<PIPE>{});
-    wgmma_fence();  // the last block's dQ
-    issue_dq(sK + (kst == 0 ? C::KBUF - 1 : kst - 1) * C::KVBYTES);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_acc(dq);
+    run_dq(k_prev());  // the last block's dQ
   } else {
     for (int nb = nb0; nb < nb1; ++nb) step(nb, std::false_type{});
   }
