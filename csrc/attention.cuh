@@ -52,6 +52,8 @@
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cmath>
@@ -855,19 +857,27 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 }
 
 // attn_fwd_sm90_ws_kernel: FlashAttention-3's warp specialisation on a persistent grid (one block an SM walks the
-// (query tile, head, batch) tiles gridDim.x apart; causal tiles longest first in each head). Warpgroup 0 is the
-// producer: it drops to 56 registers and streams each tile's Q (two buffers, so the next tile's Q lands during this
-// one) and its key blocks' K and V (a ring of STAGES) by cp.async, each load announced on an mbarrier when it lands
-// (cp.async.mbarrier.arrive.noinc); masked-out rows and columns past d are zero-filled as in the other kernels.
-// Warpgroups 1 and 2 are the consumers (224 registers), 64 query rows each: for key block j, on its turn (two named
-// barriers hand the turn back and forth, so one warpgroup's products run while the other's softmax does), a
-// warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as one group, passes the turn, waits, frees K_j and V_{j-1}
-// (mbarrier arrivals, one a warp), then runs the softmax of S_j (softmax_block, every rule of the other kernels;
-// unmasked, on the raw scores with one FFMA an element, which needs a positive scale: the host checks). No block-wide
-// barrier after the set-up. A key-only mask (key padding): the producer finds each tile's valid key range (its 128
-// threads together) and streams only the key blocks that meet it, and it writes each block's key addends into a ring
-// slot that the consumers free after their softmax; both announced on the full barriers by plain (release) arrivals
-// next to the cp.async ones.
+// (query tile, head, batch) tiles gridDim.x apart; causal: each head's tiles longest first, alternating with shortest
+// first by round where the grid allows, tile_at / fwd_ws_grid). Warpgroup 0 is the producer: it drops to 56 registers
+// and streams each tile's Q (two buffers, so the next tile's Q lands during this one) and its key blocks' K and V (a
+// ring of STAGES). Dense inputs that TMA can address (make_fwd_tma) are loaded by TMA: thread 0 issues each tile as one
+// or two 64-column boxes counted on the slot's full mbarrier (expect_tx), and TMA zero-fills rows and columns outside
+// the tensor; without a key-only mask the producer's other threads leave at once. Otherwise (packed varlen sequences, a
+// stride-0 K / V) its 128 threads load by cp.async, each load announced on an mbarrier when it lands
+// (cp.async.mbarrier.arrive.noinc), masked-out rows and columns past d zero-filled as in the other kernels. Warpgroups
+// 1 and 2 are the consumers (224 registers), 64 query rows each: for key block j, on its turn (two named barriers hand
+// the turn back and forth, so one warpgroup's products run while the other's softmax does), a warpgroup issues S_j = Q
+// K_j^T and O += P_{j-1} V_{j-1} as one group, passes the turn, waits, frees K_j and V_{j-1} (mbarrier arrivals, one a
+// warp), then runs the softmax of S_j (softmax_block, every rule of the other kernels; unmasked, on the raw scores with
+// one FFMA an element, which needs a positive scale: the host checks). No block-wide barrier after the set-up. A
+// key-only mask (key padding): the producer finds each tile's valid key range (its 128 threads together) and streams
+// only the key blocks that meet it, and it writes each block's key addends into a ring slot that the consumers free
+// after their softmax; both announced on the full barriers by plain (release) arrivals next to the loads' own.
+// TMA and the alternating causal order (run238, H200, graph replay, TFLOP/s forward, against cp.async and longest first
+// in every round in the same call): BERT-base 283 -> 305, key padding 243 -> 260, GPT-2 193 -> 237, S2048 D128 causal
+// 383 -> 471. The order alone: GPT-2 1.20x, S2048 D128 causal 1.12x (Nsight Compute, run237, H100: the SMs had been
+// active 82% of the kernel there, the blocks of one residue of n_m taking the longest tiles each round); TMA alone
+// 1.07-1.10x (the cp.async producer had executed 23-35% of the kernel's instructions, on the consumers' schedulers).
 // Measured (H100, graph replay, TFLOP/s forward, run222; the plain wgmma kernels above in the same call): BERT-base
 // 286 (217), key padding 241 (209), GPT-2 195 (159), S2048 D128 causal 386 (233); before the warpgroup index was
 // made warp-uniform (ptxas had serialized the chains in the role branch, C7520) 242 / 241 / 162 / 317 (run217).
@@ -899,8 +909,42 @@ struct FwdWsCfg {
   static constexpr size_t smem() { return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES + NBAR * 8 + EXTRA; }
 };
 
-// Tile t of the persistent walk: (query tile, head, batch), query tiles fastest (a head's K and V stay in L2),
-// causal tiles longest first
+// The warp-specialised forward's TMA maps (dense inputs whose strides TMA can take: make_fwd_tma): q, k and v each a
+// 4-D map of d columns, then rows, heads and batch in the order of increasing stride, box 64 columns x 128 rows,
+// 128-byte swizzled, which is sw128_offset's layout of a 64-column region. ``order[i]`` says where tensor i's rows,
+// heads and batch go (2 bits each, coordinate 1..3). ``on`` 0: the producer loads by cp.async instead.
+struct FwdTma {
+  CUtensorMap q, k, v;
+  int order[3];
+  int on;
+};
+
+// The backward's TMA maps (attn_bwd_sm90_kernel, dense inputs: make_bwd_tma): q and dout with boxes of 64 rows (the
+// dQ blocks) and of 32 (the dK/dV blocks' query blocks), k and v of 64; ``order`` as FwdTma's, in that order
+struct BwdTma {
+  CUtensorMap q64, do64, q32, do32, k, v;
+  int order[6];
+  int on;
+};
+
+#if defined(PK_WGMMA)
+// The R x D tile of ``map`` at (row, head, batch) into shared memory at ``dst`` in sw128_offset's layout (its 64-column
+// regions one box each), its bytes counted on ``bar``; rows and columns outside the tensor land as zeros
+template <int R, int D>
+__device__ __forceinline__ void tma_tile(uint32_t dst, const CUtensorMap* map, int order, int row, int head, int b,
+                                         uint32_t bar) {
+  const auto at = [&](int i) { return (order & 3) == i ? row : ((order >> 2) & 3) == i ? head : b; };
+  const int c1 = at(1), c2 = at(2), c3 = at(3);
+#pragma unroll
+  for (int r = 0; r < D / 64; ++r) tma_load_4d(dst + r * R * 128, map, r * 64, c1, c2, c3, bar);
+}
+#endif
+
+// Tile t of the persistent walk: (query tile, head, batch), query tiles fastest (a head's K and V stay in L2).
+// Causal: a head's tiles longest first; where the grid is a multiple of the tiles a head (fwd_ws_grid), every head's
+// tiles lie in one round of the grid and odd rounds take them shortest first, so each block alternates long and short
+// tiles (the Gluon forward's schedule). Longest first in every round had left the blocks of one residue of n_m the
+// longest tiles each round: the SMs active 82% of the kernel at B4 H16 S2048 D128 causal (run237, Nsight Compute).
 struct Tile {
   int m, h, b;
 };
@@ -908,14 +952,15 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int64_t t, int n_m) {
   const int64_t bh = t / n_m;
   Tile x;
   x.m = static_cast<int>(t - bh * n_m);
-  if (p.causal) x.m = n_m - 1 - x.m;
+  if (p.causal && (gridDim.x % n_m != 0 || ((t / gridDim.x) & 1) == 0)) x.m = n_m - 1 - x.m;
   x.h = static_cast<int>(bh % p.hq);
   x.b = static_cast<int>(bh / p.hq);
   return x;
 }
 
 template <typename T, int D, int MODE>
-__global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(const Params p) {
+__global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
+    attn_fwd_sm90_ws_kernel(const Params p, const __grid_constant__ FwdTma tm) {
 #if defined(PK_WGMMA)
   using C = FwdWsCfg<D>;
   constexpr int BM = C::BM, BN = C::BN, S = C::STAGES;
@@ -940,17 +985,19 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
   // the warpgroup, broadcast from lane 0 so that ptxas sees it uniform: a role branch on tid >> 7 is a divergent path
   // to it, and it serializes the wgmma chains inside one (C7520)
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), lane = tid & 31;
+  const bool tma = tm.on != 0;
   if (tid == 0) {
-    // full: the producer's 128 threads' cp.async arrivals; empty: the consumers' 8 warps
-    // (key-only masks: one more on q full for the range, 128 more on k full for the addends)
+    // full: the producer's 128 threads' cp.async arrivals, or its thread 0's expect_tx (TMA); empty: the consumers'
+    // 8 warps (key-only masks: one more on q full for the range, 128 more on k full for the addends)
+    const uint32_t loads = tma ? 1 : 128;
     for (int i = 0; i < 2; ++i) {
-      mbar_init(q_full(i), kKeys ? 129 : 128);
+      mbar_init(q_full(i), loads + (kKeys ? 1 : 0));
       mbar_init(q_empty(i), 8);
     }
     for (int i = 0; i < S; ++i) {
-      mbar_init(k_full(i), kKeys ? 256 : 128);
+      mbar_init(k_full(i), loads + (kKeys ? 128 : 0));
       mbar_init(k_empty(i), 8);
-      mbar_init(v_full(i), 128);
+      mbar_init(v_full(i), loads);
       mbar_init(v_empty(i), 8);
       mbar_init(b_empty(i), 8);
     }
@@ -967,6 +1014,8 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
 
   if (wg == 0) {  // producer
     regs_dec<56>();
+    // TMA: thread 0 issues every load; the other threads are needed only for the key ranges and addends
+    if (tma && !kKeys && tid > 0) return;
     int qi = 0;      // tiles loaded (Q buffer qi % 2)
     uint32_t g = 0;  // key blocks loaded (ring slot g % S)
     for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
@@ -977,10 +1026,17 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
       const int hk = x.h / p.group;
       const int qb = qi & 1;
       mbar_wait(q_empty(qb), ((qi >> 1) & 1) ^ 1);
-      load_tile_sw128<T, BM, D, 128, 1>(sQ + qb * C::QBYTES,
-                                     static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + (s.q_off + q0) * p.q_ss,
-                                     p.q_ss, min(BM, s.sq - q0), p.d, tid);
-      cp_async_arrive(q_full(qb));
+      if (tma) {
+        if (tid == 0) {
+          mbar_expect_tx(q_full(qb), C::QBYTES);
+          tma_tile<BM, D>(sQ + qb * C::QBYTES, &tm.q, tm.order[0], q0, x.h, x.b, q_full(qb));
+        }
+      } else {
+        load_tile_sw128<T, BM, D, 128, 1>(
+            sQ + qb * C::QBYTES, static_cast<const T*>(p.q) + x.b * p.q_sb + x.h * p.q_sh + (s.q_off + q0) * p.q_ss,
+            p.q_ss, min(BM, s.sq - q0), p.d, tid);
+        cp_async_arrive(q_full(qb));
+      }
       const T* K = static_cast<const T*>(p.k) + x.b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
       const T* V = static_cast<const T*>(p.v) + x.b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
       int nb0 = 0, nb1 = n_blocks(s, q0);
@@ -1001,8 +1057,15 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
         const int st = g % S, k0 = nb * BN, n = min(BN, s.sk - k0);
         const uint32_t ph = ((g / S) & 1) ^ 1;
         mbar_wait(k_empty(st), ph);
-        load_tile_sw128<T, BN, D, 128, 1>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
-        cp_async_arrive(k_full(st));
+        if (tma) {
+          if (tid == 0) {
+            mbar_expect_tx(k_full(st), C::KVBYTES);
+            tma_tile<BN, D>(sK + st * C::KVBYTES, &tm.k, tm.order[1], k0, hk, x.b, k_full(st));
+          }
+        } else {
+          load_tile_sw128<T, BN, D, 128, 1>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
+          cp_async_arrive(k_full(st));
+        }
         if constexpr (kKeys) {
           const float kb = key_bias(p, x.b, k0 + tid, s.sk);
           mbar_wait(b_empty(st), ph);
@@ -1010,8 +1073,15 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1) attn_fwd_sm90_ws_kernel(co
           mbar_arrive(k_full(st));
         }
         mbar_wait(v_empty(st), ph);
-        load_tile_sw128<T, BN, D, 128, 1>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
-        cp_async_arrive(v_full(st));
+        if (tma) {
+          if (tid == 0) {
+            mbar_expect_tx(v_full(st), C::KVBYTES);
+            tma_tile<BN, D>(sV + st * C::KVBYTES, &tm.v, tm.order[2], k0, hk, x.b, v_full(st));
+          }
+        } else {
+          load_tile_sw128<T, BN, D, 128, 1>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
+          cp_async_arrive(v_full(st));
+        }
       }
     }
     cp_async_wait_all();
@@ -1384,6 +1454,11 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 // BERT-base and 0.98x at GPT-2 with every mask mode taking it (run235, spills 28-56 bytes at D = 64): not kept. One
 // launch for the mma.sync kernels too was not tried on the GPU: ptxas spills the merged kernel 60-176 bytes at D =
 // 64 and 256 (the two bodies' registers together), and it would lower the dQ blocks' occupancy at D = 96 and 192.
+// Since run239 the blocks load their tiles by TMA where the inputs are dense and TMA can address them (BwdTma,
+// make_bwd_tma; else by cp.async, as before): thread 0 issues each tile as 64-column boxes counted on the buffer's
+// mbarrier, and the warpgroup waits there instead of cp.async.wait_group and a barrier. H100, graph replay, against
+// cp.async in the same call: BERT-base 220-222 -> 226-228, key padding 210-211 -> 217-220, GPT-2 187-188 -> 191-192,
+// S2048 D128 causal 259 -> 264-265 (1.02-1.05x).
 // FlashAttention-3's producer warp, ping-pong and dQ by atomics in the dK/dV blocks (two GEMMs of seven fewer) are
 // what is left.
 template <int D, int MODE>
@@ -1396,12 +1471,14 @@ struct DqSm90Cfg {
   static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
   static constexpr int KBUF = PIPE ? 3 : 2;  // K buffers (V: 2)
   static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
-  static constexpr size_t smem() { return 1024 + 2 * QBYTES + (KBUF + 2) * KVBYTES; }  // Q, dO, K and V buffers
+  // Q, dO, K and V buffers, then (TMA) the mbarriers of Q and dO, of each K and of each V buffer
+  static constexpr size_t smem() { return 1024 + 2 * QBYTES + (KBUF + 2) * KVBYTES + 8 * (KBUF + 3); }
 };
 
 #if defined(PK_WGMMA)
 template <typename T, int D, int MODE, bool PIPE>
-__device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, unsigned char* smem_raw, int bx, int h, int b) {
+__device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma& tm, unsigned char* smem_raw, int bx,
+                                                  int h, int b) {
   using C = DqSm90Cfg<D, PIPE>;
   constexpr int BM = C::BM, BN = C::BN, NT = C::NT;
   static_assert(!PIPE || C::NWG == 1, "PIPE: every visited key block is the warpgroup's");
@@ -1409,18 +1486,32 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, unsigned char
   const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
   // dO; K buffer st at sK + st KVBYTES, V buffer st at sV + st KVBYTES
   const uint32_t sO = sQ + C::QBYTES, sK = sO + C::QBYTES, sV = sK + C::KBUF * C::KVBYTES;
+  // (TMA) the mbarriers: Q and dO, K buffer i, V buffer i
+  const uint32_t bar_q = sV + 2 * C::KVBYTES, bar_k = bar_q + 8, bar_v = bar_k + 8 * C::KBUF;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int wg = warp >> 2;
   const int hk = h / p.group;
   const Seq s = seq_of(p, b);
   const int q0 = bx * BM;
   if (q0 >= s.sq) return;
+  const bool tma = tm.on != 0;
   const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + q0) * p.q_ss;
   const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + q0) * p.do_ss;
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
-  load_tile_sw128<T, BM, D, NT>(sQ, Q, p.q_ss, min(BM, s.sq - q0), p.d, tid);
-  load_tile_sw128<T, BM, D, NT>(sO, dO, p.do_ss, min(BM, s.sq - q0), p.d, tid);
+  if (tma) {  // thread 0 issues every load (dense rows: no sequence offsets)
+    if (tid == 0) {
+      for (int i = 0; i < C::KBUF + 3; ++i) mbar_init(bar_q + 8 * i, 1);
+      mbar_init_fence();
+      mbar_expect_tx(bar_q, 2 * C::QBYTES);
+      tma_tile<BM, D>(sQ, &tm.q64, tm.order[0], q0, h, b, bar_q);
+      tma_tile<BM, D>(sO, &tm.do64, tm.order[1], q0, h, b, bar_q);
+    }
+    __syncthreads();  // (the barriers initialised)
+  } else {
+    load_tile_sw128<T, BM, D, NT>(sQ, Q, p.q_ss, min(BM, s.sq - q0), p.d, tid);
+    load_tile_sw128<T, BM, D, NT>(sO, dO, p.do_ss, min(BM, s.sq - q0), p.d, tid);
+  }
   cp_async_commit();
   const int qw = q0 + wg * 64;  // the warpgroup's first row
   const int row[2] = {qw + (warp & 3) * 16 + g, qw + (warp & 3) * 16 + g + 8};
@@ -1443,11 +1534,21 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, unsigned char
   if constexpr (kKeys) key_addends(p, skb, kb_next, nb0, nb1, b, s.sk);
   const auto load_kv = [&](int nb, int kst, int vst) {
     const int k0 = nb * BN, n = min(BN, s.sk - k0);
-    load_tile_sw128<T, BN, D, NT>(sK + kst * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
-    load_tile_sw128<T, BN, D, NT>(sV + vst * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
+    if (tma) {
+      if (tid == 0) {
+        mbar_expect_tx(bar_k + 8 * kst, C::KVBYTES);
+        tma_tile<BN, D>(sK + kst * C::KVBYTES, &tm.k, tm.order[4], k0, hk, b, bar_k + 8 * kst);
+        mbar_expect_tx(bar_v + 8 * vst, C::KVBYTES);
+        tma_tile<BN, D>(sV + vst * C::KVBYTES, &tm.v, tm.order[5], k0, hk, b, bar_v + 8 * vst);
+      }
+    } else {
+      load_tile_sw128<T, BN, D, NT>(sK + kst * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
+      load_tile_sw128<T, BN, D, NT>(sV + vst * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
+    }
   };
   if (nb0 < nb1) load_kv(nb0, 0, 0);
   cp_async_commit();
+  if (tma) mbar_wait(bar_q, 0);  // (also where no key block is visited: no load may land after the block's exit)
 
   float dq[D / 8][4];
   zero(dq);
@@ -1481,9 +1582,15 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, unsigned char
     if constexpr (kKeys) {
       if (nb + 1 < nb1) key_addends(p, skb, kb_next, nb + 1, nb1, b, s.sk);
     }
-    cp_async_wait<1>();  // Q, dO and this block's K and V
-    fence_async_smem();
-    __syncthreads();
+    if (tma) {  // this block's K and V (the i-th use of K buffer kst for i = (nb - nb0) / KBUF, of V's vst for / 2)
+      mbar_wait(bar_k + 8 * kst, ((nb - nb0) / C::KBUF) & 1);
+      mbar_wait(bar_v + 8 * vst, ((nb - nb0) >> 1) & 1);
+      if constexpr (kKeys) __syncthreads();  // (the key addends)
+    } else {
+      cp_async_wait<1>();  // Q, dO and this block's K and V
+      fence_async_smem();
+      __syncthreads();
+    }
     if (PIPE || (qw < s.sq && !(p.causal && k0 > qw + 63))) {  // the warpgroup has a row that sees a key here
       const uint32_t k_base = sK + kst * C::KVBYTES, v_base = sV + vst * C::KVBYTES;
       float sc[BN / 8][4], dp[BN / 8][4];
@@ -1546,25 +1653,40 @@ struct DkdvSm90Cfg {
   static constexpr int NT = 128;
   static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
   static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2;
-  static constexpr size_t smem() { return 1024 + 2 * KBYTES + 4 * QBYTES; }  // K, V, 2 buffers of Q and dO
+  // K, V, 2 buffers of Q and dO, then (TMA) the mbarriers of K and V and of each Q / dO buffer
+  static constexpr size_t smem() { return 1024 + 2 * KBYTES + 4 * QBYTES + 8 * 3; }
 };
 
 #if defined(PK_WGMMA)
 template <typename T, int D, int MODE>
-__device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, unsigned char* smem_raw, int bx, int hk, int b) {
+__device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTma& tm, unsigned char* smem_raw, int bx,
+                                                    int hk, int b) {
   using C = DkdvSm90Cfg<D>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT;
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
+  const uint32_t bar_kv = sO + 2 * C::QBYTES, bar_q = bar_kv + 8;  // (TMA) K and V; Q and dO buffer u at + 8 u
   __shared__ float sL[2][BQ], sD[2][BQ];  // the query block's lse (log2 units) and delta
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int k0 = bx * BN;
   const Seq s = seq_of(p, b);
   if (k0 >= s.sk) return;
+  const bool tma = tm.on != 0;
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + (s.k_off + k0) * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + (s.k_off + k0) * p.v_ss;
-  load_tile_sw128<T, BN, D, NT>(sK, K, p.k_ss, min(BN, s.sk - k0), p.d, tid);
-  load_tile_sw128<T, BN, D, NT>(sV, V, p.v_ss, min(BN, s.sk - k0), p.d, tid);
+  if (tma) {  // thread 0 issues every load (dense rows: no sequence offsets)
+    if (tid == 0) {
+      for (int i = 0; i < 3; ++i) mbar_init(bar_kv + 8 * i, 1);
+      mbar_init_fence();
+      mbar_expect_tx(bar_kv, 2 * C::KBYTES);
+      tma_tile<BN, D>(sK, &tm.k, tm.order[4], k0, hk, b, bar_kv);
+      tma_tile<BN, D>(sV, &tm.v, tm.order[5], k0, hk, b, bar_kv);
+    }
+    __syncthreads();  // (the barriers initialised)
+  } else {
+    load_tile_sw128<T, BN, D, NT>(sK, K, p.k_ss, min(BN, s.sk - k0), p.d, tid);
+    load_tile_sw128<T, BN, D, NT>(sV, V, p.v_ss, min(BN, s.sk - k0), p.d, tid);
+  }
   const int key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
   const float kb[2] = {key_bias<false>(p, b, key[0], s.sk), key_bias<false>(p, b, key[1], s.sk)};
   const int q_first = p.causal ? (k0 / BQ) * BQ : 0;  // queries i < k0 see no key of this block
@@ -1589,10 +1711,18 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, unsigned ch
   float ld_lse = INFINITY, ld_delta = 0.f;
   const auto load_q = [&](int h, int qs, int u) {
     const int nq = min(BQ, s.sq - qs);
-    const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + qs) * p.q_ss;
-    const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + qs) * p.do_ss;
-    load_tile_sw128<T, BQ, D, NT>(sQ + u * C::QBYTES, Q, p.q_ss, nq, p.d, tid);
-    load_tile_sw128<T, BQ, D, NT>(sO + u * C::QBYTES, dO, p.do_ss, nq, p.d, tid);
+    if (tma) {
+      if (tid == 0) {
+        mbar_expect_tx(bar_q + 8 * u, 2 * C::QBYTES);
+        tma_tile<BQ, D>(sQ + u * C::QBYTES, &tm.q32, tm.order[2], qs, h, b, bar_q + 8 * u);
+        tma_tile<BQ, D>(sO + u * C::QBYTES, &tm.do32, tm.order[3], qs, h, b, bar_q + 8 * u);
+      }
+    } else {
+      const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + qs) * p.q_ss;
+      const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + qs) * p.do_ss;
+      load_tile_sw128<T, BQ, D, NT>(sQ + u * C::QBYTES, Q, p.q_ss, nq, p.d, tid);
+      load_tile_sw128<T, BQ, D, NT>(sO + u * C::QBYTES, dO, p.do_ss, nq, p.d, tid);
+    }
     if (tid < BQ) {
       const int64_t lrow = b * p.lse_sb + h * p.lse_sh + s.q_off + qs;
       ld_lse = tid < nq ? p.lse[lrow + tid] : -INFINITY;
@@ -1613,6 +1743,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, unsigned ch
     advance(lh, lqs);
   }
   cp_async_commit();  // {K, V, the first query block}
+  if (tma) mbar_wait(bar_kv, 0);  // (also where no query block is visited: no load may land after the block's exit)
 
   float dk[D / 8][4], dv[D / 8][4];
   zero(dk);
@@ -1624,9 +1755,13 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, unsigned ch
       advance(lh, lqs);
     }
     cp_async_commit();
-    cp_async_wait<1>();  // K, V and this query block
-    fence_async_smem();
-    __syncthreads();
+    if (tma) {
+      mbar_wait(bar_q + 8 * u, (it >> 1) & 1);  // this query block (the (it / 2)-th use of buffer u)
+    } else {
+      cp_async_wait<1>();  // K, V and this query block
+      fence_async_smem();
+    }
+    __syncthreads();  // (and the block's lse and delta)
     const uint32_t q_base = sQ + u * C::QBYTES, o_base = sO + u * C::QBYTES;
     float st[BQ / 8][4], dpt[BQ / 8][4];
     wgmma_fence();
@@ -1684,7 +1819,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, unsigned ch
 // (those whose y is past the kv heads leave at once), the rest dQ's; x runs fastest, so a head's dK/dV and dQ blocks
 // run side by side
 template <typename T, int D, int MODE>
-__global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS) attn_bwd_sm90_kernel(const Params p) {
+__global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS)
+    attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
 #if defined(PK_WGMMA)
   constexpr bool PIPE = DqSm90Pipe<D, MODE>::value;
   static_assert(DkdvSm90Cfg<D>::NT == DqSm90Cfg<D, PIPE>::NT &&
@@ -1695,9 +1831,9 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
   const int bx = blockIdx.x;
   if (bx < nkb) {
     if (static_cast<int>(blockIdx.y) < p.hq / p.group)
-      bwd_dkdv_sm90_block<T, D, MODE>(p, smem_raw, bx, blockIdx.y, blockIdx.z);
+      bwd_dkdv_sm90_block<T, D, MODE>(p, tm, smem_raw, bx, blockIdx.y, blockIdx.z);
   } else {
-    bwd_dq_sm90_block<T, D, MODE, PIPE>(p, smem_raw, bx - nkb, blockIdx.y, blockIdx.z);
+    bwd_dq_sm90_block<T, D, MODE, PIPE>(p, tm, smem_raw, bx - nkb, blockIdx.y, blockIdx.z);
   }
 #else
   __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
@@ -1747,6 +1883,16 @@ inline void launch(void (*kernel)(Params), dim3 grid, size_t smem, const Params&
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   if (smem > 48 * 1024) allow_smem(reinterpret_cast<const void*>(kernel), smem);
   kernel<<<grid, threads, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// A kernel of a second parameter (attn_fwd_sm90_ws_kernel's TMA maps)
+template <typename Extra>
+inline void launch(void (*kernel)(Params, Extra), dim3 grid, size_t smem, const Params& p, const Extra& extra,
+                   cudaStream_t stream, int threads) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  if (smem > 48 * 1024) allow_smem(reinterpret_cast<const void*>(kernel), smem);
+  kernel<<<grid, threads, smem, stream>>>(p, extra);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1802,6 +1948,117 @@ inline Plan plan_of(const Params& p) {
 #endif
 }
 
+// The driver's cuTensorMapEncodeTiled, found once through the runtime (no link against libcuda); nullptr where the
+// driver has none
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A TMA map of the (batch, heads, rows, d) tensor at ``base`` (element strides sb, sh, ss; d contiguous) for tiles of
+// 64 columns x ``box_rows`` rows, 128-byte swizzled (FwdTma); ``order`` as FwdTma's. False where TMA cannot address
+// the tensor (a base not 16-byte aligned, a stride of a dimension longer than 1 that is 0 or not a multiple of 16
+// bytes, or the driver refuses the map): the kernel then loads it by cp.async.
+template <typename T>
+bool encode_map(CUtensorMap* map, int* order, const void* base, int64_t batch, int64_t heads, int64_t rows, int d,
+                int64_t sb, int64_t sh, int64_t ss, int box_rows) {
+  static_assert(sizeof(T) == 2, "fp16 / bf16");
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  struct Dim {
+    int64_t size, stride;
+    int role;  // 0 rows, 1 heads, 2 batch
+  };
+  Dim dims[3] = {{rows, ss, 0}, {heads, sh, 1}, {batch, sb, 2}};
+  for (const Dim& x : dims)
+    if (x.size > 1 && (x.stride <= 0 || x.stride % 8 != 0)) return false;
+  // dimensions longer than 1 by increasing stride, then those of length 1 (any stride: the next multiple up)
+  std::stable_sort(dims, dims + 3, [](const Dim& a, const Dim& b) {
+    if ((a.size > 1) != (b.size > 1)) return a.size > 1;
+    return a.size > 1 && a.stride < b.stride;
+  });
+  cuuint64_t size[4] = {static_cast<cuuint64_t>(d), 0, 0, 0}, stride[3];
+  cuuint32_t box[4] = {64, 1, 1, 1}, unit[4] = {1, 1, 1, 1};
+  int64_t span = static_cast<int64_t>(d) * 2;  // bytes from one index of the previous dimension to past its last
+  *order = 0;
+  for (int i = 0; i < 3; ++i) {
+    const Dim& x = dims[i];
+    const int64_t bytes = x.size > 1 ? x.stride * 2 : (span + 15) / 16 * 16;
+    size[i + 1] = static_cast<cuuint64_t>(x.size);
+    stride[i] = static_cast<cuuint64_t>(bytes);
+    span = std::max(span, bytes * x.size);
+    if (x.role == 0) box[i + 1] = static_cast<cuuint32_t>(box_rows);
+    *order |= (i + 1) << (2 * x.role);
+  }
+  const auto dtype = std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult r = encode(map, dtype, 4, const_cast<void*>(base), size, stride, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+// The forward's TMA maps where the inputs are dense (not varlen) and TMA takes all three. PYKERNELS_CUDA_ATTN_TMA (read
+// each launch, for A/B runs and tests): "0" keeps the cp.async loads; "1" requires TMA (an error where the inputs
+// rule it out); else TMA where it can
+template <typename T>
+FwdTma make_fwd_tma(const Params& p, int bm, int bn) {
+  FwdTma tm;
+  std::memset(&tm, 0, sizeof(tm));
+  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_TMA");
+  if (env != nullptr && env[0] == '0') return tm;
+  const int hk = p.hq / p.group;
+  tm.on = p.cu_q == nullptr &&
+          encode_map<T>(&tm.q, &tm.order[0], p.q, p.batch, p.hq, p.sq, p.d, p.q_sb, p.q_sh, p.q_ss, bm) &&
+          encode_map<T>(&tm.k, &tm.order[1], p.k, p.batch, hk, p.sk, p.d, p.k_sb, p.k_sh, p.k_ss, bn) &&
+          encode_map<T>(&tm.v, &tm.order[2], p.v, p.batch, hk, p.sk, p.d, p.v_sb, p.v_sh, p.v_ss, bn);
+  TORCH_CHECK(tm.on || env == nullptr || env[0] != '1',
+              "PYKERNELS_CUDA_ATTN_TMA=1: the forward cannot load these inputs by TMA (packed varlen sequences, a base "
+              "address not 16-byte aligned, or a stride of 0 or not a multiple of 16 bytes)");
+  return tm;
+}
+
+// The backward's TMA maps (BwdTma; the dQ blocks' query rows bm, the dK/dV blocks' bq, both's key rows bn), on the
+// forward's rule (make_fwd_tma)
+template <typename T>
+BwdTma make_bwd_tma(const Params& p, int bm, int bq, int bn) {
+  BwdTma tm;
+  std::memset(&tm, 0, sizeof(tm));
+  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_TMA");
+  if (env != nullptr && env[0] == '0') return tm;
+  const int hk = p.hq / p.group;
+  int* o = tm.order;
+  tm.on = p.cu_q == nullptr &&
+          encode_map<T>(&tm.q64, &o[0], p.q, p.batch, p.hq, p.sq, p.d, p.q_sb, p.q_sh, p.q_ss, bm) &&
+          encode_map<T>(&tm.do64, &o[1], p.dout, p.batch, p.hq, p.sq, p.d, p.do_sb, p.do_sh, p.do_ss, bm) &&
+          encode_map<T>(&tm.q32, &o[2], p.q, p.batch, p.hq, p.sq, p.d, p.q_sb, p.q_sh, p.q_ss, bq) &&
+          encode_map<T>(&tm.do32, &o[3], p.dout, p.batch, p.hq, p.sq, p.d, p.do_sb, p.do_sh, p.do_ss, bq) &&
+          encode_map<T>(&tm.k, &o[4], p.k, p.batch, hk, p.sk, p.d, p.k_sb, p.k_sh, p.k_ss, bn) &&
+          encode_map<T>(&tm.v, &o[5], p.v, p.batch, hk, p.sk, p.d, p.v_sb, p.v_sh, p.v_ss, bn);
+  TORCH_CHECK(tm.on || env == nullptr || env[0] != '1',
+              "PYKERNELS_CUDA_ATTN_TMA=1: the backward cannot load these inputs by TMA (packed varlen sequences, a "
+              "base address not 16-byte aligned, or a stride of 0 or not a multiple of 16 bytes)");
+  return tm;
+}
+
+// The warp-specialised forward's persistent grid: a block an SM, or one a tile where there are fewer tiles; causal,
+// a multiple of the tiles a head (n_m) where n_m <= sms, so that tile_at can alternate each head's order by round
+inline unsigned fwd_ws_grid(const Params& p, int bm, int sms) {
+  const int64_t n_m = (p.sq + bm - 1) / bm;
+  const int64_t tiles = n_m * p.hq * p.batch;
+  const int64_t blocks = p.causal && n_m <= sms ? sms / n_m * n_m : sms;
+  return static_cast<unsigned>(std::min<int64_t>(tiles, blocks));
+}
+
 inline unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + kRows - 1) / kRows); }
 
 template <typename T>
@@ -1815,9 +2072,9 @@ void launch_forward(const Params& p, cudaStream_t stream) {
         const auto ws = [&](auto dc) {
           constexpr int D = decltype(dc)::value;
           using C = FwdWsCfg<D>;
-          const int64_t tiles = static_cast<int64_t>((p.sq + C::BM - 1) / C::BM) * p.hq * p.batch;
-          const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, plan.sms)));
-          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), p, stream, C::NT);
+          const dim3 grid(fwd_ws_grid(p, C::BM, plan.sms));
+          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), p, make_fwd_tma<T>(p, C::BM, C::BN), stream,
+                 C::NT);
         };
         if (p.d <= 64)
           ws(std::integral_constant<int, 64>{});
@@ -1851,10 +2108,12 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   constexpr bool PIPE = DqSm90Pipe<D, M>::value;
   using Cq = DqSm90Cfg<D, PIPE>;
   using Ck = DkdvSm90Cfg<D>;
+  static_assert(Ck::BN == Cq::BN, "one key block for K and V's maps");
   const unsigned nkb = static_cast<unsigned>((p.sk + Ck::BN - 1) / Ck::BN);
   const unsigned nqb = static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM);
   const dim3 grid(nkb + nqb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-  launch(attn_bwd_sm90_kernel<T, D, M>, grid, std::max(Ck::smem(), Cq::smem()), p, stream, Ck::NT);
+  launch(attn_bwd_sm90_kernel<T, D, M>, grid, std::max(Ck::smem(), Cq::smem()), p,
+         make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN), stream, Ck::NT);
 }
 
 template <typename T>

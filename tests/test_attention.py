@@ -1695,6 +1695,91 @@ def test_gpu_cuda_backend_layouts(cuda_fwd):
     _check_against_ref(q1, kb, vb, backend="cuda")
 
 
+def _sm90a_device() -> bool:
+    import pykernels._C as ext
+    return bool(ext.sm90a) and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_cuda_tma_loads(monkeypatch):
+    """The warp-specialised forward's producer and the backward's blocks load their tiles by TMA where the inputs are
+    dense and TMA can address them (PYKERNELS_CUDA_ATTN_TMA=1 requires it: an error otherwise), else by cp.async
+    (=0). Both fill shared memory alike, so outputs and gradients are bitwise equal, and each is checked against the
+    references. Layouts: contiguous, the
+    transformers (B, S, H, D) storage, q sliced from a packed qkv, a batch or head dim of 1; head dims whose second
+    64-column box runs past d (80, 96) or whose only box does (16, 40); odd lengths; GQA; causal; a key-padding mask
+    (the producer's other threads write the key addends while thread 0 issues the loads); a query the op copies
+    first (6 bytes past alignment). Inputs TMA cannot take (stride-0 K / V, packed varlen sequences; in the backward a
+    stride-0 output gradient, as ``out.sum().backward()`` gives) raise under =1 and fall back otherwise."""
+    if not _sm90a_device():
+        pytest.skip("the warp-specialised forward needs an sm_90a build on a compute-capability 9.0 device")
+    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_SM90", raising=False)
+
+    def both(q, k, v, **kw):
+        runs = []
+        do = None
+        for env in ("1", "0"):
+            monkeypatch.setenv("PYKERNELS_CUDA_ATTN_TMA", env)
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+            out = sdpa(qq, kk, vv, backend="cuda", **kw)
+            do = torch.randn_like(out) if do is None else do
+            runs.append((out, *_grads(out, (qq, kk, vv), do)))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+        monkeypatch.setenv("PYKERNELS_CUDA_ATTN_TMA", "1")
+        _check_against_ref(q, k, v, causal=kw.get("is_causal", False), mask=kw.get("attn_mask"), backend="cuda",
+                           do=do)
+
+    dev = "cuda"
+    for (b, hq, hkv, sq, sk, d, causal) in [(2, 4, 4, 200, 200, 64, True), (2, 8, 2, 333, 300, 128, False),
+                                            (1, 3, 1, 17, 1000, 80, True), (2, 2, 2, 129, 127, 96, False),
+                                            (1, 2, 2, 300, 257, 16, True), (1, 1, 1, 1000, 1000, 40, False)]:
+        for dtype in (BF16, F16):
+            q, k, v = _inputs((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), dtype, dev)
+            both(q, k, v, is_causal=causal)
+    b, s, h, d = 2, 150, 4, 64
+    q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=BF16).transpose(1, 2).requires_grad_(True) for _ in range(3))
+    both(q, k, v, is_causal=True)
+    qkv = torch.randn(b, s, 3, h, 128, device=dev, dtype=BF16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2).requires_grad_(True) for i in range(3))
+    both(q, k, v)
+    q, k, v = _inputs((3, 4, 333, 64), (3, 2, 333, 64), (3, 2, 333, 64), BF16, dev)
+    kp = (torch.arange(333, device=dev)[None, :] < torch.tensor([333, 140, 0], device=dev)[:, None]).view(3, 1, 1, 333)
+    both(q, k, v, attn_mask=kp)
+
+    # a query 6 bytes past alignment: the op copies it (cp.async needs 16-byte rows too), then TMA takes it
+    flat = torch.randn(2 * 2 * 150 * 64 + 3, device=dev, dtype=BF16)
+    q = flat[3:].view(2, 2, 150, 64).requires_grad_(True)
+    k, v = (torch.randn(2, 2, 150, 64, device=dev, dtype=BF16, requires_grad=True) for _ in range(2))
+    both(q, k, v, is_causal=True)
+
+    k0 = torch.randn(1, 2, 150, 64, device=dev, dtype=BF16)
+    args = (k, k0.expand(2, 2, 150, 64), k0.expand(2, 2, 150, 64))  # stride 0 over the batch
+    monkeypatch.setenv("PYKERNELS_CUDA_ATTN_TMA", "1")
+    with pytest.raises(RuntimeError, match="PYKERNELS_CUDA_ATTN_TMA=1"):
+        sdpa(*args, backend="cuda")
+    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_TMA")
+    torch.testing.assert_close(sdpa(*args, backend="cuda"), sdpa(*args, backend="reference"), atol=2e-2, rtol=2e-2)
+    # a stride-0 output gradient (``o.sum()``'s, straight into the C++ op's autograd; through sdpa's views it arrives
+    # contiguous): the backward raises under =1, else loads it by cp.async, bitwise as TMA loads it made contiguous
+    def call():
+        return torch.ops.pykernels_cuda.attention(q, k, v, None, None, None, 150, 150, 0.0, True, 0.125, 0)
+
+    monkeypatch.setenv("PYKERNELS_CUDA_ATTN_TMA", "1")
+    with pytest.raises(RuntimeError, match="PYKERNELS_CUDA_ATTN_TMA=1: the backward"):
+        torch.autograd.grad(call().sum(), (q, k, v))
+    expected = torch.autograd.grad(call(), (q, k, v), torch.ones(2, 2, 150, 64, device=dev, dtype=BF16))
+    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_TMA")
+    for a, e in zip(torch.autograd.grad(call().sum(), (q, k, v)), expected):
+        assert torch.equal(a, e)
+    lq = [100, 7]
+    qv, kv, vv, cu_q, cu_k = _varlen_case(lq, lq, 2, 2, 64, BF16, dev)
+    monkeypatch.setenv("PYKERNELS_CUDA_ATTN_TMA", "1")
+    with pytest.raises(RuntimeError, match="PYKERNELS_CUDA_ATTN_TMA=1"):
+        varlen_attention(qv, kv, vv, cu_q, cu_k, 100, 100, backend="cuda")
+
+
 @pytest.mark.gpu
 @needs_cuda_ext
 def test_gpu_cuda_backend_dropout_and_determinism(cuda_fwd):

@@ -6,7 +6,8 @@ Usage (GPU): ``python benchmarks/dev/attention_cuda_ab.py LABEL [--fwd-kernels]`
 ``LABEL case fwd_ms bwd_ms fwd_TFLOPs bwd_TFLOPs``. ``--fwd-kernels``: each shape three times in this process, with
 the mma.sync kernels (``PYKERNELS_CUDA_ATTN_SM90=0``, labels ``LABEL-mma``), the wgmma kernels without the
 warp-specialised forward (``=1``, ``LABEL-wgmma``) and the default (``LABEL-default``: on an sm_90a build and a 9.0
-device, the warp-specialised forward where it covers the case)."""
+device, the warp-specialised forward where it covers the case). ``--peers``: after the C++ rows, the same shapes through the
+Triton path (``backend="triton"``) and torch's cuDNN SDPA, labelled ``triton`` and ``cudnn``, as a yardstick."""
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import attention as bench  # noqa: E402  (benchmarks/attention.py)
+from torch.nn.attention import SDPBackend  # noqa: E402
 
 CASES = [c for c in bench.CASES if c.quick] + [bench.Case("causal_2k_d128", 4, 16, 2048, 128, causal=True)]
 
@@ -24,6 +26,9 @@ def main() -> None:
     label = args[0] if args else "build"
     if "--fwd-kernels" not in sys.argv:
         run(label)
+        if "--peers" in sys.argv:
+            run("triton", lambda mask, causal: bench.pykernels_impl(mask, causal, "triton"))
+            run("cudnn", lambda mask, causal: bench.sdpa_impl(mask, causal, SDPBackend.CUDNN_ATTENTION))
         return
     for kernel, env in (("mma", "0"), ("wgmma", "1"), ("default", None)):
         if env is None:
@@ -33,10 +38,11 @@ def main() -> None:
         run(f"{label}-{kernel}")
 
 
-def run(label: str) -> None:
+def run(label: str, impl=None) -> None:
+    impl = impl or (lambda mask, causal: bench.pykernels_impl(mask, causal, "cuda"))
     for case in CASES:
         q, k, v, do, _, mask = bench.case_inputs(case)
-        t = bench.graph_time(bench.pykernels_impl(mask, case.causal, "cuda"), q, k, v, do)
+        t = bench.graph_time(impl(mask, case.causal), q, k, v, do)
         if "graph_fwd_ms" not in t:
             print(label, case.name, t)
             continue
