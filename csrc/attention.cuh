@@ -1456,9 +1456,10 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 // 64 and 256 (the two bodies' registers together), and it would lower the dQ blocks' occupancy at D = 96 and 192.
 // Since run239 the blocks load their tiles by TMA where the inputs are dense and TMA can address them (BwdTma,
 // make_bwd_tma; else by cp.async, as before): thread 0 issues each tile as 64-column boxes counted on the buffer's
-// mbarrier, and the warpgroup waits there instead of cp.async.wait_group and a barrier. H100, graph replay, against
-// cp.async in the same call: BERT-base 220-222 -> 226-228, key padding 210-211 -> 217-220, GPT-2 187-188 -> 191-192,
-// S2048 D128 causal 259 -> 264-265 (1.02-1.05x).
+// mbarrier, and the warpgroup waits there instead of cp.async.wait_group and a barrier. TMA is a template flag of the
+// kernel: as a run-time branch it had grown the cp.async kernel by 11-19% of its SASS (and ptxas spilled it less), so
+// that run239's A/B (1.02-1.05x) compared TMA with a slower cp.async kernel; the cp.async kernel is now bf81b6e's,
+// SASS byte for byte.
 // FlashAttention-3's producer warp, ping-pong and dQ by atomics in the dK/dV blocks (two GEMMs of seven fewer) are
 // what is left.
 template <int D, int MODE>
@@ -1476,7 +1477,7 @@ struct DqSm90Cfg {
 };
 
 #if defined(PK_WGMMA)
-template <typename T, int D, int MODE, bool PIPE>
+template <typename T, int D, int MODE, bool PIPE, bool TMA>
 __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma& tm, unsigned char* smem_raw, int bx,
                                                   int h, int b) {
   using C = DqSm90Cfg<D, PIPE>;
@@ -1494,12 +1495,12 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma&
   const Seq s = seq_of(p, b);
   const int q0 = bx * BM;
   if (q0 >= s.sq) return;
-  const bool tma = tm.on != 0;
+  constexpr bool tma = TMA;
   const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + q0) * p.q_ss;
   const T* dO = static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + (s.q_off + q0) * p.do_ss;
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
-  if (tma) {  // thread 0 issues every load (dense rows: no sequence offsets)
+  if constexpr (tma) {  // thread 0 issues every load (dense rows: no sequence offsets)
     if (tid == 0) {
       for (int i = 0; i < C::KBUF + 3; ++i) mbar_init(bar_q + 8 * i, 1);
       mbar_init_fence();
@@ -1534,7 +1535,7 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma&
   if constexpr (kKeys) key_addends(p, skb, kb_next, nb0, nb1, b, s.sk);
   const auto load_kv = [&](int nb, int kst, int vst) {
     const int k0 = nb * BN, n = min(BN, s.sk - k0);
-    if (tma) {
+    if constexpr (tma) {
       if (tid == 0) {
         mbar_expect_tx(bar_k + 8 * kst, C::KVBYTES);
         tma_tile<BN, D>(sK + kst * C::KVBYTES, &tm.k, tm.order[4], k0, hk, b, bar_k + 8 * kst);
@@ -1548,7 +1549,7 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma&
   };
   if (nb0 < nb1) load_kv(nb0, 0, 0);
   cp_async_commit();
-  if (tma) mbar_wait(bar_q, 0);  // (also where no key block is visited: no load may land after the block's exit)
+  if constexpr (tma) mbar_wait(bar_q, 0);  // (also where no key block is visited: no load may land after the block's exit)
 
   float dq[D / 8][4];
   zero(dq);
@@ -1582,7 +1583,7 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma&
     if constexpr (kKeys) {
       if (nb + 1 < nb1) key_addends(p, skb, kb_next, nb + 1, nb1, b, s.sk);
     }
-    if (tma) {  // this block's K and V (the i-th use of K buffer kst for i = (nb - nb0) / KBUF, of V's vst for / 2)
+    if constexpr (tma) {  // this block's K and V (the i-th use of K buffer kst for i = (nb - nb0) / KBUF, of V's vst for / 2)
       mbar_wait(bar_k + 8 * kst, ((nb - nb0) / C::KBUF) & 1);
       mbar_wait(bar_v + 8 * vst, ((nb - nb0) >> 1) & 1);
       if constexpr (kKeys) __syncthreads();  // (the key addends)
@@ -1658,7 +1659,7 @@ struct DkdvSm90Cfg {
 };
 
 #if defined(PK_WGMMA)
-template <typename T, int D, int MODE>
+template <typename T, int D, int MODE, bool TMA>
 __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTma& tm, unsigned char* smem_raw, int bx,
                                                     int hk, int b) {
   using C = DkdvSm90Cfg<D>;
@@ -1671,10 +1672,10 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   const int k0 = bx * BN;
   const Seq s = seq_of(p, b);
   if (k0 >= s.sk) return;
-  const bool tma = tm.on != 0;
+  constexpr bool tma = TMA;
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + (s.k_off + k0) * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + (s.k_off + k0) * p.v_ss;
-  if (tma) {  // thread 0 issues every load (dense rows: no sequence offsets)
+  if constexpr (tma) {  // thread 0 issues every load (dense rows: no sequence offsets)
     if (tid == 0) {
       for (int i = 0; i < 3; ++i) mbar_init(bar_kv + 8 * i, 1);
       mbar_init_fence();
@@ -1711,7 +1712,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   float ld_lse = INFINITY, ld_delta = 0.f;
   const auto load_q = [&](int h, int qs, int u) {
     const int nq = min(BQ, s.sq - qs);
-    if (tma) {
+    if constexpr (tma) {
       if (tid == 0) {
         mbar_expect_tx(bar_q + 8 * u, 2 * C::QBYTES);
         tma_tile<BQ, D>(sQ + u * C::QBYTES, &tm.q32, tm.order[2], qs, h, b, bar_q + 8 * u);
@@ -1743,7 +1744,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     advance(lh, lqs);
   }
   cp_async_commit();  // {K, V, the first query block}
-  if (tma) mbar_wait(bar_kv, 0);  // (also where no query block is visited: no load may land after the block's exit)
+  if constexpr (tma) mbar_wait(bar_kv, 0);  // (also where no query block is visited: no load may land after the block's exit)
 
   float dk[D / 8][4], dv[D / 8][4];
   zero(dk);
@@ -1755,7 +1756,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       advance(lh, lqs);
     }
     cp_async_commit();
-    if (tma) {
+    if constexpr (tma) {
       mbar_wait(bar_q + 8 * u, (it >> 1) & 1);  // this query block (the (it / 2)-th use of buffer u)
     } else {
       cp_async_wait<1>();  // K, V and this query block
@@ -1818,7 +1819,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // The backward's dK/dV and dQ blocks in one launch: blocks x < nkb of the grid (nkb + nqb, hq, batch) are dK/dV's
 // (those whose y is past the kv heads leave at once), the rest dQ's; x runs fastest, so a head's dK/dV and dQ blocks
 // run side by side
-template <typename T, int D, int MODE>
+template <typename T, int D, int MODE, bool TMA>
 __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS)
     attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
 #if defined(PK_WGMMA)
@@ -1831,9 +1832,9 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
   const int bx = blockIdx.x;
   if (bx < nkb) {
     if (static_cast<int>(blockIdx.y) < p.hq / p.group)
-      bwd_dkdv_sm90_block<T, D, MODE>(p, tm, smem_raw, bx, blockIdx.y, blockIdx.z);
+      bwd_dkdv_sm90_block<T, D, MODE, TMA>(p, tm, smem_raw, bx, blockIdx.y, blockIdx.z);
   } else {
-    bwd_dq_sm90_block<T, D, MODE, PIPE>(p, tm, smem_raw, bx - nkb, blockIdx.y, blockIdx.z);
+    bwd_dq_sm90_block<T, D, MODE, PIPE, TMA>(p, tm, smem_raw, bx - nkb, blockIdx.y, blockIdx.z);
   }
 #else
   __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
@@ -2112,8 +2113,10 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   const unsigned nkb = static_cast<unsigned>((p.sk + Ck::BN - 1) / Ck::BN);
   const unsigned nqb = static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM);
   const dim3 grid(nkb + nqb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-  launch(attn_bwd_sm90_kernel<T, D, M>, grid, std::max(Ck::smem(), Cq::smem()), p,
-         make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN), stream, Ck::NT);
+  const BwdTma tm = make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN);
+  // (TMA a template flag: the cp.async kernel is the one of before, with no test of it)
+  launch(tm.on ? attn_bwd_sm90_kernel<T, D, M, true> : attn_bwd_sm90_kernel<T, D, M, false>, grid,
+         std::max(Ck::smem(), Cq::smem()), p, tm, stream, Ck::NT);
 }
 
 template <typename T>
