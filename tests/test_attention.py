@@ -1761,17 +1761,18 @@ def test_gpu_cuda_tma_loads(monkeypatch):
         sdpa(*args, backend="cuda")
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_TMA")
     torch.testing.assert_close(sdpa(*args, backend="cuda"), sdpa(*args, backend="reference"), atol=2e-2, rtol=2e-2)
-    # a stride-0 output gradient (``o.sum()``'s, straight into the C++ op's autograd; through sdpa's views it arrives
-    # contiguous): the backward raises under =1, else loads it by cp.async, bitwise as TMA loads it made contiguous
+    # an output gradient of stride 0 over batch and heads (the op keeps it: its rows are 16-byte aligned), straight into
+    # the C++ op's autograd: the backward raises under =1, else loads it by cp.async, bitwise as TMA loads it copied
     def call():
         return torch.ops.pykernels_cuda.attention(q, k, v, None, None, None, 150, 150, 0.0, True, 0.125, 0)
 
+    do = torch.randn(1, 1, 150, 64, device=dev, dtype=BF16).expand(2, 2, 150, 64)
     monkeypatch.setenv("PYKERNELS_CUDA_ATTN_TMA", "1")
     with pytest.raises(RuntimeError, match="PYKERNELS_CUDA_ATTN_TMA=1: the backward"):
-        torch.autograd.grad(call().sum(), (q, k, v))
-    expected = torch.autograd.grad(call(), (q, k, v), torch.ones(2, 2, 150, 64, device=dev, dtype=BF16))
+        torch.autograd.grad(call(), (q, k, v), do)
+    expected = torch.autograd.grad(call(), (q, k, v), do.contiguous())
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_TMA")
-    for a, e in zip(torch.autograd.grad(call().sum(), (q, k, v)), expected):
+    for a, e in zip(torch.autograd.grad(call(), (q, k, v), do), expected):
         assert torch.equal(a, e)
     lq = [100, 7]
     qv, kv, vv, cu_q, cu_k = _varlen_case(lq, lq, 2, 2, 64, BF16, dev)
