@@ -877,7 +877,7 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // in every round in the same call): BERT-base 283 -> 305, key padding 243 -> 260, GPT-2 193 -> 237, S2048 D128 causal
 // 383 -> 471. The order alone: GPT-2 1.20x, S2048 D128 causal 1.12x (Nsight Compute, run237, H100: the SMs had been
 // active 82% of the kernel there, the blocks of one residue of n_m taking the longest tiles each round); TMA alone
-// 1.07-1.10x (the cp.async producer had executed 23-35% of the kernel's instructions, on the consumers' schedulers).
+// 1.02-1.10x (the cp.async producer had executed 23-35% of the kernel's instructions, on the consumers' schedulers).
 // Measured (H100, graph replay, TFLOP/s forward, run222; the plain wgmma kernels above in the same call): BERT-base
 // 286 (217), key padding 241 (209), GPT-2 195 (159), S2048 D128 causal 386 (233); before the warpgroup index was
 // made warp-uniform (ptxas had serialized the chains in the role branch, C7520) 242 / 241 / 162 / 317 (run217).
@@ -1459,7 +1459,10 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 // mbarrier, and the warpgroup waits there instead of cp.async.wait_group and a barrier. TMA is a template flag of the
 // kernel: as a run-time branch it had grown the cp.async kernel by 11-19% of its SASS (and ptxas spilled it less), so
 // that run239's A/B (1.02-1.05x) compared TMA with a slower cp.async kernel; the cp.async kernel is now bf81b6e's,
-// SASS byte for byte.
+// SASS byte for byte, and ptxas gives the TMA kernel 2-20 registers fewer and no spill (the cp.async one spills 48
+// bytes at D = 64 without a mask). run240 (H100, graph replay, backward TFLOP/s, TMA against that cp.async kernel in
+// two alternating rounds): BERT-base 237-239 vs 228-229, key padding 222-223 vs 219-221, GPT-2 199 vs 194, S2048 D128
+// causal 272-273 vs 263-268 (1.01-1.04x).
 // FlashAttention-3's producer warp, ping-pong and dQ by atomics in the dK/dV blocks (two GEMMs of seven fewer) are
 // what is left.
 template <int D, int MODE>
