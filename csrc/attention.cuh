@@ -938,6 +938,22 @@ __device__ __forceinline__ void tma_tile(uint32_t dst, const CUtensorMap* map, i
 #pragma unroll
   for (int r = 0; r < D / 64; ++r) tma_load_4d(dst + r * R * 128, map, r * 64, c1, c2, c3, bar);
 }
+
+// A backward block's start under TMA: thread 0 initialises the block's n mbarriers from ``bars`` (one arrival each)
+// and loads its first two R-row tiles (maps m0 and m1, at the same rows) into s0 and s1, counted on the first; then
+// the block syncs, so that every thread sees the barriers initialised before it waits on one
+template <int R, int D>
+__device__ __forceinline__ void tma_block_start(uint32_t bars, int n, uint32_t s0, const CUtensorMap* m0, int o0,
+                                                uint32_t s1, const CUtensorMap* m1, int o1, int row, int head, int b) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < n; ++i) mbar_init(bars + 8 * i, 1);
+    mbar_init_fence();
+    mbar_expect_tx(bars, 2 * R * D * 2);
+    tma_tile<R, D>(s0, m0, o0, row, head, b, bars);
+    tma_tile<R, D>(s1, m1, o1, row, head, b, bars);
+  }
+  __syncthreads();
+}
 #endif
 
 // Tile t of the persistent walk: (query tile, head, batch), query tiles fastest (a head's K and V stay in L2).
@@ -1073,6 +1089,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
           mbar_arrive(k_full(st));
         }
         mbar_wait(v_empty(st), ph);
+        // (as K's load above: one lambda for both changed ptxas's schedule of the kernel, a build not measured)
         if (tma) {
           if (tid == 0) {
             mbar_expect_tx(v_full(st), C::KVBYTES);
@@ -1504,14 +1521,7 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma&
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
   if constexpr (tma) {  // thread 0 issues every load (dense rows: no sequence offsets)
-    if (tid == 0) {
-      for (int i = 0; i < C::KBUF + 3; ++i) mbar_init(bar_q + 8 * i, 1);
-      mbar_init_fence();
-      mbar_expect_tx(bar_q, 2 * C::QBYTES);
-      tma_tile<BM, D>(sQ, &tm.q64, tm.order[0], q0, h, b, bar_q);
-      tma_tile<BM, D>(sO, &tm.do64, tm.order[1], q0, h, b, bar_q);
-    }
-    __syncthreads();  // (the barriers initialised)
+    tma_block_start<BM, D>(bar_q, C::KBUF + 3, sQ, &tm.q64, tm.order[0], sO, &tm.do64, tm.order[1], q0, h, b);
   } else {
     load_tile_sw128<T, BM, D, NT>(sQ, Q, p.q_ss, min(BM, s.sq - q0), p.d, tid);
     load_tile_sw128<T, BM, D, NT>(sO, dO, p.do_ss, min(BM, s.sq - q0), p.d, tid);
@@ -1679,14 +1689,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + (s.k_off + k0) * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + (s.k_off + k0) * p.v_ss;
   if constexpr (tma) {  // thread 0 issues every load (dense rows: no sequence offsets)
-    if (tid == 0) {
-      for (int i = 0; i < 3; ++i) mbar_init(bar_kv + 8 * i, 1);
-      mbar_init_fence();
-      mbar_expect_tx(bar_kv, 2 * C::KBYTES);
-      tma_tile<BN, D>(sK, &tm.k, tm.order[4], k0, hk, b, bar_kv);
-      tma_tile<BN, D>(sV, &tm.v, tm.order[5], k0, hk, b, bar_kv);
-    }
-    __syncthreads();  // (the barriers initialised)
+    tma_block_start<BN, D>(bar_kv, 3, sK, &tm.k, tm.order[4], sV, &tm.v, tm.order[5], k0, hk, b);
   } else {
     load_tile_sw128<T, BN, D, NT>(sK, K, p.k_ss, min(BN, s.sk - k0), p.d, tid);
     load_tile_sw128<T, BN, D, NT>(sV, V, p.v_ss, min(BN, s.sk - k0), p.d, tid);
