@@ -2014,23 +2014,31 @@ bool encode_map(CUtensorMap* map, int* order, const void* base, int64_t batch, i
   return r == CUDA_SUCCESS;
 }
 
-// The forward's TMA maps where the inputs are dense (not varlen) and TMA takes all three. PYKERNELS_CUDA_ATTN_TMA (read
-// each launch, for A/B runs and tests): "0" keeps the cp.async loads; "1" requires TMA (an error where the inputs
-// rule it out); else TMA where it can
+// PYKERNELS_CUDA_ATTN_TMA (read each launch, for A/B runs and tests): '0' keeps the cp.async loads; '1' requires TMA
+// (require_tma: an error where the inputs rule it out); else (0 where unset) TMA where it can
+inline char tma_env() {
+  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_TMA");
+  return env != nullptr ? env[0] : 0;
+}
+inline void require_tma(bool on, char env, const char* pass) {
+  TORCH_CHECK(on || env != '1', "PYKERNELS_CUDA_ATTN_TMA=1: the ", pass,
+              " cannot load these inputs by TMA (packed varlen sequences, a base address not 16-byte aligned, or a "
+              "stride of 0 or not a multiple of 16 bytes)");
+}
+
+// The forward's TMA maps where the inputs are dense (not varlen) and TMA takes all three (tma_env)
 template <typename T>
 FwdTma make_fwd_tma(const Params& p, int bm, int bn) {
   FwdTma tm;
   std::memset(&tm, 0, sizeof(tm));
-  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_TMA");
-  if (env != nullptr && env[0] == '0') return tm;
+  const char env = tma_env();
+  if (env == '0') return tm;
   const int hk = p.hq / p.group;
   tm.on = p.cu_q == nullptr &&
           encode_map<T>(&tm.q, &tm.order[0], p.q, p.batch, p.hq, p.sq, p.d, p.q_sb, p.q_sh, p.q_ss, bm) &&
           encode_map<T>(&tm.k, &tm.order[1], p.k, p.batch, hk, p.sk, p.d, p.k_sb, p.k_sh, p.k_ss, bn) &&
           encode_map<T>(&tm.v, &tm.order[2], p.v, p.batch, hk, p.sk, p.d, p.v_sb, p.v_sh, p.v_ss, bn);
-  TORCH_CHECK(tm.on || env == nullptr || env[0] != '1',
-              "PYKERNELS_CUDA_ATTN_TMA=1: the forward cannot load these inputs by TMA (packed varlen sequences, a base "
-              "address not 16-byte aligned, or a stride of 0 or not a multiple of 16 bytes)");
+  require_tma(tm.on, env, "forward");
   return tm;
 }
 
@@ -2040,8 +2048,8 @@ template <typename T>
 BwdTma make_bwd_tma(const Params& p, int bm, int bq, int bn) {
   BwdTma tm;
   std::memset(&tm, 0, sizeof(tm));
-  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_TMA");
-  if (env != nullptr && env[0] == '0') return tm;
+  const char env = tma_env();
+  if (env == '0') return tm;
   const int hk = p.hq / p.group;
   int* o = tm.order;
   tm.on = p.cu_q == nullptr &&
@@ -2051,9 +2059,7 @@ BwdTma make_bwd_tma(const Params& p, int bm, int bq, int bn) {
           encode_map<T>(&tm.do32, &o[3], p.dout, p.batch, p.hq, p.sq, p.d, p.do_sb, p.do_sh, p.do_ss, bq) &&
           encode_map<T>(&tm.k, &o[4], p.k, p.batch, hk, p.sk, p.d, p.k_sb, p.k_sh, p.k_ss, bn) &&
           encode_map<T>(&tm.v, &o[5], p.v, p.batch, hk, p.sk, p.d, p.v_sb, p.v_sh, p.v_ss, bn);
-  TORCH_CHECK(tm.on || env == nullptr || env[0] != '1',
-              "PYKERNELS_CUDA_ATTN_TMA=1: the backward cannot load these inputs by TMA (packed varlen sequences, a "
-              "base address not 16-byte aligned, or a stride of 0 or not a multiple of 16 bytes)");
+  require_tma(tm.on, env, "backward");
   return tm;
 }
 
