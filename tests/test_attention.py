@@ -1520,6 +1520,12 @@ def cuda_fwd(request, monkeypatch):
     return request.param
 
 
+def _sm90a_device() -> bool:
+    """Whether the C++ extension has sm_90a code and the device is compute capability 9.0 (its wgmma kernels run)."""
+    import pykernels._C as ext
+    return bool(ext.sm90a) and torch.cuda.get_device_capability() == (9, 0)
+
+
 def _cuda_fwd_kernels(q, k, v, **kw) -> list[str]:
     """The names of the attention forward kernels one C++ call launches (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -1538,8 +1544,7 @@ def test_gpu_cuda_forward_kernel_choice(monkeypatch):
     attn_fwd_sm90_pipe_kernel (above) instead, as does a scale that is not positive without a mask
     (test_gpu_cuda_backend_scale_sign); else, and above 128, the mma.sync kernel, which PYKERNELS_CUDA_ATTN_SM90=0
     selects too."""
-    import pykernels._C as ext
-    hopper = bool(ext.sm90a) and torch.cuda.get_device_capability() == (9, 0)
+    hopper = _sm90a_device()
 
     def plain(d):
         return "attn_fwd_sm90_kernel" if d <= 64 else "attn_fwd_sm90_pipe"
@@ -1576,8 +1581,7 @@ def test_gpu_cuda_backward_kernel_choice(monkeypatch):
     dK/dV blocks past the kv heads leave at once); else, and with PYKERNELS_CUDA_ATTN_SM90=0, the delta kernel and the
     mma.sync dK/dV and dQ kernels. The same calls are checked against the references."""
     from torch.profiler import ProfilerActivity, profile
-    import pykernels._C as ext
-    hopper = bool(ext.sm90a) and torch.cuda.get_device_capability() == (9, 0)
+    hopper = _sm90a_device()
     for env in (None, "0"):
         if env is None:
             monkeypatch.delenv("PYKERNELS_CUDA_ATTN_SM90", raising=False)
@@ -1607,8 +1611,7 @@ def test_gpu_cuda_backend_scale_sign(scale, causal, cuda_fwd):
     positive scale, so zero and negative scales take the kernels that scale first."""
     q, k, v = _inputs((2, 3, 200, 64), (2, 3, 200, 64), (2, 3, 200, 64), BF16, "cuda")
     _check_against_ref(q, k, v, causal=causal, scale=scale, backend="cuda")
-    import pykernels._C as ext
-    if cuda_fwd == "default" and bool(ext.sm90a) and torch.cuda.get_device_capability() == (9, 0):
+    if cuda_fwd == "default" and _sm90a_device():
         names = _cuda_fwd_kernels(q.detach(), k.detach(), v.detach(), is_causal=causal, scale=scale)
         assert len(names) == 1 and ("attn_fwd_sm90_ws_kernel" in names[0]) == (scale > 0), (scale, names)
 
@@ -1693,11 +1696,6 @@ def test_gpu_cuda_backend_layouts(cuda_fwd):
     _check_against_ref(qo, kb, vb, backend="cuda")
     q1 = torch.randn(b, 1, s, d, device="cuda", dtype=BF16, requires_grad=True)
     _check_against_ref(q1, kb, vb, backend="cuda")
-
-
-def _sm90a_device() -> bool:
-    import pykernels._C as ext
-    return bool(ext.sm90a) and torch.cuda.get_device_capability() == (9, 0)
 
 
 @pytest.mark.gpu
