@@ -350,6 +350,61 @@ def test_output_attentions_warns_and_returns_none():
 
 
 # ----------------------------------------------------------------------------------------------
+# fuse_residual_layer_norms: BERT's post-LN blocks as one pykernels.layer_norm call
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_post_ln_bert_matches_eager(backend, device):
+    dev = _device_for(backend, device)
+    ours, eager, hi = make_models(AutoModelForMaskedLM, bert_config, dev)
+    keys = list(ours.state_dict())
+    assert pk_hf.fuse_residual_layer_norms(ours) is ours
+    fused = [m for m in ours.modules() if type(m).__name__.startswith("FusedBert")]
+    assert sorted({type(m).__name__ for m in fused}) == ["FusedBertOutput", "FusedBertSelfOutput"]
+    assert len(fused) == 2 * ours.config.num_hidden_layers
+    assert list(ours.state_dict()) == keys
+    ids, mask = make_batch([11, 7, 3], 11, dev)
+    with pykernels.use_backend(backend):
+        assert_model_matches_eager(ours, eager, hi, ids, mask)
+
+
+def test_fused_post_ln_calls_and_dropout(monkeypatch):
+    torch.manual_seed(0)
+    bert = AutoModel.from_config(bert_config(hidden_dropout_prob=0.25), attn_implementation="pykernels")
+    pk_hf.fuse_residual_layer_norms(pk_hf.fuse_residual_layer_norms(bert))  # twice: the second changes nothing
+    assert all(type(m).__name__ in ("FusedBertSelfOutput", "FusedBertOutput")
+               for m in bert.modules() if type(m).__name__.endswith("Output"))
+    assert all(issubclass(type(m), torch.nn.Module) and type(m).__mro__[1].__name__ in pk_hf.POST_LN_OUTPUT_CLASSES
+               for m in bert.modules() if type(m).__name__.startswith("Fused"))
+    calls = []
+    real = pykernels.layer_norm
+
+    def spy(x, weight, bias=None, eps=1e-5, **kw):
+        calls.append(dict(eps=eps, **kw))
+        return real(x, weight, bias, eps, **kw)
+
+    monkeypatch.setattr(pykernels, "layer_norm", spy)
+    ids, mask = make_batch([6, 6], 6, "cpu")
+    with pykernels.use_backend("reference"):
+        bert.train()(input_ids=ids, attention_mask=mask)
+        assert len(calls) == 4 and all(c["dropout_p"] == 0.25 and c["residual"] is not None for c in calls)
+        assert all(c["eps"] == bert.config.layer_norm_eps for c in calls)
+        calls.clear()
+        bert.eval()(input_ids=ids, attention_mask=mask)
+        assert len(calls) == 4 and all(c["dropout_p"] == 0.0 for c in calls)
+
+
+def test_fused_post_ln_refuses_what_it_cannot_fuse():
+    gpt2 = AutoModelForCausalLM.from_config(gpt2_config(), attn_implementation="pykernels")
+    with pytest.raises(ValueError, match="no post-LN output block.*replace_layer_norms"):
+        pk_hf.fuse_residual_layer_norms(gpt2)
+    bert = AutoModel.from_config(bert_config(), attn_implementation="pykernels")
+    bert.encoder.layer[0].output.dropout = torch.nn.Identity()
+    with pytest.raises(ValueError, match="BertOutput must have dense"):
+        pk_hf.fuse_residual_layer_norms(bert)
+    assert not any(type(m).__name__.startswith("Fused") for m in bert.modules())  # nothing half-done
+
+
+# ----------------------------------------------------------------------------------------------
 # GPU: BERT-base-sized and GPT-2-small-sized layers in bf16 (three-way rule against eager fp32)
 
 def _bf16_three_way(auto_cls, config_fn, lengths, seqlen):

@@ -180,9 +180,64 @@ def register(*, name: str = NAME) -> str:
     return name
 
 
+# The post-LN output blocks of BERT and its descendants: ``LayerNorm(dropout(dense(h)) + input_tensor)``.
+POST_LN_OUTPUT_CLASSES = frozenset({
+    "BertSelfOutput", "BertOutput", "RobertaSelfOutput", "RobertaOutput", "XLMRobertaSelfOutput", "XLMRobertaOutput",
+    "CamembertSelfOutput", "CamembertOutput", "ElectraSelfOutput", "ElectraOutput"})
+_fused_classes: dict[type, type] = {}
+
+
+def _fused_post_ln_forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+    """``LayerNorm(dropout(dense(hidden_states)) + input_tensor)`` as one :func:`pykernels.layer_norm` call after the
+    projection: the dropout (in training), the residual add and the norm in one kernel, forward and backward."""
+    ln = self.LayerNorm
+    p = self.dropout.p if self.training else 0.0
+    return pykernels.layer_norm(self.dense(hidden_states), ln.weight, ln.bias, ln.eps, residual=input_tensor,
+                                dropout_p=p, backend=getattr(ln, "backend", None))
+
+
+def fuse_residual_layer_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """Fuse the post-LN blocks of a BERT-family model, in place: each ``BertSelfOutput`` / ``BertOutput`` (and
+    RoBERTa's, XLM-R's, CamemBERT's, ELECTRA's, :data:`POST_LN_OUTPUT_CLASSES`) computes
+    ``LayerNorm(dropout(dense(h)) + input_tensor)`` with one :func:`pykernels.layer_norm` call (dropout, residual
+    add and norm fused) instead of three ops. The module keeps its parameters, names and ``state_dict``; only its
+    class changes, to a subclass named ``Fused<Name>`` whose ``forward`` does the fused call.
+
+    Dropout draws from pykernels' stream (same rate, another mask than ``nn.Dropout``'s). Under autocast the
+    output is in the projection's dtype (bf16 / fp16) where transformers' ``LayerNorm`` returns fp32.
+
+    Returns ``model``. Raises ``ValueError`` when no module of those classes is found (e.g. a GPT-2 model, whose
+    blocks are pre-LN: use :func:`pykernels.nn.replace_layer_norms` there) or one of them lacks a ``dense``
+    ``nn.Linear``, a ``dropout`` ``nn.Dropout`` or a one-dim ``LayerNorm``.
+    """
+    found = [m for m in model.modules()
+             if type(m).__name__ in POST_LN_OUTPUT_CLASSES or type(m) in _fused_classes.values()]
+    for m in found:  # every block checked before any is changed: a refusal leaves the model as it was
+        ln = getattr(m, "LayerNorm", None)
+        if not (isinstance(getattr(m, "dense", None), torch.nn.Linear)
+                and isinstance(getattr(m, "dropout", None), torch.nn.Dropout)
+                and isinstance(ln, torch.nn.LayerNorm) and len(ln.normalized_shape) == 1):
+            raise ValueError(f"model: {type(m).__name__} must have dense (nn.Linear), dropout (nn.Dropout) and a "
+                             "one-dim LayerNorm (nn.LayerNorm) to be fused")
+    for m in found:
+        cls = type(m)
+        if cls in _fused_classes.values():
+            continue
+        if cls not in _fused_classes:
+            _fused_classes[cls] = type(f"Fused{cls.__name__}", (cls,), {"forward": _fused_post_ln_forward,
+                                                                         "__module__": __name__})
+        m.__class__ = _fused_classes[cls]
+    if not found:
+        raise ValueError("model: no post-LN output block to fuse (expected one of "
+                         f"{sorted(POST_LN_OUTPUT_CLASSES)}); pre-LN models (GPT-2) keep their blocks: use "
+                         "pykernels.nn.replace_layer_norms(model) for their LayerNorms")
+    return model
+
+
 def is_registered() -> bool:
     """Whether :func:`register` has run in this process."""
     return _registered
 
 
-__all__ = ["register", "is_registered", "attention_forward", "build_mask", "NAME"]
+__all__ = ["register", "is_registered", "attention_forward", "build_mask", "fuse_residual_layer_norms",
+           "POST_LN_OUTPUT_CLASSES", "NAME"]

@@ -1,0 +1,264 @@
+"""Whole training steps of Hugging Face BERT-base (MLM) and GPT-2 small (causal LM): transformers' own models
+with ``attn_implementation="sdpa"`` against the same models on pykernels' three ops, in one run.
+
+The setup is ANCHORS.md's "whole training step" (transformers, bf16 autocast, fused AdamW): BERT-base
+(``BertConfig()``: 12 layers, hidden 768, vocab 30522) on 32 x 512 tokens with 15% of them labelled (the
+80/10/10 rule on the inputs), and GPT-2 small (``GPT2Config()``) on 8 x 1024 tokens, every position a target.
+Models start from one random init each (no hub access), in train mode (dropout on), so every variant runs the
+same weights on the same batch. A step is ``zero_grad; loss = forward; loss.backward(); optimizer.step()``.
+
+Variants (each its own model and ``torch.optim.AdamW(fused=True)``):
+
+* ``hf sdpa``: transformers' model and loss as a user runs them (``model(..., labels=...).loss``): the LM head
+  over every position, its logits in bf16, the loss on them in fp32.
+* ``pykernels``: the same model with ``attn_implementation="pykernels"`` (``auto``: the Triton / Gluon
+  attention), every ``nn.LayerNorm`` swapped by ``pykernels.nn.replace_layer_norms``, BERT's post-LN blocks
+  fused (``fuse_residual_layer_norms``: branch dropout, residual add and LayerNorm in one kernel), and the LM
+  head and loss by ``pykernels.masked_lm_loss`` (BERT: only the labelled rows; GPT-2: ``dense=True`` on
+  ``shift_labels``), with the tied word embeddings cast to bf16 as autocast casts them for a linear layer.
+* ``pykernels, C++ attention``: the same with the attention on ``backend="cuda"`` (the C++ op: its autograd is
+  C++, so an eager step spends less host time in it), where the extension is built.
+* ``--compile`` adds each of the first two with its forward and loss under ``torch.compile`` (default mode).
+
+Reported per variant: milliseconds a step (wall clock over ``--steps`` steps after ``--warmup``, host
+included, as a training loop sees it), tokens a second, peak memory allocated during the timed steps, and the
+loss of the first batch in eval mode (no dropout) next to ``hf sdpa``'s on the same weights: the variants must
+agree on it (bf16 autocast: within 2%; this run prints and records the difference, ``--check`` fails on it).
+
+Usage (GPU): ``python benchmarks/train_step.py [--models bert gpt2] [--steps 20] [--warmup 5] [--compile]
+[--budget-s 300]``; rows go to ``benchmarks/results/train_step_<card>_<date>.csv`` and ``$OUT/train_step.csv``.
+``--smoke`` runs tiny configs on CPU (the reference backend; nothing written); without CUDA and without
+``--smoke`` it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BERT_MASK_ID = 103  # bert-base-uncased's [MASK]
+
+
+@dataclass
+class Case:
+    name: str
+    batch: int
+    seqlen: int
+    config: Callable[[], object]
+    causal: bool
+
+
+def bert_batch(batch: int, seqlen: int, vocab: int, device, gen: torch.Generator):
+    """input_ids with 15% of positions chosen, labels at those positions (-100 elsewhere); of the chosen inputs
+    80% become [MASK], 10% a random token, 10% stay (BERT's rule)."""
+    ids = torch.randint(1000, vocab, (batch, seqlen), generator=gen)
+    chosen = torch.rand(batch, seqlen, generator=gen) < 0.15
+    labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+    r = torch.rand(batch, seqlen, generator=gen)
+    inputs = torch.where(chosen & (r < 0.8), torch.full_like(ids, BERT_MASK_ID), ids)
+    inputs = torch.where(chosen & (r >= 0.8) & (r < 0.9), torch.randint(1000, vocab, ids.shape, generator=gen), inputs)
+    return inputs.to(device), labels.to(device)
+
+
+def gpt2_batch(batch: int, seqlen: int, vocab: int, device, gen: torch.Generator):
+    ids = torch.randint(0, vocab, (batch, seqlen), generator=gen).to(device)
+    return ids, ids
+
+
+def hf_loss_fn(model, causal: bool):
+    def fwd(inputs, labels):
+        return model(input_ids=inputs, labels=labels).loss
+    return fwd
+
+
+def pykernels_loss_fn(model, causal: bool, attn_backend: str | None):
+    """Forward + loss through pykernels' ops (the model already patched)."""
+    import pykernels
+
+    if causal:
+        body, wte = model.transformer, model.transformer.wte
+
+        def fwd(inputs, labels):
+            with pykernels.use_backend(attn_backend) if attn_backend else contextlib.nullcontext():
+                h = body(input_ids=inputs).last_hidden_state
+            dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else h.dtype
+            return pykernels.masked_lm_loss(h.to(dtype), wte.weight.to(dtype), pykernels.shift_labels(labels),
+                                            dense=True, backend="auto")
+        return fwd
+
+    body, head = model.bert, model.cls.predictions
+
+    def fwd(inputs, labels):
+        with pykernels.use_backend(attn_backend) if attn_backend else contextlib.nullcontext():
+            h = body(input_ids=inputs).last_hidden_state
+        h = head.transform(h)
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else h.dtype
+        dec = head.decoder
+        bias = dec.bias.to(dtype) if dec.bias is not None else None
+        return pykernels.masked_lm_loss(h.to(dtype), dec.weight.to(dtype), labels, bias=bias, backend="auto")
+    return fwd
+
+
+def build(case: Case, variant: str, state: dict, device):
+    """(model, loss function) for a variant, the model loaded with ``state``."""
+    import pykernels
+    from pykernels.integrations import transformers as pk_hf
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    auto = AutoModelForCausalLM if case.causal else AutoModelForMaskedLM
+    ours = variant.startswith("pykernels")
+    if ours:
+        pk_hf.register()
+    model = auto.from_config(case.config(), attn_implementation="pykernels" if ours else "sdpa")
+    model.load_state_dict(state)
+    model.to(device).train()
+    if not ours:
+        fwd = hf_loss_fn(model, case.causal)
+    else:
+        pykernels.nn.replace_layer_norms(model)
+        for m in model.modules():  # the norms take what auto serves (fp32 weights under autocast: Triton), even
+            if isinstance(m, pykernels.nn.LayerNorm):  # inside the C++-attention variant's use_backend("cuda")
+                m.backend = "auto"
+        if not case.causal:
+            pk_hf.fuse_residual_layer_norms(model)
+        fwd = pykernels_loss_fn(model, case.causal, "cuda" if "C++" in variant else None)
+    if variant.endswith("+ compile"):
+        fwd = torch.compile(fwd)
+    return model, fwd
+
+
+def run_variant(case: Case, variant: str, state: dict, batch, device, *, steps: int, warmup: int,
+                amp: bool) -> dict:
+    model, fwd = build(case, variant, state, device)
+    inputs, labels = batch
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+
+    with torch.no_grad(), autocast():
+        model.eval()
+        loss0 = float(fwd(inputs, labels))
+        model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with autocast():
+            loss = fwd(inputs, labels)
+        loss.backward()
+        opt.step()
+        return loss
+
+    cuda = device.type == "cuda"
+    t_warm = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    warm_s = time.perf_counter() - t_warm
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        last = step()
+    if cuda:
+        torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    tokens = inputs.numel()
+    row = dict(case=case.name, variant=variant, batch=case.batch, seqlen=case.seqlen, ms_per_step=round(ms, 2),
+               tokens_per_s=round(tokens / ms * 1e3), peak_GiB=round(peak, 2), eval_loss0=round(loss0, 5),
+               train_loss_last=round(last.item(), 4), warmup_s=round(warm_s, 1), steps=steps)
+    del model, fwd, opt
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def cases(smoke: bool) -> list[Case]:
+    from transformers import BertConfig, GPT2Config
+    if smoke:
+        return [Case("bert", 2, 16, lambda: BertConfig(vocab_size=1100, hidden_size=32, num_hidden_layers=2,
+                                                       num_attention_heads=2, intermediate_size=37,
+                                                       max_position_embeddings=64), False),
+                Case("gpt2", 2, 16, lambda: GPT2Config(vocab_size=1100, n_embd=32, n_layer=2, n_head=2,
+                                                       n_positions=64, bos_token_id=0, eos_token_id=0), True)]
+    return [Case("bert", 32, 512, BertConfig, False), Case("gpt2", 8, 1024, GPT2Config, True)]
+
+
+def main(argv=None, rows_out: list | None = None) -> int:
+    """Run the cases; the rows are also appended to ``rows_out`` when given (tests)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["bert", "gpt2"], choices=["bert", "gpt2"])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--compile", action="store_true", help="add the torch.compile variants")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="skip the variants left past this")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a variant's eval loss is off by > 2%%")
+    ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU, nothing written")
+    args = ap.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("train_step benchmark: no CUDA device; nothing to time (use --smoke to check the plumbing)")
+        return 0
+    import pykernels
+    device = torch.device("cpu" if args.smoke else "cuda")
+    amp = not args.smoke
+    variants = ["hf sdpa", "pykernels"]
+    if not args.smoke and pykernels.backends()["cuda"].available:
+        variants.append("pykernels, C++ attention")
+    if args.compile:
+        variants += ["hf sdpa + compile", "pykernels + compile"]
+    t_start = time.perf_counter()
+    rows, bad = [], []
+    for case in cases(args.smoke):
+        if case.name not in args.models:
+            continue
+        from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+        torch.manual_seed(0)
+        state = (AutoModelForCausalLM if case.causal else AutoModelForMaskedLM).from_config(
+            case.config(), attn_implementation="sdpa").state_dict()
+        gen = torch.Generator().manual_seed(1)
+        vocab = case.config().vocab_size
+        batch = (gpt2_batch if case.causal else bert_batch)(case.batch, case.seqlen, vocab, device, gen)
+        base = None
+        for variant in variants:
+            if time.perf_counter() - t_start > args.budget_s:
+                rows.append(dict(case=case.name, variant=variant, status="skipped (time budget)"))
+                continue
+            try:
+                row = run_variant(case, variant, state, batch, device, steps=args.steps, warmup=args.warmup,
+                                  amp=amp)
+                row["status"] = "ok"
+            except Exception as e:  # noqa: BLE001 - a failing variant is recorded, the others still run
+                row = dict(case=case.name, variant=variant, status=f"error: {type(e).__name__}: {e}"[:300])
+                bad.append(row)
+            if variant == "hf sdpa" and row["status"] == "ok":
+                base = row
+            if base is not None and row["status"] == "ok":
+                row["speedup_vs_hf_sdpa"] = round(base["ms_per_step"] / row["ms_per_step"], 3)
+                row["eval_loss0_rel_diff"] = round(abs(row["eval_loss0"] - base["eval_loss0"]) / abs(base["eval_loss0"]), 5)
+                if row["eval_loss0_rel_diff"] > 0.02:
+                    bad.append(row)
+            rows.append(row)
+            print(row, flush=True)
+    from common import print_table, write_rows
+    cols = ["case", "variant", "status", "ms_per_step", "tokens_per_s", "peak_GiB", "speedup_vs_hf_sdpa",
+            "eval_loss0", "eval_loss0_rel_diff", "warmup_s"]
+    print_table(rows, cols)
+    if rows_out is not None:
+        rows_out.extend(rows)
+    if not args.smoke:
+        print("wrote", write_rows("train_step", rows))
+    return 1 if (args.check and bad) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
