@@ -407,9 +407,11 @@ def test_fused_post_ln_refuses_what_it_cannot_fuse():
 # ----------------------------------------------------------------------------------------------
 # GPU: BERT-base-sized and GPT-2-small-sized layers in bf16 (three-way rule against eager fp32)
 
-def _bf16_three_way(auto_cls, config_fn, lengths, seqlen):
+def _bf16_three_way(auto_cls, config_fn, lengths, seqlen, *, fuse=False):
     dev = torch.device("cuda")
     eager32, eager16, ours = same_weight_models(auto_cls, config_fn, "eager", "eager", "pykernels")
+    if fuse:
+        pk_hf.fuse_residual_layer_norms(ours)
     eager32 = eager32.to(dev, torch.float32).eval()
     eager16 = eager16.to(dev, torch.bfloat16).eval()
     ours = ours.to(dev, torch.bfloat16).eval()
@@ -443,10 +445,11 @@ def _bf16_three_way(auto_cls, config_fn, lengths, seqlen):
 
 
 @pytest.mark.gpu
-def test_gpu_bert_base_bf16():
+@pytest.mark.parametrize("fuse", [False, True], ids=["attention", "attention_and_fused_post_ln"])
+def test_gpu_bert_base_bf16(fuse):
     cfg = lambda: BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=4, num_attention_heads=12,  # noqa: E731
                              intermediate_size=3072, max_position_embeddings=512)
-    _bf16_three_way(AutoModelForMaskedLM, cfg, [256, 200, 131, 17], 256)
+    _bf16_three_way(AutoModelForMaskedLM, cfg, [256, 200, 131, 17], 256, fuse=fuse)
 
 
 @pytest.mark.gpu
