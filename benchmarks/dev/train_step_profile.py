@@ -1,0 +1,84 @@
+"""Where a whole training step's time goes (``benchmarks/train_step.py``'s models and variants): torch.profiler
+over a few steps after warm-up, per variant: wall time a step, GPU busy time a step (the kernels' summed device
+time), and the kernels and host-side ops that take the most. Writes ``$OUT/train_step_profile_<case>.txt``.
+
+Usage (GPU): ``python benchmarks/dev/train_step_profile.py [--models bert gpt2] [--variants "hf sdpa" pykernels]``
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import train_step as ts  # noqa: E402
+
+
+def profile_variant(case, variant, state, batch, steps: int, out) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    model, fwd = ts.build(case, variant, state, torch.device("cuda"))
+    inputs, labels = batch
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fwd(inputs, labels)
+        loss.backward()
+        opt.step()
+
+    for _ in range(4):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    events = prof.key_averages()
+    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time_total for e in gpu) / 1e3 / steps
+    print(f"== {case.name} / {variant}: wall {wall:.2f} ms a step (profiled), GPU kernels {busy:.2f} ms a step",
+          file=out)
+    print("-- top CUDA kernels (ms a step, calls a step)", file=out)
+    for e in sorted(gpu, key=lambda e: -e.device_time_total)[:30]:
+        print(f"{e.device_time_total / 1e3 / steps:8.3f} {e.count // steps:5d}  {e.key[:150]}", file=out)
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    print("-- top host ops by self CPU time (ms a step, calls a step)", file=out)
+    for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:30]:
+        print(f"{e.self_cpu_time_total / 1e3 / steps:8.3f} {e.count // steps:5d}  {e.key[:150]}", file=out)
+    out.flush()
+    del model, fwd, opt
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["bert", "gpt2"])
+    ap.add_argument("--variants", nargs="+", default=["hf sdpa", "pykernels"])
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    out_dir = Path(os.environ.get("OUT", "."))
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    for case in ts.cases(False):
+        if case.name not in args.models:
+            continue
+        torch.manual_seed(0)
+        state = (AutoModelForCausalLM if case.causal else AutoModelForMaskedLM).from_config(
+            case.config(), attn_implementation="sdpa").state_dict()
+        batch = (ts.gpt2_batch if case.causal else ts.bert_batch)(case.batch, case.seqlen, case.config().vocab_size,
+                                                                  "cuda", torch.Generator().manual_seed(1))
+        with open(out_dir / f"train_step_profile_{case.name}.txt", "w") as out:
+            for variant in args.variants:
+                profile_variant(case, variant, state, batch, args.steps, out)
+        print(open(out_dir / f"train_step_profile_{case.name}.txt").read()[:6000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
