@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -145,9 +146,13 @@ Params base_params(const Shape& s, const Tensor& q, const Tensor& k, const Tenso
     p.mask_keys = (m.size(1) == 1 || m.stride(1) == 0) && (m.size(2) == 1 || m.stride(2) == 0);
   }
   p.causal = causal;
-  p.p_drop = static_cast<float>(p_drop);
-  p.inv_keep = p_drop > 0.0 ? static_cast<float>(1.0 / (1.0 - p_drop)) : 1.f;
+  // the rate the kernels realise: p rounded to a multiple of 2^-16 (pykernels.attention.dropout_rate)
+  const double rate = p_drop > 0.0 ? std::min(std::nearbyint(p_drop * 65536.0), 65535.0) / 65536.0 : 0.0;
+  p.p_drop = static_cast<float>(rate);
+  p.inv_keep = rate > 0.0 ? static_cast<float>(1.0 / (1.0 - rate)) : 1.f;
   p.seed = static_cast<uint64_t>(seed);
+  TORCH_CHECK(p.sk <= INT32_MAX - 7, kOp, ": at most 2^31 - 8 keys");
+  p.drop_sk = (p.sk + 7) / 8 * 8;
   return p;
 }
 

@@ -29,9 +29,10 @@
 // Any other mask is read once an element through an out-of-line call.
 // Semantics are pykernels.attention's: top-left causal (query i sees keys j <= i), a boolean (True = take part)
 // or additive mask read through its strides (stride 0 where it broadcasts), rows with no key to attend to give
-// output 0, lse -inf and zero gradients; dropout keeps an element where philox(seed, ((b Hq + h) Sq + i) Sk + j)
-// >= p (philox.cuh: Triton's tl.rand bit for bit, so the mask is the Triton kernels' and
-// pykernels.attention_dropout_mask's; varlen: Sq, Sk = the max lengths, i, j inside the sequence).
+// output 0, lse -inf and zero gradients; dropout keeps an element where 16 bits of philox(seed, ((b Hq + h) Sq + i)
+// ceil(Sk / 8) + j / 8) are >= p 2^16 (philox.cuh dropout_bits16: Triton's tl.randint4x bit for bit, so the mask
+// is the Triton kernels' and pykernels.attention_dropout_mask's; varlen: Sq, Sk = the max lengths, i, j inside the
+// sequence).
 // Cover (checked in Python first, pykernels/attention.py _cuda_cover; the TORCH_CHECKs here name what they
 // reject): fp16 / bf16; q, k, v of one head dim D, a multiple of 8 up to 256 (computed at the next of
 // 32, 64, 96, 128, 192, 256, the padding columns zero-filled); unit last stride (other strides any: rows are
@@ -373,14 +374,22 @@ __device__ __forceinline__ void key_addends(const Params& p, float (&buf)[2][BC]
   }
 }
 
-// The dropout factor (0 or 1 / (1 - p)) of (b, h, i, j): Philox at ((b Hq + h) Sq + i) Sk + j
-static __device__ __noinline__ float keep_at(uint64_t seed, uint64_t off, float p_drop, float inv_keep) {
-  return philox_uniform(seed, off) >= p_drop ? inv_keep : 0.f;
+// The dropout factor (0 or 1 / (1 - p)) of (b, h, i, j): 16 bits of Philox at ((b Hq + h) Sq + i) ceil(Sk / 8) +
+// j / 8 (dropout_bits16: the Triton kernels' mask), kept where they are >= p 2^16 (p a multiple of 2^-16). The
+// call takes that counter times 8 plus j % 8 in one word, ((b Hq + h) Sq + i) Sk8 + j with Sk8 = Sk rounded up to
+// a multiple of 8: the per-element offset of the per-element Philox call it replaced, with Sk8 for Sk (a fifth
+// argument, or the counter formed in the caller, cost the mma.sync dK/dV kernel with an element mask 144-168
+// bytes of spills around the call).
+static __device__ __noinline__ float keep_at(uint64_t seed, uint64_t off8, float p_drop, float inv_keep) {
+  return dropout_bits16(seed, off8 >> 3, static_cast<uint32_t>(off8 & 7u)) >= static_cast<uint32_t>(p_drop * 65536.f)
+             ? inv_keep
+             : 0.f;
 }
 __device__ __forceinline__ float keep_factor(const Params& p, int b, int h, int i, int j) {
-  const uint64_t off = (static_cast<uint64_t>(b) * p.hq + h) * static_cast<uint64_t>(p.sq) * p.sk +
-                       static_cast<uint64_t>(i) * p.sk + static_cast<uint64_t>(j);
-  return keep_at(p.seed, off, p.p_drop, p.inv_keep);
+  const uint64_t sk8 = static_cast<uint64_t>(p.drop_sk);  // (from the host: kept in the kernel's parameters)
+  const uint64_t off8 = (static_cast<uint64_t>(b) * p.hq + h) * static_cast<uint64_t>(p.sq) * sk8 +
+                        static_cast<uint64_t>(i) * sk8 + static_cast<uint64_t>(j);
+  return keep_at(p.seed, off8, p.p_drop, p.inv_keep);
 }
 
 // lse (natural log) -> the log2-domain subtrahend of the backward; +inf for a row with no key (its P is 0)

@@ -21,6 +21,39 @@ PK_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
   lo = static_cast<uint32_t>(p);
 }
 
+// The four output words of Philox-4x32-10 (Triton's tl.randint4x(seed, offset)) in o0..o3.
+PK_HD void philox4x32(uint64_t seed, uint64_t offset, uint32_t& o0, uint32_t& o1, uint32_t& o2, uint32_t& o3) {
+  uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32), c2 = 0u, c3 = 0u;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#pragma unroll
+  for (int i = 0; i < 10; ++i) {
+    uint32_t hi_b, lo_b, hi_a, lo_a;
+    mulhilo32(0xCD9E8D57u, c2, hi_b, lo_b);
+    mulhilo32(0xD2511F53u, c0, hi_a, lo_a);
+    const uint32_t n0 = hi_b ^ c1 ^ k0, n2 = hi_a ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo_b;
+    c2 = n2;
+    c3 = lo_a;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  o0 = c0;
+  o1 = c1;
+  o2 = c2;
+  o3 = c3;
+}
+
+// The attention dropout's 16 random bits of key j of a query row (pykernels.attention.dropout_bits): word
+// (j % 8) / 2 of Philox at counter row_counter + j / 8, its low half for even j.
+PK_HD uint32_t dropout_bits16(uint64_t seed, uint64_t row_counter, uint32_t j) {
+  uint32_t c0, c1, c2, c3;
+  philox4x32(seed, row_counter + (j >> 3), c0, c1, c2, c3);
+  const uint32_t q = (j & 7u) >> 1;  // selects, not an indexed array (which would live in local memory)
+  const uint32_t w = q == 0u ? c0 : q == 1u ? c1 : q == 2u ? c2 : c3;
+  return (j & 1u) ? (w >> 16) : (w & 0xFFFFu);
+}
+
 PK_HD float philox_uniform(uint64_t seed, uint64_t offset) {
   uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32), c2 = 0u, c3 = 0u;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);

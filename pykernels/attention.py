@@ -73,8 +73,9 @@ def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
     return hi, lo
 
 
-def philox_uniform(seed: int, offsets: Tensor) -> Tensor:
-    """Exactly ``tl.rand(seed, offsets)`` (fp32 in [0, 1)) for int64 ``offsets``, in eager PyTorch."""
+def philox4x32(seed: int, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Exactly ``tl.randint4x(seed, offsets)`` for int64 ``offsets``, in eager PyTorch: the four uint32 words of
+    Philox-4x32-10 at counter (offset lo, offset hi, 0, 0), key (seed lo, seed hi), as int64 tensors."""
     offsets = offsets.to(torch.int64)
     c0 = offsets & _M32
     c1 = (offsets >> 32) & _M32
@@ -86,22 +87,50 @@ def philox_uniform(seed: int, offsets: Tensor) -> Tensor:
         hi_a, lo_a = _mulhilo(_ROUND_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
+    return c0, c1, c2, c3
+
+
+def philox_uniform(seed: int, offsets: Tensor) -> Tensor:
+    """Exactly ``tl.rand(seed, offsets)`` (fp32 in [0, 1)) for int64 ``offsets``, in eager PyTorch."""
+    c0 = philox4x32(seed, offsets)[0]
     x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # bitcast uint32 -> int32
     x = torch.where(x < 0, -x - 1, x)
     return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
 
 
+
+def dropout_rate(p: float) -> float:
+    """The dropout rate the attention kernels realise for a requested ``p``: ``p`` rounded to a multiple of
+    2^-16 (each element's decision compares 16 random bits with ``p * 65536``). Kept elements are scaled by
+    ``1 / (1 - dropout_rate(p))``, so the expectation is exact. 0.1 -> 0.1000061."""
+    p = float(p)
+    return min(round(p * 65536), 65535) / 65536 if p > 0 else 0.0  # (p < 1: a rate of 1 would scale by 1 / 0)
+
+
+def dropout_bits(seed: int, rows: Tensor, sk: int, device=None) -> Tensor:
+    """The 16 random bits (int64 in [0, 65536)) of every key j < sk of each flat query row r in ``rows``
+    ((b * heads + h) * seqlen_q + i): Philox-4x32-10 at counter r * ceil(sk / 8) + j // 8 (one call per 8 keys),
+    word (j % 8) // 2, low half for even j. Shape (len(rows), sk)."""
+    sk8 = -(-sk // 8)
+    rows = rows.to(torch.int64).to(device)
+    counters = rows[:, None] * sk8 + torch.arange(sk8, dtype=torch.int64, device=device)[None, :]
+    words = torch.stack(philox4x32(seed, counters), dim=-1)  # (R, sk8, 4)
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1)  # (R, sk8, 4, 2): key j at [j // 8, j % 8 // 2, j % 2]
+    return halves.reshape(rows.shape[0], sk8 * 8)[:, :sk]
+
+
 def attention_dropout_mask(seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int, p: float,
                            device=None) -> Tensor:
     """The exact dropout keep-mask (bool, (batch, heads, seqlen_q, seqlen_k), True = kept) that the
-    Triton kernels use for ``seed`` (an int or the seed tensor the forward returns). Element
-    (b, h, i, j) is ``philox(seed, ((b*heads + h)*seqlen_q + i)*seqlen_k + j) >= p``; for
-    ``varlen_attention`` use seqlen_q/k = max_seqlen_q/k and positions inside each sequence."""
+    attention kernels (Triton and CUDA C++) use for ``seed`` (an int or the seed tensor the forward returns).
+    Element (b, h, i, j) is kept where :func:`dropout_bits` of row (b * heads + h) * seqlen_q + i, key j, is
+    ``>= dropout_rate(p) * 65536``; for ``varlen_attention`` use seqlen_q/k = max_seqlen_q/k and positions
+    inside each sequence."""
     if isinstance(seed, Tensor):
         seed = int(seed.reshape(-1)[0].item())  # the seed lives on the CPU: no device sync
-    n = batch * heads * seqlen_q * seqlen_k
-    offs = torch.arange(n, dtype=torch.int64, device=device)
-    return (philox_uniform(seed, offs) >= p).view(batch, heads, seqlen_q, seqlen_k)
+    rows = torch.arange(batch * heads * seqlen_q, dtype=torch.int64, device=device)
+    keep = dropout_bits(seed, rows, seqlen_k, device) >= round(dropout_rate(p) * 65536)
+    return keep.view(batch, heads, seqlen_q, seqlen_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,7 +163,7 @@ def _ref_core(q, k, v, mask, dropout_p, is_causal, scale, dropout_mask):
         if dropout_mask is None:
             p = torch.nn.functional.dropout(p, dropout_p)
         else:
-            p = p.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
+            p = p.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_rate(dropout_p))
     return torch.matmul(p, v), lse
 
 
@@ -156,7 +185,7 @@ def _ref_bwd_core(do, q, k, v, mask, dropout_p, is_causal, scale, dropout_mask):
     p = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
     keep_scale = None
     if dropout_p > 0:
-        keep_scale = dropout_mask.to(p.dtype) / (1.0 - dropout_p)
+        keep_scale = dropout_mask.to(p.dtype) / (1.0 - dropout_rate(dropout_p))
     pd = p * keep_scale if keep_scale is not None else p
     dv = torch.matmul(pd.transpose(-2, -1), do)
     dp = torch.matmul(do, vr.transpose(-2, -1))
@@ -944,4 +973,4 @@ def pad_input(hidden_unpad: Tensor, indices: Tensor, batch: int, seqlen: int) ->
 
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention", "unpad_input", "pad_input", "attention_reference",
-           "attention_dropout_mask", "philox_uniform"]
+           "attention_dropout_mask", "philox_uniform", "philox4x32", "dropout_bits", "dropout_rate"]

@@ -112,3 +112,31 @@ def test_philox_port_matches_triton_stream(tmp_path):
                              check=True).stdout.split()
         ref = philox_uniform(seed, torch.tensor(offsets, dtype=torch.int64)).view(torch.int32).tolist()
         assert out == [f"{v & 0xFFFFFFFF:08x}" for v in ref], seed
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_attention_dropout_bits_port_matches_reference(tmp_path):
+    """csrc/philox.cuh's dropout_bits16 (the C++ attention's dropout, compiled for the host) gives bit for bit
+    pykernels.attention.dropout_bits (the Triton kernels' mask, checked against them in test_attention.py), for
+    rows whose counters pass 2^32 and odd key counts."""
+    import torch
+    from pykernels.attention import dropout_bits
+    main = tmp_path / "main.cpp"
+    main.write_text('#include <cstdio>\n#include <cstdlib>\n#include "philox.cuh"\n'
+                    "int main(int argc, char** argv) {\n"
+                    "  unsigned long long seed = strtoull(argv[1], nullptr, 10);\n"
+                    "  unsigned long long sk = strtoull(argv[2], nullptr, 10), sk8 = (sk + 7) / 8;\n"
+                    "  for (int i = 3; i < argc; ++i) {\n"
+                    "    unsigned long long row = strtoull(argv[i], nullptr, 10);\n"
+                    "    for (unsigned j = 0; j < sk; ++j) printf(\"%u\\n\", pykernels::dropout_bits16(seed, row * sk8, j));\n"
+                    "  }\n}\n")
+    exe = tmp_path / "bits"
+    res = subprocess.run(["g++", "-O2", "-std=c++17", f"-I{os.path.join(ROOT, 'csrc')}", str(main), "-o", str(exe)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    rows = [0, 1, 5, 2**29 + 3, 2**33 + 1]
+    for seed, sk in [(0, 8), (1234567, 17), (2**40 + 17, 3), (987654321, 64)]:
+        out = subprocess.run([str(exe), str(seed), str(sk)] + [str(r) for r in rows], capture_output=True, text=True,
+                             check=True).stdout.split()
+        ref = dropout_bits(seed, torch.tensor(rows), sk).reshape(-1).tolist()
+        assert [int(v) for v in out] == ref, (seed, sk)
