@@ -2,6 +2,8 @@
 # The one GPU job: install, run the test suite natively on the GPU, then every benchmark against its
 # peers, all in one call on the device machine. Results land in $OUT (at most 8 files come back):
 #   env.txt pytest.txt host.txt bench.log attention.csv layer_norm.csv cross_entropy.csv masked_lm_loss.csv
+#   train_step.csv (its table is in bench.log too): nine files with every stage, one over that limit, so a call
+#   that needs them all tars $OUT
 # PYKERNELS_COMMIT names the commit in every result row (the device copy has no .git).
 # Usage: STAGES="tests bench" TEST_TIMEOUT=300 BENCH_ARGS="" bash benchmarks/gpu_run.sh
 # Peers Liger-Kernel and Cut Cross-Entropy come as wheels in .wheels/ (carried; the machine reaches
@@ -54,7 +56,7 @@ fi
 if [[ " $STAGES " == *" bench "* ]]; then
   echo "== benchmarks ==" | tee "$OUT/bench.log"
   [ -f "$OUT/demo.log" ] && cat "$OUT/demo.log" >>"$OUT/bench.log" && rm "$OUT/demo.log"
-  for op in ${BENCH_OPS:-layer_norm cross_entropy masked_lm_loss attention}; do
+  for op in ${BENCH_OPS:-layer_norm cross_entropy masked_lm_loss attention train_step}; do
     echo "-- $op" | tee -a "$OUT/bench.log"
     timeout "$BENCH_TIMEOUT" $PY benchmarks/$op.py ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
     echo "$op rc=$?" | tee -a "$OUT/bench.log"

@@ -204,7 +204,7 @@ def main(argv=None, rows_out: list | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip the variants left past this")
     ap.add_argument("--check", action="store_true", help="exit 1 if a variant's eval loss is off by > 2%%")
     ap.add_argument("--smoke", action="store_true", help="tiny configs on CPU, nothing written")
-    args = ap.parse_args(argv)
+    args, _ = ap.parse_known_args(argv)  # (gpu_run.sh passes every benchmark the same BENCH_ARGS)
     if not args.smoke and not torch.cuda.is_available():
         print("train_step benchmark: no CUDA device; nothing to time (use --smoke to check the plumbing)")
         return 0
