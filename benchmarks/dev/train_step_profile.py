@@ -57,11 +57,54 @@ def profile_variant(case, variant, state, batch, steps: int, out) -> None:
     torch.cuda.empty_cache()
 
 
+def cprofile_variant(case, variant, state, batch, steps: int, out) -> None:
+    """Python's cProfile over ``steps`` steps (after warm-up): where the host time goes, by function."""
+    import cProfile
+    import io
+    import pstats
+    model, fwd = ts.build(case, variant, state, torch.device("cuda"))
+    inputs, labels = batch
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fwd(inputs, labels)
+        loss.backward()
+        opt.step()
+
+    for _ in range(4):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    print(f"== {case.name} / {variant}: wall {wall:.2f} ms a step without the profiler; cProfile over {steps} steps",
+          file=out)
+    st.sort_stats("tottime").print_stats(45)
+    st.sort_stats("cumulative").print_stats(60)
+    out.write(buf.getvalue())
+    out.flush()
+    del model, fwd, opt
+    torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["bert", "gpt2"])
     ap.add_argument("--variants", nargs="+", default=["hf sdpa", "pykernels"])
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--cprofile", action="store_true", help="Python's cProfile instead of torch.profiler")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "."))
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
@@ -73,10 +116,11 @@ def main() -> int:
             case.config(), attn_implementation="sdpa").state_dict()
         batch = (ts.gpt2_batch if case.causal else ts.bert_batch)(case.batch, case.seqlen, case.config().vocab_size,
                                                                   "cuda", torch.Generator().manual_seed(1))
-        with open(out_dir / f"train_step_profile_{case.name}.txt", "w") as out:
+        name = out_dir / f"train_step_{'cprofile' if args.cprofile else 'profile'}_{case.name}.txt"
+        with open(name, "w") as out:
             for variant in args.variants:
-                profile_variant(case, variant, state, batch, args.steps, out)
-        print(open(out_dir / f"train_step_profile_{case.name}.txt").read()[:6000])
+                (cprofile_variant if args.cprofile else profile_variant)(case, variant, state, batch, args.steps, out)
+        print(open(name).read()[:6000])
     return 0
 
 
