@@ -147,7 +147,7 @@ Params base_params(const Shape& s, const Tensor& q, const Tensor& k, const Tenso
   }
   p.causal = causal;
   // the rate the kernels realise: p rounded to a multiple of 2^-16 (pykernels.attention.dropout_rate)
-  const double rate = p_drop > 0.0 ? std::min(std::nearbyint(p_drop * 65536.0), 65535.0) / 65536.0 : 0.0;
+  const double rate = dropout_rate(p_drop);
   p.p_drop = static_cast<float>(rate);
   p.inv_keep = rate > 0.0 ? static_cast<float>(1.0 / (1.0 - rate)) : 1.f;
   p.seed = static_cast<uint64_t>(seed);

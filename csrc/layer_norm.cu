@@ -30,8 +30,9 @@
 // see them, and the tensors saved for the backward are those copies.
 // Cover: fp16/bf16/fp32 x; weight/bias/residual of x's dtype (or absent); N a multiple of the pack
 // (8 / 4 elements) up to 8192 (fp32: 4096), at most 32 elements per thread. Dropout on x: element
-// row * N + col is kept iff Triton's tl.rand(seed, row * N + col) >= p (csrc/philox.cuh, bit for bit),
-// so the mask equals the Triton kernels' and pykernels.layer_norm.layer_norm_dropout_mask's; the
+// (row, col) takes 16 bits of the Philox call at row ceil(N / 8) + col / 8, one call a pack (csrc/philox.cuh,
+// keep_pack_bits: the Triton kernels' dropout_keep bit for bit), kept where they are >= p 2^16, p rounded to a
+// multiple of 2^-16, so the mask equals the Triton kernels' and pykernels.layer_norm.layer_norm_dropout_mask's; the
 // backward regenerates it (a thread's <= 32 keep bits of a row live in one register between passes);
 // dropout is a template flag, so the Philox code costs registers only in dropout calls. Python checks the
 // cover first (pykernels/layer_norm.py, _cuda_cover); the TORCH_CHECKs here name what they reject.
@@ -61,9 +62,12 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMaxElemsPerLane = 32;  // registers: a backward thread keeps a row's share as raw packs
 constexpr int kMaxN16 = 8192, kMaxN32 = 4096;  // widest rows (fp16/bf16, fp32): 32 elements per thread
 
-// Dropout keep decision of element ``index`` (row * N + col): Triton's tl.rand(seed, index) >= p
-__device__ __forceinline__ bool keep(uint64_t seed, int64_t index, float p) {
-  return philox_uniform(seed, static_cast<uint64_t>(index)) >= p;
+// Dropout keep bits of the P-element pack at (row, col), col a multiple of P: one Philox call at row ceil(N / 8) +
+// col / 8 (philox.cuh keep_pack_bits: the Triton kernels' dropout_keep, bit for bit)
+template <int P>
+__device__ __forceinline__ uint32_t keep_bits(uint64_t seed, int64_t row, int N, int col, float p) {
+  const uint64_t counter = static_cast<uint64_t>(row) * static_cast<uint64_t>((N + 7) / 8) + static_cast<uint64_t>(col >> 3);
+  return keep_pack_bits<P>(seed, counter, col & 7, p);
 }
 
 // Sum over the RT threads that share a row: a warp (RT = 32) or the whole block (RT = kThreads).
@@ -146,8 +150,9 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     if (col < N) {
       load_pack(x + base + col, v[i]);
       if constexpr (DROP) {
+        const uint32_t kb = keep_bits<P>(seed, row, N, col, drop_p);
 #pragma unroll
-        for (int j = 0; j < P; ++j) v[i][j] = keep(seed, base + col + j, drop_p) ? v[i][j] * drop_scale : 0.f;
+        for (int j = 0; j < P; ++j) v[i][j] = (kb >> j) & 1u ? v[i][j] * drop_scale : 0.f;
       }
       if (has_res) {
         float r[P];
@@ -322,10 +327,8 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
       const int col = (i * RT + lane) * P;
       if (col < N) {
         if constexpr (DROP) {
-#pragma unroll
-          for (int j = 0; j < P; ++j) {
-            if (!keep(seed, base + col + j, drop_p)) kept &= ~(1u << (i * P + j));
-          }
+          const uint32_t kb = keep_bits<P>(seed, row, N, col, drop_p);
+          kept &= ~((~kb & ((1u << P) - 1u)) << (i * P));
         }
         float sv[P], d[P], wv[P];
         row_values(cur.s[i], cur.dy[i], res, w, base, col, has_res, has_w, sv, d, wv,
@@ -610,8 +613,8 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
           b.defined() ? static_cast<const T*>(b.data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()),
           prenorm ? static_cast<T*>(s.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
           rstd.data_ptr<float>(), M, N, static_cast<float>(eps), r.defined(), w.defined(), b.defined(), prenorm,
-          rms, static_cast<uint64_t>(seed), static_cast<float>(dropout_p),
-          dropout_p > 0.0 ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f);
+          rms, static_cast<uint64_t>(seed), static_cast<float>(dropout_rate(dropout_p)),
+          dropout_p > 0.0 ? static_cast<float>(1.0 / (1.0 - dropout_rate(dropout_p))) : 1.f);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
      };
      if (dropout_p > 0.0) launch(std::true_type{});
@@ -672,8 +675,8 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
             w.defined() ? static_cast<const T*>(w.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
             rstd.data_ptr<float>(), static_cast<T*>(dx.data_ptr()), static_cast<T*>(dres.data_ptr()),
             need ? partial.data_ptr<float>() : nullptr, M, N, ds.defined(), res.defined(), w.defined(), need, rms,
-            recompute, static_cast<uint64_t>(seed), static_cast<float>(dropout_p),
-            dropout ? static_cast<float>(1.0 / (1.0 - dropout_p)) : 1.f);
+            recompute, static_cast<uint64_t>(seed), static_cast<float>(dropout_rate(dropout_p)),
+            dropout ? static_cast<float>(1.0 / (1.0 - dropout_rate(dropout_p))) : 1.f);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
        });
       });

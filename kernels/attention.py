@@ -112,6 +112,7 @@ from pykernels._alloc import empty, empty_like_layout
 
 from . import _launch
 from . import _tuning
+from ._dropout import dropout_keep as _dropout_keep
 
 LOG2E = 1.4426950408889634
 
@@ -247,27 +248,6 @@ def _apply_masks(s, rows, cols, k_len, mask_ptrs, row_ok, MASK_KIND: tl.constexp
     if CHECK_N:  # key tail past the sequence
         s = tl.where(cols < k_len, s, float("-inf"))
     return s
-
-
-@triton.jit
-def _dropout_keep(seed, rng_base, rows, cols, rng_sk, dropout_p, TRANS: tl.constexpr = False):
-    """Dropout keep-mask (len(rows), len(cols)), or its transpose with TRANS, for query rows ``rows`` (1-D, inside
-    the head) and keys ``cols`` (1-D, runs of 8 starting at multiples of 8). One Philox-4x32-10 call (tl.randint4x)
-    per 8 keys of a row, at counter rng_base + row * ceil(Sk / 8) + j // 8; key j takes the 16-bit half j % 2
-    (low first) of word (j % 8) // 2, and is kept where those bits >= p * 65536 (the host rounds p to a multiple
-    of 2^-16: ``pykernels.attention.dropout_rate``). A call per element, as ``tl.rand`` makes, cost the BERT-base
-    dropout forward 5.8x its dropout-free time (train_step profile, run243)."""
-    R: tl.constexpr = rows.shape[0]
-    C: tl.constexpr = cols.shape[0]
-    groups = tl.max(tl.reshape(cols, (C // 8, 8)), axis=1) // 8
-    offs = rng_base + rows.to(tl.int64)[:, None] * ((rng_sk + 7) // 8) + groups.to(tl.int64)[None, :]
-    r0, r1, r2, r3 = tl.randint4x(seed, offs)
-    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (R, C // 2))  # word w of a call at 4 * g + w
-    bits = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (R, C))  # key 8 g + 2 w + half
-    keep = bits >= (tl.full((), 65536.0, tl.float32) * dropout_p).to(tl.uint32)
-    if TRANS:
-        keep = tl.trans(keep)
-    return keep
 
 
 @triton.jit

@@ -53,12 +53,13 @@ chunked path: the forward loops over column chunks three times per row (sum, cen
 squares, write; re-reads hit L2), the backward runs a row-statistics kernel (the two row sums of
 the formula above) and then a 2-D grid over (row groups, column chunks). Row offsets are int64
 (row index cast before multiplying by the row stride), as are the dropout counters (element index
-row * N + col), so tensors over 2**31 elements are addressed correctly. The last dim must be
+row * ceil(N / 8) + col / 8), so tensors over 2**31 elements are addressed correctly. The last dim must be
 contiguous; rows may be strided.
 
-Dropout: ``keep = tl.rand(seed, row * N + col) >= p`` (Philox 4x32-10, the 64-bit counter split
-into two 32-bit words). ``pykernels.layer_norm.layer_norm_dropout_mask`` reproduces the exact same
-mask in eager PyTorch.
+Dropout: ``_dropout.dropout_keep`` over the logical (M, N) array, as the attention's: one Philox 4x32-10 call
+(``tl.randint4x``) per 8 columns of a row at counter ``row * ceil(N / 8) + col // 8``, 16 bits a column, p rounded
+to a multiple of 2^-16 (a call per element had taken the fused BERT-base forward to 69 us a call, twice its bytes'
+time, run243). ``pykernels.layer_norm.layer_norm_dropout_mask`` reproduces the exact same mask in eager PyTorch.
 
 References: Triton tutorial 05-layer-norm (per-row kernel, partial dW sums); FlashAttention's
 ``flash_attn/ops/triton/layer_norm.py`` (residual/prenorm/dropout fusion, fp32 statistics, per-SM
@@ -78,6 +79,7 @@ from pykernels._alloc import empty
 
 from . import _launch
 from . import _tuning
+from ._dropout import dropout_keep as _dropout_keep
 
 MAX_FUSED_N_FWD = 16384  # widest row held in registers by the forward
 MAX_FUSED_N_BWD = 8192  # the backward keeps ~6 row-sized fp32 values live per row, so it goes chunked earlier
@@ -105,7 +107,7 @@ def _load_s(X, R, seed, rows64, cols, mask, stride_x_row, stride_r_row, N, dropo
     x = tl.load(X + rows64[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
         # counter = element index in the logical (M, N) array: int64, so > 2**31 elements stay unique
-        keep = tl.rand(seed, rows64[:, None] * N + cols[None, :]) >= dropout_p
+        keep = _dropout_keep(seed, 0, rows64, cols, N, dropout_p)
         x = tl.where(keep, x * dropout_scale, 0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + rows64[:, None] * stride_r_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -239,6 +241,11 @@ def _fwd_tuned(block_n: int):
     return _tuning.autotune(configs=_fwd_configs(block_n), key=["N"], do_bench=_bench_quick)(_layer_norm_fwd_kernel)
 
 
+def _dropout_rate(p: float) -> float:
+    from pykernels.attention import dropout_rate  # (the public package imports this module lazily)
+    return dropout_rate(p)
+
+
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                    residual: torch.Tensor | None, *, eps: float, seed: int, dropout_p: float,
                    store_s: bool, s_dtype: torch.dtype, rms_norm: bool):
@@ -247,6 +254,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     x, residual: (M, N), unit column stride (any row stride). weight, bias: (N,) contiguous or None.
     Returns (y (M, N) x.dtype, s (M, N) s_dtype or (0,) when not stored, mean (M,) fp32 or (0,) for
     RMSNorm, rstd (M,) fp32)."""
+    dropout_p = _dropout_rate(dropout_p)  # (a multiple of 2^-16: _dropout.dropout_keep's 16 bits)
     M, N = x.shape
     dev = x.device
     y = empty(M, N, dtype=x.dtype, device=dev)
@@ -320,7 +328,7 @@ def _store_ds(ds, rows64, cols, mask, N, seed, dropout_p, dropout_scale, DX, DRE
     if STORE_DX:
         dx = ds
         if HAS_DROPOUT:
-            keep = tl.rand(seed, rows64[:, None] * N + cols[None, :]) >= dropout_p
+            keep = _dropout_keep(seed, 0, rows64, cols, N, dropout_p)
             dx = tl.where(keep, ds * dropout_scale, 0.0)
         tl.store(DX + rows64[:, None] * stride_dx_row + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
@@ -339,7 +347,7 @@ def _bwd_tile(a, b, dy, dso, mean, rstd, w, rows, cols, M, N, seed, dropout_p, d
     s = a.to(tl.float32)
     if RECOMPUTE_S:
         if HAS_DROPOUT:
-            keep = tl.rand(seed, rows64[:, None] * N + cols[None, :]) >= dropout_p
+            keep = _dropout_keep(seed, 0, rows64, cols, N, dropout_p)
             s = tl.where(keep, s * dropout_scale, 0.0)
         if HAS_RESIDUAL:
             s = s + b.to(tl.float32)
@@ -598,6 +606,7 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
     stored, dresidual (M, N) dres_dtype or (0,) when dres_dtype is None, dwb (n, N): dweight and/or
     dbias stacked (n = has_weight + has_bias; row 0 dweight if any, row n - 1 dbias if any), in the
     weight's dtype (the bias's without a weight; a (0, N) x_dtype tensor with neither)."""
+    dropout_p = _dropout_rate(dropout_p)  # (a multiple of 2^-16: _dropout.dropout_keep's 16 bits)
     M, N = dy.shape
     dev = dy.device
     recompute = s is None

@@ -23,6 +23,7 @@ from ._backend import CUDA_TRACED, check_backend_name, select, use_cuda_op
 from ._op import _plain_eager, custom_op
 from ._checks import check_prob, check_same
 from ._rng import fake_seed, op_seed
+from .attention import dropout_bits, dropout_rate
 
 _OP = "layer_norm"
 # float64 is accepted (the reference serves it); the Triton kernels take the three training dtypes.
@@ -31,54 +32,23 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------
-# dropout mask (bit-exact twin of the kernels' tl.rand)
+# dropout mask (bit-exact twin of the kernels': the attention's rule, pykernels.attention.dropout_bits)
 # ----------------------------------------------------------------------------------------------------
-_M32 = 0xFFFFFFFF
-_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
-_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
-
-
-def _mulhilo32(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
-    """(high, low) 32-bit words of the 64-bit product of the constant ``a`` and the uint32 values
-    ``b`` (held in int64), without overflowing int64: b is split into 16-bit halves."""
-    p_lo = a * (b & 0xFFFF)
-    p_hi = a * (b >> 16)
-    hi = (p_hi + (p_lo >> 16)) >> 16
-    lo = (((p_hi & 0xFFFF) << 16) + p_lo) & _M32
-    return hi, lo
-
-
-def _philox_uniform(seed: int, offsets: Tensor) -> Tensor:
-    """Triton's ``tl.rand(seed, offsets)`` for int64 ``offsets`` (Philox 4x32, 10 rounds, the counter's
-    low and high words in c0 and c1), computed in eager PyTorch; float32 in [0, 1)."""
-    c0 = offsets & _M32
-    c1 = (offsets >> 32) & _M32
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
-    k0, k1 = seed & _M32, (seed >> 32) & _M32
-    for _ in range(10):
-        hi_b, lo_b = _mulhilo32(_PHILOX_ROUND_B, c2)
-        hi_a, lo_a = _mulhilo32(_PHILOX_ROUND_A, c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0, k1 = (k0 + _PHILOX_KEY_A) & _M32, (k1 + _PHILOX_KEY_B) & _M32
-    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # bitcast to int32
-    x = torch.where(x < 0, -x - 1, x)
-    return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32, device=x.device)
-
-
 def layer_norm_dropout_mask(seed, shape, p: float, device=None) -> Tensor:
     """The keep-mask (bool, ``shape``) the kernels draw for dropout probability ``p`` and ``seed``.
 
-    ``seed``: int or the (1,) int64 tensor the forward returned. Element ``i`` of the row-major
-    flattening is kept iff ``tl.rand(seed, i) >= p``. Regenerated, never stored, by the kernels; the
-    ``reference`` backend and the tests use this function to get the identical mask."""
+    ``seed``: int or the (1,) int64 tensor the forward returned. Seen as (rows, N) with N = ``shape[-1]``,
+    element (r, c) is kept where ``pykernels.attention.dropout_bits(seed, r, N)[c] >= dropout_rate(p) * 65536``
+    (one Philox call per 8 columns of a row, 16 bits a column; the attention's rule). Regenerated, never stored,
+    by the kernels; the ``reference`` backend and the tests use this function to get the identical mask."""
     seed = int(seed.item()) if isinstance(seed, Tensor) else int(seed)
     shape = tuple(shape)
-    n = 1
-    for d in shape:
-        n *= d
-    offsets = torch.arange(n, dtype=torch.int64, device=device)
-    return (_philox_uniform(seed, offsets) >= torch.tensor(p, dtype=torch.float32)).reshape(shape)
+    n_cols = shape[-1] if shape else 1
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    bits = dropout_bits(seed, torch.arange(rows, dtype=torch.int64), n_cols, device)
+    return (bits >= round(dropout_rate(p) * 65536)).reshape(shape)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -89,7 +59,8 @@ def layer_norm_reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Ten
                          dropout_p: float = 0.0, prenorm: bool = False, residual_in_fp32: bool = False,
                          rms_norm: bool = False, upcast: bool = False):
     """Eager PyTorch version of :func:`layer_norm` (same arguments; ``dropout_mask`` is the bool keep-mask,
-    shape of ``x``, applied with scale 1 / (1 - dropout_p); without it there is no dropout).
+    shape of ``x``, applied with scale 1 / (1 - dropout_rate(dropout_p)), the rate the kernels realise; without it
+    there is no dropout).
 
     ``upcast=False`` computes in the inputs' dtypes the way an eager model would (the sum rounded to the
     residual stream's dtype, then ``F.layer_norm`` / ``F.rms_norm``); ``upcast=True`` computes and
@@ -99,7 +70,7 @@ def layer_norm_reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Ten
         x, residual, weight, bias = (t.double() if t is not None else None for t in (x, residual, weight, bias))
     b = x
     if dropout_mask is not None:
-        b = x.masked_fill(~dropout_mask, 0) * (1.0 / (1.0 - dropout_p))
+        b = x.masked_fill(~dropout_mask, 0) * (1.0 / (1.0 - dropout_rate(dropout_p)))
     s = b + residual if residual is not None else b
     if not upcast:
         s_dtype = torch.float32 if residual_in_fp32 else (residual.dtype if residual is not None else x_dtype)
@@ -170,7 +141,7 @@ def _branch_sum(x: Tensor, residual: Optional[Tensor], seed: Tensor, dropout_p: 
     s = x.to(dtype, copy=True)  # never an alias of x (custom ops may not return inputs)
     if dropout_p > 0.0:
         keep = layer_norm_dropout_mask(seed, x.shape, dropout_p, x.device)
-        s = torch.where(keep, s * (1.0 / (1.0 - dropout_p)), 0.0)
+        s = torch.where(keep, s * (1.0 / (1.0 - dropout_rate(dropout_p))), 0.0)
     if residual is not None:
         s = s + residual.to(dtype)
     return s
@@ -258,7 +229,7 @@ def _bwd(dy: Tensor, ds_out: Optional[Tensor], x: Optional[Tensor], residual: Op
         dx = ds
         if dropout_p > 0.0:
             keep = layer_norm_dropout_mask(seed, (M, N), dropout_p, dy.device)
-            dx = torch.where(keep, ds * (1.0 / (1.0 - dropout_p)), 0.0)
+            dx = torch.where(keep, ds * (1.0 / (1.0 - dropout_rate(dropout_p))), 0.0)
         dx = dx.to(dy.dtype)
     else:
         dx = dy.new_empty(0)

@@ -140,3 +140,34 @@ def test_attention_dropout_bits_port_matches_reference(tmp_path):
                              check=True).stdout.split()
         ref = dropout_bits(seed, torch.tensor(rows), sk).reshape(-1).tolist()
         assert [int(v) for v in out] == ref, (seed, sk)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_layer_norm_keep_pack_bits_port_matches_reference(tmp_path):
+    """csrc/philox.cuh's keep_pack_bits (the C++ LayerNorm's dropout, one Philox call for a pack of 8 bf16 / fp16
+    or 4 fp32 elements) gives pykernels.layer_norm.layer_norm_dropout_mask's bits, for 8- and 4-element packs."""
+    import torch
+    from pykernels.attention import dropout_rate
+    from pykernels.layer_norm import layer_norm_dropout_mask
+    main = tmp_path / "main.cpp"
+    main.write_text('#include <cstdio>\n#include <cstdlib>\n#include "philox.cuh"\n'
+                    "int main(int argc, char** argv) {\n"
+                    "  unsigned long long seed = strtoull(argv[1], nullptr, 10);\n"
+                    "  int rows = atoi(argv[2]), n = atoi(argv[3]), pack = atoi(argv[4]);\n"
+                    "  float p = strtof(argv[5], nullptr);\n"
+                    "  for (int r = 0; r < rows; ++r)\n"
+                    "    for (int c = 0; c < n; c += pack) {\n"
+                    "      unsigned long long counter = (unsigned long long)r * ((n + 7) / 8) + c / 8;\n"
+                    "      unsigned bits = pack == 8 ? pykernels::keep_pack_bits<8>(seed, counter, c & 7, p)\n"
+                    "                                : pykernels::keep_pack_bits<4>(seed, counter, c & 7, p);\n"
+                    "      for (int j = 0; j < pack; ++j) printf(\"%u\\n\", (bits >> j) & 1u);\n"
+                    "    }\n}\n")
+    exe = tmp_path / "packs"
+    res = subprocess.run(["g++", "-O2", "-std=c++17", f"-I{os.path.join(ROOT, 'csrc')}", str(main), "-o", str(exe)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    for seed, rows, n, pack, p in [(5, 3, 64, 8, 0.1), (123456789, 4, 36, 4, 0.3), (2**40 + 1, 2, 8, 8, 0.5)]:
+        out = subprocess.run([str(exe), str(seed), str(rows), str(n), str(pack), repr(dropout_rate(p))],
+                             capture_output=True, text=True, check=True).stdout.split()
+        want = layer_norm_dropout_mask(seed, (rows, n), p).reshape(-1).int().tolist()
+        assert [int(v) for v in out] == want, (seed, n, pack)

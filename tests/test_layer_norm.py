@@ -14,6 +14,7 @@ import torch
 import pykernels
 from pykernels import BackendUnavailableError, FallbackWarning
 from pykernels._rng import new_seed
+from pykernels.attention import dropout_rate
 from pykernels.layer_norm import layer_norm_dropout_mask, layer_norm_reference
 
 from utils import assert_close_to_ref, cuda_built, needs_cuda_ext
@@ -261,7 +262,7 @@ def test_dropout_keep_rate(p, device):
     sd = (p * (1 - p) / n) ** 0.5
     assert abs(kept - (1 - p)) < 6 * sd, f"keep rate {kept:.4f}, expected {1 - p} +- {6 * sd:.4f}"
     kept_vals = s[s != 0]
-    torch.testing.assert_close(kept_vals, (x * (1 / (1 - p)))[s != 0])
+    torch.testing.assert_close(kept_vals, (x * (1 / (1 - dropout_rate(p))))[s != 0])  # the realised rate's scale
     # the mask is not the same for every row (counter = element index, not column index)
     m = s != 0
     assert not (m == m[0]).all()
@@ -283,24 +284,45 @@ def test_dropout_reproducible_and_fresh(device):
     assert not torch.equal(y1, y3)
 
 
-def test_dropout_mask_offsets_past_2_31(device):
-    """The eager twin of tl.rand agrees with Triton's tl.rand (interpreter on CPU, compiled on CUDA) for
-    int64 counters (> 2**32)."""
+def _keep_kernel():
+    """A kernel that writes ``dropout_keep``'s mask for a block of rows (a Triton jit function resolves the
+    helper among its module's globals, so it is made here, at first use)."""
+    global _KEEP_KERNEL, dropout_keep
+    if _KEEP_KERNEL is None:
+        import triton
+        import triton.language as tl
+        from pykernels._kernels._dropout import dropout_keep
+
+        @triton.jit
+        def keep_kernel(O, seed, row0, n_cols, p, ROWS: tl.constexpr, COLS: tl.constexpr):
+            rows = row0 + tl.arange(0, ROWS).to(tl.int64)
+            cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+            keep = dropout_keep(seed, 0, rows, cols, n_cols, p)
+            offs = tl.arange(0, ROWS)[:, None] * n_cols + cols[None, :]
+            tl.store(O + offs, keep.to(tl.int8), mask=cols[None, :] < n_cols)
+
+        _KEEP_KERNEL = keep_kernel
+    return _KEEP_KERNEL
+
+
+_KEEP_KERNEL = None
+dropout_keep = None
+
+
+@pytest.mark.parametrize("width", [16, 4], ids=["8_columns_a_call", "narrow_tile"])
+def test_dropout_mask_offsets_past_2_31(device, width):
+    """The kernels' dropout_keep (interpreter on CPU, compiled on CUDA) equals its eager twin
+    (layer_norm_dropout_mask / pykernels.attention.dropout_bits) at rows whose counters pass 2**32, for tiles
+    of 8-column runs (a Philox call per 8 columns) and narrower ones (a call per element)."""
     import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _rand_kernel(O, seed, base, BLOCK: tl.constexpr):
-        offs = base + tl.arange(0, BLOCK).to(tl.int64)
-        tl.store(O + tl.arange(0, BLOCK), tl.rand(seed, offs))
-
-    from pykernels.layer_norm import _philox_uniform
-    base = 3 * 2**32 + 2**31 - 17
-    out = torch.full((64,), float("nan"), device=device)
-    _rand_kernel[(1,)](out, 98765, base, BLOCK=64)
-    twin = _philox_uniform(98765, base + torch.arange(64, dtype=torch.int64, device=device))
-    assert twin.device == out.device and torch.isfinite(out).all()
-    assert torch.equal(out, twin)
+    from pykernels.attention import dropout_bits, dropout_rate
+    row0, n_cols, p = 3 * 2**29 + 5, 37, 0.3  # row0 * ceil(37 / 8) > 2**32
+    out = torch.full((8, n_cols), -1, dtype=torch.int8, device=device)
+    _keep_kernel()[(triton.cdiv(n_cols, width),)](out, 98765, row0, n_cols, dropout_rate(p), ROWS=8, COLS=width)
+    want = dropout_bits(98765, row0 + torch.arange(8), n_cols, device) >= round(dropout_rate(p) * 65536)
+    assert torch.equal(out.bool(), want) and (out >= 0).all()
+    rate = 1 - want.float().mean().item()
+    assert 0.15 < rate < 0.45
 
 
 def test_reference_backend_same_dropout_mask(device):
