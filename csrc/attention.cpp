@@ -6,13 +6,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 #include "attention.h"
 #include "dispatch.h"
+#include "philox.cuh"
 
 namespace pykernels {
 namespace {
