@@ -1,8 +1,9 @@
-// Philox 4x32-10 uniform floats, bit for bit what Triton's tl.rand(seed, offset) returns for a 64-bit
-// offset (and what pykernels.attention.philox_uniform reproduces in eager PyTorch): counter
-// (offset lo, offset hi, 0, 0), key (seed lo, seed hi), ten rounds, the first output word bitcast to
-// int32, folded to non-negative and scaled by 2^-31. Host-callable too, so tests/test_csrc.py checks the
-// port on a CPU against the PyTorch reference.
+// Philox 4x32-10 as Triton's tl.randint4x(seed, offset) computes it, bit for bit: counter (offset lo, offset hi,
+// 0, 0), key (seed lo, seed hi), ten rounds (philox4x32; pykernels.attention.philox4x32 in eager PyTorch). The
+// dropout of every pykernels kernel decides an element on 16 of the 128 bits of the call at its row's counter plus
+// column / 8 (kernels/_dropout.py): dropout_bits16 for one element (the C++ attention), keep_pack_bits for a pack
+// (the C++ LayerNorm), dropout_rate for the rate that p becomes. Host-callable too, so tests/test_csrc.py checks
+// them on a CPU against the PyTorch reference.
 #pragma once
 
 #include <algorithm>
@@ -77,27 +78,6 @@ PK_HD uint32_t keep_pack_bits(uint64_t seed, uint64_t counter, int off, float p)
 // The dropout rate the kernels realise for p: p rounded to a multiple of 2^-16 (pykernels.attention.dropout_rate)
 inline double dropout_rate(double p) {
   return p > 0.0 ? std::min(std::nearbyint(p * 65536.0), 65535.0) / 65536.0 : 0.0;
-}
-
-PK_HD float philox_uniform(uint64_t seed, uint64_t offset) {
-  uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32), c2 = 0u, c3 = 0u;
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-#pragma unroll
-  for (int i = 0; i < 10; ++i) {
-    uint32_t hi_b, lo_b, hi_a, lo_a;
-    mulhilo32(0xCD9E8D57u, c2, hi_b, lo_b);
-    mulhilo32(0xD2511F53u, c0, hi_a, lo_a);
-    const uint32_t n0 = hi_b ^ c1 ^ k0, n2 = hi_a ^ c3 ^ k1;
-    c0 = n0;
-    c1 = lo_b;
-    c2 = n2;
-    c3 = lo_a;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  int32_t x = static_cast<int32_t>(c0);
-  x = x < 0 ? -(x + 1) : x;  // = -x - 1 without overflow at INT32_MIN
-  return static_cast<float>(x) * 4.6566127342e-10f;
 }
 
 }  // namespace pykernels

@@ -52,7 +52,7 @@ def _kernels():
 
 
 # ---------------------------------------------------------------------------------------------
-# Dropout RNG: an eager copy of Triton's Philox-4x32-10 ``tl.rand`` stream
+# Dropout RNG: an eager copy of Triton's Philox-4x32-10 (``tl.randint4x``) and the kernels' dropout bits
 # ---------------------------------------------------------------------------------------------
 _M32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
@@ -88,15 +88,6 @@ def philox4x32(seed: int, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tens
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
     return c0, c1, c2, c3
-
-
-def philox_uniform(seed: int, offsets: Tensor) -> Tensor:
-    """Exactly ``tl.rand(seed, offsets)`` (fp32 in [0, 1)) for int64 ``offsets``, in eager PyTorch."""
-    c0 = philox4x32(seed, offsets)[0]
-    x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # bitcast uint32 -> int32
-    x = torch.where(x < 0, -x - 1, x)
-    return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
-
 
 
 def dropout_rate(p: float) -> float:
@@ -973,4 +964,4 @@ def pad_input(hidden_unpad: Tensor, indices: Tensor, batch: int, seqlen: int) ->
 
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention", "unpad_input", "pad_input", "attention_reference",
-           "attention_dropout_mask", "philox_uniform", "philox4x32", "dropout_bits", "dropout_rate"]
+           "attention_dropout_mask", "philox4x32", "dropout_bits", "dropout_rate"]

@@ -16,7 +16,7 @@ import torch
 import pykernels
 from pykernels import BackendUnavailableError, FallbackWarning
 from pykernels._rng import new_seed
-from pykernels.attention import (attention_dropout_mask, attention_reference, pad_input, philox_uniform,
+from pykernels.attention import (attention_dropout_mask, attention_reference, pad_input, philox4x32,
                                  scaled_dot_product_attention as sdpa, unpad_input, varlen_attention)
 from utils import assert_close_to_ref, needs_cuda_ext
 
@@ -458,16 +458,45 @@ def test_other_ranks_and_batch_broadcast(device, shape_q, shape_k):
 # ---------------------------------------------------------------------------------------------
 # Dropout
 # ---------------------------------------------------------------------------------------------
+_RANDINT4X = []
+
+
+def _randint4x_kernel():
+    """A kernel that writes tl.randint4x's four words for int64 counters (made at first use, after conftest has
+    set the interpreter)."""
+    if not _RANDINT4X:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def randint4x_kernel(O, seed, Offs, N: tl.constexpr):
+            offs = tl.load(Offs + tl.arange(0, N))
+            r0, r1, r2, r3 = tl.randint4x(seed, offs)
+            i = tl.arange(0, N)
+            tl.store(O + i, r0.to(tl.int64) & 0xFFFFFFFF)
+            tl.store(O + N + i, r1.to(tl.int64) & 0xFFFFFFFF)
+            tl.store(O + 2 * N + i, r2.to(tl.int64) & 0xFFFFFFFF)
+            tl.store(O + 3 * N + i, r3.to(tl.int64) & 0xFFFFFFFF)
+
+        _RANDINT4X.append(randint4x_kernel)
+    return _RANDINT4X[0]
+
+
 def test_philox_matches_triton(device):
     from pykernels._kernels.attention import dropout_mask_triton
     seed = 123456789
     got = dropout_mask_triton(seed, 2, 3, 7, 11, 0.3, device).cpu()
     want = attention_dropout_mask(seed, 2, 3, 7, 11, 0.3, "cpu")
     assert torch.equal(got, want)
-    # int64 counters past 2**32 (the high word feeds the second Philox counter).
-    offs = torch.tensor([0, 2**32 - 1, 2**32, 2**32 + 5, 3 * 2**33 + 7], dtype=torch.int64)
-    u = philox_uniform(seed, offs)
-    assert ((u >= 0) & (u < 1)).all() and len(set(u.tolist())) == len(offs)
+    # philox4x32 is tl.randint4x bit for bit, for int64 counters past 2**32 (the high word feeds the second
+    # Philox counter) and seeds past 2**32.
+    offs = torch.tensor([0, 1, 2**32 - 1, 2**32, 2**32 + 5, 3 * 2**33 + 7, 2**62 + 11, 12345], dtype=torch.int64)
+    for seed in (seed, 2**40 + 17):
+        got = torch.full((4, len(offs)), -1, dtype=torch.int64, device=device)
+        _randint4x_kernel()[(1,)](got, seed, offs.to(device), N=len(offs))
+        want = torch.stack(philox4x32(seed, offs))
+        assert torch.equal(got.cpu(), want), seed
+        assert len(set(want[0].tolist())) == len(offs)
 
 
 def test_dropout_keep_rate():

@@ -87,18 +87,19 @@ def test_host_source_compiles(source, tmp_path):
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_philox_port_matches_triton_stream(tmp_path):
-    """csrc/philox.cuh, compiled for the host, gives bit for bit pykernels.attention.philox_uniform, the
-    eager twin of Triton's tl.rand (itself checked against the kernels): the CUDA kernels' dropout masks
-    are the Triton kernels' masks."""
+    """csrc/philox.cuh's philox4x32, compiled for the host, gives bit for bit pykernels.attention.philox4x32, the
+    eager twin of Triton's tl.randint4x (itself checked against Triton in test_attention.py), for counters and
+    seeds past 2^32: the CUDA kernels' dropout masks are the Triton kernels' masks."""
     import torch
-    from pykernels.attention import philox_uniform
+    from pykernels.attention import philox4x32
     main = tmp_path / "main.cpp"
-    main.write_text('#include <cstdio>\n#include <cstdlib>\n#include <cstring>\n#include "philox.cuh"\n'
+    main.write_text('#include <cstdio>\n#include <cstdlib>\n#include "philox.cuh"\n'
                     "int main(int argc, char** argv) {\n"
                     "  unsigned long long seed = strtoull(argv[1], nullptr, 10);\n"
                     "  for (int i = 2; i < argc; ++i) {\n"
-                    "    float f = pykernels::philox_uniform(seed, strtoull(argv[i], nullptr, 10));\n"
-                    "    unsigned int bits; memcpy(&bits, &f, 4); printf(\"%08x\\n\", bits);\n"
+                    "    uint32_t c0, c1, c2, c3;\n"
+                    "    pykernels::philox4x32(seed, strtoull(argv[i], nullptr, 10), c0, c1, c2, c3);\n"
+                    "    printf(\"%08x %08x %08x %08x\\n\", c0, c1, c2, c3);\n"
                     "  }\n}\n")
     exe = tmp_path / "philox"
     res = subprocess.run(["g++", "-O2", "-std=c++17", f"-I{os.path.join(ROOT, 'csrc')}", str(main), "-o", str(exe)],
@@ -110,8 +111,8 @@ def test_philox_port_matches_triton_stream(tmp_path):
     for seed in [0, 1, 1234567, 2**32 - 1, 2**40 + 17, 2**63 - 5] + torch.randint(0, 2**62, (5,), generator=g).tolist():
         out = subprocess.run([str(exe), str(seed)] + [str(o) for o in offsets], capture_output=True, text=True,
                              check=True).stdout.split()
-        ref = philox_uniform(seed, torch.tensor(offsets, dtype=torch.int64)).view(torch.int32).tolist()
-        assert out == [f"{v & 0xFFFFFFFF:08x}" for v in ref], seed
+        words = torch.stack(philox4x32(seed, torch.tensor(offsets, dtype=torch.int64)), dim=-1).reshape(-1).tolist()
+        assert out == [f"{v:08x}" for v in words], seed
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
