@@ -106,7 +106,7 @@ def _load_s(X, R, seed, rows64, cols, mask, stride_x_row, stride_r_row, N, dropo
     rows64: int64 row indices (BLOCK_M,); cols: column indices (BLOCK_N,)."""
     x = tl.load(X + rows64[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        # counter = element index in the logical (M, N) array: int64, so > 2**31 elements stay unique
+        # counters row * ceil(N / 8) + col // 8 of the logical (M, N) array, int64: > 2**31 elements stay unique
         keep = _dropout_keep(seed, 0, rows64, cols, N, dropout_p)
         x = tl.where(keep, x * dropout_scale, 0.0)
     if HAS_RESIDUAL:

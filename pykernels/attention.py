@@ -91,8 +91,8 @@ def philox4x32(seed: int, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tens
 
 
 def dropout_rate(p: float) -> float:
-    """The dropout rate the attention kernels realise for a requested ``p``: ``p`` rounded to a multiple of
-    2^-16 (each element's decision compares 16 random bits with ``p * 65536``). Kept elements are scaled by
+    """The dropout rate the kernels (attention and LayerNorm) realise for a requested ``p``: ``p`` rounded to a
+    multiple of 2^-16 (each element's decision compares 16 random bits with ``p * 65536``). Kept elements are scaled by
     ``1 / (1 - dropout_rate(p))``, so the expectation is exact. 0.1 -> 0.1000061."""
     p = float(p)
     return min(round(p * 65536), 65535) / 65536 if p > 0 else 0.0  # (p < 1: a rate of 1 would scale by 1 / 0)

@@ -3,25 +3,14 @@ must take cuDNN's row by name: with the C++ build the rows are Triton's varlen, 
 old rows[1] compared the Triton row with the C++ one (run199-234). CPU only: rows with known times."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from utils import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", os.path.join(ROOT, "benchmarks", "attention.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # (its dataclasses look their module up there)
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
+    yield from load_benchmark("attention")
 
 
 def _row(impl, fwd, bwd, gfwd=None, gbwd=None, status="ok"):

@@ -3,26 +3,16 @@ runs its steps, and the pykernels models (attention, swapped and fused LayerNorm
 same first-batch loss as transformers' own on the same weights."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
+from utils import load_benchmark
+
 pytest.importorskip("transformers")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_train_step", os.path.join(ROOT, "benchmarks", "train_step.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # (its dataclasses look their module up there)
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
+    yield from load_benchmark("train_step")
 
 
 def test_smoke_variants_agree(bench):

@@ -85,6 +85,15 @@ def test_host_source_compiles(source, tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
 
 
+def _host_exe(main):
+    """``main`` (a .cpp that includes csrc headers) compiled for the host with g++: the executable's path."""
+    exe = main.with_suffix("")
+    res = subprocess.run(["g++", "-O2", "-std=c++17", f"-I{os.path.join(ROOT, 'csrc')}", str(main), "-o", str(exe)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return exe
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_philox_port_matches_triton_stream(tmp_path):
     """csrc/philox.cuh's philox4x32, compiled for the host, gives bit for bit pykernels.attention.philox4x32, the
@@ -101,10 +110,7 @@ def test_philox_port_matches_triton_stream(tmp_path):
                     "    pykernels::philox4x32(seed, strtoull(argv[i], nullptr, 10), c0, c1, c2, c3);\n"
                     "    printf(\"%08x %08x %08x %08x\\n\", c0, c1, c2, c3);\n"
                     "  }\n}\n")
-    exe = tmp_path / "philox"
-    res = subprocess.run(["g++", "-O2", "-std=c++17", f"-I{os.path.join(ROOT, 'csrc')}", str(main), "-o", str(exe)],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
+    exe = _host_exe(main)
     g = torch.Generator().manual_seed(0)
     offsets = [0, 1, 2, 767, 2**31 - 1, 2**31, 2**32 - 1, 2**32 + 5, 2**40 + 3]
     offsets += torch.randint(0, 2**62, (200,), generator=g).tolist()
@@ -131,10 +137,7 @@ def test_attention_dropout_bits_port_matches_reference(tmp_path):
                     "    unsigned long long row = strtoull(argv[i], nullptr, 10);\n"
                     "    for (unsigned j = 0; j < sk; ++j) printf(\"%u\\n\", pykernels::dropout_bits16(seed, row * sk8, j));\n"
                     "  }\n}\n")
-    exe = tmp_path / "bits"
-    res = subprocess.run(["g++", "-O2", "-std=c++17", f"-I{os.path.join(ROOT, 'csrc')}", str(main), "-o", str(exe)],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
+    exe = _host_exe(main)
     rows = [0, 1, 5, 2**29 + 3, 2**33 + 1]
     for seed, sk in [(0, 8), (1234567, 17), (2**40 + 17, 3), (987654321, 64)]:
         out = subprocess.run([str(exe), str(seed), str(sk)] + [str(r) for r in rows], capture_output=True, text=True,
@@ -163,10 +166,7 @@ def test_layer_norm_keep_pack_bits_port_matches_reference(tmp_path):
                     "                                : pykernels::keep_pack_bits<4>(seed, counter, c & 7, p);\n"
                     "      for (int j = 0; j < pack; ++j) printf(\"%u\\n\", (bits >> j) & 1u);\n"
                     "    }\n}\n")
-    exe = tmp_path / "packs"
-    res = subprocess.run(["g++", "-O2", "-std=c++17", f"-I{os.path.join(ROOT, 'csrc')}", str(main), "-o", str(exe)],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
+    exe = _host_exe(main)
     for seed, rows, n, pack, p in [(5, 3, 64, 8, 0.1), (123456789, 4, 36, 4, 0.3), (2**40 + 1, 2, 8, 8, 0.5)]:
         out = subprocess.run([str(exe), str(seed), str(rows), str(n), str(pack), repr(dropout_rate(p))],
                              capture_output=True, text=True, check=True).stdout.split()

@@ -35,3 +35,21 @@ def cuda_built() -> bool:
 # GPU tests of the CUDA C++ backend: they skip on CPU and where the extension is not built
 needs_cuda_ext = pytest.mark.skipif(not torch.cuda.is_available() or not cuda_built(),
                                     reason="needs a CUDA device and the built extension pykernels._C")
+
+
+def load_benchmark(name: str):
+    """A ``benchmarks/<name>.py`` script as a module (for the CPU tests of their plumbing): yields it registered
+    in ``sys.modules`` (its dataclasses look their module up there) and unregisters it afterwards. Use as the body
+    of a module-scoped fixture: ``yield from load_benchmark("attention")``."""
+    import importlib.util
+    import os
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(root, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(spec.name, None)

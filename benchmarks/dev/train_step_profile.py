@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import train_step as ts  # noqa: E402
 
 
-def profile_variant(case, variant, state, batch, steps: int, out) -> None:
-    from torch.profiler import ProfilerActivity, profile
+def _warm_step(case, variant, state, batch):
+    """The variant's model, optimizer and training step (``train_step.py``'s), after 4 warm-up steps."""
     model, fwd = ts.build(case, variant, state, torch.device("cuda"))
     inputs, labels = batch
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -34,6 +34,12 @@ def profile_variant(case, variant, state, batch, steps: int, out) -> None:
     for _ in range(4):
         step()
     torch.cuda.synchronize()
+    return (model, fwd, opt), step
+
+
+def profile_variant(case, variant, state, batch, steps: int, out) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    held, step = _warm_step(case, variant, state, batch)
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -53,7 +59,7 @@ def profile_variant(case, variant, state, batch, steps: int, out) -> None:
     for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:30]:
         print(f"{e.self_cpu_time_total / 1e3 / steps:8.3f} {e.count // steps:5d}  {e.key[:150]}", file=out)
     out.flush()
-    del model, fwd, opt
+    del held
     torch.cuda.empty_cache()
 
 
@@ -62,20 +68,7 @@ def cprofile_variant(case, variant, state, batch, steps: int, out) -> None:
     import cProfile
     import io
     import pstats
-    model, fwd = ts.build(case, variant, state, torch.device("cuda"))
-    inputs, labels = batch
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = fwd(inputs, labels)
-        loss.backward()
-        opt.step()
-
-    for _ in range(4):
-        step()
-    torch.cuda.synchronize()
+    held, step = _warm_step(case, variant, state, batch)
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
@@ -95,7 +88,7 @@ def cprofile_variant(case, variant, state, batch, steps: int, out) -> None:
     st.sort_stats("cumulative").print_stats(60)
     out.write(buf.getvalue())
     out.flush()
-    del model, fwd, opt
+    del held
     torch.cuda.empty_cache()
 
 
