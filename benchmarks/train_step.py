@@ -82,6 +82,11 @@ def hf_loss_fn(model, causal: bool):
     return fwd
 
 
+def _autocast_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype autocast gives a linear layer's operands here (``h``'s own outside autocast)."""
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else h.dtype
+
+
 def pykernels_loss_fn(model, causal: bool, attn_backend: str | None, max_valid: bool = False):
     """Forward + loss through pykernels' ops (the model already patched). ``max_valid``: BERT's loss with
     ``max_valid = tokens // 5`` (no host wait for the count of labelled rows)."""
@@ -93,7 +98,7 @@ def pykernels_loss_fn(model, causal: bool, attn_backend: str | None, max_valid: 
         def fwd(inputs, labels):
             with pykernels.use_backend(attn_backend) if attn_backend else contextlib.nullcontext():
                 h = body(input_ids=inputs).last_hidden_state
-            dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else h.dtype
+            dtype = _autocast_dtype(h)
             return pykernels.masked_lm_loss(h.to(dtype), wte.weight.to(dtype), pykernels.shift_labels(labels),
                                             dense=True, backend="auto")
         return fwd
@@ -104,7 +109,7 @@ def pykernels_loss_fn(model, causal: bool, attn_backend: str | None, max_valid: 
         with pykernels.use_backend(attn_backend) if attn_backend else contextlib.nullcontext():
             h = body(input_ids=inputs).last_hidden_state
         h = head.transform(h)
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else h.dtype
+        dtype = _autocast_dtype(h)
         dec = head.decoder
         bias = dec.bias.to(dtype) if dec.bias is not None else None
         return pykernels.masked_lm_loss(h.to(dtype), dec.weight.to(dtype), labels, bias=bias, backend="auto",

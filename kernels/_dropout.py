@@ -15,6 +15,13 @@ import triton
 import triton.language as tl
 
 
+def dropout_rate(p: float) -> float:
+    """The rate the kernels take for a requested ``p`` (``pykernels.attention.dropout_rate``: p rounded to a multiple
+    of 2^-16); every launcher passes it, never ``p`` itself."""
+    from pykernels.attention import dropout_rate as rate  # (the public package imports the kernels lazily)
+    return rate(p)
+
+
 @triton.jit
 def dropout_keep(seed, base, rows, cols, n_cols, p, TRANS: tl.constexpr = False):
     """Keep-mask (len(rows), len(cols)), or its transpose with TRANS, for 1-D ``rows`` and ``cols``. With

@@ -80,6 +80,7 @@ from pykernels._alloc import empty
 from . import _launch
 from . import _tuning
 from ._dropout import dropout_keep as _dropout_keep
+from ._dropout import dropout_rate as _dropout_rate
 
 MAX_FUSED_N_FWD = 16384  # widest row held in registers by the forward
 MAX_FUSED_N_BWD = 8192  # the backward keeps ~6 row-sized fp32 values live per row, so it goes chunked earlier
@@ -239,11 +240,6 @@ def _fwd_configs(block_n: int) -> list[triton.Config]:
 def _fwd_tuned(block_n: int):
     # One autotuner per BLOCK_N bucket (the config list depends on it); keyed on N within the bucket.
     return _tuning.autotune(configs=_fwd_configs(block_n), key=["N"], do_bench=_bench_quick)(_layer_norm_fwd_kernel)
-
-
-def _dropout_rate(p: float) -> float:
-    from pykernels.attention import dropout_rate  # (the public package imports this module lazily)
-    return dropout_rate(p)
 
 
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
