@@ -28,7 +28,8 @@
 //             and casts once. No atomics: bitwise reproducible.
 // Inputs are made contiguous and 16-byte aligned (a copy only when they are not) before the kernels
 // see them, and the tensors saved for the backward are those copies.
-// Cover: fp16/bf16/fp32 x; weight/bias/residual of x's dtype (or absent); N a multiple of the pack
+// Cover: fp16/bf16/fp32 x; residual of x's dtype; weight and bias of x's dtype or both fp32 (autocast's
+// parameters beside bf16 / fp16 rows; dweight / dbias come back in that dtype), or absent; N a multiple of the pack
 // (8 / 4 elements) up to 8192 (fp32: 4096), at most 32 elements per thread. Dropout on x: element
 // (row, col) takes 16 bits of the Philox call at row ceil(N / 8) + col / 8, one call a pack (csrc/philox.cuh,
 // keep_pack_bits: the Triton kernels' dropout_keep bit for bit), kept where they are >= p 2^16, p rounded to a
@@ -130,10 +131,11 @@ __device__ __forceinline__ void row_sum2(float& a, float& b) {
   }
 }
 
-// DROP: dropout on x (a template flag: the Philox code would otherwise cost every call its registers)
-template <typename T, int VPL, int RT, bool DROP>
+// DROP: dropout on x (a template flag: the Philox code would otherwise cost every call its registers). W: the
+// weight's and bias's element type, T or float (autocast keeps fp32 parameters beside bf16 / fp16 activations).
+template <typename T, typename W, int VPL, int RT, bool DROP>
 __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
-    const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w, const T* __restrict__ b,
+    const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ w, const W* __restrict__ b,
     T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
     int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms,
     uint64_t seed, float drop_p, float drop_scale) {
@@ -191,8 +193,8 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     if (col < N) {
       if (store_s) store_pack(s + base + col, v[i]);
       float wv[P], bv[P], o[P];
-      if (has_w) load_pack(w + col, wv);
-      if (has_b) load_pack(b + col, bv);
+      if (has_w) load_packs<W, P>(w + col, wv);
+      if (has_b) load_packs<W, P>(b + col, bv);
 #pragma unroll
       for (int j = 0; j < P; ++j) {
         float t = (v[i][j] - mu) * rstd;
@@ -206,9 +208,9 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 }
 
 // one pack of a backward row: s (= the raw s or x, plus the residual when given), dy and the weight
-template <typename T>
+template <typename T, typename W>
 __device__ __forceinline__ void row_values(const uint4& s_raw, const uint4& dy_raw, const T* __restrict__ res,
-                                           const T* __restrict__ w, int64_t base, int col, bool has_res,
+                                           const W* __restrict__ w, int64_t base, int col, bool has_res,
                                            bool has_w, float* sv, float* d, float* wv, bool drop_x,
                                            uint32_t drop_bits, float drop_scale) {
   constexpr int P = Pack<T>::n;
@@ -225,7 +227,7 @@ __device__ __forceinline__ void row_values(const uint4& s_raw, const uint4& dy_r
     for (int j = 0; j < P; ++j) sv[j] += r[j];
   }
   if (has_w) {
-    load_pack(w + col, wv);
+    load_packs<W, P>(w + col, wv);
   } else {
 #pragma unroll
     for (int j = 0; j < P; ++j) wv[j] = 1.f;
@@ -267,10 +269,10 @@ constexpr bool kPrefetchable = RT == kThreads && VPL <= 2;
 template <typename T, int VPL, int RT, bool DROP>
 constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 16)) ? 1 : 2;
 
-template <typename T, int VPL, int RT, bool PF, bool DROP>
+template <typename T, typename W, int VPL, int RT, bool PF, bool DROP>
 __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ ds_out, const T* __restrict__ a, const T* __restrict__ res,
-    const T* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
+    const W* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
     T* __restrict__ dres, float* __restrict__ partial, int64_t M, int N, bool has_ds, bool has_res, bool has_w,
     bool need_dwb, bool rms, bool recompute, uint64_t seed, float drop_p, float drop_scale) {
   constexpr int P = Pack<T>::n;
@@ -394,18 +396,20 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
   }
 }
 
-template <typename T, int VPL, int RT, bool PF, bool DROP>
+// resident blocks per SM of a backward instantiation at the largest shared memory it takes (N = 1024),
+// queried once (the persistent backward grid fills the GPU once)
+template <typename T, typename W, int VPL, int RT, bool PF, bool DROP>
 int bwd_blocks_per_sm() {
   static const int n = [] {
     int k = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, ln_bwd_kernel<T, VPL, RT, PF, DROP>, kThreads,
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, ln_bwd_kernel<T, W, VPL, RT, PF, DROP>, kThreads,
                                                                  2 * 1024 * sizeof(float)));
     return std::max(k, 1);
   }();
   return n;
 }
 
-// out[k][col] = sum_p partial[k][p][col], cast to T. Block: 32 columns x 8 row groups.
+// out[k][col] = sum_p partial[k][p][col], cast to T (the parameters' type). Block: 32 columns x 8 row groups.
 template <typename T>
 __global__ void __launch_bounds__(256) ln_partial_sum_kernel(const float* __restrict__ partial, T* __restrict__ dw,
                                                              T* __restrict__ db, int progs, int N) {
@@ -498,11 +502,6 @@ void dispatch_bwd_shape(int N, F&& f) {
   }
 }
 
-// resident blocks per SM of a backward instantiation at the largest shared memory it takes (N = 1024),
-// queried once (the persistent backward grid fills the GPU once)
-template <typename T, int VPL, int RT, bool PF, bool DROP>
-int bwd_blocks_per_sm();
-
 // PYKERNELS_LN_PREFETCH=0 turns the backward's next-row prefetch off (read once; for measurements)
 bool prefetch_enabled() {
   static const bool on = [] {
@@ -548,11 +547,19 @@ Tensor dense(const Tensor& t) {
 
 int pack_of(at::ScalarType st) { return st == at::kFloat ? 4 : 8; }
 
-void check_row_tensor(const char* name, const Tensor& t, const Tensor& x) {
+void check_row_tensor(const char* name, const Tensor& t, const Tensor& x, bool param) {
   TORCH_CHECK(t.is_cuda() && t.device() == x.device(), "pykernels_cuda.layer_norm: ", name,
               " must be on x's device ", x.device());
-  TORCH_CHECK(t.dtype() == x.dtype(), "pykernels_cuda.layer_norm: ", name, " must have x's dtype ", x.dtype(),
-              ", got ", t.dtype());
+  TORCH_CHECK(t.dtype() == x.dtype() || (param && t.scalar_type() == at::kFloat), "pykernels_cuda.layer_norm: ",
+              name, " must have x's dtype ", x.dtype(), param ? " or float32" : "", ", got ", t.dtype());
+}
+
+// The weight's and bias's dtype: x's or float32 (autocast's fp32 parameters beside bf16 / fp16 rows), one for both.
+at::ScalarType param_dtype(const Tensor& x, const optional<Tensor>& w, const optional<Tensor>& b) {
+  if (w.has_value() && b.has_value())
+    TORCH_CHECK(w->dtype() == b->dtype(), "pykernels_cuda.layer_norm: bias must have weight's dtype ", w->dtype(),
+                ", got ", b->dtype());
+  return w.has_value() ? w->scalar_type() : b.has_value() ? b->scalar_type() : x.scalar_type();
 }
 
 void check_inputs(const Tensor& x, const optional<Tensor>& w, const optional<Tensor>& b,
@@ -565,17 +572,32 @@ void check_inputs(const Tensor& x, const optional<Tensor>& w, const optional<Ten
   TORCH_CHECK(n > 0 && n % p == 0 && n <= max_n, "pykernels_cuda.layer_norm: N must be a positive multiple of ",
               p, " up to ", max_n, " for ", x.dtype(), ", got ", n);
   if (w.has_value()) {
-    check_row_tensor("weight", *w, x);
+    check_row_tensor("weight", *w, x, true);
     TORCH_CHECK(w->dim() == 1 && w->size(0) == n, "pykernels_cuda.layer_norm: weight must have shape (", n, ",)");
   }
   if (b.has_value()) {
-    check_row_tensor("bias", *b, x);
+    check_row_tensor("bias", *b, x, true);
     TORCH_CHECK(b->dim() == 1 && b->size(0) == n, "pykernels_cuda.layer_norm: bias must have shape (", n, ",)");
   }
+  param_dtype(x, w, b);
   if (r.has_value()) {
-    check_row_tensor("residual", *r, x);
+    check_row_tensor("residual", *r, x, false);
     TORCH_CHECK(r->sizes() == x.sizes(), "pykernels_cuda.layer_norm: residual must have x's shape");
   }
+}
+
+// f(T, W): the row's element type (x's dtype) and the parameters' (``pdt``: T's own or float)
+template <typename F>
+void dispatch_types(at::ScalarType xdt, at::ScalarType pdt, F&& f) {
+  dispatch_float_dtype(xdt, "pykernels_cuda.layer_norm: x", [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (std::is_same_v<T, float>) {
+      f(T{}, float{});
+    } else {
+      if (pdt == at::kFloat) f(T{}, float{});
+      else f(T{}, T{});
+    }
+  });
 }
 
 // -> y, s (pre-LN; else empty), mean (LayerNorm; else empty), rstd, and the dense x and residual the
@@ -603,14 +625,15 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
   const auto blocks = static_cast<unsigned>((M + rows_per_block - 1) / rows_per_block);
   TORCH_CHECK(blocks < (1u << 31), "pykernels_cuda.layer_norm: too many rows");
   auto stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_float_dtype(x.scalar_type(), "pykernels_cuda.layer_norm: x", [&](auto tag) {
+  dispatch_types(x.scalar_type(), param_dtype(x, w_in, b_in), [&](auto tag, auto wtag) {
     using T = decltype(tag);
+    using W = decltype(wtag);
     dispatch_shape<T>(N, [&](auto v, auto rt) {
      const auto launch = [&](auto drop) {
-      ln_fwd_kernel<T, decltype(v)::value, decltype(rt)::value, decltype(drop)::value><<<blocks, kThreads, 0, stream>>>(
+      ln_fwd_kernel<T, W, decltype(v)::value, decltype(rt)::value, decltype(drop)::value><<<blocks, kThreads, 0, stream>>>(
           static_cast<const T*>(x.data_ptr()), r.defined() ? static_cast<const T*>(r.data_ptr()) : nullptr,
-          w.defined() ? static_cast<const T*>(w.data_ptr()) : nullptr,
-          b.defined() ? static_cast<const T*>(b.data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()),
+          w.defined() ? static_cast<const W*>(w.data_ptr()) : nullptr,
+          b.defined() ? static_cast<const W*>(b.data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()),
           prenorm ? static_cast<T*>(s.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
           rstd.data_ptr<float>(), M, N, static_cast<float>(eps), r.defined(), w.defined(), b.defined(), prenorm,
           rms, static_cast<uint64_t>(seed), static_cast<float>(dropout_rate(dropout_p)),
@@ -625,10 +648,11 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
 }
 
 // -> dx, dweight (or undefined), dbias (or undefined), dresidual (dx itself without dropout). ``a`` is the
-// saved s (pre-LN) or x (post-LN, ``recompute``: s = dropout(x) + residual again).
+// saved s (pre-LN) or x (post-LN, ``recompute``: s = dropout(x) + residual again); ``pdt`` the parameters' dtype
+// (that of dweight and dbias).
 std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, const Tensor& a_in, const Tensor& res_in,
-                                  const Tensor& w_in, bool has_b, const Tensor& mean, const Tensor& rstd, bool rms,
-                                  bool recompute, double dropout_p, int64_t seed) {
+                                  const Tensor& w_in, bool has_b, at::ScalarType pdt, const Tensor& mean,
+                                  const Tensor& rstd, bool rms, bool recompute, double dropout_p, int64_t seed) {
   const c10::cuda::CUDAGuard guard(a_in.device());
   const Tensor a = dense(a_in);
   const Tensor res = res_in.defined() ? dense(res_in) : Tensor();
@@ -648,31 +672,34 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   const int64_t want = (M + rows_per_block - 1) / rows_per_block;
   const size_t smem = need && rt_threads < kThreads ? 2 * N * sizeof(float) : 0;
   int per_sm = 1;
-  dispatch_float_dtype(a.scalar_type(), "pykernels_cuda.layer_norm: x", [&](auto tag) {
+  dispatch_types(a.scalar_type(), pdt, [&](auto tag, auto wtag) {
     using T = decltype(tag);
+    using W = decltype(wtag);
     dispatch_bwd_shape<T>(N, [&](auto v, auto rt) {
       constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
       dispatch_variant<T, kV, kRT>(dropout, [&](auto pf, auto drop) {
-        per_sm = bwd_blocks_per_sm<T, kV, kRT, decltype(pf)::value, decltype(drop)::value>();
+        per_sm = bwd_blocks_per_sm<T, W, kV, kRT, decltype(pf)::value, decltype(drop)::value>();
       });
     });
   });
   const int progs = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, static_cast<int64_t>(per_sm) * sms)));
   auto f32 = a.options().dtype(at::kFloat);
   Tensor partial = at::empty({need ? 2 * progs * N : 0}, f32);
-  Tensor dw = w.defined() ? poisoned(at::empty({N}, a.options())) : Tensor();
-  Tensor db = has_b ? poisoned(at::empty({N}, a.options())) : Tensor();
+  const auto popts = a.options().dtype(pdt);
+  Tensor dw = w.defined() ? poisoned(at::empty({N}, popts)) : Tensor();
+  Tensor db = has_b ? poisoned(at::empty({N}, popts)) : Tensor();
   auto stream = c10::cuda::getCurrentCUDAStream();
-  dispatch_float_dtype(a.scalar_type(), "pykernels_cuda.layer_norm: x", [&](auto tag) {
+  dispatch_types(a.scalar_type(), pdt, [&](auto tag, auto wtag) {
     using T = decltype(tag);
+    using W = decltype(wtag);
     if (M > 0) {
       dispatch_bwd_shape<T>(N, [&](auto v, auto rt) {
        constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
        dispatch_variant<T, kV, kRT>(dropout, [&](auto pf, auto drop) {
-        ln_bwd_kernel<T, kV, kRT, decltype(pf)::value, decltype(drop)::value><<<progs, kThreads, smem, stream>>>(
+        ln_bwd_kernel<T, W, kV, kRT, decltype(pf)::value, decltype(drop)::value><<<progs, kThreads, smem, stream>>>(
             static_cast<const T*>(dy.data_ptr()), ds.defined() ? static_cast<const T*>(ds.data_ptr()) : nullptr,
             static_cast<const T*>(a.data_ptr()), res.defined() ? static_cast<const T*>(res.data_ptr()) : nullptr,
-            w.defined() ? static_cast<const T*>(w.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
+            w.defined() ? static_cast<const W*>(w.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
             rstd.data_ptr<float>(), static_cast<T*>(dx.data_ptr()), static_cast<T*>(dres.data_ptr()),
             need ? partial.data_ptr<float>() : nullptr, M, N, ds.defined(), res.defined(), w.defined(), need, rms,
             recompute, static_cast<uint64_t>(seed), static_cast<float>(dropout_rate(dropout_p)),
@@ -684,11 +711,11 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
       partial.zero_();
     }
     if (need) {
-      Tensor dw_t = dw.defined() ? dw : at::empty({N}, a.options());
-      Tensor db_t = db.defined() ? db : at::empty({N}, a.options());
+      Tensor dw_t = dw.defined() ? dw : at::empty({N}, popts);
+      Tensor db_t = db.defined() ? db : at::empty({N}, popts);
       dim3 grid((N + 31) / 32, 2);
-      ln_partial_sum_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(
-          partial.data_ptr<float>(), static_cast<T*>(dw_t.data_ptr()), static_cast<T*>(db_t.data_ptr()),
+      ln_partial_sum_kernel<W><<<grid, dim3(32, 8), 0, stream>>>(
+          partial.data_ptr<float>(), static_cast<W*>(dw_t.data_ptr()), static_cast<W*>(db_t.data_ptr()),
           M > 0 ? progs : 1, N);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
@@ -710,6 +737,7 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     ctx->saved_data["rms"] = rms;
     ctx->saved_data["has_b"] = b.has_value();
     ctx->saved_data["has_r"] = r.has_value();
+    ctx->saved_data["pdt"] = static_cast<int64_t>(param_dtype(x, w, b));
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["seed"] = seed;
     if (!prenorm) ctx->mark_non_differentiable({out[1]});
@@ -731,7 +759,8 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     Tensor dy = grads[0];
     if (!dy.defined()) dy = at::zeros_like(a);
     const Tensor ds = prenorm ? grads[1] : Tensor();
-    auto g = backward_impl(dy, ds, a, saved[1], saved[2], has_b, saved[3], saved[4], rms, !prenorm,
+    const auto pdt = static_cast<at::ScalarType>(ctx->saved_data["pdt"].toInt());
+    auto g = backward_impl(dy, ds, a, saved[1], saved[2], has_b, pdt, saved[3], saved[4], rms, !prenorm,
                            ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["seed"].toInt());
     // without dropout dx and dresidual are equal: one tensor serves both
     return {g[0], g[1], g[2], has_r ? g[3] : Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};

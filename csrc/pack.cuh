@@ -60,6 +60,21 @@ __device__ __forceinline__ void store_pack(T* p, const float* in) {
   *reinterpret_cast<uint4*>(p) = raw;
 }
 
+// n elements of type T (n * sizeof(T) a multiple of 16 bytes, p 16-byte aligned) as fp32, one uint4 load per 16
+// bytes: a pack of another element type's width (the LayerNorm's fp32 weight beside a bf16 row's 8-element pack)
+template <typename T, int n>
+__device__ __forceinline__ void load_packs(const T* p, float* out) {
+  constexpr int per = Pack<T>::n;
+  static_assert(n % per == 0, "whole 16-byte packs");
+#pragma unroll
+  for (int k = 0; k < n / per; ++k) {
+    const uint4 raw = reinterpret_cast<const uint4*>(p)[k];
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < per; ++i) out[k * per + i] = to_f(e[i]);
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -105,9 +105,13 @@ def _cuda_cover(x2: Tensor, w: Optional[Tensor], b: Optional[Tensor], r2: Option
     else why it does not."""
     if x2.dtype not in _KERNEL_DTYPES:
         return f"dtype {x2.dtype}"
-    for name, t in (("weight", w), ("bias", b), ("residual", r2)):
-        if t is not None and t.dtype != x2.dtype:
-            return f"{name} has another dtype than x"
+    if r2 is not None and r2.dtype != x2.dtype:
+        return "residual has another dtype than x"
+    # weight and bias: x's dtype or float32 (autocast's parameters beside bf16 / fp16 rows); the public checks
+    # have made bias's dtype weight's
+    for name, t in (("weight", w), ("bias", b)):
+        if t is not None and t.dtype not in (x2.dtype, torch.float32):
+            return f"{name} has another dtype than x or float32"
     if residual_in_fp32 and x2.dtype != torch.float32:
         return "residual_in_fp32"
     n = x2.shape[1]

@@ -26,9 +26,10 @@ def _atol(dtype):
     return 1e-5 if dtype == torch.float32 else 1e-3
 
 
-def _make(shape, dtype, device, *, residual=True, weight=True, bias=True, res_dtype=None, strided=False):
+def _make(shape, dtype, device, *, residual=True, weight=True, bias=True, res_dtype=None, param_dtype=None,
+          strided=False):
     """Fresh random inputs (leaves, requires_grad). ``strided``: x and residual are column slices of wider
-    tensors (row stride != N)."""
+    tensors (row stride != N). ``param_dtype``: weight and bias dtype (default x's)."""
     n = shape[-1]
 
     def t(dt):
@@ -39,8 +40,9 @@ def _make(shape, dtype, device, *, residual=True, weight=True, bias=True, res_dt
 
     x = t(dtype)
     r = t(res_dtype or dtype) if residual else None
-    w = (1 + 0.5 * torch.randn(n, dtype=dtype, device=device)).requires_grad_() if weight else None
-    b = (0.5 * torch.randn(n, dtype=dtype, device=device)).requires_grad_() if bias else None
+    pdt = param_dtype or dtype
+    w = (1 + 0.5 * torch.randn(n, dtype=pdt, device=device)).requires_grad_() if weight else None
+    b = (0.5 * torch.randn(n, dtype=pdt, device=device)).requires_grad_() if bias else None
     return x, r, w, b
 
 
@@ -704,8 +706,27 @@ def test_cuda_backend_is_auto_and_declines_what_it_does_not_cover():
         assert not _use_cuda(None, xn, None, None, None, 0.0, False)
         with pytest.raises(BackendUnavailableError, match="N = "):
             pykernels.layer_norm(xn, None, backend="cuda")
-    with pytest.raises(BackendUnavailableError, match="dtype"):
-        pykernels.layer_norm(x, w.float(), backend="cuda")
+    assert _use_cuda(None, x, w.float(), b.float(), r, 0.1, False)  # fp32 parameters (autocast's)
+    with pytest.raises(BackendUnavailableError, match="residual has another dtype"):
+        pykernels.layer_norm(x, w, b, residual=r.float(), backend="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,variant", [((1000, 768), "post"), ((1000, 768), "pre"), ((64, 1024), "rms_post"),
+                                           ((64, 1024), "pre"), ((257, 4096), "post"), ((33, 8192), "pre"),
+                                           ((300, 256), "pre_no_residual")])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_cuda_backend_fp32_params(shape, variant, dtype, dropout_p):
+    """Autocast's case: bf16 / fp16 rows with fp32 weight and bias, in every row shape of the kernels (warp, pair
+    and block rows); dweight / dbias come back fp32, as the parameters are."""
+    v = dict(VARIANTS[variant])
+    residual = v.pop("residual", True)
+    x, r, w, b = _make(shape, dtype, "cuda", residual=residual, param_dtype=torch.float32)
+    _check(x, r, w, b, backend="cuda", dropout_p=dropout_p, **v)
+    x, r, w, b = _make(shape, dtype, "cuda", residual=residual, param_dtype=torch.float32, weight=False)
+    _check(x, r, w, b, backend="cuda", dropout_p=dropout_p, **v)  # bias alone sets the parameters' dtype
 
 
 @pytest.mark.gpu
@@ -816,7 +837,10 @@ def test_cuda_cover_reasons_cpu():
     assert _cuda_cover(torch.randn(4, 8192, dtype=bf), None, None, None, 0.0, False) is None
     assert _cuda_cover(torch.randn(4, 4096, dtype=f32), None, None, None, 0.0, False) is None
     assert _cuda_cover(x, w, None, None, 0.1, False) is None  # dropout: the same Philox stream as Triton
-    assert "weight" in _cuda_cover(x, w.float(), None, None, 0.0, False)
+    assert _cuda_cover(x, w.float(), w.float(), x, 0.1, False) is None  # fp32 parameters (autocast's)
+    assert _cuda_cover(x, None, w.float(), None, 0.0, False) is None
+    assert "weight" in _cuda_cover(x, w.half(), None, None, 0.0, False)
+    assert "weight" in _cuda_cover(x.float(), w, None, None, 0.0, False)  # fp32 rows take fp32 parameters only
     assert "residual" in _cuda_cover(x, None, None, x.float(), 0.0, False)
     assert "residual_in_fp32" in _cuda_cover(x, None, None, x, 0.0, True)
     assert "float64" in _cuda_cover(x.double(), None, None, None, 0.0, False)
