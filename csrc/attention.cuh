@@ -30,7 +30,8 @@
 // Semantics are pykernels.attention's: top-left causal (query i sees keys j <= i), a boolean (True = take part)
 // or additive mask read through its strides (stride 0 where it broadcasts), rows with no key to attend to give
 // output 0, lse -inf and zero gradients; dropout keeps an element where 16 bits of philox(seed, ((b Hq + h) Sq + i)
-// ceil(Sk / 8) + j / 8) are >= p 2^16 (philox.cuh dropout_bits16: Triton's tl.randint4x bit for bit, so the mask
+// ceil(Sk / 8) + j / 8) are >= p 2^16 (philox.cuh: Triton's tl.randint4x bit for bit, one call shared by the lanes
+// holding its 8 keys, so the mask
 // is the Triton kernels' and pykernels.attention_dropout_mask's; varlen: Sq, Sk = the max lengths, i, j inside the
 // sequence).
 // Cover (checked in Python first, pykernels/attention.py _cuda_cover; the TORCH_CHECKs here name what they
@@ -374,22 +375,59 @@ __device__ __forceinline__ void key_addends(const Params& p, float (&buf)[2][BC]
   }
 }
 
-// The dropout factor (0 or 1 / (1 - p)) of (b, h, i, j): 16 bits of Philox at ((b Hq + h) Sq + i) ceil(Sk / 8) +
-// j / 8 (dropout_bits16: the Triton kernels' mask), kept where they are >= p 2^16 (p a multiple of 2^-16). The
-// call takes that counter times 8 plus j % 8 in one word, ((b Hq + h) Sq + i) Sk8 + j with Sk8 = Sk rounded up to
-// a multiple of 8: the per-element offset of the per-element Philox call it replaced, with Sk8 for Sk (a fifth
-// argument, or the counter formed in the caller, cost the mma.sync dK/dV kernel with an element mask 144-168
-// bytes of spills around the call).
-static __device__ __noinline__ float keep_at(uint64_t seed, uint64_t off8, float p_drop, float inv_keep) {
-  return dropout_bits16(seed, off8 >> 3, static_cast<uint32_t>(off8 & 7u)) >= static_cast<uint32_t>(p_drop * 65536.f)
-             ? inv_keep
-             : 0.f;
+// Dropout keeps (b, h, i, j) where 16 bits of Philox at ((b Hq + h) Sq + i) ceil(Sk / 8) + j / 8 are >= p 2^16
+// (p a multiple of 2^-16; the Triton kernels' mask), and scales it by 1 / (1 - p). One Philox call serves 8 keys of a
+// query row; the lanes that hold them share it (philox.cuh's quad / octet exchange): a lane draws one call for every
+// 8 elements it holds instead of one an element (which cost the attention with dropout 1.5-2x the time of the
+// Triton kernels', run244). Out of line: the call's registers stay out of the kernels' (inline, the mma.sync dK/dV
+// kernel with an element mask spilled 144-168 bytes around it).
+struct DropRows {
+  uint64_t rows0;   // counter row of query 0 of (b, h): (b Hq + h) Sq
+  uint64_t groups;  // Philox calls a query row: ceil(Sk / 8)
+};
+__device__ __forceinline__ DropRows drop_rows(const Params& p, int b, int h) {
+  return {(static_cast<uint64_t>(b) * p.hq + h) * static_cast<uint64_t>(p.sq), static_cast<uint64_t>(p.drop_sk) >> 3};
 }
-__device__ __forceinline__ float keep_factor(const Params& p, int b, int h, int i, int j) {
-  const uint64_t sk8 = static_cast<uint64_t>(p.drop_sk);  // (from the host: kept in the kernel's parameters)
-  const uint64_t off8 = (static_cast<uint64_t>(b) * p.hq + h) * static_cast<uint64_t>(p.sq) * sk8 +
-                        static_cast<uint64_t>(i) * sk8 + static_cast<uint64_t>(j);
-  return keep_at(p.seed, off8, p.p_drop, p.inv_keep);
+__device__ __forceinline__ uint32_t drop_threshold(const Params& p) {
+  return static_cast<uint32_t>(p.p_drop * 65536.f);
+}
+// The quad's keep bits (philox.cuh quad_*): lane t4 draws the call at ``ctr``
+static __device__ __noinline__ uint32_t quad_keep_bits(uint64_t seed, uint64_t ctr, uint32_t thr, int t4) {
+  uint32_t w[4];
+  philox4x32(seed, ctr, w[0], w[1], w[2], w[3]);
+  uint32_t bits = quad_take(0u, quad_send(w, t4, 0), t4, 0, thr);
+#pragma unroll
+  for (int k = 1; k < 4; ++k) bits = quad_take(bits, __shfl_xor_sync(0xffffffffu, quad_send(w, t4, k), k), t4, k, thr);
+  return bits;
+}
+// The octet's keep bits (philox.cuh octet_*; the 8 lanes of one t4, g = lane / 4): lane g draws the call at ``ctr``
+static __device__ __noinline__ uint32_t octet_keep_bits(uint64_t seed, uint64_t ctr, uint32_t thr, int g) {
+  uint32_t w[4];
+  philox4x32(seed, ctr, w[0], w[1], w[2], w[3]);
+  uint32_t bits = octet_take(0u, octet_send(w, g, 0), g, 0, thr);
+#pragma unroll
+  for (int k = 1; k < 8; ++k)
+    bits = octet_take(bits, __shfl_xor_sync(0xffffffffu, octet_send(w, g, k), k << 2), g, k, thr);
+  return bits;
+}
+// Keep bits of a row-layout thread (rows row[0], row[1]; columns 2 t4, 2 t4 + 1 of the 8-key n-tiles nt, nt + 1 from
+// key k0, k0 a multiple of 8): bit 2 (2 u + r) + q is element (row[r], k0 + (nt + u) 8 + 2 t4 + q), i.e.
+// sc[nt + u][2 r + q]. The quad's lane t4 draws the call of row[t4 & 1], tile nt + (t4 >> 1).
+__device__ __forceinline__ uint32_t row_keep_bits(const Params& p, const DropRows& d, const int (&row)[2], int k0,
+                                                  int nt, int t4) {
+  const int i = (t4 & 1) ? row[1] : row[0];
+  const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups + static_cast<uint64_t>((k0 >> 3) + nt + (t4 >> 1));
+  return quad_keep_bits(p.seed, ctr, drop_threshold(p), t4);
+}
+// Keep bits of a key-row-layout thread (the dK/dV kernels: keys key[0] = kb + g, key[1] = kb + 8 + g, kb a multiple of
+// 8; queries qs + (nt + u) 8 + 2 t4 + q of the n-tiles nt, nt + 1): bit 4 u + 2 r + q is element (query
+// qs + (nt + u) 8 + 2 t4 + q, key[r]), i.e. st[nt + u][2 r + q]. The octet's lane g draws call c = g.
+__device__ __forceinline__ uint32_t key_keep_bits(const Params& p, const DropRows& d, const int (&key)[2], int qs,
+                                                  int nt, int t4, int g) {
+  const int i = qs + (nt + (g >> 2)) * 8 + 2 * t4 + (g & 1);
+  const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups +
+                       static_cast<uint64_t>(((key[0] - g) >> 3) + ((g >> 1) & 1));
+  return octet_keep_bits(p.seed, ctr, drop_threshold(p), g);
 }
 
 // lse (natural log) -> the log2-domain subtrahend of the backward; +inf for a row with no key (its P is 0)
@@ -453,10 +491,16 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
     }
   }
   if (p.p_drop > 0.f) {
+    static_assert(BC % 16 == 0, "the dropout's quad draws n-tiles in pairs");
+    const DropRows d = drop_rows(p, b, h);
 #pragma unroll
-    for (int nt = 0; nt < BC / 8; ++nt)
+    for (int nt = 0; nt < BC / 8; nt += 2) {
+      const uint32_t kb = row_keep_bits(p, d, row, k0, nt, t4);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[nt][e] *= keep_factor(p, b, h, row[e >> 1], k0 + nt * 8 + 2 * t4 + (e & 1));
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt + u][e] *= (kb >> (4 * u + e)) & 1u ? p.inv_keep : 0.f;
+    }
   }
 }
 
@@ -1214,16 +1258,23 @@ template <int MODE, int BC>
 __device__ __forceinline__ void ds_rows(const Params& p, float (&sc)[BC / 8][4], const float (&dp)[BC / 8][4], int b,
                                         int h, const int (&row)[2], int k0, const Seq& s, bool edge, const float* kb,
                                         const float (&lse2)[2], const float (&dl)[2], int t4) {
+  static_assert(BC % 16 == 0, "the dropout's quad draws n-tiles in pairs");
   with_flag(p.p_drop > 0.f, [&](auto drop) {
+    const DropRows d = drop_rows(p, b, h);
 #pragma unroll
-    for (int nt = 0; nt < BC / 8; ++nt) {
+    for (int n2 = 0; n2 < BC / 8; n2 += 2) {
+      const uint32_t keep = decltype(drop)::value ? row_keep_bits(p, d, row, k0, n2, t4) : 0xFFu;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1, i = row[r], jl = nt * 8 + 2 * t4 + (e & 1), j = k0 + jl;
-        const float x = score<MODE>(p, sc[nt][e], b, h, i, j, s.sq, s.sk, edge, MODE == kModeKeys ? kb[jl] : 0.f);
-        const float pe = exp2f(x - lse2[r]);
-        const float z = decltype(drop)::value ? keep_factor(p, b, h, i, j) : 1.f;
-        sc[nt][e] = pe * (dp[nt][e] * z - dl[r]);
+      for (int u = 0; u < 2; ++u) {
+        const int nt = n2 + u;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1, i = row[r], jl = nt * 8 + 2 * t4 + (e & 1), j = k0 + jl;
+          const float x = score<MODE>(p, sc[nt][e], b, h, i, j, s.sq, s.sk, edge, MODE == kModeKeys ? kb[jl] : 0.f);
+          const float pe = exp2f(x - lse2[r]);
+          const float z = decltype(drop)::value ? ((keep >> (4 * u + e)) & 1u ? p.inv_keep : 0.f) : 1.f;
+          sc[nt][e] = pe * (dp[nt][e] * z - dl[r]);
+        }
       }
     }
   });
@@ -1235,17 +1286,25 @@ template <int BQ, int MODE>
 __device__ __forceinline__ void dst_rows(const Params& p, float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4], int b,
                                          int h, const int (&key)[2], int qs, const Seq& s, bool edge,
                                          const float (&kb)[2], const float* sL, const float* sD, int t4) {
+  static_assert(BQ % 16 == 0, "the dropout's octet draws n-tiles in pairs");
   with_flag(p.p_drop > 0.f, [&](auto drop) {
+    const DropRows d = drop_rows(p, b, h);
+    const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
-    for (int nt = 0; nt < BQ / 8; ++nt) {
+    for (int n2 = 0; n2 < BQ / 8; n2 += 2) {
+      const uint32_t keep = decltype(drop)::value ? key_keep_bits(p, d, key, qs, n2, t4, g) : 0xFFu;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
-        const float x = score<MODE>(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
-        const float pe = exp2f(x - sL[il]);
-        const float z = decltype(drop)::value ? keep_factor(p, b, h, i, j) : 1.f;
-        st[nt][e] = pe * (dpt[nt][e] * z - sD[il]);  // dS^T
-        dpt[nt][e] = pe * z;                          // P^T with dropout
+      for (int u = 0; u < 2; ++u) {
+        const int nt = n2 + u;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
+          const float x = score<MODE>(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
+          const float pe = exp2f(x - sL[il]);
+          const float z = decltype(drop)::value ? ((keep >> (4 * u + e)) & 1u ? p.inv_keep : 0.f) : 1.f;
+          st[nt][e] = pe * (dpt[nt][e] * z - sD[il]);  // dS^T
+          dpt[nt][e] = pe * z;                          // P^T with dropout
+        }
       }
     }
   });

@@ -44,7 +44,7 @@ struct Params {
   bool mask_keys;          // the mask depends on (batch, key) only (key padding): read once a key, not an element
   int64_t m_sb, m_sh, m_sq, m_sk;
   bool causal;
-  int drop_sk;             // Sk rounded up to a multiple of 8: the dropout counter's row stride (keep_factor; in the
+  int drop_sk;             // Sk rounded up to a multiple of 8: the dropout counter's row stride (drop_rows; in the
                            // padding after causal, so the struct's size is unchanged)
   float p_drop, inv_keep;
   uint64_t seed;

@@ -1810,25 +1810,30 @@ def test_gpu_cuda_tma_loads(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda_ext
-def test_gpu_cuda_backend_dropout_and_determinism(cuda_fwd):
-    b, hq, hkv, s, d = 2, 4, 2, 200, 64
+@pytest.mark.parametrize("causal,d,s", [(True, 64, 200), (False, 128, 200), (True, 96, 77), (False, 256, 130)])
+def test_gpu_cuda_backend_dropout_and_determinism(causal, d, s, cuda_fwd):
+    """The C++ kernels' mask (lanes sharing one Philox call per 8 keys: the forward's and dQ's quads, dK/dV's octets)
+    is pykernels.attention_dropout_mask: output and the three gradients against the reference with that mask, on the
+    wgmma kernels (D <= 128) and the mma.sync ones (D = 256), odd lengths."""
+    b, hq, hkv = 2, 4, 2
     q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
     torch.manual_seed(5)
     seed = int(new_seed()[0])
     torch.manual_seed(5)
-    out = sdpa(q, k, v, dropout_p=0.2, is_causal=True, backend="cuda")
+    out = sdpa(q, k, v, dropout_p=0.2, is_causal=causal, backend="cuda")
     dmask = attention_dropout_mask(seed, b, hq, s, s, 0.2, "cuda")
-    keep = dmask.float().tril().sum() / torch.ones(s, s, device="cuda").tril().sum() / (b * hq)
+    seen = torch.ones(s, s, device="cuda").tril() if causal else torch.ones(s, s, device="cuda")
+    keep = (dmask.float() * seen).sum() / seen.sum() / (b * hq)
     assert abs(keep.item() - 0.8) < 0.01
     do = torch.randn_like(out)
-    _, grads = _check_against_ref(q, k, v, causal=True, dropout_p=0.2, dropout_mask=dmask, out=out, do=do)
+    _, grads = _check_against_ref(q, k, v, causal=causal, dropout_p=0.2, dropout_mask=dmask, out=out, do=do)
     # the Triton backend draws the same mask for the same torch seed
     torch.manual_seed(5)
-    out_t = sdpa(q, k, v, dropout_p=0.2, is_causal=True, backend="triton")
+    out_t = sdpa(q, k, v, dropout_p=0.2, is_causal=causal, backend="triton")
     torch.testing.assert_close(out, out_t, atol=2e-2, rtol=2e-2)
     # same seed again: bitwise the same output and gradients (no atomics)
     torch.manual_seed(5)
-    out2 = sdpa(q, k, v, dropout_p=0.2, is_causal=True, backend="cuda")
+    out2 = sdpa(q, k, v, dropout_p=0.2, is_causal=causal, backend="cuda")
     assert torch.equal(out, out2)
     for a, b_ in zip(grads, _grads(out2, (q, k, v), do)):
         assert torch.equal(a, b_)

@@ -148,6 +148,52 @@ def test_attention_dropout_bits_port_matches_reference(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_attention_lane_exchange_gives_every_lane_its_bits(tmp_path):
+    """csrc/philox.cuh's quad and octet exchanges (the C++ attention's dropout: each lane of a group draws one Philox
+    call and the group swaps words through xor shuffles), run on the host with the shuffle simulated: every lane ends
+    with the keep bits dropout_bits16 gives its elements (quad: lane t4's columns 2 t4, 2 t4 + 1 of each call; octet:
+    lane g's key g of each call), for counters past 2^32. The kernels' use (which call a lane draws) is checked by the
+    GPU tests of the C++ attention's mask against pykernels.attention_dropout_mask."""
+    main = tmp_path / "main.cpp"
+    main.write_text('#include <cstdio>\n#include <cstdlib>\n#include "philox.cuh"\nusing namespace pykernels;\n'
+                    "int main(int argc, char** argv) {\n"
+                    "  unsigned long long seed = strtoull(argv[1], nullptr, 10), base = strtoull(argv[3], nullptr, 10);\n"
+                    "  uint32_t thr = strtoul(argv[2], nullptr, 10);\n"
+                    "  long bad = 0, kept = 0, total = 0;\n"
+                    "  for (int trial = 0; trial < 64; ++trial) {\n"
+                    "    unsigned long long ctr[8]; uint32_t w[8][4];\n"
+                    "    for (int c = 0; c < 8; ++c) {\n"
+                    "      ctr[c] = base + trial * 977ull + c * 131ull;\n"
+                    "      philox4x32(seed, ctr[c], w[c][0], w[c][1], w[c][2], w[c][3]);\n"
+                    "    }\n"
+                    "    for (int me = 0; me < 4; ++me) {\n"
+                    "      uint32_t bits = 0;\n"
+                    "      for (int k = 0; k < 4; ++k) bits = quad_take(bits, quad_send(w[me ^ k], me ^ k, k), me, k, thr);\n"
+                    "      for (int c = 0; c < 4; ++c) for (int q = 0; q < 2; ++q) {\n"
+                    "        uint32_t want = dropout_bits16(seed, ctr[c], 2 * me + q) >= thr, got = (bits >> (2 * c + q)) & 1u;\n"
+                    "        bad += want != got; kept += got; ++total;\n"
+                    "      }\n"
+                    "    }\n"
+                    "    for (int me = 0; me < 8; ++me) {\n"
+                    "      uint32_t bits = 0;\n"
+                    "      for (int k = 0; k < 8; ++k) bits = octet_take(bits, octet_send(w[me ^ k], me ^ k, k), me, k, thr);\n"
+                    "      for (int c = 0; c < 8; ++c) {\n"
+                    "        uint32_t want = dropout_bits16(seed, ctr[c], me) >= thr, got = (bits >> c) & 1u;\n"
+                    "        bad += want != got; kept += got; ++total;\n"
+                    "      }\n"
+                    "    }\n"
+                    "  }\n"
+                    '  printf("%ld %ld %ld\\n", bad, kept, total);\n'
+                    "}\n")
+    exe = _host_exe(main)
+    for seed, thr, base in [(5, 6554, 0), (2**40 + 17, 32768, 2**32 - 300), (123456789, 60000, 2**45 + 11)]:
+        bad, kept, total = map(int, subprocess.run([str(exe), str(seed), str(thr), str(base)], capture_output=True,
+                                                   text=True, check=True).stdout.split())
+        assert total == 64 * (4 * 8 + 8 * 8) and bad == 0, (seed, bad)
+        assert abs(kept / total - (1 - thr / 65536)) < 0.05, (seed, kept, total)  # the bits are live, not constant
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_layer_norm_keep_pack_bits_port_matches_reference(tmp_path):
     """csrc/philox.cuh's keep_pack_bits (the C++ LayerNorm's dropout, one Philox call for a pack of 8 bf16 / fp16
     or 4 fp32 elements) gives pykernels.layer_norm.layer_norm_dropout_mask's bits, for 8- and 4-element packs."""
