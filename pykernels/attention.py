@@ -37,6 +37,7 @@ from ._backend import CUDA_TRACED, BackendUnavailableError, check_backend_name, 
 from ._backend import warn_once
 from ._backend import _availability as _backend_availability
 from ._op import custom_op
+from ._kernels._tuning import capturing
 from ._rng import fake_seed, op_seed
 
 _OP = "scaled_dot_product_attention"
@@ -308,10 +309,36 @@ def _cuda_cover(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, batch: int
 
 
 def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-              batch: int) -> bool:
-    """Whether this eager call runs the C++ op: only when named (``_backend.use_cuda_op`` with ``auto=False``: the
-    Triton kernels, with Hopper's TMA and warpgroup MMA, are faster)."""
-    return use_cuda_op(op, backend, q.device, lambda: _cuda_cover(q, k, v, mask, batch), auto=False)
+              batch: int, dropout_p: float) -> bool:
+    """Whether this eager call runs the C++ op (``_backend.use_cuda_op``): when named, and under ``auto`` for a call
+    with dropout only (:data:`AUTO_CUDA_DROPOUT`). Without dropout the Triton kernels, with Hopper's TMA and
+    warpgroup MMA, are faster, and their calls can be captured in CUDA graphs."""
+    return use_cuda_op(op, backend, q.device, lambda: _cuda_cover(q, k, v, mask, batch),
+                       auto=dropout_p > 0.0 and AUTO_CUDA_DROPOUT)
+
+
+# ``auto`` runs eager attention calls with dropout on the C++ op where it is built and covers them. Dropout is
+# training, where the host time a step matters: the C++ op's forward and backward are one dispatcher call each
+# (autograd in C++), against the Triton path's Python, and a call with dropout cannot be captured in a CUDA graph
+# anyway (its seed is drawn on the host). On the GPU its kernels take longer with dropout (BERT-base, 12 layers,
+# H100: 3.2 + 7.8 ms a step forward + backward against Triton's 2.2 + 6.1), but whole eager training steps were
+# faster on every host measured (run249: transformers' BERT-base MLM step 48.7 ms against 56.9 ms, GPT-2 59.5
+# against 69.5). ``PYKERNELS_AUTO_CUDA_DROPOUT=0`` keeps auto on Triton (read once).
+AUTO_CUDA_DROPOUT = os.environ.get("PYKERNELS_AUTO_CUDA_DROPOUT", "1") not in ("", "0")
+
+
+def _lane_cuda(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, batch: int, dropout_p: float,
+               requested: str) -> bool:
+    """Whether a call the lane covers goes to the C++ op under ``auto`` (a call with dropout, the extension built
+    and covering it: remembered per lane key; outside CUDA-graph capture, checked each call)."""
+    if not (dropout_p > 0.0 and requested == "auto" and AUTO_CUDA_DROPOUT) or capturing(q.device):
+        return False
+    ok = _LANE_CUDA.get(lkey)
+    if ok is None:
+        if len(_LANE_CUDA) >= _LANE_MAX:
+            _LANE_CUDA.clear()
+        ok = _LANE_CUDA[lkey] = use_cuda_op(_OP, "auto", q.device, lambda: _cuda_cover(q, k, v, mask, batch))
+    return ok
 
 
 def _cuda_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cu_q: Tensor | None, cu_k: Tensor | None,
@@ -572,6 +599,7 @@ def _broadcasts_to(shape, full) -> bool:
 # ``deterministic=True``, the reference backend, tracing, tensor subclasses...
 _LANE_ON = os.environ.get("PYKERNELS_EAGER_LANE", "1") not in ("", "0")  # read once (tests flip the attribute)
 _LANE: dict = {}
+_LANE_CUDA: dict = {}  # lane key -> whether auto's calls with dropout take the C++ op (_lane_cuda)
 _LANE_MAX = 1024  # the cache starts over when full (bounded whatever the callers vary)
 
 
@@ -672,6 +700,8 @@ def _lane(query, key, value, mask, dropout_p, is_causal, scale, backend, determi
         if grad and mask.requires_grad:
             return None  # a trainable bias: the full path runs the reference for its gradient
         mask = mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])  # (a view, as the full path's)
+    if _lane_cuda(lkey, query, key, value, mask, query.shape[0], dropout_p, requested):
+        return _cuda_attention(query, key, value, mask, None, None, 0, 0, dropout_p, bool(is_causal), sc)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if grad and (query.requires_grad or key.requires_grad or value.requires_grad):
@@ -732,6 +762,8 @@ def _varlen_lane(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, ba
     sc = _lane_lookup(lkey, lambda: _varlen_lane_scale(q, k, v, cu_q, cu_k, scale, requested))
     if sc is None:
         return None
+    if _lane_cuda(lkey, q, k, v, None, cu_q.shape[0] - 1, dropout_p, requested):
+        return _cuda_attention(q, k, v, None, cu_q, cu_k, max_q, max_k, dropout_p, causal, sc)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _VarlenLaneFunction.apply(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, sc, backend or "")
     return _varlen_triton_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, sc)[0]
@@ -761,7 +793,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       ``torch.manual_seed`` makes it reproducible; :func:`attention_dropout_mask` gives the mask.
     * ``backend``: None (the current default), "auto", "triton", "cuda", "reference". "cuda" is the CUDA C++ op
       (``csrc/attention.cpp`` and ``attention.cuh``: fp16 / bf16, one head dim for q, k, v, a multiple of 8 up to
-      256; always deterministic), taken only when named; "auto" takes Triton (faster).
+      256; always deterministic), taken when named, and by "auto" for eager calls with dropout (its autograd runs
+      in C++: less host time a training step; :data:`AUTO_CUDA_DROPOUT`); "auto" takes Triton otherwise (faster
+      kernels, and capturable in CUDA graphs).
     * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. True (or torch's
       deterministic mode) makes the backward bitwise reproducible. Otherwise, on Hopper at D = 128 with
       enough work (full attention; causal from 8192 keys), the backward is one fused kernel that adds dQ by
@@ -864,7 +898,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         return attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, hq != hk)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    if _use_cuda(_OP, backend, q4, k4, v4, m4, q4.shape[0]):
+    if _use_cuda(_OP, backend, q4, k4, v4, m4, q4.shape[0], dropout_p):
         o = _cuda_attention(q4, k4, v4, m4, None, None, 0, 0, dropout_p, bool(is_causal), scale)
     else:
         o = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "", deterministic)[0]
@@ -923,7 +957,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     q, k, v = _last_dim_contig(q), _last_dim_contig(k), _last_dim_contig(v)
-    if _use_cuda(_VOP, backend, q, k, v, None, cu_seqlens_q.shape[0] - 1):
+    if _use_cuda(_VOP, backend, q, k, v, None, cu_seqlens_q.shape[0] - 1, dropout_p):
         return _cuda_attention(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                bool(causal), scale)
     o, _, _ = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, bool(causal),

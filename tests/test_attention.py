@@ -1908,8 +1908,40 @@ def test_gpu_cuda_backend_routing():
         torch.compile(lambda x: sdpa(x, k, v, backend="cuda"), fullgraph=True, backend="aot_eager")(q)
 
 
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_auto_takes_cuda_for_eager_dropout(monkeypatch):
+    """auto: eager calls with dropout run the C++ op (lane and full path, dense and varlen), the same mask as the
+    Triton backend's; without dropout, under use_backend("triton") or with AUTO_CUDA_DROPOUT off, Triton."""
+    import pykernels.attention as pa
+    q, k, v = _inputs((2, 4, 64, 64), (2, 2, 64, 64), (2, 2, 64, 64), BF16, "cuda")
+    mask = torch.rand(2, 1, 1, 64, device="cuda") > 0.2
+    for lane in (True, False):
+        monkeypatch.setattr(pa, "_LANE_ON", lane)
+        for m in (None, mask):
+            torch.manual_seed(3)
+            out = sdpa(q, k, v, m, dropout_p=0.1)
+            assert "AttentionFunction" in out.grad_fn.name(), (lane, m is None)
+            torch.manual_seed(3)
+            ref = sdpa(q, k, v, m, dropout_p=0.1, backend="triton")
+            torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+            assert "AttentionFunction" not in sdpa(q, k, v, m).grad_fn.name()
+            with pykernels.use_backend("triton"):
+                assert "AttentionFunction" not in sdpa(q, k, v, m, dropout_p=0.1).grad_fn.name()
+        lq = [40, 0, 17]
+        qv, kv, vv, cu_q, cu_k = _varlen_case(lq, lq, 4, 2, 64, BF16, "cuda")
+        out = varlen_attention(qv, kv, vv, cu_q, cu_k, 40, 40, dropout_p=0.1, causal=True)
+        assert "AttentionFunction" in out.grad_fn.name(), lane
+        assert "AttentionFunction" not in varlen_attention(qv, kv, vv, cu_q, cu_k, 40, 40).grad_fn.name()
+    monkeypatch.setattr(pa, "AUTO_CUDA_DROPOUT", False)
+    pa._LANE_CUDA.clear()
+    for lane in (True, False):
+        monkeypatch.setattr(pa, "_LANE_ON", lane)
+        assert "AttentionFunction" not in sdpa(q, k, v, dropout_p=0.1).grad_fn.name()
+
+
 def test_cuda_cover_rules(device):
-    """The C++ op's cover on any machine, and that nothing but naming it routes a call there."""
+    """The C++ op's cover on any machine, and that without dropout nothing but naming it routes a call there."""
     from pykernels.attention import _cuda_cover, _use_cuda
     q, k, v = _inputs((1, 2, 8, 64), (1, 2, 8, 64), (1, 2, 8, 64), F16, device, requires_grad=False)
     assert _cuda_cover(q, k, v, None, 1) is None
@@ -1920,7 +1952,11 @@ def test_cuda_cover_rules(device):
     assert "65535" in _cuda_cover(q, k, v, None, 70000)
     assert "int32" in _cuda_cover(q, k, v, torch.ones(1, 2, 8, 8, dtype=torch.int32, device=device), 1)
     for backend in (None, "auto", "triton", "reference"):
-        assert not _use_cuda("scaled_dot_product_attention", backend, q, k, v, None, 1)
+        assert not _use_cuda("scaled_dot_product_attention", backend, q, k, v, None, 1, 0.0)
+    for backend in ("triton", "reference"):  # (with dropout auto may take it: test_gpu_auto_takes_cuda_for_eager_dropout)
+        assert not _use_cuda("scaled_dot_product_attention", backend, q, k, v, None, 1, 0.1)
+    if device.type == "cpu":
+        assert not _use_cuda("scaled_dot_product_attention", "auto", q, k, v, None, 1, 0.1)
     if not pykernels.backends()["cuda"].available:
         with pytest.raises(BackendUnavailableError, match="pykernels._C is not built"):
             sdpa(q, k, v, backend="cuda")
