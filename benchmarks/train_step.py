@@ -11,13 +11,14 @@ Variants (each its own model and ``torch.optim.AdamW(fused=True)``):
 
 * ``hf sdpa``: transformers' model and loss as a user runs them (``model(..., labels=...).loss``): the LM head
   over every position, its logits in bf16, the loss on them in fp32.
-* ``pykernels``: the same model with ``attn_implementation="pykernels"`` (``auto``: the Triton / Gluon
-  attention), every ``nn.LayerNorm`` swapped by ``pykernels.nn.replace_layer_norms``, BERT's post-LN blocks
+* ``pykernels``: the same model with ``attn_implementation="pykernels"`` (``auto``: the C++ attention op for the
+  training steps' calls with dropout, the Triton / Gluon kernels for the eval loss's), every ``nn.LayerNorm`` swapped by ``pykernels.nn.replace_layer_norms``, BERT's post-LN blocks
   fused (``fuse_residual_layer_norms``: branch dropout, residual add and LayerNorm in one kernel), and the LM
   head and loss by ``pykernels.masked_lm_loss`` (BERT: only the labelled rows; GPT-2: ``dense=True`` on
   ``shift_labels``), with the tied word embeddings cast to bf16 as autocast casts them for a linear layer.
 * ``pykernels, C++ attention``: the same with the attention on ``backend="cuda"`` (the C++ op: its autograd is
-  C++, so an eager step spends less host time in it), where the extension is built.
+  C++, so an eager step spends less host time in it; ``auto`` takes it too for eager calls with dropout, so the
+  training steps of the two variants run the same kernels), where the extension is built.
 * ``--max-valid`` adds BERT's ``pykernels`` variants with ``masked_lm_loss(..., max_valid=tokens // 5)``: the
   loss's backward sized by a bound instead of the count of labelled rows, so the step never waits for the GPU.
 * ``--compile`` adds each of the first two with its forward and loss under ``torch.compile`` (default mode).
@@ -134,8 +135,8 @@ def build(case: Case, variant: str, state: dict, device):
         fwd = hf_loss_fn(model, case.causal)
     else:
         pykernels.nn.replace_layer_norms(model)
-        for m in model.modules():  # the norms take what auto serves (fp32 weights under autocast: Triton), even
-            if isinstance(m, pykernels.nn.LayerNorm):  # inside the C++-attention variant's use_backend("cuda")
+        for m in model.modules():  # the norms take what auto serves (the C++ op; Triton for BERT's first block,
+            if isinstance(m, pykernels.nn.LayerNorm):  # whose residual is fp32), even under use_backend("cuda")
                 m.backend = "auto"
         if not case.causal:
             pk_hf.fuse_residual_layer_norms(model)

@@ -322,8 +322,9 @@ def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mas
 # (autograd in C++), against the Triton path's Python, and a call with dropout cannot be captured in a CUDA graph
 # anyway (its seed is drawn on the host). On the GPU its kernels take longer with dropout (BERT-base, 12 layers,
 # H100: 3.2 + 7.8 ms a step forward + backward against Triton's 2.2 + 6.1), but whole eager training steps were
-# faster on every host measured (run249: transformers' BERT-base MLM step 48.7 ms against 56.9 ms, GPT-2 59.5
-# against 69.5). ``PYKERNELS_AUTO_CUDA_DROPOUT=0`` keeps auto on Triton (read once).
+# faster on both hosts measured (run249: transformers' BERT-base MLM step 48.7 ms against 56.9 ms, GPT-2 59.5
+# against 69.5; run247: 57.3 against 61.4 and 58.8 against 59.5). A GPU-bound loop (a fast host, large batches) can lose a few percent with it:
+# ``PYKERNELS_AUTO_CUDA_DROPOUT=0`` keeps auto on Triton (read once).
 AUTO_CUDA_DROPOUT = os.environ.get("PYKERNELS_AUTO_CUDA_DROPOUT", "1") not in ("", "0")
 
 

@@ -57,15 +57,41 @@ def _check(hidden, weight, target, bias=None, *, reduction="mean", label_smoothi
     hi = _run(lambda h, w, bias: masked_lm_loss_reference(h, w, target, bias=bias, **kw),
               hidden.double(), weight.double(), b64, grad_out.double() if grad_out is not None else None)
     names = ["loss", "dhidden", "dweight", "dbias"]
+    floors = _rounding_floors(hidden, weight, bias, target, reduction, num_valid, grad_out, ignore_index)
     for name, o, h_, l_ in zip(names, out, hi, lo):
         assert o.dtype == (torch.float32 if name == "loss" else l_.dtype), name
         # atol scales with the reference: mean-reduced gradients are ~1/count small, and a fixed 1e-5
         # would swamp them (bf16 dhidden at BERT size is ~1e-5 itself).
         mag = h_.abs().max().item()
-        # (a floor of 1e-7 for gradients that are exactly 0 in the reference, e.g. V = 1)
-        atol = 1e-5 * max(1.0, mag) if name == "loss" else max(1e-4 * mag, 1e-7)
+        # (gradients that are exactly 0 in the reference, e.g. V = 1, get the floor of the recomputed logits'
+        # rounding)
+        atol = 1e-5 * max(1.0, mag) if name == "loss" else max(1e-4 * mag, floors[name], 1e-7)
         assert_close_to_ref(name, o, h_, l_, atol=atol)
     return out
+
+
+def _rounding_floors(hidden, weight, bias, target, reduction, num_valid, grad_out, ignore_index) -> dict:
+    """Per gradient, the kernels' fp32 rounding of the logits carried into it. The backward recomputes each logit z
+    (its product sums in another order than the forward's), so p = exp(z - lse) is off by about eps32 |z|. Where
+    the references' gradient is exactly 0 (V = 1: p = 1 at every row, so (p - 1) h sums to 0) the kernels' is a sum
+    of such terms: at most 4 eps32 max|z| times the sum over valid rows of |upstream| |operand| (the eager
+    reference, which keeps its logits, has no such term, so the 2x rule alone would demand exact zeros; a fixed
+    1e-7 floor failed on one CPU's BLAS, with 1.6e-7 at V = 1)."""
+    h = hidden.detach().double().reshape(-1, hidden.shape[-1])
+    w = weight.detach().double()
+    valid = (target.reshape(-1) != ignore_index).double()
+    z = h @ w.T + (bias.detach().double() if bias is not None else 0.0)
+    zmax = (z.abs() * valid[:, None]).max().item()
+    if reduction == "none":
+        g = grad_out.detach().reshape(-1).double().abs()
+    elif reduction == "sum":
+        g = torch.ones_like(valid)
+    else:
+        g = torch.ones_like(valid) / max(float(num_valid if num_valid is not None else valid.sum()), 1.0)
+    g = g * valid
+    c = 4 * torch.finfo(torch.float32).eps * zmax
+    return {"dhidden": c * g.max().item() * w.abs().max().item(),
+            "dweight": c * (g[:, None] * h.abs()).sum(0).max().item(), "dbias": c * g.sum().item()}
 
 
 # ---- CPU (interpreter) correctness ------------------------------------------------------------------
