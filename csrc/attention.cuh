@@ -45,7 +45,8 @@
 // attn_fwd_sm90_ws_kernel and attn_bwd_sm90_kernel.
 // Measured (H100, graph replay, run234; benchmarks/results/HISTORY.md, twenty-seventh session): BERT-base 283 / 225
 // TFLOP/s forward / backward (FlashAttention-2's 237 / 156, the Triton path's 330 / 295, cuDNN's 352 / 247), key
-// padding 253 / 222, GPT-2 194 / 194, so pykernels takes it only when named. Every element test (the tile's edge:
+// padding 253 / 222, GPT-2 194 / 194, so pykernels takes it when named, and under auto only for eager calls with
+// dropout (where its C++ autograd's host time wins: pykernels/attention.py AUTO_CUDA_DROPOUT). Every element test (the tile's edge:
 // keys past the sequence or above the diagonal; dropout; the mask's kind) is a compile-time flag split at the call
 // (with_flag) or a template mask mode: as run-time tests inside the unrolled element loops they compiled to
 // branches that cost the forward 30% and the backward 35% (run215-216, run219). The mma.sync kernels: the mask

@@ -2,7 +2,8 @@
 
 Layers: the Triton kernels and launchers live in ``pykernels._kernels.attention`` (design note
 there); the CUDA C++ implementation is ``torch.ops.pykernels_cuda.attention`` (``csrc/attention.cpp``, its
-kernels in ``csrc/attention.cuh``), which eager calls that name ``backend="cuda"`` run (``_use_cuda``). This
+kernels in ``csrc/attention.cuh``), which eager calls that name ``backend="cuda"`` run, and ``auto``'s eager calls
+with dropout (``_use_cuda``, ``_lane_cuda``: :data:`AUTO_CUDA_DROPOUT`). This
 module holds the input checks, the eager reference (``attention_reference``), the dropout-mask helper that
 reproduces the kernels' Philox stream (``attention_dropout_mask``), the torch custom ops
 ``pykernels::attention_fwd/bwd`` and ``pykernels::varlen_attention_fwd/bwd`` with fake impls and autograd, and the
