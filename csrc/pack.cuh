@@ -64,15 +64,9 @@ __device__ __forceinline__ void store_pack(T* p, const float* in) {
 // bytes: a pack of another element type's width (the LayerNorm's fp32 weight beside a bf16 row's 8-element pack)
 template <typename T, int n>
 __device__ __forceinline__ void load_packs(const T* p, float* out) {
-  constexpr int per = Pack<T>::n;
-  static_assert(n % per == 0, "whole 16-byte packs");
+  static_assert(n % Pack<T>::n == 0, "whole 16-byte packs");
 #pragma unroll
-  for (int k = 0; k < n / per; ++k) {
-    const uint4 raw = reinterpret_cast<const uint4*>(p)[k];
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < per; ++i) out[k * per + i] = to_f(e[i]);
-  }
+  for (int k = 0; k < n / Pack<T>::n; ++k) load_pack(p + k * Pack<T>::n, out + k * Pack<T>::n);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
