@@ -263,14 +263,47 @@ Tensor attention_nograd(const Tensor& q, const Tensor& k, const Tensor& v, const
   return forward_impl(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed)[0];
 }
 
+// The compiled graphs' pair (torch.compile): forward and backward as two ops with no autograd of their own, which
+// pykernels.attention's _CudaAttention (an autograd.Function that dynamo traces) calls, so a compiled graph calls
+// the kernels with no Python at run time; their fake impls are in pykernels/_cuda_ops.py. The forward draws the
+// dropout seed (draw_seed) and returns it with o and lse.
+std::tuple<Tensor, Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                 const optional<Tensor>& mask, const optional<Tensor>& cu_q,
+                                                 const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
+                                                 double p_drop, bool causal, double scale) {
+  Tensor seed = draw_seed(p_drop, q, "pykernels_cuda.attention_fwd");
+  auto out = forward_impl(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale,
+                          seed_value(p_drop, seed, "pykernels_cuda.attention_fwd"));
+  return {out[0], out[1], seed};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                 const Tensor& v, const Tensor& o, const Tensor& lse,
+                                                 const optional<Tensor>& mask, const optional<Tensor>& cu_q,
+                                                 const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
+                                                 double p_drop, bool causal, double scale, const Tensor& seed) {
+  auto g = backward_impl(dout, q, k, v, o, lse, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale,
+                         seed_value(p_drop, seed, "pykernels_cuda.attention_bwd"));
+  return {g[0], g[1], g[2]};
+}
+
 }  // namespace
 }  // namespace pykernels
 
 TORCH_LIBRARY_FRAGMENT(pykernels_cuda, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale, int seed) -> Tensor");
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+        "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? attn_mask, "
+        "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, "
+        "float scale, Tensor seed) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pykernels_cuda, CUDA, m) { m.impl("attention", &pykernels::attention_nograd); }
+TORCH_LIBRARY_IMPL(pykernels_cuda, CUDA, m) {
+  m.impl("attention", &pykernels::attention_nograd);
+  m.impl("attention_fwd", &pykernels::attention_fwd);
+  m.impl("attention_bwd", &pykernels::attention_bwd);
+}
 
 TORCH_LIBRARY_IMPL(pykernels_cuda, Autograd, m) { m.impl("attention", &pykernels::attention_autograd); }

@@ -263,11 +263,13 @@ template <typename T, int VPL, int RT>
 constexpr bool kPrefetchable = RT == kThreads && VPL <= 2;
 
 // At most 128 registers (two blocks per SM), except where 128 would spill hundreds of bytes: fp32 rows of
-// 32 elements per lane, and with dropout (Philox's registers on top) more than 16 elements per thread;
-// those take one block per SM. (fp16/bf16 block rows of 4 packs per thread, N = 8192, spill 36 bytes:
+// 32 elements per lane, and with dropout (Philox's registers on top) more than 24 elements per thread;
+// those take one block per SM. (24 elements with dropout, fp16/bf16 rows of 3 packs a lane as at N = 768 or fp32
+// rows of 5-6 packs a thread, fit 128 registers without a spill: ptxas, 2026-11-28; at 16 the N = 768 backward with
+// dropout ran one block an SM, 70 us a BERT-base call against Triton's 48.) (fp16/bf16 block rows of 4 packs per thread, N = 8192, spill 36 bytes:
 // kept, for twice the warps in flight.)
 template <typename T, int VPL, int RT, bool DROP>
-constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 16)) ? 1 : 2;
+constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 24)) ? 1 : 2;
 
 template <typename T, typename W, int VPL, int RT, bool PF, bool DROP>
 __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) ln_bwd_kernel(
@@ -781,15 +783,62 @@ std::tuple<Tensor, Tensor> layer_norm_nograd(const Tensor& x, const optional<Ten
   return {out[0], out[1]};
 }
 
+// The compiled graphs' pair (torch.compile): the forward and the backward as two ops with no autograd of their own.
+// pykernels.layer_norm's _CudaLayerNorm (an autograd.Function that dynamo traces) calls them, so a compiled graph calls
+// these C++ kernels directly (no Python at run time); their fake impls are in pykernels/_cuda_ops.py. The forward
+// draws the dropout seed (draw_seed) and returns it; the backward reads it back.
+// -> y, s (pre-LN; else (0,)), mean (LayerNorm; else (0,)), rstd, seed
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& x, const optional<Tensor>& w,
+                                                                  const optional<Tensor>& b, const optional<Tensor>& r,
+                                                                  double eps, double dropout_p, bool prenorm,
+                                                                  bool rms_norm) {
+  Tensor seed = draw_seed(dropout_p, x, "pykernels_cuda.layer_norm_fwd");
+  auto out = forward_impl(x, w, b, r, eps, dropout_p, seed_value(dropout_p, seed, "pykernels_cuda.layer_norm_fwd"),
+                          prenorm, rms_norm);
+  return {out[0], out[1], out[2], out[3], seed};
+}
+
+// ``a``: the forward's s (pre-LN) or its x (post-LN: s is recomputed from x and ``residual``). -> dx ((0,) without
+// dropout, where it equals dresidual: outputs of an op may not alias), dresidual, dweight, dbias ((0,) where the
+// forward had no weight / bias; in the parameters' dtype)
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& dy, const optional<Tensor>& ds, const Tensor& a,
+                                                          const optional<Tensor>& residual, const optional<Tensor>& w,
+                                                          const optional<Tensor>& b, const Tensor& mean,
+                                                          const Tensor& rstd, const Tensor& seed, double dropout_p,
+                                                          bool prenorm, bool rms_norm) {
+  constexpr const char* kOp = "pykernels_cuda.layer_norm_bwd";
+  TORCH_CHECK(a.is_cuda() && a.dim() == 2 && dy.sizes() == a.sizes() && dy.scalar_type() == a.scalar_type(), kOp,
+              ": dy must be a CUDA tensor of a's (M, N) shape and dtype");
+  TORCH_CHECK(!ds.has_value() || (prenorm && ds->sizes() == a.sizes() && ds->scalar_type() == a.scalar_type()), kOp,
+              ": ds (pre-LN only) must have a's shape and dtype");
+  TORCH_CHECK(prenorm || !residual.has_value() || residual->sizes() == a.sizes(), kOp,
+              ": residual must have a's shape");
+  const auto pdt = param_dtype(a, w, b);
+  auto g = backward_impl(dy, ds.value_or(Tensor()), a, prenorm ? Tensor() : residual.value_or(Tensor()),
+                         w.value_or(Tensor()), b.has_value(), pdt, mean, rstd, rms_norm, !prenorm, dropout_p,
+                         seed_value(dropout_p, seed, kOp));
+  const auto none = [&](at::ScalarType dt) { return at::empty({0}, a.options().dtype(dt)); };
+  return {dropout_p > 0.0 ? g[0] : none(a.scalar_type()), g[3], g[1].defined() ? g[1] : none(pdt),
+          g[2].defined() ? g[2] : none(pdt)};
+}
+
 }  // namespace
 }  // namespace pykernels
 
 TORCH_LIBRARY(pykernels_cuda, m) {
   m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, float dropout_p, "
         "int seed, bool prenorm, bool rms_norm) -> (Tensor, Tensor)");
+  m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, float dropout_p, "
+        "bool prenorm, bool rms_norm) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("layer_norm_bwd(Tensor dy, Tensor? ds, Tensor a, Tensor? residual, Tensor? weight, Tensor? bias, Tensor mean, "
+        "Tensor rstd, Tensor seed, float dropout_p, bool prenorm, bool rms_norm) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pykernels_cuda, CUDA, m) { m.impl("layer_norm", &pykernels::layer_norm_nograd); }
+TORCH_LIBRARY_IMPL(pykernels_cuda, CUDA, m) {
+  m.impl("layer_norm", &pykernels::layer_norm_nograd);
+  m.impl("layer_norm_fwd", &pykernels::layer_norm_fwd);
+  m.impl("layer_norm_bwd", &pykernels::layer_norm_bwd);
+}
 
 TORCH_LIBRARY_IMPL(pykernels_cuda, Autograd, m) { m.impl("layer_norm", &pykernels::layer_norm_autograd); }
 

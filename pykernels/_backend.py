@@ -33,6 +33,10 @@ BACKENDS = ("auto", "triton", "cuda", "reference")
 KERNEL_BACKENDS = ("cuda", "triton")
 
 _default: contextvars.ContextVar[str | None] = contextvars.ContextVar("pykernels_backend", default=None)
+# What use_backend set last, process-wide: torch.compile cannot read a ContextVar, so the routing it traces (the
+# choice of an op's C++ pair, ``use_cuda_op``) reads this global instead; dynamo guards on it, so a compiled function
+# called inside another use_backend block is traced again for that block.
+_traced_default: str | None = None
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
@@ -81,11 +85,14 @@ def use_backend(name: str) -> Iterator[None]:
     if name is None:
         raise ValueError("use_backend needs a backend name, got None")
     check_backend_name(name, "name")
-    token = _default.set(name)
+    global _traced_default
+    token, traced = _default.set(name), _traced_default
+    _traced_default = name
     try:
         yield
     finally:
         _default.reset(token)
+        _traced_default = traced
 
 
 def _interpret() -> bool:
@@ -195,21 +202,57 @@ def select(op: str, backend: str | None, device: torch.device, support: Mapping[
     return "reference"
 
 
-# The C++ ops (csrc/) serve plain eager calls; what reaches a custom op with backend="cuda" is traced
-# (torch.compile, make_fx, dispatch modes): the ops' ``_support`` give this reason for "cuda" there.
-CUDA_TRACED = ("the cuda backend runs in eager mode only; under torch.compile and dispatch modes the op is "
-               "the Triton custom op (backend 'triton' or 'auto')")
+# The C++ ops (csrc/) serve eager calls, and torch.compile's for the ops with a compiled pair (attention, layer_norm);
+# what reaches a custom op with backend="cuda" is traced otherwise (make_fx, dispatch modes, or torch.compile of an
+# op without the pair): the ops' ``_support`` give this reason for "cuda" there.
+CUDA_TRACED = ("the cuda backend runs in eager mode only (and under torch.compile for attention and layer_norm); "
+               "under torch.compile and dispatch modes the op is the Triton custom op (backend 'triton' or 'auto')")
 
 
-def use_cuda_op(op: str, backend: str | None, device: torch.device, cover, *, auto: bool = True) -> bool:
-    """Whether an eager call runs the op's CUDA C++ implementation (``torch.ops.pykernels_cuda.<op>``) instead of
-    its custom op. Named (``backend="cuda"`` or the default set to it): yes, or ``BackendUnavailableError`` with
+@torch.compiler.assume_constant_result
+def cuda_ops_ready() -> bool:
+    """Whether the CUDA extension is built and importable here (its ops' fake impls then registered: what
+    torch.compile needs to trace them). A constant of the process, so torch.compile takes it as one."""
+    if _import_error("pykernels._C") is not None:
+        return False
+    from . import _cuda_ops
+    _cuda_ops.register_fakes()
+    return True
+
+
+def _traced_backend(backend: str | None) -> str:
+    """``backend or default_backend()`` in code torch.compile traces (no ContextVar: ``_traced_default``)."""
+    if backend:
+        return backend
+    if _traced_default is not None:
+        return _traced_default
+    return check_backend_name(os.environ.get("PYKERNELS_BACKEND") or None, "PYKERNELS_BACKEND") or "auto"
+
+
+def use_cuda_op(op: str, backend: str | None, device: torch.device, cover, *, auto: bool = True,
+                traced: bool = False) -> bool:
+    """Whether a call runs the op's CUDA C++ implementation (``torch.ops.pykernels_cuda.<op>``) instead of its
+    custom op. Named (``backend="cuda"`` or the default set to it): yes, or ``BackendUnavailableError`` with
     the reason it cannot serve the call. ``auto`` (where the op's C++ path is as fast as Triton's: ``auto=True``):
     on a CUDA device where the extension is built and ``cover()`` is None, outside CUDA-graph capture (there the
-    host time it saves is gone, and Triton's kernels are as fast). Traced calls: never (the Triton custom op).
-    ``cover``: a callable giving None when the C++ op covers the call, else why not (called only when needed)."""
-    if torch.compiler.is_compiling():  # (default_backend reads a ContextVar)
-        return False
+    host time it saves is gone, and Triton's kernels are as fast).
+    Under torch.compile: the same rule for an op whose C++ kernels have a compiled pair (``traced=True``: a forward
+    and a backward op the graph calls directly, with fake impls), decided when the graph is traced (capture is then
+    unknown); the Triton custom op for the others. ``cover``: a callable giving None when the C++ op covers the
+    call, else why not (called only when needed)."""
+    if torch.compiler.is_compiling():
+        if not traced:
+            return False
+        requested = _traced_backend(backend)
+        if requested == "cuda":
+            if device.type != "cuda" or not cuda_ops_ready():
+                raise BackendUnavailableError(f"pykernels.{op}: backend 'cuda' cannot serve this call: "
+                                              f"{_cuda_reason(device) if device.type == 'cuda' else 'not a CUDA tensor'}")
+            reason = cover()
+            if reason is not None:
+                raise BackendUnavailableError(f"pykernels.{op}: backend 'cuda' cannot serve this call: {reason}")
+            return True
+        return auto and requested == "auto" and device.type == "cuda" and cuda_ops_ready() and cover() is None
     requested = backend or default_backend()
     if requested == "cuda":
         select(op, "cuda", device, {"cuda": cover()})

@@ -315,7 +315,7 @@ def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mas
     with dropout only (:data:`AUTO_CUDA_DROPOUT`). Without dropout the Triton kernels, with Hopper's TMA and
     warpgroup MMA, are faster, and their calls can be captured in CUDA graphs."""
     return use_cuda_op(op, backend, q.device, lambda: _cuda_cover(q, k, v, mask, batch),
-                       auto=dropout_p > 0.0 and AUTO_CUDA_DROPOUT)
+                       auto=dropout_p > 0.0 and AUTO_CUDA_DROPOUT, traced=True)
 
 
 # ``auto`` runs eager attention calls with dropout on the C++ op where it is built and covers them. Dropout is
@@ -348,8 +348,33 @@ def _cuda_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cu_q: 
     """The C++ op (its autograd in C++), with the seed drawn as the custom ops draw it (``op_seed``): the same seed,
     hence the same dropout mask, as the Triton backend's for one ``torch.manual_seed``. Without dropout no seed
     is drawn (nor op_seed's placeholder tensor allocated)."""
+    if torch.compiler.is_compiling():  # the compiled pair (its forward draws the seed)
+        return _CudaAttention.apply(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale)
     seed = int(op_seed(dropout_p, q.device)[0]) if dropout_p > 0 else 0
     return torch.ops.pykernels_cuda.attention(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, seed)
+
+
+class _CudaAttention(torch.autograd.Function):
+    """The C++ kernels as torch.compile's graphs hold them: ``pykernels_cuda::attention_fwd`` and ``attention_bwd``
+    (csrc/attention.cpp; fake impls in ``pykernels._cuda_ops``), which dynamo traces through this Function, so the
+    compiled forward and backward call them with no Python at run time. The forward draws the dropout seed (as
+    ``op_seed`` does) and returns it for the backward. Eager calls take the one-call op instead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale):
+        o, lse, seed = torch.ops.pykernels_cuda.attention_fwd(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p,
+                                                              causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse, mask, cu_q, cu_k, seed)
+        ctx.args = (max_q, max_k, dropout_p, causal, scale)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, mask, cu_q, cu_k, seed = ctx.saved_tensors
+        max_q, max_k, dropout_p, causal, scale = ctx.args
+        dq, dk, dv = torch.ops.pykernels_cuda.attention_bwd(do, q, k, v, o, lse, mask, cu_q, cu_k, max_q, max_k,
+                                                            dropout_p, causal, scale, seed)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def _last_dim_contig(t: Tensor) -> Tensor:

@@ -118,8 +118,8 @@ def _cuda_cover(x2: Tensor, w: Optional[Tensor], b: Optional[Tensor], r2: Option
     pack, widest = (4, 4096) if x2.dtype == torch.float32 else (8, 8192)
     if n % pack or n > widest:
         return f"N = {n}: the CUDA kernels take multiples of {pack} up to {widest} for {x2.dtype}"
-    if not _plain_eager((x2, w, b, r2)):
-        return "under torch.compile and dispatch modes the op is the Triton custom op (pykernels::layer_norm_fwd)"
+    if not torch.compiler.is_compiling() and not _plain_eager((x2, w, b, r2)):
+        return "under dispatch modes other than torch.compile's the op is the Triton custom op (pykernels::layer_norm_fwd)"
     return None
 
 
@@ -127,7 +127,38 @@ def _use_cuda(backend: Optional[str], x2: Tensor, w, b, r2, dropout_p: float, re
     """Whether this call runs the CUDA C++ op (``_backend.use_cuda_op``: named, or ``auto`` in eager mode where it is
     built and covers the call, outside CUDA-graph capture, where Triton's kernels are as fast or faster in GPU time:
     graph replay, H100, equal at N = 768, 5-15% faster at N >= 1024)."""
-    return use_cuda_op(_OP, backend, x2.device, lambda: _cuda_cover(x2, w, b, r2, dropout_p, residual_in_fp32))
+    return use_cuda_op(_OP, backend, x2.device, lambda: _cuda_cover(x2, w, b, r2, dropout_p, residual_in_fp32),
+                       traced=True)
+
+
+class _CudaLayerNorm(torch.autograd.Function):
+    """The C++ kernels as torch.compile's graphs hold them: ``pykernels_cuda::layer_norm_fwd`` and ``layer_norm_bwd``
+    (csrc/layer_norm.cu; fake impls in ``pykernels._cuda_ops``), which dynamo traces through this Function, so the
+    compiled forward and backward call them with no Python at run time. The forward draws the dropout seed (as
+    ``op_seed`` does: one ``torch.manual_seed``, one mask) and returns it for the backward. Eager calls take the
+    one-call op ``pykernels_cuda::layer_norm`` (autograd in C++) instead."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps, dropout_p, prenorm, rms_norm):
+        y, s, mean, rstd, seed = torch.ops.pykernels_cuda.layer_norm_fwd(x, weight, bias, residual, eps, dropout_p,
+                                                                         prenorm, rms_norm)
+        # pre-LN saves s (an output anyway); post-LN saves x and residual, and the backward recomputes s
+        ctx.save_for_backward(s if prenorm else x, None if prenorm else residual, weight, bias, mean, rstd, seed)
+        ctx.flags = (dropout_p, prenorm, rms_norm, residual is not None)
+        if not prenorm:
+            ctx.mark_non_differentiable(s)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        a, residual, weight, bias, mean, rstd, seed = ctx.saved_tensors
+        dropout_p, prenorm, rms_norm, has_residual = ctx.flags
+        dx, dres, dw, db = torch.ops.pykernels_cuda.layer_norm_bwd(
+            dy, ds if prenorm else None, a, residual, weight, bias, mean, rstd, seed, dropout_p, prenorm, rms_norm)
+        if not dropout_p > 0.0:  # dx is dresidual (the op returns it once)
+            dx = dres
+        return (dx, dw if weight is not None else None, db if bias is not None else None,
+                dres if has_residual else None, None, None, None, None)
 
 
 def _s_dtype(x: Tensor, residual: Optional[Tensor], residual_in_fp32: bool) -> torch.dtype:
@@ -379,9 +410,12 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = Non
     w = weight.contiguous() if weight is not None else None
     b = bias.contiguous() if bias is not None else None
     if _use_cuda(backend, x2, w, b, r2, dropout_p, residual_in_fp32):
-        # the seed is drawn as the Triton path draws it (same generator use: the same mask for a seed)
-        seed = int(op_seed(dropout_p, x2.device).item()) if dropout_p > 0.0 else 0
-        y, s = torch.ops.pykernels_cuda.layer_norm(x2, w, b, r2, float(eps), dropout_p, seed, prenorm, rms_norm)
+        if torch.compiler.is_compiling():  # the compiled pair (its forward draws the seed)
+            y, s = _CudaLayerNorm.apply(x2, w, b, r2, float(eps), dropout_p, prenorm, rms_norm)
+        else:
+            # the seed is drawn as the Triton path draws it (same generator use: the same mask for a seed)
+            seed = int(op_seed(dropout_p, x2.device).item()) if dropout_p > 0.0 else 0
+            y, s = torch.ops.pykernels_cuda.layer_norm(x2, w, b, r2, float(eps), dropout_p, seed, prenorm, rms_norm)
     else:
         y, s, _, _, _ = _fwd(x2, w, b, r2, float(eps), dropout_p, prenorm, residual_in_fp32, rms_norm,
                              backend or "")

@@ -1904,8 +1904,64 @@ def test_gpu_cuda_backend_routing():
         qq, kk, vv = _inputs((1, 2, 8, d), (1, 2, 8, d), (1, 2, 8, dv), dt, "cuda")
         with pytest.raises(BackendUnavailableError, match=why):
             sdpa(qq, kk, vv, backend="cuda")
-    with pytest.raises(Exception, match="eager mode only"):
-        torch.compile(lambda x: sdpa(x, k, v, backend="cuda"), fullgraph=True, backend="aot_eager")(q)
+    # under torch.compile too (the compiled pair: test_gpu_compile_runs_the_cuda_pair), and what it does not cover
+    # raises there as well
+    with pytest.raises(BackendUnavailableError, match="float32"):
+        torch.compile(lambda x: sdpa(x, k.float(), v.float(), backend="cuda"))(q.float())
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_compile_runs_the_cuda_pair():
+    """Under torch.compile the C++ kernels run through their compiled pair (pykernels_cuda::attention_fwd and
+    attention_bwd, which the graph calls with no Python between) where an eager call would take the C++ op: auto with
+    dropout (dense with a key-padding mask, GQA and transformers' (B, S, H, D) storage; varlen with an empty
+    sequence), and named without dropout. The generated code holds the pair and no Triton custom op, and outputs and
+    gradients equal the eager C++ op's bit for bit (the forward draws the seed as the eager op does: one
+    torch.manual_seed, one dropout mask). Without dropout, auto stays on Triton under compile as eagerly."""
+    from torch._inductor.utils import run_and_get_code
+    b, s, hq, hkv, d = 2, 200, 4, 2, 64
+
+    def bshd(h):  # (B, H, S, D) views of (B, S, H, D) storage
+        return torch.randn(b, s, h, d, dtype=BF16, device="cuda").transpose(1, 2).detach().requires_grad_()
+
+    q, k, v = bshd(hq), bshd(hkv), bshd(hkv)
+    mask = torch.rand(b, 1, 1, s, device="cuda") > 0.2
+    lq = [150, 0, 37]
+    qv, kv, vv, cu_q, cu_k = _varlen_case(lq, lq, hq, hkv, 96, BF16, "cuda")
+
+    def dense_dropout(q, k, v, backend):
+        return sdpa(q, k, v, mask, dropout_p=0.1, enable_gqa=True, backend=backend)
+
+    def causal(q, k, v, backend):
+        return sdpa(q, k, v, is_causal=True, enable_gqa=True, backend=backend)
+
+    def varlen(q, k, v, backend):
+        return varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lq), causal=True, dropout_p=0.1, backend=backend)
+
+    cases = (("dense dropout", dense_dropout, (q, k, v), None), ("causal", causal, (q, k, v), "cuda"),
+             ("varlen", varlen, (qv, kv, vv), None))
+    for name, f, inputs, backend in cases:
+        do = torch.randn_like(f(*inputs, "cuda"))
+
+        def run(fn):
+            torch.manual_seed(5)
+            out = fn(*inputs)
+            return [out.detach(), *_grads(out, inputs, do)]
+
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda *a: f(*a, backend), fullgraph=True)
+        _, code = run_and_get_code(run, compiled)
+        code = "\n".join(code)
+        assert "pykernels_cuda.attention_fwd" in code and "pykernels_cuda.attention_bwd" in code, name
+        assert "torch.ops.pykernels." not in code, name
+        got, want = run(compiled), run(lambda *a: f(*a, "cuda"))
+        for i, (g, e) in enumerate(zip(got, want)):
+            assert g.shape == e.shape and torch.equal(g, e), (name, i)
+        assert got[0].stride() == want[0].stride(), name  # (the fake's strides are the op's)
+    torch._dynamo.reset()
+    _, code = run_and_get_code(lambda: torch.compile(lambda *a: causal(*a, None), fullgraph=True)(q, k, v))
+    assert "pykernels_cuda" not in "\n".join(code)
 
 
 @pytest.mark.gpu

@@ -645,9 +645,12 @@ def test_cuda_backend(shape, variant, dtype):
 @needs_cuda_ext
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape,variant", [((1000, 768), "post"), ((1000, 768), "pre"), ((257, 1000), "rms_pre"),
-                                           ((64, 1024), "pre"), ((64, 4096), "post"), ((64, 4096), "pre_no_residual")])
+                                           ((64, 1024), "pre"), ((64, 4096), "post"), ((64, 4096), "pre_no_residual"),
+                                           ((64, 5120), "pre")])
 def test_cuda_backend_dropout(shape, variant, dtype):
-    """The mask is Triton's (the reference draws it with layer_norm_dropout_mask for the same seed)."""
+    """The mask is Triton's (the reference draws it with layer_norm_dropout_mask for the same seed). N = 768 (fp16 /
+    bf16: 3 packs a lane) and 5120 (block rows of 3 packs a thread) run the backward's two-blocks-an-SM kernels with
+    dropout (24 elements a thread)."""
     v = dict(VARIANTS[variant])
     residual = v.pop("residual", True)
     x, r, w, b = _make(shape, dtype, "cuda", residual=residual)
@@ -684,6 +687,84 @@ def test_cuda_backend_optional_params_strided_and_leading_dims(weight, bias):
     x, r, w, b = _make((4, 33, 768), torch.bfloat16, "cuda", weight=weight, bias=bias, strided=True)
     _check(x, r, w, b, backend="cuda", prenorm=True)
     _check(x, r, w, b, backend="cuda")
+
+
+def _compiled_code_and_results(f, inputs, upstream):
+    """Compile ``f`` (inductor, fullgraph) and run it once, which compiles it (the generated code, forward and
+    backward), then again from ``torch.manual_seed(11)``: (code, its outputs and the inputs' gradients)."""
+    from torch._inductor.utils import run_and_get_code
+
+    def run(fn):
+        torch.manual_seed(11)
+        outs = fn(*inputs)
+        return [o.detach() for o in outs] + _grads(outs, upstream, inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    _, code = run_and_get_code(run, compiled)
+    return "\n".join(code), run(compiled)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("variant", ["post", "pre", "rms_pre", "pre_no_residual"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_compile_runs_the_cuda_pair(variant, dropout_p, param_dtype):
+    """Under torch.compile, auto runs the C++ kernels through their compiled pair (pykernels_cuda::layer_norm_fwd and
+    layer_norm_bwd, called by the graph with no Python between): the generated code holds them and not the Triton
+    custom op, and outputs and gradients equal the eager C++ op's bit for bit (the forward draws the seed as the
+    eager op does: one torch.manual_seed, one dropout mask). Strided rows, leading dims, fp32 parameters."""
+    v = dict(VARIANTS[variant])
+    residual = v.pop("residual", True)
+    prenorm = v.get("prenorm", False)
+    x, r, w, b = _make((4, 100, 768), torch.bfloat16, "cuda", residual=residual, param_dtype=param_dtype,
+                       strided=True)
+
+    def f(x, r, w, b, backend=None):
+        out = pykernels.layer_norm(x, w, b, residual=r, dropout_p=dropout_p, backend=backend, **v)
+        return out if prenorm else (out,)
+
+    upstream = [torch.randn_like(o) for o in f(x, r, w, b, backend="cuda")]
+    code, got = _compiled_code_and_results(f, (x, r, w, b), upstream)
+    assert "pykernels_cuda.layer_norm_fwd" in code and "pykernels_cuda.layer_norm_bwd" in code
+    assert "pykernels.layer_norm_fwd" not in code
+    torch.manual_seed(11)
+    outs = f(x, r, w, b, backend="cuda")
+    want = [o.detach() for o in outs] + _grads(outs, upstream, (x, r, w, b))
+    assert len(got) == len(want)
+    for i, (g, e) in enumerate(zip(got, want)):
+        assert (g is None) == (e is None), i
+        if e is not None:
+            assert g.dtype == e.dtype and g.shape == e.shape, i
+            assert torch.equal(g, e), i
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_compile_follows_use_backend():
+    """The compiled routing is decided when dynamo traces: a compiled function called inside use_backend("triton")
+    is traced again (dynamo guards on the block's backend) and runs the Triton custom op; named "cuda" the pair,
+    with dropout too; a call the C++ kernels do not cover (N = 1004) raises when named, under compile as eagerly."""
+    x, r, w, b = _make((64, 768), torch.bfloat16, "cuda")
+    upstream = [torch.randn_like(x)]
+
+    def f(x, r, w, b):
+        return (pykernels.layer_norm(x, w, b, residual=r),)
+
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    run = lambda: _grads(compiled(x, r, w, b), upstream, (x, r, w, b))  # noqa: E731
+    _, code = run_and_get_code(run)
+    assert "pykernels_cuda.layer_norm_fwd" in "\n".join(code)
+    with pykernels.use_backend("triton"):
+        _, code = run_and_get_code(run)
+    code = "\n".join(code)
+    assert "pykernels.layer_norm_fwd" in code and "pykernels_cuda" not in code
+    xn = torch.randn(8, 1004, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(Exception, match="N = "):
+        torch.compile(lambda t: pykernels.layer_norm(t, None, backend="cuda"))(xn)
 
 
 @pytest.mark.gpu

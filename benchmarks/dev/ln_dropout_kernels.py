@@ -1,0 +1,68 @@
+"""GPU time a call of the LayerNorm kernels with dropout, C++ (backend "cuda") next to Triton, by the profiler's
+kernel records (a call with dropout draws its seed on the host, so it cannot be timed in CUDA-graph replay, and
+wall-clock timing of one eager call measures the host).
+
+The shapes are the training steps' (benchmarks/train_step.py): BERT-base's post-LN with its branch dropout
+(32 x 512 rows of 768, bf16 rows with fp32 weight and bias as under autocast) and GPT-2's pre-LN with the residual
+dropout (8 x 1024 rows of 768).
+
+Usage (GPU): ``python benchmarks/dev/ln_dropout_kernels.py [--iters 30]``. Prints, a shape and backend, the mean
+device time a call of each kernel it launched (forward, backward, the dweight / dbias reduction).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from collections import defaultdict
+
+import torch
+
+import pykernels
+
+CASES = (("bert post-LN", 16384, 768, False), ("gpt2 pre-LN", 8192, 768, True))
+
+
+def kernel_us(backend: str, m: int, n: int, prenorm: bool, iters: int) -> dict[str, float]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = torch.randn(n, device="cuda", generator=g).requires_grad_()
+    b = torch.randn(n, device="cuda", generator=g).requires_grad_()
+    dy = torch.randn_like(x)
+
+    def step():
+        out = pykernels.layer_norm(x, w, b, residual=r, prenorm=prenorm, dropout_p=0.1, backend=backend)
+        y = out[0] if prenorm else out
+        torch.autograd.backward([y], [dy])
+
+    for _ in range(3):
+        step()  # compiles / warms up outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        found = re.search(r"(_?layer_norm\w*|ln_\w+_kernel)(<[^(]*>)?", e.name)
+        if e.device_type == torch.autograd.DeviceType.CUDA and found:
+            name = found.group(0)[:60]  # the kernel and, for the C++ ones, its template arguments
+            total[name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            count[name] += 1
+    return {k: total[k] / count[k] for k in total}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    for name, m, n, prenorm in CASES:
+        for backend in ("cuda", "triton"):
+            for k, us in sorted(kernel_us(backend, m, n, prenorm, args.iters).items()):
+                print(f"{name:13s} {m:6d} x {n}  {backend:6s}  {k:60s} {us:7.1f} us a call")
+
+
+if __name__ == "__main__":
+    main()
