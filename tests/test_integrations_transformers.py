@@ -234,6 +234,54 @@ def test_torch_compile_fullgraph(auto_cls, config_fn):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_build_mask_keeps_plain_causal_unmaterialised(monkeypatch):
+    # the plain causal recipe (no padding, no window, queries and keys from position 0) is None from the arguments
+    # alone, whatever transformers' builder would do (it materialises the mask while compiling on torch < 2.14);
+    # every other recipe goes to transformers' builder
+    from transformers.masking_utils import causal_mask_function
+    pk_hf.register()
+    delegated = []
+    monkeypatch.setattr(pk_hf, "_sdpa_mask", lambda *a, **kw: delegated.append(kw) or torch.ones(1, 1, 4, 4).bool())
+    plain = dict(batch_size=2, q_length=4, kv_length=4, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+                 attention_mask=None, local_size=None, allow_is_causal_skip=True, device="cpu")
+    assert pk_hf.build_mask(**plain) is None
+    old_api = {k: v for k, v in plain.items() if k not in ("q_length", "q_offset")}
+    assert pk_hf.build_mask(**old_api, cache_position=torch.arange(4)) is None
+    assert not delegated
+    for change in (dict(attention_mask=torch.ones(2, 4, dtype=torch.bool)), dict(local_size=2),
+                   dict(allow_is_causal_skip=False), dict(kv_length=6), dict(kv_offset=2), dict(q_offset=2),
+                   dict(mask_function=lambda b, h, q, kv: kv <= q)):
+        delegated.clear()
+        assert pk_hf.build_mask(**{**plain, **change}) is not None, change
+        assert len(delegated) == 1, change
+
+
+def test_compiled_gpt2_keeps_the_causal_flag(monkeypatch):
+    # transformers' SDPA mask builder materialises the plain causal mask while dynamo compiles (torch < 2.14 cannot
+    # tell compile from export); ours returns None from the builder's arguments, so the compiled model takes the
+    # kernels' is_causal path (no mask read, the blocks above the diagonal skipped) as the eager one does; with
+    # padding the causal-and-padding mask is materialised in both
+    seen = []
+    real = pykernels.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        seen.append((attn_mask is None, is_causal))
+        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(pykernels, "scaled_dot_product_attention", spy)
+    torch._dynamo.reset()
+    gpt2 = AutoModelForCausalLM.from_config(gpt2_config(), attn_implementation="pykernels").eval()
+    compiled = torch.compile(gpt2, backend="aot_eager", fullgraph=True)
+    ids, mask = make_batch([8, 5, 3], 8, "cpu")
+    with torch.no_grad(), pykernels.use_backend("reference"):
+        for m, want_seen in ((None, (True, True)), (mask, (False, False))):
+            seen.clear()
+            got = main_output(compiled(input_ids=ids, attention_mask=m))
+            assert seen == [want_seen] * 2, m is None
+            torch.testing.assert_close(got, main_output(gpt2(input_ids=ids, attention_mask=m)), rtol=1e-5, atol=1e-5)
+            assert seen == [want_seen] * 4, m is None
+
+
 # ----------------------------------------------------------------------------------------------
 # what reaches the kernel
 
