@@ -1,5 +1,6 @@
 // Scaled dot-product attention in CUDA C++, the host half: torch.ops.pykernels_cuda.attention (CUDA and Autograd
-// kernels), its input checks, outputs and autograd (AttentionFunction). The kernels, their design note and measured
+// kernels), its input checks, outputs and autograd (AttentionFunction), and its compiled pair for torch.compile
+// (attention_fwd / attention_bwd, at the end). The kernels, their design note and measured
 // speed are in attention.cuh; attention.h is what the two halves share (the kernels' parameters, the launchers).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -5,7 +5,8 @@
 // H100 machine's host, against 176 us for eager torch, so at BERT sizes the op is host-bound in eager
 // mode. Here the whole op, autograd included, is one dispatcher call: pykernels_cuda::layer_norm has a
 // CUDA kernel (no grad) and an Autograd kernel (a torch::autograd::Function), so the backward runs in
-// C++ on autograd's device thread without taking the GIL.
+// C++ on autograd's device thread without taking the GIL. torch.compile cannot trace that autograd, so the same
+// kernels are also a compiled pair, layer_norm_fwd / layer_norm_bwd (at the end), which compiled graphs call.
 //
 // Kernels. A row is held in registers by RT threads: in the forward one warp (RT = 32) for N <= 1024,
 // the whole 256-thread block for wider rows (N <= 8192 fp16/bf16, <= 4096 fp32; sums over the block
@@ -263,13 +264,13 @@ template <typename T, int VPL, int RT>
 constexpr bool kPrefetchable = RT == kThreads && VPL <= 2;
 
 // At most 128 registers (two blocks per SM), except where 128 would spill hundreds of bytes: fp32 rows of
-// 32 elements per lane, and with dropout (Philox's registers on top) more than 24 elements per thread;
-// those take one block per SM. (24 elements with dropout, fp16/bf16 rows of 3 packs a lane as at N = 768 or fp32
-// rows of 5-6 packs a thread, fit 128 registers without a spill: ptxas, 2026-11-28; at 16 the N = 768 backward with
-// dropout ran one block an SM, 70 us a BERT-base call against Triton's 48.) (fp16/bf16 block rows of 4 packs per thread, N = 8192, spill 36 bytes:
+// 32 elements per lane, and with dropout (Philox's registers on top) more than 16 elements per thread;
+// those take one block per SM. (A threshold of 24 puts fp16/bf16 rows of 3 packs a lane, N = 768, on two blocks an
+// SM without a spill, but the backward with dropout stayed 1.48x Triton's time (61.0 against 41.2 us a BERT-base
+// call, H200, run252; 1.46x at 16 on an H100, run247): not what limits it, so not kept.) (fp16/bf16 block rows of 4 packs per thread, N = 8192, spill 36 bytes:
 // kept, for twice the warps in flight.)
 template <typename T, int VPL, int RT, bool DROP>
-constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 24)) ? 1 : 2;
+constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 16)) ? 1 : 2;
 
 template <typename T, typename W, int VPL, int RT, bool PF, bool DROP>
 __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) ln_bwd_kernel(

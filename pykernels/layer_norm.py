@@ -124,9 +124,10 @@ def _cuda_cover(x2: Tensor, w: Optional[Tensor], b: Optional[Tensor], r2: Option
 
 
 def _use_cuda(backend: Optional[str], x2: Tensor, w, b, r2, dropout_p: float, residual_in_fp32: bool) -> bool:
-    """Whether this call runs the CUDA C++ op (``_backend.use_cuda_op``: named, or ``auto`` in eager mode where it is
-    built and covers the call, outside CUDA-graph capture, where Triton's kernels are as fast or faster in GPU time:
-    graph replay, H100, equal at N = 768, 5-15% faster at N >= 1024)."""
+    """Whether this call runs the CUDA C++ kernels (``_backend.use_cuda_op``: named, or ``auto`` where the extension is
+    built and covers the call: eager calls outside CUDA-graph capture, where Triton's kernels are as fast or faster in
+    GPU time (graph replay, H100, equal at N = 768, 5-15% faster at N >= 1024), and under torch.compile, through the
+    compiled pair (:class:`_CudaLayerNorm`))."""
     return use_cuda_op(_OP, backend, x2.device, lambda: _cuda_cover(x2, w, b, r2, dropout_p, residual_in_fp32),
                        traced=True)
 

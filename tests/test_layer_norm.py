@@ -648,9 +648,8 @@ def test_cuda_backend(shape, variant, dtype):
                                            ((64, 1024), "pre"), ((64, 4096), "post"), ((64, 4096), "pre_no_residual"),
                                            ((64, 5120), "pre")])
 def test_cuda_backend_dropout(shape, variant, dtype):
-    """The mask is Triton's (the reference draws it with layer_norm_dropout_mask for the same seed). N = 768 (fp16 /
-    bf16: 3 packs a lane) and 5120 (block rows of 3 packs a thread) run the backward's two-blocks-an-SM kernels with
-    dropout (24 elements a thread); fp32 rows stop at 4096, so there 5120 must be declined by name."""
+    """The mask is Triton's (the reference draws it with layer_norm_dropout_mask for the same seed). N = 5120: block
+    rows of 3 packs a thread (fp16 / bf16); fp32 rows stop at 4096, so there 5120 must be declined by name."""
     if dtype == torch.float32 and shape[1] > 4096:
         x = torch.randn(shape, dtype=dtype, device="cuda")
         with pytest.raises(BackendUnavailableError, match="N = 5120"):
