@@ -247,7 +247,7 @@ def use_cuda_op(op: str, backend: str | None, device: torch.device, cover, *, au
         if requested == "cuda":
             if device.type != "cuda" or not cuda_ops_ready():
                 raise BackendUnavailableError(f"pykernels.{op}: backend 'cuda' cannot serve this call: "
-                                              f"{_cuda_reason(device) if device.type == 'cuda' else 'not a CUDA tensor'}")
+                                              f"{_cuda_reason(device)}")
             reason = cover()
             if reason is not None:
                 raise BackendUnavailableError(f"pykernels.{op}: backend 'cuda' cannot serve this call: {reason}")

@@ -52,6 +52,43 @@ def test_env_var_sets_default(monkeypatch):
         pykernels.default_backend()
 
 
+def test_compiled_routing_reads_use_backend_when_traced(monkeypatch):
+    # torch.compile cannot read use_backend's ContextVar: the routing it traces (which ops take their C++ compiled
+    # pair) reads a process-wide mirror that dynamo guards on, so one compiled function called inside another block
+    # is traced again for it, and the mirror unwinds with the blocks (exceptions included)
+    monkeypatch.delenv("PYKERNELS_BACKEND", raising=False)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x + len(_backend._traced_backend(None)), backend="eager", fullgraph=True)
+    x = torch.zeros(1)
+    assert f(x).item() == len("auto")
+    with pykernels.use_backend("reference"):
+        assert f(x).item() == len("reference")
+        with pytest.raises(KeyError):
+            with pykernels.use_backend("triton"):
+                assert f(x).item() == len("triton")
+                raise KeyError("x")
+        assert f(x).item() == len("reference")
+    assert f(x).item() == len("auto")
+    assert _backend._traced_default is None
+    assert _backend._traced_backend("cuda") == "cuda"
+    monkeypatch.setenv("PYKERNELS_BACKEND", "reference")
+    assert _backend._traced_backend(None) == "reference"
+
+
+def test_compiled_call_naming_cuda_it_cannot_serve_raises(device):
+    # named under torch.compile, the C++ pair of layer_norm / attention raises with the reason it cannot serve the
+    # call, as eagerly: here calls it never covers (N = 1004 is no multiple of the 8-element pack; fp32 attention),
+    # and on CPU tensors or without the extension nothing
+    torch._dynamo.reset()
+    x = torch.randn(4, 1004, device=device, dtype=torch.bfloat16)
+    with pytest.raises(BackendUnavailableError, match="backend 'cuda' cannot serve"):
+        torch.compile(lambda t: pykernels.layer_norm(t, None, backend="cuda"), backend="eager")(x)
+    q = torch.randn(1, 2, 8, 64, device=device)
+    with pytest.raises(BackendUnavailableError, match="backend 'cuda' cannot serve"):
+        torch.compile(lambda t: pykernels.scaled_dot_product_attention(t, t, t, dropout_p=0.1, backend="cuda"),
+                      backend="eager")(q)
+
+
 @pytest.mark.parametrize("bad", ["Triton", "gpu", 3])
 def test_bad_backend_name(bad):
     with pytest.raises(ValueError, match="name"):

@@ -645,8 +645,8 @@ def test_cuda_backend(shape, variant, dtype):
 @needs_cuda_ext
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape,variant", [((1000, 768), "post"), ((1000, 768), "pre"), ((257, 1000), "rms_pre"),
-                                           ((64, 1024), "pre"), ((64, 4096), "post"), ((64, 4096), "pre_no_residual"),
-                                           ((64, 5120), "pre")])
+                                           ((64, 1024), "pre"), ((64, 4096), "post"),
+                                           ((64, 4096), "pre_no_residual"), ((64, 5120), "pre")])
 def test_cuda_backend_dropout(shape, variant, dtype):
     """The mask is Triton's (the reference draws it with layer_norm_dropout_mask for the same seed). N = 5120: block
     rows of 3 packs a thread (fp16 / bf16); fp32 rows stop at 4096, so there 5120 must be declined by name."""
