@@ -10,8 +10,11 @@ current default, set by :func:`use_backend` or the ``PYKERNELS_BACKEND`` environ
   reference and warns once per (op, reason) with a :class:`FallbackWarning` naming why.
 * An explicitly requested backend that cannot serve the call raises :class:`BackendUnavailableError`.
 
-The choice is made inside the ops' eager implementations (at run time, also under torch.compile),
-so a :func:`use_backend` block around a compiled function takes effect.
+The choice is made inside the ops' eager implementations (at run time, also under torch.compile for the Triton
+custom ops), so a :func:`use_backend` block around a compiled function takes effect. Whether a compiled graph holds an
+op's C++ pair (attention, layer_norm: ``use_cuda_op``) is decided when dynamo traces, from a process-wide mirror of
+the innermost :func:`use_backend` block that dynamo guards on: a compiled function called inside another block is
+traced again for it (threads share the mirror, unlike the ContextVar eager calls read).
 """
 from __future__ import annotations
 
@@ -77,7 +80,8 @@ def default_backend() -> str:
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Context manager: ops called with ``backend=None`` (the default) use ``name`` inside the block.
+    """Context manager: ops called with ``backend=None`` (the default) use ``name`` inside the block (compiled
+    functions too: a graph traced under another backend is traced again; see the module docstring).
 
     >>> with pykernels.use_backend("reference"):
     ...     y = pykernels.layer_norm(x, w)
