@@ -117,6 +117,18 @@ def pykernels_loss_fn(model, causal: bool, attn_backend: str | None, max_valid: 
     return fwd
 
 
+def case_inputs(case: Case, device) -> tuple[dict, tuple]:
+    """What every variant of a case starts from: the model's weights (one random init from seed 0) and the batch
+    (seed 1)."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    torch.manual_seed(0)
+    state = (AutoModelForCausalLM if case.causal else AutoModelForMaskedLM).from_config(
+        case.config(), attn_implementation="sdpa").state_dict()
+    gen = torch.Generator().manual_seed(1)
+    batch = (gpt2_batch if case.causal else bert_batch)(case.batch, case.seqlen, case.config().vocab_size, device, gen)
+    return state, batch
+
+
 def build(case: Case, variant: str, state: dict, device):
     """(model, loss function) for a variant, the model loaded with ``state``."""
     import pykernels
@@ -234,13 +246,7 @@ def main(argv=None, rows_out: list | None = None) -> int:
     for case in cases(args.smoke):
         if case.name not in args.models:
             continue
-        from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
-        torch.manual_seed(0)
-        state = (AutoModelForCausalLM if case.causal else AutoModelForMaskedLM).from_config(
-            case.config(), attn_implementation="sdpa").state_dict()
-        gen = torch.Generator().manual_seed(1)
-        vocab = case.config().vocab_size
-        batch = (gpt2_batch if case.causal else bert_batch)(case.batch, case.seqlen, vocab, device, gen)
+        state, batch = case_inputs(case, device)
         base = None
         for variant in variants:
             if case.causal and "max_valid" in variant:

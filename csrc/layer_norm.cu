@@ -265,10 +265,10 @@ constexpr bool kPrefetchable = RT == kThreads && VPL <= 2;
 
 // At most 128 registers (two blocks per SM), except where 128 would spill hundreds of bytes: fp32 rows of
 // 32 elements per lane, and with dropout (Philox's registers on top) more than 16 elements per thread;
-// those take one block per SM. (A threshold of 24 puts fp16/bf16 rows of 3 packs a lane, N = 768, on two blocks an
-// SM without a spill, but the backward with dropout stayed 1.48x Triton's time (61.0 against 41.2 us a BERT-base
-// call, H200, run252; 1.46x at 16 on an H100, run247): not what limits it, so not kept.) (fp16/bf16 block rows of 4 packs per thread, N = 8192, spill 36 bytes:
-// kept, for twice the warps in flight.)
+// those take one block per SM. (fp16/bf16 block rows of 4 packs per thread, N = 8192, spill 36 bytes:
+// kept, for twice the warps in flight.) A threshold of 24 put fp16/bf16 rows of 3 packs a lane (N = 768) on two
+// blocks an SM without a spill, but the backward with dropout stayed 1.48x Triton's time (61.0 against 41.2 us a
+// BERT-base call, H200, run252; 1.46x at 16 on an H100, run247): occupancy is not what limits it; not kept.
 template <typename T, int VPL, int RT, bool DROP>
 constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 16)) ? 1 : 2;
 

@@ -48,15 +48,10 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="train_step's tiny configs on CPU (the reference backend)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
     for case in ts.cases(args.smoke):
         if case.name not in args.models:
             continue
-        torch.manual_seed(0)
-        state = (AutoModelForCausalLM if case.causal else AutoModelForMaskedLM).from_config(
-            case.config(), attn_implementation="sdpa").state_dict()
-        batch = (ts.gpt2_batch if case.causal else ts.bert_batch)(case.batch, case.seqlen, case.config().vocab_size,
-                                                                  device, torch.Generator().manual_seed(1))
+        state, batch = ts.case_inputs(case, device)
         for variant in args.variants:
             explain(case, variant, state, batch, device)
     return 0

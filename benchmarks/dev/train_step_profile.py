@@ -100,15 +100,10 @@ def main() -> int:
     ap.add_argument("--cprofile", action="store_true", help="Python's cProfile instead of torch.profiler")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "."))
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
     for case in ts.cases(False):
         if case.name not in args.models:
             continue
-        torch.manual_seed(0)
-        state = (AutoModelForCausalLM if case.causal else AutoModelForMaskedLM).from_config(
-            case.config(), attn_implementation="sdpa").state_dict()
-        batch = (ts.gpt2_batch if case.causal else ts.bert_batch)(case.batch, case.seqlen, case.config().vocab_size,
-                                                                  "cuda", torch.Generator().manual_seed(1))
+        state, batch = ts.case_inputs(case, "cuda")
         name = out_dir / f"train_step_{'cprofile' if args.cprofile else 'profile'}_{case.name}.txt"
         with open(name, "w") as out:
             for variant in args.variants:
