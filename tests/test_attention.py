@@ -1996,6 +1996,35 @@ def test_gpu_auto_takes_cuda_for_eager_dropout(monkeypatch):
         assert "AttentionFunction" not in sdpa(q, k, v, dropout_p=0.1).grad_fn.name()
 
 
+def test_compiled_pair_fakes_promise_the_cpp_layouts():
+    # the fake impls of the C++ attention pair (pykernels/_cuda_ops.py) promise torch.compile the strides the C++ op
+    # returns (csrc/attention.cpp: ``aligned`` keeps a tensor whose last dim is contiguous and whose start and strides
+    # are 16-byte multiples, else copies it contiguous; outputs are ``empty_like`` of that); inductor asserts them
+    from pykernels._cuda_ops import _aligned_like, _attention_bwd, _attention_fwd
+    base = torch.randn(2, 17, 4, 64, dtype=F16)
+    q = base.transpose(1, 2)  # transformers' layout: kept
+    assert _aligned_like(q).stride() == q.stride()
+    n = 2 * 4 * 17 * 64
+    flat = torch.randn(n + 8, dtype=F16)
+    shifted = flat[1:n + 1].view(2, 17, 4, 64).transpose(1, 2)  # that layout at a 2-byte offset: copied, contiguous
+    assert _aligned_like(shifted).stride() == (4 * 17 * 64, 17 * 64, 64, 1)
+    assert _aligned_like(flat[8:].view(2, 17, 4, 64).transpose(1, 2)).stride() == q.stride()  # 16 bytes: kept
+    odd = torch.randn(2, 4, 17, 68, dtype=F16)[..., :64]  # rows of 136 bytes: copied
+    assert _aligned_like(odd).is_contiguous()
+    kv = torch.randn(1, 2, 17, 64, dtype=F16).expand(3, 2, 17, 64)  # stride-0 batch: kept, empty_like is dense
+    assert _aligned_like(kv).is_contiguous() and _aligned_like(kv).shape == kv.shape
+    o, lse, seed = _attention_fwd(q, q, q, None, None, None, 0, 0, 0.1, False, 0.125)
+    assert o.stride() == q.stride() and lse.shape == (2, 4, 17) and lse.dtype == torch.float32
+    assert seed.shape == (1,) and seed.device.type == "cpu" and seed.dtype == torch.int64
+    assert _attention_fwd(q, q, q, None, None, None, 0, 0, 0.0, False, 0.125)[2].numel() == 0  # no CPU tensor
+    dq, dk, dv = _attention_bwd(o, q, kv, kv, o, lse, None, None, None, 0, 0, 0.0, False, 0.125, seed)
+    assert dq.stride() == q.stride() and dk.is_contiguous() and dv.shape == kv.shape
+    t = torch.randn(30, 4, 64, dtype=F16)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    o, lse, _ = _attention_fwd(t, t, t, None, cu, cu, 20, 20, 0.0, True, 0.125)
+    assert o.is_contiguous() and lse.shape == (4, 30)
+
+
 def test_cuda_cover_rules(device):
     """The C++ op's cover on any machine, and that without dropout nothing but naming it routes a call there."""
     from pykernels.attention import _cuda_cover, _use_cuda
