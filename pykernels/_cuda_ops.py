@@ -18,6 +18,8 @@ import threading
 import torch
 from torch import Tensor
 
+from ._rng import fake_seed  # draw_seed's result (csrc/dispatch.h) is op_seed's
+
 _lock = threading.Lock()
 _registered = False
 
@@ -32,18 +34,11 @@ def _aligned_like(t: Tensor) -> Tensor:
     return torch.empty_like(t) if ok else t.new_empty(t.shape)
 
 
-def _seed(dropout_p: float, like: Tensor) -> Tensor:
-    """draw_seed's result (csrc/dispatch.h): a (1,) int64 CPU tensor with dropout, else an empty one on the device."""
-    if dropout_p > 0.0:
-        return torch.empty(1, dtype=torch.int64, device="cpu")
-    return like.new_empty(0, dtype=torch.int64)
-
-
 def _layer_norm_fwd(x, weight, bias, residual, eps, dropout_p, prenorm, rms_norm):
     m, n = x.shape
     f32 = torch.float32
     return (x.new_empty(m, n), x.new_empty((m, n) if prenorm else (0,)), x.new_empty(0 if rms_norm else m, dtype=f32),
-            x.new_empty(m, dtype=f32), _seed(dropout_p, x))
+            x.new_empty(m, dtype=f32), fake_seed(dropout_p, x.device))
 
 
 def _layer_norm_bwd(dy, ds, a, residual, weight, bias, mean, rstd, seed, dropout_p, prenorm, rms_norm):
@@ -62,7 +57,7 @@ def _attention_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     else:
         o = _aligned_like(q)
         lse = q.new_empty(q.shape[0], q.shape[1], q.shape[2], dtype=f32)
-    return o, lse, _seed(dropout_p, q)
+    return o, lse, fake_seed(dropout_p, q.device)
 
 
 def _attention_bwd(dout, q, k, v, o, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -118,7 +118,7 @@ def _cuda_cover(x2: Tensor, w: Optional[Tensor], b: Optional[Tensor], r2: Option
     pack, widest = (4, 4096) if x2.dtype == torch.float32 else (8, 8192)
     if n % pack or n > widest:
         return f"N = {n}: the CUDA kernels take multiples of {pack} up to {widest} for {x2.dtype}"
-    if not torch.compiler.is_compiling() and not _plain_eager((x2, w, b, r2)):
+    if not _plain_eager((x2, w, b, r2)) and not torch.compiler.is_compiling():
         return "under dispatch modes other than torch.compile's the op is the Triton custom op (pykernels::layer_norm_fwd)"
     return None
 
