@@ -392,43 +392,52 @@ __device__ __forceinline__ DropRows drop_rows(const Params& p, int b, int h) {
 __device__ __forceinline__ uint32_t drop_threshold(const Params& p) {
   return static_cast<uint32_t>(p.p_drop * 65536.f);
 }
-// The quad's keep bits (philox.cuh quad_*): lane t4 draws the call at ``ctr``
-static __device__ __noinline__ uint32_t quad_keep_bits(uint64_t seed, uint64_t ctr, uint32_t thr, int t4) {
-  uint32_t w[4];
-  philox4x32(seed, ctr, w[0], w[1], w[2], w[3]);
-  uint32_t bits = quad_take(0u, quad_send(w, t4, 0), t4, 0, thr);
+// The quad's keep bits (philox.cuh's transpose; the 4 lanes t4 of one g): lane t4 draws the call at ``ctr``
+__device__ __forceinline__ uint32_t quad_keep_bits_inl(uint64_t seed, uint64_t ctr, uint32_t thr, int t4) {
+  uint32_t w0, w1, w2, w3;
+  philox4x32(seed, ctr, w0, w1, w2, w3);
+  uint32_t x = keep_byte(w0, w1, w2, w3, thr);
 #pragma unroll
-  for (int k = 1; k < 4; ++k) bits = quad_take(bits, __shfl_xor_sync(0xffffffffu, quad_send(w, t4, k), k), t4, k, thr);
-  return bits;
+  for (int s = 2; s >= 1; s >>= 1) x = transpose_stage<2>(x, __shfl_xor_sync(0xffffffffu, x, s), s, t4 & s);
+  return x;
 }
-// The octet's keep bits (philox.cuh octet_*; the 8 lanes of one t4, g = lane / 4): lane g draws the call at ``ctr``
-static __device__ __noinline__ uint32_t octet_keep_bits(uint64_t seed, uint64_t ctr, uint32_t thr, int g) {
-  uint32_t w[4];
-  philox4x32(seed, ctr, w[0], w[1], w[2], w[3]);
-  uint32_t bits = octet_take(0u, octet_send(w, g, 0), g, 0, thr);
+// The octet's keep bits (the 8 lanes g of one t4; lane g draws the call at ``ctr``)
+__device__ __forceinline__ uint32_t octet_keep_bits_inl(uint64_t seed, uint64_t ctr, uint32_t thr, int g) {
+  uint32_t w0, w1, w2, w3;
+  philox4x32(seed, ctr, w0, w1, w2, w3);
+  uint32_t x = keep_byte(w0, w1, w2, w3, thr);
 #pragma unroll
-  for (int k = 1; k < 8; ++k)
-    bits = octet_take(bits, __shfl_xor_sync(0xffffffffu, octet_send(w, g, k), k << 2), g, k, thr);
-  return bits;
+  for (int s = 4; s >= 1; s >>= 1) x = transpose_stage<1>(x, __shfl_xor_sync(0xffffffffu, x, s << 2), s, g & s);
+  return x;
+}
+// Out of line for the mma.sync kernels (inline, their dK/dV kernel with an element mask spilled 144-168 bytes)
+static __device__ __noinline__ uint32_t quad_keep_bits(uint64_t seed, uint64_t ctr, uint32_t thr, int t4) {
+  return quad_keep_bits_inl(seed, ctr, thr, t4);
+}
+static __device__ __noinline__ uint32_t octet_keep_bits(uint64_t seed, uint64_t ctr, uint32_t thr, int g) {
+  return octet_keep_bits_inl(seed, ctr, thr, g);
 }
 // Keep bits of a row-layout thread (rows row[0], row[1]; columns 2 t4, 2 t4 + 1 of the 8-key n-tiles nt, nt + 1 from
 // key k0, k0 a multiple of 8): bit 2 (2 u + r) + q is element (row[r], k0 + (nt + u) 8 + 2 t4 + q), i.e.
-// sc[nt + u][2 r + q]. The quad's lane t4 draws the call of row[t4 & 1], tile nt + (t4 >> 1).
+// sc[nt + u][2 r + q]. The quad's lane t4 draws the call of row[t4 & 1], tile nt + (t4 >> 1). kInl: inline (the
+// wgmma kernels, whose independent calls then overlap) or out of line.
+template <bool kInl = false>
 __device__ __forceinline__ uint32_t row_keep_bits(const Params& p, const DropRows& d, const int (&row)[2], int k0,
                                                   int nt, int t4) {
   const int i = (t4 & 1) ? row[1] : row[0];
   const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups + static_cast<uint64_t>((k0 >> 3) + nt + (t4 >> 1));
-  return quad_keep_bits(p.seed, ctr, drop_threshold(p), t4);
+  return kInl ? quad_keep_bits_inl(p.seed, ctr, drop_threshold(p), t4) : quad_keep_bits(p.seed, ctr, drop_threshold(p), t4);
 }
 // Keep bits of a key-row-layout thread (the dK/dV kernels: keys key[0] = kb + g, key[1] = kb + 8 + g, kb a multiple of
 // 8; queries qs + (nt + u) 8 + 2 t4 + q of the n-tiles nt, nt + 1): bit 4 u + 2 r + q is element (query
 // qs + (nt + u) 8 + 2 t4 + q, key[r]), i.e. st[nt + u][2 r + q]. The octet's lane g draws call c = g.
+template <bool kInl = false>
 __device__ __forceinline__ uint32_t key_keep_bits(const Params& p, const DropRows& d, const int (&key)[2], int qs,
                                                   int nt, int t4, int g) {
   const int i = qs + (nt + (g >> 2)) * 8 + 2 * t4 + (g & 1);
   const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups +
                        static_cast<uint64_t>(((key[0] - g) >> 3) + ((g >> 1) & 1));
-  return octet_keep_bits(p.seed, ctr, drop_threshold(p), g);
+  return kInl ? octet_keep_bits_inl(p.seed, ctr, drop_threshold(p), g) : octet_keep_bits(p.seed, ctr, drop_threshold(p), g);
 }
 
 // lse (natural log) -> the log2-domain subtrahend of the backward; +inf for a row with no key (its P is 0)
@@ -443,7 +452,7 @@ __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ?
 // share the max through shuffles) move on, and O is rescaled. ``kb``: the block's key addends (kModeKeys).
 // ``kRaw`` (no mask, a positive scale: the caller checks both): the max is taken over the raw scores and each
 // exponent is one FFMA, raw * scale - max (FlashAttention's form; an FMUL an element fewer).
-template <int MODE, int BC, int D, bool kRaw = false>
+template <int MODE, int BC, int D, bool kRaw = false, bool kInl = false>
 __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 8][4], float (&o)[D / 8][4],
                                               float (&m)[2], float (&l)[2], int b, int h, const int (&row)[2],
                                               int k0, const Seq& s, bool edge, const float* kb, int t4) {
@@ -496,7 +505,7 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
     const DropRows d = drop_rows(p, b, h);
 #pragma unroll
     for (int nt = 0; nt < BC / 8; nt += 2) {
-      const uint32_t kb = row_keep_bits(p, d, row, k0, nt, t4);
+      const uint32_t kb = row_keep_bits<kInl>(p, d, row, k0, nt, t4);
 #pragma unroll
       for (int u = 0; u < 2; ++u)
 #pragma unroll
@@ -865,7 +874,7 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
     }
     const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > q0);
     with_flag(edge, [&](auto e) {
-      softmax_block<MODE, BN, D>(p, x, o, m, l, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], t4);
+      softmax_block<MODE, BN, D, false, true>(p, x, o, m, l, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], t4);
     });
     uint32_t pa[BN / 16][4];
 #pragma unroll
@@ -1215,7 +1224,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       }
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
       with_flag(edge, [&](auto e) {
-        softmax_block<MODE, BN, D, MODE == kModeNone>(p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value,
+        softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value,
                                                       skb + st * BN, t4);
       });
       if constexpr (kKeys) {  // the warp's reads of the addends are done
@@ -1255,7 +1264,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
 // ---------------------------------------------------------------------------------------------------------------
 // dS = P (dP Z - delta) on a query-row tile (the dQ kernels; keys k0 .., rows row[0], row[1] of the thread, lse2 and
 // dl their lse in log2 units and delta): sc holds S and becomes dS; ``kb`` the block's key addends (kModeKeys)
-template <int MODE, int BC>
+template <int MODE, int BC, bool kInl = false>
 __device__ __forceinline__ void ds_rows(const Params& p, float (&sc)[BC / 8][4], const float (&dp)[BC / 8][4], int b,
                                         int h, const int (&row)[2], int k0, const Seq& s, bool edge, const float* kb,
                                         const float (&lse2)[2], const float (&dl)[2], int t4) {
@@ -1264,7 +1273,7 @@ __device__ __forceinline__ void ds_rows(const Params& p, float (&sc)[BC / 8][4],
     const DropRows d = drop_rows(p, b, h);
 #pragma unroll
     for (int n2 = 0; n2 < BC / 8; n2 += 2) {
-      const uint32_t keep = decltype(drop)::value ? row_keep_bits(p, d, row, k0, n2, t4) : 0xFFu;
+      const uint32_t keep = decltype(drop)::value ? row_keep_bits<kInl>(p, d, row, k0, n2, t4) : 0xFFu;
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int nt = n2 + u;
@@ -1283,7 +1292,7 @@ __device__ __forceinline__ void ds_rows(const Params& p, float (&sc)[BC / 8][4],
 // dS^T and P^T Z on a key-row tile (the dK/dV kernels; queries qs .., keys key[0], key[1] of the thread with their
 // key addends kb; sL, sD the queries' lse in log2 units and delta): st holds S^T and becomes dS^T, dpt holds dP^T
 // and becomes P^T Z (for dV); MODE the mask's (kb is read with kModeKeys)
-template <int BQ, int MODE>
+template <int BQ, int MODE, bool kInl = false>
 __device__ __forceinline__ void dst_rows(const Params& p, float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4], int b,
                                          int h, const int (&key)[2], int qs, const Seq& s, bool edge,
                                          const float (&kb)[2], const float* sL, const float* sD, int t4) {
@@ -1293,7 +1302,7 @@ __device__ __forceinline__ void dst_rows(const Params& p, float (&st)[BQ / 8][4]
     const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
     for (int n2 = 0; n2 < BQ / 8; n2 += 2) {
-      const uint32_t keep = decltype(drop)::value ? key_keep_bits(p, d, key, qs, n2, t4, g) : 0xFFu;
+      const uint32_t keep = decltype(drop)::value ? key_keep_bits<kInl>(p, d, key, qs, n2, t4, g) : 0xFFu;
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int nt = n2 + u;
@@ -1706,7 +1715,7 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma&
       fence_acc(dp);
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
       with_flag(edge, [&](auto e) {  // dS
-        ds_rows<MODE, BN>(p, sc, dp, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], lse2, dl, t4);
+        ds_rows<MODE, BN, true>(p, sc, dp, b, h, row, k0, s, decltype(e)::value, skb[nb & 1], lse2, dl, t4);
       });
       if constexpr (PREV) wgmma_wait<0>();  // dQ_{j-1}, which reads pa
       fence_acc(dq);
@@ -1862,7 +1871,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     fence_acc(dpt);
     const bool edge = p.causal && qs < k0 + BN - 1;
     with_flag(edge, [&](auto e) {  // dS^T, P^T Z
-      dst_rows<BQ, MODE>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL[u], sD[u], t4);
+      dst_rows<BQ, MODE, true>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL[u], sD[u], t4);
     });
     uint32_t ps[BQ / 16][4], pz[BQ / 16][4];
 #pragma unroll

@@ -20,9 +20,14 @@
 namespace pykernels {
 
 PK_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
+#if defined(__CUDA_ARCH__)
+  hi = __umulhi(a, b);  // one IMAD.WIDE; the 64-bit product's form added a zero to each high word (20 IADDs a call)
+  lo = a * b;
+#else
   const uint64_t p = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
   hi = static_cast<uint32_t>(p >> 32);
   lo = static_cast<uint32_t>(p);
+#endif
 }
 
 // The four output words of Philox-4x32-10 (Triton's tl.randint4x(seed, offset)) in o0..o3.
@@ -59,28 +64,33 @@ PK_HD uint32_t dropout_bits16(uint64_t seed, uint64_t row_counter, uint32_t j) {
 }
 
 // Lanes that share Philox calls (the C++ attention: its mma / wgmma layouts spread the 8 keys of one call over a
-// lane group). Each lane of the group draws one call (its own counter) and the group swaps words through xor
-// shuffles: in round k, lane me receives from lane me ^ k what that lane's ``*_send`` picked for it, and folds it in
-// with ``*_take``. Round 0 is the lane's own call. One call a lane instead of one an element; the mask is the same.
+// lane group). Each lane of the group draws one call (its own counter), turns its 8 values into 8 keep bits
+// (keep_byte: bit v for value v, the low half of word v / 2 for even v) and the group transposes those bits in
+// xor-shuffle stages (transpose_stage): lane me's call is row me of a bit matrix whose column c the lane needs; at
+// stage s, lanes me and me ^ s swap the off-diagonal blocks of fields s apart, so log2(group) shuffles give every
+// lane its column. One call a lane instead of one an element; the mask is the same; no lane-dependent selects (an
+// earlier exchange picked a word per lane and round: divergent branches, 159 instructions a call, run255).
 // * quad (4 lanes; the forward's and dQ kernels' layout: lane t4 holds columns 2 t4, 2 t4 + 1 of each 8-key tile):
-//   lane t4 needs word t4 of every call (its two columns' 16 bits). Result: bits 2c + q, q = 0, 1, are the keep
-//   bits of its columns 2 t4 + q in call c (the call lane c drew).
-// * octet (8 lanes; the dK/dV kernels' transposed layout: lane g holds key g of each 8): lane g needs the 16 bits of
-//   key g of every call. Result: bit c is the keep bit of its key in call c.
-// Host-callable: tests/test_csrc.py runs the exchange on the host against dropout_bits16.
-PK_HD uint32_t word_of(const uint32_t (&w)[4], int q) { return q == 0 ? w[0] : q == 1 ? w[1] : q == 2 ? w[2] : w[3]; }
-PK_HD uint32_t quad_send(const uint32_t (&w)[4], int me, int k) { return word_of(w, me ^ k); }
-PK_HD uint32_t quad_take(uint32_t bits, uint32_t v, int me, int k, uint32_t thr) {
-  const uint32_t two = ((v & 0xFFFFu) >= thr ? 1u : 0u) | ((v >> 16) >= thr ? 2u : 0u);
-  return bits | two << (2 * (me ^ k));
+//   2-bit fields (a lane's two columns), stages s = 2, 1. Result: bits 2c + q, q = 0, 1, are the keep bits of its
+//   columns 2 t4 + q in call c (the call lane c drew).
+// * octet (8 lanes; the dK/dV kernels' transposed layout: lane g holds key g of each 8): 1-bit fields, stages
+//   s = 4, 2, 1. Result: bit c is the keep bit of its key in call c.
+// Host-callable: tests/test_csrc.py runs the stages on the host against dropout_bits16.
+PK_HD uint32_t keep_byte(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uint32_t thr) {
+  const uint32_t w[4] = {w0, w1, w2, w3};
+  uint32_t bits = 0u;
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    bits |= ((w[q] & 0xFFFFu) >= thr ? 1u : 0u) << (2 * q) | ((w[q] >> 16) >= thr ? 1u : 0u) << (2 * q + 1);
+  return bits;
 }
-PK_HD uint32_t octet_send(const uint32_t (&w)[4], int me, int k) {
-  const int to = me ^ k;
-  const uint32_t v = word_of(w, to >> 1);
-  return (to & 1) ? v >> 16 : v & 0xFFFFu;
-}
-PK_HD uint32_t octet_take(uint32_t bits, uint32_t v, int me, int k, uint32_t thr) {
-  return bits | (v >= thr ? 1u : 0u) << (me ^ k);
+// Stage s of the transpose for a lane holding x that received y from lane me ^ s: F-bit fields, s F bits apart
+// (lo: the fields whose index has bit s clear); ``upper``: me & s.
+template <int F>
+PK_HD uint32_t transpose_stage(uint32_t x, uint32_t y, int s, bool upper) {
+  const int shift = s * F;
+  const uint32_t lo = F == 2 ? (s == 2 ? 0x0Fu : 0x33u) : (s == 4 ? 0x0Fu : s == 2 ? 0x33u : 0x55u);
+  return upper ? (x & (lo << shift)) | ((y >> shift) & lo) : (x & lo) | ((y & lo) << shift);
 }
 
 // The keep bits (bit j for element off + j, kept where its 16 bits >= p 2^16) of P <= 8 - off consecutive elements

@@ -151,7 +151,8 @@ def test_attention_dropout_bits_port_matches_reference(tmp_path):
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_attention_lane_exchange_gives_every_lane_its_bits(tmp_path):
     """csrc/philox.cuh's quad and octet exchanges (the C++ attention's dropout: each lane of a group draws one Philox
-    call and the group swaps words through xor shuffles), run on the host with the shuffle simulated: every lane ends
+    call, turns it into 8 keep bits, and the group transposes those bits in xor-shuffle stages), run on the host with
+    the shuffles simulated: every lane ends
     with the keep bits dropout_bits16 gives its elements (quad: lane t4's columns 2 t4, 2 t4 + 1 of each call; octet:
     lane g's key g of each call), for counters past 2^32. The kernels' use (which call a lane draws) is checked by the
     GPU tests of the C++ attention's mask against pykernels.attention_dropout_mask."""
@@ -167,17 +168,26 @@ def test_attention_lane_exchange_gives_every_lane_its_bits(tmp_path):
                     "      ctr[c] = base + trial * 977ull + c * 131ull;\n"
                     "      philox4x32(seed, ctr[c], w[c][0], w[c][1], w[c][2], w[c][3]);\n"
                     "    }\n"
+                    "    uint32_t x[8], y[8];\n"
+                    "    for (int me = 0; me < 4; ++me) x[me] = keep_byte(w[me][0], w[me][1], w[me][2], w[me][3], thr);\n"
+                    "    for (int s = 2; s >= 1; s >>= 1) {\n"
+                    "      for (int me = 0; me < 4; ++me) y[me] = x[me ^ s];\n"
+                    "      for (int me = 0; me < 4; ++me) x[me] = transpose_stage<2>(x[me], y[me], s, me & s);\n"
+                    "    }\n"
                     "    for (int me = 0; me < 4; ++me) {\n"
-                    "      uint32_t bits = 0;\n"
-                    "      for (int k = 0; k < 4; ++k) bits = quad_take(bits, quad_send(w[me ^ k], me ^ k, k), me, k, thr);\n"
+                    "      uint32_t bits = x[me];\n"
                     "      for (int c = 0; c < 4; ++c) for (int q = 0; q < 2; ++q) {\n"
                     "        uint32_t want = dropout_bits16(seed, ctr[c], 2 * me + q) >= thr, got = (bits >> (2 * c + q)) & 1u;\n"
                     "        bad += want != got; kept += got; ++total;\n"
                     "      }\n"
                     "    }\n"
+                    "    for (int me = 0; me < 8; ++me) x[me] = keep_byte(w[me][0], w[me][1], w[me][2], w[me][3], thr);\n"
+                    "    for (int s = 4; s >= 1; s >>= 1) {\n"
+                    "      for (int me = 0; me < 8; ++me) y[me] = x[me ^ s];\n"
+                    "      for (int me = 0; me < 8; ++me) x[me] = transpose_stage<1>(x[me], y[me], s, me & s);\n"
+                    "    }\n"
                     "    for (int me = 0; me < 8; ++me) {\n"
-                    "      uint32_t bits = 0;\n"
-                    "      for (int k = 0; k < 8; ++k) bits = octet_take(bits, octet_send(w[me ^ k], me ^ k, k), me, k, thr);\n"
+                    "      uint32_t bits = x[me];\n"
                     "      for (int c = 0; c < 8; ++c) {\n"
                     "        uint32_t want = dropout_bits16(seed, ctr[c], me) >= thr, got = (bits >> c) & 1u;\n"
                     "        bad += want != got; kept += got; ++total;\n"

@@ -1,0 +1,101 @@
+"""GPU time of the attention with dropout (transformers' 0.1), forward and backward, by the profiler's kernel records:
+a call with dropout draws its seed on the host, so it cannot be replayed from a CUDA graph, and the wall clock of an
+eager call measures the host. The shapes are the training steps' (benchmarks/train_step.py): BERT-base 32 x 512
+bidirectional and GPT-2 8 x 1024 causal, 12 heads of 64; and a D = 128 causal one (the pipelined wgmma forward).
+
+Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--iters 10]``. One line a shape and
+implementation: ``LABEL impl case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs`` (a call's kernels; the backward is the
+forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them). LABEL names the C++
+backend's rows (the build under test in an A/B, benchmarks/dev/attention_cuda_ab_builds.sh); ``--triton`` adds the
+same calls through the Triton backend; ``--peers`` the C++ backend without dropout (the dropout's cost) and torch's
+SDPA flash, memory-efficient and cuDNN backends with dropout (those that take it).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import gpu_kernel_ms  # noqa: E402  (benchmarks/common.py)
+
+import pykernels  # noqa: E402
+
+CASES = (("bert", 32, 12, 512, 64, False), ("gpt2", 8, 12, 1024, 64, True), ("causal_2k_d128", 4, 16, 2048, 128, True))
+
+
+def flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
+    f = 4.0 * b * h * s * s * d
+    return f / 2 if causal else f
+
+
+def impls(peers: bool, triton: bool):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def ours(backend, p):
+        return lambda q, k, v, causal: pykernels.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
+                                                                              backend=backend)
+
+    def sdpa(kind):
+        def run(q, k, v, causal):
+            with sdpa_kernel(kind):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=causal)
+        return run
+
+    yield "cuda", ours("cuda", 0.1)
+    if triton:
+        yield "triton", ours("triton", 0.1)
+    if peers:
+        yield "cuda-nodrop", ours("cuda", 0.0)
+        yield "sdpa-flash", sdpa(SDPBackend.FLASH_ATTENTION)
+        yield "sdpa-efficient", sdpa(SDPBackend.EFFICIENT_ATTENTION)
+        yield "sdpa-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)
+
+
+def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int) -> tuple[float, float]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def fwd():
+        with torch.no_grad():
+            for _ in range(iters):
+                fn(q, k, v, causal)
+
+    def fwd_bwd():
+        for _ in range(iters):
+            torch.autograd.backward([fn(q, k, v, causal)], [do])
+
+    fwd_bwd()  # compiles / warms up outside the profile
+    torch.cuda.synchronize()
+    f = gpu_kernel_ms(fwd) / iters
+    fb = gpu_kernel_ms(fwd_bwd) / iters
+    return f * 1e3, (fb - f) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("label", nargs="?", default="build")
+    ap.add_argument("--peers", action="store_true")
+    ap.add_argument("--triton", action="store_true")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    print("#", torch.cuda.get_device_name(), "torch", torch.__version__)
+    for name, fn in impls(args.peers, args.triton):
+        label = args.label if name == "cuda" else name
+        for case, b, h, s, d, causal in CASES:
+            try:
+                f_us, b_us = time_case(fn, b, h, s, d, causal, args.iters)
+            except RuntimeError as e:  # an SDPA backend that does not take the case
+                print(f"{label} {case} not run: {str(e).splitlines()[0][:120]}")
+                continue
+            fl = flops(b, h, s, d, causal)
+            print(f"{label} {case} {f_us:.1f} {b_us:.1f} {fl / f_us / 1e6:.1f} {2.5 * fl / b_us / 1e6:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
