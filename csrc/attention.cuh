@@ -378,10 +378,11 @@ __device__ __forceinline__ void key_addends(const Params& p, float (&buf)[2][BC]
 
 // Dropout keeps (b, h, i, j) where 16 bits of Philox at ((b Hq + h) Sq + i) ceil(Sk / 8) + j / 8 are >= p 2^16
 // (p a multiple of 2^-16; the Triton kernels' mask), and scales it by 1 / (1 - p). One Philox call serves 8 keys of a
-// query row; the lanes that hold them share it (philox.cuh's quad / octet exchange): a lane draws one call for every
+// query row; the lanes that hold them share it (philox.cuh's quad / octet transpose): a lane draws one call for every
 // 8 elements it holds instead of one an element (which cost the attention with dropout 1.5-2x the time of the
-// Triton kernels', run244). Out of line: the call's registers stay out of the kernels' (inline, the mma.sync dK/dV
-// kernel with an element mask spilled 144-168 bytes around it).
+// Triton kernels', run244). Inline in the wgmma kernels (their calls overlap; with the transpose 1.41-1.50x faster
+// forward and backward with dropout than an out-of-line exchange of words, H200 run255); out of line in the mma.sync
+// kernels (inline, their dK/dV kernel with an element mask spilled 144-168 bytes around it).
 struct DropRows {
   uint64_t rows0;   // counter row of query 0 of (b, h): (b Hq + h) Sq
   uint64_t groups;  // Philox calls a query row: ceil(Sk / 8)
@@ -448,7 +449,7 @@ __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ?
 // ---------------------------------------------------------------------------------------------------------------
 // The online softmax of one key block (keys k0 ..) on a warp's 16 query rows, two a thread (row[0], row[1]; the
 // thread's columns 2 t4, 2 t4 + 1 of each 8-key n-tile, mma.sync's and wgmma's accumulator layout): the scores sc
-// (raw Q K^T) become P (dropout applied), the running max m and sum l (log2 domain; per thread, the row's 4 threads
+// (raw Q K^T) become P (dropped elements zeroed; store_out scales by 1 / (1 - p)), the running max m and sum l (log2 domain; per thread, the row's 4 threads
 // share the max through shuffles) move on, and O is rescaled. ``kb``: the block's key addends (kModeKeys).
 // ``kRaw`` (no mask, a positive scale: the caller checks both): the max is taken over the raw scores and each
 // exponent is one FFMA, raw * scale - max (FlashAttention's form; an FMUL an element fewer).
@@ -509,7 +510,7 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
 #pragma unroll
       for (int u = 0; u < 2; ++u)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sc[nt + u][e] *= (kb >> (4 * u + e)) & 1u ? p.inv_keep : 0.f;
+        for (int e = 0; e < 4; ++e) sc[nt + u][e] = (kb >> (4 * u + e)) & 1u ? sc[nt + u][e] : 0.f;  // store_out scales
     }
   }
 }
@@ -532,7 +533,8 @@ __device__ __forceinline__ void store_rows(void* out, int64_t sb, int64_t sh, in
   }
 }
 
-// O / l and the lse (natural log; -inf for a row with no key) of a warp's rows, as softmax_block left them
+// O / l (times the dropout's 1 / (1 - p)) and the lse (natural log; -inf for a row with no key) of a warp's rows, as
+// softmax_block left them
 template <typename T, int D>
 __device__ __forceinline__ void store_out(const Params& p, const float (&o)[D / 8][4], const float (&m)[2],
                                           const float (&l)[2], int b, int h, const int (&row)[2], const Seq& s,
@@ -542,7 +544,7 @@ __device__ __forceinline__ void store_out(const Params& p, const float (&o)[D / 
     float sum = l[r];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float inv = sum > 0.f ? p.inv_keep / sum : 0.f;  // the dropout's 1 / (1 - p) (1 without) applied here
     const int i = row[r];
     if (i >= s.sq) continue;
     T* O = static_cast<T*>(p.out) + b * p.o_sb + h * p.o_sh + (s.q_off + i) * p.o_ss;

@@ -77,11 +77,10 @@ PK_HD uint32_t dropout_bits16(uint64_t seed, uint64_t row_counter, uint32_t j) {
 //   s = 4, 2, 1. Result: bit c is the keep bit of its key in call c.
 // Host-callable: tests/test_csrc.py runs the stages on the host against dropout_bits16.
 PK_HD uint32_t keep_byte(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uint32_t thr) {
-  const uint32_t w[4] = {w0, w1, w2, w3};
+  const uint32_t w[4] = {w0, w1, w2, w3}, hi = thr << 16;  // a half >= thr iff it, moved to the top, is >= thr 2^16
   uint32_t bits = 0u;
 #pragma unroll
-  for (int q = 0; q < 4; ++q)
-    bits |= ((w[q] & 0xFFFFu) >= thr ? 1u : 0u) << (2 * q) | ((w[q] >> 16) >= thr ? 1u : 0u) << (2 * q + 1);
+  for (int q = 0; q < 4; ++q) bits |= ((w[q] << 16) >= hi ? 1u : 0u) << (2 * q) | (w[q] >= hi ? 1u : 0u) << (2 * q + 1);
   return bits;
 }
 // Stage s of the transpose for a lane holding x that received y from lane me ^ s: F-bit fields, s F bits apart
