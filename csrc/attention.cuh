@@ -393,30 +393,24 @@ __device__ __forceinline__ DropRows drop_rows(const Params& p, int b, int h) {
 __device__ __forceinline__ uint32_t drop_threshold(const Params& p) {
   return static_cast<uint32_t>(p.p_drop * 65536.f);
 }
-// The quad's keep bits (philox.cuh's transpose; the 4 lanes t4 of one g): lane t4 draws the call at ``ctr``
-__device__ __forceinline__ uint32_t quad_keep_bits_inl(uint64_t seed, uint64_t ctr, uint32_t thr, int t4) {
+// A lane group's keep bits (philox.cuh's transpose): each lane draws the call at its ``ctr``. F = 2: the quad (the 4
+// lanes t4 of one g, me = t4; 2-bit fields); F = 1: the octet (the 8 lanes g of one t4, me = g, 4 lanes apart; 1-bit
+// fields).
+template <int F>
+__device__ __forceinline__ uint32_t group_keep_bits_inl(uint64_t seed, uint64_t ctr, uint32_t thr, int me) {
+  static_assert(F == 1 || F == 2, "quad or octet");
   uint32_t w0, w1, w2, w3;
   philox4x32(seed, ctr, w0, w1, w2, w3);
   uint32_t x = keep_byte(w0, w1, w2, w3, thr);
 #pragma unroll
-  for (int s = 2; s >= 1; s >>= 1) x = transpose_stage<2>(x, __shfl_xor_sync(0xffffffffu, x, s), s, t4 & s);
-  return x;
-}
-// The octet's keep bits (the 8 lanes g of one t4; lane g draws the call at ``ctr``)
-__device__ __forceinline__ uint32_t octet_keep_bits_inl(uint64_t seed, uint64_t ctr, uint32_t thr, int g) {
-  uint32_t w0, w1, w2, w3;
-  philox4x32(seed, ctr, w0, w1, w2, w3);
-  uint32_t x = keep_byte(w0, w1, w2, w3, thr);
-#pragma unroll
-  for (int s = 4; s >= 1; s >>= 1) x = transpose_stage<1>(x, __shfl_xor_sync(0xffffffffu, x, s << 2), s, g & s);
+  for (int s = F == 2 ? 2 : 4; s >= 1; s >>= 1)
+    x = transpose_stage<F>(x, __shfl_xor_sync(0xffffffffu, x, F == 2 ? s : s << 2), s, me & s);
   return x;
 }
 // Out of line for the mma.sync kernels (inline, their dK/dV kernel with an element mask spilled 144-168 bytes)
-static __device__ __noinline__ uint32_t quad_keep_bits(uint64_t seed, uint64_t ctr, uint32_t thr, int t4) {
-  return quad_keep_bits_inl(seed, ctr, thr, t4);
-}
-static __device__ __noinline__ uint32_t octet_keep_bits(uint64_t seed, uint64_t ctr, uint32_t thr, int g) {
-  return octet_keep_bits_inl(seed, ctr, thr, g);
+template <int F>
+static __device__ __noinline__ uint32_t group_keep_bits(uint64_t seed, uint64_t ctr, uint32_t thr, int me) {
+  return group_keep_bits_inl<F>(seed, ctr, thr, me);
 }
 // Keep bits of a row-layout thread (rows row[0], row[1]; columns 2 t4, 2 t4 + 1 of the 8-key n-tiles nt, nt + 1 from
 // key k0, k0 a multiple of 8): bit 2 (2 u + r) + q is element (row[r], k0 + (nt + u) 8 + 2 t4 + q), i.e.
@@ -427,7 +421,8 @@ __device__ __forceinline__ uint32_t row_keep_bits(const Params& p, const DropRow
                                                   int nt, int t4) {
   const int i = (t4 & 1) ? row[1] : row[0];
   const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups + static_cast<uint64_t>((k0 >> 3) + nt + (t4 >> 1));
-  return kInl ? quad_keep_bits_inl(p.seed, ctr, drop_threshold(p), t4) : quad_keep_bits(p.seed, ctr, drop_threshold(p), t4);
+  return kInl ? group_keep_bits_inl<2>(p.seed, ctr, drop_threshold(p), t4)
+              : group_keep_bits<2>(p.seed, ctr, drop_threshold(p), t4);
 }
 // Keep bits of a key-row-layout thread (the dK/dV kernels: keys key[0] = kb + g, key[1] = kb + 8 + g, kb a multiple of
 // 8; queries qs + (nt + u) 8 + 2 t4 + q of the n-tiles nt, nt + 1): bit 4 u + 2 r + q is element (query
@@ -438,7 +433,8 @@ __device__ __forceinline__ uint32_t key_keep_bits(const Params& p, const DropRow
   const int i = qs + (nt + (g >> 2)) * 8 + 2 * t4 + (g & 1);
   const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups +
                        static_cast<uint64_t>(((key[0] - g) >> 3) + ((g >> 1) & 1));
-  return kInl ? octet_keep_bits_inl(p.seed, ctr, drop_threshold(p), g) : octet_keep_bits(p.seed, ctr, drop_threshold(p), g);
+  return kInl ? group_keep_bits_inl<1>(p.seed, ctr, drop_threshold(p), g)
+              : group_keep_bits<1>(p.seed, ctr, drop_threshold(p), g);
 }
 
 // lse (natural log) -> the log2-domain subtrahend of the backward; +inf for a row with no key (its P is 0)

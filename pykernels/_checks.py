@@ -42,3 +42,9 @@ def check_prob(name: str, p) -> float:
     if not (0.0 <= p < 1.0):
         raise ValueError(f"{name} must be in [0, 1), got {p}")
     return p
+
+
+def param_dtype(weight, bias, rows: torch.Tensor) -> torch.dtype:
+    """The dtype a LayerNorm's dweight / dbias come back in: weight's, else bias's, else the rows' (the C++ op's
+    ``param_dtype``, csrc/layer_norm.cu); shared by the Triton backward, its fake and the C++ pair's fake."""
+    return weight.dtype if weight is not None else (bias.dtype if bias is not None else rows.dtype)

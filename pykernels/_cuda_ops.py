@@ -18,6 +18,7 @@ import threading
 import torch
 from torch import Tensor
 
+from ._checks import param_dtype
 from ._rng import fake_seed  # draw_seed's result (csrc/dispatch.h) is op_seed's
 
 _lock = threading.Lock()
@@ -43,7 +44,7 @@ def _layer_norm_fwd(x, weight, bias, residual, eps, dropout_p, prenorm, rms_norm
 
 def _layer_norm_bwd(dy, ds, a, residual, weight, bias, mean, rstd, seed, dropout_p, prenorm, rms_norm):
     m, n = a.shape
-    pdt = weight.dtype if weight is not None else (bias.dtype if bias is not None else a.dtype)
+    pdt = param_dtype(weight, bias, a)
     return (a.new_empty((m, n) if dropout_p > 0.0 else (0,)), a.new_empty(m, n),
             a.new_empty(n if weight is not None else 0, dtype=pdt), a.new_empty(n if bias is not None else 0, dtype=pdt))
 

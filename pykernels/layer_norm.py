@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ._backend import CUDA_TRACED, check_backend_name, select, use_cuda_op
 from ._op import _plain_eager, custom_op
-from ._checks import check_prob, check_same
+from ._checks import check_prob, check_same, param_dtype
 from ._rng import fake_seed, op_seed
 from .attention import dropout_bits, dropout_rate
 
@@ -271,7 +271,7 @@ def _bwd(dy: Tensor, ds_out: Optional[Tensor], x: Optional[Tensor], residual: Op
         dx = dy.new_empty(0)
     dres = ds.to(dres_dtype) if dres_dtype is not None else dy.new_empty(0)
     sums = ([(dy_ * xhat).sum(0)] if weight is not None else []) + ([dy_.sum(0)] if bias is not None else [])
-    pdt = weight.dtype if weight is not None else (bias.dtype if bias is not None else dy.dtype)
+    pdt = param_dtype(weight, bias, dy)
     dwb = torch.stack(sums).to(pdt) if sums else dy.new_empty(0, N)
     return dx, dres, dwb
 
@@ -281,7 +281,7 @@ def _(dy, ds_out, x, residual, s, weight, bias, mean, rstd, seed, dropout_p, sto
       backend):
     M, N = dy.shape
     k = (weight is not None) + (bias is not None)
-    pdt = weight.dtype if weight is not None else (bias.dtype if bias is not None else dy.dtype)
+    pdt = param_dtype(weight, bias, dy)
     return (dy.new_empty((M, N) if store_dx else (0,)),
             dy.new_empty((M, N) if dres_dtype is not None else (0,), dtype=dres_dtype or dy.dtype),
             dy.new_empty((k, N), dtype=pdt))
