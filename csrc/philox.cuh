@@ -93,21 +93,13 @@ PK_HD uint32_t transpose_stage(uint32_t x, uint32_t y, int s, bool upper) {
 }
 
 // The keep bits (bit j for element off + j, kept where its 16 bits >= p 2^16) of P <= 8 - off consecutive elements
-// of one Philox call's 8 (LayerNorm's packs: off 0, or 0 / 4 for 4-element fp32 packs). One call for the pack.
+// of one Philox call's 8 (LayerNorm's packs: off 0, or 0 / 4 for 4-element fp32 packs). One call for the pack: the
+// call's keep_byte shifted to the pack.
 template <int P>
 PK_HD uint32_t keep_pack_bits(uint64_t seed, uint64_t counter, int off, float p) {
   uint32_t c0, c1, c2, c3;
   philox4x32(seed, counter, c0, c1, c2, c3);
-  const uint32_t thr = static_cast<uint32_t>(p * 65536.f);
-  uint32_t bits = 0u;
-#pragma unroll
-  for (int j = 0; j < P; ++j) {
-    const int e = off + j, q = e >> 1;
-    const uint32_t w = q == 0 ? c0 : q == 1 ? c1 : q == 2 ? c2 : c3;
-    const uint32_t r = (e & 1) ? (w >> 16) : (w & 0xFFFFu);
-    bits |= (r >= thr ? 1u : 0u) << j;
-  }
-  return bits;
+  return (keep_byte(c0, c1, c2, c3, static_cast<uint32_t>(p * 65536.f)) >> off) & ((1u << P) - 1u);
 }
 
 // The dropout rate the kernels realise for p: p rounded to a multiple of 2^-16 (pykernels.attention.dropout_rate)
