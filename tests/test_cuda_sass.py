@@ -1,0 +1,53 @@
+"""benchmarks/dev/cuda_sass.py (ptxas resources and SASS of the C++ kernels on a machine without a GPU) on a tiny
+kernel with an out-of-line function: the resources parse, a saved build diffs against a changed one, and the SASS
+listing finds the kernel's CALL target with its body up to RET."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("cuda_sass", os.path.join(ROOT, "benchmarks", "dev", "cuda_sass.py"))
+cuda_sass = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cuda_sass)
+
+SOURCE = """#include <cstdint>
+__device__ __noinline__ uint32_t mix(uint32_t a, uint32_t b) { return __umulhi(a, b) ^ (a * b); }
+__global__ void tiny(const uint32_t* in, uint32_t* out) { out[threadIdx.x] = mix(in[threadIdx.x], 0xD2511F53u); }
+"""
+
+
+def _tools_missing() -> bool:
+    if cuda_sass.test_csrc.NVCC is None:
+        return True
+    try:
+        cuda_sass.cuobjdump()
+    except SystemExit:
+        return True
+    return False
+
+
+@pytest.mark.skipif(_tools_missing(), reason="needs nvcc and cuobjdump (the CUDA toolkit's or triton's)")
+def test_cuda_sass_resources_diff_and_calls(tmp_path, capsys):
+    src = tmp_path / "tiny.cu"
+    src.write_text(SOURCE)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    cuda_sass.main(["resources", str(src), "--save", str(a)])
+    res = json.loads(a.read_text())
+    (name,) = res
+    assert "tiny" in name and res[name]["regs"] > 0 and res[name]["spill"] == 0 and res[name]["stack"] >= 0
+    res[name]["spill"] = 8
+    b.write_text(json.dumps(res))
+    capsys.readouterr()
+    cuda_sass.main(["diff", str(a), str(b)])
+    out = capsys.readouterr().out
+    assert "1 of 1 kernels differ" in out and "'spill': 8" in out
+    cuda_sass.main(["sass", str(src), "--match", "tiny"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(name) and "CALL:1" in lines[0] and "NOP" not in lines[0]
+    call = [ln for ln in lines if ln.strip().startswith("CALL 0x")]
+    assert len(call) == 1 and "IMAD" in call[0] and "RET:1" in call[0]
+    assert 3 <= int(call[0].split(": ")[1].split()[0]) < 20  # the body up to RET, not the rest of the kernel
