@@ -445,8 +445,8 @@ __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ?
 // ---------------------------------------------------------------------------------------------------------------
 // The online softmax of one key block (keys k0 ..) on a warp's 16 query rows, two a thread (row[0], row[1]; the
 // thread's columns 2 t4, 2 t4 + 1 of each 8-key n-tile, mma.sync's and wgmma's accumulator layout): the scores sc
-// (raw Q K^T) become P (dropped elements zeroed; store_out scales by 1 / (1 - p)), the running max m and sum l (log2 domain; per thread, the row's 4 threads
-// share the max through shuffles) move on, and O is rescaled. ``kb``: the block's key addends (kModeKeys).
+// (raw Q K^T) become P (dropped elements zeroed; store_out scales by 1 / (1 - p)), the running max m and sum l (log2
+// domain; per thread, the row's 4 threads share the max through shuffles) move on, and O is rescaled. ``kb``: the block's key addends (kModeKeys).
 // ``kRaw`` (no mask, a positive scale: the caller checks both): the max is taken over the raw scores and each
 // exponent is one FFMA, raw * scale - max (FlashAttention's form; an FMUL an element fewer).
 template <int MODE, int BC, int D, bool kRaw = false, bool kInl = false>

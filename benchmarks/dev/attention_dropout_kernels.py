@@ -3,12 +3,12 @@ a call with dropout draws its seed on the host, so it cannot be replayed from a 
 eager call measures the host. The shapes are the training steps' (benchmarks/train_step.py): BERT-base 32 x 512
 bidirectional and GPT-2 8 x 1024 causal, 12 heads of 64; and a D = 128 causal one (the pipelined wgmma forward).
 
-Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--iters 10]``. One line a shape and
-implementation: ``LABEL impl case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs`` (a call's kernels; the backward is the
-forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them). LABEL names the C++
-backend's rows (the build under test in an A/B, benchmarks/dev/attention_cuda_ab_builds.sh); ``--triton`` adds the
-same calls through the Triton backend; ``--peers`` the C++ backend without dropout (the dropout's cost) and torch's
-SDPA flash, memory-efficient and cuDNN backends with dropout (those that take it).
+Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--iters 10]``. One
+line a shape and implementation: ``NAME case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs`` (a call's kernels; the backward
+is the forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them). NAME is LABEL for
+the C++ backend's rows (the build under test in an A/B, benchmarks/dev/attention_cuda_ab_builds.sh), else the peer's
+name: ``--triton`` adds the same calls through the Triton backend; ``--peers`` the C++ backend without dropout (the
+dropout's cost) and torch's SDPA flash, memory-efficient and cuDNN backends with dropout (those that take it).
 """
 from __future__ import annotations
 
