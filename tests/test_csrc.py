@@ -5,7 +5,8 @@ GPU run. ptxas's resource report is checked too: no kernel may spill more than 6
 parameters beside fp16 / bf16 rows at 2 packs a thread keeps 8 bytes on the stack, at 48 registers, 2026-11-28; the attention's mma.sync
 dK/dV kernel at D = 64 with an arbitrary mask, capped at 168 registers for 3 blocks an SM, 36-48 (20 since its dropout
 shares Philox calls, 2026-11-28; the dQ kernels 8), and its sm_90a backward at D = 64 without a mask, whose dQ blocks
-hold the last block's dS across the next products, 48-56; the cross-entropy, masked-LM and other kernels 0-16), and no warpgroup MMA chain may be serialized by ptxas (C7515 and its kin). The host-only sources
+hold the last block's dS across the next products, 48-56; the cross-entropy, masked-LM and other kernels 0-16), and no warpgroup MMA chain may be serialized by ptxas (C7515 and its kin);
+the attention's wgmma kernels draw their dropout bits inline (read from the SASS; checked by mutation). The host-only sources
 (``*.cpp``: attention's checks, autograd and registration) get a g++ syntax check against the same headers."""
 from __future__ import annotations
 
@@ -71,6 +72,28 @@ def test_cuda_source_compiles_for_sm90a(source, tmp_path):
     # an MMA in flight owns are written by other instructions or run short)
     serialized = [line for line in report.splitlines() if "wgmma.mma_async instructions are serialized" in line]
     assert not serialized, serialized[:3]
+    if os.path.basename(source) in ("attention_fwd_bf16.cu", "attention_bwd_bf16.cu"):
+        _check_dropout_draws_inline(str(tmp_path / "out.o"))
+
+
+def _check_dropout_draws_inline(obj: str) -> None:
+    """The attention's dropout draws (Philox, then the lane group's transpose by shuffles) run inline in the wgmma
+    kernels: out of line, a key block's draws ran one after another (1.4-1.5x slower with dropout, H200 run255).
+    Read from the SASS (benchmarks/dev/cuda_sass.py): no function a wgmma kernel CALLs may shuffle; as a control,
+    the mma.sync kernels, which keep the draws out of line, do CALL one that shuffles."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cuda_sass", os.path.join(ROOT, "benchmarks", "dev", "cuda_sass.py"))
+    sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass)
+    wgmma, control = [], []
+    for name, code in sass.sass_functions(obj).items():
+        shuffling = [a for a, body in sass.call_targets(code).items() if any("SHFL" in i for i in body)]
+        if "_sm90_ws_kernel" in name or "_sm90_pipe_kernel" in name or "attn_bwd_sm90_kernel" in name:
+            wgmma.append((name, shuffling))
+        elif "attn_fwd_kernel" in name or "attn_bwd_dkdv_kernel" in name or "attn_bwd_dq_kernel" in name:
+            control.append(bool(shuffling))
+    assert wgmma and all(not calls for _, calls in wgmma), [n for n, calls in wgmma if calls][:3]
+    assert control and all(control), "the mma.sync kernels' out-of-line draws were not found: the check is blind"
 
 
 @pytest.mark.skipif(NVCC is None or shutil.which("g++") is None, reason="needs nvcc (CUDA toolkit) and g++")
