@@ -51,14 +51,16 @@ def _includes(tmp_path) -> list[str]:
 
 
 DEFINES = ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H", "-D_GLIBCXX_USE_CXX11_ABI=1"]
+# setup.py's sm_90a code generation (also benchmarks/dev/cuda_sass.py's)
+SM90A_FLAGS = ["-std=c++17", "-O3", "--use_fast_math", "-gencode", "arch=compute_90a,code=sm_90a", "-DPYKERNELS_SM90A",
+               "-diag-suppress", "3306"]
 
 
 @pytest.mark.skipif(NVCC is None, reason="needs nvcc (CUDA toolkit)")
 @pytest.mark.skipif(not os.path.exists(os.path.join(PY_INCLUDE, "Python.h")), reason="needs Python headers")
 @pytest.mark.parametrize("source", SOURCES, ids=[os.path.basename(s) for s in SOURCES])
 def test_cuda_source_compiles_for_sm90a(source, tmp_path):
-    cmd = [NVCC, "-c", source, "-o", str(tmp_path / "out.o"), "-std=c++17", "-O3", "--use_fast_math",
-           "-gencode", "arch=compute_90a,code=sm_90a", "-DPYKERNELS_SM90A", "-Xptxas", "-v", "-diag-suppress", "3306"]
+    cmd = [NVCC, "-c", source, "-o", str(tmp_path / "out.o"), "-Xptxas", "-v"] + SM90A_FLAGS
     cmd += DEFINES + _includes(tmp_path)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -82,13 +84,15 @@ def _check_dropout_draws_inline(obj: str) -> None:
     kernels: out of line, a key block's draws ran one after another (1.4-1.5x slower with dropout, H200 run255).
     Read from the SASS (benchmarks/dev/cuda_sass.py): no function a wgmma kernel CALLs may shuffle; as a control,
     the mma.sync kernels, which keep the draws out of line, do CALL one that shuffles."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("cuda_sass", os.path.join(ROOT, "benchmarks", "dev", "cuda_sass.py"))
-    sass = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sass)
+    import contextlib
+
+    from utils import load_benchmark
+    with contextlib.contextmanager(load_benchmark)("dev/cuda_sass") as sass:
+        functions = sass.sass_functions(obj)
+        targets = {name: sass.call_targets(code) for name, code in functions.items()}
     wgmma, control = [], []
-    for name, code in sass.sass_functions(obj).items():
-        shuffling = [a for a, body in sass.call_targets(code).items() if any("SHFL" in i for i in body)]
+    for name, calls in targets.items():
+        shuffling = [a for a, body in calls.items() if any("SHFL" in i for i in body)]
         if "_sm90_ws_kernel" in name or "_sm90_pipe_kernel" in name or "attn_bwd_sm90_kernel" in name:
             wgmma.append((name, shuffling))
         elif "attn_fwd_kernel" in name or "attn_bwd_dkdv_kernel" in name or "attn_bwd_dq_kernel" in name:

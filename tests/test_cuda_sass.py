@@ -3,16 +3,16 @@ kernel with an out-of-line function: the resources parse, a saved build diffs ag
 listing finds the kernel's CALL target with its body up to RET."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
+from utils import load_benchmark
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("cuda_sass", os.path.join(ROOT, "benchmarks", "dev", "cuda_sass.py"))
-cuda_sass = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cuda_sass)
+
+@pytest.fixture(scope="module")
+def cuda_sass():
+    yield from load_benchmark("dev/cuda_sass")
+
 
 SOURCE = """#include <cstdint>
 __device__ __noinline__ uint32_t mix(uint32_t a, uint32_t b) { return __umulhi(a, b) ^ (a * b); }
@@ -20,18 +20,13 @@ __global__ void tiny(const uint32_t* in, uint32_t* out) { out[threadIdx.x] = mix
 """
 
 
-def _tools_missing() -> bool:
+def test_cuda_sass_resources_diff_and_calls(cuda_sass, tmp_path, capsys):
     if cuda_sass.test_csrc.NVCC is None:
-        return True
+        pytest.skip("needs nvcc (CUDA toolkit)")
     try:
         cuda_sass.cuobjdump()
     except SystemExit:
-        return True
-    return False
-
-
-@pytest.mark.skipif(_tools_missing(), reason="needs nvcc and cuobjdump (the CUDA toolkit's or triton's)")
-def test_cuda_sass_resources_diff_and_calls(tmp_path, capsys):
+        pytest.skip("needs cuobjdump (the CUDA toolkit's or triton's)")
     src = tmp_path / "tiny.cu"
     src.write_text(SOURCE)
     a, b = tmp_path / "a.json", tmp_path / "b.json"

@@ -40,12 +40,14 @@ needs_cuda_ext = pytest.mark.skipif(not torch.cuda.is_available() or not cuda_bu
 def load_benchmark(name: str):
     """A ``benchmarks/<name>.py`` script as a module (for the CPU tests of their plumbing): yields it registered
     in ``sys.modules`` (its dataclasses look their module up there) and unregisters it afterwards. Use as the body
-    of a module-scoped fixture: ``yield from load_benchmark("attention")``."""
+    of a module-scoped fixture: ``yield from load_benchmark("attention")`` (``"dev/cuda_sass"`` for a dev script), or
+    through ``contextlib.contextmanager``."""
     import importlib.util
     import os
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(root, "benchmarks", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(f"bench_{name.replace('/', '_')}",
+                                                  os.path.join(root, "benchmarks", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     try:

@@ -28,14 +28,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import test_csrc  # noqa: E402  (NVCC, the include flags and defines of the compile test)
+import test_csrc  # noqa: E402  (NVCC, the flags, include flags and defines of the compile test)
 
-FLAGS = ["-std=c++17", "-O3", "--use_fast_math", "-gencode", "arch=compute_90a,code=sm_90a", "-DPYKERNELS_SM90A",
-         "-diag-suppress", "3306"]
 _INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
@@ -45,8 +44,7 @@ def compile_source(source: str, workdir: str, *, verbose: bool) -> tuple[str, st
         raise SystemExit("needs nvcc (CUDA toolkit)")
     os.makedirs(os.path.join(workdir, "inc"), exist_ok=True)
     obj = os.path.join(workdir, "out.o")
-    from pathlib import Path
-    cmd = [test_csrc.NVCC, "-c", source, "-o", obj] + FLAGS + (["-Xptxas", "-v"] if verbose else [])
+    cmd = [test_csrc.NVCC, "-c", source, "-o", obj] + test_csrc.SM90A_FLAGS + (["-Xptxas", "-v"] if verbose else [])
     cmd += test_csrc.DEFINES + test_csrc._includes(Path(workdir) / "inc")
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
