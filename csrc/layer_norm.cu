@@ -208,12 +208,13 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
   }
 }
 
-// one pack of a backward row: s (= the raw s or x, plus the residual when given), dy and the weight
+// one pack of a backward row: s (= the raw s or x, plus the residual when given), dy and the weight. The residual's
+// pack comes from registers (res_raw, loaded with the row's other packs) when res_early, else from memory.
 template <typename T, typename W>
 __device__ __forceinline__ void row_values(const uint4& s_raw, const uint4& dy_raw, const T* __restrict__ res,
-                                           const W* __restrict__ w, int64_t base, int col, bool has_res,
-                                           bool has_w, float* sv, float* d, float* wv, bool drop_x,
-                                           uint32_t drop_bits, float drop_scale) {
+                                           const uint4& res_raw, bool res_early, const W* __restrict__ w,
+                                           int64_t base, int col, bool has_res, bool has_w, float* sv, float* d,
+                                           float* wv, bool drop_x, uint32_t drop_bits, float drop_scale) {
   constexpr int P = Pack<T>::n;
   unpack<T>(s_raw, sv);
   unpack<T>(dy_raw, d);
@@ -223,7 +224,8 @@ __device__ __forceinline__ void row_values(const uint4& s_raw, const uint4& dy_r
   }
   if (has_res) {
     float r[P];
-    load_pack(res + base + col, r);
+    if (res_early) unpack<T>(res_raw, r);
+    else load_pack(res + base + col, r);
 #pragma unroll
     for (int j = 0; j < P; ++j) sv[j] += r[j];
   }
@@ -258,19 +260,23 @@ __device__ __forceinline__ void put_sums(float* dst, int64_t db_offset, const fl
 }
 
 // PF: the next row's raw loads are issued before this row's math (block rows of at most 2 packs per
-// thread, where a block has a single row in flight otherwise); kEarlyDs: the gradient through s is
-// loaded with the row in the first pass (where the registers allow it), not after the reduction.
+// thread, where a block has a single row in flight otherwise). kEarly: the row's third input, the gradient
+// through s (pre-LN) or the residual (post-LN, which recomputes s = x + residual), is loaded with s and dy
+// before any math (where the registers allow it, and always with dropout); else each pack of it is loaded where it
+// is used, and the branch around each pack (col < N) kept ptxas from hoisting those loads: a row waited for
+// memory once for s and dy, then once a pack (the residual in the first pass, ds in the second).
 template <typename T, int VPL, int RT>
 constexpr bool kPrefetchable = RT == kThreads && VPL <= 2;
 
 // At most 128 registers (two blocks per SM), except where 128 would spill hundreds of bytes: fp32 rows of
-// 32 elements per lane, and with dropout (Philox's registers on top) more than 16 elements per thread;
+// 32 elements per lane, and with dropout (Philox's registers on top) more than 24 elements per thread;
 // those take one block per SM. (fp16/bf16 block rows of 4 packs per thread, N = 8192, spill 36 bytes:
-// kept, for twice the warps in flight.) A threshold of 24 put fp16/bf16 rows of 3 packs a lane (N = 768) on two
-// blocks an SM without a spill, but the backward with dropout stayed 1.48x Triton's time (61.0 against 41.2 us a
-// BERT-base call, H200, run252; 1.46x at 16 on an H100, run247): occupancy is not what limits it; not kept.
+// kept, for twice the warps in flight.) fp16/bf16 rows of 3 packs a lane (N = 768) with dropout fit 128 registers
+// with their third input loaded early (kEarly) too. Before that change (the residual / ds read a pack at a time)
+// two blocks an SM had left the backward with dropout at 1.48x Triton's time (61.0 against 41.2 us a BERT-base
+// call, H200, run252): the serialized loads, not occupancy, limited it.
 template <typename T, int VPL, int RT, bool DROP>
-constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 16)) ? 1 : 2;
+constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 24)) ? 1 : 2;
 
 template <typename T, typename W, int VPL, int RT, bool PF, bool DROP>
 __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) ln_bwd_kernel(
@@ -279,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
     T* __restrict__ dres, float* __restrict__ partial, int64_t M, int N, bool has_ds, bool has_res, bool has_w,
     bool need_dwb, bool rms, bool recompute, uint64_t seed, float drop_p, float drop_scale) {
   constexpr int P = Pack<T>::n;
-  constexpr bool kEarlyDs = (RT == kThreads && VPL <= 3) || VPL <= 2;  // (else spills)
+  constexpr bool kEarly = DROP || !(sizeof(T) == 2 && VPL >= 4);  // (fp16 / bf16 block rows of 4 packs spill)
   static_assert(!PF || (kPrefetchable<T, VPL, RT> && !DROP), "prefetch is for narrow block rows");
   extern __shared__ float smem[];  // [2][N]: dweight, dbias block sums (RT < kThreads)
   constexpr int kRows = kThreads / RT;  // rows a block works on at a time
@@ -292,11 +298,14 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
   }
   const float inv_n = 1.f / static_cast<float>(N);
   // a thread's share of one row as raw 16-byte packs (4 registers each, not 2 * P fp32 values): s (or x),
-  // dy and, when kEarlyDs, the gradient arriving through s; plus the row's statistics
+  // dy and, when kEarly, the third input t: the gradient arriving through s (has_ds: pre-LN) or else the
+  // residual (post-LN; the two never come together from the ops, and a residual beside ds is read late);
+  // plus the row's statistics
   struct Raw {
-    uint4 s[VPL], dy[VPL], ds[VPL];
+    uint4 s[VPL], dy[VPL], t[VPL];
     float mu, rs;
   };
+  const bool res_early = kEarly && has_res && !has_ds;
   const auto load_raw = [&](int64_t r, Raw& o) {
     const int64_t base = r * N;
     o.mu = rms ? 0.f : mean[r];
@@ -307,7 +316,8 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
       if (col < N) {
         o.s[i] = *reinterpret_cast<const uint4*>(a + base + col);
         o.dy[i] = *reinterpret_cast<const uint4*>(dy + base + col);
-        if (kEarlyDs && has_ds) o.ds[i] = *reinterpret_cast<const uint4*>(ds_out + base + col);
+        if (kEarly && has_ds) o.t[i] = *reinterpret_cast<const uint4*>(ds_out + base + col);
+        else if (res_early) o.t[i] = *reinterpret_cast<const uint4*>(res + base + col);
       }
     }
   };
@@ -336,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
           kept &= ~((~kb & ((1u << P) - 1u)) << (i * P));
         }
         float sv[P], d[P], wv[P];
-        row_values(cur.s[i], cur.dy[i], res, w, base, col, has_res, has_w, sv, d, wv,
+        row_values(cur.s[i], cur.dy[i], res, cur.t[i], res_early, w, base, col, has_res, has_w, sv, d, wv,
                    DROP && recompute, kept >> (i * P), drop_scale);
 #pragma unroll
         for (int j = 0; j < P; ++j) {
@@ -357,10 +367,10 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
       const int col = (i * RT + lane) * P;
       if (col < N) {
         float sv[P], d[P], wv[P], o[P], extra[P];
-        row_values(cur.s[i], cur.dy[i], res, w, base, col, has_res, has_w, sv, d, wv,
+        row_values(cur.s[i], cur.dy[i], res, cur.t[i], res_early, w, base, col, has_res, has_w, sv, d, wv,
                    DROP && recompute, kept >> (i * P), drop_scale);
         if (has_ds) {
-          if constexpr (kEarlyDs) unpack<T>(cur.ds[i], extra);
+          if constexpr (kEarly) unpack<T>(cur.t[i], extra);
           else load_pack(ds_out + base + col, extra);
         }
 #pragma unroll

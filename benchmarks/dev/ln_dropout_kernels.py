@@ -1,4 +1,5 @@
-"""GPU time a call of the LayerNorm kernels with dropout, C++ (backend "cuda") next to Triton, by the profiler's
+"""GPU time a call of the LayerNorm kernels with dropout (and without: ``--p 0.1 0``), C++ (backend "cuda") next to
+Triton, by the profiler's
 kernel records (a call with dropout draws its seed on the host, so it cannot be timed in CUDA-graph replay, and
 wall-clock timing of one eager call measures the host).
 
@@ -6,8 +7,9 @@ The shapes are the training steps' (benchmarks/train_step.py): BERT-base's post-
 (32 x 512 rows of 768, bf16 rows with fp32 weight and bias as under autocast) and GPT-2's pre-LN with the residual
 dropout (8 x 1024 rows of 768).
 
-Usage (GPU): ``python benchmarks/dev/ln_dropout_kernels.py [--iters 30]``. Prints, a shape and backend, the mean
-device time a call of each kernel it launched (forward, backward, the dweight / dbias reduction).
+Usage (GPU): ``python benchmarks/dev/ln_dropout_kernels.py [--iters 30] [--p 0.1 ...]``. Prints, a shape, dropout
+rate and backend, the mean device time a call of each kernel it launched (forward, backward, the dweight / dbias
+reduction).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import pykernels
 CASES = (("bert post-LN", 16384, 768, False), ("gpt2 pre-LN", 8192, 768, True))
 
 
-def kernel_us(backend: str, m: int, n: int, prenorm: bool, iters: int) -> dict[str, float]:
+def kernel_us(backend: str, m: int, n: int, prenorm: bool, iters: int, p: float = 0.1) -> dict[str, float]:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -31,7 +33,7 @@ def kernel_us(backend: str, m: int, n: int, prenorm: bool, iters: int) -> dict[s
     dy = torch.randn_like(x)
 
     def step():
-        out = pykernels.layer_norm(x, w, b, residual=r, prenorm=prenorm, dropout_p=0.1, backend=backend)
+        out = pykernels.layer_norm(x, w, b, residual=r, prenorm=prenorm, dropout_p=p, backend=backend)
         y = out[0] if prenorm else out
         torch.autograd.backward([y], [dy])
 
@@ -56,12 +58,14 @@ def kernel_us(backend: str, m: int, n: int, prenorm: bool, iters: int) -> dict[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--p", type=float, nargs="+", default=[0.1], help="dropout rates (each a set of lines)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    for name, m, n, prenorm in CASES:
-        for backend in ("cuda", "triton"):
-            for k, us in sorted(kernel_us(backend, m, n, prenorm, args.iters).items()):
-                print(f"{name:13s} {m:6d} x {n}  {backend:6s}  {k:60s} {us:7.1f} us a call")
+    for p in args.p:
+        for name, m, n, prenorm in CASES:
+            for backend in ("cuda", "triton"):
+                for k, us in sorted(kernel_us(backend, m, n, prenorm, args.iters, p).items()):
+                    print(f"{name:13s} {m:6d} x {n}  p {p:<4g} {backend:6s}  {k:60s} {us:7.1f} us a call")
 
 
 if __name__ == "__main__":
