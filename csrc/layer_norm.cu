@@ -271,10 +271,8 @@ constexpr bool kPrefetchable = RT == kThreads && VPL <= 2;
 // At most 128 registers (two blocks per SM), except where 128 would spill hundreds of bytes: fp32 rows of
 // 32 elements per lane, and with dropout (Philox's registers on top) more than 24 elements per thread;
 // those take one block per SM. (fp16/bf16 block rows of 4 packs per thread, N = 8192, spill 36 bytes:
-// kept, for twice the warps in flight.) fp16/bf16 rows of 3 packs a lane (N = 768) with dropout fit 128 registers
-// with their third input loaded early (kEarly) too. Before that change (the residual / ds read a pack at a time)
-// two blocks an SM had left the backward with dropout at 1.48x Triton's time (61.0 against 41.2 us a BERT-base
-// call, H200, run252): the serialized loads, not occupancy, limited it.
+// kept, for twice the warps in flight.) (Before rows of N = 768 took two warps, bwd_row_threads, their warp rows
+// of 3 packs a lane with dropout fit 128 registers at this threshold with kEarly, run259.)
 template <typename T, int VPL, int RT, bool DROP>
 constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 24)) ? 1 : 2;
 
@@ -475,12 +473,18 @@ void dispatch_shape(int N, F&& f) {
   }
 }
 
-// The backward's rows: one warp's up to 96 packs per row (N <= 768 fp16/bf16, 384 fp32: <= 3 packs per
-// lane), two warps' up to N = 1024 (2..4 packs per thread: at N = 1024 fp16/bf16 one warp would hold 32
+// The backward's rows: one warp's up to 64 packs per row fp16/bf16 (N <= 512: <= 2 packs per lane) or 96 fp32
+// (N <= 384: <= 3 packs), two warps' up to N = 1024 (2..4 packs per thread: at N = 1024 fp16/bf16 one warp would hold 32
 // elements per lane and spill at 128 registers), one block's beyond. The forward keeps warp_rows.
+// fp16 / bf16 rows of 65..96 packs (N = 768) take two warps (2 packs a thread, a quarter of them idle in the second)
+// rather than one warp with 3 packs a lane: the backward is latency-bound there (ncu, run260: 0.45 instructions issued
+// a cycle per scheduler from 3.9 warps, 25% occupancy at 128 registers), and two warps a row took it from 35.3 to 30.2
+// us at GPT-2's bf16 pre-LN with dropout, 28.9 to 24.1 without, 56.4 to 55.3 and 43.9 to 42.5 at BERT's post-LN
+// (H200, run260).
 template <typename T>
 int bwd_row_threads(int N) {
-  if (N / Pack<T>::n <= 96) return 32;
+  const int packs = N / Pack<T>::n;
+  if (packs <= (sizeof(T) == 2 ? 64 : 96)) return 32;
   return warp_rows(N) ? 64 : kThreads;
 }
 
@@ -497,8 +501,8 @@ void dispatch_bwd_shape(int N, F&& f) {
     using W = std::integral_constant<int, 32>;
     if (vpl <= 1) f(I1{}, W{});
     else if (vpl <= 2) f(I2{}, W{});
-    else f(I3{}, W{});
-  } else if (rt == 64) {  // (fp16/bf16: 97..128 packs, always 2 per thread)
+    else if constexpr (sizeof(T) == 4) f(I3{}, W{});  // (fp16 / bf16 warp rows have at most 2 packs a lane)
+  } else if (rt == 64) {  // (fp16/bf16: 65..128 packs, always 2 per thread)
     using W2 = std::integral_constant<int, 64>;
     if (sizeof(T) == 2 || vpl <= 2) f(I2{}, W2{});
     else if constexpr (sizeof(T) == 4) {
@@ -528,7 +532,7 @@ bool prefetch_enabled() {
 // (not with dropout: the Philox registers leave no room for a second row)
 template <typename T, int VPL, int RT, typename F>
 void dispatch_variant(bool dropout, F&& f) {
-  if (dropout) {
+  if (dropout) {  // (prefetching with dropout on one block an SM, warp rows of 3 packs: 56.4 -> 63.2 us, run260)
     f(std::false_type{}, std::true_type{});
     return;
   }
