@@ -269,12 +269,11 @@ template <typename T, int VPL, int RT>
 constexpr bool kPrefetchable = RT == kThreads && VPL <= 2;
 
 // At most 128 registers (two blocks per SM), except where 128 would spill hundreds of bytes: fp32 rows of
-// 32 elements per lane, and with dropout (Philox's registers on top) more than 24 elements per thread;
-// those take one block per SM. (fp16/bf16 block rows of 4 packs per thread, N = 8192, spill 36 bytes:
-// kept, for twice the warps in flight.) (Before rows of N = 768 took two warps, bwd_row_threads, their warp rows
-// of 3 packs a lane with dropout fit 128 registers at this threshold with kEarly, run259.)
+// 32 elements per lane, and with dropout (Philox's registers on top) more than 16 elements per thread
+// (fp16 / bf16 block rows of 3-4 packs a thread, N > 4096); those take one block per SM. (fp16/bf16 block rows of
+// 4 packs per thread, N = 8192, spill 36 bytes: kept, for twice the warps in flight.)
 template <typename T, int VPL, int RT, bool DROP>
-constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 24)) ? 1 : 2;
+constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 16)) ? 1 : 2;
 
 template <typename T, typename W, int VPL, int RT, bool PF, bool DROP>
 __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) ln_bwd_kernel(
@@ -474,8 +473,8 @@ void dispatch_shape(int N, F&& f) {
 }
 
 // The backward's rows: one warp's up to 64 packs per row fp16/bf16 (N <= 512: <= 2 packs per lane) or 96 fp32
-// (N <= 384: <= 3 packs), two warps' up to N = 1024 (2..4 packs per thread: at N = 1024 fp16/bf16 one warp would hold 32
-// elements per lane and spill at 128 registers), one block's beyond. The forward keeps warp_rows.
+// (N <= 384: <= 3 packs), two warps' up to N = 1024 (2..4 packs per thread: at N = 1024 fp16/bf16 one warp
+// would hold 32 elements per lane and spill at 128 registers), one block's beyond. The forward keeps warp_rows.
 // fp16 / bf16 rows of 65..96 packs (N = 768) take two warps (2 packs a thread, a quarter of them idle in the second)
 // rather than one warp with 3 packs a lane: the backward is latency-bound there (ncu, run260: 0.45 instructions issued
 // a cycle per scheduler from 3.9 warps, 25% occupancy at 128 registers), and two warps a row took it from 35.3 to 30.2
