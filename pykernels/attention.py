@@ -318,13 +318,14 @@ def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mas
                        auto=dropout_p > 0.0 and AUTO_CUDA_DROPOUT, traced=True)
 
 
-# ``auto`` runs eager attention calls with dropout on the C++ op where it is built and covers them. Dropout is
-# training, where the host time a step matters: the C++ op's forward and backward are one dispatcher call each
-# (autograd in C++), against the Triton path's Python, and a call with dropout cannot be captured in a CUDA graph
-# anyway (its seed is drawn on the host). On the GPU its kernels take longer with dropout (BERT-base, 12 layers,
-# H100: 3.2 + 7.8 ms a step forward + backward against Triton's 2.2 + 6.1), but whole eager training steps were
-# faster on both hosts measured (run249: transformers' BERT-base MLM step 48.7 ms against 56.9 ms, GPT-2 59.5
-# against 69.5; run247: 57.3 against 61.4 and 58.8 against 59.5). A GPU-bound loop (a fast host, large batches) can lose a few percent with it:
+# ``auto`` runs attention calls with dropout on the C++ op where it is built and covers them (eager, and under
+# torch.compile through its compiled pair). Dropout is training, where the host time a step matters: the C++ op's
+# forward and backward are one dispatcher call each (autograd in C++), against the Triton path's Python, and a call
+# with dropout cannot be captured in a CUDA graph anyway (its seed is drawn on the host). Its kernels with dropout
+# are also the faster ones on the GPU since run255-256 (H200, a call at BERT-base: 156 / 484 us forward / backward
+# against the Triton kernels' 177 / 547; GPT-2 91 / 286 against 120 / 359); before that they had been slower (H100:
+# 3.2 + 7.8 ms a BERT-base step against Triton's 2.2 + 6.1), and whole eager training steps were faster with them
+# all the same (run249: transformers' BERT-base MLM step 48.7 ms against 56.9, GPT-2 59.5 against 69.5).
 # ``PYKERNELS_AUTO_CUDA_DROPOUT=0`` keeps auto on Triton (read once).
 AUTO_CUDA_DROPOUT = os.environ.get("PYKERNELS_AUTO_CUDA_DROPOUT", "1") not in ("", "0")
 
