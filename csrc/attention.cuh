@@ -1558,6 +1558,32 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 // causal 272-273 vs 263-268 (1.01-1.04x).
 // FlashAttention-3's producer warp, ping-pong and dQ by atomics in the dK/dV blocks (two GEMMs of seven fewer) are
 // what is left.
+#if defined(PK_WGMMA)
+// The backward's two products over the head dim, issued (not committed): acc1 = A1 B1^T and acc2 = A2 B2^T, N columns
+// each (S and dP in the dQ blocks, their transposes in the dK/dV blocks). The A tiles have RA rows, the B tiles RB,
+// each in the swizzled 128-byte rows of load_tile_sw128 (64-column chunks R * 128 bytes apart); D / 16 k-steps, the
+// first of which overwrites the accumulators.
+template <typename T, int N, int D, int RA, int RB>
+__device__ __forceinline__ void wgmma_two_ss(float (&acc1)[N / 8][4], float (&acc2)[N / 8][4], uint32_t a1, uint32_t b1,
+                                             uint32_t a2, uint32_t b2) {
+#pragma unroll
+  for (int kt = 0; kt < D / 16; ++kt) {
+    const uint32_t col = kt >> 2, kk = (kt & 3) * 32u;
+    const uint64_t da1 = gmma_desc<16, 1024>(a1 + col * RA * 128 + kk);
+    const uint64_t db1 = gmma_desc<16, 1024>(b1 + col * RB * 128 + kk);
+    const uint64_t da2 = gmma_desc<16, 1024>(a2 + col * RA * 128 + kk);
+    const uint64_t db2 = gmma_desc<16, 1024>(b2 + col * RB * 128 + kk);
+    if (kt == 0) {
+      wgmma_ss_first<T, N>(acc1, da1, db1);
+      wgmma_ss_first<T, N>(acc2, da2, db2);
+    } else {
+      wgmma_ss<T, N>(acc1, da1, db1);
+      wgmma_ss<T, N>(acc2, da2, db2);
+    }
+  }
+}
+#endif  // PK_WGMMA
+
 template <int D, int MODE>
 struct DqSm90Pipe : std::bool_constant<D == 64 && MODE == kModeNone> {};
 
@@ -1686,21 +1712,7 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma&
       float sc[BN / 8][4], dp[BN / 8][4];
       fence_acc(dq);
       wgmma_fence();
-#pragma unroll
-      for (int kt = 0; kt < D / 16; ++kt) {  // S = Q K^T, dP = dO V^T
-        const uint32_t col = kt >> 2, kk = (kt & 3) * 32u;
-        const uint64_t dq_ = gmma_desc<16, 1024>(q_base + col * BM * 128 + kk);
-        const uint64_t dk_ = gmma_desc<16, 1024>(k_base + col * BN * 128 + kk);
-        const uint64_t do_ = gmma_desc<16, 1024>(o_base + col * BM * 128 + kk);
-        const uint64_t dv_ = gmma_desc<16, 1024>(v_base + col * BN * 128 + kk);
-        if (kt == 0) {
-          wgmma_ss_first<T, BN>(sc, dq_, dk_);
-          wgmma_ss_first<T, BN>(dp, do_, dv_);
-        } else {
-          wgmma_ss<T, BN>(sc, dq_, dk_);
-          wgmma_ss<T, BN>(dp, do_, dv_);
-        }
-      }
+      wgmma_two_ss<T, BN, D, BM, BN>(sc, dp, q_base, k_base, o_base, v_base);  // S = Q K^T, dP = dO V^T
       wgmma_commit();
       if constexpr (PREV) {  // dQ_{j-1} as a second group; wait for S_j and dP_j only
         issue_dq(k_prev());
@@ -1848,21 +1860,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     const uint32_t q_base = sQ + u * C::QBYTES, o_base = sO + u * C::QBYTES;
     float st[BQ / 8][4], dpt[BQ / 8][4];
     wgmma_fence();
-#pragma unroll
-    for (int kt = 0; kt < D / 16; ++kt) {  // S^T = K Q^T, dP^T = V dO^T
-      const uint32_t col = kt >> 2, kk = (kt & 3) * 32u;
-      const uint64_t dk_ = gmma_desc<16, 1024>(sK + col * BN * 128 + kk);
-      const uint64_t dq_ = gmma_desc<16, 1024>(q_base + col * BQ * 128 + kk);
-      const uint64_t dv_ = gmma_desc<16, 1024>(sV + col * BN * 128 + kk);
-      const uint64_t do_ = gmma_desc<16, 1024>(o_base + col * BQ * 128 + kk);
-      if (kt == 0) {
-        wgmma_ss_first<T, BQ>(st, dk_, dq_);
-        wgmma_ss_first<T, BQ>(dpt, dv_, do_);
-      } else {
-        wgmma_ss<T, BQ>(st, dk_, dq_);
-        wgmma_ss<T, BQ>(dpt, dv_, do_);
-      }
-    }
+    wgmma_two_ss<T, BQ, D, BN, BQ>(st, dpt, sK, q_base, sV, o_base);  // S^T = K Q^T, dP^T = V dO^T
     wgmma_commit();
     wgmma_wait_all();
     fence_acc(st);
