@@ -210,11 +210,13 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 
 // one pack of a backward row: s (= the raw s or x, plus the residual when given), dy and the weight. The residual's
 // pack comes from registers (res_raw, loaded with the row's other packs) when res_early, else from memory.
-template <typename T, typename W>
+// WREG: the weight pack comes from registers (w_reg, loaded once before the row loop), else from memory.
+template <typename T, typename W, bool WREG>
 __device__ __forceinline__ void row_values(const uint4& s_raw, const uint4& dy_raw, const T* __restrict__ res,
                                            const uint4& res_raw, bool res_early, const W* __restrict__ w,
-                                           int64_t base, int col, bool has_res, bool has_w, float* sv, float* d,
-                                           float* wv, bool drop_x, uint32_t drop_bits, float drop_scale) {
+                                           const float* w_reg, int64_t base, int col, bool has_res, bool has_w,
+                                           float* sv, float* d, float* wv, bool drop_x, uint32_t drop_bits,
+                                           float drop_scale) {
   constexpr int P = Pack<T>::n;
   unpack<T>(s_raw, sv);
   unpack<T>(dy_raw, d);
@@ -229,7 +231,10 @@ __device__ __forceinline__ void row_values(const uint4& s_raw, const uint4& dy_r
 #pragma unroll
     for (int j = 0; j < P; ++j) sv[j] += r[j];
   }
-  if (has_w) {
+  if constexpr (WREG) {
+#pragma unroll
+    for (int j = 0; j < P; ++j) wv[j] = w_reg[j];
+  } else if (has_w) {
     load_packs<W, P>(w + col, wv);
   } else {
 #pragma unroll
@@ -293,6 +298,20 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
 #pragma unroll
     for (int j = 0; j < P; ++j) dw[i][j] = db[i][j] = 0.f;
   }
+  // kWReg: a thread's columns are the same in every row it visits, so where the registers allow (at most 16 elements
+  // a thread) it loads their weights once, here, as fp32; else each pass of each row loads them again, one pack at a
+  // time behind the pack's branch, and the streaming row data can evict them from L1 in between
+  constexpr bool kWReg = VPL * P <= 16;
+  float wr[kWReg ? VPL : 1][P];
+  if constexpr (kWReg) {
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int col = (i * RT + lane) * P;
+#pragma unroll
+      for (int j = 0; j < P; ++j) wr[i][j] = 1.f;
+      if (has_w && col < N) load_packs<W, P>(w + col, wr[i]);
+    }
+  }
   const float inv_n = 1.f / static_cast<float>(N);
   // a thread's share of one row as raw 16-byte packs (4 registers each, not 2 * P fp32 values): s (or x),
   // dy and, when kEarly, the third input t: the gradient arriving through s (has_ds: pre-LN) or else the
@@ -343,8 +362,8 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
           kept &= ~((~kb & ((1u << P) - 1u)) << (i * P));
         }
         float sv[P], d[P], wv[P];
-        row_values(cur.s[i], cur.dy[i], res, cur.t[i], res_early, w, base, col, has_res, has_w, sv, d, wv,
-                   DROP && recompute, kept >> (i * P), drop_scale);
+        row_values<T, W, kWReg>(cur.s[i], cur.dy[i], res, cur.t[i], res_early, w, wr[kWReg ? i : 0], base, col,
+                                has_res, has_w, sv, d, wv, DROP && recompute, kept >> (i * P), drop_scale);
 #pragma unroll
         for (int j = 0; j < P; ++j) {
           const float xh = (sv[j] - mu) * rs;
@@ -364,8 +383,8 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
       const int col = (i * RT + lane) * P;
       if (col < N) {
         float sv[P], d[P], wv[P], o[P], extra[P];
-        row_values(cur.s[i], cur.dy[i], res, cur.t[i], res_early, w, base, col, has_res, has_w, sv, d, wv,
-                   DROP && recompute, kept >> (i * P), drop_scale);
+        row_values<T, W, kWReg>(cur.s[i], cur.dy[i], res, cur.t[i], res_early, w, wr[kWReg ? i : 0], base, col,
+                                has_res, has_w, sv, d, wv, DROP && recompute, kept >> (i * P), drop_scale);
         if (has_ds) {
           if constexpr (kEarly) unpack<T>(cur.t[i], extra);
           else load_pack(ds_out + base + col, extra);
