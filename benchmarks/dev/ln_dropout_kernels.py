@@ -10,6 +10,11 @@ dropout (8 x 1024 rows of 768).
 Usage (GPU): ``python benchmarks/dev/ln_dropout_kernels.py [--iters 30] [--p 0.1 ...]``. Prints, a shape, dropout
 rate and backend, the mean device time a call of each kernel it launched (forward, backward, the dweight / dbias
 reduction).
+
+``--ncu CASE`` (``bert`` or ``gpt2``, at the first ``--p``) instead runs one step of each backend between
+``cudaProfilerStart`` and ``cudaProfilerStop`` after the warm-up (Triton's autotuning included), for Nsight Compute
+with ``--profile-from-start off``: ``ncu --profile-from-start off -k regex:bwd ... python
+benchmarks/dev/ln_dropout_kernels.py --ncu bert`` profiles the tuned kernels only.
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ import pykernels
 CASES = (("bert post-LN", 16384, 768, False), ("gpt2 pre-LN", 8192, 768, True))
 
 
-def kernel_us(backend: str, m: int, n: int, prenorm: bool, iters: int, p: float = 0.1) -> dict[str, float]:
+def kernel_us(backend: str, m: int, n: int, prenorm: bool, iters: int, p: float = 0.1,
+              ncu: bool = False) -> dict[str, float]:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -40,6 +46,12 @@ def kernel_us(backend: str, m: int, n: int, prenorm: bool, iters: int, p: float 
     for _ in range(3):
         step()  # compiles / warms up outside the profile
     torch.cuda.synchronize()
+    if ncu:  # one step inside the profiler's range, nothing timed here
+        torch.cuda.profiler.start()
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return {}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step()
@@ -59,8 +71,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--p", type=float, nargs="+", default=[0.1], help="dropout rates (each a set of lines)")
+    ap.add_argument("--ncu", choices=[c[0].split()[0] for c in CASES], help="one profiled step a backend (see above)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if args.ncu:
+        name, m, n, prenorm = next(c for c in CASES if c[0].startswith(args.ncu))
+        for backend in ("cuda", "triton"):
+            kernel_us(backend, m, n, prenorm, args.iters, args.p[0], ncu=True)
+        return
     for p in args.p:
         for name, m, n, prenorm in CASES:
             for backend in ("cuda", "triton"):
