@@ -147,13 +147,44 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / RT) + threadIdx.x / RT;
   if (row >= M) return;  // (RT = kThreads: one row per block, never taken)
   const int64_t base = row * N;
+  // the row's x and residual packs are all loaded before any is used: loaded where each pack is used, behind its
+  // branches (col < N, has_res), a row waited for memory once a pack (ptxas does not hoist a load above a branch);
+  // with the weights below, H200 run266 graph-replay forward 70.6 -> 84.2% of copy at post 16384 x 1024,
+  // 86 -> 95% at 8192 x 4096
+  uint4 x_raw[VPL], r_raw[VPL];
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int col = (i * RT + lane) * P;
+    if (col < N) {
+      x_raw[i] = *reinterpret_cast<const uint4*>(x + base + col);
+      if (has_res) r_raw[i] = *reinterpret_cast<const uint4*>(res + base + col);
+    }
+  }
+  // kWEarly: the weight and bias packs too (kWP 16-byte loads a pack each), so their latency overlaps the row's sums
+  // rather than the stores waiting for them a pack at a time; only where a pack's parameters are one load each (W = T)
+  // and at most 4 packs a thread: fp32 parameters beside fp16 / bf16 rows (two loads each) took the 3-4-pack kernels
+  // from 62-64 to 94-127 registers, fp32 rows of 6-8 packs to 110-157
+  constexpr int kWP = P * static_cast<int>(sizeof(W)) / 16;
+  constexpr bool kWEarly = kWP == 1 && VPL <= 4;
+  uint4 w_raw[VPL][kWP], b_raw[VPL][kWP];
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int col = (i * RT + lane) * P;
+    if (kWEarly && col < N) {
+#pragma unroll
+      for (int k = 0; k < kWP; ++k) {
+        if (has_w) w_raw[i][k] = *reinterpret_cast<const uint4*>(w + col + k * Pack<W>::n);
+        if (has_b) b_raw[i][k] = *reinterpret_cast<const uint4*>(b + col + k * Pack<W>::n);
+      }
+    }
+  }
   float v[VPL][P];
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
     const int col = (i * RT + lane) * P;
     if (col < N) {
-      load_pack(x + base + col, v[i]);
+      unpack<T>(x_raw[i], v[i]);
       if constexpr (DROP) {
         const uint32_t kb = keep_bits<P>(seed, row, N, col, drop_p);
 #pragma unroll
@@ -161,7 +192,7 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
       }
       if (has_res) {
         float r[P];
-        load_pack(res + base + col, r);
+        unpack<T>(r_raw[i], r);
 #pragma unroll
         for (int j = 0; j < P; ++j) v[i][j] += r[j];
       }
@@ -196,8 +227,13 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     if (col < N) {
       if (store_s) store_pack(s + base + col, v[i]);
       float wv[P], bv[P], o[P];
-      if (has_w) load_packs<W, P>(w + col, wv);
-      if (has_b) load_packs<W, P>(b + col, bv);
+      if constexpr (kWEarly) {
+        if (has_w) unpack<W>(w_raw[i][0], wv);
+        if (has_b) unpack<W>(b_raw[i][0], bv);
+      } else {
+        if (has_w) load_packs<W, P>(w + col, wv);
+        if (has_b) load_packs<W, P>(b + col, bv);
+      }
 #pragma unroll
       for (int j = 0; j < P; ++j) {
         float t = (v[i][j] - mu) * rstd;
@@ -267,13 +303,15 @@ __device__ __forceinline__ void put_sums(float* dst, int64_t db_offset, const fl
 }
 
 // PF: the next row's raw loads are issued before this row's math (block rows of at most 2 packs per
-// thread, where a block has a single row in flight otherwise). kEarly: the row's third input, the gradient
-// through s (pre-LN) or the residual (post-LN, which recomputes s = x + residual), is loaded with s and dy
+// thread, where a block has a single row in flight otherwise, and rows of two warps with 2 packs a thread: 128
+// registers and no spill without dropout, where Triton's prefetching programs kept more warps ready than ours, ncu
+// run264; run266: 39.7 -> 34.4 us at 16384 x 768, with dropout 52.1 -> 48.5). kEarly: the row's third input, the
+// gradient through s (pre-LN) or the residual (post-LN, which recomputes s = x + residual), is loaded with s and dy
 // before any math (where the registers allow it, and always with dropout); else each pack of it is loaded where it
 // is used, and the branch around each pack (col < N) kept ptxas from hoisting those loads: a row waited for
 // memory once for s and dy, then once a pack (the residual in the first pass, ds in the second).
 template <typename T, int VPL, int RT>
-constexpr bool kPrefetchable = RT == kThreads && VPL <= 2;
+constexpr bool kPrefetchable = (RT == kThreads || RT == 64) && VPL <= 2;
 
 // At most 128 registers (two blocks per SM), except where 128 would spill hundreds of bytes: fp32 rows of
 // 32 elements per lane, and with dropout (Philox's registers on top) more than 16 elements per thread
@@ -290,7 +328,8 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
     bool need_dwb, bool rms, bool recompute, uint64_t seed, float drop_p, float drop_scale) {
   constexpr int P = Pack<T>::n;
   constexpr bool kEarly = DROP || !(sizeof(T) == 2 && VPL >= 4);  // (fp16 / bf16 block rows of 4 packs spill)
-  static_assert(!PF || (kPrefetchable<T, VPL, RT> && !DROP), "prefetch is for narrow block rows");
+  static_assert(!PF || (kPrefetchable<T, VPL, RT> && (!DROP || RT == 64)),
+                "prefetch is for rows of at most 2 packs a thread (with dropout: rows of two warps)");
   extern __shared__ float smem[];  // [2][N]: dweight, dbias block sums (RT < kThreads)
   constexpr int kRows = kThreads / RT;  // rows a block works on at a time
   const int lane = threadIdx.x % RT;
@@ -549,10 +588,18 @@ bool prefetch_enabled() {
 }
 
 // f(PF, DROP): DROP = dropout; PF = whether the backward of this row shape prefetches the next row
-// (not with dropout: the Philox registers leave no room for a second row)
+// (with dropout only for two-warp rows: elsewhere the Philox registers leave no room for a second row)
 template <typename T, int VPL, int RT, typename F>
 void dispatch_variant(bool dropout, F&& f) {
-  if (dropout) {  // (prefetching with dropout on one block an SM, warp rows of 3 packs: 56.4 -> 63.2 us, run260)
+  // (prefetching with dropout on one block an SM, warp rows of 3 packs: 56.4 -> 63.2 us, run260; two-warp rows of 2
+  // packs prefetch at 128 registers with 16-20 bytes of spill, a few local loads and stores a row)
+  if (dropout) {
+    if constexpr (kPrefetchable<T, VPL, RT> && RT == 64) {
+      if (prefetch_enabled()) {
+        f(std::true_type{}, std::true_type{});
+        return;
+      }
+    }
     f(std::false_type{}, std::true_type{});
     return;
   }
