@@ -733,10 +733,12 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
 
 // -> dx, dweight (or undefined), dbias (or undefined), dresidual (dx itself without dropout). ``a`` is the
 // saved s (pre-LN) or x (post-LN, ``recompute``: s = dropout(x) + residual again); ``pdt`` the parameters' dtype
-// (that of dweight and dbias).
+// (that of dweight and dbias); ``want_dwb`` false: neither parameter needs a gradient (frozen), so the row sums
+// for dweight / dbias, their buffer and the kernel that reduces it are skipped (both undefined then).
 std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, const Tensor& a_in, const Tensor& res_in,
                                   const Tensor& w_in, bool has_b, at::ScalarType pdt, const Tensor& mean,
-                                  const Tensor& rstd, bool rms, bool recompute, double dropout_p, int64_t seed) {
+                                  const Tensor& rstd, bool rms, bool recompute, double dropout_p, int64_t seed,
+                                  bool want_dwb) {
   const c10::cuda::CUDAGuard guard(a_in.device());
   const Tensor a = dense(a_in);
   const Tensor res = res_in.defined() ? dense(res_in) : Tensor();
@@ -748,7 +750,7 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   Tensor dx = poisoned(at::empty_like(a));
   const bool dropout = dropout_p > 0.0;
   Tensor dres = dropout ? poisoned(at::empty_like(a)) : dx;
-  const bool need = w.defined() || has_b;
+  const bool need = want_dwb && (w.defined() || has_b);
   const int sms = sm_count(a.get_device());
   int rt_threads = kThreads;
   dispatch_float_dtype(a.scalar_type(), "pykernels_cuda.layer_norm: x", [&](auto tag) { rt_threads = bwd_row_threads<decltype(tag)>(N); });
@@ -770,8 +772,8 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   auto f32 = a.options().dtype(at::kFloat);
   Tensor partial = at::empty({need ? 2 * progs * N : 0}, f32);
   const auto popts = a.options().dtype(pdt);
-  Tensor dw = w.defined() ? poisoned(at::empty({N}, popts)) : Tensor();
-  Tensor db = has_b ? poisoned(at::empty({N}, popts)) : Tensor();
+  Tensor dw = need && w.defined() ? poisoned(at::empty({N}, popts)) : Tensor();
+  Tensor db = need && has_b ? poisoned(at::empty({N}, popts)) : Tensor();
   auto stream = c10::cuda::getCurrentCUDAStream();
   dispatch_types(a.scalar_type(), pdt, [&](auto tag, auto wtag) {
     using T = decltype(tag);
@@ -825,6 +827,9 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["seed"] = seed;
     if (!prenorm) ctx->mark_non_differentiable({out[1]});
+    // an output's gradient that never came (post-LN's placeholder s, an unused pre-LN s) stays undefined: the
+    // backward skips it, where materialised it was a zeros tensor allocated, filled and read every backward
+    ctx->set_materialize_grads(false);
     return {out[0], out[1]};
   }
 
@@ -841,13 +846,19 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     const bool has_r = ctx->saved_data["has_r"].toBool();
     const Tensor& a = saved[0];
     Tensor dy = grads[0];
-    if (!dy.defined()) dy = at::zeros_like(a);
+    if (!dy.defined()) dy = at::zeros_like(a);  // (only s was used)
     const Tensor ds = prenorm ? grads[1] : Tensor();
     const auto pdt = static_cast<at::ScalarType>(ctx->saved_data["pdt"].toInt());
+    // the inputs' edges: x, then weight and bias where given (an absent optional has none)
+    const bool has_w = saved[2].defined();
+    const bool need_dw = has_w && ctx->needs_input_grad(1);
+    const bool need_db = has_b && ctx->needs_input_grad(has_w ? 2 : 1);
     auto g = backward_impl(dy, ds, a, saved[1], saved[2], has_b, pdt, saved[3], saved[4], rms, !prenorm,
-                           ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["seed"].toInt());
+                           ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["seed"].toInt(),
+                           need_dw || need_db);
     // without dropout dx and dresidual are equal: one tensor serves both
-    return {g[0], g[1], g[2], has_r ? g[3] : Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    return {g[0], need_dw ? g[1] : Tensor(), need_db ? g[2] : Tensor(), has_r ? g[3] : Tensor(), Tensor(), Tensor(),
+            Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -898,7 +909,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& dy, cons
   const auto pdt = param_dtype(a, w, b);
   auto g = backward_impl(dy, ds.value_or(Tensor()), a, prenorm ? Tensor() : residual.value_or(Tensor()),
                          w.value_or(Tensor()), b.has_value(), pdt, mean, rstd, rms_norm, !prenorm, dropout_p,
-                         seed_value(dropout_p, seed, kOp));
+                         seed_value(dropout_p, seed, kOp), true);
   const auto none = [&](at::ScalarType dt) { return at::empty({0}, a.options().dtype(dt)); };
   return {dropout_p > 0.0 ? g[0] : none(a.scalar_type()), g[3], g[1].defined() ? g[1] : none(pdt),
           g[2].defined() ? g[2] : none(pdt)};

@@ -226,7 +226,12 @@ def test_zero_rows(device):
 def test_prenorm_gradient_through_one_output_only(backend, device):
     """Pre-LN with only y or only s in the loss: the other output's gradient arrives as None (no zero
     tensor is built for it) and the result equals the eager formula."""
-    x, r, w, b = _make((7, 96), torch.float32, device)
+    _one_output_only(backend, device, (7, 96))
+
+
+def _one_output_only(backend, device, shape):
+    x, r, w, b = _make(shape, torch.float32, device)
+    n = shape[-1]
     for use in ("y", "s"):
         y, s = pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend=backend)
         out = y if use == "y" else s
@@ -234,7 +239,7 @@ def test_prenorm_gradient_through_one_output_only(backend, device):
         got = torch.autograd.grad(out, (x, r, w, b), up, allow_unused=True)
         xs, rs, ws, bs = (t.detach().double().requires_grad_() for t in (x, r, w, b))
         s_ref = xs + rs
-        ref_out = torch.nn.functional.layer_norm(s_ref, (96,), ws, bs, 1e-5) if use == "y" else s_ref
+        ref_out = torch.nn.functional.layer_norm(s_ref, (n,), ws, bs, 1e-5) if use == "y" else s_ref
         want = torch.autograd.grad(ref_out, (xs, rs, ws, bs), up.double(), allow_unused=True)
         for name, g, e in zip("xrwb", got, want):
             if e is None:  # s does not depend on w, b: their gradient is zero (or absent)
@@ -691,6 +696,35 @@ def test_cuda_backend_optional_params_strided_and_leading_dims(weight, bias):
     x, r, w, b = _make((4, 33, 768), torch.bfloat16, "cuda", weight=weight, bias=bias, strided=True)
     _check(x, r, w, b, backend="cuda", prenorm=True)
     _check(x, r, w, b, backend="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_cuda_backend_one_output_and_frozen_params():
+    """The C++ op's own autograd (csrc/layer_norm.cu): pre-LN with only y or only s in the loss (the other output's
+    gradient stays undefined: no zeros tensor stands in for it), and frozen parameters (a weight or bias that needs no
+    gradient gets none; with both frozen the parameter sums are skipped), against the float64 formula."""
+    _one_output_only("cuda", "cuda", (300, 768))
+    x, r, w, b = _make((300, 768), torch.float32, "cuda")
+    for frozen in ("w", "b", "wb"):
+        for prenorm in (False, True):
+            xs = x.detach().clone().requires_grad_()
+            ws = w.detach().clone().requires_grad_("w" not in frozen)
+            bs = b.detach().clone().requires_grad_("b" not in frozen)
+            out = pykernels.layer_norm(xs, ws, bs, residual=r.detach(), prenorm=prenorm, backend="cuda")
+            y = out[0] if prenorm else out
+            up = torch.randn_like(y)
+            (y * up).sum().backward()
+            xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+            yd = torch.nn.functional.layer_norm(xd + r.detach().double(), (768,), wd, bd, 1e-5)
+            gx, gw, gb = torch.autograd.grad(yd, (xd, wd, bd), up.double())
+            what = f"frozen {frozen}, prenorm {prenorm}"
+            torch.testing.assert_close(xs.grad.double(), gx, rtol=1e-4, atol=1e-5, msg=what)
+            for name, t, g in (("w", ws, gw), ("b", bs, gb)):
+                if name in frozen:
+                    assert t.grad is None, what
+                else:
+                    torch.testing.assert_close(t.grad.double(), g, rtol=1e-4, atol=1e-4, msg=f"{what}: d{name}")
 
 
 def _compiled_code_and_results(f, inputs, upstream):
