@@ -30,7 +30,7 @@ def main():
     for _ in range(2):
         rows.clear()
         _measure(rows, x, r, xg, dev, dt)
-    _report(rows, x, r, dev, dt)
+    _report(rows, x, r, xg, dev, dt)
 
 
 def _measure(rows, x, r, xg, dev, dt):
@@ -53,7 +53,7 @@ def _measure(rows, x, r, xg, dev, dt):
             rows.append((f"{name} w.requires_grad={wgrad}", fwd, a, c))
 
 
-def _report(rows, x, r, dev, dt):
+def _report(rows, x, r, xg, dev, dt):
     # the compiled pair, bare: no autograd nodes at all
     w = torch.ones(64, device=dev, dtype=dt)
     b = torch.zeros(64, device=dev, dtype=dt)
