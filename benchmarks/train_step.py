@@ -22,6 +22,11 @@ Variants (each its own model and ``torch.optim.AdamW(fused=True)``):
 * ``--max-valid`` adds BERT's ``pykernels`` variants with ``masked_lm_loss(..., max_valid=tokens // 5)``: the
   loss's backward sized by a bound instead of the count of labelled rows, so the step never waits for the GPU.
 * ``--compile`` adds each of the first two with its forward and loss under ``torch.compile`` (default mode).
+* ``--graph`` adds each of the first two with the whole step (forward, loss, backward, the fused AdamW step with
+  ``capturable=True``) captured once in a CUDA graph and replayed (``torch.cuda.graph``, autocast without its weight
+  cache as CUDA graphs need): no host time a step. Dropout stays on: transformers' own dropout and pykernels' draw
+  their seeds on the device, so each replay draws fresh masks. BERT's masked-LM loss takes its graph-safe backward
+  there (the labelled rows are not counted on the host).
 
 Reported per variant: milliseconds a step (wall clock over ``--steps`` steps after ``--warmup``, host
 included, as a training loop sees it), tokens a second, peak memory allocated during the timed steps, and the
@@ -162,14 +167,18 @@ def run_variant(case: Case, variant: str, state: dict, batch, device, *, steps: 
     model, fwd = build(case, variant, state, device)
     inputs, labels = batch
 
+    graphed = variant.endswith(", CUDA graph")
+
     def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+        # (a captured graph must not keep autocast's cached weight casts: they are made once, at capture)
+        return (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not graphed) if amp
+                else contextlib.nullcontext())
 
     with torch.no_grad(), autocast():
         model.eval()
         loss0 = float(fwd(inputs, labels))
         model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda", capturable=graphed)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -181,6 +190,24 @@ def run_variant(case: Case, variant: str, state: dict, batch, device, *, steps: 
 
     cuda = device.type == "cuda"
     t_warm = time.perf_counter()
+    if graphed:  # warm up on a side stream, then capture one step (torch.cuda.graph's whole-network recipe)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(max(warmup, 3)):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)  # backward allocates the gradients from the graph's pool
+        with torch.cuda.graph(graph):
+            with autocast():
+                static_loss = fwd(inputs, labels)
+            static_loss.backward()
+            opt.step()
+
+        def step():  # noqa: F811 - the replay is the step
+            graph.replay()
+            return static_loss
     for _ in range(warmup):
         step()
     if cuda:
@@ -199,6 +226,8 @@ def run_variant(case: Case, variant: str, state: dict, batch, device, *, steps: 
                tokens_per_s=round(tokens / ms * 1e3), peak_GiB=round(peak, 2), eval_loss0=round(loss0, 5),
                train_loss_last=round(last.item(), 4), warmup_s=round(warm_s, 1), steps=steps)
     del model, fwd, opt
+    if graphed:
+        del graph, static_loss, step
     if cuda:
         torch.cuda.empty_cache()
     return row
@@ -222,6 +251,7 @@ def main(argv=None, rows_out: list | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="add the torch.compile variants")
+    ap.add_argument("--graph", action="store_true", help="add the variants whose whole step is one CUDA graph")
     ap.add_argument("--max-valid", action="store_true",
                     help="add BERT's pykernels variant with masked_lm_loss(max_valid=tokens // 5): no host wait")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip the variants left past this")
@@ -241,6 +271,8 @@ def main(argv=None, rows_out: list | None = None) -> int:
         variants += [v + ", max_valid" for v in variants if v.startswith("pykernels")]
     if args.compile:
         variants += ["hf sdpa + compile", "pykernels + compile"]
+    if args.graph and not args.smoke:
+        variants += ["hf sdpa, CUDA graph", "pykernels, CUDA graph"]
     t_start = time.perf_counter()
     rows, bad = [], []
     for case in cases(args.smoke):

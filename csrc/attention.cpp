@@ -104,7 +104,7 @@ void set_strides(const Tensor& t, bool varlen, int64_t& sb, int64_t& sh, int64_t
 
 Params base_params(const Shape& s, const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
                    const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, double p_drop, bool causal,
-                   double scale, int64_t seed) {
+                   double scale, const optional<Tensor>& seed) {
   Params p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -151,7 +151,7 @@ Params base_params(const Shape& s, const Tensor& q, const Tensor& k, const Tenso
   const double rate = dropout_rate(p_drop);
   p.p_drop = static_cast<float>(rate);
   p.inv_keep = rate > 0.0 ? static_cast<float>(1.0 / (1.0 - rate)) : 1.f;
-  p.seed = static_cast<uint64_t>(seed);
+  p.seed = seed_ptr(p_drop, seed, q, kOp);
   TORCH_CHECK(p.sk <= INT32_MAX - 7, kOp, ": at most 2^31 - 8 keys");
   p.drop_sk = (p.sk + 7) / 8 * 8;
   return p;
@@ -161,7 +161,7 @@ Params base_params(const Shape& s, const Tensor& q, const Tensor& k, const Tenso
 std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                  const optional<Tensor>& mask, const optional<Tensor>& cu_q,
                                  const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k, double p_drop,
-                                 bool causal, double scale, int64_t seed) {
+                                 bool causal, double scale, const optional<Tensor>& seed) {
   const Shape s = check_inputs(q_in, k_in, v_in, mask, cu_q, cu_k, max_q, max_k);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in);
@@ -185,7 +185,8 @@ std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const T
 std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                   const Tensor& o_in, const Tensor& lse, const optional<Tensor>& mask,
                                   const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q,
-                                  int64_t max_k, double p_drop, bool causal, double scale, int64_t seed) {
+                                  int64_t max_k, double p_drop, bool causal, double scale,
+                                  const optional<Tensor>& seed) {
   const Shape s = check_inputs(q_in, k_in, v_in, mask, cu_q, cu_k, max_q, max_k);
   TORCH_CHECK(dout_in.sizes() == o_in.sizes(), kOp, ": the output gradient must have the output's shape");
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -223,16 +224,16 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                 const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
                                                 const optional<Tensor>& cu_q, const optional<Tensor>& cu_k,
                                                 int64_t max_q, int64_t max_k, double p_drop, bool causal,
-                                                double scale, int64_t seed) {
+                                                double scale, const optional<Tensor>& seed) {
     auto out = forward_impl(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed);
     const Tensor none;
-    ctx->save_for_backward({q, k, v, out[0], out[1], mask.value_or(none), cu_q.value_or(none), cu_k.value_or(none)});
+    ctx->save_for_backward({q, k, v, out[0], out[1], mask.value_or(none), cu_q.value_or(none), cu_k.value_or(none),
+                            seed.value_or(none)});
     ctx->saved_data["max_q"] = max_q;
     ctx->saved_data["max_k"] = max_k;
     ctx->saved_data["p_drop"] = p_drop;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
-    ctx->saved_data["seed"] = seed;
     return {out[0]};
   }
 
@@ -246,7 +247,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto g = backward_impl(dout, saved[0], saved[1], saved[2], saved[3], saved[4], opt(saved[5]), opt(saved[6]),
                            opt(saved[7]), ctx->saved_data["max_q"].toInt(), ctx->saved_data["max_k"].toInt(),
                            ctx->saved_data["p_drop"].toDouble(), ctx->saved_data["causal"].toBool(),
-                           ctx->saved_data["scale"].toDouble(), ctx->saved_data["seed"].toInt());
+                           ctx->saved_data["scale"].toDouble(), opt(saved[8]));
     return {g[0], g[1], g[2], Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
             Tensor()};
   }
@@ -254,13 +255,13 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 
 Tensor attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
                           const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
-                          double p_drop, bool causal, double scale, int64_t seed) {
+                          double p_drop, bool causal, double scale, const optional<Tensor>& seed) {
   return AttentionFunction::apply(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed)[0];
 }
 
 Tensor attention_nograd(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
                         const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
-                        double p_drop, bool causal, double scale, int64_t seed) {
+                        double p_drop, bool causal, double scale, const optional<Tensor>& seed) {
   return forward_impl(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed)[0];
 }
 
@@ -272,9 +273,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& 
                                                  const optional<Tensor>& mask, const optional<Tensor>& cu_q,
                                                  const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
                                                  double p_drop, bool causal, double scale) {
-  Tensor seed = draw_seed(p_drop, q, "pykernels_cuda.attention_fwd");
-  auto out = forward_impl(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale,
-                          seed_value(p_drop, seed, "pykernels_cuda.attention_fwd"));
+  Tensor seed = draw_seed(p_drop, q);
+  auto out = forward_impl(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed);
   return {out[0], out[1], seed};
 }
 
@@ -283,8 +283,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
                                                  const optional<Tensor>& mask, const optional<Tensor>& cu_q,
                                                  const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
                                                  double p_drop, bool causal, double scale, const Tensor& seed) {
-  auto g = backward_impl(dout, q, k, v, o, lse, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale,
-                         seed_value(p_drop, seed, "pykernels_cuda.attention_bwd"));
+  auto g = backward_impl(dout, q, k, v, o, lse, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed);
   return {g[0], g[1], g[2]};
 }
 
@@ -293,7 +292,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
 
 TORCH_LIBRARY_FRAGMENT(pykernels_cuda, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-        "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale, int seed) -> Tensor");
+        "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale, Tensor? seed) -> Tensor");
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? attn_mask, "

@@ -421,8 +421,8 @@ __device__ __forceinline__ uint32_t row_keep_bits(const Params& p, const DropRow
                                                   int nt, int t4) {
   const int i = (t4 & 1) ? row[1] : row[0];
   const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups + static_cast<uint64_t>((k0 >> 3) + nt + (t4 >> 1));
-  return kInl ? group_keep_bits_inl<2>(p.seed, ctr, drop_threshold(p), t4)
-              : group_keep_bits<2>(p.seed, ctr, drop_threshold(p), t4);
+  return kInl ? group_keep_bits_inl<2>(drop_seed(), ctr, drop_threshold(p), t4)
+              : group_keep_bits<2>(drop_seed(), ctr, drop_threshold(p), t4);
 }
 // Keep bits of a key-row-layout thread (the dK/dV kernels: keys key[0] = kb + g, key[1] = kb + 8 + g, kb a multiple of
 // 8; queries qs + (nt + u) 8 + 2 t4 + q of the n-tiles nt, nt + 1): bit 4 u + 2 r + q is element (query
@@ -433,8 +433,8 @@ __device__ __forceinline__ uint32_t key_keep_bits(const Params& p, const DropRow
   const int i = qs + (nt + (g >> 2)) * 8 + 2 * t4 + (g & 1);
   const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups +
                        static_cast<uint64_t>(((key[0] - g) >> 3) + ((g >> 1) & 1));
-  return kInl ? group_keep_bits_inl<1>(p.seed, ctr, drop_threshold(p), g)
-              : group_keep_bits<1>(p.seed, ctr, drop_threshold(p), g);
+  return kInl ? group_keep_bits_inl<1>(drop_seed(), ctr, drop_threshold(p), g)
+              : group_keep_bits<1>(drop_seed(), ctr, drop_threshold(p), g);
 }
 
 // lse (natural log) -> the log2-domain subtrahend of the backward; +inf for a row with no key (its P is 0)
@@ -562,6 +562,7 @@ struct FwdCfg {
 
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
+  drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
   using C = FwdCfg<D>;
   constexpr int BC = C::BC, LD = C::LD;
   constexpr bool kKeys = MODE == kModeKeys;
@@ -699,6 +700,7 @@ __device__ __forceinline__ void load_tile_sw128(uint32_t s, const T* g, int64_t 
 
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(FwdSm90Cfg<D>::NT, FwdSm90Cfg<D>::MIN_BLOCKS) attn_fwd_sm90_kernel(const Params p) {
+  drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
   using C = FwdSm90Cfg<D>;
   constexpr int BM = C::BM, BN = C::BN, NT = C::NT;
@@ -800,6 +802,7 @@ struct FwdSm90PipeCfg {
 
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_BLOCKS) attn_fwd_sm90_pipe_kernel(const Params p) {
+  drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
   using C = FwdSm90PipeCfg<D>;
   constexpr int BM = C::BM, BN = C::BN, NT = C::NT;
@@ -1038,6 +1041,7 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int64_t t, int n_m) {
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
     attn_fwd_sm90_ws_kernel(const Params p, const __grid_constant__ FwdTma tm) {
+  drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
   using C = FwdWsCfg<D>;
   constexpr int BM = C::BM, BN = C::BN, S = C::STAGES;
@@ -1373,6 +1377,7 @@ struct DkdvCfg {
 
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(kThreads, DkdvCfg<D>::MIN_BLOCKS) attn_bwd_dkdv_kernel(const Params p) {
+  drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
   using C = DkdvCfg<D>;
   constexpr int DC = C::DC, BQ = C::BQ, LD = C::LD;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -1452,6 +1457,7 @@ struct DqCfg {
 
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
+  drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
   using C = DqCfg<D>;
   constexpr int BC = C::BC, LD = C::LD;
   constexpr bool kKeys = MODE == kModeKeys;
@@ -1902,6 +1908,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 template <typename T, int D, int MODE, bool TMA>
 __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS)
     attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
+  drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
   constexpr bool PIPE = DqSm90Pipe<D, MODE>::value;
   static_assert(DkdvSm90Cfg<D>::NT == DqSm90Cfg<D, PIPE>::NT &&

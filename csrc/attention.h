@@ -47,7 +47,7 @@ struct Params {
   int drop_sk;             // Sk rounded up to a multiple of 8: the dropout counter's row stride (drop_rows; in the
                            // padding after causal, so the struct's size is unchanged)
   float p_drop, inv_keep;
-  uint64_t seed;
+  const int64_t* seed;      // the dropout seed, (1,) int64 in device memory (philox.cuh's drop_seed_init)
 };
 
 // o and lse (Params::out, Params::lse) from q, k, v on ``stream``; T is __half or __nv_bfloat16

@@ -45,27 +45,26 @@ inline at::Tensor poisoned(at::Tensor t) {
 }
 
 // The dropout seed a forward op of a compiled graph draws (pykernels_cuda::layer_norm_fwd, ::attention_fwd): with
-// dropout a CPU int64 tensor of one value in [0, 2^31 - 1), drawn from torch's default CPU generator as
-// pykernels._rng.new_seed draws it (torch.randint(0, 2**31 - 1, (1,))), so one torch.manual_seed gives the same mask
-// eagerly and compiled; without dropout an empty (0,) int64 tensor on ``like``'s device (a CPU tensor among a
-// graph's outputs would make torch.compile skip CUDA graphs). Under CUDA-graph capture a seed drawn on the host
-// would replay one mask forever: refused, as pykernels._rng.check_not_capturing refuses it.
-inline at::Tensor draw_seed(double dropout_p, const at::Tensor& like, const char* op) {
+// dropout a (1,) int64 tensor in [0, 2^31 - 1) on ``like``'s device, drawn from that device's generator as
+// pykernels._rng.op_seed draws it (torch.randint(0, 2**31 - 1, (1,), device=...)), so one torch.manual_seed gives the
+// same mask eagerly and compiled; without dropout an empty (0,) int64 placeholder there. Drawn on the device, it is
+// CUDA-graph safe: torch's CUDA generator advances its Philox offset on every replay of a captured graph, and the
+// kernels read the seed from memory (seed_ptr; philox.cuh's drop_seed_init), so each replay has a fresh mask.
+inline at::Tensor draw_seed(double dropout_p, const at::Tensor& like) {
   if (!(dropout_p > 0.0)) return at::empty({0}, like.options().dtype(at::kLong));
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(like.get_device()).stream(), &capture));
-  TORCH_CHECK(capture == cudaStreamCaptureStatusNone, op,
-              ": dropout_p > 0 inside CUDA-graph capture would replay one dropout mask on every replay (the seed is "
-              "drawn on the host); capture the dropout-free part only, or run this op eagerly");
-  return at::randint(0, (int64_t{1} << 31) - 1, {1}, at::TensorOptions().dtype(at::kLong));
+  return at::randint(0, (int64_t{1} << 31) - 1, {1}, like.options().dtype(at::kLong));
 }
 
-// The value of a seed tensor draw_seed made (0 without dropout: the kernels then never read it)
-inline int64_t seed_value(double dropout_p, const at::Tensor& seed, const char* op) {
-  if (!(dropout_p > 0.0)) return 0;
-  TORCH_CHECK(seed.numel() == 1 && seed.scalar_type() == at::kLong && seed.device().is_cpu(), op,
-              ": seed must be the forward's (1,) int64 CPU tensor");
-  return seed.item<int64_t>();
+// The device address of the seed the kernels read (nullptr without dropout: the kernels then never read it)
+inline const int64_t* seed_ptr(double dropout_p, const c10::optional<at::Tensor>& seed, const at::Tensor& like,
+                               const char* op) {
+  if (!(dropout_p > 0.0)) return nullptr;
+  TORCH_CHECK(seed.has_value() && seed->defined() && seed->numel() >= 1 && seed->scalar_type() == at::kLong &&
+                  seed->device() == like.device(),
+              op, ": with dropout_p > 0, seed must be a (1,) int64 tensor on the inputs' device ",
+              "(pykernels._rng.new_seed(device)), got ",
+              seed.has_value() && seed->defined() ? seed->toString() + " on " + seed->device().str() : "none");
+  return seed->data_ptr<int64_t>();
 }
 
 }  // namespace pykernels

@@ -141,11 +141,14 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ w, const W* __restrict__ b,
     T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
     int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms,
-    uint64_t seed, float drop_p, float drop_scale) {
+    const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
   constexpr int P = Pack<T>::n;
   const int lane = threadIdx.x % RT;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / RT) + threadIdx.x / RT;
   if (row >= M) return;  // (RT = kThreads: one row per block, never taken)
+  // the dropout seed, read from device memory (graph-safe: philox.cuh); a row's packs use it at once, unrolled
+  uint64_t seed = 0;
+  if constexpr (DROP) seed = static_cast<uint64_t>(__ldg(seed_ptr));
   const int64_t base = row * N;
   // the row's x and residual packs are all loaded before any is used: loaded where each pack is used, behind its
   // branches (col < N, has_res), a row waited for memory once a pack (ptxas does not hoist a load above a branch);
@@ -325,13 +328,14 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
     const T* __restrict__ dy, const T* __restrict__ ds_out, const T* __restrict__ a, const T* __restrict__ res,
     const W* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
     T* __restrict__ dres, float* __restrict__ partial, int64_t M, int N, bool has_ds, bool has_res, bool has_w,
-    bool need_dwb, bool rms, bool recompute, uint64_t seed, float drop_p, float drop_scale) {
+    bool need_dwb, bool rms, bool recompute, const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
   constexpr int P = Pack<T>::n;
   constexpr bool kEarly = DROP || !(sizeof(T) == 2 && VPL >= 4);  // (fp16 / bf16 block rows of 4 packs spill)
   static_assert(!PF || (kPrefetchable<T, VPL, RT> && (!DROP || RT == 64)),
                 "prefetch is for rows of at most 2 packs a thread (with dropout: rows of two warps)");
   extern __shared__ float smem[];  // [2][N]: dweight, dbias block sums (RT < kThreads)
   constexpr int kRows = kThreads / RT;  // rows a block works on at a time
+  drop_seed_init(DROP, seed_ptr);  // (the dropout seed into shared memory, read at each use: philox.cuh)
   const int lane = threadIdx.x % RT;
   float dw[VPL][P], db[VPL][P];
 #pragma unroll
@@ -399,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
       const int col = (i * RT + lane) * P;
       if (col < N) {
         if constexpr (DROP) {
-          const uint32_t kb = keep_bits<P>(seed, row, N, col, drop_p);
+          const uint32_t kb = keep_bits<P>(drop_seed(), row, N, col, drop_p);
           kept &= ~((~kb & ((1u << P) - 1u)) << (i * P));
         }
         float sv[P], d[P], wv[P];
@@ -687,8 +691,8 @@ void dispatch_types(at::ScalarType xdt, at::ScalarType pdt, F&& f) {
 // -> y, s (pre-LN; else empty), mean (LayerNorm; else empty), rstd, and the dense x and residual the
 // kernel read (saved for the post-LN backward)
 std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_in, const optional<Tensor>& b_in,
-                                 const optional<Tensor>& r_in, double eps, double dropout_p, int64_t seed,
-                                 bool prenorm, bool rms) {
+                                 const optional<Tensor>& r_in, double eps, double dropout_p,
+                                 const optional<Tensor>& seed, bool prenorm, bool rms) {
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "pykernels_cuda.layer_norm: dropout_p must be in [0, 1), got ",
               dropout_p);
   check_inputs(x_in, w_in, b_in, r_in);
@@ -720,7 +724,7 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
           b.defined() ? static_cast<const W*>(b.data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()),
           prenorm ? static_cast<T*>(s.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
           rstd.data_ptr<float>(), M, N, static_cast<float>(eps), r.defined(), w.defined(), b.defined(), prenorm,
-          rms, static_cast<uint64_t>(seed), static_cast<float>(dropout_rate(dropout_p)),
+          rms, seed_ptr(dropout_p, seed, x, "pykernels_cuda.layer_norm"), static_cast<float>(dropout_rate(dropout_p)),
           dropout_p > 0.0 ? static_cast<float>(1.0 / (1.0 - dropout_rate(dropout_p))) : 1.f);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
      };
@@ -737,8 +741,8 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
 // for dweight / dbias, their buffer and the kernel that reduces it are skipped (both undefined then).
 std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, const Tensor& a_in, const Tensor& res_in,
                                   const Tensor& w_in, bool has_b, at::ScalarType pdt, const Tensor& mean,
-                                  const Tensor& rstd, bool rms, bool recompute, double dropout_p, int64_t seed,
-                                  bool want_dwb) {
+                                  const Tensor& rstd, bool rms, bool recompute, double dropout_p,
+                                  const optional<Tensor>& seed, bool want_dwb) {
   const c10::cuda::CUDAGuard guard(a_in.device());
   const Tensor a = dense(a_in);
   const Tensor res = res_in.defined() ? dense(res_in) : Tensor();
@@ -788,7 +792,8 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
             w.defined() ? static_cast<const W*>(w.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
             rstd.data_ptr<float>(), static_cast<T*>(dx.data_ptr()), static_cast<T*>(dres.data_ptr()),
             need ? partial.data_ptr<float>() : nullptr, M, N, ds.defined(), res.defined(), w.defined(), need, rms,
-            recompute, static_cast<uint64_t>(seed), static_cast<float>(dropout_rate(dropout_p)),
+            recompute, seed_ptr(dropout_p, seed, a, "pykernels_cuda.layer_norm_bwd"),
+            static_cast<float>(dropout_rate(dropout_p)),
             dropout ? static_cast<float>(1.0 / (1.0 - dropout_rate(dropout_p))) : 1.f);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
        });
@@ -814,18 +819,17 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
                                                 const optional<Tensor>& w, const optional<Tensor>& b,
                                                 const optional<Tensor>& r, double eps, double dropout_p,
-                                                int64_t seed, bool prenorm, bool rms) {
+                                                const optional<Tensor>& seed, bool prenorm, bool rms) {
     auto out = forward_impl(x, w, b, r, eps, dropout_p, seed, prenorm, rms);
     // pre-LN saves s (an output anyway); post-LN saves x and residual and recomputes s
     ctx->save_for_backward({prenorm ? out[1] : out[4], prenorm ? Tensor() : out[5],
-                            w.has_value() ? *w : Tensor(), out[2], out[3]});
+                            w.has_value() ? *w : Tensor(), out[2], out[3], seed.value_or(Tensor())});
     ctx->saved_data["prenorm"] = prenorm;
     ctx->saved_data["rms"] = rms;
     ctx->saved_data["has_b"] = b.has_value();
     ctx->saved_data["has_r"] = r.has_value();
     ctx->saved_data["pdt"] = static_cast<int64_t>(param_dtype(x, w, b));
     ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["seed"] = seed;
     if (!prenorm) ctx->mark_non_differentiable({out[1]});
     // an output's gradient that never came (post-LN's placeholder s, an unused pre-LN s) stays undefined: the
     // backward skips it, where materialised it was a zeros tensor allocated, filled and read every backward
@@ -854,8 +858,8 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     const bool need_dw = has_w && ctx->needs_input_grad(1);
     const bool need_db = has_b && ctx->needs_input_grad(has_w ? 2 : 1);
     auto g = backward_impl(dy, ds, a, saved[1], saved[2], has_b, pdt, saved[3], saved[4], rms, !prenorm,
-                           ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["seed"].toInt(),
-                           need_dw || need_db);
+                           ctx->saved_data["dropout_p"].toDouble(),
+                           saved[5].defined() ? optional<Tensor>(saved[5]) : optional<Tensor>(), need_dw || need_db);
     // without dropout dx and dresidual are equal: one tensor serves both
     return {g[0], need_dw ? g[1] : Tensor(), need_db ? g[2] : Tensor(), has_r ? g[3] : Tensor(), Tensor(), Tensor(),
             Tensor(), Tensor(), Tensor()};
@@ -863,15 +867,15 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
 };
 
 std::tuple<Tensor, Tensor> layer_norm_autograd(const Tensor& x, const optional<Tensor>& w, const optional<Tensor>& b,
-                                               const optional<Tensor>& r, double eps, double dropout_p, int64_t seed,
-                                               bool prenorm, bool rms_norm) {
+                                               const optional<Tensor>& r, double eps, double dropout_p,
+                                               const optional<Tensor>& seed, bool prenorm, bool rms_norm) {
   auto out = LayerNormFunction::apply(x, w, b, r, eps, dropout_p, seed, prenorm, rms_norm);
   return {out[0], out[1]};
 }
 
 std::tuple<Tensor, Tensor> layer_norm_nograd(const Tensor& x, const optional<Tensor>& w, const optional<Tensor>& b,
-                                             const optional<Tensor>& r, double eps, double dropout_p, int64_t seed,
-                                             bool prenorm, bool rms_norm) {
+                                             const optional<Tensor>& r, double eps, double dropout_p,
+                                             const optional<Tensor>& seed, bool prenorm, bool rms_norm) {
   auto out = forward_impl(x, w, b, r, eps, dropout_p, seed, prenorm, rms_norm);
   return {out[0], out[1]};
 }
@@ -885,9 +889,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& 
                                                                   const optional<Tensor>& b, const optional<Tensor>& r,
                                                                   double eps, double dropout_p, bool prenorm,
                                                                   bool rms_norm) {
-  Tensor seed = draw_seed(dropout_p, x, "pykernels_cuda.layer_norm_fwd");
-  auto out = forward_impl(x, w, b, r, eps, dropout_p, seed_value(dropout_p, seed, "pykernels_cuda.layer_norm_fwd"),
-                          prenorm, rms_norm);
+  Tensor seed = draw_seed(dropout_p, x);
+  auto out = forward_impl(x, w, b, r, eps, dropout_p, seed, prenorm, rms_norm);
   return {out[0], out[1], out[2], out[3], seed};
 }
 
@@ -909,7 +912,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& dy, cons
   const auto pdt = param_dtype(a, w, b);
   auto g = backward_impl(dy, ds.value_or(Tensor()), a, prenorm ? Tensor() : residual.value_or(Tensor()),
                          w.value_or(Tensor()), b.has_value(), pdt, mean, rstd, rms_norm, !prenorm, dropout_p,
-                         seed_value(dropout_p, seed, kOp), true);
+                         seed, true);
   const auto none = [&](at::ScalarType dt) { return at::empty({0}, a.options().dtype(dt)); };
   return {dropout_p > 0.0 ? g[0] : none(a.scalar_type()), g[3], g[1].defined() ? g[1] : none(pdt),
           g[2].defined() ? g[2] : none(pdt)};
@@ -920,7 +923,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& dy, cons
 
 TORCH_LIBRARY(pykernels_cuda, m) {
   m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, float dropout_p, "
-        "int seed, bool prenorm, bool rms_norm) -> (Tensor, Tensor)");
+        "Tensor? seed, bool prenorm, bool rms_norm) -> (Tensor, Tensor)");
   m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps, float dropout_p, "
         "bool prenorm, bool rms_norm) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("layer_norm_bwd(Tensor dy, Tensor? ds, Tensor a, Tensor? residual, Tensor? weight, Tensor? bias, Tensor mean, "

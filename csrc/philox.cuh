@@ -102,6 +102,34 @@ PK_HD uint32_t keep_pack_bits(uint64_t seed, uint64_t counter, int off, float p)
   return (keep_byte(c0, c1, c2, c3, static_cast<uint32_t>(p * 65536.f)) >> off) & ((1u << P) - 1u);
 }
 
+#if defined(__CUDACC__)
+// The dropout seed lives in device memory (a (1,) int64 tensor drawn on the device: csrc/dispatch.h's draw_seed,
+// pykernels._rng.op_seed), never in a launch argument, so that a CUDA graph's replay reads the seed its generator drew
+// for that replay instead of the one frozen into the captured launch. A kernel whose tile loops use it copies it into
+// shared memory once (drop_seed_init: one thread, one barrier, the condition uniform over the block) and reads it at
+// each use with a volatile shared load (drop_seed): held in a register, the 64-bit seed stays live across the loops
+// (ptxas hoists a plain load of it out of them), which took the wgmma backward at D = 64 from 12 to 104 bytes of spill.
+__device__ __forceinline__ uint64_t* drop_seed_slot() {
+  __shared__ uint64_t slot;
+  return &slot;
+}
+__device__ __forceinline__ void drop_seed_init(bool dropout, const int64_t* seed) {
+  if (dropout) {
+    if (threadIdx.x == 0) *drop_seed_slot() = static_cast<uint64_t>(*seed);
+    __syncthreads();
+  }
+}
+// (the low word only: seeds are drawn in [0, 2^31), so the key's high word is a known 0, which frees a register and
+// folds that half of the key schedule to constants)
+__device__ __forceinline__ uint64_t drop_seed() {
+  uint32_t v;
+  asm volatile("ld.volatile.shared.u32 %0, [%1];"
+               : "=r"(v)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(drop_seed_slot()))));
+  return v;
+}
+#endif
+
 // The dropout rate the kernels realise for p: p rounded to a multiple of 2^-16 (pykernels.attention.dropout_rate)
 inline double dropout_rate(double p) {
   return p > 0.0 ? std::min(std::nearbyint(p * 65536.0), 65535.0) / 65536.0 : 0.0;

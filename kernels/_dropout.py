@@ -11,6 +11,7 @@ dropout-free time (run243).
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -47,3 +48,28 @@ def dropout_keep(seed, base, rows, cols, n_cols, p, TRANS: tl.constexpr = False)
     if TRANS:
         keep = tl.trans(keep)
     return keep
+
+
+def seed_arg(seed, device, has_dropout: bool) -> torch.Tensor:
+    """A launcher's ``Seed`` argument: the (1,) int64 seed tensor on the kernel's ``device``. ``seed`` is the tensor an
+    op drew (``pykernels._rng.op_seed``: already there, nothing is copied, so a CUDA-graph replay reads the value its
+    generator drew for that replay) or an int (tests, ``dropout_mask_triton``), which is copied there. Without dropout
+    the kernels never read it: any int64 tensor on the device stands in (``seed`` itself, the op's (0,) placeholder)."""
+    if isinstance(seed, torch.Tensor):
+        if not has_dropout or (seed.device == torch.device(device) and seed.dtype == torch.int64 and seed.numel()):
+            return seed
+        return seed.reshape(-1)[:1].to(device=device, dtype=torch.int64)
+    if not has_dropout:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return torch.tensor([int(seed)], dtype=torch.int64, device=device)
+
+
+@triton.jit
+def load_seed(Seed, HAS_DROPOUT: tl.constexpr):
+    """The Philox seed a kernel draws its dropout mask with, read from device memory (``seed_arg``) once a program:
+    a value that a CUDA graph replays from its generator's fresh draw, where a seed passed by value would be frozen
+    into the captured launch. 0 (never used) without dropout."""
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+    return seed

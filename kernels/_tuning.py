@@ -59,9 +59,9 @@ def pruner(prune):
 
 def capturing(device=None) -> bool:
     """Whether the current CUDA stream is capturing a CUDA graph: the one check shared by the autotuners
-    (no timing while capturing), the ops' host-side work that syncs, and dropout's seed (refused while
-    capturing). With ``device`` (a ``torch.device`` or a string) only a CUDA device can be capturing and
-    CUDA is not asked otherwise; without it, False where CUDA is unavailable."""
+    (no timing while capturing), the ops' host-side work that syncs, and the ``auto`` routing of the C++ ops.
+    With ``device`` (a ``torch.device`` or a string) only a CUDA device can be capturing and CUDA is not asked
+    otherwise; without it, False where CUDA is unavailable."""
     import torch
     if device is None:
         if not torch.cuda.is_available():

@@ -113,6 +113,7 @@ from pykernels._alloc import empty, empty_like_layout
 from . import _launch
 from . import _tuning
 from ._dropout import dropout_keep as _dropout_keep
+from ._dropout import load_seed, seed_arg
 from ._dropout import dropout_rate as _dropout_rate
 
 LOG2E = 1.4426950408889634
@@ -368,12 +369,13 @@ def _attention_fwd_kernel(
     stride_lb, stride_lh,  # lse strides (batch, head); rows are contiguous
     stride_mb, stride_mh, stride_mm, stride_mn,  # mask strides (0 where broadcast)
     H, GROUP, Sq, Sk,  # query heads, query heads per kv head, (max) sequence lengths
-    qk_scale, dropout_p, seed, seq_bucket,  # scale*log2(e); dropout prob; Philox seed; autotune key
+    qk_scale, dropout_p, Seed, seq_bucket,  # scale*log2(e); dropout prob; Philox seed; autotune key
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     pid_m = tl.program_id(0)
     # Grid (blocks, heads, batch): heads and batch in y/z (<= 65535 each), so B*H may exceed 65535.
     h = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
@@ -572,12 +574,13 @@ def _attention_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,  # dK, dV strides
     stride_lb, stride_lh,  # lse/delta strides (batch, head)
     stride_mb, stride_mh, stride_mm, stride_mn,
-    H, HKV, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, seed, seq_bucket,
+    H, HKV, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, Seed, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     pid_n = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
     b = tl.program_id(2).to(tl.int64)
@@ -669,7 +672,7 @@ def _attention_bwd_dq_kernel(
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh, stride_mb, stride_mh, stride_mm, stride_mn,
-    H, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, seed, seq_bucket,
+    H, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, Seed, seq_bucket,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
@@ -677,6 +680,7 @@ def _attention_bwd_dq_kernel(
 ):
     """COMPUTE_DELTA: delta = rowsum(dO * O) of the program's rows is formed here (dO is loaded anyway, O
     once) and stored to ``Delta`` for the dK/dV kernel, which then runs after this one (no preprocess)."""
+    seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
     b = tl.program_id(2).to(tl.int64)
@@ -877,7 +881,7 @@ def _placeholder(device) -> torch.Tensor:
     return t
 
 
-def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float, seed: int,
+def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float, seed,
                   kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """Dense: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), mask None or a (B, Hq, Sq, Sk)
@@ -927,7 +931,7 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
         *qs, *ks, *vs, *os_, *ls, *ms,
         hq, hq // hkv, sq, sk,
-        scale * LOG2E, _dropout_rate(dropout_p), int(seed), _seq_bucket(sq, sk),
+        scale * LOG2E, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), _seq_bucket(sq, sk),
         D=d, DV=dv, BLOCK_D=_pow2_dim(d), BLOCK_DV=_pow2_dim(dv), EVEN_D=_pow2_dim(d) == d and _pow2_dim(dv) == dv,
         IS_CAUSAL=bool(causal), MASK_KIND=mask_kind, HAS_KV_RANGE=kv_range is not None,
         HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen, PRECISION=_precision(q.dtype), IDX64=idx64,
@@ -937,7 +941,7 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
     return o, lse
 
 
-def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, dropout_p: float, seed: int,
+def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, dropout_p: float, seed,
                   kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0, deterministic: bool = False):
     """Gradients (dq, dk, dv) with the shapes and dtypes of q, k, v (see ``attention_fwd``). Bitwise
@@ -995,7 +999,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
         _launch.fast(_attention_bwd_dq_kernel)[lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)](
             q, k, v, do, dq, lse, delta, o, mask_t, kvr, cu_q, cu_k,
             *s_q, *s_k, *s_v, *s_do, *s_dq, *s_o, *ls, *ms,
-            hq, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), int(seed), bucket, **common,
+            hq, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket, **common,
             COMPUTE_DELTA=compute_delta)
 
     dq_done = "dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=scale,
@@ -1015,7 +1019,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
         _launch.fast(_attention_bwd_dkdv_kernel)[lambda meta: (_tuning.cdiv(sk, meta["BLOCK_N"]), hkv, batch)](
             q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
             *s_q, *s_k, *s_v, *s_do, *s_dk, *s_dv, *ls, *ms,
-            hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), int(seed), bucket, **common)
+            hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket, **common)
     if not fused and not dq_done:
         triton_dq(False)
     if varlen:
@@ -1027,21 +1031,22 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
 
 
 @triton.jit
-def _dropout_mask_kernel(Out, seed, Sk, dropout_p, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _dropout_mask_kernel(Out, Seed, Sk, dropout_p, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Writes the keep-mask the attention kernels use, (rows, Sk) over flat rows (b * heads + h) * Sq + i (tests)."""
+    seed = load_seed(Seed, True)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     keep = _dropout_keep(seed, 0, rows, cols, Sk, dropout_p)
     tl.store(Out + rows[:, None] * Sk + cols[None, :], keep.to(tl.int8), mask=cols[None, :] < Sk)
 
 
-def dropout_mask_triton(seed: int, batch: int, heads: int, sq: int, sk: int, p: float, device) -> torch.Tensor:
+def dropout_mask_triton(seed, batch: int, heads: int, sq: int, sk: int, p: float, device) -> torch.Tensor:
     """The in-kernel keep-mask as a bool (batch, heads, sq, sk) tensor, generated by Triton itself."""
     rows = batch * heads * sq
     out = torch.empty(_tuning.cdiv(rows, 16) * 16 * sk, dtype=torch.int8, device=device)
     if rows and sk:
         _launch.fast(_dropout_mask_kernel)[(_tuning.cdiv(rows, 16), _tuning.cdiv(sk, 32))](
-            out, int(seed), sk, _dropout_rate(p), BLOCK_R=16, BLOCK_C=32)
+            out, seed_arg(seed, device, True), sk, _dropout_rate(p), BLOCK_R=16, BLOCK_C=32)
     return out[:rows * sk].view(batch, heads, sq, sk).bool()
 
 

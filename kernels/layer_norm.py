@@ -80,6 +80,7 @@ from pykernels._alloc import empty
 from . import _launch
 from . import _tuning
 from ._dropout import dropout_keep as _dropout_keep
+from ._dropout import load_seed, seed_arg
 from ._dropout import dropout_rate as _dropout_rate
 
 MAX_FUSED_N_FWD = 16384  # widest row held in registers by the forward
@@ -132,7 +133,7 @@ def _store_y(y, W, B, Y, rows64, cols, col_mask, mask, stride_y_row, HAS_WEIGHT:
     tl.store(Y + rows64[:, None] * stride_y_row + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed", "eps", "dropout_p", "dropout_scale"])
+@triton.jit(do_not_specialize=["eps", "dropout_p", "dropout_scale"])
 def _layer_norm_fwd_kernel(
     X,  # (M, N) input branch, row stride stride_x_row, unit column stride
     R,  # (M, N) residual (unused unless HAS_RESIDUAL)
@@ -142,7 +143,7 @@ def _layer_norm_fwd_kernel(
     S,  # (M, N) output s = dropout(x) + residual (written only if STORE_S)
     MEAN,  # (M,) fp32 output (written only for LayerNorm)
     RSTD,  # (M,) fp32 output
-    seed,  # int: Philox seed of the dropout mask
+    Seed,  # (1,) int64 Philox seed of the dropout mask, in device memory (read only with HAS_DROPOUT)
     stride_x_row, stride_r_row, stride_y_row, stride_s_row,  # row strides, in elements
     M, N,  # rows, features
     eps,  # float: added to the variance
@@ -154,6 +155,7 @@ def _layer_norm_fwd_kernel(
     BLOCK_N: tl.constexpr,  # >= N on the fused path, the chunk width on the chunked path
     CHUNKED: tl.constexpr,  # N > BLOCK_N: loop over column chunks
 ):
+    seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -243,7 +245,7 @@ def _fwd_tuned(block_n: int):
 
 
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                   residual: torch.Tensor | None, *, eps: float, seed: int, dropout_p: float,
+                   residual: torch.Tensor | None, *, eps: float, seed, dropout_p: float,
                    store_s: bool, s_dtype: torch.dtype, rms_norm: bool):
     """Launch the forward.
 
@@ -263,7 +265,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     common = dict(HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
                   HAS_DROPOUT=dropout_p > 0.0, STORE_S=store_s, IS_RMS_NORM=rms_norm)
     args = (x, residual if residual is not None else x, weight if weight is not None else x,
-            bias if bias is not None else x, y, s, mean, rstd, seed,
+            bias if bias is not None else x, y, s, mean, rstd, seed_arg(seed, dev, dropout_p > 0.0),
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
             s.stride(0) if store_s else 0, M, N, eps, dropout_p,
             1.0 / (1.0 - dropout_p) if dropout_p > 0.0 else 1.0)
@@ -369,7 +371,7 @@ def _bwd_tile(a, b, dy, dso, mean, rstd, w, rows, cols, M, N, seed, dropout_p, d
     return tl.sum(dy * xhat, axis=0), tl.sum(dy, axis=0)
 
 
-@triton.jit(do_not_specialize=["seed", "dropout_p", "dropout_scale"])
+@triton.jit(do_not_specialize=["dropout_p", "dropout_scale"])
 def _layer_norm_bwd_kernel(
     X,  # (M, N) forward input branch (read when RECOMPUTE_S)
     R,  # (M, N) forward residual (read when RECOMPUTE_S and HAS_RESIDUAL)
@@ -381,7 +383,7 @@ def _layer_norm_bwd_kernel(
     DX,  # (M, N) output gradient of x (if STORE_DX)
     DRES,  # (M, N) output gradient of residual (if STORE_DRES)
     DW_PARTIAL, DB_PARTIAL,  # (programs, N) fp32 outputs: per-program partial sums
-    seed,  # Philox seed of the forward's dropout mask
+    Seed,  # (1,) int64 Philox seed of the forward's dropout mask (read only with HAS_DROPOUT)
     stride_x_row, stride_r_row, stride_s_row, stride_dy_row, stride_dso_row, stride_dx_row, stride_dres_row,
     M, N,
     dropout_p, dropout_scale,
@@ -397,6 +399,7 @@ def _layer_norm_bwd_kernel(
     Nothing overlaps one block's loads with the previous block's math in a plain loop (the bytes in
     flight come only from co-resident programs); PREFETCH keeps the next block's raw loads in
     registers across the iteration instead, for configs with few programs per SM."""
+    seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK_M
     cols = tl.arange(0, BLOCK_N)
@@ -438,15 +441,16 @@ def _layer_norm_bwd_kernel(
         tl.store(DB_PARTIAL + pid.to(tl.int64) * N + cols, db_acc, mask=col_mask)
 
 
-@triton.jit(do_not_specialize=["seed", "dropout_p", "dropout_scale"])
+@triton.jit(do_not_specialize=["dropout_p", "dropout_scale"])
 def _layer_norm_bwd_row_stats_kernel(
     X, R, S, W, MEAN, RSTD, DY,  # as in _layer_norm_bwd_kernel
     C1, C2,  # (M,) fp32 outputs: mean(xhat * g) and mean(g) of each row (C2 unused for RMSNorm)
-    seed, stride_x_row, stride_r_row, stride_s_row, stride_dy_row, M, N, dropout_p, dropout_scale,
+    Seed, stride_x_row, stride_r_row, stride_s_row, stride_dy_row, M, N, dropout_p, dropout_scale,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     RECOMPUTE_S: tl.constexpr, IS_RMS_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Wide rows, step 1: one program per row loops over column chunks for the two row sums."""
+    seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     row = tl.program_id(0)
     rows64 = (row + tl.arange(0, 1)).to(tl.int64)
     row_mask = rows64 < M
@@ -479,11 +483,11 @@ def _layer_norm_bwd_row_stats_kernel(
         tl.store(C2 + rows64, tl.sum(acc2, axis=1) / N)
 
 
-@triton.jit(do_not_specialize=["seed", "dropout_p", "dropout_scale"])
+@triton.jit(do_not_specialize=["dropout_p", "dropout_scale"])
 def _layer_norm_bwd_chunked_kernel(
     X, R, S, W, MEAN, RSTD, DY, DS_OUT, DX, DRES, DW_PARTIAL, DB_PARTIAL,  # as in _layer_norm_bwd_kernel
     C1, C2,  # (M,) fp32 row sums from _layer_norm_bwd_row_stats_kernel
-    seed,
+    Seed,
     stride_x_row, stride_r_row, stride_s_row, stride_dy_row, stride_dso_row, stride_dx_row, stride_dres_row,
     M, N, dropout_p, dropout_scale,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -493,6 +497,7 @@ def _layer_norm_bwd_chunked_kernel(
 ):
     """Wide rows, step 2: grid (row groups P, column chunks); program (p, j) handles rows p, p + P, ...
     of chunk j and writes partial[p, chunk j]."""
+    seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -592,7 +597,7 @@ def _bwd_tuned(block_n: int):
 
 def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tensor | None,
                    residual: torch.Tensor | None, s: torch.Tensor | None, weight: torch.Tensor | None,
-                   mean: torch.Tensor, rstd: torch.Tensor, *, has_bias: bool, seed: int, dropout_p: float,
+                   mean: torch.Tensor, rstd: torch.Tensor, *, has_bias: bool, seed, dropout_p: float,
                    store_dx: bool, dres_dtype: torch.dtype | None, rms_norm: bool,
                    x_dtype: torch.dtype, w_dtype: torch.dtype | None, b_dtype: torch.dtype | None):
     """Launch the backward.
@@ -605,6 +610,7 @@ def layer_norm_bwd(dy: torch.Tensor, ds_out: torch.Tensor | None, x: torch.Tenso
     dropout_p = _dropout_rate(dropout_p)  # (a multiple of 2^-16: _dropout.dropout_keep's 16 bits)
     M, N = dy.shape
     dev = dy.device
+    seed = seed_arg(seed, dev, dropout_p > 0.0)
     recompute = s is None
     dx = empty(M, N, dtype=x_dtype, device=dev) if store_dx else empty(0, dtype=x_dtype, device=dev)
     store_dres = dres_dtype is not None

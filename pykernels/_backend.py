@@ -234,12 +234,13 @@ def _traced_backend(backend: str | None) -> str:
 
 
 def use_cuda_op(op: str, backend: str | None, device: torch.device, cover, *, auto: bool = True,
-                traced: bool = False) -> bool:
+                traced: bool = False, capture: bool = False) -> bool:
     """Whether a call runs the op's CUDA C++ implementation (``torch.ops.pykernels_cuda.<op>``) instead of its
     custom op. Named (``backend="cuda"`` or the default set to it): yes, or ``BackendUnavailableError`` with
     the reason it cannot serve the call. ``auto`` (where the op's C++ path is as fast as Triton's: ``auto=True``):
     on a CUDA device where the extension is built and ``cover()`` is None, outside CUDA-graph capture (there the
-    host time it saves is gone, and Triton's kernels are as fast).
+    host time it saves is gone) unless ``capture`` (an op whose C++ kernels are graph-safe and faster on the GPU
+    too: the same path captured as in the eager warm-up before it).
     Under torch.compile: the same rule for an op whose C++ kernels have a compiled pair (``traced=True``: a forward
     and a backward op the graph calls directly, with fake impls), decided when the graph is traced (capture is then
     unknown); the Triton custom op for the others. ``cover``: a callable giving None when the C++ op covers the
@@ -263,6 +264,6 @@ def use_cuda_op(op: str, backend: str | None, device: torch.device, cover, *, au
         return True
     if not auto or requested != "auto" or device.type != "cuda" or _availability("cuda", device) is not None:
         return False
-    if capturing(device):
+    if not capture and capturing(device):
         return False
     return cover() is None

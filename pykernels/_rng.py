@@ -1,47 +1,37 @@
 """Seeds for the in-kernel counter-based (Philox) dropout RNG.
 
-A seed is drawn from torch's default CPU generator, so ``torch.manual_seed(s)`` makes a run
-reproducible, and no device sync happens. The forward returns the seed as a CPU int64 tensor that
-autograd saves, and the backward regenerates the same mask from it: the mask is never stored.
+A seed is a (1,) int64 tensor drawn on the op's device from that device's torch generator
+(``torch.randint``), so ``torch.manual_seed(s)`` makes a run reproducible and nothing syncs with the host. The
+forward returns it; autograd saves it, and the backward regenerates the same mask from it: the mask is never
+stored. The kernels (Triton and CUDA C++) read the seed from device memory (``kernels/_dropout.load_seed``,
+``csrc/dispatch.h``'s ``seed_ptr``), never as a launch argument, which makes dropout CUDA-graph safe: torch's CUDA
+generator registers with a graph being captured and advances its Philox offset on every replay, so each replay
+draws a fresh seed, hence a fresh mask, where a seed passed by value would be frozen into the captured launch
+(one mask on every replay). ``torch.compile(mode="reduce-overhead")`` and hand-captured training steps with
+dropout work this way.
 
-Without dropout the ops return a placeholder seed on the inputs' device instead: a CPU tensor among a
-graph's outputs makes ``torch.compile(mode="reduce-overhead")`` skip CUDA graphs, and a dropout-free
-op has nothing to seed. With dropout, skipping CUDA graphs is right: a captured host-drawn seed would
-replay one dropout mask forever, so a dropout op refuses to run under CUDA-graph capture
-(:func:`check_not_capturing`).
+Without dropout the ops return a (0,) placeholder on the inputs' device instead (never read; allocating it
+launches nothing).
 """
 from __future__ import annotations
 
 import torch
 
-from ._kernels._tuning import capturing
 
-
-def new_seed() -> torch.Tensor:
-    """A fresh seed: a CPU int64 tensor of shape (1,), in [0, 2**31)."""
-    return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+def new_seed(device=None) -> torch.Tensor:
+    """A fresh seed: an int64 tensor of shape (1,) in [0, 2**31 - 1) on ``device`` (default CPU), drawn from that
+    device's default generator."""
+    return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
 
 
 def op_seed(dropout_p: float, device: torch.device) -> torch.Tensor:
-    """The seed an op's forward returns: :func:`new_seed` (CPU, shape (1,)) with dropout, else an empty
-    (0,) placeholder on ``device`` (never read; allocating it launches nothing)."""
+    """The seed an op's forward returns: :func:`new_seed` on ``device`` with dropout, else an empty (0,)
+    placeholder on ``device``."""
     if dropout_p > 0:
-        check_not_capturing(device)
-        return new_seed()
+        return new_seed(device)
     return torch.empty(0, dtype=torch.int64, device=device)
 
 
 def fake_seed(dropout_p: float, device: torch.device) -> torch.Tensor:
     """:func:`op_seed`'s result for a fake (meta) implementation."""
-    if dropout_p > 0:
-        return torch.empty(1, dtype=torch.int64, device="cpu")
-    return torch.empty(0, dtype=torch.int64, device=device)
-
-
-def check_not_capturing(device: torch.device) -> None:
-    """Dropout under CUDA-graph capture would freeze the host-drawn seed into the graph (every replay
-    the same mask): refuse it."""
-    if capturing(device):
-        raise RuntimeError("pykernels: dropout_p > 0 inside CUDA-graph capture would replay one dropout mask "
-                           "on every replay (the seed is drawn on the host); capture the dropout-free part only, "
-                           "or run this op eagerly")
+    return torch.empty(1 if dropout_p > 0 else 0, dtype=torch.int64, device=device)

@@ -38,7 +38,6 @@ from ._backend import CUDA_TRACED, BackendUnavailableError, check_backend_name, 
 from ._backend import warn_once
 from ._backend import _availability as _backend_availability
 from ._op import custom_op
-from ._kernels._tuning import capturing
 from ._rng import fake_seed, op_seed
 
 _OP = "scaled_dot_product_attention"
@@ -75,15 +74,21 @@ def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
     return hi, lo
 
 
-def philox4x32(seed: int, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def philox4x32(seed, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Exactly ``tl.randint4x(seed, offsets)`` for int64 ``offsets``, in eager PyTorch: the four uint32 words of
-    Philox-4x32-10 at counter (offset lo, offset hi, 0, 0), key (seed lo, seed hi), as int64 tensors."""
+    Philox-4x32-10 at counter (offset lo, offset hi, 0, 0), key (seed lo, seed hi), as int64 tensors. ``seed``: an
+    int, or the (1,) int64 seed tensor an op drew (read on ``offsets``' device by tensor ops: no ``.item()``, no
+    sync, so the reference backend's dropout can be captured in a CUDA graph too)."""
     offsets = offsets.to(torch.int64)
+    if isinstance(seed, Tensor):
+        seed = seed.reshape(-1)[:1].to(device=offsets.device, dtype=torch.int64)
+    else:
+        seed = int(seed)
     c0 = offsets & _M32
     c1 = (offsets >> 32) & _M32
     c2 = torch.zeros_like(c0)
     c3 = torch.zeros_like(c0)
-    k0, k1 = int(seed) & _M32, (int(seed) >> 32) & _M32
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
     for _ in range(10):
         hi_b, lo_b = _mulhilo(_ROUND_B, c2)
         hi_a, lo_a = _mulhilo(_ROUND_A, c0)
@@ -100,7 +105,7 @@ def dropout_rate(p: float) -> float:
     return min(round(p * 65536), 65535) / 65536 if p > 0 else 0.0  # (p < 1: a rate of 1 would scale by 1 / 0)
 
 
-def dropout_bits(seed: int, rows: Tensor, sk: int, device=None) -> Tensor:
+def dropout_bits(seed, rows: Tensor, sk: int, device=None) -> Tensor:
     """The 16 random bits (int64 in [0, 65536)) of every key j < sk of each flat query row r in ``rows``
     ((b * heads + h) * seqlen_q + i): Philox-4x32-10 at counter r * ceil(sk / 8) + j // 8 (one call per 8 keys),
     word (j % 8) // 2, low half for even j. Shape (len(rows), sk)."""
@@ -119,8 +124,6 @@ def attention_dropout_mask(seed, batch: int, heads: int, seqlen_q: int, seqlen_k
     Element (b, h, i, j) is kept where :func:`dropout_bits` of row (b * heads + h) * seqlen_q + i, key j, is
     ``>= dropout_rate(p) * 65536``; for ``varlen_attention`` use seqlen_q/k = max_seqlen_q/k and positions
     inside each sequence."""
-    if isinstance(seed, Tensor):
-        seed = int(seed.reshape(-1)[0].item())  # the seed lives on the CPU: no device sync
     rows = torch.arange(batch * heads * seqlen_q, dtype=torch.int64, device=device)
     keep = dropout_bits(seed, rows, seqlen_k, device) >= round(dropout_rate(p) * 65536)
     return keep.view(batch, heads, seqlen_q, seqlen_k)
@@ -315,13 +318,13 @@ def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mas
     with dropout only (:data:`AUTO_CUDA_DROPOUT`). Without dropout the Triton kernels, with Hopper's TMA and
     warpgroup MMA, are faster, and their calls can be captured in CUDA graphs."""
     return use_cuda_op(op, backend, q.device, lambda: _cuda_cover(q, k, v, mask, batch),
-                       auto=dropout_p > 0.0 and AUTO_CUDA_DROPOUT, traced=True)
+                       auto=dropout_p > 0.0 and AUTO_CUDA_DROPOUT, traced=True, capture=True)
 
 
 # ``auto`` runs attention calls with dropout on the C++ op where it is built and covers them (eager, and under
 # torch.compile through its compiled pair). Dropout is training, where the host time a step matters: the C++ op's
-# forward and backward are one dispatcher call each (autograd in C++), against the Triton path's Python, and a call
-# with dropout cannot be captured in a CUDA graph anyway (its seed is drawn on the host). Its kernels with dropout
+# forward and backward are one dispatcher call each (autograd in C++), against the Triton path's Python (under
+# CUDA-graph capture too: both paths read the seed from device memory). Its kernels with dropout
 # are also the faster ones on the GPU since run255-256 (H200, a call at BERT-base: 156 / 484 us forward / backward
 # against the Triton kernels' 177 / 547; GPT-2 91 / 286 against 120 / 359); before that they had been slower (H100:
 # 3.2 + 7.8 ms a BERT-base step against Triton's 2.2 + 6.1), and whole eager training steps were faster with them
@@ -333,14 +336,15 @@ AUTO_CUDA_DROPOUT = os.environ.get("PYKERNELS_AUTO_CUDA_DROPOUT", "1") not in ("
 def _lane_cuda(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, batch: int, dropout_p: float,
                requested: str) -> bool:
     """Whether a call the lane covers goes to the C++ op under ``auto`` (a call with dropout, the extension built
-    and covering it: remembered per lane key; outside CUDA-graph capture, checked each call)."""
-    if not (dropout_p > 0.0 and requested == "auto" and AUTO_CUDA_DROPOUT) or capturing(q.device):
+    and covering it: remembered per lane key; captured in CUDA graphs too, where its kernels are faster as well)."""
+    if not (dropout_p > 0.0 and requested == "auto" and AUTO_CUDA_DROPOUT):
         return False
     ok = _LANE_CUDA.get(lkey)
     if ok is None:
         if len(_LANE_CUDA) >= _LANE_MAX:
             _LANE_CUDA.clear()
-        ok = _LANE_CUDA[lkey] = use_cuda_op(_OP, "auto", q.device, lambda: _cuda_cover(q, k, v, mask, batch))
+        ok = _LANE_CUDA[lkey] = use_cuda_op(_OP, "auto", q.device, lambda: _cuda_cover(q, k, v, mask, batch),
+                                            capture=True)
     return ok
 
 
@@ -351,7 +355,7 @@ def _cuda_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cu_q: 
     is drawn (nor op_seed's placeholder tensor allocated)."""
     if torch.compiler.is_compiling():  # the compiled pair (its forward draws the seed)
         return _CudaAttention.apply(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale)
-    seed = int(op_seed(dropout_p, q.device)[0]) if dropout_p > 0 else 0
+    seed = op_seed(dropout_p, q.device) if dropout_p > 0 else None
     return torch.ops.pykernels_cuda.attention(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, seed)
 
 
@@ -431,7 +435,7 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dr
     seed = op_seed(dropout_p, q.device)
     kv_range = _key_padding_range(attn_mask, use_kernel=True)
     o, lse = _kernels().attention_fwd(q, k, v, attn_mask, causal=is_causal, scale=scale, dropout_p=dropout_p,
-                                      seed=int(seed[0]) if dropout_p > 0 else 0,
+                                      seed=seed,
                                       kv_range=kv_range if kv_range.numel() else None)
     return o, lse, seed, kv_range
 
@@ -481,7 +485,7 @@ def _triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
                 deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``_attention_bwd`` on the Triton backend (also what the eager lane's backward calls)."""
     return _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, attn_mask, causal=is_causal, scale=scale,
-                                    dropout_p=dropout_p, seed=int(seed[0]) if dropout_p > 0 else 0,
+                                    dropout_p=dropout_p, seed=seed,
                                     kv_range=kv_range if kv_range.numel() else None, deterministic=deterministic)
 
 
@@ -530,7 +534,7 @@ def _varlen_triton_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu
     """``_varlen_fwd`` on the Triton backend (also what the eager lane calls): (o, lse, seed)."""
     seed = op_seed(dropout_p, q.device)
     o, lse = _kernels().attention_fwd(q, k, v, None, causal=causal, scale=scale, dropout_p=dropout_p,
-                                      seed=int(seed[0]) if dropout_p > 0 else 0, cu_seqlens_q=cu_seqlens_q,
+                                      seed=seed, cu_seqlens_q=cu_seqlens_q,
                                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     return o, lse, seed
 
@@ -559,7 +563,7 @@ def _varlen_triton_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, l
                        dropout_p: float, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """``_varlen_bwd`` on the Triton backend (also what the eager lane's backward calls)."""
     return _kernels().attention_bwd(_last_dim_contig(do), q, k, v, o, lse, None, causal=causal, scale=scale,
-                                    dropout_p=dropout_p, seed=int(seed[0]) if dropout_p > 0 else 0,
+                                    dropout_p=dropout_p, seed=seed,
                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                     max_seqlen_k=max_seqlen_k)
 

@@ -516,7 +516,7 @@ def test_dropout_matches_reference_with_mask(device, causal, gqa):
     b, hq, hkv, sq, sk, d, p = 2, 4, 2 if gqa else 4, 19, 23, 16, 0.25
     q, k, v = _inputs((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), F32, device)
     torch.manual_seed(1234)
-    seed = int(new_seed()[0])
+    seed = new_seed(q.device)
     torch.manual_seed(1234)
     out = sdpa(q, k, v, dropout_p=p, is_causal=causal, backend="triton")
     dmask = attention_dropout_mask(seed, b, hq, sq, sk, p, device)
@@ -861,7 +861,7 @@ def test_gpu_masks_gqa_dropout_bf16():
     _check_against_ref(q, k, v, mask=torch.randn(1, hq, s, s, device="cuda", dtype=BF16), causal=True)
     _check_against_ref(q, k, v, mask=torch.rand(b, 1, s, s, device="cuda") > 0.5)
     torch.manual_seed(11)
-    seed = int(new_seed()[0])
+    seed = new_seed(q.device)
     torch.manual_seed(11)
     out = sdpa(q, k, v, dropout_p=0.1, is_causal=True, backend="triton")
     dmask = attention_dropout_mask(seed, b, hq, s, s, 0.1, "cuda")
@@ -1818,7 +1818,7 @@ def test_gpu_cuda_backend_dropout_and_determinism(causal, d, s, cuda_fwd):
     b, hq, hkv = 2, 4, 2
     q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
     torch.manual_seed(5)
-    seed = int(new_seed()[0])
+    seed = new_seed(q.device)
     torch.manual_seed(5)
     out = sdpa(q, k, v, dropout_p=0.2, is_causal=causal, backend="cuda")
     dmask = attention_dropout_mask(seed, b, hq, s, s, 0.2, "cuda")
@@ -2015,7 +2015,7 @@ def test_compiled_pair_fakes_promise_the_cpp_layouts():
     assert _aligned_like(kv).is_contiguous() and _aligned_like(kv).shape == kv.shape
     o, lse, seed = _attention_fwd(q, q, q, None, None, None, 0, 0, 0.1, False, 0.125)
     assert o.stride() == q.stride() and lse.shape == (2, 4, 17) and lse.dtype == torch.float32
-    assert seed.shape == (1,) and seed.device.type == "cpu" and seed.dtype == torch.int64
+    assert seed.shape == (1,) and seed.device == q.device and seed.dtype == torch.int64
     assert _attention_fwd(q, q, q, None, None, None, 0, 0, 0.0, False, 0.125)[2].numel() == 0  # no CPU tensor
     dq, dk, dv = _attention_bwd(o, q, kv, kv, o, lse, None, None, None, 0, 0, 0.0, False, 0.125, seed)
     assert dq.stride() == q.stride() and dk.is_contiguous() and dv.shape == kv.shape

@@ -1,6 +1,6 @@
 """CUDA graphs: ``torch.compile(mode="reduce-overhead")`` captures graphs that hold pykernels ops (no CPU
-tensor among a dropout-free op's outputs), and dropout refuses CUDA-graph capture (a host-drawn seed
-would replay one mask forever). GPU only."""
+tensor among an op's outputs), with and without dropout, and hand-captured dropout draws a fresh mask on every
+replay (its seed is drawn on the device and read by the kernels from memory). GPU only."""
 from __future__ import annotations
 
 import pytest
@@ -109,16 +109,106 @@ def test_reduce_overhead_captures_masked_lm_loss():
         torch.testing.assert_close(a, e)
 
 
+def _need_backend(backend: str) -> None:
+    info = pykernels.backends()[backend]
+    if not info.available:
+        pytest.skip(f"backend {backend!r} unavailable here: {info.reason}")
+
+
+def _dropout_call(op: str, backend: str):
+    """Inputs (leaves) and a step: one dropout call of ``op`` on ``backend`` and its gradients."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if op == "attention":
+        leaves = [torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+                  for _ in range(3)]
+
+        def call():
+            return pykernels.scaled_dot_product_attention(*leaves, dropout_p=0.3, backend=backend)
+    else:
+        x, r = (torch.randn(256, 768, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+                for _ in range(2))
+        w = torch.randn(768, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+        leaves = [x, r, w]
+
+        def call():
+            return pykernels.layer_norm(x, w, residual=r, dropout_p=0.3, backend=backend)
+    dout = torch.randn(leaves[0].shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def step():
+        out = call()
+        return [out.detach()] + list(torch.autograd.grad(out, leaves, dout))
+    return step
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("op", ["attention", "layer_norm"])
-def test_dropout_refuses_cuda_graph_capture(op):
-    x = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16)
-    w = torch.ones(64, device="cuda", dtype=torch.bfloat16)
-    run = {"attention": lambda: pykernels.scaled_dot_product_attention(x, x, x, dropout_p=0.1),
-           "layer_norm": lambda: pykernels.layer_norm(x, w, residual=x, dropout_p=0.1)}[op]
-    run()  # eager: fine (and compiles the kernels outside the capture)
-    torch.cuda.synchronize()
+def test_dropout_under_cuda_graph_capture(op, backend):
+    """Dropout captured in a CUDA graph, forward and backward: the seed is drawn on the device by the captured
+    generator and the kernels read it from memory, so every replay draws a fresh mask, and a replay is the eager call
+    made from the same generator state (the same mask, hence the same output and gradients)."""
+    _need_backend(backend)
+    step = _dropout_call(op, backend)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up (compiles, tunes) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="CUDA-graph capture"):
-        with torch.cuda.graph(graph):
-            run()
+    with torch.cuda.graph(graph):
+        captured = step()
+    replays = []
+    for seed in (7, 8, 7):
+        torch.cuda.manual_seed(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append([t.clone() for t in captured])
+    for seed, got in zip((7, 8), replays):
+        torch.cuda.manual_seed(seed)
+        want = step()
+        for name, a, e in zip(["out", "d0", "d1", "d2"], got, want):
+            torch.testing.assert_close(a, e, msg=lambda m, name=name, seed=seed: f"{name}, seed {seed}: {m}")
+    for a, e in zip(replays[0], replays[2]):  # the same generator state: the same mask
+        assert torch.equal(a, e)
+    # two replays from different generator states: different masks (30% of a term's elements dropped)
+    differ = (replays[0][0] != replays[1][0]).float().mean().item()
+    assert differ > 0.2, f"replays with different generator states differ in only {differ:.1%} of the output"
+    # and replays without reseeding move the generator on: each a fresh mask
+    graph.replay()
+    first = captured[0].clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (first != captured[0]).float().mean().item() > 0.2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "cuda"])
+def test_reduce_overhead_captures_dropout(backend):
+    """torch.compile(mode="reduce-overhead") keeps its CUDA graphs for a graph whose ops have dropout (their seeds
+    are device tensors now, never CPU ones), and each call of the graph draws fresh masks."""
+    _need_backend("cuda" if backend == "cuda" else "triton")
+    torch._dynamo.reset()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+               for _ in range(3))
+    x, r = (torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            for _ in range(2))
+    w = torch.randn(512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    ins = (q, k, v, x, r, w)
+
+    def f(q, k, v, x, r, w):
+        o = pykernels.scaled_dot_product_attention(q, k, v, dropout_p=0.2, backend=backend)
+        y = pykernels.layer_norm(x, w, residual=r, dropout_p=0.2, backend=backend)
+        return o.float().square().mean() + y.float().square().mean()
+
+    before = _skips()
+    cf = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    losses, grads = [], []
+    for _ in range(4):  # warm-up, recording, replays
+        loss = cf(*ins)
+        losses.append(loss.detach().clone())
+        grads.append([t.clone() for t in torch.autograd.grad(loss, ins)])
+    assert _skips() == before, "inductor skipped CUDA graphs for a graph holding pykernels ops with dropout"
+    assert not torch.equal(losses[2], losses[3]), "two replays drew the same dropout masks"
+    assert not torch.equal(grads[2][0], grads[3][0])
+    assert not torch.equal(grads[2][3], grads[3][3])

@@ -62,7 +62,7 @@ def _check(x, r, w, b, *, dropout_p=0.0, prenorm=False, residual_in_fp32=False, 
     mask = None
     if dropout_p > 0:
         torch.manual_seed(seed)
-        mask = layer_norm_dropout_mask(new_seed(), x.shape, dropout_p, x.device)
+        mask = layer_norm_dropout_mask(new_seed(x.device), x.shape, dropout_p, x.device)
     torch.manual_seed(seed)  # the op draws the same seed
     out = pykernels.layer_norm(x, w, b, eps, residual=r, dropout_p=dropout_p, backend=backend, **kw)
     outs = list(out) if prenorm else [out]

@@ -1,6 +1,5 @@
 """GPU time of the attention with dropout (transformers' 0.1), forward and backward, by the profiler's kernel records:
-a call with dropout draws its seed on the host, so it cannot be replayed from a CUDA graph, and the wall clock of an
-eager call measures the host. The shapes are the training steps' (benchmarks/train_step.py): BERT-base 32 x 512
+each kernel's own time (the wall clock of an eager call measures the host). The shapes are the training steps' (benchmarks/train_step.py): BERT-base 32 x 512
 bidirectional and GPT-2 8 x 1024 causal, 12 heads of 64; and a D = 128 causal one (the pipelined wgmma forward).
 
 Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--iters 10]``. One

@@ -1,7 +1,6 @@
 """GPU time a call of the LayerNorm kernels with dropout (and without: ``--p 0.1 0``), C++ (backend "cuda") next to
 Triton, by the profiler's
-kernel records (a call with dropout draws its seed on the host, so it cannot be timed in CUDA-graph replay, and
-wall-clock timing of one eager call measures the host).
+kernel records (each kernel's own time; wall-clock timing of one eager call measures the host).
 
 The shapes are the training steps' (benchmarks/train_step.py): BERT-base's post-LN with its branch dropout
 (32 x 512 rows of 768, bf16 rows with fp32 weight and bias as under autocast) and GPT-2's pre-LN with the residual
