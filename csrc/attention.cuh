@@ -415,14 +415,17 @@ static __device__ __noinline__ uint32_t group_keep_bits(uint64_t seed, uint64_t 
 // Keep bits of a row-layout thread (rows row[0], row[1]; columns 2 t4, 2 t4 + 1 of the 8-key n-tiles nt, nt + 1 from
 // key k0, k0 a multiple of 8): bit 2 (2 u + r) + q is element (row[r], k0 + (nt + u) 8 + 2 t4 + q), i.e.
 // sc[nt + u][2 r + q]. The quad's lane t4 draws the call of row[t4 & 1], tile nt + (t4 >> 1). kInl: inline (the
-// wgmma kernels, whose independent calls then overlap) or out of line.
-template <bool kInl = false>
+// wgmma kernels, whose independent calls then overlap) or out of line. kSeedReg: the seed held in a register
+// (philox.cuh's drop_seed_reg: the forwards), else read from shared memory at each use (the backward's kernels,
+// whose registers are spent).
+template <bool kInl = false, bool kSeedReg = false>
 __device__ __forceinline__ uint32_t row_keep_bits(const Params& p, const DropRows& d, const int (&row)[2], int k0,
                                                   int nt, int t4) {
   const int i = (t4 & 1) ? row[1] : row[0];
   const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups + static_cast<uint64_t>((k0 >> 3) + nt + (t4 >> 1));
-  return kInl ? group_keep_bits_inl<2>(drop_seed(), ctr, drop_threshold(p), t4)
-              : group_keep_bits<2>(drop_seed(), ctr, drop_threshold(p), t4);
+  const uint64_t seed = kSeedReg ? drop_seed_reg() : drop_seed();
+  return kInl ? group_keep_bits_inl<2>(seed, ctr, drop_threshold(p), t4)
+              : group_keep_bits<2>(seed, ctr, drop_threshold(p), t4);
 }
 // Keep bits of a key-row-layout thread (the dK/dV kernels: keys key[0] = kb + g, key[1] = kb + 8 + g, kb a multiple of
 // 8; queries qs + (nt + u) 8 + 2 t4 + q of the n-tiles nt, nt + 1): bit 4 u + 2 r + q is element (query
@@ -502,7 +505,7 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
     const DropRows d = drop_rows(p, b, h);
 #pragma unroll
     for (int nt = 0; nt < BC / 8; nt += 2) {
-      const uint32_t kb = row_keep_bits<kInl>(p, d, row, k0, nt, t4);
+      const uint32_t kb = row_keep_bits<kInl, true>(p, d, row, k0, nt, t4);
 #pragma unroll
       for (int u = 0; u < 2; ++u)
 #pragma unroll

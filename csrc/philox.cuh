@@ -128,6 +128,9 @@ __device__ __forceinline__ uint64_t drop_seed() {
                : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(drop_seed_slot()))));
   return v;
 }
+// A plain read, which ptxas may hoist into a register for the whole kernel: for kernels with registers to spare (the
+// forwards), where the volatile read's latency at each use cost more than the register
+__device__ __forceinline__ uint64_t drop_seed_reg() { return *reinterpret_cast<const uint32_t*>(drop_seed_slot()); }
 #endif
 
 // The dropout rate the kernels realise for p: p rounded to a multiple of 2^-16 (pykernels.attention.dropout_rate)

@@ -85,9 +85,11 @@ def _check(x, r, w, b, *, dropout_p=0.0, prenorm=False, residual_in_fp32=False, 
         if a is None:
             continue
         assert a.dtype == lo.dtype
-        # dweight/dbias sum over rows: allow their eager error scale (same rule, atol scaled by rows)
-        rows = x.numel() // x.shape[-1] if name in ("dweight", "dbias") else 1
-        assert_close_to_ref(name, a, hi, lo, atol=_atol(dtype) * max(1, rows ** 0.5))
+        # dweight/dbias sum over rows: allow their eager error scale (same rule, atol scaled by rows), and
+        # their one rounding to the output dtype (a neighbour where the sum lies at a rounding boundary)
+        sums = name in ("dweight", "dbias")
+        rows = x.numel() // x.shape[-1] if sums else 1
+        assert_close_to_ref(name, a, hi, lo, atol=_atol(dtype) * max(1, rows ** 0.5), ulp=sums)
     return outs
 
 
@@ -882,26 +884,27 @@ def test_cuda_backend_int64_offsets():
 
 @pytest.mark.gpu
 @needs_cuda_ext
-def test_cuda_backend_auto_takes_triton_inside_graph_capture():
-    # captured, the C++ op's host saving is gone and Triton's kernels are as fast or faster: auto takes
-    # Triton there; a named "cuda" still runs the C++ op under capture
+def test_cuda_backend_auto_takes_cuda_inside_graph_capture():
+    # captured, auto takes the C++ op as eagerly (its kernels read the dropout seed from device memory, and are
+    # faster than Triton's on the GPU at most shapes): the same kernels as the eager warm-up before a capture
     from pykernels.layer_norm import _use_cuda
     x, r, w, b = _make((64, 1024), torch.bfloat16, "cuda")
     pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="triton")  # compiled outside the capture
     pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="cuda")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        chosen = (_use_cuda(None, x, w, b, r, 0.0, False), _use_cuda("cuda", x, w, b, r, 0.0, False))
+        chosen = (_use_cuda(None, x, w, b, r, 0.0, False), _use_cuda("cuda", x, w, b, r, 0.0, False),
+                  _use_cuda("triton", x, w, b, r, 0.0, False))
         y, s = pykernels.layer_norm(x, w, b, residual=r, prenorm=True)
-        y_c, s_c = pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="cuda")
+        y_c, s_c = pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="triton")
     g.replay()
     torch.cuda.synchronize()
-    assert chosen == (False, True)
+    assert chosen == (True, True, False)
     assert _use_cuda(None, x, w, b, r, 0.0, False)  # and eager again after the capture
-    y_t, s_t = pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="triton")
     y_e, s_e = pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="cuda")
-    assert torch.equal(y, y_t) and torch.equal(s, s_t)
-    assert torch.equal(y_c, y_e) and torch.equal(s_c, s_e)
+    y_t, s_t = pykernels.layer_norm(x, w, b, residual=r, prenorm=True, backend="triton")
+    assert torch.equal(y, y_e) and torch.equal(s, s_e)
+    assert torch.equal(y_c, y_t) and torch.equal(s_c, s_t)
 
 
 @pytest.mark.gpu

@@ -54,7 +54,22 @@ def impls(peers: bool, triton: bool):
         yield "sdpa-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)
 
 
-def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int) -> tuple[float, float]:
+def kernel_us(fn, iters: int) -> list[tuple[float, str]]:
+    """Each kernel's device time a call of ``fn``'s ``iters`` calls (one profiled run), longest first."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    agg: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            agg[e.name] = agg.get(e.name, 0.0) + e.device_time_total
+    return sorted(((us / iters, name) for name, us in agg.items()), reverse=True)
+
+
+def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int,
+              kernels: bool = False) -> tuple[float, float]:
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                for _ in range(3))
@@ -73,6 +88,9 @@ def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int) -> t
     torch.cuda.synchronize()
     f = gpu_kernel_ms(fwd) / iters
     fb = gpu_kernel_ms(fwd_bwd) / iters
+    if kernels:  # each kernel of a forward+backward (the seed's draw, the delta pass, the forward, the backward)
+        for us, name in kernel_us(fwd_bwd, iters):
+            print(f"    {us:8.1f} us  {name[:110]}")
     return f * 1e3, (fb - f) * 1e3
 
 
@@ -82,13 +100,14 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true")
     ap.add_argument("--triton", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--kernels", action="store_true", help="print the C++ rows' kernels, each's time a call")
     args = ap.parse_args()
     print("#", torch.cuda.get_device_name(), "torch", torch.__version__)
     for name, fn in impls(args.peers, args.triton):
         label = args.label if name == "cuda" else name
         for case, b, h, s, d, causal in CASES:
             try:
-                f_us, b_us = time_case(fn, b, h, s, d, causal, args.iters)
+                f_us, b_us = time_case(fn, b, h, s, d, causal, args.iters, args.kernels and name == "cuda")
             except RuntimeError as e:  # an SDPA backend that does not take the case
                 print(f"{label} {case} not run: {str(e).splitlines()[0][:120]}")
                 continue
