@@ -12,7 +12,9 @@
 // the whole 256-thread block for wider rows (N <= 8192 fp16/bf16, <= 4096 fp32; sums over the block
 // through shared memory); in the backward one warp up to 3 packs per lane, two warps (RT = 64, sums
 // exchanged through shared memory under a named barrier of the pair) up to N = 1024, a block beyond. Each thread owns VPL packs of 16 bytes (8 fp16/bf16 or 4 fp32 elements),
-// interleaved so that RT threads' loads are contiguous.
+// interleaved so that RT threads' loads are contiguous. Forward warp rows of at most 3 packs a lane (N <= 768 fp16/bf16,
+// <= 384 fp32) run on a persistent grid (ln_fwd_persist_kernel: each warp walks rows gridDim.x * 8 apart and loads
+// the next row's x and residual before this row's math); PYKERNELS_LN_FWD_PERSIST=0 gives them one row a warp.
 // Statistics in fp32 from registers (two passes over registers: exact variance, no E[x^2] - E[x]^2).
 //   forward : s = x + residual; mean, rstd; y = (s - mean) * rstd * w + b; stores y, s (pre-LN only),
 //             mean (LayerNorm), rstd.
