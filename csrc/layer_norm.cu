@@ -12,7 +12,9 @@
 // the whole 256-thread block for wider rows (N <= 8192 fp16/bf16, <= 4096 fp32; sums over the block
 // through shared memory); in the backward one warp up to 3 packs per lane, two warps (RT = 64, sums
 // exchanged through shared memory under a named barrier of the pair) up to N = 1024, a block beyond. Each thread owns VPL packs of 16 bytes (8 fp16/bf16 or 4 fp32 elements),
-// interleaved so that RT threads' loads are contiguous.
+// interleaved so that RT threads' loads are contiguous. Forward warp rows of at most 3 packs a lane (N <= 768 fp16/bf16,
+// <= 384 fp32) run on a persistent grid (ln_fwd_persist_kernel: each warp walks rows gridDim.x * 8 apart and loads
+// the next row's x and residual before this row's math); PYKERNELS_LN_FWD_PERSIST=0 gives them one row a warp.
 // Statistics in fp32 from registers (two passes over registers: exact variance, no E[x^2] - E[x]^2).
 //   forward : s = x + residual; mean, rstd; y = (s - mean) * rstd * w + b; stores y, s (pre-LN only),
 //             mean (LayerNorm), rstd.
@@ -134,53 +136,19 @@ __device__ __forceinline__ void row_sum2(float& a, float& b) {
   }
 }
 
-// DROP: dropout on x (a template flag: the Philox code would otherwise cost every call its registers). W: the
-// weight's and bias's element type, T or float (autocast keeps fp32 parameters beside bf16 / fp16 activations).
-template <typename T, typename W, int VPL, int RT, bool DROP>
-__global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
-    const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ w, const W* __restrict__ b,
-    T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-    int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms,
-    const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
+// The forward's math of one row from its raw packs (x, and the residual where has_res), at rows of RT threads: s =
+// dropout(x) + residual, mean, rstd, and the stores (y, s where store_s, mean, rstd). WE: the weight and bias packs come
+// from registers (w_raw, b_raw: one 16-byte load a pack, W = T), else from memory here, a pack at a time.
+template <typename T, typename W, int VPL, int RT, bool DROP, bool WE>
+__device__ __forceinline__ void ln_fwd_row(const uint4 (&x_raw)[VPL], const uint4 (&r_raw)[VPL],
+                                           const uint4 (&w_raw)[VPL], const uint4 (&b_raw)[VPL],
+                                           const W* __restrict__ w, const W* __restrict__ b, T* __restrict__ y,
+                                           T* __restrict__ s, float* __restrict__ mean_out,
+                                           float* __restrict__ rstd_out, int64_t row, int lane, int N, float eps,
+                                           bool has_res, bool has_w, bool has_b, bool store_s, bool rms,
+                                           uint64_t seed, float drop_p, float drop_scale) {
   constexpr int P = Pack<T>::n;
-  const int lane = threadIdx.x % RT;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / RT) + threadIdx.x / RT;
-  if (row >= M) return;  // (RT = kThreads: one row per block, never taken)
-  // the dropout seed, read from device memory (graph-safe: philox.cuh); a row's packs use it at once, unrolled
-  uint64_t seed = 0;
-  if constexpr (DROP) seed = static_cast<uint64_t>(__ldg(seed_ptr));
   const int64_t base = row * N;
-  // the row's x and residual packs are all loaded before any is used: loaded where each pack is used, behind its
-  // branches (col < N, has_res), a row waited for memory once a pack (ptxas does not hoist a load above a branch);
-  // with the weights below, H200 run266 graph-replay forward 70.6 -> 84.2% of copy at post 16384 x 1024,
-  // 86 -> 95% at 8192 x 4096
-  uint4 x_raw[VPL], r_raw[VPL];
-#pragma unroll
-  for (int i = 0; i < VPL; ++i) {
-    const int col = (i * RT + lane) * P;
-    if (col < N) {
-      x_raw[i] = *reinterpret_cast<const uint4*>(x + base + col);
-      if (has_res) r_raw[i] = *reinterpret_cast<const uint4*>(res + base + col);
-    }
-  }
-  // kWEarly: the weight and bias packs too (kWP 16-byte loads a pack each), so their latency overlaps the row's sums
-  // rather than the stores waiting for them a pack at a time; only where a pack's parameters are one load each (W = T)
-  // and at most 4 packs a thread: fp32 parameters beside fp16 / bf16 rows (two loads each) took the 3-4-pack kernels
-  // from 62-64 to 94-127 registers, fp32 rows of 6-8 packs to 110-157
-  constexpr int kWP = P * static_cast<int>(sizeof(W)) / 16;
-  constexpr bool kWEarly = kWP == 1 && VPL <= 4;
-  uint4 w_raw[VPL][kWP], b_raw[VPL][kWP];
-#pragma unroll
-  for (int i = 0; i < VPL; ++i) {
-    const int col = (i * RT + lane) * P;
-    if (kWEarly && col < N) {
-#pragma unroll
-      for (int k = 0; k < kWP; ++k) {
-        if (has_w) w_raw[i][k] = *reinterpret_cast<const uint4*>(w + col + k * Pack<W>::n);
-        if (has_b) b_raw[i][k] = *reinterpret_cast<const uint4*>(b + col + k * Pack<W>::n);
-      }
-    }
-  }
   float v[VPL][P];
   float sum = 0.f;
 #pragma unroll
@@ -230,9 +198,9 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     if (col < N) {
       if (store_s) store_pack(s + base + col, v[i]);
       float wv[P], bv[P], o[P];
-      if constexpr (kWEarly) {
-        if (has_w) unpack<W>(w_raw[i][0], wv);
-        if (has_b) unpack<W>(b_raw[i][0], bv);
+      if constexpr (WE) {
+        if (has_w) unpack<W>(w_raw[i], wv);
+        if (has_b) unpack<W>(b_raw[i], bv);
       } else {
         if (has_w) load_packs<W, P>(w + col, wv);
         if (has_b) load_packs<W, P>(b + col, bv);
@@ -246,6 +214,120 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
       }
       store_pack(y + base + col, o);
     }
+  }
+}
+
+// 16-byte loads a pack's weight (or bias) takes: 1 where W = T, 2 for fp32 parameters beside fp16 / bf16 rows
+template <typename T, typename W>
+constexpr int kParamPackLoads = Pack<T>::n * static_cast<int>(sizeof(W)) / 16;
+
+// the lane's weight and bias packs (W = T: one load a pack), where col < N and the parameter is given
+template <typename T, typename W, int VPL, int RT>
+__device__ __forceinline__ void ln_fwd_params(const W* __restrict__ w, const W* __restrict__ b, int lane, int N,
+                                              bool has_w, bool has_b, uint4 (&w_raw)[VPL], uint4 (&b_raw)[VPL]) {
+  static_assert(kParamPackLoads<T, W> == 1, "one 16-byte load a pack");
+  constexpr int P = Pack<T>::n;
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int col = (i * RT + lane) * P;
+    if (col < N) {
+      if (has_w) w_raw[i] = *reinterpret_cast<const uint4*>(w + col);
+      if (has_b) b_raw[i] = *reinterpret_cast<const uint4*>(b + col);
+    }
+  }
+}
+
+// the row's x and residual packs (where col < N; the residual where has_res), all issued before any is used
+template <typename T, int VPL, int RT>
+__device__ __forceinline__ void ln_fwd_load(const T* __restrict__ x, const T* __restrict__ res, int64_t row, int lane,
+                                            int N, bool has_res, uint4 (&x_raw)[VPL], uint4 (&r_raw)[VPL]) {
+  constexpr int P = Pack<T>::n;
+  const int64_t base = row * N;
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int col = (i * RT + lane) * P;
+    if (col < N) {
+      x_raw[i] = *reinterpret_cast<const uint4*>(x + base + col);
+      if (has_res) r_raw[i] = *reinterpret_cast<const uint4*>(res + base + col);
+    }
+  }
+}
+
+// DROP: dropout on x (a template flag: the Philox code would otherwise cost every call its registers). W: the
+// weight's and bias's element type, T or float (autocast keeps fp32 parameters beside bf16 / fp16 activations).
+// A warp (RT = 32) or the block takes one row (the persistent walk of narrow rows: ln_fwd_persist_kernel).
+template <typename T, typename W, int VPL, int RT, bool DROP>
+__global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
+    const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ w, const W* __restrict__ b,
+    T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+    int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms,
+    const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
+  const int lane = threadIdx.x % RT;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / RT) + threadIdx.x / RT;
+  if (row >= M) return;  // (RT = kThreads: one row per block, never taken)
+  // the row's x and residual packs are all loaded before any is used: loaded where each pack is used, behind its
+  // branches (col < N, has_res), a row waited for memory once a pack (ptxas does not hoist a load above a branch);
+  // with the weights below, H200 run266 graph-replay forward 70.6 -> 84.2% of copy at post 16384 x 1024,
+  // 86 -> 95% at 8192 x 4096
+  uint4 x_raw[VPL], r_raw[VPL];
+  ln_fwd_load<T, VPL, RT>(x, res, row, lane, N, has_res, x_raw, r_raw);
+  // kWEarly: the weight and bias packs too (one 16-byte load a pack each), so their latency overlaps the row's sums
+  // rather than the stores waiting for them a pack at a time; only where a pack's parameters are one load each (W = T)
+  // and at most 4 packs a thread: fp32 parameters beside fp16 / bf16 rows (two loads each) took the 3-4-pack kernels
+  // from 62-64 to 94-127 registers, fp32 rows of 6-8 packs to 110-157
+  constexpr bool kWEarly = kParamPackLoads<T, W> == 1 && VPL <= 4;
+  uint4 w_raw[VPL], b_raw[VPL];
+  if constexpr (kWEarly) ln_fwd_params<T, W, VPL, RT>(w, b, lane, N, has_w, has_b, w_raw, b_raw);
+  // the dropout seed, read from device memory (graph-safe: philox.cuh), after the row's loads are issued
+  uint64_t seed = 0;
+  if constexpr (DROP) seed = static_cast<uint32_t>(__ldg(seed_ptr));
+  ln_fwd_row<T, W, VPL, RT, DROP, kWEarly>(x_raw, r_raw, w_raw, b_raw, w, b, y, s, mean_out, rstd_out, row, lane, N,
+                                           eps, has_res, has_w, has_b, store_s, rms, seed, drop_p, drop_scale);
+}
+
+// The persistent forward of warp rows of at most 3 packs a lane (N <= 768 fp16 / bf16, <= 384 fp32): a grid of the
+// blocks resident an SM times the SMs (fwd_blocks_per_sm), whose warps walk rows gridDim.x * kWarps apart, each
+// issuing the next row's x and residual loads before this row's math. One row a warp and out (ln_fwd_kernel) had
+// nothing in flight across a warp's load, reductions and stores, then the block's turnover: 84-87% of copy bandwidth
+// at 16384 x 768 bf16 on the H200. At most 128 registers (two blocks an SM). kWHold: the weight and bias packs of
+// the lane's columns (the same in every row it visits) are loaded once, before the rows, where a pack's parameters are
+// one load each (W = T) and up to 2 packs a lane; at 3 packs they would take the kernel past 128 registers (24-36
+// bytes of spill in the first build), so there, as with fp32 parameters, each pack's parameters are loaded where
+// they are used (L1 hits after the first row). No barrier anywhere (warp rows): a warp with no row, or with fewer
+// rows than others, leaves. PYKERNELS_LN_FWD_PERSIST=0 takes ln_fwd_kernel instead (fwd_persist_enabled).
+template <typename T, int VPL, int RT>
+constexpr bool kFwdPersistable = RT == 32 && VPL <= 3;
+
+template <typename T, typename W, int VPL, int RT, bool DROP>
+__global__ void __launch_bounds__(kThreads, 2) ln_fwd_persist_kernel(
+    const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ w, const W* __restrict__ b,
+    T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+    int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms,
+    const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
+  static_assert(kFwdPersistable<T, VPL, RT>, "the persistent forward is for warp rows of at most 3 packs a lane");
+  constexpr int kRows = kThreads / RT;
+  const int lane = threadIdx.x % RT;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRows;
+  int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + threadIdx.x / RT;
+  if (row >= M) return;
+  uint64_t seed = 0;  // the dropout seed, read from device memory once (graph-safe: philox.cuh)
+  if constexpr (DROP) seed = static_cast<uint32_t>(__ldg(seed_ptr));
+  constexpr bool kWHold = kParamPackLoads<T, W> == 1 && VPL <= 2;
+  uint4 w_raw[VPL], b_raw[VPL];
+  if constexpr (kWHold) ln_fwd_params<T, W, VPL, RT>(w, b, lane, N, has_w, has_b, w_raw, b_raw);
+  uint4 x_nxt[VPL], r_nxt[VPL];
+  ln_fwd_load<T, VPL, RT>(x, res, row, lane, N, has_res, x_nxt, r_nxt);
+  for (; row < M; row += stride) {
+    uint4 x_cur[VPL], r_cur[VPL];
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      x_cur[i] = x_nxt[i];
+      r_cur[i] = r_nxt[i];
+    }
+    // the next row's loads, in flight during this row's math (the dropout mask depends on the row and column only)
+    if (row + stride < M) ln_fwd_load<T, VPL, RT>(x, res, row + stride, lane, N, has_res, x_nxt, r_nxt);
+    ln_fwd_row<T, W, VPL, RT, DROP, kWHold>(x_cur, r_cur, w_raw, b_raw, w, b, y, s, mean_out, rstd_out, row, lane, N,
+                                            eps, has_res, has_w, has_b, store_s, rms, seed, drop_p, drop_scale);
   }
 }
 
@@ -591,6 +673,29 @@ bool prefetch_enabled() {
   return on;
 }
 
+// PYKERNELS_LN_FWD_PERSIST=0 turns the forward's persistent walk (warp rows of <= 3 packs a lane) off: every shape then
+// takes the one-row-a-warp grid (read once; for A/B measurements in one build)
+bool fwd_persist_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("PYKERNELS_LN_FWD_PERSIST");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+}
+
+// resident blocks per SM of a persistent forward instantiation (no shared memory), queried once: its grid fills the
+// GPU once
+template <typename T, typename W, int VPL, int RT, bool DROP>
+int fwd_blocks_per_sm() {
+  static const int n = [] {
+    int k = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, ln_fwd_persist_kernel<T, W, VPL, RT, DROP>,
+                                                                 kThreads, 0));
+    return std::max(k, 1);
+  }();
+  return n;
+}
+
 // f(PF, DROP): DROP = dropout; PF = whether the backward of this row shape prefetches the next row
 // (with dropout only for two-warp rows: elsewhere the Philox registers leave no room for a second row)
 template <typename T, int VPL, int RT, typename F>
@@ -717,8 +822,19 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
     using T = decltype(tag);
     using W = decltype(wtag);
     dispatch_shape<T>(N, [&](auto v, auto rt) {
-     const auto launch = [&](auto drop) {
-      ln_fwd_kernel<T, W, decltype(v)::value, decltype(rt)::value, decltype(drop)::value><<<blocks, kThreads, 0, stream>>>(
+     constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
+     const auto launch = [&](auto drop, auto persist) {
+      constexpr bool kDrop = decltype(drop)::value, kPersist = decltype(persist)::value;
+      unsigned grid = blocks;
+      if constexpr (kPersist) {
+        const int64_t cap = static_cast<int64_t>(fwd_blocks_per_sm<T, W, kV, kRT, kDrop>()) * sm_count(x.get_device());
+        grid = static_cast<unsigned>(std::min<int64_t>(blocks, cap));
+      }
+      const auto kernel = [&] {
+        if constexpr (kPersist) return ln_fwd_persist_kernel<T, W, kV, kRT, kDrop>;
+        else return ln_fwd_kernel<T, W, kV, kRT, kDrop>;
+      }();
+      kernel<<<grid, kThreads, 0, stream>>>(
           static_cast<const T*>(x.data_ptr()), r.defined() ? static_cast<const T*>(r.data_ptr()) : nullptr,
           w.defined() ? static_cast<const W*>(w.data_ptr()) : nullptr,
           b.defined() ? static_cast<const W*>(b.data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()),
@@ -728,8 +844,17 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
           dropout_p > 0.0 ? static_cast<float>(1.0 / (1.0 - dropout_rate(dropout_p))) : 1.f);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
      };
-     if (dropout_p > 0.0) launch(std::true_type{});
-     else launch(std::false_type{});
+     const auto pick = [&](auto drop) {
+      if constexpr (kFwdPersistable<T, kV, kRT>) {
+        if (fwd_persist_enabled()) {
+          launch(drop, std::true_type{});
+          return;
+        }
+      }
+      launch(drop, std::false_type{});
+     };
+     if (dropout_p > 0.0) pick(std::true_type{});
+     else pick(std::false_type{});
     });
   });
   return {y, s, mean, rstd, x, r};

@@ -937,6 +937,84 @@ def test_cuda_backend_deterministic(n):
         assert torch.equal(a, c)
 
 
+# The persistent forward (csrc/layer_norm.cu ln_fwd_persist_kernel: warp rows of <= 3 packs a lane, N <= 768 fp16 /
+# bf16, <= 384 fp32): rows fewer than its grid (warps with no row), several rows a warp with a ragged tail, every
+# row shape it takes (1, 2, 3 packs a lane), dropout on and off, parameters of x's dtype and fp32.
+PERSIST_CASES = [((3, 768), "pre", torch.bfloat16, None, 0.1),
+                 ((20003, 768), "post", torch.bfloat16, None, 0.1),
+                 ((20003, 768), "pre", torch.bfloat16, torch.float32, 0.1),
+                 ((16384, 768), "post", torch.bfloat16, torch.float32, 0.0),
+                 ((9001, 520), "rms_pre", torch.float16, None, 0.0),
+                 ((40001, 256), "post_no_residual", torch.bfloat16, None, 0.1),
+                 ((5003, 384), "post", torch.float32, None, 0.1),
+                 ((5003, 136), "pre", torch.float32, None, 0.0)]
+PERSIST_IDS = [f"{m}x{n}-{v}-{str(d)[6:]}-w{'32' if p else 'x'}-p{q}" for (m, n), v, d, p, q in PERSIST_CASES]
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("shape,variant,dtype,pdt,dropout_p", PERSIST_CASES, ids=PERSIST_IDS)
+def test_cuda_backend_persistent_forward(shape, variant, dtype, pdt, dropout_p):
+    v = dict(VARIANTS[variant])
+    residual = v.pop("residual", True)
+    x, r, w, b = _make(shape, dtype, "cuda", residual=residual, param_dtype=pdt)
+    _check(x, r, w, b, backend="cuda", dropout_p=dropout_p, **v)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_cuda_backend_persistent_forward_equals_one_row_grid(tmp_path):
+    """PYKERNELS_LN_FWD_PERSIST=0 (read once by the extension, so in a second process) takes the one-row-a-warp forward:
+    its y, s, mean and rstd, dropout masks included, must equal the persistent forward's bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    import pykernels._C  # noqa: F401  (registers torch.ops.pykernels_cuda)
+    if os.environ.get("PYKERNELS_LN_FWD_PERSIST") == "0":
+        pytest.skip("the persistent forward is switched off in this process")
+    cases = []
+    for (m, n), variant, dtype, pdt, p in PERSIST_CASES:
+        v = dict(VARIANTS[variant])
+        residual = v.pop("residual", True)
+        x, r, w, b = (t.detach() if t is not None else None
+                      for t in _make((m, n), dtype, "cuda", residual=residual, param_dtype=pdt))
+        cases.append(dict(x=x, r=r, w=w, b=b, p=p, prenorm=v.get("prenorm", False), rms=v.get("rms_norm", False)))
+    inputs = tmp_path / "inputs.pt"
+    torch.save(cases, inputs)
+
+    def run(path_in, path_out):
+        outs = []
+        for i, c in enumerate(torch.load(path_in)):
+            torch.manual_seed(1000 + i)  # draw_seed: the same dropout seed in both processes
+            outs.append([t.cpu() for t in torch.ops.pykernels_cuda.layer_norm_fwd(
+                c["x"], c["w"], c["b"], c["r"], 1e-5, c["p"], c["prenorm"], c["rms"])])
+        torch.save(outs, path_out)
+
+    src = ("import sys, torch\n"
+           "import pykernels._C  # registers torch.ops.pykernels_cuda\n"
+           f"{_source_of(run)}\n"
+           "run(sys.argv[1], sys.argv[2])\n")
+    env = dict(os.environ, PYKERNELS_LN_FWD_PERSIST="0",
+               PYTHONPATH=os.pathsep.join([p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]))
+    off = tmp_path / "off.pt"
+    res = subprocess.run([sys.executable, "-c", src, str(inputs), str(off)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    on = tmp_path / "on.pt"
+    run(inputs, on)
+    for case, a, c in zip(PERSIST_CASES, torch.load(on), torch.load(off)):
+        for name, ta, tc in zip(["y", "s", "mean", "rstd", "seed"], a, c):
+            assert torch.equal(ta, tc), f"{case}: {name} differs between the persistent and the one-row forward"
+
+
+def _source_of(fn) -> str:
+    """fn's source, dedented (a nested function run again in a subprocess)."""
+    import inspect
+    import textwrap
+    return textwrap.dedent(inspect.getsource(fn))
+
+
 @pytest.mark.gpu
 @needs_cuda_ext
 def test_cuda_backend_misaligned_contiguous_view():
