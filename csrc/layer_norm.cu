@@ -12,8 +12,8 @@
 // the whole 256-thread block for wider rows (N <= 8192 fp16/bf16, <= 4096 fp32; sums over the block
 // through shared memory); in the backward one warp up to 3 packs per lane, two warps (RT = 64, sums
 // exchanged through shared memory under a named barrier of the pair) up to N = 1024, a block beyond. Each thread owns VPL packs of 16 bytes (8 fp16/bf16 or 4 fp32 elements),
-// interleaved so that RT threads' loads are contiguous. Forward warp rows of at most 3 packs a lane (N <= 768 fp16/bf16,
-// <= 384 fp32) run on a persistent grid (ln_fwd_persist_kernel: each warp walks rows gridDim.x * 8 apart and loads
+// interleaved so that RT threads' loads are contiguous. Forward fp16 / bf16 warp rows of at most 2 packs a lane (N <= 512)
+// run on a persistent grid (ln_fwd_persist_kernel: each warp walks rows gridDim.x * 8 apart and loads
 // the next row's x and residual before this row's math); PYKERNELS_LN_FWD_PERSIST=0 gives them one row a warp.
 // Statistics in fp32 from registers (two passes over registers: exact variance, no E[x^2] - E[x]^2).
 //   forward : s = x + residual; mean, rstd; y = (s - mean) * rstd * w + b; stores y, s (pre-LN only),
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
                                            eps, has_res, has_w, has_b, store_s, rms, seed, drop_p, drop_scale);
 }
 
-// The persistent forward of warp rows of at most 3 packs a lane (N <= 768 fp16 / bf16, <= 384 fp32): a grid of the
+// The persistent forward of fp16 / bf16 warp rows of at most 2 packs a lane (N <= 512): a grid of the
 // blocks resident an SM times the SMs (fwd_blocks_per_sm), whose warps walk rows gridDim.x * kWarps apart, each
 // issuing the next row's x and residual loads before this row's math. One row a warp and out (ln_fwd_kernel) had
 // nothing in flight across a warp's load, reductions and stores, then the block's turnover: 84-87% of copy bandwidth
@@ -295,8 +295,13 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 // bytes of spill in the first build), so there, as with fp32 parameters, each pack's parameters are loaded where
 // they are used (L1 hits after the first row). No barrier anywhere (warp rows): a warp with no row, or with fewer
 // rows than others, leaves. PYKERNELS_LN_FWD_PERSIST=0 takes ln_fwd_kernel instead (fwd_persist_enabled).
+// Where it runs (H200 run272, CUDA-graph replay of the forward, 16384 rows, bf16 against the one-row grid in the same
+// call): N = 512 13.89 -> 12.90 us (86 -> 92.6% of copy), N = 256 equal; at 3 packs a lane it lost as often as it
+// won (N = 768: post-LN -1.5..-3.6%, pre-LN with fp32 parameters and dropout -1..-6%, post-LN with dropout +3%;
+// fp32 rows of 384 -3.5..-4.7%; 65536 x 768 -4..-6%: two blocks an SM of 90-104 registers against three of the
+// one-row kernel's 79), so rows of 3 packs and fp32 rows keep the one-row grid.
 template <typename T, int VPL, int RT>
-constexpr bool kFwdPersistable = RT == 32 && VPL <= 3;
+constexpr bool kFwdPersistable = RT == 32 && VPL <= 2 && sizeof(T) == 2;
 
 template <typename T, typename W, int VPL, int RT, bool DROP>
 __global__ void __launch_bounds__(kThreads, 2) ln_fwd_persist_kernel(
@@ -304,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_persist_kernel(
     T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
     int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms,
     const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
-  static_assert(kFwdPersistable<T, VPL, RT>, "the persistent forward is for warp rows of at most 3 packs a lane");
+  static_assert(kFwdPersistable<T, VPL, RT>, "the persistent forward is for fp16 / bf16 warp rows of <= 2 packs");
   constexpr int kRows = kThreads / RT;
   const int lane = threadIdx.x % RT;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kRows;
@@ -673,7 +678,7 @@ bool prefetch_enabled() {
   return on;
 }
 
-// PYKERNELS_LN_FWD_PERSIST=0 turns the forward's persistent walk (warp rows of <= 3 packs a lane) off: every shape then
+// PYKERNELS_LN_FWD_PERSIST=0 turns the forward's persistent walk (kFwdPersistable) off: every shape then
 // takes the one-row-a-warp grid (read once; for A/B measurements in one build)
 bool fwd_persist_enabled() {
   static const bool on = [] {

@@ -937,10 +937,14 @@ def test_cuda_backend_deterministic(n):
         assert torch.equal(a, c)
 
 
-# The persistent forward (csrc/layer_norm.cu ln_fwd_persist_kernel: warp rows of <= 3 packs a lane, N <= 768 fp16 /
-# bf16, <= 384 fp32): rows fewer than its grid (warps with no row), several rows a warp with a ragged tail, every
-# row shape it takes (1, 2, 3 packs a lane), dropout on and off, parameters of x's dtype and fp32.
-PERSIST_CASES = [((3, 768), "pre", torch.bfloat16, None, 0.1),
+# The persistent forward (csrc/layer_norm.cu ln_fwd_persist_kernel: fp16 / bf16 warp rows of <= 2 packs a lane,
+# N <= 512): rows fewer than its grid (warps with no row), several rows a warp with a ragged tail, both row shapes it
+# takes (1, 2 packs a lane), dropout on and off, parameters of x's dtype and fp32; and rows it leaves to the one-row
+# grid (3 packs, fp32 rows), which the switch must not change either.
+PERSIST_CASES = [((3, 512), "pre", torch.bfloat16, None, 0.1),
+                 ((20003, 512), "post", torch.bfloat16, torch.float32, 0.1),
+                 ((16384, 504), "rms_pre", torch.float16, None, 0.0),
+                 ((3, 768), "pre", torch.bfloat16, None, 0.1),
                  ((20003, 768), "post", torch.bfloat16, None, 0.1),
                  ((20003, 768), "pre", torch.bfloat16, torch.float32, 0.1),
                  ((16384, 768), "post", torch.bfloat16, torch.float32, 0.0),
