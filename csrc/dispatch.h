@@ -55,7 +55,9 @@ inline at::Tensor draw_seed(double dropout_p, const at::Tensor& like) {
   return at::randint(0, (int64_t{1} << 31) - 1, {1}, like.options().dtype(at::kLong));
 }
 
-// The device address of the seed the kernels read (nullptr without dropout: the kernels then never read it)
+// The device address of the seed the kernels read (nullptr without dropout: the kernels then never read it). The C++
+// kernels read its low 32 bits (seeds are drawn below 2^31; the Triton kernels and the reference read all 64, equal
+// for every seed drawn)
 inline const int64_t* seed_ptr(double dropout_p, const c10::optional<at::Tensor>& seed, const at::Tensor& like,
                                const char* op) {
   if (!(dropout_p > 0.0)) return nullptr;

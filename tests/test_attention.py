@@ -1791,7 +1791,7 @@ def test_gpu_cuda_tma_loads(monkeypatch):
     # an output gradient of stride 0 over batch and heads (the op keeps it: its rows are 16-byte aligned), straight into
     # the C++ op's autograd: the backward raises under =1, else loads it by cp.async, bitwise as TMA loads it copied
     def call():
-        return torch.ops.pykernels_cuda.attention(q, k, v, None, None, None, 150, 150, 0.0, True, 0.125, 0)
+        return torch.ops.pykernels_cuda.attention(q, k, v, None, None, None, 150, 150, 0.0, True, 0.125, None)
 
     do = torch.randn(1, 1, 150, 64, device=dev, dtype=BF16).expand(2, 2, 150, 64)
     monkeypatch.setenv("PYKERNELS_CUDA_ATTN_TMA", "1")
