@@ -821,8 +821,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     * Rows with no key to attend to (fully masked, or Sk = 0) output 0 with gradient 0 (torch: NaN).
     * GQA/MQA: Hq a multiple of Hkv (``enable_gqa`` is accepted; grouped heads work with or without
       it); K/V are never repeated in memory.
-    * ``dropout_p``: in-kernel Philox dropout; the seed comes from torch's default CPU generator, so
-      ``torch.manual_seed`` makes it reproducible; :func:`attention_dropout_mask` gives the mask.
+    * ``dropout_p``: in-kernel Philox dropout; the seed is drawn on the inputs' device from torch's generator
+      there, so ``torch.manual_seed`` makes it reproducible and CUDA-graph replays draw fresh masks;
+      :func:`attention_dropout_mask` gives the mask.
     * ``backend``: None (the current default), "auto", "triton", "cuda", "reference". "cuda" is the CUDA C++ op
       (``csrc/attention.cpp`` and ``attention.cuh``: fp16 / bf16, one head dim for q, k, v, a multiple of 8 up to
       256; always deterministic), taken when named, and by "auto" for eager calls with dropout (its autograd runs
