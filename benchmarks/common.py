@@ -99,22 +99,33 @@ def peak_extra_mib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def _device_us(fn: Callable[[], object]) -> dict[str, float]:
+    """One profiled call of ``fn``: each kernel's (and memcpy's / memset's) summed device time in us, by name."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name] = out.get(e.name, 0.0) + e.device_time_total
+    return out
+
+
 def gpu_kernel_ms(fn: Callable[[], object], *, reps: int = 3) -> float:
     """GPU time of ``fn``: the sum of the device time of every kernel and memcpy/memset it issues, per
     call (median of ``reps`` profiled calls, torch.profiler / CUPTI). Unlike CUDA-graph replay it
     works for calls that synchronise (torch.compile's gather-first, pykernels' sized MLM backward);
     like it, it leaves out host time and idle gaps. Warm ``fn`` up before calling this."""
-    from torch.profiler import ProfilerActivity, profile
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        total_us = sum(e.device_time_total for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA)
-        times.append(total_us / 1e3)
-    return sorted(times)[len(times) // 2]
+    times = sorted(sum(_device_us(fn).values()) / 1e3 for _ in range(reps))
+    return times[len(times) // 2]
+
+
+def gpu_kernels_us(fn: Callable[[], object], calls: int = 1) -> list[tuple[float, str]]:
+    """Each kernel's device time a call of ``fn`` (one profiled run of ``fn``, which makes ``calls`` calls),
+    longest first. Warm ``fn`` up before calling this."""
+    return sorted(((us / calls, name) for name, us in _device_us(fn).items()), reverse=True)
 
 
 def ceilings() -> dict:

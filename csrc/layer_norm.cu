@@ -291,9 +291,8 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 // nothing in flight across a warp's load, reductions and stores, then the block's turnover: 84-87% of copy bandwidth
 // at 16384 x 768 bf16 on the H200. At most 128 registers (two blocks an SM). kWHold: the weight and bias packs of
 // the lane's columns (the same in every row it visits) are loaded once, before the rows, where a pack's parameters are
-// one load each (W = T) and up to 2 packs a lane; at 3 packs they would take the kernel past 128 registers (24-36
-// bytes of spill in the first build), so there, as with fp32 parameters, each pack's parameters are loaded where
-// they are used (L1 hits after the first row). No barrier anywhere (warp rows): a warp with no row, or with fewer
+// one load each (W = T); with fp32 parameters each pack's parameters are loaded where they are used (L1 hits after
+// the first row). (Held at 3 packs a lane, they took the kernel past 128 registers: 24-36 bytes of spill.) No barrier anywhere (warp rows): a warp with no row, or with fewer
 // rows than others, leaves. PYKERNELS_LN_FWD_PERSIST=0 takes ln_fwd_kernel instead (fwd_persist_enabled).
 // Where it runs (H200 run272, CUDA-graph replay of the forward, 16384 rows, bf16 against the one-row grid in the same
 // call): N = 512 13.89 -> 12.90 us (86 -> 92.6% of copy), N = 256 equal; at 3 packs a lane it lost as often as it
@@ -317,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_persist_kernel(
   if (row >= M) return;
   uint64_t seed = 0;  // the dropout seed, read from device memory once (graph-safe: philox.cuh)
   if constexpr (DROP) seed = static_cast<uint32_t>(__ldg(seed_ptr));
-  constexpr bool kWHold = kParamPackLoads<T, W> == 1 && VPL <= 2;
+  constexpr bool kWHold = kParamPackLoads<T, W> == 1;  // (rows of <= 2 packs: kFwdPersistable)
   uint4 w_raw[VPL], b_raw[VPL];
   if constexpr (kWHold) ln_fwd_params<T, W, VPL, RT>(w, b, lane, N, has_w, has_b, w_raw, b_raw);
   uint4 x_nxt[VPL], r_nxt[VPL];

@@ -56,7 +56,11 @@ def seed_arg(seed, device, has_dropout: bool) -> torch.Tensor:
     generator drew for that replay) or an int (tests, ``dropout_mask_triton``), which is copied there. Without dropout
     the kernels never read it: any int64 tensor on the device stands in (``seed`` itself, the op's (0,) placeholder)."""
     if isinstance(seed, torch.Tensor):
-        if not has_dropout or (seed.device == torch.device(device) and seed.dtype == torch.int64 and seed.numel()):
+        if not has_dropout:
+            return seed
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
+        if seed.device == device and seed.dtype == torch.int64 and seed.numel():  # (an op's seed: every call)
             return seed
         return seed.reshape(-1)[:1].to(device=device, dtype=torch.int64)
     if not has_dropout:

@@ -9,6 +9,17 @@ import torch
 import pykernels
 
 
+def _leaves():
+    """q, k, v (2, 4, 128, 64) and a LayerNorm's x, r (256, 512), w, b (512,): bf16 leaves from a fixed generator."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+               for _ in range(3))
+    x, r = (torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            for _ in range(2))
+    w, b = (torch.randn(512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True) for _ in range(2))
+    return q, k, v, x, r, w, b
+
+
 def _skips() -> int:
     from torch._dynamo.utils import counters
     return int(counters["inductor"]["cudagraph_skips"])
@@ -21,14 +32,7 @@ def test_reduce_overhead_captures_attention_and_layer_norm():
     # then made while CUDA-graph trees warm the graph up, and must not land in the graph's pool
     from pykernels._kernels import attention as katt
     katt._PLACEHOLDERS.clear()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-               for _ in range(3))
-    x, r = (torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-            for _ in range(2))
-    w = torch.randn(512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    b = torch.randn(512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    ins = (q, k, v, x, r, w, b)
+    ins = _leaves()
 
     def f(q, k, v, x, r, w, b):
         o = pykernels.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -188,13 +192,7 @@ def test_reduce_overhead_captures_dropout(backend):
     are device tensors now, never CPU ones), and each call of the graph draws fresh masks."""
     _need_backend("cuda" if backend == "cuda" else "triton")
     torch._dynamo.reset()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-               for _ in range(3))
-    x, r = (torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-            for _ in range(2))
-    w = torch.randn(512, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    ins = (q, k, v, x, r, w)
+    ins = _leaves()[:6]
 
     def f(q, k, v, x, r, w):
         o = pykernels.scaled_dot_product_attention(q, k, v, dropout_p=0.2, backend=backend)

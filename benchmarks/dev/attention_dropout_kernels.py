@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import gpu_kernel_ms  # noqa: E402  (benchmarks/common.py)
+from common import gpu_kernel_ms, gpu_kernels_us  # noqa: E402  (benchmarks/common.py)
 
 import pykernels  # noqa: E402
 
@@ -54,20 +54,6 @@ def impls(peers: bool, triton: bool):
         yield "sdpa-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)
 
 
-def kernel_us(fn, iters: int) -> list[tuple[float, str]]:
-    """Each kernel's device time a call of ``fn``'s ``iters`` calls (one profiled run), longest first."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    agg: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            agg[e.name] = agg.get(e.name, 0.0) + e.device_time_total
-    return sorted(((us / iters, name) for name, us in agg.items()), reverse=True)
-
-
 def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int,
               kernels: bool = False) -> tuple[float, float]:
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -89,7 +75,7 @@ def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int,
     f = gpu_kernel_ms(fwd) / iters
     fb = gpu_kernel_ms(fwd_bwd) / iters
     if kernels:  # each kernel of a forward+backward (the seed's draw, the delta pass, the forward, the backward)
-        for us, name in kernel_us(fwd_bwd, iters):
+        for us, name in gpu_kernels_us(fwd_bwd, iters):
             print(f"    {us:8.1f} us  {name[:110]}")
     return f * 1e3, (fb - f) * 1e3
 
