@@ -19,6 +19,9 @@ Variants (each its own model and ``torch.optim.AdamW(fused=True)``):
 * ``pykernels, C++ attention``: the same with the attention on ``backend="cuda"`` (the C++ op: its autograd is
   C++, so an eager step spends less host time in it; ``auto`` takes it too for eager calls with dropout, so the
   training steps of the two variants run the same kernels), where the extension is built.
+* ``--models gpt2-padded`` (not in the default set): GPT-2 on a right-padded fine-tuning batch (lengths uniform in
+  [512, 1024], one row full; labels -100 at the padding) with its attention mask: the causal-and-padding case, which
+  ``attn_implementation="pykernels"`` runs as ``is_causal`` plus a key-padding mask.
 * ``--max-valid`` adds BERT's ``pykernels`` variants with ``masked_lm_loss(..., max_valid=tokens // 5)``: the
   loss's backward sized by a bound instead of the count of labelled rows, so the step never waits for the GPU.
 * ``--compile`` adds each of the first two with its forward and loss under ``torch.compile`` (default mode).
@@ -62,6 +65,7 @@ class Case:
     seqlen: int
     config: Callable[[], object]
     causal: bool
+    padded: bool = False  # right-padded rows (an attention mask, labels -100 at the padding)
 
 
 def bert_batch(batch: int, seqlen: int, vocab: int, device, gen: torch.Generator):
@@ -78,12 +82,23 @@ def bert_batch(batch: int, seqlen: int, vocab: int, device, gen: torch.Generator
 
 def gpt2_batch(batch: int, seqlen: int, vocab: int, device, gen: torch.Generator):
     ids = torch.randint(0, vocab, (batch, seqlen), generator=gen).to(device)
-    return ids, ids
+    return ids, ids, None
+
+
+def gpt2_padded_batch(batch: int, seqlen: int, vocab: int, device, gen: torch.Generator):
+    """Right-padded sequences of lengths uniform in [seqlen / 2, seqlen] (a fine-tuning batch): the attention mask
+    (1 = token), and labels -100 at the padding."""
+    ids = torch.randint(0, vocab, (batch, seqlen), generator=gen)
+    lengths = torch.randint(seqlen // 2, seqlen + 1, (batch,), generator=gen)
+    lengths[0] = seqlen  # (one full row: the batch's padded length is seqlen)
+    mask = (torch.arange(seqlen)[None, :] < lengths[:, None]).long()
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    return ids.to(device), labels.to(device), mask.to(device)
 
 
 def hf_loss_fn(model, causal: bool):
-    def fwd(inputs, labels):
-        return model(input_ids=inputs, labels=labels).loss
+    def fwd(inputs, labels, mask=None):
+        return model(input_ids=inputs, attention_mask=mask, labels=labels).loss
     return fwd
 
 
@@ -100,9 +115,9 @@ def pykernels_loss_fn(model, causal: bool, attn_backend: str | None, max_valid: 
     if causal:
         body, wte = model.transformer, model.transformer.wte
 
-        def fwd(inputs, labels):
+        def fwd(inputs, labels, mask=None):
             with pykernels.use_backend(attn_backend) if attn_backend else contextlib.nullcontext():
-                h = body(input_ids=inputs).last_hidden_state
+                h = body(input_ids=inputs, attention_mask=mask).last_hidden_state
             dtype = _autocast_dtype(h)
             return pykernels.masked_lm_loss(h.to(dtype), wte.weight.to(dtype), pykernels.shift_labels(labels),
                                             dense=True, backend="auto")
@@ -110,9 +125,9 @@ def pykernels_loss_fn(model, causal: bool, attn_backend: str | None, max_valid: 
 
     body, head = model.bert, model.cls.predictions
 
-    def fwd(inputs, labels):
+    def fwd(inputs, labels, mask=None):
         with pykernels.use_backend(attn_backend) if attn_backend else contextlib.nullcontext():
-            h = body(input_ids=inputs).last_hidden_state
+            h = body(input_ids=inputs, attention_mask=mask).last_hidden_state
         h = head.transform(h)
         dtype = _autocast_dtype(h)
         dec = head.decoder
@@ -130,7 +145,8 @@ def case_inputs(case: Case, device) -> tuple[dict, tuple]:
     state = (AutoModelForCausalLM if case.causal else AutoModelForMaskedLM).from_config(
         case.config(), attn_implementation="sdpa").state_dict()
     gen = torch.Generator().manual_seed(1)
-    batch = (gpt2_batch if case.causal else bert_batch)(case.batch, case.seqlen, case.config().vocab_size, device, gen)
+    make = (gpt2_padded_batch if case.padded else gpt2_batch) if case.causal else bert_batch
+    batch = make(case.batch, case.seqlen, case.config().vocab_size, device, gen)
     return state, batch
 
 
@@ -165,7 +181,7 @@ def build(case: Case, variant: str, state: dict, device):
 def run_variant(case: Case, variant: str, state: dict, batch, device, *, steps: int, warmup: int,
                 amp: bool) -> dict:
     model, fwd = build(case, variant, state, device)
-    inputs, labels = batch
+    inputs, labels, mask = (*batch, None)[:3]
 
     graphed = variant.endswith(", CUDA graph")
 
@@ -176,14 +192,14 @@ def run_variant(case: Case, variant: str, state: dict, batch, device, *, steps: 
 
     with torch.no_grad(), autocast():
         model.eval()
-        loss0 = float(fwd(inputs, labels))
+        loss0 = float(fwd(inputs, labels, mask))
         model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda", capturable=graphed)
 
     def step():
         opt.zero_grad(set_to_none=True)
         with autocast():
-            loss = fwd(inputs, labels)
+            loss = fwd(inputs, labels, mask)
         loss.backward()
         opt.step()
         return loss
@@ -201,7 +217,7 @@ def run_variant(case: Case, variant: str, state: dict, batch, device, *, steps: 
         opt.zero_grad(set_to_none=True)  # backward allocates the gradients from the graph's pool
         with torch.cuda.graph(graph):
             with autocast():
-                static_loss = fwd(inputs, labels)
+                static_loss = fwd(inputs, labels, mask)
             static_loss.backward()
             opt.step()
 
@@ -240,14 +256,18 @@ def cases(smoke: bool) -> list[Case]:
                                                        num_attention_heads=2, intermediate_size=37,
                                                        max_position_embeddings=64), False),
                 Case("gpt2", 2, 16, lambda: GPT2Config(vocab_size=1100, n_embd=32, n_layer=2, n_head=2,
-                                                       n_positions=64, bos_token_id=0, eos_token_id=0), True)]
-    return [Case("bert", 32, 512, BertConfig, False), Case("gpt2", 8, 1024, GPT2Config, True)]
+                                                       n_positions=64, bos_token_id=0, eos_token_id=0), True),
+                Case("gpt2-padded", 2, 16, lambda: GPT2Config(vocab_size=1100, n_embd=32, n_layer=2, n_head=2,
+                                                              n_positions=64, bos_token_id=0, eos_token_id=0),
+                     True, True)]
+    return [Case("bert", 32, 512, BertConfig, False), Case("gpt2", 8, 1024, GPT2Config, True),
+            Case("gpt2-padded", 8, 1024, GPT2Config, True, True)]
 
 
 def main(argv=None, rows_out: list | None = None) -> int:
     """Run the cases; the rows are also appended to ``rows_out`` when given (tests)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["bert", "gpt2"], choices=["bert", "gpt2"])
+    ap.add_argument("--models", nargs="+", default=["bert", "gpt2"], choices=["bert", "gpt2", "gpt2-padded"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="add the torch.compile variants")

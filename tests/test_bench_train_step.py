@@ -51,3 +51,21 @@ def test_pykernels_variant_is_patched(bench):
     assert not any(type(m) is torch.nn.LayerNorm for m in model.modules())
     assert any(isinstance(m, pykernels.nn.LayerNorm) for m in model.modules())
     assert sum(type(m).__name__.startswith("FusedBert") for m in model.modules()) == 2 * 2
+
+
+def test_smoke_gpt2_padded_agrees(bench):
+    # the causal-and-padding case: the attention mask reaches both models, the loss skips the padding
+    rows = []
+    assert bench.main(["--smoke", "--models", "gpt2-padded", "--steps", "1", "--warmup", "1", "--check"],
+                      rows_out=rows) == 0
+    assert [(r["case"], r["variant"]) for r in rows] == [("gpt2-padded", "hf sdpa"), ("gpt2-padded", "pykernels")]
+    assert all(r["status"] == "ok" and r["eval_loss0_rel_diff"] < 1e-5 for r in rows), rows
+
+
+def test_gpt2_padded_batch(bench):
+    import torch
+    ids, labels, mask = bench.gpt2_padded_batch(16, 64, 1000, "cpu", torch.Generator().manual_seed(0))
+    lengths = mask.sum(1)
+    assert lengths[0] == 64 and bool((lengths >= 32).all()) and lengths.unique().numel() > 2
+    assert torch.equal(mask, (torch.arange(64)[None] < lengths[:, None]).long())  # right padding
+    assert torch.equal(labels == -100, mask == 0) and torch.equal(labels[mask.bool()], ids[mask.bool()])

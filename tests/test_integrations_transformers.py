@@ -201,6 +201,30 @@ def test_gpt2_lm_head(backend, lengths, device):
         assert_model_matches_eager(ours, eager, hi, ids, mask)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpt2_left_padding(backend, device):
+    # left padding (batched prompts): a causal model's padded rows before the first token see no key (0 here, the
+    # values' mean in eager); every real token's logits, and the gradients of a loss on real tokens only, match eager
+    dev = _device_for(backend, device)
+    ours, eager, hi = make_models(AutoModelForCausalLM, gpt2_config, dev)
+    ids, mask = make_batch([9, 4, 6], 9, dev, left=True)
+    real = mask.bool()[..., None]
+    cot = torch.randn(*ids.shape, VOCAB, device=dev, dtype=torch.float64) * real
+    outs = []
+    with pykernels.use_backend(backend):
+        for model in (hi, eager, ours):
+            model.zero_grad(set_to_none=True)
+            y = model(input_ids=ids, attention_mask=mask).logits
+            (y * cot.to(y.dtype)).sum().backward()
+            outs.append((y.detach() * real, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (y_hi, g_hi), (y_lo, g_lo), (y, g) = outs
+    assert_close_to_ref("logits at real tokens", y, y_hi, y_lo, atol=1e-6 * max(1.0, y_hi.abs().max().item()))
+    assert set(g) == set(g_hi) and len(g) > 10
+    for name in g_hi:
+        assert_close_to_ref(f"grad {name}", g[name], g_hi[name], g_lo[name],
+                            atol=1e-6 * max(1.0, g_hi[name].abs().max().item()))
+
+
 def test_gpt2_layer_scaled_attention():
     # scale_attn_by_inverse_layer_idx: the per-layer scale must reach the kernel through `scaling`.
     cfg = lambda: gpt2_config(scale_attn_by_inverse_layer_idx=True)  # noqa: E731
@@ -248,19 +272,30 @@ def test_build_mask_keeps_plain_causal_unmaterialised(monkeypatch):
     old_api = {k: v for k, v in plain.items() if k not in ("q_length", "q_offset")}
     assert pk_hf.build_mask(**old_api, cache_position=torch.arange(4)) is None
     assert not delegated
-    for change in (dict(attention_mask=torch.ones(2, 4, dtype=torch.bool)), dict(local_size=2),
-                   dict(allow_is_causal_skip=False), dict(kv_length=6), dict(kv_offset=2), dict(q_offset=2),
-                   dict(mask_function=lambda b, h, q, kv: kv <= q)):
-        delegated.clear()
-        assert pk_hf.build_mask(**{**plain, **change}) is not None, change
-        assert len(delegated) == 1, change
+    # causal and padding: the 2-D padding mask (bool, over kv_length keys; shorter masks padded with False), None in
+    # eager mode when it keeps every key
+    pad = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    got = pk_hf.build_mask(**{**plain, "attention_mask": pad})
+    assert got.dtype == torch.bool and torch.equal(got, pad.bool()) and got.is_contiguous()
+    got = pk_hf.build_mask(**{**plain, "attention_mask": pad[:, :3].bool()})
+    assert torch.equal(got, torch.tensor([[True, True, True, False]] * 2))
+    assert pk_hf.build_mask(**{**plain, "attention_mask": torch.ones(2, 4, dtype=torch.bool)}) is None
+    assert pk_hf.build_mask(**{**old_api, "attention_mask": pad, "cache_position": torch.arange(4)}).shape == (2, 4)
+    assert not delegated
+    for change in (dict(local_size=2), dict(allow_is_causal_skip=False), dict(kv_length=6), dict(kv_offset=2),
+                   dict(q_offset=2), dict(mask_function=lambda b, h, q, kv: kv <= q)):
+        for pad_mask in (None, pad):
+            delegated.clear()
+            got = pk_hf.build_mask(**{**plain, **change, "attention_mask": pad_mask})
+            assert got is not None and got.dim() == 4, change
+            assert len(delegated) == 1, change
 
 
 def test_compiled_gpt2_keeps_the_causal_flag(monkeypatch):
     # transformers' SDPA mask builder materialises the plain causal mask while dynamo compiles (torch < 2.14 cannot
     # tell compile from export); ours returns None from the builder's arguments, so the compiled model takes the
     # kernels' is_causal path (no mask read, the blocks above the diagonal skipped) as the eager one does; with
-    # padding the causal-and-padding mask is materialised in both
+    # padding both take is_causal with the (B, 1, 1, S) key mask
     seen = []
     real = pykernels.scaled_dot_product_attention
 
@@ -274,7 +309,7 @@ def test_compiled_gpt2_keeps_the_causal_flag(monkeypatch):
     compiled = torch.compile(gpt2, backend="aot_eager", fullgraph=True)
     ids, mask = make_batch([8, 5, 3], 8, "cpu")
     with torch.no_grad(), pykernels.use_backend("reference"):
-        for m, want_seen in ((None, (True, True)), (mask, (False, False))):
+        for m, want_seen in ((None, (True, True)), (mask, (False, True))):
             seen.clear()
             got = main_output(compiled(input_ids=ids, attention_mask=m))
             assert seen == [want_seen] * 2, m is None
@@ -305,11 +340,14 @@ def test_mask_routing(monkeypatch):
         gpt2(input_ids=ids)  # no padding: causal by flag, no mask
         assert [c["mask"] for c in calls] == [None, None] and all(c["is_causal"] for c in calls)
         calls.clear()
-        gpt2(input_ids=ids, attention_mask=mask)  # padding: causal & padding materialised
+        gpt2(input_ids=ids, attention_mask=mask)  # padding: causal by flag, the padding as a key mask
+        assert len(calls) == 2
         for c in calls:
-            assert c["mask"].shape == (3, 1, 8, 8) and c["is_causal"] is False
-            causal = torch.ones(8, 8, dtype=torch.bool).tril()
-            assert torch.equal(c["mask"][:, 0], causal[None] & mask.bool()[:, None, :])
+            assert c["mask"].shape == (3, 1, 1, 8) and c["mask"].dtype == torch.bool and c["is_causal"] is True
+            assert torch.equal(c["mask"][:, 0, 0], mask.bool())
+        calls.clear()
+        gpt2(input_ids=ids, attention_mask=torch.ones_like(mask))  # a mask that keeps every token: no mask
+        assert [c["mask"] for c in calls] == [None, None] and all(c["is_causal"] for c in calls)
 
 
 def test_dropout_only_in_training(monkeypatch):
@@ -377,6 +415,36 @@ def test_attention_forward_causal_rules():
         # one query row (decoding) attends to every cached key
         out, _ = pk_hf.attention_forward(module, q[:, :, :1], kv, kv, None, is_causal=True)
         torch.testing.assert_close(out, sdpa(q[:, :, :1], kv, kv).transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_forward_2d_padding_mask():
+    # a 2-D (B, Sk) mask is key padding with the module's causality: top-left where Sq == Sk, bottom-right where the
+    # queries follow cached keys (transformers' causal masks with a cache), none for a bidirectional module
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q, k, v = (torch.randn(2, 2, 5, 8) for _ in range(3))
+    pad = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1]])  # right and left padding
+    key = pad.bool()[:, None, None, :]
+    tril = torch.ones(5, 5, dtype=torch.bool).tril()
+    module = torch.nn.Module().eval()
+    with pykernels.use_backend("reference"):
+        for causal in (True, False):
+            module.is_causal = causal
+            for m in (pad, pad.bool(), pad.to(torch.int32)):
+                out, _ = pk_hf.attention_forward(module, q, k, v, m)
+                # (a left-padded causal batch's first row sees no key: 0 here; padding either way)
+                want = sdpa(q, k, v, attn_mask=key & tril if causal else key).nan_to_num(0.0)
+                torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+                if causal:
+                    assert out[1, 0].abs().max() == 0
+        module.is_causal = True
+        out, _ = pk_hf.attention_forward(module, q[:, :, 3:], k, v, pad)  # 2 queries after 3 cached keys
+        below = torch.ones(2, 5, dtype=torch.bool).tril(3)
+        torch.testing.assert_close(out, sdpa(q[:, :, 3:], k, v, attn_mask=key & below).transpose(1, 2),
+                                   rtol=1e-5, atol=1e-5)
+        with pytest.raises(TypeError, match="attention_mask"):
+            pk_hf.attention_forward(module, q, k, v, pad.float())
+        with pytest.raises(ValueError, match=r"attention_mask.*\(2, 5\)"):
+            pk_hf.attention_forward(module, q, k, v, pad[:, :4])
 
 
 def test_unsupported_arguments_raise():

@@ -25,7 +25,11 @@ How it plugs in (public transformers API only, no monkeypatching of model code):
   :func:`pykernels.scaled_dot_product_attention` serves on its key-padding fast path (it reads
   B*Sk booleans instead of B*Sq*Sk). "Pure key padding" is decided from the mask recipe (the
   builder's ``mask_function`` is transformers' plain bidirectional one, so every query row is the
-  same), never from the mask's values, so it costs no device sync.
+  same), never from the mask's values, so it costs no device sync. A causal model's mask with
+  padding (the plain causal recipe AND a 2-D padding mask, queries and keys from position 0) is
+  returned as that 2-D (B, Sk) padding mask, as transformers' flash-attention builder does, and
+  :func:`attention_forward` runs it as ``is_causal`` plus the (B, 1, 1, Sk) key mask: the kernels
+  skip the blocks above the diagonal and read B*Sk booleans instead of the (B, 1, S, S) mask.
 
 What reaches the kernel, per model:
 
@@ -35,7 +39,7 @@ case                        attn_mask                             is_causal
 BERT, no padding            None                                  False
 BERT, padding               (B, 1, 1, Sk) bool                    False
 GPT-2 / causal, no padding  None (eager and compiled)              True (top-left; Sq == Sk)
-GPT-2 / causal, padding     (B, 1, Sq, Sk) bool (causal & pad)    False
+GPT-2 / causal, padding     (B, 1, 1, Sk) bool (the padding)      True (top-left; Sq == Sk)
 decoding (Sq == 1)          None or (B, 1, 1, Sk) bool            False
 user-supplied 4-D mask      passed through (bool or additive)     False
 =========================== ===================================== ==============================
@@ -56,11 +60,12 @@ matter. Models that do not dispatch through ``ALL_ATTENTION_FUNCTIONS`` (e.g. BE
 its own per-implementation attention classes) cannot use ``"pykernels"``: they fail when they look the
 name up.
 
-Limitation: a causal model with padding gets the materialised (B, 1, Sq, Sk) causal-and-padding mask
-(as transformers' ``sdpa`` does), so the kernel reads a mask tile per block and cannot skip the blocks
-above the diagonal; without padding (packed pretraining batches) it takes the ``is_causal`` path,
-which skips them. Fully masked query rows (left padding before the first token of a causal model)
-give 0 here, where ``eager`` gives the mean of the values; these rows are padding either way.
+A 2-D ``attention_mask`` reaching :func:`attention_forward` (from :func:`build_mask`, or any caller
+following transformers' flash-attention convention) is a (B, Sk) padding mask of bool or integer
+dtype; causality then comes from ``module.is_causal`` (bottom-right aligned where Sq < Sk, as
+transformers' own causal masks with a cache). Fully masked query rows (left padding before the first
+token of a causal model) give 0 here, where ``eager`` gives the mean of the values; these rows are
+padding either way.
 """
 from __future__ import annotations
 
@@ -111,12 +116,47 @@ def _is_plain_causal(args, mask_function, kwargs) -> bool:
     return isinstance(q_len, int) and isinstance(kv_len, int) and q_len == kv_len
 
 
+def _is_causal_key_padding(args, mask_function, kwargs) -> bool:
+    """The recipe is transformers' plain causal mask AND a 2-D padding mask, over keys that start with the queries (no
+    window, no offset, ``q_length == kv_length``): exactly ``is_causal`` plus a key-padding mask. Read from the builder's
+    arguments only (no device sync, holds under torch.compile)."""
+    pad = kwargs.get("attention_mask")
+    if not (isinstance(pad, torch.Tensor) and pad.dim() == 2):
+        return False
+    return _is_plain_causal(args, mask_function, {**kwargs, "attention_mask": None})
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    """Dynamo, a fake tensor or a CUDA-graph capture: where a mask's values cannot be read on the host."""
+    try:
+        from transformers.utils.import_utils import is_tracing
+        return bool(is_tracing(t))
+    except ImportError:  # (older transformers: the same checks by hand)
+        return (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+                or type(t).__name__ == "FakeTensor")
+
+
+def _key_padding_2d(pad: torch.Tensor, kv_length: int) -> torch.Tensor | None:
+    """The 2-D padding mask over the ``kv_length`` keys (as transformers' builders read it: columns past its end are
+    padding), boolean and contiguous; ``None`` where it keeps every key and its values may be read (eager mode, as
+    transformers' SDPA builder decides: one device sync there, none under compile or capture)."""
+    if pad.shape[-1] < kv_length:
+        pad = torch.nn.functional.pad(pad, (0, kv_length - pad.shape[-1]))
+    pad = pad[:, :kv_length]
+    pad = pad if pad.dtype == torch.bool else pad != 0
+    if not _tracing(pad) and bool(pad.all()):
+        return None
+    return pad.contiguous()
+
+
 def build_mask(*args, mask_function=None, **kwargs):
     """Mask builder registered under ``"pykernels"`` in transformers' ``AttentionMaskInterface``.
 
     Returns what transformers' SDPA builder returns (``None`` or a boolean (B, 1, Sq, Sk) mask,
-    True = take part), except that a pure key-padding mask comes back as (B, 1, 1, Sk), contiguous, and that
-    a plain causal mask without padding is ``None`` under torch.compile too (:func:`attention_forward` then runs
+    True = take part), except that a pure key-padding mask comes back as (B, 1, 1, Sk), contiguous, a causal
+    mask with padding as the 2-D (B, Sk) padding mask (``None`` in eager mode where it keeps every key, as
+    transformers decides: one device sync there), and a plain causal mask without padding is ``None`` under
+    torch.compile too (:func:`attention_forward` then runs
     the kernels' causal path, which skips the blocks above the diagonal). transformers' own builder returns
     ``None`` there in eager mode only: while dynamo compiles (torch < 2.14 cannot tell compile from export) it
     materialises the (B, 1, S, S) mask, which the kernels would read a tile per block (GPT-2's compiled training
@@ -124,6 +164,8 @@ def build_mask(*args, mask_function=None, **kwargs):
     """
     if _is_plain_causal(args, mask_function, kwargs):
         return None
+    if _is_causal_key_padding(args, mask_function, kwargs):
+        return _key_padding_2d(kwargs["attention_mask"], kwargs["kv_length"])
     if mask_function is not None:
         kwargs["mask_function"] = mask_function
     mask = _sdpa_mask(*args, **kwargs)
@@ -132,6 +174,19 @@ def build_mask(*args, mask_function=None, **kwargs):
         # Every query row of a bidirectional+padding mask is the same row: keep one.
         mask = mask[:, :, :1, :].contiguous()
     return mask
+
+
+def _key_mask_from_2d(mask: torch.Tensor, batch: int, kv_len: int) -> torch.Tensor:
+    """A (B, Sk) padding mask (True / nonzero = a real token) as the (B, 1, 1, Sk) boolean key mask of the kernels'
+    key-padding path."""
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"attention_mask: a 2-D mask is a (batch, keys) padding mask of bool or integer dtype (True / 1 "
+                        f"= a real token); got dtype {mask.dtype}")
+    if mask.shape[0] not in (1, batch) or mask.shape[1] != kv_len:
+        raise ValueError(f"attention_mask: a 2-D padding mask must have shape ({batch}, {kv_len}) (batch, keys); got "
+                         f"{tuple(mask.shape)}")
+    mask = mask if mask.dtype == torch.bool else mask != 0
+    return mask[:, None, None, :]
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -143,11 +198,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         module: the calling attention module (read: ``training``, ``is_causal``, ``num_key_value_groups``).
         query: (B, Hq, Sq, D); key, value: (B, Hkv, Sk, D) with Hq a multiple of Hkv; fp16/bf16/fp32.
         attention_mask: None, a bool mask broadcastable to (B, Hq, Sq, Sk) (True = take part; a
-            (B, 1, 1, Sk) key-padding mask takes the kernel's fast path), or an additive float mask.
+            (B, 1, 1, Sk) key-padding mask takes the kernel's fast path), an additive float mask, or a 2-D
+            (B, Sk) bool / integer padding mask (True / 1 = a real token), applied with the module's causality.
         dropout: attention-probability dropout, applied only while ``module.training``.
         scaling: softmax scale (default 1/sqrt(D)).
-        is_causal: overrides ``module.is_causal``; causal is used only when there is no mask
-            (a materialised mask already carries causality) and Sq > 1.
+        is_causal: overrides ``module.is_causal``; causal is used only when there is no mask or a 2-D one
+            (a materialised 4-D mask already carries causality) and Sq > 1.
 
     Returns:
         ``(attn_output, None)``: attn_output (B, Sq, Hq, D) contiguous, dtype of ``query``.
@@ -166,12 +222,21 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     enable_gqa = getattr(module, "num_key_value_groups", 1) > 1
 
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    # As transformers' sdpa: a materialised mask carries causality already; one query row attends everything.
-    causal = bool(causal) and attention_mask is None and q_len > 1
+    padding_2d = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+    if padding_2d:  # (B, Sk) key padding (build_mask's causal-and-padding recipe; transformers' flash convention)
+        attention_mask = _key_mask_from_2d(attention_mask, query.shape[0], kv_len)
+    # As transformers' sdpa: a materialised 4-D mask carries causality already; one query row attends everything.
+    causal = bool(causal) and (attention_mask is None or padding_2d) and q_len > 1
     if causal and kv_len > q_len:
-        # Prefill into an empty static cache: keys past q_len are empty slots that the top-left
-        # causal mask would hide anyway; dropping them lets Sq == Sk.
-        key, value = key[:, :, :q_len], value[:, :, :q_len]
+        if attention_mask is None:
+            # Prefill into an empty static cache: keys past q_len are empty slots that the top-left
+            # causal mask would hide anyway; dropping them lets Sq == Sk.
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+        else:
+            # queries that follow cached keys: causal aligned bottom-right (query i sees keys j <= i + Sk - Sq), as
+            # transformers' own masks and flash-attention's causal, materialised with the padding
+            below = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+            attention_mask, causal = attention_mask & below, False
 
     dropout_p = float(dropout) if module.training else 0.0
     out = pykernels.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout_p,
