@@ -15,7 +15,10 @@ What is measured, per case (bf16 x, residual, weight, bias from ``randn``; eps 1
 * the same forward and forward+backward replayed from a CUDA graph (``do_bench_cudagraph``, no L2
   flush; every working set here is >= 100 MB, twice the L2): GPU time without the host's launch
   overhead, which at these sizes can rival the kernels' time. Goals use the ``do_bench`` numbers
-  (as ANCHORS.md does); the graph columns say how much of a gap is host overhead.
+  (as ANCHORS.md does); the graph columns say how much of a gap is host overhead. Next to them, a
+  ``copy_`` of the forward's bytes (half read, half written) replayed the same way
+  (``copy_same_bytes_us_graph``, and the forward's time as a share of it): what a kernel that moves
+  those bytes reaches at that size, launch ramp and tail included, where ``common.ceilings()`` copies 1 GiB.
 * peak memory above the inputs during one forward+backward (``common.peak_extra_mib``).
 * peers in the same run: eager (``x + r`` then ``F.layer_norm``), ``torch.compile`` of that same
   function (compiled and warmed up per shape before timing), Liger-Kernel (eager add +
@@ -145,6 +148,12 @@ def main() -> int:
         fwd_bytes = (4 if pre else 3) * M * N * x.element_size()
         fb_bytes = (8 if pre else 7) * M * N * x.element_size()
         case_rows = {}
+        copy_us = float("nan")  # a copy of the forward's bytes (half read, half written), replayed from a CUDA graph:
+        if not args.smoke and not args.no_graph:  # what a kernel of that size reaches (launch ramp and tail included)
+            src = torch.empty(fwd_bytes // 2, dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src)
+            copy_us = round(float(triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=GRAPH_REP)) * 1e3, 1)
+            del src, dst
         for impl, fn in compiled_fns[variant].items():
             row = {"op": "layer_norm", "variant": variant, "M": M, "N": N, "dtype": str(dtype).replace("torch.", ""),
                    "impl": impl}
@@ -200,6 +209,8 @@ def main() -> int:
                 if row.get("fwd_us_graph") == row.get("fwd_us_graph"):  # not NaN
                     row["fwd_pct_copy_graph"] = round(
                         100 * fwd_bytes / (row["fwd_us_graph"] * 1e6) / ceil["copy_TBps"], 1)
+                    row["copy_same_bytes_us_graph"] = copy_us
+                    row["fwd_pct_same_bytes_copy_graph"] = round(100 * copy_us / row["fwd_us_graph"], 1)
                 if row.get("fwdbwd_us_graph") == row.get("fwdbwd_us_graph"):
                     row["fwdbwd_pct_copy_graph"] = round(
                         100 * fb_bytes / (row["fwdbwd_us_graph"] * 1e6) / ceil["copy_TBps"], 1)
@@ -241,7 +252,8 @@ def main() -> int:
         print(f"[{time.time() - t_start:5.1f}s] {variant} {M}x{N} done")
 
     cols = ["variant", "M", "N", "impl", "status", "fwd_us", "fwd_TBps", "fwd_pct_copy", "bwd_us", "fwdbwd_us",
-            "fwdbwd_pct_copy", "fwd_us_graph", "fwd_pct_copy_graph", "fwdbwd_us_graph", "fwdbwd_pct_copy_graph",
+            "fwdbwd_pct_copy", "fwd_us_graph", "fwd_pct_copy_graph", "copy_same_bytes_us_graph",
+            "fwd_pct_same_bytes_copy_graph", "fwdbwd_us_graph", "fwdbwd_pct_copy_graph",
             "extra_mib", "max_err_ratio",
             "fb_speedup_vs_eager", "fb_speedup_vs_compile", "fb_speedup_vs_liger"]
     common.print_table(rows, cols)
