@@ -21,9 +21,9 @@ import train_step as ts  # noqa: E402
 
 def explain(case, variant: str, state: dict, batch, device) -> None:
     model, fwd = ts.build(case, variant, state, device)
-    inputs, labels = batch
+    inputs, labels, mask = (*batch, None)[:3]
     with torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext():
-        out = torch._dynamo.explain(fwd)(inputs, labels)
+        out = torch._dynamo.explain(fwd)(inputs, labels, mask)
     ops = Counter()
     for g in out.graphs:
         for node in g.graph.nodes:

@@ -22,13 +22,13 @@ import train_step as ts  # noqa: E402
 def _warm_step(case, variant, state, batch):
     """The variant's model, optimizer and training step (``train_step.py``'s), after 4 warm-up steps."""
     model, fwd = ts.build(case, variant, state, torch.device("cuda"))
-    inputs, labels = batch
+    inputs, labels, mask = (*batch, None)[:3]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def step():
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = fwd(inputs, labels)
+            loss = fwd(inputs, labels, mask)
         loss.backward()
         opt.step()
 
