@@ -186,7 +186,7 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
                                   const Tensor& o_in, const Tensor& lse, const optional<Tensor>& mask,
                                   const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q,
                                   int64_t max_k, double p_drop, bool causal, double scale,
-                                  const optional<Tensor>& seed) {
+                                  const optional<Tensor>& seed, bool deterministic) {
   const Shape s = check_inputs(q_in, k_in, v_in, mask, cu_q, cu_k, max_q, max_k);
   TORCH_CHECK(dout_in.sizes() == o_in.sizes(), kOp, ": the output gradient must have the output's shape");
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -211,6 +211,12 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
   set_strides(dq, s.varlen, p.dq_sb, p.dq_sh, p.dq_ss);
   set_strides(dk, s.varlen, p.dk_sb, p.dk_sh, p.dk_ss);
   set_strides(dv, s.varlen, p.dv_sb, p.dv_sh, p.dv_ss);
+  // the fused backward (dQ by atomics, in no fixed order) unless the backward must be reproducible bit for bit
+  Tensor dq_acc;
+  if (!deterministic && !at::globalContext().deterministicAlgorithms() && attn::fused_dq_planned(p)) {
+    dq_acc = at::zeros({s.B, s.Hq, s.Sq, 64}, q.options().dtype(at::kFloat));
+    p.dq_acc = dq_acc.data_ptr<float>();
+  }
   dispatch_float_dtype(q.scalar_type(), "pykernels_cuda.attention: query", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, float>) attn::launch_backward<T>(p, c10::cuda::getCurrentCUDAStream());
@@ -224,7 +230,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                 const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
                                                 const optional<Tensor>& cu_q, const optional<Tensor>& cu_k,
                                                 int64_t max_q, int64_t max_k, double p_drop, bool causal,
-                                                double scale, const optional<Tensor>& seed) {
+                                                double scale, const optional<Tensor>& seed, bool deterministic) {
     auto out = forward_impl(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed);
     const Tensor none;
     ctx->save_for_backward({q, k, v, out[0], out[1], mask.value_or(none), cu_q.value_or(none), cu_k.value_or(none),
@@ -234,6 +240,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->saved_data["p_drop"] = p_drop;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["deterministic"] = deterministic;
     return {out[0]};
   }
 
@@ -247,21 +254,25 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto g = backward_impl(dout, saved[0], saved[1], saved[2], saved[3], saved[4], opt(saved[5]), opt(saved[6]),
                            opt(saved[7]), ctx->saved_data["max_q"].toInt(), ctx->saved_data["max_k"].toInt(),
                            ctx->saved_data["p_drop"].toDouble(), ctx->saved_data["causal"].toBool(),
-                           ctx->saved_data["scale"].toDouble(), opt(saved[8]));
+                           ctx->saved_data["scale"].toDouble(), opt(saved[8]),
+                           ctx->saved_data["deterministic"].toBool());
     return {g[0], g[1], g[2], Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor()};
+            Tensor(), Tensor()};
   }
 };
 
 Tensor attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
                           const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
-                          double p_drop, bool causal, double scale, const optional<Tensor>& seed) {
-  return AttentionFunction::apply(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed)[0];
+                          double p_drop, bool causal, double scale, const optional<Tensor>& seed,
+                          bool deterministic) {
+  return AttentionFunction::apply(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed,
+                                  deterministic)[0];
 }
 
 Tensor attention_nograd(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& mask,
                         const optional<Tensor>& cu_q, const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
-                        double p_drop, bool causal, double scale, const optional<Tensor>& seed) {
+                        double p_drop, bool causal, double scale, const optional<Tensor>& seed,
+                        bool /*deterministic: the backward's*/) {
   return forward_impl(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed)[0];
 }
 
@@ -282,8 +293,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
                                                  const Tensor& v, const Tensor& o, const Tensor& lse,
                                                  const optional<Tensor>& mask, const optional<Tensor>& cu_q,
                                                  const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
-                                                 double p_drop, bool causal, double scale, const Tensor& seed) {
-  auto g = backward_impl(dout, q, k, v, o, lse, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed);
+                                                 double p_drop, bool causal, double scale, const Tensor& seed,
+                                                 bool deterministic) {
+  auto g = backward_impl(dout, q, k, v, o, lse, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed,
+                         deterministic);
   return {g[0], g[1], g[2]};
 }
 
@@ -292,12 +305,13 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
 
 TORCH_LIBRARY_FRAGMENT(pykernels_cuda, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-        "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale, Tensor? seed) -> Tensor");
+        "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale, Tensor? seed, "
+        "bool deterministic=False) -> Tensor");
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? attn_mask, "
         "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, "
-        "float scale, Tensor seed) -> (Tensor, Tensor, Tensor)");
+        "float scale, Tensor seed, bool deterministic=False) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pykernels_cuda, CUDA, m) {

@@ -1763,20 +1763,50 @@ struct DkdvSm90Cfg {
   static constexpr int BQ = 32;                  // queries an iteration
   static constexpr int NT = 128;
   static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
-  static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2;
-  // K, V, 2 buffers of Q and dO, then (TMA) the mbarriers of K and V and of each Q / dO buffer
-  static constexpr size_t smem() { return 1024 + 2 * KBYTES + 4 * QBYTES + 8 * 3; }
+  static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2, DSBYTES = BQ * BN * 2;
+  static constexpr int RLD = 68;  // (FUSED 2) the dQ tile's row stride in floats: 64 and 4 of padding (no bank conflict)
+  static constexpr uint32_t RBYTES = BQ * RLD * 4;
+  // K, V, 2 buffers of Q and dO, (FUSED) the dS tile and (FUSED 2) the dQ tile, then (TMA) the mbarriers of K and V
+  // and of each Q / dO buffer
+  static constexpr size_t smem(int fused = 0) {
+    return 1024 + 2 * KBYTES + 4 * QBYTES + (fused ? DSBYTES : 0) + (fused == 2 ? RBYTES : 0) + 8 * 3;
+  }
 };
 
+// The fused backward's dQ tile: fp32 into shared memory, and 4 floats out of it
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ float4 ld_shared_f32x4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// A 16-bit value into shared memory (the fused backward's dS tile)
+__device__ __forceinline__ void st_shared_u16(uint32_t addr, uint16_t v) {
+  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
+}
+template <typename T>
+__device__ __forceinline__ uint16_t bits16(float x);
+template <>
+__device__ __forceinline__ uint16_t bits16<__half>(float x) { return __half_as_ushort(__float2half_rn(x)); }
+template <>
+__device__ __forceinline__ uint16_t bits16<__nv_bfloat16>(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+
 #if defined(PK_WGMMA)
-template <typename T, int D, int MODE, bool TMA>
+template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTma& tm, unsigned char* smem_raw, int bx,
                                                     int hk, int b) {
   using C = DkdvSm90Cfg<D>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT;
+  static_assert(!FUSED || (D == 64 && BQ == 32 && NT == 128), "the fused dQ: one wgmma tile of 64 head-dim rows");
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
-  const uint32_t bar_kv = sO + 2 * C::QBYTES, bar_q = bar_kv + 8;  // (TMA) K and V; Q and dO buffer u at + 8 u
+  const uint32_t sDS = sO + 2 * C::QBYTES;  // (FUSED) dS, BQ query rows of BN keys (1024-byte aligned)
+  const uint32_t sRed = sDS + (FUSED ? C::DSBYTES : 0u);  // (FUSED 2) the dQ tile, BQ query rows of RLD floats
+  const uint32_t bar_kv = sRed + (FUSED == 2 ? C::RBYTES : 0u), bar_q = bar_kv + 8;  // (TMA) K and V; Q, dO buffer u at + 8 u
   __shared__ float sL[2][BQ], sD[2][BQ];  // the query block's lse (log2 units) and delta
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int k0 = bx * BN;
@@ -1884,6 +1914,18 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       acc_to_a<T>(ps[kt], st[2 * kt], st[2 * kt + 1]);
       acc_to_a<T>(pz[kt], dpt[2 * kt], dpt[2 * kt + 1]);
     }
+    if constexpr (FUSED) {  // dS (the values of ps, rounded alike) into the dS tile: query rows, keys along a row
+#pragma unroll
+      for (int i = 0; i < BQ / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int kr = warp * 16 + g + 8 * (e >> 1), qc = 8 * i + 2 * t4 + (e & 1);
+          st_shared_u16(sDS + sw128_offset(BQ, qc, kr & ~7) + (kr & 7) * 2, bits16<T>(st[i][e]));
+        }
+      fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
+      __syncthreads();
+    }
+    float dqt[FUSED ? BQ / 8 : 1][4];  // (FUSED) dQ^T of the query block: K^T dS^T (head-dim rows, query columns)
     fence_acc(dk);
     fence_acc(dv);
     wgmma_fence();
@@ -1892,10 +1934,44 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base + kt * 16 * 128));
       wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base + kt * 16 * 128));
     }
+    if constexpr (FUSED) {
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt)  // K^T from K's rows (MN-major: 16 keys a k-step), dS K-major
+        wgmma_ss_ta32<T>(dqt, gmma_desc<BN * 128, 1024>(sK + kt * 16 * 128), gmma_desc<16, 1024>(sDS + kt * 32),
+                         kt > 0 ? 1 : 0);
+    }
     wgmma_commit();
     wgmma_wait_all();
     fence_acc(dk);
     fence_acc(dv);
+    if constexpr (FUSED == 1) {  // dQ (unscaled) += the block's dQ^T, by an atomic an element into the fp32 sums
+      fence_acc(dqt);
+      float* acc = p.dq_acc + (static_cast<int64_t>(b) * p.hq + h) * p.sq * 64;
+#pragma unroll
+      for (int i = 0; i < BQ / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = warp * 16 + g + 8 * (e >> 1), q = qs + 8 * i + 2 * t4 + (e & 1);
+          if (q < s.sq) atomicAdd(acc + static_cast<int64_t>(q) * 64 + c, dqt[i][e]);
+        }
+    } else if constexpr (FUSED == 2) {  // the same through a dQ tile in shared memory: 4 floats an atomic, each warp
+      fence_acc(dqt);                   // 2 rows of 256 contiguous bytes an instruction
+#pragma unroll
+      for (int i = 0; i < BQ / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
+          st_shared_f32(sRed + (q * C::RLD + c) * 4, dqt[i][e]);
+        }
+      __syncthreads();
+      float* acc = p.dq_acc + (static_cast<int64_t>(b) * p.hq + h) * p.sq * 64;
+#pragma unroll
+      for (int j = 0; j < BQ * 64 / (4 * NT); ++j) {
+        const int q = (tid >> 4) + j * (NT / 16), c = (tid & 15) * 4;
+        const float4 v = ld_shared_f32x4(sRed + (q * C::RLD + c) * 4);
+        if (qs + q < s.sq) atomicAdd(reinterpret_cast<float4*>(acc + static_cast<int64_t>(qs + q) * 64 + c), v);
+      }
+    }
     if (it + 1 < total) put_stats(u ^ 1);
     __syncthreads();  // every warp is done with buffer u (and the next iteration's lse and delta are stored)
   }
@@ -1908,7 +1984,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // The backward's dK/dV and dQ blocks in one launch: blocks x < nkb of the grid (nkb + nqb, hq, batch) are dK/dV's
 // (those whose y is past the kv heads leave at once), the rest dQ's; x runs fastest, so a head's dK/dV and dQ blocks
 // run side by side
-template <typename T, int D, int MODE, bool TMA>
+template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS)
     attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
@@ -1920,9 +1996,9 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int nkb = (p.sk + DkdvSm90Cfg<D>::BN - 1) / DkdvSm90Cfg<D>::BN;
   const int bx = blockIdx.x;
-  if (bx < nkb) {
+  if (FUSED || bx < nkb) {  // (FUSED: the grid has the dK/dV blocks only)
     if (static_cast<int>(blockIdx.y) < p.hq / p.group)
-      bwd_dkdv_sm90_block<T, D, MODE, TMA>(p, tm, smem_raw, bx, blockIdx.y, blockIdx.z);
+      bwd_dkdv_sm90_block<T, D, MODE, TMA, FUSED>(p, tm, smem_raw, bx, blockIdx.y, blockIdx.z);
   } else {
     bwd_dq_sm90_block<T, D, MODE, PIPE, TMA>(p, tm, smem_raw, bx - nkb, blockIdx.y, blockIdx.z);
   }
@@ -2200,6 +2276,44 @@ void launch_forward(const Params& p, cudaStream_t stream) {
   });
 }
 
+// The fused backward's last step: dQ = scale * dq_acc in dQ's dtype and strides (8 columns a thread, 16-byte stores:
+// dQ is allocated with 16-byte aligned rows)
+template <typename T>
+__global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x, row = t >> 3;
+  const int c = static_cast<int>(t & 7) * 8;
+  if (row >= static_cast<int64_t>(p.batch) * p.hq * p.sq || c >= p.d) return;
+  const int i = static_cast<int>(row % p.sq), h = static_cast<int>((row / p.sq) % p.hq);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.sq) * p.hq));
+  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + row * 64 + c);
+  const float4 x = src[0], y = src[1];
+  uint4 v;
+  v.x = pack2<T>(x.x * p.scale, x.y * p.scale);
+  v.y = pack2<T>(x.z * p.scale, x.w * p.scale);
+  v.z = pack2<T>(y.x * p.scale, y.y * p.scale);
+  v.w = pack2<T>(y.z * p.scale, y.w * p.scale);
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh + i * p.dq_ss + c) = v;
+}
+
+// PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; 'a' the fused backward with or without dropout;
+// else (unset) with dropout only. PYKERNELS_CUDA_ATTN_DQ_RED: 's' an atomic a float (else 4 floats an atomic, through a
+// dQ tile in shared memory)
+inline char dq_red_env() {
+  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_DQ_RED");
+  return env != nullptr ? env[0] : 0;
+}
+inline char fused_dq_env() {
+  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DQ");
+  return env != nullptr ? env[0] : 0;
+}
+
+// fused_dq_planned's rule (attention.h)
+inline bool fused_dq_plan(const Params& p) {
+  const char env = fused_dq_env();
+  if (env == '0' || (env != 'a' && !(p.p_drop > 0.f))) return false;
+  return p.cu_q == nullptr && p.d <= 64 && tma_env() != '0' && plan_of(p).sm90;
+}
+
 template <int D, typename T, int M>
 void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   constexpr bool PIPE = DqSm90Pipe<D, M>::value;
@@ -2208,8 +2322,24 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   static_assert(Ck::BN == Cq::BN, "one key block for K and V's maps");
   const unsigned nkb = static_cast<unsigned>((p.sk + Ck::BN - 1) / Ck::BN);
   const unsigned nqb = static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM);
-  const dim3 grid(nkb + nqb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
   const BwdTma tm = make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN);
+  if constexpr (D == 64) {
+    if (p.dq_acc != nullptr) {
+      // the fused backward: the dK/dV blocks add dQ into dq_acc (zeros) by atomics, then dQ from it; where TMA cannot
+      // load the inputs (fused_dq_plan cannot see the strides), the pair below
+      if (tm.on) {
+        const dim3 fgrid(nkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
+        if (dq_red_env() == 's')
+          launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Ck::smem(1), p, tm, stream, Ck::NT);
+        else
+          launch(attn_bwd_sm90_kernel<T, D, M, true, 2>, fgrid, Ck::smem(2), p, tm, stream, Ck::NT);
+        const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * 8;
+        launch(attn_dq_convert_kernel<T>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p, stream, 256);
+        return;
+      }
+    }
+  }
+  const dim3 grid(nkb + nqb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
   // (TMA a template flag: the cp.async kernel is the one of before, with no test of it)
   launch(tm.on ? attn_bwd_sm90_kernel<T, D, M, true> : attn_bwd_sm90_kernel<T, D, M, false>, grid,
          std::max(Ck::smem(), Cq::smem()), p, tm, stream, Ck::NT);

@@ -62,7 +62,7 @@ def _attention_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
 
 def _attention_bwd(dout, q, k, v, o, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   dropout_p, causal, scale, seed):
+                   dropout_p, causal, scale, seed, deterministic=False):
     if cu_seqlens_q is not None:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     return _aligned_like(q), _aligned_like(k), _aligned_like(v)

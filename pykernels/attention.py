@@ -349,14 +349,17 @@ def _lane_cuda(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, batch
 
 
 def _cuda_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cu_q: Tensor | None, cu_k: Tensor | None,
-                    max_q: int, max_k: int, dropout_p: float, causal: bool, scale: float) -> Tensor:
+                    max_q: int, max_k: int, dropout_p: float, causal: bool, scale: float,
+                    deterministic: bool = False) -> Tensor:
     """The C++ op (its autograd in C++), with the seed drawn as the custom ops draw it (``op_seed``): the same seed,
     hence the same dropout mask, as the Triton backend's for one ``torch.manual_seed``. Without dropout no seed
-    is drawn (nor op_seed's placeholder tensor allocated)."""
+    is drawn (nor op_seed's placeholder tensor allocated). ``deterministic`` (or torch's deterministic mode, which
+    the op reads itself) keeps the backward off its fused kernel, whose dQ atomics add in no fixed order."""
     if torch.compiler.is_compiling():  # the compiled pair (its forward draws the seed)
-        return _CudaAttention.apply(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale)
+        return _CudaAttention.apply(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, deterministic)
     seed = op_seed(dropout_p, q.device) if dropout_p > 0 else None
-    return torch.ops.pykernels_cuda.attention(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, seed)
+    return torch.ops.pykernels_cuda.attention(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, seed,
+                                              deterministic)
 
 
 class _CudaAttention(torch.autograd.Function):
@@ -366,20 +369,20 @@ class _CudaAttention(torch.autograd.Function):
     ``op_seed`` does) and returns it for the backward. Eager calls take the one-call op instead."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale):
+    def forward(ctx, q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, deterministic):
         o, lse, seed = torch.ops.pykernels_cuda.attention_fwd(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p,
                                                               causal, scale)
         ctx.save_for_backward(q, k, v, o, lse, mask, cu_q, cu_k, seed)
-        ctx.args = (max_q, max_k, dropout_p, causal, scale)
+        ctx.args = (max_q, max_k, dropout_p, causal, scale, deterministic)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, mask, cu_q, cu_k, seed = ctx.saved_tensors
-        max_q, max_k, dropout_p, causal, scale = ctx.args
+        max_q, max_k, dropout_p, causal, scale, deterministic = ctx.args
         dq, dk, dv = torch.ops.pykernels_cuda.attention_bwd(do, q, k, v, o, lse, mask, cu_q, cu_k, max_q, max_k,
-                                                            dropout_p, causal, scale, seed)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+                                                            dropout_p, causal, scale, seed, deterministic)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def _last_dim_contig(t: Tensor) -> Tensor:
@@ -932,7 +935,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if _use_cuda(_OP, backend, q4, k4, v4, m4, q4.shape[0], dropout_p):
-        o = _cuda_attention(q4, k4, v4, m4, None, None, 0, 0, dropout_p, bool(is_causal), scale)
+        o = _cuda_attention(q4, k4, v4, m4, None, None, 0, 0, dropout_p, bool(is_causal), scale, deterministic)
     else:
         o = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "", deterministic)[0]
     if o.dim() == 4 and len(batch) == 1 and len(out_heads) == 1:

@@ -1831,12 +1831,78 @@ def test_gpu_cuda_backend_dropout_and_determinism(causal, d, s, cuda_fwd):
     torch.manual_seed(5)
     out_t = sdpa(q, k, v, dropout_p=0.2, is_causal=causal, backend="triton")
     torch.testing.assert_close(out, out_t, atol=2e-2, rtol=2e-2)
-    # same seed again: bitwise the same output and gradients (no atomics)
-    torch.manual_seed(5)
-    out2 = sdpa(q, k, v, dropout_p=0.2, is_causal=causal, backend="cuda")
-    assert torch.equal(out, out2)
-    for a, b_ in zip(grads, _grads(out2, (q, k, v), do)):
-        assert torch.equal(a, b_)
+    # same seed again: bitwise the same output, dK and dV; dQ too with deterministic=True (the pair, no atomics), else
+    # (the fused backward at D <= 64 on Hopper adds dQ by atomics) within a rounding of the first
+    for det in (False, True):
+        torch.manual_seed(5)
+        out2 = sdpa(q, k, v, dropout_p=0.2, is_causal=causal, backend="cuda", deterministic=det)
+        assert torch.equal(out, out2)
+        g2 = _grads(out2, (q, k, v), do)
+        assert torch.equal(grads[1], g2[1]) and torch.equal(grads[2], g2[2])
+        torch.testing.assert_close(grads[0], g2[0], rtol=1e-2, atol=1e-2 * grads[0].abs().max().item())
+        if det:
+            torch.manual_seed(5)
+            out3 = sdpa(q, k, v, dropout_p=0.2, is_causal=causal, backend="cuda", deterministic=True)
+            assert all(torch.equal(a, b_) for a, b_ in zip(g2, _grads(out3, (q, k, v), do)))
+
+
+def _fused_bwd_kernels(call) -> list[str]:
+    """The attn_ kernels one backward of ``call()`` launches, by name (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    out = call()
+    do = torch.randn_like(out)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out.backward(do)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "attn_" in e.name]
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("red", ["s", None])
+@pytest.mark.parametrize("env", ["a", None])
+@pytest.mark.parametrize("d,hkv,causal,mask", [(64, 4, False, None), (64, 2, True, None), (40, 4, False, "keys"),
+                                               (64, 1, True, "any")])
+def test_gpu_cuda_fused_backward(monkeypatch, env, red, d, hkv, causal, mask):
+    """The C++ backward's fused kernel (Hopper, sm_90a build, dense inputs, D <= 64): the dK/dV blocks add dQ = dS K
+    by atomics into an fp32 buffer (K^T dS^T on wgmma, dS through shared memory), then one kernel converts it; no dQ
+    blocks. Taken with dropout (PYKERNELS_CUDA_ATTN_FUSED_DQ unset) or always ('a'), never with deterministic=True
+    or '0'; its atomics add 4 floats each from a dQ tile in shared memory, or one each (PYKERNELS_CUDA_ATTN_DQ_RED=s).
+    Output and gradients against the references (with the kernels' dropout mask), odd lengths, GQA, masks."""
+    for name, val in (("PYKERNELS_CUDA_ATTN_FUSED_DQ", env), ("PYKERNELS_CUDA_ATTN_DQ_RED", red)):
+        if val is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, val)
+    b, hq, s = 2, 4, 203
+    q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
+    m = None
+    if mask == "keys":
+        m = torch.ones(b, 1, 1, s, dtype=torch.bool, device="cuda")
+        m[0, ..., 150:] = False
+        m[1, ..., :30] = False
+    elif mask == "any":
+        m = torch.rand(b, 1, s, s, device="cuda") > 0.3
+    p = 0.0 if env == "a" else 0.15
+    torch.manual_seed(3)
+    seed = new_seed(q.device)
+    dmask = attention_dropout_mask(seed, b, hq, s, s, p, "cuda") if p else None
+    call = lambda **kw: sdpa(q, k, v, m, dropout_p=p, is_causal=causal, enable_gqa=hkv != hq,  # noqa: E731
+                             backend="cuda", **kw)
+    torch.manual_seed(3)
+    out = call()
+    _check_against_ref(q, k, v, mask=m, causal=causal, dropout_p=p, dropout_mask=dmask, enable_gqa=hkv != hq,
+                       out=out)
+    if not _sm90a_device():
+        return
+    fused = [n for n in _fused_bwd_kernels(call) if "attn_bwd_sm90_kernel" in n or "attn_dq_convert" in n]
+    variant = ", true, 1>" if red == "s" else ", true, 2>"
+    assert len(fused) == 2 and variant in fused[0] and "attn_dq_convert_kernel" in fused[1], fused
+    for kw in (dict(deterministic=True), dict()):  # the pair: deterministic, or the switch off
+        if not kw:
+            monkeypatch.setenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", "0")
+        names = _fused_bwd_kernels(lambda: call(**kw))
+        assert not any("attn_dq_convert" in n or ", true, 1>" in n or ", true, 2>" in n for n in names), (kw, names)
 
 
 @pytest.mark.gpu
