@@ -829,7 +829,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       :func:`attention_dropout_mask` gives the mask.
     * ``backend``: None (the current default), "auto", "triton", "cuda", "reference". "cuda" is the CUDA C++ op
       (``csrc/attention.cpp`` and ``attention.cuh``: fp16 / bf16, one head dim for q, k, v, a multiple of 8 up to
-      256; always deterministic), taken when named, and by "auto" for eager calls with dropout (its autograd runs
+      256), taken when named, and by "auto" for eager calls with dropout (its autograd runs
       in C++: less host time a training step; :data:`AUTO_CUDA_DROPOUT`); "auto" takes Triton otherwise (faster
       kernels, and capturable in CUDA graphs).
     * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. True (or torch's
@@ -837,7 +837,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       enough work (full attention; causal from 8192 keys), the backward is one fused kernel that adds dQ by
       bulk TMA reductions into an fp32 buffer, in no fixed order (as FlashAttention-2/3 and cuDNN do; it is
       3-8% faster where it is taken, ``kernels/attention_sm90_bwd.py``), whose dQ may differ in the last bits between runs;
-      every other case is reproducible in either mode (no atomics). ``deterministic=True`` with the
+      so is the "cuda" backend's with dropout at D <= 64 on Hopper (its dK/dV blocks add dQ by atomics:
+      ``csrc/attention.cuh``); every other case is reproducible in either mode (no atomics). ``deterministic=True`` with the
       developer switch ``PYKERNELS_ATTN_SM90_BWD=fused`` raises ``ValueError``.
 
     Eager calls with four-dim q, k, v of one batch take the *eager lane*: whether a kind of call (shapes,
