@@ -1993,7 +1993,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // four floats an atomic (each warp 2 rows of 256 contiguous bytes an instruction); 1 one an element. Then
 // attn_dq_convert_kernel writes dQ = scale dq_acc. Measured (H200 run277, bf16, dropout 0.1, kernel time a call):
 // the backward at BERT-base 503.9 us (pair) -> 471.5 (1) -> 443.9 (2), GPT-2 295.9 -> 290.8 -> 273.9; without
-// dropout the pair's 322 us beat the fused 367 (run276-277), so the host takes it with dropout only (fused_dq_plan).
+// dropout the pair's 322 us beat the fused 367 (run276 / run277: across two calls), so the host takes it with dropout only (fused_dq_plan).
 template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS)
     attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
