@@ -12,8 +12,8 @@
 //             S's accumulator registers as the A operand (the m16n8 accumulator layout of two n-tiles is the
 //             m16k16 A layout). K and V are single-buffered but loaded asynchronously: the next K block is in
 //             flight while P V runs and the next V block while the next S runs. Saves lse (natural log, fp32).
-//   backward: three kernels, no atomics (bitwise reproducible; on Hopper with dropout at D <= 64 the fused kernel below
-//             instead, with atomics):
+//   backward: three kernels, no atomics (bitwise reproducible; on Hopper with dropout in bf16 at D <= 64 the fused
+//             kernel below instead, with atomics):
 //             pre  : delta = rowsum(dO * O) (fp32), one warp a row;
 //             dK/dV: a block per (64 keys, kv head, batch; and a half of the head dim above D = 128, where the
 //                    two accumulators would not fit in registers), looping over the query heads of its group
@@ -2333,7 +2333,7 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   const unsigned nkb = static_cast<unsigned>((p.sk + Ck::BN - 1) / Ck::BN);
   const unsigned nqb = static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM);
   const BwdTma tm = make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN);
-  if constexpr (D == 64) {
+  if constexpr (D == 64 && std::is_same_v<T, __nv_bfloat16>) {  // (bf16: the dtype its GPU tests run)
     if (p.dq_acc != nullptr) {
       // the fused backward: the dK/dV blocks add dQ into dq_acc (zeros) by atomics, then dQ from it; where TMA cannot
       // load the inputs (fused_dq_plan cannot see the strides), the pair below
