@@ -1859,6 +1859,23 @@ def _fused_bwd_kernels(call) -> list[str]:
 
 @pytest.mark.gpu
 @needs_cuda_ext
+def test_gpu_cuda_fused_backward_is_bf16_only(monkeypatch):
+    """fp16 with dropout keeps the pair (the fused kernel's GPU tests run bf16), checked against the references."""
+    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
+    q, k, v = _inputs((2, 4, 130, 64), (2, 4, 130, 64), (2, 4, 130, 64), F16, "cuda")
+    torch.manual_seed(4)
+    seed = new_seed(q.device)
+    torch.manual_seed(4)
+    out = sdpa(q, k, v, dropout_p=0.1, backend="cuda")
+    _check_against_ref(q, k, v, dropout_p=0.1, dropout_mask=attention_dropout_mask(seed, 2, 4, 130, 130, 0.1, "cuda"),
+                       out=out)
+    names = _fused_bwd_kernels(lambda: sdpa(q, k, v, dropout_p=0.1, backend="cuda"))
+    assert any("attn_bwd_sm90_kernel" in n for n in names) or not _sm90a_device(), names
+    assert not any("attn_dq_convert" in n or ", true, 1>" in n or ", true, 2>" in n for n in names), names
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 @pytest.mark.parametrize("red", ["s", None])
 @pytest.mark.parametrize("env", ["a", None])
 @pytest.mark.parametrize("d,hkv,causal,mask", [(64, 4, False, None), (64, 2, True, None), (40, 4, False, "keys"),
