@@ -215,7 +215,7 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
   Tensor dq_acc;
   if (q.scalar_type() == at::kBFloat16 && !deterministic && !at::globalContext().deterministicAlgorithms() &&
       attn::fused_dq_planned(p)) {
-    dq_acc = at::zeros({s.B, s.Hq, s.Sq, 64}, q.options().dtype(at::kFloat));
+    dq_acc = at::zeros({s.B, s.Hq, s.Sq, attn::kDqAccCols}, q.options().dtype(at::kFloat));
     p.dq_acc = dq_acc.data_ptr<float>();
   }
   dispatch_float_dtype(q.scalar_type(), "pykernels_cuda.attention: query", [&](auto tag) {

@@ -1802,7 +1802,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
                                                     int hk, int b) {
   using C = DkdvSm90Cfg<D>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT;
-  static_assert(!FUSED || (D == 64 && BQ == 32 && NT == 128), "the fused dQ: one wgmma tile of 64 head-dim rows");
+  static_assert(!FUSED || (D == kDqAccCols && BQ == 32 && NT == 128), "the fused dQ: one wgmma tile of 64 head-dim rows");
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
   const uint32_t sDS = sO + 2 * C::QBYTES;  // (FUSED) dS, BQ query rows of BN keys (1024-byte aligned)
@@ -1947,13 +1947,13 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     fence_acc(dv);
     if constexpr (FUSED == 1) {  // dQ (unscaled) += the block's dQ^T, by an atomic an element into the fp32 sums
       fence_acc(dqt);
-      float* acc = p.dq_acc + (static_cast<int64_t>(b) * p.hq + h) * p.sq * 64;
+      float* acc = p.dq_acc + (static_cast<int64_t>(b) * p.hq + h) * p.sq * kDqAccCols;
 #pragma unroll
       for (int i = 0; i < BQ / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = warp * 16 + g + 8 * (e >> 1), q = qs + 8 * i + 2 * t4 + (e & 1);
-          if (q < s.sq) atomicAdd(acc + static_cast<int64_t>(q) * 64 + c, dqt[i][e]);
+          if (q < s.sq) atomicAdd(acc + static_cast<int64_t>(q) * kDqAccCols + c, dqt[i][e]);
         }
     } else if constexpr (FUSED == 2) {  // the same through a dQ tile in shared memory: 4 floats an atomic, each warp
       fence_acc(dqt);                   // 2 rows of 256 contiguous bytes an instruction
@@ -1965,12 +1965,12 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
           st_shared_f32(sRed + (q * C::RLD + c) * 4, dqt[i][e]);
         }
       __syncthreads();
-      float* acc = p.dq_acc + (static_cast<int64_t>(b) * p.hq + h) * p.sq * 64;
+      float* acc = p.dq_acc + (static_cast<int64_t>(b) * p.hq + h) * p.sq * kDqAccCols;
 #pragma unroll
       for (int j = 0; j < BQ * 64 / (4 * NT); ++j) {
         const int q = (tid >> 4) + j * (NT / 16), c = (tid & 15) * 4;
         const float4 v = ld_shared_f32x4(sRed + (q * C::RLD + c) * 4);
-        if (qs + q < s.sq) atomicAdd(reinterpret_cast<float4*>(acc + static_cast<int64_t>(qs + q) * 64 + c), v);
+        if (qs + q < s.sq) atomicAdd(reinterpret_cast<float4*>(acc + static_cast<int64_t>(qs + q) * kDqAccCols + c), v);
       }
     }
     if (it + 1 < total) put_stats(u ^ 1);
@@ -2295,7 +2295,7 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   if (row >= static_cast<int64_t>(p.batch) * p.hq * p.sq || c >= p.d) return;
   const int i = static_cast<int>(row % p.sq), h = static_cast<int>((row / p.sq) % p.hq);
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.sq) * p.hq));
-  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + row * 64 + c);
+  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + row * kDqAccCols + c);
   const float4 x = src[0], y = src[1];
   uint4 v;
   v.x = pack2<T>(x.x * p.scale, x.y * p.scale);

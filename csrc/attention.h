@@ -16,6 +16,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 enum MaskKind : int { kNoMask = 0, kBoolMask = 1, kF32Mask = 2, kF16Mask = 3, kBF16Mask = 4, kF64Mask = 5 };
 
+// The columns of a row of Params::dq_acc (the fused backward's head dims, D <= 64, padded to its tile)
+constexpr int kDqAccCols = 64;
+
 struct Params {
   const void* q;
   const void* k;
@@ -48,7 +51,7 @@ struct Params {
                            // padding after causal, so the struct's size is unchanged)
   float p_drop, inv_keep;
   const int64_t* seed;      // the dropout seed, (1,) int64 in device memory (philox.cuh's drop_seed_init)
-  float* dq_acc;            // backward: the fused kernel's dQ sums, (B, Hq, Sq, 64) fp32 zeros (nullptr: the pair;
+  float* dq_acc;            // backward: the fused kernel's dQ sums, (B, Hq, Sq, kDqAccCols) fp32 zeros (nullptr: the pair;
                             // fused_dq_planned)
 };
 
