@@ -213,8 +213,7 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
   set_strides(dv, s.varlen, p.dv_sb, p.dv_sh, p.dv_ss);
   // the fused backward (dQ by atomics, in no fixed order) unless the backward must be reproducible bit for bit
   Tensor dq_acc;
-  if (q.scalar_type() == at::kBFloat16 && !deterministic && !at::globalContext().deterministicAlgorithms() &&
-      attn::fused_dq_planned(p)) {
+  if (!deterministic && !at::globalContext().deterministicAlgorithms() && attn::fused_dq_planned(p)) {
     dq_acc = at::zeros({s.B, s.Hq, s.Sq, attn::kDqAccCols}, q.options().dtype(at::kFloat));
     p.dq_acc = dq_acc.data_ptr<float>();
   }

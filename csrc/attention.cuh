@@ -1766,13 +1766,32 @@ struct DkdvSm90Cfg {
   static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
   static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2, DSBYTES = BQ * BN * 2;
   static constexpr int RLD = 68;  // (FUSED 2) the dQ tile's row stride in floats: 64 and 4 of padding (no bank conflict)
-  static constexpr uint32_t RBYTES = BQ * RLD * 4;
-  // K, V, 2 buffers of Q and dO, (FUSED) the dS tile and (FUSED 2) the dQ tile, then (TMA) the mbarriers of K and V
-  // and of each Q / dO buffer
+  // the dQ tile: (FUSED 2) padded rows; (FUSED 1) dq_acc's own rows, unpadded (dq_col's swizzle), copied as one run
+  template <int FUSED>
+  static constexpr uint32_t RBYTES = FUSED == 2 ? BQ * RLD * 4 : FUSED == 1 ? BQ * 64 * 4 : 0;
+  // K, V, 2 buffers of Q and dO, (FUSED) the dS tile and the dQ tile, then (TMA) the mbarriers of K and V and of each
+  // Q / dO buffer
   static constexpr size_t smem(int fused = 0) {
-    return 1024 + 2 * KBYTES + 4 * QBYTES + (fused ? DSBYTES : 0) + (fused == 2 ? RBYTES : 0) + 8 * 3;
+    return 1024 + 2 * KBYTES + 4 * QBYTES + (fused ? DSBYTES + (fused == 2 ? RBYTES<2> : RBYTES<1>) : 0) + 8 * 3;
   }
 };
+
+// Where column c of query row q lives in a row of Params::dq_acc (and of the fused backward's unpadded dQ tile):
+// bits 3-4 of c flipped by bits 1-2 of q, so that the 32 lanes of one store of a wgmma accumulator (rows q = 2 t4 +
+// const, columns c = g + const) hit 32 banks of the tile (unswizzled, the 4 lanes of a g share one: 4-way conflicts).
+// Runs of 8 columns from a multiple of 8 stay together (the convert kernel's 16-byte loads, the float4 atomics).
+__device__ __forceinline__ int dq_col(int q, int c) { return c ^ (((q >> 1) & 3) << 3); }
+
+// The fused backward's dQ tile (FUSED 1): thread 0 adds it to dq_acc by one bulk reduction (the TMA unit reads the
+// shared tile and adds it into global memory, FlashAttention-3's dQ path without a tensor map: the tile's rows are
+// a contiguous run of dq_acc). ``wait_read`` before the tile is written again; ``wait_all`` before the kernel ends.
+__device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // The fused backward's dQ tile: fp32 into shared memory, and 4 floats out of it
 __device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
@@ -1806,8 +1825,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
   const uint32_t sDS = sO + 2 * C::QBYTES;  // (FUSED) dS, BQ query rows of BN keys (1024-byte aligned)
-  const uint32_t sRed = sDS + (FUSED ? C::DSBYTES : 0u);  // (FUSED 2) the dQ tile, BQ query rows of RLD floats
-  const uint32_t bar_kv = sRed + (FUSED == 2 ? C::RBYTES : 0u), bar_q = bar_kv + 8;  // (TMA) K and V; Q, dO buffer u at + 8 u
+  const uint32_t sRed = sDS + (FUSED ? C::DSBYTES : 0u);  // (FUSED) the dQ tile, BQ query rows (C::RBYTES)
+  const uint32_t bar_kv = sRed + C::template RBYTES<FUSED>, bar_q = bar_kv + 8;  // (TMA) K and V; Q, dO buffer u at + 8 u
   __shared__ float sL[2][BQ], sD[2][BQ];  // the query block's lse (log2 units) and delta
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int k0 = bx * BN;
@@ -1945,16 +1964,20 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     wgmma_wait_all();
     fence_acc(dk);
     fence_acc(dv);
-    if constexpr (FUSED == 1) {  // dQ (unscaled) += the block's dQ^T, by an atomic an element into the fp32 sums
-      fence_acc(dqt);
-      float* acc = p.dq_acc + (static_cast<int64_t>(b) * p.hq + h) * p.sq * kDqAccCols;
+    if constexpr (FUSED == 1) {  // dQ (unscaled) += the block's dQ^T: the tile in dq_acc's row layout, then thread 0
+      fence_acc(dqt);            // adds its valid rows (one contiguous run of dq_acc) by a bulk reduction
 #pragma unroll
       for (int i = 0; i < BQ / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int c = warp * 16 + g + 8 * (e >> 1), q = qs + 8 * i + 2 * t4 + (e & 1);
-          if (q < s.sq) atomicAdd(acc + static_cast<int64_t>(q) * kDqAccCols + c, dqt[i][e]);
+          const int c = warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
+          st_shared_f32(sRed + (q * kDqAccCols + dq_col(q, c)) * 4, dqt[i][e]);  // (qs is a multiple of 32)
         }
+      fence_async_smem();  // (the generic proxy's stores, read by the bulk copy's async proxy)
+      __syncthreads();
+      if (tid == 0)
+        bulk_add_f32(p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs) * kDqAccCols, sRed,
+                     static_cast<uint32_t>(min(BQ, s.sq - qs)) * kDqAccCols * 4);
     } else if constexpr (FUSED == 2) {  // the same through a dQ tile in shared memory: 4 floats an atomic, each warp
       fence_acc(dqt);                   // 2 rows of 256 contiguous bytes an instruction
 #pragma unroll
@@ -1970,11 +1993,18 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       for (int j = 0; j < BQ * 64 / (4 * NT); ++j) {
         const int q = (tid >> 4) + j * (NT / 16), c = (tid & 15) * 4;
         const float4 v = ld_shared_f32x4(sRed + (q * C::RLD + c) * 4);
-        if (qs + q < s.sq) atomicAdd(reinterpret_cast<float4*>(acc + static_cast<int64_t>(qs + q) * kDqAccCols + c), v);
+        if (qs + q < s.sq)
+          atomicAdd(reinterpret_cast<float4*>(acc + static_cast<int64_t>(qs + q) * kDqAccCols + dq_col(q, c)), v);
       }
     }
     if (it + 1 < total) put_stats(u ^ 1);
+    if constexpr (FUSED == 1) {
+      if (tid == 0) bulk_wait_read();  // (the dQ tile is read: the next iteration may write it)
+    }
     __syncthreads();  // every warp is done with buffer u (and the next iteration's lse and delta are stored)
+  }
+  if constexpr (FUSED == 1) {
+    if (tid == 0) bulk_wait_all();
   }
   cp_async_wait<0>();  // (no query block: the K / V loads)
   store_rows<T, D>(p.dk, p.dk_sb, p.dk_sh, p.dk_ss, dk, p.scale, b, hk, key, s.k_off, s.sk, 0, p.d, t4);
@@ -1987,13 +2017,15 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // run side by side.
 // FUSED (1 or 2; D = 64, TMA loads, a grid of the dK/dV blocks only): each dK/dV block also adds its share of dQ, so
 // the dropout mask and the softmax are computed once instead of twice (the pair computes both in its dK/dV and its dQ
-// blocks). A query block's dS (the bf16 values dK uses) goes to a shared tile of 32 query rows x 64 keys (K-major,
+// blocks). A query block's dS (the 16-bit values dK uses) goes to a shared tile of 32 query rows x 64 keys (K-major,
 // 128-byte swizzled), and a sixth wgmma makes dQ^T = K^T dS^T (64 head-dim rows x 32 queries: K read transposed from
-// its tile, tnspA), which is added into Params::dq_acc (fp32, zeros) by atomics: 2 through a padded shared dQ tile,
-// four floats an atomic (each warp 2 rows of 256 contiguous bytes an instruction); 1 one an element. Then
-// attn_dq_convert_kernel writes dQ = scale dq_acc. Measured (H200 run277, bf16, dropout 0.1, kernel time a call):
-// the backward at BERT-base 503.9 us (pair) -> 471.5 (1) -> 443.9 (2), GPT-2 295.9 -> 290.8 -> 273.9; without
-// dropout the pair's 322 us beat the fused 367 (run276 / run277: across two calls), so the host takes it with dropout only (fused_dq_plan).
+// its tile, tnspA), which goes through a shared dQ tile into Params::dq_acc (fp32, zeros; rows of kDqAccCols floats,
+// columns swizzled by dq_col): 2 by float4 atomics from a padded tile (each warp 2 rows of 256 contiguous bytes an
+// instruction); 1 by one bulk reduction of the block's rows, issued by thread 0. Then attn_dq_convert_kernel writes
+// dQ = scale dq_acc. Measured (H200 run277, bf16, dropout 0.1, kernel time a call; 1 was then an atomic an element):
+// the backward at BERT-base 503.9 us (pair) -> 471.5 (scalar atomics) -> 443.9 (2), GPT-2 295.9 -> 290.8 -> 273.9;
+// without dropout the pair's 322 us beat the fused 367 (run276 / run277: across two calls), so the host takes it with
+// dropout only (fused_dq_plan).
 template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS)
     attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
@@ -2295,7 +2327,7 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   if (row >= static_cast<int64_t>(p.batch) * p.hq * p.sq || c >= p.d) return;
   const int i = static_cast<int>(row % p.sq), h = static_cast<int>((row / p.sq) % p.hq);
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.sq) * p.hq));
-  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + row * kDqAccCols + c);
+  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + row * kDqAccCols + dq_col(i, c));  // (i: the row in its head)
   const float4 x = src[0], y = src[1];
   uint4 v;
   v.x = pack2<T>(x.x * p.scale, x.y * p.scale);
@@ -2306,8 +2338,8 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
 }
 
 // PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; 'a' the fused backward with or without dropout;
-// else (unset) with dropout only. PYKERNELS_CUDA_ATTN_DQ_RED: 's' an atomic a float (else 4 floats an atomic, through a
-// dQ tile in shared memory)
+// else (unset) with dropout only. PYKERNELS_CUDA_ATTN_DQ_RED: 'b' one bulk reduction a query block (FUSED 1; else 4
+// floats an atomic, FUSED 2), both through a dQ tile in shared memory
 inline char dq_red_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_DQ_RED");
   return env != nullptr ? env[0] : 0;
@@ -2333,13 +2365,13 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   const unsigned nkb = static_cast<unsigned>((p.sk + Ck::BN - 1) / Ck::BN);
   const unsigned nqb = static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM);
   const BwdTma tm = make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN);
-  if constexpr (D == 64 && std::is_same_v<T, __nv_bfloat16>) {  // (bf16: the dtype its GPU tests run)
+  if constexpr (D == 64) {
     if (p.dq_acc != nullptr) {
       // the fused backward: the dK/dV blocks add dQ into dq_acc (zeros) by atomics, then dQ from it; where TMA cannot
       // load the inputs (fused_dq_plan cannot see the strides), the pair below
       if (tm.on) {
         const dim3 fgrid(nkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-        if (dq_red_env() == 's')
+        if (dq_red_env() == 'b')
           launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Ck::smem(1), p, tm, stream, Ck::NT);
         else
           launch(attn_bwd_sm90_kernel<T, D, M, true, 2>, fgrid, Ck::smem(2), p, tm, stream, Ck::NT);

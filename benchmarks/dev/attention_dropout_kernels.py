@@ -2,7 +2,8 @@
 each kernel's own time (the wall clock of an eager call measures the host). The shapes are the training steps' (benchmarks/train_step.py): BERT-base 32 x 512
 bidirectional and GPT-2 8 x 1024 causal, 12 heads of 64; and a D = 128 causal one (the pipelined wgmma forward).
 
-Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--iters 10]``. One
+Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--iters 10]
+[--dtype bf16|fp16]``. One
 line a shape and implementation: ``NAME case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs`` (a call's kernels; the backward
 is the forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them). NAME is LABEL for
 the C++ backend's rows (the build under test in an A/B, benchmarks/dev/attention_cuda_ab_builds.sh), else the peer's
@@ -55,20 +56,20 @@ def impls(peers: bool, triton: bool):
 
 
 def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int,
-              kernels: bool = False) -> tuple[float, float]:
+              kernels: bool = False, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
                for _ in range(3))
-    do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    do = torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g)
 
     def fwd():
         with torch.no_grad():
             for _ in range(iters):
                 fn(q, k, v, causal)
 
-    def fwd_bwd():
+    def fwd_bwd():  # (autograd.grad: no accumulation into .grad, whose add kernels were counted until run278)
         for _ in range(iters):
-            torch.autograd.backward([fn(q, k, v, causal)], [do])
+            torch.autograd.grad([fn(q, k, v, causal)], [q, k, v], [do])
 
     fwd_bwd()  # compiles / warms up outside the profile
     torch.cuda.synchronize()
@@ -87,13 +88,15 @@ def main() -> None:
     ap.add_argument("--triton", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--kernels", action="store_true", help="print the C++ rows' kernels, each's time a call")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     args = ap.parse_args()
-    print("#", torch.cuda.get_device_name(), "torch", torch.__version__)
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    print("#", torch.cuda.get_device_name(), "torch", torch.__version__, args.dtype)
     for name, fn in impls(args.peers, args.triton):
         label = args.label if name == "cuda" else name
         for case, b, h, s, d, causal in CASES:
             try:
-                f_us, b_us = time_case(fn, b, h, s, d, causal, args.iters, args.kernels and name == "cuda")
+                f_us, b_us = time_case(fn, b, h, s, d, causal, args.iters, args.kernels and name == "cuda", dtype)
             except RuntimeError as e:  # an SDPA backend that does not take the case
                 print(f"{label} {case} not run: {str(e).splitlines()[0][:120]}")
                 continue

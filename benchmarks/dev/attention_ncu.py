@@ -36,11 +36,12 @@ CASES = {  # name -> (B, H, S, D, causal)
 }
 
 
-def run_case(name: str, reps: int, peer: str = "pykernels", backend: str | None = None) -> None:
+def run_case(name: str, reps: int, peer: str = "pykernels", backend: str | None = None, dropout: float = 0.0) -> None:
     """``reps`` forward+backward calls of one case through ``pykernels`` (``backend``: which of its backends; "cuda"
     profiles the C++ kernels, ``-k regex:attn_fwd_kernel``) or (``peer`` "cudnn" / "flash") torch's SDPA with that
     backend alone, for a profile of the peer's kernels beside ours. "bertpad" takes the benchmark's key-padding mask
-    (lengths 256..512 of 512, ``benchmarks/attention.py``)."""
+    (lengths 256..512 of 512, ``benchmarks/attention.py``). ``dropout``: the calls' dropout_p (the C++ op's fused
+    backward: ``--backend cuda --dropout 0.1``, ``-k regex:attn_bwd_sm90_kernel``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     b, h, s, d, causal = CASES[name]
     torch.manual_seed(0)
@@ -54,10 +55,12 @@ def run_case(name: str, reps: int, peer: str = "pykernels", backend: str | None 
     sdpa_backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}.get(peer)
     for _ in range(reps):
         if sdpa_backend is None:
-            o = pykernels.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, backend=backend)
+            o = pykernels.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, backend=backend,
+                                                       dropout_p=dropout)
         else:
             with sdpa_kernel(sdpa_backend):
-                o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+                o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                                     dropout_p=dropout)
         o.backward(do)
     torch.cuda.synchronize()
     via = peer if sdpa_backend is not None else f"pykernels (backend {backend or 'default'})"
@@ -188,6 +191,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", choices=sorted(CASES))
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dropout", type=float, default=0.0, help="the case's dropout_p (--case only)")
     ap.add_argument("--peer", choices=("pykernels", "cudnn", "flash"), default="pykernels",
                     help="--case through torch's SDPA with this backend instead (a peer's kernels for ncu)")
     ap.add_argument("--backend", choices=("auto", "triton", "cuda"),
@@ -208,7 +212,7 @@ def main() -> None:
     if args.sweep:
         sweep(args.d)
     if args.case:
-        run_case(args.case, args.reps, args.peer, args.backend)
+        run_case(args.case, args.reps, args.peer, args.backend, args.dropout)
 
 
 if __name__ == "__main__":

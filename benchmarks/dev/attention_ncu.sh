@@ -6,6 +6,8 @@
 # shared memory.
 # NCU_BACKEND names pykernels' backend: NCU_BACKEND=cuda NCU_JOBS="bert:attn_fwd_kernel bertpad:attn_fwd_kernel"
 # profiles the C++ forward unmasked and with the benchmark's key padding (the gap the twenty-third session left).
+# NCU_DROPOUT sets the calls' dropout_p: NCU_BACKEND=cuda NCU_DROPOUT=0.1 NCU_JOBS="bert:attn_bwd_sm90_kernel"
+# profiles the fused backward with dropout.
 # Usage (GPU): NCU_JOBS="bert:fwd_sm90 s4096c:dkdv s4096c:bwd_dq" bash benchmarks/dev/attention_ncu.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,6 +24,7 @@ for job in ${NCU_JOBS:-"bert:fwd_sm90 s4096c:dkdv s4096c:bwd_dq"}; do
     --section SchedulerStats --section SourceCounters --section MemoryWorkloadAnalysis --section LaunchStats \
     --section Occupancy -f -o "$rep" \
     python3 benchmarks/dev/attention_ncu.py --case "$case" --peer "$peer" ${NCU_BACKEND:+--backend "$NCU_BACKEND"} \
+    ${NCU_DROPOUT:+--dropout "$NCU_DROPOUT"} \
     --reps 2 >"$OUT/ncu_${tag}.log" 2>&1
   echo "$job rc=$?"
   ncu -i "$rep.ncu-rep" --page details >"$OUT/ncu_${tag}.txt" 2>&1
