@@ -778,7 +778,7 @@ __global__ void __launch_bounds__(FwdSm90Cfg<D>::NT, FwdSm90Cfg<D>::MIN_BLOCKS) 
       wgmma_fence();
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt)  // O += P V
-        wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base + kt * 16 * 128));
+        wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base, kt * 16 * 128));
       wgmma_commit();
       wgmma_wait_all();
       fence_acc(o);
@@ -889,7 +889,7 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
     const uint32_t v_base = sV + (nb & 1) * C::KVBYTES;
 #pragma unroll
     for (int kt = 0; kt < BN / 16; ++kt)  // O += P V
-      wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base + kt * 16 * 128));
+      wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base, kt * 16 * 128));
     wgmma_commit();
     wgmma_wait_all();
     fence_acc(o);
@@ -1204,7 +1204,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
     const auto issue_pv = [&](int st) {
       const uint32_t v_base = sV + st * C::KVBYTES;
 #pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base + kt * 16 * 128));
+      for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base, kt * 16 * 128));
     };
     for (int nb = nb0; nb < nb1; ++nb, ++g) {
       const int st = g % S, pst = (g + S - 1) % S, k0 = nb * BN;
@@ -1579,10 +1579,10 @@ __device__ __forceinline__ void wgmma_two_ss(float (&acc1)[N / 8][4], float (&ac
 #pragma unroll
   for (int kt = 0; kt < D / 16; ++kt) {
     const uint32_t col = kt >> 2, kk = (kt & 3) * 32u;
-    const uint64_t da1 = gmma_desc<16, 1024>(a1 + col * RA * 128 + kk);
-    const uint64_t db1 = gmma_desc<16, 1024>(b1 + col * RB * 128 + kk);
-    const uint64_t da2 = gmma_desc<16, 1024>(a2 + col * RA * 128 + kk);
-    const uint64_t db2 = gmma_desc<16, 1024>(b2 + col * RB * 128 + kk);
+    const uint64_t da1 = gmma_desc<16, 1024>(a1, col * RA * 128 + kk);
+    const uint64_t db1 = gmma_desc<16, 1024>(b1, col * RB * 128 + kk);
+    const uint64_t da2 = gmma_desc<16, 1024>(a2, col * RA * 128 + kk);
+    const uint64_t db2 = gmma_desc<16, 1024>(b2, col * RB * 128 + kk);
     if (kt == 0) {
       wgmma_ss_first<T, N>(acc1, da1, db1);
       wgmma_ss_first<T, N>(acc2, da2, db2);
@@ -1683,7 +1683,7 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma&
   // dQ += dS K from pa with K at k_base (issued, not committed)
   const auto issue_dq = [&](uint32_t k_base) {
 #pragma unroll
-    for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(dq, pa[kt], gmma_desc<BN * 128, 1024>(k_base + kt * 16 * 128));
+    for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(dq, pa[kt], gmma_desc<BN * 128, 1024>(k_base, kt * 16 * 128));
   };
   // the same, alone: issued, committed and waited for
   const auto run_dq = [&](uint32_t k_base) {
@@ -1804,16 +1804,13 @@ __device__ __forceinline__ float4 ld_shared_f32x4(uint32_t addr) {
   return v;
 }
 
-// A 16-bit value into shared memory (the fused backward's dS tile)
-__device__ __forceinline__ void st_shared_u16(uint32_t addr, uint16_t v) {
-  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
+// Four 8 x 8 16-bit matrices in mma's fragment layout (register j: matrix j), stored transposed: row m of matrix j at
+// the address lane 8 j + m gives (the fused backward's dS tile)
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
 }
-template <typename T>
-__device__ __forceinline__ uint16_t bits16(float x);
-template <>
-__device__ __forceinline__ uint16_t bits16<__half>(float x) { return __half_as_ushort(__float2half_rn(x)); }
-template <>
-__device__ __forceinline__ uint16_t bits16<__nv_bfloat16>(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
 
 #if defined(PK_WGMMA)
 template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
@@ -1934,14 +1931,14 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       acc_to_a<T>(ps[kt], st[2 * kt], st[2 * kt + 1]);
       acc_to_a<T>(pz[kt], dpt[2 * kt], dpt[2 * kt + 1]);
     }
-    if constexpr (FUSED) {  // dS (the values of ps, rounded alike) into the dS tile: query rows, keys along a row
+    if constexpr (FUSED) {  // dS (ps) into the dS tile: query rows, keys along a row. ps[kt] holds four 8 x 8
+      // matrices (keys 0-7 / 8-15 of the warp by queries 0-7 / 8-15 of the k-step, in that order); stmatrix .trans
+      // stores each transposed, lane 8 j + m giving the address of matrix j's row m (a query; 8 keys, 16 bytes): two
+      // instructions a k-step pair where an element store each (and its address) took 16
+      const int j = lane >> 3, m = lane & 7;
 #pragma unroll
-      for (int i = 0; i < BQ / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int kr = warp * 16 + g + 8 * (e >> 1), qc = 8 * i + 2 * t4 + (e & 1);
-          st_shared_u16(sDS + sw128_offset(BQ, qc, kr & ~7) + (kr & 7) * 2, bits16<T>(st[i][e]));
-        }
+      for (int kt = 0; kt < BQ / 16; ++kt)
+        stmatrix_x4_trans(sDS + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
       fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
       __syncthreads();
     }
@@ -1951,13 +1948,13 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     wgmma_fence();
 #pragma unroll
     for (int kt = 0; kt < BQ / 16; ++kt) {  // dV += P^T Z dO, dK += dS^T Q
-      wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base + kt * 16 * 128));
-      wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base + kt * 16 * 128));
+      wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base, kt * 16 * 128));
+      wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
     }
     if constexpr (FUSED) {
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt)  // K^T from K's rows (MN-major: 16 keys a k-step), dS K-major
-        wgmma_ss_ta32<T>(dqt, gmma_desc<BN * 128, 1024>(sK + kt * 16 * 128), gmma_desc<16, 1024>(sDS + kt * 32),
+        wgmma_ss_ta32<T>(dqt, gmma_desc<BN * 128, 1024>(sK, kt * 16 * 128), gmma_desc<16, 1024>(sDS, kt * 32),
                          kt > 0 ? 1 : 0);
     }
     wgmma_commit();
