@@ -62,7 +62,7 @@ void launch_forward(const Params& p, cudaStream_t stream);
 template <typename T>
 void launch_backward(const Params& p, cudaStream_t stream);
 // Whether launch_backward would run the fused backward for p (dQ added into Params::dq_acc by atomics, no dQ blocks)
-// where the inputs are bf16 (the caller checks the dtype): Hopper from an sm_90a build, dense inputs, head dim <= 64,
+// (fp16 or bf16): Hopper from an sm_90a build, dense inputs, head dim <= 64,
 // dropout, PYKERNELS_CUDA_ATTN_FUSED_DQ not '0' ('a': with
 // or without dropout). The caller allocates dq_acc (zeros) where it is true, and leaves it nullptr where the backward
 // must be reproducible bit for bit (the atomics' order varies)
