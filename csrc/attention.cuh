@@ -1985,13 +1985,16 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
           st_shared_f32(sRed + (q * C::RLD + c) * 4, dqt[i][e]);
         }
       __syncthreads();
-      float* acc = p.dq_acc + (static_cast<int64_t>(b) * p.hq + h) * p.sq * kDqAccCols;
+      // the thread's rows q0 + j NT / 16 share dq_col's swizzle (NT / 16 is a multiple of 8): one pointer, and each
+      // row at a constant offset from it (a 64-bit address a row, and a branch around each atomic, had cost 14
+      // instructions an atomic: run280's SASS)
+      static_assert(NT / 16 % 8 == 0, "the rows of a thread share dq_col's swizzle");
+      const int q0 = tid >> 4, c = (tid & 15) * 4, rows = s.sq - qs - q0;  // (rows j NT / 16 < rows exist)
+      float* dst = p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs + q0) * kDqAccCols + dq_col(q0, c);
 #pragma unroll
       for (int j = 0; j < BQ * 64 / (4 * NT); ++j) {
-        const int q = (tid >> 4) + j * (NT / 16), c = (tid & 15) * 4;
-        const float4 v = ld_shared_f32x4(sRed + (q * C::RLD + c) * 4);
-        if (qs + q < s.sq)
-          atomicAdd(reinterpret_cast<float4*>(acc + static_cast<int64_t>(qs + q) * kDqAccCols + dq_col(q, c)), v);
+        const float4 v = ld_shared_f32x4(sRed + ((q0 + j * (NT / 16)) * C::RLD + c) * 4);
+        if (j * (NT / 16) < rows) atomicAdd(reinterpret_cast<float4*>(dst + j * (NT / 16) * kDqAccCols), v);
       }
     }
     if (it + 1 < total) put_stats(u ^ 1);
