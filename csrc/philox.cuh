@@ -84,19 +84,12 @@ PK_HD uint32_t keep_byte(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uin
   return bits;
 }
 // Stage s of the transpose for a lane holding x that received y from lane me ^ s: F-bit fields, s F bits apart
-// (lo: the fields whose index has bit s clear); ``upper``: me & s. The upper lane keeps its fields lo << s F and
-// takes y's upper fields moved down by s F into lo; the lower lane keeps lo and takes y's lo fields moved up by s F.
-// Both moves are one shift of y doubled into 16 bits (y | y << 8, y < 256: right by s F, or by 8 - s F, which lands
-// y << s F in the byte), and the merge one select by the lane's mask (``take``: the fields it takes, the byte's
-// other half), so no step depends on the lane's side but through two lane constants (as two selected expressions
-// the stage compiled to a predicated pair of each step: 7 instructions, run280's SASS of the fused backward).
+// (lo: the fields whose index has bit s clear); ``upper``: me & s.
 template <int F>
 PK_HD uint32_t transpose_stage(uint32_t x, uint32_t y, int s, bool upper) {
   const int shift = s * F;
   const uint32_t lo = F == 2 ? (s == 2 ? 0x0Fu : 0x33u) : (s == 4 ? 0x0Fu : s == 2 ? 0x33u : 0x55u);
-  const uint32_t take = upper ? lo : (lo << shift) & 0xFFu;  // (lo and lo << shift cover the byte)
-  const uint32_t moved = (y * 0x101u) >> (upper ? shift : 8 - shift);
-  return (x & ~take) | (moved & take);
+  return upper ? (x & (lo << shift)) | ((y >> shift) & lo) : (x & lo) | ((y & lo) << shift);
 }
 
 // The keep bits (bit j for element off + j, kept where its 16 bits >= p 2^16) of P <= 8 - off consecutive elements
