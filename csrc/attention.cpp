@@ -214,7 +214,8 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
   // the fused backward (dQ by atomics, in no fixed order) unless the backward must be reproducible bit for bit
   Tensor dq_acc;
   if (!deterministic && !at::globalContext().deterministicAlgorithms() && attn::fused_dq_planned(p)) {
-    dq_acc = at::zeros({s.B, s.Hq, s.Sq, attn::kDqAccCols}, q.options().dtype(at::kFloat));
+    // (uninitialised: the pre kernel zeroes it in its pass over the rows, attn_bwd_pre_kernel)
+    dq_acc = at::empty({s.B, s.Hq, s.Sq, attn::kDqAccCols}, q.options().dtype(at::kFloat));
     p.dq_acc = dq_acc.data_ptr<float>();
   }
   dispatch_float_dtype(q.scalar_type(), "pykernels_cuda.attention: query", [&](auto tag) {

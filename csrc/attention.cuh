@@ -1363,6 +1363,21 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) 
       if (c == 0 && i0 + (k0 + k) * RPW < s.sq) delta[(k0 + k) * RPW] = acc;
     }
   }
+  if constexpr (L == 8) {
+    // the fused backward's dQ sums (Params::dq_acc, dense rows of kDqAccCols floats, D <= 64) zeroed here, 8 floats a
+    // lane over the rows this pass reads: the host allocates them uninitialised and no fill kernel runs (11.4 us, a
+    // launch of its own, at BERT-base: run280)
+    static_assert(L * 8 == kDqAccCols, "a row's lanes cover the dQ sums' row");
+    if (p.dq_acc != nullptr) {
+      float* const z = p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + i0) * kDqAccCols + c * 8;
+#pragma unroll
+      for (int k = 0; k < ROWS; ++k)
+        if (i0 + k * RPW < s.sq) {
+          reinterpret_cast<float4*>(z + k * RPW * kDqAccCols)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+          reinterpret_cast<float4*>(z + k * RPW * kDqAccCols)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+  }
 }
 
 template <int D>

@@ -1861,7 +1861,8 @@ def _fused_bwd_kernels(call) -> list[str]:
 @needs_cuda_ext
 def test_gpu_cuda_fused_backward_fp16_and_a_bulk_reduction_at_a_tail(monkeypatch):
     """fp16 takes the fused backward too (dS K on fp16 wgmma), with either dQ reduction; 1000 queries leave a tail
-    block of 8 rows, whose bulk reduction must add only those rows (the next head's rows follow in the buffer)."""
+    block of 8 rows, whose bulk reduction must add only those rows (the next head's rows follow in the buffer); the
+    dQ sums, allocated uninitialised, are zeroed by the pre kernel (checked over a poisoned allocator cache)."""
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
     for red in ("b", None):
         if red is None:
@@ -1873,6 +1874,10 @@ def test_gpu_cuda_fused_backward_fp16_and_a_bulk_reduction_at_a_tail(monkeypatch
         seed = new_seed(q.device)
         torch.manual_seed(4)
         out = sdpa(q, k, v, dropout_p=0.1, backend="cuda")
+        # poison the allocator's cache: the dQ sums are allocated uninitialised and zeroed by the pre kernel, so a
+        # row it missed would add into NaN here (dq_acc's own size, and a large block the allocator splits)
+        poison = [torch.full((n,), float("nan"), device="cuda") for n in (2 * 3 * 1000 * 64, 1 << 24)]
+        del poison
         _check_against_ref(q, k, v, dropout_p=0.1,
                            dropout_mask=attention_dropout_mask(seed, 2, 3, 1000, 1000, 0.1, "cuda"), out=out)
         if _sm90a_device():
