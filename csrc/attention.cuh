@@ -2034,10 +2034,10 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // the dropout mask and the softmax are computed once instead of twice (the pair computes both in its dK/dV and its dQ
 // blocks). A query block's dS (the 16-bit values dK uses) goes to a shared tile of 32 query rows x 64 keys (K-major,
 // 128-byte swizzled), and a sixth wgmma makes dQ^T = K^T dS^T (64 head-dim rows x 32 queries: K read transposed from
-// its tile, tnspA), which goes through a shared dQ tile into Params::dq_acc (fp32, zeros; rows of kDqAccCols floats,
-// columns swizzled by dq_col): 2 by float4 atomics from a padded tile (each warp 2 rows of 256 contiguous bytes an
-// instruction); 1 by one bulk reduction of the block's rows, issued by thread 0. Then attn_dq_convert_kernel writes
-// dQ = scale dq_acc. Measured (H200 run277, bf16, dropout 0.1, kernel time a call; 1 was then an atomic an element):
+// its tile, tnspA), which goes through a shared dQ tile into Params::dq_acc (fp32, zeroed by the pre kernel; rows of
+// kDqAccCols floats, columns swizzled by dq_col): 2 by float4 atomics from a padded tile (each warp 2 rows of 256
+// contiguous bytes an instruction); 1 by one bulk reduction of the block's rows, issued by thread 0. Then
+// attn_dq_convert_kernel writes dQ = scale dq_acc. Measured (H200 run277, bf16, dropout 0.1, kernel time a call; 1 was then an atomic an element):
 // the backward at BERT-base 503.9 us (pair) -> 471.5 (scalar atomics) -> 443.9 (2), GPT-2 295.9 -> 290.8 -> 273.9;
 // without dropout the pair's 322 us beat the fused 367 (run276 / run277: across two calls), so the host takes it with
 // dropout only (fused_dq_plan).
@@ -2382,8 +2382,8 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   const BwdTma tm = make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN);
   if constexpr (D == 64) {
     if (p.dq_acc != nullptr) {
-      // the fused backward: the dK/dV blocks add dQ into dq_acc (zeros) by atomics, then dQ from it; where TMA cannot
-      // load the inputs (fused_dq_plan cannot see the strides), the pair below
+      // the fused backward: the dK/dV blocks add dQ into dq_acc (zeroed by the pre kernel), then dQ from it; where
+      // TMA cannot load the inputs (fused_dq_plan cannot see the strides), the pair below
       if (tm.on) {
         const dim3 fgrid(nkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
         if (dq_red_env() == 'b')
