@@ -1976,29 +1976,28 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     wgmma_wait_all();
     fence_acc(dk);
     fence_acc(dv);
-    if constexpr (FUSED == 1) {  // dQ (unscaled) += the block's dQ^T: the tile in dq_acc's row layout, then thread 0
-      fence_acc(dqt);            // adds its valid rows (one contiguous run of dq_acc) by a bulk reduction
+    // the block's dQ^T (unscaled) into the shared dQ tile, element (query q, head dim c) at float at(q, c)
+    const auto put_dq_tile = [&](auto at) {
+      fence_acc(dqt);
 #pragma unroll
       for (int i = 0; i < BQ / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
-          st_shared_f32(sRed + (q * kDqAccCols + dq_col(q, c)) * 4, dqt[i][e]);  // (qs is a multiple of 32)
+          st_shared_f32(sRed + at(q, c) * 4, dqt[i][e]);
         }
+    };
+    if constexpr (FUSED == 1) {  // dQ += the tile in dq_acc's row layout (qs is a multiple of 32, so q's swizzle is
+      // its row's); then thread 0 adds its valid rows (one contiguous run of dq_acc) by a bulk reduction
+      put_dq_tile([](int q, int c) { return q * kDqAccCols + dq_col(q, c); });
       fence_async_smem();  // (the generic proxy's stores, read by the bulk copy's async proxy)
       __syncthreads();
       if (tid == 0)
         bulk_add_f32(p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs) * kDqAccCols, sRed,
                      static_cast<uint32_t>(min(BQ, s.sq - qs)) * kDqAccCols * 4);
-    } else if constexpr (FUSED == 2) {  // the same through a dQ tile in shared memory: 4 floats an atomic, each warp
-      fence_acc(dqt);                   // 2 rows of 256 contiguous bytes an instruction
-#pragma unroll
-      for (int i = 0; i < BQ / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
-          st_shared_f32(sRed + (q * C::RLD + c) * 4, dqt[i][e]);
-        }
+    } else if constexpr (FUSED == 2) {  // dQ += the tile (padded rows) by atomics of 4 floats, each warp 2 rows of
+      // 256 contiguous bytes an instruction
+      put_dq_tile([](int q, int c) { return q * C::RLD + c; });
       __syncthreads();
       // the thread's rows q0 + j NT / 16 share dq_col's swizzle (NT / 16 is a multiple of 8): one pointer, and each
       // row at a constant offset from it (a 64-bit address a row, and a branch around each atomic, had cost 14

@@ -51,8 +51,8 @@ struct Params {
                            // padding after causal, so the struct's size is unchanged)
   float p_drop, inv_keep;
   const int64_t* seed;      // the dropout seed, (1,) int64 in device memory (philox.cuh's drop_seed_init)
-  float* dq_acc;            // backward: the fused kernel's dQ sums, (B, Hq, Sq, kDqAccCols) fp32 zeros (nullptr: the pair;
-                            // fused_dq_planned)
+  float* dq_acc;            // backward: the fused kernel's dQ sums, (B, Hq, Sq, kDqAccCols) fp32, zeroed by the pre
+                            // kernel (nullptr: the pair; fused_dq_planned)
 };
 
 // o and lse (Params::out, Params::lse) from q, k, v on ``stream``; T is __half or __nv_bfloat16
@@ -61,10 +61,9 @@ void launch_forward(const Params& p, cudaStream_t stream);
 // dq, dk, dv (and the delta scratch) from dout, q, k, v, o, lse
 template <typename T>
 void launch_backward(const Params& p, cudaStream_t stream);
-// Whether launch_backward would run the fused backward for p (dQ added into Params::dq_acc by atomics, no dQ blocks)
-// (fp16 or bf16): Hopper from an sm_90a build, dense inputs, head dim <= 64,
-// dropout, PYKERNELS_CUDA_ATTN_FUSED_DQ not '0' ('a': with
-// or without dropout). The caller allocates dq_acc (uninitialised: launch_backward's pre kernel zeroes it) where it is
+// Whether launch_backward would run the fused backward for p (dQ added into Params::dq_acc by atomics, no dQ blocks;
+// fp16 or bf16): Hopper from an sm_90a build, dense inputs, head dim <= 64, dropout, PYKERNELS_CUDA_ATTN_FUSED_DQ not
+// '0' ('a': with or without dropout). The caller allocates dq_acc (uninitialised: launch_backward's pre kernel zeroes it) where it is
 // true, and leaves it nullptr where the backward must be reproducible bit for bit (the atomics' order varies)
 bool fused_dq_planned(const Params& p);
 

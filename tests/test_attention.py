@@ -1542,11 +1542,16 @@ def cuda_fwd(request, monkeypatch):
     build and a compute-capability 9.0 device, the warp-specialised wgmma forward at head dims up to 128), the wgmma
     kernels without warp specialisation ("1") or the mma.sync kernels ("0")."""
     env = {"wgmma": "1", "mma_sync": "0"}.get(request.param)
-    if env is None:
-        monkeypatch.delenv("PYKERNELS_CUDA_ATTN_SM90", raising=False)
-    else:
-        monkeypatch.setenv("PYKERNELS_CUDA_ATTN_SM90", env)
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_SM90", env)
     return request.param
+
+
+def _set_env(monkeypatch, name: str, value: str | None) -> None:
+    """``name`` set to ``value`` for the test, or unset where ``value`` is None."""
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
 
 
 def _sm90a_device() -> bool:
@@ -1579,10 +1584,7 @@ def test_gpu_cuda_forward_kernel_choice(monkeypatch):
         return "attn_fwd_sm90_kernel" if d <= 64 else "attn_fwd_sm90_pipe"
 
     for env in (None, "1"):
-        if env is None:
-            monkeypatch.delenv("PYKERNELS_CUDA_ATTN_SM90", raising=False)
-        else:
-            monkeypatch.setenv("PYKERNELS_CUDA_ATTN_SM90", env)
+        _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_SM90", env)
         for d in (16, 64, 80, 128, 160):
             q, k, v = _inputs((2, 2, 100, d), (2, 2, 100, d), (2, 2, 100, d), BF16, "cuda", requires_grad=False)
             pad = torch.ones(2, 1, 1, 100, dtype=torch.bool, device="cuda")
@@ -1612,10 +1614,7 @@ def test_gpu_cuda_backward_kernel_choice(monkeypatch):
     from torch.profiler import ProfilerActivity, profile
     hopper = _sm90a_device()
     for env in (None, "0"):
-        if env is None:
-            monkeypatch.delenv("PYKERNELS_CUDA_ATTN_SM90", raising=False)
-        else:
-            monkeypatch.setenv("PYKERNELS_CUDA_ATTN_SM90", env)
+        _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_SM90", env)
         for d, hkv, causal in ((64, 4, False), (64, 2, True), (128, 1, False), (160, 2, False)):
             q, k, v = _inputs((2, 4, 130, d), (2, hkv, 130, d), (2, hkv, 130, d), BF16, "cuda")
             with profile(activities=[ProfilerActivity.CUDA]) as prof:  # (the references launch no attn_ kernel)
@@ -1865,10 +1864,7 @@ def test_gpu_cuda_fused_backward_fp16_and_a_bulk_reduction_at_a_tail(monkeypatch
     dQ sums, allocated uninitialised, are zeroed by the pre kernel (checked over a poisoned allocator cache)."""
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
     for red in ("b", None):
-        if red is None:
-            monkeypatch.delenv("PYKERNELS_CUDA_ATTN_DQ_RED", raising=False)
-        else:
-            monkeypatch.setenv("PYKERNELS_CUDA_ATTN_DQ_RED", red)
+        _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_DQ_RED", red)
         q, k, v = _inputs((2, 3, 1000, 64), (2, 3, 1000, 64), (2, 3, 1000, 64), F16, "cuda")
         torch.manual_seed(4)
         seed = new_seed(q.device)
@@ -1900,10 +1896,7 @@ def test_gpu_cuda_fused_backward(monkeypatch, env, red, d, hkv, causal, mask):
     one bulk reduction a query block.
     Output and gradients against the references (with the kernels' dropout mask), odd lengths, GQA, masks."""
     for name, val in (("PYKERNELS_CUDA_ATTN_FUSED_DQ", env), ("PYKERNELS_CUDA_ATTN_DQ_RED", red)):
-        if val is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, val)
+        _set_env(monkeypatch, name, val)
     b, hq, s = 2, 4, 203
     q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
     m = None
