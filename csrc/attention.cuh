@@ -1773,21 +1773,20 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma&
 }
 #endif  // PK_WGMMA
 
-template <int D>
+template <int D, int BQX = 32>
 struct DkdvSm90Cfg {
   static constexpr int BN = 64;                  // keys a block: one warpgroup
-  static constexpr int BQ = 32;                  // queries an iteration
+  static constexpr int BQ = BQX;                 // queries an iteration (the fused backward: 32 or 64)
   static constexpr int NT = 128;
   static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
   static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2, DSBYTES = BQ * BN * 2;
-  static constexpr int RLD = 68;  // (FUSED 2) the dQ tile's row stride in floats: 64 and 4 of padding (no bank conflict)
-  // the dQ tile: (FUSED 2) padded rows; (FUSED 1) dq_acc's own rows, unpadded (dq_col's swizzle), copied as one run
-  template <int FUSED>
-  static constexpr uint32_t RBYTES = FUSED == 2 ? BQ * RLD * 4 : FUSED == 1 ? BQ * 64 * 4 : 0;
+  // (FUSED) the dQ tile: dq_acc's own rows, unpadded (dq_col's swizzle, which keeps its stores and its float4 loads
+  // free of bank conflicts), copied as one run (FUSED 1) or added 4 floats an atomic (FUSED 2)
+  static constexpr uint32_t RBYTES = BQ * 64 * 4;
   // K, V, 2 buffers of Q and dO, (FUSED) the dS tile and the dQ tile, then (TMA) the mbarriers of K and V and of each
-  // Q / dO buffer
+  // Q / dO buffer. BQ = 64, FUSED: 73 KB, three blocks an SM (a padded dQ tile, 1 KB more, had left room for two)
   static constexpr size_t smem(int fused = 0) {
-    return 1024 + 2 * KBYTES + 4 * QBYTES + (fused ? DSBYTES + (fused == 2 ? RBYTES<2> : RBYTES<1>) : 0) + 8 * 3;
+    return 1024 + 2 * KBYTES + 4 * QBYTES + (fused ? DSBYTES + RBYTES : 0) + 8 * 3;
   }
 };
 
@@ -1828,17 +1827,19 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
 }
 
 #if defined(PK_WGMMA)
-template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
+template <typename T, int D, int MODE, bool TMA, int FUSED = 0, int BQX = 32, bool SPLIT = false>
 __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTma& tm, unsigned char* smem_raw, int bx,
                                                     int hk, int b) {
-  using C = DkdvSm90Cfg<D>;
+  using C = DkdvSm90Cfg<D, BQX>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT;
-  static_assert(!FUSED || (D == kDqAccCols && BQ == 32 && NT == 128), "the fused dQ: one wgmma tile of 64 head-dim rows");
+  static_assert(!FUSED || (D == kDqAccCols && (BQ == 32 || BQ == 64) && NT == 128),
+                "the fused dQ: one wgmma tile of 64 head-dim rows by a query block of 32 or 64");
+  static_assert(FUSED || (BQ == 32 && !SPLIT), "the pair's dK/dV blocks: 32 queries an iteration");
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
   const uint32_t sDS = sO + 2 * C::QBYTES;  // (FUSED) dS, BQ query rows of BN keys (1024-byte aligned)
   const uint32_t sRed = sDS + (FUSED ? C::DSBYTES : 0u);  // (FUSED) the dQ tile, BQ query rows (C::RBYTES)
-  const uint32_t bar_kv = sRed + C::template RBYTES<FUSED>, bar_q = bar_kv + 8;  // (TMA) K and V; Q, dO buffer u at + 8 u
+  const uint32_t bar_kv = sRed + (FUSED ? C::RBYTES : 0u), bar_q = bar_kv + 8;  // (TMA) K and V; Q, dO buffer u at + 8 u
   __shared__ float sL[2][BQ], sD[2][BQ];  // the query block's lse (log2 units) and delta
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int k0 = bx * BN;
@@ -1880,8 +1881,11 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     if constexpr (tma) {
       if (tid == 0) {
         mbar_expect_tx(bar_q + 8 * u, 2 * C::QBYTES);
-        tma_tile<BQ, D>(sQ + u * C::QBYTES, &tm.q32, tm.order[2], qs, h, b, bar_q + 8 * u);
-        tma_tile<BQ, D>(sO + u * C::QBYTES, &tm.do32, tm.order[3], qs, h, b, bar_q + 8 * u);
+        // (the maps of BQ-row boxes: q32 / do32, or the dQ blocks' q64 / do64)
+        tma_tile<BQ, D>(sQ + u * C::QBYTES, BQ == 64 ? &tm.q64 : &tm.q32, tm.order[BQ == 64 ? 0 : 2], qs, h, b,
+                        bar_q + 8 * u);
+        tma_tile<BQ, D>(sO + u * C::QBYTES, BQ == 64 ? &tm.do64 : &tm.do32, tm.order[BQ == 64 ? 1 : 3], qs, h, b,
+                        bar_q + 8 * u);
       }
     } else {
       const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + qs) * p.q_ss;
@@ -1946,6 +1950,29 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       acc_to_a<T>(ps[kt], st[2 * kt], st[2 * kt + 1]);
       acc_to_a<T>(pz[kt], dpt[2 * kt], dpt[2 * kt + 1]);
     }
+    float dqt[FUSED ? BQ / 8 : 1][4];  // (FUSED) dQ^T of the query block: K^T dS^T (head-dim rows, query columns)
+    const auto issue_dv = [&] {  // dV += P^T Z dO
+#pragma unroll
+      for (int kt = 0; kt < BQ / 16; ++kt) wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base, kt * 16 * 128));
+    };
+    const auto issue_dk = [&] {  // dK += dS^T Q
+#pragma unroll
+      for (int kt = 0; kt < BQ / 16; ++kt) wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
+    };
+    const auto issue_dq = [&] {  // dQ^T = K^T dS^T: K^T from K's rows (MN-major: 16 keys a k-step), dS K-major
+      if constexpr (FUSED) {
+#pragma unroll
+        for (int kt = 0; kt < BN / 16; ++kt)
+          wgmma_ss_ta<T, BQ>(dqt, gmma_desc<BN * 128, 1024>(sK, kt * 16 * 128), gmma_desc<16, 1024>(sDS, kt * 32),
+                             kt > 0 ? 1 : 0);
+      }
+    };
+    if constexpr (SPLIT) {  // dV's products run while dS goes to its tile
+      fence_acc(dv);
+      wgmma_fence();
+      issue_dv();
+      wgmma_commit();
+    }
     if constexpr (FUSED) {  // dS (ps) into the dS tile: query rows, keys along a row. ps[kt] holds four 8 x 8
       // matrices (keys 0-7 / 8-15 of the warp by queries 0-7 / 8-15 of the k-step, in that order); stmatrix .trans
       // stores each transposed, lane 8 j + m giving the address of matrix j's row m (a query; 8 keys, 16 bytes): two
@@ -1957,25 +1984,30 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
       __syncthreads();
     }
-    float dqt[FUSED ? BQ / 8 : 1][4];  // (FUSED) dQ^T of the query block: K^T dS^T (head-dim rows, query columns)
-    fence_acc(dk);
-    fence_acc(dv);
-    wgmma_fence();
+    if constexpr (SPLIT) {  // then dQ^T, then dK: dQ^T's tile is written and added while dK's products run
+      fence_acc(dk);
+      wgmma_fence();
+      issue_dq();
+      wgmma_commit();
+      issue_dk();
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_a(pz);
+    } else {
+      fence_acc(dk);
+      fence_acc(dv);
+      wgmma_fence();
 #pragma unroll
-    for (int kt = 0; kt < BQ / 16; ++kt) {  // dV += P^T Z dO, dK += dS^T Q
-      wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base, kt * 16 * 128));
-      wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
+      for (int kt = 0; kt < BQ / 16; ++kt) {  // (interleaved)
+        wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base, kt * 16 * 128));
+        wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
+      }
+      if constexpr (FUSED) issue_dq();
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_acc(dk);
+      fence_acc(dv);
     }
-    if constexpr (FUSED) {
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt)  // K^T from K's rows (MN-major: 16 keys a k-step), dS K-major
-        wgmma_ss_ta32<T>(dqt, gmma_desc<BN * 128, 1024>(sK, kt * 16 * 128), gmma_desc<16, 1024>(sDS, kt * 32),
-                         kt > 0 ? 1 : 0);
-    }
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_acc(dk);
-    fence_acc(dv);
     // the block's dQ^T (unscaled) into the shared dQ tile, element (query q, head dim c) at float at(q, c)
     const auto put_dq_tile = [&](auto at) {
       fence_acc(dqt);
@@ -1987,17 +2019,17 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
           st_shared_f32(sRed + at(q, c) * 4, dqt[i][e]);
         }
     };
-    if constexpr (FUSED == 1) {  // dQ += the tile in dq_acc's row layout (qs is a multiple of 32, so q's swizzle is
-      // its row's); then thread 0 adds its valid rows (one contiguous run of dq_acc) by a bulk reduction
-      put_dq_tile([](int q, int c) { return q * kDqAccCols + dq_col(q, c); });
+    // (FUSED) the tile in dq_acc's row layout (qs is a multiple of 32, so q's swizzle is its row's)
+    if constexpr (FUSED) put_dq_tile([](int q, int c) { return q * kDqAccCols + dq_col(q, c); });
+    if constexpr (FUSED == 1) {  // dQ += the tile: thread 0 adds its valid rows (one contiguous run of dq_acc) by a
+      // bulk reduction
       fence_async_smem();  // (the generic proxy's stores, read by the bulk copy's async proxy)
       __syncthreads();
       if (tid == 0)
         bulk_add_f32(p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs) * kDqAccCols, sRed,
                      static_cast<uint32_t>(min(BQ, s.sq - qs)) * kDqAccCols * 4);
-    } else if constexpr (FUSED == 2) {  // dQ += the tile (padded rows) by atomics of 4 floats, each warp 2 rows of
-      // 256 contiguous bytes an instruction
-      put_dq_tile([](int q, int c) { return q * C::RLD + c; });
+    } else if constexpr (FUSED == 2) {  // dQ += the tile by atomics of 4 floats, each warp 2 rows of 256 contiguous
+      // bytes an instruction
       __syncthreads();
       // the thread's rows q0 + j NT / 16 share dq_col's swizzle (NT / 16 is a multiple of 8): one pointer, and each
       // row at a constant offset from it (a 64-bit address a row, and a branch around each atomic, had cost 14
@@ -2007,11 +2039,17 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       float* dst = p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs + q0) * kDqAccCols + dq_col(q0, c);
 #pragma unroll
       for (int j = 0; j < BQ * 64 / (4 * NT); ++j) {
-        const float4 v = ld_shared_f32x4(sRed + ((q0 + j * (NT / 16)) * C::RLD + c) * 4);
+        const float4 v = ld_shared_f32x4(sRed + ((q0 + j * (NT / 16)) * kDqAccCols + dq_col(q0, c)) * 4);
         if (j * (NT / 16) < rows) atomicAdd(reinterpret_cast<float4*>(dst + j * (NT / 16) * kDqAccCols), v);
       }
     }
     if (it + 1 < total) put_stats(u ^ 1);
+    if constexpr (SPLIT) {
+      wgmma_wait_all();  // (dK's products)
+      fence_acc(dk);
+      fence_acc(dv);
+      fence_a(ps);
+    }
     if constexpr (FUSED == 1) {
       if (tid == 0) bulk_wait_read();  // (the dQ tile is read: the next iteration may write it)
     }
@@ -2040,8 +2078,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // the backward at BERT-base 503.9 us (pair) -> 471.5 (scalar atomics) -> 443.9 (2), GPT-2 295.9 -> 290.8 -> 273.9;
 // without dropout the pair's 322 us beat the fused 367 (run276 / run277: across two calls), so the host takes it with
 // dropout only (fused_dq_plan).
-template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
-__global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS)
+template <typename T, int D, int MODE, bool TMA, int FUSED = 0, int BQX = 32, bool SPLIT = false>
+__global__ void __launch_bounds__(DkdvSm90Cfg<D, BQX>::NT, DkdvSm90Cfg<D, BQX>::MIN_BLOCKS)
     attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
@@ -2054,8 +2092,8 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS
   const int bx = blockIdx.x;
   if (FUSED || bx < nkb) {  // (FUSED: the grid has the dK/dV blocks only)
     if (static_cast<int>(blockIdx.y) < p.hq / p.group)
-      bwd_dkdv_sm90_block<T, D, MODE, TMA, FUSED>(p, tm, smem_raw, bx, blockIdx.y, blockIdx.z);
-  } else {
+      bwd_dkdv_sm90_block<T, D, MODE, TMA, FUSED, BQX, SPLIT>(p, tm, smem_raw, bx, blockIdx.y, blockIdx.z);
+  } else if constexpr (!FUSED) {
     bwd_dq_sm90_block<T, D, MODE, PIPE, TMA>(p, tm, smem_raw, bx - nkb, blockIdx.y, blockIdx.z);
   }
 #else
@@ -2358,6 +2396,11 @@ inline char dq_red_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_DQ_RED");
   return env != nullptr ? env[0] : 0;
 }
+// PYKERNELS_CUDA_ATTN_FUSED_BQ: '3' the fused backward's 32-query iterations (else 64)
+inline char fused_bq_env() {
+  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_BQ");
+  return env != nullptr ? env[0] : 0;
+}
 inline char fused_dq_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DQ");
   return env != nullptr ? env[0] : 0;
@@ -2385,10 +2428,24 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       // TMA cannot load the inputs (fused_dq_plan cannot see the strides), the pair below
       if (tm.on) {
         const dim3 fgrid(nkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-        if (dq_red_env() == 'b')
-          launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Ck::smem(1), p, tm, stream, Ck::NT);
+        const auto go = [&](auto bq, auto split) {
+          constexpr int BQ = decltype(bq)::value;
+          constexpr bool SP = decltype(split)::value;
+          using Cf = DkdvSm90Cfg<D, BQ>;
+          if (dq_red_env() == 'b')
+            launch(attn_bwd_sm90_kernel<T, D, M, true, 1, BQ, SP>, fgrid, Cf::smem(1), p, tm, stream, Cf::NT);
+          else
+            launch(attn_bwd_sm90_kernel<T, D, M, true, 2, BQ, SP>, fgrid, Cf::smem(2), p, tm, stream, Cf::NT);
+        };
+        const char bqe = fused_bq_env();
+        if (bqe == '3')
+          go(std::integral_constant<int, 32>{}, std::false_type{});
+        else if (bqe == 's')
+          go(std::integral_constant<int, 64>{}, std::true_type{});
+        else if (bqe == 't')
+          go(std::integral_constant<int, 32>{}, std::true_type{});
         else
-          launch(attn_bwd_sm90_kernel<T, D, M, true, 2>, fgrid, Ck::smem(2), p, tm, stream, Ck::NT);
+          go(std::integral_constant<int, 64>{}, std::false_type{});
         const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * 8;
         launch(attn_dq_convert_kernel<T>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p, stream, 256);
         return;

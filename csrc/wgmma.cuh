@@ -64,6 +64,16 @@ __device__ __forceinline__ void fence_acc(float (&d)[N][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
 
+// The same for a wgmma's A operand in registers (wgmma_rs): called after the wait that retires it, it keeps the
+// registers holding their values until then
+template <int N>
+__device__ __forceinline__ void fence_a(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+}
+
 // The warp-specialised forward's synchronisation (attn_fwd_sm90_ws_kernel): mbarriers in shared memory (``bar``
 // their shared addresses), named barriers, and the warpgroups' register reallocation.
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -416,13 +426,14 @@ __device__ __forceinline__ void wgmma_ss_first<__nv_bfloat16, 128>(float (&d)[16
       : "l"(da), "l"(db), "r"(0));
 }
 
-// d (64 x 32, fp32) = A B (acc 0) or += A B (acc 1), A MN-major in shared memory (the transposed operand: its 64 rows
-// are a tile's 64 columns, tnspA), B K-major: the fused backward's dQ^T = K^T dS^T (a head-dim-row x query tile)
-template <typename T>
-__device__ __forceinline__ void wgmma_ss_ta32(float (&d)[4][4], uint64_t da, uint64_t db, int acc);
-#define PK_WGMMA_SS_TA32(T, TY)                                                                                       \
+// d (64 x N, fp32; N = 32 or 64) = A B (acc 0) or += A B (acc 1), A MN-major in shared memory (the transposed operand:
+// its 64 rows are a tile's 64 columns, tnspA), B K-major: the fused backward's dQ^T = K^T dS^T (a head-dim-row x query
+// tile, N its query block)
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss_ta(float (&d)[N / 8][4], uint64_t da, uint64_t db, int acc);
+#define PK_WGMMA_SS_TA(T, TY)                                                                                         \
   template <>                                                                                                        \
-  __device__ __forceinline__ void wgmma_ss_ta32<T>(float (&d)[4][4], uint64_t da, uint64_t db, int acc) {            \
+  __device__ __forceinline__ void wgmma_ss_ta<T, 32>(float (&d)[4][4], uint64_t da, uint64_t db, int acc) {          \
     asm volatile(                                                                                                    \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                                 \
         "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                                  \
@@ -432,10 +443,25 @@ __device__ __forceinline__ void wgmma_ss_ta32(float (&d)[4][4], uint64_t da, uin
           "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),   \
           "+f"(d[3][2]), "+f"(d[3][3])                                                                               \
         : "l"(da), "l"(db), "r"(acc));                                                                               \
+  }                                                                                                                  \
+  template <>                                                                                                        \
+  __device__ __forceinline__ void wgmma_ss_ta<T, 64>(float (&d)[8][4], uint64_t da, uint64_t db, int acc) {          \
+    asm volatile(                                                                                                    \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                                 \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                                  \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "      \
+        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                                                        \
+        "%32, %33, p, 1, 1, 1, 0;\n}\n"                                                                              \
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),   \
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),   \
+          "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),   \
+          "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),   \
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])                                                 \
+        : "l"(da), "l"(db), "r"(acc));                                                                               \
   }
-PK_WGMMA_SS_TA32(__nv_bfloat16, "bf16")
-PK_WGMMA_SS_TA32(__half, "f16")
-#undef PK_WGMMA_SS_TA32
+PK_WGMMA_SS_TA(__nv_bfloat16, "bf16")
+PK_WGMMA_SS_TA(__half, "f16")
+#undef PK_WGMMA_SS_TA
 
 // acc = A B^T, one wgmma chain over D / 16 k-steps (issued, not committed): A's rows at shared address a, B's at b,
 // both K-major in 128-byte swizzled rows (sw128_offset) of AR and BR rows a 64-column region; the first k-step
