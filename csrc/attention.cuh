@@ -1776,7 +1776,7 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma&
 template <int D, int BQX = 32>
 struct DkdvSm90Cfg {
   static constexpr int BN = 64;                  // keys a block: one warpgroup
-  static constexpr int BQ = BQX;                 // queries an iteration (the fused backward: 32 or 64)
+  static constexpr int BQ = BQX;                 // queries an iteration (the pair: 32; the fused backward: 64)
   static constexpr int NT = 128;
   static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
   static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2, DSBYTES = BQ * BN * 2;
@@ -1827,14 +1827,16 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
 }
 
 #if defined(PK_WGMMA)
-template <typename T, int D, int MODE, bool TMA, int FUSED = 0, int BQX = 32, bool SPLIT = false>
+template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTma& tm, unsigned char* smem_raw, int bx,
                                                     int hk, int b) {
-  using C = DkdvSm90Cfg<D, BQX>;
+  using C = DkdvSm90Cfg<D, FUSED ? 64 : 32>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT;
-  static_assert(!FUSED || (D == kDqAccCols && (BQ == 32 || BQ == 64) && NT == 128),
-                "the fused dQ: one wgmma tile of 64 head-dim rows by a query block of 32 or 64");
-  static_assert(FUSED || (BQ == 32 && !SPLIT), "the pair's dK/dV blocks: 32 queries an iteration");
+  static_assert(!FUSED || (D == kDqAccCols && NT == 128), "the fused dQ: one wgmma tile of 64 head-dim rows");
+  // (FUSED) dV's products issued before dS goes to its tile, dK's after dQ^T's, whose tile is written and added while
+  // they run; else the pair's order: dV's and dK's together, after the dS tile (run283: BERT-base 350.5 -> 326.3 us
+  // with the bulk reduction)
+  constexpr bool SPLIT = FUSED != 0;
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
   const uint32_t sDS = sO + 2 * C::QBYTES;  // (FUSED) dS, BQ query rows of BN keys (1024-byte aligned)
@@ -1982,6 +1984,9 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       for (int kt = 0; kt < BQ / 16; ++kt)
         stmatrix_x4_trans(sDS + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
       fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
+      if constexpr (FUSED == 3) {
+        if (tid == 0) bulk_wait_read();  // (the last iteration's dQ tile is read: this one may write it)
+      }
       __syncthreads();
     }
     if constexpr (SPLIT) {  // then dQ^T, then dK: dQ^T's tile is written and added while dK's products run
@@ -2021,7 +2026,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     };
     // (FUSED) the tile in dq_acc's row layout (qs is a multiple of 32, so q's swizzle is its row's)
     if constexpr (FUSED) put_dq_tile([](int q, int c) { return q * kDqAccCols + dq_col(q, c); });
-    if constexpr (FUSED == 1) {  // dQ += the tile: thread 0 adds its valid rows (one contiguous run of dq_acc) by a
+    if constexpr (FUSED == 1 || FUSED == 3) {  // dQ += the tile: thread 0 adds its valid rows (one contiguous run of dq_acc) by a
       // bulk reduction
       fence_async_smem();  // (the generic proxy's stores, read by the bulk copy's async proxy)
       __syncthreads();
@@ -2055,7 +2060,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     }
     __syncthreads();  // every warp is done with buffer u (and the next iteration's lse and delta are stored)
   }
-  if constexpr (FUSED == 1) {
+  if constexpr (FUSED == 1 || FUSED == 3) {
     if (tid == 0) bulk_wait_all();
   }
   cp_async_wait<0>();  // (no query block: the K / V loads)
@@ -2069,17 +2074,19 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // run side by side.
 // FUSED (1 or 2; D = 64, TMA loads, a grid of the dK/dV blocks only): each dK/dV block also adds its share of dQ, so
 // the dropout mask and the softmax are computed once instead of twice (the pair computes both in its dK/dV and its dQ
-// blocks). A query block's dS (the 16-bit values dK uses) goes to a shared tile of 32 query rows x 64 keys (K-major,
-// 128-byte swizzled), and a sixth wgmma makes dQ^T = K^T dS^T (64 head-dim rows x 32 queries: K read transposed from
-// its tile, tnspA), which goes through a shared dQ tile into Params::dq_acc (fp32, zeroed by the pre kernel; rows of
-// kDqAccCols floats, columns swizzled by dq_col): 2 by float4 atomics from a padded tile (each warp 2 rows of 256
-// contiguous bytes an instruction); 1 by one bulk reduction of the block's rows, issued by thread 0. Then
-// attn_dq_convert_kernel writes dQ = scale dq_acc. Measured (H200 run277, bf16, dropout 0.1, kernel time a call; 1 was then an atomic an element):
-// the backward at BERT-base 503.9 us (pair) -> 471.5 (scalar atomics) -> 443.9 (2), GPT-2 295.9 -> 290.8 -> 273.9;
-// without dropout the pair's 322 us beat the fused 367 (run276 / run277: across two calls), so the host takes it with
-// dropout only (fused_dq_plan).
-template <typename T, int D, int MODE, bool TMA, int FUSED = 0, int BQX = 32, bool SPLIT = false>
-__global__ void __launch_bounds__(DkdvSm90Cfg<D, BQX>::NT, DkdvSm90Cfg<D, BQX>::MIN_BLOCKS)
+// blocks). It walks the queries 64 at a time (the pair's dK/dV blocks 32). A query block's dS (the 16-bit values dK
+// uses) goes to a shared tile of 64 query rows x 64 keys (K-major, 128-byte swizzled), and a sixth wgmma makes dQ^T =
+// K^T dS^T (64 head-dim rows x 64 queries: K read transposed from its tile, tnspA), which goes through a shared dQ
+// tile (dq_acc's own rows) into Params::dq_acc (fp32, zeroed by the pre kernel; rows of kDqAccCols floats, columns
+// swizzled by dq_col): 1 (the default) by one bulk reduction of the block's rows, issued by thread 0; 2 by float4
+// atomics (each warp 2 rows of 256 contiguous bytes an instruction). Then attn_dq_convert_kernel writes dQ = scale
+// dq_acc. Measured (H200, bf16, dropout 0.1, kernel time a call, the backward at BERT-base / GPT-2): run277 503.9 /
+// 295.9 us (pair) -> 471.5 / 290.8 (scalar atomics) -> 443.9 / 273.9 (2); run280-282 353.4 / 217.4 (32-query
+// iterations, the instructions cut); run283 326.3 / 201.0 (64-query iterations and the split commit, FUSED 1; FUSED 2
+// 358.7 / 221.2, with cuDNN 285.4 / 178.2). Without dropout the pair's 322 us beat the fused 367 (run276 / run277:
+// across two calls), so the host takes it with dropout only (fused_dq_plan).
+template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
+__global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS)
     attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
@@ -2092,7 +2099,7 @@ __global__ void __launch_bounds__(DkdvSm90Cfg<D, BQX>::NT, DkdvSm90Cfg<D, BQX>::
   const int bx = blockIdx.x;
   if (FUSED || bx < nkb) {  // (FUSED: the grid has the dK/dV blocks only)
     if (static_cast<int>(blockIdx.y) < p.hq / p.group)
-      bwd_dkdv_sm90_block<T, D, MODE, TMA, FUSED, BQX, SPLIT>(p, tm, smem_raw, bx, blockIdx.y, blockIdx.z);
+      bwd_dkdv_sm90_block<T, D, MODE, TMA, FUSED>(p, tm, smem_raw, bx, blockIdx.y, blockIdx.z);
   } else if constexpr (!FUSED) {
     bwd_dq_sm90_block<T, D, MODE, PIPE, TMA>(p, tm, smem_raw, bx - nkb, blockIdx.y, blockIdx.z);
   }
@@ -2390,15 +2397,10 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
 }
 
 // PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; 'a' the fused backward with or without dropout;
-// else (unset) with dropout only. PYKERNELS_CUDA_ATTN_DQ_RED: 'b' one bulk reduction a query block (FUSED 1; else 4
-// floats an atomic, FUSED 2), both through a dQ tile in shared memory
+// else (unset) with dropout only. PYKERNELS_CUDA_ATTN_DQ_RED: 'a' 4 floats an atomic from every thread (FUSED 2; else
+// one bulk reduction a query block, FUSED 1), both through a dQ tile in shared memory
 inline char dq_red_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_DQ_RED");
-  return env != nullptr ? env[0] : 0;
-}
-// PYKERNELS_CUDA_ATTN_FUSED_BQ: '3' the fused backward's 32-query iterations (else 64)
-inline char fused_bq_env() {
-  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_BQ");
   return env != nullptr ? env[0] : 0;
 }
 inline char fused_dq_env() {
@@ -2428,24 +2430,14 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       // TMA cannot load the inputs (fused_dq_plan cannot see the strides), the pair below
       if (tm.on) {
         const dim3 fgrid(nkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-        const auto go = [&](auto bq, auto split) {
-          constexpr int BQ = decltype(bq)::value;
-          constexpr bool SP = decltype(split)::value;
-          using Cf = DkdvSm90Cfg<D, BQ>;
-          if (dq_red_env() == 'b')
-            launch(attn_bwd_sm90_kernel<T, D, M, true, 1, BQ, SP>, fgrid, Cf::smem(1), p, tm, stream, Cf::NT);
-          else
-            launch(attn_bwd_sm90_kernel<T, D, M, true, 2, BQ, SP>, fgrid, Cf::smem(2), p, tm, stream, Cf::NT);
-        };
-        const char bqe = fused_bq_env();
-        if (bqe == '3')
-          go(std::integral_constant<int, 32>{}, std::false_type{});
-        else if (bqe == 's')
-          go(std::integral_constant<int, 64>{}, std::true_type{});
-        else if (bqe == 't')
-          go(std::integral_constant<int, 32>{}, std::true_type{});
+        using Cf = DkdvSm90Cfg<D, 64>;
+        static_assert(Cf::NT == Ck::NT && Cf::MIN_BLOCKS == Ck::MIN_BLOCKS, "the kernel's launch bounds");
+        if (dq_red_env() == 'a')
+          launch(attn_bwd_sm90_kernel<T, D, M, true, 2>, fgrid, Cf::smem(2), p, tm, stream, Cf::NT);
+        else if (dq_red_env() == 'd')
+          launch(attn_bwd_sm90_kernel<T, D, M, true, 3>, fgrid, Cf::smem(1), p, tm, stream, Cf::NT);
         else
-          go(std::integral_constant<int, 64>{}, std::false_type{});
+          launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Cf::smem(1), p, tm, stream, Cf::NT);
         const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * 8;
         launch(attn_dq_convert_kernel<T>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p, stream, 256);
         return;
