@@ -13,7 +13,7 @@
 //             m16k16 A layout). K and V are single-buffered but loaded asynchronously: the next K block is in
 //             flight while P V runs and the next V block while the next S runs. Saves lse (natural log, fp32).
 //   backward: three kernels, no atomics (bitwise reproducible; on Hopper with dropout at D <= 64 the fused
-//             kernel below instead, with atomics):
+//             kernel below instead, whose dQ is summed by bulk reductions):
 //             pre  : delta = rowsum(dO * O) (fp32), one warp a row;
 //             dK/dV: a block per (64 keys, kv head, batch; and a half of the head dim above D = 128, where the
 //                    two accumulators would not fit in registers), looping over the query heads of its group
@@ -1780,12 +1780,12 @@ struct DkdvSm90Cfg {
   static constexpr int NT = 128;
   static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
   static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2, DSBYTES = BQ * BN * 2;
-  // (FUSED) the dQ tile: dq_acc's own rows, unpadded (dq_col's swizzle, which keeps its stores and its float4 loads
-  // free of bank conflicts), copied as one run (FUSED 1) or added 4 floats an atomic (FUSED 2)
+  // (FUSED) the dQ tile: dq_acc's own rows, unpadded (dq_col's swizzle keeps its stores free of bank conflicts), added
+  // to dq_acc as one run
   static constexpr uint32_t RBYTES = BQ * 64 * 4;
   // K, V, 2 buffers of Q and dO, (FUSED) the dS tile and the dQ tile, then (TMA) the mbarriers of K and V and of each
-  // Q / dO buffer. BQ = 64, FUSED: 73 KB, three blocks an SM (a padded dQ tile, 1 KB more, had left room for two)
-  static constexpr size_t smem(int fused = 0) {
+  // Q / dO buffer. BQ = 64, FUSED: 73 KB, three blocks an SM
+  static constexpr size_t smem(bool fused = false) {
     return 1024 + 2 * KBYTES + 4 * QBYTES + (fused ? DSBYTES + RBYTES : 0) + 8 * 3;
   }
 };
@@ -1793,10 +1793,10 @@ struct DkdvSm90Cfg {
 // Where column c of query row q lives in a row of Params::dq_acc (and of the fused backward's unpadded dQ tile):
 // bits 3-4 of c flipped by bits 1-2 of q, so that the 32 lanes of one store of a wgmma accumulator (rows q = 2 t4 +
 // const, columns c = g + const) hit 32 banks of the tile (unswizzled, the 4 lanes of a g share one: 4-way conflicts).
-// Runs of 8 columns from a multiple of 8 stay together (the convert kernel's 16-byte loads, the float4 atomics).
+// Runs of 8 columns from a multiple of 8 stay together (the convert kernel's 16-byte loads).
 __device__ __forceinline__ int dq_col(int q, int c) { return c ^ (((q >> 1) & 3) << 3); }
 
-// The fused backward's dQ tile (FUSED 1): thread 0 adds it to dq_acc by one bulk reduction (the TMA unit reads the
+// The fused backward's dQ tile: thread 0 adds it to dq_acc by one bulk reduction (the TMA unit reads the
 // shared tile and adds it into global memory, FlashAttention-3's dQ path without a tensor map: the tile's rows are
 // a contiguous run of dq_acc). ``wait_read`` before the tile is written again; ``wait_all`` before the kernel ends.
 __device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t bytes) {
@@ -1807,15 +1807,9 @@ __device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t 
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// The fused backward's dQ tile: fp32 into shared memory, and 4 floats out of it
+// The fused backward's dQ tile: fp32 into shared memory
 __device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
   asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
-}
-__device__ __forceinline__ float4 ld_shared_f32x4(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr)
-               : "memory");
-  return v;
 }
 
 // Four 8 x 8 16-bit matrices in mma's fragment layout (register j: matrix j), stored transposed: row m of matrix j at
@@ -1984,9 +1978,6 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       for (int kt = 0; kt < BQ / 16; ++kt)
         stmatrix_x4_trans(sDS + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
       fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
-      if constexpr (FUSED == 3) {
-        if (tid == 0) bulk_wait_read();  // (the last iteration's dQ tile is read: this one may write it)
-      }
       __syncthreads();
     }
     if constexpr (SPLIT) {  // then dQ^T, then dK: dQ^T's tile is written and added while dK's products run
@@ -2026,27 +2017,13 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     };
     // (FUSED) the tile in dq_acc's row layout (qs is a multiple of 32, so q's swizzle is its row's)
     if constexpr (FUSED) put_dq_tile([](int q, int c) { return q * kDqAccCols + dq_col(q, c); });
-    if constexpr (FUSED == 1 || FUSED == 3) {  // dQ += the tile: thread 0 adds its valid rows (one contiguous run of dq_acc) by a
-      // bulk reduction
+    if constexpr (FUSED) {  // dQ += the tile: thread 0 adds its valid rows (one contiguous run of dq_acc) by a bulk
+      // reduction
       fence_async_smem();  // (the generic proxy's stores, read by the bulk copy's async proxy)
       __syncthreads();
       if (tid == 0)
         bulk_add_f32(p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs) * kDqAccCols, sRed,
                      static_cast<uint32_t>(min(BQ, s.sq - qs)) * kDqAccCols * 4);
-    } else if constexpr (FUSED == 2) {  // dQ += the tile by atomics of 4 floats, each warp 2 rows of 256 contiguous
-      // bytes an instruction
-      __syncthreads();
-      // the thread's rows q0 + j NT / 16 share dq_col's swizzle (NT / 16 is a multiple of 8): one pointer, and each
-      // row at a constant offset from it (a 64-bit address a row, and a branch around each atomic, had cost 14
-      // instructions an atomic: run280's SASS)
-      static_assert(NT / 16 % 8 == 0, "the rows of a thread share dq_col's swizzle");
-      const int q0 = tid >> 4, c = (tid & 15) * 4, rows = s.sq - qs - q0;  // (rows j NT / 16 < rows exist)
-      float* dst = p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs + q0) * kDqAccCols + dq_col(q0, c);
-#pragma unroll
-      for (int j = 0; j < BQ * 64 / (4 * NT); ++j) {
-        const float4 v = ld_shared_f32x4(sRed + ((q0 + j * (NT / 16)) * kDqAccCols + dq_col(q0, c)) * 4);
-        if (j * (NT / 16) < rows) atomicAdd(reinterpret_cast<float4*>(dst + j * (NT / 16) * kDqAccCols), v);
-      }
     }
     if (it + 1 < total) put_stats(u ^ 1);
     if constexpr (SPLIT) {
@@ -2055,12 +2032,12 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       fence_acc(dv);
       fence_a(ps);
     }
-    if constexpr (FUSED == 1) {
+    if constexpr (FUSED) {
       if (tid == 0) bulk_wait_read();  // (the dQ tile is read: the next iteration may write it)
     }
     __syncthreads();  // every warp is done with buffer u (and the next iteration's lse and delta are stored)
   }
-  if constexpr (FUSED == 1 || FUSED == 3) {
+  if constexpr (FUSED) {
     if (tid == 0) bulk_wait_all();
   }
   cp_async_wait<0>();  // (no query block: the K / V loads)
@@ -2072,19 +2049,20 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // The backward's dK/dV and dQ blocks in one launch: blocks x < nkb of the grid (nkb + nqb, hq, batch) are dK/dV's
 // (those whose y is past the kv heads leave at once), the rest dQ's; x runs fastest, so a head's dK/dV and dQ blocks
 // run side by side.
-// FUSED (1 or 2; D = 64, TMA loads, a grid of the dK/dV blocks only): each dK/dV block also adds its share of dQ, so
-// the dropout mask and the softmax are computed once instead of twice (the pair computes both in its dK/dV and its dQ
+// FUSED (D = 64, TMA loads, a grid of the dK/dV blocks only): each dK/dV block also adds its share of dQ, so the
+// dropout mask and the softmax are computed once instead of twice (the pair computes both in its dK/dV and its dQ
 // blocks). It walks the queries 64 at a time (the pair's dK/dV blocks 32). A query block's dS (the 16-bit values dK
 // uses) goes to a shared tile of 64 query rows x 64 keys (K-major, 128-byte swizzled), and a sixth wgmma makes dQ^T =
 // K^T dS^T (64 head-dim rows x 64 queries: K read transposed from its tile, tnspA), which goes through a shared dQ
 // tile (dq_acc's own rows) into Params::dq_acc (fp32, zeroed by the pre kernel; rows of kDqAccCols floats, columns
-// swizzled by dq_col): 1 (the default) by one bulk reduction of the block's rows, issued by thread 0; 2 by float4
-// atomics (each warp 2 rows of 256 contiguous bytes an instruction). Then attn_dq_convert_kernel writes dQ = scale
-// dq_acc. Measured (H200, bf16, dropout 0.1, kernel time a call, the backward at BERT-base / GPT-2): run277 503.9 /
-// 295.9 us (pair) -> 471.5 / 290.8 (scalar atomics) -> 443.9 / 273.9 (2); run280-282 353.4 / 217.4 (32-query
-// iterations, the instructions cut); run283 326.3 / 201.0 (64-query iterations and the split commit, FUSED 1; FUSED 2
-// 358.7 / 221.2, with cuDNN 285.4 / 178.2). Without dropout the pair's 322 us beat the fused 367 (run276 / run277:
-// across two calls), so the host takes it with dropout only (fused_dq_plan).
+// swizzled by dq_col) by one bulk reduction of the block's rows, issued by thread 0 (FlashAttention-3's dQ path).
+// Then attn_dq_convert_kernel writes dQ = scale dq_acc. Measured (H200, bf16, dropout 0.1, kernel time a call, the
+// backward at BERT-base / GPT-2): run277 503.9 / 295.9 us (pair) -> 471.5 / 290.8 (scalar atomics) -> 443.9 / 273.9
+// (float4 atomics); run280-282 353.4 / 217.4 (32-query iterations, the instructions cut); run283-284 326-328 / 201-206
+// (64-query iterations and the split commit; with float4 atomics instead of the bulk reduction 359-361 / 221-223, with
+// 32-query iterations 365 / 224, the bulk read waited an iteration later 337-341 / 205-209; cuDNN 285-289 / 178-181).
+// Without dropout the pair's 322 us beat the fused 367 (run276 / run277: across two calls), so the host takes it with
+// dropout only (fused_dq_plan).
 template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS)
     attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
@@ -2397,12 +2375,7 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
 }
 
 // PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; 'a' the fused backward with or without dropout;
-// else (unset) with dropout only. PYKERNELS_CUDA_ATTN_DQ_RED: 'a' 4 floats an atomic from every thread (FUSED 2; else
-// one bulk reduction a query block, FUSED 1), both through a dQ tile in shared memory
-inline char dq_red_env() {
-  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_DQ_RED");
-  return env != nullptr ? env[0] : 0;
-}
+// else (unset) with dropout only
 inline char fused_dq_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DQ");
   return env != nullptr ? env[0] : 0;
@@ -2432,12 +2405,7 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
         const dim3 fgrid(nkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
         using Cf = DkdvSm90Cfg<D, 64>;
         static_assert(Cf::NT == Ck::NT && Cf::MIN_BLOCKS == Ck::MIN_BLOCKS, "the kernel's launch bounds");
-        if (dq_red_env() == 'a')
-          launch(attn_bwd_sm90_kernel<T, D, M, true, 2>, fgrid, Cf::smem(2), p, tm, stream, Cf::NT);
-        else if (dq_red_env() == 'd')
-          launch(attn_bwd_sm90_kernel<T, D, M, true, 3>, fgrid, Cf::smem(1), p, tm, stream, Cf::NT);
-        else
-          launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Cf::smem(1), p, tm, stream, Cf::NT);
+        launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Cf::smem(true), p, tm, stream, Cf::NT);
         const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * 8;
         launch(attn_dq_convert_kernel<T>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p, stream, 256);
         return;

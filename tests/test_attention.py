@@ -1856,53 +1856,46 @@ def _fused_bwd_kernels(call) -> list[str]:
     return [e.name for e in prof.events() if "attn_" in e.name]
 
 
-def _fused_variant(red):
-    """The fused backward kernel's template tail in a profiler name: its dQ reduction (PYKERNELS_CUDA_ATTN_DQ_RED
-    'a': 2, the float4 atomics; else 1, the bulk reduction)"""
-    return f", true, {2 if red == 'a' else 1}>"
+FUSED_BWD = ", true, 1>"  # the fused backward kernel's template tail in a profiler name (attn_bwd_sm90_kernel)
 
 
 @pytest.mark.gpu
 @needs_cuda_ext
 def test_gpu_cuda_fused_backward_fp16_and_a_bulk_reduction_at_a_tail(monkeypatch):
-    """fp16 takes the fused backward too (dS K on fp16 wgmma), with either dQ reduction; 1000 queries leave a tail
-    block of 40 rows (64-query blocks), whose bulk reduction must add only those rows (the next head's rows follow
-    in the buffer); the dQ sums, allocated uninitialised, are zeroed by the pre kernel (checked over a poisoned
-    allocator cache)."""
+    """fp16 takes the fused backward too (dS K on fp16 wgmma); 1000 queries leave a tail block of 40 rows (64-query
+    blocks), whose bulk reduction must add only those rows (the next head's rows follow in the buffer), and 968 one
+    of 8; the dQ sums, allocated uninitialised, are zeroed by the pre kernel (checked over a poisoned allocator
+    cache)."""
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
-    for red in ("a", None):
-        _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_DQ_RED", red)
-        q, k, v = _inputs((2, 3, 1000, 64), (2, 3, 1000, 64), (2, 3, 1000, 64), F16, "cuda")
+    for s in (1000, 968):
+        q, k, v = _inputs((2, 3, s, 64), (2, 3, s, 64), (2, 3, s, 64), F16, "cuda")
         torch.manual_seed(4)
         seed = new_seed(q.device)
         torch.manual_seed(4)
         out = sdpa(q, k, v, dropout_p=0.1, backend="cuda")
         # poison the allocator's cache: the dQ sums are allocated uninitialised and zeroed by the pre kernel, so a
         # row it missed would add into NaN here (dq_acc's own size, and a large block the allocator splits)
-        poison = [torch.full((n,), float("nan"), device="cuda") for n in (2 * 3 * 1000 * 64, 1 << 24)]
+        poison = [torch.full((n,), float("nan"), device="cuda") for n in (2 * 3 * s * 64, 1 << 24)]
         del poison
         _check_against_ref(q, k, v, dropout_p=0.1,
-                           dropout_mask=attention_dropout_mask(seed, 2, 3, 1000, 1000, 0.1, "cuda"), out=out)
+                           dropout_mask=attention_dropout_mask(seed, 2, 3, s, s, 0.1, "cuda"), out=out)
         if _sm90a_device():
             names = _fused_bwd_kernels(lambda: sdpa(q, k, v, dropout_p=0.1, backend="cuda"))
-            assert any(_fused_variant(red) in n for n in names) and any("attn_dq_convert" in n for n in names), names
+            assert any(FUSED_BWD in n for n in names) and any("attn_dq_convert" in n for n in names), names
 
 
 @pytest.mark.gpu
 @needs_cuda_ext
-@pytest.mark.parametrize("red", ["a", None])
 @pytest.mark.parametrize("env", ["a", None])
 @pytest.mark.parametrize("d,hkv,causal,mask", [(64, 4, False, None), (64, 2, True, None), (40, 4, False, "keys"),
                                                (64, 1, True, "any")])
-def test_gpu_cuda_fused_backward(monkeypatch, env, red, d, hkv, causal, mask):
+def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask):
     """The C++ backward's fused kernel (Hopper, sm_90a build, dense inputs, D <= 64): the dK/dV blocks add dQ = dS K
     into an fp32 buffer (K^T dS^T on wgmma, dS through shared memory), then one kernel converts it; no dQ
     blocks. Taken with dropout (PYKERNELS_CUDA_ATTN_FUSED_DQ unset) or always ('a'), never with deterministic=True
-    or '0'; dQ goes through a tile in shared memory, added by one bulk reduction a query block or, with
-    PYKERNELS_CUDA_ATTN_DQ_RED=a, by float4 atomics.
+    or '0'; dQ goes through a tile in shared memory, added by one bulk reduction a query block.
     Output and gradients against the references (with the kernels' dropout mask), odd lengths, GQA, masks."""
-    for name, val in (("PYKERNELS_CUDA_ATTN_FUSED_DQ", env), ("PYKERNELS_CUDA_ATTN_DQ_RED", red)):
-        _set_env(monkeypatch, name, val)
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DQ", env)
     b, hq, s = 2, 4, 203
     q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
     m = None
@@ -1925,7 +1918,7 @@ def test_gpu_cuda_fused_backward(monkeypatch, env, red, d, hkv, causal, mask):
     if not _sm90a_device():
         return
     fused = [n for n in _fused_bwd_kernels(call) if "attn_bwd_sm90_kernel" in n or "attn_dq_convert" in n]
-    assert len(fused) == 2 and _fused_variant(red) in fused[0] and "attn_dq_convert_kernel" in fused[1], fused
+    assert len(fused) == 2 and FUSED_BWD in fused[0] and "attn_dq_convert_kernel" in fused[1], fused
     for kw in (dict(deterministic=True), dict()):  # the pair: deterministic, or the switch off
         if not kw:
             monkeypatch.setenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", "0")

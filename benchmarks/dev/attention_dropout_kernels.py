@@ -1,11 +1,14 @@
 """GPU time of the attention with dropout (transformers' 0.1), forward and backward, by the profiler's kernel records:
 each kernel's own time (the wall clock of an eager call measures the host). The shapes are the training steps' (benchmarks/train_step.py): BERT-base 32 x 512
-bidirectional and GPT-2 8 x 1024 causal, 12 heads of 64; and a D = 128 causal one (the pipelined wgmma forward).
+bidirectional and GPT-2 8 x 1024 causal, 12 heads of 64; BERT-base with a key-padding mask (a (B, 1, 1, S) boolean
+mask, lengths uniform in 256..512: transformers' padded batches); and a D = 128 causal one (the pipelined wgmma
+forward).
 
 Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--iters 10]
 [--dtype bf16|fp16]``. One
 line a shape and implementation: ``NAME case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs`` (a call's kernels; the backward
-is the forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them). NAME is LABEL for
+is the forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them, the padded case's as
+if unpadded). NAME is LABEL for
 the C++ backend's rows (the build under test in an A/B, benchmarks/dev/attention_cuda_ab_builds.sh), else the peer's
 name: ``--triton`` adds the same calls through the Triton backend; ``--peers`` the C++ backend without dropout (the
 dropout's cost) and torch's SDPA flash, memory-efficient and cuDNN backends with dropout (those that take it).
@@ -24,7 +27,8 @@ from common import gpu_kernel_ms, gpu_kernels_us  # noqa: E402  (benchmarks/comm
 
 import pykernels  # noqa: E402
 
-CASES = (("bert", 32, 12, 512, 64, False), ("gpt2", 8, 12, 1024, 64, True), ("causal_2k_d128", 4, 16, 2048, 128, True))
+CASES = (("bert", 32, 12, 512, 64, False), ("gpt2", 8, 12, 1024, 64, True), ("bert_pad", 32, 12, 512, 64, False),
+         ("causal_2k_d128", 4, 16, 2048, 128, True))
 
 
 def flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
@@ -36,13 +40,13 @@ def impls(peers: bool, triton: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def ours(backend, p):
-        return lambda q, k, v, causal: pykernels.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
-                                                                              backend=backend)
+        return lambda q, k, v, causal, mask: pykernels.scaled_dot_product_attention(
+            q, k, v, mask, dropout_p=p, is_causal=causal, backend=backend)
 
     def sdpa(kind):
-        def run(q, k, v, causal):
+        def run(q, k, v, causal, mask):
             with sdpa_kernel(kind):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=causal)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.1, is_causal=causal)
         return run
 
     yield "cuda", ours("cuda", 0.1)
@@ -56,20 +60,24 @@ def impls(peers: bool, triton: bool):
 
 
 def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int,
-              kernels: bool = False, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
+              kernels: bool = False, dtype: torch.dtype = torch.bfloat16, padded: bool = False) -> tuple[float, float]:
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
                for _ in range(3))
     do = torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g)
+    mask = None
+    if padded:  # a key-padding mask, lengths uniform in s / 2 .. s
+        lens = torch.randint(s // 2, s + 1, (b,), device="cuda", generator=g)
+        mask = (torch.arange(s, device="cuda") < lens[:, None]).view(b, 1, 1, s)
 
     def fwd():
         with torch.no_grad():
             for _ in range(iters):
-                fn(q, k, v, causal)
+                fn(q, k, v, causal, mask)
 
     def fwd_bwd():  # (autograd.grad: no accumulation into .grad, whose add kernels were counted until run278)
         for _ in range(iters):
-            torch.autograd.grad([fn(q, k, v, causal)], [q, k, v], [do])
+            torch.autograd.grad([fn(q, k, v, causal, mask)], [q, k, v], [do])
 
     fwd_bwd()  # compiles / warms up outside the profile
     torch.cuda.synchronize()
@@ -96,7 +104,8 @@ def main() -> None:
         label = args.label if name == "cuda" else name
         for case, b, h, s, d, causal in CASES:
             try:
-                f_us, b_us = time_case(fn, b, h, s, d, causal, args.iters, args.kernels and name == "cuda", dtype)
+                f_us, b_us = time_case(fn, b, h, s, d, causal, args.iters, args.kernels and name == "cuda", dtype,
+                                       padded=case.endswith("_pad"))
             except RuntimeError as e:  # an SDPA backend that does not take the case
                 print(f"{label} {case} not run: {str(e).splitlines()[0][:120]}")
                 continue
