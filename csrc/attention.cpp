@@ -211,7 +211,7 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
   set_strides(dq, s.varlen, p.dq_sb, p.dq_sh, p.dq_ss);
   set_strides(dk, s.varlen, p.dk_sb, p.dk_sh, p.dk_ss);
   set_strides(dv, s.varlen, p.dv_sb, p.dv_sh, p.dv_ss);
-  // the fused backward (dQ by atomics, in no fixed order) unless the backward must be reproducible bit for bit
+  // the fused backward (dQ by bulk reductions, in no fixed order) unless the backward must be reproducible bit for bit
   Tensor dq_acc;
   if (!deterministic && !at::globalContext().deterministicAlgorithms() && attn::fused_dq_planned(p)) {
     // (uninitialised: the pre kernel zeroes it in its pass over the rows, attn_bwd_pre_kernel)

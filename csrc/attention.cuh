@@ -1835,7 +1835,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
   const uint32_t sDS = sO + 2 * C::QBYTES;  // (FUSED) dS, BQ query rows of BN keys (1024-byte aligned)
   const uint32_t sRed = sDS + (FUSED ? C::DSBYTES : 0u);  // (FUSED) the dQ tile, BQ query rows (C::RBYTES)
-  const uint32_t bar_kv = sRed + (FUSED ? C::RBYTES : 0u), bar_q = bar_kv + 8;  // (TMA) K and V; Q, dO buffer u at + 8 u
+  // (TMA) the mbarriers of K and V, and of Q / dO buffer u at bar_q + 8 u
+  const uint32_t bar_kv = sRed + (FUSED ? C::RBYTES : 0u), bar_q = bar_kv + 8;
   __shared__ float sL[2][BQ], sD[2][BQ];  // the query block's lse (log2 units) and delta
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int k0 = bx * BN;

@@ -354,7 +354,7 @@ def _cuda_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cu_q: 
     """The C++ op (its autograd in C++), with the seed drawn as the custom ops draw it (``op_seed``): the same seed,
     hence the same dropout mask, as the Triton backend's for one ``torch.manual_seed``. Without dropout no seed
     is drawn (nor op_seed's placeholder tensor allocated). ``deterministic`` (or torch's deterministic mode, which
-    the op reads itself) keeps the backward off its fused kernel, whose dQ atomics add in no fixed order."""
+    the op reads itself) keeps the backward off its fused kernel, whose dQ reductions add in no fixed order."""
     if torch.compiler.is_compiling():  # the compiled pair (its forward draws the seed)
         return _CudaAttention.apply(q, k, v, mask, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, deterministic)
     seed = op_seed(dropout_p, q.device) if dropout_p > 0 else None
@@ -837,7 +837,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       enough work (full attention; causal from 8192 keys), the backward is one fused kernel that adds dQ by
       bulk TMA reductions into an fp32 buffer, in no fixed order (as FlashAttention-2/3 and cuDNN do; it is
       3-8% faster where it is taken, ``kernels/attention_sm90_bwd.py``), whose dQ may differ in the last bits between runs;
-      so is the "cuda" backend's with dropout at D <= 64 on Hopper (its dK/dV blocks add dQ by atomics:
+      so is the "cuda" backend's with dropout at D <= 64 on Hopper (its dK/dV blocks add dQ by bulk reductions:
       ``csrc/attention.cuh``); every other case is reproducible in either mode (no atomics). ``deterministic=True`` with the
       developer switch ``PYKERNELS_ATTN_SM90_BWD=fused`` raises ``ValueError``.
 

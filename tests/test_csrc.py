@@ -7,7 +7,8 @@ dK/dV kernel at D = 64 with an arbitrary mask, capped at 168 registers for 3 blo
 shares Philox calls, 2026-11-28; the dQ kernels 8), and its sm_90a backward at D = 64 without a mask, whose dQ blocks
 hold the last block's dS across the next products, 48-56 (12 with cp.async loads and 4 with TMA since its dropout
 draws run inline, 2026-11-28); the cross-entropy, masked-LM and other kernels 0-16; one exception, capped at 256: the
-fused sm_90a backward with a mask, _FUSED_MASKED_BWD below), and no warpgroup MMA chain may be serialized by ptxas (C7515 and its kin);
+fused sm_90a backward with a mask, _FUSED_MASKED_BWD below), and no warpgroup MMA chain may be serialized by ptxas
+(C7515 and its kin);
 the attention's wgmma kernels draw their dropout bits inline (read from the SASS; checked by mutation). The host-only sources
 (``*.cpp``: attention's checks, autograd and registration) get a g++ syntax check against the same headers."""
 from __future__ import annotations
