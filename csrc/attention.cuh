@@ -1827,10 +1827,6 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   using C = DkdvSm90Cfg<D, FUSED ? 64 : 32>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT;
   static_assert(!FUSED || (D == kDqAccCols && NT == 128), "the fused dQ: one wgmma tile of 64 head-dim rows");
-  // (FUSED) dV's products issued before dS goes to its tile, dK's after dQ^T's, whose tile is written and added while
-  // they run; else the pair's order: dV's and dK's together, after the dS tile (run283: BERT-base 350.5 -> 326.3 us
-  // with the bulk reduction)
-  constexpr bool SPLIT = FUSED != 0;
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
   const uint32_t sDS = sO + 2 * C::QBYTES;  // (FUSED) dS, BQ query rows of BN keys (1024-byte aligned)
@@ -1947,93 +1943,72 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       acc_to_a<T>(ps[kt], st[2 * kt], st[2 * kt + 1]);
       acc_to_a<T>(pz[kt], dpt[2 * kt], dpt[2 * kt + 1]);
     }
-    float dqt[FUSED ? BQ / 8 : 1][4];  // (FUSED) dQ^T of the query block: K^T dS^T (head-dim rows, query columns)
-    const auto issue_dv = [&] {  // dV += P^T Z dO
-#pragma unroll
-      for (int kt = 0; kt < BQ / 16; ++kt) wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base, kt * 16 * 128));
-    };
-    const auto issue_dk = [&] {  // dK += dS^T Q
-#pragma unroll
-      for (int kt = 0; kt < BQ / 16; ++kt) wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
-    };
-    const auto issue_dq = [&] {  // dQ^T = K^T dS^T: K^T from K's rows (MN-major: 16 keys a k-step), dS K-major
-      if constexpr (FUSED) {
-#pragma unroll
-        for (int kt = 0; kt < BN / 16; ++kt)
-          wgmma_ss_ta<T, BQ>(dqt, gmma_desc<BN * 128, 1024>(sK, kt * 16 * 128), gmma_desc<16, 1024>(sDS, kt * 32),
-                             kt > 0 ? 1 : 0);
-      }
-    };
-    if constexpr (SPLIT) {  // dV's products run while dS goes to its tile
+    if constexpr (FUSED) {
+      // dV's products (P^T Z dO) run while dS goes to its tile, then dQ^T = K^T dS^T's, then dK's (dS^T Q), which run
+      // while dQ^T's tile is written and handed to the bulk reduction
       fence_acc(dv);
       wgmma_fence();
-      issue_dv();
+#pragma unroll
+      for (int kt = 0; kt < BQ / 16; ++kt) wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base, kt * 16 * 128));
       wgmma_commit();
-    }
-    if constexpr (FUSED) {  // dS (ps) into the dS tile: query rows, keys along a row. ps[kt] holds four 8 x 8
-      // matrices (keys 0-7 / 8-15 of the warp by queries 0-7 / 8-15 of the k-step, in that order); stmatrix .trans
-      // stores each transposed, lane 8 j + m giving the address of matrix j's row m (a query; 8 keys, 16 bytes): two
-      // instructions a k-step pair where an element store each (and its address) took 16
+      // dS (ps) into the dS tile: query rows, keys along a row. ps[kt] holds four 8 x 8 matrices (keys 0-7 / 8-15 of
+      // the warp by queries 0-7 / 8-15 of the k-step, in that order); stmatrix .trans stores each transposed, lane
+      // 8 j + m giving the address of matrix j's row m (a query; 8 keys, 16 bytes): two instructions a k-step pair
+      // where an element store each (and its address) took 16
       const int j = lane >> 3, m = lane & 7;
 #pragma unroll
       for (int kt = 0; kt < BQ / 16; ++kt)
         stmatrix_x4_trans(sDS + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
       fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
       __syncthreads();
-    }
-    if constexpr (SPLIT) {  // then dQ^T, then dK: dQ^T's tile is written and added while dK's products run
+      float dqt[BQ / 8][4];  // dQ^T of the query block (head-dim rows, query columns)
       fence_acc(dk);
-      wgmma_fence();
-      issue_dq();
-      wgmma_commit();
-      issue_dk();
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_a(pz);
-    } else {
-      fence_acc(dk);
-      fence_acc(dv);
       wgmma_fence();
 #pragma unroll
-      for (int kt = 0; kt < BQ / 16; ++kt) {  // (interleaved)
-        wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base, kt * 16 * 128));
-        wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
-      }
-      if constexpr (FUSED) issue_dq();
+      for (int kt = 0; kt < BN / 16; ++kt)  // K^T from K's rows (MN-major: 16 keys a k-step), dS K-major
+        wgmma_ss_ta<T, BQ>(dqt, gmma_desc<BN * 128, 1024>(sK, kt * 16 * 128), gmma_desc<16, 1024>(sDS, kt * 32),
+                           kt > 0 ? 1 : 0);
       wgmma_commit();
-      wgmma_wait_all();
-      fence_acc(dk);
-      fence_acc(dv);
-    }
-    // the block's dQ^T (unscaled) into the shared dQ tile, element (query q, head dim c) at float at(q, c)
-    const auto put_dq_tile = [&](auto at) {
+#pragma unroll
+      for (int kt = 0; kt < BQ / 16; ++kt) wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
+      wgmma_commit();
+      wgmma_wait<1>();  // (dV's and dQ^T's)
+      fence_a(pz);
+      // dQ^T (unscaled) into the dQ tile in dq_acc's row layout (qs is a multiple of 64, so q's swizzle is its row's)
       fence_acc(dqt);
 #pragma unroll
       for (int i = 0; i < BQ / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
-          st_shared_f32(sRed + at(q, c) * 4, dqt[i][e]);
+          st_shared_f32(sRed + (q * kDqAccCols + dq_col(q, c)) * 4, dqt[i][e]);
         }
-    };
-    // (FUSED) the tile in dq_acc's row layout (qs is a multiple of 32, so q's swizzle is its row's)
-    if constexpr (FUSED) put_dq_tile([](int q, int c) { return q * kDqAccCols + dq_col(q, c); });
-    if constexpr (FUSED) {  // dQ += the tile: thread 0 adds its valid rows (one contiguous run of dq_acc) by a bulk
-      // reduction
+      // dQ += the tile: thread 0 adds its valid rows (one contiguous run of dq_acc) by a bulk reduction
       fence_async_smem();  // (the generic proxy's stores, read by the bulk copy's async proxy)
       __syncthreads();
       if (tid == 0)
         bulk_add_f32(p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs) * kDqAccCols, sRed,
                      static_cast<uint32_t>(min(BQ, s.sq - qs)) * kDqAccCols * 4);
+    } else {  // dV += P^T Z dO and dK += dS^T Q, interleaved
+      fence_acc(dk);
+      fence_acc(dv);
+      wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < BQ / 16; ++kt) {
+        wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base, kt * 16 * 128));
+        wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_acc(dk);
+      fence_acc(dv);
     }
     if (it + 1 < total) put_stats(u ^ 1);
-    if constexpr (SPLIT) {
+    if constexpr (FUSED) {
       wgmma_wait_all();  // (dK's products)
       fence_acc(dk);
       fence_acc(dv);
       fence_a(ps);
-    }
-    if constexpr (FUSED) {
       if (tid == 0) bulk_wait_read();  // (the dQ tile is read: the next iteration may write it)
     }
     __syncthreads();  // every warp is done with buffer u (and the next iteration's lse and delta are stored)
