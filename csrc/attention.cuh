@@ -2037,8 +2037,10 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // (float4 atomics); run280-282 353.4 / 217.4 (32-query iterations, the instructions cut); run283-284 326-328 / 201-206
 // (64-query iterations and the split commit; with float4 atomics instead of the bulk reduction 359-361 / 221-223, with
 // 32-query iterations 365 / 224, the bulk read waited an iteration later 337-341 / 205-209; cuDNN 285-289 / 178-181).
-// Without dropout the pair's 322 us beat the fused 367 (run276 / run277: across two calls), so the host takes it with
-// dropout only (fused_dq_plan).
+// Without dropout the pair's 322 us beat the fused 367 at 32-query iterations (run276 / run277: across two calls), so
+// the host takes it with dropout only (fused_dq_plan); at 64-query iterations the fused kernel without dropout
+// (PYKERNELS_CUDA_ATTN_FUSED_DQ=a) is 1.09-1.11x the pair (run286: 239.2 / 141.9 us against 261.4 / 155.6), a default
+// not yet switched.
 template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS)
     attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
