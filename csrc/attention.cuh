@@ -1782,7 +1782,7 @@ struct DkdvSm90Cfg {
   static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2, DSBYTES = BQ * BN * 2;
   // (FUSED) the dQ tile: dq_acc's own rows, unpadded (dq_col's swizzle keeps its stores free of bank conflicts), added
   // to dq_acc as one run
-  static constexpr uint32_t RBYTES = BQ * 64 * 4;
+  static constexpr uint32_t RBYTES = BQ * kDqAccCols * 4;
   // K, V, 2 buffers of Q and dO, (FUSED) the dS tile and the dQ tile, then (TMA) the mbarriers of K and V and of each
   // Q / dO buffer. BQ = 64, FUSED: 73 KB, three blocks an SM
   static constexpr size_t smem(bool fused = false) {
@@ -1826,7 +1826,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
                                                     int hk, int b) {
   using C = DkdvSm90Cfg<D, FUSED ? 64 : 32>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT;
-  static_assert(!FUSED || (D == kDqAccCols && NT == 128), "the fused dQ: one wgmma tile of 64 head-dim rows");
+  static_assert(!FUSED || (D == kDqAccCols && BQ == 64 && NT == 128), "the fused dQ: one 64 x 64 wgmma tile");
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
   const uint32_t sDS = sO + 2 * C::QBYTES;  // (FUSED) dS, BQ query rows of BN keys (1024-byte aligned)
@@ -1966,14 +1966,14 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       wgmma_fence();
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt)  // K^T from K's rows (MN-major: 16 keys a k-step), dS K-major
-        wgmma_ss_ta<T, BQ>(dqt, gmma_desc<BN * 128, 1024>(sK, kt * 16 * 128), gmma_desc<16, 1024>(sDS, kt * 32),
-                           kt > 0 ? 1 : 0);
+        wgmma_ss_ta64<T>(dqt, gmma_desc<BN * 128, 1024>(sK, kt * 16 * 128), gmma_desc<16, 1024>(sDS, kt * 32),
+                         kt > 0 ? 1 : 0);
       wgmma_commit();
 #pragma unroll
       for (int kt = 0; kt < BQ / 16; ++kt) wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
       wgmma_commit();
       wgmma_wait<1>();  // (dV's and dQ^T's)
-      fence_a(pz);
+      fence_acc(pz);
       // dQ^T (unscaled) into the dQ tile in dq_acc's row layout (qs is a multiple of 64, so q's swizzle is its row's)
       fence_acc(dqt);
 #pragma unroll
@@ -2008,7 +2008,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       wgmma_wait_all();  // (dK's products)
       fence_acc(dk);
       fence_acc(dv);
-      fence_a(ps);
+      fence_acc(ps);
       if (tid == 0) bulk_wait_read();  // (the dQ tile is read: the next iteration may write it)
     }
     __syncthreads();  // every warp is done with buffer u (and the next iteration's lse and delta are stored)

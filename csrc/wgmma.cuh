@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define PK_WGMMA 1
@@ -55,23 +56,20 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void wgmma_wait_all() { wgmma_wait<0>(); }
 // shared memory written through the generic proxy (cp.async) made visible to wgmma's async proxy
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// keeps the compiler from moving reads or writes of an accumulator across a wgmma fence or wait
-template <int N>
-__device__ __forceinline__ void fence_acc(float (&d)[N][4]) {
+// keeps the compiler from moving reads or writes of an accumulator (float) across a wgmma fence or wait; for a
+// wgmma_rs A operand (uint32_t), called after the wait that retires it, keeps its registers holding their values
+template <typename E, int N>
+__device__ __forceinline__ void fence_acc(E (&d)[N][4]) {
+  static_assert(sizeof(E) == 4, "32-bit registers");
 #pragma unroll
   for (int i = 0; i < N; ++i)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
-}
-
-// The same for a wgmma's A operand in registers (wgmma_rs): called after the wait that retires it, it keeps the
-// registers holding their values until then
-template <int N>
-__device__ __forceinline__ void fence_a(uint32_t (&a)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (std::is_same_v<E, float>)
+        asm volatile("" : "+f"(d[i][e])::"memory");
+      else
+        asm volatile("" : "+r"(d[i][e])::"memory");
+    }
 }
 
 // The warp-specialised forward's synchronisation (attn_fwd_sm90_ws_kernel): mbarriers in shared memory (``bar``
@@ -426,26 +424,14 @@ __device__ __forceinline__ void wgmma_ss_first<__nv_bfloat16, 128>(float (&d)[16
       : "l"(da), "l"(db), "r"(0));
 }
 
-// d (64 x N, fp32; N = 32 or 64) = A B (acc 0) or += A B (acc 1), A MN-major in shared memory (the transposed operand:
-// its 64 rows are a tile's 64 columns, tnspA), B K-major: the fused backward's dQ^T = K^T dS^T (a head-dim-row x query
-// tile, N its query block)
-template <typename T, int N>
-__device__ __forceinline__ void wgmma_ss_ta(float (&d)[N / 8][4], uint64_t da, uint64_t db, int acc);
+// d (64 x 64, fp32) = A B (acc 0) or += A B (acc 1), A MN-major in shared memory (the transposed operand: its 64 rows
+// are a tile's 64 columns, tnspA), B K-major: the fused backward's dQ^T = K^T dS^T (a head-dim-row x query tile, 64
+// queries)
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_ta64(float (&d)[8][4], uint64_t da, uint64_t db, int acc);
 #define PK_WGMMA_SS_TA(T, TY)                                                                                         \
   template <>                                                                                                        \
-  __device__ __forceinline__ void wgmma_ss_ta<T, 32>(float (&d)[4][4], uint64_t da, uint64_t db, int acc) {          \
-    asm volatile(                                                                                                    \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                                 \
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                                  \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                                   \
-        "%16, %17, p, 1, 1, 1, 0;\n}\n"                                                                              \
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),   \
-          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),   \
-          "+f"(d[3][2]), "+f"(d[3][3])                                                                               \
-        : "l"(da), "l"(db), "r"(acc));                                                                               \
-  }                                                                                                                  \
-  template <>                                                                                                        \
-  __device__ __forceinline__ void wgmma_ss_ta<T, 64>(float (&d)[8][4], uint64_t da, uint64_t db, int acc) {          \
+  __device__ __forceinline__ void wgmma_ss_ta64<T>(float (&d)[8][4], uint64_t da, uint64_t db, int acc) {            \
     asm volatile(                                                                                                    \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                                 \
         "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                                  \
