@@ -429,7 +429,7 @@ __device__ __forceinline__ void wgmma_ss_first<__nv_bfloat16, 128>(float (&d)[16
 // queries)
 template <typename T>
 __device__ __forceinline__ void wgmma_ss_ta64(float (&d)[8][4], uint64_t da, uint64_t db, int acc);
-#define PK_WGMMA_SS_TA(T, TY)                                                                                         \
+#define PK_WGMMA_SS_TA(T, TY)                                                                                        \
   template <>                                                                                                        \
   __device__ __forceinline__ void wgmma_ss_ta64<T>(float (&d)[8][4], uint64_t da, uint64_t db, int acc) {            \
     asm volatile(                                                                                                    \
