@@ -2359,8 +2359,9 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh + i * p.dq_ss + c) = v;
 }
 
-// PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; else (unset, or 'a' as before) the fused
-// backward with or without dropout (without dropout 1.09-1.11x the pair since its 64-query iterations: run286)
+// PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; 'a' the fused backward always (where it
+// applies); unset: the fused backward at D <= 64 with or without dropout (without dropout 1.07-1.11x the pair,
+// run286-287), and at 64 < D <= 128 with dropout only (1.03-1.05x the pair with dropout, 0.81x without: run287)
 inline char fused_dq_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DQ");
   return env != nullptr ? env[0] : 0;
@@ -2369,7 +2370,7 @@ inline char fused_dq_env() {
 // fused_dq_planned's rule (attention.h)
 inline bool fused_dq_plan(const Params& p) {
   const char env = fused_dq_env();
-  if (env == '0') return false;
+  if (env == '0' || (env != 'a' && p.d > 64 && !(p.p_drop > 0.f))) return false;
   return p.cu_q == nullptr && p.d <= 128 && tma_env() != '0' && plan_of(p).sm90;
 }
 

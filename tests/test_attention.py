@@ -1895,8 +1895,8 @@ def test_gpu_cuda_fused_backward_fp16_and_a_bulk_reduction_at_a_tail(monkeypatch
 def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask):
     """The C++ backward's fused kernel (Hopper, sm_90a build, dense inputs, D <= 128): the dK/dV blocks add dQ = dS K
     into an fp32 buffer (K^T dS^T on wgmma, dS through shared memory), then one kernel converts it; no dQ
-    blocks. Taken with or without dropout (PYKERNELS_CUDA_ATTN_FUSED_DQ unset or 'a'), never with deterministic=True
-    or '0'; dQ goes through a tile in shared memory, added by one bulk reduction a query block.
+    blocks. Taken with or without dropout at D <= 64 and with dropout at D <= 128 (PYKERNELS_CUDA_ATTN_FUSED_DQ unset),
+    always ('a'), never with deterministic=True or '0'; dQ goes through a tile in shared memory, added by one bulk reduction a query block.
     Output and gradients against the references (with the kernels' dropout mask), odd lengths, GQA, masks."""
     _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DQ", env)
     b, hq, s = 2, 4, 203
@@ -1927,6 +1927,10 @@ def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask):
             monkeypatch.setenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", "0")
         names = _fused_bwd_kernels(lambda: call(**kw))
         assert not any("attn_dq_convert" in n or ", true, 1>" in n or ", true, 2>" in n for n in names), (kw, names)
+    if d > 64:  # 64 < D <= 128 without dropout: the pair unless the switch says 'a' (the fused kernel is slower there)
+        monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
+        names = _fused_bwd_kernels(lambda: sdpa(q, k, v, m, is_causal=causal, enable_gqa=hkv != hq, backend="cuda"))
+        assert not any("attn_dq_convert" in n for n in names), names
 
 
 @pytest.mark.gpu
