@@ -12,7 +12,7 @@
 //             S's accumulator registers as the A operand (the m16n8 accumulator layout of two n-tiles is the
 //             m16k16 A layout). K and V are single-buffered but loaded asynchronously: the next K block is in
 //             flight while P V runs and the next V block while the next S runs. Saves lse (natural log, fp32).
-//   backward: three kernels, no atomics (bitwise reproducible; on Hopper with dropout at D <= 64 the fused
+//   backward: three kernels, no atomics (bitwise reproducible; on Hopper with dropout at D <= 128 the fused
 //             kernel below instead, whose dQ is summed by bulk reductions):
 //             pre  : delta = rowsum(dO * O) (fp32), one warp a row;
 //             dK/dV: a block per (64 keys, kv head, batch; and a half of the head dim above D = 128, where the
@@ -1363,18 +1363,18 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) 
       if (c == 0 && i0 + (k0 + k) * RPW < s.sq) delta[(k0 + k) * RPW] = acc;
     }
   }
-  if constexpr (L == 8) {
-    // the fused backward's dQ sums (Params::dq_acc, dense rows of kDqAccCols floats, D <= 64) zeroed here, 8 floats a
-    // lane over the rows this pass reads: the host allocates them uninitialised and no fill kernel runs (11.4 us, a
-    // launch of its own, at BERT-base: run280)
-    static_assert(L * 8 == kDqAccCols, "a row's lanes cover the dQ sums' row");
+  if constexpr (L == 8 || L == 16) {
+    // the fused backward's dQ sums (Params::dq_acc, dense rows of L * 8 floats: dq_acc_cols, D <= 64 or <= 128) zeroed
+    // here, 8 floats a lane over the rows this pass reads: the host allocates them uninitialised and no fill kernel
+    // runs (11.4 us, a launch of its own, at BERT-base: run280)
+    constexpr int COLS = L * 8;
     if (p.dq_acc != nullptr) {
-      float* const z = p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + i0) * kDqAccCols + c * 8;
+      float* const z = p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + i0) * COLS + c * 8;
 #pragma unroll
       for (int k = 0; k < ROWS; ++k)
         if (i0 + k * RPW < s.sq) {
-          reinterpret_cast<float4*>(z + k * RPW * kDqAccCols)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-          reinterpret_cast<float4*>(z + k * RPW * kDqAccCols)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+          reinterpret_cast<float4*>(z + k * RPW * COLS)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+          reinterpret_cast<float4*>(z + k * RPW * COLS)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
   }
@@ -1780,11 +1780,11 @@ struct DkdvSm90Cfg {
   static constexpr int NT = 128;
   static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
   static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2, DSBYTES = BQ * BN * 2;
-  // (FUSED) the dQ tile: dq_acc's own rows, unpadded (dq_col's swizzle keeps its stores free of bank conflicts), added
-  // to dq_acc as one run
-  static constexpr uint32_t RBYTES = BQ * kDqAccCols * 4;
+  // (FUSED) the dQ tile: dq_acc's own rows (D floats), unpadded (dq_col's swizzle keeps its stores free of bank
+  // conflicts), added to dq_acc as one run
+  static constexpr uint32_t RBYTES = BQ * D * 4;
   // K, V, 2 buffers of Q and dO, (FUSED) the dS tile and the dQ tile, then (TMA) the mbarriers of K and V and of each
-  // Q / dO buffer. BQ = 64, FUSED: 73 KB, three blocks an SM
+  // Q / dO buffer. FUSED: 73 KB at D = 64 (BQ = 64), three blocks an SM; 84 KB at D = 128 (BQ = 32), two
   static constexpr size_t smem(bool fused = false) {
     return 1024 + 2 * KBYTES + 4 * QBYTES + (fused ? DSBYTES + RBYTES : 0) + 8 * 3;
   }
@@ -1824,9 +1824,9 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
 template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTma& tm, unsigned char* smem_raw, int bx,
                                                     int hk, int b) {
-  using C = DkdvSm90Cfg<D, FUSED ? 64 : 32>;
+  using C = DkdvSm90Cfg<D, FUSED && D == 64 ? 64 : 32>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT;
-  static_assert(!FUSED || (D == kDqAccCols && BQ == 64 && NT == 128), "the fused dQ: one 64 x 64 wgmma tile");
+  static_assert(!FUSED || ((D == 64 || D == 128) && NT == 128), "the fused dQ: wgmma tiles of 64 head-dim rows");
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
   const uint32_t sDS = sO + 2 * C::QBYTES;  // (FUSED) dS, BQ query rows of BN keys (1024-byte aligned)
@@ -1961,34 +1961,39 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
         stmatrix_x4_trans(sDS + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
       fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
       __syncthreads();
-      float dqt[BQ / 8][4];  // dQ^T of the query block (head-dim rows, query columns)
+      float dqt[D / 64][BQ / 8][4];  // dQ^T of the query block (head-dim rows, query columns), 64 rows a tile
       fence_acc(dk);
       wgmma_fence();
 #pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt)  // K^T from K's rows (MN-major: 16 keys a k-step), dS K-major
-        wgmma_ss_ta64<T>(dqt, gmma_desc<BN * 128, 1024>(sK, kt * 16 * 128), gmma_desc<16, 1024>(sDS, kt * 32),
-                         kt > 0 ? 1 : 0);
+      for (int r = 0; r < D / 64; ++r)  // head dims 64 r .. from K's 64-column region r (BN * 128 bytes apart)
+#pragma unroll
+        for (int kt = 0; kt < BN / 16; ++kt)  // K^T from K's rows (MN-major: 16 keys a k-step), dS K-major
+          wgmma_ss_ta<T, BQ>(dqt[r], gmma_desc<BN * 128, 1024>(sK + r * BN * 128, kt * 16 * 128),
+                             gmma_desc<16, 1024>(sDS, kt * 32), kt > 0 ? 1 : 0);
       wgmma_commit();
 #pragma unroll
       for (int kt = 0; kt < BQ / 16; ++kt) wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
       wgmma_commit();
       wgmma_wait<1>();  // (dV's and dQ^T's)
       fence_acc(pz);
-      // dQ^T (unscaled) into the dQ tile in dq_acc's row layout (qs is a multiple of 64, so q's swizzle is its row's)
-      fence_acc(dqt);
+      // dQ^T (unscaled) into the dQ tile in dq_acc's row layout (qs is a multiple of 32, so q's swizzle is its row's)
 #pragma unroll
-      for (int i = 0; i < BQ / 8; ++i)
+      for (int r = 0; r < D / 64; ++r) {
+        fence_acc(dqt[r]);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
-          st_shared_f32(sRed + (q * kDqAccCols + dq_col(q, c)) * 4, dqt[i][e]);
-        }
+        for (int i = 0; i < BQ / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = r * 64 + warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
+            st_shared_f32(sRed + (q * D + dq_col(q, c)) * 4, dqt[r][i][e]);
+          }
+      }
       // dQ += the tile: thread 0 adds its valid rows (one contiguous run of dq_acc) by a bulk reduction
       fence_async_smem();  // (the generic proxy's stores, read by the bulk copy's async proxy)
       __syncthreads();
       if (tid == 0)
-        bulk_add_f32(p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs) * kDqAccCols, sRed,
-                     static_cast<uint32_t>(min(BQ, s.sq - qs)) * kDqAccCols * 4);
+        bulk_add_f32(p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs) * D, sRed,
+                     static_cast<uint32_t>(min(BQ, s.sq - qs)) * D * 4);
     } else {  // dV += P^T Z dO and dK += dS^T Q, interleaved
       fence_acc(dk);
       fence_acc(dv);
@@ -2025,12 +2030,13 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // The backward's dK/dV and dQ blocks in one launch: blocks x < nkb of the grid (nkb + nqb, hq, batch) are dK/dV's
 // (those whose y is past the kv heads leave at once), the rest dQ's; x runs fastest, so a head's dK/dV and dQ blocks
 // run side by side.
-// FUSED (D = 64, TMA loads, a grid of the dK/dV blocks only): each dK/dV block also adds its share of dQ, so the
+// FUSED (D = 64 or 128, TMA loads, a grid of the dK/dV blocks only): each dK/dV block also adds its share of dQ, so the
 // dropout mask and the softmax are computed once instead of twice (the pair computes both in its dK/dV and its dQ
-// blocks). It walks the queries 64 at a time (the pair's dK/dV blocks 32). A query block's dS (the 16-bit values dK
+// blocks). It walks the queries 64 at a time at D = 64 (the pair's dK/dV blocks, and D = 128, 32; D = 128: two
+// blocks an SM at 233-239 registers, dQ^T as two 64-row tiles from K's two 64-column regions, dq_acc rows of 128). A query block's dS (the 16-bit values dK
 // uses) goes to a shared tile of 64 query rows x 64 keys (K-major, 128-byte swizzled), and a sixth wgmma makes dQ^T =
 // K^T dS^T (64 head-dim rows x 64 queries: K read transposed from its tile, tnspA), which goes through a shared dQ
-// tile (dq_acc's own rows) into Params::dq_acc (fp32, zeroed by the pre kernel; rows of kDqAccCols floats, columns
+// tile (dq_acc's own rows) into Params::dq_acc (fp32, zeroed by the pre kernel; rows of dq_acc_cols(d) floats, columns
 // swizzled by dq_col) by one bulk reduction of the block's rows, issued by thread 0 (FlashAttention-3's dQ path).
 // Then attn_dq_convert_kernel writes dQ = scale dq_acc. Measured (H200, bf16, dropout 0.1, kernel time a call, the
 // backward at BERT-base / GPT-2): run277 503.9 / 295.9 us (pair) -> 471.5 / 290.8 (scalar atomics) -> 443.9 / 273.9
@@ -2334,15 +2340,16 @@ void launch_forward(const Params& p, cudaStream_t stream) {
 }
 
 // The fused backward's last step: dQ = scale * dq_acc in dQ's dtype and strides (8 columns a thread, 16-byte stores:
-// dQ is allocated with 16-byte aligned rows)
-template <typename T>
+// dQ is allocated with 16-byte aligned rows); COLS dq_acc's row (dq_acc_cols)
+template <typename T, int COLS>
 __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x, row = t >> 3;
-  const int c = static_cast<int>(t & 7) * 8;
+  constexpr int TPR = COLS / 8;  // threads a row
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x, row = t / TPR;
+  const int c = static_cast<int>(t % TPR) * 8;
   if (row >= static_cast<int64_t>(p.batch) * p.hq * p.sq || c >= p.d) return;
   const int i = static_cast<int>(row % p.sq), h = static_cast<int>((row / p.sq) % p.hq);
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.sq) * p.hq));
-  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + row * kDqAccCols + dq_col(i, c));  // (i: the row in its head)
+  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + row * COLS + dq_col(i, c));  // (i: the row in its head)
   const float4 x = src[0], y = src[1];
   uint4 v;
   v.x = pack2<T>(x.x * p.scale, x.y * p.scale);
@@ -2352,8 +2359,9 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh + i * p.dq_ss + c) = v;
 }
 
-// PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; 'a' the fused backward with or without dropout;
-// else (unset) with dropout only
+// PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; 'a' the fused backward always (where it
+// applies); unset: the fused backward at D <= 64 with or without dropout (without dropout 1.07-1.11x the pair,
+// run286-287), and at 64 < D <= 128 with dropout only (1.03-1.05x the pair with dropout, 0.81x without: run287)
 inline char fused_dq_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DQ");
   return env != nullptr ? env[0] : 0;
@@ -2362,8 +2370,8 @@ inline char fused_dq_env() {
 // fused_dq_planned's rule (attention.h)
 inline bool fused_dq_plan(const Params& p) {
   const char env = fused_dq_env();
-  if (env == '0' || (env != 'a' && !(p.p_drop > 0.f))) return false;
-  return p.cu_q == nullptr && p.d <= 64 && tma_env() != '0' && plan_of(p).sm90;
+  if (env == '0' || (env != 'a' && p.d > 64 && !(p.p_drop > 0.f))) return false;
+  return p.cu_q == nullptr && p.d <= 128 && tma_env() != '0' && plan_of(p).sm90;
 }
 
 template <int D, typename T, int M>
@@ -2375,19 +2383,17 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   const unsigned nkb = static_cast<unsigned>((p.sk + Ck::BN - 1) / Ck::BN);
   const unsigned nqb = static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM);
   const BwdTma tm = make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN);
-  if constexpr (D == 64) {
-    if (p.dq_acc != nullptr) {
-      // the fused backward: the dK/dV blocks add dQ into dq_acc (zeroed by the pre kernel), then dQ from it; where
-      // TMA cannot load the inputs (fused_dq_plan cannot see the strides), the pair below
-      if (tm.on) {
-        const dim3 fgrid(nkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-        using Cf = DkdvSm90Cfg<D, 64>;
-        static_assert(Cf::NT == Ck::NT && Cf::MIN_BLOCKS == Ck::MIN_BLOCKS, "the kernel's launch bounds");
-        launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Cf::smem(true), p, tm, stream, Cf::NT);
-        const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * 8;
-        launch(attn_dq_convert_kernel<T>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p, stream, 256);
-        return;
-      }
+  if (p.dq_acc != nullptr) {
+    // the fused backward: the dK/dV blocks add dQ into dq_acc (zeroed by the pre kernel), then dQ from it; where
+    // TMA cannot load the inputs (fused_dq_plan cannot see the strides), the pair below
+    if (tm.on) {
+      const dim3 fgrid(nkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
+      using Cf = DkdvSm90Cfg<D, D == 64 ? 64 : 32>;
+      static_assert(Cf::NT == Ck::NT && Cf::MIN_BLOCKS == Ck::MIN_BLOCKS, "the kernel's launch bounds");
+      launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Cf::smem(true), p, tm, stream, Cf::NT);
+      const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * (D / 8);
+      launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p, stream, 256);
+      return;
     }
   }
   const dim3 grid(nkb + nqb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));

@@ -16,8 +16,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 enum MaskKind : int { kNoMask = 0, kBoolMask = 1, kF32Mask = 2, kF16Mask = 3, kBF16Mask = 4, kF64Mask = 5 };
 
-// The columns of a row of Params::dq_acc (the fused backward's head dims, D <= 64, padded to its tile)
-constexpr int kDqAccCols = 64;
+// The columns of a row of Params::dq_acc: the fused backward's head dims padded to its tile (64 for D <= 64, 128 for
+// D <= 128)
+inline int dq_acc_cols(int d) { return d <= 64 ? 64 : 128; }
 
 struct Params {
   const void* q;
@@ -51,7 +52,7 @@ struct Params {
                            // padding after causal, so the struct's size is unchanged)
   float p_drop, inv_keep;
   const int64_t* seed;      // the dropout seed, (1,) int64 in device memory (philox.cuh's drop_seed_init)
-  float* dq_acc;            // backward: the fused kernel's dQ sums, (B, Hq, Sq, kDqAccCols) fp32, zeroed by the pre
+  float* dq_acc;            // backward: the fused kernel's dQ sums, (B, Hq, Sq, dq_acc_cols(d)) fp32, zeroed by the pre
                             // kernel (nullptr: the pair; fused_dq_planned)
 };
 
@@ -62,8 +63,8 @@ void launch_forward(const Params& p, cudaStream_t stream);
 template <typename T>
 void launch_backward(const Params& p, cudaStream_t stream);
 // Whether launch_backward would run the fused backward for p (dQ added into Params::dq_acc by bulk reductions, no dQ
-// blocks; fp16 or bf16): Hopper from an sm_90a build, dense inputs, head dim <= 64, dropout,
-// PYKERNELS_CUDA_ATTN_FUSED_DQ not '0' ('a': with or without dropout). The caller allocates dq_acc (uninitialised:
+// blocks; fp16 or bf16): Hopper from an sm_90a build, dense inputs, head dim <= 64, or <= 128 with dropout,
+// PYKERNELS_CUDA_ATTN_FUSED_DQ not '0' ('a': every head dim <= 128 with or without dropout). The caller allocates dq_acc (uninitialised:
 // launch_backward's pre kernel zeroes it) where it is true, and leaves it nullptr where the backward must be
 // reproducible bit for bit (the reductions' order varies)
 bool fused_dq_planned(const Params& p);
