@@ -1008,17 +1008,21 @@ __device__ __forceinline__ void tma_tile(uint32_t dst, const CUtensorMap* map, i
 }
 
 // A backward block's start under TMA: thread 0 initialises the block's n mbarriers from ``bars`` (one arrival each)
-// and loads its first two R-row tiles (maps m0 and m1, at the same rows) into s0 and s1, counted on the first; then
-// the block syncs, so that every thread sees the barriers initialised before it waits on one
-template <int R, int D>
+// and loads its first two tiles (maps m0 and m1, at the same rows) into s0 and s1, counted on the first: W R-row
+// tiles of each, back to back (the fused backward's two warpgroups at D = 128: one each); then the block syncs, so
+// that every thread sees the barriers initialised before it waits on one
+template <int R, int D, int W = 1>
 __device__ __forceinline__ void tma_block_start(uint32_t bars, int n, uint32_t s0, const CUtensorMap* m0, int o0,
                                                 uint32_t s1, const CUtensorMap* m1, int o1, int row, int head, int b) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < n; ++i) mbar_init(bars + 8 * i, 1);
     mbar_init_fence();
-    mbar_expect_tx(bars, 2 * R * D * 2);
-    tma_tile<R, D>(s0, m0, o0, row, head, b, bars);
-    tma_tile<R, D>(s1, m1, o1, row, head, b, bars);
+    mbar_expect_tx(bars, 2 * W * R * D * 2);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      tma_tile<R, D>(s0 + w * R * D * 2, m0, o0, row + w * R, head, b, bars);
+      tma_tile<R, D>(s1 + w * R * D * 2, m1, o1, row + w * R, head, b, bars);
+    }
   }
   __syncthreads();
 }
@@ -1773,22 +1777,30 @@ __device__ __forceinline__ void bwd_dq_sm90_block(const Params& p, const BwdTma&
 }
 #endif  // PK_WGMMA
 
-template <int D, int BQX = 32>
+template <int D, int BQX = 32, int WGX = 1>
 struct DkdvSm90Cfg {
-  static constexpr int BN = 64;                  // keys a block: one warpgroup
+  static constexpr int WG = WGX;                 // warpgroups a block (the fused backward at D = 128: two)
+  static constexpr int BN = 64;                  // keys a warpgroup (a block: WG * BN)
   static constexpr int BQ = BQX;                 // queries an iteration (the pair: 32; the fused backward: 64)
-  static constexpr int NT = 128;
-  static constexpr int MIN_BLOCKS = D == 64 ? 3 : 2;
+  static constexpr int NT = 128 * WG;
+  static constexpr int MIN_BLOCKS = WG == 2 ? 1 : D == 64 ? 3 : 2;
+  // a warpgroup's K or V tile, a Q or dO tile, a warpgroup's part of the dS tile
   static constexpr uint32_t KBYTES = BN * D * 2, QBYTES = BQ * D * 2, DSBYTES = BQ * BN * 2;
   // (FUSED) the dQ tile: dq_acc's own rows (D floats), unpadded (dq_col's swizzle keeps its stores free of bank
   // conflicts), added to dq_acc as one run
   static constexpr uint32_t RBYTES = BQ * D * 4;
-  // K, V, 2 buffers of Q and dO, (FUSED) the dS tile and the dQ tile, then (TMA) the mbarriers of K and V and of each
-  // Q / dO buffer. FUSED: 73 KB at D = 64 (BQ = 64), three blocks an SM; 84 KB at D = 128 (BQ = 32), two
+  // K, V (a tile a warpgroup), 2 buffers of Q and dO, (FUSED) the dS tile and the dQ tile, then (TMA) the mbarriers of
+  // K and V and of each Q / dO buffer. FUSED: 73 KB at D = 64 (BQ = 64), three blocks an SM; 177 KB at D = 128 (two
+  // warpgroups, BQ = 64), one
   static constexpr size_t smem(bool fused = false) {
-    return 1024 + 2 * KBYTES + 4 * QBYTES + (fused ? DSBYTES + RBYTES : 0) + 8 * 3;
+    return 1024 + 2 * WG * KBYTES + 4 * QBYTES + (fused ? WG * DSBYTES + RBYTES : 0) + 8 * 3;
   }
 };
+// The dK/dV blocks' shape: the pair's (32-query iterations, one warpgroup of 64 keys), the fused backward's (64-query
+// iterations; at D = 128 two warpgroups, 128 keys a block, sharing each query block's Q and dO tiles, each computing
+// dQ^T's 64 head-dim rows of its half over the block's 128 keys)
+template <int D, int FUSED>
+using DkdvSm90For = DkdvSm90Cfg<D, FUSED ? 64 : 32, FUSED && D == 128 ? 2 : 1>;
 
 // Where column c of query row q lives in a row of Params::dq_acc (and of the fused backward's unpadded dQ tile):
 // bits 3-4 of c flipped by bits 1-2 of q, so that the 32 lanes of one store of a wgmma accumulator (rows q = 2 t4 +
@@ -1824,30 +1836,34 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
 template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTma& tm, unsigned char* smem_raw, int bx,
                                                     int hk, int b) {
-  using C = DkdvSm90Cfg<D, FUSED && D == 64 ? 64 : 32>;
-  constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT;
-  static_assert(!FUSED || ((D == 64 || D == 128) && NT == 128), "the fused dQ: wgmma tiles of 64 head-dim rows");
+  using C = DkdvSm90For<D, FUSED>;
+  constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT, WG = C::WG;
+  static_assert(!FUSED || ((D == 64 || D == 128) && WG == D / 64), "the fused dQ: a warpgroup a 64-row wgmma tile");
+  // K and V: a BN-row tile a warpgroup, back to back (warpgroup w's at + w KBYTES)
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sV = sK + C::KBYTES, sQ = sV + C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u at + u QBYTES)
-  const uint32_t sDS = sO + 2 * C::QBYTES;  // (FUSED) dS, BQ query rows of BN keys (1024-byte aligned)
-  const uint32_t sRed = sDS + (FUSED ? C::DSBYTES : 0u);  // (FUSED) the dQ tile, BQ query rows (C::RBYTES)
+  const uint32_t sV = sK + WG * C::KBYTES, sQ = sV + WG * C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u: + u QBYTES)
+  // (FUSED) dS, BQ query rows of the block's WG * BN keys (warpgroup w's BN keys a 128-byte region at + w DSBYTES)
+  const uint32_t sDS = sO + 2 * C::QBYTES;
+  const uint32_t sRed = sDS + (FUSED ? WG * C::DSBYTES : 0u);  // (FUSED) the dQ tile, BQ query rows (C::RBYTES)
   // (TMA) the mbarriers of K and V, and of Q / dO buffer u at bar_q + 8 u
   const uint32_t bar_kv = sRed + (FUSED ? C::RBYTES : 0u), bar_q = bar_kv + 8;
   __shared__ float sL[2][BQ], sD[2][BQ];  // the query block's lse (log2 units) and delta
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  const int k0 = bx * BN;
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int wg = WG > 1 ? tid >> 7 : 0, warp = WG > 1 ? (tid >> 5) & 3 : tid >> 5;  // (one warpgroup: as before)
+  const int k0 = bx * WG * BN, kw = k0 + wg * BN;  // the block's first key, this warpgroup's
+  const uint32_t sKw = sK + wg * C::KBYTES, sVw = sV + wg * C::KBYTES;
   const Seq s = seq_of(p, b);
   if (k0 >= s.sk) return;
   constexpr bool tma = TMA;
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + (s.k_off + k0) * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + (s.k_off + k0) * p.v_ss;
   if constexpr (tma) {  // thread 0 issues every load (dense rows: no sequence offsets)
-    tma_block_start<BN, D>(bar_kv, 3, sK, &tm.k, tm.order[4], sV, &tm.v, tm.order[5], k0, hk, b);
+    tma_block_start<BN, D, WG>(bar_kv, 3, sK, &tm.k, tm.order[4], sV, &tm.v, tm.order[5], k0, hk, b);
   } else {
     load_tile_sw128<T, BN, D, NT>(sK, K, p.k_ss, min(BN, s.sk - k0), p.d, tid);
     load_tile_sw128<T, BN, D, NT>(sV, V, p.v_ss, min(BN, s.sk - k0), p.d, tid);
   }
-  const int key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
+  const int key[2] = {kw + warp * 16 + g, kw + warp * 16 + g + 8};
   const float kb[2] = {key_bias<false>(p, b, key[0], s.sk), key_bias<false>(p, b, key[1], s.sk)};
   const int q_first = p.causal ? (k0 / BQ) * BQ : 0;  // queries i < k0 see no key of this block
   // a key-only mask that masks every key of this block: dK = dV = 0, no query visited (block-uniform test)
@@ -1928,12 +1944,12 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     const uint32_t q_base = sQ + u * C::QBYTES, o_base = sO + u * C::QBYTES;
     float st[BQ / 8][4], dpt[BQ / 8][4];
     wgmma_fence();
-    wgmma_two_ss<T, BQ, D, BN, BQ>(st, dpt, sK, q_base, sV, o_base);  // S^T = K Q^T, dP^T = V dO^T
+    wgmma_two_ss<T, BQ, D, BN, BQ>(st, dpt, sKw, q_base, sVw, o_base);  // S^T = K Q^T, dP^T = V dO^T
     wgmma_commit();
     wgmma_wait_all();
     fence_acc(st);
     fence_acc(dpt);
-    const bool edge = p.causal && qs < k0 + BN - 1;
+    const bool edge = p.causal && qs < kw + BN - 1;
     with_flag(edge, [&](auto e) {  // dS^T, P^T Z
       dst_rows<BQ, MODE, true>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL[u], sD[u], t4);
     });
@@ -1958,18 +1974,23 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       const int j = lane >> 3, m = lane & 7;
 #pragma unroll
       for (int kt = 0; kt < BQ / 16; ++kt)
-        stmatrix_x4_trans(sDS + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
+        stmatrix_x4_trans(sDS + wg * C::DSBYTES + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8),
+                          ps[kt]);
       fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
       __syncthreads();
-      float dqt[D / 64][BQ / 8][4];  // dQ^T of the query block (head-dim rows, query columns), 64 rows a tile
+      // dQ^T of the query block (head-dim rows, query columns): warpgroup wg's 64-row tile, head dims 64 wg .., over the
+      // block's WG * BN keys
+      float dqt[BQ / 8][4];
       fence_acc(dk);
       wgmma_fence();
 #pragma unroll
-      for (int r = 0; r < D / 64; ++r)  // head dims 64 r .. from K's 64-column region r (BN * 128 bytes apart)
-#pragma unroll
-        for (int kt = 0; kt < BN / 16; ++kt)  // K^T from K's rows (MN-major: 16 keys a k-step), dS K-major
-          wgmma_ss_ta<T, BQ>(dqt[r], gmma_desc<BN * 128, 1024>(sK + r * BN * 128, kt * 16 * 128),
-                             gmma_desc<16, 1024>(sDS, kt * 32), kt > 0 ? 1 : 0);
+      for (int kt = 0; kt < WG * BN / 16; ++kt) {
+        // K^T from warpgroup kt / 4's K tile, its 64-column region wg (BN * 128 bytes apart; MN-major: 16 keys a
+        // k-step), dS K-major from that warpgroup's region of the dS tile
+        const int kh = kt / (BN / 16), kk = kt % (BN / 16);
+        wgmma_ss_ta<T, BQ>(dqt, gmma_desc<BN * 128, 1024>(sK + kh * C::KBYTES + wg * BN * 128, kk * 16 * 128),
+                           gmma_desc<16, 1024>(sDS + kh * C::DSBYTES, kk * 32), kt > 0 ? 1 : 0);
+      }
       wgmma_commit();
 #pragma unroll
       for (int kt = 0; kt < BQ / 16; ++kt) wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
@@ -1977,17 +1998,14 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       wgmma_wait<1>();  // (dV's and dQ^T's)
       fence_acc(pz);
       // dQ^T (unscaled) into the dQ tile in dq_acc's row layout (qs is a multiple of 32, so q's swizzle is its row's)
+      fence_acc(dqt);
 #pragma unroll
-      for (int r = 0; r < D / 64; ++r) {
-        fence_acc(dqt[r]);
+      for (int i = 0; i < BQ / 8; ++i)
 #pragma unroll
-        for (int i = 0; i < BQ / 8; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = r * 64 + warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
-            st_shared_f32(sRed + (q * D + dq_col(q, c)) * 4, dqt[r][i][e]);
-          }
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int c = wg * 64 + warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
+          st_shared_f32(sRed + (q * D + dq_col(q, c)) * 4, dqt[i][e]);
+        }
       // dQ += the tile: thread 0 adds its valid rows (one contiguous run of dq_acc) by a bulk reduction
       fence_async_smem();  // (the generic proxy's stores, read by the bulk copy's async proxy)
       __syncthreads();
@@ -2048,7 +2066,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // (PYKERNELS_CUDA_ATTN_FUSED_DQ=a) is 1.09-1.11x the pair (run286: 239.2 / 141.9 us against 261.4 / 155.6), a default
 // not yet switched.
 template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
-__global__ void __launch_bounds__(DkdvSm90Cfg<D>::NT, DkdvSm90Cfg<D>::MIN_BLOCKS)
+__global__ void __launch_bounds__(DkdvSm90For<D, FUSED>::NT, DkdvSm90For<D, FUSED>::MIN_BLOCKS)
     attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
@@ -2387,9 +2405,9 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
     // the fused backward: the dK/dV blocks add dQ into dq_acc (zeroed by the pre kernel), then dQ from it; where
     // TMA cannot load the inputs (fused_dq_plan cannot see the strides), the pair below
     if (tm.on) {
-      const dim3 fgrid(nkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-      using Cf = DkdvSm90Cfg<D, D == 64 ? 64 : 32>;
-      static_assert(Cf::NT == Ck::NT && Cf::MIN_BLOCKS == Ck::MIN_BLOCKS, "the kernel's launch bounds");
+      using Cf = DkdvSm90For<D, 1>;
+      const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));
+      const dim3 fgrid(fkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
       launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Cf::smem(true), p, tm, stream, Cf::NT);
       const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * (D / 8);
       launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p, stream, 256);
