@@ -2050,21 +2050,26 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // run side by side.
 // FUSED (D = 64 or 128, TMA loads, a grid of the dK/dV blocks only): each dK/dV block also adds its share of dQ, so the
 // dropout mask and the softmax are computed once instead of twice (the pair computes both in its dK/dV and its dQ
-// blocks). It walks the queries 64 at a time at D = 64 (the pair's dK/dV blocks, and D = 128, 32; D = 128: two
-// blocks an SM at 233-239 registers, dQ^T as two 64-row tiles from K's two 64-column regions, dq_acc rows of 128). A query block's dS (the 16-bit values dK
-// uses) goes to a shared tile of 64 query rows x 64 keys (K-major, 128-byte swizzled), and a sixth wgmma makes dQ^T =
-// K^T dS^T (64 head-dim rows x 64 queries: K read transposed from its tile, tnspA), which goes through a shared dQ
-// tile (dq_acc's own rows) into Params::dq_acc (fp32, zeroed by the pre kernel; rows of dq_acc_cols(d) floats, columns
-// swizzled by dq_col) by one bulk reduction of the block's rows, issued by thread 0 (FlashAttention-3's dQ path).
+// blocks). It walks the queries 64 at a time (the pair's dK/dV blocks: 32). A query block's dS (the 16-bit values dK
+// uses) goes to a shared tile of 64 query rows x 64 keys a warpgroup (K-major, 128-byte swizzled), and a sixth wgmma
+// makes dQ^T = K^T dS^T (64 head-dim rows x 64 queries: K read transposed from its tile, tnspA), which goes through a
+// shared dQ tile (dq_acc's own rows) into Params::dq_acc (fp32, zeroed by the pre kernel; rows of dq_acc_cols(d)
+// floats, columns swizzled by dq_col) by one bulk reduction of the block's rows, issued by thread 0
+// (FlashAttention-3's dQ path). D = 64: one warpgroup of 64 keys, three blocks an SM at 168 registers. D = 128 (since
+// run288): two warpgroups of 64 keys each (128 keys a block, one block an SM at 254-255 registers, 177 KB of shared
+// memory) share each query block's Q and dO tiles; warpgroup w makes dQ^T's head dims 64 w .. over the block's 128
+// keys (K's region w of both warpgroups' tiles, both halves of the dS tile). On one warpgroup of 64 keys and 32-query
+// iterations (two blocks an SM at 233-239 registers, dQ^T as two 64-row tiles) it had taken 806.6-823.2 us against the
+// pair's 843.4-848.1 with dropout and 747.3-756.9 against 610.1-615.6 without (run287); on two, 773.5 against 842.7
+// and 613.2 against 614.0 (run288; cuDNN with dropout 530.1, H200, 4 x 16 x 2048 causal).
 // Then attn_dq_convert_kernel writes dQ = scale dq_acc. Measured (H200, bf16, dropout 0.1, kernel time a call, the
 // backward at BERT-base / GPT-2): run277 503.9 / 295.9 us (pair) -> 471.5 / 290.8 (scalar atomics) -> 443.9 / 273.9
 // (float4 atomics); run280-282 353.4 / 217.4 (32-query iterations, the instructions cut); run283-284 326-328 / 201-206
 // (64-query iterations and the split commit; with float4 atomics instead of the bulk reduction 359-361 / 221-223, with
 // 32-query iterations 365 / 224, the bulk read waited an iteration later 337-341 / 205-209; cuDNN 285-289 / 178-181).
 // Without dropout the pair's 322 us beat the fused 367 at 32-query iterations (run276 / run277: across two calls), so
-// the host takes it with dropout only (fused_dq_plan); at 64-query iterations the fused kernel without dropout
-// (PYKERNELS_CUDA_ATTN_FUSED_DQ=a) is 1.09-1.11x the pair (run286: 239.2 / 141.9 us against 261.4 / 155.6), a default
-// not yet switched.
+// the host took it with dropout only; at 64-query iterations the fused kernel without dropout is 1.09-1.11x the pair
+// (run286: 239.2 / 141.9 us against 261.4 / 155.6), the default there since run287 (fused_dq_plan).
 template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __global__ void __launch_bounds__(DkdvSm90For<D, FUSED>::NT, DkdvSm90For<D, FUSED>::MIN_BLOCKS)
     attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
@@ -2379,7 +2384,8 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
 
 // PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; 'a' the fused backward always (where it
 // applies); unset: the fused backward at D <= 64 with or without dropout (without dropout 1.07-1.11x the pair,
-// run286-287), and at 64 < D <= 128 with dropout only (1.03-1.05x the pair with dropout, 0.81x without: run287)
+// run286-288), and at 64 < D <= 128 with dropout only (1.09x the pair with dropout; level without, 613.2 against
+// 614.0 us, where the pair is reproducible bit for bit: run288)
 inline char fused_dq_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DQ");
   return env != nullptr ? env[0] : 0;
