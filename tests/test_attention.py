@@ -1935,6 +1935,28 @@ def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+@pytest.mark.parametrize("d,sq,sk,causal,p", [(64, 150, 333, False, 0.0), (64, 333, 150, True, 0.1),
+                                              (128, 150, 333, True, 0.1), (128, 1000, 77, False, 0.1)])
+def test_gpu_cuda_fused_backward_cross(monkeypatch, d, sq, sk, causal, p):
+    """The fused backward with Sq != Sk (causal aligned top-left, as torch): its key blocks (64 keys at D = 64, 128 on
+    two warpgroups at D = 128) against query blocks of another length, with and without dropout, against the
+    reference; the fused kernel is the one that ran."""
+    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
+    b, hq, hkv = 2, 4, 2
+    q, k, v = _inputs((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), BF16, "cuda")
+    torch.manual_seed(7)
+    dmask = attention_dropout_mask(new_seed(q.device), b, hq, sq, sk, p, "cuda") if p else None
+    call = lambda: sdpa(q, k, v, dropout_p=p, is_causal=causal, enable_gqa=True, backend="cuda")  # noqa: E731
+    torch.manual_seed(7)
+    out = call()
+    _check_against_ref(q, k, v, causal=causal, dropout_p=p, dropout_mask=dmask, enable_gqa=True, out=out)
+    if _sm90a_device():
+        names = _fused_bwd_kernels(call)
+        assert any(FUSED_BWD in n for n in names) and any("attn_dq_convert" in n for n in names), names
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 @pytest.mark.parametrize("causal,d", [(False, 64), (True, 128), (True, 96)])
 def test_gpu_cuda_backend_varlen(causal, d, cuda_fwd):
     lq, lk = [1000, 1, 0, 513, 77, 3], [900, 5, 3, 513, 77, 0]

@@ -5,7 +5,8 @@ mask, lengths uniform in 256..512: transformers' padded batches); and a D = 128 
 forward).
 
 Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--iters 10]
-[--dtype bf16|fp16]``. One
+[--dtype bf16|fp16] [--cases bert,gpt2,...]`` (``--cases`` also takes the long D = 128 shapes s4096_d128 and
+s8192c_d128). One
 line a shape and implementation: ``NAME case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs`` (a call's kernels; the backward
 is the forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them, the padded case's as
 if unpadded). NAME is LABEL for
@@ -28,7 +29,10 @@ from common import gpu_kernel_ms, gpu_kernels_us  # noqa: E402  (benchmarks/comm
 import pykernels  # noqa: E402
 
 CASES = (("bert", 32, 12, 512, 64, False), ("gpt2", 8, 12, 1024, 64, True), ("bert_pad", 32, 12, 512, 64, False),
-         ("causal_2k_d128", 4, 16, 2048, 128, True))
+         ("causal_2k_d128", 4, 16, 2048, 128, True),
+         # (named by --cases only: the ANCHORS long D = 128 shapes)
+         ("s4096_d128", 4, 16, 4096, 128, False), ("s8192c_d128", 1, 16, 8192, 128, True))
+DEFAULT_CASES = "bert,gpt2,bert_pad,causal_2k_d128"
 
 
 def flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
@@ -97,12 +101,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--kernels", action="store_true", help="print the C++ rows' kernels, each's time a call")
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--cases", default=DEFAULT_CASES,
+                    help=f"comma-separated, of {', '.join(c[0] for c in CASES)} (default: {DEFAULT_CASES})")
     args = ap.parse_args()
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     print("#", torch.cuda.get_device_name(), "torch", torch.__version__, args.dtype)
     for name, fn in impls(args.peers, args.triton):
         label = args.label if name == "cuda" else name
         for case, b, h, s, d, causal in CASES:
+            if case not in args.cases.split(","):
+                continue
             try:
                 f_us, b_us = time_case(fn, b, h, s, d, causal, args.iters, args.kernels and name == "cuda", dtype,
                                        padded=case.endswith("_pad"))
