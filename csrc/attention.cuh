@@ -12,8 +12,8 @@
 //             S's accumulator registers as the A operand (the m16n8 accumulator layout of two n-tiles is the
 //             m16k16 A layout). K and V are single-buffered but loaded asynchronously: the next K block is in
 //             flight while P V runs and the next V block while the next S runs. Saves lse (natural log, fp32).
-//   backward: three kernels, no atomics (bitwise reproducible; on Hopper with dropout at D <= 128 the fused
-//             kernel below instead, whose dQ is summed by bulk reductions):
+//   backward: three kernels, no atomics (bitwise reproducible; on Hopper at D <= 64, and at D <= 128 with dropout,
+//             the fused kernel below instead, whose dQ is summed by bulk reductions):
 //             pre  : delta = rowsum(dO * O) (fp32), one warp a row;
 //             dK/dV: a block per (64 keys, kv head, batch; and a half of the head dim above D = 128, where the
 //                    two accumulators would not fit in registers), looping over the query heads of its group
@@ -1838,7 +1838,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
                                                     int hk, int b) {
   using C = DkdvSm90For<D, FUSED>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT, WG = C::WG;
-  static_assert(!FUSED || ((D == 64 || D == 128) && WG == D / 64), "the fused dQ: a warpgroup a 64-row wgmma tile");
+  static_assert(!FUSED || ((D == 64 || D == 128) && WG == D / 64 && BQ == 64),
+                "the fused dQ: a warpgroup a 64 x 64 wgmma tile");
   // K and V: a BN-row tile a warpgroup, back to back (warpgroup w's at + w KBYTES)
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + WG * C::KBYTES, sQ = sV + WG * C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u: + u QBYTES)
@@ -1974,12 +1975,12 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       const int j = lane >> 3, m = lane & 7;
 #pragma unroll
       for (int kt = 0; kt < BQ / 16; ++kt)
-        stmatrix_x4_trans(sDS + wg * C::DSBYTES + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8),
-                          ps[kt]);
+        stmatrix_x4_trans(
+            sDS + wg * C::DSBYTES + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
       fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
       __syncthreads();
-      // dQ^T of the query block (head-dim rows, query columns): warpgroup wg's 64-row tile, head dims 64 wg .., over the
-      // block's WG * BN keys
+      // dQ^T of the query block (head-dim rows, query columns): warpgroup wg's 64-row tile, head dims 64 wg ..,
+      // over the block's WG * BN keys
       float dqt[BQ / 8][4];
       fence_acc(dk);
       wgmma_fence();
@@ -1988,8 +1989,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
         // K^T from warpgroup kt / 4's K tile, its 64-column region wg (BN * 128 bytes apart; MN-major: 16 keys a
         // k-step), dS K-major from that warpgroup's region of the dS tile
         const int kh = kt / (BN / 16), kk = kt % (BN / 16);
-        wgmma_ss_ta<T, BQ>(dqt, gmma_desc<BN * 128, 1024>(sK + kh * C::KBYTES + wg * BN * 128, kk * 16 * 128),
-                           gmma_desc<16, 1024>(sDS + kh * C::DSBYTES, kk * 32), kt > 0 ? 1 : 0);
+        wgmma_ss_ta64<T>(dqt, gmma_desc<BN * 128, 1024>(sK + kh * C::KBYTES + wg * BN * 128, kk * 16 * 128),
+                         gmma_desc<16, 1024>(sDS + kh * C::DSBYTES, kk * 32), kt > 0 ? 1 : 0);
       }
       wgmma_commit();
 #pragma unroll
@@ -1997,7 +1998,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       wgmma_commit();
       wgmma_wait<1>();  // (dV's and dQ^T's)
       fence_acc(pz);
-      // dQ^T (unscaled) into the dQ tile in dq_acc's row layout (qs is a multiple of 32, so q's swizzle is its row's)
+      // dQ^T (unscaled) into the dQ tile in dq_acc's row layout (qs is a multiple of 64, so q's swizzle is its row's)
       fence_acc(dqt);
 #pragma unroll
       for (int i = 0; i < BQ / 8; ++i)
@@ -2372,7 +2373,8 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   if (row >= static_cast<int64_t>(p.batch) * p.hq * p.sq || c >= p.d) return;
   const int i = static_cast<int>(row % p.sq), h = static_cast<int>((row / p.sq) % p.hq);
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.sq) * p.hq));
-  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + row * COLS + dq_col(i, c));  // (i: the row in its head)
+  // (i: the row in its head)
+  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + row * COLS + dq_col(i, c));
   const float4 x = src[0], y = src[1];
   uint4 v;
   v.x = pack2<T>(x.x * p.scale, x.y * p.scale);

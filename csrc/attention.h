@@ -64,9 +64,9 @@ template <typename T>
 void launch_backward(const Params& p, cudaStream_t stream);
 // Whether launch_backward would run the fused backward for p (dQ added into Params::dq_acc by bulk reductions, no dQ
 // blocks; fp16 or bf16): Hopper from an sm_90a build, dense inputs, head dim <= 64, or <= 128 with dropout,
-// PYKERNELS_CUDA_ATTN_FUSED_DQ not '0' ('a': every head dim <= 128 with or without dropout). The caller allocates dq_acc (uninitialised:
-// launch_backward's pre kernel zeroes it) where it is true, and leaves it nullptr where the backward must be
-// reproducible bit for bit (the reductions' order varies)
+// PYKERNELS_CUDA_ATTN_FUSED_DQ not '0' ('a': every head dim <= 128 with or without dropout). The caller allocates
+// dq_acc (uninitialised: launch_backward's pre kernel zeroes it) where it is true, and leaves it nullptr where the
+// backward must be reproducible bit for bit (the reductions' order varies)
 bool fused_dq_planned(const Params& p);
 
 extern template void launch_forward<__half>(const Params&, cudaStream_t);

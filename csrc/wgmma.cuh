@@ -449,35 +449,6 @@ PK_WGMMA_SS_TA(__nv_bfloat16, "bf16")
 PK_WGMMA_SS_TA(__half, "f16")
 #undef PK_WGMMA_SS_TA
 
-// The same with 32 query columns (the fused backward at D = 128, 32-query iterations)
-template <typename T>
-__device__ __forceinline__ void wgmma_ss_ta32(float (&d)[4][4], uint64_t da, uint64_t db, int acc);
-#define PK_WGMMA_SS_TA32(T, TY)                                                                                       \
-  template <>                                                                                                        \
-  __device__ __forceinline__ void wgmma_ss_ta32<T>(float (&d)[4][4], uint64_t da, uint64_t db, int acc) {            \
-    asm volatile(                                                                                                    \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                                 \
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " "                                                  \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                                   \
-        "%16, %17, p, 1, 1, 1, 0;\n}\n"                                                                              \
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),   \
-          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),   \
-          "+f"(d[3][2]), "+f"(d[3][3])                                                                               \
-        : "l"(da), "l"(db), "r"(acc));                                                                               \
-  }
-PK_WGMMA_SS_TA32(__nv_bfloat16, "bf16")
-PK_WGMMA_SS_TA32(__half, "f16")
-#undef PK_WGMMA_SS_TA32
-// N query columns: 64 or 32
-template <typename T, int N>
-__device__ __forceinline__ void wgmma_ss_ta(float (&d)[N / 8][4], uint64_t da, uint64_t db, int acc) {
-  static_assert(N == 64 || N == 32, "64 or 32 query columns");
-  if constexpr (N == 64)
-    wgmma_ss_ta64<T>(d, da, db, acc);
-  else
-    wgmma_ss_ta32<T>(d, da, db, acc);
-}
-
 // acc = A B^T, one wgmma chain over D / 16 k-steps (issued, not committed): A's rows at shared address a, B's at b,
 // both K-major in 128-byte swizzled rows (sw128_offset) of AR and BR rows a 64-column region; the first k-step
 // overwrites acc. S = Q K^T in the forward kernels.
