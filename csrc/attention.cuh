@@ -1792,8 +1792,11 @@ struct DkdvSm90Cfg {
   // K, V (a tile a warpgroup), 2 buffers of Q and dO, (FUSED) the dS tile and the dQ tile, then (TMA) the mbarriers of
   // K and V and of each Q / dO buffer. FUSED: 73 KB at D = 64 (BQ = 64), three blocks an SM; 177 KB at D = 128 (two
   // warpgroups, BQ = 64), one
-  static constexpr size_t smem(bool fused = false) {
-    return 1024 + 2 * WG * KBYTES + 4 * QBYTES + (fused ? WG * DSBYTES + RBYTES : 0) + 8 * 3;
+  // (defer: a second dS tile, and the mbarriers that free each Q / dO buffer and hand each dS tile over: 193 KB at
+  // D = 128)
+  static constexpr size_t smem(bool fused = false, bool defer = false) {
+    return 1024 + 2 * WG * KBYTES + 4 * QBYTES + (fused ? WG * DSBYTES + RBYTES : 0) + 8 * 3 +
+           (defer ? WG * DSBYTES + 8 * 6 : 0);
   }
 };
 // The dK/dV blocks' shape: the pair's (32-query iterations, one warpgroup of 64 keys), the fused backward's (64-query
@@ -1801,6 +1804,14 @@ struct DkdvSm90Cfg {
 // dQ^T's 64 head-dim rows of its half over the block's 128 keys)
 template <int D, int FUSED>
 using DkdvSm90For = DkdvSm90Cfg<D, FUSED ? 64 : 32, FUSED && D == 128 ? 2 : 1>;
+// FUSED = 2 (D = 128, PYKERNELS_CUDA_ATTN_FUSED_DEFER=1, an A/B): dQ^T an iteration late, so that the two warpgroups
+// need not meet at each iteration. Warpgroup w makes dQ^T of query block i - 1 (its head dims 64 w .., over the
+// block's 128 keys) in iteration i, from the dS tile of block i - 1 (two dS tiles, each handed over by mbarriers:
+// ready once both warpgroups stored their halves, free once both have read it), into a dQ half-tile of its own
+// (64 rows x 64 head dims, 16 KB) added by a bulk reduction of its own: dq_acc in halves, (B, Hq, 2, Sq, 64). The
+// loop has no block barrier (a named barrier a warpgroup, a copy of the lse / delta a warpgroup, mbarriers that free
+// each Q / dO buffer), so one warpgroup may run up to an iteration ahead of the other and its element work beside the
+// other's products; the dQ reductions stay run288's (a 64 x 128 fp32 tile a block and iteration).
 
 // Where column c of query row q lives in a row of Params::dq_acc (and of the fused backward's unpadded dQ tile):
 // bits 3-4 of c flipped by bits 1-2 of q, so that the 32 lanes of one store of a wgmma accumulator (rows q = 2 t4 +
@@ -1838,27 +1849,44 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
                                                     int hk, int b) {
   using C = DkdvSm90For<D, FUSED>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT, WG = C::WG;
+  constexpr bool DEFER = FUSED == 2;
   static_assert(!FUSED || ((D == 64 || D == 128) && WG == D / 64 && BQ == 64),
                 "the fused dQ: a warpgroup a 64 x 64 wgmma tile");
+  static_assert(!DEFER || WG == 2, "the deferred dQ^T: D = 128, two warpgroups");
   // K and V: a BN-row tile a warpgroup, back to back (warpgroup w's at + w KBYTES)
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + WG * C::KBYTES, sQ = sV + WG * C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u: + u QBYTES)
   // (FUSED) dS, BQ query rows of the block's WG * BN keys (warpgroup w's BN keys a 128-byte region at + w DSBYTES)
   const uint32_t sDS = sO + 2 * C::QBYTES;
-  const uint32_t sRed = sDS + (FUSED ? WG * C::DSBYTES : 0u);  // (FUSED) the dQ tile, BQ query rows (C::RBYTES)
-  // (TMA) the mbarriers of K and V, and of Q / dO buffer u at bar_q + 8 u
+  // (FUSED) the dQ tile, BQ query rows (C::RBYTES); DEFER: dS tile v at sDS + v WG DSBYTES, the dQ tile after both,
+  // warpgroup w's half-tile (BQ rows of 64 floats) at sRed + w RBYTES / 2
+  const uint32_t sRed = sDS + (FUSED ? (DEFER ? 2 : 1) * WG * C::DSBYTES : 0u);
+  // (TMA) the mbarriers of K and V, and of Q / dO buffer u at bar_q + 8 u; (DEFER) Q / dO buffer u freed at
+  // bar_e + 8 u, dS tile v ready at bar_dr + 8 v and freed at bar_df + 8 v (two arrivals each: a warpgroup's leader)
   const uint32_t bar_kv = sRed + (FUSED ? C::RBYTES : 0u), bar_q = bar_kv + 8;
-  __shared__ float sL[2][BQ], sD[2][BQ];  // the query block's lse (log2 units) and delta
+  const uint32_t bar_e = bar_q + 16, bar_dr = bar_e + 16, bar_df = bar_dr + 16;
+  // the query block's lse (log2 units) and delta (DEFER: a copy a warpgroup, sw)
+  constexpr int NS = DEFER ? WG : 1;
+  __shared__ float sL[NS][2][BQ], sD[NS][2][BQ];
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int wg = WG > 1 ? tid >> 7 : 0, warp = WG > 1 ? (tid >> 5) & 3 : tid >> 5;  // (one warpgroup: as before)
   const int k0 = bx * WG * BN, kw = k0 + wg * BN;  // the block's first key, this warpgroup's
   const uint32_t sKw = sK + wg * C::KBYTES, sVw = sV + wg * C::KBYTES;
+  // (DEFER) this warpgroup's copy of the statistics, its thread of the stats loads, its leader, its named barrier
+  const int sw = DEFER ? wg : 0, stid = DEFER ? (tid & 127) : tid;
+  const bool leader = DEFER ? (tid & 127) == 0 : tid == 0;
+  const auto wg_sync = [&] {
+    if constexpr (DEFER) named_sync(1 + wg, 128);
+    else __syncthreads();
+  };
   const Seq s = seq_of(p, b);
   if (k0 >= s.sk) return;
   constexpr bool tma = TMA;
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + (s.k_off + k0) * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + (s.k_off + k0) * p.v_ss;
   if constexpr (tma) {  // thread 0 issues every load (dense rows: no sequence offsets)
+    if (DEFER && tid == 0)  // (counted by tma_block_start's fence and sync)
+      for (int i = 0; i < 6; ++i) mbar_init(bar_e + 8 * i, WG);
     tma_block_start<BN, D, WG>(bar_kv, 3, sK, &tm.k, tm.order[4], sV, &tm.v, tm.order[5], k0, hk, b);
   } else {
     load_tile_sw128<T, BN, D, NT>(sK, K, p.k_ss, min(BN, s.sk - k0), p.d, tid);
@@ -1903,18 +1931,59 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       load_tile_sw128<T, BQ, D, NT>(sQ + u * C::QBYTES, Q, p.q_ss, nq, p.d, tid);
       load_tile_sw128<T, BQ, D, NT>(sO + u * C::QBYTES, dO, p.do_ss, nq, p.d, tid);
     }
-    if (tid < BQ) {
+    if (stid < BQ) {
       const int64_t lrow = b * p.lse_sb + h * p.lse_sh + s.q_off + qs;
-      ld_lse = tid < nq ? p.lse[lrow + tid] : -INFINITY;
-      ld_delta = tid < nq ? p.delta[lrow + tid] : 0.f;
+      ld_lse = stid < nq ? p.lse[lrow + stid] : -INFINITY;
+      ld_delta = stid < nq ? p.delta[lrow + stid] : 0.f;
     }
   };
   const auto put_stats = [&](int u) {
-    if (tid < BQ) {
-      sL[u][tid] = lse_log2(ld_lse);  // (-inf: a row past the block, or one whose every key is masked)
-      sD[u][tid] = ld_delta;
+    if (stid < BQ) {
+      sL[sw][u][stid] = lse_log2(ld_lse);  // (-inf: a row past the block, or one whose every key is masked)
+      sD[sw][u][stid] = ld_delta;
     }
   };
+  // (DEFER) dQ^T of query block j (head ph, first query pqs) from dS tile j & 1 (ready: both halves stored), this
+  // warpgroup's head dims 64 wg .. over the block's 128 keys, issued and committed (not waited). j = -1 (the first
+  // iteration) issues the products on tile 1 unwaited, their result unused: an unconditional chain keeps ptxas's
+  // accumulator registers fixed (skipped by a branch, the kernel spilled 672-764 bytes)
+  const auto dqt_issue = [&](float (&acc)[BQ / 8][4], int j) {
+    if constexpr (DEFER) {
+      if (j >= 0) mbar_wait(bar_dr + 8 * (j & 1), (j >> 1) & 1);
+      const uint32_t ds = sDS + (j & 1) * WG * C::DSBYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < WG * BN / 16; ++kt) {
+        const int kh = kt / (BN / 16), kk = kt % (BN / 16);
+        wgmma_ss_ta64<T>(acc, gmma_desc<BN * 128, 1024>(sK + kh * C::KBYTES + wg * BN * 128, kk * 16 * 128),
+                         gmma_desc<16, 1024>(ds + kh * C::DSBYTES, kk * 32), kt > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+    }
+  };
+  // (DEFER) a retired dQ^T into this warpgroup's half-tile, then its leader adds the valid rows to dq_acc's half
+  // (after the half-tile's last reduction was read: the leader's bulk_wait_read and a barrier since); j's dS tile is
+  // freed first where ``free_ds``
+  const auto dqt_out = [&](float (&acc)[BQ / 8][4], int j, int jh, int jqs, bool free_ds) {
+    if constexpr (!DEFER) return;
+    const uint32_t red = sRed + wg * (C::RBYTES / 2);
+    fence_acc(acc);
+#pragma unroll
+    for (int i = 0; i < BQ / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
+        st_shared_f32(red + (q * 64 + dq_col(q, c)) * 4, acc[i][e]);
+      }
+    fence_async_smem();
+    wg_sync();  // (also: every warp's share of j's dQ^T products retired)
+    if (leader) {
+      if (free_ds) mbar_arrive(bar_df + 8 * (j & 1));
+      bulk_add_f32(p.dq_acc + (((static_cast<int64_t>(b) * p.hq + jh) * 2 + wg) * p.sq + jqs) * 64, red,
+                   static_cast<uint32_t>(min(BQ, s.sq - jqs)) * 64 * 4);
+    }
+  };
+  int ph = 0, pqs = 0;  // (DEFER) the last iteration's head and first query
   int h = hk * p.group, qs = q_first;  // this iteration's head and first query
   int lh = h, lqs = qs;                 // the next load's
   if (total > 0) {
@@ -1930,7 +1999,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   zero(dv);
   for (int it = 0; it < total; ++it, advance(h, qs)) {
     const int u = it & 1;
-    if (it + 1 < total) {  // (its buffer was freed by the last iteration's final barrier)
+    if (it + 1 < total) {  // (its buffer was freed by the last iteration's final barrier; DEFER: by both warpgroups)
+      if (DEFER && tid == 0 && it >= 1) mbar_wait(bar_e + 8 * (u ^ 1), ((it - 1) >> 1) & 1);
       load_q(lh, lqs, u ^ 1);
       advance(lh, lqs);
     }
@@ -1941,7 +2011,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       cp_async_wait<1>();  // K, V and this query block
       fence_async_smem();
     }
-    __syncthreads();  // (and the block's lse and delta)
+    wg_sync();  // (and the block's lse and delta)
     const uint32_t q_base = sQ + u * C::QBYTES, o_base = sO + u * C::QBYTES;
     float st[BQ / 8][4], dpt[BQ / 8][4];
     wgmma_fence();
@@ -1952,7 +2022,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     fence_acc(dpt);
     const bool edge = p.causal && qs < kw + BN - 1;
     with_flag(edge, [&](auto e) {  // dS^T, P^T Z
-      dst_rows<BQ, MODE, true>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL[u], sD[u], t4);
+      dst_rows<BQ, MODE, true>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL[sw][u], sD[sw][u], t4);
     });
     uint32_t ps[BQ / 16][4], pz[BQ / 16][4];
 #pragma unroll
@@ -1973,6 +2043,29 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       // 8 j + m giving the address of matrix j's row m (a query; 8 keys, 16 bytes): two instructions a k-step pair
       // where an element store each (and its address) took 16
       const int j = lane >> 3, m = lane & 7;
+      if constexpr (DEFER) {
+        // dS into tile u once both warpgroups have read it (dQ^T of block it - 2, in their last iteration), then this
+        // warpgroup's half of it is ready; dQ^T of block it - 1 runs with dK's products
+        if (it >= 2) mbar_wait(bar_df + 8 * u, ((it - 2) >> 1) & 1);
+        const uint32_t ds = sDS + (u * WG + wg) * C::DSBYTES;
+#pragma unroll
+        for (int kt = 0; kt < BQ / 16; ++kt)
+          stmatrix_x4_trans(ds + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
+        fence_async_smem();
+        wg_sync();
+        if (leader) mbar_arrive(bar_dr + 8 * u);
+        float dqt[BQ / 8][4];
+        fence_acc(dk);
+        dqt_issue(dqt, it - 1);
+        wgmma_fence();
+#pragma unroll
+        for (int kt = 0; kt < BQ / 16; ++kt)
+          wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
+        wgmma_commit();
+        wgmma_wait<1>();  // (dV's, and dQ^T's)
+        fence_acc(pz);
+        if (it >= 1) dqt_out(dqt, it - 1, ph, pqs, true);
+      } else {
 #pragma unroll
       for (int kt = 0; kt < BQ / 16; ++kt)
         stmatrix_x4_trans(
@@ -2013,6 +2106,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       if (tid == 0)
         bulk_add_f32(p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs) * D, sRed,
                      static_cast<uint32_t>(min(BQ, s.sq - qs)) * D * 4);
+      }
     } else {  // dV += P^T Z dO and dK += dS^T Q, interleaved
       fence_acc(dk);
       fence_acc(dv);
@@ -2033,12 +2127,27 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       fence_acc(dk);
       fence_acc(dv);
       fence_acc(ps);
-      if (tid == 0) bulk_wait_read();  // (the dQ tile is read: the next iteration may write it)
+      if (leader) bulk_wait_read();  // (the dQ tile is read: the next iteration may write it)
     }
-    __syncthreads();  // every warp is done with buffer u (and the next iteration's lse and delta are stored)
+    wg_sync();  // every warp is done with buffer u (and the next iteration's lse and delta are stored)
+    if constexpr (DEFER) {
+      if (leader) mbar_arrive(bar_e + 8 * u);  // (this warpgroup's part: buffer u free once both arrive)
+      ph = h;
+      pqs = qs;
+    }
+  }
+  if constexpr (DEFER) {
+    if (total > 0) {  // the last query block's dQ^T
+      float dqt[BQ / 8][4];
+      fence_acc(dk);
+      fence_acc(dv);
+      dqt_issue(dqt, total - 1);
+      wgmma_wait_all();
+      dqt_out(dqt, total - 1, ph, pqs, false);
+    }
   }
   if constexpr (FUSED) {
-    if (tid == 0) bulk_wait_all();
+    if (leader) bulk_wait_all();
   }
   cp_async_wait<0>();  // (no query block: the K / V loads)
   store_rows<T, D>(p.dk, p.dk_sb, p.dk_sh, p.dk_ss, dk, p.scale, b, hk, key, s.k_off, s.sk, 0, p.d, t4);
@@ -2365,7 +2474,8 @@ void launch_forward(const Params& p, cudaStream_t stream) {
 
 // The fused backward's last step: dQ = scale * dq_acc in dQ's dtype and strides (8 columns a thread, 16-byte stores:
 // dQ is allocated with 16-byte aligned rows); COLS dq_acc's row (dq_acc_cols)
-template <typename T, int COLS>
+// (HALVES: dq_acc as (B, Hq, 2, Sq, 64), the deferred fused backward's at D = 128)
+template <typename T, int COLS, bool HALVES = false>
 __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   constexpr int TPR = COLS / 8;  // threads a row
   const int64_t t = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x, row = t / TPR;
@@ -2374,7 +2484,9 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   const int i = static_cast<int>(row % p.sq), h = static_cast<int>((row / p.sq) % p.hq);
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.sq) * p.hq));
   // (i: the row in its head)
-  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + row * COLS + dq_col(i, c));
+  const float* base = HALVES ? p.dq_acc + (((row - i) * 2 + (c >> 6) * p.sq) + i) * 64 + dq_col(i, c & 63)
+                             : p.dq_acc + row * COLS + dq_col(i, c);
+  const float4* src = reinterpret_cast<const float4*>(base);
   const float4 x = src[0], y = src[1];
   uint4 v;
   v.x = pack2<T>(x.x * p.scale, x.y * p.scale);
@@ -2416,9 +2528,21 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       using Cf = DkdvSm90For<D, 1>;
       const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));
       const dim3 fgrid(fkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-      launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Cf::smem(true), p, tm, stream, Cf::NT);
+      bool defer = false;
+      if constexpr (D == 128) {
+        const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DEFER");
+        defer = env != nullptr && env[0] == '1';
+      }
       const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * (D / 8);
-      launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p, stream, 256);
+      const dim3 cgrid(static_cast<unsigned>((threads + 255) / 256));
+      if (defer) {
+        launch(attn_bwd_sm90_kernel<T, D, M, true, D == 128 ? 2 : 1>, fgrid, Cf::smem(true, true), p, tm, stream,
+               Cf::NT);
+        launch(attn_dq_convert_kernel<T, D, D == 128>, cgrid, 0, p, stream, 256);
+      } else {
+        launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Cf::smem(true), p, tm, stream, Cf::NT);
+        launch(attn_dq_convert_kernel<T, D>, cgrid, 0, p, stream, 256);
+      }
       return;
     }
   }

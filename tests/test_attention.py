@@ -1889,16 +1889,18 @@ def test_gpu_cuda_fused_backward_fp16_and_a_bulk_reduction_at_a_tail(monkeypatch
 @pytest.mark.gpu
 @needs_cuda_ext
 @pytest.mark.parametrize("env", ["a", None])
-@pytest.mark.parametrize("d,hkv,causal,mask", [(64, 4, False, None), (64, 2, True, None), (40, 4, False, "keys"),
-                                               (64, 1, True, "any"), (128, 4, True, None), (96, 2, False, "keys"),
-                                               (128, 1, False, "any")])
-def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask):
+@pytest.mark.parametrize("d,hkv,causal,mask,defer", [
+    (64, 4, False, None, None), (64, 2, True, None, None), (40, 4, False, "keys", None), (64, 1, True, "any", None),
+    (128, 4, True, None, None), (96, 2, False, "keys", None), (128, 1, False, "any", None),
+    (128, 4, True, None, "1"), (96, 2, False, "keys", "1"), (128, 1, False, "any", "1")])
+def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask, defer):
     """The C++ backward's fused kernel (Hopper, sm_90a build, dense inputs, D <= 128): the dK/dV blocks add dQ = dS K
     into an fp32 buffer (K^T dS^T on wgmma, dS through shared memory), then one kernel converts it; no dQ
     blocks. Taken with or without dropout at D <= 64 and with dropout at D <= 128 (PYKERNELS_CUDA_ATTN_FUSED_DQ unset),
     always ('a'), never with deterministic=True or '0'; dQ goes through a tile in shared memory, added by one bulk reduction a query block.
     Output and gradients against the references (with the kernels' dropout mask), odd lengths, GQA, masks."""
     _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DQ", env)
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DEFER", defer)  # (D = 128: dQ^T an iteration late, FUSED = 2)
     b, hq, s = 2, 4, 203
     q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
     m = None
@@ -1921,7 +1923,8 @@ def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask):
     if not _sm90a_device():
         return
     fused = [n for n in _fused_bwd_kernels(call) if "attn_bwd_sm90_kernel" in n or "attn_dq_convert" in n]
-    assert len(fused) == 2 and FUSED_BWD in fused[0] and "attn_dq_convert_kernel" in fused[1], fused
+    tail = ", true, 2>" if defer else FUSED_BWD
+    assert len(fused) == 2 and tail in fused[0] and "attn_dq_convert_kernel" in fused[1], fused
     for kw in (dict(deterministic=True), dict()):  # the pair: deterministic, or the switch off
         if not kw:
             monkeypatch.setenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", "0")
@@ -1931,6 +1934,24 @@ def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask):
         monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
         names = _fused_bwd_kernels(lambda: sdpa(q, k, v, m, is_causal=causal, enable_gqa=hkv != hq, backend="cuda"))
         assert not any("attn_dq_convert" in n for n in names), names
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("defer", [None, "1"])
+def test_gpu_cuda_fused_backward_d128_long(monkeypatch, defer):
+    """The fused backward at D = 128 over many query blocks a key block (S = 1000: 16 iterations, so each Q / dO
+    buffer, each dS tile and, deferred, each mbarrier that hands them over turns over several times), causal with
+    dropout, against the reference with the kernels' mask."""
+    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DEFER", defer)
+    b, hq, s, d, p = 2, 4, 1000, 128, 0.1
+    q, k, v = _inputs((b, hq, s, d), (b, 2, s, d), (b, 2, s, d), BF16, "cuda")
+    torch.manual_seed(5)
+    dmask = attention_dropout_mask(new_seed(q.device), b, hq, s, s, p, "cuda")
+    torch.manual_seed(5)
+    out = sdpa(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True, backend="cuda")
+    _check_against_ref(q, k, v, causal=True, dropout_p=p, dropout_mask=dmask, enable_gqa=True, out=out)
 
 
 @pytest.mark.gpu
