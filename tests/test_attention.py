@@ -1956,13 +1956,15 @@ def test_gpu_cuda_fused_backward_d128_long(monkeypatch, defer):
 
 @pytest.mark.gpu
 @needs_cuda_ext
-@pytest.mark.parametrize("d,sq,sk,causal,p", [(64, 150, 333, False, 0.0), (64, 333, 150, True, 0.1),
-                                              (128, 150, 333, True, 0.1), (128, 1000, 77, False, 0.1)])
-def test_gpu_cuda_fused_backward_cross(monkeypatch, d, sq, sk, causal, p):
+@pytest.mark.parametrize("d,sq,sk,causal,p,defer", [
+    (64, 150, 333, False, 0.0, None), (64, 333, 150, True, 0.1, None), (128, 150, 333, True, 0.1, None),
+    (128, 1000, 77, False, 0.1, None), (128, 150, 333, True, 0.1, "1"), (128, 1000, 77, False, 0.1, "1")])
+def test_gpu_cuda_fused_backward_cross(monkeypatch, d, sq, sk, causal, p, defer):
     """The fused backward with Sq != Sk (causal aligned top-left, as torch): its key blocks (64 keys at D = 64, 128 on
     two warpgroups at D = 128) against query blocks of another length, with and without dropout, against the
     reference; the fused kernel is the one that ran."""
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DEFER", defer)
     b, hq, hkv = 2, 4, 2
     q, k, v = _inputs((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), BF16, "cuda")
     torch.manual_seed(7)
@@ -1973,7 +1975,8 @@ def test_gpu_cuda_fused_backward_cross(monkeypatch, d, sq, sk, causal, p):
     _check_against_ref(q, k, v, causal=causal, dropout_p=p, dropout_mask=dmask, enable_gqa=True, out=out)
     if _sm90a_device():
         names = _fused_bwd_kernels(call)
-        assert any(FUSED_BWD in n for n in names) and any("attn_dq_convert" in n for n in names), names
+        tail = ", true, 2>" if defer else FUSED_BWD
+        assert any(tail in n for n in names) and any("attn_dq_convert" in n for n in names), names
 
 
 @pytest.mark.gpu
