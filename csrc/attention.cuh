@@ -1804,14 +1804,16 @@ struct DkdvSm90Cfg {
 // dQ^T's 64 head-dim rows of its half over the block's 128 keys)
 template <int D, int FUSED>
 using DkdvSm90For = DkdvSm90Cfg<D, FUSED ? 64 : 32, FUSED && D == 128 ? 2 : 1>;
-// FUSED = 2 (D = 128, PYKERNELS_CUDA_ATTN_FUSED_DEFER=1, an A/B): dQ^T an iteration late, so that the two warpgroups
-// need not meet at each iteration. Warpgroup w makes dQ^T of query block i - 1 (its head dims 64 w .., over the
+// FUSED = 2 (D = 128, the default since run291; PYKERNELS_CUDA_ATTN_FUSED_DEFER=0 keeps FUSED = 1 for A/B runs): dQ^T
+// an iteration late, so that the two warpgroups need not meet at each iteration. Warpgroup w makes dQ^T of query block i - 1 (its head dims 64 w .., over the
 // block's 128 keys) in iteration i, from the dS tile of block i - 1 (two dS tiles, each handed over by mbarriers:
 // ready once both warpgroups stored their halves, free once both have read it), into a dQ half-tile of its own
 // (64 rows x 64 head dims, 16 KB) added by a bulk reduction of its own: dq_acc in halves, (B, Hq, 2, Sq, 64). The
 // loop has no block barrier (a named barrier a warpgroup, a copy of the lse / delta a warpgroup, mbarriers that free
 // each Q / dO buffer), so one warpgroup may run up to an iteration ahead of the other and its element work beside the
-// other's products; the dQ reductions stay run288's (a 64 x 128 fp32 tile a block and iteration).
+// other's products; the dQ reductions stay run288's (a 64 x 128 fp32 tile a block and iteration). run291 (H200, 4 x 16
+// x 2048 causal, bf16): with dropout 747.7 / 749.1 us against FUSED = 1's 772.2 in the same call; without dropout
+// (PYKERNELS_CUDA_ATTN_FUSED_DQ=a) 561.1, where the pair had taken 609.4-615.6 in run287-290 (other calls).
 
 // Where column c of query row q lives in a row of Params::dq_acc (and of the fused backward's unpadded dQ tile):
 // bits 3-4 of c flipped by bits 1-2 of q, so that the 32 lanes of one store of a wgmma accumulator (rows q = 2 t4 +
@@ -2528,10 +2530,10 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       using Cf = DkdvSm90For<D, 1>;
       const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));
       const dim3 fgrid(fkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-      bool defer = false;
+      bool defer = false;  // (D = 128: the deferred dQ^T unless PYKERNELS_CUDA_ATTN_FUSED_DEFER=0, read each call)
       if constexpr (D == 128) {
         const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DEFER");
-        defer = env != nullptr && env[0] == '1';
+        defer = env == nullptr || env[0] != '0';
       }
       const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * (D / 8);
       const dim3 cgrid(static_cast<unsigned>((threads + 255) / 256));

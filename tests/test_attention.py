@@ -1892,7 +1892,7 @@ def test_gpu_cuda_fused_backward_fp16_and_a_bulk_reduction_at_a_tail(monkeypatch
 @pytest.mark.parametrize("d,hkv,causal,mask,defer", [
     (64, 4, False, None, None), (64, 2, True, None, None), (40, 4, False, "keys", None), (64, 1, True, "any", None),
     (128, 4, True, None, None), (96, 2, False, "keys", None), (128, 1, False, "any", None),
-    (128, 4, True, None, "1"), (96, 2, False, "keys", "1"), (128, 1, False, "any", "1")])
+    (128, 4, True, None, "0"), (96, 2, False, "keys", "0"), (128, 1, False, "any", "0")])
 def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask, defer):
     """The C++ backward's fused kernel (Hopper, sm_90a build, dense inputs, D <= 128): the dK/dV blocks add dQ = dS K
     into an fp32 buffer (K^T dS^T on wgmma, dS through shared memory), then one kernel converts it; no dQ
@@ -1900,7 +1900,8 @@ def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask, defer):
     always ('a'), never with deterministic=True or '0'; dQ goes through a tile in shared memory, added by one bulk reduction a query block.
     Output and gradients against the references (with the kernels' dropout mask), odd lengths, GQA, masks."""
     _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DQ", env)
-    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DEFER", defer)  # (D = 128: dQ^T an iteration late, FUSED = 2)
+    # (D = 128: dQ^T an iteration late, FUSED = 2, unless '0': FUSED = 1)
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DEFER", defer)
     b, hq, s = 2, 4, 203
     q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
     m = None
@@ -1923,7 +1924,7 @@ def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask, defer):
     if not _sm90a_device():
         return
     fused = [n for n in _fused_bwd_kernels(call) if "attn_bwd_sm90_kernel" in n or "attn_dq_convert" in n]
-    tail = ", true, 2>" if defer else FUSED_BWD
+    tail = ", true, 2>" if d > 64 and defer != "0" else FUSED_BWD
     assert len(fused) == 2 and tail in fused[0] and "attn_dq_convert_kernel" in fused[1], fused
     for kw in (dict(deterministic=True), dict()):  # the pair: deterministic, or the switch off
         if not kw:
@@ -1938,7 +1939,7 @@ def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask, defer):
 
 @pytest.mark.gpu
 @needs_cuda_ext
-@pytest.mark.parametrize("defer", [None, "1"])
+@pytest.mark.parametrize("defer", [None, "0"])
 def test_gpu_cuda_fused_backward_d128_long(monkeypatch, defer):
     """The fused backward at D = 128 over many query blocks a key block (S = 1000: 16 iterations, so each Q / dO
     buffer, each dS tile and, deferred, each mbarrier that hands them over turns over several times), causal with
@@ -1958,7 +1959,7 @@ def test_gpu_cuda_fused_backward_d128_long(monkeypatch, defer):
 @needs_cuda_ext
 @pytest.mark.parametrize("d,sq,sk,causal,p,defer", [
     (64, 150, 333, False, 0.0, None), (64, 333, 150, True, 0.1, None), (128, 150, 333, True, 0.1, None),
-    (128, 1000, 77, False, 0.1, None), (128, 150, 333, True, 0.1, "1"), (128, 1000, 77, False, 0.1, "1")])
+    (128, 1000, 77, False, 0.1, None), (128, 150, 333, True, 0.1, "0"), (128, 1000, 77, False, 0.1, "0")])
 def test_gpu_cuda_fused_backward_cross(monkeypatch, d, sq, sk, causal, p, defer):
     """The fused backward with Sq != Sk (causal aligned top-left, as torch): its key blocks (64 keys at D = 64, 128 on
     two warpgroups at D = 128) against query blocks of another length, with and without dropout, against the
@@ -1975,7 +1976,7 @@ def test_gpu_cuda_fused_backward_cross(monkeypatch, d, sq, sk, causal, p, defer)
     _check_against_ref(q, k, v, causal=causal, dropout_p=p, dropout_mask=dmask, enable_gqa=True, out=out)
     if _sm90a_device():
         names = _fused_bwd_kernels(call)
-        tail = ", true, 2>" if defer else FUSED_BWD
+        tail = ", true, 2>" if d > 64 and defer != "0" else FUSED_BWD
         assert any(tail in n for n in names) and any("attn_dq_convert" in n for n in names), names
 
 
