@@ -1805,15 +1805,16 @@ struct DkdvSm90Cfg {
 template <int D, int FUSED>
 using DkdvSm90For = DkdvSm90Cfg<D, FUSED ? 64 : 32, FUSED && D == 128 ? 2 : 1>;
 // FUSED = 2 (D = 128, the default since run291; PYKERNELS_CUDA_ATTN_FUSED_DEFER=0 keeps FUSED = 1 for A/B runs): dQ^T
-// an iteration late, so that the two warpgroups need not meet at each iteration. Warpgroup w makes dQ^T of query block i - 1 (its head dims 64 w .., over the
-// block's 128 keys) in iteration i, from the dS tile of block i - 1 (two dS tiles, each handed over by mbarriers:
-// ready once both warpgroups stored their halves, free once both have read it), into a dQ half-tile of its own
-// (64 rows x 64 head dims, 16 KB) added by a bulk reduction of its own: dq_acc in halves, (B, Hq, 2, Sq, 64). The
-// loop has no block barrier (a named barrier a warpgroup, a copy of the lse / delta a warpgroup, mbarriers that free
-// each Q / dO buffer), so one warpgroup may run up to an iteration ahead of the other and its element work beside the
-// other's products; the dQ reductions stay run288's (a 64 x 128 fp32 tile a block and iteration). run291 (H200, 4 x 16
-// x 2048 causal, bf16): with dropout 747.7 / 749.1 us against FUSED = 1's 772.2 in the same call; without dropout
-// (PYKERNELS_CUDA_ATTN_FUSED_DQ=a) 561.1, where the pair had taken 609.4-615.6 in run287-290 (other calls).
+// an iteration late, so that the two warpgroups need not meet at each iteration. Warpgroup w makes dQ^T of query
+// block i - 1 (its head dims 64 w .., over the block's 128 keys) in iteration i, from the dS tile of block i - 1 (two
+// dS tiles, each handed over by mbarriers: ready once both warpgroups stored their halves, free once both have read
+// it), into a dQ half-tile of its own (64 rows x 64 head dims, 16 KB) added by a bulk reduction of its own: dq_acc in
+// halves, (B, Hq, 2, Sq, 64). The loop has no block barrier (a named barrier a warpgroup, a copy of the lse / delta a
+// warpgroup, mbarriers that free each Q / dO buffer), so one warpgroup may run up to an iteration ahead of the other
+// and its element work beside the other's products; the dQ reductions stay run288's (a 64 x 128 fp32 tile a block
+// and iteration). run291 (H200, 4 x 16 x 2048 causal, bf16): with dropout 747.7 / 749.1 us against FUSED = 1's 772.2
+// in the same call; without dropout (PYKERNELS_CUDA_ATTN_FUSED_DQ=a) 561.1, where the pair had taken 609.4-615.6 in
+// run287-290 (other calls).
 
 // Where column c of query row q lives in a row of Params::dq_acc (and of the fused backward's unpadded dQ tile):
 // bits 3-4 of c flipped by bits 1-2 of q, so that the 32 lanes of one store of a wgmma accumulator (rows q = 2 t4 +
@@ -1967,22 +1968,23 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   // (after the half-tile's last reduction was read: the leader's bulk_wait_read and a barrier since); j's dS tile is
   // freed first where ``free_ds``
   const auto dqt_out = [&](float (&acc)[BQ / 8][4], int j, int jh, int jqs, bool free_ds) {
-    if constexpr (!DEFER) return;
-    const uint32_t red = sRed + wg * (C::RBYTES / 2);
-    fence_acc(acc);
+    if constexpr (DEFER) {
+      const uint32_t red = sRed + wg * (C::RBYTES / 2);
+      fence_acc(acc);
 #pragma unroll
-    for (int i = 0; i < BQ / 8; ++i)
+      for (int i = 0; i < BQ / 8; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
-        st_shared_f32(red + (q * 64 + dq_col(q, c)) * 4, acc[i][e]);
+        for (int e = 0; e < 4; ++e) {
+          const int c = warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
+          st_shared_f32(red + (q * 64 + dq_col(q, c)) * 4, acc[i][e]);
+        }
+      fence_async_smem();
+      wg_sync();  // (also: every warp's share of j's dQ^T products retired, so the dS tile may be freed)
+      if (leader) {
+        if (free_ds) mbar_arrive(bar_df + 8 * (j & 1));
+        bulk_add_f32(p.dq_acc + (((static_cast<int64_t>(b) * p.hq + jh) * 2 + wg) * p.sq + jqs) * 64, red,
+                     static_cast<uint32_t>(min(BQ, s.sq - jqs)) * 64 * 4);
       }
-    fence_async_smem();
-    wg_sync();  // (also: every warp's share of j's dQ^T products retired)
-    if (leader) {
-      if (free_ds) mbar_arrive(bar_df + 8 * (j & 1));
-      bulk_add_f32(p.dq_acc + (((static_cast<int64_t>(b) * p.hq + jh) * 2 + wg) * p.sq + jqs) * 64, red,
-                   static_cast<uint32_t>(min(BQ, s.sq - jqs)) * 64 * 4);
     }
   };
   int ph = 0, pqs = 0;  // (DEFER) the last iteration's head and first query
@@ -2170,7 +2172,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // (FlashAttention-3's dQ path). D = 64: one warpgroup of 64 keys, three blocks an SM at 168 registers. D = 128 (since
 // run288): two warpgroups of 64 keys each (128 keys a block, one block an SM at 254-255 registers, 177 KB of shared
 // memory) share each query block's Q and dO tiles; warpgroup w makes dQ^T's head dims 64 w .. over the block's 128
-// keys (K's region w of both warpgroups' tiles, both halves of the dS tile). On one warpgroup of 64 keys and 32-query
+// keys (K's region w of both warpgroups' tiles, both halves of the dS tile); since run291 an iteration late by
+// default (FUSED = 2, DkdvSm90For's note). On one warpgroup of 64 keys and 32-query
 // iterations (two blocks an SM at 233-239 registers, dQ^T as two 64-row tiles) it had taken 806.6-823.2 us against the
 // pair's 843.4-848.1 with dropout and 747.3-756.9 against 610.1-615.6 without (run287); on two, 773.5 against 842.7
 // and 613.2 against 614.0 (run288; cuDNN with dropout 530.1, H200, 4 x 16 x 2048 causal).
