@@ -1946,6 +1946,19 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       sD[sw][u][stid] = ld_delta;
     }
   };
+  // (FUSED) dQ^T's products, issued (not committed): this warpgroup's 64 head dims (64 wg ..) over the block's WG * BN
+  // keys, K^T from warpgroup kt / 4's K tile, its 64-column region wg (BN * 128 bytes apart; MN-major: 16 keys a
+  // k-step), dS K-major from that warpgroup's region of the dS tile at ds
+  const auto dqt_products = [&](float (&acc)[BQ / 8][4], uint32_t ds) {
+    if constexpr (FUSED) {
+#pragma unroll
+      for (int kt = 0; kt < WG * BN / 16; ++kt) {
+        const int kh = kt / (BN / 16), kk = kt % (BN / 16);
+        wgmma_ss_ta64<T>(acc, gmma_desc<BN * 128, 1024>(sK + kh * C::KBYTES + wg * BN * 128, kk * 16 * 128),
+                         gmma_desc<16, 1024>(ds + kh * C::DSBYTES, kk * 32), kt > 0 ? 1 : 0);
+      }
+    }
+  };
   // (DEFER) dQ^T of query block j (head ph, first query pqs) from dS tile j & 1 (ready: both halves stored), this
   // warpgroup's head dims 64 wg .. over the block's 128 keys, issued and committed (not waited). j = -1 (the first
   // iteration) issues the products on tile 1 unwaited, their result unused: an unconditional chain keeps ptxas's
@@ -1953,14 +1966,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   const auto dqt_issue = [&](float (&acc)[BQ / 8][4], int j) {
     if constexpr (DEFER) {
       if (j >= 0) mbar_wait(bar_dr + 8 * (j & 1), (j >> 1) & 1);
-      const uint32_t ds = sDS + (j & 1) * WG * C::DSBYTES;
       wgmma_fence();
-#pragma unroll
-      for (int kt = 0; kt < WG * BN / 16; ++kt) {
-        const int kh = kt / (BN / 16), kk = kt % (BN / 16);
-        wgmma_ss_ta64<T>(acc, gmma_desc<BN * 128, 1024>(sK + kh * C::KBYTES + wg * BN * 128, kk * 16 * 128),
-                         gmma_desc<16, 1024>(ds + kh * C::DSBYTES, kk * 32), kt > 0 ? 1 : 0);
-      }
+      dqt_products(acc, sDS + (j & 1) * WG * C::DSBYTES);
       wgmma_commit();
     }
   };
@@ -2081,14 +2088,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       float dqt[BQ / 8][4];
       fence_acc(dk);
       wgmma_fence();
-#pragma unroll
-      for (int kt = 0; kt < WG * BN / 16; ++kt) {
-        // K^T from warpgroup kt / 4's K tile, its 64-column region wg (BN * 128 bytes apart; MN-major: 16 keys a
-        // k-step), dS K-major from that warpgroup's region of the dS tile
-        const int kh = kt / (BN / 16), kk = kt % (BN / 16);
-        wgmma_ss_ta64<T>(dqt, gmma_desc<BN * 128, 1024>(sK + kh * C::KBYTES + wg * BN * 128, kk * 16 * 128),
-                         gmma_desc<16, 1024>(sDS + kh * C::DSBYTES, kk * 32), kt > 0 ? 1 : 0);
-      }
+      dqt_products(dqt, sDS);
       wgmma_commit();
 #pragma unroll
       for (int kt = 0; kt < BQ / 16; ++kt) wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
