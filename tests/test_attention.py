@@ -1896,8 +1896,9 @@ def test_gpu_cuda_fused_backward_fp16_and_a_bulk_reduction_at_a_tail(monkeypatch
 def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask, defer):
     """The C++ backward's fused kernel (Hopper, sm_90a build, dense inputs, D <= 128): the dK/dV blocks add dQ = dS K
     into an fp32 buffer (K^T dS^T on wgmma, dS through shared memory), then one kernel converts it; no dQ
-    blocks. Taken with or without dropout at D <= 64 and with dropout at D <= 128 (PYKERNELS_CUDA_ATTN_FUSED_DQ unset),
-    always ('a'), never with deterministic=True or '0'; dQ goes through a tile in shared memory, added by one bulk reduction a query block.
+    blocks. Taken with or without dropout at D <= 64 and with dropout at D <= 128 (PYKERNELS_CUDA_ATTN_FUSED_DQ
+    unset), always ('a'), never with deterministic=True or '0'; dQ goes through a tile in shared memory, added by bulk
+    reductions. D = 128: dQ^T an iteration late (FUSED = 2) unless PYKERNELS_CUDA_ATTN_FUSED_DEFER=0 (FUSED = 1).
     Output and gradients against the references (with the kernels' dropout mask), odd lengths, GQA, masks."""
     _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DQ", env)
     # (D = 128: dQ^T an iteration late, FUSED = 2, unless '0': FUSED = 1)
@@ -1941,9 +1942,9 @@ def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask, defer):
 @needs_cuda_ext
 @pytest.mark.parametrize("defer", [None, "0"])
 def test_gpu_cuda_fused_backward_d128_long(monkeypatch, defer):
-    """The fused backward at D = 128 over many query blocks a key block (S = 1000: 16 iterations, so each Q / dO
-    buffer, each dS tile and, deferred, each mbarrier that hands them over turns over several times), causal with
-    dropout, against the reference with the kernels' mask."""
+    """The fused backward at D = 128 over many query blocks a key block (S = 1000: 16 query blocks a head, two heads a
+    key block, up to 32 iterations, so each Q / dO buffer, each dS tile and, deferred, each mbarrier that hands them
+    over turns over several times), causal with dropout, against the reference with the kernels' mask."""
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
     _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DEFER", defer)
     b, hq, s, d, p = 2, 4, 1000, 128, 0.1
@@ -2104,8 +2105,8 @@ def test_gpu_compile_runs_the_cuda_pair():
         for i, (g, e) in enumerate(zip(got, want)):
             assert g.shape == e.shape, (name, i)
             if name in ("dense dropout", "causal") and i == 1 and _sm90a_device():
-                # dQ of the fused backward (Hopper, D <= 128, with or without dropout): its reductions add in no fixed
-                # order, so within a rounding; bitwise under deterministic=True (the next case)
+                # dQ of the fused backward (Hopper, D <= 64 with or without dropout, D <= 128 with): its reductions add
+                # in no fixed order, so within a rounding; bitwise under deterministic=True (the next case)
                 torch.testing.assert_close(g, e, rtol=1e-2, atol=1e-2 * e.abs().max().item())
             else:
                 assert torch.equal(g, e), (name, i)
