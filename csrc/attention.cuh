@@ -2078,38 +2078,39 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
         if (it >= 1) dqt_out(dqt, it - 1, ph, pqs, true);
       } else {
 #pragma unroll
-      for (int kt = 0; kt < BQ / 16; ++kt)
-        stmatrix_x4_trans(
-            sDS + wg * C::DSBYTES + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
-      fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
-      __syncthreads();
-      // dQ^T of the query block (head-dim rows, query columns): warpgroup wg's 64-row tile, head dims 64 wg ..,
-      // over the block's WG * BN keys
-      float dqt[BQ / 8][4];
-      fence_acc(dk);
-      wgmma_fence();
-      dqt_products(dqt, sDS);
-      wgmma_commit();
+        for (int kt = 0; kt < BQ / 16; ++kt)
+          stmatrix_x4_trans(
+              sDS + wg * C::DSBYTES + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
+        fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
+        __syncthreads();
+        // dQ^T of the query block (head-dim rows, query columns): warpgroup wg's 64-row tile, head dims 64 wg ..,
+        // over the block's WG * BN keys
+        float dqt[BQ / 8][4];
+        fence_acc(dk);
+        wgmma_fence();
+        dqt_products(dqt, sDS);
+        wgmma_commit();
 #pragma unroll
-      for (int kt = 0; kt < BQ / 16; ++kt) wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
-      wgmma_commit();
-      wgmma_wait<1>();  // (dV's and dQ^T's)
-      fence_acc(pz);
-      // dQ^T (unscaled) into the dQ tile in dq_acc's row layout (qs is a multiple of 64, so q's swizzle is its row's)
-      fence_acc(dqt);
+        for (int kt = 0; kt < BQ / 16; ++kt)
+          wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
+        wgmma_commit();
+        wgmma_wait<1>();  // (dV's and dQ^T's)
+        fence_acc(pz);
+        // dQ^T (unscaled) into the dQ tile in dq_acc's row layout (qs is a multiple of 64, so q's swizzle is its row's)
+        fence_acc(dqt);
 #pragma unroll
-      for (int i = 0; i < BQ / 8; ++i)
+        for (int i = 0; i < BQ / 8; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = wg * 64 + warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
-          st_shared_f32(sRed + (q * D + dq_col(q, c)) * 4, dqt[i][e]);
-        }
-      // dQ += the tile: thread 0 adds its valid rows (one contiguous run of dq_acc) by a bulk reduction
-      fence_async_smem();  // (the generic proxy's stores, read by the bulk copy's async proxy)
-      __syncthreads();
-      if (tid == 0)
-        bulk_add_f32(p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs) * D, sRed,
-                     static_cast<uint32_t>(min(BQ, s.sq - qs)) * D * 4);
+          for (int e = 0; e < 4; ++e) {
+            const int c = wg * 64 + warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
+            st_shared_f32(sRed + (q * D + dq_col(q, c)) * 4, dqt[i][e]);
+          }
+        // dQ += the tile: thread 0 adds its valid rows (one contiguous run of dq_acc) by a bulk reduction
+        fence_async_smem();  // (the generic proxy's stores, read by the bulk copy's async proxy)
+        __syncthreads();
+        if (tid == 0)
+          bulk_add_f32(p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs) * D, sRed,
+                       static_cast<uint32_t>(min(BQ, s.sq - qs)) * D * 4);
       }
     } else {  // dV += P^T Z dO and dK += dS^T Q, interleaved
       fence_acc(dk);
@@ -2509,6 +2510,12 @@ inline char fused_dq_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DQ");
   return env != nullptr ? env[0] : 0;
 }
+// PYKERNELS_CUDA_ATTN_FUSED_DEFER (read each call): '0' the fused backward at D = 128 makes each query block's dQ^T
+// in its own iteration (FUSED = 1, run288's kernel, for A/B runs); else an iteration late (FUSED = 2)
+inline bool fused_defer_env() {
+  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DEFER");
+  return env == nullptr || env[0] != '0';
+}
 
 // fused_dq_planned's rule (attention.h)
 inline bool fused_dq_plan(const Params& p) {
@@ -2533,21 +2540,15 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       using Cf = DkdvSm90For<D, 1>;
       const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));
       const dim3 fgrid(fkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-      bool defer = false;  // (D = 128: the deferred dQ^T unless PYKERNELS_CUDA_ATTN_FUSED_DEFER=0, read each call)
-      if constexpr (D == 128) {
-        const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DEFER");
-        defer = env == nullptr || env[0] != '0';
-      }
-      const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * (D / 8);
-      const dim3 cgrid(static_cast<unsigned>((threads + 255) / 256));
-      if (defer) {
+      const bool defer = D == 128 && fused_defer_env();
+      if (defer)
         launch(attn_bwd_sm90_kernel<T, D, M, true, D == 128 ? 2 : 1>, fgrid, Cf::smem(true, true), p, tm, stream,
                Cf::NT);
-        launch(attn_dq_convert_kernel<T, D, D == 128>, cgrid, 0, p, stream, 256);
-      } else {
+      else
         launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Cf::smem(true), p, tm, stream, Cf::NT);
-        launch(attn_dq_convert_kernel<T, D>, cgrid, 0, p, stream, 256);
-      }
+      const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * (D / 8);
+      launch(defer ? attn_dq_convert_kernel<T, D, D == 128> : attn_dq_convert_kernel<T, D>,
+             dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p, stream, 256);
       return;
     }
   }
