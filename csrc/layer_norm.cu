@@ -293,7 +293,8 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
 // the lane's columns (the same in every row it visits) are loaded once, before the rows, where a pack's parameters are
 // one load each (W = T); with fp32 parameters each pack's parameters are loaded where they are used (L1 hits after
 // the first row). (Held at 3 packs a lane, they took the kernel past 128 registers: 24-36 bytes of spill.) No barrier
-// anywhere (warp rows): a warp with no row, or with fewer rows than others, leaves. PYKERNELS_LN_FWD_PERSIST=0 takes ln_fwd_kernel instead (fwd_persist_enabled).
+// anywhere (warp rows): a warp with no row, or with fewer rows than others, leaves. PYKERNELS_LN_FWD_PERSIST=0 takes
+// ln_fwd_kernel instead (fwd_persist_enabled).
 // Where it runs (H200 run272, CUDA-graph replay of the forward, 16384 rows, bf16 against the one-row grid in the same
 // call): N = 512 13.89 -> 12.90 us (86 -> 92.6% of copy), N = 256 equal; at 3 packs a lane it lost as often as it
 // won (N = 768: post-LN -1.5..-3.6%, pre-LN with fp32 parameters and dropout -1..-6%, post-LN with dropout +3%;
