@@ -215,7 +215,7 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
   Tensor dq_acc;
   if (!deterministic && !at::globalContext().deterministicAlgorithms() && attn::fused_dq_planned(p)) {
     // (uninitialised: the pre kernel zeroes it in its pass over the rows, attn_bwd_pre_kernel)
-    dq_acc = at::empty({s.B, s.Hq, s.Sq, attn::dq_acc_cols(p.d)}, q.options().dtype(at::kFloat));
+    dq_acc = at::empty({s.B, s.Hq, attn::dq_acc_cols(p.d) / 64, s.Sq, 64}, q.options().dtype(at::kFloat));
     p.dq_acc = dq_acc.data_ptr<float>();
   }
   dispatch_float_dtype(q.scalar_type(), "pykernels_cuda.attention: query", [&](auto tag) {

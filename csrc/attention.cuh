@@ -1804,17 +1804,17 @@ struct DkdvSm90Cfg {
 // dQ^T's 64 head-dim rows of its half over the block's 128 keys)
 template <int D, int FUSED>
 using DkdvSm90For = DkdvSm90Cfg<D, FUSED ? 64 : 32, FUSED && D == 128 ? 2 : 1>;
-// FUSED = 2 (D = 128, the default since run291; PYKERNELS_CUDA_ATTN_FUSED_DEFER=0 keeps FUSED = 1 for A/B runs): dQ^T
-// an iteration late, so that the two warpgroups need not meet at each iteration. Warpgroup w makes dQ^T of query
-// block i - 1 (its head dims 64 w .., over the block's 128 keys) in iteration i, from the dS tile of block i - 1 (two
-// dS tiles, each handed over by mbarriers: ready once both warpgroups stored their halves, free once both have read
-// it), into a dQ half-tile of its own (64 rows x 64 head dims, 16 KB) added by a bulk reduction of its own: dq_acc in
-// halves, (B, Hq, 2, Sq, 64). The loop has no block barrier (a named barrier a warpgroup, a copy of the lse / delta a
-// warpgroup, mbarriers that free each Q / dO buffer), so one warpgroup may run up to an iteration ahead of the other
-// and its element work beside the other's products; the dQ reductions stay run288's (a 64 x 128 fp32 tile a block
-// and iteration). run291 (H200, 4 x 16 x 2048 causal, bf16): with dropout 747.7 / 749.1 us against FUSED = 1's 772.2
-// in the same call; without dropout (PYKERNELS_CUDA_ATTN_FUSED_DQ=a) 561.1, where the pair had taken 609.4-615.6 in
-// run287-290 (other calls).
+// FUSED = 2 (D = 128; FUSED = 1 is D = 64's): dQ^T an iteration late, so that the two warpgroups need not meet at each
+// iteration. Warpgroup w makes dQ^T of query block i - 1 (its head dims 64 w .., over the block's 128 keys) in
+// iteration i, from the dS tile of block i - 1 (two dS tiles, each handed over by mbarriers: ready once both
+// warpgroups stored their halves, free once both have read it), into a dQ half-tile of its own (64 rows x 64 head
+// dims, 16 KB) added by a bulk reduction of its own into its slice of dq_acc, (B, Hq, 2, Sq, 64). The loop has no
+// block barrier (a named barrier a warpgroup, a copy of the lse / delta a warpgroup, mbarriers that free each Q / dO
+// buffer), so one warpgroup may run up to an iteration ahead of the other and its element work beside the other's
+// products; the dQ reductions stay run288's (a 64 x 128 fp32 tile a block and iteration). run291 (H200, 4 x 16 x 2048
+// causal, bf16): with dropout 747.7 / 749.1 us against 772.2 for dQ^T in its own iteration (run288's kernel, whose
+// warpgroups met at two block barriers an iteration; removed after run292, where it took 774.9 against 754.7 in fp16);
+// run292: without dropout 556.9 / 556.4 against the pair's 608.0 / 611.9.
 
 // Where column c of query row q lives in a row of Params::dq_acc (and of the fused backward's unpadded dQ tile):
 // bits 3-4 of c flipped by bits 1-2 of q, so that the 32 lanes of one store of a wgmma accumulator (rows q = 2 t4 +
@@ -1855,6 +1855,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   constexpr bool DEFER = FUSED == 2;
   static_assert(!FUSED || ((D == 64 || D == 128) && WG == D / 64 && BQ == 64),
                 "the fused dQ: a warpgroup a 64 x 64 wgmma tile");
+  static_assert(FUSED != 1 || D == 64, "FUSED = 1: D = 64 (D = 128 defers dQ^T: FUSED = 2)");
   static_assert(!DEFER || WG == 2, "the deferred dQ^T: D = 128, two warpgroups");
   // K and V: a BN-row tile a warpgroup, back to back (warpgroup w's at + w KBYTES)
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -1971,11 +1972,11 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       wgmma_commit();
     }
   };
-  // (DEFER) a retired dQ^T into this warpgroup's half-tile, then its leader adds the valid rows to dq_acc's half
-  // (after the half-tile's last reduction was read: the leader's bulk_wait_read and a barrier since); j's dS tile is
-  // freed first where ``free_ds``
+  // (FUSED) a retired dQ^T of query block j (head jh, first query jqs) into this warpgroup's tile (D = 128: a half),
+  // then its leader adds the valid rows to its slice of dq_acc (after the tile's last reduction was read: the leader's
+  // bulk_wait_read and a barrier since); (DEFER) j's dS tile is freed first where ``free_ds``
   const auto dqt_out = [&](float (&acc)[BQ / 8][4], int j, int jh, int jqs, bool free_ds) {
-    if constexpr (DEFER) {
+    if constexpr (FUSED) {
       const uint32_t red = sRed + wg * (C::RBYTES / 2);
       fence_acc(acc);
 #pragma unroll
@@ -1989,7 +1990,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       wg_sync();  // (also: every warp's share of j's dQ^T products retired, so the dS tile may be freed)
       if (leader) {
         if (free_ds) mbar_arrive(bar_df + 8 * (j & 1));
-        bulk_add_f32(p.dq_acc + (((static_cast<int64_t>(b) * p.hq + jh) * 2 + wg) * p.sq + jqs) * 64, red,
+        bulk_add_f32(p.dq_acc + (((static_cast<int64_t>(b) * p.hq + jh) * WG + wg) * p.sq + jqs) * 64, red,
                      static_cast<uint32_t>(min(BQ, s.sq - jqs)) * 64 * 4);
       }
     }
@@ -2054,63 +2055,37 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       // 8 j + m giving the address of matrix j's row m (a query; 8 keys, 16 bytes): two instructions a k-step pair
       // where an element store each (and its address) took 16
       const int j = lane >> 3, m = lane & 7;
-      if constexpr (DEFER) {
-        // dS into tile u once both warpgroups have read it (dQ^T of block it - 2, in their last iteration), then this
-        // warpgroup's half of it is ready; dQ^T of block it - 1 runs with dK's products
-        if (it >= 2) mbar_wait(bar_df + 8 * u, ((it - 2) >> 1) & 1);
-        const uint32_t ds = sDS + (u * WG + wg) * C::DSBYTES;
+      // DEFER: dS into tile u once both warpgroups have read it (dQ^T of block it - 2, in their last iteration), then
+      // this warpgroup's half of it is ready; dQ^T of block it - 1 runs with dK's products. Else (D = 64) dQ^T of
+      // this block, from the one dS tile
+      if (DEFER && it >= 2) mbar_wait(bar_df + 8 * u, ((it - 2) >> 1) & 1);
+      const uint32_t ds = sDS + ((DEFER ? u * WG : 0) + wg) * C::DSBYTES;
 #pragma unroll
-        for (int kt = 0; kt < BQ / 16; ++kt)
-          stmatrix_x4_trans(ds + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
-        fence_async_smem();
-        wg_sync();
-        if (leader) mbar_arrive(bar_dr + 8 * u);
-        float dqt[BQ / 8][4];
-        fence_acc(dk);
+      for (int kt = 0; kt < BQ / 16; ++kt)
+        stmatrix_x4_trans(ds + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
+      fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
+      wg_sync();
+      if (DEFER && leader) mbar_arrive(bar_dr + 8 * u);
+      float dqt[BQ / 8][4];
+      fence_acc(dk);
+      if constexpr (DEFER) {
         dqt_issue(dqt, it - 1);
         wgmma_fence();
-#pragma unroll
-        for (int kt = 0; kt < BQ / 16; ++kt)
-          wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
-        wgmma_commit();
-        wgmma_wait<1>();  // (dV's, and dQ^T's)
-        fence_acc(pz);
-        if (it >= 1) dqt_out(dqt, it - 1, ph, pqs, true);
       } else {
-#pragma unroll
-        for (int kt = 0; kt < BQ / 16; ++kt)
-          stmatrix_x4_trans(
-              sDS + wg * C::DSBYTES + sw128_offset(BQ, 16 * kt + (j >> 1) * 8 + m, warp * 16 + (j & 1) * 8), ps[kt]);
-        fence_async_smem();  // (the generic proxy's stores, read by wgmma's async proxy)
-        __syncthreads();
-        // dQ^T of the query block (head-dim rows, query columns): warpgroup wg's 64-row tile, head dims 64 wg ..,
-        // over the block's WG * BN keys
-        float dqt[BQ / 8][4];
-        fence_acc(dk);
         wgmma_fence();
         dqt_products(dqt, sDS);
         wgmma_commit();
+      }
 #pragma unroll
-        for (int kt = 0; kt < BQ / 16; ++kt)
-          wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
-        wgmma_commit();
-        wgmma_wait<1>();  // (dV's and dQ^T's)
-        fence_acc(pz);
-        // dQ^T (unscaled) into the dQ tile in dq_acc's row layout (qs is a multiple of 64, so q's swizzle is its row's)
-        fence_acc(dqt);
-#pragma unroll
-        for (int i = 0; i < BQ / 8; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = wg * 64 + warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
-            st_shared_f32(sRed + (q * D + dq_col(q, c)) * 4, dqt[i][e]);
-          }
-        // dQ += the tile: thread 0 adds its valid rows (one contiguous run of dq_acc) by a bulk reduction
-        fence_async_smem();  // (the generic proxy's stores, read by the bulk copy's async proxy)
-        __syncthreads();
-        if (tid == 0)
-          bulk_add_f32(p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + qs) * D, sRed,
-                       static_cast<uint32_t>(min(BQ, s.sq - qs)) * D * 4);
+      for (int kt = 0; kt < BQ / 16; ++kt)
+        wgmma_rs<T, D>(dk, ps[kt], gmma_desc<BQ * 128, 1024>(q_base, kt * 16 * 128));
+      wgmma_commit();
+      wgmma_wait<1>();  // (dV's and dQ^T's)
+      fence_acc(pz);
+      if constexpr (DEFER) {
+        if (it >= 1) dqt_out(dqt, it - 1, ph, pqs, true);
+      } else {
+        dqt_out(dqt, it, h, qs, false);
       }
     } else {  // dV += P^T Z dO and dK += dS^T Q, interleaved
       fence_acc(dk);
@@ -2173,8 +2148,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 // (FlashAttention-3's dQ path). D = 64: one warpgroup of 64 keys, three blocks an SM at 168 registers. D = 128 (since
 // run288): two warpgroups of 64 keys each (128 keys a block, one block an SM at 254-255 registers, 177 KB of shared
 // memory) share each query block's Q and dO tiles; warpgroup w makes dQ^T's head dims 64 w .. over the block's 128
-// keys (K's region w of both warpgroups' tiles, both halves of the dS tile); since run291 an iteration late by
-// default (FUSED = 2, DkdvSm90For's note). On one warpgroup of 64 keys and 32-query
+// keys (K's region w of both warpgroups' tiles, both halves of the dS tile); since run291 an iteration late
+// (FUSED = 2, DkdvSm90For's note), with or without dropout since run292. On one warpgroup of 64 keys and 32-query
 // iterations (two blocks an SM at 233-239 registers, dQ^T as two 64-row tiles) it had taken 806.6-823.2 us against the
 // pair's 843.4-848.1 with dropout and 747.3-756.9 against 610.1-615.6 without (run287); on two, 773.5 against 842.7
 // and 613.2 against 614.0 (run288; cuDNN with dropout 530.1, H200, 4 x 16 x 2048 causal).
@@ -2479,9 +2454,9 @@ void launch_forward(const Params& p, cudaStream_t stream) {
 }
 
 // The fused backward's last step: dQ = scale * dq_acc in dQ's dtype and strides (8 columns a thread, 16-byte stores:
-// dQ is allocated with 16-byte aligned rows); COLS dq_acc's row (dq_acc_cols)
-// (HALVES: dq_acc as (B, Hq, 2, Sq, 64), the deferred fused backward's at D = 128)
-template <typename T, int COLS, bool HALVES = false>
+// dQ is allocated with 16-byte aligned rows); COLS = dq_acc_cols: dq_acc is (B, Hq, COLS / 64, Sq, 64), a slice of 64
+// head dims a warpgroup of the fused kernel (attention.h)
+template <typename T, int COLS>
 __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   constexpr int TPR = COLS / 8;  // threads a row
   const int64_t t = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x, row = t / TPR;
@@ -2490,8 +2465,7 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   const int i = static_cast<int>(row % p.sq), h = static_cast<int>((row / p.sq) % p.hq);
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.sq) * p.hq));
   // (i: the row in its head)
-  const float* base = HALVES ? p.dq_acc + (((row - i) * 2 + (c >> 6) * p.sq) + i) * 64 + dq_col(i, c & 63)
-                             : p.dq_acc + row * COLS + dq_col(i, c);
+  const float* base = p.dq_acc + (((row - i) * (COLS / 64) + (c >> 6) * p.sq) + i) * 64 + dq_col(i, c & 63);
   const float4* src = reinterpret_cast<const float4*>(base);
   const float4 x = src[0], y = src[1];
   uint4 v;
@@ -2502,26 +2476,20 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh + i * p.dq_ss + c) = v;
 }
 
-// PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; 'a' the fused backward always (where it
-// applies); unset: the fused backward at D <= 64 with or without dropout (without dropout 1.07-1.11x the pair,
-// run286-288), and at 64 < D <= 128 with dropout only (1.09x the pair with dropout; level without, 613.2 against
-// 614.0 us, where the pair is reproducible bit for bit: run288)
+// PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; else the fused backward wherever it applies
+// (Hopper, sm_90a build, dense inputs, D <= 128), with or without dropout: at D <= 64 1.07-1.11x the pair without
+// dropout (run286-288); at D = 128 (dQ^T an iteration late) 1.13x the pair with dropout and 1.09-1.22x without
+// (run292: 4 x 16 x 2048 causal 556.9 / 556.4 us against 608.0 / 611.9, 4 x 16 x 4096 3225.2 / 3220.7 against
+// 3931.8 / 3960.0, 1 x 16 x 8192 causal 1790.9 / 1777.0 against 2096.0 / 2118.8). ('a', which took it at D = 128
+// without dropout before run292, is the default's synonym.)
 inline char fused_dq_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DQ");
   return env != nullptr ? env[0] : 0;
 }
-// PYKERNELS_CUDA_ATTN_FUSED_DEFER (read each call): '0' the fused backward at D = 128 makes each query block's dQ^T
-// in its own iteration (FUSED = 1, run288's kernel, for A/B runs); else an iteration late (FUSED = 2)
-inline bool fused_defer_env() {
-  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DEFER");
-  return env == nullptr || env[0] != '0';
-}
 
 // fused_dq_planned's rule (attention.h)
 inline bool fused_dq_plan(const Params& p) {
-  const char env = fused_dq_env();
-  if (env == '0' || (env != 'a' && p.d > 64 && !(p.p_drop > 0.f))) return false;
-  return p.cu_q == nullptr && p.d <= 128 && tma_env() != '0' && plan_of(p).sm90;
+  return fused_dq_env() != '0' && p.cu_q == nullptr && p.d <= 128 && tma_env() != '0' && plan_of(p).sm90;
 }
 
 template <int D, typename T, int M>
@@ -2540,15 +2508,11 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       using Cf = DkdvSm90For<D, 1>;
       const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));
       const dim3 fgrid(fkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-      const bool defer = D == 128 && fused_defer_env();
-      if (defer)
-        launch(attn_bwd_sm90_kernel<T, D, M, true, D == 128 ? 2 : 1>, fgrid, Cf::smem(true, true), p, tm, stream,
-               Cf::NT);
-      else
-        launch(attn_bwd_sm90_kernel<T, D, M, true, 1>, fgrid, Cf::smem(true), p, tm, stream, Cf::NT);
+      constexpr int FUSED = D == 128 ? 2 : 1;  // (D = 128: dQ^T an iteration late)
+      launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
       const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * (D / 8);
-      launch(defer ? attn_dq_convert_kernel<T, D, D == 128> : attn_dq_convert_kernel<T, D>,
-             dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p, stream, 256);
+      launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p,
+             stream, 256);
       return;
     }
   }

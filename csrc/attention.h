@@ -52,8 +52,8 @@ struct Params {
                            // padding after causal, so the struct's size is unchanged)
   float p_drop, inv_keep;
   const int64_t* seed;      // the dropout seed, (1,) int64 in device memory (philox.cuh's drop_seed_init)
-  float* dq_acc;            // backward: the fused kernel's dQ sums, (B, Hq, Sq, dq_acc_cols(d)) fp32, zeroed by the pre
-                            // kernel (nullptr: the pair; fused_dq_planned)
+  float* dq_acc;            // backward: the fused kernel's dQ sums, fp32 (B, Hq, dq_acc_cols(d) / 64, Sq, 64) (a slice
+                            // of 64 head dims a warpgroup), zeroed by the pre kernel (nullptr: the pair; fused_dq_planned)
 };
 
 // o and lse (Params::out, Params::lse) from q, k, v on ``stream``; T is __half or __nv_bfloat16
@@ -63,10 +63,9 @@ void launch_forward(const Params& p, cudaStream_t stream);
 template <typename T>
 void launch_backward(const Params& p, cudaStream_t stream);
 // Whether launch_backward would run the fused backward for p (dQ added into Params::dq_acc by bulk reductions, no dQ
-// blocks; fp16 or bf16): Hopper from an sm_90a build, dense inputs, head dim <= 64, or <= 128 with dropout,
-// PYKERNELS_CUDA_ATTN_FUSED_DQ not '0' ('a': every head dim <= 128 with or without dropout). The caller allocates
-// dq_acc (uninitialised: launch_backward's pre kernel zeroes it) where it is true, and leaves it nullptr where the
-// backward must be reproducible bit for bit (the reductions' order varies)
+// blocks; fp16 or bf16): Hopper from an sm_90a build, dense inputs, head dim <= 128, PYKERNELS_CUDA_ATTN_FUSED_DQ
+// not '0'. The caller allocates dq_acc (uninitialised: launch_backward's pre kernel zeroes it) where it is true, and
+// leaves it nullptr where the backward must be reproducible bit for bit (the reductions' order varies)
 bool fused_dq_planned(const Params& p);
 
 extern template void launch_forward<__half>(const Params&, cudaStream_t);

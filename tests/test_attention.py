@@ -1888,21 +1888,18 @@ def test_gpu_cuda_fused_backward_fp16_and_a_bulk_reduction_at_a_tail(monkeypatch
 
 @pytest.mark.gpu
 @needs_cuda_ext
-@pytest.mark.parametrize("env", ["a", None])
-@pytest.mark.parametrize("d,hkv,causal,mask,defer", [
-    (64, 4, False, None, None), (64, 2, True, None, None), (40, 4, False, "keys", None), (64, 1, True, "any", None),
-    (128, 4, True, None, None), (96, 2, False, "keys", None), (128, 1, False, "any", None),
-    (128, 4, True, None, "0"), (96, 2, False, "keys", "0"), (128, 1, False, "any", "0")])
-def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask, defer):
+@pytest.mark.parametrize("p", [0.15, 0.0])
+@pytest.mark.parametrize("d,hkv,causal,mask", [
+    (64, 4, False, None), (64, 2, True, None), (40, 4, False, "keys"), (64, 1, True, "any"),
+    (128, 4, True, None), (96, 2, False, "keys"), (128, 1, False, "any")])
+def test_gpu_cuda_fused_backward(monkeypatch, p, d, hkv, causal, mask):
     """The C++ backward's fused kernel (Hopper, sm_90a build, dense inputs, D <= 128): the dK/dV blocks add dQ = dS K
     into an fp32 buffer (K^T dS^T on wgmma, dS through shared memory), then one kernel converts it; no dQ
-    blocks. Taken with or without dropout at D <= 64 and with dropout at D <= 128 (PYKERNELS_CUDA_ATTN_FUSED_DQ
-    unset), always ('a'), never with deterministic=True or '0'; dQ goes through a tile in shared memory, added by bulk
-    reductions. D = 128: dQ^T an iteration late (FUSED = 2) unless PYKERNELS_CUDA_ATTN_FUSED_DEFER=0 (FUSED = 1).
-    Output and gradients against the references (with the kernels' dropout mask), odd lengths, GQA, masks."""
-    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DQ", env)
-    # (D = 128: dQ^T an iteration late, FUSED = 2, unless '0': FUSED = 1)
-    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DEFER", defer)
+    blocks. Taken with or without dropout (PYKERNELS_CUDA_ATTN_FUSED_DQ unset, or 'a', its synonym), never with
+    deterministic=True or '0'; dQ goes through a tile in shared memory, added by bulk reductions. D = 64 (FUSED = 1):
+    dQ^T in its own iteration; D = 128 (FUSED = 2, D = 96 too): an iteration late. Output and gradients against the
+    references (with the kernels' dropout mask), odd lengths, GQA, masks."""
+    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
     b, hq, s = 2, 4, 203
     q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")
     m = None
@@ -1912,7 +1909,6 @@ def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask, defer):
         m[1, ..., :30] = False
     elif mask == "any":
         m = torch.rand(b, 1, s, s, device="cuda") > 0.3
-    p = 0.0 if env == "a" else 0.15
     torch.manual_seed(3)
     seed = new_seed(q.device)
     dmask = attention_dropout_mask(seed, b, hq, s, s, p, "cuda") if p else None
@@ -1924,33 +1920,30 @@ def test_gpu_cuda_fused_backward(monkeypatch, env, d, hkv, causal, mask, defer):
                        out=out)
     if not _sm90a_device():
         return
-    fused = [n for n in _fused_bwd_kernels(call) if "attn_bwd_sm90_kernel" in n or "attn_dq_convert" in n]
-    tail = ", true, 2>" if d > 64 and defer != "0" else FUSED_BWD
-    assert len(fused) == 2 and tail in fused[0] and "attn_dq_convert_kernel" in fused[1], fused
+    tail = ", true, 2>" if d > 64 else FUSED_BWD
+    for env in (None, "a"):
+        _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DQ", env)
+        fused = [n for n in _fused_bwd_kernels(call) if "attn_bwd_sm90_kernel" in n or "attn_dq_convert" in n]
+        assert len(fused) == 2 and tail in fused[0] and "attn_dq_convert_kernel" in fused[1], (env, fused)
     for kw in (dict(deterministic=True), dict()):  # the pair: deterministic, or the switch off
         if not kw:
             monkeypatch.setenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", "0")
         names = _fused_bwd_kernels(lambda: call(**kw))
         assert not any("attn_dq_convert" in n or ", true, 1>" in n or ", true, 2>" in n for n in names), (kw, names)
-    if d > 64:  # 64 < D <= 128 without dropout: the pair unless the switch says 'a' (level there, and reproducible)
-        monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
-        names = _fused_bwd_kernels(lambda: sdpa(q, k, v, m, is_causal=causal, enable_gqa=hkv != hq, backend="cuda"))
-        assert not any("attn_dq_convert" in n for n in names), names
 
 
 @pytest.mark.gpu
 @needs_cuda_ext
-@pytest.mark.parametrize("defer", [None, "0"])
-def test_gpu_cuda_fused_backward_d128_long(monkeypatch, defer):
+@pytest.mark.parametrize("p", [0.1, 0.0])
+def test_gpu_cuda_fused_backward_d128_long(monkeypatch, p):
     """The fused backward at D = 128 over many query blocks a key block (S = 1000: 16 query blocks a head, two heads a
-    key block, up to 32 iterations, so each Q / dO buffer, each dS tile and, deferred, each mbarrier that hands them
-    over turns over several times), causal with dropout, against the reference with the kernels' mask."""
+    key block, up to 32 iterations, so each Q / dO buffer, each dS tile and each mbarrier that hands them over turns
+    over several times), causal with and without dropout, against the reference with the kernels' mask."""
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
-    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DEFER", defer)
-    b, hq, s, d, p = 2, 4, 1000, 128, 0.1
+    b, hq, s, d = 2, 4, 1000, 128
     q, k, v = _inputs((b, hq, s, d), (b, 2, s, d), (b, 2, s, d), BF16, "cuda")
     torch.manual_seed(5)
-    dmask = attention_dropout_mask(new_seed(q.device), b, hq, s, s, p, "cuda")
+    dmask = attention_dropout_mask(new_seed(q.device), b, hq, s, s, p, "cuda") if p else None
     torch.manual_seed(5)
     out = sdpa(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True, backend="cuda")
     _check_against_ref(q, k, v, causal=True, dropout_p=p, dropout_mask=dmask, enable_gqa=True, out=out)
@@ -1958,15 +1951,14 @@ def test_gpu_cuda_fused_backward_d128_long(monkeypatch, defer):
 
 @pytest.mark.gpu
 @needs_cuda_ext
-@pytest.mark.parametrize("d,sq,sk,causal,p,defer", [
-    (64, 150, 333, False, 0.0, None), (64, 333, 150, True, 0.1, None), (128, 150, 333, True, 0.1, None),
-    (128, 1000, 77, False, 0.1, None), (128, 150, 333, True, 0.1, "0"), (128, 1000, 77, False, 0.1, "0")])
-def test_gpu_cuda_fused_backward_cross(monkeypatch, d, sq, sk, causal, p, defer):
+@pytest.mark.parametrize("d,sq,sk,causal,p", [
+    (64, 150, 333, False, 0.0), (64, 333, 150, True, 0.1), (128, 150, 333, True, 0.1), (128, 1000, 77, False, 0.1),
+    (128, 333, 150, True, 0.0)])
+def test_gpu_cuda_fused_backward_cross(monkeypatch, d, sq, sk, causal, p):
     """The fused backward with Sq != Sk (causal aligned top-left, as torch): its key blocks (64 keys at D = 64, 128 on
     two warpgroups at D = 128) against query blocks of another length, with and without dropout, against the
     reference; the fused kernel is the one that ran."""
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
-    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DEFER", defer)
     b, hq, hkv = 2, 4, 2
     q, k, v = _inputs((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), BF16, "cuda")
     torch.manual_seed(7)
@@ -1977,7 +1969,7 @@ def test_gpu_cuda_fused_backward_cross(monkeypatch, d, sq, sk, causal, p, defer)
     _check_against_ref(q, k, v, causal=causal, dropout_p=p, dropout_mask=dmask, enable_gqa=True, out=out)
     if _sm90a_device():
         names = _fused_bwd_kernels(call)
-        tail = ", true, 2>" if d > 64 and defer != "0" else FUSED_BWD
+        tail = ", true, 2>" if d > 64 else FUSED_BWD
         assert any(tail in n for n in names) and any("attn_dq_convert" in n for n in names), names
 
 
