@@ -1330,6 +1330,32 @@ __device__ __forceinline__ void dst_rows(const Params& p, float (&st)[BQ / 8][4]
   });
 }
 
+// dst_rows' first half (the deferred fused backward, whose dP^T products are still running): st holds S^T and becomes
+// P^T (masked, no dropout), keep the dropout's keep bits of each n-tile pair (bit 4 u + e of keep[n2 / 2]: element e
+// of n-tile n2 + u; 0xFF without dropout)
+template <int BQ, int MODE>
+__device__ __forceinline__ void pt_rows(const Params& p, float (&st)[BQ / 8][4], uint32_t (&keep)[BQ / 16], int b,
+                                        int h, const int (&key)[2], int qs, const Seq& s, bool edge,
+                                        const float (&kb)[2], const float* sL, int t4) {
+  static_assert(BQ % 16 == 0, "the dropout's octet draws n-tiles in pairs");
+  with_flag(p.p_drop > 0.f, [&](auto drop) {
+    const DropRows d = drop_rows(p, b, h);
+    const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int n2 = 0; n2 < BQ / 8; n2 += 2) {
+      keep[n2 / 2] = decltype(drop)::value ? key_keep_bits<true>(p, d, key, qs, n2, t4, g) : 0xFFu;
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int nt = n2 + u, il = nt * 8 + 2 * t4 + (e & 1);
+          st[nt][e] = exp2f(score<MODE>(p, st[nt][e], b, h, qs + il, key[e >> 1], s.sq, s.sk, edge, kb[e >> 1]) -
+                            sL[il]);
+        }
+    }
+  });
+}
+
 // delta = rowsum(dO * O) in fp32: L lanes a row (a 16-byte pack each; L 8 / 16 / 32 for D <= 64 / 128 / 256), each
 // warp 16 rows, up to 4 of a lane's rows loaded at once (a warp a row, one load at a time, ran at half the card's
 // bandwidth: 34 us of the BERT-base backward's 349, run225)
@@ -1588,6 +1614,17 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
 // FlashAttention-3's producer warp, ping-pong and dQ by atomics in the dK/dV blocks (two GEMMs of seven fewer) are
 // what is left.
 #if defined(PK_WGMMA)
+// One product over the head dim, issued (not committed): acc = A B^T, N columns (as wgmma_two_ss)
+template <typename T, int N, int D, int RA, int RB>
+__device__ __forceinline__ void wgmma_one_ss(float (&acc)[N / 8][4], uint32_t a, uint32_t b) {
+#pragma unroll
+  for (int kt = 0; kt < D / 16; ++kt) {
+    const uint32_t col = kt >> 2, kk = (kt & 3) * 32u;
+    const uint64_t da = gmma_desc<16, 1024>(a, col * RA * 128 + kk), db = gmma_desc<16, 1024>(b, col * RB * 128 + kk);
+    if (kt == 0) wgmma_ss_first<T, N>(acc, da, db);
+    else wgmma_ss<T, N>(acc, da, db);
+  }
+}
 // The backward's two products over the head dim, issued (not committed): acc1 = A1 B1^T and acc2 = A2 B2^T, N columns
 // each (S and dP in the dQ blocks, their transposes in the dK/dV blocks). The A tiles have RA rows, the B tiles RB,
 // each in the swizzled 128-byte rows of load_tile_sw128 (64-column chunks R * 128 bytes apart); D / 16 k-steps, the
@@ -1852,7 +1889,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
                                                     int hk, int b) {
   using C = DkdvSm90For<D, FUSED>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT, WG = C::WG;
-  constexpr bool DEFER = FUSED == 2;
+  constexpr bool DEFER = FUSED >= 2, SPLIT = FUSED == 2;  // (A/B: FUSED = 3 the deferred kernel unsplit)
   static_assert(!FUSED || ((D == 64 || D == 128) && WG == D / 64 && BQ == 64),
                 "the fused dQ: a warpgroup a 64 x 64 wgmma tile");
   static_assert(FUSED != 1 || D == 64, "FUSED = 1: D = 64 (D = 128 defers dQ^T: FUSED = 2)");
@@ -2026,30 +2063,84 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     wg_sync();  // (and the block's lse and delta)
     const uint32_t q_base = sQ + u * C::QBYTES, o_base = sO + u * C::QBYTES;
     float st[BQ / 8][4], dpt[BQ / 8][4];
-    wgmma_fence();
-    wgmma_two_ss<T, BQ, D, BN, BQ>(st, dpt, sKw, q_base, sVw, o_base);  // S^T = K Q^T, dP^T = V dO^T
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_acc(st);
-    fence_acc(dpt);
-    const bool edge = p.causal && qs < kw + BN - 1;
-    with_flag(edge, [&](auto e) {  // dS^T, P^T Z
-      dst_rows<BQ, MODE, true>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL[sw][u], sD[sw][u], t4);
-    });
     uint32_t ps[BQ / 16][4], pz[BQ / 16][4];
+    if constexpr (SPLIT) {
+      // S^T's and dP^T's products in two commit groups: P^T (and the dropout's keep bits) forms while dP^T's run,
+      // then dV's products (P^T Z dO) are issued, and dS^T forms while they run (FlashAttention-3's overlap within a
+      // warpgroup; the pair of groups waited together left the element work beside the other warpgroup's only)
+      wgmma_fence();
+      wgmma_one_ss<T, BQ, D, BN, BQ>(st, sKw, q_base);  // S^T = K Q^T
+      wgmma_commit();
+      wgmma_one_ss<T, BQ, D, BN, BQ>(dpt, sVw, o_base);  // dP^T = V dO^T
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_acc(st);
+      uint32_t keep[BQ / 16];
+      const bool edge = p.causal && qs < kw + BN - 1;
+      with_flag(edge, [&](auto e) {  // P^T
+        pt_rows<BQ, MODE>(p, st, keep, b, h, key, qs, s, decltype(e)::value, kb, sL[sw][u], t4);
+      });
+      with_flag(p.p_drop > 0.f, [&](auto drop) {  // P^T Z, dV's A operand
 #pragma unroll
-    for (int kt = 0; kt < BQ / 16; ++kt) {
-      acc_to_a<T>(ps[kt], st[2 * kt], st[2 * kt + 1]);
-      acc_to_a<T>(pz[kt], dpt[2 * kt], dpt[2 * kt + 1]);
-    }
-    if constexpr (FUSED) {
-      // dV's products (P^T Z dO) run while dS goes to its tile, then dQ^T = K^T dS^T's, then dK's (dS^T Q), which run
-      // while dQ^T's tile is written and handed to the bulk reduction
+        for (int kt = 0; kt < BQ / 16; ++kt) {
+          float a[2][4];
+#pragma unroll
+          for (int v = 0; v < 2; ++v)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              a[v][e] = decltype(drop)::value ? ((keep[kt] >> (4 * v + e)) & 1u ? st[2 * kt + v][e] * p.inv_keep : 0.f)
+                                              : st[2 * kt + v][e];
+          acc_to_a<T>(pz[kt], a[0], a[1]);
+        }
+      });
       fence_acc(dv);
       wgmma_fence();
 #pragma unroll
       for (int kt = 0; kt < BQ / 16; ++kt) wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base, kt * 16 * 128));
       wgmma_commit();
+      wgmma_wait<1>();  // (dP^T's)
+      fence_acc(dpt);
+      with_flag(p.p_drop > 0.f, [&](auto drop) {  // dS^T = P^T (dP^T Z - delta)
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int il = nt * 8 + 2 * t4 + (e & 1);
+            const float z = decltype(drop)::value ? ((keep[nt >> 1] >> (4 * (nt & 1) + e)) & 1u ? p.inv_keep : 0.f)
+                                                  : 1.f;
+            st[nt][e] *= dpt[nt][e] * z - sD[sw][u][il];
+          }
+      });
+#pragma unroll
+      for (int kt = 0; kt < BQ / 16; ++kt) acc_to_a<T>(ps[kt], st[2 * kt], st[2 * kt + 1]);
+    } else {
+      wgmma_fence();
+      wgmma_two_ss<T, BQ, D, BN, BQ>(st, dpt, sKw, q_base, sVw, o_base);  // S^T = K Q^T, dP^T = V dO^T
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_acc(st);
+      fence_acc(dpt);
+      const bool edge = p.causal && qs < kw + BN - 1;
+      with_flag(edge, [&](auto e) {  // dS^T, P^T Z
+        dst_rows<BQ, MODE, true>(p, st, dpt, b, h, key, qs, s, decltype(e)::value, kb, sL[sw][u], sD[sw][u], t4);
+      });
+#pragma unroll
+      for (int kt = 0; kt < BQ / 16; ++kt) {
+        acc_to_a<T>(ps[kt], st[2 * kt], st[2 * kt + 1]);
+        acc_to_a<T>(pz[kt], dpt[2 * kt], dpt[2 * kt + 1]);
+      }
+    }
+    if constexpr (FUSED) {
+      // dV's products (P^T Z dO) run while dS goes to its tile (DEFER: issued above), then dQ^T = K^T dS^T's, then
+      // dK's (dS^T Q), which run while dQ^T's tile is written and handed to the bulk reduction
+      if constexpr (!SPLIT) {
+        fence_acc(dv);
+        wgmma_fence();
+#pragma unroll
+        for (int kt = 0; kt < BQ / 16; ++kt)
+          wgmma_rs<T, D>(dv, pz[kt], gmma_desc<BQ * 128, 1024>(o_base, kt * 16 * 128));
+        wgmma_commit();
+      }
       // dS (ps) into the dS tile: query rows, keys along a row. ps[kt] holds four 8 x 8 matrices (keys 0-7 / 8-15 of
       // the warp by queries 0-7 / 8-15 of the k-step, in that order); stmatrix .trans stores each transposed, lane
       // 8 j + m giving the address of matrix j's row m (a query; 8 keys, 16 bytes): two instructions a k-step pair
@@ -2487,6 +2578,12 @@ inline char fused_dq_env() {
   return env != nullptr ? env[0] : 0;
 }
 
+// (A/B, temporary) PYKERNELS_CUDA_ATTN_FUSED_SPLIT=0: the D = 128 kernel with S^T's and dP^T's products waited together
+inline bool split_env_off() {
+  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_SPLIT");
+  return env != nullptr && env[0] == '0';
+}
+
 // fused_dq_planned's rule (attention.h)
 inline bool fused_dq_plan(const Params& p) {
   return fused_dq_env() != '0' && p.cu_q == nullptr && p.d <= 128 && tma_env() != '0' && plan_of(p).sm90;
@@ -2509,7 +2606,11 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));
       const dim3 fgrid(fkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
       constexpr int FUSED = D == 128 ? 2 : 1;  // (D = 128: dQ^T an iteration late)
-      launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
+      if (D == 128 && split_env_off())
+        launch(attn_bwd_sm90_kernel<T, D, M, true, D == 128 ? 3 : 1>, fgrid, Cf::smem(true, true), p, tm, stream,
+               Cf::NT);
+      else
+        launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
       const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * (D / 8);
       launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p,
              stream, 256);
