@@ -1852,6 +1852,12 @@ using DkdvSm90For = DkdvSm90Cfg<D, FUSED ? 64 : 32, FUSED && D == 128 ? 2 : 1>;
 // causal, bf16): with dropout 747.7 / 749.1 us against 772.2 for dQ^T in its own iteration (run288's kernel, whose
 // warpgroups met at two block barriers an iteration; removed after run292, where it took 774.9 against 754.7 in fp16);
 // run292: without dropout 556.9 / 556.4 against the pair's 608.0 / 611.9.
+// Since run294 S^T's and dP^T's products are two commit groups: P^T and the dropout's keep bits (pt_rows) form while
+// dP^T's run, dV's products are issued, and dS^T forms while they run. run294 (H200, bf16, dropout 0.1, two rounds):
+// 4 x 16 x 2048 causal 700.9 / 699.3 us against 750.8 / 746.5 waited together (fp16 698.3 against 749.6), 4 x 16 x
+// 4096 4182.6 / 4185.2 against 4512.6 / 4515.3 (cuDNN 530-533 and 3273-3284: 0.71 -> 0.76x and 0.73 -> 0.78x);
+// without dropout 566.0 / 568.2 against 561.8 / 560.8 and 3297.3 / 3284.9 against 3247.2 / 3239.0 (1-1.5% slower,
+// kept: one kernel, and auto takes the Triton backward there).
 
 // Where column c of query row q lives in a row of Params::dq_acc (and of the fused backward's unpadded dQ tile):
 // bits 3-4 of c flipped by bits 1-2 of q, so that the 32 lanes of one store of a wgmma accumulator (rows q = 2 t4 +
@@ -1889,7 +1895,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
                                                     int hk, int b) {
   using C = DkdvSm90For<D, FUSED>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT, WG = C::WG;
-  constexpr bool DEFER = FUSED >= 2, SPLIT = FUSED == 2;  // (A/B: FUSED = 3 the deferred kernel unsplit)
+  constexpr bool DEFER = FUSED == 2;
   static_assert(!FUSED || ((D == 64 || D == 128) && WG == D / 64 && BQ == 64),
                 "the fused dQ: a warpgroup a 64 x 64 wgmma tile");
   static_assert(FUSED != 1 || D == 64, "FUSED = 1: D = 64 (D = 128 defers dQ^T: FUSED = 2)");
@@ -2064,7 +2070,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     const uint32_t q_base = sQ + u * C::QBYTES, o_base = sO + u * C::QBYTES;
     float st[BQ / 8][4], dpt[BQ / 8][4];
     uint32_t ps[BQ / 16][4], pz[BQ / 16][4];
-    if constexpr (SPLIT) {
+    if constexpr (DEFER) {
       // S^T's and dP^T's products in two commit groups: P^T (and the dropout's keep bits) forms while dP^T's run,
       // then dV's products (P^T Z dO) are issued, and dS^T forms while they run (FlashAttention-3's overlap within a
       // warpgroup; the pair of groups waited together left the element work beside the other warpgroup's only)
@@ -2133,7 +2139,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     if constexpr (FUSED) {
       // dV's products (P^T Z dO) run while dS goes to its tile (DEFER: issued above), then dQ^T = K^T dS^T's, then
       // dK's (dS^T Q), which run while dQ^T's tile is written and handed to the bulk reduction
-      if constexpr (!SPLIT) {
+      if constexpr (!DEFER) {
         fence_acc(dv);
         wgmma_fence();
 #pragma unroll
@@ -2578,12 +2584,6 @@ inline char fused_dq_env() {
   return env != nullptr ? env[0] : 0;
 }
 
-// (A/B, temporary) PYKERNELS_CUDA_ATTN_FUSED_SPLIT=0: the D = 128 kernel with S^T's and dP^T's products waited together
-inline bool split_env_off() {
-  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_SPLIT");
-  return env != nullptr && env[0] == '0';
-}
-
 // fused_dq_planned's rule (attention.h)
 inline bool fused_dq_plan(const Params& p) {
   return fused_dq_env() != '0' && p.cu_q == nullptr && p.d <= 128 && tma_env() != '0' && plan_of(p).sm90;
@@ -2606,11 +2606,7 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));
       const dim3 fgrid(fkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
       constexpr int FUSED = D == 128 ? 2 : 1;  // (D = 128: dQ^T an iteration late)
-      if (D == 128 && split_env_off())
-        launch(attn_bwd_sm90_kernel<T, D, M, true, D == 128 ? 3 : 1>, fgrid, Cf::smem(true, true), p, tm, stream,
-               Cf::NT);
-      else
-        launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
+      launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
       const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * (D / 8);
       launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p,
              stream, 256);
