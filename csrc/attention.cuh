@@ -12,8 +12,8 @@
 //             S's accumulator registers as the A operand (the m16n8 accumulator layout of two n-tiles is the
 //             m16k16 A layout). K and V are single-buffered but loaded asynchronously: the next K block is in
 //             flight while P V runs and the next V block while the next S runs. Saves lse (natural log, fp32).
-//   backward: three kernels, no atomics (bitwise reproducible; on Hopper at D <= 64, and at D <= 128 with dropout,
-//             the fused kernel below instead, whose dQ is summed by bulk reductions):
+//   backward: three kernels, no atomics (bitwise reproducible; on Hopper at D <= 128 the fused kernel below
+//             instead, whose dQ is summed by bulk reductions, unless the backward must be deterministic):
 //             pre  : delta = rowsum(dO * O) (fp32), one warp a row;
 //             dK/dV: a block per (64 keys, kv head, batch; and a half of the head dim above D = 128, where the
 //                    two accumulators would not fit in registers), looping over the query heads of its group
