@@ -1299,60 +1299,59 @@ __device__ __forceinline__ void ds_rows(const Params& p, float (&sc)[BC / 8][4],
     }
   });
 }
-// dS^T and P^T Z on a key-row tile (the dK/dV kernels; queries qs .., keys key[0], key[1] of the thread with their
-// key addends kb; sL, sD the queries' lse in log2 units and delta): st holds S^T and becomes dS^T, dpt holds dP^T
-// and becomes P^T Z (for dV); MODE the mask's (kb is read with kModeKeys)
+// The element walk of a key-row tile (the dK/dV kernels; queries qs .., keys key[0], key[1] of the thread): f(drop, n2,
+// keep) for each pair of n-tiles n2, n2 + 1, with drop the dropout's flag as a constant and keep the pair's keep bits
+// (bit 4 u + e: element e of n-tile n2 + u; 0xFF without dropout)
+template <int BQ, bool kInl, typename F>
+__device__ __forceinline__ void key_tile_walk(const Params& p, int b, int h, const int (&key)[2], int qs, int t4,
+                                              F&& f) {
+  static_assert(BQ % 16 == 0, "the dropout's octet draws n-tiles in pairs");
+  with_flag(p.p_drop > 0.f, [&](auto drop) {
+    const DropRows d = drop_rows(p, b, h);
+    const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int n2 = 0; n2 < BQ / 8; n2 += 2)
+      f(drop, n2, decltype(drop)::value ? key_keep_bits<kInl>(p, d, key, qs, n2, t4, g) : 0xFFu);
+  });
+}
+// dS^T and P^T Z on a key-row tile (key addends kb; sL, sD the queries' lse in log2 units and delta): st holds S^T
+// and becomes dS^T, dpt holds dP^T and becomes P^T Z (for dV); MODE the mask's (kb is read with kModeKeys)
 template <int BQ, int MODE, bool kInl = false>
 __device__ __forceinline__ void dst_rows(const Params& p, float (&st)[BQ / 8][4], float (&dpt)[BQ / 8][4], int b,
                                          int h, const int (&key)[2], int qs, const Seq& s, bool edge,
                                          const float (&kb)[2], const float* sL, const float* sD, int t4) {
-  static_assert(BQ % 16 == 0, "the dropout's octet draws n-tiles in pairs");
-  with_flag(p.p_drop > 0.f, [&](auto drop) {
-    const DropRows d = drop_rows(p, b, h);
-    const int g = (threadIdx.x & 31) >> 2;
+  key_tile_walk<BQ, kInl>(p, b, h, key, qs, t4, [&](auto drop, int n2, uint32_t keep) {
 #pragma unroll
-    for (int n2 = 0; n2 < BQ / 8; n2 += 2) {
-      const uint32_t keep = decltype(drop)::value ? key_keep_bits<kInl>(p, d, key, qs, n2, t4, g) : 0xFFu;
+    for (int u = 0; u < 2; ++u) {
+      const int nt = n2 + u;
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int nt = n2 + u;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
-          const float x = score<MODE>(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
-          const float pe = exp2f(x - sL[il]);
-          const float z = decltype(drop)::value ? ((keep >> (4 * u + e)) & 1u ? p.inv_keep : 0.f) : 1.f;
-          st[nt][e] = pe * (dpt[nt][e] * z - sD[il]);  // dS^T
-          dpt[nt][e] = pe * z;                          // P^T with dropout
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
+        const float x = score<MODE>(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
+        const float pe = exp2f(x - sL[il]);
+        const float z = decltype(drop)::value ? ((keep >> (4 * u + e)) & 1u ? p.inv_keep : 0.f) : 1.f;
+        st[nt][e] = pe * (dpt[nt][e] * z - sD[il]);  // dS^T
+        dpt[nt][e] = pe * z;                          // P^T with dropout
       }
     }
   });
 }
-
 // dst_rows' first half (the deferred fused backward, whose dP^T products are still running): st holds S^T and becomes
-// P^T (masked, no dropout), keep the dropout's keep bits of each n-tile pair (bit 4 u + e of keep[n2 / 2]: element e
-// of n-tile n2 + u; 0xFF without dropout)
+// P^T (masked, no dropout), keep[n2 / 2] the keep bits of n-tiles n2, n2 + 1 (key_tile_walk's)
 template <int BQ, int MODE>
 __device__ __forceinline__ void pt_rows(const Params& p, float (&st)[BQ / 8][4], uint32_t (&keep)[BQ / 16], int b,
                                         int h, const int (&key)[2], int qs, const Seq& s, bool edge,
                                         const float (&kb)[2], const float* sL, int t4) {
-  static_assert(BQ % 16 == 0, "the dropout's octet draws n-tiles in pairs");
-  with_flag(p.p_drop > 0.f, [&](auto drop) {
-    const DropRows d = drop_rows(p, b, h);
-    const int g = (threadIdx.x & 31) >> 2;
+  key_tile_walk<BQ, true>(p, b, h, key, qs, t4, [&](auto, int n2, uint32_t k) {
+    keep[n2 / 2] = k;
 #pragma unroll
-    for (int n2 = 0; n2 < BQ / 8; n2 += 2) {
-      keep[n2 / 2] = decltype(drop)::value ? key_keep_bits<true>(p, d, key, qs, n2, t4, g) : 0xFFu;
+    for (int u = 0; u < 2; ++u)
 #pragma unroll
-      for (int u = 0; u < 2; ++u)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int nt = n2 + u, il = nt * 8 + 2 * t4 + (e & 1);
-          st[nt][e] = exp2f(score<MODE>(p, st[nt][e], b, h, qs + il, key[e >> 1], s.sq, s.sk, edge, kb[e >> 1]) -
-                            sL[il]);
-        }
-    }
+      for (int e = 0; e < 4; ++e) {
+        const int nt = n2 + u, il = nt * 8 + 2 * t4 + (e & 1);
+        st[nt][e] = exp2f(score<MODE>(p, st[nt][e], b, h, qs + il, key[e >> 1], s.sq, s.sk, edge, kb[e >> 1]) -
+                          sL[il]);
+      }
   });
 }
 

@@ -53,7 +53,8 @@ struct Params {
   float p_drop, inv_keep;
   const int64_t* seed;      // the dropout seed, (1,) int64 in device memory (philox.cuh's drop_seed_init)
   float* dq_acc;            // backward: the fused kernel's dQ sums, fp32 (B, Hq, dq_acc_cols(d) / 64, Sq, 64) (a slice
-                            // of 64 head dims a warpgroup), zeroed by the pre kernel (nullptr: the pair; fused_dq_planned)
+                            // of 64 head dims a warpgroup), zeroed by the pre kernel (nullptr: the pair;
+                            // fused_dq_planned)
 };
 
 // o and lse (Params::out, Params::lse) from q, k, v on ``stream``; T is __half or __nv_bfloat16
