@@ -1393,9 +1393,10 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) 
     }
   }
   if constexpr (L == 8 || L == 16) {
-    // the fused backward's dQ sums (Params::dq_acc, dense rows of L * 8 floats: dq_acc_cols, D <= 64 or <= 128) zeroed
-    // here, 8 floats a lane over the rows this pass reads: the host allocates them uninitialised and no fill kernel
-    // runs (11.4 us, a launch of its own, at BERT-base: run280)
+    // the fused backward's dQ sums (Params::dq_acc, B * Hq * Sq runs of L * 8 floats: dq_acc_cols, D <= 64 or <= 128)
+    // zeroed here, 8 floats a lane, a run for each row this pass reads (at D = 128 a run is not the row's slices, but
+    // the runs cover the buffer): the host allocates them uninitialised and no fill kernel runs (11.4 us, a launch of
+    // its own, at BERT-base: run280)
     constexpr int COLS = L * 8;
     if (p.dq_acc != nullptr) {
       float* const z = p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + i0) * COLS + c * 8;
@@ -2015,7 +2016,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     }
   };
   // (FUSED) a retired dQ^T of query block j (head jh, first query jqs) into this warpgroup's tile (D = 128: a half),
-  // then its leader adds the valid rows to its slice of dq_acc (after the tile's last reduction was read: the leader's
+  // unscaled, in dq_acc's layout (jqs is a multiple of 64, so a tile row's dq_col swizzle is its dq_acc row's), then
+  // its leader adds the valid rows to its slice of dq_acc (after the tile's last reduction was read: the leader's
   // bulk_wait_read and a barrier since); (DEFER) j's dS tile is freed first where ``free_ds``
   const auto dqt_out = [&](float (&acc)[BQ / 8][4], int j, int jh, int jqs, bool free_ds) {
     if constexpr (FUSED) {
