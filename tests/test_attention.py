@@ -1864,26 +1864,27 @@ FUSED_BWD = ", true, 1>"  # the fused backward kernel's template tail in a profi
 @pytest.mark.gpu
 @needs_cuda_ext
 def test_gpu_cuda_fused_backward_fp16_and_a_bulk_reduction_at_a_tail(monkeypatch):
-    """fp16 takes the fused backward too (dS K on fp16 wgmma); 1000 queries leave a tail block of 40 rows (64-query
-    blocks), whose bulk reduction must add only those rows (the next head's rows follow in the buffer), and 968 one
-    of 8; the dQ sums, allocated uninitialised, are zeroed by the pre kernel (checked over a poisoned allocator
-    cache)."""
+    """fp16 takes the fused backward too (dS K on fp16 wgmma; D = 64, and D = 128's deferred kernel); 1000 queries
+    leave a tail block of 40 rows (64-query blocks), whose bulk reduction must add only those rows (the next head's
+    rows follow in the buffer), and 968 one of 8; the dQ sums, allocated uninitialised, are zeroed by the pre kernel
+    (checked over a poisoned allocator cache)."""
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
-    for s in (1000, 968):
-        q, k, v = _inputs((2, 3, s, 64), (2, 3, s, 64), (2, 3, s, 64), F16, "cuda")
+    for s, d in ((1000, 64), (968, 64), (1000, 128)):
+        q, k, v = _inputs((2, 3, s, d), (2, 3, s, d), (2, 3, s, d), F16, "cuda")
         torch.manual_seed(4)
         seed = new_seed(q.device)
         torch.manual_seed(4)
         out = sdpa(q, k, v, dropout_p=0.1, backend="cuda")
         # poison the allocator's cache: the dQ sums are allocated uninitialised and zeroed by the pre kernel, so a
         # row it missed would add into NaN here (dq_acc's own size, and a large block the allocator splits)
-        poison = [torch.full((n,), float("nan"), device="cuda") for n in (2 * 3 * s * 64, 1 << 24)]
+        poison = [torch.full((n,), float("nan"), device="cuda") for n in (2 * 3 * s * d, 1 << 24)]
         del poison
         _check_against_ref(q, k, v, dropout_p=0.1,
                            dropout_mask=attention_dropout_mask(seed, 2, 3, s, s, 0.1, "cuda"), out=out)
         if _sm90a_device():
             names = _fused_bwd_kernels(lambda: sdpa(q, k, v, dropout_p=0.1, backend="cuda"))
-            assert any(FUSED_BWD in n for n in names) and any("attn_dq_convert" in n for n in names), names
+            tail = ", true, 2>" if d > 64 else FUSED_BWD
+            assert any(tail in n for n in names) and any("attn_dq_convert" in n for n in names), names
 
 
 @pytest.mark.gpu
