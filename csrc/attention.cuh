@@ -431,6 +431,12 @@ __device__ __forceinline__ uint32_t row_keep_bits(const Params& p, const DropRow
 // Keep bits of a key-row-layout thread (the dK/dV kernels: keys key[0] = kb + g, key[1] = kb + 8 + g, kb a multiple of
 // 8; queries qs + (nt + u) 8 + 2 t4 + q of the n-tiles nt, nt + 1): bit 4 u + 2 r + q is element (query
 // qs + (nt + u) 8 + 2 t4 + q, key[r]), i.e. st[nt + u][2 r + q]. The octet's lane g draws call c = g.
+// The dropout's factor of an element whose keep bit is bit ``bit`` of ``keep``: 1 / (1 - p) kept, 0 dropped; 1 without
+// dropout (DROP, a constant)
+template <bool DROP>
+__device__ __forceinline__ float keep_scale(const Params& p, uint32_t keep, int bit) {
+  return DROP ? ((keep >> bit) & 1u ? p.inv_keep : 0.f) : 1.f;
+}
 template <bool kInl = false>
 __device__ __forceinline__ uint32_t key_keep_bits(const Params& p, const DropRows& d, const int (&key)[2], int qs,
                                                   int nt, int t4, int g) {
@@ -1292,7 +1298,7 @@ __device__ __forceinline__ void ds_rows(const Params& p, float (&sc)[BC / 8][4],
           const int r = e >> 1, i = row[r], jl = nt * 8 + 2 * t4 + (e & 1), j = k0 + jl;
           const float x = score<MODE>(p, sc[nt][e], b, h, i, j, s.sq, s.sk, edge, MODE == kModeKeys ? kb[jl] : 0.f);
           const float pe = exp2f(x - lse2[r]);
-          const float z = decltype(drop)::value ? ((keep >> (4 * u + e)) & 1u ? p.inv_keep : 0.f) : 1.f;
+          const float z = keep_scale<decltype(drop)::value>(p, keep, 4 * u + e);
           sc[nt][e] = pe * (dp[nt][e] * z - dl[r]);
         }
       }
@@ -1329,7 +1335,7 @@ __device__ __forceinline__ void dst_rows(const Params& p, float (&st)[BQ / 8][4]
         const int il = nt * 8 + 2 * t4 + (e & 1), i = qs + il, j = key[e >> 1];
         const float x = score<MODE>(p, st[nt][e], b, h, i, j, s.sq, s.sk, edge, kb[e >> 1]);
         const float pe = exp2f(x - sL[il]);
-        const float z = decltype(drop)::value ? ((keep >> (4 * u + e)) & 1u ? p.inv_keep : 0.f) : 1.f;
+        const float z = keep_scale<decltype(drop)::value>(p, keep, 4 * u + e);
         st[nt][e] = pe * (dpt[nt][e] * z - sD[il]);  // dS^T
         dpt[nt][e] = pe * z;                          // P^T with dropout
       }
@@ -2094,7 +2100,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 #pragma unroll
           for (int v = 0; v < 2; ++v)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
+            for (int e = 0; e < 4; ++e)  // (a select, not st keep_scale: a multiply by 0 is other SASS than run294's)
               a[v][e] = decltype(drop)::value ? ((keep[kt] >> (4 * v + e)) & 1u ? st[2 * kt + v][e] * p.inv_keep : 0.f)
                                               : st[2 * kt + v][e];
           acc_to_a<T>(pz[kt], a[0], a[1]);
@@ -2113,8 +2119,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int il = nt * 8 + 2 * t4 + (e & 1);
-            const float z = decltype(drop)::value ? ((keep[nt >> 1] >> (4 * (nt & 1) + e)) & 1u ? p.inv_keep : 0.f)
-                                                  : 1.f;
+            const float z = keep_scale<decltype(drop)::value>(p, keep[nt >> 1], 4 * (nt & 1) + e);
             st[nt][e] *= dpt[nt][e] * z - sD[sw][u][il];
           }
       });
@@ -2603,10 +2608,10 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
     // the fused backward: the dK/dV blocks add dQ into dq_acc (zeroed by the pre kernel), then dQ from it; where
     // TMA cannot load the inputs (fused_dq_plan cannot see the strides), the pair below
     if (tm.on) {
-      using Cf = DkdvSm90For<D, 1>;
+      constexpr int FUSED = D == 128 ? 2 : 1;  // (D = 128: dQ^T an iteration late)
+      using Cf = DkdvSm90For<D, FUSED>;
       const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));
       const dim3 fgrid(fkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-      constexpr int FUSED = D == 128 ? 2 : 1;  // (D = 128: dQ^T an iteration late)
       launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
       const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * (D / 8);
       launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p,
