@@ -1,5 +1,6 @@
-// Philox 4x32-10 as Triton's tl.randint4x(seed, offset) computes it, bit for bit: counter (offset lo, offset hi,
-// 0, 0), key (seed lo, seed hi), ten rounds (philox4x32; pykernels.attention.philox4x32 in eager PyTorch). The
+// Philox 4x32-7 as Triton's tl.randint4x(seed, offset, n_rounds=7) computes it, bit for bit: counter (offset lo,
+// offset hi, 0, 0), key (seed lo, seed hi), kPhiloxRounds = 7 rounds (philox4x32; pykernels.attention.philox4x32 in
+// eager PyTorch; seven as FlashAttention-2 and torch's flash backend, pykernels.attention.PHILOX_ROUNDS). The
 // dropout of every pykernels kernel decides an element on 16 of the 128 bits of the call at its row's counter plus
 // column / 8 (kernels/_dropout.py): dropout_bits16 for one element (the reference the exchange below is tested
 // against), the quad / octet exchange for the C++ attention's lane groups, keep_pack_bits for a pack (the C++
@@ -30,12 +31,15 @@ PK_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
 #endif
 }
 
-// The four output words of Philox-4x32-10 (Triton's tl.randint4x(seed, offset)) in o0..o3.
+constexpr int kPhiloxRounds = 7;
+
+// The four output words of Philox-4x32-ROUNDS (Triton's tl.randint4x(seed, offset, ROUNDS)) in o0..o3.
+template <int ROUNDS = kPhiloxRounds>
 PK_HD void philox4x32(uint64_t seed, uint64_t offset, uint32_t& o0, uint32_t& o1, uint32_t& o2, uint32_t& o3) {
   uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32), c2 = 0u, c3 = 0u;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
 #pragma unroll
-  for (int i = 0; i < 10; ++i) {
+  for (int i = 0; i < ROUNDS; ++i) {
     uint32_t hi_b, lo_b, hi_a, lo_a;
     mulhilo32(0xCD9E8D57u, c2, hi_b, lo_b);
     mulhilo32(0xD2511F53u, c0, hi_a, lo_a);

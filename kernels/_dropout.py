@@ -1,19 +1,23 @@
 """The dropout keep-mask every pykernels kernel draws (attention and LayerNorm), as one Triton helper.
 
-An element (row r, column j) of a logical (rows, cols) array is decided by 16 bits of Philox-4x32-10 (Triton's
-``tl.randint4x``) at the int64 counter ``base + r * ceil(cols / 8) + j // 8``: one call per 8 columns of a row, of
-whose 128 bits column j takes the half ``j % 2`` (low first) of word ``(j % 8) // 2``. It is kept where those bits
-are ``>= p * 65536``, p being a multiple of 2^-16 (the host rounds it: ``pykernels.attention.dropout_rate``), and
-scaled by ``1 / (1 - p)``. ``pykernels.attention.dropout_bits`` computes the same bits in eager PyTorch and
-``csrc/philox.cuh`` (``dropout_bits16``) in CUDA C++. Drawing a ``tl.rand`` per element, as before, cost one Philox
-call (ten rounds of two 32-bit multiplies) an element: the BERT-base attention forward with dropout took 5.8x its
-dropout-free time (run243).
+An element (row r, column j) of a logical (rows, cols) array is decided by 16 bits of Philox-4x32-7 (Triton's
+``tl.randint4x`` at ``n_rounds=PHILOX_ROUNDS``, seven as FlashAttention-2) at the int64 counter
+``base + r * ceil(cols / 8) + j // 8``: one call per 8 columns of a row, of whose 128 bits column j takes the half
+``j % 2`` (low first) of word ``(j % 8) // 2``. It is kept where those bits are ``>= p * 65536``, p being a multiple
+of 2^-16 (the host rounds it: ``pykernels.attention.dropout_rate``), and scaled by ``1 / (1 - p)``.
+``pykernels.attention.dropout_bits`` computes the same bits in eager PyTorch and ``csrc/philox.cuh``
+(``dropout_bits16``) in CUDA C++. Drawing a ``tl.rand`` per element, as before, cost one Philox call (ten rounds of
+two 32-bit multiplies) an element: the BERT-base attention forward with dropout took 5.8x its dropout-free time
+(run243).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+# Philox's rounds (pykernels.attention.PHILOX_ROUNDS, csrc/philox.cuh's kPhiloxRounds: seven, as FlashAttention-2)
+PHILOX_ROUNDS = tl.constexpr(7)
 
 
 def dropout_rate(p: float) -> float:
@@ -35,12 +39,12 @@ def dropout_keep(seed, base, rows, cols, n_cols, p, TRANS: tl.constexpr = False)
     row_base = base + rows.to(tl.int64)[:, None] * ((n_cols + 7) // 8)
     if C % 8 == 0:
         groups = tl.max(tl.reshape(cols, (C // 8, 8)), axis=1) // 8
-        r0, r1, r2, r3 = tl.randint4x(seed, row_base + groups.to(tl.int64)[None, :])
+        r0, r1, r2, r3 = tl.randint4x(seed, row_base + groups.to(tl.int64)[None, :], PHILOX_ROUNDS)
         words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (R, C // 2))  # word w of call g at 4 g + w
         bits = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (R, C))  # column 8 g + 2 w + half
     else:
         c64 = cols.to(tl.int64)[None, :]
-        r0, r1, r2, r3 = tl.randint4x(seed, row_base + c64 // 8)
+        r0, r1, r2, r3 = tl.randint4x(seed, row_base + c64 // 8, PHILOX_ROUNDS)
         q = (c64 % 8) // 2
         w = tl.where(q == 0, r0, tl.where(q == 1, r1, tl.where(q == 2, r2, r3)))
         bits = tl.where(c64 % 2 == 0, w & 0xFFFF, w >> 16)

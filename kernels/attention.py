@@ -42,7 +42,7 @@ Fully masked rows (by a mask, Sk = 0, or an empty varlen sequence) output 0 with
 final ``1/l`` is guarded and the backward replaces lse = -inf by +inf so P = 0 there, so the gradient
 is 0 and never NaN.
 
-Dropout: one Philox-4x32-10 call (``tl.randint4x``) per 8 keys of a query row, at the int64 counter
+Dropout: one Philox-4x32-7 call (``tl.randint4x``) per 8 keys of a query row, at the int64 counter
 ``((b * H + h) * Sq + i) * ceil(Sk / 8) + j // 8`` (query head h; for varlen Sq/Sk are max_seqlen_q/k and
 i, j are positions inside the sequence); key j takes 16 of its 128 bits and is kept where they are
 ``>= p * 65536``, p rounded to a multiple of 2^-16 on the host (``_dropout_keep``). The backward regenerates
@@ -179,7 +179,7 @@ def _pruner(kind):
         if args.get("PRECISION") == "ieee":
             table = _TABLE["fp32_" + kind][tier]
         elif kind == "fwd" and args.get("HAS_DROPOUT") and tier <= 128:
-            # In-kernel Philox (10 rounds per score) needs registers: 128-row tiles spill (sm_90 AOT check).
+            # In-kernel Philox (7 rounds per 8 scores) needs registers: 128-row tiles spill (sm_90 AOT check).
             table = _TABLE["fwd_short"][tier]
         elif kind in ("dkdv", "dq") and args.get("HAS_DROPOUT") and tier <= 128:
             table = _TABLE[kind + "_dropout"][tier]  # entries of the main table (in the configs list)

@@ -56,7 +56,7 @@ the formula above) and then a 2-D grid over (row groups, column chunks). Row off
 row * ceil(N / 8) + col / 8), so tensors over 2**31 elements are addressed correctly. The last dim must be
 contiguous; rows may be strided.
 
-Dropout: ``_dropout.dropout_keep`` over the logical (M, N) array, as the attention's: one Philox 4x32-10 call
+Dropout: ``_dropout.dropout_keep`` over the logical (M, N) array, as the attention's: one Philox 4x32-7 call
 (``tl.randint4x``) per 8 columns of a row at counter ``row * ceil(N / 8) + col // 8``, 16 bits a column, p rounded
 to a multiple of 2^-16 (a call per element had taken the fused BERT-base forward to 69 us a call, twice its bytes'
 time, run243). ``pykernels.layer_norm.layer_norm_dropout_mask`` reproduces the exact same mask in eager PyTorch.

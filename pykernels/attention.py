@@ -53,11 +53,17 @@ def _kernels():
 
 
 # ---------------------------------------------------------------------------------------------
-# Dropout RNG: an eager copy of Triton's Philox-4x32-10 (``tl.randint4x``) and the kernels' dropout bits
+# Dropout RNG: an eager copy of Triton's Philox-4x32 (``tl.randint4x``) at seven rounds and the kernels' dropout bits
 # ---------------------------------------------------------------------------------------------
 _M32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+# Philox's rounds in every dropout mask (kernels/_dropout.py's PHILOX_ROUNDS, csrc/philox.cuh's kPhiloxRounds): seven,
+# as FlashAttention-2 and torch's flash backend draw them (Salmon et al., SC'11: Philox-4x32-7 passes TestU01's
+# BigCrush; ten is Random123's default, with margin). Three rounds fewer cut the Philox share of the dropout's work
+# by 30%; the masks of every backend change together (tests/test_attention.py checks them against each other and
+# Random123's known answers).
+PHILOX_ROUNDS = 7
 
 
 def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -74,9 +80,10 @@ def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
     return hi, lo
 
 
-def philox4x32(seed, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Exactly ``tl.randint4x(seed, offsets)`` for int64 ``offsets``, in eager PyTorch: the four uint32 words of
-    Philox-4x32-10 at counter (offset lo, offset hi, 0, 0), key (seed lo, seed hi), as int64 tensors. ``seed``: an
+def philox4x32(seed, offsets: Tensor, rounds: int = PHILOX_ROUNDS) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Exactly ``tl.randint4x(seed, offsets, n_rounds=rounds)`` for int64 ``offsets``, in eager PyTorch: the four
+    uint32 words of Philox-4x32-``rounds`` (the dropout's seven by default: ``PHILOX_ROUNDS``) at counter (offset lo,
+    offset hi, 0, 0), key (seed lo, seed hi), as int64 tensors. ``seed``: an
     int, or the (1,) int64 seed tensor an op drew (read on ``offsets``' device by tensor ops: no ``.item()``, no
     sync, so the reference backend's dropout can be captured in a CUDA graph too)."""
     offsets = offsets.to(torch.int64)
@@ -89,7 +96,7 @@ def philox4x32(seed, offsets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     c2 = torch.zeros_like(c0)
     c3 = torch.zeros_like(c0)
     k0, k1 = seed & _M32, (seed >> 32) & _M32
-    for _ in range(10):
+    for _ in range(rounds):
         hi_b, lo_b = _mulhilo(_ROUND_B, c2)
         hi_a, lo_a = _mulhilo(_ROUND_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
@@ -107,7 +114,7 @@ def dropout_rate(p: float) -> float:
 
 def dropout_bits(seed, rows: Tensor, sk: int, device=None) -> Tensor:
     """The 16 random bits (int64 in [0, 65536)) of every key j < sk of each flat query row r in ``rows``
-    ((b * heads + h) * seqlen_q + i): Philox-4x32-10 at counter r * ceil(sk / 8) + j // 8 (one call per 8 keys),
+    ((b * heads + h) * seqlen_q + i): Philox-4x32-7 at counter r * ceil(sk / 8) + j // 8 (one call per 8 keys),
     word (j % 8) // 2, low half for even j. Shape (len(rows), sk)."""
     sk8 = -(-sk // 8)
     rows = rows.to(torch.int64).to(device)

@@ -16,7 +16,7 @@ import torch
 import pykernels
 from pykernels import BackendUnavailableError, FallbackWarning
 from pykernels._rng import new_seed
-from pykernels.attention import (attention_dropout_mask, attention_reference, pad_input, philox4x32,
+from pykernels.attention import (PHILOX_ROUNDS, attention_dropout_mask, attention_reference, pad_input, philox4x32,
                                  scaled_dot_product_attention as sdpa, unpad_input, varlen_attention)
 from utils import assert_close_to_ref, needs_cuda_ext
 
@@ -469,9 +469,9 @@ def _randint4x_kernel():
         import triton.language as tl
 
         @triton.jit
-        def randint4x_kernel(O, seed, Offs, N: tl.constexpr):
+        def randint4x_kernel(O, seed, Offs, N: tl.constexpr, ROUNDS: tl.constexpr):
             offs = tl.load(Offs + tl.arange(0, N))
-            r0, r1, r2, r3 = tl.randint4x(seed, offs)
+            r0, r1, r2, r3 = tl.randint4x(seed, offs, ROUNDS)
             i = tl.arange(0, N)
             tl.store(O + i, r0.to(tl.int64) & 0xFFFFFFFF)
             tl.store(O + N + i, r1.to(tl.int64) & 0xFFFFFFFF)
@@ -489,14 +489,30 @@ def test_philox_matches_triton(device):
     want = attention_dropout_mask(seed, 2, 3, 7, 11, 0.3, "cpu")
     assert torch.equal(got, want)
     # philox4x32 is tl.randint4x bit for bit, for int64 counters past 2**32 (the high word feeds the second
-    # Philox counter) and seeds past 2**32.
+    # Philox counter) and seeds past 2**32, at the dropout's rounds (the default) and at Triton's default ten; the
+    # Triton helper every kernel draws through takes the same rounds.
+    from pykernels._kernels._dropout import PHILOX_ROUNDS as triton_rounds
+    assert PHILOX_ROUNDS == triton_rounds == 7
     offs = torch.tensor([0, 1, 2**32 - 1, 2**32, 2**32 + 5, 3 * 2**33 + 7, 2**62 + 11, 12345], dtype=torch.int64)
-    for seed in (seed, 2**40 + 17):
-        got = torch.full((4, len(offs)), -1, dtype=torch.int64, device=device)
-        _randint4x_kernel()[(1,)](got, seed, offs.to(device), N=len(offs))
-        want = torch.stack(philox4x32(seed, offs))
-        assert torch.equal(got.cpu(), want), seed
-        assert len(set(want[0].tolist())) == len(offs)
+    for rounds in (PHILOX_ROUNDS, 10):
+        for seed in (seed, 2**40 + 17):
+            got = torch.full((4, len(offs)), -1, dtype=torch.int64, device=device)
+            _randint4x_kernel()[(1,)](got, seed, offs.to(device), N=len(offs), ROUNDS=rounds)
+            want = torch.stack(philox4x32(seed, offs, rounds))
+            assert torch.equal(got.cpu(), want), (rounds, seed)
+            assert len(set(want[0].tolist())) == len(offs)
+
+
+@pytest.mark.parametrize("rounds,seed,words", [
+    (7, 0, (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    (10, 0, (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8))])
+def test_philox_known_answers(rounds, seed, words):
+    """philox4x32 against Random123's known-answer vectors (kat_vectors: philox4x32 at 7 and 10 rounds, counter and
+    key zero), so that the eager copy, and through the tests above every kernel's mask, is Philox itself and not only
+    self-consistent; and a seed's high word reaches the key (seed 2**32 is not seed 0)."""
+    got = philox4x32(seed, torch.zeros(1, dtype=torch.int64), rounds)
+    assert tuple(int(w) for w in got) == words
+    assert tuple(int(w) for w in philox4x32(2**32, torch.zeros(1, dtype=torch.int64), rounds)) != words
 
 
 def test_dropout_keep_rate():
