@@ -6,7 +6,7 @@ forward).
 
 Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--iters 10]
 [--dtype bf16|fp16] [--cases bert,gpt2,...]`` (``--cases`` also takes the long D = 128 shapes s4096_d128 and
-s8192c_d128). One
+s8192c_d128, and bert_varlen: bert_pad's sequences packed, through ``varlen_attention``). One
 line a shape and implementation: ``NAME case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs`` (a call's kernels; the backward
 is the forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them, the padded case's as
 if unpadded). NAME is LABEL for
@@ -30,6 +30,9 @@ import pykernels  # noqa: E402
 
 CASES = (("bert", 32, 12, 512, 64, False), ("gpt2", 8, 12, 1024, 64, True), ("bert_pad", 32, 12, 512, 64, False),
          ("causal_2k_d128", 4, 16, 2048, 128, True),
+         # (named by --cases only: bert_pad's batch packed, its lengths, through varlen_attention; SDPA's rows there
+         # are not run: bert_pad's are the peers' padded time for the same sequences)
+         ("bert_varlen", 32, 12, 512, 64, False),
          # (named by --cases only: the ANCHORS long D = 128 shapes)
          ("s4096_d128", 4, 16, 4096, 128, False), ("s8192c_d128", 1, 16, 8192, 128, True))
 DEFAULT_CASES = "bert,gpt2,bert_pad,causal_2k_d128"
@@ -44,11 +47,18 @@ def impls(peers: bool, triton: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def ours(backend, p):
-        return lambda q, k, v, causal, mask: pykernels.scaled_dot_product_attention(
-            q, k, v, mask, dropout_p=p, is_causal=causal, backend=backend)
+        def run(q, k, v, causal, mask, cu=None, max_len=0):
+            if cu is not None:  # packed (T, H, D) sequences
+                return pykernels.varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=causal, dropout_p=p,
+                                                  backend=backend)
+            return pykernels.scaled_dot_product_attention(q, k, v, mask, dropout_p=p, is_causal=causal,
+                                                          backend=backend)
+        return run
 
     def sdpa(kind):
-        def run(q, k, v, causal, mask):
+        def run(q, k, v, causal, mask, cu=None, max_len=0):
+            if cu is not None:
+                raise RuntimeError("SDPA takes no packed sequences (bert_pad: the padded batch)")
             with sdpa_kernel(kind):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.1, is_causal=causal)
         return run
@@ -64,24 +74,31 @@ def impls(peers: bool, triton: bool):
 
 
 def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int,
-              kernels: bool = False, dtype: torch.dtype = torch.bfloat16, padded: bool = False) -> tuple[float, float]:
+              kernels: bool = False, dtype: torch.dtype = torch.bfloat16, padded: bool = False,
+              varlen: bool = False) -> tuple[float, float]:
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
                for _ in range(3))
     do = torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g)
-    mask = None
-    if padded:  # a key-padding mask, lengths uniform in s / 2 .. s
+    mask, cu, max_len = None, None, 0
+    if padded or varlen:  # a key-padding mask, lengths uniform in s / 2 .. s
         lens = torch.randint(s // 2, s + 1, (b,), device="cuda", generator=g)
         mask = (torch.arange(s, device="cuda") < lens[:, None]).view(b, 1, 1, s)
+    if varlen:  # the same sequences packed: (T, H, D), int32 cu_seqlens
+        valid = mask.view(b, s)
+        q, k, v = (t.detach().transpose(1, 2)[valid].requires_grad_() for t in (q, k, v))
+        do = do.transpose(1, 2)[valid]
+        cu = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
+        mask, max_len = None, s
 
     def fwd():
         with torch.no_grad():
             for _ in range(iters):
-                fn(q, k, v, causal, mask)
+                fn(q, k, v, causal, mask, cu, max_len)
 
     def fwd_bwd():  # (autograd.grad: no accumulation into .grad, whose add kernels were counted until run278)
         for _ in range(iters):
-            torch.autograd.grad([fn(q, k, v, causal, mask)], [q, k, v], [do])
+            torch.autograd.grad([fn(q, k, v, causal, mask, cu, max_len)], [q, k, v], [do])
 
     fwd_bwd()  # compiles / warms up outside the profile
     torch.cuda.synchronize()
@@ -113,7 +130,7 @@ def main() -> None:
                 continue
             try:
                 f_us, b_us = time_case(fn, b, h, s, d, causal, args.iters, args.kernels and name == "cuda", dtype,
-                                       padded=case.endswith("_pad"))
+                                       padded=case.endswith("_pad"), varlen=case.endswith("_varlen"))
             except RuntimeError as e:  # an SDPA backend that does not take the case
                 print(f"{label} {case} not run: {str(e).splitlines()[0][:120]}")
                 continue
