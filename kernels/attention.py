@@ -179,7 +179,7 @@ def _pruner(kind):
         if args.get("PRECISION") == "ieee":
             table = _TABLE["fp32_" + kind][tier]
         elif kind == "fwd" and args.get("HAS_DROPOUT") and tier <= 128:
-            # In-kernel Philox (7 rounds per 8 scores) needs registers: 128-row tiles spill (sm_90 AOT check).
+            # In-kernel Philox needs registers: 128-row tiles spilled (sm_90 AOT check, when a score drew its own call).
             table = _TABLE["fwd_short"][tier]
         elif kind in ("dkdv", "dq") and args.get("HAS_DROPOUT") and tier <= 128:
             table = _TABLE[kind + "_dropout"][tier]  # entries of the main table (in the configs list)

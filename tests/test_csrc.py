@@ -99,8 +99,8 @@ def _spills_by_function(report: str) -> dict[str, int]:
 # The fused sm_90a attention backward (attn_bwd_sm90_kernel<T, 64, MODE, true, 1>) with a mask (MODE 1: key only, 2:
 # any) holds S^T, dP^T, dK and dV (128 registers a thread at 64-query iterations) at the 168-register cap of three
 # blocks an SM, and ptxas spills 7 values around the dropout draws (164-200 bytes of STL in its SASS across both
-# causal-edge copies of the loop: 14 local accesses in an iteration of about 1400 instructions, 2026-11-29). Every
-# other function keeps the 64-byte cap.
+# causal-edge copies of the loop: 14 local accesses in an iteration of about 1400 instructions, 2026-11-29; 144-220
+# bytes of spill stores since Philox runs seven rounds). Every other function keeps the 64-byte cap.
 _FUSED_MASKED_BWD = re.compile(r"attn_bwd_sm90_kernel.*Li64ELi[12]ELb1ELi1E")
 
 
@@ -277,7 +277,6 @@ def test_attention_lane_exchange_gives_every_lane_its_bits(tmp_path):
 def test_layer_norm_keep_pack_bits_port_matches_reference(tmp_path):
     """csrc/philox.cuh's keep_pack_bits (the C++ LayerNorm's dropout, one Philox call for a pack of 8 bf16 / fp16
     or 4 fp32 elements) gives pykernels.layer_norm.layer_norm_dropout_mask's bits, for 8- and 4-element packs."""
-    import torch
     from pykernels.attention import dropout_rate
     from pykernels.layer_norm import layer_norm_dropout_mask
     main = tmp_path / "main.cpp"
