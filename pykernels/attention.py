@@ -86,6 +86,8 @@ def philox4x32(seed, offsets: Tensor, rounds: int = PHILOX_ROUNDS) -> tuple[Tens
     offset hi, 0, 0), key (seed lo, seed hi), as int64 tensors. ``seed``: an
     int, or the (1,) int64 seed tensor an op drew (read on ``offsets``' device by tensor ops: no ``.item()``, no
     sync, so the reference backend's dropout can be captured in a CUDA graph too)."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"philox4x32: rounds must be a positive int (the dropout's: {PHILOX_ROUNDS}), got {rounds!r}")
     offsets = offsets.to(torch.int64)
     if isinstance(seed, Tensor):
         seed = seed.reshape(-1)[:1].to(device=offsets.device, dtype=torch.int64)

@@ -513,6 +513,9 @@ def test_philox_known_answers(rounds, seed, words):
     got = philox4x32(seed, torch.zeros(1, dtype=torch.int64), rounds)
     assert tuple(int(w) for w in got) == words
     assert tuple(int(w) for w in philox4x32(2**32, torch.zeros(1, dtype=torch.int64), rounds)) != words
+    for bad in (0, -1, 7.0, True):
+        with pytest.raises(ValueError, match="rounds"):
+            philox4x32(seed, torch.zeros(1, dtype=torch.int64), bad)
 
 
 def test_dropout_keep_rate():
