@@ -33,13 +33,12 @@ PK_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
 
 constexpr int kPhiloxRounds = 7;
 
-// The four output words of Philox-4x32-ROUNDS (Triton's tl.randint4x(seed, offset, ROUNDS)) in o0..o3.
-template <int ROUNDS = kPhiloxRounds>
+// The four output words of Philox-4x32-7 (Triton's tl.randint4x(seed, offset, kPhiloxRounds)) in o0..o3.
 PK_HD void philox4x32(uint64_t seed, uint64_t offset, uint32_t& o0, uint32_t& o1, uint32_t& o2, uint32_t& o3) {
   uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32), c2 = 0u, c3 = 0u;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
 #pragma unroll
-  for (int i = 0; i < ROUNDS; ++i) {
+  for (int i = 0; i < kPhiloxRounds; ++i) {
     uint32_t hi_b, lo_b, hi_a, lo_a;
     mulhilo32(0xCD9E8D57u, c2, hi_b, lo_b);
     mulhilo32(0xD2511F53u, c0, hi_a, lo_a);

@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Philox's rounds (pykernels.attention.PHILOX_ROUNDS, csrc/philox.cuh's kPhiloxRounds: seven, as FlashAttention-2)
-PHILOX_ROUNDS = tl.constexpr(7)
+from pykernels.attention import PHILOX_ROUNDS as _ROUNDS  # (seven; csrc/philox.cuh's kPhiloxRounds)
+
+PHILOX_ROUNDS = tl.constexpr(_ROUNDS)  # (a constexpr global, as the jit functions read it)
 
 
 def dropout_rate(p: float) -> float:
