@@ -16,16 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pykernels.attention import PHILOX_ROUNDS as _ROUNDS  # (seven; csrc/philox.cuh's kPhiloxRounds)
+# the rounds (seven; csrc/philox.cuh's kPhiloxRounds) and dropout_rate, the rate the kernels take for a requested p
+# (p rounded to a multiple of 2^-16: every launcher passes it, never p itself), from the public package's definitions
+from pykernels.attention import PHILOX_ROUNDS as _ROUNDS, dropout_rate  # noqa: F401  (dropout_rate: re-exported)
 
 PHILOX_ROUNDS = tl.constexpr(_ROUNDS)  # (a constexpr global, as the jit functions read it)
-
-
-def dropout_rate(p: float) -> float:
-    """The rate the kernels take for a requested ``p`` (``pykernels.attention.dropout_rate``: p rounded to a multiple
-    of 2^-16); every launcher passes it, never ``p`` itself."""
-    from pykernels.attention import dropout_rate as rate  # (the public package imports the kernels lazily)
-    return rate(p)
 
 
 @triton.jit
