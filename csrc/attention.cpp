@@ -115,6 +115,8 @@ Params base_params(const Shape& s, const Tensor& q, const Tensor& k, const Tenso
   if (s.varlen) {
     p.cu_q = cu_q->data_ptr<int>();
     p.cu_k = cu_k->data_ptr<int>();
+    p.tq = q.size(0);
+    p.tk = k.size(0);
     p.lse_sb = 0;
     p.lse_sh = q.size(0);
   } else {
@@ -214,8 +216,11 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
   // the fused backward (dQ by bulk reductions, in no fixed order) unless the backward must be reproducible bit for bit
   Tensor dq_acc;
   if (!deterministic && !at::globalContext().deterministicAlgorithms() && attn::fused_dq_planned(p)) {
-    // (uninitialised: the pre kernel zeroes it in its pass over the rows, attn_bwd_pre_kernel)
-    dq_acc = at::empty({s.B, s.Hq, attn::dq_acc_cols(p.d) / 64, s.Sq, 64}, q.options().dtype(at::kFloat));
+    // (uninitialised: the pre kernel zeroes it in its pass over the rows, attn_bwd_pre_kernel; varlen: the packed
+    // rows as one sequence, those past cu_seqlens_q[-1] neither zeroed nor read)
+    p.dq_rows = s.varlen ? q.size(0) : s.Sq;
+    dq_acc = at::empty({s.varlen ? 1 : s.B, s.Hq, attn::dq_acc_cols(p.d) / 64, p.dq_rows, 64},
+                       q.options().dtype(at::kFloat));
     p.dq_acc = dq_acc.data_ptr<float>();
   }
   dispatch_float_dtype(q.scalar_type(), "pykernels_cuda.attention: query", [&](auto tag) {

@@ -934,9 +934,10 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // (query tile, head, batch) tiles gridDim.x apart; causal: each head's tiles longest first, alternating with shortest
 // first by round where the grid allows, tile_at / fwd_ws_grid). Warpgroup 0 is the producer: it drops to 56 registers
 // and streams each tile's Q (two buffers, so the next tile's Q lands during this one) and its key blocks' K and V (a
-// ring of STAGES). Dense inputs that TMA can address (make_fwd_tma) are loaded by TMA: thread 0 issues each tile as one
+// ring of STAGES). Inputs that TMA can address (make_fwd_tma; packed varlen sequences too, as rows of a batch of one,
+// each sequence's last V block by cp.async: the producer's note) are loaded by TMA: thread 0 issues each tile as one
 // or two 64-column boxes counted on the slot's full mbarrier (expect_tx), and TMA zero-fills rows and columns outside
-// the tensor; without a key-only mask the producer's other threads leave at once. Otherwise (packed varlen sequences, a
+// the tensor; without a key-only mask (or packed sequences) the producer's other threads leave at once. Otherwise (a
 // stride-0 K / V) its 128 threads load by cp.async, each load announced on an mbarrier when it lands
 // (cp.async.mbarrier.arrive.noinc), masked-out rows and columns past d zero-filled as in the other kernels. Warpgroups
 // 1 and 2 are the consumers (224 registers), 64 query rows each: for key block j, on its turn (two named barriers hand
@@ -1109,8 +1110,13 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
 
   if (wg == 0) {  // producer
     regs_dec<56>();
-    // TMA: thread 0 issues every load; the other threads are needed only for the key ranges and addends
-    if (tma && !kKeys && tid > 0) return;
+    // TMA: thread 0 issues every load; the other threads are needed only for the key ranges and addends, and for
+    // packed varlen sequences (the maps' batch of one: rows at the sequence's offset) a sequence's last V block,
+    // loaded by cp.async with the rows past the sequence zero-filled: TMA would bring the next sequence's rows, or
+    // whatever lies past cu_seqlens[-1], and a P of 0 times a NaN there is NaN (its K rows, masked to -inf before the
+    // max, may hold anything)
+    const bool packed = p.cu_q != nullptr;
+    if (tma && !kKeys && !packed && tid > 0) return;
     int qi = 0;      // tiles loaded (Q buffer qi % 2)
     uint32_t g = 0;  // key blocks loaded (ring slot g % S)
     for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
@@ -1121,10 +1127,13 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       const int hk = x.h / p.group;
       const int qb = qi & 1;
       mbar_wait(q_empty(qb), ((qi >> 1) & 1) ^ 1);
+      // (the maps' row and batch: packed sequences are rows of a batch of one)
+      const int tb = packed ? 0 : x.b;
       if (tma) {
         if (tid == 0) {
           mbar_expect_tx(q_full(qb), C::QBYTES);
-          tma_tile<BM, D>(sQ + qb * C::QBYTES, &tm.q, tm.order[0], q0, x.h, x.b, q_full(qb));
+          tma_tile<BM, D>(sQ + qb * C::QBYTES, &tm.q, tm.order[0], static_cast<int>(s.q_off) + q0, x.h, tb,
+                          q_full(qb));
         }
       } else {
         load_tile_sw128<T, BM, D, 128, 1>(
@@ -1152,10 +1161,11 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
         const int st = g % S, k0 = nb * BN, n = min(BN, s.sk - k0);
         const uint32_t ph = ((g / S) & 1) ^ 1;
         mbar_wait(k_empty(st), ph);
+        const int kr = static_cast<int>(s.k_off) + k0;  // (the maps' row)
         if (tma) {
           if (tid == 0) {
             mbar_expect_tx(k_full(st), C::KVBYTES);
-            tma_tile<BN, D>(sK + st * C::KVBYTES, &tm.k, tm.order[1], k0, hk, x.b, k_full(st));
+            tma_tile<BN, D>(sK + st * C::KVBYTES, &tm.k, tm.order[1], kr, hk, tb, k_full(st));
           }
         } else {
           load_tile_sw128<T, BN, D, 128, 1>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
@@ -1169,11 +1179,16 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
         }
         mbar_wait(v_empty(st), ph);
         // (as K's load above: one lambda for both changed ptxas's schedule of the kernel, a build not measured)
-        if (tma) {
+        if (tma && !(packed && n < BN)) {
           if (tid == 0) {
             mbar_expect_tx(v_full(st), C::KVBYTES);
-            tma_tile<BN, D>(sV + st * C::KVBYTES, &tm.v, tm.order[2], k0, hk, x.b, v_full(st));
+            tma_tile<BN, D>(sV + st * C::KVBYTES, &tm.v, tm.order[2], kr, hk, tb, v_full(st));
           }
+        } else if (tma) {  // a packed sequence's last V block: every thread's cp.async counted, then the one arrival
+          load_tile_sw128<T, BN, D, 128, 1>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
+          cp_async_arrive_inc(v_full(st));
+          named_sync(kProducer, 128);
+          if (tid == 0) mbar_arrive(v_full(st));
         } else {
           load_tile_sw128<T, BN, D, 128, 1>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
           cp_async_arrive(v_full(st));
@@ -1402,10 +1417,11 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) 
     // the fused backward's dQ sums (Params::dq_acc, B * Hq * Sq runs of L * 8 floats: dq_acc_cols, D <= 64 or <= 128)
     // zeroed here, 8 floats a lane, a run for each row this pass reads (at D = 128 a run is not the row's slices, but
     // the runs cover the buffer): the host allocates them uninitialised and no fill kernel runs (11.4 us, a launch of
-    // its own, at BERT-base: run280)
+    // its own, at BERT-base: run280). Varlen (D <= 64): Hq runs of T rows, the sequence's rows at its offset
     constexpr int COLS = L * 8;
     if (p.dq_acc != nullptr) {
-      float* const z = p.dq_acc + ((static_cast<int64_t>(b) * p.hq + h) * p.sq + i0) * COLS + c * 8;
+      const int64_t ab = p.cu_q != nullptr ? 0 : b;
+      float* const z = p.dq_acc + ((ab * p.hq + h) * p.dq_rows + s.q_off + i0) * COLS + c * 8;
 #pragma unroll
       for (int k = 0; k < ROWS; ++k)
         if (i0 + k * RPW < s.sq) {
@@ -1906,6 +1922,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
                 "the fused dQ: a warpgroup a 64 x 64 wgmma tile");
   static_assert(FUSED != 1 || D == 64, "FUSED = 1: D = 64 (D = 128 defers dQ^T: FUSED = 2)");
   static_assert(!DEFER || WG == 2, "the deferred dQ^T: D = 128, two warpgroups");
+  static_assert(!DEFER || TMA, "the deferred dQ^T's buffers are handed over on TMA's mbarriers");
   // K and V: a BN-row tile a warpgroup, back to back (warpgroup w's at + w KBYTES)
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + WG * C::KBYTES, sQ = sV + WG * C::KBYTES, sO = sQ + 2 * C::QBYTES;  // (buffer u: + u QBYTES)
@@ -2022,9 +2039,13 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     }
   };
   // (FUSED) a retired dQ^T of query block j (head jh, first query jqs) into this warpgroup's tile (D = 128: a half),
-  // unscaled, in dq_acc's layout (jqs is a multiple of 64, so a tile row's dq_col swizzle is its dq_acc row's), then
-  // its leader adds the valid rows to its slice of dq_acc (after the tile's last reduction was read: the leader's
-  // bulk_wait_read and a barrier since); (DEFER) j's dS tile is freed first where ``free_ds``
+  // unscaled, in dq_acc's layout (jqs is a multiple of 64, so a tile row's dq_col swizzle is its dq_acc row's; varlen,
+  // whose rows start at the sequence's offset, swizzles by q + q_off), then its leader adds the valid rows to its slice
+  // of dq_acc (after the tile's last reduction was read: the leader's bulk_wait_read and a barrier since); (DEFER) j's
+  // dS tile is freed first where ``free_ds``. (Varlen and the other inputs TMA cannot take come by cp.async: tma false)
+  const int qsw = tma ? 0 : static_cast<int>(s.q_off & 7);
+  const int64_t acc_b = tma || p.cu_q == nullptr ? b : 0;
+  const int64_t acc_rows = tma ? p.sq : p.dq_rows;
   const auto dqt_out = [&](float (&acc)[BQ / 8][4], int j, int jh, int jqs, bool free_ds) {
     if constexpr (FUSED) {
       const uint32_t red = sRed + wg * (C::RBYTES / 2);
@@ -2034,13 +2055,13 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = warp * 16 + g + 8 * (e >> 1), q = 8 * i + 2 * t4 + (e & 1);
-          st_shared_f32(red + (q * 64 + dq_col(q, c)) * 4, acc[i][e]);
+          st_shared_f32(red + (q * 64 + dq_col(q + qsw, c)) * 4, acc[i][e]);
         }
       fence_async_smem();
       wg_sync();  // (also: every warp's share of j's dQ^T products retired, so the dS tile may be freed)
       if (leader) {
         if (free_ds) mbar_arrive(bar_df + 8 * (j & 1));
-        bulk_add_f32(p.dq_acc + (((static_cast<int64_t>(b) * p.hq + jh) * WG + wg) * p.sq + jqs) * 64, red,
+        bulk_add_f32(p.dq_acc + (((acc_b * p.hq + jh) * WG + wg) * acc_rows + (tma ? 0 : s.q_off) + jqs) * 64, red,
                      static_cast<uint32_t>(min(BQ, s.sq - jqs)) * 64 * 4);
       }
     }
@@ -2462,11 +2483,12 @@ inline char tma_env() {
 }
 inline void require_tma(bool on, char env, const char* pass) {
   TORCH_CHECK(on || env != '1', "PYKERNELS_CUDA_ATTN_TMA=1: the ", pass,
-              " cannot load these inputs by TMA (packed varlen sequences, a base address not 16-byte aligned, or a "
-              "stride of 0 or not a multiple of 16 bytes)");
+              " cannot load these inputs by TMA (a base address not 16-byte aligned, a stride of 0 or not a multiple "
+              "of 16 bytes, or, in the backward, packed varlen sequences)");
 }
 
-// The forward's TMA maps where the inputs are dense (not varlen) and TMA takes all three (tma_env)
+// The forward's TMA maps where TMA takes all three inputs (tma_env): dense, or packed varlen sequences as the rows of
+// a batch of one (Params::tq, tk rows; the kernel loads at each sequence's offset)
 template <typename T>
 FwdTma make_fwd_tma(const Params& p, int bm, int bn) {
   FwdTma tm;
@@ -2474,10 +2496,12 @@ FwdTma make_fwd_tma(const Params& p, int bm, int bn) {
   const char env = tma_env();
   if (env == '0') return tm;
   const int hk = p.hq / p.group;
-  tm.on = p.cu_q == nullptr &&
-          encode_map<T>(&tm.q, &tm.order[0], p.q, p.batch, p.hq, p.sq, p.d, p.q_sb, p.q_sh, p.q_ss, bm) &&
-          encode_map<T>(&tm.k, &tm.order[1], p.k, p.batch, hk, p.sk, p.d, p.k_sb, p.k_sh, p.k_ss, bn) &&
-          encode_map<T>(&tm.v, &tm.order[2], p.v, p.batch, hk, p.sk, p.d, p.v_sb, p.v_sh, p.v_ss, bn);
+  const bool packed = p.cu_q != nullptr;
+  const int64_t nb = packed ? 1 : p.batch, rq = packed ? p.tq : p.sq, rk = packed ? p.tk : p.sk;
+  tm.on = rq > 0 && rk > 0 && rq < INT32_MAX && rk < INT32_MAX &&
+          encode_map<T>(&tm.q, &tm.order[0], p.q, nb, p.hq, rq, p.d, p.q_sb, p.q_sh, p.q_ss, bm) &&
+          encode_map<T>(&tm.k, &tm.order[1], p.k, nb, hk, rk, p.d, p.k_sb, p.k_sh, p.k_ss, bn) &&
+          encode_map<T>(&tm.v, &tm.order[2], p.v, nb, hk, rk, p.d, p.v_sb, p.v_sh, p.v_ss, bn);
   require_tma(tm.on, env, "forward");
   return tm;
 }
@@ -2558,17 +2582,22 @@ void launch_forward(const Params& p, cudaStream_t stream) {
 
 // The fused backward's last step: dQ = scale * dq_acc in dQ's dtype and strides (8 columns a thread, 16-byte stores:
 // dQ is allocated with 16-byte aligned rows); COLS = dq_acc_cols: dq_acc is (B, Hq, COLS / 64, Sq, 64), a slice of 64
-// head dims a warpgroup of the fused kernel (attention.h)
+// head dims a warpgroup of the fused kernel (attention.h); varlen (1, Hq, 1, T, 64), rows past cu_seqlens_q[-1] left
+// as they are (dQ's, zeros)
 template <typename T, int COLS>
 __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   constexpr int TPR = COLS / 8;  // threads a row
   const int64_t t = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x, row = t / TPR;
   const int c = static_cast<int>(t % TPR) * 8;
-  if (row >= static_cast<int64_t>(p.batch) * p.hq * p.sq || c >= p.d) return;
-  const int i = static_cast<int>(row % p.sq), h = static_cast<int>((row / p.sq) % p.hq);
-  const int b = static_cast<int>(row / (static_cast<int64_t>(p.sq) * p.hq));
+  const bool varlen = p.cu_q != nullptr;
+  const int64_t rows = p.dq_rows;  // (Sq, or T)
+  if (row >= static_cast<int64_t>(varlen ? 1 : p.batch) * p.hq * rows || c >= p.d) return;
+  const int64_t i = row % rows;
+  const int h = static_cast<int>((row / rows) % p.hq);
+  const int b = static_cast<int>(row / (rows * p.hq));
+  if (varlen && i >= p.cu_q[p.batch]) return;
   // (i: the row in its head)
-  const float* base = p.dq_acc + (((row - i) * (COLS / 64) + (c >> 6) * p.sq) + i) * 64 + dq_col(i, c & 63);
+  const float* base = p.dq_acc + (((row - i) * (COLS / 64) + (c >> 6) * rows) + i) * 64 + dq_col(static_cast<int>(i & 7), c & 63);
   const float4* src = reinterpret_cast<const float4*>(base);
   const float4 x = src[0], y = src[1];
   uint4 v;
@@ -2576,7 +2605,7 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   v.y = pack2<T>(x.z * p.scale, x.w * p.scale);
   v.z = pack2<T>(y.x * p.scale, y.y * p.scale);
   v.w = pack2<T>(y.z * p.scale, y.w * p.scale);
-  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh + i * p.dq_ss + c) = v;
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh + i * p.dq_ss + c) = v;  // (varlen: sb 0)
 }
 
 // PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; else the fused backward wherever it applies
@@ -2592,7 +2621,8 @@ inline char fused_dq_env() {
 
 // fused_dq_planned's rule (attention.h)
 inline bool fused_dq_plan(const Params& p) {
-  return fused_dq_env() != '0' && p.cu_q == nullptr && p.d <= 128 && tma_env() != '0' && plan_of(p).sm90;
+  return fused_dq_env() != '0' && (p.cu_q == nullptr ? p.d <= 128 : p.d <= 64) && tma_env() != '0' &&
+         plan_of(p).sm90;
 }
 
 template <int D, typename T, int M>
@@ -2605,15 +2635,19 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   const unsigned nqb = static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM);
   const BwdTma tm = make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN);
   if (p.dq_acc != nullptr) {
-    // the fused backward: the dK/dV blocks add dQ into dq_acc (zeroed by the pre kernel), then dQ from it; where
-    // TMA cannot load the inputs (fused_dq_plan cannot see the strides), the pair below
-    if (tm.on) {
+    // the fused backward: the dK/dV blocks add dQ into dq_acc (zeroed by the pre kernel), then dQ from it. At D = 64
+    // inputs TMA cannot load (packed varlen sequences; strides fused_dq_plan cannot see) come by cp.async; at D = 128
+    // they take the pair below (the deferred kernel's buffers are handed over by TMA's mbarriers)
+    if (tm.on || (D == 64 && M == kModeNone)) {
       constexpr int FUSED = D == 128 ? 2 : 1;  // (D = 128: dQ^T an iteration late)
       using Cf = DkdvSm90For<D, FUSED>;
       const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));
       const dim3 fgrid(fkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-      launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
-      const int64_t threads = static_cast<int64_t>(p.batch) * p.hq * p.sq * (D / 8);
+      if (tm.on)
+        launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
+      else if constexpr (D == 64 && M == kModeNone)  // (varlen takes no mask)
+        launch(attn_bwd_sm90_kernel<T, D, M, false, FUSED>, fgrid, Cf::smem(true, false), p, tm, stream, Cf::NT);
+      const int64_t threads = static_cast<int64_t>(p.cu_q != nullptr ? 1 : p.batch) * p.hq * p.dq_rows * (D / 8);
       launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p,
              stream, 256);
       return;

@@ -97,6 +97,11 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
+// The same arrival with the barrier's pending count raised by one first (no net change: the tail of a tile that TMA
+// loads otherwise, whose own single arrival then comes from one thread once every thread has issued this one)
+__device__ __forceinline__ void cp_async_arrive_inc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // TMA (the bulk tensor copy engine): an arrival on ``bar`` that also expects ``bytes`` more to land on it, and the box
 // of the 4-D tensor map at ``map`` (a __grid_constant__ kernel parameter) at coordinates c0..c3 into shared memory at

@@ -1821,11 +1821,19 @@ def test_gpu_cuda_tma_loads(monkeypatch):
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_TMA")
     for a, e in zip(torch.autograd.grad(call(), (q, k, v), do), expected):
         assert torch.equal(a, e)
+    # packed varlen sequences: the forward loads them by TMA (=1 takes them, bitwise the cp.async forward's), the
+    # backward cannot (=1 raises there)
     lq = [100, 7]
     qv, kv, vv, cu_q, cu_k = _varlen_case(lq, lq, 2, 2, 64, BF16, dev)
+    outs = []
+    for env in ("1", "0"):
+        monkeypatch.setenv("PYKERNELS_CUDA_ATTN_TMA", env)
+        outs.append(varlen_attention(qv, kv, vv, cu_q, cu_k, 100, 100, backend="cuda"))
+    assert torch.equal(outs[0], outs[1])
     monkeypatch.setenv("PYKERNELS_CUDA_ATTN_TMA", "1")
-    with pytest.raises(RuntimeError, match="PYKERNELS_CUDA_ATTN_TMA=1"):
-        varlen_attention(qv, kv, vv, cu_q, cu_k, 100, 100, backend="cuda")
+    with pytest.raises(RuntimeError, match="PYKERNELS_CUDA_ATTN_TMA=1: the backward"):
+        torch.autograd.grad(varlen_attention(qv, kv, vv, cu_q, cu_k, 100, 100, backend="cuda"), (qv, kv, vv),
+                            torch.ones(107, 2, 64, device=dev, dtype=BF16))
 
 
 @pytest.mark.gpu
@@ -2022,6 +2030,89 @@ def test_gpu_cuda_backend_varlen_dropout_is_tritons_mask():
         runs.append((out, *_grads(out, (q, k, v), torch.ones_like(out))))
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+
+
+def _varlen_poisoned(lengths, hq, hkv, d, extra, device):
+    """A packed self-attention batch (bf16) whose rows past cu_seqlens[-1] hold NaN: no kernel may read them into a
+    sequence's results (a P of 0 times a NaN is NaN)."""
+    q, k, v, cu, _ = _varlen_case(lengths, lengths, hq, hkv, d, BF16, device, extra_rows=extra)
+    end = int(cu[-1])
+    with torch.no_grad():
+        for t in (q, k, v):
+            t[end:] = float("nan")
+    return q, k, v, cu
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (40, False), (128, True)])
+def test_gpu_cuda_varlen_tma_forward_and_fused_backward(monkeypatch, d, causal):
+    """Packed varlen sequences on Hopper: the forward's producer loads them by TMA as rows of a batch of one (each
+    sequence's last V block by cp.async, zero-filled past the sequence), and at D <= 64 the backward runs the fused
+    kernel with cp.async loads (dq_acc over the packed rows, swizzled by each sequence's offset). Sequence offsets
+    that are not multiples of 8, a tile's worth of lengths and 1, an empty sequence, and NaN in the rows past
+    cu_seqlens[-1]: each sequence's output and gradients against the reference, those rows' zero; the forward bitwise
+    the cp.async forward's (PYKERNELS_CUDA_ATTN_TMA=0); the kernels that ran, by name."""
+    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
+    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_TMA", raising=False)
+    lengths = [300, 1, 129, 0, 77, 256, 13]
+    q, k, v, cu = _varlen_poisoned(lengths, 4, 2, d, 9, "cuda")
+    mx = max(lengths)
+    call = lambda: varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend="cuda")  # noqa: E731
+    out = call()
+    do = torch.randn_like(out)
+    grads = _grads(out, (q, k, v), do)
+    end = int(cu[-1])
+    for t in (out, *grads):
+        assert torch.equal(t[end:], torch.zeros_like(t[end:]))
+    _check_varlen_per_sequence(out, grads, q, k, v, do, cu, cu, causal, BF16)
+    monkeypatch.setenv("PYKERNELS_CUDA_ATTN_TMA", "0")
+    assert torch.equal(call(), out)
+    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_TMA")
+    if not _sm90a_device():
+        return
+    names = _fused_bwd_kernels(call)
+    if d <= 64:
+        assert any(", false, 1>" in n for n in names) and any("attn_dq_convert" in n for n in names), names
+    else:  # (D = 128: the pair)
+        assert not any("attn_dq_convert" in n for n in names), names
+    # the pair where the backward must be reproducible: within a rounding of the fused dQ
+    dq_det = _grads(varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend="cuda", deterministic=True),
+                    (q, k, v), do)[0]
+    torch.testing.assert_close(dq_det[:end], grads[0][:end], rtol=1e-2, atol=1e-2 * grads[0][:end].abs().max().item())
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_cuda_varlen_dropout_fused_backward_is_tritons_mask():
+    """The varlen fused backward (D = 64, cp.async loads) with dropout draws the forward's mask: outputs and gradients
+    equal the Triton backend's for the same torch seed, with NaN past cu_seqlens[-1]."""
+    lengths = [200, 77, 0, 333, 5]
+    q, k, v, cu = _varlen_poisoned(lengths, 4, 4, 64, 3, "cuda")
+    runs = []
+    for backend in ("cuda", "triton"):
+        torch.manual_seed(11)
+        out = varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), dropout_p=0.15, backend=backend)
+        do = torch.ones_like(out)
+        runs.append((out[:int(cu[-1])], *(g[:int(cu[-1])] for g in _grads(out, (q, k, v), do))))
+    for a, b in zip(*runs):
+        assert not a.isnan().any()
+        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_cuda_fused_backward_cp_async_dense():
+    """Dense inputs TMA cannot take (K and V of stride 0 over the batch) run the fused backward at D = 64 with cp.async
+    loads: output and gradients against the reference, and that kernel is the one that ran."""
+    q = torch.randn(3, 4, 150, 64, device="cuda", dtype=BF16, requires_grad=True)
+    k0, v0 = (torch.randn(1, 4, 150, 64, device="cuda", dtype=BF16) for _ in range(2))
+    k, v = (t.expand(3, 4, 150, 64).requires_grad_(True) for t in (k0, v0))
+    out = sdpa(q, k, v, is_causal=True, backend="cuda")
+    _check_against_ref(q, k, v, causal=True, out=out)
+    if _sm90a_device():
+        names = _fused_bwd_kernels(lambda: sdpa(q, k, v, is_causal=True, backend="cuda"))
+        assert any(", false, 1>" in n for n in names) and any("attn_dq_convert" in n for n in names), names
 
 
 @pytest.mark.gpu

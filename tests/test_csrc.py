@@ -7,7 +7,7 @@ dK/dV kernel at D = 64 with an arbitrary mask, capped at 168 registers for 3 blo
 shares Philox calls, 2026-11-28; the dQ kernels 8), and its sm_90a backward at D = 64 without a mask, whose dQ blocks
 hold the last block's dS across the next products, 48-56 (12 with cp.async loads and 4 with TMA since its dropout
 draws run inline, 2026-11-28); the cross-entropy, masked-LM and other kernels 0-16; one exception, capped at 256: the
-fused sm_90a backward with a mask, _FUSED_MASKED_BWD below), and no warpgroup MMA chain may be serialized by ptxas
+fused sm_90a backward with a mask, and its cp.async twin, _FUSED_MASKED_BWD below), and no warpgroup MMA chain may be serialized by ptxas
 (C7515 and its kin);
 the attention's wgmma kernels draw their dropout bits inline (read from the SASS; checked by mutation). The host-only sources
 (``*.cpp``: attention's checks, autograd and registration) get a g++ syntax check against the same headers."""
@@ -100,8 +100,10 @@ def _spills_by_function(report: str) -> dict[str, int]:
 # any) holds S^T, dP^T, dK and dV (128 registers a thread at 64-query iterations) at the 168-register cap of three
 # blocks an SM, and ptxas spills 7 values around the dropout draws (164-200 bytes of STL in its SASS across both
 # causal-edge copies of the loop: 14 local accesses in an iteration of about 1400 instructions, 2026-11-29; 144-220
-# bytes of spill stores since Philox runs seven rounds). Every other function keeps the 64-byte cap.
-_FUSED_MASKED_BWD = re.compile(r"attn_bwd_sm90_kernel.*Li64ELi[12]ELb1ELi1E")
+# bytes of spill stores since Philox runs seven rounds). Its cp.async twin without a mask (MODE 0, TMA false: packed
+# varlen sequences, stride-0 K / V) holds the loads' addresses too: 164 bytes (144 without the varlen dq_acc offsets),
+# 2026-11-29. Every other function keeps the 64-byte cap.
+_FUSED_MASKED_BWD = re.compile(r"attn_bwd_sm90_kernel.*Li64ELi(?:[12]ELb1|0ELb0)ELi1E")
 
 
 def _spill_cap(name: str) -> int:
@@ -112,6 +114,7 @@ def test_spill_cap_names_only_the_fused_masked_backward():
     mangled = "_ZN9pykernels4attn20attn_bwd_sm90_kernelI13__nv_bfloat16Li64ELi{}ELb1ELi{}EEEvNS0_6ParamsENS0_6BwdTmaE"
     assert _spill_cap(mangled.format(1, 1)) == 256 and _spill_cap(mangled.format(2, 1)) == 256
     assert _spill_cap(mangled.format(0, 1)) == 64 and _spill_cap(mangled.format(1, 0)) == 64
+    assert _spill_cap(mangled.format(0, 0)) == 256
     report = ("ptxas info    : Compiling entry function 'k1' for 'sm_90a'\n"
               "    40 bytes stack frame, 164 bytes spill stores, 48 bytes spill loads\n"
               "ptxas info    : Function properties for f2\n    0 bytes stack frame, 8 bytes spill stores, 8 bytes\n")
