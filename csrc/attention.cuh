@@ -2613,16 +2613,20 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
 // dropout (run286-288); at D = 128 (dQ^T an iteration late) 1.13x the pair with dropout and 1.09-1.22x without
 // (run292: 4 x 16 x 2048 causal 556.9 / 556.4 us against 608.0 / 611.9, 4 x 16 x 4096 3225.2 / 3220.7 against
 // 3931.8 / 3960.0, 1 x 16 x 8192 causal 1790.9 / 1777.0 against 2096.0 / 2118.8). ('a', which took it at D = 128
-// without dropout before run292, is the default's synonym.)
+// without dropout before run292, is the default's synonym.) Inputs TMA cannot load (packed varlen sequences, stride-0
+// K / V) take the fused kernel's cp.async twin at D = 64 with dropout only: at the packed BERT batch with dropout
+// 1.11x the pair (run299: 305.6 / 303.7 us against 339.7 / 337.5), without it slower (spills: 164 bytes at its 168
+// registers, against the TMA kernel's 20); '1' takes it without dropout too (A/B runs)
 inline char fused_dq_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DQ");
   return env != nullptr ? env[0] : 0;
 }
+inline bool fused_cp_async(const Params& p) { return p.p_drop > 0.f || fused_dq_env() == '1'; }
 
 // fused_dq_planned's rule (attention.h)
 inline bool fused_dq_plan(const Params& p) {
-  return fused_dq_env() != '0' && (p.cu_q == nullptr ? p.d <= 128 : p.d <= 64) && tma_env() != '0' &&
-         plan_of(p).sm90;
+  return fused_dq_env() != '0' && (p.cu_q == nullptr ? p.d <= 128 : p.d <= 64 && fused_cp_async(p)) &&
+         tma_env() != '0' && plan_of(p).sm90;
 }
 
 template <int D, typename T, int M>
@@ -2638,7 +2642,7 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
     // the fused backward: the dK/dV blocks add dQ into dq_acc (zeroed by the pre kernel), then dQ from it. At D = 64
     // inputs TMA cannot load (packed varlen sequences; strides fused_dq_plan cannot see) come by cp.async; at D = 128
     // they take the pair below (the deferred kernel's buffers are handed over by TMA's mbarriers)
-    if (tm.on || (D == 64 && M == kModeNone)) {
+    if (tm.on || (D == 64 && M == kModeNone && fused_cp_async(p))) {
       constexpr int FUSED = D == 128 ? 2 : 1;  // (D = 128: dQ^T an iteration late)
       using Cf = DkdvSm90For<D, FUSED>;
       const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));

@@ -66,8 +66,8 @@ void launch_forward(const Params& p, cudaStream_t stream);
 template <typename T>
 void launch_backward(const Params& p, cudaStream_t stream);
 // Whether launch_backward would run the fused backward for p (dQ added into Params::dq_acc by bulk reductions, no dQ
-// blocks; fp16 or bf16): Hopper from an sm_90a build, head dim <= 128 (varlen: <= 64), PYKERNELS_CUDA_ATTN_FUSED_DQ
-// and PYKERNELS_CUDA_ATTN_TMA not '0'. The caller allocates dq_acc (uninitialised: launch_backward's pre kernel zeroes it) where it is true, and
+// blocks; fp16 or bf16): Hopper from an sm_90a build, head dim <= 128 (varlen: <= 64, with dropout),
+// PYKERNELS_CUDA_ATTN_FUSED_DQ and PYKERNELS_CUDA_ATTN_TMA not '0'. The caller allocates dq_acc (uninitialised: launch_backward's pre kernel zeroes it) where it is true, and
 // leaves it nullptr where the backward must be reproducible bit for bit (the reductions' order varies)
 bool fused_dq_planned(const Params& p);
 

@@ -2048,12 +2048,13 @@ def _varlen_poisoned(lengths, hq, hkv, d, extra, device):
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (40, False), (128, True)])
 def test_gpu_cuda_varlen_tma_forward_and_fused_backward(monkeypatch, d, causal):
     """Packed varlen sequences on Hopper: the forward's producer loads them by TMA as rows of a batch of one (each
-    sequence's last V block by cp.async, zero-filled past the sequence), and at D <= 64 the backward runs the fused
-    kernel with cp.async loads (dq_acc over the packed rows, swizzled by each sequence's offset). Sequence offsets
-    that are not multiples of 8, a tile's worth of lengths and 1, an empty sequence, and NaN in the rows past
-    cu_seqlens[-1]: each sequence's output and gradients against the reference, those rows' zero; the forward bitwise
-    the cp.async forward's (PYKERNELS_CUDA_ATTN_TMA=0); the kernels that ran, by name."""
-    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", raising=False)
+    sequence's last V block by cp.async, zero-filled past the sequence), and at D <= 64 the backward can run the fused
+    kernel with cp.async loads (dq_acc over the packed rows, swizzled by each sequence's offset; taken with dropout,
+    and here, without, by PYKERNELS_CUDA_ATTN_FUSED_DQ=1). Sequence offsets that are not multiples of 8, a tile's
+    worth of lengths and 1, an empty sequence, and NaN in the rows past cu_seqlens[-1]: each sequence's output and
+    gradients against the reference, those rows' zero; the forward bitwise the cp.async forward's
+    (PYKERNELS_CUDA_ATTN_TMA=0); the kernels that ran, by name (unset, the pair without dropout)."""
+    monkeypatch.setenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", "1")
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_TMA", raising=False)
     lengths = [300, 1, 129, 0, 77, 256, 13]
     q, k, v, cu = _varlen_poisoned(lengths, 4, 2, d, 9, "cuda")
@@ -2076,6 +2077,10 @@ def test_gpu_cuda_varlen_tma_forward_and_fused_backward(monkeypatch, d, causal):
         assert any(", false, 1>" in n for n in names) and any("attn_dq_convert" in n for n in names), names
     else:  # (D = 128: the pair)
         assert not any("attn_dq_convert" in n for n in names), names
+    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ")
+    names = _fused_bwd_kernels(call)
+    assert not any("attn_dq_convert" in n for n in names), names
+    monkeypatch.setenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", "1")
     # the pair where the backward must be reproducible: within a rounding of the fused dQ
     dq_det = _grads(varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend="cuda", deterministic=True),
                     (q, k, v), do)[0]
@@ -2086,13 +2091,18 @@ def test_gpu_cuda_varlen_tma_forward_and_fused_backward(monkeypatch, d, causal):
 @needs_cuda_ext
 def test_gpu_cuda_varlen_dropout_fused_backward_is_tritons_mask():
     """The varlen fused backward (D = 64, cp.async loads) with dropout draws the forward's mask: outputs and gradients
-    equal the Triton backend's for the same torch seed, with NaN past cu_seqlens[-1]."""
+    equal the Triton backend's for the same torch seed, with NaN past cu_seqlens[-1]; the fused kernel ran."""
     lengths = [200, 77, 0, 333, 5]
     q, k, v, cu = _varlen_poisoned(lengths, 4, 4, 64, 3, "cuda")
+    call = lambda backend: varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), dropout_p=0.15,  # noqa: E731
+                                            backend=backend)
+    if _sm90a_device():
+        names = _fused_bwd_kernels(lambda: call("cuda"))
+        assert any(", false, 1>" in n for n in names) and any("attn_dq_convert" in n for n in names), names
     runs = []
     for backend in ("cuda", "triton"):
         torch.manual_seed(11)
-        out = varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), dropout_p=0.15, backend=backend)
+        out = call(backend)
         do = torch.ones_like(out)
         runs.append((out[:int(cu[-1])], *(g[:int(cu[-1])] for g in _grads(out, (q, k, v), do))))
     for a, b in zip(*runs):
@@ -2102,9 +2112,11 @@ def test_gpu_cuda_varlen_dropout_fused_backward_is_tritons_mask():
 
 @pytest.mark.gpu
 @needs_cuda_ext
-def test_gpu_cuda_fused_backward_cp_async_dense():
-    """Dense inputs TMA cannot take (K and V of stride 0 over the batch) run the fused backward at D = 64 with cp.async
-    loads: output and gradients against the reference, and that kernel is the one that ran."""
+def test_gpu_cuda_fused_backward_cp_async_dense(monkeypatch):
+    """Dense inputs TMA cannot take (K and V of stride 0 over the batch) can run the fused backward at D = 64 with
+    cp.async loads (with dropout; here without, PYKERNELS_CUDA_ATTN_FUSED_DQ=1): output and gradients against the
+    reference, and that kernel is the one that ran."""
+    monkeypatch.setenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", "1")
     q = torch.randn(3, 4, 150, 64, device="cuda", dtype=BF16, requires_grad=True)
     k0, v0 = (torch.randn(1, 4, 150, 64, device="cuda", dtype=BF16) for _ in range(2))
     k, v = (t.expand(3, 4, 150, 64).requires_grad_(True) for t in (k0, v0))
