@@ -114,7 +114,9 @@ def test_spill_cap_names_only_the_fused_masked_backward():
     mangled = "_ZN9pykernels4attn20attn_bwd_sm90_kernelI13__nv_bfloat16Li64ELi{}ELb1ELi{}EEEvNS0_6ParamsENS0_6BwdTmaE"
     assert _spill_cap(mangled.format(1, 1)) == 256 and _spill_cap(mangled.format(2, 1)) == 256
     assert _spill_cap(mangled.format(0, 1)) == 64 and _spill_cap(mangled.format(1, 0)) == 64
-    assert _spill_cap(mangled.format(0, 0)) == 256
+    cp_async = mangled.replace("ELb1E", "ELb0E")  # (the cp.async twin: TMA false)
+    assert _spill_cap(cp_async.format(0, 1)) == 256 and _spill_cap(cp_async.format(1, 1)) == 64
+    assert _spill_cap(cp_async.format(0, 0)) == 64
     report = ("ptxas info    : Compiling entry function 'k1' for 'sm_90a'\n"
               "    40 bytes stack frame, 164 bytes spill stores, 48 bytes spill loads\n"
               "ptxas info    : Function properties for f2\n    0 bytes stack frame, 8 bytes spill stores, 8 bytes\n")
