@@ -2597,7 +2597,8 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   const int b = static_cast<int>(row / (rows * p.hq));
   if (varlen && i >= p.cu_q[p.batch]) return;
   // (i: the row in its head)
-  const float* base = p.dq_acc + (((row - i) * (COLS / 64) + (c >> 6) * rows) + i) * 64 + dq_col(static_cast<int>(i & 7), c & 63);
+  const float* base =
+      p.dq_acc + (((row - i) * (COLS / 64) + (c >> 6) * rows) + i) * 64 + dq_col(static_cast<int>(i & 7), c & 63);
   const float4* src = reinterpret_cast<const float4*>(base);
   const float4 x = src[0], y = src[1];
   uint4 v;
