@@ -1911,6 +1911,21 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
                : "memory");
 }
 
+// Rows n.. of an R-row tile in sw128_offset's layout (D / 64 regions of R rows x 128 bytes) set to zero by the NT
+// threads (the swizzle permutes 16-byte chunks within a row, so a row's 128 bytes are its own); a caller fences
+// (fence_async_smem) and syncs before wgmma reads them
+template <int R, int D, int NT>
+__device__ __forceinline__ void zero_tail_rows(uint32_t tile, int n, int tid) {
+  constexpr int CH = R * (D / 64) * 8;  // 16-byte chunks of the tile
+  for (int i = tid; i < CH; i += NT) {
+    const int region = i / (R * 8), r = (i / 8) % R;
+    if (r >= n) {
+      const uint32_t a = tile + region * R * 128 + r * 128 + (i % 8) * 16;
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0u) : "memory");
+    }
+  }
+}
+
 #if defined(PK_WGMMA)
 template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTma& tm, unsigned char* smem_raw, int bx,
@@ -1920,7 +1935,13 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   constexpr bool DEFER = FUSED == 2;
   static_assert(!FUSED || ((D == 64 || D == 128) && WG == D / 64 && BQ == 64),
                 "the fused dQ: a warpgroup a 64 x 64 wgmma tile");
-  static_assert(FUSED != 1 || D == 64, "FUSED = 1: D = 64 (D = 128 defers dQ^T: FUSED = 2)");
+  static_assert((FUSED != 1 && FUSED != 3) || D == 64, "FUSED = 1, 3: D = 64 (D = 128 defers dQ^T: FUSED = 2)");
+  // FUSED = 3: FUSED = 1 over packed varlen sequences by TMA (the maps' batch of one, rows at each sequence's offset);
+  // a tile that runs past its sequence (the last key block, a sequence's last query block) is zeroed there once it
+  // lands (zero_tail_rows): TMA brings the next sequence's rows, or whatever lies past cu_seqlens[-1], and a P or dS of
+  // 0 times a NaN there is NaN
+  constexpr bool PACKED = FUSED == 3;
+  static_assert(!PACKED || (TMA && MODE == kModeNone), "packed sequences: TMA, no mask");
   static_assert(!DEFER || WG == 2, "the deferred dQ^T: D = 128, two warpgroups");
   static_assert(!DEFER || TMA, "the deferred dQ^T's buffers are handed over on TMA's mbarriers");
   // K and V: a BN-row tile a warpgroup, back to back (warpgroup w's at + w KBYTES)
@@ -1954,10 +1975,13 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   constexpr bool tma = TMA;
   const T* K = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + (s.k_off + k0) * p.k_ss;
   const T* V = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + (s.k_off + k0) * p.v_ss;
+  // (PACKED) the maps' batch and the sequences' first rows
+  const int tb = PACKED ? 0 : b;
+  const int qr0 = PACKED ? static_cast<int>(s.q_off) : 0, kr0 = PACKED ? static_cast<int>(s.k_off) : 0;
   if constexpr (tma) {  // thread 0 issues every load (dense rows: no sequence offsets)
     if (DEFER && tid == 0)  // (counted by tma_block_start's fence and sync)
       for (int i = 0; i < 6; ++i) mbar_init(bar_e + 8 * i, WG);
-    tma_block_start<BN, D, WG>(bar_kv, 3, sK, &tm.k, tm.order[4], sV, &tm.v, tm.order[5], k0, hk, b);
+    tma_block_start<BN, D, WG>(bar_kv, 3, sK, &tm.k, tm.order[4], sV, &tm.v, tm.order[5], kr0 + k0, hk, tb);
   } else {
     load_tile_sw128<T, BN, D, NT>(sK, K, p.k_ss, min(BN, s.sk - k0), p.d, tid);
     load_tile_sw128<T, BN, D, NT>(sV, V, p.v_ss, min(BN, s.sk - k0), p.d, tid);
@@ -1990,10 +2014,10 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       if (tid == 0) {
         mbar_expect_tx(bar_q + 8 * u, 2 * C::QBYTES);
         // (the maps of BQ-row boxes: q32 / do32, or the dQ blocks' q64 / do64)
-        tma_tile<BQ, D>(sQ + u * C::QBYTES, BQ == 64 ? &tm.q64 : &tm.q32, tm.order[BQ == 64 ? 0 : 2], qs, h, b,
-                        bar_q + 8 * u);
-        tma_tile<BQ, D>(sO + u * C::QBYTES, BQ == 64 ? &tm.do64 : &tm.do32, tm.order[BQ == 64 ? 1 : 3], qs, h, b,
-                        bar_q + 8 * u);
+        tma_tile<BQ, D>(sQ + u * C::QBYTES, BQ == 64 ? &tm.q64 : &tm.q32, tm.order[BQ == 64 ? 0 : 2], qr0 + qs, h,
+                        tb, bar_q + 8 * u);
+        tma_tile<BQ, D>(sO + u * C::QBYTES, BQ == 64 ? &tm.do64 : &tm.do32, tm.order[BQ == 64 ? 1 : 3], qr0 + qs, h,
+                        tb, bar_q + 8 * u);
       }
     } else {
       const T* Q = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + (s.q_off + qs) * p.q_ss;
@@ -2043,9 +2067,10 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   // whose rows start at the sequence's offset, swizzles by q + q_off), then its leader adds the valid rows to its slice
   // of dq_acc (after the tile's last reduction was read: the leader's bulk_wait_read and a barrier since); (DEFER) j's
   // dS tile is freed first where ``free_ds``. (Varlen and the other inputs TMA cannot take come by cp.async: tma false)
-  const int qsw = tma ? 0 : static_cast<int>(s.q_off & 7);
-  const int64_t acc_b = tma || p.cu_q == nullptr ? b : 0;
-  const int64_t acc_rows = tma ? p.sq : p.dq_rows;
+  constexpr bool dense_acc = tma && !PACKED;  // (dq_acc's rows: Sq a head, no sequence offset)
+  const int qsw = dense_acc ? 0 : static_cast<int>(s.q_off & 7);
+  const int64_t acc_b = dense_acc || p.cu_q == nullptr ? b : 0;
+  const int64_t acc_rows = dense_acc ? p.sq : p.dq_rows;
   const auto dqt_out = [&](float (&acc)[BQ / 8][4], int j, int jh, int jqs, bool free_ds) {
     if constexpr (FUSED) {
       const uint32_t red = sRed + wg * (C::RBYTES / 2);
@@ -2061,7 +2086,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
       wg_sync();  // (also: every warp's share of j's dQ^T products retired, so the dS tile may be freed)
       if (leader) {
         if (free_ds) mbar_arrive(bar_df + 8 * (j & 1));
-        bulk_add_f32(p.dq_acc + (((acc_b * p.hq + jh) * WG + wg) * acc_rows + (tma ? 0 : s.q_off) + jqs) * 64, red,
+        bulk_add_f32(p.dq_acc + (((acc_b * p.hq + jh) * WG + wg) * acc_rows + (dense_acc ? 0 : s.q_off) + jqs) * 64, red,
                      static_cast<uint32_t>(min(BQ, s.sq - jqs)) * 64 * 4);
       }
     }
@@ -2076,6 +2101,13 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   }
   cp_async_commit();  // {K, V, the first query block}
   if constexpr (tma) mbar_wait(bar_kv, 0);  // (also where no query block is visited: no load may land after the block's exit)
+  if constexpr (PACKED) {  // the key block's rows past the sequence
+    if (k0 + BN > s.sk) {
+      zero_tail_rows<BN, D, NT>(sK, s.sk - k0, tid);
+      zero_tail_rows<BN, D, NT>(sV, s.sk - k0, tid);
+      fence_async_smem();  // (the loop's barrier after its first wait orders them before any MMA)
+    }
+  }
 
   float dk[D / 8][4], dv[D / 8][4];
   zero(dk);
@@ -2090,6 +2122,11 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
     cp_async_commit();
     if constexpr (tma) {
       mbar_wait(bar_q + 8 * u, (it >> 1) & 1);  // this query block (the (it / 2)-th use of buffer u)
+      if (PACKED && qs + BQ > s.sq) {  // (its rows past the sequence; the barrier below orders them before the MMAs)
+        zero_tail_rows<BQ, D, NT>(sQ + u * C::QBYTES, s.sq - qs, tid);
+        zero_tail_rows<BQ, D, NT>(sO + u * C::QBYTES, s.sq - qs, tid);
+        fence_async_smem();
+      }
     } else {
       cp_async_wait<1>();  // K, V and this query block
       fence_async_smem();
@@ -2509,20 +2546,23 @@ FwdTma make_fwd_tma(const Params& p, int bm, int bn) {
 // The backward's TMA maps (BwdTma; the dQ blocks' query rows bm, the dK/dV blocks' bq, both's key rows bn), on the
 // forward's rule (make_fwd_tma)
 template <typename T>
-BwdTma make_bwd_tma(const Params& p, int bm, int bq, int bn) {
+BwdTma make_bwd_tma(const Params& p, int bm, int bq, int bn, bool packed_ok) {
   BwdTma tm;
   std::memset(&tm, 0, sizeof(tm));
   const char env = tma_env();
   if (env == '0') return tm;
   const int hk = p.hq / p.group;
   int* o = tm.order;
-  tm.on = p.cu_q == nullptr &&
-          encode_map<T>(&tm.q64, &o[0], p.q, p.batch, p.hq, p.sq, p.d, p.q_sb, p.q_sh, p.q_ss, bm) &&
-          encode_map<T>(&tm.do64, &o[1], p.dout, p.batch, p.hq, p.sq, p.d, p.do_sb, p.do_sh, p.do_ss, bm) &&
-          encode_map<T>(&tm.q32, &o[2], p.q, p.batch, p.hq, p.sq, p.d, p.q_sb, p.q_sh, p.q_ss, bq) &&
-          encode_map<T>(&tm.do32, &o[3], p.dout, p.batch, p.hq, p.sq, p.d, p.do_sb, p.do_sh, p.do_ss, bq) &&
-          encode_map<T>(&tm.k, &o[4], p.k, p.batch, hk, p.sk, p.d, p.k_sb, p.k_sh, p.k_ss, bn) &&
-          encode_map<T>(&tm.v, &o[5], p.v, p.batch, hk, p.sk, p.d, p.v_sb, p.v_sh, p.v_ss, bn);
+  // packed varlen sequences (only where the caller runs the fused kernel over them, packed_ok): a batch of one
+  const bool packed = p.cu_q != nullptr;
+  const int64_t nb = packed ? 1 : p.batch, rq = packed ? p.tq : p.sq, rk = packed ? p.tk : p.sk;
+  tm.on = (!packed || (packed_ok && rq > 0 && rk > 0 && rq < INT32_MAX && rk < INT32_MAX)) &&
+          encode_map<T>(&tm.q64, &o[0], p.q, nb, p.hq, rq, p.d, p.q_sb, p.q_sh, p.q_ss, bm) &&
+          encode_map<T>(&tm.do64, &o[1], p.dout, nb, p.hq, rq, p.d, p.do_sb, p.do_sh, p.do_ss, bm) &&
+          encode_map<T>(&tm.q32, &o[2], p.q, nb, p.hq, rq, p.d, p.q_sb, p.q_sh, p.q_ss, bq) &&
+          encode_map<T>(&tm.do32, &o[3], p.dout, nb, p.hq, rq, p.d, p.do_sb, p.do_sh, p.do_ss, bq) &&
+          encode_map<T>(&tm.k, &o[4], p.k, nb, hk, rk, p.d, p.k_sb, p.k_sh, p.k_ss, bn) &&
+          encode_map<T>(&tm.v, &o[5], p.v, nb, hk, rk, p.d, p.v_sb, p.v_sh, p.v_ss, bn);
   require_tma(tm.on, env, "backward");
   return tm;
 }
@@ -2617,17 +2657,21 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
 // without dropout before run292, is the default's synonym.) Inputs TMA cannot load (packed varlen sequences, stride-0
 // K / V) take the fused kernel's cp.async twin at D = 64 with dropout only: at the packed BERT batch with dropout
 // 1.11x the pair (run299: 305.6 / 303.7 us against 339.7 / 337.5), without it slower (spills: 164 bytes at its 168
-// registers, against the TMA kernel's 20); '1' takes it without dropout too (A/B runs)
+// registers, against the TMA kernel's 20); '1' takes it without dropout too (A/B runs). Packed sequences at D = 64
+// now run the fused kernel by TMA (FUSED = 3, bwd_dkdv_sm90_block's note; 84 bytes of spill), with or without
+// dropout; 'c' keeps them on the cp.async twin (A/B runs). (Branch next/varlen-bwd-tma: not yet run on a GPU.)
 inline char fused_dq_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DQ");
   return env != nullptr ? env[0] : 0;
 }
-inline bool fused_cp_async(const Params& p) { return p.p_drop > 0.f || fused_dq_env() == '1'; }
+inline bool fused_cp_async(const Params& p) {
+  return p.p_drop > 0.f || fused_dq_env() == '1' || fused_dq_env() == 'c';
+}
 
 // fused_dq_planned's rule (attention.h)
 inline bool fused_dq_plan(const Params& p) {
-  return fused_dq_env() != '0' && (p.cu_q == nullptr ? p.d <= 128 : p.d <= 64 && fused_cp_async(p)) &&
-         tma_env() != '0' && plan_of(p).sm90;
+  return fused_dq_env() != '0' && (p.cu_q == nullptr ? p.d <= 128 : p.d <= 64) && tma_env() != '0' &&
+         plan_of(p).sm90;
 }
 
 template <int D, typename T, int M>
@@ -2638,7 +2682,10 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   static_assert(Ck::BN == Cq::BN, "one key block for K and V's maps");
   const unsigned nkb = static_cast<unsigned>((p.sk + Ck::BN - 1) / Ck::BN);
   const unsigned nqb = static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM);
-  const BwdTma tm = make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN);
+  // packed varlen sequences by TMA in the fused kernel (FUSED = 3) at D = 64 ('c': its cp.async twin instead)
+  const bool packed = p.cu_q != nullptr;
+  const bool packed_tma = packed && D == 64 && M == kModeNone && p.dq_acc != nullptr && fused_dq_env() != 'c';
+  const BwdTma tm = make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN, packed_tma);
   if (p.dq_acc != nullptr) {
     // the fused backward: the dK/dV blocks add dQ into dq_acc (zeroed by the pre kernel), then dQ from it. At D = 64
     // inputs TMA cannot load (packed varlen sequences; strides fused_dq_plan cannot see) come by cp.async; at D = 128
@@ -2648,10 +2695,14 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       using Cf = DkdvSm90For<D, FUSED>;
       const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));
       const dim3 fgrid(fkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-      if (tm.on)
+      if (tm.on && packed) {
+        if constexpr (D == 64 && M == kModeNone)  // (packed_tma)
+          launch(attn_bwd_sm90_kernel<T, D, M, true, 3>, fgrid, Cf::smem(true, false), p, tm, stream, Cf::NT);
+      } else if (tm.on) {
         launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
-      else if constexpr (D == 64 && M == kModeNone)  // (varlen takes no mask)
+      } else if constexpr (D == 64 && M == kModeNone) {  // (varlen takes no mask)
         launch(attn_bwd_sm90_kernel<T, D, M, false, FUSED>, fgrid, Cf::smem(true, false), p, tm, stream, Cf::NT);
+      }
       const int64_t threads = static_cast<int64_t>(p.cu_q != nullptr ? 1 : p.batch) * p.hq * p.dq_rows * (D / 8);
       launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p,
              stream, 256);

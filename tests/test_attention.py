@@ -2048,39 +2048,36 @@ def _varlen_poisoned(lengths, hq, hkv, d, extra, device):
 @pytest.mark.parametrize("d,causal", [(64, False), (64, True), (40, False), (128, True)])
 def test_gpu_cuda_varlen_tma_forward_and_fused_backward(monkeypatch, d, causal):
     """Packed varlen sequences on Hopper: the forward's producer loads them by TMA as rows of a batch of one (each
-    sequence's last V block by cp.async, zero-filled past the sequence), and at D <= 64 the backward can run the fused
-    kernel with cp.async loads (dq_acc over the packed rows, swizzled by each sequence's offset; taken with dropout,
-    and here, without, by PYKERNELS_CUDA_ATTN_FUSED_DQ=1). Sequence offsets that are not multiples of 8, a tile's
-    worth of lengths and 1, an empty sequence, and NaN in the rows past cu_seqlens[-1]: each sequence's output and
-    gradients against the reference, those rows' zero; the forward bitwise the cp.async forward's
-    (PYKERNELS_CUDA_ATTN_TMA=0); the kernels that ran, by name (unset, the pair without dropout)."""
-    monkeypatch.setenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", "1")
+    sequence's last V block by cp.async, zero-filled past the sequence), and at D <= 64 the backward runs the fused
+    kernel by TMA over the packed rows (FUSED = 3: a tile that runs past its sequence zeroed there once it lands;
+    dq_acc over the packed rows, swizzled by each sequence's offset), or with PYKERNELS_CUDA_ATTN_FUSED_DQ=c its
+    cp.async twin. Sequence offsets that are not multiples of 8, a tile's worth of lengths and 1, an empty sequence,
+    and NaN in the rows past cu_seqlens[-1]: each sequence's output and gradients against the reference, those rows'
+    zero; the forward bitwise the cp.async forward's (PYKERNELS_CUDA_ATTN_TMA=0); the kernels that ran, by name."""
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_TMA", raising=False)
     lengths = [300, 1, 129, 0, 77, 256, 13]
     q, k, v, cu = _varlen_poisoned(lengths, 4, 2, d, 9, "cuda")
     mx = max(lengths)
     call = lambda: varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend="cuda")  # noqa: E731
-    out = call()
-    do = torch.randn_like(out)
-    grads = _grads(out, (q, k, v), do)
     end = int(cu[-1])
-    for t in (out, *grads):
-        assert torch.equal(t[end:], torch.zeros_like(t[end:]))
-    _check_varlen_per_sequence(out, grads, q, k, v, do, cu, cu, causal, BF16)
+    do = None
+    for env, kernel in ((None, ", true, 3>"), ("c", ", false, 1>")):
+        _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FUSED_DQ", env)
+        out = call()
+        do = torch.randn_like(out) if do is None else do
+        grads = _grads(out, (q, k, v), do)
+        for t in (out, *grads):
+            assert torch.equal(t[end:], torch.zeros_like(t[end:]))
+        _check_varlen_per_sequence(out, grads, q, k, v, do, cu, cu, causal, BF16)
+        if _sm90a_device():
+            names = _fused_bwd_kernels(call)
+            if d <= 64:
+                assert any(kernel in n for n in names) and any("attn_dq_convert" in n for n in names), (env, names)
+            else:  # (D = 128: the pair)
+                assert not any("attn_dq_convert" in n for n in names), names
     monkeypatch.setenv("PYKERNELS_CUDA_ATTN_TMA", "0")
     assert torch.equal(call(), out)
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_TMA")
-    if not _sm90a_device():
-        return
-    names = _fused_bwd_kernels(call)
-    if d <= 64:
-        assert any(", false, 1>" in n for n in names) and any("attn_dq_convert" in n for n in names), names
-    else:  # (D = 128: the pair)
-        assert not any("attn_dq_convert" in n for n in names), names
-    monkeypatch.delenv("PYKERNELS_CUDA_ATTN_FUSED_DQ")
-    names = _fused_bwd_kernels(call)
-    assert not any("attn_dq_convert" in n for n in names), names
-    monkeypatch.setenv("PYKERNELS_CUDA_ATTN_FUSED_DQ", "1")
     # the pair where the backward must be reproducible: within a rounding of the fused dQ
     dq_det = _grads(varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend="cuda", deterministic=True),
                     (q, k, v), do)[0]
@@ -2090,15 +2087,15 @@ def test_gpu_cuda_varlen_tma_forward_and_fused_backward(monkeypatch, d, causal):
 @pytest.mark.gpu
 @needs_cuda_ext
 def test_gpu_cuda_varlen_dropout_fused_backward_is_tritons_mask():
-    """The varlen fused backward (D = 64, cp.async loads) with dropout draws the forward's mask: outputs and gradients
-    equal the Triton backend's for the same torch seed, with NaN past cu_seqlens[-1]; the fused kernel ran."""
+    """The varlen fused backward (D = 64, TMA over the packed rows) with dropout draws the forward's mask: outputs and
+    gradients equal the Triton backend's for the same torch seed, with NaN past cu_seqlens[-1]; the fused kernel ran."""
     lengths = [200, 77, 0, 333, 5]
     q, k, v, cu = _varlen_poisoned(lengths, 4, 4, 64, 3, "cuda")
     call = lambda backend: varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), dropout_p=0.15,  # noqa: E731
                                             backend=backend)
     if _sm90a_device():
         names = _fused_bwd_kernels(lambda: call("cuda"))
-        assert any(", false, 1>" in n for n in names) and any("attn_dq_convert" in n for n in names), names
+        assert any(", true, 3>" in n for n in names) and any("attn_dq_convert" in n for n in names), names
     runs = []
     for backend in ("cuda", "triton"):
         torch.manual_seed(11)
