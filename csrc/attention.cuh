@@ -1421,12 +1421,18 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) 
     constexpr int COLS = L * 8;
     if (p.dq_acc != nullptr) {
       const int64_t ab = p.cu_q != nullptr ? 0 : b;
-      float* const z = p.dq_acc + ((ab * p.hq + h) * p.dq_rows + s.q_off + i0) * COLS + c * 8;
+      // (varlen at D = 128: each lane's 8 floats in their own slice, (1, Hq, 2, T, 64): a run of 128 floats a row
+      // would leave slice 1's last rows unzeroed where T > cu_seqlens[-1])
+      float* const z = COLS == 128 && p.cu_q != nullptr
+                           ? p.dq_acc + ((static_cast<int64_t>(h) * 2 + c / 8) * p.dq_rows + s.q_off + i0) * 64 +
+                                 (c % 8) * 8
+                           : p.dq_acc + ((ab * p.hq + h) * p.dq_rows + s.q_off + i0) * COLS + c * 8;
+      const int64_t zs = COLS == 128 && p.cu_q != nullptr ? 64 : COLS;  // (floats from one row to the next)
 #pragma unroll
       for (int k = 0; k < ROWS; ++k)
         if (i0 + k * RPW < s.sq) {
-          reinterpret_cast<float4*>(z + k * RPW * COLS)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-          reinterpret_cast<float4*>(z + k * RPW * COLS)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+          reinterpret_cast<float4*>(z + k * RPW * zs)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+          reinterpret_cast<float4*>(z + k * RPW * zs)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
   }
@@ -1932,15 +1938,18 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
                                                     int hk, int b) {
   using C = DkdvSm90For<D, FUSED>;
   constexpr int BN = C::BN, BQ = C::BQ, NT = C::NT, WG = C::WG;
-  constexpr bool DEFER = FUSED == 2;
+  constexpr bool DEFER = FUSED == 2 || FUSED == 4;
   static_assert(!FUSED || ((D == 64 || D == 128) && WG == D / 64 && BQ == 64),
                 "the fused dQ: a warpgroup a 64 x 64 wgmma tile");
   static_assert((FUSED != 1 && FUSED != 3) || D == 64, "FUSED = 1, 3: D = 64 (D = 128 defers dQ^T: FUSED = 2)");
   // FUSED = 3: FUSED = 1 over packed varlen sequences by TMA (the maps' batch of one, rows at each sequence's offset);
   // a tile that runs past its sequence (the last key block, a sequence's last query block) is zeroed there once it
   // lands (zero_tail_rows): TMA brings the next sequence's rows, or whatever lies past cu_seqlens[-1], and a P or dS of
-  // 0 times a NaN there is NaN
-  constexpr bool PACKED = FUSED == 3;
+  // 0 times a NaN there is NaN. FUSED = 4: FUSED = 2 (D = 128, deferred) over packed sequences likewise, a tail tile
+  // zeroed by the block's 256 threads together and a block barrier after it (both warpgroups read every Q / dO row,
+  // and dQ^T reads both warpgroups' K tiles; the tail iterations are the same for both)
+  static_assert(FUSED != 4 || D == 128, "FUSED = 4: D = 128");
+  constexpr bool PACKED = FUSED == 3 || FUSED == 4;
   static_assert(!PACKED || (TMA && MODE == kModeNone), "packed sequences: TMA, no mask");
   static_assert(!DEFER || WG == 2, "the deferred dQ^T: D = 128, two warpgroups");
   static_assert(!DEFER || TMA, "the deferred dQ^T's buffers are handed over on TMA's mbarriers");
@@ -2101,11 +2110,15 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   }
   cp_async_commit();  // {K, V, the first query block}
   if constexpr (tma) mbar_wait(bar_kv, 0);  // (also where no query block is visited: no load may land after the block's exit)
-  if constexpr (PACKED) {  // the key block's rows past the sequence
-    if (k0 + BN > s.sk) {
-      zero_tail_rows<BN, D, NT>(sK, s.sk - k0, tid);
-      zero_tail_rows<BN, D, NT>(sV, s.sk - k0, tid);
-      fence_async_smem();  // (the loop's barrier after its first wait orders them before any MMA)
+  if constexpr (PACKED) {  // the key block's rows past the sequence (each warpgroup's tile)
+    if (k0 + WG * BN > s.sk) {
+#pragma unroll
+      for (int w = 0; w < WG; ++w) {
+        zero_tail_rows<BN, D, NT>(sK + w * C::KBYTES, s.sk - k0 - w * BN, tid);
+        zero_tail_rows<BN, D, NT>(sV + w * C::KBYTES, s.sk - k0 - w * BN, tid);
+      }
+      fence_async_smem();  // (one warpgroup: the loop's barrier after its first wait orders them before any MMA)
+      if constexpr (WG > 1) __syncthreads();
     }
   }
 
@@ -2126,6 +2139,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
         zero_tail_rows<BQ, D, NT>(sQ + u * C::QBYTES, s.sq - qs, tid);
         zero_tail_rows<BQ, D, NT>(sO + u * C::QBYTES, s.sq - qs, tid);
         fence_async_smem();
+        if constexpr (DEFER) __syncthreads();  // (both warpgroups' halves of the zeroing)
       }
     } else {
       cp_async_wait<1>();  // K, V and this query block
@@ -2659,7 +2673,8 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
 // 1.11x the pair (run299: 305.6 / 303.7 us against 339.7 / 337.5), without it slower (spills: 164 bytes at its 168
 // registers, against the TMA kernel's 20); '1' takes it without dropout too (A/B runs). Packed sequences at D = 64
 // now run the fused kernel by TMA (FUSED = 3, bwd_dkdv_sm90_block's note; 84 bytes of spill), with or without
-// dropout; 'c' keeps them on the cp.async twin (A/B runs). (Branch next/varlen-bwd-tma: not yet run on a GPU.)
+// dropout, and at D = 128 the deferred one (FUSED = 4); 'c' keeps them on the cp.async twin at D = 64 and the pair at
+// D = 128 (A/B runs). (Branches next/varlen-bwd-tma and -d128: not yet run on a GPU.)
 inline char fused_dq_env() {
   const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DQ");
   return env != nullptr ? env[0] : 0;
@@ -2670,8 +2685,7 @@ inline bool fused_cp_async(const Params& p) {
 
 // fused_dq_planned's rule (attention.h)
 inline bool fused_dq_plan(const Params& p) {
-  return fused_dq_env() != '0' && (p.cu_q == nullptr ? p.d <= 128 : p.d <= 64) && tma_env() != '0' &&
-         plan_of(p).sm90;
+  return fused_dq_env() != '0' && p.d <= 128 && tma_env() != '0' && plan_of(p).sm90;
 }
 
 template <int D, typename T, int M>
@@ -2684,7 +2698,7 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   const unsigned nqb = static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM);
   // packed varlen sequences by TMA in the fused kernel (FUSED = 3) at D = 64 ('c': its cp.async twin instead)
   const bool packed = p.cu_q != nullptr;
-  const bool packed_tma = packed && D == 64 && M == kModeNone && p.dq_acc != nullptr && fused_dq_env() != 'c';
+  const bool packed_tma = packed && M == kModeNone && p.dq_acc != nullptr && fused_dq_env() != 'c';
   const BwdTma tm = make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN, packed_tma);
   if (p.dq_acc != nullptr) {
     // the fused backward: the dK/dV blocks add dQ into dq_acc (zeroed by the pre kernel), then dQ from it. At D = 64
@@ -2696,8 +2710,9 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));
       const dim3 fgrid(fkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
       if (tm.on && packed) {
-        if constexpr (D == 64 && M == kModeNone)  // (packed_tma)
-          launch(attn_bwd_sm90_kernel<T, D, M, true, 3>, fgrid, Cf::smem(true, false), p, tm, stream, Cf::NT);
+        if constexpr (M == kModeNone)  // (packed_tma; D = 128: FUSED = 4, deferred)
+          launch(attn_bwd_sm90_kernel<T, D, M, true, D == 128 ? 4 : 3>, fgrid, Cf::smem(true, D == 128), p, tm,
+                 stream, Cf::NT);
       } else if (tm.on) {
         launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
       } else if constexpr (D == 64 && M == kModeNone) {  // (varlen takes no mask)
