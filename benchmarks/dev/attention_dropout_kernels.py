@@ -6,7 +6,8 @@ forward).
 
 Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--iters 10]
 [--dtype bf16|fp16] [--cases bert,gpt2,...]`` (``--cases`` also takes the long D = 128 shapes s4096_d128 and
-s8192c_d128, and bert_varlen: bert_pad's sequences packed, through ``varlen_attention``). One
+s8192c_d128, bert_varlen: bert_pad's sequences packed, through ``varlen_attention``, and d128_pad / d128_varlen,
+the same at D = 128, 8 x 16 x 1024). One
 line a shape and implementation: ``NAME case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs`` (a call's kernels; the backward
 is the forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them, the padded case's as
 if unpadded). NAME is LABEL for
@@ -33,6 +34,9 @@ CASES = (("bert", 32, 12, 512, 64, False), ("gpt2", 8, 12, 1024, 64, True), ("be
          # (named by --cases only: bert_pad's batch packed, its lengths, through varlen_attention; SDPA's rows there
          # are not run: bert_pad's are the peers' padded time for the same sequences)
          ("bert_varlen", 32, 12, 512, 64, False),
+         # (named by --cases only: the same at D = 128, 8 x 16 heads x 1024, padded and packed: the deferred fused
+         # backward over packed sequences, branch next/varlen-bwd-tma-d128)
+         ("d128_pad", 8, 16, 1024, 128, False), ("d128_varlen", 8, 16, 1024, 128, False),
          # (named by --cases only: the ANCHORS long D = 128 shapes)
          ("s4096_d128", 4, 16, 4096, 128, False), ("s8192c_d128", 1, 16, 8192, 128, True))
 DEFAULT_CASES = "bert,gpt2,bert_pad,causal_2k_d128"
