@@ -2094,6 +2094,31 @@ def test_gpu_cuda_varlen_tma_forward_and_fused_backward(monkeypatch, d, causal):
 @pytest.mark.gpu
 @needs_cuda_ext
 @pytest.mark.parametrize("d", [64, 128])
+def test_gpu_cuda_varlen_packed_qkv_strides(d):
+    """Packed varlen q, k, v sliced from one (T, 3, H, D) buffer (flash-attn's qkvpacked layout: rows 3 H D apart), on
+    the TMA maps over packed rows: output bitwise the contiguous copies' (the same tiles land), dK and dV too at D = 64
+    (the same fused kernel), dQ within a rounding (bulk reductions in no fixed order); at D = 128 against the
+    reference."""
+    lengths = [129, 300, 0, 65]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    qkv = torch.randn(int(cu[-1]), 3, 4, d, device="cuda", dtype=BF16)
+    strided = [qkv[:, i].requires_grad_(True) for i in range(3)]
+    dense = [t.detach().contiguous().requires_grad_(True) for t in strided]
+    runs = []
+    for q, k, v in (strided, dense):
+        out = varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), backend="cuda")
+        do = torch.ones_like(out) if not runs else runs[0][-1]
+        runs.append((out, *_grads(out, (q, k, v), do), do))
+    assert torch.equal(runs[0][0], runs[1][0])
+    if d <= 64:
+        assert torch.equal(runs[0][2], runs[1][2]) and torch.equal(runs[0][3], runs[1][3])
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-2, atol=1e-2 * runs[1][1].abs().max().item())
+    _check_varlen_per_sequence(runs[0][0], runs[0][1:4], *strided, runs[0][4], cu, cu, False, BF16)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("d", [64, 128])
 def test_gpu_cuda_varlen_dropout_fused_backward_is_tritons_mask(d):
     """The varlen fused backward (D = 64, and D = 128's deferred kernel; TMA over the packed rows) with dropout draws the
     forward's mask: outputs and gradients equal the Triton backend's for the same torch seed, with NaN past
