@@ -253,6 +253,10 @@ __device__ __forceinline__ Seq seq_of(const Params& p, int b) {
   return s;
 }
 
+// Params::dq_acc's leading dim and the rows of a slice: (B, Sq) dense, (1, T) over packed varlen sequences
+__host__ __device__ __forceinline__ int64_t dq_acc_batch(const Params& p) { return p.cu_q != nullptr ? 1 : p.batch; }
+__host__ __device__ __forceinline__ int64_t dq_acc_rows(const Params& p) { return p.cu_q != nullptr ? p.tq : p.sq; }
+
 // The mask's addend in log2 units at element offset ``off``
 __device__ __forceinline__ float mask_log2_at(const void* mask, int kind, int64_t off) {
   switch (kind) {
@@ -1421,7 +1425,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) 
     constexpr int COLS = L * 8;
     if (p.dq_acc != nullptr) {
       const int64_t ab = p.cu_q != nullptr ? 0 : b;
-      float* const z = p.dq_acc + ((ab * p.hq + h) * p.dq_rows + s.q_off + i0) * COLS + c * 8;
+      float* const z = p.dq_acc + ((ab * p.hq + h) * dq_acc_rows(p) + s.q_off + i0) * COLS + c * 8;
 #pragma unroll
       for (int k = 0; k < ROWS; ++k)
         if (i0 + k * RPW < s.sq) {
@@ -2045,7 +2049,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   // dS tile is freed first where ``free_ds``. (Varlen and the other inputs TMA cannot take come by cp.async: tma false)
   const int qsw = tma ? 0 : static_cast<int>(s.q_off & 7);
   const int64_t acc_b = tma || p.cu_q == nullptr ? b : 0;
-  const int64_t acc_rows = tma ? p.sq : p.dq_rows;
+  const int64_t acc_rows = tma ? p.sq : dq_acc_rows(p);
   const auto dqt_out = [&](float (&acc)[BQ / 8][4], int j, int jh, int jqs, bool free_ds) {
     if constexpr (FUSED) {
       const uint32_t red = sRed + wg * (C::RBYTES / 2);
@@ -2590,8 +2594,8 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x, row = t / TPR;
   const int c = static_cast<int>(t % TPR) * 8;
   const bool varlen = p.cu_q != nullptr;
-  const int64_t rows = p.dq_rows;  // (Sq, or T)
-  if (row >= static_cast<int64_t>(varlen ? 1 : p.batch) * p.hq * rows || c >= p.d) return;
+  const int64_t rows = dq_acc_rows(p);  // (Sq, or T)
+  if (row >= dq_acc_batch(p) * p.hq * rows || c >= p.d) return;
   const int64_t i = row % rows;
   const int h = static_cast<int>((row / rows) % p.hq);
   const int b = static_cast<int>(row / (rows * p.hq));
@@ -2652,7 +2656,7 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
         launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
       else if constexpr (D == 64 && M == kModeNone)  // (varlen takes no mask)
         launch(attn_bwd_sm90_kernel<T, D, M, false, FUSED>, fgrid, Cf::smem(true, false), p, tm, stream, Cf::NT);
-      const int64_t threads = static_cast<int64_t>(p.cu_q != nullptr ? 1 : p.batch) * p.hq * p.dq_rows * (D / 8);
+      const int64_t threads = dq_acc_batch(p) * p.hq * dq_acc_rows(p) * (D / 8);
       launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p,
              stream, 256);
       return;
