@@ -218,8 +218,7 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
   if (!deterministic && !at::globalContext().deterministicAlgorithms() && attn::fused_dq_planned(p)) {
     // (uninitialised: the pre kernel zeroes it in its pass over the rows, attn_bwd_pre_kernel; varlen: the packed
     // rows as one sequence, those past cu_seqlens_q[-1] neither zeroed nor read)
-    p.dq_rows = s.varlen ? q.size(0) : s.Sq;
-    dq_acc = at::empty({s.varlen ? 1 : s.B, s.Hq, attn::dq_acc_cols(p.d) / 64, p.dq_rows, 64},
+    dq_acc = at::empty({s.varlen ? 1 : s.B, s.Hq, attn::dq_acc_cols(p.d) / 64, s.varlen ? q.size(0) : s.Sq, 64},
                        q.options().dtype(at::kFloat));
     p.dq_acc = dq_acc.data_ptr<float>();
   }

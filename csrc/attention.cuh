@@ -253,6 +253,10 @@ __device__ __forceinline__ Seq seq_of(const Params& p, int b) {
   return s;
 }
 
+// Params::dq_acc's leading dim and the rows of a slice: (B, Sq) dense, (1, T) over packed varlen sequences
+__host__ __device__ __forceinline__ int64_t dq_acc_batch(const Params& p) { return p.cu_q != nullptr ? 1 : p.batch; }
+__host__ __device__ __forceinline__ int64_t dq_acc_rows(const Params& p) { return p.cu_q != nullptr ? p.tq : p.sq; }
+
 // The mask's addend in log2 units at element offset ``off``
 __device__ __forceinline__ float mask_log2_at(const void* mask, int kind, int64_t off) {
   switch (kind) {
@@ -1424,9 +1428,9 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) 
       // (varlen at D = 128: each lane's 8 floats in their own slice, (1, Hq, 2, T, 64): a run of 128 floats a row
       // would leave slice 1's last rows unzeroed where T > cu_seqlens[-1])
       float* const z = COLS == 128 && p.cu_q != nullptr
-                           ? p.dq_acc + ((static_cast<int64_t>(h) * 2 + c / 8) * p.dq_rows + s.q_off + i0) * 64 +
+                           ? p.dq_acc + ((static_cast<int64_t>(h) * 2 + c / 8) * dq_acc_rows(p) + s.q_off + i0) * 64 +
                                  (c % 8) * 8
-                           : p.dq_acc + ((ab * p.hq + h) * p.dq_rows + s.q_off + i0) * COLS + c * 8;
+                           : p.dq_acc + ((ab * p.hq + h) * dq_acc_rows(p) + s.q_off + i0) * COLS + c * 8;
       const int64_t zs = COLS == 128 && p.cu_q != nullptr ? 64 : COLS;  // (floats from one row to the next)
 #pragma unroll
       for (int k = 0; k < ROWS; ++k)
@@ -2079,7 +2083,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
   constexpr bool dense_acc = tma && !PACKED;  // (dq_acc's rows: Sq a head, no sequence offset)
   const int qsw = dense_acc ? 0 : static_cast<int>(s.q_off & 7);
   const int64_t acc_b = dense_acc || p.cu_q == nullptr ? b : 0;
-  const int64_t acc_rows = dense_acc ? p.sq : p.dq_rows;
+  const int64_t acc_rows = dense_acc ? p.sq : dq_acc_rows(p);
   const auto dqt_out = [&](float (&acc)[BQ / 8][4], int j, int jh, int jqs, bool free_ds) {
     if constexpr (FUSED) {
       const uint32_t red = sRed + wg * (C::RBYTES / 2);
@@ -2644,8 +2648,8 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x, row = t / TPR;
   const int c = static_cast<int>(t % TPR) * 8;
   const bool varlen = p.cu_q != nullptr;
-  const int64_t rows = p.dq_rows;  // (Sq, or T)
-  if (row >= static_cast<int64_t>(varlen ? 1 : p.batch) * p.hq * rows || c >= p.d) return;
+  const int64_t rows = dq_acc_rows(p);  // (Sq, or T)
+  if (row >= dq_acc_batch(p) * p.hq * rows || c >= p.d) return;
   const int64_t i = row % rows;
   const int h = static_cast<int>((row / rows) % p.hq);
   const int b = static_cast<int>(row / (rows * p.hq));
@@ -2718,7 +2722,7 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       } else if constexpr (D == 64 && M == kModeNone) {  // (varlen takes no mask)
         launch(attn_bwd_sm90_kernel<T, D, M, false, FUSED>, fgrid, Cf::smem(true, false), p, tm, stream, Cf::NT);
       }
-      const int64_t threads = static_cast<int64_t>(p.cu_q != nullptr ? 1 : p.batch) * p.hq * p.dq_rows * (D / 8);
+      const int64_t threads = dq_acc_batch(p) * p.hq * dq_acc_rows(p) * (D / 8);
       launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p,
              stream, 256);
       return;

@@ -53,10 +53,10 @@ struct Params {
   float p_drop, inv_keep;
   const int64_t* seed;      // the dropout seed, (1,) int64 in device memory (philox.cuh's drop_seed_init)
   float* dq_acc;            // backward: the fused kernel's dQ sums, fp32 (B, Hq, dq_acc_cols(d) / 64, Sq, 64) (a slice
-                            // of 64 head dims a warpgroup; varlen (1, Hq, dq_acc_cols(d) / 64, T, 64), the packed rows), zeroed
-                            // by the pre kernel (nullptr: the pair; fused_dq_planned)
-  int64_t dq_rows;          // the rows of a slice of dq_acc: Sq, or (varlen) T, the packed query rows
-  int64_t tq, tk;           // varlen: the packed query and key rows (the forward's TMA maps); dense: 0
+                            // of 64 head dims a warpgroup; varlen (1, Hq, dq_acc_cols(d) / 64, T, 64), the packed
+                            // rows), zeroed by the pre kernel (nullptr: the pair; fused_dq_planned; its shape:
+                            // dq_acc_batch, dq_acc_rows)
+  int64_t tq, tk;           // varlen: the packed query and key rows (the forward's TMA maps, dq_acc's rows); dense: 0
 };
 
 // o and lse (Params::out, Params::lse) from q, k, v on ``stream``; T is __half or __nv_bfloat16
@@ -67,8 +67,9 @@ template <typename T>
 void launch_backward(const Params& p, cudaStream_t stream);
 // Whether launch_backward would run the fused backward for p (dQ added into Params::dq_acc by bulk reductions, no dQ
 // blocks; fp16 or bf16): Hopper from an sm_90a build, head dim <= 128,
-// PYKERNELS_CUDA_ATTN_FUSED_DQ and PYKERNELS_CUDA_ATTN_TMA not '0'. The caller allocates dq_acc (uninitialised: launch_backward's pre kernel zeroes it) where it is true, and
-// leaves it nullptr where the backward must be reproducible bit for bit (the reductions' order varies)
+// PYKERNELS_CUDA_ATTN_FUSED_DQ and PYKERNELS_CUDA_ATTN_TMA not '0'. The caller allocates dq_acc (uninitialised:
+// launch_backward's pre kernel zeroes it) where it is true, and leaves it nullptr where the backward must be
+// reproducible bit for bit (the reductions' order varies)
 bool fused_dq_planned(const Params& p);
 
 extern template void launch_forward<__half>(const Params&, cudaStream_t);
