@@ -2689,7 +2689,9 @@ inline bool fused_cp_async(const Params& p) {
 
 // fused_dq_planned's rule (attention.h)
 inline bool fused_dq_plan(const Params& p) {
-  return fused_dq_env() != '0' && p.d <= 128 && tma_env() != '0' && plan_of(p).sm90;
+  // ('c' keeps packed sequences off TMA: the cp.async twin at D <= 64, the pair above, so no dq_acc to zero there)
+  const int dmax = p.cu_q != nullptr && fused_dq_env() == 'c' ? 64 : 128;
+  return fused_dq_env() != '0' && p.d <= dmax && tma_env() != '0' && plan_of(p).sm90;
 }
 
 template <int D, typename T, int M>
@@ -2700,13 +2702,13 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
   static_assert(Ck::BN == Cq::BN, "one key block for K and V's maps");
   const unsigned nkb = static_cast<unsigned>((p.sk + Ck::BN - 1) / Ck::BN);
   const unsigned nqb = static_cast<unsigned>((p.sq + Cq::BM - 1) / Cq::BM);
-  // packed varlen sequences by TMA in the fused kernel (FUSED = 3) at D = 64 ('c': its cp.async twin instead)
+  // packed varlen sequences by TMA in the fused kernel (FUSED = 3 at D = 64, 4 at D = 128; 'c': the twin, the pair)
   const bool packed = p.cu_q != nullptr;
   const bool packed_tma = packed && M == kModeNone && p.dq_acc != nullptr && fused_dq_env() != 'c';
   const BwdTma tm = make_bwd_tma<T>(p, Cq::BM, Ck::BQ, Ck::BN, packed_tma);
   if (p.dq_acc != nullptr) {
     // the fused backward: the dK/dV blocks add dQ into dq_acc (zeroed by the pre kernel), then dQ from it. At D = 64
-    // inputs TMA cannot load (packed varlen sequences; strides fused_dq_plan cannot see) come by cp.async; at D = 128
+    // inputs TMA cannot load (strides fused_dq_plan cannot see; packed sequences under 'c') come by cp.async; at D = 128
     // they take the pair below (the deferred kernel's buffers are handed over by TMA's mbarriers)
     if (tm.on || (D == 64 && M == kModeNone && fused_cp_async(p))) {
       constexpr int FUSED = D == 128 ? 2 : 1;  // (D = 128: dQ^T an iteration late)
