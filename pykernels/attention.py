@@ -847,7 +847,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       bulk TMA reductions into an fp32 buffer, in no fixed order (as FlashAttention-2/3 and cuDNN do; it is
       3-8% faster where it is taken, ``kernels/attention_sm90_bwd.py``), whose dQ may differ in the last bits between runs;
       so is the "cuda" backend's on Hopper at D <= 128 (its dK/dV blocks add dQ by bulk reductions:
-      ``csrc/attention.cuh``; packed varlen sequences and stride-0 K / V at D <= 64 with dropout); every other
+      ``csrc/attention.cuh``; packed varlen sequences too; stride-0 K / V at D <= 64 with dropout); every other
       case is reproducible in either mode (no atomics).
       ``deterministic=True`` with the developer switch ``PYKERNELS_ATTN_SM90_BWD=fused`` raises ``ValueError``.
 
