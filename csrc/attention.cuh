@@ -398,6 +398,25 @@ __device__ __forceinline__ DropRows drop_rows(const Params& p, int b, int h) {
 __device__ __forceinline__ uint32_t drop_threshold(const Params& p) {
   return static_cast<uint32_t>(p.p_drop * 65536.f);
 }
+// philox.cuh's keep_byte as a carry chain (attention's draws only: 1 <= thr < 2^16, p > 0): value v's half moved to
+// the top plus (2^16 - thr) 2^16 carries out iff the half is >= thr, and addc shifts each carry into the byte, bit 7
+// first: two instructions a bit (keep_byte's compare, select and or: about three)
+__device__ __forceinline__ uint32_t keep_byte_carry(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uint32_t thr) {
+  const uint32_t k = (0x10000u - thr) << 16;
+  uint32_t bits;
+  asm("{\n\t.reg .u32 t;\n\t"
+      "add.cc.u32 t, %4, %9;\n\taddc.u32 %0, 0, 0;\n\t"
+      "add.cc.u32 t, %8, %9;\n\taddc.u32 %0, %0, %0;\n\t"
+      "add.cc.u32 t, %3, %9;\n\taddc.u32 %0, %0, %0;\n\t"
+      "add.cc.u32 t, %7, %9;\n\taddc.u32 %0, %0, %0;\n\t"
+      "add.cc.u32 t, %2, %9;\n\taddc.u32 %0, %0, %0;\n\t"
+      "add.cc.u32 t, %6, %9;\n\taddc.u32 %0, %0, %0;\n\t"
+      "add.cc.u32 t, %1, %9;\n\taddc.u32 %0, %0, %0;\n\t"
+      "add.cc.u32 t, %5, %9;\n\taddc.u32 %0, %0, %0;\n\t}"
+      : "=&r"(bits)
+      : "r"(w0), "r"(w1), "r"(w2), "r"(w3), "r"(w0 << 16), "r"(w1 << 16), "r"(w2 << 16), "r"(w3 << 16), "r"(k));
+  return bits;
+}
 // A lane group's keep bits (philox.cuh's transpose): each lane draws the call at its ``ctr``. F = 2: the quad (the 4
 // lanes t4 of one g, me = t4; 2-bit fields); F = 1: the octet (the 8 lanes g of one t4, me = g, 4 lanes apart; 1-bit
 // fields).
@@ -406,7 +425,7 @@ __device__ __forceinline__ uint32_t group_keep_bits_inl(uint64_t seed, uint64_t 
   static_assert(F == 1 || F == 2, "quad or octet");
   uint32_t w0, w1, w2, w3;
   philox4x32(seed, ctr, w0, w1, w2, w3);
-  uint32_t x = keep_byte(w0, w1, w2, w3, thr);
+  uint32_t x = keep_byte_carry(w0, w1, w2, w3, thr);
 #pragma unroll
   for (int s = F == 2 ? 2 : 4; s >= 1; s >>= 1)
     x = transpose_stage<F>(x, __shfl_xor_sync(0xffffffffu, x, F == 2 ? s : s << 2), s, me & s);
