@@ -419,37 +419,38 @@ __device__ __forceinline__ uint32_t keep_byte_carry(uint32_t w0, uint32_t w1, ui
 }
 // A lane group's keep bits (philox.cuh's transpose): each lane draws the call at its ``ctr``. F = 2: the quad (the 4
 // lanes t4 of one g, me = t4; 2-bit fields); F = 1: the octet (the 8 lanes g of one t4, me = g, 4 lanes apart; 1-bit
-// fields).
-template <int F>
+// fields). kCarry: keep_byte_carry (the forwards: 1.02-1.04x faster with dropout, H200 run306; the backward's
+// kernels keep keep_byte, where the carry chain moved ptxas's spills both ways and timed 0.99-1.01x)
+template <int F, bool kCarry = false>
 __device__ __forceinline__ uint32_t group_keep_bits_inl(uint64_t seed, uint64_t ctr, uint32_t thr, int me) {
   static_assert(F == 1 || F == 2, "quad or octet");
   uint32_t w0, w1, w2, w3;
   philox4x32(seed, ctr, w0, w1, w2, w3);
-  uint32_t x = keep_byte_carry(w0, w1, w2, w3, thr);
+  uint32_t x = kCarry ? keep_byte_carry(w0, w1, w2, w3, thr) : keep_byte(w0, w1, w2, w3, thr);
 #pragma unroll
   for (int s = F == 2 ? 2 : 4; s >= 1; s >>= 1)
     x = transpose_stage<F>(x, __shfl_xor_sync(0xffffffffu, x, F == 2 ? s : s << 2), s, me & s);
   return x;
 }
 // Out of line for the mma.sync kernels (inline, their dK/dV kernel with an element mask spilled 144-168 bytes)
-template <int F>
+template <int F, bool kCarry = false>
 static __device__ __noinline__ uint32_t group_keep_bits(uint64_t seed, uint64_t ctr, uint32_t thr, int me) {
-  return group_keep_bits_inl<F>(seed, ctr, thr, me);
+  return group_keep_bits_inl<F, kCarry>(seed, ctr, thr, me);
 }
 // Keep bits of a row-layout thread (rows row[0], row[1]; columns 2 t4, 2 t4 + 1 of the 8-key n-tiles nt, nt + 1 from
 // key k0, k0 a multiple of 8): bit 2 (2 u + r) + q is element (row[r], k0 + (nt + u) 8 + 2 t4 + q), i.e.
 // sc[nt + u][2 r + q]. The quad's lane t4 draws the call of row[t4 & 1], tile nt + (t4 >> 1). kInl: inline (the
 // wgmma kernels, whose independent calls then overlap) or out of line. kSeedReg: the seed held in a register
-// (philox.cuh's drop_seed_reg: the forwards), else read from shared memory at each use (the backward's kernels,
-// whose registers are spent).
+// (philox.cuh's drop_seed_reg: the forwards, whose draws also take keep_byte_carry), else read from shared memory at
+// each use (the backward's kernels, whose registers are spent).
 template <bool kInl = false, bool kSeedReg = false>
 __device__ __forceinline__ uint32_t row_keep_bits(const Params& p, const DropRows& d, const int (&row)[2], int k0,
                                                   int nt, int t4) {
   const int i = (t4 & 1) ? row[1] : row[0];
   const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups + static_cast<uint64_t>((k0 >> 3) + nt + (t4 >> 1));
   const uint64_t seed = kSeedReg ? drop_seed_reg() : drop_seed();
-  return kInl ? group_keep_bits_inl<2>(seed, ctr, drop_threshold(p), t4)
-              : group_keep_bits<2>(seed, ctr, drop_threshold(p), t4);
+  return kInl ? group_keep_bits_inl<2, kSeedReg>(seed, ctr, drop_threshold(p), t4)  // (kSeedReg: the forwards)
+              : group_keep_bits<2, kSeedReg>(seed, ctr, drop_threshold(p), t4);
 }
 // Keep bits of a key-row-layout thread (the dK/dV kernels: keys key[0] = kb + g, key[1] = kb + 8 + g, kb a multiple of
 // 8; queries qs + (nt + u) 8 + 2 t4 + q of the n-tiles nt, nt + 1): bit 4 u + 2 r + q is element (query
