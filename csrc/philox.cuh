@@ -78,7 +78,8 @@ PK_HD uint32_t dropout_bits16(uint64_t seed, uint64_t row_counter, uint32_t j) {
 //   columns 2 t4 + q in call c (the call lane c drew).
 // * octet (8 lanes; the dK/dV kernels' transposed layout: lane g holds key g of each 8): 1-bit fields, stages
 //   s = 4, 2, 1. Result: bit c is the keep bit of its key in call c.
-// Host-callable: tests/test_csrc.py runs the stages on the host against dropout_bits16.
+// Host-callable: tests/test_csrc.py runs the stages on the host against dropout_bits16. (The attention forwards take
+// attention.cuh's keep_byte_carry instead of keep_byte: the same bits by an add.cc / addc chain, device only.)
 PK_HD uint32_t keep_byte(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, uint32_t thr) {
   const uint32_t w[4] = {w0, w1, w2, w3}, hi = thr << 16;  // a half >= thr iff it, moved to the top, is >= thr 2^16
   uint32_t bits = 0u;
