@@ -1093,12 +1093,12 @@ struct FwdOrder {
   int* cls;   // kOrderClasses counters
 };
 template <int BM, int BN>
-__device__ __forceinline__ void fwd_order_build(const Params& p, const FwdOrder& o, int tid, int nt) {
+__device__ __forceinline__ void fwd_order_build(const Params& p, const FwdOrder& o, int n_m, int tid, int nt) {
   for (int c = tid; c < kOrderClasses; c += nt) o.cls[c] = 0;
   __syncthreads();
   for (int b = tid; b < p.batch; b += nt) {
     const int sq = p.cu_q[b + 1] - p.cu_q[b], sk = p.cu_k[b + 1] - p.cu_k[b];
-    o.m_of[b] = (sq + BM - 1) / BM;
+    o.m_of[b] = min((sq + BM - 1) / BM, n_m);  // (tile_at's walk too visits n_m query tiles at most)
     o.seq[b] = min((sk + BN - 1) / BN, kOrderClasses - 1);  // (the class, for now)
     atomicAdd(&o.cls[o.seq[b]], 1);
   }
@@ -1159,7 +1159,7 @@ template <int BM, int BN>
 __global__ void __launch_bounds__(1024) attn_fwd_order_kernel(const Params p, int* order, int n_m, int g) {
   __shared__ int seq[kOrderSeqs], pre[kOrderSeqs + 1], m_of[kOrderSeqs], cls[kOrderClasses];
   const FwdOrder o{seq, pre, m_of, cls};
-  fwd_order_build<BM, BN>(p, o, threadIdx.x, blockDim.x);
+  fwd_order_build<BM, BN>(p, o, n_m, threadIdx.x, blockDim.x);
   const int n = pre[p.batch];
   for (int t = threadIdx.x; t < n; t += blockDim.x) {
     const Tile x = tile_ordered(p, o, t, g);
