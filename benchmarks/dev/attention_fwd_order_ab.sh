@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The A/B of the warp-specialised forward's ordered walk over packed varlen sequences (attn_fwd_order_kernel: the
-# sequences by key blocks, most first, rounds alternating) against tile_at's round-robin walk
+# The A/B of the warp-specialised forward's ordered walk over packed varlen sequences and key-padded batches
+# (attn_fwd_order_kernel: by key blocks, most first, rounds alternating) against tile_at's round-robin walk
 # (PYKERNELS_CUDA_ATTN_FWD_ORDER=0), one build, one device call: the attention and graph tests, then
 # attention_dropout_kernels.py on the packed and padded BERT batch and its D = 128 twin, two rounds. Results under
 # $OUT (build.log, pytest.txt, ab.txt).
@@ -23,8 +23,8 @@ for r in 1 2; do
   echo "## round $r: default (the ordered walk)" >> "$R"
   timeout 90 python3 $B order --cases bert_pad,bert_varlen,d128_pad,d128_varlen --iters 10 --peers >> "$R" 2>&1
   echo "## round $r: PYKERNELS_CUDA_ATTN_FWD_ORDER=0 (tile_at's walk)" >> "$R"
-  PYKERNELS_CUDA_ATTN_FWD_ORDER=0 timeout 60 python3 $B rr --cases bert_varlen,d128_varlen --iters 10 --peers \
-    >> "$R" 2>&1
+  PYKERNELS_CUDA_ATTN_FWD_ORDER=0 timeout 80 python3 $B rr --cases bert_pad,bert_varlen,d128_pad,d128_varlen \
+    --iters 10 >> "$R" 2>&1
 done
 echo "bench done at $(( $(date +%s) - T0 )) s" >> "$OUT/build.log"
 grep -v "^ \|Warn\|warn" "$R" | grep -v "sdpa-flash\|sdpa-eff\|not run"
