@@ -2051,9 +2051,9 @@ def test_gpu_cuda_varlen_tma_forward_and_fused_backward(monkeypatch, d, causal):
     sequence's last V block by cp.async, zero-filled past the sequence), and the backward runs the fused kernel by
     TMA over the packed rows (FUSED = 3 at D <= 64, the deferred FUSED = 4 at 64 < D <= 128: a tile that runs past its
     sequence zeroed there once it lands; dq_acc over the packed rows, swizzled by each sequence's offset), or with
-    PYKERNELS_CUDA_ATTN_FUSED_DQ=c the cp.async twin (D <= 64) or the pair. Sequence offsets that are not multiples of 8, a tile's worth of lengths and 1, an empty sequence,
-    and NaN in the rows past cu_seqlens[-1]: each sequence's output and gradients against the reference, those rows'
-    zero; the forward bitwise the cp.async forward's (PYKERNELS_CUDA_ATTN_TMA=0); the kernels that ran, by name."""
+    PYKERNELS_CUDA_ATTN_FUSED_DQ=c the cp.async twin (D <= 64) or the pair. Sequence offsets that are not multiples
+    of 8, a tile's worth of lengths and 1, an empty sequence, and NaN in the rows past cu_seqlens[-1]: each
+    sequence's output and gradients against the reference, those rows' zero; the forward bitwise the cp.async forward's (PYKERNELS_CUDA_ATTN_TMA=0); the kernels that ran, by name."""
     monkeypatch.delenv("PYKERNELS_CUDA_ATTN_TMA", raising=False)
     lengths = [300, 1, 129, 0, 77, 256, 13]
     q, k, v, cu = _varlen_poisoned(lengths, 4, 2, d, 9, "cuda")
