@@ -71,6 +71,7 @@
 
 #include "attention.h"
 #include "pack.cuh"
+#include "fwd_order.cuh"
 #include "philox.cuh"
 #include "wgmma.cuh"
 
@@ -1157,25 +1158,10 @@ __device__ __forceinline__ void fwd_order_build(const Params& p, const FwdOrder&
   }
   __syncthreads();
 }
-// Tile t (t < pre[B]) of the ordered walk of a grid of g blocks: round t / g reversed where odd (the last round over
-// its own tiles), then the rank whose tiles hold it (a binary search over pre)
+// Tile t of the ordered walk (fwd_order.cuh's order_tile)
 __device__ __forceinline__ Tile tile_ordered(const Params& p, const FwdOrder& o, int t, int g) {
-  const int n = o.pre[p.batch];
-  const int round = t / g, k = t - round * g;
-  const int base = round * g, width = min(g, n - base);
-  const int u = base + ((round & 1) ? width - 1 - k : k);
-  int lo = 0, hi = p.batch;  // pre[lo] <= u < pre[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (o.pre[mid] <= u) lo = mid; else hi = mid;
-  }
-  Tile x;
-  x.b = o.seq[lo];
-  const int mq = o.m_of[x.b], w = u - o.pre[lo];
-  x.h = w / mq;
-  x.m = w - x.h * mq;
-  if (p.causal) x.m = mq - 1 - x.m;  // (a head's tiles longest first)
-  return x;
+  const OrderTile x = order_tile(t, g, p.batch, p.causal, o.seq, o.pre, o.m_of);
+  return Tile{x.m, x.h, x.b};
 }
 // The walk for the forward's grid of g blocks and n_m query tiles a head: Params::fwd_order (one block)
 template <int BM, int BN>
