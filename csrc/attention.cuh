@@ -2564,6 +2564,18 @@ inline void require_tma(bool on, char env, const char* pass) {
 
 // The forward's TMA maps where TMA takes all three inputs (tma_env): dense, or packed varlen sequences as the rows of
 // a batch of one (Params::tq, tk rows; the kernel loads at each sequence's offset)
+// The maps' batch and rows, forward and backward alike: dense (B, Sq, Sk); packed varlen sequences as rows of a batch
+// of one (the packed T_q, T_k), which TMA's int32 coordinates must address (ok)
+struct TmaRows {
+  int64_t nb, rq, rk;
+  bool ok;
+};
+inline TmaRows tma_rows(const Params& p) {
+  const bool packed = p.cu_q != nullptr;
+  const int64_t rq = packed ? p.tq : p.sq, rk = packed ? p.tk : p.sk;
+  return {packed ? 1 : p.batch, rq, rk, rq > 0 && rk > 0 && rq < INT32_MAX && rk < INT32_MAX};
+}
+
 template <typename T>
 FwdTma make_fwd_tma(const Params& p, int bm, int bn) {
   FwdTma tm;
@@ -2571,9 +2583,9 @@ FwdTma make_fwd_tma(const Params& p, int bm, int bn) {
   const char env = tma_env();
   if (env == '0') return tm;
   const int hk = p.hq / p.group;
-  const bool packed = p.cu_q != nullptr;
-  const int64_t nb = packed ? 1 : p.batch, rq = packed ? p.tq : p.sq, rk = packed ? p.tk : p.sk;
-  tm.on = rq > 0 && rk > 0 && rq < INT32_MAX && rk < INT32_MAX &&
+  const TmaRows r = tma_rows(p);
+  const int64_t nb = r.nb, rq = r.rq, rk = r.rk;
+  tm.on = r.ok &&
           encode_map<T>(&tm.q, &tm.order[0], p.q, nb, p.hq, rq, p.d, p.q_sb, p.q_sh, p.q_ss, bm) &&
           encode_map<T>(&tm.k, &tm.order[1], p.k, nb, hk, rk, p.d, p.k_sb, p.k_sh, p.k_ss, bn) &&
           encode_map<T>(&tm.v, &tm.order[2], p.v, nb, hk, rk, p.d, p.v_sb, p.v_sh, p.v_ss, bn);
@@ -2592,9 +2604,9 @@ BwdTma make_bwd_tma(const Params& p, int bm, int bq, int bn, bool packed_ok) {
   const int hk = p.hq / p.group;
   int* o = tm.order;
   // packed varlen sequences (only where the caller runs the fused kernel over them, packed_ok): a batch of one
-  const bool packed = p.cu_q != nullptr;
-  const int64_t nb = packed ? 1 : p.batch, rq = packed ? p.tq : p.sq, rk = packed ? p.tk : p.sk;
-  tm.on = (!packed || (packed_ok && rq > 0 && rk > 0 && rq < INT32_MAX && rk < INT32_MAX)) &&
+  const TmaRows r = tma_rows(p);
+  const int64_t nb = r.nb, rq = r.rq, rk = r.rk;
+  tm.on = (p.cu_q == nullptr || packed_ok) && r.ok &&
           encode_map<T>(&tm.q64, &o[0], p.q, nb, p.hq, rq, p.d, p.q_sb, p.q_sh, p.q_ss, bm) &&
           encode_map<T>(&tm.do64, &o[1], p.dout, nb, p.hq, rq, p.d, p.do_sb, p.do_sh, p.do_ss, bm) &&
           encode_map<T>(&tm.q32, &o[2], p.q, nb, p.hq, rq, p.d, p.q_sb, p.q_sh, p.q_ss, bq) &&
