@@ -2673,7 +2673,7 @@ void launch_forward(const Params& p, cudaStream_t stream) {
 // The fused backward's last step: dQ = scale * dq_acc in dQ's dtype and strides (8 columns a thread, 16-byte stores:
 // dQ is allocated with 16-byte aligned rows); COLS = dq_acc_cols: dq_acc is (B, Hq, COLS / 64, Sq, 64), a slice of 64
 // head dims a warpgroup of the fused kernel (attention.h); varlen (1, Hq, 1, T, 64), rows past cu_seqlens_q[-1] left
-// as they are (dQ's, zeros)
+// as they are (zeroed after the backward: attention.cpp's zero_outside)
 template <typename T, int COLS>
 __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   constexpr int TPR = COLS / 8;  // threads a row
