@@ -2666,6 +2666,18 @@ inline void require_tma(bool on, char env, const char* pass) {
 
 // The forward's TMA maps where TMA takes all three inputs (tma_env): dense, or packed varlen sequences as the rows of
 // a batch of one (Params::tq, tk rows; the kernel loads at each sequence's offset)
+// The maps' batch and rows, forward and backward alike: dense (B, Sq, Sk); packed varlen sequences as rows of a batch
+// of one (the packed T_q, T_k), which TMA's int32 coordinates must address (ok)
+struct TmaRows {
+  int64_t nb, rq, rk;
+  bool ok;
+};
+inline TmaRows tma_rows(const Params& p) {
+  const bool packed = p.cu_q != nullptr;
+  const int64_t rq = packed ? p.tq : p.sq, rk = packed ? p.tk : p.sk;
+  return {packed ? 1 : p.batch, rq, rk, rq > 0 && rk > 0 && rq < INT32_MAX && rk < INT32_MAX};
+}
+
 template <typename T>
 FwdTma make_fwd_tma(const Params& p, int bm, int bn) {
   FwdTma tm;
@@ -2673,9 +2685,9 @@ FwdTma make_fwd_tma(const Params& p, int bm, int bn) {
   const char env = tma_env();
   if (env == '0') return tm;
   const int hk = p.hq / p.group;
-  const bool packed = p.cu_q != nullptr;
-  const int64_t nb = packed ? 1 : p.batch, rq = packed ? p.tq : p.sq, rk = packed ? p.tk : p.sk;
-  tm.on = rq > 0 && rk > 0 && rq < INT32_MAX && rk < INT32_MAX &&
+  const TmaRows r = tma_rows(p);
+  const int64_t nb = r.nb, rq = r.rq, rk = r.rk;
+  tm.on = r.ok &&
           encode_map<T>(&tm.q, &tm.order[0], p.q, nb, p.hq, rq, p.d, p.q_sb, p.q_sh, p.q_ss, bm) &&
           encode_map<T>(&tm.k, &tm.order[1], p.k, nb, hk, rk, p.d, p.k_sb, p.k_sh, p.k_ss, bn) &&
           encode_map<T>(&tm.v, &tm.order[2], p.v, nb, hk, rk, p.d, p.v_sb, p.v_sh, p.v_ss, bn);
@@ -2694,9 +2706,9 @@ BwdTma make_bwd_tma(const Params& p, int bm, int bq, int bn, bool packed_ok) {
   const int hk = p.hq / p.group;
   int* o = tm.order;
   // packed varlen sequences (only where the caller runs the fused kernel over them, packed_ok): a batch of one
-  const bool packed = p.cu_q != nullptr;
-  const int64_t nb = packed ? 1 : p.batch, rq = packed ? p.tq : p.sq, rk = packed ? p.tk : p.sk;
-  tm.on = (!packed || (packed_ok && rq > 0 && rk > 0 && rq < INT32_MAX && rk < INT32_MAX)) &&
+  const TmaRows r = tma_rows(p);
+  const int64_t nb = r.nb, rq = r.rq, rk = r.rk;
+  tm.on = (p.cu_q == nullptr || packed_ok) && r.ok &&
           encode_map<T>(&tm.q64, &o[0], p.q, nb, p.hq, rq, p.d, p.q_sb, p.q_sh, p.q_ss, bm) &&
           encode_map<T>(&tm.do64, &o[1], p.dout, nb, p.hq, rq, p.d, p.do_sb, p.do_sh, p.do_ss, bm) &&
           encode_map<T>(&tm.q32, &o[2], p.q, nb, p.hq, rq, p.d, p.q_sb, p.q_sh, p.q_ss, bq) &&
@@ -2774,7 +2786,7 @@ void launch_forward(const Params& p, cudaStream_t stream) {
 // The fused backward's last step: dQ = scale * dq_acc in dQ's dtype and strides (8 columns a thread, 16-byte stores:
 // dQ is allocated with 16-byte aligned rows); COLS = dq_acc_cols: dq_acc is (B, Hq, COLS / 64, Sq, 64), a slice of 64
 // head dims a warpgroup of the fused kernel (attention.h); varlen (1, Hq, 1, T, 64), rows past cu_seqlens_q[-1] left
-// as they are (dQ's, zeros)
+// as they are (zeroed after the backward: attention.cpp's zero_outside)
 template <typename T, int COLS>
 __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   constexpr int TPR = COLS / 8;  // threads a row

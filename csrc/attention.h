@@ -86,6 +86,21 @@ void launch_backward(const Params& p, cudaStream_t stream);
 // reproducible bit for bit (the reductions' order varies)
 bool fused_dq_planned(const Params& p);
 
+// Packed varlen sequences: up to three (rows, ...) tensors (contiguous, 2-byte elements), each zeroed outside the rows
+// [cu[0], cu[batch]) that its sequences hold (attention_varlen.cu; the forward's o, the backward's dq, dk, dv), after
+// the kernels that write the sequences' rows
+struct ZeroRows {
+  struct Target {
+    void* ptr;
+    const int* cu;       // device cu_seqlens (batch + 1 entries)
+    int64_t rows;        // the tensor's rows (total tokens)
+    int64_t row_bytes;   // bytes a row (heads x head dim x 2)
+  } t[3];
+  int n;                 // targets
+  int batch;
+};
+void zero_rows_outside(const ZeroRows& z, cudaStream_t stream);
+
 extern template void launch_forward<__half>(const Params&, cudaStream_t);
 extern template void launch_forward<__nv_bfloat16>(const Params&, cudaStream_t);
 extern template void launch_backward<__half>(const Params&, cudaStream_t);

@@ -1005,8 +1005,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     q, k, v = _last_dim_contig(q), _last_dim_contig(k), _last_dim_contig(v)
     if _use_cuda(_VOP, backend, q, k, v, None, cu_seqlens_q.shape[0] - 1, dropout_p):
-        return _cuda_attention(q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                               bool(causal), scale)
+        return _cuda_attention(q, k, v, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q,
+                               max_seqlen_k, dropout_p, bool(causal), scale)
     o, _, _ = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, bool(causal),
                           scale, backend or "")
     return o

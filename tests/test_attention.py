@@ -2018,6 +2018,34 @@ def test_gpu_cuda_backend_varlen(causal, d, cuda_fwd):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_cuda_varlen_rows_outside_the_sequences_are_zero(d):
+    """The C++ op allocates its output and gradients uninitialised (poisoned with NaN in the tests) and zeroes the rows
+    that no sequence holds after its kernels (attention.cpp's zero_outside): rows before cu_seqlens[0] and from
+    cu_seqlens[-1] on, of o, dq, dk and dv, are 0 (q, k, v hold NaN there: no kernel reads them into a sequence);
+    cu_seqlens given as strided views (copied contiguous); each sequence against the reference."""
+    lq, lk, first, extra = [17, 0, 130, 1], [5, 9, 200, 0], 3, 6
+    cu_q = torch.tensor([first] + (first + torch.tensor(lq).cumsum(0)).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([first] + (first + torch.tensor(lk).cumsum(0)).tolist(), dtype=torch.int32, device="cuda")
+    tq, tk = int(cu_q[-1]) + extra, int(cu_k[-1]) + extra
+    q, k, v = _inputs((tq, 4, d), (tk, 2, d), (tk, 2, d), BF16, "cuda", requires_grad=False)
+    for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k)):
+        t[:first] = float("nan")
+        t[int(cu[-1]):] = float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    strided = [torch.stack([c, c], 1)[:, 0] for c in (cu_q, cu_k)]
+    assert not strided[0].is_contiguous()
+    out = varlen_attention(q, k, v, *strided, max(lq), max(lk), backend="cuda")
+    do = torch.randn_like(out)
+    grads = _grads(out, (q, k, v), do)
+    for t, cu in ((out, cu_q), (grads[0], cu_q), (grads[1], cu_k), (grads[2], cu_k)):
+        for rows in (t[:first], t[int(cu[-1]):]):
+            assert torch.equal(rows, torch.zeros_like(rows))
+    _check_varlen_per_sequence(out, grads, q, k, v, do, cu_q, cu_k, False, BF16)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 def test_gpu_cuda_backend_varlen_dropout_is_tritons_mask():
     """Varlen dropout keys Philox by the max lengths and the positions inside each sequence, as the Triton kernels
     do: the same torch seed gives the same mask, so the two backends' outputs and gradients agree."""
