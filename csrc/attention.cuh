@@ -1078,15 +1078,16 @@ __device__ __forceinline__ Tile tile_at(const Params& p, int64_t t, int n_m, boo
   return x;
 }
 
-// Packed varlen sequences, or batches under a key-padding mask (at most kOrderSeqs; a mask of at most kOrderMaskKeys
-// keys in all): the warp-specialised forward walks the tiles in the order of their sequences' key blocks (those
-// that meet the mask's valid range), most first, every tile a real one, rounds alternating direction. tile_at's round-robin walk
+// Packed varlen sequences (at most kOrderSeqs): the warp-specialised forward walks the tiles in the order of their
+// sequences' key blocks, most first, every tile a real one, rounds alternating direction. tile_at's round-robin walk
 // over sequences of different lengths gives the persistent blocks unequal work (a model of BERT's packed batch,
 // lengths 256..512: the busiest block 1.18-1.30x the mean; sorted and alternating 1.02-1.06x). attn_fwd_order_kernel
 // (one block) sorts the sequences (a counting sort by key blocks, kOrderClasses classes, the last holding the rest)
 // and writes the walk, Params::fwd_order: entry t is tile_at's index of the t-th tile, entry fwd_order_n the tile
 // count. The order within a class follows the atomics: which block takes a tile varies, what it computes does not.
-// (Built inside the forward kernel, the sort had spilled its warpgroups' registers: ptxas 24-56 bytes.)
+// (Built inside the forward kernel, the sort had spilled its warpgroups' registers: ptxas 24-56 bytes. Batches under
+// a key-padding mask were ordered too, by the key blocks of each one's valid range: the order kernel's scan of the
+// mask took 7.7 us of the BERT batch's forward and the walk saved none of it, run308.)
 constexpr int kOrderClasses = 64;  // (kOrderSeqs, kOrderBM: attention.h)
 struct FwdOrder {
   int* seq;   // sequence ids by rank
@@ -1098,33 +1099,11 @@ template <int BM, int BN>
 __device__ __forceinline__ void fwd_order_build(const Params& p, const FwdOrder& o, int n_m, int tid, int nt) {
   for (int c = tid; c < kOrderClasses; c += nt) o.cls[c] = 0;
   __syncthreads();
-  if (p.cu_q != nullptr) {  // packed sequences: the keys of each
-    for (int b = tid; b < p.batch; b += nt) {
-      const int sq = p.cu_q[b + 1] - p.cu_q[b], sk = p.cu_k[b + 1] - p.cu_k[b];
-      o.m_of[b] = min((sq + BM - 1) / BM, n_m);  // (tile_at's walk too visits n_m query tiles at most)
-      o.seq[b] = min((sk + BN - 1) / BN, kOrderClasses - 1);  // (the class, for now)
-      atomicAdd(&o.cls[o.seq[b]], 1);
-    }
-  } else {  // a key-padding mask: the key blocks that meet each batch's valid range (key_range's), a warp a batch
-    const int lane = tid & 31;
-    for (int b = tid >> 5; b < p.batch; b += nt >> 5) {
-      int lo = p.sk, hi = 0;
-      for (int j = lane; j < p.sk; j += 32)
-        if (key_bias(p, b, j, p.sk) != -INFINITY) {
-          lo = min(lo, j);
-          hi = j + 1;
-        }
-#pragma unroll
-      for (int w = 16; w > 0; w >>= 1) {
-        lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, w));
-        hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, w));
-      }
-      if (lane == 0) {
-        o.m_of[b] = n_m;
-        o.seq[b] = lo < hi ? min((hi + BN - 1) / BN - lo / BN, kOrderClasses - 1) : 0;
-        atomicAdd(&o.cls[o.seq[b]], 1);
-      }
-    }
+  for (int b = tid; b < p.batch; b += nt) {  // the key blocks of each sequence
+    const int sq = p.cu_q[b + 1] - p.cu_q[b], sk = p.cu_k[b + 1] - p.cu_k[b];
+    o.m_of[b] = min((sq + BM - 1) / BM, n_m);  // (tile_at's walk too visits n_m query tiles at most)
+    o.seq[b] = min((sk + BN - 1) / BN, kOrderClasses - 1);  // (the class, for now)
+    atomicAdd(&o.cls[o.seq[b]], 1);
   }
   __syncthreads();
   if (tid == 0) {  // each class's first rank, the most key blocks first
@@ -2745,7 +2724,7 @@ void launch_forward(const Params& p, cudaStream_t stream) {
           static_assert(C::BM == kOrderBM, "fwd_order_tiles's query tiles");
           Params q = p;  // (packed sequences: the walk's order, attn_fwd_order_kernel, where the caller gave room)
           const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FWD_ORDER");  // ('0': tile_at's walk, A/B runs)
-          if (p.fwd_order != nullptr && (p.cu_q != nullptr || M == kModeKeys) && p.batch <= kOrderSeqs &&
+          if (p.fwd_order != nullptr && p.cu_q != nullptr && p.batch <= kOrderSeqs &&
               grid.x > 0 && !(env != nullptr && env[0] == '0')) {
             attn_fwd_order_kernel<C::BM, C::BN><<<1, 1024, 0, stream>>>(
                 p, p.fwd_order, static_cast<int>((p.sq + C::BM - 1) / C::BM), static_cast<int>(grid.x));

@@ -62,12 +62,10 @@ struct Params {
   int64_t fwd_order_n;      // its tiles' room: fwd_order_tiles
 };
 
-// The warp-specialised forward's ordered walk over packed varlen sequences or batches under a key-padding mask
-// (attention.cuh's attn_fwd_order_kernel): at most kOrderSeqs sequences (and a mask of at most kOrderMaskKeys keys
-// in all, which it scans); its room, one int32 a tile of kOrderBM query rows a head and sequence, at most Sq's (max
-// seqlen_q's) tiles each, and the count (0 where it does not apply: the caller passes no room)
+// The warp-specialised forward's ordered walk over packed varlen sequences (attention.cuh's attn_fwd_order_kernel):
+// at most kOrderSeqs sequences; its room, one int32 a tile of kOrderBM query rows a head and sequence, at most Sq's
+// (max seqlen_q's) tiles each, and the count (0 where it does not apply: the caller passes no room)
 constexpr int kOrderSeqs = 1024, kOrderBM = 128;
-constexpr int64_t kOrderMaskKeys = int64_t{1} << 20;
 inline int64_t fwd_order_tiles(int64_t batch, int64_t hq, int64_t sq) {
   const int64_t n = (sq + kOrderBM - 1) / kOrderBM * hq * batch;
   return batch <= kOrderSeqs && n < INT32_MAX ? n : 0;

@@ -2141,37 +2141,11 @@ def test_gpu_cuda_varlen_forward_walk_order(monkeypatch, d, causal, hkv, n):
         out = varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend="cuda", deterministic=True)
         do = torch.randn_like(out) if do is None else do
         runs.append((out, *_grads(out, (q, k, v), do)))
-    for a, e in zip(*runs):
-        assert torch.equal(a, e)
-    _check_varlen_per_sequence(runs[0][0], runs[0][1:], q, k, v, do, cu, cu, causal, BF16)
-
-
-@pytest.mark.gpu
-@needs_cuda_ext
-@pytest.mark.parametrize("d,causal,kind", [(64, False, torch.bool), (128, False, torch.bool),
-                                           (64, True, torch.float32)])
-def test_gpu_cuda_key_padding_forward_walk_order(monkeypatch, d, causal, kind):
-    """Under a key-padding mask the warp-specialised forward walks the batches in the order attn_fwd_order_kernel
-    writes (by the key blocks that meet each batch's valid range, found a warp a batch), bitwise the output and
-    (deterministic) gradients of tile_at's walk (PYKERNELS_CUDA_ATTN_FWD_ORDER=0): valid ranges at the start, the end
-    and the middle of the keys, one batch fully masked (output 0); boolean and additive masks; against the reference."""
-    b, h, s_ = 6, 4, 700
-    q, k, v = _inputs((b, h, s_, d), (b, h, s_, d), (b, h, s_, d), BF16, "cuda")
-    j = torch.arange(s_, device="cuda")
-    lo = torch.tensor([0, 0, 100, 300, 0, 650], device="cuda")[:, None]
-    hi = torch.tensor([700, 129, 500, 700, 0, 700], device="cuda")[:, None]
-    keep = ((j >= lo) & (j < hi)).view(b, 1, 1, s_)
-    mask = keep if kind == torch.bool else torch.zeros(b, 1, 1, s_, device="cuda").masked_fill(~keep, float("-inf"))
-    runs = []
-    do = torch.randn(b, h, s_, d, device="cuda", dtype=BF16)
-    for env in (None, "0"):
-        _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_ORDER", env)
-        out = sdpa(q, k, v, mask, is_causal=causal, backend="cuda", deterministic=True)
-        runs.append((out, *_grads(out, (q, k, v), do)))
-    for a, e in zip(*runs):
-        assert torch.equal(a, e)
-    assert torch.equal(runs[0][0][4], torch.zeros_like(runs[0][0][4]))
-    _check_against_ref(q, k, v, mask=mask, causal=causal, backend="cuda", out=runs[0][0], do=do)
+    for name, a, e in zip(("out", "dq", "dk", "dv"), *runs):
+        assert torch.equal(a, e), (name, (a.float() - e.float()).abs().max().item())
+    # (against the reference: the first 64 sequences of the 1030, whose gradients are the pair's as before)
+    cu_ref = cu[:65]
+    _check_varlen_per_sequence(runs[0][0], runs[0][1:], q, k, v, do, cu_ref, cu_ref, causal, BF16)
 
 
 @pytest.mark.gpu
