@@ -970,7 +970,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     """
     if (_LANE_ON and type(dropout_p) is float and 0.0 <= dropout_p < 1.0 and type(causal) is bool
             and (scale is None or type(scale) is float) and (backend is None or type(backend) is str)
-            and (deterministic is None or type(deterministic) is bool)):
+            and (deterministic is None or deterministic is False)):  # (True: the full path passes it on)
         out = _varlen_lane(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p,
                            backend)
         if out is not None:
@@ -1004,9 +1004,11 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     q, k, v = _last_dim_contig(q), _last_dim_contig(k), _last_dim_contig(v)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     if _use_cuda(_VOP, backend, q, k, v, None, cu_seqlens_q.shape[0] - 1, dropout_p):
         return _cuda_attention(q, k, v, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q,
-                               max_seqlen_k, dropout_p, bool(causal), scale)
+                               max_seqlen_k, dropout_p, bool(causal), scale, deterministic)
     o, _, _ = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, bool(causal),
                           scale, backend or "")
     return o

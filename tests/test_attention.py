@@ -2019,6 +2019,37 @@ def test_gpu_cuda_backend_varlen(causal, d, cuda_fwd):
 @pytest.mark.gpu
 @needs_cuda_ext
 @pytest.mark.parametrize("d", [64, 128])
+def test_gpu_cuda_varlen_deterministic(d):
+    """varlen_attention(deterministic=True) on the C++ backend, and torch's deterministic mode with the default None:
+    the backward takes the pair (no attn_dq_convert: dQ by its own blocks, no bulk reductions) and two runs give
+    bitwise the same gradients. (Until session 45 varlen_attention dropped deterministic=True on its way to the C++
+    op, whose fused backward adds dQ in no fixed order.)"""
+    lq = [700, 1, 0, 513, 77, 300]
+    q, k, v, cu, _ = _varlen_case(lq, lq, 4, 2, d, BF16, "cuda")
+
+    def call(**kw):
+        return varlen_attention(q, k, v, cu, cu, max(lq), max(lq), causal=True, backend="cuda", **kw)
+
+    do = torch.randn(q.shape, device="cuda", dtype=BF16)
+    if _sm90a_device():  # (the fused backward otherwise, on Hopper at these head dims)
+        assert any("attn_dq_convert" in n for n in _fused_bwd_kernels(call))
+    for mode in ("flag", "torch"):
+        prev = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(mode == "torch")
+        try:
+            kw = dict(deterministic=True) if mode == "flag" else dict()
+            names = _fused_bwd_kernels(lambda: call(**kw))
+            assert not any("attn_dq_convert" in n for n in names), (mode, names)
+            runs = [_grads(call(**kw), (q, k, v), do) for _ in range(2)]
+        finally:
+            torch.use_deterministic_algorithms(prev)
+        for a, b in zip(*runs):
+            assert torch.equal(a, b), mode
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("d", [64, 128])
 def test_gpu_cuda_varlen_rows_outside_the_sequences_are_zero(d):
     """The C++ op allocates its output and gradients uninitialised (poisoned with NaN in the tests) and zeroes the rows
     that no sequence holds after its kernels (attention.cpp's zero_outside): rows before cu_seqlens[0] and from
