@@ -194,6 +194,13 @@ std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const T
   p.out = o.data_ptr();
   set_strides(o, s.varlen, p.o_sb, p.o_sh, p.o_ss);
   p.lse = lse.data_ptr<float>();
+  // packed sequences: room for the warp-specialised forward's ordered walk (launch_forward uses it where it runs
+  // that kernel)
+  Tensor order;
+  if (s.varlen && (p.fwd_order_n = attn::fwd_order_tiles(s.B, s.Hq, s.Sq)) > 0) {
+    order = at::empty({p.fwd_order_n + 1}, q.options().dtype(at::kInt));
+    p.fwd_order = order.data_ptr<int>();
+  }
   dispatch_float_dtype(q.scalar_type(), "pykernels_cuda.attention: query", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, float>) attn::launch_forward<T>(p, c10::cuda::getCurrentCUDAStream());

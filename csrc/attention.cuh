@@ -71,6 +71,7 @@
 
 #include "attention.h"
 #include "pack.cuh"
+#include "fwd_order.cuh"
 #include "philox.cuh"
 #include "wgmma.cuh"
 
@@ -1067,14 +1068,92 @@ __device__ __forceinline__ void tma_block_start(uint32_t bars, int n, uint32_t s
 struct Tile {
   int m, h, b;
 };
-__device__ __forceinline__ Tile tile_at(const Params& p, int64_t t, int n_m) {
+__device__ __forceinline__ Tile tile_at(const Params& p, int64_t t, int n_m, bool alternate = true) {
   const int64_t bh = t / n_m;
   Tile x;
   x.m = static_cast<int>(t - bh * n_m);
-  if (p.causal && (gridDim.x % n_m != 0 || ((t / gridDim.x) & 1) == 0)) x.m = n_m - 1 - x.m;
+  if (alternate && p.causal && (gridDim.x % n_m != 0 || ((t / gridDim.x) & 1) == 0)) x.m = n_m - 1 - x.m;
   x.h = static_cast<int>(bh % p.hq);
   x.b = static_cast<int>(bh / p.hq);
   return x;
+}
+
+// Packed varlen sequences (at most kOrderSeqs): the warp-specialised forward walks the tiles in the order of their
+// sequences' key blocks, most first, every tile a real one, rounds alternating direction. tile_at's round-robin walk
+// over sequences of different lengths gives the persistent blocks unequal work (a model of BERT's packed batch,
+// lengths 256..512: the busiest block 1.18-1.30x the mean; sorted and alternating 1.02-1.06x). attn_fwd_order_kernel
+// (one block) sorts the sequences (a counting sort by key blocks, kOrderClasses classes, the last holding the rest)
+// and writes the walk, Params::fwd_order: entry t is tile_at's index of the t-th tile, entry fwd_order_n the tile
+// count. The order within a class follows the atomics: which block takes a tile varies, what it computes does not.
+// (Built inside the forward kernel, the sort had spilled its warpgroups' registers: ptxas 24-56 bytes. Batches under
+// a key-padding mask were ordered too, by the key blocks of each one's valid range: the order kernel's scan of the
+// mask took 7.7 us of the BERT batch's forward and the walk saved none of it, run308.)
+constexpr int kOrderClasses = 64;  // (kOrderSeqs, kOrderBM: attention.h)
+struct FwdOrder {
+  int* seq;   // sequence ids by rank
+  int* pre;   // pre[r]: tiles before rank r (Hq times the query tiles of the sequences before it); pre[B] all
+  int* m_of;  // query tiles of sequence b
+  int* cls;   // kOrderClasses counters
+};
+template <int BM, int BN>
+__device__ __forceinline__ void fwd_order_build(const Params& p, const FwdOrder& o, int n_m, int tid, int nt) {
+  for (int c = tid; c < kOrderClasses; c += nt) o.cls[c] = 0;
+  __syncthreads();
+  for (int b = tid; b < p.batch; b += nt) {  // the key blocks of each sequence
+    const int sq = p.cu_q[b + 1] - p.cu_q[b], sk = p.cu_k[b + 1] - p.cu_k[b];
+    o.m_of[b] = min((sq + BM - 1) / BM, n_m);  // (tile_at's walk too visits n_m query tiles at most)
+    o.seq[b] = min((sk + BN - 1) / BN, kOrderClasses - 1);  // (the class, for now)
+    atomicAdd(&o.cls[o.seq[b]], 1);
+  }
+  __syncthreads();
+  if (tid == 0) {  // each class's first rank, the most key blocks first
+    int r = 0;
+    for (int c = kOrderClasses - 1; c >= 0; --c) {
+      const int n = o.cls[c];
+      o.cls[c] = r;
+      r += n;
+    }
+  }
+  __syncthreads();
+  for (int b = tid; b < p.batch; b += nt) o.pre[atomicAdd(&o.cls[o.seq[b]], 1)] = b;  // (pre: ranks' ids, for now)
+  __syncthreads();
+  for (int b = tid; b < p.batch; b += nt) o.seq[b] = o.pre[b];
+  __syncthreads();
+  if (tid < 32) {  // pre: an exclusive scan of Hq m_of over the ranks, by one warp
+    int carry = 0;
+    for (int r0 = 0; r0 < p.batch; r0 += 32) {
+      const int r = r0 + tid;
+      const int v = r < p.batch ? p.hq * o.m_of[o.seq[r]] : 0;
+      int x = v;
+#pragma unroll
+      for (int s = 1; s < 32; s <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, s);
+        if (tid >= s) x += y;
+      }
+      if (r < p.batch) o.pre[r] = carry + x - v;
+      carry += __shfl_sync(0xffffffffu, x, 31);
+    }
+    if (tid == 0) o.pre[p.batch] = carry;
+  }
+  __syncthreads();
+}
+// Tile t of the ordered walk (fwd_order.cuh's order_tile)
+__device__ __forceinline__ Tile tile_ordered(const Params& p, const FwdOrder& o, int t, int g) {
+  const OrderTile x = order_tile(t, g, p.batch, p.causal, o.seq, o.pre, o.m_of);
+  return Tile{x.m, x.h, x.b};
+}
+// The walk for the forward's grid of g blocks and n_m query tiles a head: Params::fwd_order (one block)
+template <int BM, int BN>
+__global__ void __launch_bounds__(1024) attn_fwd_order_kernel(const Params p, int* order, int n_m, int g) {
+  __shared__ int seq[kOrderSeqs], pre[kOrderSeqs + 1], m_of[kOrderSeqs], cls[kOrderClasses];
+  const FwdOrder o{seq, pre, m_of, cls};
+  fwd_order_build<BM, BN>(p, o, n_m, threadIdx.x, blockDim.x);
+  const int n = pre[p.batch];
+  for (int t = threadIdx.x; t < n; t += blockDim.x) {
+    const Tile x = tile_ordered(p, o, t, g);
+    order[t] = x.m + n_m * (x.h + p.hq * x.b);
+  }
+  if (threadIdx.x == 0) order[p.fwd_order_n] = n;
 }
 
 template <typename T, int D, int MODE>
@@ -1125,7 +1204,9 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   }
   __syncthreads();
   const int n_m = (p.sq + BM - 1) / BM;
-  const int64_t n_tiles = static_cast<int64_t>(n_m) * p.hq * p.batch;
+  // packed varlen sequences: the walk attn_fwd_order_kernel wrote (tile_at's indices, its causal order left out)
+  const bool ordered = p.fwd_order != nullptr;
+  const int64_t n_tiles = ordered ? p.fwd_order[p.fwd_order_n] : static_cast<int64_t>(n_m) * p.hq * p.batch;
   // the key blocks a tile visits: keys past n_end are masked for each of its rows
   const auto n_blocks = [&](const Seq& s, int q0) {
     const int n_end = p.causal ? min(s.sk, q0 + BM) : s.sk;
@@ -1144,7 +1225,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
     int qi = 0;      // tiles loaded (Q buffer qi % 2)
     uint32_t g = 0;  // key blocks loaded (ring slot g % S)
     for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-      const Tile x = tile_at(p, t, n_m);
+      const Tile x = tile_at(p, ordered ? p.fwd_order[t] : t, n_m, !ordered);
       const Seq s = seq_of(p, x.b);
       const int q0 = x.m * BM;
       if (q0 >= s.sq) continue;  // (varlen: this sequence is shorter than the max)
@@ -1230,7 +1311,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   int qi = 0;
   uint32_t g = 0;
   for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-    const Tile x = tile_at(p, t, n_m);
+    const Tile x = tile_at(p, ordered ? p.fwd_order[t] : t, n_m, !ordered);
     const Seq s = seq_of(p, x.b);
     const int q0 = x.m * BM;
     if (q0 >= s.sq) continue;
@@ -2640,7 +2721,18 @@ void launch_forward(const Params& p, cudaStream_t stream) {
           constexpr int D = decltype(dc)::value;
           using C = FwdWsCfg<D>;
           const dim3 grid(fwd_ws_grid(p, C::BM, plan.sms));
-          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), p, make_fwd_tma<T>(p, C::BM, C::BN), stream,
+          static_assert(C::BM == kOrderBM, "fwd_order_tiles's query tiles");
+          Params q = p;  // (packed sequences: the walk's order, attn_fwd_order_kernel, where the caller gave room)
+          const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FWD_ORDER");  // ('0': tile_at's walk, A/B runs)
+          if (p.fwd_order != nullptr && p.cu_q != nullptr && p.batch <= kOrderSeqs &&
+              grid.x > 0 && !(env != nullptr && env[0] == '0')) {
+            attn_fwd_order_kernel<C::BM, C::BN><<<1, 1024, 0, stream>>>(
+                p, p.fwd_order, static_cast<int>((p.sq + C::BM - 1) / C::BM), static_cast<int>(grid.x));
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          } else {
+            q.fwd_order = nullptr;
+          }
+          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), q, make_fwd_tma<T>(q, C::BM, C::BN), stream,
                  C::NT);
         };
         if (p.d <= 64)

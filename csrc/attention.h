@@ -57,7 +57,19 @@ struct Params {
                             // rows), zeroed by the pre kernel (nullptr: the pair; fused_dq_planned; its shape:
                             // dq_acc_batch, dq_acc_rows)
   int64_t tq, tk;           // varlen: the packed query and key rows (the forward's TMA maps, dq_acc's rows); dense: 0
+  int* fwd_order;           // forward, packed varlen sequences (nullptr: none): room for the warp-specialised kernel's
+                            // walk, fwd_order_tiles + 1 int32 (attn_fwd_order_kernel writes it; the count last)
+  int64_t fwd_order_n;      // its tiles' room: fwd_order_tiles
 };
+
+// The warp-specialised forward's ordered walk over packed varlen sequences (attention.cuh's attn_fwd_order_kernel):
+// at most kOrderSeqs sequences; its room, one int32 a tile of kOrderBM query rows a head and sequence, at most Sq's
+// (max seqlen_q's) tiles each, and the count (0 where it does not apply: the caller passes no room)
+constexpr int kOrderSeqs = 1024, kOrderBM = 128;
+inline int64_t fwd_order_tiles(int64_t batch, int64_t hq, int64_t sq) {
+  const int64_t n = (sq + kOrderBM - 1) / kOrderBM * hq * batch;
+  return batch <= kOrderSeqs && n < INT32_MAX ? n : 0;
+}
 
 // o and lse (Params::out, Params::lse) from q, k, v on ``stream``; T is __half or __nv_bfloat16
 template <typename T>

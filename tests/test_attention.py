@@ -2152,6 +2152,35 @@ def test_gpu_cuda_varlen_tma_forward_and_fused_backward(monkeypatch, d, causal):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+@pytest.mark.parametrize("d,causal,hkv,n", [(64, False, 4, 40), (64, True, 2, 40), (128, False, 1, 300),
+                                           (128, True, 4, 12), (64, False, 4, 1030)])
+def test_gpu_cuda_varlen_forward_walk_order(monkeypatch, d, causal, hkv, n):
+    """The warp-specialised forward walks packed sequences in the order attn_fwd_order_kernel writes (sequences by
+    key blocks, most first, rounds alternating; up to 1024 sequences, tile_at's walk past that): each tile is computed
+    as in tile_at's walk (PYKERNELS_CUDA_ATTN_FWD_ORDER=0), so the output and the (deterministic) gradients are
+    bitwise equal; lengths 0..700 (empty sequences, one key block and six), GQA, causal, 1030 sequences (tile_at's
+    walk both times); against the reference per sequence."""
+    g = torch.Generator().manual_seed(n + d)
+    lengths = torch.randint(0, 700 if n <= 300 else 40, (n,), generator=g).tolist()
+    lengths[0] = 0
+    q, k, v, cu, _ = _varlen_case(lengths, lengths, 4, hkv, d, BF16, "cuda")
+    mx = max(lengths)
+    runs = []
+    do = None
+    for env in (None, "0"):
+        _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_ORDER", env)
+        out = varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend="cuda", deterministic=True)
+        do = torch.randn_like(out) if do is None else do
+        runs.append((out, *_grads(out, (q, k, v), do)))
+    for name, a, e in zip(("out", "dq", "dk", "dv"), *runs):
+        assert torch.equal(a, e), (name, (a.float() - e.float()).abs().max().item())
+    # (against the reference: the first 64 sequences of the 1030, whose gradients are the pair's as before)
+    cu_ref = cu[:65]
+    _check_varlen_per_sequence(runs[0][0], runs[0][1:], q, k, v, do, cu_ref, cu_ref, causal, BF16)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_cuda_varlen_packed_qkv_strides(d):
     """Packed varlen q, k, v sliced from one (T, 3, H, D) buffer (flash-attn's qkvpacked layout: rows 3 H D apart), on

@@ -305,3 +305,57 @@ def test_layer_norm_keep_pack_bits_port_matches_reference(tmp_path):
                              capture_output=True, text=True, check=True).stdout.split()
         want = layer_norm_dropout_mask(seed, (rows, n), p).reshape(-1).int().tolist()
         assert [int(v) for v in out] == want, (seed, n, pack)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("batch,hq,g,causal", [(32, 12, 132, False), (7, 3, 5, True), (1, 1, 132, False),
+                                               (300, 4, 132, True), (5, 2, 1, False)])
+def test_attention_forward_order_walk_covers_every_tile_once(tmp_path, batch, hq, g, causal):
+    """csrc/fwd_order.cuh's order_tile (the warp-specialised forward's ordered walk over packed sequences), compiled
+    for the host over ranks sorted as attn_fwd_order_kernel sorts them (by key blocks, most first): the walk's tiles
+    are every (sequence, head, query tile) once, empty sequences none; within each round of g blocks the ranks run
+    forward on even rounds and backward on odd ones (so each block alternates long and short tiles), the last,
+    partial round over its own tiles; in the ranks' order a head's query tiles run first to last, last to first where
+    causal."""
+    import torch
+    main = tmp_path / "main.cpp"
+    main.write_text('#include <cstdio>\n#include <cstdlib>\n#include <vector>\n#include "fwd_order.cuh"\n'
+                    "using namespace pykernels::attn;\n"
+                    "int main(int argc, char** argv) {\n"
+                    "  const int batch = atoi(argv[1]), hq = atoi(argv[2]), g = atoi(argv[3]), causal = atoi(argv[4]);\n"
+                    "  std::vector<int> seq(batch), pre(batch + 1), m_of(batch);\n"
+                    "  for (int r = 0; r < batch; ++r) seq[r] = atoi(argv[5 + r]);\n"
+                    "  for (int b = 0; b < batch; ++b) m_of[b] = atoi(argv[5 + batch + b]);\n"
+                    "  pre[0] = 0;\n"
+                    "  for (int r = 0; r < batch; ++r) pre[r + 1] = pre[r] + hq * m_of[seq[r]];\n"
+                    "  for (int t = 0; t < pre[batch]; ++t) {\n"
+                    "    const OrderTile x = order_tile(t, g, batch, causal, seq.data(), pre.data(), m_of.data());\n"
+                    "    printf(\"%d %d %d\\n\", x.b, x.h, x.m);\n"
+                    "  }\n}\n")
+    exe = _host_exe(main)
+    gen = torch.Generator().manual_seed(batch * 7 + g)
+    lengths = torch.randint(0, 1500, (batch,), generator=gen).tolist()
+    lengths[0] = 0
+    m_of = [-(-n // 128) for n in lengths]
+    keys = [min(-(-n // 128), 63) for n in lengths]  # (the order kernel's classes: key blocks)
+    seq = sorted(range(batch), key=lambda b: (-keys[b], b))
+    out = subprocess.run([str(exe), str(batch), str(hq), str(g), str(int(causal))] + [str(b) for b in seq] +
+                         [str(m) for m in m_of], capture_output=True, text=True, check=True).stdout.split()
+    walk = [tuple(int(v) for v in out[i:i + 3]) for i in range(0, len(out), 3)]
+    expected = [(b, h, m) for b in range(batch) for h in range(hq) for m in range(m_of[b])]
+    assert sorted(walk) == sorted(expected) and len(walk) == len(expected)
+    rank = {b: r for r, b in enumerate(seq)}
+    for r0 in range(0, len(walk), g):
+        ranks = [rank[b] for b, _, _ in walk[r0:r0 + g]]
+        assert ranks == sorted(ranks, reverse=(r0 // g) % 2 == 1), r0
+    n = len(walk)
+    by_u = [None] * n  # the walk in the ranks' order (undoing the rounds' directions)
+    for t, x in enumerate(walk):
+        base = t // g * g
+        k, width = t - base, min(g, n - base)
+        by_u[base + (width - 1 - k if (t // g) % 2 else k)] = x
+    assert [rank[b] for b, _, _ in by_u] == sorted(rank[b] for b, _, _ in by_u)
+    for b in range(batch):  # a head's tiles first to last, or last to first where causal
+        for h in range(hq):
+            ms = [m for bb, hh, m in by_u if (bb, hh) == (b, h)]
+            assert ms == sorted(ms, reverse=causal), (b, h)
