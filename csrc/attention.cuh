@@ -1137,11 +1137,6 @@ __device__ __forceinline__ void fwd_order_build(const Params& p, const FwdOrder&
   }
   __syncthreads();
 }
-// Tile t of the ordered walk (fwd_order.cuh's order_tile)
-__device__ __forceinline__ Tile tile_ordered(const Params& p, const FwdOrder& o, int t, int g) {
-  const OrderTile x = order_tile(t, g, p.batch, p.causal, o.seq, o.pre, o.m_of);
-  return Tile{x.m, x.h, x.b};
-}
 // The walk for the forward's grid of g blocks and n_m query tiles a head: Params::fwd_order (one block)
 template <int BM, int BN>
 __global__ void __launch_bounds__(1024) attn_fwd_order_kernel(const Params p, int* order, int n_m, int g) {
@@ -1150,7 +1145,7 @@ __global__ void __launch_bounds__(1024) attn_fwd_order_kernel(const Params p, in
   fwd_order_build<BM, BN>(p, o, n_m, threadIdx.x, blockDim.x);
   const int n = pre[p.batch];
   for (int t = threadIdx.x; t < n; t += blockDim.x) {
-    const Tile x = tile_ordered(p, o, t, g);
+    const OrderTile x = order_tile(t, g, p.batch, p.causal, o.seq, o.pre, o.m_of);  // (fwd_order.cuh)
     order[t] = x.m + n_m * (x.h + p.hq * x.b);
   }
   if (threadIdx.x == 0) order[p.fwd_order_n] = n;
@@ -2643,8 +2638,6 @@ inline void require_tma(bool on, char env, const char* pass) {
               "of 16 bytes, or, in the backward, packed varlen sequences)");
 }
 
-// The forward's TMA maps where TMA takes all three inputs (tma_env): dense, or packed varlen sequences as the rows of
-// a batch of one (Params::tq, tk rows; the kernel loads at each sequence's offset)
 // The maps' batch and rows, forward and backward alike: dense (B, Sq, Sk); packed varlen sequences as rows of a batch
 // of one (the packed T_q, T_k), which TMA's int32 coordinates must address (ok)
 struct TmaRows {
@@ -2657,6 +2650,8 @@ inline TmaRows tma_rows(const Params& p) {
   return {packed ? 1 : p.batch, rq, rk, rq > 0 && rk > 0 && rq < INT32_MAX && rk < INT32_MAX};
 }
 
+// The forward's TMA maps where TMA takes all three inputs (tma_env): dense, or packed varlen sequences as the rows of
+// a batch of one (Params::tq, tk rows; the kernel loads at each sequence's offset)
 template <typename T>
 FwdTma make_fwd_tma(const Params& p, int bm, int bn) {
   FwdTma tm;
