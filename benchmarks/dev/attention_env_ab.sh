@@ -3,7 +3,7 @@
 # the attention and graph tests, then attention_dropout_kernels.py under each variant, two rounds (the peers in the
 # first variant's first round). Results under $OUT (build.log, pytest.txt, ab.txt). Each argument is a variant,
 # "LABEL [VAR=VALUE ...]"; AB_CASES the cases (default: the packed BERT batch and its D = 128 twin, padded and packed);
-# AB_TESTS=0 skips the tests.
+# AB_TESTS=0 skips the tests; AB_ARGS more arguments for the benchmark (--kernels: each kernel's time).
 # Usage (device, carry .wheels for gpu_run.sh's peers):
 #   bash benchmarks/dev/attention_env_ab.sh default "rr PYKERNELS_CUDA_ATTN_FWD_ORDER=0"          (run307-310)
 #   bash benchmarks/dev/attention_env_ab.sh tma "twin PYKERNELS_CUDA_ATTN_FUSED_DQ=c" "pair PYKERNELS_CUDA_ATTN_FUSED_DQ=0"
@@ -33,7 +33,7 @@ for r in 1 2; do
     [ "$r" = 1 ] && [ "$first" = 1 ] && peers=--peers
     first=0
     echo "## round $r: $label ${envs:-(no switch)}" >> "$R"
-    env $envs timeout 90 python3 $B "$label" --cases "$CASES" --iters 10 $peers >> "$R" 2>&1
+    env $envs timeout 90 python3 $B "$label" --cases "$CASES" --iters 10 $peers ${AB_ARGS:-} >> "$R" 2>&1
   done
 done
 echo "bench done at $(( $(date +%s) - T0 )) s" >> "$OUT/build.log"
