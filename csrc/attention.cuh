@@ -1504,7 +1504,7 @@ __device__ __forceinline__ void pt_rows(const Params& p, float (&st)[BQ / 8][4],
 
 // Packed sequences: dq's, dk's and dv's rows outside the sequences (the backward's pre kernel fills them: zero_rows.cuh)
 template <typename T>
-__device__ __forceinline__ ZeroRows grads_outside(const Params& p) {
+__host__ __device__ __forceinline__ ZeroRows grads_outside(const Params& p) {
   ZeroRows z{};
   z.n = 3;
   z.batch = p.batch;
@@ -1577,7 +1577,7 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) 
         }
     }
   }
-  if (p.cu_q != nullptr) {  // packed: the gradients' rows outside the sequences, by the first kPreFillBlocks blocks
+  if (p.pre_fills) {  // packed: the gradients' rows outside the sequences, by the first kPreFillBlocks blocks
     // (before the kernels that write the sequences' rows, which are disjoint from them; dq_convert skips them)
     const int64_t gx = gridDim.x, gy = gridDim.y;
     const int64_t blk = blockIdx.x + gx * (blockIdx.y + gy * blockIdx.z);
@@ -2752,6 +2752,13 @@ inline unsigned fwd_ws_grid(const Params& p, int bm, int sms) {
 
 inline unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + kRows - 1) / kRows); }
 
+// PYKERNELS_CUDA_ATTN_FILL=launch: packed sequences' rows outside the sequences filled by a launch of their own after
+// the kernels, forward and backward (A/B runs of the fills folded into the order and pre kernels; read at each call)
+inline bool fill_by_launch() {
+  const char* e = std::getenv("PYKERNELS_CUDA_ATTN_FILL");
+  return e != nullptr && e[0] == 'l';
+}
+
 // The forward's kernels; ``filled``: the order kernel filled ``outside`` (its spare blocks)
 template <typename T>
 void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows* outside, bool& filled) {
@@ -2770,7 +2777,7 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
           const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FWD_ORDER");  // ('0': tile_at's walk, A/B runs)
           if (p.fwd_order != nullptr && p.cu_q != nullptr && p.batch <= kOrderSeqs &&
               grid.x > 0 && !(env != nullptr && env[0] == '0')) {
-            filled = outside != nullptr && outside->n > 0;
+            filled = outside != nullptr && outside->n > 0 && !fill_by_launch();
             attn_fwd_order_kernel<C::BM, C::BN><<<filled ? 1 + kOrderFillBlocks : 1, 1024, 0, stream>>>(
                 p, p.fwd_order, static_cast<int>((p.sq + C::BM - 1) / C::BM), static_cast<int>(grid.x),
                 filled ? *outside : ZeroRows{});
@@ -2915,7 +2922,7 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
 }
 
 template <typename T>
-void launch_backward(const Params& p, cudaStream_t stream) {
+void launch_backward_kernels(const Params& p, cudaStream_t stream) {
   const dim3 qgrid(blocks_of(p.sq), static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
   if (p.d <= 64)
     launch(attn_bwd_pre_kernel<T, 8>, qgrid, 0, p, stream);
@@ -2942,6 +2949,15 @@ void launch_backward(const Params& p, cudaStream_t stream) {
       launch(attn_bwd_dq_kernel<T, D, decltype(mode)::value>, qgrid, DqCfg<D>::smem(sizeof(T)), p, stream);
     });
   });
+}
+
+template <typename T>
+void launch_backward(const Params& p, cudaStream_t stream) {
+  const bool own = p.cu_q != nullptr && fill_by_launch();
+  Params q = p;
+  q.pre_fills = p.cu_q != nullptr && !own;
+  launch_backward_kernels<T>(q, stream);
+  if (own) zero_rows_outside(grads_outside<T>(p), stream);  // (after dq_convert, which skips those rows)
 }
 
 }  // namespace attn

@@ -60,6 +60,8 @@ struct Params {
   int* fwd_order;           // forward, packed varlen sequences (nullptr: none): room for the warp-specialised kernel's
                             // walk, fwd_order_tiles + 1 int32 (attn_fwd_order_kernel writes it; the count last)
   int64_t fwd_order_n;      // its tiles' room: fwd_order_tiles
+  int pre_fills;            // backward, packed sequences: the pre kernel zeroes the gradients' rows outside the
+                            // sequences (launch_backward sets it; 0: a launch of their own, PYKERNELS_CUDA_ATTN_FILL)
 };
 
 // The warp-specialised forward's ordered walk over packed varlen sequences (attention.cuh's attn_fwd_order_kernel):

@@ -2049,17 +2049,18 @@ def test_gpu_cuda_varlen_deterministic(d):
 
 @pytest.mark.gpu
 @needs_cuda_ext
-@pytest.mark.parametrize("d,env", [(64, None), (128, None), (64, "PYKERNELS_CUDA_ATTN_FWD_ORDER"),
-                                   (128, "PYKERNELS_CUDA_ATTN_SM90")])
-def test_gpu_cuda_varlen_rows_outside_the_sequences_are_zero(monkeypatch, d, env):
+@pytest.mark.parametrize("d,env,val", [(64, None, None), (128, None, None), (64, "PYKERNELS_CUDA_ATTN_FWD_ORDER", "0"),
+                                       (128, "PYKERNELS_CUDA_ATTN_SM90", "0"), (64, "PYKERNELS_CUDA_ATTN_FILL", "launch")])
+def test_gpu_cuda_varlen_rows_outside_the_sequences_are_zero(monkeypatch, d, env, val):
     """The C++ op allocates its output, lse and gradients uninitialised (poisoned with NaN in the tests) and fills the
     rows that no sequence holds: rows before cu_seqlens[0] and from cu_seqlens[-1] on, of o, dq, dk and dv, are 0 and
     of lse -inf (q, k, v hold NaN there: no kernel reads them into a sequence). The forward's by the order kernel's
     spare blocks, or by a launch of their own where no order kernel runs (``env`` = '0': tile_at's walk; the kernels
-    without warp specialisation); the gradients' by the pre kernel (attention.cuh's grads_outside). cu_seqlens given
-    as strided views (copied contiguous); each sequence against the reference."""
+    without warp specialisation); the gradients' by the pre kernel (attention.cuh's grads_outside); both by launches
+    of their own under PYKERNELS_CUDA_ATTN_FILL=launch. cu_seqlens given as strided views (copied contiguous); each
+    sequence against the reference."""
     if env is not None:
-        monkeypatch.setenv(env, "0")
+        monkeypatch.setenv(env, val)
     lq, lk, first, extra = [17, 0, 130, 1], [5, 9, 200, 0], 3, 6
     cu_q = torch.tensor([first] + (first + torch.tensor(lq).cumsum(0)).tolist(), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([first] + (first + torch.tensor(lk).cumsum(0)).tolist(), dtype=torch.int32, device="cuda")
