@@ -9,9 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <type_traits>
-#include <utility>
 
 #include "attention.h"
 #include "dispatch.h"
@@ -162,19 +160,21 @@ Params base_params(const Shape& s, const Tensor& q, const Tensor& k, const Tenso
   return p;
 }
 
-// Packed sequences: each (tensor, its cu_seqlens) zeroed outside the rows [cu[0], cu[B]) its sequences hold, by one
-// launch on the current stream after the kernels (no host sync: the bounds are read on the device). A fill of every
-// row first cost the packed BERT batch 6-7 us a tensor (run308)
-void zero_outside(const Shape& s, std::initializer_list<std::pair<Tensor, Tensor>> targets) {
+// Packed sequences: o's and lse's rows outside [cu_seqlens_q[0], cu_seqlens_q[-1]), which no kernel writes: o's
+// zeroed, lse's -inf, by launch_forward (the order kernel's spare blocks, or a launch of its own; no host sync: the
+// bounds are read on the device). The backward's gradients are zeroed there by its pre kernel. (A fill of every row
+// cost the packed BERT batch 6-7 us a tensor, run308.)
+attn::ZeroRows forward_outside(const Shape& s, const Tensor& o, const Tensor& lse, const Tensor& cu_q) {
+  TORCH_CHECK(o.is_contiguous() && lse.is_contiguous() && o.element_size() == 2, kOp,
+              ": the packed o must be contiguous 2-byte, lse contiguous");
   attn::ZeroRows z{};
   z.batch = static_cast<int>(s.B);
-  for (const auto& [t, cu] : targets) {
-    TORCH_CHECK(t.is_contiguous() && t.element_size() == 2 && cu.scalar_type() == at::kInt, kOp,
-                ": zero_outside takes contiguous 2-byte tensors and int32 cu_seqlens");
-    if (t.numel() == 0) continue;
-    z.t[z.n++] = {t.data_ptr(), cu.data_ptr<int>(), t.size(0), t.numel() / t.size(0) * 2};
-  }
-  attn::zero_rows_outside(z, c10::cuda::getCurrentCUDAStream());
+  const int64_t rows = o.size(0);
+  if (rows == 0 || o.numel() == 0) return z;
+  const int* cu = cu_q.data_ptr<int>();
+  z.t[z.n++] = {o.data_ptr(), cu, rows, o.numel() / rows * 2, 1, 0, 0u};
+  z.t[z.n++] = {lse.data_ptr(), cu, rows, 4, s.Hq, rows * 4, 0xff800000u};  // (-inf)
+  return z;
 }
 
 // (o, lse)
@@ -185,11 +185,11 @@ std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const T
   const Shape s = check_inputs(q_in, k_in, v_in, mask, cu_q, cu_k, max_q, max_k);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in);
-  // o in q's layout where q is dense (transformers' transposed views reshape back for free); varlen: contiguous, its
-  // rows outside the sequences zeroed after the kernels (zero_outside)
+  // o in q's layout where q is dense (transformers' transposed views reshape back for free); varlen: contiguous, o's
+  // and lse's rows outside the sequences filled by launch_forward (forward_outside)
   Tensor o = s.varlen ? poisoned(at::empty_like(q, at::MemoryFormat::Contiguous)) : poisoned(aligned(at::empty_like(q)));
-  Tensor lse = s.varlen ? at::full({s.Hq, q.size(0)}, -INFINITY, q.options().dtype(at::kFloat))
-                        : poisoned(at::empty({s.B, s.Hq, s.Sq}, q.options().dtype(at::kFloat)));
+  Tensor lse = poisoned(s.varlen ? at::empty({s.Hq, q.size(0)}, q.options().dtype(at::kFloat))
+                                 : at::empty({s.B, s.Hq, s.Sq}, q.options().dtype(at::kFloat)));
   Params p = base_params(s, q, k, v, mask, cu_q, cu_k, p_drop, causal, scale, seed);
   p.out = o.data_ptr();
   set_strides(o, s.varlen, p.o_sb, p.o_sh, p.o_ss);
@@ -201,11 +201,11 @@ std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const T
     order = at::empty({p.fwd_order_n + 1}, q.options().dtype(at::kInt));
     p.fwd_order = order.data_ptr<int>();
   }
+  const attn::ZeroRows outside = s.varlen ? forward_outside(s, o, lse, *cu_q) : attn::ZeroRows{};
   dispatch_float_dtype(q.scalar_type(), "pykernels_cuda.attention: query", [&](auto tag) {
     using T = decltype(tag);
-    if constexpr (!std::is_same_v<T, float>) attn::launch_forward<T>(p, c10::cuda::getCurrentCUDAStream());
+    if constexpr (!std::is_same_v<T, float>) attn::launch_forward<T>(p, c10::cuda::getCurrentCUDAStream(), &outside);
   });
-  if (s.varlen) zero_outside(s, {{o, *cu_q}});
   return {o, lse};
 }
 
@@ -221,7 +221,7 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
   const Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in), o = aligned(o_in);
   const Tensor dout = aligned(dout_in.scalar_type() == q.scalar_type() ? dout_in : dout_in.to(q.scalar_type()));
   // every row of a sequence is written (dense: every row); varlen: contiguous, the rows outside the sequences zeroed
-  // after the kernels (zero_outside)
+  // by the pre kernel (attention.cuh's grads_outside)
   const auto alloc = [&](const Tensor& t) {
     return poisoned(s.varlen ? at::empty_like(t, at::MemoryFormat::Contiguous) : aligned(at::empty_like(t)));
   };
@@ -253,7 +253,6 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, float>) attn::launch_backward<T>(p, c10::cuda::getCurrentCUDAStream());
   });
-  if (s.varlen) zero_outside(s, {{dq, *cu_q}, {dk, *cu_k}, {dv, *cu_k}});
   return {dq, dk, dv};
 }
 

@@ -72,6 +72,7 @@
 #include "attention.h"
 #include "pack.cuh"
 #include "fwd_order.cuh"
+#include "zero_rows.cuh"
 #include "philox.cuh"
 #include "wgmma.cuh"
 
@@ -1106,13 +1107,17 @@ __device__ __forceinline__ void fwd_order_build(const Params& p, const FwdOrder&
     atomicAdd(&o.cls[o.seq[b]], 1);
   }
   __syncthreads();
-  if (tid == 0) {  // each class's first rank, the most key blocks first
-    int r = 0;
-    for (int c = kOrderClasses - 1; c >= 0; --c) {
-      const int n = o.cls[c];
-      o.cls[c] = r;
-      r += n;
+  static_assert(kOrderClasses == 64, "two classes a lane");
+  if (tid < 32) {  // each class's first rank, the most key blocks first: an exclusive scan by one warp, two a lane
+    const int c0 = kOrderClasses - 1 - 2 * tid, n0 = o.cls[c0], n1 = o.cls[c0 - 1];
+    int x = n0 + n1;
+#pragma unroll
+    for (int s = 1; s < 32; s <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, s);
+      if (tid >= s) x += y;
     }
+    o.cls[c0] = x - n0 - n1;
+    o.cls[c0 - 1] = x - n1;
   }
   __syncthreads();
   for (int b = tid; b < p.batch; b += nt) o.pre[atomicAdd(&o.cls[o.seq[b]], 1)] = b;  // (pre: ranks' ids, for now)
@@ -1137,9 +1142,18 @@ __device__ __forceinline__ void fwd_order_build(const Params& p, const FwdOrder&
   }
   __syncthreads();
 }
-// The walk for the forward's grid of g blocks and n_m query tiles a head: Params::fwd_order (one block)
+// The walk for the forward's grid of g blocks and n_m query tiles a head: Params::fwd_order (block 0); the other
+// blocks (kOrderFillBlocks, where the caller passes targets) fill o's and lse's rows outside the sequences, which
+// saves their own launch (zero_rows_outside_kernel: 3.2 us, run311)
+constexpr int kOrderFillBlocks = 32;
 template <int BM, int BN>
-__global__ void __launch_bounds__(1024) attn_fwd_order_kernel(const Params p, int* order, int n_m, int g) {
+__global__ void __launch_bounds__(1024) attn_fwd_order_kernel(const Params p, int* order, int n_m, int g,
+                                                                const ZeroRows outside) {
+  if (blockIdx.x > 0) {
+    fill_rows_outside(outside, static_cast<int64_t>(blockIdx.x - 1) * blockDim.x + threadIdx.x,
+                      static_cast<int64_t>(gridDim.x - 1) * blockDim.x);
+    return;
+  }
   __shared__ int seq[kOrderSeqs], pre[kOrderSeqs + 1], m_of[kOrderSeqs], cls[kOrderClasses];
   const FwdOrder o{seq, pre, m_of, cls};
   fwd_order_build<BM, BN>(p, o, n_m, threadIdx.x, blockDim.x);
@@ -1354,10 +1368,17 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
         if (nb == nb1 - 1) mbar_arrive(q_empty(qb));  // the tile's last read of Q
       }
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
-      with_flag(edge, [&](auto e) {
-        softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value,
-                                                      skb + st * BN, t4);
-      });
+      // a warp whose 16 rows all lie past the sequence (a shorter sequence's last query tile: packed sequences, or Sq
+      // not a multiple of BM) skips the softmax and the dropout's draws: its rows are never stored, and its P (the raw
+      // scores) reaches only their accumulators; its SM sub-partitions' issue slots go to the other warps. The flag
+      // is broadcast from lane 0 so that ptxas sees it warp-uniform: computed per thread, the branch made ptxas
+      // serialize the wgmma chains (C7520) and spill the masked D = 128 kernels (4 and 104 bytes).
+      const bool live = __shfl_sync(0xffffffffu, qw + warp * 16 < s.sq ? 1 : 0, 0) != 0;  // (uniform to ptxas)
+      if (live)
+        with_flag(edge, [&](auto e) {
+          softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s,
+                                                                decltype(e)::value, skb + st * BN, t4);
+        });
       if constexpr (kKeys) {  // the warp's reads of the addends are done
         __syncwarp();
         if (lane == 0) mbar_arrive(b_empty(st));
@@ -1476,9 +1497,24 @@ __device__ __forceinline__ void pt_rows(const Params& p, float (&st)[BQ / 8][4],
   });
 }
 
+// Packed sequences: dq's, dk's and dv's rows outside the sequences (the backward's pre kernel fills them: zero_rows.cuh)
+template <typename T>
+__host__ __device__ __forceinline__ ZeroRows grads_outside(const Params& p) {
+  ZeroRows z{};
+  z.n = 3;
+  z.batch = p.batch;
+  constexpr int64_t e = sizeof(T);
+  z.t[0] = {p.dq, p.cu_q, p.tq, p.dq_ss * e, 1, 0, 0u};
+  z.t[1] = {p.dk, p.cu_k, p.tk, p.dk_ss * e, 1, 0, 0u};
+  z.t[2] = {p.dv, p.cu_k, p.tk, p.dv_ss * e, 1, 0, 0u};
+  return z;
+}
+constexpr int kPreFillBlocks = 64;  // the pre kernel's blocks that fill them
+
 // delta = rowsum(dO * O) in fp32: L lanes a row (a 16-byte pack each; L 8 / 16 / 32 for D <= 64 / 128 / 256), each
 // warp 16 rows, up to 4 of a lane's rows loaded at once (a warp a row, one load at a time, ran at half the card's
-// bandwidth: 34 us of the BERT-base backward's 349, run225)
+// bandwidth: 34 us of the BERT-base backward's 349, run225); the dq_acc zeroing and the packed gradients' outside rows
+// (grads_outside) too
 template <typename T, int L>
 __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) {
   constexpr int n = Pack<T>::n;                          // elements a 16-byte chunk
@@ -1535,6 +1571,13 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) 
           reinterpret_cast<float4*>(z + k * RPW * zs)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
+  }
+  if (p.pre_fills) {  // packed: the gradients' rows outside the sequences, by the first kPreFillBlocks blocks
+    // (before the kernels that write the sequences' rows, which are disjoint from them; dq_convert skips them)
+    const int64_t gx = gridDim.x, gy = gridDim.y;
+    const int64_t blk = blockIdx.x + gx * (blockIdx.y + gy * blockIdx.z);
+    const int64_t nb = min(static_cast<int64_t>(kPreFillBlocks), gx * gy * gridDim.z);
+    if (blk < nb) fill_rows_outside(grads_outside<T>(p), blk * blockDim.x + threadIdx.x, nb * blockDim.x);
   }
 }
 
@@ -2704,8 +2747,16 @@ inline unsigned fwd_ws_grid(const Params& p, int bm, int sms) {
 
 inline unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + kRows - 1) / kRows); }
 
+// PYKERNELS_CUDA_ATTN_FILL=launch: packed sequences' rows outside the sequences filled by a launch of their own after
+// the kernels, forward and backward (A/B runs of the fills folded into the order and pre kernels; read at each call)
+inline bool fill_by_launch() {
+  const char* e = std::getenv("PYKERNELS_CUDA_ATTN_FILL");
+  return e != nullptr && e[0] == 'l';
+}
+
+// The forward's kernels; ``filled``: the order kernel filled ``outside`` (its spare blocks)
 template <typename T>
-void launch_forward(const Params& p, cudaStream_t stream) {
+void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows* outside, bool& filled) {
   const Plan plan = plan_of(p);
   if (plan.sm90) {
     dispatch_mask_mode(p, [&](auto mode) {
@@ -2721,8 +2772,10 @@ void launch_forward(const Params& p, cudaStream_t stream) {
           const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FWD_ORDER");  // ('0': tile_at's walk, A/B runs)
           if (p.fwd_order != nullptr && p.cu_q != nullptr && p.batch <= kOrderSeqs &&
               grid.x > 0 && !(env != nullptr && env[0] == '0')) {
-            attn_fwd_order_kernel<C::BM, C::BN><<<1, 1024, 0, stream>>>(
-                p, p.fwd_order, static_cast<int>((p.sq + C::BM - 1) / C::BM), static_cast<int>(grid.x));
+            filled = outside != nullptr && outside->n > 0 && !fill_by_launch();
+            attn_fwd_order_kernel<C::BM, C::BN><<<filled ? 1 + kOrderFillBlocks : 1, 1024, 0, stream>>>(
+                p, p.fwd_order, static_cast<int>((p.sq + C::BM - 1) / C::BM), static_cast<int>(grid.x),
+                filled ? *outside : ZeroRows{});
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           } else {
             q.fwd_order = nullptr;
@@ -2757,10 +2810,17 @@ void launch_forward(const Params& p, cudaStream_t stream) {
   });
 }
 
+template <typename T>
+void launch_forward(const Params& p, cudaStream_t stream, const ZeroRows* outside) {
+  bool filled = false;
+  launch_forward_kernels<T>(p, stream, outside, filled);
+  if (outside != nullptr && !filled) zero_rows_outside(*outside, stream);  // (disjoint rows: any order)
+}
+
 // The fused backward's last step: dQ = scale * dq_acc in dQ's dtype and strides (8 columns a thread, 16-byte stores:
 // dQ is allocated with 16-byte aligned rows); COLS = dq_acc_cols: dq_acc is (B, Hq, COLS / 64, Sq, 64), a slice of 64
-// head dims a warpgroup of the fused kernel (attention.h); varlen (1, Hq, 1, T, 64), rows past cu_seqlens_q[-1] left
-// as they are (zeroed after the backward: attention.cpp's zero_outside)
+// head dims a warpgroup of the fused kernel (attention.h); varlen (1, Hq, 1, T, 64), the rows outside the sequences
+// skipped (the pre kernel zeroed them in dQ: grads_outside)
 template <typename T, int COLS>
 __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   constexpr int TPR = COLS / 8;  // threads a row
@@ -2772,7 +2832,7 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   const int64_t i = row % rows;
   const int h = static_cast<int>((row / rows) % p.hq);
   const int b = static_cast<int>(row / (rows * p.hq));
-  if (varlen && i >= p.cu_q[p.batch]) return;
+  if (varlen && (i >= p.cu_q[p.batch] || i < p.cu_q[0])) return;  // (the pre kernel filled those rows)
   // (i: the row in its head)
   const float* base =
       p.dq_acc + (((row - i) * (COLS / 64) + (c >> 6) * rows) + i) * 64 + dq_col(static_cast<int>(i & 7), c & 63);
@@ -2857,7 +2917,7 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
 }
 
 template <typename T>
-void launch_backward(const Params& p, cudaStream_t stream) {
+void launch_backward_kernels(const Params& p, cudaStream_t stream) {
   const dim3 qgrid(blocks_of(p.sq), static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
   if (p.d <= 64)
     launch(attn_bwd_pre_kernel<T, 8>, qgrid, 0, p, stream);
@@ -2884,6 +2944,15 @@ void launch_backward(const Params& p, cudaStream_t stream) {
       launch(attn_bwd_dq_kernel<T, D, decltype(mode)::value>, qgrid, DqCfg<D>::smem(sizeof(T)), p, stream);
     });
   });
+}
+
+template <typename T>
+void launch_backward(const Params& p, cudaStream_t stream) {
+  const bool own = p.cu_q != nullptr && fill_by_launch();
+  Params q = p;
+  q.pre_fills = p.cu_q != nullptr && !own;
+  launch_backward_kernels<T>(q, stream);
+  if (own) zero_rows_outside(grads_outside<T>(p), stream);  // (after dq_convert, which skips those rows)
 }
 
 }  // namespace attn

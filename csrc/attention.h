@@ -60,6 +60,8 @@ struct Params {
   int* fwd_order;           // forward, packed varlen sequences (nullptr: none): room for the warp-specialised kernel's
                             // walk, fwd_order_tiles + 1 int32 (attn_fwd_order_kernel writes it; the count last)
   int64_t fwd_order_n;      // its tiles' room: fwd_order_tiles
+  int pre_fills;            // backward, packed sequences: the pre kernel zeroes the gradients' rows outside the
+                            // sequences (launch_backward sets it; 0: a launch of their own, PYKERNELS_CUDA_ATTN_FILL)
 };
 
 // The warp-specialised forward's ordered walk over packed varlen sequences (attention.cuh's attn_fwd_order_kernel):
@@ -71,9 +73,29 @@ inline int64_t fwd_order_tiles(int64_t batch, int64_t hq, int64_t sq) {
   return batch <= kOrderSeqs && n < INT32_MAX ? n : 0;
 }
 
-// o and lse (Params::out, Params::lse) from q, k, v on ``stream``; T is __half or __nv_bfloat16
+// Packed varlen sequences: up to three tensors whose rows outside [cu[0], cu[batch]) no kernel writes, filled there
+// (zero_rows.cuh's fill_rows_outside): each `outer` slices of `rows` rows (contiguous), the fill a 32-bit pattern
+// (0, or -inf for lse). The forward's o and lse (by the order kernel's spare blocks, else zero_rows_outside's own
+// launch); the backward's dq, dk, dv are filled by its pre kernel from Params alone
+struct ZeroRows {
+  struct Target {
+    void* ptr;
+    const int* cu;        // device cu_seqlens (batch + 1 entries)
+    int64_t rows;         // rows a slice (total tokens)
+    int64_t row_bytes;    // bytes a row
+    int64_t outer;        // slices (1; lse: heads)
+    int64_t outer_bytes;  // bytes from one slice to the next
+    uint32_t fill;        // the pattern (0; lse: -inf's bits)
+  } t[3];
+  int n;                  // targets
+  int batch;
+};
+void zero_rows_outside(const ZeroRows& z, cudaStream_t stream);
+
+// o and lse (Params::out, Params::lse) from q, k, v on ``stream``; T is __half or __nv_bfloat16; ``outside``:
+// packed sequences, o's and lse's rows outside the sequences, filled on the same stream
 template <typename T>
-void launch_forward(const Params& p, cudaStream_t stream);
+void launch_forward(const Params& p, cudaStream_t stream, const ZeroRows* outside = nullptr);
 // dq, dk, dv (and the delta scratch) from dout, q, k, v, o, lse
 template <typename T>
 void launch_backward(const Params& p, cudaStream_t stream);
@@ -84,23 +106,8 @@ void launch_backward(const Params& p, cudaStream_t stream);
 // reproducible bit for bit (the reductions' order varies)
 bool fused_dq_planned(const Params& p);
 
-// Packed varlen sequences: up to three (rows, ...) tensors (contiguous, 2-byte elements), each zeroed outside the rows
-// [cu[0], cu[batch]) that its sequences hold (attention_varlen.cu; the forward's o, the backward's dq, dk, dv), after
-// the kernels that write the sequences' rows
-struct ZeroRows {
-  struct Target {
-    void* ptr;
-    const int* cu;       // device cu_seqlens (batch + 1 entries)
-    int64_t rows;        // the tensor's rows (total tokens)
-    int64_t row_bytes;   // bytes a row (heads x head dim x 2)
-  } t[3];
-  int n;                 // targets
-  int batch;
-};
-void zero_rows_outside(const ZeroRows& z, cudaStream_t stream);
-
-extern template void launch_forward<__half>(const Params&, cudaStream_t);
-extern template void launch_forward<__nv_bfloat16>(const Params&, cudaStream_t);
+extern template void launch_forward<__half>(const Params&, cudaStream_t, const ZeroRows*);
+extern template void launch_forward<__nv_bfloat16>(const Params&, cudaStream_t, const ZeroRows*);
 extern template void launch_backward<__half>(const Params&, cudaStream_t);
 extern template void launch_backward<__nv_bfloat16>(const Params&, cudaStream_t);
 

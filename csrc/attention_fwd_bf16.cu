@@ -3,6 +3,6 @@
 
 namespace pykernels {
 namespace attn {
-template void launch_forward<__nv_bfloat16>(const Params&, cudaStream_t);
+template void launch_forward<__nv_bfloat16>(const Params&, cudaStream_t, const ZeroRows*);
 }  // namespace attn
 }  // namespace pykernels

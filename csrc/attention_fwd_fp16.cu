@@ -3,6 +3,6 @@
 
 namespace pykernels {
 namespace attn {
-template void launch_forward<__half>(const Params&, cudaStream_t);
+template void launch_forward<__half>(const Params&, cudaStream_t, const ZeroRows*);
 }  // namespace attn
 }  // namespace pykernels

@@ -2049,12 +2049,18 @@ def test_gpu_cuda_varlen_deterministic(d):
 
 @pytest.mark.gpu
 @needs_cuda_ext
-@pytest.mark.parametrize("d", [64, 128])
-def test_gpu_cuda_varlen_rows_outside_the_sequences_are_zero(d):
-    """The C++ op allocates its output and gradients uninitialised (poisoned with NaN in the tests) and zeroes the rows
-    that no sequence holds after its kernels (attention.cpp's zero_outside): rows before cu_seqlens[0] and from
-    cu_seqlens[-1] on, of o, dq, dk and dv, are 0 (q, k, v hold NaN there: no kernel reads them into a sequence);
-    cu_seqlens given as strided views (copied contiguous); each sequence against the reference."""
+@pytest.mark.parametrize("d,env,val", [(64, None, None), (128, None, None), (64, "PYKERNELS_CUDA_ATTN_FWD_ORDER", "0"),
+                                       (128, "PYKERNELS_CUDA_ATTN_SM90", "0"), (64, "PYKERNELS_CUDA_ATTN_FILL", "launch")])
+def test_gpu_cuda_varlen_rows_outside_the_sequences_are_zero(monkeypatch, d, env, val):
+    """The C++ op allocates its output, lse and gradients uninitialised (poisoned with NaN in the tests) and fills the
+    rows that no sequence holds: rows before cu_seqlens[0] and from cu_seqlens[-1] on, of o, dq, dk and dv, are 0 and
+    of lse -inf (q, k, v hold NaN there: no kernel reads them into a sequence). The forward's by the order kernel's
+    spare blocks, or by a launch of their own where no order kernel runs (``env`` = '0': tile_at's walk; the kernels
+    without warp specialisation); the gradients' by the pre kernel (attention.cuh's grads_outside); both by launches
+    of their own under PYKERNELS_CUDA_ATTN_FILL=launch. cu_seqlens given as strided views (copied contiguous); each
+    sequence against the reference."""
+    if env is not None:
+        monkeypatch.setenv(env, val)
     lq, lk, first, extra = [17, 0, 130, 1], [5, 9, 200, 0], 3, 6
     cu_q = torch.tensor([first] + (first + torch.tensor(lq).cumsum(0)).tolist(), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([first] + (first + torch.tensor(lk).cumsum(0)).tolist(), dtype=torch.int32, device="cuda")
@@ -2073,6 +2079,14 @@ def test_gpu_cuda_varlen_rows_outside_the_sequences_are_zero(d):
         for rows in (t[:first], t[int(cu[-1]):]):
             assert torch.equal(rows, torch.zeros_like(rows))
     _check_varlen_per_sequence(out, grads, q, k, v, do, cu_q, cu_k, False, BF16)
+    import pykernels._C  # noqa: F401  (registers torch.ops.pykernels_cuda)
+    o2, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q.detach(), k.detach(), v.detach(), None, cu_q, cu_k, max(lq),
+                                                        max(lk), 0.0, False, d ** -0.5)
+    assert torch.equal(o2, out)
+    assert lse.shape == (4, tq)
+    for cols in (lse[:, :first], lse[:, int(cu_q[-1]):]):
+        assert torch.equal(cols, torch.full_like(cols, float("-inf")))
+    assert torch.isfinite(lse[:, first:first + lq[0]]).all()
 
 
 @pytest.mark.gpu
