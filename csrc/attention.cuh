@@ -1368,17 +1368,10 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
         if (nb == nb1 - 1) mbar_arrive(q_empty(qb));  // the tile's last read of Q
       }
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
-      // a warp whose 16 rows all lie past the sequence (a shorter sequence's last query tile: packed sequences, or Sq
-      // not a multiple of BM) skips the softmax and the dropout's draws: its rows are never stored, and its P (the raw
-      // scores) reaches only their accumulators; its SM sub-partitions' issue slots go to the other warps. The flag
-      // is broadcast from lane 0 so that ptxas sees it warp-uniform: computed per thread, the branch made ptxas
-      // serialize the wgmma chains (C7520) and spill the masked D = 128 kernels (4 and 104 bytes).
-      const bool live = __shfl_sync(0xffffffffu, qw + warp * 16 < s.sq ? 1 : 0, 0) != 0;  // (uniform to ptxas)
-      if (live)
-        with_flag(edge, [&](auto e) {
-          softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s,
-                                                                decltype(e)::value, skb + st * BN, t4);
-        });
+      with_flag(edge, [&](auto e) {
+        softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value,
+                                                      skb + st * BN, t4);
+      });
       if constexpr (kKeys) {  // the warp's reads of the addends are done
         __syncwarp();
         if (lane == 0) mbar_arrive(b_empty(st));
