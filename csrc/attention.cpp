@@ -241,16 +241,13 @@ std::vector<Tensor> backward_impl(const Tensor& dout_in, const Tensor& q_in, con
   set_strides(dk, s.varlen, p.dk_sb, p.dk_sh, p.dk_ss);
   set_strides(dv, s.varlen, p.dv_sb, p.dv_sh, p.dv_ss);
   // the fused backward (dQ by bulk reductions, in no fixed order) unless the backward must be reproducible bit for bit
-  Tensor dq_acc, dq_done;
+  Tensor dq_acc;
   if (!deterministic && !at::globalContext().deterministicAlgorithms() && attn::fused_dq_planned(p)) {
     // (uninitialised: the pre kernel zeroes it in its pass over the rows, attn_bwd_pre_kernel; varlen: the packed
     // rows as one sequence, those past cu_seqlens_q[-1] neither zeroed nor read)
     dq_acc = at::empty({s.varlen ? 1 : s.B, s.Hq, attn::dq_acc_cols(p.d) / 64, s.varlen ? q.size(0) : s.Sq, 64},
                        q.options().dtype(at::kFloat));
     p.dq_acc = dq_acc.data_ptr<float>();
-    // (the fused kernel's finished-block counters: the pre kernel zeroes them)
-    dq_done = at::empty({s.B, s.Hq}, q.options().dtype(at::kInt));  // (those of kv heads used)
-    p.dq_done = dq_done.data_ptr<int>();
   }
   dispatch_float_dtype(q.scalar_type(), "pykernels_cuda.attention: query", [&](auto tag) {
     using T = decltype(tag);

@@ -1515,8 +1515,6 @@ __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) 
   constexpr int BATCH = ROWS < 4 ? ROWS : 4;             // passes whose loads are in flight together
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane % L;
   const int h = blockIdx.y, b = blockIdx.z;
-  // the fused kernel's finished-block counters (b, h), h < Hq / group used: by one thread of the first query block
-  if (p.dq_done != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.dq_done[b * p.hq + h] = 0;
   const Seq s = seq_of(p, b);
   const int i0 = blockIdx.x * kRows + warp * (kRows / 4) + lane / L;  // this lane's first row; then + k RPW
   const bool col_ok = c * n < p.d;
@@ -2070,54 +2068,6 @@ __device__ __forceinline__ void zero_tail_rows(uint32_t tile, int n, int tid) {
   }
 }
 
-// (dQ's 8 columns c.. of row i of head h, batch b of dq_acc (0: varlen): the kernel below and dq_finish; L2 loads,
-// which another block's bulk reductions made visible)
-template <typename T, int COLS>
-__device__ __forceinline__ void dq_convert_at(const Params& p, int64_t b, int h, int64_t i, int c) {
-  const int64_t rows = dq_acc_rows(p);  // (Sq, or T)
-  const float* base = p.dq_acc + (((b * p.hq + h) * (COLS / 64) + (c >> 6)) * rows + i) * 64 +
-                      dq_col(static_cast<int>(i & 7), c & 63);
-  const float4 x = __ldcg(reinterpret_cast<const float4*>(base)), y = __ldcg(reinterpret_cast<const float4*>(base) + 1);
-  uint4 v;
-  v.x = pack2<T>(x.x * p.scale, x.y * p.scale);
-  v.y = pack2<T>(x.z * p.scale, x.w * p.scale);
-  v.z = pack2<T>(y.x * p.scale, y.y * p.scale);
-  v.w = pack2<T>(y.z * p.scale, y.w * p.scale);
-  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh + i * p.dq_ss + c) = v;  // (varlen: sb 0)
-}
-
-// (FUSED, Params::dq_done) after a block of the fused kernel: its dQ sums are in dq_acc (each warpgroup leader waited
-// for its bulk reductions: bulk_wait_all), so it counts itself done for (b, hk); the last of the gridDim.x blocks of
-// (b, hk) writes dQ of the group's heads over the sequence's rows, as attn_dq_convert_kernel would after the kernel.
-// Release: each thread's proxy fence (the reductions are async-proxy writes) and gpu fence before the block barrier,
-// then thread 0's atomic; acquire: the last block's fence after it, then L2 loads (dq_convert_at). The conversion
-// runs while other blocks still compute, and the launch of its own goes (16.2 us at the packed BERT batch, run313)
-// (the block's indices read again, not kept from the kernel's start: live across its loop, they spilled it)
-__device__ __forceinline__ uint32_t sreg_ctaid_y() { uint32_t r; asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(r)); return r; }
-__device__ __forceinline__ uint32_t sreg_ctaid_z() { uint32_t r; asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(r)); return r; }
-__device__ __forceinline__ uint32_t sreg_tid() { uint32_t r; asm volatile("mov.u32 %0, %%tid.x;" : "=r"(r)); return r; }
-template <typename T, int COLS, int NT>
-__device__ __forceinline__ void dq_finish(const Params& p) {
-  __shared__ int last;
-  const int b = static_cast<int>(sreg_ctaid_z()), hk = static_cast<int>(sreg_ctaid_y()), tid = static_cast<int>(sreg_tid());
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    last = atomicAdd(p.dq_done + b * p.hq + hk, 1) == static_cast<int>(gridDim.x) - 1;
-    __threadfence();
-  }
-  __syncthreads();
-  if (!last) return;
-  const Seq s = seq_of(p, b);
-  constexpr int TPR = COLS / 8, RPI = NT / TPR;  // threads a row, rows a pass
-  const int c = static_cast<int>(tid % TPR) * 8;
-  if (c >= p.d) return;
-  const int64_t ab = p.cu_q != nullptr ? 0 : b;
-  for (int j = 0; j < p.group; ++j)  // (no division: a 64-bit one is a call, which spilled the kernel)
-    for (int r = tid / TPR; r < s.sq; r += RPI) dq_convert_at<T, COLS>(p, ab, hk * p.group + j, s.q_off + r, c);
-}
-
 #if defined(PK_WGMMA)
 template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTma& tm, unsigned char* smem_raw, int bx,
@@ -2535,13 +2485,8 @@ __global__ void __launch_bounds__(DkdvSm90For<D, FUSED>::NT, DkdvSm90For<D, FUSE
   const int nkb = (p.sk + DkdvSm90Cfg<D>::BN - 1) / DkdvSm90Cfg<D>::BN;
   const int bx = blockIdx.x;
   if (FUSED || bx < nkb) {  // (FUSED: the grid has the dK/dV blocks only)
-    if (static_cast<int>(blockIdx.y) < p.hq / p.group) {
+    if (static_cast<int>(blockIdx.y) < p.hq / p.group)
       bwd_dkdv_sm90_block<T, D, MODE, TMA, FUSED>(p, tm, smem_raw, bx, blockIdx.y, blockIdx.z);
-      // (after every block of (b, kv head), those that left at once too; not at FUSED = 1, D = 64 on dense rows, where
-      // ptxas spilled 108-128 bytes more for it: attn_dq_convert_kernel after it there)
-      if constexpr (FUSED >= 2)
-        if (p.dq_done != nullptr) dq_finish<T, D, DkdvSm90For<D, FUSED>::NT>(p);
-    }
   } else if constexpr (!FUSED) {
     bwd_dq_sm90_block<T, D, MODE, PIPE, TMA>(p, tm, smem_raw, bx - nkb, blockIdx.y, blockIdx.z);
   }
@@ -2877,11 +2822,21 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
   const bool varlen = p.cu_q != nullptr;
   const int64_t rows = dq_acc_rows(p);  // (Sq, or T)
   if (row >= dq_acc_batch(p) * p.hq * rows || c >= p.d) return;
-  const int64_t i = row % rows;  // (the row in its head)
+  const int64_t i = row % rows;
   const int h = static_cast<int>((row / rows) % p.hq);
-  const int64_t b = row / (rows * p.hq);
+  const int b = static_cast<int>(row / (rows * p.hq));
   if (varlen && (i >= p.cu_q[p.batch] || i < p.cu_q[0])) return;  // (the pre kernel filled those rows)
-  dq_convert_at<T, COLS>(p, b, h, i, c);
+  // (i: the row in its head)
+  const float* base =
+      p.dq_acc + (((row - i) * (COLS / 64) + (c >> 6) * rows) + i) * 64 + dq_col(static_cast<int>(i & 7), c & 63);
+  const float4* src = reinterpret_cast<const float4*>(base);
+  const float4 x = src[0], y = src[1];
+  uint4 v;
+  v.x = pack2<T>(x.x * p.scale, x.y * p.scale);
+  v.y = pack2<T>(x.z * p.scale, x.w * p.scale);
+  v.z = pack2<T>(y.x * p.scale, y.y * p.scale);
+  v.w = pack2<T>(y.z * p.scale, y.w * p.scale);
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh + i * p.dq_ss + c) = v;  // (varlen: sb 0)
 }
 
 // PYKERNELS_CUDA_ATTN_FUSED_DQ (read each call): '0' the pair always; else the fused backward wherever it applies
@@ -2933,24 +2888,18 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       using Cf = DkdvSm90For<D, FUSED>;
       const unsigned fkb = static_cast<unsigned>((p.sk + Cf::WG * Cf::BN - 1) / (Cf::WG * Cf::BN));
       const dim3 fgrid(fkb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
-      // the kernels of FUSED >= 2 convert dQ in their last block of each (sequence, kv head) (dq_finish); FUSED = 1's
-      // are followed by attn_dq_convert_kernel
-      Params f = p;
-      if (!(tm.on && (packed || D == 128))) f.dq_done = nullptr;
       if (tm.on && packed) {
         if constexpr (M == kModeNone)  // (packed_tma; D = 128: FUSED = 4, deferred)
-          launch(attn_bwd_sm90_kernel<T, D, M, true, D == 128 ? 4 : 3>, fgrid, Cf::smem(true, D == 128), f, tm,
+          launch(attn_bwd_sm90_kernel<T, D, M, true, D == 128 ? 4 : 3>, fgrid, Cf::smem(true, D == 128), p, tm,
                  stream, Cf::NT);
       } else if (tm.on) {
-        launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), f, tm, stream, Cf::NT);
+        launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
       } else if constexpr (D == 64 && M == kModeNone) {  // (varlen takes no mask)
-        launch(attn_bwd_sm90_kernel<T, D, M, false, FUSED>, fgrid, Cf::smem(true, false), f, tm, stream, Cf::NT);
+        launch(attn_bwd_sm90_kernel<T, D, M, false, FUSED>, fgrid, Cf::smem(true, false), p, tm, stream, Cf::NT);
       }
-      if (f.dq_done == nullptr) {  // (else each (sequence, kv head)'s last block converted its rows: dq_finish)
-        const int64_t threads = dq_acc_batch(p) * p.hq * dq_acc_rows(p) * (D / 8);
-        launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p,
-               stream, 256);
-      }
+      const int64_t threads = dq_acc_batch(p) * p.hq * dq_acc_rows(p) * (D / 8);
+      launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p,
+             stream, 256);
       return;
     }
   }
@@ -2990,20 +2939,11 @@ void launch_backward_kernels(const Params& p, cudaStream_t stream) {
   });
 }
 
-// PYKERNELS_CUDA_ATTN_DQ_CONVERT (read each call): 'l' (launch) converts the fused backward's dQ sums by
-// attn_dq_convert_kernel after it (as before run314), for an A/B within one build; else the last block of each
-// (sequence, kv head) converts them (dq_finish)
-inline bool dq_convert_by_launch() {
-  const char* e = std::getenv("PYKERNELS_CUDA_ATTN_DQ_CONVERT");
-  return e != nullptr && e[0] == 'l';
-}
-
 template <typename T>
 void launch_backward(const Params& p, cudaStream_t stream) {
   const bool own = p.cu_q != nullptr && fill_by_launch();
   Params q = p;
   q.pre_fills = p.cu_q != nullptr && !own;
-  if (dq_convert_by_launch()) q.dq_done = nullptr;
   launch_backward_kernels<T>(q, stream);
   if (own) zero_rows_outside(grads_outside<T>(p), stream);  // (after dq_convert, which skips those rows)
 }

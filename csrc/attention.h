@@ -56,9 +56,6 @@ struct Params {
                             // of 64 head dims a warpgroup; varlen (1, Hq, dq_acc_cols(d) / 64, T, 64), the packed
                             // rows), zeroed by the pre kernel (nullptr: the pair; fused_dq_planned; its shape:
                             // dq_acc_batch, dq_acc_rows)
-  int* dq_done;             // backward, the fused kernel: (B, Hq) int32 counters (kv heads < Hq / group used) of its finished blocks, zeroed
-                            // by the pre kernel; the last block of a (sequence, kv head) writes dQ of the group's heads
-                            // from dq_acc (dq_finish; nullptr: attn_dq_convert_kernel after the fused kernel)
   int64_t tq, tk;           // varlen: the packed query and key rows (the forward's TMA maps, dq_acc's rows); dense: 0
   int* fwd_order;           // forward, packed varlen sequences (nullptr: none): room for the warp-specialised kernel's
                             // walk, fwd_order_tiles + 1 int32 (attn_fwd_order_kernel writes it; the count last)
