@@ -4,7 +4,8 @@
 # `git show REV:csrc/attention.cuh > _a/attention.cuh`; the device copy has no .git), time it, restore the working
 # tree's files, build B, time it. Each build is `benchmarks/gpu_run.sh` with no stages (about 150 s on the device).
 # After each build: attention_cuda_ab.py's lines (`A1 ...`, `B1 ...`) to $OUT/ab.txt, and with AB_DROPOUT=1
-# benchmarks/dev/attention_dropout_kernels.py's instead (`A1 ...`; AB_PEERS=1 adds its peers after build B); AB_EXTRA,
+# benchmarks/dev/attention_dropout_kernels.py's instead (`A1 ...`; AB_PEERS=1 adds its peers after build B; AB_CASES
+# its cases, e.g. bert_pad,bert_varlen,d128_pad,d128_varlen; AB_ARGS more of its arguments, e.g. --kernels); AB_EXTRA,
 # a command run once after each build's lines, its output prefixed with the side (e.g. ln_dropout_kernels.py).
 # Usage: bash benchmarks/dev/attention_cuda_ab_builds.sh _a_attention.cuh|_a/ [REPS]
 set -uo pipefail
@@ -27,7 +28,8 @@ for side in A B; do
   for r in $(seq 1 "$REPS"); do
     if [ "${AB_DROPOUT:-0}" = 1 ]; then
       peers=""; [ $side = B ] && [ $r = "$REPS" ] && [ "${AB_PEERS:-0}" = 1 ] && peers=--peers
-      python3 benchmarks/dev/attention_dropout_kernels.py "$side$r" $peers 2>&1 | tee -a "$OUT/ab.txt"
+      python3 benchmarks/dev/attention_dropout_kernels.py "$side$r" $peers ${AB_CASES:+--cases "$AB_CASES"} \
+        ${AB_ARGS:-} 2>&1 | tee -a "$OUT/ab.txt"
     else
       python3 benchmarks/dev/attention_cuda_ab.py "$side$r" 2>&1 | tee -a "$OUT/ab.txt"
     fi
