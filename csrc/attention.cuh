@@ -1096,6 +1096,15 @@ struct FwdOrder {
   int* m_of;  // query tiles of sequence b
   int* cls;   // kOrderClasses counters
 };
+// The inclusive prefix sum of x over a full warp's lanes (this one ``lane``)
+__device__ __forceinline__ int warp_inclusive_sum(int x, int lane) {
+#pragma unroll
+  for (int s = 1; s < 32; s <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, s);
+    if (lane >= s) x += y;
+  }
+  return x;
+}
 template <int BM, int BN>
 __device__ __forceinline__ void fwd_order_build(const Params& p, const FwdOrder& o, int n_m, int tid, int nt) {
   for (int c = tid; c < kOrderClasses; c += nt) o.cls[c] = 0;
@@ -1110,12 +1119,7 @@ __device__ __forceinline__ void fwd_order_build(const Params& p, const FwdOrder&
   static_assert(kOrderClasses == 64, "two classes a lane");
   if (tid < 32) {  // each class's first rank, the most key blocks first: an exclusive scan by one warp, two a lane
     const int c0 = kOrderClasses - 1 - 2 * tid, n0 = o.cls[c0], n1 = o.cls[c0 - 1];
-    int x = n0 + n1;
-#pragma unroll
-    for (int s = 1; s < 32; s <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, x, s);
-      if (tid >= s) x += y;
-    }
+    const int x = warp_inclusive_sum(n0 + n1, tid);
     o.cls[c0] = x - n0 - n1;
     o.cls[c0 - 1] = x - n1;
   }
@@ -1129,12 +1133,7 @@ __device__ __forceinline__ void fwd_order_build(const Params& p, const FwdOrder&
     for (int r0 = 0; r0 < p.batch; r0 += 32) {
       const int r = r0 + tid;
       const int v = r < p.batch ? p.hq * o.m_of[o.seq[r]] : 0;
-      int x = v;
-#pragma unroll
-      for (int s = 1; s < 32; s <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, s);
-        if (tid >= s) x += y;
-      }
+      const int x = warp_inclusive_sum(v, tid);
       if (r < p.batch) o.pre[r] = carry + x - v;
       carry += __shfl_sync(0xffffffffu, x, 31);
     }
