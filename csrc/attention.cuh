@@ -485,10 +485,14 @@ __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ?
 // domain; per thread, the row's 4 threads share the max through shuffles) move on, and O is rescaled. ``kb``: the block's key addends (kModeKeys).
 // ``kRaw`` (no mask, a positive scale: the caller checks both): the max is taken over the raw scores and each
 // exponent is one FFMA, raw * scale - max (FlashAttention's form; an FMUL an element fewer).
-template <int MODE, int BC, int D, bool kRaw = false, bool kInl = false>
+// ``kBits`` (the warp-specialised forward, Params::fwd_drop_bits): the keep bits are read from shared memory at
+// ``bits`` (row[0]'s BC / 8 bytes, byte c the keep bits of keys k0 + 8 c .., bit v key 8 c + v; row[1]'s 8 rows on,
+// BC / 8 bytes a row), which the producer warpgroup drew (ws_draw_bits), instead of drawn here.
+template <int MODE, int BC, int D, bool kRaw = false, bool kInl = false, bool kBits = false>
 __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 8][4], float (&o)[D / 8][4],
                                               float (&m)[2], float (&l)[2], int b, int h, const int (&row)[2],
-                                              int k0, const Seq& s, bool edge, const float* kb, int t4) {
+                                              int k0, const Seq& s, bool edge, const float* kb, int t4,
+                                              uint32_t bits = 0u) {
   static_assert(!kRaw || MODE == kModeNone, "raw scores only without a mask");
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -533,7 +537,32 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
       o[dt][2 * r + 1] *= alpha;
     }
   }
-  if (p.p_drop > 0.f) {
+  if constexpr (kBits) {  // (the caller's flag: with dropout only)
+    static_assert(BC == 128, "16 bytes a row: one 16-byte load");
+    // each byte's bits 2 t4, 2 t4 + 1 (this thread's columns of the n-tile) moved to its bits 0, 1
+    uint32_t w[2][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(w[r][0]), "=r"(w[r][1]), "=r"(w[r][2]), "=r"(w[r][3])
+                   : "r"(bits + r * 8 * (BC / 8)));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[r][i] = (w[r][i] >> (2 * t4)) & 0x03030303u;
+    }
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; nt += 2) {
+      // bit 4 u + 2 r + q: element sc[nt + u][2 r + q] (row_keep_bits' layout)
+      uint32_t kb = 0u;
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) kb |= ((w[r][(nt + u) >> 2] >> (8 * ((nt + u) & 3))) & 3u) << (4 * u + 2 * r);
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[nt + u][e] = (kb >> (4 * u + e)) & 1u ? sc[nt + u][e] : 0.f;  // store_out scales
+    }
+  } else if (p.p_drop > 0.f) {
     static_assert(BC % 16 == 0, "the dropout's quad draws n-tiles in pairs");
     const DropRows d = drop_rows(p, b, h);
 #pragma unroll
@@ -1007,7 +1036,11 @@ struct FwdWsCfg {
   static constexpr int NBAR = 4 + 5 * STAGES;
   // then (key-only masks) the key addends a ring slot, each tile's key-block range, the producer's reduction
   static constexpr size_t EXTRA = STAGES * BN * 4 + 2 * 2 * 4 + 2 * 4 * 2 * 4;
-  static constexpr size_t smem() { return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES + NBAR * 8 + EXTRA; }
+  // then (Params::fwd_drop_bits) the keep bits a ring slot: a byte each 8 keys of a row (16-byte aligned)
+  static constexpr uint32_t BITS = BM * BN / 8;
+  static constexpr size_t smem() {
+    return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES + NBAR * 8 + EXTRA + 16 + STAGES * BITS;
+  }
 };
 
 // The warp-specialised forward's TMA maps (dense inputs whose strides TMA can take: make_fwd_tma): q, k and v each a
@@ -1164,6 +1197,32 @@ __global__ void __launch_bounds__(1024) attn_fwd_order_kernel(const Params p, in
   if (threadIdx.x == 0) order[p.fwd_order_n] = n;
 }
 
+// (Params::fwd_drop_bits) the producer thread of query row i of (b, h): the keep bits of keys k0 .. k0 + BN - 1 of its
+// row into shared memory at ``dst``, byte c (bit v: key k0 + 8 c + v) from the Philox call at the row's counter plus
+// k0 / 8 + c, as row_keep_bits' quads draw them (keep_byte_carry); nothing for a row past the sequence (never stored).
+// The consumers' draws (two a lane and key block, each followed by the quad's exchange) move to the producer
+// warpgroup, whose threads otherwise wait on the ring's mbarriers.
+template <int BN>
+__device__ __forceinline__ void ws_draw_bits(const Params& p, uint32_t dst, int b, int h, int i, int sq, int k0) {
+  static_assert(BN == 128, "16 calls a row: 4 words");
+  if (i >= sq) return;
+  const DropRows d = drop_rows(p, b, h);
+  const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups + static_cast<uint64_t>(k0 >> 3);
+  const uint64_t seed = drop_seed();
+  const uint32_t thr = drop_threshold(p);
+#pragma unroll 1
+  for (int j = 0; j < 4; ++j) {  // (a word of 4 calls at a time: the producer has 56 registers; all 16 unrolled spilled)
+    uint32_t w = 0u;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      uint32_t a0, a1, a2, a3;
+      philox4x32(seed, ctr + static_cast<uint64_t>(4 * j + c), a0, a1, a2, a3);
+      w |= keep_byte_carry(a0, a1, a2, a3, thr) << (8 * c);
+    }
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst + 4 * j), "r"(w) : "memory");
+  }
+}
+
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
     attn_fwd_sm90_ws_kernel(const Params p, const __grid_constant__ FwdTma tm) {
@@ -1189,6 +1248,11 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   float* const skb = reinterpret_cast<float*>(smem_raw + (bars + 8u * C::NBAR - smem_addr(smem_raw)));
   int* const srange = reinterpret_cast<int*>(skb + S * BN);
   int* const sred = srange + 4;
+  // (Params::fwd_drop_bits) ring slot i's keep bits at sbits + i BITS: row r's BN / 8 bytes at + r BN / 8
+  const uint32_t sbits = (bars + 8u * C::NBAR + static_cast<uint32_t>(C::EXTRA) + 15u) & ~15u;
+  // (the host sets it with dropout only; not with key-only masks, whose producer keeps the key ranges and addends:
+  // with the draws too it spilled 72-96 bytes at its 56 registers, drawn one call at a time as well)
+  const bool bits = !kKeys && p.fwd_drop_bits != 0;
   // the warpgroup, broadcast from lane 0 so that ptxas sees it uniform: a role branch on tid >> 7 is a divergent path
   // to it, and it serializes the wgmma chains inside one (C7520)
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), lane = tid & 31;
@@ -1202,7 +1266,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       mbar_init(q_empty(i), 8);
     }
     for (int i = 0; i < S; ++i) {
-      mbar_init(k_full(i), loads + (kKeys ? 128 : 0));
+      mbar_init(k_full(i), loads + (kKeys || bits ? 128 : 0));
       mbar_init(k_empty(i), 8);
       mbar_init(v_full(i), loads);
       mbar_init(v_empty(i), 8);
@@ -1229,7 +1293,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
     // whatever lies past cu_seqlens[-1], and a P of 0 times a NaN there is NaN (its K rows, masked to -inf before the
     // max, may hold anything)
     const bool packed = p.cu_q != nullptr;
-    if (tma && !kKeys && !packed && tid > 0) return;
+    if (tma && !kKeys && !packed && !bits && tid > 0) return;
     int qi = 0;      // tiles loaded (Q buffer qi % 2)
     uint32_t g = 0;  // key blocks loaded (ring slot g % S)
     for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
@@ -1284,10 +1348,12 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
           load_tile_sw128<T, BN, D, 128, 1>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
           cp_async_arrive(k_full(st));
         }
-        if constexpr (kKeys) {
-          const float kb = key_bias(p, x.b, k0 + tid, s.sk);
+        if (kKeys || bits) {  // the key addends, the keep bits: each thread's, then its arrival
+          float kb = 0.f;
+          if constexpr (kKeys) kb = key_bias(p, x.b, k0 + tid, s.sk);
           mbar_wait(b_empty(st), ph);
-          skb[st * BN + tid] = kb;
+          if constexpr (kKeys) skb[st * BN + tid] = kb;
+          if (bits) ws_draw_bits<BN>(p, sbits + st * C::BITS + tid * (BN / 8), x.b, x.h, q0 + tid, s.sq, k0);
           mbar_arrive(k_full(st));
         }
         mbar_wait(v_empty(st), ph);
@@ -1368,10 +1434,15 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       }
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
       with_flag(edge, [&](auto e) {
-        softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value,
-                                                      skb + st * BN, t4);
+        if (bits)  // (the keep bits of rows row[0], row[1] in the tile, the producer's)
+          softmax_block<MODE, BN, D, MODE == kModeNone, true, true>(
+              p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value, skb + st * BN, t4,
+              sbits + st * C::BITS + (row[0] - q0) * (BN / 8));
+        else
+          softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s,
+                                                               decltype(e)::value, skb + st * BN, t4);
       });
-      if constexpr (kKeys) {  // the warp's reads of the addends are done
+      if (kKeys || bits) {  // the warp's reads of the addends and keep bits are done
         __syncwarp();
         if (lane == 0) mbar_arrive(b_empty(st));
       }
@@ -2746,6 +2817,13 @@ inline bool fill_by_launch() {
   return e != nullptr && e[0] == 'l';
 }
 
+// PYKERNELS_CUDA_ATTN_FWD_DRAWS=consumers: the warp-specialised forward's consumers draw the dropout's keep bits
+// themselves (as before; A/B runs, read at each call); default: its producer warpgroup draws them (ws_draw_bits)
+inline bool fwd_draws_by_consumers() {
+  const char* e = std::getenv("PYKERNELS_CUDA_ATTN_FWD_DRAWS");
+  return e != nullptr && e[0] == 'c';
+}
+
 // The forward's kernels; ``filled``: the order kernel filled ``outside`` (its spare blocks)
 template <typename T>
 void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows* outside, bool& filled) {
@@ -2772,6 +2850,7 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
           } else {
             q.fwd_order = nullptr;
           }
+          q.fwd_drop_bits = p.p_drop > 0.f && !fwd_draws_by_consumers();
           launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), q, make_fwd_tma<T>(q, C::BM, C::BN), stream,
                  C::NT);
         };

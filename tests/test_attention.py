@@ -2221,6 +2221,38 @@ def test_gpu_cuda_varlen_packed_qkv_strides(d):
 @pytest.mark.gpu
 @needs_cuda_ext
 @pytest.mark.parametrize("d", [64, 128])
+def test_gpu_cuda_ws_forward_keep_bits_by_producer(monkeypatch, d):
+    """The warp-specialised forward with dropout: its producer warpgroup draws the keep bits into shared memory
+    (default) or its consumers draw them (PYKERNELS_CUDA_ATTN_FWD_DRAWS=consumers, as before): the same mask and the
+    same arithmetic, so the outputs are bitwise equal, dense (odd length, causal, GQA), with a key-padding
+    mask (whose consumers always draw) and packed sequences (a last tile of one row, an empty sequence)."""
+    torch.manual_seed(0)
+    q, k, v = _inputs((2, 4, 203, d), (2, 2, 203, d), (2, 2, 203, d), BF16, "cuda", requires_grad=False)
+    keys = torch.ones(2, 1, 1, 203, dtype=torch.bool, device="cuda")
+    keys[1, ..., 150:] = False
+    lengths = [300, 1, 129, 0, 77]
+    qp, kp, vp, cu = _varlen_poisoned(lengths, 4, 2, d, 9, "cuda")
+    calls = {
+        "dense": lambda: sdpa(q, k, v, dropout_p=0.2, enable_gqa=True, backend="cuda"),
+        "causal": lambda: sdpa(q, k, v, dropout_p=0.2, is_causal=True, enable_gqa=True, backend="cuda"),
+        "keys": lambda: sdpa(q, k, v, keys, dropout_p=0.2, enable_gqa=True, backend="cuda"),
+        "packed": lambda: varlen_attention(qp, kp, vp, cu, cu, max(lengths), max(lengths), dropout_p=0.2,
+                                           backend="cuda"),
+    }
+    for name, call in calls.items():
+        outs = []
+        for env in (None, "consumers"):
+            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_DRAWS", env)
+            torch.manual_seed(5)
+            outs.append(call().detach())
+        valid = outs[0][:int(cu[-1])] if name == "packed" else outs[0]
+        assert not valid.isnan().any(), name
+        assert torch.equal(outs[0], outs[1]), name
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("d", [64, 128])
 def test_gpu_cuda_varlen_dropout_fused_backward_is_tritons_mask(d):
     """The varlen fused backward (D = 64, and D = 128's deferred kernel; TMA over the packed rows) with dropout draws the
     forward's mask: outputs and gradients equal the Triton backend's for the same torch seed, with NaN past
