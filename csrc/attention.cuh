@@ -1248,18 +1248,18 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   int* const sred = srange + 4;
   // (Params::fwd_drop_bits) ring slot i's keep bits at sbits + i BITS: row r's BN / 8 bytes at + r BN / 8
   const uint32_t sbits = (bars + 8u * C::NBAR + static_cast<uint32_t>(C::EXTRA) + 15u) & ~15u;
-  // (the host sets it with dropout only). Key-only masks too: their producer also finds the key ranges and loads the
-  // addends, and with the draws it spilled 72-96 bytes at 56 registers (one call at a time as well), so there it
-  // takes 72 and the consumers 216 (8 bytes spilled by the producer, none by the consumers; 72 x 128 + 216 x 256 is
-  // the block's 168 x 384)
-  const bool bits = p.fwd_drop_bits != 0;
+  // (the host sets it with dropout only; not with key-only masks, whose producer also finds the key ranges and loads
+  // the addends: with the draws too it spilled 72-96 bytes at its 56 registers, and at 72 registers (the consumers at
+  // 216, no spills) it took the forward with dropout 1.05-1.06x longer, run318: the producer bounds the tile there)
+  const bool bits = !kKeys && p.fwd_drop_bits != 0;
   // the warpgroup, broadcast from lane 0 so that ptxas sees it uniform: a role branch on tid >> 7 is a divergent path
   // to it, and it serializes the wgmma chains inside one (C7520)
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), lane = tid & 31;
   const bool tma = tm.on != 0;
   if (tid == 0) {
     // full: the producer's 128 threads' cp.async arrivals, or its thread 0's expect_tx (TMA); empty: the consumers'
-    // 8 warps (key-only masks: one more on q full for the range; they or the keep bits: 128 more on k full)
+    // 8 warps (key-only masks: one more on q full for the range, 128 more on k full for the addends; the keep
+    // bits: 128 more on k full)
     const uint32_t loads = tma ? 1 : 128;
     for (int i = 0; i < 2; ++i) {
       mbar_init(q_full(i), loads + (kKeys ? 1 : 0));
@@ -1286,7 +1286,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   };
 
   if (wg == 0) {  // producer
-    regs_dec<kKeys ? 72 : 56>();
+    regs_dec<56>();
     // TMA: thread 0 issues every load; the other threads are needed only for the key ranges and addends, and for
     // packed varlen sequences (the maps' batch of one: rows at the sequence's offset) a sequence's last V block,
     // loaded by cp.async with the rows past the sequence zero-filled: TMA would bring the next sequence's rows, or
@@ -1386,7 +1386,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   }
 
   // consumers
-  regs_inc<kKeys ? 216 : 224>();
+  regs_inc<224>();
   const int cw = wg - 1, warp = (tid >> 5) & 3, g8 = lane >> 2, t4 = lane & 3;
   if (cw == 1) named_arrive(kTurn, 256);  // consumer 0 takes the first turn
   int qi = 0;

@@ -2225,8 +2225,7 @@ def test_gpu_cuda_ws_forward_keep_bits_by_producer(monkeypatch, d):
     """The warp-specialised forward with dropout: its producer warpgroup draws the keep bits into shared memory
     (default) or its consumers draw them (PYKERNELS_CUDA_ATTN_FWD_DRAWS=consumers, as before): the same mask and the
     same arithmetic, so the outputs are bitwise equal, dense (odd length, causal, GQA), with a key-padding
-    mask (its producer at 72 registers, the consumers at 216) and packed sequences (a last tile of one row, an empty
-    sequence)."""
+    mask (whose consumers always draw) and packed sequences (a last tile of one row, an empty sequence)."""
     torch.manual_seed(0)
     q, k, v = _inputs((2, 4, 203, d), (2, 2, 203, d), (2, 2, 203, d), BF16, "cuda", requires_grad=False)
     keys = torch.ones(2, 1, 1, 203, dtype=torch.bool, device="cuda")
