@@ -1197,17 +1197,15 @@ __global__ void __launch_bounds__(1024) attn_fwd_order_kernel(const Params p, in
   if (threadIdx.x == 0) order[p.fwd_order_n] = n;
 }
 
-// (Params::fwd_drop_bits) the producer thread of query row i of (b, h): the keep bits of keys k0 .. k0 + BN - 1 of its
-// row into shared memory at ``dst``, byte c (bit v: key k0 + 8 c + v) from the Philox call at the row's counter plus
-// k0 / 8 + c, as row_keep_bits' quads draw them (keep_byte_carry); nothing for a row past the sequence (never stored).
+// (Params::fwd_drop_bits) the producer thread of a query row: the keep bits of keys k0 .. k0 + BN - 1 of its row into
+// shared memory at ``dst``, byte c (bit v: key k0 + 8 c + v) from the Philox call at ``ctr`` + c (the row's counter
+// plus k0 / 8), as row_keep_bits' quads draw them (keep_byte_carry); the caller draws nothing for a row past the
+// sequence (never stored).
 // The consumers' draws (two a lane and key block, each followed by the quad's exchange) move to the producer
 // warpgroup, whose threads otherwise wait on the ring's mbarriers.
 template <int BN>
-__device__ __forceinline__ void ws_draw_bits(const Params& p, uint32_t dst, int b, int h, int i, int sq, int k0) {
+__device__ __forceinline__ void ws_draw_bits(const Params& p, uint32_t dst, uint64_t ctr) {
   static_assert(BN == 128, "16 calls a row: 4 words");
-  if (i >= sq) return;
-  const DropRows d = drop_rows(p, b, h);
-  const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups + static_cast<uint64_t>(k0 >> 3);
   const uint64_t seed = drop_seed();
   const uint32_t thr = drop_threshold(p);
 #pragma unroll 1
@@ -1250,8 +1248,9 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   int* const sred = srange + 4;
   // (Params::fwd_drop_bits) ring slot i's keep bits at sbits + i BITS: row r's BN / 8 bytes at + r BN / 8
   const uint32_t sbits = (bars + 8u * C::NBAR + static_cast<uint32_t>(C::EXTRA) + 15u) & ~15u;
-  // (the host sets it with dropout only; not with key-only masks, whose producer keeps the key ranges and addends:
-  // with the draws too it spilled 72-96 bytes at its 56 registers, drawn one call at a time as well)
+  // (the host sets it with dropout only; not with key-only masks, whose producer also finds the key ranges and loads
+  // the addends: with the draws too it spilled 72-96 bytes at its 56 registers, and at 72 registers (the consumers at
+  // 216, no spills) it took the forward with dropout 1.05-1.06x longer, run318: the producer bounds the tile there)
   const bool bits = !kKeys && p.fwd_drop_bits != 0;
   // the warpgroup, broadcast from lane 0 so that ptxas sees it uniform: a role branch on tid >> 7 is a divergent path
   // to it, and it serializes the wgmma chains inside one (C7520)
@@ -1259,7 +1258,8 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   const bool tma = tm.on != 0;
   if (tid == 0) {
     // full: the producer's 128 threads' cp.async arrivals, or its thread 0's expect_tx (TMA); empty: the consumers'
-    // 8 warps (key-only masks: one more on q full for the range, 128 more on k full for the addends)
+    // 8 warps (key-only masks: one more on q full for the range, 128 more on k full for the addends; the keep
+    // bits: 128 more on k full)
     const uint32_t loads = tma ? 1 : 128;
     for (int i = 0; i < 2; ++i) {
       mbar_init(q_full(i), loads + (kKeys ? 1 : 0));
@@ -1321,6 +1321,13 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       const T* K = static_cast<const T*>(p.k) + x.b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
       const T* V = static_cast<const T*>(p.v) + x.b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
       int nb0 = 0, nb1 = n_blocks(s, q0);
+      // (the keep bits: this thread's row's first Philox counter; none for a row past the sequence)
+      const bool draw = bits && q0 + tid < s.sq;
+      uint64_t dctr = 0;
+      if (draw) {
+        const DropRows d = drop_rows(p, x.b, x.h);
+        dctr = (d.rows0 + static_cast<uint64_t>(q0 + tid)) * d.groups;
+      }
       if constexpr (kKeys) {  // the valid keys [lo, hi) of [0, n_end), found by this warpgroup
         const int n_end = p.causal ? min(s.sk, q0 + BM) : s.sk;
         const int2 r = key_range<128, 1>(p, x.b, n_end, s.sk, tid, sred + qb * 8, [] { named_sync(kProducer, 128); });
@@ -1353,7 +1360,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
           if constexpr (kKeys) kb = key_bias(p, x.b, k0 + tid, s.sk);
           mbar_wait(b_empty(st), ph);
           if constexpr (kKeys) skb[st * BN + tid] = kb;
-          if (bits) ws_draw_bits<BN>(p, sbits + st * C::BITS + tid * (BN / 8), x.b, x.h, q0 + tid, s.sq, k0);
+          if (draw) ws_draw_bits<BN>(p, sbits + st * C::BITS + tid * (BN / 8), dctr + static_cast<uint64_t>(k0 >> 3));
           mbar_arrive(k_full(st));
         }
         mbar_wait(v_empty(st), ph);
