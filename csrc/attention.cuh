@@ -485,10 +485,11 @@ __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ?
 // domain; per thread, the row's 4 threads share the max through shuffles) move on, and O is rescaled. ``kb``: the block's key addends (kModeKeys).
 // ``kRaw`` (no mask, a positive scale: the caller checks both): the max is taken over the raw scores and each
 // exponent is one FFMA, raw * scale - max (FlashAttention's form; an FMUL an element fewer).
-// ``kBits`` (the warp-specialised forward, Params::fwd_drop_bits): the keep bits are read from shared memory at
-// ``bits`` (row[0]'s BC / 8 bytes, byte c the keep bits of keys k0 + 8 c .., bit v key 8 c + v; row[1]'s 8 rows on,
-// BC / 8 bytes a row), which the producer warpgroup drew (ws_draw_bits), instead of drawn here.
-template <int MODE, int BC, int D, bool kRaw = false, bool kInl = false, bool kBits = false>
+// ``kBits`` (the warp-specialised forward, Params::fwd_drop_bits): the keep bits of the block's first kBits 8-key
+// n-tiles are read from shared memory at ``bits`` (row[0]'s BC / 8 bytes, byte c the keep bits of keys k0 + 8 c ..,
+// bit v key 8 c + v; row[1]'s 8 rows on, BC / 8 bytes a row), which the producer warpgroup drew (ws_draw_bits); the
+// rest's are drawn here.
+template <int MODE, int BC, int D, bool kRaw = false, bool kInl = false, int kBits = 0>
 __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 8][4], float (&o)[D / 8][4],
                                               float (&m)[2], float (&l)[2], int b, int h, const int (&row)[2],
                                               int k0, const Seq& s, bool edge, const float* kb, int t4,
@@ -537,26 +538,38 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
       o[dt][2 * r + 1] *= alpha;
     }
   }
-  if constexpr (kBits) {  // (the caller's flag: with dropout only)
-    static_assert(BC == 128, "16 bytes a row: one 16-byte load");
+  if constexpr (kBits > 0) {  // (the caller's flag: with dropout only)
+    static_assert(BC == 128 && (kBits == 8 || kBits == 12 || kBits == 16), "at most 16 bytes a row, 8 or 16 a load");
+    constexpr int W = kBits / 4;
     // each byte's bits 2 t4, 2 t4 + 1 (this thread's columns of the n-tile) moved to its bits 0, 1
     uint32_t w[2][4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(w[r][0]), "=r"(w[r][1]), "=r"(w[r][2]), "=r"(w[r][3])
-                   : "r"(bits + r * 8 * (BC / 8)));
+      const uint32_t a = bits + r * 8 * (BC / 8);
+      if constexpr (W == 4)
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(w[r][0]), "=r"(w[r][1]), "=r"(w[r][2]), "=r"(w[r][3])
+                     : "r"(a));
+      else
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(w[r][0]), "=r"(w[r][1]) : "r"(a));
+      if constexpr (W == 3) asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w[r][2]) : "r"(a + 8));
 #pragma unroll
-      for (int i = 0; i < 4; ++i) w[r][i] = (w[r][i] >> (2 * t4)) & 0x03030303u;
+      for (int i = 0; i < W; ++i) w[r][i] = (w[r][i] >> (2 * t4)) & 0x03030303u;
     }
+    DropRows d{};
+    if constexpr (kBits < BC / 8) d = drop_rows(p, b, h);
 #pragma unroll
     for (int nt = 0; nt < BC / 8; nt += 2) {
       // bit 4 u + 2 r + q: element sc[nt + u][2 r + q] (row_keep_bits' layout)
       uint32_t kb = 0u;
+      if (nt >= kBits) {
+        kb = row_keep_bits<kInl, true>(p, d, row, k0, nt, t4);
+      } else {
 #pragma unroll
-      for (int u = 0; u < 2; ++u)
+        for (int u = 0; u < 2; ++u)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) kb |= ((w[r][(nt + u) >> 2] >> (8 * ((nt + u) & 3))) & 3u) << (4 * u + 2 * r);
+          for (int r = 0; r < 2; ++r) kb |= ((w[r][(nt + u) >> 2] >> (8 * ((nt + u) & 3))) & 3u) << (4 * u + 2 * r);
+      }
 #pragma unroll
       for (int u = 0; u < 2; ++u)
 #pragma unroll
@@ -1038,6 +1051,8 @@ struct FwdWsCfg {
   static constexpr size_t EXTRA = STAGES * BN * 4 + 2 * 2 * 4 + 2 * 4 * 2 * 4;
   // then (Params::fwd_drop_bits) the keep bits a ring slot: a byte each 8 keys of a row (16-byte aligned)
   static constexpr uint32_t BITS = BM * BN / 8;
+  // the 8-key n-tiles of a block whose keep bits the producer draws (the first DRAWN; the consumers draw the rest)
+  static constexpr int DRAWN = 12;
   static constexpr size_t smem() {
     return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES + NBAR * 8 + EXTRA + 16 + STAGES * BITS;
   }
@@ -1203,13 +1218,13 @@ __global__ void __launch_bounds__(1024) attn_fwd_order_kernel(const Params p, in
 // sequence (never stored).
 // The consumers' draws (two a lane and key block, each followed by the quad's exchange) move to the producer
 // warpgroup, whose threads otherwise wait on the ring's mbarriers.
-template <int BN>
+template <int BN, int N>
 __device__ __forceinline__ void ws_draw_bits(const Params& p, uint32_t dst, uint64_t ctr) {
-  static_assert(BN == 128, "16 calls a row: 4 words");
+  static_assert(BN == 128 && N % 4 == 0 && N <= BN / 8, "at most 16 calls a row, a word of 4 at a time");
   const uint64_t seed = drop_seed();
   const uint32_t thr = drop_threshold(p);
 #pragma unroll 1
-  for (int j = 0; j < 4; ++j) {  // (a word of 4 calls at a time: the producer has 56 registers; all 16 unrolled spilled)
+  for (int j = 0; j < N / 4; ++j) {  // (a word of 4 calls at a time: the producer has 56 registers; all 16 unrolled spilled)
     uint32_t w = 0u;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -1360,7 +1375,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
           if constexpr (kKeys) kb = key_bias(p, x.b, k0 + tid, s.sk);
           mbar_wait(b_empty(st), ph);
           if constexpr (kKeys) skb[st * BN + tid] = kb;
-          if (draw) ws_draw_bits<BN>(p, sbits + st * C::BITS + tid * (BN / 8), dctr + static_cast<uint64_t>(k0 >> 3));
+          if (draw) ws_draw_bits<BN, C::DRAWN>(p, sbits + st * C::BITS + tid * (BN / 8), dctr + static_cast<uint64_t>(k0 >> 3));
           mbar_arrive(k_full(st));
         }
         mbar_wait(v_empty(st), ph);
@@ -1442,7 +1457,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
       with_flag(edge, [&](auto e) {
         if (bits)  // (the keep bits of rows row[0], row[1] in the tile, the producer's)
-          softmax_block<MODE, BN, D, MODE == kModeNone, true, true>(
+          softmax_block<MODE, BN, D, MODE == kModeNone, true, C::DRAWN>(
               p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value, skb + st * BN, t4,
               sbits + st * C::BITS + (row[0] - q0) * (BN / 8));
         else
