@@ -1051,7 +1051,9 @@ struct FwdWsCfg {
   static constexpr size_t EXTRA = STAGES * BN * 4 + 2 * 2 * 4 + 2 * 4 * 2 * 4;
   // then (Params::fwd_drop_bits) the keep bits a ring slot: a byte each 8 keys of a row (16-byte aligned)
   static constexpr uint32_t BITS = BM * BN / 8;
-  // the 8-key n-tiles of a block whose keep bits the producer draws (the first DRAWN; the consumers draw the rest)
+  // the 8-key n-tiles of a block whose keep bits the producer draws (the first DRAWN; the consumers draw the rest).
+  // H200 run319-320 (BERT-base forward with dropout): 16 138.6-139.5 us, 12 133.4-134.1, 8 129.2-130.2 but GPT-2's and
+  // the packed batch's forward + backward 3-5 us slower than at 12
   static constexpr int DRAWN = 12;
   static constexpr size_t smem() {
     return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES + NBAR * 8 + EXTRA + 16 + STAGES * BITS;
@@ -1212,19 +1214,19 @@ __global__ void __launch_bounds__(1024) attn_fwd_order_kernel(const Params p, in
   if (threadIdx.x == 0) order[p.fwd_order_n] = n;
 }
 
-// (Params::fwd_drop_bits) the producer thread of a query row: the keep bits of keys k0 .. k0 + BN - 1 of its row into
-// shared memory at ``dst``, byte c (bit v: key k0 + 8 c + v) from the Philox call at ``ctr`` + c (the row's counter
-// plus k0 / 8), as row_keep_bits' quads draw them (keep_byte_carry); the caller draws nothing for a row past the
-// sequence (never stored).
-// The consumers' draws (two a lane and key block, each followed by the quad's exchange) move to the producer
-// warpgroup, whose threads otherwise wait on the ring's mbarriers.
+// (Params::fwd_drop_bits) the producer thread of a query row: the keep bits of keys k0 .. k0 + 8 N - 1 of its row
+// (the block's first N n-tiles) into shared memory at ``dst``, byte c (bit v: key k0 + 8 c + v) from the Philox call
+// at ``ctr`` + c (the row's counter plus k0 / 8), as row_keep_bits' quads draw them (keep_byte_carry); the caller
+// draws nothing for a row past the sequence (never stored). Most of the consumers' draws (two a lane and n-tile pair,
+// each followed by the quad's exchange) move to the producer warpgroup, whose threads otherwise wait on the ring's
+// mbarriers; all of them (N = 16) left the producer the bound (run317-319: FwdWsCfg::DRAWN).
 template <int BN, int N>
 __device__ __forceinline__ void ws_draw_bits(const Params& p, uint32_t dst, uint64_t ctr) {
   static_assert(BN == 128 && N % 4 == 0 && N <= BN / 8, "at most 16 calls a row, a word of 4 at a time");
   const uint64_t seed = drop_seed();
   const uint32_t thr = drop_threshold(p);
 #pragma unroll 1
-  for (int j = 0; j < N / 4; ++j) {  // (a word of 4 calls at a time: the producer has 56 registers; all 16 unrolled spilled)
+  for (int j = 0; j < N / 4; ++j) {  // (a word of 4 calls at a time: at its 56 registers all 16 unrolled spilled)
     uint32_t w = 0u;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -2839,8 +2841,9 @@ inline bool fill_by_launch() {
   return e != nullptr && e[0] == 'l';
 }
 
-// PYKERNELS_CUDA_ATTN_FWD_DRAWS=consumers: the warp-specialised forward's consumers draw the dropout's keep bits
-// themselves (as before; A/B runs, read at each call); default: its producer warpgroup draws them (ws_draw_bits)
+// PYKERNELS_CUDA_ATTN_FWD_DRAWS=consumers: the warp-specialised forward's consumers draw all the dropout's keep bits
+// themselves (as before run317; A/B runs, read at each call); default: its producer warpgroup draws those of each key
+// block's first FwdWsCfg::DRAWN n-tiles (ws_draw_bits), the consumers the rest
 inline bool fwd_draws_by_consumers() {
   const char* e = std::getenv("PYKERNELS_CUDA_ATTN_FWD_DRAWS");
   return e != nullptr && e[0] == 'c';

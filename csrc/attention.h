@@ -63,8 +63,9 @@ struct Params {
   int pre_fills;            // backward, packed sequences: the pre kernel zeroes the gradients' rows outside the
                             // sequences (launch_backward sets it; 0: a launch of their own, PYKERNELS_CUDA_ATTN_FILL)
   int fwd_drop_bits;        // the warp-specialised forward with dropout: its producer warpgroup draws the keep bits of
-                            // each key block into shared memory for the consumers (launch_forward sets it; 0: the
-                            // consumers draw them, PYKERNELS_CUDA_ATTN_FWD_DRAWS=consumers)
+                            // each key block's first FwdWsCfg::DRAWN n-tiles into shared memory for the consumers
+                            // (launch_forward sets it; 0: the consumers draw all of them,
+                            // PYKERNELS_CUDA_ATTN_FWD_DRAWS=consumers)
 };
 
 // The warp-specialised forward's ordered walk over packed varlen sequences (attention.cuh's attn_fwd_order_kernel):

@@ -2222,8 +2222,9 @@ def test_gpu_cuda_varlen_packed_qkv_strides(d):
 @needs_cuda_ext
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_cuda_ws_forward_keep_bits_by_producer(monkeypatch, d):
-    """The warp-specialised forward with dropout: its producer warpgroup draws the keep bits into shared memory
-    (default) or its consumers draw them (PYKERNELS_CUDA_ATTN_FWD_DRAWS=consumers, as before): the same mask and the
+    """The warp-specialised forward with dropout: its producer warpgroup draws most keep bits into shared memory
+    (default: 12 of a key block's 16 n-tiles, the consumers the rest) or its consumers draw all of them
+    (PYKERNELS_CUDA_ATTN_FWD_DRAWS=consumers, as before): the same mask and the
     same arithmetic, so the outputs are bitwise equal, dense (odd length, causal, GQA), with a key-padding
     mask (whose consumers always draw) and packed sequences (a last tile of one row, an empty sequence)."""
     torch.manual_seed(0)
