@@ -393,6 +393,8 @@ __device__ __forceinline__ void key_addends(const Params& p, float (&buf)[2][BC]
 struct DropRows {
   uint64_t rows0;   // counter row of query 0 of (b, h): (b Hq + h) Sq
   uint64_t groups;  // Philox calls a query row: ceil(Sk / 8)
+  // the counter of query row i's first call (keys 0-7); key block j / 8's is this plus j / 8
+  __device__ __forceinline__ uint64_t row_ctr(int i) const { return (rows0 + static_cast<uint64_t>(i)) * groups; }
 };
 __device__ __forceinline__ DropRows drop_rows(const Params& p, int b, int h) {
   return {(static_cast<uint64_t>(b) * p.hq + h) * static_cast<uint64_t>(p.sq), static_cast<uint64_t>(p.drop_sk) >> 3};
@@ -449,7 +451,7 @@ template <bool kInl = false, bool kSeedReg = false>
 __device__ __forceinline__ uint32_t row_keep_bits(const Params& p, const DropRows& d, const int (&row)[2], int k0,
                                                   int nt, int t4) {
   const int i = (t4 & 1) ? row[1] : row[0];
-  const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups + static_cast<uint64_t>((k0 >> 3) + nt + (t4 >> 1));
+  const uint64_t ctr = d.row_ctr(i) + static_cast<uint64_t>((k0 >> 3) + nt + (t4 >> 1));
   const uint64_t seed = kSeedReg ? drop_seed_reg() : drop_seed();
   return kInl ? group_keep_bits_inl<2, kSeedReg>(seed, ctr, drop_threshold(p), t4)  // (kSeedReg: the forwards)
               : group_keep_bits<2, kSeedReg>(seed, ctr, drop_threshold(p), t4);
@@ -467,7 +469,7 @@ template <bool kInl = false>
 __device__ __forceinline__ uint32_t key_keep_bits(const Params& p, const DropRows& d, const int (&key)[2], int qs,
                                                   int nt, int t4, int g) {
   const int i = qs + (nt + (g >> 2)) * 8 + 2 * t4 + (g & 1);
-  const uint64_t ctr = (d.rows0 + static_cast<uint64_t>(i)) * d.groups +
+  const uint64_t ctr = d.row_ctr(i) +
                        static_cast<uint64_t>(((key[0] - g) >> 3) + ((g >> 1) & 1));
   return kInl ? group_keep_bits_inl<1>(drop_seed(), ctr, drop_threshold(p), g)
               : group_keep_bits<1>(drop_seed(), ctr, drop_threshold(p), g);
@@ -1340,11 +1342,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       int nb0 = 0, nb1 = n_blocks(s, q0);
       // (the keep bits: this thread's row's first Philox counter; none for a row past the sequence)
       const bool draw = bits && q0 + tid < s.sq;
-      uint64_t dctr = 0;
-      if (draw) {
-        const DropRows d = drop_rows(p, x.b, x.h);
-        dctr = (d.rows0 + static_cast<uint64_t>(q0 + tid)) * d.groups;
-      }
+      const uint64_t dctr = draw ? drop_rows(p, x.b, x.h).row_ctr(q0 + tid) : 0;
       if constexpr (kKeys) {  // the valid keys [lo, hi) of [0, n_end), found by this warpgroup
         const int n_end = p.causal ? min(s.sk, q0 + BM) : s.sk;
         const int2 r = key_range<128, 1>(p, x.b, n_end, s.sk, tid, sred + qb * 8, [] { named_sync(kProducer, 128); });
@@ -2669,11 +2667,14 @@ inline DeviceInfo device_info() {
 // mma.sync kernels, "1" the warpgroup-MMA kernels without the warp-specialised forward; unset (or anything else),
 // the default
 enum Sm90Choice : int { kSm90Off = 0, kSm90Plain = 1, kSm90Default = 2 };
+// The first character of the environment variable ``name`` (read at each call: the A/B switches), 0 where unset
+inline char env_first(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr ? e[0] : 0;
+}
 inline int sm90_choice() {
-  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_SM90");
-  if (env != nullptr && env[0] == '0') return kSm90Off;
-  if (env != nullptr && env[0] == '1') return kSm90Plain;
-  return kSm90Default;
+  const char env = env_first("PYKERNELS_CUDA_ATTN_SM90");
+  return env == '0' ? kSm90Off : env == '1' ? kSm90Plain : kSm90Default;
 }
 
 // Which kernels a launch runs, read once a launch: ``sm90`` whether the forward and backward run their warpgroup-MMA
@@ -2758,10 +2759,7 @@ bool encode_map(CUtensorMap* map, int* order, const void* base, int64_t batch, i
 
 // PYKERNELS_CUDA_ATTN_TMA (read each launch, for A/B runs and tests): '0' keeps the cp.async loads; '1' requires TMA
 // (require_tma: an error where the inputs rule it out); else (0 where unset) TMA where it can
-inline char tma_env() {
-  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_TMA");
-  return env != nullptr ? env[0] : 0;
-}
+inline char tma_env() { return env_first("PYKERNELS_CUDA_ATTN_TMA"); }
 inline void require_tma(bool on, char env, const char* pass) {
   TORCH_CHECK(on || env != '1', "PYKERNELS_CUDA_ATTN_TMA=1: the ", pass,
               " cannot load these inputs by TMA (a base address not 16-byte aligned, a stride of 0 or not a multiple "
@@ -2836,18 +2834,12 @@ inline unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + k
 
 // PYKERNELS_CUDA_ATTN_FILL=launch: packed sequences' rows outside the sequences filled by a launch of their own after
 // the kernels, forward and backward (A/B runs of the fills folded into the order and pre kernels; read at each call)
-inline bool fill_by_launch() {
-  const char* e = std::getenv("PYKERNELS_CUDA_ATTN_FILL");
-  return e != nullptr && e[0] == 'l';
-}
+inline bool fill_by_launch() { return env_first("PYKERNELS_CUDA_ATTN_FILL") == 'l'; }
 
 // PYKERNELS_CUDA_ATTN_FWD_DRAWS=consumers: the warp-specialised forward's consumers draw all the dropout's keep bits
 // themselves (as before run317; A/B runs, read at each call); default: its producer warpgroup draws those of each key
 // block's first FwdWsCfg::DRAWN n-tiles (ws_draw_bits), the consumers the rest
-inline bool fwd_draws_by_consumers() {
-  const char* e = std::getenv("PYKERNELS_CUDA_ATTN_FWD_DRAWS");
-  return e != nullptr && e[0] == 'c';
-}
+inline bool fwd_draws_by_consumers() { return env_first("PYKERNELS_CUDA_ATTN_FWD_DRAWS") == 'c'; }
 
 // The forward's kernels; ``filled``: the order kernel filled ``outside`` (its spare blocks)
 template <typename T>
@@ -2864,9 +2856,8 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
           const dim3 grid(fwd_ws_grid(p, C::BM, plan.sms));
           static_assert(C::BM == kOrderBM, "fwd_order_tiles's query tiles");
           Params q = p;  // (packed sequences: the walk's order, attn_fwd_order_kernel, where the caller gave room)
-          const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FWD_ORDER");  // ('0': tile_at's walk, A/B runs)
-          if (p.fwd_order != nullptr && p.cu_q != nullptr && p.batch <= kOrderSeqs &&
-              grid.x > 0 && !(env != nullptr && env[0] == '0')) {
+          if (p.fwd_order != nullptr && p.cu_q != nullptr && p.batch <= kOrderSeqs && grid.x > 0 &&
+              env_first("PYKERNELS_CUDA_ATTN_FWD_ORDER") != '0') {  // ('0': tile_at's walk, A/B runs)
             filled = outside != nullptr && outside->n > 0 && !fill_by_launch();
             attn_fwd_order_kernel<C::BM, C::BN><<<filled ? 1 + kOrderFillBlocks : 1, 1024, 0, stream>>>(
                 p, p.fwd_order, static_cast<int>((p.sq + C::BM - 1) / C::BM), static_cast<int>(grid.x),
@@ -2955,10 +2946,7 @@ __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
 // dropout, and at D = 128 the deferred one (FUSED = 4); 'c' keeps them on the cp.async twin at D = 64 and the pair at
 // D = 128 (A/B runs). Run303 (H200, the packed BERT batch): backward 282.7 us against the twin's 304.8 with dropout,
 // 226.1 against the pair's 235.9 without; D = 128 (8 x 16 x 1024) 475.4 / 407.3 against the pair's 559.9 / 439.2.
-inline char fused_dq_env() {
-  const char* env = std::getenv("PYKERNELS_CUDA_ATTN_FUSED_DQ");
-  return env != nullptr ? env[0] : 0;
-}
+inline char fused_dq_env() { return env_first("PYKERNELS_CUDA_ATTN_FUSED_DQ"); }
 inline bool fused_cp_async(const Params& p) {
   return p.p_drop > 0.f || fused_dq_env() == '1' || fused_dq_env() == 'c';
 }
