@@ -540,29 +540,32 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
       o[dt][2 * r + 1] *= alpha;
     }
   }
-  if constexpr (kBits > 0) {  // (the caller's flag: with dropout only)
-    static_assert(BC == 128 && (kBits == 8 || kBits == 12 || kBits == 16), "at most 16 bytes a row, 8 or 16 a load");
+  if (kBits > 0 || p.p_drop > 0.f) {  // (kBits: the caller's flag, with dropout only)
+    static_assert(BC % 16 == 0, "the dropout's quad draws n-tiles in pairs");
+    static_assert(kBits == 0 || (BC == 128 && (kBits == 8 || kBits == 12 || kBits == 16)),
+                  "at most 16 bytes a row, 8 or 16 a load");
     constexpr int W = kBits / 4;
-    // each byte's bits 2 t4, 2 t4 + 1 (this thread's columns of the n-tile) moved to its bits 0, 1
+    // the producer's bytes: each byte's bits 2 t4, 2 t4 + 1 (this thread's columns of the n-tile) moved to bits 0, 1
     uint32_t w[2][4];
+    if constexpr (W > 0) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const uint32_t a = bits + r * 8 * (BC / 8);
-      if constexpr (W == 4)
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(w[r][0]), "=r"(w[r][1]), "=r"(w[r][2]), "=r"(w[r][3])
-                     : "r"(a));
-      else
-        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(w[r][0]), "=r"(w[r][1]) : "r"(a));
-      if constexpr (W == 3) asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w[r][2]) : "r"(a + 8));
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t a = bits + r * 8 * (BC / 8);
+        if constexpr (W == 4)
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(w[r][0]), "=r"(w[r][1]), "=r"(w[r][2]), "=r"(w[r][3])
+                       : "r"(a));
+        else
+          asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(w[r][0]), "=r"(w[r][1]) : "r"(a));
+        if constexpr (W == 3) asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(w[r][2]) : "r"(a + 8));
 #pragma unroll
-      for (int i = 0; i < W; ++i) w[r][i] = (w[r][i] >> (2 * t4)) & 0x03030303u;
+        for (int i = 0; i < W; ++i) w[r][i] = (w[r][i] >> (2 * t4)) & 0x03030303u;
+      }
     }
-    DropRows d{};
-    if constexpr (kBits < BC / 8) d = drop_rows(p, b, h);
+    const DropRows d = drop_rows(p, b, h);
 #pragma unroll
     for (int nt = 0; nt < BC / 8; nt += 2) {
-      // bit 4 u + 2 r + q: element sc[nt + u][2 r + q] (row_keep_bits' layout)
+      // bit 4 u + 2 r + q: element sc[nt + u][2 r + q] (row_keep_bits' layout): drawn here past the first kBits
       uint32_t kb = 0u;
       if (nt >= kBits) {
         kb = row_keep_bits<kInl, true>(p, d, row, k0, nt, t4);
@@ -572,17 +575,6 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
 #pragma unroll
           for (int r = 0; r < 2; ++r) kb |= ((w[r][(nt + u) >> 2] >> (8 * ((nt + u) & 3))) & 3u) << (4 * u + 2 * r);
       }
-#pragma unroll
-      for (int u = 0; u < 2; ++u)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[nt + u][e] = (kb >> (4 * u + e)) & 1u ? sc[nt + u][e] : 0.f;  // store_out scales
-    }
-  } else if (p.p_drop > 0.f) {
-    static_assert(BC % 16 == 0, "the dropout's quad draws n-tiles in pairs");
-    const DropRows d = drop_rows(p, b, h);
-#pragma unroll
-    for (int nt = 0; nt < BC / 8; nt += 2) {
-      const uint32_t kb = row_keep_bits<kInl, true>(p, d, row, k0, nt, t4);
 #pragma unroll
       for (int u = 0; u < 2; ++u)
 #pragma unroll
