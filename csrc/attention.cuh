@@ -481,10 +481,16 @@ __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ?
 // ---------------------------------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------------------------------
+// The online softmax's lazy max (FlashAttention-4's conditional rescaling; Params::lazy_max): a row's running max, and
+// with it O and l, move only when a block's max exceeds it by more than this (log2 units), so that most blocks after a row's first
+// skip O's rescale (D / 4 FMULs a thread); the exponents against the stale max are then at most 2^8, which fp32 O and
+// l and the 16-bit P hold exactly as well (O / l and the lse are the same quotient)
+constexpr float kLazyMax = 8.f;
 // The online softmax of one key block (keys k0 ..) on a warp's 16 query rows, two a thread (row[0], row[1]; the
 // thread's columns 2 t4, 2 t4 + 1 of each 8-key n-tile, mma.sync's and wgmma's accumulator layout): the scores sc
 // (raw Q K^T) become P (dropped elements zeroed; store_out scales by 1 / (1 - p)), the running max m and sum l (log2
-// domain; per thread, the row's 4 threads share the max through shuffles) move on, and O is rescaled. ``kb``: the block's key addends (kModeKeys).
+// domain; per thread, the row's 4 threads share the max through shuffles) move on, and O is rescaled where the max
+// moved (kLazyMax: a warp's O only when one of its rows' did). ``kb``: the block's key addends (kModeKeys).
 // ``kRaw`` (no mask, a positive scale: the caller checks both): the max is taken over the raw scores and each
 // exponent is one FFMA, raw * scale - max (FlashAttention's form; an FMUL an element fewer).
 // ``kBits`` (the warp-specialised forward, Params::fwd_drop_bits): the keep bits of the block's first kBits 8-key
@@ -497,6 +503,8 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
                                               int k0, const Seq& s, bool edge, const float* kb, int t4,
                                               uint32_t bits = 0u) {
   static_assert(!kRaw || MODE == kModeNone, "raw scores only without a mask");
+  float alpha[2];
+  bool grown = false;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
@@ -518,9 +526,14 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[r], kRaw ? mx * p.scale_log2 : mx);
+    if (kRaw) mx *= p.scale_log2;
+    // the max moves only where it grew by more than p.lazy_max (m[r] = -inf: where the block has a key); else the
+    // block's exponents are taken against the old max, at most 2^kLazyMax, and O and l keep their scale
+    const bool grow = mx > m[r] + p.lazy_max;
+    const float m_new = grow ? mx : m[r];
     const float base = m_new == -INFINITY ? 0.f : m_new;  // a row masked so far: exp2(-inf - 0) = 0
-    const float alpha = exp2f(m[r] - base);
+    alpha[r] = grow ? exp2f(m[r] - base) : 1.f;
+    grown |= grow;
     m[r] = m_new;
     float sum = 0.f;
 #pragma unroll
@@ -533,12 +546,13 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
         sum += pe;
       }
     }
-    l[r] = l[r] * alpha + sum;
+    l[r] = l[r] * alpha[r] + sum;
+  }
+  if (__any_sync(0xffffffffu, grown)) {  // (warp-uniform: a row that did not grow has alpha 1)
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      o[dt][2 * r] *= alpha;
-      o[dt][2 * r + 1] *= alpha;
-    }
+    for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[dt][e] *= alpha[e >> 1];
   }
   if (kBits > 0 || p.p_drop > 0.f) {  // (kBits: the caller's flag, with dropout only)
     static_assert(BC % 16 == 0, "the dropout's quad draws n-tiles in pairs");
@@ -2833,6 +2847,10 @@ inline bool fill_by_launch() { return env_first("PYKERNELS_CUDA_ATTN_FILL") == '
 // block's first FwdWsCfg::DRAWN n-tiles (ws_draw_bits), the consumers the rest
 inline bool fwd_draws_by_consumers() { return env_first("PYKERNELS_CUDA_ATTN_FWD_DRAWS") == 'c'; }
 
+// PYKERNELS_CUDA_ATTN_FWD_LAZY=0: the forward's online softmax moves a row's max at every block where it grew (as
+// before run321; A/B runs, read at each call); default: only where it grew by more than kLazyMax
+inline float lazy_max_env() { return env_first("PYKERNELS_CUDA_ATTN_FWD_LAZY") == '0' ? 0.f : kLazyMax; }
+
 // The forward's kernels; ``filled``: the order kernel filled ``outside`` (its spare blocks)
 template <typename T>
 void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows* outside, bool& filled) {
@@ -2892,7 +2910,9 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
 template <typename T>
 void launch_forward(const Params& p, cudaStream_t stream, const ZeroRows* outside) {
   bool filled = false;
-  launch_forward_kernels<T>(p, stream, outside, filled);
+  Params q = p;
+  q.lazy_max = lazy_max_env();
+  launch_forward_kernels<T>(q, stream, outside, filled);
   if (outside != nullptr && !filled) zero_rows_outside(*outside, stream);  // (disjoint rows: any order)
 }
 

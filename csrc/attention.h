@@ -66,6 +66,8 @@ struct Params {
                             // each key block's first FwdWsCfg::DRAWN n-tiles into shared memory for the consumers
                             // (launch_forward sets it; 0: the consumers draw all of them,
                             // PYKERNELS_CUDA_ATTN_FWD_DRAWS=consumers)
+  float lazy_max;           // forward: the online softmax's lazy max (attention.cuh's kLazyMax; launch_forward sets it;
+                            // 0, the max moved at every block where it grew: PYKERNELS_CUDA_ATTN_FWD_LAZY=0)
 };
 
 // The warp-specialised forward's ordered walk over packed varlen sequences (attention.cuh's attn_fwd_order_kernel):

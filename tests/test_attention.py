@@ -2253,6 +2253,41 @@ def test_gpu_cuda_ws_forward_keep_bits_by_producer(monkeypatch, d):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+@pytest.mark.parametrize("kernels", [None, "1", "0"], ids=["ws", "wgmma", "mma"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_cuda_forward_lazy_max(monkeypatch, kernels, d):
+    """The forwards' lazy max (a row's running max moves only where a key block's exceeds it by more than 2^8,
+    FlashAttention-4's conditional rescaling): scores that climb along the keys by about 3 (in log2 units) a key block
+    then fall (so the max moves every third block and stays stale between, its exponents up to about 2^8), with no
+    mask (the raw-score softmax), causal, and the same climb through an additive mask; each kernel set
+    (PYKERNELS_CUDA_ATTN_SM90 unset / 1 / 0): output and gradients against the float64 and bf16 references, and
+    within those bounds of the max moved at every block (PYKERNELS_CUDA_ATTN_FWD_LAZY=0)."""
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_SM90", kernels)
+    torch.manual_seed(3)
+    b, h, s = 2, 3, 1000
+    q, k, v = _inputs((b, h, s, d), (b, h, s, d), (b, h, s, d), BF16, "cuda", requires_grad=False)
+    # a climb of 0.017 a key (natural log: 128 keys 3.1 in log2 units) to the middle, then down
+    ramp = 0.017 * torch.minimum(torch.arange(s), s - torch.arange(s)).to(torch.float32).cuda()
+    q[..., 0] = 1.0
+    k[..., 0] = (ramp * math.sqrt(d)).to(BF16)  # (q . k) / sqrt(d) = ramp + the other dims' noise
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    qm, km = q.detach().clone().requires_grad_(), torch.randn_like(k).requires_grad_()
+    addend = ramp.view(1, 1, 1, s).expand(b, 1, 1, s).to(BF16)
+    cases = {"raw": dict(inputs=(q, k, v)), "causal": dict(inputs=(q, k, v), causal=True),
+             "additive": dict(inputs=(qm, km, v), mask=addend)}
+    for name, c in cases.items():
+        outs = []
+        for lazy in (None, "0"):
+            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_LAZY", lazy)
+            out, _ = _check_against_ref(*c["inputs"], mask=c.get("mask"), causal=c.get("causal", False),
+                                        backend="cuda", what=f"{name} lazy={lazy}")
+            outs.append(out.detach().float())
+        assert not outs[0].isnan().any(), name
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_cuda_varlen_dropout_fused_backward_is_tritons_mask(d):
     """The varlen fused backward (D = 64, and D = 128's deferred kernel; TMA over the packed rows) with dropout draws the

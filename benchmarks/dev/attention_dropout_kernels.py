@@ -5,7 +5,8 @@ mask, lengths uniform in 256..512: transformers' padded batches); and a D = 128 
 forward).
 
 Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--iters 10]
-[--dtype bf16|fp16] [--cases bert,gpt2,...]`` (``--cases`` also takes the long D = 128 shapes s4096_d128 and
+[--dtype bf16|fp16] [--p 0.1] [--cases bert,gpt2,...]`` (``--p``: the dropout probability, 0 for the same rows
+without dropout, the peers' too; ``--cases`` also takes the long D = 128 shapes s4096_d128 and
 s8192c_d128, bert_varlen: bert_pad's sequences packed, through ``varlen_attention``, and d128_pad / d128_varlen,
 the same at D = 128, 8 x 16 x 1024). One
 line a shape and implementation: ``NAME case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs`` (a call's kernels; the backward
@@ -47,7 +48,7 @@ def flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
     return f / 2 if causal else f
 
 
-def impls(peers: bool, triton: bool):
+def impls(peers: bool, triton: bool, p_drop: float = 0.1):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def ours(backend, p):
@@ -64,14 +65,16 @@ def impls(peers: bool, triton: bool):
             if cu is not None:
                 raise RuntimeError("SDPA takes no packed sequences (bert_pad: the padded batch)")
             with sdpa_kernel(kind):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.1, is_causal=causal)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, dropout_p=p_drop,
+                                                                        is_causal=causal)
         return run
 
-    yield "cuda", ours("cuda", 0.1)
+    yield "cuda", ours("cuda", p_drop)
     if triton:
-        yield "triton", ours("triton", 0.1)
+        yield "triton", ours("triton", p_drop)
     if peers:
-        yield "cuda-nodrop", ours("cuda", 0.0)
+        if p_drop > 0:
+            yield "cuda-nodrop", ours("cuda", 0.0)
         yield "sdpa-flash", sdpa(SDPBackend.FLASH_ATTENTION)
         yield "sdpa-efficient", sdpa(SDPBackend.EFFICIENT_ATTENTION)
         yield "sdpa-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)
@@ -120,14 +123,15 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true")
     ap.add_argument("--triton", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--p", type=float, default=0.1, help="the dropout probability (0: the peers without dropout too)")
     ap.add_argument("--kernels", action="store_true", help="print the C++ rows' kernels, each's time a call")
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     ap.add_argument("--cases", default=DEFAULT_CASES,
                     help=f"comma-separated, of {', '.join(c[0] for c in CASES)} (default: {DEFAULT_CASES})")
     args = ap.parse_args()
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
-    print("#", torch.cuda.get_device_name(), "torch", torch.__version__, args.dtype)
-    for name, fn in impls(args.peers, args.triton):
+    print("#", torch.cuda.get_device_name(), "torch", torch.__version__, args.dtype, "dropout", args.p)
+    for name, fn in impls(args.peers, args.triton, args.p):
         label = args.label if name == "cuda" else name
         for case, b, h, s, d, causal in CASES:
             if case not in args.cases.split(","):
