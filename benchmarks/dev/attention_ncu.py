@@ -1,12 +1,12 @@
 """Where the sm_90 attention kernels spend their time: one case's forward and backward through
 ``pykernels.scaled_dot_product_attention``, run a few times so that Nsight Compute (``ncu``) can pick one
-launch of one kernel; and a forward length sweep (same tokens, growing S) of the Gluon forward next to
-cuDNN, which separates the per-tile cost from the per-block cost.
+launch of one kernel; and a forward length sweep (same tokens, growing S) of the C++ forward next to cuDNN, which
+separates the per-tile cost from the per-block cost.
 
 Usage (GPU):
 ``python benchmarks/dev/attention_ncu.py --case bert [--peer cudnn]`` (what ncu wraps: see ``--help`` for cases;
 ``--peer`` runs the case through torch's SDPA with that backend, for the same profile of a peer's kernel);
-``python benchmarks/dev/attention_ncu.py --sweep [--d 64]``;
+``python benchmarks/dev/attention_ncu.py --sweep [--d 64]`` (the C++ backend and cuDNN, kernel time);
 ``python benchmarks/dev/attention_ncu.py --ab LPT_L2_BYTES=0/12582912`` (A/B of a backward setting;
 ``--ab MODULE=new/old.py`` of two versions of the module; ``MODULE=new,path/to/old.py`` where a path has "/").
 The ncu call this was written for (SASS lines with their stall samples, then the sections)::
@@ -68,24 +68,41 @@ def run_case(name: str, reps: int, peer: str = "pykernels", backend: str | None 
 
 
 def sweep(d: int) -> None:
+    """The forward at a fixed token count (16384, 12 heads of ``d``) over lengths 256..8192, full and causal, the
+    C++ backend against cuDNN, in kernel time (the profiler's kernel records, benchmarks/common.py's gpu_kernel_ms;
+    eager do_bench timed the host at the short lengths: run322's sweep had the C++ op at 0.38x cuDNN at S = 256)."""
+    import os
+    import sys
+
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    tokens = 16384
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from common import gpu_kernel_ms  # benchmarks/common.py
+    tokens, iters = 16384, 10
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; "
-          f"forward, H12 D{d}, {tokens} tokens, do_bench")
+          f"forward, H12 D{d}, {tokens} tokens, kernel time a call")
     for s in (256, 512, 1024, 2048, 4096, 8192):
         b = tokens // s
         for causal in (False, True):
             q, k, v = (torch.randn(b, 12, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             flops = 4 * b * 12 * s * s * d * (0.5 if causal else 1.0)
-            ours = triton.testing.do_bench(
-                lambda: pykernels.scaled_dot_product_attention(q, k, v, is_causal=causal), warmup=20, rep=100)
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                cud = triton.testing.do_bench(
-                    lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                    warmup=20, rep=100)
-            print(f"S{s:5d} B{b:3d} {'causal' if causal else 'full  '}: pykernels {flops / ours * 1e-9:6.1f} "
-                  f"cuDNN {flops / cud * 1e-9:6.1f} TFLOP/s (ratio {cud / ours:.3f})")
+
+            def ours():
+                for _ in range(iters):
+                    pykernels.scaled_dot_product_attention(q, k, v, is_causal=causal, backend="cuda")
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    for _ in range(iters):
+                        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            ours()
+            cudnn()
+            torch.cuda.synchronize()
+            t_ours, t_cud = gpu_kernel_ms(ours) / iters, gpu_kernel_ms(cudnn) / iters
+            print(f"S{s:5d} B{b:3d} {'causal' if causal else 'full  '}: C++ {flops / t_ours * 1e-9:6.1f} "
+                  f"cuDNN {flops / t_cud * 1e-9:6.1f} TFLOP/s (ratio {t_cud / t_ours:.3f}; {t_ours * 1e3:.1f} / "
+                  f"{t_cud * 1e3:.1f} us)")
 
 
 def ab(spec: str, cases: list[str] | None = None, rounds: int = 3, forward: bool = False) -> None:
