@@ -1137,51 +1137,9 @@ __device__ __forceinline__ void tma_block_start(uint32_t bars, int n, uint32_t s
 // tiles lie in one round of the grid and odd rounds take them shortest first, so each block alternates long and short
 // tiles (the Gluon forward's schedule). Longest first in every round had left the blocks of one residue of n_m the
 // longest tiles each round: the SMs active 82% of the kernel at B4 H16 S2048 D128 causal (run237, Nsight Compute).
-struct Tile {
-  int m, h, b;
-};
 __device__ __forceinline__ Tile tile_at(const Params& p, int64_t t, int n_m, bool alternate = true) {
-  const int64_t bh = t / n_m;
-  Tile x;
-  x.m = static_cast<int>(t - bh * n_m);
-  if (alternate && p.causal && (gridDim.x % n_m != 0 || ((t / gridDim.x) & 1) == 0)) x.m = n_m - 1 - x.m;
-  x.h = static_cast<int>(bh % p.hq);
-  x.b = static_cast<int>(bh / p.hq);
-  return x;
+  return tile_of(t, n_m, p.hq, gridDim.x, alternate && p.causal);  // (fwd_order.cuh)
 }
-
-// The warp-specialised forward consumers' walk: tile_at's tiles blockIdx.x, + gridDim.x, ... stepped by additions, the
-// step's quotients by n_m and Hq found once (gridDim.x = (qq Hq + rq) n_m + rm), so that no tile divides (tile_at's
-// 64-bit divisions at each tile's start, in the producer and in every consumer warp, held 3% of the BERT-base
-// forward's stall samples, H200 run322)
-struct TileWalk {
-  int m, h, b, round;  // tile_at's m before the causal flip, h, b; the round (t / gridDim.x)
-  int rm, rq, qq;
-  __device__ __forceinline__ TileWalk(const Params& p, int n_m) {
-    const int g = static_cast<int>(gridDim.x), t = static_cast<int>(blockIdx.x), qg = g / n_m, bh = t / n_m;
-    rm = g - qg * n_m;
-    qq = qg / p.hq;
-    rq = qg - qq * p.hq;
-    m = t - bh * n_m;
-    b = bh / p.hq;
-    h = bh - b * p.hq;
-    round = 0;
-  }
-  __device__ __forceinline__ void next(const Params& p, int n_m) {
-    m += rm;
-    const int c1 = m >= n_m ? 1 : 0;
-    m -= c1 * n_m;
-    h += rq + c1;  // (< 2 Hq)
-    const int c2 = h >= p.hq ? 1 : 0;
-    h -= c2 * p.hq;
-    b += qq + c2;
-    ++round;
-  }
-  __device__ __forceinline__ Tile tile(const Params& p, int n_m) const {
-    const bool flip = p.causal && (static_cast<int>(gridDim.x) % n_m != 0 || (round & 1) == 0);
-    return {flip ? n_m - 1 - m : m, h, b};
-  }
-};
 
 // Packed varlen sequences (at most kOrderSeqs): the warp-specialised forward walks the tiles in the order of their
 // sequences' key blocks, most first, every tile a real one, rounds alternating direction. tile_at's round-robin walk
@@ -1459,9 +1417,10 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   if (cw == 1) named_arrive(kTurn, 256);  // consumer 0 takes the first turn
   int qi = 0;
   uint32_t g = 0;
-  TileWalk walk(p, n_m);
-  for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x, walk.next(p, n_m)) {
-    const Tile x = ordered ? tile_at(p, p.fwd_order[t], n_m, false) : walk.tile(p, n_m);
+  TileWalk walk(static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x), n_m, p.hq);  // (fwd_order.cuh)
+  for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x, walk.next(n_m, p.hq)) {
+    const Tile x =
+        ordered ? tile_at(p, p.fwd_order[t], n_m, false) : walk.tile(n_m, static_cast<int>(gridDim.x), p.causal);
     const Seq s = seq_of(p, x.b);
     const int q0 = x.m * BM;
     if (q0 >= s.sq) continue;

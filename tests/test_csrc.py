@@ -359,3 +359,40 @@ def test_attention_forward_order_walk_covers_every_tile_once(tmp_path, batch, hq
         for h in range(hq):
             ms = [m for bb, hh, m in by_u if (bb, hh) == (b, h)]
             assert ms == sorted(ms, reverse=causal), (b, h)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("n_m,hq,batch,g", [(4, 12, 32, 132), (16, 16, 4, 128), (8, 12, 8, 132), (1, 1, 1, 1),
+                                            (3, 5, 7, 2), (7, 3, 11, 50), (2, 40, 3, 132), (5, 1, 300, 17)])
+def test_attention_forward_tile_walk_is_tile_of(tmp_path, n_m, hq, batch, g):
+    """csrc/fwd_order.cuh's TileWalk (the warp-specialised forward's consumers step their tiles by additions) gives,
+    block by block and round by round, the tile tile_of computes with its divisions (the producer's walk), causal
+    flips included; and the walk covers every (query tile, head, batch) once."""
+    main = tmp_path / "main.cpp"
+    main.write_text('#include <cstdio>\n#include <cstdlib>\n#include "fwd_order.cuh"\n'
+                    "using namespace pykernels::attn;\n"
+                    "int main(int argc, char** argv) {\n"
+                    "  const int n_m = atoi(argv[1]), hq = atoi(argv[2]), batch = atoi(argv[3]), g = atoi(argv[4]);\n"
+                    "  const long long n = static_cast<long long>(n_m) * hq * batch;\n"
+                    "  for (int flip = 0; flip < 2; ++flip)\n"
+                    "    for (int blk = 0; blk < g && blk < n; ++blk) {\n"
+                    "      TileWalk w(g, blk, n_m, hq);\n"
+                    "      for (long long t = blk; t < n; t += g, w.next(n_m, hq)) {\n"
+                    "        const Tile a = w.tile(n_m, g, flip), e = tile_of(t, n_m, hq, g, flip);\n"
+                    "        printf(\"%d %lld %d %d %d %d %d %d\\n\", flip, t, a.m, a.h, a.b, e.m, e.h, e.b);\n"
+                    "      }\n"
+                    "    }\n}\n")
+    exe = _host_exe(main)
+    out = subprocess.run([str(exe), str(n_m), str(hq), str(batch), str(g)], capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    rows = [tuple(int(v) for v in line.split()) for line in out if line]
+    n = n_m * hq * batch
+    assert len(rows) == 2 * n
+    for flip, t, *got in rows:
+        assert got[:3] == got[3:], (flip, t, got)
+        bh, m = divmod(t, n_m)
+        rev = flip and (g % n_m != 0 or (t // g) % 2 == 0)
+        assert got[:3] == [n_m - 1 - m if rev else m, bh % hq, bh // hq], (flip, t, got)
+    for flip in (0, 1):
+        tiles = sorted(tuple(r[2:5]) for r in rows if r[0] == flip)
+        assert tiles == sorted((m, h, b) for b in range(batch) for h in range(hq) for m in range(n_m))
