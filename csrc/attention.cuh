@@ -1386,7 +1386,8 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
           if constexpr (kKeys) kb = key_bias(p, x.b, k0 + tid, s.sk);
           mbar_wait(b_empty(st), ph);
           if constexpr (kKeys) skb[st * BN + tid] = kb;
-          if (draw) ws_draw_bits<BN, C::DRAWN>(p, sbits + st * C::BITS + tid * (BN / 8), dctr + static_cast<uint64_t>(k0 >> 3));
+          if (draw)
+            ws_draw_bits<BN, C::DRAWN>(p, sbits + st * C::BITS + tid * (BN / 8), dctr + static_cast<uint64_t>(k0 >> 3));
           mbar_arrive(k_full(st));
         }
         mbar_wait(v_empty(st), ph);
