@@ -1051,10 +1051,10 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // taking turns the tensor cores are already fed during a softmax); a tile's last P V issued with the next tile's first
 // S at D = 64, consumers at 232 registers (run219: 0.97x BERT-base, 0.85x key padding, measured while the chains were
 // serialized), and again on this kernel with the chains whole (run327: the pending tile's O live across the tile loop
-// made ptxas take the consumers as divergent until Q's wait polled by votes and every branch on a value read from memory
-// was a vote; then 0.91x BERT-base, 0.94x GPT-2, 0.88x S2048 D128 causal: HISTORY, forty-ninth session); the
-// mbarrier waits' suspend-time hint (run325: no gain). (In the overlap variant an empty second commit group on a tile's first block kept
-// the chains whole; a branch around that commit made ptxas serialize them, C7514.) The profile before the edge split
+// made ptxas take the consumers as divergent until Q's wait polled by votes and every branch on a value read from
+// memory was a vote; then 0.91x BERT-base, 0.94x GPT-2, 0.88x S2048 D128 causal: HISTORY, forty-ninth session); the
+// mbarrier waits' suspend-time hint (run325: no gain). (In the overlap variant an empty second commit group on a
+// tile's first block kept the chains whole; a branch around that commit made ptxas serialize them, C7514.) The profile before the edge split
 // (run215, Nsight Compute) put 24% of the samples on the producer's waits for free slots (idle, as it should be) and
 // 12% on branch resolution in the consumers' element loops, which with_flag removed.
 template <int D>

@@ -1,7 +1,7 @@
 // The warp-specialised attention forward's walks over its tiles: the ordered walk over packed sequences
 // (attention.cuh's attn_fwd_order_kernel sorts the sequences and writes it: which tile the t-th of the walk is, given
-// the sorted ranks), and the dense walk (tile_of, TileWalk). Host-callable, so that tests/test_csrc.py checks both on a CPU:
-// every tile once, rounds alternating direction; TileWalk's steps equal to tile_of's divisions.
+// the sorted ranks), and the dense walk (tile_of, TileWalk). Host-callable, so that tests/test_csrc.py checks both on a
+// CPU: every tile once, rounds alternating direction; TileWalk's steps equal to tile_of's divisions.
 #pragma once
 
 #include <cstdint>
