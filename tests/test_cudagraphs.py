@@ -25,6 +25,20 @@ def _skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
+def _capture(fn):
+    """``fn`` run once on a side stream (warm-up: compiles, tunes), then captured: the graph and what the captured call
+    returned (the tensors each replay writes)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.mark.gpu
 def test_reduce_overhead_captures_attention_and_layer_norm():
     torch._dynamo.reset()
@@ -70,14 +84,7 @@ def test_cuda_graph_replays_the_fused_sm90_attention_backward():
         out = pykernels.scaled_dot_product_attention(*leaves, scale=0.1)
         return torch.autograd.grad(out, leaves, do)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # warm-up (compiles) outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = _capture(step)
     for _ in range(2):
         for t in leaves + [do]:
             t.data.copy_(torch.randn_like(t))
@@ -168,14 +175,7 @@ def _randint_replays_as_eager() -> str:
     ``new_seed`` (torch.randint), replayed after ``torch.cuda.manual_seed(7)``, against the eager draw after the same.
     Part of the graph-capture test's failure message: it separates torch's generator from pykernels' kernels."""
     from pykernels._rng import new_seed
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        new_seed("cuda")
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = new_seed("cuda")
+    graph, captured = _capture(lambda: new_seed("cuda"))
     torch.cuda.manual_seed(7)
     graph.replay()
     got = captured.item()
@@ -193,14 +193,7 @@ def test_dropout_under_cuda_graph_capture(op, backend):
     made from the same generator state (the same mask, hence the same output and gradients)."""
     _need_backend(backend)
     step = _dropout_call(op, backend)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up (compiles, tunes) outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = _capture(step)
     replays = []
     for seed in (7, 8, 7):
         torch.cuda.manual_seed(seed)
