@@ -652,6 +652,52 @@ __device__ __forceinline__ void store_out(const Params& p, const float (&o)[D / 
   }
 }
 
+#if defined(PK_WGMMA)
+// store_out through shared memory (the warp-specialised forward at D = 64, FwdTma::o_on): the consumer warpgroup's 64
+// rows from ``qw`` packed into its O tile at ``so`` (1024-byte aligned, 128-byte swizzled rows: the map's layout) by
+// its 128 threads (named barrier ``bar``), then stored by its ``leader``'s TMA store (rows past the sequence clipped by
+// the map, as columns past d). The leader waits for its previous store to have read the tile before the tile is
+// written again, and for all its stores before the kernel ends (bulk_wait_all). The lse as store_out writes it.
+template <typename T>
+__device__ __forceinline__ void store_out_tma(const Params& p, const CUtensorMap* map, int order, uint32_t so, int bar,
+                                              bool leader, const float (&o)[8][4], const float (&m)[2],
+                                              const float (&l)[2], int b, int h, const int (&row)[2], int qw,
+                                              const Seq& s, int t4) {
+  float sum[2] = {l[0], l[1]}, inv[2];
+#pragma unroll
+  for (int x = 1; x <= 2; x *= 2)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], x);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) inv[r] = sum[r] > 0.f ? p.inv_keep / sum[r] : 0.f;  // the dropout's 1 / (1 - p) here
+  if (qw < s.sq) {  // (uniform over the warpgroup)
+    if (leader) bulk_wait_read();
+    named_sync(bar, 128);
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int dt = 0; dt < 8; ++dt)
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(so + sw128_offset(64, row[r] - qw, dt * 8) + 4 * t4),
+                     "r"(pack2<T>(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]))
+                     : "memory");
+    fence_async_smem();  // (the generic proxy's writes, before the async proxy reads them)
+    named_sync(bar, 128);
+    if (leader) {
+      const int i = static_cast<int>(s.q_off) + qw;
+      const auto at = [&](int c) { return (order & 3) == c ? i : ((order >> 2) & 3) == c ? h : b; };
+      tma_store_4d(map, so, 0, at(1), at(2), at(3));
+    }
+  }
+  if (t4 == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      if (row[r] < s.sq)
+        p.lse[b * p.lse_sb + h * p.lse_sh + s.q_off + row[r]] =
+            sum[r] > 0.f ? (m[r] + log2f(sum[r])) / kLog2e : -INFINITY;
+  }
+}
+#endif
+
 template <int D>
 struct FwdCfg {
   static constexpr int BC = D > 128 ? 32 : 64;  // keys a block
@@ -1078,19 +1124,25 @@ struct FwdWsCfg {
   // H200 run319-320 (BERT-base forward with dropout): 16 138.6-139.5 us, 12 133.4-134.1, 8 129.2-130.2 but GPT-2's and
   // the packed batch's forward + backward 3-5 us slower than at 12
   static constexpr int DRAWN = 12;
+  // D = 64: then each consumer warpgroup's O tile (64 rows of 128 bytes, 1024-byte aligned), which a TMA store takes
+  // to global memory (FwdTma::o_on; D = 128 has no room left for it)
+  static constexpr uint32_t OBYTES = D == 64 ? 2 * 64 * 128 : 0;
   static constexpr size_t smem() {
-    return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES + NBAR * 8 + EXTRA + 16 + STAGES * BITS;
+    return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES + NBAR * 8 + EXTRA + 16 + STAGES * BITS + (D == 64 ? 1024 : 0) +
+           OBYTES;
   }
 };
 
 // The warp-specialised forward's TMA maps (dense inputs whose strides TMA can take: make_fwd_tma): q, k and v each a
 // 4-D map of d columns, then rows, heads and batch in the order of increasing stride, box 64 columns x 128 rows,
 // 128-byte swizzled, which is sw128_offset's layout of a 64-column region. ``order[i]`` says where tensor i's rows,
-// heads and batch go (2 bits each, coordinate 1..3). ``on`` 0: the producer loads by cp.async instead.
+// heads and batch go (2 bits each, coordinate 1..3). ``on`` 0: the producer loads by cp.async instead. ``o`` (where
+// ``o_on``: dense, D = 64, on): the output's map, box 64 columns x 64 rows (a consumer warpgroup's rows), its order
+// ``order[3]``: the consumers store O through shared memory by TMA instead of from registers.
 struct FwdTma {
-  CUtensorMap q, k, v;
-  int order[3];
-  int on;
+  CUtensorMap q, k, v, o;
+  int order[4];
+  int on, o_on;
 };
 
 // The backward's TMA maps (attn_bwd_sm90_kernel, dense inputs: make_bwd_tma): q and dout with boxes of 64 rows (the
@@ -1261,6 +1313,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   constexpr int BM = C::BM, BN = C::BN, S = C::STAGES;
   constexpr int kTurn = 1;  // named barriers kTurn + w: consumer warpgroup w's turn to issue its products
   constexpr int kProducer = 3;  // the producer warpgroup's named barrier (key-only masks)
+  constexpr int kOStage = 4;    // named barriers kOStage + w: consumer warpgroup w's O tile (store_out_tma)
   constexpr bool kKeys = MODE == kModeKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 2 Q buffers, then the K and V rings
@@ -1279,6 +1332,9 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   int* const sred = srange + 4;
   // (Params::fwd_drop_bits) ring slot i's keep bits at sbits + i BITS: row r's BN / 8 bytes at + r BN / 8
   const uint32_t sbits = (bars + 8u * C::NBAR + static_cast<uint32_t>(C::EXTRA) + 15u) & ~15u;
+  // (D = 64) the consumer warpgroups' O tiles (store_out_tma), where the output's map is on
+  const uint32_t sO = (sbits + S * C::BITS + 1023u) & ~1023u;
+  const bool ostage = D == 64 && tm.o_on != 0;
   // (the host sets it with dropout only; not with key-only masks, whose producer also finds the key ranges and loads
   // the addends: with the draws too it spilled 72-96 bytes at its 56 registers, and at 72 registers (the consumers at
   // 216, no spills) it took the forward with dropout 1.05-1.06x longer, run318: the producer bounds the tile there)
@@ -1504,8 +1560,17 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
     } else if (lane == 0) {
       mbar_arrive(q_empty(qb));  // (no key: Q unread)
     }
-    store_out<T, D>(p, o, m, l, x.b, x.h, row, s, t4);
+    if constexpr (D == 64) {
+      if (ostage)
+        store_out_tma<T>(p, &tm.o, tm.order[3], sO + cw * 64 * 128, kOStage + cw, (tid & 127) == 0, o, m, l, x.b, x.h,
+                         row, qw, s, t4);
+      else
+        store_out<T, D>(p, o, m, l, x.b, x.h, row, s, t4);
+    } else {
+      store_out<T, D>(p, o, m, l, x.b, x.h, row, s, t4);
+    }
   }
+  if (ostage && (tid & 127) == 0) bulk_wait_all();  // (the O tiles' stores done before the block's memory goes)
   if (cw == 0) named_sync(kTurn, 256);  // consumer 1's last pass of the turn
 #else
   __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
@@ -2139,14 +2204,13 @@ __device__ __forceinline__ int dq_col(int q, int c) { return c ^ (((q >> 1) & 3)
 
 // The fused backward's dQ tile: thread 0 adds it to dq_acc by one bulk reduction (the TMA unit reads the
 // shared tile and adds it into global memory, FlashAttention-3's dQ path without a tensor map: the tile's rows are
-// a contiguous run of dq_acc). ``wait_read`` before the tile is written again; ``wait_all`` before the kernel ends.
+// a contiguous run of dq_acc). bulk_wait_read (wgmma.cuh) before the tile is written again; bulk_wait_all before the
+// kernel ends.
 __device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                ::"l"(dst), "r"(src), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // The fused backward's dQ tile: fp32 into shared memory
 __device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
@@ -2794,10 +2858,15 @@ inline TmaRows tma_rows(const Params& p) {
   return {packed ? 1 : p.batch, rq, rk, rq > 0 && rk > 0 && rq < INT32_MAX && rk < INT32_MAX};
 }
 
+// PYKERNELS_CUDA_ATTN_FWD_STORE=registers: the warp-specialised forward at D = 64 stores O from registers (as before
+// run330; A/B runs and tests, read at each call); default: through shared memory by TMA where FwdTma::o_on
+inline bool fwd_store_by_tma() { return env_first("PYKERNELS_CUDA_ATTN_FWD_STORE") != 'r'; }
+
 // The forward's TMA maps where TMA takes all three inputs (tma_env): dense, or packed varlen sequences as the rows of
-// a batch of one (Params::tq, tk rows; the kernel loads at each sequence's offset)
+// a batch of one (Params::tq, tk rows; the kernel loads at each sequence's offset); ``o_map``: the output's too
+// (FwdTma::o), where the inputs' are on, the sequences dense, and fwd_store_by_tma
 template <typename T>
-FwdTma make_fwd_tma(const Params& p, int bm, int bn) {
+FwdTma make_fwd_tma(const Params& p, int bm, int bn, bool o_map = false) {
   FwdTma tm;
   std::memset(&tm, 0, sizeof(tm));
   const char env = tma_env();
@@ -2810,6 +2879,8 @@ FwdTma make_fwd_tma(const Params& p, int bm, int bn) {
           encode_map<T>(&tm.k, &tm.order[1], p.k, nb, hk, rk, p.d, p.k_sb, p.k_sh, p.k_ss, bn) &&
           encode_map<T>(&tm.v, &tm.order[2], p.v, nb, hk, rk, p.d, p.v_sb, p.v_sh, p.v_ss, bn);
   require_tma(tm.on, env, "forward");
+  tm.o_on = o_map && tm.on && p.cu_q == nullptr && fwd_store_by_tma() &&
+            encode_map<T>(&tm.o, &tm.order[3], p.out, p.batch, p.hq, p.sq, p.d, p.o_sb, p.o_sh, p.o_ss, 64);
   return tm;
 }
 
@@ -2887,8 +2958,8 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
             q.fwd_order = nullptr;
           }
           q.fwd_drop_bits = p.p_drop > 0.f && !fwd_draws_by_consumers();
-          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), q, make_fwd_tma<T>(q, C::BM, C::BN), stream,
-                 C::NT);
+          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), q, make_fwd_tma<T>(q, C::BM, C::BN, D == 64),
+                 stream, C::NT);
         };
         if (p.d <= 64)
           ws(std::integral_constant<int, 64>{});

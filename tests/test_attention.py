@@ -2253,6 +2253,55 @@ def test_gpu_cuda_ws_forward_keep_bits_by_producer(monkeypatch, d):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+def test_gpu_cuda_ws_forward_stores_o_by_tma(monkeypatch, dtype):
+    """The warp-specialised forward at D <= 64 on dense inputs stores O through shared memory by TMA (default) or from
+    registers (PYKERNELS_CUDA_ATTN_FWD_STORE=registers, as before): the same values, so O and the lse are bitwise
+    equal, at head dims the map clips to (16, 40), lengths whose last tile leaves a consumer warpgroup no row (1, 17,
+    203), q in (b, s, h, d) memory (the map's other dimension order), GQA, causal, dropout and a key-padding mask; and
+    a second call with other inputs right after (the staging tiles' reuse across tiles and calls)."""
+    q, k, v = _inputs((2, 4, 203, 64), (2, 2, 203, 64), (2, 2, 203, 64), dtype, "cuda", requires_grad=False)
+    keys = torch.ones(2, 1, 1, 203, dtype=torch.bool, device="cuda")
+    keys[1, ..., 150:] = False
+    qt = torch.randn(3, 1000, 6, 40, dtype=dtype, device="cuda").transpose(1, 2)  # (b, h, s, d) view of (b, s, h, d)
+    kt, vt = (torch.randn(3, 1000, 6, 40, dtype=dtype, device="cuda").transpose(1, 2) for _ in range(2))
+    q1, k1, v1 = (torch.randn(2, 3, n, 16, dtype=dtype, device="cuda") for n in (17, 1, 1))
+    ql, kl, vl = (torch.randn(1, 2, 17, 64, dtype=dtype, device="cuda") for _ in range(3))
+
+    def fwd(q, k, v, causal=False):  # the C++ forward op: (o, lse)
+        o, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0,
+                                                            causal, q.shape[-1] ** -0.5)
+        return o, lse
+
+    calls = {
+        "dense": lambda: fwd(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)),
+        "causal": lambda: fwd(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=True),
+        "transposed d40": lambda: fwd(qt, kt, vt, causal=True),
+        "d16 keys 1": lambda: fwd(q1, k1, v1),
+        "one tile of 17": lambda: fwd(ql, kl, vl),
+        "gqa dropout": lambda: (sdpa(q, k, v, dropout_p=0.2, enable_gqa=True, backend="cuda"),),
+        "key padding": lambda: (sdpa(q, k, v, keys, enable_gqa=True, backend="cuda"),),
+    }
+    for name, call in calls.items():
+        outs = []
+        for env in (None, "registers"):
+            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_STORE", env)
+            torch.manual_seed(5)
+            outs.append([t.detach().clone() for t in call()])
+            torch.manual_seed(5)
+            again = call()  # (back to back: the second call's tiles reuse the first's staging)
+            assert all(torch.equal(a, b) for a, b in zip(outs[-1], again)), name
+        assert not outs[0][0].isnan().any(), name
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1])), name
+    # and the TMA store against the references (the layout and the clipped columns and rows)
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_STORE", None)
+    for args in ((qt, kt, vt), (q1, k1, v1)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in args]
+        _check_against_ref(*leaves, backend="cuda", what="tma store")
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 @pytest.mark.parametrize("kernels", [None, "1", "0"], ids=["ws", "wgmma", "mma"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_cuda_forward_lazy_max(monkeypatch, kernels, d):
