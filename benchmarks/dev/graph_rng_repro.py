@@ -9,7 +9,11 @@ then ``torch.cuda.manual_seed(7)``, a replay, and the seed the graph drew agains
 warm-up's. ``--procs N`` runs N such processes at once on the one GPU (the failure was seen under 8-14 pytest
 workers), each for ``--seconds``.
 
-Usage: ``python benchmarks/dev/graph_rng_repro.py [--op none|layer_norm|attention] [--procs 14] [--seconds 30]``
+``--discard N`` replays the graph N times before the three checked replays; ``--sync`` synchronizes the device
+between the capture and the replays.
+
+Usage: ``python benchmarks/dev/graph_rng_repro.py [--op none|layer_norm|attention] [--procs 14] [--seconds 30]
+[--discard 0] [--sync]``
 """
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ def make_step(op: str):
     return step, drawn
 
 
-def trial(op: str) -> str | None:
+def trial(op: str, discard: int = 0, sync: bool = False) -> tuple[list[bool], str | None]:
     step, drawn = make_step(op)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -74,6 +78,10 @@ def trial(op: str) -> str | None:
     with torch.cuda.graph(graph):
         step()
     seed_t = drawn[-1]
+    if sync:  # the device idle before the first replay
+        torch.cuda.synchronize()
+    for _ in range(discard):  # replays before the checked ones
+        graph.replay()
     got = []
     for s in (7, 8, 7):
         torch.cuda.manual_seed(s)
@@ -84,25 +92,28 @@ def trial(op: str) -> str | None:
     for s in (7, 8, 7):
         torch.cuda.manual_seed(s)
         want.append(new_seed().item())
-    if got == want:
-        return None
-    return f"replays drew {got}, eager {want}, warm-up {warm}" + (" (the first replay drew the warm-up's seed)"
-                                                                    if got[0] == warm else "")
+    wrong = [a != b for a, b in zip(got, want)]
+    if not any(wrong):
+        return wrong, None
+    return wrong, f"replays drew {got}, eager {want}, warm-up {warm}" + (
+        " (the first replay drew the warm-up's seed)" if got[0] == warm else "")
 
 
-def worker(op: str, seconds: float) -> int:
+def worker(op: str, seconds: float, discard: int, sync: bool) -> int:
     torch.manual_seed(0)
     n = bad = 0
+    per = [0, 0, 0]  # failures by replay (first, second, third checked)
     t0 = time.time()
     while time.time() - t0 < seconds:
         torch.manual_seed(0)
-        r = trial(op)
+        wrong, r = trial(op, discard, sync)
         n += 1
+        per = [a + b for a, b in zip(per, wrong)]
         if r is not None:
             bad += 1
-            if bad <= 3:
+            if bad <= 2:
                 print(f"pid {os.getpid()} trial {n}: {r}", flush=True)
-    print(f"pid {os.getpid()}: {bad} of {n} trials failed", flush=True)
+    print(f"pid {os.getpid()}: {bad} of {n} trials failed; by replay {per}", flush=True)
     return bad
 
 
@@ -111,14 +122,16 @@ def main() -> None:
     ap.add_argument("--op", choices=("none", "layer_norm", "attention"), default="none")
     ap.add_argument("--procs", type=int, default=14)
     ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--discard", type=int, default=0, help="replays before the checked ones")
+    ap.add_argument("--sync", action="store_true", help="torch.cuda.synchronize() between capture and replays")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        sys.exit(1 if worker(a.op, a.seconds) else 0)
+        sys.exit(1 if worker(a.op, a.seconds, a.discard, a.sync) else 0)
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}, op {a.op}, {a.procs} processes, "
-          f"{a.seconds} s each", flush=True)
-    ps = [subprocess.Popen([sys.executable, __file__, "--worker", "--op", a.op, "--seconds", str(a.seconds)])
-          for _ in range(a.procs)]
+          f"{a.seconds} s each, {a.discard} replays discarded, sync {a.sync}", flush=True)
+    ps = [subprocess.Popen([sys.executable, __file__, "--worker", "--op", a.op, "--seconds", str(a.seconds),
+                            "--discard", str(a.discard)] + (["--sync"] if a.sync else [])) for _ in range(a.procs)]
     failed = sum(p.wait() != 0 for p in ps)
     print(f"# {failed} of {a.procs} processes saw a failing trial", flush=True)
 
