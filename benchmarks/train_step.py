@@ -220,6 +220,9 @@ def run_variant(case: Case, variant: str, state: dict, batch, device, *, steps: 
                 static_loss = fwd(inputs, labels, mask)
             static_loss.backward()
             opt.step()
+        # (torch 2.11: the first replay can draw the dropout seeds from the capture-time generator state unless the
+        # device is idle first: README, Known issues)
+        torch.cuda.synchronize()
 
         def step():  # noqa: F811 - the replay is the step
             graph.replay()
