@@ -616,6 +616,31 @@ __device__ __forceinline__ void store_rows(void* out, int64_t sb, int64_t sh, in
   }
 }
 
+// A thread's two rows' sums l over their quad (``sum``) and O's scale (``inv``: 1 / l times the dropout's 1 / (1 - p); 0
+// for a row with no key)
+__device__ __forceinline__ void out_scale(const Params& p, const float (&l)[2], float (&sum)[2], float (&inv)[2]) {
+  sum[0] = l[0];
+  sum[1] = l[1];
+#pragma unroll
+  for (int x = 1; x <= 2; x *= 2)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], x);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) inv[r] = sum[r] > 0.f ? p.inv_keep / sum[r] : 0.f;
+}
+
+// The lse of the rows (natural log; -inf for a row with no key), by each quad's first lane, from out_scale's sums
+__device__ __forceinline__ void store_lse(const Params& p, const float (&m)[2], const float (&sum)[2], int b, int h,
+                                          const int (&row)[2], const Seq& s, int t4) {
+  if (t4 == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      if (row[r] < s.sq)
+        p.lse[b * p.lse_sb + h * p.lse_sh + s.q_off + row[r]] =
+            sum[r] > 0.f ? (m[r] + log2f(sum[r])) / kLog2e : -INFINITY;
+  }
+}
+
 // O / l (times the dropout's 1 / (1 - p)) and the lse (natural log; -inf for a row with no key) of a warp's rows, as
 // softmax_block left them
 template <typename T, int D>
@@ -625,13 +650,8 @@ __device__ __forceinline__ void store_out(const Params& p, const float (&o)[D / 
   // both rows' sums first, then every store: a row's shuffles after the other's stores waited for those stores to
   // read their registers (Nsight Compute, run322: store_out held about 15% of the BERT-base forward's stall samples;
   // with this order and TileWalk the forward took 1-3% less, run323)
-  float sum[2] = {l[0], l[1]}, inv[2];
-#pragma unroll
-  for (int x = 1; x <= 2; x *= 2)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], x);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) inv[r] = sum[r] > 0.f ? p.inv_keep / sum[r] : 0.f;  // the dropout's 1 / (1 - p) here
+  float sum[2], inv[2];
+  out_scale(p, l, sum, inv);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = row[r];
@@ -643,13 +663,7 @@ __device__ __forceinline__ void store_out(const Params& p, const float (&o)[D / 
       if (c < p.d) *reinterpret_cast<uint32_t*>(O + c) = pack2<T>(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
     }
   }
-  if (t4 == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      if (row[r] < s.sq)
-        p.lse[b * p.lse_sb + h * p.lse_sh + s.q_off + row[r]] =
-            sum[r] > 0.f ? (m[r] + log2f(sum[r])) / kLog2e : -INFINITY;
-  }
+  store_lse(p, m, sum, b, h, row, s, t4);
 }
 
 #if defined(PK_WGMMA)
@@ -663,13 +677,8 @@ __device__ __forceinline__ void store_out_tma(const Params& p, const CUtensorMap
                                               bool leader, const float (&o)[8][4], const float (&m)[2],
                                               const float (&l)[2], int b, int h, const int (&row)[2], int qw,
                                               const Seq& s, int t4) {
-  float sum[2] = {l[0], l[1]}, inv[2];
-#pragma unroll
-  for (int x = 1; x <= 2; x *= 2)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], x);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) inv[r] = sum[r] > 0.f ? p.inv_keep / sum[r] : 0.f;  // the dropout's 1 / (1 - p) here
+  float sum[2], inv[2];
+  out_scale(p, l, sum, inv);
   if (qw < s.sq) {  // (uniform over the warpgroup)
     if (leader) bulk_wait_read();
     named_sync(bar, 128);
@@ -688,13 +697,7 @@ __device__ __forceinline__ void store_out_tma(const Params& p, const CUtensorMap
       tma_store_4d(map, so, 0, at(1), at(2), at(3));
     }
   }
-  if (t4 == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      if (row[r] < s.sq)
-        p.lse[b * p.lse_sb + h * p.lse_sh + s.q_off + row[r]] =
-            sum[r] > 0.f ? (m[r] + log2f(sum[r])) / kLog2e : -INFINITY;
-  }
+  store_lse(p, m, sum, b, h, row, s, t4);
 }
 #endif
 
