@@ -1568,14 +1568,13 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       mbar_arrive(q_empty(qb));  // (no key: Q unread)
     }
     if constexpr (D == 64) {
-      if (ostage)
-        store_out_tma<T>(p, &tm.o, tm.order[3], sO + cw * 64 * 128, kOStage + cw, (tid & 127) == 0, o, m, l, x.b, x.h,
-                         row, qw, s, t4);
-      else
-        store_out<T, D>(p, o, m, l, x.b, x.h, row, s, t4);
-    } else {
-      store_out<T, D>(p, o, m, l, x.b, x.h, row, s, t4);
+      if (ostage) {
+        store_out_tma<T>(p, &tm.o, tm.order[3], sO + cw * 64 * 128, kOStage + cw, (tid & 127) == 0, o, m, l, x.b,
+                         x.h, row, qw, s, t4);
+        continue;
+      }
     }
+    store_out<T, D>(p, o, m, l, x.b, x.h, row, s, t4);
   }
   if (ostage && (tid & 127) == 0) bulk_wait_all();  // (the O tiles' stores done before the block's memory goes)
   if (cw == 0) named_sync(kTurn, 256);  // consumer 1's last pass of the turn

@@ -44,8 +44,8 @@ _ORDER_DIR = os.environ.get("PYKERNELS_TEST_ORDER_DIR")
 
 def pytest_runtest_logreport(report):
     """With PYKERNELS_TEST_ORDER_DIR set, each process (each xdist worker) appends the tests it ran, in its order,
-    with their outcome, to ``order_<worker>.txt`` there: what ran before an order-dependent failure (README, Known
-    issues)."""
+    with their outcome, to ``order_<worker>.txt`` there: what ran before a failure that depends on the tests run
+    before it in that process."""
     if _ORDER_DIR and (report.when == "call" or report.outcome != "passed"):
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(os.path.join(_ORDER_DIR, f"order_{worker}.txt"), "a") as f:
