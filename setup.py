@@ -5,7 +5,8 @@ top-level ``kernels``, which would shadow Hugging Face's ``kernels`` package). T
 in ``csrc/`` build the extension ``pykernels._C`` with ninja when there are sources to build, a CUDA
 toolkit, and either a visible GPU or ``FORCE_CUDA=1``; ``PYKERNELS_SKIP_CUDA_BUILD=1`` skips it.
 Environment: ``TORCH_CUDA_ARCH_LIST`` (default "9.0a": H100 / H200, with the attention forward's wgmma kernel;
-"9.0" or other lists build without it), ``MAX_JOBS`` (ninja parallelism).
+"9.0" or other lists build without it), ``MAX_JOBS`` (ninja parallelism), ``PYKERNELS_NVCC_FLAGS`` (extra flags for both
+compilers, for development builds, e.g. "-DPYKERNELS_FWD_TRACE": benchmarks/dev/attention_fwd_trace.py).
 Building the extension needs torch at build time: ``pip install --no-build-isolation -e .``.
 """
 import glob
@@ -27,13 +28,14 @@ def _cuda_extensions():
         return [], {}
     # sm_90a: the Hopper-only instructions (wgmma) of the attention forward; other lists build without them
     arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
-    sm90a = ["-DPYKERNELS_SM90A"] if "9.0a" in arch_list.replace(" ", ";").split(";") else []
+    flags = ["-DPYKERNELS_SM90A"] if "9.0a" in arch_list.replace(" ", ";").split(";") else []
+    flags += os.environ.get("PYKERNELS_NVCC_FLAGS", "").split()
     ext = CUDAExtension(
         name="pykernels._C",
         sources=sources,
         include_dirs=[os.path.abspath("csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + sm90a,
-                            "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"] + sm90a},
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"] + flags,
+                            "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"] + flags},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

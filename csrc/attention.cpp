@@ -332,10 +332,23 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
   return {g[0], g[1], g[2]};
 }
 
+#ifdef PYKERNELS_FWD_TRACE
+// the bf16 warp-specialised forward's timeline since the last reset (attention.cuh, FwdTrace), as int64
+Tensor attention_fwd_trace(bool reset) {
+  const int64_t n = attn::fwd_trace_read(nullptr, false);
+  Tensor out = torch::empty({n}, torch::dtype(torch::kInt64));
+  attn::fwd_trace_read(reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()), reset);
+  return out;
+}
+#endif
+
 }  // namespace
 }  // namespace pykernels
 
 TORCH_LIBRARY_FRAGMENT(pykernels_cuda, m) {
+#ifdef PYKERNELS_FWD_TRACE
+  m.def("attention_fwd_trace(bool reset) -> Tensor", &pykernels::attention_fwd_trace);
+#endif
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
         "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale, Tensor? seed, "
         "bool deterministic=False) -> Tensor");

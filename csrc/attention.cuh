@@ -1110,6 +1110,37 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // it by TMA (store_out_tma), where the register stores had put 16 global stores a thread and their addressing in
 // each tile's epilogue (run330-332, H200: BERT-base 86.1-87.4 -> 79.8-81.0 us, GPT-2 51.6-52.0 -> 48.1-49.3, key
 // padding 92.2-93.6 -> 87.7-88.9; with dropout BERT-base 1.5% slower, GPT-2 1% and key padding 4.5% faster).
+// A timeline of the warp-specialised forward, for development only (a build with -DPYKERNELS_FWD_TRACE, setup.py's
+// PYKERNELS_NVCC_FLAGS; benchmarks/dev/attention_fwd_trace.py reads and summarises it): each warp of the first
+// kTraceCtas blocks records its first kTraceN events, the event's code in the top 16 bits and the SM's clock64 below,
+// at kTraceWarps slots a block (the producer's warps 0-3, the consumers' 4-11); every lane stores the same value, so
+// the code stays free of per-lane branches (a divergent path around the products makes ptxas serialize them, C7520).
+// Codes: 0 the consumer's start; 1 a tile's Q landed; 2 a key block's turn taken; 3 its products done; 4 its softmax
+// done; 5 the last P V's turn taken; 6 its product done; 7 the tile's O stored; 8 / 9 / 10 the producer past a Q / K /
+// V slot's empty wait (its loads issued right after); 11 a key block's K (and the previous V) landed, before its turn;
+// 12 the last V landed
+#ifdef PYKERNELS_FWD_TRACE
+constexpr int kTraceCtas = 16, kTraceWarps = 12, kTraceN = 1024;
+static __device__ unsigned long long g_fwd_trace[kTraceCtas * kTraceWarps * kTraceN];
+struct FwdTrace {
+  int n = 0;
+  __device__ __forceinline__ void mark(int code) {
+    if (blockIdx.x < kTraceCtas) {
+      unsigned long long c;
+      asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(c));
+      g_fwd_trace[(blockIdx.x * kTraceWarps + (threadIdx.x >> 5)) * kTraceN + min(n, kTraceN - 1)] =
+          (static_cast<unsigned long long>(code) << 48) | (c & 0xFFFFFFFFFFFFull);
+    }
+    ++n;
+  }
+};
+#define PK_FWD_TRACE_DECL FwdTrace trace_
+#define PK_FWD_TRACE(code) trace_.mark(code)
+#else
+#define PK_FWD_TRACE_DECL
+#define PK_FWD_TRACE(code)
+#endif
+
 template <int D>
 struct FwdWsCfg {
   static constexpr int BM = 128;  // query rows a tile: two consumer warpgroups of 64
@@ -1381,6 +1412,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
 
   if (wg == 0) {  // producer
     regs_dec<56>();
+    PK_FWD_TRACE_DECL;
     // TMA: thread 0 issues every load; the other threads are needed only for the key ranges and addends, and for
     // packed varlen sequences (the maps' batch of one: rows at the sequence's offset) a sequence's last V block,
     // loaded by cp.async with the rows past the sequence zero-filled: TMA would bring the next sequence's rows, or
@@ -1399,6 +1431,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       const int hk = x.h / p.group;
       const int qb = qi & 1;
       mbar_wait(q_empty(qb), ((qi >> 1) & 1) ^ 1);
+      PK_FWD_TRACE(8);
       // (the maps' row and batch: packed sequences are rows of a batch of one)
       const int tb = packed ? 0 : x.b;
       if (tma) {
@@ -1436,6 +1469,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
         const int st = g % S, k0 = nb * BN, n = min(BN, s.sk - k0);
         const uint32_t ph = ((g / S) & 1) ^ 1;
         mbar_wait(k_empty(st), ph);
+        PK_FWD_TRACE(9);
         const int kr = static_cast<int>(s.k_off) + k0;  // (the maps' row)
         if (tma) {
           if (tid == 0) {
@@ -1456,6 +1490,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
           mbar_arrive(k_full(st));
         }
         mbar_wait(v_empty(st), ph);
+        PK_FWD_TRACE(10);
         // (as K's load above: one lambda for both changed ptxas's schedule of the kernel, a build not measured)
         if (tma && !(packed && n < BN)) {
           if (tid == 0) {
@@ -1479,6 +1514,8 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
 
   // consumers
   regs_inc<224>();
+  PK_FWD_TRACE_DECL;
+  PK_FWD_TRACE(0);
   const int cw = wg - 1, warp = (tid >> 5) & 3, g8 = lane >> 2, t4 = lane & 3;
   if (cw == 1) named_arrive(kTurn, 256);  // consumer 0 takes the first turn
   int qi = 0;
@@ -1492,6 +1529,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
     if (q0 >= s.sq) continue;
     const int qb = qi & 1;
     mbar_wait(q_full(qb), (qi >> 1) & 1);
+    PK_FWD_TRACE(1);
     ++qi;
     const int qw = q0 + cw * 64;  // the warpgroup's first row
     const int row[2] = {qw + warp * 16 + g8, qw + warp * 16 + g8 + 8};
@@ -1515,9 +1553,11 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       const int st = g % S, pst = (g + S - 1) % S, k0 = nb * BN;
       mbar_wait(k_full(st), (g / S) & 1);
       if (nb > nb0) mbar_wait(v_full(pst), ((g - 1) / S) & 1);
+      PK_FWD_TRACE(11);
       fence_async_smem();
       float sc[BN / 8][4];
       named_sync(kTurn + cw, 256);
+      PK_FWD_TRACE(2);
       fence_acc(o);
       wgmma_fence();
       wgmma_chain_ss<T, BN, D, BM, BN>(sc, q_base, sK + st * C::KVBYTES);  // S = Q K^T
@@ -1527,6 +1567,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       wgmma_wait_all();
       fence_acc(sc);
       fence_acc(o);
+      PK_FWD_TRACE(3);
       __syncwarp();
       if (lane == 0) {
         mbar_arrive(k_empty(st));
@@ -1549,12 +1590,15 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       }
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) acc_to_a<T>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
+      PK_FWD_TRACE(4);
     }
     if (nb1 > nb0) {  // the last block's P V
       const int pst = (g + S - 1) % S;
       mbar_wait(v_full(pst), ((g - 1) / S) & 1);
+      PK_FWD_TRACE(12);
       fence_async_smem();
       named_sync(kTurn + cw, 256);
+      PK_FWD_TRACE(5);
       fence_acc(o);
       wgmma_fence();
       issue_pv(pst);
@@ -1562,6 +1606,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       named_arrive(kTurn + (cw ^ 1), 256);
       wgmma_wait_all();
       fence_acc(o);
+      PK_FWD_TRACE(6);
       __syncwarp();
       if (lane == 0) mbar_arrive(v_empty(pst));
     } else if (lane == 0) {
@@ -1571,10 +1616,12 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       if (ostage) {
         store_out_tma<T>(p, &tm.o, tm.order[3], sO + cw * 64 * 128, kOStage + cw, (tid & 127) == 0, o, m, l, x.b,
                          x.h, row, qw, s, t4);
+        PK_FWD_TRACE(7);
         continue;
       }
     }
     store_out<T, D>(p, o, m, l, x.b, x.h, row, s, t4);
+    PK_FWD_TRACE(7);
   }
   if (ostage && (tid & 127) == 0) bulk_wait_all();  // (the O tiles' stores done before the block's memory goes)
   if (cw == 0) named_sync(kTurn, 256);  // consumer 1's last pass of the turn

@@ -117,5 +117,8 @@ extern template void launch_forward<__nv_bfloat16>(const Params&, cudaStream_t, 
 extern template void launch_backward<__half>(const Params&, cudaStream_t);
 extern template void launch_backward<__nv_bfloat16>(const Params&, cudaStream_t);
 
+#ifdef PYKERNELS_FWD_TRACE
+int64_t fwd_trace_read(unsigned long long* host, bool reset);  // (attention_fwd_bf16.cu; development builds only)
+#endif
 }  // namespace attn
 }  // namespace pykernels

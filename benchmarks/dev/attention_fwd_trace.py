@@ -1,0 +1,169 @@
+"""Where the warp-specialised C++ forward's cycles go: its per-warp timeline (attention.cuh, FwdTrace).
+
+Needs a development build with the timeline compiled in (it is not in the package's build)::
+
+    PYKERNELS_NVCC_FLAGS=-DPYKERNELS_FWD_TRACE pip install --no-build-isolation --no-deps -e .
+    python benchmarks/dev/attention_fwd_trace.py [--cases bert,gpt2,long] [--dump 2]
+
+Each case runs the bf16 forward (backend="cuda") a few times, then once more with the timeline reset, and reads
+what the first 16 blocks' warps recorded (clock64 at each event). Per consumer warpgroup (its first warp) it prints
+the mean SM cycles of each phase of a key block (K/V landed, the turn taken, the products done, the softmax done),
+split by the block's place in its tile, and of each tile's end (the last P V, O's store, the next tile's Q); then the
+tile period and the kernel's cycles against its time (the SM clock it implies). ``--dump N`` prints the first N
+tiles' events of block 0, both consumers, as cycles from the block's start.
+"""
+import argparse
+import collections
+
+import torch
+
+import pykernels
+
+CASES = {  # name: (batch, heads, seq, head dim, causal)
+    "bert": (32, 12, 512, 64, False),
+    "gpt2": (8, 12, 1024, 64, True),
+    "long": (2, 12, 4096, 64, False),
+    "d128": (8, 16, 2048, 128, True),
+}
+N_CTAS, N_WARPS = 16, 12  # attention.cuh's kTraceCtas, kTraceWarps
+CLK = (1 << 48) - 1
+
+
+def read_trace(reset=True):
+    t = torch.ops.pykernels_cuda.attention_fwd_trace(reset)
+    t = t.view(N_CTAS, N_WARPS, -1)
+    out = []
+    for c in range(N_CTAS):
+        warps = []
+        for w in range(N_WARPS):
+            ev = [(int(v) >> 48, int(v) & CLK) for v in t[c, w].tolist() if v != 0]
+            warps.append(ev)
+        out.append(warps)
+    return out
+
+
+def phases(events):
+    """One consumer warp's events -> {phase: [cycles]} and the tile periods."""
+    ph = collections.defaultdict(list)
+    periods = []
+    prev = None          # the last event's clock
+    tile_start = None
+    blk = 0
+    last_store = None
+    tile_blocks = []     # (phase, cycles) of this tile's blocks, labelled after the tile ends
+    for code, clk in events:
+        if code == 0:
+            prev = clk
+            continue
+        if code == 1:
+            ph["q wait (after O stored)" if last_store is not None else "first q wait"].append(clk - prev)
+            tile_start, blk, tile_blocks = clk, 0, []
+        elif code == 11:
+            tile_blocks.append(("kv landed", clk - prev))
+        elif code == 2:
+            tile_blocks.append(("turn taken", clk - prev))
+        elif code == 3:
+            tile_blocks.append(("products done", clk - prev))
+        elif code == 4:
+            tile_blocks.append(("softmax done", clk - prev))
+            blk += 1
+        elif code == 12:
+            ph["tile end: last V landed"].append(clk - prev)
+        elif code == 5:
+            ph["tile end: last P V's turn"].append(clk - prev)
+        elif code == 6:
+            ph["tile end: last P V done"].append(clk - prev)
+        elif code == 7:
+            ph["tile end: O stored"].append(clk - prev)
+            if last_store is not None:
+                periods.append(clk - last_store)
+            last_store = clk
+            n = blk
+            i = 0
+            for name, cyc in tile_blocks:
+                place = "first" if i == 0 else ("last" if i == n - 1 else "mid")
+                ph[f"block {place}: {name}"].append(cyc)
+                if name == "softmax done":
+                    i += 1
+        prev = clk
+    return ph, periods
+
+
+def mean(x):
+    return sum(x) / len(x) if x else float("nan")
+
+
+def run_case(name, dump):
+    b, h, s, d, causal = CASES[name]
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def f():
+        return pykernels.scaled_dot_product_attention(q, k, v, is_causal=causal, backend="cuda")
+
+    for _ in range(5):
+        f()
+    torch.cuda.synchronize()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    st.record()
+    for _ in range(20):
+        f()
+    en.record()
+    torch.cuda.synchronize()
+    us = st.elapsed_time(en) / 20 * 1e3
+    read_trace(True)
+    f()
+    torch.cuda.synchronize()
+    tr = read_trace(True)
+    starts = [min(clk for w in cta for _, clk in w) for cta in tr]
+    ends = [max(clk for w in cta for _, clk in w) for cta in tr]
+    span = mean([e - s0 for s0, e in zip(starts, ends)])
+    print(f"\n== {name}: B {b} H {h} S {s} D {d} causal {causal}: {us:.1f} us a call (trace build), "
+          f"blocks 0-{N_CTAS - 1} span {span:.0f} cycles, {span / us:.0f} MHz implied")
+    for wg, w in ((1, 4), (2, 8)):
+        agg = collections.defaultdict(list)
+        per = []
+        for cta in tr:
+            ph, periods = phases(cta[w])
+            for key, vals in ph.items():
+                agg[key].extend(vals)
+            per.extend(periods)
+        print(f"  consumer {wg} (warp {w}): tile period {mean(per):.0f} cycles (n {len(per)})")
+        order = ["first", "mid", "last"]
+        names = ["kv landed", "turn taken", "products done", "softmax done"]
+        for place in order:
+            row = [f"{mean(agg[f'block {place}: {n}']):7.0f}" for n in names]
+            cnt = len(agg[f"block {place}: softmax done"])
+            print(f"    block {place:5s} (n {cnt:4d}): " + " ".join(f"{n} {r}" for n, r in zip(names, row)))
+        for key in ("tile end: last V landed", "tile end: last P V's turn", "tile end: last P V done",
+                    "tile end: O stored", "q wait (after O stored)", "first q wait"):
+            print(f"    {key:28s} {mean(agg[key]):7.0f}  (n {len(agg[key])})")
+    if dump:
+        base = starts[0]
+        for wg, w in ((1, 4), (2, 8)):
+            ev = tr[0][w]
+            tiles, out = 0, []
+            for code, clk in ev:
+                out.append(f"{code}:{clk - base}")
+                if code == 7:
+                    tiles += 1
+                    if tiles >= dump:
+                        break
+            print(f"  block 0 consumer {wg}: " + " ".join(out))
+        prod = tr[0][0]
+        print("  block 0 producer: " + " ".join(f"{c}:{clk - base}" for c, clk in prod[: 9 * dump + 1]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="bert,gpt2,long")
+    ap.add_argument("--dump", type=int, default=2)
+    a = ap.parse_args()
+    if not hasattr(torch.ops.pykernels_cuda, "attention_fwd_trace"):
+        raise SystemExit("this build has no timeline: PYKERNELS_NVCC_FLAGS=-DPYKERNELS_FWD_TRACE pip install -e .")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    for name in a.cases.split(","):
+        run_case(name, a.dump)
+
+
+if __name__ == "__main__":
+    main()
