@@ -158,6 +158,7 @@ def main():
     ap.add_argument("--cases", default="bert,gpt2,long")
     ap.add_argument("--dump", type=int, default=2)
     a = ap.parse_args()
+    import pykernels._C  # noqa: F401  (registers the ops; pykernels loads it lazily)
     if not hasattr(torch.ops.pykernels_cuda, "attention_fwd_trace"):
         raise SystemExit("this build has no timeline: PYKERNELS_NVCC_FLAGS=-DPYKERNELS_FWD_TRACE pip install -e .")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
