@@ -1181,6 +1181,7 @@ struct FwdTma {
   CUtensorMap q, k, v, o;
   int order[4];
   int on, o_on;
+  int soft_turn;  // the consumers' softmaxes take turns too (fwd_soft_turn)
 };
 
 // The backward's TMA maps (attn_bwd_sm90_kernel, dense inputs: make_bwd_tma): q and dout with boxes of 64 rows (the
@@ -1352,6 +1353,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   constexpr int kTurn = 1;  // named barriers kTurn + w: consumer warpgroup w's turn to issue its products
   constexpr int kProducer = 3;  // the producer warpgroup's named barrier (key-only masks)
   constexpr int kOStage = 4;    // named barriers kOStage + w: consumer warpgroup w's O tile (store_out_tma)
+  constexpr int kSoft = 6;      // named barriers kSoft + w: consumer warpgroup w's turn to run its softmax (soft_turn)
   constexpr bool kKeys = MODE == kModeKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 2 Q buffers, then the K and V rings
@@ -1518,6 +1520,8 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   PK_FWD_TRACE(0);
   const int cw = wg - 1, warp = (tid >> 5) & 3, g8 = lane >> 2, t4 = lane & 3;
   if (cw == 1) named_arrive(kTurn, 256);  // consumer 0 takes the first turn
+  const bool soft_turn = tm.soft_turn != 0;
+  if (soft_turn && cw == 1) named_arrive(kSoft, 256);  // and the first softmax turn
   int qi = 0;
   uint32_t g = 0;
   TileWalk walk(static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x), n_m, p.hq);  // (fwd_order.cuh)
@@ -1575,6 +1579,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
         if (nb == nb1 - 1) mbar_arrive(q_empty(qb));  // the tile's last read of Q
       }
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
+      if (soft_turn) named_sync(kSoft + cw, 256);
       with_flag(edge, [&](auto e) {
         if (bits)  // (the keep bits of rows row[0], row[1] in the tile, the producer's)
           softmax_block<MODE, BN, D, MODE == kModeNone, true, C::DRAWN>(
@@ -1584,6 +1589,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
           softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s,
                                                                decltype(e)::value, skb + st * BN, t4);
       });
+      if (soft_turn) named_arrive(kSoft + (cw ^ 1), 256);
       if (kKeys || bits) {  // the warp's reads of the addends and keep bits are done
         __syncwarp();
         if (lane == 0) mbar_arrive(b_empty(st));
@@ -1625,6 +1631,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   }
   if (ostage && (tid & 127) == 0) bulk_wait_all();  // (the O tiles' stores done before the block's memory goes)
   if (cw == 0) named_sync(kTurn, 256);  // consumer 1's last pass of the turn
+  if (soft_turn && cw == 0) named_sync(kSoft, 256);  // and of the softmax turn
 #else
   __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
 #endif
@@ -2911,6 +2918,16 @@ inline TmaRows tma_rows(const Params& p) {
   return {packed ? 1 : p.batch, rq, rk, rq > 0 && rk > 0 && rq < INT32_MAX && rk < INT32_MAX};
 }
 
+// Whether the warp-specialised forward's consumers take turns at their softmaxes (FwdTma::soft_turn; the note on
+// attn_fwd_sm90_ws_kernel): at D = 64 without a causal mask, but for dropout under a key-only mask (whose consumers
+// draw every keep bit themselves). PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN: 1 on, 0 off (A/B runs and tests, read at each
+// call); unset, that rule
+inline bool fwd_soft_turn(const Params& p, int d, int mode) {
+  const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN");
+  if (e == '1' || e == '0') return e == '1';
+  return d == 64 && !p.causal && !(mode == kModeKeys && p.p_drop > 0.f);
+}
+
 // PYKERNELS_CUDA_ATTN_FWD_STORE=registers: the warp-specialised forward at D = 64 stores O from registers (as before
 // run330; A/B runs and tests, read at each call); default: through shared memory by TMA where FwdTma::o_on
 inline bool fwd_store_by_tma() { return env_first("PYKERNELS_CUDA_ATTN_FWD_STORE") != 'r'; }
@@ -3011,8 +3028,9 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
             q.fwd_order = nullptr;
           }
           q.fwd_drop_bits = p.p_drop > 0.f && !fwd_draws_by_consumers();
-          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), q, make_fwd_tma<T>(q, C::BM, C::BN, D == 64),
-                 stream, C::NT);
+          FwdTma tm = make_fwd_tma<T>(q, C::BM, C::BN, D == 64);
+          tm.soft_turn = fwd_soft_turn(p, D, M);
+          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), q, tm, stream, C::NT);
         };
         if (p.d <= 64)
           ws(std::integral_constant<int, 64>{});

@@ -2302,6 +2302,58 @@ def test_gpu_cuda_ws_forward_stores_o_by_tma(monkeypatch, dtype):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+def test_gpu_cuda_ws_forward_softmax_turn(monkeypatch, dtype):
+    """The warp-specialised forward's consumer warpgroups taking turns at their softmaxes (the default at D = 64
+    without a causal mask, but for dropout under a key-only mask; PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN=1 / 0 forces it
+    on / off) changes only when each runs: O and the lse bitwise equal on and off, and the default equal to both, on
+    dense inputs, GQA, key padding (with and without dropout), causal, D = 128, packed varlen sequences (tiles that
+    one sequence's end leaves short) and lengths 1 and 17; two calls back to back (the turns' barriers balanced
+    across calls: an unbalanced pair would hang or deadlock the second); then against the references."""
+    q, k, v = _inputs((2, 4, 203, 64), (2, 2, 203, 64), (2, 2, 203, 64), dtype, "cuda", requires_grad=False)
+    keys = torch.ones(2, 1, 1, 203, dtype=torch.bool, device="cuda")
+    keys[1, ..., 150:] = False
+    q128, k128, v128 = (torch.randn(2, 3, 300, 128, dtype=dtype, device="cuda") for _ in range(3))
+    q1, k1, v1 = (torch.randn(2, 3, n, 64, dtype=dtype, device="cuda") for n in (17, 1, 1))
+    lens = [5, 300, 129, 1]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    qv, kv, vv = (torch.randn(sum(lens), 4, 64, dtype=dtype, device="cuda") for _ in range(3))
+
+    def fwd(q, k, v, causal=False):  # the C++ forward op: (o, lse)
+        o, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0,
+                                                            causal, q.shape[-1] ** -0.5)
+        return o, lse
+
+    calls = {
+        "dense": lambda: fwd(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)),
+        "causal": lambda: fwd(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=True),
+        "d128": lambda: fwd(q128, k128, v128),
+        "lengths 17 and 1": lambda: fwd(q1, k1, v1),
+        "gqa dropout": lambda: (sdpa(q, k, v, dropout_p=0.2, enable_gqa=True, backend="cuda"),),
+        "key padding": lambda: (sdpa(q, k, v, keys, enable_gqa=True, backend="cuda"),),
+        "key padding dropout": lambda: (sdpa(q, k, v, keys, dropout_p=0.2, enable_gqa=True, backend="cuda"),),
+        "varlen": lambda: (varlen_attention(qv, kv, vv, cu, cu, max(lens), max(lens), backend="cuda"),),
+    }
+    for name, call in calls.items():
+        outs = []
+        for env in (None, "1", "0"):
+            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN", env)
+            torch.manual_seed(5)
+            outs.append([t.detach().clone() for t in call()])
+            torch.manual_seed(5)
+            again = call()
+            assert all(torch.equal(a, b) for a, b in zip(outs[-1], again)), name
+        assert not outs[0][0].isnan().any(), name
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1])), name
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[2])), name
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN", "1")
+    for args in ((q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)), (q1, k1, v1)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in args]
+        _check_against_ref(*leaves, backend="cuda", what="softmax turn")
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 @pytest.mark.parametrize("kernels", [None, "1", "0"], ids=["ws", "wgmma", "mma"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_cuda_forward_lazy_max(monkeypatch, kernels, d):
