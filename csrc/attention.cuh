@@ -1110,6 +1110,16 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // it by TMA (store_out_tma), where the register stores had put 16 global stores a thread and their addressing in
 // each tile's epilogue (run330-332, H200: BERT-base 86.1-87.4 -> 79.8-81.0 us, GPT-2 51.6-52.0 -> 48.1-49.3, key
 // padding 92.2-93.6 -> 87.7-88.9; with dropout BERT-base 1.5% slower, GPT-2 1% and key padding 4.5% faster).
+// The softmax turn (FwdTma::soft_turn, fwd_soft_turn): at D = 64 without a causal mask the consumers also take turns at
+// their softmaxes (named barriers kSoft + w, consumer 1 arriving first), so the two never run at once. The kernel's
+// timeline (run336-337, FwdTrace below) had each warpgroup's softmax at 1450-1600 SM cycles against 650-700 for its
+// products, the two softmaxes overlapping for about two thirds of each, and the tensor cores idle about half of each
+// key block; a softmax alone takes 780 cycles (benchmarks/dev/softmax_probe.cu, run338), 1010 beside the other
+// warpgroup's products (softmax_wgmma_probe.cu, run340). H200 run340, one build, against the turn off: without dropout
+// BERT-base 79.3-79.8 -> 78.8-78.9 us, key padding 90.0-90.1 -> 79.1-79.5 (-12%), packed sequences 84.7-85.3 ->
+// 80.8-81.7; with dropout 0.1 BERT-base 130.4-130.7 -> 126.4-126.8, packed 124.2-127.4 -> 121.9-122.2. Off where it did
+// not gain (run337, run339, on everywhere): causal (GPT-2 +1% with dropout), D = 128 (S2048 causal within noise), and
+// dropout under a key-only mask (+2-5%: its consumers draw every keep bit, integer work that the overlap had hidden).
 // A timeline of the warp-specialised forward, for development only (a build with -DPYKERNELS_FWD_TRACE, setup.py's
 // PYKERNELS_NVCC_FLAGS; benchmarks/dev/attention_fwd_trace.py reads and summarises it): each warp of the first
 // kTraceCtas blocks records its first kTraceN events, the event's code in the top 16 bits and the SM's clock64 below,
