@@ -167,17 +167,42 @@ def _check_fwd_stores_o_by_tma(obj: str) -> None:
     assert all(c == 0 for c in d128.values()), d128
 
 
-@pytest.mark.skipif(NVCC is None or shutil.which("g++") is None, reason="needs nvcc (CUDA toolkit) and g++")
-@pytest.mark.skipif(not os.path.exists(os.path.join(PY_INCLUDE, "Python.h")), reason="needs Python headers")
-@pytest.mark.parametrize("source", HOST_SOURCES, ids=[os.path.basename(s) for s in HOST_SOURCES])
-def test_host_source_compiles(source, tmp_path):
-    # the toolkit's headers (cuda_runtime_api.h): next to nvcc, or where CUDA_HOME / the usual installs put them
+def _cuda_include() -> str:
+    """The toolkit's include directory (cuda_runtime_api.h): next to nvcc, or where CUDA_HOME / the usual installs
+    put it."""
     homes = [os.path.dirname(os.path.dirname(os.path.realpath(NVCC))), os.environ.get("CUDA_HOME"), cpp.CUDA_HOME]
     homes += sorted(glob.glob("/usr/local/cuda*"), reverse=True)
     found = [h for h in homes if h and os.path.exists(os.path.join(h, "include", "cuda_runtime_api.h"))]
     assert found, f"nvcc at {NVCC} but no cuda_runtime_api.h in {homes}"
-    cmd = ["g++", "-fsyntax-only", "-std=c++17", source, f"-I{found[0]}/include"] + DEFINES + _includes(tmp_path)
+    return os.path.join(found[0], "include")
+
+
+@pytest.mark.skipif(NVCC is None or shutil.which("g++") is None, reason="needs nvcc (CUDA toolkit) and g++")
+@pytest.mark.skipif(not os.path.exists(os.path.join(PY_INCLUDE, "Python.h")), reason="needs Python headers")
+@pytest.mark.parametrize("source", HOST_SOURCES, ids=[os.path.basename(s) for s in HOST_SOURCES])
+def test_host_source_compiles(source, tmp_path):
+    cmd = ["g++", "-fsyntax-only", "-std=c++17", source, f"-I{_cuda_include()}"] + DEFINES + _includes(tmp_path)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+
+
+@pytest.mark.skipif(NVCC is None or shutil.which("g++") is None, reason="needs nvcc (CUDA toolkit) and g++")
+@pytest.mark.skipif(not os.path.exists(os.path.join(PY_INCLUDE, "Python.h")), reason="needs Python headers")
+def test_forward_timeline_build_compiles(tmp_path):
+    """The development build with the warp-specialised forward's timeline (-DPYKERNELS_FWD_TRACE through setup.py's
+    PYKERNELS_NVCC_FLAGS; benchmarks/dev/attention_fwd_trace.sh) compiles: the bf16 forward unit with its buffer
+    (kTraceCtas x kTraceWarps x kTraceN 8-byte values in global memory, as ptxas reports) and attention.cpp with the op
+    that reads it. (The package's build has no buffer: test_cuda_source_compiles_for_sm90a keeps its wgmma chains and
+    spills as they are.)"""
+    src = os.path.join(ROOT, "csrc", "attention_fwd_bf16.cu")
+    cmd = [NVCC, "-c", src, "-o", str(tmp_path / "out.o"), "-Xptxas", "-v", "-DPYKERNELS_FWD_TRACE"] + SM90A_FLAGS
+    res = subprocess.run(cmd + DEFINES + _includes(tmp_path), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    gmem = [int(n) for n in re.findall(r"(\d+) bytes gmem", res.stdout + res.stderr)]
+    assert gmem and max(gmem) >= 16 * 12 * 1024 * 8, gmem
+    host = os.path.join(ROOT, "csrc", "attention.cpp")
+    cmd = ["g++", "-fsyntax-only", "-std=c++17", "-DPYKERNELS_FWD_TRACE", host, f"-I{_cuda_include()}"]
+    res = subprocess.run(cmd + DEFINES + _includes(tmp_path / "host"), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
 
 
