@@ -2251,6 +2251,13 @@ def test_gpu_cuda_ws_forward_keep_bits_by_producer(monkeypatch, d):
         assert torch.equal(outs[0], outs[1]), name
 
 
+def _cuda_fwd(q, k, v, causal=False):
+    """The C++ forward op without autograd, dense (b, h, s, d) inputs, no mask or dropout: (o, lse)."""
+    o, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0, causal,
+                                                        q.shape[-1] ** -0.5)
+    return o, lse
+
+
 @pytest.mark.gpu
 @needs_cuda_ext
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
@@ -2268,17 +2275,12 @@ def test_gpu_cuda_ws_forward_stores_o_by_tma(monkeypatch, dtype):
     q1, k1, v1 = (torch.randn(2, 3, n, 16, dtype=dtype, device="cuda") for n in (17, 1, 1))
     ql, kl, vl = (torch.randn(1, 2, 17, 64, dtype=dtype, device="cuda") for _ in range(3))
 
-    def fwd(q, k, v, causal=False):  # the C++ forward op: (o, lse)
-        o, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0,
-                                                            causal, q.shape[-1] ** -0.5)
-        return o, lse
-
     calls = {
-        "dense": lambda: fwd(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)),
-        "causal": lambda: fwd(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=True),
-        "transposed d40": lambda: fwd(qt, kt, vt, causal=True),
-        "d16 keys 1": lambda: fwd(q1, k1, v1),
-        "one tile of 17": lambda: fwd(ql, kl, vl),
+        "dense": lambda: _cuda_fwd(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)),
+        "causal": lambda: _cuda_fwd(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=True),
+        "transposed d40": lambda: _cuda_fwd(qt, kt, vt, causal=True),
+        "d16 keys 1": lambda: _cuda_fwd(q1, k1, v1),
+        "one tile of 17": lambda: _cuda_fwd(ql, kl, vl),
         "gqa dropout": lambda: (sdpa(q, k, v, dropout_p=0.2, enable_gqa=True, backend="cuda"),),
         "key padding": lambda: (sdpa(q, k, v, keys, enable_gqa=True, backend="cuda"),),
     }
@@ -2319,16 +2321,11 @@ def test_gpu_cuda_ws_forward_softmax_turn(monkeypatch, dtype):
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     qv, kv, vv = (torch.randn(sum(lens), 4, 64, dtype=dtype, device="cuda") for _ in range(3))
 
-    def fwd(q, k, v, causal=False):  # the C++ forward op: (o, lse)
-        o, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0,
-                                                            causal, q.shape[-1] ** -0.5)
-        return o, lse
-
     calls = {
-        "dense": lambda: fwd(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)),
-        "causal": lambda: fwd(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=True),
-        "d128": lambda: fwd(q128, k128, v128),
-        "lengths 17 and 1": lambda: fwd(q1, k1, v1),
+        "dense": lambda: _cuda_fwd(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)),
+        "causal": lambda: _cuda_fwd(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=True),
+        "d128": lambda: _cuda_fwd(q128, k128, v128),
+        "lengths 17 and 1": lambda: _cuda_fwd(q1, k1, v1),
         "gqa dropout": lambda: (sdpa(q, k, v, dropout_p=0.2, enable_gqa=True, backend="cuda"),),
         "key padding": lambda: (sdpa(q, k, v, keys, enable_gqa=True, backend="cuda"),),
         "key padding dropout": lambda: (sdpa(q, k, v, keys, dropout_p=0.2, enable_gqa=True, backend="cuda"),),

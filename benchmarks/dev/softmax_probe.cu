@@ -5,8 +5,9 @@
 //   max:     the two rows' max as two serial chains of 32 FMNMX, then the quad's two shuffles: the chain's latency
 //   softmax: max, shuffles, 64 FFMA + exp2 + two FADD sum chains, and the bf16 packs of P (attention.cuh's order)
 // Build and run (device): nvcc -O3 --use_fast_math -arch=sm_90a -o /tmp/softmax_probe benchmarks/dev/softmax_probe.cu && /tmp/softmax_probe
-#include <cuda_bf16.h>
 #include <cstdio>
+
+#include "softmax_probe.cuh"
 
 enum Mode { kMufu = 0, kMax = 1, kSoftmax = 2 };
 
@@ -23,44 +24,15 @@ __global__ void __launch_bounds__(512, 1) probe(float* out, long long* cycles, i
     if (MODE == kMufu) {
 #pragma unroll
       for (int i = 0; i < 64; ++i) x[i] = exp2f(fmaf(x[i], 0.5f, -0.25f));
+    } else if (MODE == kMax) {
+      float a, b;
+      probe_row_max(x, a, b);
+      m0 += a;
+      m1 += b;
+#pragma unroll
+      for (int i = 0; i < 64; ++i) x[i] += 1e-7f;  // (a new max next time)
     } else {
-      float a = x[0], b = x[32];
-#pragma unroll
-      for (int i = 1; i < 32; ++i) {
-        a = fmaxf(a, x[i]);
-        b = fmaxf(b, x[32 + i]);
-      }
-      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
-      b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, 1));
-      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
-      b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, 2));
-      if (MODE == kMax) {
-        m0 += a;
-        m1 += b;
-#pragma unroll
-        for (int i = 0; i < 64; ++i) x[i] += 1e-7f;  // (a new max next time)
-      } else {
-        m0 = a * 0.125f;
-        m1 = b * 0.125f;
-        float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          x[i] = exp2f(fmaf(x[i], 0.125f, -m0));
-          s0 += x[i];
-          x[32 + i] = exp2f(fmaf(x[32 + i], 0.125f, -m1));
-          s1 += x[32 + i];
-        }
-        l0 += s0;
-        l1 += s1;
-        // P to bf16 pairs (the wgmma's A operand), kept live through an xor (the next iteration reads x itself)
-#pragma unroll
-        for (int i = 0; i < 64; i += 2) {
-          const __nv_bfloat162 p = __floats2bfloat162_rn(x[i], x[i + 1]);
-          unsigned u;
-          memcpy(&u, &p, 4);
-          acc ^= u;
-        }
-      }
+      probe_softmax_step(x, m0, m1, l0, l1, acc);
     }
   }
   const long long t1 = clock64();

@@ -1,12 +1,12 @@
-// Does one warpgroup's tensor-core work slow another warpgroup's softmax on the same SM? softmax_probe.cu's softmax
-// loop (64 scores a thread: max, exp2, sums, bf16 packs) in warpgroup 0 while warpgroup 1 is idle, or loops over the
+// Does one warpgroup's tensor-core work slow another warpgroup's softmax on the same SM? softmax_probe.cuh's softmax
+// step (64 scores a thread: max, exp2, sums, bf16 packs) in warpgroup 0 while warpgroup 1 is idle, or loops over the
 // forward's products at BERT's tile (S = Q K^T: 64 x 128 x 64 from shared memory; O += P V: 64 x 64 x 128 with P from
 // registers), each committed and waited as the kernel does. One block an SM. Prints warpgroup 0's SM cycles a
 // softmax and warpgroup 1's a product pair (clock64), each alone and together.
 // Build and run (device): nvcc -O3 --use_fast_math -arch=sm_90a -I csrc -o /tmp/swp benchmarks/dev/softmax_wgmma_probe.cu && /tmp/swp
-#include <cuda_bf16.h>
 #include <cstdio>
 
+#include "softmax_probe.cuh"
 #include "wgmma.cuh"
 
 using namespace pykernels::attn;
@@ -33,38 +33,9 @@ __global__ void __launch_bounds__(256, 1) probe(float* out, long long* cycles, i
       float x[64];
 #pragma unroll
       for (int i = 0; i < 64; ++i) x[i] = 0.001f * ((threadIdx.x * 7 + i * 13) % 97) - 0.05f;
-      float l0 = 0.f, l1 = 0.f;
+      float m0, m1, l0 = 0.f, l1 = 0.f;
       unsigned acc = 0u;
-      for (int it = 0; it < iters; ++it) {
-        float a = x[0], b = x[32];
-#pragma unroll
-        for (int i = 1; i < 32; ++i) {
-          a = fmaxf(a, x[i]);
-          b = fmaxf(b, x[32 + i]);
-        }
-        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
-        b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, 1));
-        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
-        b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, 2));
-        const float m0 = a * 0.125f, m1 = b * 0.125f;
-        float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          x[i] = exp2f(fmaf(x[i], 0.125f, -m0));
-          s0 += x[i];
-          x[32 + i] = exp2f(fmaf(x[32 + i], 0.125f, -m1));
-          s1 += x[32 + i];
-        }
-        l0 += s0;
-        l1 += s1;
-#pragma unroll
-        for (int i = 0; i < 64; i += 2) {
-          const __nv_bfloat162 p = __floats2bfloat162_rn(x[i], x[i + 1]);
-          unsigned u;
-          memcpy(&u, &p, 4);
-          acc ^= u;
-        }
-      }
+      for (int it = 0; it < iters; ++it) probe_softmax_step(x, m0, m1, l0, l1, acc);
       n = iters;
       r = l0 + l1 + static_cast<float>(acc & 1u);
 #pragma unroll
