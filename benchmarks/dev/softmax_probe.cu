@@ -69,16 +69,9 @@ void run(const char* name, int warps_per_sched, int sms) {
 }
 
 int main() {
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  if (sms > 132) sms = 132;
-  cudaDeviceProp prop;
-  cudaGetDeviceProperties(&prop, 0);
-  printf("%s, %d SMs\n", prop.name, sms);
+  const int sms = probe_sms("");
   for (int w = 1; w <= 4; ++w) run<kMufu>("mufu", w, sms);
   for (int w = 1; w <= 4; ++w) run<kMax>("max", w, sms);
   for (int w = 1; w <= 4; ++w) run<kSoftmax>("softmax", w, sms);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) printf("CUDA error: %s\n", cudaGetErrorString(e));
-  return e == cudaSuccess ? 0 : 1;
+  return probe_status();
 }

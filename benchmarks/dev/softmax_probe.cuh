@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 
+#include <cstdio>
 #include <cstring>
 
 // each row's max as one serial chain of 32 FMNMX, then over the quad (two shuffles)
@@ -46,4 +47,21 @@ __device__ __forceinline__ void probe_softmax_step(float (&x)[64], float& m0, fl
     memcpy(&u, &p, 4);
     acc ^= u;
   }
+}
+
+// the device's SMs (at most 132, the probes' result arrays), printed with its name and ``what``
+inline int probe_sms(const char* what) {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  printf("%s, %d SMs%s\n", prop.name, sms, what);
+  return sms > 132 ? 132 : sms;
+}
+
+// the launches' outcome, as the exit status (the error printed)
+inline int probe_status() {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) printf("CUDA error: %s\n", cudaGetErrorString(e));
+  return e == cudaSuccess ? 0 : 1;
 }

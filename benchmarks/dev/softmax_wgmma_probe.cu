@@ -106,18 +106,11 @@ void run(const char* name, bool soft, int sms) {
 }
 
 int main() {
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  if (sms > 132) sms = 132;
-  cudaDeviceProp prop;
-  cudaGetDeviceProperties(&prop, 0);
-  printf("%s, %d SMs, one block of 2 warpgroups an SM\n", prop.name, sms);
+  const int sms = probe_sms(", one block of 2 warpgroups an SM");
   run<kIdle>("softmax alone", true, sms);
   run<kSS>("S = Q K^T alone", false, sms);
   run<kSSRS>("S and P V alone", false, sms);
   run<kSS>("softmax + S = Q K^T", true, sms);
   run<kSSRS>("softmax + S and P V", true, sms);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) printf("CUDA error: %s\n", cudaGetErrorString(e));
-  return e == cudaSuccess ? 0 : 1;
+  return probe_status();
 }
