@@ -498,11 +498,17 @@ constexpr float kLazyMax = 8.f;
 // n-tiles are read from shared memory at ``bits`` (row[0]'s BC / 8 bytes, byte c the keep bits of keys k0 + 8 c ..,
 // bit v key 8 c + v; row[1]'s 8 rows on, BC / 8 bytes a row), which the producer warpgroup drew (ws_draw_bits); the
 // rest's are drawn here.
-template <int MODE, int BC, int D, bool kRaw = false, bool kInl = false, int kBits = 0>
+// ``mark`` (the warp-specialised forward's timeline build only, FwdTrace): called with 13 on entry, 16 + r after row
+// r's max, 14 after both rows' exponentials and sums, 15 at the end.
+struct NoMark {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+template <int MODE, int BC, int D, bool kRaw = false, bool kInl = false, int kBits = 0, typename Mark = NoMark>
 __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 8][4], float (&o)[D / 8][4],
                                               float (&m)[2], float (&l)[2], int b, int h, const int (&row)[2],
                                               int k0, const Seq& s, bool edge, const float* kb, int t4,
-                                              uint32_t bits = 0u) {
+                                              uint32_t bits = 0u, Mark mark = Mark{}) {
+  mark(13);
   static_assert(!kRaw || MODE == kModeNone, "raw scores only without a mask");
   float alpha[2];
   bool grown = false;
@@ -527,6 +533,7 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    mark(16 + r);
     if (kRaw) mx *= p.scale_log2;
     // the max moves only where it grew by more than p.lazy_max (m[r] = -inf: where the block has a key); else the
     // block's exponents are taken against the old max, at most 2^kLazyMax, and O and l keep their scale
@@ -549,6 +556,7 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
     }
     l[r] = l[r] * alpha[r] + sum;
   }
+  mark(14);
   if (__any_sync(0xffffffffu, grown)) {  // (warp-uniform: a row that did not grow has alpha 1)
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt)
@@ -596,6 +604,7 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
         for (int e = 0; e < 4; ++e) sc[nt + u][e] = (kb >> (4 * u + e)) & 1u ? sc[nt + u][e] : 0.f;  // store_out scales
     }
   }
+  mark(15);
 }
 
 // A warp's tile of N columns (an m16n8 accumulator per 8) times ``scale`` into rows off + row[r] (those below n) of a
@@ -1128,9 +1137,11 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // Codes: 0 the consumer's start; 1 a tile's Q landed; 2 a key block's turn taken; 3 its products done; 4 its softmax
 // done; 5 the last P V's turn taken; 6 its product done; 7 the tile's O stored; 8 / 9 / 10 the producer past a Q / K /
 // V slot's empty wait (its loads issued right after); 11 a key block's K (and the previous V) landed, before its turn;
-// 12 the last V landed
+// 12 the last V landed; inside softmax_block (its ``mark``): 13 entered (after the softmax turn where it is on), 16 / 17
+// row 0's / row 1's max found, 14 both rows' exponentials and sums done, 15 its end (the dropout's zeros applied).
+// The clock reads keep ptxas from moving work across them, so the phases inside the softmax are the build's own
 #ifdef PYKERNELS_FWD_TRACE
-constexpr int kTraceCtas = 16, kTraceWarps = 12, kTraceN = 1024;
+constexpr int kTraceCtas = 16, kTraceWarps = 12, kTraceN = 2048;
 static __device__ unsigned long long g_fwd_trace[kTraceCtas * kTraceWarps * kTraceN];
 struct FwdTrace {
   int n = 0;
@@ -1591,13 +1602,18 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
       if (soft_turn) named_sync(kSoft + cw, 256);
       with_flag(edge, [&](auto e) {
+#ifdef PYKERNELS_FWD_TRACE
+        const auto mark = [&](int code) { PK_FWD_TRACE(code); };
+#else
+        const NoMark mark;
+#endif
         if (bits)  // (the keep bits of rows row[0], row[1] in the tile, the producer's)
           softmax_block<MODE, BN, D, MODE == kModeNone, true, C::DRAWN>(
               p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value, skb + st * BN, t4,
-              sbits + st * C::BITS + (row[0] - q0) * (BN / 8));
+              sbits + st * C::BITS + (row[0] - q0) * (BN / 8), mark);
         else
           softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s,
-                                                               decltype(e)::value, skb + st * BN, t4);
+                                                               decltype(e)::value, skb + st * BN, t4, 0u, mark);
       });
       if (soft_turn) named_arrive(kSoft + (cw ^ 1), 256);
       if (kKeys || bits) {  // the warp's reads of the addends and keep bits are done

@@ -7,7 +7,8 @@ Needs a development build with the timeline compiled in (it is not in the packag
 
 Each case runs the bf16 forward (backend="cuda") a few times, then once more with the timeline reset, and reads
 what the first 16 blocks' warps recorded (clock64 at each event). Per consumer warpgroup (its first warp) it prints
-the mean SM cycles of each phase of a key block (K/V landed, the turn taken, the products done, the softmax done),
+the mean SM cycles of each phase of a key block (K/V landed, the turn taken, the products done, the marks inside
+softmax_block: entered, each row's max, the exponentials, the dropout's zeros; the softmax done),
 split by the block's place in its tile, and of each tile's end (the last P V, O's store, the next tile's Q); then the
 tile period and the kernel's cycles against its time (the SM clock it implies). ``--dump N`` prints the first N
 tiles' events of block 0, both consumers, as cycles from the block's start.
@@ -26,6 +27,8 @@ CASES = {  # name: (batch, heads, seq, head dim, causal)
     "d128": (8, 16, 2048, 128, True),
 }
 N_CTAS, N_WARPS = 16, 12  # attention.cuh's kTraceCtas, kTraceWarps
+# the marks inside softmax_block (attention.cuh): the phase that ends at each
+SOFTMAX_MARKS = {13: "sm entered", 16: "sm row 0 max", 17: "sm row 1 max", 14: "sm exps", 15: "sm dropout"}
 CLK = (1 << 48) - 1
 
 
@@ -64,6 +67,8 @@ def phases(events):
             tile_blocks.append(("turn taken", clk - prev))
         elif code == 3:
             tile_blocks.append(("products done", clk - prev))
+        elif code in SOFTMAX_MARKS:
+            tile_blocks.append((SOFTMAX_MARKS[code], clk - prev))
         elif code == 4:
             tile_blocks.append(("softmax done", clk - prev))
             blk += 1
@@ -129,7 +134,8 @@ def run_case(name, dump):
             per.extend(periods)
         print(f"  consumer {wg} (warp {w}): tile period {mean(per):.0f} cycles (n {len(per)})")
         order = ["first", "mid", "last"]
-        names = ["kv landed", "turn taken", "products done", "softmax done"]
+        names = ["kv landed", "turn taken", "products done"]
+        names += [n for n in SOFTMAX_MARKS.values() if agg[f"block mid: {n}"]] + ["softmax done"]
         for place in order:
             row = [f"{mean(agg[f'block {place}: {n}']):7.0f}" for n in names]
             cnt = len(agg[f"block {place}: softmax done"])
