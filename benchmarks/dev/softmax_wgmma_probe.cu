@@ -3,11 +3,14 @@
 // forward's products at BERT's tile (S = Q K^T: 64 x 128 x 64 from shared memory; O += P V: 64 x 64 x 128 with P from
 // registers), each committed and waited as the kernel does. One block an SM. Prints warpgroup 0's SM cycles a
 // softmax and warpgroup 1's a product pair (clock64), each alone and together.
-// Build and run (device): nvcc -O3 --use_fast_math -arch=sm_90a -I csrc -o /tmp/swp benchmarks/dev/softmax_wgmma_probe.cu && /tmp/swp
+// The last two rows run attention.cuh's own softmax_block (and P's packs) in warpgroup 0 instead.
+// Build and run (device; attention.cuh needs torch's C++ headers):
+//   nvcc -O3 --use_fast_math -arch=sm_90a -DPYKERNELS_SM90A -I csrc $(python3 -c "from torch.utils.cpp_extension import
+//   include_paths as i; print(' '.join('-I' + p for p in i()))") -o /tmp/swp benchmarks/dev/softmax_wgmma_probe.cu && /tmp/swp
 #include <cstdio>
 
+#include "attention.cuh"
 #include "softmax_probe.cuh"
-#include "wgmma.cuh"
 
 using namespace pykernels::attn;
 
@@ -16,7 +19,10 @@ enum Gemm { kIdle = 0, kSS = 1, kSSRS = 2 };
 // iters softmaxes (warpgroup 0, if soft) and gemm_iters products (warpgroup 1, GEMM); the counts make the two loops
 // about equally long, so that each runs beside the other nearly throughout (a stop flag read by each thread would
 // leave the warpgroup's threads at different iterations, and wgmma is warpgroup-wide: an illegal instruction)
-template <int GEMM>
+// KSM: warpgroup 0 runs the kernel's own softmax_block (attention.cuh) as the warp-specialised forward calls it on an
+// unmasked key block at D = 64 (raw scores, the lazy max, no dropout), then P's packs (acc_to_a), each step's scores
+// the previous step's P; else softmax_probe.cuh's step
+template <int GEMM, bool KSM = false>
 __global__ void __launch_bounds__(256, 1) probe(float* out, long long* cycles, int iters, bool soft, int gemm_iters) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + 1023u) & ~1023u;
@@ -29,7 +35,35 @@ __global__ void __launch_bounds__(256, 1) probe(float* out, long long* cycles, i
   long long n = 0;
   const long long t0 = clock64();
   if (wg == 0) {
-    if (soft) {
+    if (soft && KSM) {
+      Params p{};
+      p.scale_log2 = 0.125f * kLog2e;
+      p.lazy_max = kLazyMax;
+      const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t4 = lane & 3;
+      const int row[2] = {warp * 16 + (lane >> 2), warp * 16 + (lane >> 2) + 8};
+      const Seq sq{0, 0, 512, 512};
+      float sc[16][4], o[8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+      uint32_t pa[8][4], acc = 0u;
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sc[i][e] = 0.01f * ((threadIdx.x * 7 + i * 13 + e) % 97);
+          o[i / 2][e] = 0.f;
+        }
+      for (int it = 0; it < iters; ++it) {
+        softmax_block<kModeNone, 128, 64, true, true>(p, sc, o, m, l, 0, 0, row, 0, sq, false, nullptr, t4);
+#pragma unroll
+        for (int kt = 0; kt < 8; ++kt) {
+          acc_to_a<__nv_bfloat16>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
+          acc ^= pa[kt][0] ^ pa[kt][1] ^ pa[kt][2] ^ pa[kt][3];  // (kept live, as softmax_probe.cuh's packs)
+        }
+      }
+      n = iters;
+      r = l[0] + l[1] + m[0] + m[1] + static_cast<float>(acc & 1u);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) r += o[i][0] + sc[2 * i][1];
+    } else if (soft) {
       float x[64];
 #pragma unroll
       for (int i = 0; i < 64; ++i) x[i] = 0.001f * ((threadIdx.x * 7 + i * 13) % 97) - 0.05f;
@@ -80,7 +114,7 @@ __global__ void __launch_bounds__(256, 1) probe(float* out, long long* cycles, i
   }
 }
 
-template <int GEMM>
+template <int GEMM, bool KSM = false>
 void run(const char* name, bool soft, int sms) {
   const int iters = 4000, gemm_iters = 4000;
   float* out;
@@ -88,9 +122,9 @@ void run(const char* name, bool soft, int sms) {
   cudaMalloc(&out, sms * 256 * sizeof(float));
   cudaMalloc(&cyc, sms * 4 * sizeof(long long));
   const size_t smem = 40960 + 1024;
-  cudaFuncSetAttribute(probe<GEMM>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  probe<GEMM><<<sms, 256, smem>>>(out, cyc, 10, soft, 10);
-  probe<GEMM><<<sms, 256, smem>>>(out, cyc, iters, soft, gemm_iters);
+  cudaFuncSetAttribute(probe<GEMM, KSM>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  probe<GEMM, KSM><<<sms, 256, smem>>>(out, cyc, 10, soft, 10);
+  probe<GEMM, KSM><<<sms, 256, smem>>>(out, cyc, iters, soft, gemm_iters);
   cudaDeviceSynchronize();
   long long h[4 * 132];
   cudaMemcpy(h, cyc, sizeof(long long) * 4 * sms, cudaMemcpyDeviceToHost);
@@ -112,5 +146,7 @@ int main() {
   run<kSSRS>("S and P V alone", false, sms);
   run<kSS>("softmax + S = Q K^T", true, sms);
   run<kSSRS>("softmax + S and P V", true, sms);
+  run<kIdle, true>("softmax_block alone", true, sms);
+  run<kSSRS, true>("softmax_block + S and P V", true, sms);
   return probe_status();
 }
