@@ -1139,7 +1139,7 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // V slot's empty wait (its loads issued right after); 11 a key block's K (and the previous V) landed, before its turn;
 // 12 the last V landed; inside softmax_block (its ``mark``): 13 entered (after the softmax turn where it is on), 16 / 17
 // row 0's / row 1's max found, 14 both rows' exponentials and sums done, 15 its end (the dropout's zeros applied).
-// The clock reads keep ptxas from moving work across them, so the phases inside the softmax are the build's own
+// The clock reads keep ptxas from moving work across them, so the phases inside the softmax are the build's own.
 #ifdef PYKERNELS_FWD_TRACE
 constexpr int kTraceCtas = 16, kTraceWarps = 12, kTraceN = 2048;
 static __device__ unsigned long long g_fwd_trace[kTraceCtas * kTraceWarps * kTraceN];
