@@ -1203,6 +1203,7 @@ struct FwdTma {
   int order[4];
   int on, o_on;
   int soft_turn;  // the consumers' softmaxes take turns too (fwd_soft_turn)
+  int fence;      // the consumers fence the async proxy before each key block's products (fwd_fence)
 };
 
 // The backward's TMA maps (attn_bwd_sm90_kernel, dense inputs: make_bwd_tma): q and dout with boxes of 64 rows (the
@@ -1542,6 +1543,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   const int cw = wg - 1, warp = (tid >> 5) & 3, g8 = lane >> 2, t4 = lane & 3;
   if (cw == 1) named_arrive(kTurn, 256);  // consumer 0 takes the first turn
   const bool soft_turn = tm.soft_turn != 0;
+  const bool fence = tm.fence != 0, packed = p.cu_q != nullptr;
   if (soft_turn && cw == 1) named_arrive(kSoft, 256);  // and the first softmax turn
   int qi = 0;
   uint32_t g = 0;
@@ -1579,7 +1581,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       mbar_wait(k_full(st), (g / S) & 1);
       if (nb > nb0) mbar_wait(v_full(pst), ((g - 1) / S) & 1);
       PK_FWD_TRACE(11);
-      fence_async_smem();
+      if (fence) fence_async_smem();  // (cp.async's tiles; TMA's land in the async proxy that wgmma reads)
       float sc[BN / 8][4];
       named_sync(kTurn + cw, 256);
       PK_FWD_TRACE(2);
@@ -1628,7 +1630,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       const int pst = (g + S - 1) % S;
       mbar_wait(v_full(pst), ((g - 1) / S) & 1);
       PK_FWD_TRACE(12);
-      fence_async_smem();
+      if (fence || packed) fence_async_smem();  // (and a packed sequence's last V block, cp.async's)
       named_sync(kTurn + cw, 256);
       PK_FWD_TRACE(5);
       fence_acc(o);
@@ -2954,6 +2956,13 @@ inline bool fwd_soft_turn(const Params& p, int d, int mode) {
   return d == 64 && !p.causal && !(mode == kModeKeys && p.p_drop > 0.f);
 }
 
+// Whether the warp-specialised forward's consumers fence the async proxy (fence.proxy.async) before each key block's
+// products (FwdTma::fence): where cp.async loads the tiles (a generic-proxy write that wgmma, the async proxy, then
+// reads), not where TMA does (its writes are the async proxy's, complete at the mbarrier's phase: CUTLASS's TMA
+// pipelines wait on the mbarrier alone). A packed sequence's last V block (cp.async) keeps its fence either way.
+// PYKERNELS_CUDA_ATTN_FWD_FENCE=1: every block, as before run341 (A/B runs and tests, read at each call)
+inline bool fwd_fence(const FwdTma& tm) { return tm.on == 0 || env_first("PYKERNELS_CUDA_ATTN_FWD_FENCE") == '1'; }
+
 // PYKERNELS_CUDA_ATTN_FWD_STORE=registers: the warp-specialised forward at D = 64 stores O from registers (as before
 // run330; A/B runs and tests, read at each call); default: through shared memory by TMA where FwdTma::o_on
 inline bool fwd_store_by_tma() { return env_first("PYKERNELS_CUDA_ATTN_FWD_STORE") != 'r'; }
@@ -3056,6 +3065,7 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
           q.fwd_drop_bits = p.p_drop > 0.f && !fwd_draws_by_consumers();
           FwdTma tm = make_fwd_tma<T>(q, C::BM, C::BN, D == 64);
           tm.soft_turn = fwd_soft_turn(p, D, M);
+          tm.fence = fwd_fence(tm);
           launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), q, tm, stream, C::NT);
         };
         if (p.d <= 64)

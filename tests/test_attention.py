@@ -2304,14 +2304,19 @@ def test_gpu_cuda_ws_forward_stores_o_by_tma(monkeypatch, dtype):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+@pytest.mark.parametrize("switch", ["PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN", "PYKERNELS_CUDA_ATTN_FWD_FENCE"],
+                         ids=["softmax_turn", "fence"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
-def test_gpu_cuda_ws_forward_softmax_turn(monkeypatch, dtype):
-    """The warp-specialised forward's consumer warpgroups taking turns at their softmaxes (the default at D = 64
-    without a causal mask, but for dropout under a key-only mask; PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN=1 / 0 forces it
-    on / off) changes only when each runs: O and the lse bitwise equal on and off, and the default equal to both, on
-    dense inputs, GQA, key padding (with and without dropout), causal, D = 128, packed varlen sequences (tiles that
-    one sequence's end leaves short) and lengths 1 and 17; two calls back to back (the turns' barriers balanced
-    across calls: an unbalanced pair would hang or deadlock the second); then against the references."""
+def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch):
+    """Two switches of the warp-specialised forward that change only when or how its consumers wait, never what they
+    compute: the consumer warpgroups taking turns at their softmaxes (the default at D = 64 without a causal mask, but
+    for dropout under a key-only mask; PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN=1 / 0 forces it on / off), and the async
+    proxy's fence before each key block's products (off by default on TMA-loaded inputs;
+    PYKERNELS_CUDA_ATTN_FWD_FENCE=1 puts it back). O and the lse bitwise equal under each value, and the default
+    equal to both, on dense inputs, GQA, key padding (with and without dropout), causal, D = 128, packed varlen
+    sequences (tiles that one sequence's end leaves short, its last V block by cp.async) and lengths 1 and 17; two
+    calls back to back (the turns' barriers balanced across calls: an unbalanced pair would hang or deadlock the
+    second); then against the references."""
     q, k, v = _inputs((2, 4, 203, 64), (2, 2, 203, 64), (2, 2, 203, 64), dtype, "cuda", requires_grad=False)
     keys = torch.ones(2, 1, 1, 203, dtype=torch.bool, device="cuda")
     keys[1, ..., 150:] = False
@@ -2334,7 +2339,7 @@ def test_gpu_cuda_ws_forward_softmax_turn(monkeypatch, dtype):
     for name, call in calls.items():
         outs = []
         for env in (None, "1", "0"):
-            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN", env)
+            _set_env(monkeypatch, switch, env)
             torch.manual_seed(5)
             outs.append([t.detach().clone() for t in call()])
             torch.manual_seed(5)
@@ -2343,10 +2348,10 @@ def test_gpu_cuda_ws_forward_softmax_turn(monkeypatch, dtype):
         assert not outs[0][0].isnan().any(), name
         assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1])), name
         assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[2])), name
-    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN", "1")
+    _set_env(monkeypatch, switch, "1")
     for args in ((q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)), (q1, k1, v1)):
         leaves = [t.detach().clone().requires_grad_(True) for t in args]
-        _check_against_ref(*leaves, backend="cuda", what="softmax turn")
+        _check_against_ref(*leaves, backend="cuda", what=switch)
 
 
 @pytest.mark.gpu
