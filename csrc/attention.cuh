@@ -487,6 +487,25 @@ __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ?
 // which fp32 O and l and the 16-bit P hold exactly as well (O / l and the lse are the same quotient). H200 run321-323:
 // 1-3% faster forwards at D = 128, 0-1% at D = 64
 constexpr float kLazyMax = 8.f;
+// 2^x on the FMA pipe instead of MUFU.EX2 (FlashAttention-4's exponential emulation): x = j + f, j = floor(x), f in
+// [0, 1); 2^f by a cubic (relative error at most 8.6e-5, 2^-13.5: a sixth of fp16's rounding of P, 2^-11, a 23rd of
+// bf16's), 2^j by its exponent bits, then one product. j comes from the magic-number sum 1.5 2^23 + x rounded down
+// (its low bits: j), so the whole is 9 instructions (max, 3 adds, 3 FMAs, a shift-add, a product) of the pipes that
+// issue one a cycle, against MUFU.EX2's one per 8-9 cycles a scheduler: the forward's softmax at D = 64 is bound by
+// MUFU (64 exponentials a thread and key block: 570 of the 780-800 cycles it takes alone, softmax_probe.cu), so a
+// quarter of them here cuts its bound to about 430 (softmax_block's kEmu). x <= -127 (and -inf: a masked score) gives
+// exactly 0 (clamped to -127: f = 0, p = 1, 2^j's bits 0); NaN stays NaN (max.NaN, and NaN p times any 2^j); x must be
+// below 128 (the forwards' exponents are at most kLazyMax).
+__device__ __forceinline__ float exp2_fma(float x) {
+  float xc;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(xc) : "f"(x), "f"(-127.f));
+  const float t = __fadd_rd(xc, 12582912.f);  // 1.5 2^23 + floor(xc): floor(xc) in the low mantissa bits
+  const float f = xc - (t - 12582912.f);      // (both exact)
+  const float p = fmaf(f, fmaf(f, fmaf(f, 0.07706602f, 0.22764611f), 0.69511654f), 1.f);
+  // 2^j: (j + 127) << 23, j the low 9 bits of t's (1.5 2^23's are 0), so t's bits << 23 plus 127 << 23
+  return p * __uint_as_float((__float_as_uint(t) << 23) + 0x3F800000u);
+}
+
 // The online softmax of one key block (keys k0 ..) on a warp's 16 query rows, two a thread (row[0], row[1]; the
 // thread's columns 2 t4, 2 t4 + 1 of each 8-key n-tile, mma.sync's and wgmma's accumulator layout): the scores sc
 // (raw Q K^T) become P (dropped elements zeroed; store_out scales by 1 / (1 - p)), the running max m and sum l (log2
@@ -498,23 +517,29 @@ constexpr float kLazyMax = 8.f;
 // n-tiles are read from shared memory at ``bits`` (row[0]'s BC / 8 bytes, byte c the keep bits of keys k0 + 8 c ..,
 // bit v key 8 c + v; row[1]'s 8 rows on, BC / 8 bytes a row), which the producer warpgroup drew (ws_draw_bits); the
 // rest's are drawn here.
+// ``kEmu`` (the warp-specialised forward at D = 64): of each 16 8-key n-tiles, the exponentials of kEmu are exp2_fma's
+// (on the FMA pipe), the rest MUFU.EX2's.
 // ``mark`` (the warp-specialised forward's timeline build only, FwdTrace): called with 13 on entry, 16 + r after row
 // r's max, 14 after both rows' exponentials and sums, 15 at the end.
 struct NoMark {
   __device__ __forceinline__ void operator()(int) const {}
 };
-template <int MODE, int BC, int D, bool kRaw = false, bool kInl = false, int kBits = 0, typename Mark = NoMark>
+template <int MODE, int BC, int D, bool kRaw = false, bool kInl = false, int kBits = 0, int kEmu = 0,
+          typename Mark = NoMark>
 __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 8][4], float (&o)[D / 8][4],
                                               float (&m)[2], float (&l)[2], int b, int h, const int (&row)[2],
                                               int k0, const Seq& s, bool edge, const float* kb, int t4,
                                               uint32_t bits = 0u, Mark mark = Mark{}) {
   mark(13);
   static_assert(!kRaw || MODE == kModeNone, "raw scores only without a mask");
+  static_assert(kEmu >= 0 && kEmu <= BC / 8, "kEmu of the block's 8-key n-tiles");
   float alpha[2];
   bool grown = false;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float mx = -INFINITY;
+    // the row's max in 4 chains (one was a chain of BC / 4 dependent FMNMX a row, the compiler interleaving the rows:
+    // about 4 cycles each in the softmax's first phase, before any exponential can start)
+    float mxc[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
     const int lim = p.causal ? min(s.sk, row[r] + 1) : s.sk;  // (kRaw, edge) keys j < lim take part
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt) {
@@ -528,9 +553,10 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
           x = score<MODE>(p, sc[nt][2 * r + e], b, h, row[r], k0 + jl, s.sq, s.sk, edge,
                           MODE == kModeKeys ? kb[jl] : 0.f);
         sc[nt][2 * r + e] = x;
-        mx = fmaxf(mx, x);
+        mxc[2 * (nt & 1) + e] = fmaxf(mxc[2 * (nt & 1) + e], x);
       }
     }
+    float mx = fmaxf(fmaxf(mxc[0], mxc[1]), fmaxf(mxc[2], mxc[3]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     mark(16 + r);
@@ -549,7 +575,8 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float x = sc[nt][2 * r + e];
-        const float pe = exp2f(kRaw ? fmaf(x, p.scale_log2, -base) : x - base);
+        const float a = kRaw ? fmaf(x, p.scale_log2, -base) : x - base;
+        const float pe = (nt * kEmu) % (BC / 8) >= BC / 8 - kEmu ? exp2_fma(a) : exp2f(a);  // (kEmu of each 16)
         sc[nt][2 * r + e] = pe;
         sum += pe;
       }
@@ -1365,7 +1392,7 @@ __device__ __forceinline__ void ws_draw_bits(const Params& p, uint32_t dst, uint
   }
 }
 
-template <typename T, int D, int MODE>
+template <typename T, int D, int MODE, int EMU>
 __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
     attn_fwd_sm90_ws_kernel(const Params p, const __grid_constant__ FwdTma tm) {
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
@@ -1610,12 +1637,13 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
         const NoMark mark;
 #endif
         if (bits)  // (the keep bits of rows row[0], row[1] in the tile, the producer's)
-          softmax_block<MODE, BN, D, MODE == kModeNone, true, C::DRAWN>(
+          softmax_block<MODE, BN, D, MODE == kModeNone, true, C::DRAWN, EMU>(
               p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value, skb + st * BN, t4,
               sbits + st * C::BITS + (row[0] - q0) * (BN / 8), mark);
         else
-          softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s,
-                                                               decltype(e)::value, skb + st * BN, t4, 0u, mark);
+          softmax_block<MODE, BN, D, MODE == kModeNone, true, 0, EMU>(p, sc, o, m, l, x.b, x.h, row, k0, s,
+                                                                       decltype(e)::value, skb + st * BN, t4, 0u,
+                                                                       mark);
       });
       if (soft_turn) named_arrive(kSoft + (cw ^ 1), 256);
       if (kKeys || bits) {  // the warp's reads of the addends and keep bits are done
@@ -2963,6 +2991,14 @@ inline bool fwd_soft_turn(const Params& p, int d, int mode) {
 // PYKERNELS_CUDA_ATTN_FWD_FENCE=1: every block, as before run341 (A/B runs and tests, read at each call)
 inline bool fwd_fence(const FwdTma& tm) { return tm.on == 0 || env_first("PYKERNELS_CUDA_ATTN_FWD_FENCE") == '1'; }
 
+// Of each 16 of a key block's 8-key n-tiles, how many of the warp-specialised forward's exponentials at D = 64 are
+// exp2_fma's (softmax_block's kEmu; the rest MUFU.EX2's): 4 by default; PYKERNELS_CUDA_ATTN_FWD_EXP_EMU=0 / 6 (A/B
+// runs and tests, read at each call)
+inline int fwd_exp_emu() {
+  const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_EXP_EMU");
+  return e == '0' ? 0 : e == '6' ? 6 : 4;
+}
+
 // PYKERNELS_CUDA_ATTN_FWD_STORE=registers: the warp-specialised forward at D = 64 stores O from registers (as before
 // run330; A/B runs and tests, read at each call); default: through shared memory by TMA where FwdTma::o_on
 inline bool fwd_store_by_tma() { return env_first("PYKERNELS_CUDA_ATTN_FWD_STORE") != 'r'; }
@@ -3066,7 +3102,15 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
           FwdTma tm = make_fwd_tma<T>(q, C::BM, C::BN, D == 64);
           tm.soft_turn = fwd_soft_turn(p, D, M);
           tm.fence = fwd_fence(tm);
-          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), q, tm, stream, C::NT);
+          if constexpr (D == 64) {  // (fwd_exp_emu)
+            switch (fwd_exp_emu()) {
+              case 0: launch(attn_fwd_sm90_ws_kernel<T, D, M, 0>, grid, C::smem(), q, tm, stream, C::NT); break;
+              case 6: launch(attn_fwd_sm90_ws_kernel<T, D, M, 6>, grid, C::smem(), q, tm, stream, C::NT); break;
+              default: launch(attn_fwd_sm90_ws_kernel<T, D, M, 4>, grid, C::smem(), q, tm, stream, C::NT);
+            }
+          } else {
+            launch(attn_fwd_sm90_ws_kernel<T, D, M, 0>, grid, C::smem(), q, tm, stream, C::NT);
+          }
         };
         if (p.d <= 64)
           ws(std::integral_constant<int, 64>{});

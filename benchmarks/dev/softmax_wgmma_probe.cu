@@ -3,7 +3,8 @@
 // forward's products at BERT's tile (S = Q K^T: 64 x 128 x 64 from shared memory; O += P V: 64 x 64 x 128 with P from
 // registers), each committed and waited as the kernel does. One block an SM. Prints warpgroup 0's SM cycles a
 // softmax and warpgroup 1's a product pair (clock64), each alone and together.
-// The last two rows run attention.cuh's own softmax_block (and P's packs) in warpgroup 0 instead.
+// The last rows run attention.cuh's own softmax_block (and P's packs) in warpgroup 0 instead, with 0, 4 and 6 of each 16
+// n-tiles' exponentials exp2_fma's.
 // Build and run (device; attention.cuh needs torch's C++ headers):
 //   nvcc -O3 --use_fast_math -arch=sm_90a -DPYKERNELS_SM90A -I csrc $(python3 -c "from torch.utils.cpp_extension import
 //   include_paths as i; print(' '.join('-I' + p for p in i()))") -o /tmp/swp benchmarks/dev/softmax_wgmma_probe.cu && /tmp/swp
@@ -19,10 +20,11 @@ enum Gemm { kIdle = 0, kSS = 1, kSSRS = 2 };
 // iters softmaxes (warpgroup 0, if soft) and gemm_iters products (warpgroup 1, GEMM); the counts make the two loops
 // about equally long, so that each runs beside the other nearly throughout (a stop flag read by each thread would
 // leave the warpgroup's threads at different iterations, and wgmma is warpgroup-wide: an illegal instruction)
-// KSM: warpgroup 0 runs the kernel's own softmax_block (attention.cuh) as the warp-specialised forward calls it on an
-// unmasked key block at D = 64 (raw scores, the lazy max, no dropout), then P's packs (acc_to_a), each step's scores
-// the previous step's P; else softmax_probe.cuh's step
-template <int GEMM, bool KSM = false>
+// KSM >= 0: warpgroup 0 runs the kernel's own softmax_block (attention.cuh) as the warp-specialised forward calls it on
+// an unmasked key block at D = 64 (raw scores, the lazy max, no dropout; KSM of each 16 n-tiles' exponentials
+// exp2_fma's, softmax_block's kEmu), then P's packs (acc_to_a), each step's scores the previous step's P; else
+// softmax_probe.cuh's step
+template <int GEMM, int KSM = -1>
 __global__ void __launch_bounds__(256, 1) probe(float* out, long long* cycles, int iters, bool soft, int gemm_iters) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + 1023u) & ~1023u;
@@ -35,7 +37,7 @@ __global__ void __launch_bounds__(256, 1) probe(float* out, long long* cycles, i
   long long n = 0;
   const long long t0 = clock64();
   if (wg == 0) {
-    if (soft && KSM) {
+    if (soft && KSM >= 0) {
       Params p{};
       p.scale_log2 = 0.125f * kLog2e;
       p.lazy_max = kLazyMax;
@@ -52,7 +54,8 @@ __global__ void __launch_bounds__(256, 1) probe(float* out, long long* cycles, i
           o[i / 2][e] = 0.f;
         }
       for (int it = 0; it < iters; ++it) {
-        softmax_block<kModeNone, 128, 64, true, true>(p, sc, o, m, l, 0, 0, row, 0, sq, false, nullptr, t4);
+        softmax_block<kModeNone, 128, 64, true, true, 0, (KSM < 0 ? 0 : KSM)>(p, sc, o, m, l, 0, 0, row, 0, sq, false,
+                                                                                nullptr, t4);
 #pragma unroll
         for (int kt = 0; kt < 8; ++kt) {
           acc_to_a<__nv_bfloat16>(pa[kt], sc[2 * kt], sc[2 * kt + 1]);
@@ -114,7 +117,7 @@ __global__ void __launch_bounds__(256, 1) probe(float* out, long long* cycles, i
   }
 }
 
-template <int GEMM, bool KSM = false>
+template <int GEMM, int KSM = -1>
 void run(const char* name, bool soft, int sms) {
   const int iters = 4000, gemm_iters = 4000;
   float* out;
@@ -146,7 +149,11 @@ int main() {
   run<kSSRS>("S and P V alone", false, sms);
   run<kSS>("softmax + S = Q K^T", true, sms);
   run<kSSRS>("softmax + S and P V", true, sms);
-  run<kIdle, true>("softmax_block alone", true, sms);
-  run<kSSRS, true>("softmax_block + S and P V", true, sms);
+  run<kIdle, 0>("softmax_block alone", true, sms);
+  run<kSSRS, 0>("softmax_block + S and P V", true, sms);
+  run<kIdle, 4>("softmax_block emu 4 alone", true, sms);
+  run<kSSRS, 4>("softmax_block emu 4 + S and P V", true, sms);
+  run<kIdle, 6>("softmax_block emu 6 alone", true, sms);
+  run<kSSRS, 6>("softmax_block emu 6 + S and P V", true, sms);
   return probe_status();
 }
