@@ -491,11 +491,13 @@ constexpr float kLazyMax = 8.f;
 // [0, 1); 2^f by a cubic (relative error at most 8.6e-5, 2^-13.5: a sixth of fp16's rounding of P, 2^-11, a 23rd of
 // bf16's), 2^j by its exponent bits, then one product. j comes from the magic-number sum 1.5 2^23 + x rounded down
 // (its low bits: j), so the whole is 9 instructions (max, 3 adds, 3 FMAs, a shift-add, a product) of the pipes that
-// issue one a cycle, against MUFU.EX2's one per 8-9 cycles a scheduler: the forward's softmax at D = 64 is bound by
-// MUFU (64 exponentials a thread and key block: 570 of the 780-800 cycles it takes alone, softmax_probe.cu), so a
-// quarter of them here cuts its bound to about 430 (softmax_block's kEmu). x <= -127 (and -inf: a masked score) gives
+// issue one a cycle, against MUFU.EX2's one per 8-9 cycles a scheduler. x <= -127 (and -inf: a masked score) gives
 // exactly 0 (clamped to -127: f = 0, p = 1, 2^j's bits 0); NaN stays NaN (max.NaN, and NaN p times any 2^j); x must be
-// below 128 (the forwards' exponents are at most kLazyMax).
+// below 128. Not in the package's kernels: the warp-specialised forward at D = 64 with 4 of each 16 n-tiles' here was
+// 1-2% slower without dropout and 5-6% with it (6 of 16: 5% and 9%), H200 run342; softmax_wgmma_probe.cu showed why:
+// its softmax_block alone 802 cycles against 819, but beside the other warpgroup's products 1106 against 1083, and
+// those products 796 cycles against 673 (the FMA pipe's work, not MUFU's, is what the tensor cores' slows). Kept for
+// that probe (softmax_block's kEmu).
 __device__ __forceinline__ float exp2_fma(float x) {
   float xc;
   asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(xc) : "f"(x), "f"(-127.f));
@@ -517,8 +519,8 @@ __device__ __forceinline__ float exp2_fma(float x) {
 // n-tiles are read from shared memory at ``bits`` (row[0]'s BC / 8 bytes, byte c the keep bits of keys k0 + 8 c ..,
 // bit v key 8 c + v; row[1]'s 8 rows on, BC / 8 bytes a row), which the producer warpgroup drew (ws_draw_bits); the
 // rest's are drawn here.
-// ``kEmu`` (the warp-specialised forward at D = 64): of each 16 8-key n-tiles, the exponentials of kEmu are exp2_fma's
-// (on the FMA pipe), the rest MUFU.EX2's.
+// ``kEmu`` (softmax_wgmma_probe.cu only): of each 16 8-key n-tiles, the exponentials of kEmu are exp2_fma's (on the
+// FMA pipe), the rest MUFU.EX2's.
 // ``mark`` (the warp-specialised forward's timeline build only, FwdTrace): called with 13 on entry, 16 + r after row
 // r's max, 14 after both rows' exponentials and sums, 15 at the end.
 struct NoMark {
@@ -537,9 +539,9 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
   bool grown = false;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    // the row's max in 4 chains (one was a chain of BC / 4 dependent FMNMX a row, the compiler interleaving the rows:
-    // about 4 cycles each in the softmax's first phase, before any exponential can start)
-    float mxc[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    // (the row's max in one chain: in 4, softmax_wgmma_probe.cu's softmax_block took 819 cycles (run342) against 810
+    // (run341), whose other rows repeated to 0.1 cycle between the two calls)
+    float mx = -INFINITY;
     const int lim = p.causal ? min(s.sk, row[r] + 1) : s.sk;  // (kRaw, edge) keys j < lim take part
 #pragma unroll
     for (int nt = 0; nt < BC / 8; ++nt) {
@@ -553,10 +555,9 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
           x = score<MODE>(p, sc[nt][2 * r + e], b, h, row[r], k0 + jl, s.sq, s.sk, edge,
                           MODE == kModeKeys ? kb[jl] : 0.f);
         sc[nt][2 * r + e] = x;
-        mxc[2 * (nt & 1) + e] = fmaxf(mxc[2 * (nt & 1) + e], x);
+        mx = fmaxf(mx, x);
       }
     }
-    float mx = fmaxf(fmaxf(mxc[0], mxc[1]), fmaxf(mxc[2], mxc[3]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     mark(16 + r);
@@ -1392,7 +1393,7 @@ __device__ __forceinline__ void ws_draw_bits(const Params& p, uint32_t dst, uint
   }
 }
 
-template <typename T, int D, int MODE, int EMU>
+template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
     attn_fwd_sm90_ws_kernel(const Params p, const __grid_constant__ FwdTma tm) {
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
@@ -1637,13 +1638,12 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
         const NoMark mark;
 #endif
         if (bits)  // (the keep bits of rows row[0], row[1] in the tile, the producer's)
-          softmax_block<MODE, BN, D, MODE == kModeNone, true, C::DRAWN, EMU>(
+          softmax_block<MODE, BN, D, MODE == kModeNone, true, C::DRAWN>(
               p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value, skb + st * BN, t4,
               sbits + st * C::BITS + (row[0] - q0) * (BN / 8), mark);
         else
-          softmax_block<MODE, BN, D, MODE == kModeNone, true, 0, EMU>(p, sc, o, m, l, x.b, x.h, row, k0, s,
-                                                                       decltype(e)::value, skb + st * BN, t4, 0u,
-                                                                       mark);
+          softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s,
+                                                               decltype(e)::value, skb + st * BN, t4, 0u, mark);
       });
       if (soft_turn) named_arrive(kSoft + (cw ^ 1), 256);
       if (kKeys || bits) {  // the warp's reads of the addends and keep bits are done
@@ -2991,14 +2991,6 @@ inline bool fwd_soft_turn(const Params& p, int d, int mode) {
 // PYKERNELS_CUDA_ATTN_FWD_FENCE=1: every block, as before run341 (A/B runs and tests, read at each call)
 inline bool fwd_fence(const FwdTma& tm) { return tm.on == 0 || env_first("PYKERNELS_CUDA_ATTN_FWD_FENCE") == '1'; }
 
-// Of each 16 of a key block's 8-key n-tiles, how many of the warp-specialised forward's exponentials at D = 64 are
-// exp2_fma's (softmax_block's kEmu; the rest MUFU.EX2's): 4 by default; PYKERNELS_CUDA_ATTN_FWD_EXP_EMU=0 / 6 (A/B
-// runs and tests, read at each call)
-inline int fwd_exp_emu() {
-  const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_EXP_EMU");
-  return e == '0' ? 0 : e == '6' ? 6 : 4;
-}
-
 // PYKERNELS_CUDA_ATTN_FWD_STORE=registers: the warp-specialised forward at D = 64 stores O from registers (as before
 // run330; A/B runs and tests, read at each call); default: through shared memory by TMA where FwdTma::o_on
 inline bool fwd_store_by_tma() { return env_first("PYKERNELS_CUDA_ATTN_FWD_STORE") != 'r'; }
@@ -3102,15 +3094,7 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
           FwdTma tm = make_fwd_tma<T>(q, C::BM, C::BN, D == 64);
           tm.soft_turn = fwd_soft_turn(p, D, M);
           tm.fence = fwd_fence(tm);
-          if constexpr (D == 64) {  // (fwd_exp_emu)
-            switch (fwd_exp_emu()) {
-              case 0: launch(attn_fwd_sm90_ws_kernel<T, D, M, 0>, grid, C::smem(), q, tm, stream, C::NT); break;
-              case 6: launch(attn_fwd_sm90_ws_kernel<T, D, M, 6>, grid, C::smem(), q, tm, stream, C::NT); break;
-              default: launch(attn_fwd_sm90_ws_kernel<T, D, M, 4>, grid, C::smem(), q, tm, stream, C::NT);
-            }
-          } else {
-            launch(attn_fwd_sm90_ws_kernel<T, D, M, 0>, grid, C::smem(), q, tm, stream, C::NT);
-          }
+          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), q, tm, stream, C::NT);
         };
         if (p.d <= 64)
           ws(std::integral_constant<int, 64>{});

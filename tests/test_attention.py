@@ -2356,67 +2356,6 @@ def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch):
 
 @pytest.mark.gpu
 @needs_cuda_ext
-@pytest.mark.parametrize("emu", ["0", "4", "6"])
-@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
-def test_gpu_cuda_ws_forward_exp_emulation(monkeypatch, dtype, emu):
-    """The warp-specialised forward at D = 64 takes some of its exponentials on the FMA pipe (attention.cuh's exp2_fma:
-    a cubic and the exponent's bits; PYKERNELS_CUDA_ATTN_FWD_EXP_EMU: of each 16 8-key n-tiles none, 4 (the default)
-    or 6). Against the float64 and same-dtype references (output and gradients): scores of the usual spread and ones
-    16x wider (exponents far below -127, which give exactly 0), causal, GQA with dropout, a key-padding mask with a
-    batch of no valid key (O 0, lse -inf, never NaN), a boolean mask with fully masked rows, packed sequences; each
-    setting within the references' bounds of the MUFU-only one (0). A NaN key in an emulated n-tile makes its head's
-    every output row NaN, as the reference's (the emulation's max keeps NaN), and only that head's."""
-    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_EXP_EMU", emu)
-    torch.manual_seed(11)
-    q, k, v = _inputs((2, 4, 300, 64), (2, 4, 300, 64), (2, 4, 300, 64), dtype, "cuda")
-    _check_against_ref(q, k, v, backend="cuda", what=f"emu {emu} dense")
-    _check_against_ref(q, k, v, causal=True, backend="cuda", what=f"emu {emu} causal")
-    wide = (q.detach() * 16).requires_grad_(True)  # (scores' spread about 16: exponents down to about -200)
-    _check_against_ref(wide, k, v, backend="cuda", what=f"emu {emu} wide scores")
-    keys = torch.ones(2, 1, 1, 300, dtype=torch.bool, device="cuda")
-    keys[0, ..., 170:] = False
-    keys[1] = False
-    out, _ = _check_against_ref(q, k, v, mask=keys, backend="cuda", what=f"emu {emu} key padding")
-    assert torch.equal(out[1], torch.zeros_like(out[1]))
-    full = torch.rand(2, 4, 300, 300, device="cuda") > 0.3
-    full[:, :, 40:60] = False
-    out, _ = _check_against_ref(q, k, v, mask=full, backend="cuda", what=f"emu {emu} boolean mask")
-    assert torch.equal(out[:, :, 40:60], torch.zeros_like(out[:, :, 40:60]))
-    qg, kg, vg = _inputs((2, 4, 300, 64), (2, 2, 300, 64), (2, 2, 300, 64), dtype, "cuda")
-    torch.manual_seed(4)
-    seed = new_seed(q.device)
-    torch.manual_seed(4)
-    o_drop = sdpa(qg, kg, vg, dropout_p=0.2, enable_gqa=True, backend="cuda")
-    _check_against_ref(qg, kg, vg, dropout_p=0.2, enable_gqa=True, out=o_drop, what=f"emu {emu} gqa dropout",
-                       dropout_mask=attention_dropout_mask(seed, 2, 4, 300, 300, 0.2, "cuda"))
-    lens = [5, 300, 129, 1]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    qv, kv, vv = (torch.randn(sum(lens), 4, 64, dtype=dtype, device="cuda") for _ in range(3))
-    o_var = varlen_attention(qv, kv, vv, cu, cu, max(lens), max(lens), backend="cuda")
-    for i, n in enumerate(lens):
-        a, b = int(cu[i]), int(cu[i + 1])
-        one = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (qv, kv, vv)]
-        ref_hi = attention_reference(*(t.double() for t in one), None, 0.0, False, None, False)
-        ref_lo = attention_reference(*one, None, 0.0, False, None, False)
-        assert_close_to_ref(f"emu {emu} varlen sequence {i}", o_var[a:b].transpose(0, 1).unsqueeze(0), ref_hi, ref_lo)
-    # against the MUFU-only forward, within the references' bounds
-    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_EXP_EMU", "0")
-    base = sdpa(wide.detach(), k.detach(), v.detach(), backend="cuda")
-    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_EXP_EMU", emu)
-    ref_hi = attention_reference(wide.detach().double(), k.detach().double(), v.detach().double(), None, 0.0, False,
-                                 None, False)
-    assert_close_to_ref(f"emu {emu} against emu 0", sdpa(wide.detach(), k.detach(), v.detach(), backend="cuda"),
-                        ref_hi, base)
-    # NaN: key 29 (n-tile 3: emulated at 4) or 21 (n-tile 2: at 6) of head (0, 1)
-    kn = k.detach().clone()
-    kn[0, 1, 21 if emu == "6" else 29, 7] = float("nan")
-    o_nan = sdpa(q.detach(), kn, v.detach(), backend="cuda")
-    assert o_nan[0, 1].isnan().all()
-    assert not o_nan[0, 0].isnan().any() and not o_nan[1].isnan().any()
-
-
-@pytest.mark.gpu
-@needs_cuda_ext
 @pytest.mark.parametrize("kernels", [None, "1", "0"], ids=["ws", "wgmma", "mma"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_cuda_forward_lazy_max(monkeypatch, kernels, d):
