@@ -1174,7 +1174,7 @@ static __device__ unsigned long long g_fwd_trace[kTraceCtas * kTraceWarps * kTra
 struct FwdTrace {
   int n = 0;
   __device__ __forceinline__ void mark(int code) {
-    if (blockIdx.x < kTraceCtas) {
+    if (blockIdx.x < kTraceCtas && (threadIdx.x >> 5) < kTraceWarps) {  // (three consumers: their first two's warps)
       unsigned long long c;
       asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(c));
       g_fwd_trace[(blockIdx.x * kTraceWarps + (threadIdx.x >> 5)) * kTraceN + min(n, kTraceN - 1)] =
@@ -1190,30 +1190,34 @@ struct FwdTrace {
 #define PK_FWD_TRACE(code)
 #endif
 
-template <int D>
+// NW: the consumer warpgroups (2; 3 at D = 64 without a mask: fwd_three_consumers)
+template <int D, int NW = 2>
 struct FwdWsCfg {
-  static constexpr int BM = 128;  // query rows a tile: two consumer warpgroups of 64
+  static_assert(NW == 2 || (NW == 3 && D == 64), "three consumers at D = 64 only (their 160 registers)");
+  static constexpr int BM = 64 * NW;  // query rows a tile: a consumer warpgroup's 64 each
   static constexpr int BN = 128;  // keys a block
   // K / V ring slots: 3 at D = 64, 2 at D = 128 (3 would not fit). A slot's V is freed a block after its K (P V lags a
   // block), so with 2 slots the producer can issue a block's V only about one block before its P V; 3 took the
   // forward 1.06-1.07x with key padding and 1.00-1.01x otherwise, 4 no further (run233; run215, before the edge
   // split, had found 4 no faster)
   static constexpr int STAGES = D == 64 ? 3 : 2;
-  static constexpr int NT = 384;  // the producer warpgroup and two consumers
+  static constexpr int NT = 128 * (1 + NW);  // the producer warpgroup and the consumers
+  // the warpgroups' registers (setmaxnreg): at most 512 a thread of each warpgroup together (64K a block)
+  static constexpr int PRODUCER_REGS = NW == 2 ? 56 : 32, CONSUMER_REGS = NW == 2 ? 224 : 160;
   static constexpr uint32_t QBYTES = BM * D * 2, KVBYTES = BN * D * 2;
   // q full / empty (2 each), k full / empty, v full / empty, key addends empty (key-only masks)
   static constexpr int NBAR = 4 + 5 * STAGES;
   // then (key-only masks) the key addends a ring slot, each tile's key-block range, the producer's reduction
   static constexpr size_t EXTRA = STAGES * BN * 4 + 2 * 2 * 4 + 2 * 4 * 2 * 4;
   // then (Params::fwd_drop_bits) the keep bits a ring slot: a byte each 8 keys of a row (16-byte aligned)
-  static constexpr uint32_t BITS = BM * BN / 8;
+  static constexpr uint32_t BITS = NW == 2 ? BM * BN / 8 : 0;  // (three consumers: they draw every bit)
   // the 8-key n-tiles of a block whose keep bits the producer draws (the first DRAWN; the consumers draw the rest).
   // H200 run319-320 (BERT-base forward with dropout): 16 138.6-139.5 us, 12 133.4-134.1, 8 129.2-130.2 but GPT-2's and
   // the packed batch's forward + backward 3-5 us slower than at 12
   static constexpr int DRAWN = 12;
   // D = 64: then each consumer warpgroup's O tile (64 rows of 128 bytes, 1024-byte aligned), which a TMA store takes
   // to global memory (FwdTma::o_on; D = 128 has no room left for it)
-  static constexpr uint32_t OBYTES = D == 64 ? 2 * 64 * 128 : 0;
+  static constexpr uint32_t OBYTES = D == 64 ? NW * 64 * 128 : 0;
   static constexpr size_t smem() {
     return 1024 + 2 * QBYTES + 2 * STAGES * KVBYTES + NBAR * 8 + EXTRA + 16 + STAGES * BITS + (D == 64 ? 1024 : 0) +
            OBYTES;
@@ -1393,17 +1397,18 @@ __device__ __forceinline__ void ws_draw_bits(const Params& p, uint32_t dst, uint
   }
 }
 
-template <typename T, int D, int MODE>
-__global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
+template <typename T, int D, int MODE, int NW = 2>
+__global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
     attn_fwd_sm90_ws_kernel(const Params p, const __grid_constant__ FwdTma tm) {
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
-  using C = FwdWsCfg<D>;
+  using C = FwdWsCfg<D, NW>;
   constexpr int BM = C::BM, BN = C::BN, S = C::STAGES;
   constexpr int kTurn = 1;  // named barriers kTurn + w: consumer warpgroup w's turn to issue its products
-  constexpr int kProducer = 3;  // the producer warpgroup's named barrier (key-only masks)
-  constexpr int kOStage = 4;    // named barriers kOStage + w: consumer warpgroup w's O tile (store_out_tma)
-  constexpr int kSoft = 6;      // named barriers kSoft + w: consumer warpgroup w's turn to run its softmax (soft_turn)
+  constexpr int kProducer = 1 + NW;  // the producer warpgroup's named barrier (key-only masks)
+  constexpr int kOStage = 2 + NW;    // named barriers kOStage + w: consumer warpgroup w's O tile (store_out_tma)
+  constexpr int kSoft = 2 + 2 * NW;  // named barriers kSoft + w: consumer warpgroup w's turn at its softmax (soft_turn)
+  static_assert(kSoft + NW <= 16, "16 named barriers");
   constexpr bool kKeys = MODE == kModeKeys;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;  // 2 Q buffers, then the K and V rings
@@ -1428,26 +1433,26 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   // (the host sets it with dropout only; not with key-only masks, whose producer also finds the key ranges and loads
   // the addends: with the draws too it spilled 72-96 bytes at its 56 registers, and at 72 registers (the consumers at
   // 216, no spills) it took the forward with dropout 1.05-1.06x longer, run318: the producer bounds the tile there)
-  const bool bits = !kKeys && p.fwd_drop_bits != 0;
+  const bool bits = NW == 2 && !kKeys && p.fwd_drop_bits != 0;
   // the warpgroup, broadcast from lane 0 so that ptxas sees it uniform: a role branch on tid >> 7 is a divergent path
   // to it, and it serializes the wgmma chains inside one (C7520)
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0), lane = tid & 31;
   const bool tma = tm.on != 0;
   if (tid == 0) {
     // full: the producer's 128 threads' cp.async arrivals, or its thread 0's expect_tx (TMA); empty: the consumers'
-    // 8 warps (key-only masks: one more on q full for the range, 128 more on k full for the addends; the keep
+    // 4 NW warps (key-only masks: one more on q full for the range, 128 more on k full for the addends; the keep
     // bits: 128 more on k full)
     const uint32_t loads = tma ? 1 : 128;
     for (int i = 0; i < 2; ++i) {
       mbar_init(q_full(i), loads + (kKeys ? 1 : 0));
-      mbar_init(q_empty(i), 8);
+      mbar_init(q_empty(i), 4 * NW);
     }
     for (int i = 0; i < S; ++i) {
       mbar_init(k_full(i), loads + (kKeys || bits ? 128 : 0));
-      mbar_init(k_empty(i), 8);
+      mbar_init(k_empty(i), 4 * NW);
       mbar_init(v_full(i), loads);
-      mbar_init(v_empty(i), 8);
-      mbar_init(b_empty(i), 8);
+      mbar_init(v_empty(i), 4 * NW);
+      mbar_init(b_empty(i), 4 * NW);
     }
     mbar_init_fence();
   }
@@ -1463,7 +1468,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   };
 
   if (wg == 0) {  // producer
-    regs_dec<56>();
+    regs_dec<C::PRODUCER_REGS>();
     PK_FWD_TRACE_DECL;
     // TMA: thread 0 issues every load; the other threads are needed only for the key ranges and addends, and for
     // packed varlen sequences (the maps' batch of one: rows at the sequence's offset) a sequence's last V block,
@@ -1565,14 +1570,15 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
   }
 
   // consumers
-  regs_inc<224>();
+  regs_inc<C::CONSUMER_REGS>();
   PK_FWD_TRACE_DECL;
   PK_FWD_TRACE(0);
   const int cw = wg - 1, warp = (tid >> 5) & 3, g8 = lane >> 2, t4 = lane & 3;
-  if (cw == 1) named_arrive(kTurn, 256);  // consumer 0 takes the first turn
+  const int next = cw + 1 == NW ? 0 : cw + 1;  // the warpgroup whose turn follows this one's
+  if (cw == NW - 1) named_arrive(kTurn, 256);  // consumer 0 takes the first turn
   const bool soft_turn = tm.soft_turn != 0;
   const bool fence = tm.fence != 0, packed = p.cu_q != nullptr;
-  if (soft_turn && cw == 1) named_arrive(kSoft, 256);  // and the first softmax turn
+  if (soft_turn && cw == NW - 1) named_arrive(kSoft, 256);  // and the first softmax turn
   int qi = 0;
   uint32_t g = 0;
   TileWalk walk(static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x), n_m, p.hq);  // (fwd_order.cuh)
@@ -1618,7 +1624,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       wgmma_chain_ss<T, BN, D, BM, BN>(sc, q_base, sK + st * C::KVBYTES);  // S = Q K^T
       if (nb > nb0) issue_pv(pst);
       wgmma_commit();
-      named_arrive(kTurn + (cw ^ 1), 256);
+      named_arrive(kTurn + next, 256);
       wgmma_wait_all();
       fence_acc(sc);
       fence_acc(o);
@@ -1645,7 +1651,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
           softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s,
                                                                decltype(e)::value, skb + st * BN, t4, 0u, mark);
       });
-      if (soft_turn) named_arrive(kSoft + (cw ^ 1), 256);
+      if (soft_turn) named_arrive(kSoft + next, 256);
       if (kKeys || bits) {  // the warp's reads of the addends and keep bits are done
         __syncwarp();
         if (lane == 0) mbar_arrive(b_empty(st));
@@ -1665,7 +1671,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
       wgmma_fence();
       issue_pv(pst);
       wgmma_commit();
-      named_arrive(kTurn + (cw ^ 1), 256);
+      named_arrive(kTurn + next, 256);
       wgmma_wait_all();
       fence_acc(o);
       PK_FWD_TRACE(6);
@@ -1686,7 +1692,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D>::NT, 1)
     PK_FWD_TRACE(7);
   }
   if (ostage && (tid & 127) == 0) bulk_wait_all();  // (the O tiles' stores done before the block's memory goes)
-  if (cw == 0) named_sync(kTurn, 256);  // consumer 1's last pass of the turn
+  if (cw == 0) named_sync(kTurn, 256);  // the last consumer's last pass of the turn
   if (soft_turn && cw == 0) named_sync(kSoft, 256);  // and of the softmax turn
 #else
   __trap();  // (not launched: the host takes this kernel only from an sm_90a build on a 9.0 device)
@@ -2991,6 +2997,14 @@ inline bool fwd_soft_turn(const Params& p, int d, int mode) {
 // PYKERNELS_CUDA_ATTN_FWD_FENCE=1: every block, as before run341 (A/B runs and tests, read at each call)
 inline bool fwd_fence(const FwdTma& tm) { return tm.on == 0 || env_first("PYKERNELS_CUDA_ATTN_FWD_FENCE") == '1'; }
 
+// Whether the warp-specialised forward runs three consumer warpgroups (tiles of 192 query rows, FwdWsCfg<64, 3>)
+// instead of two: at D <= 64 without a mask on dense inputs (not packed sequences: the order kernel's tiles are 128
+// rows), where TMA takes the inputs (the host falls back to two otherwise). PYKERNELS_CUDA_ATTN_FWD_WG=3 / 2 (A/B runs
+// and tests, read at each call); unset, two
+inline bool fwd_three_consumers(const Params& p) {
+  return p.cu_q == nullptr && p.d <= 64 && env_first("PYKERNELS_CUDA_ATTN_FWD_WG") == '3';
+}
+
 // PYKERNELS_CUDA_ATTN_FWD_STORE=registers: the warp-specialised forward at D = 64 stores O from registers (as before
 // run330; A/B runs and tests, read at each call); default: through shared memory by TMA where FwdTma::o_on
 inline bool fwd_store_by_tma() { return env_first("PYKERNELS_CUDA_ATTN_FWD_STORE") != 'r'; }
@@ -3076,6 +3090,22 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
       if (plan.choice == kSm90Default && (M != kModeNone || p.scale_log2 > 0.f)) {
         const auto ws = [&](auto dc) {
           constexpr int D = decltype(dc)::value;
+          if constexpr (D == 64 && M == kModeNone) {  // three consumer warpgroups (fwd_three_consumers)
+            using C3 = FwdWsCfg<64, 3>;
+            if (fwd_three_consumers(p)) {
+              Params q = p;
+              q.fwd_order = nullptr;
+              q.fwd_drop_bits = 0;  // (its consumers draw every keep bit: C3::BITS)
+              FwdTma tm = make_fwd_tma<T>(q, C3::BM, C3::BN, true);
+              if (tm.on) {
+                tm.soft_turn = 0;
+                tm.fence = fwd_fence(tm);
+                launch(attn_fwd_sm90_ws_kernel<T, 64, M, 3>, dim3(fwd_ws_grid(p, C3::BM, plan.sms)), C3::smem(), q,
+                       tm, stream, C3::NT);
+                return;
+              }
+            }
+          }
           using C = FwdWsCfg<D>;
           const dim3 grid(fwd_ws_grid(p, C::BM, plan.sms));
           static_assert(C::BM == kOrderBM, "fwd_order_tiles's query tiles");

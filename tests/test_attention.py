@@ -2304,15 +2304,18 @@ def test_gpu_cuda_ws_forward_stores_o_by_tma(monkeypatch, dtype):
 
 @pytest.mark.gpu
 @needs_cuda_ext
-@pytest.mark.parametrize("switch", ["PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN", "PYKERNELS_CUDA_ATTN_FWD_FENCE"],
-                         ids=["softmax_turn", "fence"])
+@pytest.mark.parametrize("switch,on", [("PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN", "1"),
+                                       ("PYKERNELS_CUDA_ATTN_FWD_FENCE", "1"), ("PYKERNELS_CUDA_ATTN_FWD_WG", "3")],
+                         ids=["softmax_turn", "fence", "three_consumers"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
-def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch):
-    """Two switches of the warp-specialised forward that change only when or how its consumers wait, never what they
-    compute: the consumer warpgroups taking turns at their softmaxes (the default at D = 64 without a causal mask, but
-    for dropout under a key-only mask; PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN=1 / 0 forces it on / off), and the async
-    proxy's fence before each key block's products (off by default on TMA-loaded inputs;
-    PYKERNELS_CUDA_ATTN_FWD_FENCE=1 puts it back). O and the lse bitwise equal under each value, and the default
+def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch, on):
+    """Three switches of the warp-specialised forward that change only when or how its consumers wait, or how many
+    share a tile, never what any row computes: the consumer warpgroups taking turns at their softmaxes (the default at
+    D = 64 without a causal mask, but for dropout under a key-only mask; PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN=1 / 0 forces
+    it on / off), the async proxy's fence before each key block's products (off by default on TMA-loaded inputs;
+    PYKERNELS_CUDA_ATTN_FWD_FENCE=1 puts it back), and three consumer warpgroups on tiles of 192 rows instead of two on
+    128 (PYKERNELS_CUDA_ATTN_FWD_WG=3: D <= 64 without a mask on dense inputs; a warp's 16 rows and each row's key
+    blocks are the same in both, and its consumers draw the dropout's keep bits that the producer draws for two). O and the lse bitwise equal under each value, and the default
     equal to both, on dense inputs, GQA, key padding (with and without dropout), causal, D = 128, packed varlen
     sequences (tiles that one sequence's end leaves short, its last V block by cp.async) and lengths 1 and 17; two
     calls back to back (the turns' barriers balanced across calls: an unbalanced pair would hang or deadlock the
@@ -2338,7 +2341,7 @@ def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch):
     }
     for name, call in calls.items():
         outs = []
-        for env in (None, "1", "0"):
+        for env in (None, on, "0"):
             _set_env(monkeypatch, switch, env)
             torch.manual_seed(5)
             outs.append([t.detach().clone() for t in call()])
@@ -2348,10 +2351,53 @@ def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch):
         assert not outs[0][0].isnan().any(), name
         assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1])), name
         assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[2])), name
-    _set_env(monkeypatch, switch, "1")
+    _set_env(monkeypatch, switch, on)
     for args in ((q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)), (q1, k1, v1)):
         leaves = [t.detach().clone().requires_grad_(True) for t in args]
         _check_against_ref(*leaves, backend="cuda", what=switch)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype):
+    """PYKERNELS_CUDA_ATTN_FWD_WG=3: the warp-specialised forward with three consumer warpgroups (tiles of 192 query
+    rows) where it applies (D <= 64, no mask, dense inputs), two elsewhere (a mask, packed sequences, D = 128); output
+    and gradients against the float64 and same-dtype references at lengths whose last tile leaves one, two or all
+    three warpgroups rows (1, 17, 100, 130, 203, 1000), D = 40, causal with Sq != Sk, GQA, and dropout (its keep mask
+    pykernels.attention_dropout_mask's)."""
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", "3")
+    if _sm90a_device():
+        def nw(q, k, v, **kw):
+            names = _cuda_fwd_kernels(q, k, v, **kw)
+            assert any("attn_fwd_sm90_ws_kernel" in n for n in names), names
+            return 3 if any(", 3>" in n for n in names) else 2
+
+        a = torch.randn(2, 3, 300, 64, dtype=dtype, device="cuda")
+        assert nw(a, a, a) == 3 and nw(a, a, a, is_causal=True) == 3 and nw(a[..., :40], a[..., :40], a[..., :40]) == 3
+        keys = torch.ones(2, 1, 1, 300, dtype=torch.bool, device="cuda")
+        assert nw(a, a, a, attn_mask=keys) == 2
+        b = torch.randn(2, 3, 300, 128, dtype=dtype, device="cuda")
+        assert nw(b, b, b) == 2
+    for sq, sk, d, causal in ((1, 1, 64, False), (17, 17, 64, True), (100, 130, 64, False), (130, 100, 64, True),
+                              (203, 203, 40, False), (1000, 1000, 64, True)):
+        q, k, v = _inputs((2, 4, sq, d), (2, 2, sk, d), (2, 2, sk, d), dtype, "cuda")
+        _check_against_ref(q, k, v, causal=causal, enable_gqa=True, backend="cuda",
+                           what=f"three consumers {sq}x{sk} d{d} causal {causal}")
+    q, k, v = _inputs((2, 4, 203, 64), (2, 4, 203, 64), (2, 4, 203, 64), dtype, "cuda")
+    torch.manual_seed(6)
+    seed = new_seed(q.device)
+    torch.manual_seed(6)
+    out = sdpa(q, k, v, dropout_p=0.2, backend="cuda")
+    _check_against_ref(q, k, v, dropout_p=0.2, out=out, what="three consumers dropout",
+                       dropout_mask=attention_dropout_mask(seed, 2, 4, 203, 203, 0.2, "cuda"))
+    vl = torch.randint(1, 300, (4,)).tolist()
+    cu = torch.tensor([0, *torch.tensor(vl).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    qv, kv, vv = (torch.randn(sum(vl), 4, 64, dtype=dtype, device="cuda") for _ in range(3))
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", None)
+    two = varlen_attention(qv, kv, vv, cu, cu, max(vl), max(vl), backend="cuda")
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", "3")
+    assert torch.equal(varlen_attention(qv, kv, vv, cu, cu, max(vl), max(vl), backend="cuda"), two), "packed: two"
 
 
 @pytest.mark.gpu
