@@ -3098,7 +3098,7 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
               q.fwd_drop_bits = 0;  // (its consumers draw every keep bit: C3::BITS)
               FwdTma tm = make_fwd_tma<T>(q, C3::BM, C3::BN, true);
               if (tm.on) {
-                tm.soft_turn = 0;
+                tm.soft_turn = env_first("PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN") == '1';  // (off unless forced)
                 tm.fence = fwd_fence(tm);
                 launch(attn_fwd_sm90_ws_kernel<T, 64, M, 3>, dim3(fwd_ws_grid(p, C3::BM, plan.sms)), C3::smem(), q,
                        tm, stream, C3::NT);
