@@ -2999,10 +2999,18 @@ inline bool fwd_fence(const FwdTma& tm) { return tm.on == 0 || env_first("PYKERN
 
 // Whether the warp-specialised forward runs three consumer warpgroups (tiles of 192 query rows, FwdWsCfg<64, 3>)
 // instead of two: at D <= 64 without a mask on dense inputs (not packed sequences: the order kernel's tiles are 128
-// rows), where TMA takes the inputs (the host falls back to two otherwise). PYKERNELS_CUDA_ATTN_FWD_WG=3 / 2 (A/B runs
-// and tests, read at each call); unset, two
+// rows), where TMA takes the inputs (the host falls back to two otherwise), by default neither causal nor with dropout.
+// With two, the products of one warpgroup run during the other's softmax, and a key block takes two softmaxes (1000-1100
+// cycles each beside the products, softmax_wgmma_probe.cu) while the tensor cores idle for about 40% of it; with three
+// (FlashAttention-3's tile at D = 64) two warpgroups' products share each softmax. H200 run343, one build: BERT-base
+// 78.5-78.8 -> 71.0-71.3 us (cuDNN 68.0); slower where it is off: GPT-2 (causal) 48.2 -> 60.2 (a tile of 192 rows
+// visits the key blocks of its last row: more of them masked), dropout 0.1 BERT-base 127 -> 144-145 (the consumers draw
+// every keep bit: the producer, at 32 registers, draws none). PYKERNELS_CUDA_ATTN_FWD_WG=3 / 2 (or 0) forces three /
+// two (A/B runs and tests, read at each call)
 inline bool fwd_three_consumers(const Params& p) {
-  return p.cu_q == nullptr && p.d <= 64 && env_first("PYKERNELS_CUDA_ATTN_FWD_WG") == '3';
+  if (p.cu_q != nullptr || p.d > 64) return false;
+  const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_WG");
+  return e == '3' || (e != '2' && e != '0' && !p.causal && p.p_drop == 0.f);
 }
 
 // PYKERNELS_CUDA_ATTN_FWD_STORE=registers: the warp-specialised forward at D = 64 stores O from registers (as before

@@ -2361,12 +2361,12 @@ def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch, on):
 @needs_cuda_ext
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype):
-    """PYKERNELS_CUDA_ATTN_FWD_WG=3: the warp-specialised forward with three consumer warpgroups (tiles of 192 query
-    rows) where it applies (D <= 64, no mask, dense inputs), two elsewhere (a mask, packed sequences, D = 128); output
-    and gradients against the float64 and same-dtype references at lengths whose last tile leaves one, two or all
-    three warpgroups rows (1, 17, 100, 130, 203, 1000), D = 40, causal with Sq != Sk, GQA, and dropout (its keep mask
+    """The warp-specialised forward with three consumer warpgroups (tiles of 192 query rows): by default at D <= 64
+    without a mask, causal mask or dropout on dense inputs, else two; PYKERNELS_CUDA_ATTN_FWD_WG=3 forces three
+    wherever it applies (D <= 64, no mask, dense inputs: causal and dropout too), =2 two. Under =3, output and
+    gradients against the float64 and same-dtype references at lengths whose last tile leaves one, two or all three
+    warpgroups rows (1, 17, 100, 130, 203, 1000), D = 40, causal with Sq != Sk, GQA, and dropout (its keep mask
     pykernels.attention_dropout_mask's)."""
-    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", "3")
     if _sm90a_device():
         def nw(q, k, v, **kw):
             names = _cuda_fwd_kernels(q, k, v, **kw)
@@ -2374,11 +2374,15 @@ def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype):
             return 3 if any(", 3>" in n for n in names) else 2
 
         a = torch.randn(2, 3, 300, 64, dtype=dtype, device="cuda")
-        assert nw(a, a, a) == 3 and nw(a, a, a, is_causal=True) == 3 and nw(a[..., :40], a[..., :40], a[..., :40]) == 3
+        a40 = a[..., :40]
         keys = torch.ones(2, 1, 1, 300, dtype=torch.bool, device="cuda")
-        assert nw(a, a, a, attn_mask=keys) == 2
         b = torch.randn(2, 3, 300, 128, dtype=dtype, device="cuda")
-        assert nw(b, b, b) == 2
+        for env, dense, causal, drop in ((None, 3, 2, 2), ("3", 3, 3, 3), ("2", 2, 2, 2)):
+            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", env)
+            assert nw(a, a, a) == dense and nw(a40, a40, a40) == dense, env
+            assert nw(a, a, a, is_causal=True) == causal and nw(a, a, a, dropout_p=0.1) == drop, env
+            assert nw(a, a, a, attn_mask=keys) == 2 and nw(b, b, b) == 2, env
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", "3")
     for sq, sk, d, causal in ((1, 1, 64, False), (17, 17, 64, True), (100, 130, 64, False), (130, 100, 64, True),
                               (203, 203, 40, False), (1000, 1000, 64, True)):
         q, k, v = _inputs((2, 4, sq, d), (2, 2, sk, d), (2, 2, sk, d), dtype, "cuda")
@@ -2394,7 +2398,7 @@ def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype):
     vl = torch.randint(1, 300, (4,)).tolist()
     cu = torch.tensor([0, *torch.tensor(vl).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     qv, kv, vv = (torch.randn(sum(vl), 4, 64, dtype=dtype, device="cuda") for _ in range(3))
-    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", None)
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", "2")
     two = varlen_attention(qv, kv, vv, cu, cu, max(vl), max(vl), backend="cuda")
     _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", "3")
     assert torch.equal(varlen_attention(qv, kv, vv, cu, cu, max(vl), max(vl), backend="cuda"), two), "packed: two"
