@@ -1610,35 +1610,6 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base, kt * 16 * 128));
     };
-    // (three consumers) a warpgroup without a valid row in the tile (its 64 rows past the sequence: the last tile of
-    // a length that leaves it none, e.g. 512 rows in tiles of 192) takes its turns and frees each slot, and computes
-    // nothing (a vote: ptxas must see the branch uniform, C7520; with two consumers, where it is rarer, it made ptxas
-    // spill 4 bytes at D = 128)
-    if (NW == 3 && __all_sync(0xffffffffu, qw >= s.sq)) {
-      for (int nb = nb0; nb < nb1; ++nb, ++g) {
-        const int st = g % S, pst = (g + S - 1) % S;
-        named_sync(kTurn + cw, 256);
-        named_arrive(kTurn + next, 256);
-        if (soft_turn) {
-          named_sync(kSoft + cw, 256);
-          named_arrive(kSoft + next, 256);
-        }
-        if (lane == 0) {
-          mbar_arrive(k_empty(st));
-          if (nb > nb0) mbar_arrive(v_empty(pst));
-          if (nb == nb1 - 1) mbar_arrive(q_empty(qb));
-          if (kKeys || bits) mbar_arrive(b_empty(st));
-        }
-      }
-      if (nb1 > nb0) {  // (the last block's P V's turn)
-        named_sync(kTurn + cw, 256);
-        named_arrive(kTurn + next, 256);
-        if (lane == 0) mbar_arrive(v_empty((g + S - 1) % S));
-      } else if (lane == 0) {
-        mbar_arrive(q_empty(qb));
-      }
-      continue;
-    }
     for (int nb = nb0; nb < nb1; ++nb, ++g) {
       const int st = g % S, pst = (g + S - 1) % S, k0 = nb * BN;
       mbar_wait(k_full(st), (g / S) & 1);
