@@ -1157,6 +1157,9 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // 80.8-81.7; with dropout 0.1 BERT-base 130.4-130.7 -> 126.4-126.8, packed 124.2-127.4 -> 121.9-122.2. Off where it did
 // not gain (run337, run339, on everywhere): causal (GPT-2 +1% with dropout), D = 128 (S2048 causal within noise), and
 // dropout under a key-only mask (+2-5%: its consumers draw every keep bit, integer work that the overlap had hidden).
+// Three consumers (NW = 3, FwdWsCfg<64, 3>; where fwd_three_consumers says): tiles of 192 query rows, the turn passed
+// 0 -> 1 -> 2 -> 0 (named barriers kTurn + w, each waited by its warpgroup and arrived at by the one before), the
+// producer at 32 registers (TMA only: no key ranges, no keep bits) and the consumers at 160 (no spills at D = 64).
 // A timeline of the warp-specialised forward, for development only (a build with -DPYKERNELS_FWD_TRACE, setup.py's
 // PYKERNELS_NVCC_FLAGS; benchmarks/dev/attention_fwd_trace.py reads and summarises it): each warp of the first
 // kTraceCtas blocks records its first kTraceN events, the event's code in the top 16 bits and the SM's clock64 below,
