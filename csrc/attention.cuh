@@ -1163,7 +1163,7 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // A timeline of the warp-specialised forward, for development only (a build with -DPYKERNELS_FWD_TRACE, setup.py's
 // PYKERNELS_NVCC_FLAGS; benchmarks/dev/attention_fwd_trace.py reads and summarises it): each warp of the first
 // kTraceCtas blocks records its first kTraceN events, the event's code in the top 16 bits and the SM's clock64 below,
-// at kTraceWarps slots a block (the producer's warps 0-3, the consumers' 4-11); every lane stores the same value, so
+// at kTraceWarps slots a block (the producer's warps 0-3, the consumers' 4-11, a third consumer's 12-15); every lane stores the same value, so
 // the code stays free of per-lane branches (a divergent path around the products makes ptxas serialize them, C7520).
 // Codes: 0 the consumer's start; 1 a tile's Q landed; 2 a key block's turn taken; 3 its products done; 4 its softmax
 // done; 5 the last P V's turn taken; 6 its product done; 7 the tile's O stored; 8 / 9 / 10 the producer past a Q / K /
@@ -1172,12 +1172,12 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // row 0's / row 1's max found, 14 both rows' exponentials and sums done, 15 its end (the dropout's zeros applied).
 // The clock reads keep ptxas from moving work across them, so the phases inside the softmax are the build's own.
 #ifdef PYKERNELS_FWD_TRACE
-constexpr int kTraceCtas = 16, kTraceWarps = 12, kTraceN = 2048;
+constexpr int kTraceCtas = 16, kTraceWarps = 16, kTraceN = 2048;  // (16 warps: three consumers too)
 static __device__ unsigned long long g_fwd_trace[kTraceCtas * kTraceWarps * kTraceN];
 struct FwdTrace {
   int n = 0;
   __device__ __forceinline__ void mark(int code) {
-    if (blockIdx.x < kTraceCtas && (threadIdx.x >> 5) < kTraceWarps) {  // (three consumers: their first two's warps)
+    if (blockIdx.x < kTraceCtas) {
       unsigned long long c;
       asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(c));
       g_fwd_trace[(blockIdx.x * kTraceWarps + (threadIdx.x >> 5)) * kTraceN + min(n, kTraceN - 1)] =

@@ -11,8 +11,9 @@ int64_t fwd_trace_read(unsigned long long* host, bool reset) {
   constexpr int64_t n = static_cast<int64_t>(kTraceCtas) * kTraceWarps * kTraceN;
   if (host != nullptr) C10_CUDA_CHECK(cudaMemcpyFromSymbol(host, g_fwd_trace, n * sizeof(unsigned long long)));
   if (reset) {
-    static unsigned long long zeros[n] = {};
-    C10_CUDA_CHECK(cudaMemcpyToSymbol(g_fwd_trace, zeros, n * sizeof(unsigned long long)));
+    void* dev = nullptr;
+    C10_CUDA_CHECK(cudaGetSymbolAddress(&dev, g_fwd_trace));
+    C10_CUDA_CHECK(cudaMemset(dev, 0, n * sizeof(unsigned long long)));
   }
   return n;
 }

@@ -11,7 +11,8 @@ the mean SM cycles of each phase of a key block (K/V landed, the turn taken, the
 softmax_block: entered, each row's max, the exponentials, the dropout's zeros; the softmax done),
 split by the block's place in its tile, and of each tile's end (the last P V, O's store, the next tile's Q); then the
 tile period and the kernel's cycles against its time (the SM clock it implies). ``--dump N`` prints the first N
-tiles' events of block 0, both consumers, as cycles from the block's start.
+tiles' events of block 0, each consumer (two or three: PYKERNELS_CUDA_ATTN_FWD_WG), as cycles from the block's
+start.
 """
 import argparse
 import collections
@@ -26,7 +27,7 @@ CASES = {  # name: (batch, heads, seq, head dim, causal)
     "long": (2, 12, 4096, 64, False),
     "d128": (8, 16, 2048, 128, True),
 }
-N_CTAS, N_WARPS = 16, 12  # attention.cuh's kTraceCtas, kTraceWarps
+N_CTAS, N_WARPS = 16, 16  # attention.cuh's kTraceCtas, kTraceWarps (warps 12-15: a third consumer's)
 # the marks inside softmax_block (attention.cuh): the phase that ends at each
 SOFTMAX_MARKS = {13: "sm entered", 16: "sm row 0 max", 17: "sm row 1 max", 14: "sm exps", 15: "sm dropout"}
 CLK = (1 << 48) - 1
@@ -124,7 +125,8 @@ def run_case(name, dump):
     span = mean([e - s0 for s0, e in zip(starts, ends)])
     print(f"\n== {name}: B {b} H {h} S {s} D {d} causal {causal}: {us:.1f} us a call (trace build), "
           f"blocks 0-{N_CTAS - 1} span {span:.0f} cycles, {span / us:.0f} MHz implied")
-    for wg, w in ((1, 4), (2, 8)):
+    consumers = [(c, 4 * c) for c in (1, 2, 3) if any(tr[0][4 * c])]  # (the third: FwdWsCfg<64, 3>)
+    for wg, w in consumers:
         agg = collections.defaultdict(list)
         per = []
         for cta in tr:
@@ -145,7 +147,7 @@ def run_case(name, dump):
             print(f"    {key:28s} {mean(agg[key]):7.0f}  (n {len(agg[key])})")
     if dump:
         base = starts[0]
-        for wg, w in ((1, 4), (2, 8)):
+        for wg, w in consumers:
             ev = tr[0][w]
             tiles, out = 0, []
             for code, clk in ev:
