@@ -1163,8 +1163,9 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // A timeline of the warp-specialised forward, for development only (a build with -DPYKERNELS_FWD_TRACE, setup.py's
 // PYKERNELS_NVCC_FLAGS; benchmarks/dev/attention_fwd_trace.py reads and summarises it): each warp of the first
 // kTraceCtas blocks records its first kTraceN events, the event's code in the top 16 bits and the SM's clock64 below,
-// at kTraceWarps slots a block (the producer's warps 0-3, the consumers' 4-11, a third consumer's 12-15); every lane stores the same value, so
-// the code stays free of per-lane branches (a divergent path around the products makes ptxas serialize them, C7520).
+// at kTraceWarps slots a block (the producer's warps 0-3, the consumers' 4-11, a third consumer's 12-15); every lane
+// stores the same value, so the code stays free of per-lane branches (a divergent path around the products makes
+// ptxas serialize them, C7520).
 // Codes: 0 the consumer's start; 1 a tile's Q landed; 2 a key block's turn taken; 3 its products done; 4 its softmax
 // done; 5 the last P V's turn taken; 6 its product done; 7 the tile's O stored; 8 / 9 / 10 the producer past a Q / K /
 // V slot's empty wait (its loads issued right after); 11 a key block's K (and the previous V) landed, before its turn;
