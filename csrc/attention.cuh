@@ -1169,8 +1169,9 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // Codes: 0 the consumer's start; 1 a tile's Q landed; 2 a key block's turn taken; 3 its products done; 4 its softmax
 // done; 5 the last P V's turn taken; 6 its product done; 7 the tile's O stored; 8 / 9 / 10 the producer past a Q / K /
 // V slot's empty wait (its loads issued right after); 11 a key block's K (and the previous V) landed, before its turn;
-// 12 the last V landed; inside softmax_block (its ``mark``): 13 entered (after the softmax turn where it is on), 16 / 17
-// row 0's / row 1's max found, 14 both rows' exponentials and sums done, 15 its end (the dropout's zeros applied).
+// 12 the last V landed; inside softmax_block (its ``mark``): 13 entered (after the softmax turn where it is on),
+// 16 / 17 row 0's / row 1's max found, 14 both rows' exponentials and sums done, 15 its end (the dropout's zeros
+// applied).
 // The clock reads keep ptxas from moving work across them, so the phases inside the softmax are the build's own.
 #ifdef PYKERNELS_FWD_TRACE
 constexpr int kTraceCtas = 16, kTraceWarps = 16, kTraceN = 2048;  // (16 warps: three consumers too)
@@ -3004,9 +3005,9 @@ inline bool fwd_fence(const FwdTma& tm) { return tm.on == 0 || env_first("PYKERN
 // Whether the warp-specialised forward runs three consumer warpgroups (tiles of 192 query rows, FwdWsCfg<64, 3>)
 // instead of two: at D <= 64 without a mask on dense inputs (not packed sequences: the order kernel's tiles are 128
 // rows), where TMA takes the inputs (the host falls back to two otherwise), by default neither causal nor with dropout.
-// With two, the products of one warpgroup run during the other's softmax, and a key block takes two softmaxes (1000-1100
-// cycles each beside the products, softmax_wgmma_probe.cu) while the tensor cores idle for about 40% of it; with three
-// (FlashAttention-3's tile at D = 64) two warpgroups' products share each softmax. H200 run343, one build: BERT-base
+// With two, the products of one warpgroup run during the other's softmax, and a key block takes two softmaxes
+// (1000-1100 cycles each beside the products, softmax_wgmma_probe.cu) while the tensor cores idle for about 40% of it;
+// with three (FlashAttention-3's tile at D = 64) two warpgroups' products share each softmax. H200 run343, one build: BERT-base
 // 78.5-78.8 -> 71.0-71.3 us (cuDNN 68.0); slower where it is off: GPT-2 (causal) 48.2 -> 60.2 (a tile of 192 rows
 // visits the key blocks of its last row: more of them masked), dropout 0.1 BERT-base 127 -> 144-145 (the consumers draw
 // every keep bit: the producer, at 32 registers, draws none). Tried and not kept (run344): a warpgroup with no valid
