@@ -3007,11 +3007,11 @@ inline bool fwd_fence(const FwdTma& tm) { return tm.on == 0 || env_first("PYKERN
 // rows), where TMA takes the inputs (the host falls back to two otherwise), by default neither causal nor with dropout.
 // With two, the products of one warpgroup run during the other's softmax, and a key block takes two softmaxes
 // (1000-1100 cycles each beside the products, softmax_wgmma_probe.cu) while the tensor cores idle for about 40% of it;
-// with three (FlashAttention-3's tile at D = 64) two warpgroups' products share each softmax. H200 run343, one build: BERT-base
-// 78.5-78.8 -> 71.0-71.3 us (cuDNN 68.0); slower where it is off: GPT-2 (causal) 48.2 -> 60.2 (a tile of 192 rows
-// visits the key blocks of its last row: more of them masked), dropout 0.1 BERT-base 127 -> 144-145 (the consumers draw
-// every keep bit: the producer, at 32 registers, draws none). Tried and not kept (run344): a warpgroup with no valid
-// row in its tile (BERT-base's third tile a head: rows 512-575) taking its turns and freeing the slots without
+// with three (FlashAttention-3's tile at D = 64) two warpgroups' products share each softmax. H200 run343, one build:
+// BERT-base 78.5-78.8 -> 71.0-71.3 us (cuDNN 68.0); slower where it is off: GPT-2 (causal) 48.2 -> 60.2 (a tile of 192
+// rows visits the key blocks of its last row: more of them masked), dropout 0.1 BERT-base 127 -> 144-145 (the consumers
+// draw every keep bit: the producer, at 32 registers, draws none). Tried and not kept (run344): a warpgroup with no
+// valid row in its tile (BERT-base's third tile a head: rows 512-575) taking its turns and freeing the slots without
 // computing, 74.9-75.5 us against 78.6-78.9 for two: slower than computing rows that are never stored (the third
 // warpgroup's products keep the other two's softmaxes apart). PYKERNELS_CUDA_ATTN_FWD_WG=3 / 2 (or 0) forces three /
 // two (A/B runs and tests, read at each call)
