@@ -2310,16 +2310,16 @@ def test_gpu_cuda_ws_forward_stores_o_by_tma(monkeypatch, dtype):
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch, on):
     """Three switches of the warp-specialised forward that change only when or how its consumers wait, or how many
-    share a tile, never what any row computes: the consumer warpgroups taking turns at their softmaxes (the default at
-    D = 64 without a causal mask, but for dropout under a key-only mask; PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN=1 / 0 forces
-    it on / off), the async proxy's fence before each key block's products (off by default on TMA-loaded inputs;
-    PYKERNELS_CUDA_ATTN_FWD_FENCE=1 puts it back), and three consumer warpgroups on tiles of 192 rows instead of two on
-    128 (PYKERNELS_CUDA_ATTN_FWD_WG=3: D <= 64 without a mask on dense inputs; a warp's 16 rows and each row's key
-    blocks are the same in both, and its consumers draw the dropout's keep bits that the producer draws for two). O and the lse bitwise equal under each value, and the default
-    equal to both, on dense inputs, GQA, key padding (with and without dropout), causal, D = 128, packed varlen
-    sequences (tiles that one sequence's end leaves short, its last V block by cp.async) and lengths 1 and 17; two
-    calls back to back (the turns' barriers balanced across calls: an unbalanced pair would hang or deadlock the
-    second); then against the references."""
+    share a tile, never what any row computes: the consumer warpgroups taking turns at their softmaxes (the default
+    at D = 64 without a causal mask, but for dropout under a key-only mask; PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN=1 / 0
+    forces it on / off), the async proxy's fence before each key block's products (off by default on TMA-loaded
+    inputs; PYKERNELS_CUDA_ATTN_FWD_FENCE=1 puts it back), and three consumer warpgroups on tiles of 192 rows instead
+    of two on 128 (PYKERNELS_CUDA_ATTN_FWD_WG=3: D <= 64 without a mask on dense inputs; a warp's 16 rows and each
+    row's key blocks are the same in both, and its consumers draw the dropout's keep bits that the producer draws for
+    two). O and the lse bitwise equal under each value, and the default equal to both, on dense inputs, GQA, key
+    padding (with and without dropout), causal, D = 128, packed varlen sequences (tiles that one sequence's end
+    leaves short, its last V block by cp.async) and lengths 1 and 17; two calls back to back (the turns' barriers
+    balanced across calls: an unbalanced pair would hang or deadlock the second); then against the references."""
     q, k, v = _inputs((2, 4, 203, 64), (2, 2, 203, 64), (2, 2, 203, 64), dtype, "cuda", requires_grad=False)
     keys = torch.ones(2, 1, 1, 203, dtype=torch.bool, device="cuda")
     keys[1, ..., 150:] = False
