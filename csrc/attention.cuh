@@ -521,17 +521,19 @@ __device__ __forceinline__ float exp2_fma(float x) {
 // rest's are drawn here.
 // ``kEmu`` (softmax_wgmma_probe.cu only): of each 16 8-key n-tiles, the exponentials of kEmu are exp2_fma's (on the
 // FMA pipe), the rest MUFU.EX2's.
+// ``kDeferO`` (the warp-specialised forward's overlap, FwdWsCfg's kOvl): O is not touched (its P V is in flight); the
+// rows' rescale factors go to ``alpha_out`` (1 where the max did not move) for the caller to apply.
 // ``mark`` (the warp-specialised forward's timeline build only, FwdTrace): called with 13 on entry, 16 + r after row
 // r's max, 14 after both rows' exponentials and sums, 15 at the end.
 struct NoMark {
   __device__ __forceinline__ void operator()(int) const {}
 };
 template <int MODE, int BC, int D, bool kRaw = false, bool kInl = false, int kBits = 0, int kEmu = 0,
-          typename Mark = NoMark>
+          bool kDeferO = false, typename Mark = NoMark>
 __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 8][4], float (&o)[D / 8][4],
                                               float (&m)[2], float (&l)[2], int b, int h, const int (&row)[2],
                                               int k0, const Seq& s, bool edge, const float* kb, int t4,
-                                              uint32_t bits = 0u, Mark mark = Mark{}) {
+                                              uint32_t bits = 0u, Mark mark = Mark{}, float* alpha_out = nullptr) {
   mark(13);
   static_assert(!kRaw || MODE == kModeNone, "raw scores only without a mask");
   static_assert(kEmu >= 0 && kEmu <= BC / 8, "kEmu of the block's 8-key n-tiles");
@@ -585,7 +587,10 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
     l[r] = l[r] * alpha[r] + sum;
   }
   mark(14);
-  if (__any_sync(0xffffffffu, grown)) {  // (warp-uniform: a row that did not grow has alpha 1)
+  if constexpr (kDeferO) {  // (O's P V is in flight: the caller rescales O by alpha once it is complete)
+    alpha_out[0] = alpha[0];
+    alpha_out[1] = alpha[1];
+  } else if (__any_sync(0xffffffffu, grown)) {  // (warp-uniform: a row that did not grow has alpha 1)
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt)
 #pragma unroll
@@ -1160,6 +1165,13 @@ __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_
 // Three consumers (NW = 3, FwdWsCfg<64, 3>; where fwd_three_consumers says): tiles of 192 query rows, the turn passed
 // 0 -> 1 -> 2 -> 0 (named barriers kTurn + w, each waited by its warpgroup and arrived at by the one before), the
 // producer at 32 registers (TMA only: no key ranges, no keep bits) and the consumers at 160 (no spills at D = 64).
+// Three consumers overlap (kOvl, fwd_overlap; by default without dropout): FlashAttention-3's intra-warpgroup overlap,
+// S_j and P_{j-1} V_{j-1} two commit groups (an empty second one on a tile's first block, committed in both branches:
+// a commit after the branch's join made ptxas close the P V's group and add an empty one, so that wait_group 1 waited
+// for the P V too), the softmax after S_j's wait (softmax_block's kDeferO: O untouched), then the P V's wait, V's
+// slot freed and O rescaled; a key block's K and previous V polled together (mbar_wait2). The timeline (run347) had
+// shown the three softmaxes running at once, about 2200 timeline cycles each against 1500 with two, while the tensor
+// cores idled; each warpgroup's own P V now runs beside them. Not kept at two consumers (run224: 0.93-0.96x, above).
 // A timeline of the warp-specialised forward, for development only (a build with -DPYKERNELS_FWD_TRACE, setup.py's
 // PYKERNELS_NVCC_FLAGS; benchmarks/dev/attention_fwd_trace.py reads and summarises it): each warp of the first
 // kTraceCtas blocks records its first kTraceN events, the event's code in the top 16 bits and the SM's clock64 below,
@@ -1402,11 +1414,12 @@ __device__ __forceinline__ void ws_draw_bits(const Params& p, uint32_t dst, uint
   }
 }
 
-template <typename T, int D, int MODE, int NW = 2>
+template <typename T, int D, int MODE, int NW = 2, bool kOvl = false>
 __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
     attn_fwd_sm90_ws_kernel(const Params p, const __grid_constant__ FwdTma tm) {
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
+  static_assert(!kOvl || (NW == 3 && MODE == kModeNone), "the overlap: three consumers, no mask");
   using C = FwdWsCfg<D, NW>;
   constexpr int BM = C::BM, BN = C::BN, S = C::STAGES;
   constexpr int kTurn = 1;  // named barriers kTurn + w: consumer warpgroup w's turn to issue its products
@@ -1617,27 +1630,46 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
     };
     for (int nb = nb0; nb < nb1; ++nb, ++g) {
       const int st = g % S, pst = (g + S - 1) % S, k0 = nb * BN;
-      mbar_wait(k_full(st), (g / S) & 1);
-      if (nb > nb0) mbar_wait(v_full(pst), ((g - 1) / S) & 1);
+      if (kOvl && nb > nb0) {  // (both polled at once: run349, BERT-base 69.6-69.9 us against 70.0-70.4 one by one)
+        mbar_wait2(k_full(st), (g / S) & 1, v_full(pst), ((g - 1) / S) & 1);
+      } else {
+        mbar_wait(k_full(st), (g / S) & 1);
+        if (nb > nb0) mbar_wait(v_full(pst), ((g - 1) / S) & 1);
+      }
       PK_FWD_TRACE(11);
       if (fence) fence_async_smem();  // (cp.async's tiles; TMA's land in the async proxy that wgmma reads)
-      float sc[BN / 8][4];
+      float sc[BN / 8][4], alpha[2];
       named_sync(kTurn + cw, 256);
       PK_FWD_TRACE(2);
       fence_acc(o);
       wgmma_fence();
       wgmma_chain_ss<T, BN, D, BM, BN>(sc, q_base, sK + st * C::KVBYTES);  // S = Q K^T
-      if (nb > nb0) issue_pv(pst);
-      wgmma_commit();
+      if constexpr (kOvl) {  // S its own group; P V the next (an empty one on the tile's first block)
+        wgmma_commit();
+        if (nb > nb0) {
+          issue_pv(pst);
+          wgmma_commit();
+        } else {
+          wgmma_commit();
+        }
+      } else {
+        if (nb > nb0) issue_pv(pst);
+        wgmma_commit();
+      }
       named_arrive(kTurn + next, 256);
-      wgmma_wait_all();
-      fence_acc(sc);
-      fence_acc(o);
+      if constexpr (kOvl) {
+        wgmma_wait<1>();  // S only: the previous block's P V runs on during this softmax
+        fence_acc(sc);
+      } else {
+        wgmma_wait_all();
+        fence_acc(sc);
+        fence_acc(o);
+      }
       PK_FWD_TRACE(3);
       __syncwarp();
       if (lane == 0) {
         mbar_arrive(k_empty(st));
-        if (nb > nb0) mbar_arrive(v_empty(pst));
+        if (!kOvl && nb > nb0) mbar_arrive(v_empty(pst));
         if (nb == nb1 - 1) mbar_arrive(q_empty(qb));  // the tile's last read of Q
       }
       const bool edge = k0 + BN > s.sk || (p.causal && k0 + BN - 1 > qw);
@@ -1648,7 +1680,10 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
 #else
         const NoMark mark;
 #endif
-        if (bits)  // (the keep bits of rows row[0], row[1] in the tile, the producer's)
+        if constexpr (kOvl)
+          softmax_block<MODE, BN, D, true, true, 0, 0, true>(p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value,
+                                                              skb + st * BN, t4, 0u, mark, alpha);
+        else if (bits)  // (the keep bits of rows row[0], row[1] in the tile, the producer's)
           softmax_block<MODE, BN, D, MODE == kModeNone, true, C::DRAWN>(
               p, sc, o, m, l, x.b, x.h, row, k0, s, decltype(e)::value, skb + st * BN, t4,
               sbits + st * C::BITS + (row[0] - q0) * (BN / 8), mark);
@@ -1656,6 +1691,18 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
           softmax_block<MODE, BN, D, MODE == kModeNone, true>(p, sc, o, m, l, x.b, x.h, row, k0, s,
                                                                decltype(e)::value, skb + st * BN, t4, 0u, mark);
       });
+      if constexpr (kOvl) {  // the previous block's P V complete: V's slot free, O rescaled where a max moved
+        wgmma_wait_all();
+        fence_acc(o);
+        __syncwarp();
+        if (lane == 0 && nb > nb0) mbar_arrive(v_empty(pst));
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[dt][e] *= alpha[e >> 1];
+        }
+      }
       if (soft_turn) named_arrive(kSoft + next, 256);
       if (kKeys || bits) {  // the warp's reads of the addends and keep bits are done
         __syncwarp();
@@ -3010,13 +3057,14 @@ inline bool fwd_fence(const FwdTma& tm) { return tm.on == 0 || env_first("PYKERN
 // with three (FlashAttention-3's tile at D = 64) two warpgroups' products share each softmax. H200 run343, one build:
 // BERT-base 78.5-78.8 -> 71.0-71.3 us (cuDNN 68.0); slower where it is off: GPT-2 (causal) 48.2 -> 60.2 (a tile of 192
 // rows visits the key blocks of its last row: more of them masked), dropout 0.1 BERT-base 127 -> 144-145 (the consumers
-// draw every keep bit: the producer, at 32 registers, draws none). Tried and not kept (run344): a warpgroup with no
+// draw every keep bit: the producer, at 32 registers, draws none). Its caller is the D = 64 kernel's branch (d <= 64).
+// Tried and not kept (run344): a warpgroup with no
 // valid row in its tile (BERT-base's third tile a head: rows 512-575) taking its turns and freeing the slots without
 // computing, 74.9-75.5 us against 78.6-78.9 for two: slower than computing rows that are never stored (the third
 // warpgroup's products keep the other two's softmaxes apart). PYKERNELS_CUDA_ATTN_FWD_WG=3 / 2 (or 0) forces three /
 // two (A/B runs and tests, read at each call)
 inline bool fwd_three_consumers(const Params& p) {
-  if (p.cu_q != nullptr || p.d > 64) return false;
+  if (p.cu_q != nullptr) return false;
   const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_WG");
   return e == '3' || (e != '2' && e != '0' && !p.causal && p.p_drop == 0.f);
 }
@@ -3082,6 +3130,17 @@ inline unsigned fwd_ws_grid(const Params& p, int bm, int sms) {
 
 inline unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + kRows - 1) / kRows); }
 
+// Whether the three consumer warpgroups overlap each key block's softmax with their own previous P V
+// (attn_fwd_sm90_ws_kernel's kOvl: S_j and P_{j-1} V_{j-1} two commit groups, the softmax after S_j's, O rescaled
+// after both; FlashAttention-3's intra-warpgroup overlap): by default without dropout. H200, BERT-base without
+// dropout: run348 69.4-69.6 us against 71.0-71.3; run349 (K and V polled together too) 69.6-69.9 against 70.7-71.2
+// (cuDNN 67.3). With dropout (three forced) it was slower: 147.9-148.4 against 144.4-144.8 (run348).
+// PYKERNELS_CUDA_ATTN_FWD_OVERLAP=1 / 0 forces it on / off (A/B runs and tests, read at each call)
+inline bool fwd_overlap(const Params& p) {
+  const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_OVERLAP");
+  return e == '1' || (e != '0' && p.p_drop == 0.f);
+}
+
 // PYKERNELS_CUDA_ATTN_FILL=launch: packed sequences' rows outside the sequences filled by a launch of their own after
 // the kernels, forward and backward (A/B runs of the fills folded into the order and pre kernels; read at each call)
 inline bool fill_by_launch() { return env_first("PYKERNELS_CUDA_ATTN_FILL") == 'l'; }
@@ -3116,8 +3175,11 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
               if (tm.on) {
                 tm.soft_turn = env_first("PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN") == '1';  // (off unless forced)
                 tm.fence = fwd_fence(tm);
-                launch(attn_fwd_sm90_ws_kernel<T, 64, M, 3>, dim3(fwd_ws_grid(p, C3::BM, plan.sms)), C3::smem(), q,
-                       tm, stream, C3::NT);
+                const dim3 grid3(fwd_ws_grid(p, C3::BM, plan.sms));
+                if (fwd_overlap(q))
+                  launch(attn_fwd_sm90_ws_kernel<T, 64, M, 3, true>, grid3, C3::smem(), q, tm, stream, C3::NT);
+                else
+                  launch(attn_fwd_sm90_ws_kernel<T, 64, M, 3>, grid3, C3::smem(), q, tm, stream, C3::NT);
                 return;
               }
             }

@@ -90,6 +90,18 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+// Two phases at once: both barriers polled before either's branch (one round trip where two waits in a row take two)
+__device__ __forceinline__ void mbar_wait2(uint32_t a, uint32_t pa, uint32_t b, uint32_t pb) {
+  asm volatile(
+      "{\n.reg .pred da, db;\n"
+      "PK_WAIT2:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 da, [%0], %1;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 db, [%2], %3;\n"
+      "@!da bra PK_WAIT2;\n"
+      "@!db bra PK_WAIT2;\n}\n" ::"r"(a),
+      "r"(pa), "r"(b), "r"(pb)
+      : "memory");
+}
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }

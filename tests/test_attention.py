@@ -2240,15 +2240,8 @@ def test_gpu_cuda_ws_forward_keep_bits_by_producer(monkeypatch, d):
         "packed": lambda: varlen_attention(qp, kp, vp, cu, cu, max(lengths), max(lengths), dropout_p=0.2,
                                            backend="cuda"),
     }
-    for name, call in calls.items():
-        outs = []
-        for env in (None, "consumers"):
-            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_DRAWS", env)
-            torch.manual_seed(5)
-            outs.append(call().detach())
-        valid = outs[0][:int(cu[-1])] if name == "packed" else outs[0]
-        assert not valid.isnan().any(), name
-        assert torch.equal(outs[0], outs[1]), name
+    _bitwise_across_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_DRAWS", (None, "consumers"), calls,
+                        valid=lambda name, o: o[:int(cu[-1])] if name == "packed" else o)
 
 
 def _cuda_fwd(q, k, v, causal=False):
@@ -2256,6 +2249,28 @@ def _cuda_fwd(q, k, v, causal=False):
     o, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0, causal,
                                                         q.shape[-1] ** -0.5)
     return o, lse
+
+
+def _bitwise_across_env(monkeypatch, switch, values, calls, valid=None):
+    """Each of ``calls`` (name: a call returning a tensor or a tuple of them) under each value of the environment
+    switch (None: unset), seeded alike, and once more right after (back to back: a second call's barriers and staging
+    tiles follow the first's): the repeat bitwise equal to it, every value's outputs bitwise equal to the first
+    value's, and the first output free of NaN (``valid(name, out)``: the part of it that must be)."""
+    for name, call in calls.items():
+        outs = []
+        for env in values:
+            _set_env(monkeypatch, switch, env)
+            runs = []
+            for _ in range(2):
+                torch.manual_seed(5)
+                out = call()
+                runs.append([t.detach().clone() for t in ((out,) if isinstance(out, torch.Tensor) else out)])
+            assert all(torch.equal(a, b) for a, b in zip(*runs)), (name, env, "again")
+            outs.append(runs[0])
+        first = valid(name, outs[0][0]) if valid is not None else outs[0][0]
+        assert not first.isnan().any(), name
+        for env, other in zip(values[1:], outs[1:]):
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], other)), (name, env)
 
 
 @pytest.mark.gpu
@@ -2284,17 +2299,7 @@ def test_gpu_cuda_ws_forward_stores_o_by_tma(monkeypatch, dtype):
         "gqa dropout": lambda: (sdpa(q, k, v, dropout_p=0.2, enable_gqa=True, backend="cuda"),),
         "key padding": lambda: (sdpa(q, k, v, keys, enable_gqa=True, backend="cuda"),),
     }
-    for name, call in calls.items():
-        outs = []
-        for env in (None, "registers"):
-            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_STORE", env)
-            torch.manual_seed(5)
-            outs.append([t.detach().clone() for t in call()])
-            torch.manual_seed(5)
-            again = call()  # (back to back: the second call's tiles reuse the first's staging)
-            assert all(torch.equal(a, b) for a, b in zip(outs[-1], again)), name
-        assert not outs[0][0].isnan().any(), name
-        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1])), name
+    _bitwise_across_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_STORE", (None, "registers"), calls)
     # and the TMA store against the references (the layout and the clipped columns and rows)
     _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_STORE", None)
     for args in ((qt, kt, vt), (q1, k1, v1)):
@@ -2305,21 +2310,24 @@ def test_gpu_cuda_ws_forward_stores_o_by_tma(monkeypatch, dtype):
 @pytest.mark.gpu
 @needs_cuda_ext
 @pytest.mark.parametrize("switch,on", [("PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN", "1"),
-                                       ("PYKERNELS_CUDA_ATTN_FWD_FENCE", "1"), ("PYKERNELS_CUDA_ATTN_FWD_WG", "3")],
-                         ids=["softmax_turn", "fence", "three_consumers"])
+                                       ("PYKERNELS_CUDA_ATTN_FWD_FENCE", "1"), ("PYKERNELS_CUDA_ATTN_FWD_WG", "3"),
+                                       ("PYKERNELS_CUDA_ATTN_FWD_OVERLAP", "1")],
+                         ids=["softmax_turn", "fence", "three_consumers", "overlap"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch, on):
-    """Three switches of the warp-specialised forward that change only when or how its consumers wait, or how many
+    """Four switches of the warp-specialised forward that change only when or how its consumers wait, or how many
     share a tile, never what any row computes: the consumer warpgroups taking turns at their softmaxes (the default
     at D = 64 without a causal mask, but for dropout under a key-only mask; PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN=1 / 0
     forces it on / off), the async proxy's fence before each key block's products (off by default on TMA-loaded
-    inputs; PYKERNELS_CUDA_ATTN_FWD_FENCE=1 puts it back), and three consumer warpgroups on tiles of 192 rows instead
+    inputs; PYKERNELS_CUDA_ATTN_FWD_FENCE=1 puts it back), three consumer warpgroups on tiles of 192 rows instead
     of two on 128 (PYKERNELS_CUDA_ATTN_FWD_WG=3: D <= 64 without a mask on dense inputs; a warp's 16 rows and each
     row's key blocks are the same in both, and its consumers draw the dropout's keep bits that the producer draws for
-    two). O and the lse bitwise equal under each value, and the default equal to both, on dense inputs, GQA, key
-    padding (with and without dropout), causal, D = 128, packed varlen sequences (tiles that one sequence's end
-    leaves short, its last V block by cp.async) and lengths 1 and 17; two calls back to back (the turns' barriers
-    balanced across calls: an unbalanced pair would hang or deadlock the second); then against the references."""
+    two), and three consumers' softmax beside their own previous P V (PYKERNELS_CUDA_ATTN_FWD_OVERLAP=1 / 0: O
+    rescaled after that P V, the same products in the same order). O and the lse bitwise equal under each value, and
+    the default equal to both, on dense inputs, GQA, key padding (with and without dropout), causal, D = 128, packed
+    varlen sequences (tiles that one sequence's end leaves short, its last V block by cp.async) and lengths 1 and 17;
+    two calls back to back (the turns' barriers balanced across calls: an unbalanced pair would hang or deadlock the
+    second); then against the references."""
     q, k, v = _inputs((2, 4, 203, 64), (2, 2, 203, 64), (2, 2, 203, 64), dtype, "cuda", requires_grad=False)
     keys = torch.ones(2, 1, 1, 203, dtype=torch.bool, device="cuda")
     keys[1, ..., 150:] = False
@@ -2339,18 +2347,7 @@ def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch, on):
         "key padding dropout": lambda: (sdpa(q, k, v, keys, dropout_p=0.2, enable_gqa=True, backend="cuda"),),
         "varlen": lambda: (varlen_attention(qv, kv, vv, cu, cu, max(lens), max(lens), backend="cuda"),),
     }
-    for name, call in calls.items():
-        outs = []
-        for env in (None, on, "0"):
-            _set_env(monkeypatch, switch, env)
-            torch.manual_seed(5)
-            outs.append([t.detach().clone() for t in call()])
-            torch.manual_seed(5)
-            again = call()
-            assert all(torch.equal(a, b) for a, b in zip(outs[-1], again)), name
-        assert not outs[0][0].isnan().any(), name
-        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1])), name
-        assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[2])), name
+    _bitwise_across_env(monkeypatch, switch, (None, on, "0"), calls)
     _set_env(monkeypatch, switch, on)
     for args in ((q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)), (q1, k1, v1)):
         leaves = [t.detach().clone().requires_grad_(True) for t in args]
@@ -2359,19 +2356,27 @@ def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch, on):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+@pytest.mark.parametrize("overlap", [None, "0", "1"], ids=["overlap_default", "overlap_off", "overlap_on"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
-def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype):
+def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype, overlap):
     """The warp-specialised forward with three consumer warpgroups (tiles of 192 query rows): by default at D <= 64
     without a mask, causal mask or dropout on dense inputs, else two; PYKERNELS_CUDA_ATTN_FWD_WG=3 forces three
     wherever it applies (D <= 64, no mask, dense inputs: causal and dropout too), =2 two. Under =3, output and
     gradients against the float64 and same-dtype references at lengths whose last tile leaves one, two or all three
     warpgroups rows (1, 17, 100, 130, 203, 1000), D = 40, causal with Sq != Sk, GQA, and dropout (its keep mask
-    pykernels.attention_dropout_mask's)."""
+    pykernels.attention_dropout_mask's). ``overlap``: PYKERNELS_CUDA_ATTN_FWD_OVERLAP, whether a three-consumer
+    kernel's softmax runs beside its own previous P V (the kernel's last template argument, true) or after it: by
+    default without dropout, =1 always, =0 never."""
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_OVERLAP", overlap)
     if _sm90a_device():
         def nw(q, k, v, **kw):
-            names = _cuda_fwd_kernels(q, k, v, **kw)
-            assert any("attn_fwd_sm90_ws_kernel" in n for n in names), names
-            return 3 if any(", 3>" in n for n in names) else 2
+            names = [n for n in _cuda_fwd_kernels(q, k, v, **kw) if "attn_fwd_sm90_ws_kernel<" in n]
+            assert names, _cuda_fwd_kernels(q, k, v, **kw)
+            # (the kernel's template arguments: T, D, MODE, NW, kOvl)
+            args = [a.strip() for a in names[0].split("attn_fwd_sm90_ws_kernel<", 1)[1].split(">", 1)[0].split(",")]
+            on = overlap == "1" or (overlap is None and not kw.get("dropout_p"))
+            assert args[-1] == ("true" if on and args[-2] == "3" else "false"), (overlap, kw, names)
+            return int(args[-2])
 
         a = torch.randn(2, 3, 300, 64, dtype=dtype, device="cuda")
         a40 = a[..., :40]
