@@ -528,6 +528,14 @@ __device__ __forceinline__ float exp2_fma(float x) {
 struct NoMark {
   __device__ __forceinline__ void operator()(int) const {}
 };
+// A thread's accumulator tile (its two rows, N / 8 n-tiles in the m16n8 layout) times the rows' factors
+template <int N>
+__device__ __forceinline__ void scale_rows(float (&acc)[N][4], const float (&f)[2]) {
+#pragma unroll
+  for (int dt = 0; dt < N; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[dt][e] *= f[e >> 1];
+}
 template <int MODE, int BC, int D, bool kRaw = false, bool kInl = false, int kBits = 0, int kEmu = 0,
           bool kDeferO = false, typename Mark = NoMark>
 __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 8][4], float (&o)[D / 8][4],
@@ -591,10 +599,7 @@ __device__ __forceinline__ void softmax_block(const Params& p, float (&sc)[BC / 
     alpha_out[0] = alpha[0];
     alpha_out[1] = alpha[1];
   } else if (__any_sync(0xffffffffu, grown)) {  // (warp-uniform: a row that did not grow has alpha 1)
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[dt][e] *= alpha[e >> 1];
+    scale_rows(o, alpha);
   }
   if (kBits > 0 || p.p_drop > 0.f) {  // (kBits: the caller's flag, with dropout only)
     static_assert(BC % 16 == 0, "the dropout's quad draws n-tiles in pairs");
@@ -1696,12 +1701,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
         fence_acc(o);
         __syncwarp();
         if (lane == 0 && nb > nb0) mbar_arrive(v_empty(pst));
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-          for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[dt][e] *= alpha[e >> 1];
-        }
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) scale_rows(o, alpha);
       }
       if (soft_turn) named_arrive(kSoft + next, 256);
       if (kKeys || bits) {  // the warp's reads of the addends and keep bits are done
@@ -3033,13 +3033,14 @@ inline TmaRows tma_rows(const Params& p) {
 }
 
 // Whether the warp-specialised forward's consumers take turns at their softmaxes (FwdTma::soft_turn; the note on
-// attn_fwd_sm90_ws_kernel): at D = 64 without a causal mask, but for dropout under a key-only mask (whose consumers
-// draw every keep bit themselves). PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN: 1 on, 0 off (A/B runs and tests, read at each
+// attn_fwd_sm90_ws_kernel): with two consumers (``nw``) at D = 64 without a causal mask, but for dropout under a
+// key-only mask (whose consumers draw every keep bit themselves); three consumers never (run343: 81.5-82.0 us at
+// BERT-base against 71.0-71.3). PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN: 1 on, 0 off (A/B runs and tests, read at each
 // call); unset, that rule
-inline bool fwd_soft_turn(const Params& p, int d, int mode) {
+inline bool fwd_soft_turn(const Params& p, int d, int mode, int nw = 2) {
   const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN");
   if (e == '1' || e == '0') return e == '1';
-  return d == 64 && !p.causal && !(mode == kModeKeys && p.p_drop > 0.f);
+  return nw == 2 && d == 64 && !p.causal && !(mode == kModeKeys && p.p_drop > 0.f);  // (three consumers: off)
 }
 
 // Whether the warp-specialised forward's consumers fence the async proxy (fence.proxy.async) before each key block's
@@ -3173,7 +3174,7 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
               q.fwd_drop_bits = 0;  // (its consumers draw every keep bit: C3::BITS)
               FwdTma tm = make_fwd_tma<T>(q, C3::BM, C3::BN, true);
               if (tm.on) {
-                tm.soft_turn = env_first("PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN") == '1';  // (off unless forced)
+                tm.soft_turn = fwd_soft_turn(p, 64, M, 3);
                 tm.fence = fwd_fence(tm);
                 const dim3 grid3(fwd_ws_grid(p, C3::BM, plan.sms));
                 if (fwd_overlap(q))
