@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._backend import CUDA_TRACED, BackendUnavailableError, check_backend_name, default_backend, select, use_cuda_op
+from ._backend import CUDA_TRACED, BackendUnavailableError, check_backend_name, cuda_ops_ready, default_backend, select
+from ._backend import use_cuda_op
 from ._backend import warn_once
 from ._backend import _availability as _backend_availability
 from ._op import custom_op
@@ -342,6 +343,42 @@ def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mas
 AUTO_CUDA_DROPOUT = os.environ.get("PYKERNELS_AUTO_CUDA_DROPOUT", "1") not in ("", "0")
 
 
+# ``auto`` without dropout runs the Triton backend's pair, but at BERT-like shapes on Hopper its forward kernel is the
+# C++ one (the Triton backward takes the C++ forward's output and lse: the same natural-log (B, H, Sq) fp32 lse):
+# there the C++ forward's three consumer warpgroups, each softmax beside its own P V, are the faster forward (H200
+# run350, graph replay, BERT-base: 348 against 336 TFLOP/s), while the Triton backward is the faster backward (304
+# against 271). ``PYKERNELS_AUTO_CUDA_FWD=0`` keeps auto's forward on Triton (read once).
+AUTO_CUDA_FWD = os.environ.get("PYKERNELS_AUTO_CUDA_FWD", "1") not in ("", "0")
+
+
+def _auto_cuda_fwd_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, requested: str) -> bool:
+    """What ``_auto_cuda_fwd`` requires of a kind of call (its shapes, strides, dtypes, device, flags: the eager
+    lane remembers it per key): :data:`AUTO_CUDA_FWD`, ``auto``, the extension built with sm_90a code on a compute
+    capability 9.0 device, where the C++ forward runs three consumer warpgroups (D <= 64, no mask, not causal,
+    fp16 / bf16, strides that TMA takes: unit last, the others multiples of 8 elements)."""
+    if not AUTO_CUDA_FWD or requested != "auto" or mask is not None or causal:
+        return False
+    if q.device.type != "cuda" or q.dim() != 4 or q.shape[-1] > 64 or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not cuda_ops_ready() or _cuda_cover(q, k, v, None, q.shape[0]) is not None:
+        return False
+    if any(t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) for t in (q, k, v)):
+        return False
+    import pykernels._C as ext  # (built: cuda_ops_ready)
+    return bool(ext.sm90a) and torch.cuda.get_device_capability(q.device) == (9, 0)
+
+
+def _auto_cuda_fwd_call(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
+    """What ``_auto_cuda_fwd`` requires of each call: no dropout, and q, k, v 16-byte aligned (TMA's maps)."""
+    return dropout_p == 0.0 and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16)
+
+
+def _auto_cuda_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, causal: bool,
+                   requested: str) -> bool:
+    """Whether ``auto``'s Triton path takes the C++ forward kernel (:data:`AUTO_CUDA_FWD`; the two parts above)."""
+    return _auto_cuda_fwd_call(q, k, v, dropout_p) and _auto_cuda_fwd_kind(q, k, v, mask, causal, requested)
+
+
 def _lane_cuda(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, batch: int, dropout_p: float,
                requested: str) -> bool:
     """Whether a call the lane covers goes to the C++ op under ``auto`` (a call with dropout, the extension built
@@ -434,7 +471,8 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     computed once here and saved for the backward. ``deterministic`` is the backward's (saved with it)."""
     impl = select(_OP, backend or None, q.device, _support(q, k, v))
     if impl == "triton":
-        return _triton_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        cuda_fwd = _auto_cuda_fwd(q, k, v, attn_mask, dropout_p, is_causal, backend or default_backend())
+        return _triton_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, cuda_fwd)
     seed = op_seed(dropout_p, q.device)
     kv_range = _key_padding_range(attn_mask, use_kernel=False)
     o, lse = _ref_dense_fwd(q, k, v, attn_mask, dropout_p, is_causal, scale, seed)
@@ -442,8 +480,13 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 
 
 def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool,
-                scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``_attention_fwd`` on the Triton backend (also what the eager lane calls): (o, lse, seed, kv_range)."""
+                scale: float, cuda_fwd: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``_attention_fwd`` on the Triton backend (also what the eager lane calls): (o, lse, seed, kv_range).
+    ``cuda_fwd`` (``_auto_cuda_fwd``: no mask, no dropout): the C++ forward kernel instead, for the Triton backward."""
+    if cuda_fwd:
+        o, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0,
+                                                            False, scale)
+        return _out_layout(o, q), lse, op_seed(0.0, q.device), _key_padding_range(None)
     seed = op_seed(dropout_p, q.device)
     kv_range = _key_padding_range(attn_mask, use_kernel=True)
     o, lse = _kernels().attention_fwd(q, k, v, attn_mask, causal=is_causal, scale=scale, dropout_p=dropout_p,
@@ -644,6 +687,7 @@ def _broadcasts_to(shape, full) -> bool:
 _LANE_ON = os.environ.get("PYKERNELS_EAGER_LANE", "1") not in ("", "0")  # read once (tests flip the attribute)
 _LANE: dict = {}
 _LANE_CUDA: dict = {}  # lane key -> whether auto's calls with dropout take the C++ op (_lane_cuda)
+_LANE_CUDA_FWD: dict = {}  # lane key -> whether auto's calls of that kind take the C++ forward (_auto_cuda_fwd_kind)
 _LANE_MAX = 1024  # the cache starts over when full (bounded whatever the callers vary)
 
 
@@ -690,8 +734,8 @@ class _LaneFunction(torch.autograd.Function):
     """The lane's autograd node: the registered op's forward and backward bodies on the Triton backend."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, dropout_p, causal, scale, backend, deterministic):
-        o, lse, seed, kv_range = _triton_fwd(q, k, v, mask, dropout_p, causal, scale)
+    def forward(ctx, q, k, v, mask, dropout_p, causal, scale, backend, deterministic, cuda_fwd=False):
+        o, lse, seed, kv_range = _triton_fwd(q, k, v, mask, dropout_p, causal, scale, cuda_fwd)
         _fwd_setup(ctx, (q, k, v, mask, dropout_p, causal, scale, backend, deterministic), (o, lse, seed, kv_range))
         return o
 
@@ -706,7 +750,7 @@ class _LaneFunction(torch.autograd.Function):
             dropout_p, causal, scale, _, deterministic = ctx.args
             dq, dk, dv = _triton_bwd(do, q, k, v, o, lse, seed, kv_range, mask, dropout_p, causal, scale,
                                      deterministic)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _lane_plain(*tensors) -> bool:
@@ -748,9 +792,22 @@ def _lane(query, key, value, mask, dropout_p, is_causal, scale, backend, determi
         return _cuda_attention(query, key, value, mask, None, None, 0, 0, dropout_p, bool(is_causal), sc)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
+    cuda_fwd = _auto_cuda_fwd_call(query, key, value, dropout_p) and _lane_cuda_fwd(lkey, query, key, value, mask,
+                                                                                    is_causal, requested)
     if grad and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return _LaneFunction.apply(query, key, value, mask, dropout_p, is_causal, sc, backend or "", deterministic)
-    return _triton_fwd(query, key, value, mask, dropout_p, is_causal, sc)[0]
+        return _LaneFunction.apply(query, key, value, mask, dropout_p, is_causal, sc, backend or "", deterministic,
+                                   cuda_fwd)
+    return _triton_fwd(query, key, value, mask, dropout_p, is_causal, sc, cuda_fwd)[0]
+
+
+def _lane_cuda_fwd(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, requested: str) -> bool:
+    """``_auto_cuda_fwd_kind`` of a lane key, remembered."""
+    ok = _LANE_CUDA_FWD.get(lkey)
+    if ok is None:
+        if len(_LANE_CUDA_FWD) >= _LANE_MAX:
+            _LANE_CUDA_FWD.clear()
+        ok = _LANE_CUDA_FWD[lkey] = _auto_cuda_fwd_kind(q, k, v, mask, causal, requested)
+    return ok
 
 
 def _varlen_lane_scale(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, scale, requested: str):

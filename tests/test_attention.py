@@ -2623,6 +2623,59 @@ def test_gpu_auto_takes_cuda_for_eager_dropout(monkeypatch):
         assert "AttentionFunction" not in sdpa(q, k, v, dropout_p=0.1).grad_fn.name()
 
 
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_auto_takes_cuda_forward_at_bert_shapes(monkeypatch):
+    """auto without dropout, on Hopper with the sm_90a build: at D <= 64 with no mask and no causal mask the forward
+    kernel is the C++ one (three consumer warpgroups) and the backward the Triton backend's, on the C++ forward's
+    output and lse; the pair's output and gradients against the references (the lane and the full path, GQA, Sq !=
+    Sk, lengths 1, 17 and 1000, D = 40, under torch.compile). A causal mask, a mask, D = 128, dropout, backend
+    "triton" or AUTO_CUDA_FWD off: the Triton forward. Without sm_90a code or on another device: never the C++."""
+    import pykernels.attention as pa
+    from torch.profiler import ProfilerActivity, profile
+
+    def names(fn):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events()]
+
+    def cuda_fwd(q, k, v, **kw):
+        """Whether a forward+backward ran the C++ forward kernel (and never a C++ backward kernel)."""
+        def step():
+            out = sdpa(q, k, v, **kw)
+            torch.autograd.grad(out, [q, k, v], torch.ones_like(out))
+        ns = names(step)
+        assert not any("pykernels::attn::attn_bwd" in n for n in ns), ns
+        return any("attn_fwd_sm90_ws_kernel" in n for n in ns)
+
+    want = _sm90a_device()
+    q, k, v = _inputs((2, 4, 300, 64), (2, 2, 300, 64), (2, 2, 300, 64), BF16, "cuda")
+    b = _inputs((2, 2, 300, 128), (2, 2, 300, 128), (2, 2, 300, 128), BF16, "cuda")
+    keys = torch.rand(2, 1, 1, 300, device="cuda") > 0.2
+    for lane in (True, False):
+        monkeypatch.setattr(pa, "_LANE_ON", lane)
+        assert cuda_fwd(q, k, v, enable_gqa=True) == want, lane
+        assert not cuda_fwd(q, k, v, is_causal=True, enable_gqa=True), lane
+        assert not cuda_fwd(q, k, v, attn_mask=keys, enable_gqa=True), lane
+        assert not cuda_fwd(*b), lane
+        with pykernels.use_backend("triton"):
+            assert not cuda_fwd(q, k, v, enable_gqa=True), lane
+        for sq, sk, d in ((1, 1, 64), (17, 17, 64), (100, 130, 64), (1000, 1000, 64), (203, 203, 40)):
+            args = _inputs((2, 4, sq, d), (2, 2, sk, d), (2, 2, sk, d), BF16, "cuda")
+            _check_against_ref(*args, enable_gqa=True, backend="auto", what=f"auto {sq}x{sk} d{d} lane {lane}")
+    compiled = torch.compile(lambda *a: sdpa(*a, enable_gqa=True), fullgraph=True)
+    qc, kc, vc = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = compiled(qc, kc, vc)
+    ref = sdpa(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)  # (the same kernels: bitwise)
+    monkeypatch.setattr(pa, "AUTO_CUDA_FWD", False)
+    pa._LANE_CUDA_FWD.clear()
+    for lane in (True, False):
+        monkeypatch.setattr(pa, "_LANE_ON", lane)
+        assert not cuda_fwd(q, k, v, enable_gqa=True), lane
+
+
 def test_compiled_pair_fakes_promise_the_cpp_layouts():
     # the fake impls of the C++ attention pair (pykernels/_cuda_ops.py) promise torch.compile the strides the C++ op
     # returns (csrc/attention.cpp: ``aligned`` keeps a tensor whose last dim is contiguous and whose start and strides
