@@ -13,7 +13,7 @@ line a shape and implementation: ``NAME case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs
 is the forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them, the padded case's as
 if unpadded). NAME is LABEL for
 the C++ backend's rows (the build under test in an A/B, benchmarks/dev/attention_cuda_ab_builds.sh), else the peer's
-name: ``--triton`` adds the same calls through the Triton backend; ``--peers`` the C++ backend without dropout (the
+name: ``--triton`` adds the same calls through the Triton backend, ``--auto`` through ``auto``; ``--peers`` the C++ backend without dropout (the
 dropout's cost) and torch's SDPA flash, memory-efficient and cuDNN backends with dropout (those that take it).
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ def flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
     return f / 2 if causal else f
 
 
-def impls(peers: bool, triton: bool, p_drop: float = 0.1):
+def impls(peers: bool, triton: bool, p_drop: float = 0.1, auto: bool = False):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def ours(backend, p):
@@ -72,6 +72,8 @@ def impls(peers: bool, triton: bool, p_drop: float = 0.1):
     yield "cuda", ours("cuda", p_drop)
     if triton:
         yield "triton", ours("triton", p_drop)
+    if auto:
+        yield "auto", ours("auto", p_drop)
     if peers:
         if p_drop > 0:
             yield "cuda-nodrop", ours("cuda", 0.0)
@@ -122,22 +124,24 @@ def main() -> None:
     ap.add_argument("label", nargs="?", default="build")
     ap.add_argument("--peers", action="store_true")
     ap.add_argument("--triton", action="store_true")
+    ap.add_argument("--auto", action="store_true", help="the same calls through backend auto (what a user gets)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--p", type=float, default=0.1, help="the dropout probability (0: the peers without dropout too)")
-    ap.add_argument("--kernels", action="store_true", help="print the C++ rows' kernels, each's time a call")
+    ap.add_argument("--kernels", action="store_true", help="print the C++ (and auto) rows' kernels, each's time a call")
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     ap.add_argument("--cases", default=DEFAULT_CASES,
                     help=f"comma-separated, of {', '.join(c[0] for c in CASES)} (default: {DEFAULT_CASES})")
     args = ap.parse_args()
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     print("#", torch.cuda.get_device_name(), "torch", torch.__version__, args.dtype, "dropout", args.p)
-    for name, fn in impls(args.peers, args.triton, args.p):
+    for name, fn in impls(args.peers, args.triton, args.p, args.auto):
         label = args.label if name == "cuda" else name
         for case, b, h, s, d, causal in CASES:
             if case not in args.cases.split(","):
                 continue
             try:
-                f_us, b_us = time_case(fn, b, h, s, d, causal, args.iters, args.kernels and name == "cuda", dtype,
+                show = args.kernels and name in ("cuda", "auto")
+                f_us, b_us = time_case(fn, b, h, s, d, causal, args.iters, show, dtype,
                                        padded=case.endswith("_pad"), varlen=case.endswith("_varlen"))
             except RuntimeError as e:  # an SDPA backend that does not take the case
                 print(f"{label} {case} not run: {str(e).splitlines()[0][:120]}")
