@@ -139,6 +139,16 @@ def cuda_built() -> bool:
     return pykernels.backends()["cuda"].available and not SMOKE
 
 
+def auto_is_own(case, q, k, v, mask) -> bool:
+    """Whether ``backend="auto"`` runs a pair of its own here, neither backend's (pykernels.attention's
+    ``_auto_cuda_fwd_kind``: the C++ forward, the Triton backward): then it gets a row of its own."""
+    import pykernels.attention as pa
+    if not cuda_built():
+        return False
+    m4 = None if mask is None else mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return pa._auto_cuda_fwd_kind(q, k, v, m4, case.causal, "auto")
+
+
 def sdpa_impl(mask, causal, backend=None):
     from torch.nn.attention import sdpa_kernel
     import torch.nn.functional as F
@@ -403,6 +413,8 @@ def run_case(case: Case, budget: Budget) -> list[dict]:
     # pykernels: validate, then time, then memory (the Triton backend; the CUDA C++ one where it is built)
     for backend in ("triton", "cuda") if cuda_built() else ("triton",):
         rows.append(time_ours(case, base, backend, q, k, v, do, mask))
+    if auto_is_own(case, q, k, v, mask):  # auto's own pair: the C++ forward and the Triton backward
+        rows.append(time_ours(case, base, "auto", q, k, v, do, mask))
 
     additive = additive_mask(mask)
     peers = [("sdpa flash", sdpa_impl(mask, case.causal, SDPBackend.FLASH_ATTENTION), None),

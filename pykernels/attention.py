@@ -344,23 +344,28 @@ AUTO_CUDA_DROPOUT = os.environ.get("PYKERNELS_AUTO_CUDA_DROPOUT", "1") not in ("
 
 
 # ``auto`` without dropout runs the Triton backend's pair, but at BERT-like shapes on Hopper its forward kernel is the
-# C++ one (the Triton backward takes the C++ forward's output and lse: the same natural-log (B, H, Sq) fp32 lse):
-# there the C++ forward's three consumer warpgroups, each softmax beside its own P V, are the faster forward (H200
-# run350, graph replay, BERT-base: 348 against 336 TFLOP/s), while the Triton backward is the faster backward (304
-# against 271). ``PYKERNELS_AUTO_CUDA_FWD=0`` keeps auto's forward on Triton (read once).
+# C++ one (the Triton backward takes the C++ forward's output and lse: the same natural-log (B, H, Sq) fp32 lse, -inf
+# at fully masked rows): there the C++ forward's three consumer warpgroups, each softmax beside its own P V, are the
+# faster forward (H200 run350, graph replay, BERT-base: 348 against 336 TFLOP/s; run351, kernel time: 69.5-69.9
+# against 72.6-72.9 us), while the Triton backward is the faster backward (304 against 271 TFLOP/s; 219 against 237
+# us). With a boolean key-padding mask too (run351: 79.0-79.3 against 82.1-83.8 us; the backward's key ranges then
+# come from the Triton kernel that the Triton forward would have run). ``PYKERNELS_AUTO_CUDA_FWD=0`` keeps auto's
+# forward on Triton (read once).
 AUTO_CUDA_FWD = os.environ.get("PYKERNELS_AUTO_CUDA_FWD", "1") not in ("", "0")
 
 
 def _auto_cuda_fwd_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, requested: str) -> bool:
     """What ``_auto_cuda_fwd`` requires of a kind of call (its shapes, strides, dtypes, device, flags: the eager
     lane remembers it per key): :data:`AUTO_CUDA_FWD`, ``auto``, the extension built with sm_90a code on a compute
-    capability 9.0 device, where the C++ forward runs three consumer warpgroups (D <= 64, no mask, not causal,
-    fp16 / bf16, strides that TMA takes: unit last, the others multiples of 8 elements)."""
-    if not AUTO_CUDA_FWD or requested != "auto" or mask is not None or causal:
+    capability 9.0 device, at D <= 64, not causal, no mask or a boolean key-padding one (the C++ forward's warp-
+    specialised kernels there), fp16 / bf16, strides that TMA takes (unit last, the others multiples of 8 elements)."""
+    if not AUTO_CUDA_FWD or requested != "auto" or causal:
+        return False
+    if mask is not None and not (mask.dtype == torch.bool and _is_key_padding(mask)):
         return False
     if q.device.type != "cuda" or q.dim() != 4 or q.shape[-1] > 64 or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if not cuda_ops_ready() or _cuda_cover(q, k, v, None, q.shape[0]) is not None:
+    if not cuda_ops_ready() or _cuda_cover(q, k, v, mask, q.shape[0]) is not None:
         return False
     if any(t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) for t in (q, k, v)):
         return False
@@ -482,11 +487,12 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool,
                 scale: float, cuda_fwd: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``_attention_fwd`` on the Triton backend (also what the eager lane calls): (o, lse, seed, kv_range).
-    ``cuda_fwd`` (``_auto_cuda_fwd``: no mask, no dropout): the C++ forward kernel instead, for the Triton backward."""
+    ``cuda_fwd`` (``_auto_cuda_fwd``: no dropout, no mask or a key-padding one): the C++ forward kernel instead, for
+    the Triton backward (which takes the key ranges that the Triton forward would have computed)."""
     if cuda_fwd:
-        o, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0,
-                                                            False, scale)
-        return _out_layout(o, q), lse, op_seed(0.0, q.device), _key_padding_range(None)
+        o, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, attn_mask, None, None, q.shape[2], k.shape[2],
+                                                            0.0, False, scale)
+        return _out_layout(o, q), lse, op_seed(0.0, q.device), _key_padding_range(attn_mask, use_kernel=True)
     seed = op_seed(dropout_p, q.device)
     kv_range = _key_padding_range(attn_mask, use_kernel=True)
     o, lse = _kernels().attention_fwd(q, k, v, attn_mask, causal=is_causal, scale=scale, dropout_p=dropout_p,

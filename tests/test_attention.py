@@ -2626,11 +2626,13 @@ def test_gpu_auto_takes_cuda_for_eager_dropout(monkeypatch):
 @pytest.mark.gpu
 @needs_cuda_ext
 def test_gpu_auto_takes_cuda_forward_at_bert_shapes(monkeypatch):
-    """auto without dropout, on Hopper with the sm_90a build: at D <= 64 with no mask and no causal mask the forward
-    kernel is the C++ one (three consumer warpgroups) and the backward the Triton backend's, on the C++ forward's
-    output and lse; the pair's output and gradients against the references (the lane and the full path, GQA, Sq !=
-    Sk, lengths 1, 17 and 1000, D = 40, under torch.compile). A causal mask, a mask, D = 128, dropout, backend
-    "triton" or AUTO_CUDA_FWD off: the Triton forward. Without sm_90a code or on another device: never the C++."""
+    """auto without dropout, on Hopper with the sm_90a build: at D <= 64, not causal, with no mask or a boolean
+    key-padding mask, the forward kernel is the C++ one and the backward the Triton backend's, on the C++ forward's
+    output and lse (and the Triton kernel's key ranges); the pair's output and gradients against the references (the
+    lane and the full path, GQA, Sq != Sk, lengths 1, 17 and 1000, D = 40, a batch whose keys are all masked: output
+    and gradients 0, never NaN; under torch.compile). A causal mask, an additive or a (B, 1, Sq, Sk) mask, D = 128,
+    backend "triton" or AUTO_CUDA_FWD off: the Triton forward (with dropout auto takes the C++ op, both ways). Without sm_90a code or on another device:
+    never the C++."""
     import pykernels.attention as pa
     from torch.profiler import ProfilerActivity, profile
 
@@ -2657,13 +2659,24 @@ def test_gpu_auto_takes_cuda_forward_at_bert_shapes(monkeypatch):
         monkeypatch.setattr(pa, "_LANE_ON", lane)
         assert cuda_fwd(q, k, v, enable_gqa=True) == want, lane
         assert not cuda_fwd(q, k, v, is_causal=True, enable_gqa=True), lane
-        assert not cuda_fwd(q, k, v, attn_mask=keys, enable_gqa=True), lane
+        assert cuda_fwd(q, k, v, attn_mask=keys, enable_gqa=True) == want, lane
+        additive = torch.zeros(keys.shape, dtype=BF16, device="cuda").masked_fill(~keys, float("-inf"))
+        assert not cuda_fwd(q, k, v, attn_mask=additive, enable_gqa=True), lane
+        assert not cuda_fwd(q, k, v, attn_mask=torch.rand(2, 1, 300, 300, device="cuda") > 0.2, enable_gqa=True), lane
         assert not cuda_fwd(*b), lane
         with pykernels.use_backend("triton"):
             assert not cuda_fwd(q, k, v, enable_gqa=True), lane
         for sq, sk, d in ((1, 1, 64), (17, 17, 64), (100, 130, 64), (1000, 1000, 64), (203, 203, 40)):
             args = _inputs((2, 4, sq, d), (2, 2, sk, d), (2, 2, sk, d), BF16, "cuda")
             _check_against_ref(*args, enable_gqa=True, backend="auto", what=f"auto {sq}x{sk} d{d} lane {lane}")
+        for sk in (17, 300):  # key padding, batch 1's keys all masked (batch 0's from 1 to sk - 1 valid)
+            args = _inputs((2, 4, 130, 64), (2, 2, sk, 64), (2, 2, sk, 64), BF16, "cuda")
+            pad = (torch.arange(sk, device="cuda") < torch.tensor([[sk - 1], [0]], device="cuda")).view(2, 1, 1, sk)
+            pad[0, ..., 0] = False
+            assert cuda_fwd(*args, attn_mask=pad, enable_gqa=True) == want, (lane, sk)
+            out, g = _check_against_ref(*args, mask=pad, enable_gqa=True, backend="auto",
+                                        what=f"auto key padding 130x{sk} lane {lane}")
+            assert out[1].abs().max() == 0 and all(t[1].abs().max() == 0 for t in g), (lane, sk)
     compiled = torch.compile(lambda *a: sdpa(*a, enable_gqa=True), fullgraph=True)
     qc, kc, vc = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out = compiled(qc, kc, vc)
