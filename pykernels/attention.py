@@ -325,8 +325,8 @@ def _cuda_cover(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, batch: int
 def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
               batch: int, dropout_p: float) -> bool:
     """Whether this eager call runs the C++ op (``_backend.use_cuda_op``): when named, and under ``auto`` for a call
-    with dropout only (:data:`AUTO_CUDA_DROPOUT`). Without dropout the Triton kernels, with Hopper's TMA and
-    warpgroup MMA, are faster, and their calls can be captured in CUDA graphs."""
+    with dropout only (:data:`AUTO_CUDA_DROPOUT`). Without dropout the Triton path runs (its backward the faster;
+    at BERT-like shapes on Hopper with the C++ forward kernel: :data:`AUTO_CUDA_FWD`)."""
     return use_cuda_op(op, backend, q.device, lambda: _cuda_cover(q, k, v, mask, batch),
                        auto=dropout_p > 0.0 and AUTO_CUDA_DROPOUT, traced=True, capture=True)
 
