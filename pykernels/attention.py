@@ -348,8 +348,8 @@ AUTO_CUDA_DROPOUT = os.environ.get("PYKERNELS_AUTO_CUDA_DROPOUT", "1") not in ("
 # at fully masked rows): there the C++ forward's three consumer warpgroups, each softmax beside its own P V, are the
 # faster forward (H200 run350, graph replay, BERT-base: 348 against 336 TFLOP/s; run351, kernel time: 69.5-69.9
 # against 72.6-72.9 us), while the Triton backward is the faster backward (304 against 271 TFLOP/s; 219 against 237
-# us). With a boolean key-padding mask too (run351: 79.0-79.3 against 82.1-83.8 us; the backward's key ranges then
-# come from the Triton kernel that the Triton forward would have run). ``PYKERNELS_AUTO_CUDA_FWD=0`` keeps auto's
+# us). With a boolean key-padding mask too (run352, auto's forward: 81.1-81.9 against 82.2-83.0 us; the backward's key
+# ranges then come from the Triton kernel that the Triton forward would have run). ``PYKERNELS_AUTO_CUDA_FWD=0`` keeps auto's
 # forward on Triton (read once).
 AUTO_CUDA_FWD = os.environ.get("PYKERNELS_AUTO_CUDA_FWD", "1") not in ("", "0")
 

@@ -13,8 +13,9 @@ line a shape and implementation: ``NAME case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs
 is the forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them, the padded case's as
 if unpadded). NAME is LABEL for
 the C++ backend's rows (the build under test in an A/B, benchmarks/dev/attention_cuda_ab_builds.sh), else the peer's
-name: ``--triton`` adds the same calls through the Triton backend, ``--auto`` through ``auto``; ``--peers`` the C++ backend without dropout (the
-dropout's cost) and torch's SDPA flash, memory-efficient and cuDNN backends with dropout (those that take it).
+name: ``--triton`` adds the same calls through the Triton backend, ``--auto`` through ``auto``; ``--peers`` the C++
+backend without dropout (the dropout's cost) and torch's SDPA flash, memory-efficient and cuDNN backends with dropout
+(those that take it).
 """
 from __future__ import annotations
 
