@@ -358,7 +358,7 @@ def _auto_cuda_fwd_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, ca
     """What ``_auto_cuda_fwd`` requires of a kind of call (its shapes, strides, dtypes, device, flags: the eager
     lane remembers it per key): :data:`AUTO_CUDA_FWD`, ``auto``, the extension built with sm_90a code on a compute
     capability 9.0 device, at D <= 64, not causal, no mask or a boolean key-padding one (the C++ forward's warp-
-    specialised kernels there), fp16 / bf16, strides that TMA takes (unit last, the others multiples of 8 elements)."""
+    specialised kernels there), fp16 / bf16, strides that TMA takes (``_tma_strides_ok``)."""
     if not AUTO_CUDA_FWD or requested != "auto" or causal:
         return False
     if mask is not None and not (mask.dtype == torch.bool and _is_key_padding(mask)):
@@ -367,7 +367,8 @@ def _auto_cuda_fwd_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, ca
         return False
     if not cuda_ops_ready() or _cuda_cover(q, k, v, mask, q.shape[0]) is not None:
         return False
-    if any(t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:-1]) for t in (q, k, v)):
+    from ._kernels.attention_sm90 import _tma_strides_ok  # (TMA's stride rule, as the Gluon kernels check it)
+    if not (_tma_strides_ok(q.stride()) and _tma_strides_ok(k.stride()) and _tma_strides_ok(v.stride())):
         return False
     import pykernels._C as ext  # (built: cuda_ops_ready)
     return bool(ext.sm90a) and torch.cuda.get_device_capability(q.device) == (9, 0)
