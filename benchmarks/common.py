@@ -122,6 +122,30 @@ def gpu_kernel_ms(fn: Callable[[], object], *, reps: int = 3) -> float:
     return times[len(times) // 2]
 
 
+def gpu_busy_ms(fn: Callable[[], object], *, reps: int = 3) -> float:
+    """GPU time of ``fn`` as the union of its kernels' (and memcpy's / memset's) device intervals, per call (median
+    of ``reps`` profiled calls): what gpu_kernel_ms gives where the kernels run one after another, and the time
+    the device was busy where they overlap (a kernel launched as another's programmatic dependent). Idle gaps are
+    left out, as there. Warm ``fn`` up before calling this."""
+    from torch.profiler import ProfilerActivity, profile
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+        busy, end = 0.0, float("-inf")
+        for a, b in spans:
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        times.append(busy / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def gpu_kernels_us(fn: Callable[[], object], calls: int = 1) -> list[tuple[float, str]]:
     """Each kernel's device time a call of ``fn`` (one profiled run of ``fn``, which makes ``calls`` calls),
     longest first. Warm ``fn`` up before calling this."""

@@ -1675,6 +1675,20 @@ def test_gpu_cuda_backend_dense(dtype, b, hq, hkv, sq, sk, d, causal, cuda_fwd):
 
 @pytest.mark.gpu
 @needs_cuda_ext
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_cuda_backward_without_keys(d):
+    """Sk = 0 on the C++ backend: output and dQ 0 (the fused backward has no dK/dV block then: the convert kernel
+    writes dQ from the sums the pre kernel zeroed), with and without dropout."""
+    q = torch.randn(2, 3, 50, d, device="cuda", dtype=BF16, requires_grad=True)
+    k, v = (torch.randn(2, 3, 0, d, device="cuda", dtype=BF16, requires_grad=True) for _ in range(2))
+    for p in (0.0, 0.1):
+        out = sdpa(q, k, v, dropout_p=p, backend="cuda")
+        (dq,) = torch.autograd.grad(out, [q], torch.randn_like(out))
+        assert torch.equal(out, torch.zeros_like(out)) and torch.equal(dq, torch.zeros_like(dq)), p
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
 def test_gpu_cuda_backend_masks_and_dead_rows(cuda_fwd):
     b, hq, hkv, s, d = 2, 4, 2, 300, 64
     q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), BF16, "cuda")

@@ -4,14 +4,15 @@ bidirectional and GPT-2 8 x 1024 causal, 12 heads of 64; BERT-base with a key-pa
 mask, lengths uniform in 256..512: transformers' padded batches); and a D = 128 causal one (the pipelined wgmma
 forward).
 
-Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--iters 10]
-[--dtype bf16|fp16] [--p 0.1] [--cases bert,gpt2,...]`` (``--p``: the dropout probability, 0 for the same rows
-without dropout, the peers' too; ``--cases`` also takes the long D = 128 shapes s4096_d128 and
-s8192c_d128, bert_varlen: bert_pad's sequences packed, through ``varlen_attention``, and d128_pad / d128_varlen,
-the same at D = 128, 8 x 16 x 1024). One
+Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--auto] [--kernels]
+[--busy] [--graph] [--iters 10] [--dtype bf16|fp16] [--p 0.1] [--cases bert,gpt2,...]`` (``--p``: the dropout
+probability, 0 for the same rows without dropout, the peers' too; ``--cases`` also takes the long D = 128 shapes
+s4096_d128, s8192c_d128 and causal_4k_d128 (the attention benchmark's S4096 causal), bert_varlen: bert_pad's
+sequences packed, through ``varlen_attention``, and d128_pad / d128_varlen, the same at D = 128, 8 x 16 x 1024). One
 line a shape and implementation: ``NAME case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs`` (a call's kernels; the backward
 is the forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them, the padded case's as
-if unpadded). NAME is LABEL for
+if unpadded), then with ``--busy`` the forward and backward us as the union of the kernels' intervals (a kernel that
+overlaps another counted once) and with ``--graph`` as one call's CUDA-graph replay. NAME is LABEL for
 the C++ backend's rows (the build under test in an A/B, benchmarks/dev/attention_cuda_ab_builds.sh), else the peer's
 name: ``--triton`` adds the same calls through the Triton backend, ``--auto`` through ``auto``; ``--peers`` the C++
 backend without dropout (the dropout's cost) and torch's SDPA flash, memory-efficient and cuDNN backends with dropout
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import gpu_kernel_ms, gpu_kernels_us  # noqa: E402  (benchmarks/common.py)
+from common import bench, gpu_busy_ms, gpu_kernel_ms, gpu_kernels_us  # noqa: E402  (benchmarks/common.py)
 
 import pykernels  # noqa: E402
 
@@ -40,7 +41,8 @@ CASES = (("bert", 32, 12, 512, 64, False), ("gpt2", 8, 12, 1024, 64, True), ("be
          # backward over packed sequences, branch next/varlen-bwd-tma-d128)
          ("d128_pad", 8, 16, 1024, 128, False), ("d128_varlen", 8, 16, 1024, 128, False),
          # (named by --cases only: the ANCHORS long D = 128 shapes)
-         ("s4096_d128", 4, 16, 4096, 128, False), ("s8192c_d128", 1, 16, 8192, 128, True))
+         ("s4096_d128", 4, 16, 4096, 128, False), ("s8192c_d128", 1, 16, 8192, 128, True),
+         ("causal_4k_d128", 4, 16, 4096, 128, True))
 DEFAULT_CASES = "bert,gpt2,bert_pad,causal_2k_d128"
 
 
@@ -85,7 +87,7 @@ def impls(peers: bool, triton: bool, p_drop: float = 0.1, auto: bool = False):
 
 def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int,
               kernels: bool = False, dtype: torch.dtype = torch.bfloat16, padded: bool = False,
-              varlen: bool = False) -> tuple[float, float]:
+              varlen: bool = False, busy: bool = False, graph: bool = False) -> tuple[float, float, list[float]]:
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
                for _ in range(3))
@@ -117,7 +119,33 @@ def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int,
     if kernels:  # each kernel of a forward+backward (the seed's draw, the delta pass, the forward, the backward)
         for us, name in gpu_kernels_us(fwd_bwd, iters):
             print(f"    {us:8.1f} us  {name[:110]}")
-    return f * 1e3, (fb - f) * 1e3
+    extra = []
+    if busy:  # the union of the kernels' intervals (kernels that overlap counted once)
+        bf, bfb = gpu_busy_ms(fwd) / iters, gpu_busy_ms(fwd_bwd) / iters
+        extra += [bf * 1e3, (bfb - bf) * 1e3]
+    if graph:  # one call of each captured in a CUDA graph, replayed (the device's elapsed time, no host)
+        def one_fwd():
+            with torch.no_grad():
+                fn(q, k, v, causal, mask, cu, max_len)
+
+        def one_fwd_bwd():
+            torch.autograd.grad([fn(q, k, v, causal, mask, cu, max_len)], [q, k, v], [do])
+
+        graphs = []
+        for call in (one_fwd, one_fwd_bwd):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    call()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                call()
+            graphs.append(g)
+        gf, gfb = (bench(g.replay, warmup=10, rep=50) for g in graphs)
+        extra += [gf * 1e3, (gfb - gf) * 1e3]
+    return f * 1e3, (fb - f) * 1e3, extra
 
 
 def main() -> None:
@@ -130,6 +158,10 @@ def main() -> None:
     ap.add_argument("--p", type=float, default=0.1, help="the dropout probability (0: the peers without dropout too)")
     ap.add_argument("--kernels", action="store_true", help="print the C++ (and auto) rows' kernels, each's time a call")
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    ap.add_argument("--busy", action="store_true",
+                    help="also the union of the kernels' intervals, forward and backward us (overlapping kernels)")
+    ap.add_argument("--graph", action="store_true",
+                    help="also one call captured in a CUDA graph and replayed, forward and backward us")
     ap.add_argument("--cases", default=DEFAULT_CASES,
                     help=f"comma-separated, of {', '.join(c[0] for c in CASES)} (default: {DEFAULT_CASES})")
     args = ap.parse_args()
@@ -142,13 +174,15 @@ def main() -> None:
                 continue
             try:
                 show = args.kernels and name in ("cuda", "auto")
-                f_us, b_us = time_case(fn, b, h, s, d, causal, args.iters, show, dtype,
-                                       padded=case.endswith("_pad"), varlen=case.endswith("_varlen"))
+                f_us, b_us, extra = time_case(fn, b, h, s, d, causal, args.iters, show, dtype,
+                                              padded=case.endswith("_pad"), varlen=case.endswith("_varlen"),
+                                              busy=args.busy, graph=args.graph)
             except RuntimeError as e:  # an SDPA backend that does not take the case
                 print(f"{label} {case} not run: {str(e).splitlines()[0][:120]}")
                 continue
             fl = flops(b, h, s, d, causal)
-            print(f"{label} {case} {f_us:.1f} {b_us:.1f} {fl / f_us / 1e6:.1f} {2.5 * fl / b_us / 1e6:.1f}", flush=True)
+            print(f"{label} {case} {f_us:.1f} {b_us:.1f} {fl / f_us / 1e6:.1f} {2.5 * fl / b_us / 1e6:.1f}"
+                  + "".join(f" {x:.1f}" for x in extra), flush=True)
 
 
 if __name__ == "__main__":
