@@ -93,9 +93,10 @@ LPT_L2_BYTES = 12 << 20
 LPT_MIN_WAVES = 1
 # the fused kernel (dQ by TMA reductions, not bitwise reproducible) is the default where the backward need not be
 # deterministic: full attention from FUSED_MIN_SK keys, causal without GQA from FUSED_CAUSAL_MIN_SK (``kernels``;
-# run88-89: it ties the pair at S1024 full and S4096 causal, loses 10-13% causal with 4 query heads per kv head)
+# H100 run88-89: it ties the pair at S1024 full and S4096 causal, loses 10-13% causal with 4 query heads per kv head;
+# H200 run358, 4 x 16 x 4096 causal: 1.03-1.06x the pair in kernel time, 1.03x in graph replay, where 2048 keys tie)
 FUSED_MIN_SK = 2048
-FUSED_CAUSAL_MIN_SK = 8192
+FUSED_CAUSAL_MIN_SK = 4096
 # dK/dV without causal masking the consumers also read lse before issuing the block's first GEMMs (run77: 1.05x
 # at S8192; causal 0.98-1.01x, so not there)
 STATS_EARLY = True
@@ -606,7 +607,10 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
     5.347-5.443 / 5.538-5.567 (cuDNN 0.82 / 1.42 / 2.65-2.67 / 5.07-5.17 / 5.26-5.37). Causal, both in the
     head-grouped order (``LPT_L2_BYTES``), S1024 / 2048 / 4096 / 8192: 0.707 / 1.03 / 1.674-1.680 /
     2.955-3.015 against 0.61 / 0.94 / 1.664-1.732 / 3.028-3.179 (cuDNN 0.60 / 0.89 / 1.55 / 2.79-2.82); GQA
-    32/8 at S4096 3.36 against 2.98-3.08 (all heads at once)."""
+    32/8 at S4096 3.36 against 2.98-3.08 (all heads at once). H200 run358 (``benchmarks/dev/
+    attention_dropout_kernels.py --graph``, kernel time / graph replay, us): causal 4 x 16 x 4096 1478-1486 /
+    1624-1636 against the pair's 1529-1567 / 1674-1686 (cuDNN 1398 / 1602), 4 x 16 x 2048 495-496 / 492-501
+    against 493 / 495-500: the causal threshold 8192 -> 4096."""
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     named = os.environ.get("PYKERNELS_ATTN_SM90_BWD")
     if named is not None:

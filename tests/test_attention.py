@@ -1405,6 +1405,31 @@ def test_gpu_sm90_default_backward_is_fused_unless_deterministic(monkeypatch):
 
 @pytest.mark.gpu
 @sm90_only
+def test_gpu_sm90_default_causal_backward_is_fused_from_threshold(monkeypatch):
+    # causal MHA at D = 128 from FUSED_CAUSAL_MIN_SK keys (4096 since H200 run358, 1.03x the pair at 4 x 16 x 4096):
+    # the auto backward is the fused kernel, checked against float64; below the threshold, and with GQA, the pair
+    from pykernels._kernels import attention_sm90_bwd as kb
+    monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD", raising=False)
+    fused = []
+
+    def spy(*a, _f=kb.attention_bwd_dkdv_sm90, **kw):
+        fused.append(kw.get("dq") is not None)
+        return _f(*a, **kw)
+    monkeypatch.setattr(kb, "attention_bwd_dkdv_sm90", spy)
+    n = kb.FUSED_CAUSAL_MIN_SK
+    q, k, v = _sm90_inputs(1, 8, 8, n, n, BF16, "bshd")  # 8 * n / 128 CTAs of 128 keys
+    _check_against_ref(q, k, v, causal=True, scale=0.1, do=torch.randn_like(q), what="causal fused")
+    assert fused == [True]
+    q, k, v = _sm90_inputs(4, 8, 8, n // 2, n // 2, BF16, "bshd")
+    _check_against_ref(q, k, v, causal=True, scale=0.1, do=torch.randn_like(q), what="causal pair")
+    assert fused == [True, False]
+    q, k, v = _sm90_inputs(2, 8, 4, n, n, BF16, "bshd")  # GQA (2 * 4 * n / 128 CTAs)
+    _check_against_ref(q, k, v, causal=True, scale=0.1, enable_gqa=True, do=torch.randn_like(q), what="causal GQA")
+    assert fused == [True, False, False]
+
+
+@pytest.mark.gpu
+@sm90_only
 @pytest.mark.parametrize("kernels", ["dkdv,dq", "fused"])
 def test_gpu_sm90_causal_head_groups_change_only_the_order(monkeypatch, kernels):
     # the causal longest-first order in groups of heads (LPT_L2_BYTES): groups of 1 head, of 3 (7 heads in 2
@@ -1515,8 +1540,9 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     assert kb.kernels(q, k, causal=False, sms=132) == "fused"
     assert kb.kernels(q[..., :64], k, causal=False, sms=132) == ""
     assert kb.kernels(q, k, causal=False, sms=132, deterministic=True) == "dkdv,dq"
-    assert kb.kernels(q, k, causal=True, sms=132) == "dkdv,dq"
-    long_k = torch.empty(2, 2, kb.FUSED_CAUSAL_MIN_SK, 128, dtype=BF16)
+    mid_k = torch.empty(16, 2, kb.FUSED_CAUSAL_MIN_SK // 2, 128, dtype=BF16)  # 16 * 2 * 16 CTAs
+    assert kb.kernels(q, mid_k, causal=True, sms=132) == "dkdv,dq"
+    long_k = torch.empty(4, 2, kb.FUSED_CAUSAL_MIN_SK, 128, dtype=BF16)  # 4 * 2 * 32 CTAs (at 4096 keys)
     assert kb.kernels(q, long_k, causal=True, sms=132) == "fused"
     assert kb.kernels(q, long_k, causal=True, sms=132, deterministic=True) == "dkdv,dq"
     assert kb.kernels(q.repeat(1, 2, 1, 1), long_k, causal=True, sms=132) == "dkdv,dq"  # causal GQA: the pair
