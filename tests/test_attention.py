@@ -1374,11 +1374,9 @@ def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, s
         assert all(torch.equal(x, y) for x, y in zip(grads, again))
 
 
-@pytest.mark.gpu
-@sm90_only
-def test_gpu_sm90_default_backward_is_fused_unless_deterministic(monkeypatch):
-    # enough full-attention work at D = 128 (256 CTAs of 128 keys): the auto backward is the fused kernel
-    # (dQ by TMA reductions), checked against float64; deterministic=True takes the pair, bitwise reproducible
+def _spy_gluon_dkdv(monkeypatch) -> list[bool]:
+    """The default Gluon backward rule (PYKERNELS_ATTN_SM90_BWD unset), and a list that records each call of its
+    dK/dV launcher: True for the fused kernel (given a dQ buffer), False for the pair's dK/dV kernel."""
     from pykernels._kernels import attention_sm90_bwd as kb
     monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD", raising=False)
     fused = []
@@ -1387,6 +1385,15 @@ def test_gpu_sm90_default_backward_is_fused_unless_deterministic(monkeypatch):
         fused.append(kw.get("dq") is not None)
         return _f(*a, **kw)
     monkeypatch.setattr(kb, "attention_bwd_dkdv_sm90", spy)
+    return fused
+
+
+@pytest.mark.gpu
+@sm90_only
+def test_gpu_sm90_default_backward_is_fused_unless_deterministic(monkeypatch):
+    # enough full-attention work at D = 128 (256 CTAs of 128 keys): the auto backward is the fused kernel
+    # (dQ by TMA reductions), checked against float64; deterministic=True takes the pair, bitwise reproducible
+    fused = _spy_gluon_dkdv(monkeypatch)
     q, k, v = _sm90_inputs(2, 8, 8, 2048, 2048, BF16, "bshd")
     do = torch.randn_like(q)
     _check_against_ref(q, k, v, scale=0.1, do=do, what="default sm90 backward")
@@ -1409,13 +1416,7 @@ def test_gpu_sm90_default_causal_backward_is_fused_from_threshold(monkeypatch):
     # causal MHA at D = 128 from FUSED_CAUSAL_MIN_SK keys (4096 since H200 run358, 1.03x the pair at 4 x 16 x 4096):
     # the auto backward is the fused kernel, checked against float64; below the threshold, and with GQA, the pair
     from pykernels._kernels import attention_sm90_bwd as kb
-    monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD", raising=False)
-    fused = []
-
-    def spy(*a, _f=kb.attention_bwd_dkdv_sm90, **kw):
-        fused.append(kw.get("dq") is not None)
-        return _f(*a, **kw)
-    monkeypatch.setattr(kb, "attention_bwd_dkdv_sm90", spy)
+    fused = _spy_gluon_dkdv(monkeypatch)
     n = kb.FUSED_CAUSAL_MIN_SK
     q, k, v = _sm90_inputs(1, 8, 8, n, n, BF16, "bshd")  # 8 * n / 128 CTAs of 128 keys
     _check_against_ref(q, k, v, causal=True, scale=0.1, do=torch.randn_like(q), what="causal fused")
