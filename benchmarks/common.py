@@ -125,8 +125,9 @@ def gpu_kernel_ms(fn: Callable[[], object], *, reps: int = 3) -> float:
 def gpu_busy_ms(fn: Callable[[], object], *, reps: int = 3) -> float:
     """GPU time of ``fn`` as the union of its kernels' (and memcpy's / memset's) device intervals, per call (median
     of ``reps`` profiled calls): what gpu_kernel_ms gives where the kernels run one after another, and the time
-    the device was busy where they overlap (a kernel launched as another's programmatic dependent). Idle gaps are
-    left out, as there. Warm ``fn`` up before calling this."""
+    the device was busy where they overlap (kernels on several streams, or one launched as another's programmatic
+    dependent, as HISTORY.md's run356 tried). Idle gaps are left out, as there. Warm ``fn`` up before calling
+    this."""
     from torch.profiler import ProfilerActivity, profile
     times = []
     for _ in range(reps):
