@@ -99,17 +99,21 @@ def peak_extra_mib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _device_us(fn: Callable[[], object]) -> dict[str, float]:
-    """One profiled call of ``fn``: each kernel's (and memcpy's / memset's) summed device time in us, by name."""
+def _device_events(fn: Callable[[], object]) -> list:
+    """One profiled call of ``fn``: its device-side records (kernels, memcpys, memsets), torch.profiler's events."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _device_us(fn: Callable[[], object]) -> dict[str, float]:
+    """One profiled call of ``fn``: each kernel's (and memcpy's / memset's) summed device time in us, by name."""
     out: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name] = out.get(e.name, 0.0) + e.device_time_total
+    for e in _device_events(fn):
+        out[e.name] = out.get(e.name, 0.0) + e.device_time_total
     return out
 
 
@@ -128,15 +132,9 @@ def gpu_busy_ms(fn: Callable[[], object], *, reps: int = 3) -> float:
     the device was busy where they overlap (kernels on several streams, or one launched as another's programmatic
     dependent, as HISTORY.md's run356 tried). Idle gaps are left out, as there. Warm ``fn`` up before calling
     this."""
-    from torch.profiler import ProfilerActivity, profile
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA)
+        spans = sorted((e.time_range.start, e.time_range.end) for e in _device_events(fn))
         busy, end = 0.0, float("-inf")
         for a, b in spans:
             if b > end:

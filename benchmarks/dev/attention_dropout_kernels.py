@@ -12,7 +12,8 @@ sequences packed, through ``varlen_attention``, and d128_pad / d128_varlen, the 
 line a shape and implementation: ``NAME case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs`` (a call's kernels; the backward
 is the forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them, the padded case's as
 if unpadded), then with ``--busy`` the forward and backward us as the union of the kernels' intervals (a kernel that
-overlaps another counted once) and with ``--graph`` as one call's CUDA-graph replay. NAME is LABEL for
+overlaps another counted once) and with ``--graph`` as one call's CUDA-graph replay (benchmarks/attention.py's
+graph_time; nan where the capture failed). NAME is LABEL for
 the C++ backend's rows (the build under test in an A/B, benchmarks/dev/attention_cuda_ab_builds.sh), else the peer's
 name: ``--triton`` adds the same calls through the Triton backend, ``--auto`` through ``auto``; ``--peers`` the C++
 backend without dropout (the dropout's cost) and torch's SDPA flash, memory-efficient and cuDNN backends with dropout
@@ -28,7 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import bench, gpu_busy_ms, gpu_kernel_ms, gpu_kernels_us  # noqa: E402  (benchmarks/common.py)
+from attention import graph_time  # noqa: E402  (benchmarks/attention.py)
+from common import gpu_busy_ms, gpu_kernel_ms, gpu_kernels_us  # noqa: E402  (benchmarks/common.py)
 
 import pykernels  # noqa: E402
 
@@ -123,28 +125,9 @@ def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int,
     if busy:  # the union of the kernels' intervals (kernels that overlap counted once)
         bf, bfb = gpu_busy_ms(fwd) / iters, gpu_busy_ms(fwd_bwd) / iters
         extra += [bf * 1e3, (bfb - bf) * 1e3]
-    if graph:  # one call of each captured in a CUDA graph, replayed (the device's elapsed time, no host)
-        def one_fwd():
-            with torch.no_grad():
-                fn(q, k, v, causal, mask, cu, max_len)
-
-        def one_fwd_bwd():
-            torch.autograd.grad([fn(q, k, v, causal, mask, cu, max_len)], [q, k, v], [do])
-
-        graphs = []
-        for call in (one_fwd, one_fwd_bwd):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    call()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                call()
-            graphs.append(g)
-        gf, gfb = (bench(g.replay, warmup=10, rep=50) for g in graphs)
-        extra += [gf * 1e3, (gfb - gf) * 1e3]
+    if graph:  # one call captured in a CUDA graph and replayed, as the attention benchmark does (no host time)
+        g = graph_time(lambda q_, k_, v_: fn(q_, k_, v_, causal, mask, cu, max_len), q, k, v, do)
+        extra += [g.get("graph_fwd_ms", float("nan")) * 1e3, g.get("graph_bwd_ms", float("nan")) * 1e3]
     return f * 1e3, (fb - f) * 1e3, extra
 
 
