@@ -73,6 +73,7 @@
 #include "pack.cuh"
 #include "fwd_order.cuh"
 #include "zero_rows.cuh"
+#include "pdl.cuh"
 #include "philox.cuh"
 #include "wgmma.cuh"
 
@@ -757,6 +758,7 @@ struct FwdCfg {
 
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(kThreads) attn_fwd_kernel(const Params p) {
+  pdl_enter();  // (launch: pdl.cuh)
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
   using C = FwdCfg<D>;
   constexpr int BC = C::BC, LD = C::LD;
@@ -895,6 +897,7 @@ __device__ __forceinline__ void load_tile_sw128(uint32_t s, const T* g, int64_t 
 
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(FwdSm90Cfg<D>::NT, FwdSm90Cfg<D>::MIN_BLOCKS) attn_fwd_sm90_kernel(const Params p) {
+  pdl_enter();  // (launch: pdl.cuh)
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
   using C = FwdSm90Cfg<D>;
@@ -997,6 +1000,7 @@ struct FwdSm90PipeCfg {
 
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(FwdSm90PipeCfg<D>::NT, FwdSm90PipeCfg<D>::MIN_BLOCKS) attn_fwd_sm90_pipe_kernel(const Params p) {
+  pdl_enter();  // (launch: pdl.cuh)
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
   using C = FwdSm90PipeCfg<D>;
@@ -1422,6 +1426,7 @@ __device__ __forceinline__ void ws_draw_bits(const Params& p, uint32_t dst, uint
 template <typename T, int D, int MODE, int NW = 2, bool kOvl = false>
 __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
     attn_fwd_sm90_ws_kernel(const Params p, const __grid_constant__ FwdTma tm) {
+  pdl_enter();  // (launch: pdl.cuh)
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
   static_assert(!kOvl || (NW == 3 && MODE == kModeNone), "the overlap: three consumers, no mask");
@@ -1857,6 +1862,7 @@ constexpr int kPreFillBlocks = 64;  // the pre kernel's blocks that fill them
 // (grads_outside) too
 template <typename T, int L>
 __global__ void __launch_bounds__(kThreads) attn_bwd_pre_kernel(const Params p) {
+  pdl_enter();  // (launch: pdl.cuh)
   constexpr int n = Pack<T>::n;                          // elements a 16-byte chunk
   constexpr int RPW = 32 / L, ROWS = kRows / 4 / RPW;  // rows a warp a pass; passes (16 rows a warp)
   constexpr int BATCH = ROWS < 4 ? ROWS : 4;             // passes whose loads are in flight together
@@ -1937,6 +1943,7 @@ struct DkdvCfg {
 
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(kThreads, DkdvCfg<D>::MIN_BLOCKS) attn_bwd_dkdv_kernel(const Params p) {
+  pdl_enter();  // (launch: pdl.cuh)
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
   using C = DkdvCfg<D>;
   constexpr int DC = C::DC, BQ = C::BQ, LD = C::LD;
@@ -2017,6 +2024,7 @@ struct DqCfg {
 
 template <typename T, int D, int MODE>
 __global__ void __launch_bounds__(kThreads) attn_bwd_dq_kernel(const Params p) {
+  pdl_enter();  // (launch: pdl.cuh)
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
   using C = DqCfg<D>;
   constexpr int BC = C::BC, LD = C::LD;
@@ -2821,6 +2829,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90_block(const Params& p, const BwdTm
 template <typename T, int D, int MODE, bool TMA, int FUSED = 0>
 __global__ void __launch_bounds__(DkdvSm90For<D, FUSED>::NT, DkdvSm90For<D, FUSED>::MIN_BLOCKS)
     attn_bwd_sm90_kernel(const Params p, const __grid_constant__ BwdTma tm) {
+  pdl_enter();  // (launch: pdl.cuh)
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
   constexpr bool PIPE = DqSm90Pipe<D, MODE>::value;
@@ -2883,8 +2892,7 @@ inline void launch(void (*kernel)(Params), dim3 grid, size_t smem, const Params&
                    int threads = kThreads) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   if (smem > 48 * 1024) allow_smem(reinterpret_cast<const void*>(kernel), smem);
-  kernel<<<grid, threads, smem, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_pdl(kernel, grid, dim3(threads), smem, stream, p);
 }
 
 // A kernel of a second parameter (attn_fwd_sm90_ws_kernel's TMA maps)
@@ -2893,8 +2901,7 @@ inline void launch(void (*kernel)(Params, Extra), dim3 grid, size_t smem, const 
                    cudaStream_t stream, int threads) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   if (smem > 48 * 1024) allow_smem(reinterpret_cast<const void*>(kernel), smem);
-  kernel<<<grid, threads, smem, stream>>>(p, extra);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_pdl(kernel, grid, dim3(threads), smem, stream, p, extra);
 }
 
 // The device's compute capability 9.0 and SM count, asked once a device
@@ -3247,6 +3254,7 @@ void launch_forward(const Params& p, cudaStream_t stream, const ZeroRows* outsid
 // skipped (the pre kernel zeroed them in dQ: grads_outside)
 template <typename T, int COLS>
 __global__ void __launch_bounds__(256) attn_dq_convert_kernel(const Params p) {
+  pdl_enter();  // (launch: pdl.cuh)
   constexpr int TPR = COLS / 8;  // threads a row
   const int64_t t = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x, row = t / TPR;
   const int c = static_cast<int>(t % TPR) * 8;

@@ -55,6 +55,7 @@
 
 #include "dispatch.h"
 #include "pack.cuh"
+#include "pdl.cuh"
 #include "philox.cuh"
 
 namespace pykernels {
@@ -262,6 +263,7 @@ __global__ void __launch_bounds__(kThreads) ln_fwd_kernel(
     T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
     int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms,
     const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
+  pdl_enter();  // (launch_pdl: pdl.cuh)
   const int lane = threadIdx.x % RT;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / RT) + threadIdx.x / RT;
   if (row >= M) return;  // (RT = kThreads: one row per block, never taken)
@@ -309,6 +311,7 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_persist_kernel(
     T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
     int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms,
     const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
+  pdl_enter();  // (launch_pdl: pdl.cuh)
   static_assert(kFwdPersistable<T, VPL, RT>, "the persistent forward is for fp16 / bf16 warp rows of <= 2 packs");
   constexpr int kRows = kThreads / RT;
   const int lane = threadIdx.x % RT;
@@ -416,6 +419,7 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
     const W* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
     T* __restrict__ dres, float* __restrict__ partial, int64_t M, int N, bool has_ds, bool has_res, bool has_w,
     bool need_dwb, bool rms, bool recompute, const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
+  pdl_enter();  // (launch_pdl: pdl.cuh)
   constexpr int P = Pack<T>::n;
   constexpr bool kEarly = DROP || !(sizeof(T) == 2 && VPL >= 4);  // (fp16 / bf16 block rows of 4 packs spill)
   static_assert(!PF || (kPrefetchable<T, VPL, RT> && (!DROP || RT == 64)),
@@ -574,6 +578,7 @@ int bwd_blocks_per_sm() {
 template <typename T>
 __global__ void __launch_bounds__(256) ln_partial_sum_kernel(const float* __restrict__ partial, T* __restrict__ dw,
                                                              T* __restrict__ db, int progs, int N) {
+  pdl_enter();  // (launch_pdl: pdl.cuh)
   __shared__ float buf[8][33];
   const int col = blockIdx.x * 32 + threadIdx.x;
   const int which = blockIdx.y;
@@ -839,7 +844,7 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
         if constexpr (kPersist) return ln_fwd_persist_kernel<T, W, kV, kRT, kDrop>;
         else return ln_fwd_kernel<T, W, kV, kRT, kDrop>;
       }();
-      kernel<<<grid, kThreads, 0, stream>>>(
+      launch_pdl(kernel, dim3(grid), dim3(kThreads), 0, stream,
           static_cast<const T*>(x.data_ptr()), r.defined() ? static_cast<const T*>(r.data_ptr()) : nullptr,
           w.defined() ? static_cast<const W*>(w.data_ptr()) : nullptr,
           b.defined() ? static_cast<const W*>(b.data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()),
@@ -847,7 +852,6 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
           rstd.data_ptr<float>(), M, N, static_cast<float>(eps), r.defined(), w.defined(), b.defined(), prenorm,
           rms, seed_ptr(dropout_p, seed, x, "pykernels_cuda.layer_norm"), static_cast<float>(dropout_rate(dropout_p)),
           dropout_p > 0.0 ? static_cast<float>(1.0 / (1.0 - dropout_rate(dropout_p))) : 1.f);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
      };
      const auto pick = [&](auto drop) {
       if constexpr (kFwdPersistable<T, kV, kRT>) {
@@ -916,7 +920,8 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
       dispatch_bwd_shape<T>(N, [&](auto v, auto rt) {
        constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
        dispatch_variant<T, kV, kRT>(dropout, [&](auto pf, auto drop) {
-        ln_bwd_kernel<T, W, kV, kRT, decltype(pf)::value, decltype(drop)::value><<<progs, kThreads, smem, stream>>>(
+        launch_pdl(ln_bwd_kernel<T, W, kV, kRT, decltype(pf)::value, decltype(drop)::value>, dim3(progs),
+                   dim3(kThreads), smem, stream,
             static_cast<const T*>(dy.data_ptr()), ds.defined() ? static_cast<const T*>(ds.data_ptr()) : nullptr,
             static_cast<const T*>(a.data_ptr()), res.defined() ? static_cast<const T*>(res.data_ptr()) : nullptr,
             w.defined() ? static_cast<const W*>(w.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
@@ -925,7 +930,6 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
             recompute, seed_ptr(dropout_p, seed, a, "pykernels_cuda.layer_norm_bwd"),
             static_cast<float>(dropout_rate(dropout_p)),
             dropout ? static_cast<float>(1.0 / (1.0 - dropout_rate(dropout_p))) : 1.f);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
        });
       });
     } else if (need) {
@@ -935,10 +939,8 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
       Tensor dw_t = dw.defined() ? dw : at::empty({N}, popts);
       Tensor db_t = db.defined() ? db : at::empty({N}, popts);
       dim3 grid((N + 31) / 32, 2);
-      ln_partial_sum_kernel<W><<<grid, dim3(32, 8), 0, stream>>>(
-          partial.data_ptr<float>(), static_cast<W*>(dw_t.data_ptr()), static_cast<W*>(db_t.data_ptr()),
-          M > 0 ? progs : 1, N);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_pdl(ln_partial_sum_kernel<W>, grid, dim3(32, 8), 0, stream, partial.data_ptr<float>(),
+                 static_cast<W*>(dw_t.data_ptr()), static_cast<W*>(db_t.data_ptr()), M > 0 ? progs : 1, N);
     }
   });
   return {dx, dw, db, dres};

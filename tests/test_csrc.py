@@ -441,3 +441,41 @@ def test_attention_forward_tile_walk_is_tile_of(tmp_path, n_m, hq, batch, g):
     for flip in (0, 1):
         tiles = sorted(tuple(r[2:5]) for r in rows if r[0] == flip)
         assert tiles == sorted((m, h, b) for b in range(batch) for h in range(hq) for m in range(n_m))
+
+
+def _kernels_and_plain_launches(text: str) -> tuple[dict[str, str], set[str]]:
+    """The __global__ functions of a source (name -> the body's text from its opening brace) and the names its
+    ``<<<`` launches name."""
+    kernels = {}
+    for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*)?(\w+)\s*\(", text):
+        kernels[m.group(1)] = text[text.index("{", m.end()):]
+    plain = set(re.findall(r"(\w+)(?:<[^;{}]*?>)?<<<", text))
+    return kernels, plain
+
+
+def test_programmatic_launches_wait_first():
+    """csrc/pdl.cuh's rule: a kernel launched with programmatic stream serialization (launch_pdl, or attention.cuh's
+    launch helpers over it) may run beside the kernel ahead of it, so it must wait (pdl_enter) before it touches
+    global memory. Every kernel of csrc is launched either by ``<<<`` (plainly) or through launch_pdl, so every
+    kernel no ``<<<`` names must open with pdl_enter(); checked on the sources, and the check on a kernel that
+    does not."""
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cu")) + glob.glob(os.path.join(ROOT, "csrc", "*.cuh")))
+    found = {os.path.basename(s): _kernels_and_plain_launches(open(s).read()) for s in sources
+             if os.path.basename(s) != "pdl.cuh"}
+    plain = set().union(*(p for _, p in found.values()))
+    assert not any("__launch_bounds__" in k for k, _ in found.values()), "a __launch_bounds__ the regex does not parse"
+    checked = []
+    for src, (kernels, _) in found.items():
+        for name, body in kernels.items():
+            if name in plain:
+                continue
+            assert body[1:].lstrip().startswith("pdl_enter();"), f"{src}: {name} does not open with pdl_enter()"
+            checked.append(name)
+    assert {"ln_fwd_kernel", "ln_bwd_kernel", "attn_fwd_sm90_ws_kernel", "attn_bwd_sm90_kernel",
+            "attn_dq_convert_kernel", "attn_bwd_pre_kernel"} <= set(checked), checked
+    # the check itself: a kernel launched through launch_pdl without the wait is found, one launched plainly is not
+    bad = ("__global__ void __launch_bounds__(256, (f<a, 2>)) k1(int* p) {\n  p[0] = 1;\n}\n"
+           "__global__ void k2(int* p) { p[0] = 2; }\nvoid go() { launch_pdl(k1, 1, 1, 0, s, p); k2<<<1, 1>>>(p); }\n")
+    kernels, plain = _kernels_and_plain_launches(bad)
+    assert set(kernels) == {"k1", "k2"} and plain == {"k2"}
+    assert not kernels["k1"][1:].lstrip().startswith("pdl_enter();")

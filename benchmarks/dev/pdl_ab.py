@@ -1,0 +1,92 @@
+"""Programmatic dependent launch (csrc/pdl.cuh) on and off in one process: the C++ LayerNorm forward and
+forward+backward, replayed from CUDA graphs of unrolled calls (``triton.testing.do_bench_cudagraph``, as
+benchmarks/layer_norm.py times them), with a ``copy_`` of the forward's bytes replayed the same way, and a chain
+as a model runs it: a GEMM (x @ W, cuBLAS) then the LayerNorm of its output. ``PYKERNELS_PDL`` is read at every
+launch, so each graph is captured under its own setting; the settings alternate over ``--rounds``.
+
+One line a case, setting and round: ``pdl=<0|1> round case fwd_us fwd_%copy fwdbwd_us [chain_us]``, the % of the
+card's copy bandwidth (``common.ceilings()``) over the forward's fewest bytes (benchmarks/layer_norm.py's count).
+
+Usage (GPU): ``python benchmarks/dev/pdl_ab.py [--rounds 2] [--rep 20]``
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402  (benchmarks/common.py)
+
+import pykernels  # noqa: E402
+
+CASES = [("pre", 16384, 768), ("pre", 16384, 1024), ("pre", 8192, 4096), ("pre", 65536, 768),
+         ("post", 16384, 768), ("post", 16384, 1024)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rep", type=int, default=20, help="ms of unrolled calls a graph (do_bench_cudagraph's rep)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 0
+    import triton.testing
+
+    dev = torch.device("cuda")
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} pykernels.backends: {pykernels.backends()}")
+    copy_tbps = common.ceilings()["copy_TBps"]
+    print(f"# copy {copy_tbps:.3f} TB/s")
+
+    def bench(f) -> float:
+        return float(triton.testing.do_bench_cudagraph(f, rep=args.rep)) * 1e3
+
+    for variant, M, N in CASES:
+        torch.manual_seed(0)
+        x, r = (torch.randn(M, N, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        w = torch.randn(N, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(N, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        pre = variant == "pre"
+        ups = [torch.randn(M, N, device=dev, dtype=torch.bfloat16) for _ in range(2 if pre else 1)]
+        gw = torch.randn(N, N, device=dev, dtype=torch.bfloat16) / N ** 0.5
+        fwd_bytes = (4 if pre else 3) * M * N * 2
+        src = torch.empty(fwd_bytes // 4, dtype=torch.bfloat16, device=dev)
+        dst = torch.empty_like(src)
+
+        def ln(a):
+            out = pykernels.layer_norm(a, w, b, 1e-5, residual=r, prenorm=pre, backend="cuda")
+            return out if isinstance(out, tuple) else (out,)
+
+        def fwd():
+            return ln(x)
+
+        def step():
+            o = ln(x)
+            return torch.autograd.grad(o, (x, r, w, b), ups[:len(o)])
+
+        xd = x.detach()
+
+        def chain():
+            with torch.no_grad():
+                return ln(xd @ gw)
+
+        for rnd in range(args.rounds):
+            copy_us = bench(lambda: dst.copy_(src))
+            for pdl in ("1", "0"):
+                os.environ["PYKERNELS_PDL"] = pdl
+                f = bench(fwd)
+                fb = bench(step)
+                c = bench(chain)
+                pct = 100 * fwd_bytes / (f * 1e-6) / (copy_tbps * 1e12)
+                print(f"pdl={pdl} {rnd} {variant}_{M}x{N} fwd {f:.2f} us {pct:.1f}% fwdbwd {fb:.2f} us "
+                      f"gemm+ln {c:.2f} us (copy same bytes {copy_us:.2f} us)", flush=True)
+    os.environ.pop("PYKERNELS_PDL", None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
