@@ -2888,20 +2888,29 @@ inline void allow_smem(const void* kernel, size_t smem) {
   }
 }
 
+// Which launches are programmatic (pdl.cuh): those whose role letter PYKERNELS_PDL_ATTN lists (read at each launch):
+// 'w' the warp-specialised forward, 'p' the backward's pre kernel, 'f' its sm_90a dQ / dK / dV kernel, 'c' the dQ
+// conversion; the others launch plainly
+inline bool attn_pdl(char role) {
+  if (role == 0) return false;
+  const char* e = std::getenv("PYKERNELS_PDL_ATTN");
+  return e != nullptr && std::strchr(e, role) != nullptr;
+}
+
 inline void launch(void (*kernel)(Params), dim3 grid, size_t smem, const Params& p, cudaStream_t stream,
-                   int threads = kThreads) {
+                   int threads = kThreads, char role = 0) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   if (smem > 48 * 1024) allow_smem(reinterpret_cast<const void*>(kernel), smem);
-  launch_pdl(kernel, grid, dim3(threads), smem, stream, p);
+  launch_maybe_pdl(attn_pdl(role), kernel, grid, dim3(threads), smem, stream, p);
 }
 
 // A kernel of a second parameter (attn_fwd_sm90_ws_kernel's TMA maps)
 template <typename Extra>
 inline void launch(void (*kernel)(Params, Extra), dim3 grid, size_t smem, const Params& p, const Extra& extra,
-                   cudaStream_t stream, int threads) {
+                   cudaStream_t stream, int threads, char role = 0) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   if (smem > 48 * 1024) allow_smem(reinterpret_cast<const void*>(kernel), smem);
-  launch_pdl(kernel, grid, dim3(threads), smem, stream, p, extra);
+  launch_maybe_pdl(attn_pdl(role), kernel, grid, dim3(threads), smem, stream, p, extra);
 }
 
 // The device's compute capability 9.0 and SM count, asked once a device
@@ -3185,9 +3194,9 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
                 tm.fence = fwd_fence(tm);
                 const dim3 grid3(fwd_ws_grid(p, C3::BM, plan.sms));
                 if (fwd_overlap(q))
-                  launch(attn_fwd_sm90_ws_kernel<T, 64, M, 3, true>, grid3, C3::smem(), q, tm, stream, C3::NT);
+                  launch(attn_fwd_sm90_ws_kernel<T, 64, M, 3, true>, grid3, C3::smem(), q, tm, stream, C3::NT, 'w');
                 else
-                  launch(attn_fwd_sm90_ws_kernel<T, 64, M, 3>, grid3, C3::smem(), q, tm, stream, C3::NT);
+                  launch(attn_fwd_sm90_ws_kernel<T, 64, M, 3>, grid3, C3::smem(), q, tm, stream, C3::NT, 'w');
                 return;
               }
             }
@@ -3210,7 +3219,7 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
           FwdTma tm = make_fwd_tma<T>(q, C::BM, C::BN, D == 64);
           tm.soft_turn = fwd_soft_turn(p, D, M);
           tm.fence = fwd_fence(tm);
-          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), q, tm, stream, C::NT);
+          launch(attn_fwd_sm90_ws_kernel<T, D, M>, grid, C::smem(), q, tm, stream, C::NT, 'w');
         };
         if (p.d <= 64)
           ws(std::integral_constant<int, 64>{});
@@ -3327,33 +3336,34 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
       if (tm.on && packed) {
         if constexpr (M == kModeNone)  // (packed_tma; D = 128: FUSED = 4, deferred)
           launch(attn_bwd_sm90_kernel<T, D, M, true, D == 128 ? 4 : 3>, fgrid, Cf::smem(true, D == 128), p, tm,
-                 stream, Cf::NT);
+                 stream, Cf::NT, 'f');
       } else if (tm.on) {
-        launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT);
+        launch(attn_bwd_sm90_kernel<T, D, M, true, FUSED>, fgrid, Cf::smem(true, FUSED == 2), p, tm, stream, Cf::NT,
+               'f');
       } else if constexpr (D == 64 && M == kModeNone) {  // (varlen takes no mask)
-        launch(attn_bwd_sm90_kernel<T, D, M, false, FUSED>, fgrid, Cf::smem(true, false), p, tm, stream, Cf::NT);
+        launch(attn_bwd_sm90_kernel<T, D, M, false, FUSED>, fgrid, Cf::smem(true, false), p, tm, stream, Cf::NT, 'f');
       }
       const int64_t threads = dq_acc_batch(p) * p.hq * dq_acc_rows(p) * (D / 8);
       launch(attn_dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((threads + 255) / 256)), 0, p,
-             stream, 256);
+             stream, 256, 'c');
       return;
     }
   }
   const dim3 grid(nkb + nqb, static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
   // (TMA a template flag: the cp.async kernel is the one of before, with no test of it)
   launch(tm.on ? attn_bwd_sm90_kernel<T, D, M, true> : attn_bwd_sm90_kernel<T, D, M, false>, grid,
-         std::max(Ck::smem(), Cq::smem()), p, tm, stream, Ck::NT);
+         std::max(Ck::smem(), Cq::smem()), p, tm, stream, Ck::NT, 'f');
 }
 
 template <typename T>
 void launch_backward_kernels(const Params& p, cudaStream_t stream) {
   const dim3 qgrid(blocks_of(p.sq), static_cast<unsigned>(p.hq), static_cast<unsigned>(p.batch));
   if (p.d <= 64)
-    launch(attn_bwd_pre_kernel<T, 8>, qgrid, 0, p, stream);
+    launch(attn_bwd_pre_kernel<T, 8>, qgrid, 0, p, stream, kThreads, 'p');
   else if (p.d <= 128)
-    launch(attn_bwd_pre_kernel<T, 16>, qgrid, 0, p, stream);
+    launch(attn_bwd_pre_kernel<T, 16>, qgrid, 0, p, stream, kThreads, 'p');
   else
-    launch(attn_bwd_pre_kernel<T, 32>, qgrid, 0, p, stream);
+    launch(attn_bwd_pre_kernel<T, 32>, qgrid, 0, p, stream, kThreads, 'p');
   if (plan_of(p).sm90) {
     dispatch_mask_mode(p, [&](auto mode) {
       constexpr int M = decltype(mode)::value;

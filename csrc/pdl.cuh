@@ -43,15 +43,15 @@ inline bool pdl_on(int device) {
   return major[device] >= 9;
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization where pdl_on; ``kernel``
-// must call pdl_enter() before touching global memory
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization where ``want`` and pdl_on;
+// ``kernel`` must call pdl_enter() before touching global memory
 template <typename... KArgs, typename... Args>
-inline void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                       Args&&... args) {
+inline void launch_maybe_pdl(bool want, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t stream, Args&&... args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (!pdl_on(device)) {
+  if (want) C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (!want || !pdl_on(device)) {
     kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
@@ -67,6 +67,12 @@ inline void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t s
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+template <typename... KArgs, typename... Args>
+inline void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  launch_maybe_pdl(true, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace pykernels

@@ -38,14 +38,18 @@ CHILD = textwrap.dedent("""
             y = o.transpose(1, 2).reshape(M, N)
         return (y, s) + torch.autograd.grad((y, s), (x, r, w, b), (gy, gs))
 
-    def eager(pdl, det):
+    def setting(pdl):
         os.environ["PYKERNELS_PDL"] = pdl
+        os.environ["PYKERNELS_PDL_ATTN"] = "wpfc" if pdl == "1" else ""  # (every attention role: pdl.cuh's rule)
+
+    def eager(pdl, det):
+        setting(pdl)
         out = chain(det)
         torch.cuda.synchronize()
         return [t.detach().clone() for t in out]
 
     def replayed(pdl, det):
-        os.environ["PYKERNELS_PDL"] = pdl
+        setting(pdl)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -87,5 +91,6 @@ def test_gpu_programmatic_launches_equal_plain_ones():
         pytest.skip("programmatic dependent launch needs compute capability 9.0 (elsewhere launches are plain)")
     env = {**os.environ, "PYKERNELS_POISON": "0"}
     env.pop("PYKERNELS_PDL", None)
+    env.pop("PYKERNELS_PDL_ATTN", None)
     res = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
