@@ -2888,13 +2888,15 @@ inline void allow_smem(const void* kernel, size_t smem) {
   }
 }
 
-// Which launches are programmatic (pdl.cuh): those whose role letter PYKERNELS_PDL_ATTN lists (read at each launch):
-// 'w' the warp-specialised forward, 'p' the backward's pre kernel, 'f' its sm_90a dQ / dK / dV kernel, 'c' the dQ
-// conversion; the others launch plainly
+// Which launches are programmatic (pdl.cuh): those whose role letter PYKERNELS_PDL_ATTN lists (read at each launch;
+// default "f"): 'w' the warp-specialised forward, 'p' the backward's pre kernel, 'f' its sm_90a dQ / dK / dV kernel,
+// 'c' the dQ conversion; the others launch plainly. H200 run362 (graph replay, BERT-base / GPT-2 / key padding, no
+// dropout, two rounds): 'f' 0.4-1.0 us faster than none on all six, 'w' even, 'p' and 'c' 1-3 us slower (their
+// kernels' blocks, resident early, waiting beside the kernel ahead)
 inline bool attn_pdl(char role) {
   if (role == 0) return false;
   const char* e = std::getenv("PYKERNELS_PDL_ATTN");
-  return e != nullptr && std::strchr(e, role) != nullptr;
+  return std::strchr(e != nullptr ? e : "f", role) != nullptr;
 }
 
 inline void launch(void (*kernel)(Params), dim3 grid, size_t smem, const Params& p, cudaStream_t stream,

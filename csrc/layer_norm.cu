@@ -339,6 +339,145 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_persist_kernel(
   }
 }
 
+// The bulk-copy forward of fp16 / bf16 warp rows of 3 or 4 packs a lane (512 < N <= 1024, N a multiple of 8) on
+// Hopper: a persistent grid of kBulkBlocksPerSm blocks an SM, each over a contiguous range of rows streamed kBulkRows
+// rows of x (and of the residual) at a time into a ring of shared-memory stages by the bulk copy engine
+// (cp.async.bulk, one copy a tensor a stage: the rows are contiguous). Each of the block's kBulkRows warps takes a row
+// of a stage into registers, releases the stage and runs ln_fwd_row on it; lane 0 of warp 0 refills a stage once every
+// warp has released it (a producer warp of its own made the block 9 warps, and ptxas then capped a thread at 96
+// registers: 168-296 bytes of spill). The loads in flight no longer end with a warp's row (ln_fwd_kernel: one row a
+// warp, nothing in flight across its reductions and stores, then the block's turnover): the ring keeps the next
+// stages' bytes coming. PYKERNELS_LN_FWD_BULK=0 takes ln_fwd_kernel (read at each call, for A/B runs).
+constexpr int kBulkRows = 8;  // rows a stage, warps a block
+constexpr int kBulkThreads = kBulkRows * 32;
+constexpr int kBulkBlocksPerSm = 2;
+constexpr int kBulkSmemBytes = 100 * 1024;  // a block's ring (two blocks an SM within the 227 KiB)
+
+template <typename T, int VPL, int RT>
+constexpr bool kFwdBulkable = RT == 32 && (VPL == 3 || VPL == 4) && sizeof(T) == 2;
+
+// stages of a ring: as many as kBulkSmemBytes holds, at most 8
+inline int bulk_stages(int N, bool has_res, int elem) {
+  const int stage = kBulkRows * N * elem * (has_res ? 2 : 1);
+  return std::min(8, kBulkSmemBytes / stage);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <typename T, typename W, int VPL, int RT, bool DROP>
+__global__ void __launch_bounds__(kBulkThreads, kBulkBlocksPerSm) ln_fwd_bulk_kernel(
+    const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ w, const W* __restrict__ b,
+    T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+    int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms,
+    const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale, int stages) {
+  pdl_enter();  // (launch_pdl: pdl.cuh)
+  static_assert(kFwdBulkable<T, VPL, RT>, "the bulk forward is for fp16 / bf16 warp rows of 3 or 4 packs");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char bulk_smem[];
+  __shared__ __align__(8) uint64_t full[8], empty[8];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t lo = M * blockIdx.x / gridDim.x, hi = M * (blockIdx.x + 1) / gridDim.x;
+  const int chunks = static_cast<int>((hi - lo + kBulkRows - 1) / kBulkRows);
+  const uint32_t row_bytes = static_cast<uint32_t>(N) * sizeof(T);
+  const uint32_t stage_bytes = kBulkRows * row_bytes * (has_res ? 2 : 1);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < stages; ++i) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&full[i])), "r"(1) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&empty[i])), "r"(kBulkRows) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const auto wait = [](uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "LN_BULK_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra LN_BULK_WAIT;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+  };
+  // chunk c's rows into its stage (lane 0 of warp 0, the producer between its rows)
+  const auto issue = [&](int c) {
+    const int st = c % stages;
+    const int64_t row0 = lo + static_cast<int64_t>(c) * kBulkRows;
+    const uint32_t bytes = static_cast<uint32_t>(hi - row0 < kBulkRows ? hi - row0 : kBulkRows) * row_bytes;
+    const uint32_t bar = smem_addr(&full[st]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(has_res ? 2 * bytes : bytes)
+                 : "memory");
+    unsigned char* dst = bulk_smem + static_cast<size_t>(st) * stage_bytes;
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(dst)),
+                 "l"(x + row0 * N), "r"(bytes), "r"(bar)
+                 : "memory");
+    if (has_res)
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                       smem_addr(dst + kBulkRows * row_bytes)),
+                   "l"(res + row0 * N), "r"(bytes), "r"(bar)
+                   : "memory");
+  };
+  const bool producer = threadIdx.x == 0;
+  if (producer)
+    for (int c = 0; c < chunks && c < stages; ++c) issue(c);
+  uint64_t seed = 0;  // the dropout seed, read from device memory once (graph-safe: philox.cuh)
+  if constexpr (DROP) seed = static_cast<uint32_t>(__ldg(seed_ptr));
+  // kWEarly: the weight and bias packs loaded with each row (L1 hits), as ln_fwd_kernel does; held in registers across
+  // the rows instead, they took the 4-pack kernels to 132 bytes of spill at the 128 registers of two blocks an SM
+  constexpr bool kWEarly = kParamPackLoads<T, W> == 1;
+  constexpr int P = Pack<T>::n;
+  for (int c = 0; c < chunks; ++c) {
+    // the stage chunk c - 1 took, once every warp has its row of it in registers: chunk c - 1 + stages into it
+    if (producer && c >= 1 && c - 1 + stages < chunks) {
+      wait(&empty[(c - 1) % stages], ((c - 1) / stages) & 1);
+      issue(c - 1 + stages);
+    }
+    const int st = c % stages;
+    wait(&full[st], (c / stages) & 1);
+    const int64_t row = lo + static_cast<int64_t>(c) * kBulkRows + warp;
+    const T* sx = reinterpret_cast<const T*>(bulk_smem + static_cast<size_t>(st) * stage_bytes) + warp * N;
+    const T* sr = sx + kBulkRows * N;
+    uint4 x_raw[VPL], r_raw[VPL];
+    const bool mine = row < hi;
+    if (mine) {
+#pragma unroll
+      for (int i = 0; i < VPL; ++i) {
+        const int col = (i * RT + lane) * P;
+        if (col < N) {
+          x_raw[i] = *reinterpret_cast<const uint4*>(sx + col);
+          if (has_res) r_raw[i] = *reinterpret_cast<const uint4*>(sr + col);
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(&empty[st])) : "memory");
+    if (mine) {
+      uint4 w_raw[VPL], b_raw[VPL];
+      if constexpr (kWEarly) ln_fwd_params<T, W, VPL, RT>(w, b, lane, N, has_w, has_b, w_raw, b_raw);
+      ln_fwd_row<T, W, VPL, RT, DROP, kWEarly>(x_raw, r_raw, w_raw, b_raw, w, b, y, s, mean_out, rstd_out, row, lane,
+                                               N, eps, has_res, has_w, has_b, store_s, rms, seed, drop_p, drop_scale);
+    }
+  }
+#else
+  __trap();  // (launched only from an sm_90a build on compute capability 9: fwd_bulk_enabled)
+#endif
+}
+
+// Whether the bulk forward runs on ``device``: an sm_90a build (setup.py's PYKERNELS_SM90A) on compute capability 9,
+// and PYKERNELS_LN_FWD_BULK is not '0' (the one-row grid instead; read at each call, for A/B runs)
+bool fwd_bulk_enabled(int device) {
+#if !defined(PYKERNELS_SM90A)
+  return false;
+#endif
+  const char* e = std::getenv("PYKERNELS_LN_FWD_BULK");
+  if (e != nullptr && e[0] == '0') return false;
+  static int major[64] = {0};
+  if (device < 0 || device >= 64) return false;
+  if (major[device] == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
+  return major[device] == 9;
+}
+
 // one pack of a backward row: s (= the raw s or x, plus the residual when given), dy and the weight. The residual's
 // pack comes from registers (res_raw, loaded with the row's other packs) when res_early, else from memory.
 // WREG: the weight pack comes from registers (w_reg, loaded once before the row loop), else from memory.
@@ -854,6 +993,31 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
           dropout_p > 0.0 ? static_cast<float>(1.0 / (1.0 - dropout_rate(dropout_p))) : 1.f);
      };
      const auto pick = [&](auto drop) {
+      if constexpr (kFwdBulkable<T, kV, kRT>) {
+        if (N % Pack<T>::n == 0 && fwd_bulk_enabled(x.get_device())) {
+          constexpr bool kDrop = decltype(drop)::value;
+          const int stages = bulk_stages(N, r.defined(), sizeof(T));
+          const size_t smem = static_cast<size_t>(stages) * kBulkRows * N * sizeof(T) * (r.defined() ? 2 : 1);
+          const auto kernel = ln_fwd_bulk_kernel<T, W, kV, kRT, kDrop>;
+          static bool allowed[64] = {false};  // (fwd_bulk_enabled: device < 64)
+          if (!allowed[x.get_device()]) {
+            C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBytes));
+            allowed[x.get_device()] = true;
+          }
+          const int64_t grid = std::min<int64_t>((M + kBulkRows - 1) / kBulkRows,
+                                                 static_cast<int64_t>(kBulkBlocksPerSm) * sm_count(x.get_device()));
+          launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(kBulkThreads), smem, stream,
+              static_cast<const T*>(x.data_ptr()), r.defined() ? static_cast<const T*>(r.data_ptr()) : nullptr,
+              w.defined() ? static_cast<const W*>(w.data_ptr()) : nullptr,
+              b.defined() ? static_cast<const W*>(b.data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()),
+              prenorm ? static_cast<T*>(s.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
+              rstd.data_ptr<float>(), M, N, static_cast<float>(eps), r.defined(), w.defined(), b.defined(), prenorm,
+              rms, seed_ptr(dropout_p, seed, x, "pykernels_cuda.layer_norm"),
+              static_cast<float>(dropout_rate(dropout_p)),
+              dropout_p > 0.0 ? static_cast<float>(1.0 / (1.0 - dropout_rate(dropout_p))) : 1.f, stages);
+          return;
+        }
+      }
       if constexpr (kFwdPersistable<T, kV, kRT>) {
         if (fwd_persist_enabled()) {
           launch(drop, std::true_type{});

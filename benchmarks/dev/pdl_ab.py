@@ -1,13 +1,15 @@
-"""Programmatic dependent launch (csrc/pdl.cuh) on and off in one process: the C++ LayerNorm forward and
-forward+backward, replayed from CUDA graphs of unrolled calls (``triton.testing.do_bench_cudagraph``, as
-benchmarks/layer_norm.py times them), with a ``copy_`` of the forward's bytes replayed the same way, and a chain
-as a model runs it: a GEMM (x @ W, cuBLAS) then the LayerNorm of its output. ``PYKERNELS_PDL`` is read at every
-launch, so each graph is captured under its own setting; the settings alternate over ``--rounds``.
+"""The C++ LayerNorm's launch settings A/B in one process: programmatic dependent launch (csrc/pdl.cuh,
+``PYKERNELS_PDL``) and the bulk-copy forward (``PYKERNELS_LN_FWD_BULK``), each read at every launch, so each graph is
+captured under its own setting. Timed: the forward and forward+backward replayed from CUDA graphs of unrolled calls
+(``triton.testing.do_bench_cudagraph``, as benchmarks/layer_norm.py times them), with a ``copy_`` of the forward's
+bytes replayed the same way, and a chain as a model runs it: a GEMM (x @ W, cuBLAS) then the LayerNorm of its
+output. The settings alternate over ``--rounds``.
 
-One line a case, setting and round: ``pdl=<0|1> round case fwd_us fwd_%copy fwdbwd_us [chain_us]``, the % of the
-card's copy bandwidth (``common.ceilings()``) over the forward's fewest bytes (benchmarks/layer_norm.py's count).
+One line a case, setting and round: ``SETTING round case fwd_us fwd_%copy fwdbwd_us gemm+ln_us``, the % of the card's
+copy bandwidth (``common.ceilings()``) over the forward's fewest bytes (benchmarks/layer_norm.py's count).
 
-Usage (GPU): ``python benchmarks/dev/pdl_ab.py [--rounds 2] [--rep 20]``
+Usage (GPU): ``python benchmarks/dev/pdl_ab.py [--rounds 2] [--rep 20] [--settings "PDL=1,BULK=1;PDL=1,BULK=0"]``
+(names without the ``PYKERNELS_`` / ``PYKERNELS_LN_FWD_`` prefix: PDL, BULK).
 """
 from __future__ import annotations
 
@@ -31,7 +33,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rep", type=int, default=20, help="ms of unrolled calls a graph (do_bench_cudagraph's rep)")
+    ap.add_argument("--settings", default="PDL=1,BULK=1;PDL=1,BULK=0;PDL=0,BULK=0")
     args = ap.parse_args(argv)
+    names = {"PDL": "PYKERNELS_PDL", "BULK": "PYKERNELS_LN_FWD_BULK"}
+    settings = [dict(kv.split("=") for kv in one.split(",")) for one in args.settings.split(";")]
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
@@ -76,15 +81,18 @@ def main(argv=None) -> int:
 
         for rnd in range(args.rounds):
             copy_us = bench(lambda: dst.copy_(src))
-            for pdl in ("1", "0"):
-                os.environ["PYKERNELS_PDL"] = pdl
+            for setting in settings:
+                for k, val in setting.items():
+                    os.environ[names[k]] = val
+                label = ",".join(f"{k}={val}" for k, val in setting.items())
                 f = bench(fwd)
                 fb = bench(step)
                 c = bench(chain)
                 pct = 100 * fwd_bytes / (f * 1e-6) / (copy_tbps * 1e12)
-                print(f"pdl={pdl} {rnd} {variant}_{M}x{N} fwd {f:.2f} us {pct:.1f}% fwdbwd {fb:.2f} us "
+                print(f"{label} {rnd} {variant}_{M}x{N} fwd {f:.2f} us {pct:.1f}% fwdbwd {fb:.2f} us "
                       f"gemm+ln {c:.2f} us (copy same bytes {copy_us:.2f} us)", flush=True)
-    os.environ.pop("PYKERNELS_PDL", None)
+    for name in names.values():
+        os.environ.pop(name, None)
     return 0
 
 
