@@ -350,8 +350,8 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_persist_kernel(
 // stages' bytes coming. PYKERNELS_LN_FWD_BULK=0 takes ln_fwd_kernel (read at each call, for A/B runs).
 constexpr int kBulkRows = 8;  // rows a stage, warps a block
 constexpr int kBulkThreads = kBulkRows * 32;
-constexpr int kBulkBlocksPerSm = 2;
-constexpr int kBulkSmemBytes = 100 * 1024;  // a block's ring (two blocks an SM within the 227 KiB)
+constexpr int kBulkBlocksPerSm = 1;
+constexpr int kBulkSmemBytes = 200 * 1024;  // a block's ring (one block an SM within the 227 KiB)
 
 template <typename T, int VPL, int RT>
 constexpr bool kFwdBulkable = RT == 32 && (VPL == 3 || VPL == 4) && sizeof(T) == 2;
