@@ -39,7 +39,8 @@ inline bool pdl_on(int device) {
   static std::vector<int> major;  // (-1: not asked yet)
   const std::lock_guard<std::mutex> lock(mu);
   if (device >= static_cast<int>(major.size())) major.resize(device + 1, -1);
-  if (major[device] < 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
+  if (major[device] < 0)
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
   return major[device] >= 9;
 }
 

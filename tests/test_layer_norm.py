@@ -1076,39 +1076,3 @@ def test_double_backward_raises_never_silent(backend, device):
     y = pykernels.layer_norm(x, w, b, residual=r, backend=backend)  # without create_graph: fine
     (g1,) = torch.autograd.grad((y * y).sum(), x)
     assert torch.isfinite(g1).all()
-
-
-BULK_CASES = [((16389, 768), "pre", torch.bfloat16, None), ((16389, 768), "post", torch.float16, None),
-              ((3, 1000), "rms_pre", torch.bfloat16, None), ((40000, 1024), "post_no_residual", torch.bfloat16, None),
-              ((1000, 520), "pre", torch.bfloat16, torch.float32), ((5000, 768), "post", torch.bfloat16, torch.float32)]
-
-
-@pytest.mark.gpu
-@needs_cuda_ext
-@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
-@pytest.mark.parametrize("shape,variant,dtype,param_dtype", BULK_CASES,
-                         ids=[f"{m}x{n}-{v}-{str(d)[6:]}-{str(p)[6:]}" for (m, n), v, d, p in BULK_CASES])
-def test_gpu_cuda_bulk_forward(shape, variant, dtype, param_dtype, dropout_p, monkeypatch):
-    """On Hopper the C++ forward streams fp16 / bf16 rows of 512 < N <= 1024 (N a multiple of 8) through shared memory
-    by the bulk copy engine (ln_fwd_bulk_kernel; the profiler names it); rows that leave a last partial stage, a
-    block's range of a few rows, no residual (one copy a stage), fp32 parameters and dropout. Checked against the
-    references, and bitwise against the one-row grid (PYKERNELS_LN_FWD_BULK=0: the same row math)."""
-    from torch.profiler import ProfilerActivity, profile
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the bulk forward runs on compute capability 9 (Hopper)")
-    v = dict(VARIANTS[variant])
-    residual = v.pop("residual", True)
-    x, r, w, b = _make(shape, dtype, "cuda", residual=residual, param_dtype=param_dtype)
-    _check(x, r, w, b, backend="cuda", dropout_p=dropout_p, **v)
-    outs = []
-    for bulk in ("1", "0"):
-        monkeypatch.setenv("PYKERNELS_LN_FWD_BULK", bulk)
-        torch.manual_seed(3)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            out = pykernels.layer_norm(x, w, b, residual=r, dropout_p=dropout_p, backend="cuda", **v)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if "ln_fwd" in e.name]
-        assert names and all(("ln_fwd_bulk_kernel" in n) == (bulk == "1") for n in names), names
-        outs.append(out if isinstance(out, tuple) else (out,))
-    for a, c in zip(*outs):
-        assert torch.equal(a, c)

@@ -1,6 +1,7 @@
 """The C++ LayerNorm's launch settings A/B in one process: programmatic dependent launch (csrc/pdl.cuh,
-``PYKERNELS_PDL``) and the bulk-copy forward (``PYKERNELS_LN_FWD_BULK``), each read at every launch, so each graph is
-captured under its own setting. Timed: the forward and forward+backward replayed from CUDA graphs of unrolled calls
+``PYKERNELS_PDL``, read at every launch, so each graph is captured under its own setting; run361-362), and any other
+switch read at every call (``--settings`` names it: the branch next/ln-bulk's ``PYKERNELS_LN_FWD_BULK``,
+run363-364). Timed: the forward and forward+backward replayed from CUDA graphs of unrolled calls
 (``triton.testing.do_bench_cudagraph``, as benchmarks/layer_norm.py times them), with a ``copy_`` of the forward's
 bytes replayed the same way, and a chain as a model runs it: a GEMM (x @ W, cuBLAS) then the LayerNorm of its
 output. The settings alternate over ``--rounds``.
@@ -8,8 +9,8 @@ output. The settings alternate over ``--rounds``.
 One line a case, setting and round: ``SETTING round case fwd_us fwd_%copy fwdbwd_us gemm+ln_us``, the % of the card's
 copy bandwidth (``common.ceilings()``) over the forward's fewest bytes (benchmarks/layer_norm.py's count).
 
-Usage (GPU): ``python benchmarks/dev/pdl_ab.py [--rounds 2] [--rep 20] [--settings "PDL=1,BULK=1;PDL=1,BULK=0"]``
-(names without the ``PYKERNELS_`` / ``PYKERNELS_LN_FWD_`` prefix: PDL, BULK).
+Usage (GPU): ``python benchmarks/dev/pdl_ab.py [--rounds 2] [--rep 20] [--settings "PDL=1;PDL=0"]`` (environment
+variables without their ``PYKERNELS_`` prefix, ``;`` between settings).
 """
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rep", type=int, default=20, help="ms of unrolled calls a graph (do_bench_cudagraph's rep)")
-    ap.add_argument("--settings", default="PDL=1,BULK=1;PDL=1,BULK=0;PDL=0,BULK=0")
+    ap.add_argument("--settings", default="PDL=1;PDL=0")
     args = ap.parse_args(argv)
-    names = {"PDL": "PYKERNELS_PDL", "BULK": "PYKERNELS_LN_FWD_BULK"}
     settings = [dict(kv.split("=") for kv in one.split(",")) for one in args.settings.split(";")]
+    names = {k: "PYKERNELS_" + k for one in settings for k in one}
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
