@@ -4,8 +4,9 @@ from a CUDA graph. A kernel that read its inputs before its wait would read rows
 written; the chain below feeds each op's output straight into the next C++ kernel (LayerNorm into LayerNorm, the
 attention's three backward kernels into each other) at sizes of several waves. It runs in a child process without
 the suite's output poisoning (PYKERNELS_POISON=0): the NaN fill of every output would put a plain kernel between
-every two of ours. GPU only (the source rule, every programmatic launch waits first, is checked on CPU in
-tests/test_csrc.py)."""
+every two of ours. Every attention role is launched programmatically here (PYKERNELS_PDL_ATTN=wpfc), not only the
+default's sm_90a backward kernel. GPU only (the source rule, every programmatic launch waits first, is checked on CPU
+in tests/test_csrc.py)."""
 from __future__ import annotations
 
 import os
