@@ -10,16 +10,16 @@
 // once: its blocks take the slots this kernel's last wave leaves free and wait there in turn.
 //
 // PYKERNELS_PDL=0 launches plainly (A/B runs; read at every launch). Devices below compute capability 9.0 launch
-// plainly, and there the instructions are compiled out.
+// plainly, and so does code compiled for an architecture below 9.0 (pdl_on), where the instructions are compiled out.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <utility>
-#include <vector>
 
 namespace pykernels {
 
@@ -30,18 +30,26 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
-// Whether launch_pdl launches programmatically on ``device``: compute capability 9.0 or above (asked once a device),
-// and PYKERNELS_PDL is not '0'
-inline bool pdl_on(int device) {
+// Whether ``kernel`` launches programmatically on ``device`` (asked once a kernel and device): compute capability 9.0
+// or above, and the code the device runs for it compiled for a virtual architecture of 9.0 or above (its PTX version,
+// cudaFuncGetAttributes), so that pdl_enter's wait is in it: a build for an older architecture list that the driver
+// JIT-compiles for a Hopper device has pdl_enter compiled out, and launched programmatically it would race with the
+// kernel ahead. And PYKERNELS_PDL is not '0'.
+inline bool pdl_on(const void* kernel, int device) {
   const char* e = std::getenv("PYKERNELS_PDL");
   if (e != nullptr && e[0] == '0') return false;
   static std::mutex mu;
-  static std::vector<int> major;  // (-1: not asked yet)
+  static std::map<std::pair<const void*, int>, bool> known;
   const std::lock_guard<std::mutex> lock(mu);
-  if (device >= static_cast<int>(major.size())) major.resize(device + 1, -1);
-  if (major[device] < 0)
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
-  return major[device] >= 9;
+  const auto it = known.find({kernel, device});
+  if (it != known.end()) return it->second;
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  cudaFuncAttributes attr = {};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const bool on = major >= 9 && attr.ptxVersion >= 90;
+  known[{kernel, device}] = on;
+  return on;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization where ``want`` and pdl_on;
@@ -52,7 +60,7 @@ inline void launch_maybe_pdl(bool want, void (*kernel)(KArgs...), dim3 grid, dim
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   int device = 0;
   if (want) C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (!want || !pdl_on(device)) {
+  if (!want || !pdl_on(reinterpret_cast<const void*>(kernel), device)) {
     kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;

@@ -5,8 +5,8 @@ written; the chain below feeds each op's output straight into the next C++ kerne
 attention's three backward kernels into each other) at sizes of several waves. It runs in a child process without
 the suite's output poisoning (PYKERNELS_POISON=0): the NaN fill of every output would put a plain kernel between
 every two of ours. Every attention role is launched programmatically here (PYKERNELS_PDL_ATTN=wpfc), not only the
-default's sm_90a backward kernel. GPU only (the source rule, every programmatic launch waits first, is checked on CPU
-in tests/test_csrc.py)."""
+default's sm_90a backward kernel. Then the profiler shows the launches overlapping (with PDL only). GPU only (the
+source rule, every programmatic launch waits first, is checked on CPU in tests/test_csrc.py)."""
 from __future__ import annotations
 
 import os
@@ -81,6 +81,29 @@ CHILD = textwrap.dedent("""
         for n, a, c in zip(names, ref, got):
             torch.testing.assert_close(c.float(), a.float(), rtol=2e-2, atol=2e-2 * a.float().abs().max().item(),
                                        msg=n)
+
+    # the launches do overlap: six LayerNorms queued behind a sleep, each reading the one ahead's output, start before
+    # the one ahead has ended with PDL (its blocks resident and waiting) and never without; a build whose kernels lack
+    # the wait (pdl.cuh's pdl_on) would show no overlap here
+    from torch.profiler import ProfilerActivity, profile
+
+    def overlaps(pdl):
+        setting(pdl)
+        xd = x.detach()
+        with torch.no_grad():
+            pykernels.layer_norm(xd, w, b, backend="cuda")
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                torch.cuda._sleep(50_000_000)
+                y = xd
+                for _ in range(6):
+                    y = pykernels.layer_norm(y, w, b, backend="cuda")
+                torch.cuda.synchronize()
+        ev = sorted((e for e in prof.events() if "ln_fwd" in e.name), key=lambda e: e.time_range.start)
+        return len(ev), sum(c.time_range.start < a.time_range.end for a, c in zip(ev, ev[1:]))
+
+    (k1, n1), (k0, n0) = overlaps("1"), overlaps("0")
+    assert k1 == k0 == 6 and n1 >= 1 and n0 == 0, (k1, n1, k0, n0)
     print("ok")
 """)
 
