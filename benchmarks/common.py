@@ -166,6 +166,15 @@ def ceilings() -> dict:
     return {"copy_TBps": round(copy_tbs, 3), "matmul_bf16_TFLOPs": round(2 * m**3 / ms / 1e9, 1)}
 
 
+def copy_graph_us(nbytes: int, *, rep: int = 10) -> float:
+    """A ``copy_`` of ``nbytes`` (half read, half written) replayed from a CUDA graph (``do_bench_cudagraph``), us:
+    what a kernel moving those bytes reaches at that size, launch ramp and tail included (``ceilings()`` copies 1 GiB)."""
+    import triton.testing
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return float(triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=rep)) * 1e3
+
+
 def write_rows(op: str, rows: list[dict]) -> Path:
     """Write rows (dicts) plus the environment record as CSV to benchmarks/results and $OUT."""
     env = env_record()

@@ -150,10 +150,7 @@ def main() -> int:
         case_rows = {}
         copy_us = float("nan")  # a copy of the forward's bytes (half read, half written), replayed from a CUDA graph:
         if not args.smoke and not args.no_graph:  # what a kernel of that size reaches (launch ramp and tail included)
-            src = torch.empty(fwd_bytes // 2, dtype=torch.uint8, device=dev)
-            dst = torch.empty_like(src)
-            copy_us = round(float(triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=GRAPH_REP)) * 1e3, 1)
-            del src, dst
+            copy_us = round(common.copy_graph_us(fwd_bytes, rep=GRAPH_REP), 1)
         for impl, fn in compiled_fns[variant].items():
             row = {"op": "layer_norm", "variant": variant, "M": M, "N": N, "dtype": str(dtype).replace("torch.", ""),
                    "impl": impl}
