@@ -339,6 +339,59 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_persist_kernel(
   }
 }
 
+// The one-row-a-warp forward of fp16 / bf16 rows of 3-4 packs a lane (512 < N <= 1024), two warps a block, with the
+// weight and bias packs loaded where they are used (L1 hits after a block's first row), not early as ln_fwd_kernel
+// loads them. Without those 2 x VPL registers a row of 3 packs fits in 64 registers (kRowsMinBlocks: 32 warps an SM
+// against ln_fwd_kernel's 24 at 79), and a block of two warps frees its slot when its two rows are done, not its
+// slowest of eight. H200 run366-368 (graph replay, bf16, PDL on), against ln_fwd_kernel in the same call: pre 16384 x
+// 768 27.5-27.7 -> 26.2-26.7 us (87.4 -> 91.1-91.8% of copy bandwidth), post 16384 x 768 21.1 -> 20.0-20.3 (85.3-86.0
+// -> 89.4-90.3%), pre 16384 x 1024 36.1-36.3 -> 34.4-34.6 (89 -> 93.2-93.4%), post 16384 x 1024 28.3-29.2 -> 26.3-26.4
+// (83-85.5 -> 91.3-91.9%), pre 65536 x 768 99.5-100.3 -> 97.8-98.7; with dropout 0.1 post / pre 16384 x 768 27.6 /
+// 32.4 -> 25.5 / 31.1 us; with fp32 parameters 21.0 / 27.2 -> 20.7 / 26.6-26.8. Tried and not kept: four or eight
+// warps a block (0.1-0.4 us slower), one (post 16384 x 768 22.9 us), the early weights at two or four warps (72
+// registers, 28 warps an SM: 0.5-0.9 us slower), the weights issued once the mean is known (24 bytes of spill at 64
+// registers: 0.1-1.7 us slower), streaming stores (0.2-0.9 us slower) and streaming loads (post 16384 x 768 faster,
+// 19.4 us, than a same-size copy, 19.5: the benchmark's L2 reuse across its unrolled calls, not the op; every other
+// shape 0.3-3.0 us slower; run368). (At 4 packs a lane a cap of 64 registers spilled 60 bytes: 24 warps an SM there, 85
+// registers.) PYKERNELS_LN_FWD_ROWS=0 takes ln_fwd_kernel instead (read at every call, for A/B in one process:
+// benchmarks/dev/pdl_ab.py --settings "LN_FWD_ROWS=1;LN_FWD_ROWS=0").
+constexpr int kRowWarps = 2;
+enum FwdMode { kOneRow, kPersist, kRows };  // the forward's kernel (forward_impl)
+
+template <typename T, int VPL>
+constexpr bool kFwdRowsable = VPL >= 3 && VPL <= 4 && sizeof(T) == 2;
+
+// blocks an SM the register cap asks for: 64 registers at 3 packs (32 warps), 85 at 4 (ptxas gives 72-73: 28 warps);
+// no spill in any instantiation (with dropout, or fp32 parameters, too: CPU compile, benchmarks/dev/cuda_sass.py)
+template <int VPL>
+constexpr int kRowsMinBlocks = (VPL == 3 ? 32 : 24) / kRowWarps;
+
+template <typename T, typename W, int VPL, bool DROP>
+__global__ void __launch_bounds__(kRowWarps * 32, kRowsMinBlocks<VPL>) ln_fwd_rows_kernel(
+    const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ w, const W* __restrict__ b,
+    T* __restrict__ y, T* __restrict__ s, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+    int64_t M, int N, float eps, bool has_res, bool has_w, bool has_b, bool store_s, bool rms,
+    const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
+  pdl_enter();  // (launch_pdl: pdl.cuh)
+  static_assert(kFwdRowsable<T, VPL>, "the two-warp forward is for fp16 / bf16 warp rows of 3-4 packs");
+  const int lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
+  if (row >= M) return;
+  uint4 x_raw[VPL], r_raw[VPL];
+  ln_fwd_load<T, VPL, 32>(x, res, row, lane, N, has_res, x_raw, r_raw);
+  uint64_t seed = 0;
+  if constexpr (DROP) seed = static_cast<uint32_t>(__ldg(seed_ptr));
+  const uint4(&unused)[VPL] = x_raw;  // (no early weight packs: ln_fwd_row loads them from w and b)
+  ln_fwd_row<T, W, VPL, 32, DROP, false>(x_raw, r_raw, unused, unused, w, b, y, s, mean_out, rstd_out, row, lane, N,
+                                         eps, has_res, has_w, has_b, store_s, rms, seed, drop_p, drop_scale);
+}
+
+// PYKERNELS_LN_FWD_ROWS=0: ln_fwd_kernel for the rows ln_fwd_rows_kernel takes (read at every call)
+inline bool fwd_rows_enabled() {
+  const char* e = std::getenv("PYKERNELS_LN_FWD_ROWS");
+  return e == nullptr || std::string(e) != "0";
+}
+
 // one pack of a backward row: s (= the raw s or x, plus the residual when given), dy and the weight. The residual's
 // pack comes from registers (res_raw, loaded with the row's other packs) when res_early, else from memory.
 // WREG: the weight pack comes from registers (w_reg, loaded once before the row loop), else from memory.
@@ -833,18 +886,25 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
     using W = decltype(wtag);
     dispatch_shape<T>(N, [&](auto v, auto rt) {
      constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
-     const auto launch = [&](auto drop, auto persist) {
-      constexpr bool kDrop = decltype(drop)::value, kPersist = decltype(persist)::value;
-      unsigned grid = blocks;
-      if constexpr (kPersist) {
+     // mode: kOneRow (ln_fwd_kernel), kPersist (ln_fwd_persist_kernel) or kRows (ln_fwd_rows_kernel)
+     const auto launch = [&](auto drop, auto mode) {
+      constexpr bool kDrop = decltype(drop)::value;
+      constexpr int kMode = decltype(mode)::value;
+      unsigned grid = blocks, threads = kThreads;
+      if constexpr (kMode == kPersist) {
         const int64_t cap = static_cast<int64_t>(fwd_blocks_per_sm<T, W, kV, kRT, kDrop>()) * sm_count(x.get_device());
         grid = static_cast<unsigned>(std::min<int64_t>(blocks, cap));
+      } else if constexpr (kMode == kRows) {
+        TORCH_CHECK((M + kRowWarps - 1) / kRowWarps < (int64_t{1} << 31), "pykernels_cuda.layer_norm: too many rows");
+        grid = static_cast<unsigned>((M + kRowWarps - 1) / kRowWarps);
+        threads = kRowWarps * 32;
       }
       const auto kernel = [&] {
-        if constexpr (kPersist) return ln_fwd_persist_kernel<T, W, kV, kRT, kDrop>;
+        if constexpr (kMode == kPersist) return ln_fwd_persist_kernel<T, W, kV, kRT, kDrop>;
+        else if constexpr (kMode == kRows) return ln_fwd_rows_kernel<T, W, kV, kDrop>;
         else return ln_fwd_kernel<T, W, kV, kRT, kDrop>;
       }();
-      launch_pdl(kernel, dim3(grid), dim3(kThreads), 0, stream,
+      launch_pdl(kernel, dim3(grid), dim3(threads), 0, stream,
           static_cast<const T*>(x.data_ptr()), r.defined() ? static_cast<const T*>(r.data_ptr()) : nullptr,
           w.defined() ? static_cast<const W*>(w.data_ptr()) : nullptr,
           b.defined() ? static_cast<const W*>(b.data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()),
@@ -854,13 +914,19 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
           dropout_p > 0.0 ? static_cast<float>(1.0 / (1.0 - dropout_rate(dropout_p))) : 1.f);
      };
      const auto pick = [&](auto drop) {
-      if constexpr (kFwdPersistable<T, kV, kRT>) {
-        if (fwd_persist_enabled()) {
-          launch(drop, std::true_type{});
+      if constexpr (kRT == 32 && kFwdRowsable<T, kV>) {
+        if (fwd_rows_enabled()) {
+          launch(drop, std::integral_constant<int, kRows>{});
           return;
         }
       }
-      launch(drop, std::false_type{});
+      if constexpr (kFwdPersistable<T, kV, kRT>) {
+        if (fwd_persist_enabled()) {
+          launch(drop, std::integral_constant<int, kPersist>{});
+          return;
+        }
+      }
+      launch(drop, std::integral_constant<int, kOneRow>{});
      };
      if (dropout_p > 0.0) pick(std::true_type{});
      else pick(std::false_type{});

@@ -1076,3 +1076,38 @@ def test_double_backward_raises_never_silent(backend, device):
     y = pykernels.layer_norm(x, w, b, residual=r, backend=backend)  # without create_graph: fine
     (g1,) = torch.autograd.grad((y * y).sum(), x)
     assert torch.isfinite(g1).all()
+
+
+# (shape, variant, dtype, param dtype, dropout_p, weight, bias): fp16 / bf16 rows of 3-4 packs a lane, odd row counts
+ROWS_CASES = [((16389, 768), "pre", torch.bfloat16, None, 0.0, True, True),
+              ((1001, 1024), "post", torch.float16, None, 0.1, True, True),
+              ((3, 520), "rms_pre", torch.bfloat16, torch.float32, 0.0, True, False),
+              ((2049, 1000), "post_no_residual", torch.bfloat16, None, 0.2, False, True),
+              ((1, 768), "post", torch.bfloat16, torch.float32, 0.1, True, True)]
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("case", ROWS_CASES, ids=lambda c: f"{c[0][0]}x{c[0][1]}-{c[1]}-{c[4]}")
+def test_gpu_cuda_forward_rows_kernel(case, monkeypatch):
+    """fp16 / bf16 rows of 3-4 packs a lane take ln_fwd_rows_kernel (two warps a block, late weights), which the
+    profiler names; PYKERNELS_LN_FWD_ROWS=0 takes ln_fwd_kernel. Both run ln_fwd_row, so the outputs (and the dropout
+    mask, drawn from the same seed) are bitwise equal; the rows kernel also passes the references' rule."""
+    from torch.profiler import ProfilerActivity, profile
+    shape, variant, dtype, pdt, p, weight, bias = case
+    v = dict(VARIANTS[variant])
+    residual = v.pop("residual", True)
+    x, r, w, b = _make(shape, dtype, "cuda", residual=residual, param_dtype=pdt, weight=weight, bias=bias)
+    _check(x, r, w, b, backend="cuda", dropout_p=p, **v)
+    outs = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("PYKERNELS_LN_FWD_ROWS", setting)
+        torch.manual_seed(3)
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = pykernels.layer_norm(x, w, b, residual=r, dropout_p=p, backend="cuda", **v)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if "ln_fwd" in e.name]
+        assert names and all(("ln_fwd_rows_kernel" in n) == (setting == "1") for n in names), names
+        outs.append(out if isinstance(out, tuple) else (out,))
+    for a, c in zip(*outs):
+        assert torch.equal(a, c)

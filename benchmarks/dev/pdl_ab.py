@@ -9,8 +9,10 @@ output. The settings alternate over ``--rounds``.
 One line a case, setting and round: ``SETTING round case fwd_us fwd_%copy fwdbwd_us gemm+ln_us``, the % of the card's
 copy bandwidth (``common.ceilings()``) over the forward's fewest bytes (benchmarks/layer_norm.py's count).
 
-Usage (GPU): ``python benchmarks/dev/pdl_ab.py [--rounds 2] [--rep 20] [--settings "PDL=1;PDL=0"]`` (environment
-variables without their ``PYKERNELS_`` prefix, ``;`` between settings).
+Usage (GPU): ``python benchmarks/dev/pdl_ab.py [--rounds 2] [--rep 20] [--settings "PDL=1;PDL=0"] [--dropout 0.1]
+[--param-dtype fp32] [--n 768,1024]`` (environment variables without their ``PYKERNELS_`` prefix, ``;`` between
+settings; ``--n`` keeps the cases of those hidden sizes). The two-warp forward against ln_fwd_kernel (run366-367):
+``--settings "LN_FWD_ROWS=1;LN_FWD_ROWS=0"``.
 """
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rep", type=int, default=20, help="ms of unrolled calls a graph (do_bench_cudagraph's rep)")
     ap.add_argument("--settings", default="PDL=1;PDL=0")
+    ap.add_argument("--dropout", type=float, default=0.0, help="the LayerNorm's dropout_p (default 0)")
+    ap.add_argument("--param-dtype", choices=["bf16", "fp32"], default="bf16",
+                    help="weight and bias dtype (fp32: autocast's parameters beside bf16 rows)")
+    ap.add_argument("--n", default="", help="comma-separated hidden sizes to keep (default: every case)")
     args = ap.parse_args(argv)
     settings = [dict(kv.split("=") for kv in one.split(",")) for one in args.settings.split(";")]
     names = {k: "PYKERNELS_" + k for one in settings for k in one}
@@ -51,18 +57,24 @@ def main(argv=None) -> int:
     def bench(f) -> float:
         return float(triton.testing.do_bench_cudagraph(f, rep=args.rep)) * 1e3
 
+    keep = {int(n) for n in args.n.split(",") if n}
+    pdt = torch.float32 if args.param_dtype == "fp32" else torch.bfloat16
+    tag = (f" p={args.dropout}" if args.dropout else "") + (" fp32-params" if pdt == torch.float32 else "")
     for variant, M, N in CASES:
+        if keep and N not in keep:
+            continue
         torch.manual_seed(0)
         x, r = (torch.randn(M, N, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-        w = torch.randn(N, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        b = torch.randn(N, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(N, device=dev, dtype=pdt, requires_grad=True)
+        b = torch.randn(N, device=dev, dtype=pdt, requires_grad=True)
         pre = variant == "pre"
         ups = [torch.randn(M, N, device=dev, dtype=torch.bfloat16) for _ in range(2 if pre else 1)]
         gw = torch.randn(N, N, device=dev, dtype=torch.bfloat16) / N ** 0.5
         fwd_bytes = (4 if pre else 3) * M * N * 2
 
         def ln(a):
-            out = pykernels.layer_norm(a, w, b, 1e-5, residual=r, prenorm=pre, backend="cuda")
+            out = pykernels.layer_norm(a, w, b, 1e-5, residual=r, prenorm=pre, dropout_p=args.dropout,
+                                       backend="cuda")
             return out if isinstance(out, tuple) else (out,)
 
         def fwd():
@@ -88,7 +100,7 @@ def main(argv=None) -> int:
                 fb = bench(step)
                 c = bench(chain)
                 pct = 100 * fwd_bytes / (f * 1e-6) / (copy_tbps * 1e12)
-                print(f"{label} {rnd} {variant}_{M}x{N} fwd {f:.2f} us {pct:.1f}% fwdbwd {fb:.2f} us "
+                print(f"{label}{tag} {rnd} {variant}_{M}x{N} fwd {f:.2f} us {pct:.1f}% fwdbwd {fb:.2f} us "
                       f"gemm+ln {c:.2f} us (copy same bytes {copy_us:.2f} us)", flush=True)
     for name in names.values():
         os.environ.pop(name, None)
