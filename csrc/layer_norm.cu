@@ -346,17 +346,17 @@ __global__ void __launch_bounds__(kThreads, 2) ln_fwd_persist_kernel(
 // loads them. Without those 2 x VPL registers a row of 3 packs fits in 64 registers (kRowsMinBlocks: 32 warps an SM
 // against ln_fwd_kernel's 24 at 79), and a block of two warps frees its slot when its two rows are done, not its
 // slowest of eight. H200 run366-368 (graph replay, bf16, PDL on), against ln_fwd_kernel in the same call: pre 16384 x
-// 768 27.5-27.7 -> 26.2-26.7 us (87.2-87.5 -> 91.1-91.8% of copy bandwidth), post 16384 x 768 21.1 -> 20.0-20.3 (85.3-86.0
-// -> 89.4-90.3%), pre 16384 x 1024 36.1-36.3 -> 34.4-34.6 (89 -> 93.1-93.4%), post 16384 x 1024 28.3-29.2 -> 26.3-26.4
-// (83-85.5 -> 91.3-91.9%), pre 65536 x 768 99.5-100.3 -> 97.8-98.7; with dropout 0.1 post / pre 16384 x 768 27.6 / 32.4
-// -> 25.5 / 31.1 us; with fp32 parameters 21.0 / 27.2 -> 20.7 / 26.6-26.8. Tried and not kept: four or eight warps a
-// block (within 0.4 us, slower on most rows), one (post 16384 x 768 22.9 us), the early weights at two or four warps
-// (72 registers, 28 warps an SM: 0.4-0.9 us slower), the weights issued once the mean is known (24 bytes of spill at 64
-// registers: 0.1-1.7 us slower), streaming stores (0.2-0.9 us slower) and streaming loads (post 16384 x 768 faster,
-// 19.4 us, than a same-size copy, 19.5: the benchmark's L2 reuse across its unrolled calls, not the op; every other
-// shape 0.3-3.0 us slower; run368), a register cap of 56, 48 or 40 (36-236 bytes of spill: post 16384 x 768 21.8, 29.0,
-// 34.4 us; run369). (At 4 packs a lane a cap of 64 registers spilled 60 bytes: 24 warps an SM there, 85 registers.)
-// PYKERNELS_LN_FWD_ROWS=0 takes ln_fwd_kernel instead (read at every call, for A/B in one process:
+// 768 27.5-27.7 -> 26.2-26.7 us (87.2-87.5 -> 91.1-91.8% of copy bandwidth), post 16384 x 768 21.1 -> 20.0-20.3
+// (85.3-86.0 -> 89.4-90.3%), pre 16384 x 1024 36.1-36.3 -> 34.4-34.6 (89 -> 93.1-93.4%), post 16384 x 1024 28.3-29.2 ->
+// 26.3-26.4 (83-85.5 -> 91.3-91.9%), pre 65536 x 768 99.5-100.3 -> 97.8-98.7; with dropout 0.1 post / pre 16384 x 768
+// 27.6 / 32.4 -> 25.5 / 31.1 us; with fp32 parameters 21.0 / 27.2 -> 20.7 / 26.6-26.8. Tried and not kept: four or
+// eight warps a block (within 0.4 us, slower on most rows), one (post 16384 x 768 22.9 us), the early weights at two or
+// four warps (72 registers, 28 warps an SM: 0.4-0.9 us slower), the weights issued once the mean is known (24 bytes of
+// spill at 64 registers: 0.1-1.7 us slower), streaming stores (0.2-0.9 us slower) and streaming loads (post 16384 x 768
+// faster, 19.4 us, than a same-size copy, 19.5: the benchmark's L2 reuse across its unrolled calls, not the op; every
+// other shape 0.3-3.0 us slower; run368), a register cap of 56, 48 or 40 (36-236 bytes of spill: post 16384 x 768 21.8,
+// 29.0, 34.4 us; run369). (At 4 packs a lane a cap of 64 registers spilled 60 bytes: 24 warps an SM there, 85
+// registers.) PYKERNELS_LN_FWD_ROWS=0 takes ln_fwd_kernel instead (read at every call, for A/B in one process:
 // benchmarks/dev/pdl_ab.py --settings "LN_FWD_ROWS=1;LN_FWD_ROWS=0").
 constexpr int kRowWarps = 2;
 enum FwdMode { kOneRow, kPersist, kRows };  // the forward's kernel (forward_impl)
