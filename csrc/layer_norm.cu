@@ -469,7 +469,17 @@ constexpr bool kPrefetchable = (RT == kThreads || RT == 64) && VPL <= 2;
 template <typename T, int VPL, int RT, bool DROP>
 constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pack<T>::n > 16)) ? 1 : 2;
 
-template <typename T, typename W, int VPL, int RT, bool PF, bool DROP>
+// FM (fp16 / bf16 rows; bwd_fma_enabled): the row's math in fused multiply-adds with per-row constants. First pass:
+// xhat = s rstd + (-mean rstd), one FFMA where (s - mean) rstd takes an add and a multiply. Second pass:
+// ds = rstd (dy w + s a + c), a = -rstd mean(g xhat), c = rstd mean mean(g xhat) - mean(g): two FFMAs and a multiply (an
+// FFMA with the gradient through s), where rstd (dy w - mean(g) - xhat mean(g xhat)) took xhat's two, two FFMAs and a
+// multiply (and an add). The rows' math is most of the kernel's instructions (ncu run371: it issues on 53-59% of a
+// scheduler's cycles and is latency-bound at 16 warps an SM). fp32 differences: c carries mean a with one rounding,
+// 2^-24 |mean| / std relative to ds, below fp16 / bf16 rounding for any |mean| / std < 2^10. H200 run376: 0.01-1.06 us a
+// call faster without dropout, 0.8-3.3 with. Other layouts of the backward, each slower on the GPU (run372-375; the
+// README's LayerNorm section): rows of three / four warps at one pack a thread; rows copied into shared-memory stages
+// by cp.async.bulk for consumer warps; rows taken from a global counter rather than a fixed stride.
+template <typename T, typename W, int VPL, int RT, bool PF, bool DROP, bool FM = false>
 __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ ds_out, const T* __restrict__ a, const T* __restrict__ res,
     const W* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
@@ -477,6 +487,7 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
     bool need_dwb, bool rms, bool recompute, const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
   pdl_enter();  // (launch_pdl: pdl.cuh)
   constexpr int P = Pack<T>::n;
+  static_assert(!FM || sizeof(T) == 2, "the fused row math is for fp16 / bf16 rows");
   constexpr bool kEarly = DROP || !(sizeof(T) == 2 && VPL >= 4);  // (fp16 / bf16 block rows of 4 packs spill)
   static_assert(!PF || (kPrefetchable<T, VPL, RT> && (!DROP || RT == 64)),
                 "prefetch is for rows of at most 2 packs a thread (with dropout: rows of two warps)");
@@ -543,6 +554,7 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
     }
     const int64_t base = row * N;
     const float mu = cur.mu, rs = cur.rs;
+    const float nmr = -mu * rs;  // (FM)
     uint32_t kept = 0xffffffffu;  // dropout keep bits of the thread's VPL * P (<= 32) elements of the row
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
@@ -558,7 +570,7 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
                                 has_res, has_w, sv, d, wv, DROP && recompute, kept >> (i * P), drop_scale);
 #pragma unroll
         for (int j = 0; j < P; ++j) {
-          const float xh = (sv[j] - mu) * rs;
+          const float xh = FM ? fmaf(sv[j], rs, nmr) : (sv[j] - mu) * rs;
           const float g = d[j] * wv[j];
           sg += g;
           sgx += g * xh;
@@ -570,6 +582,7 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
     row_sum2<RT>(sg, sgx);  // one reduction for both sums
     const float mg = rms ? 0.f : sg * inv_n;
     const float mgx = sgx * inv_n;
+    const float fa = -rs * mgx, fc = rs * mgx * mu - mg;  // (FM)
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {
       const int col = (i * RT + lane) * P;
@@ -583,9 +596,14 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
         }
 #pragma unroll
         for (int j = 0; j < P; ++j) {
-          const float xh = (sv[j] - mu) * rs;
-          o[j] = rs * (d[j] * wv[j] - mg - xh * mgx);
-          if (has_ds) o[j] += extra[j];
+          if constexpr (FM) {
+            const float inner = fmaf(d[j], wv[j], fmaf(sv[j], fa, fc));
+            o[j] = has_ds ? fmaf(rs, inner, extra[j]) : rs * inner;
+          } else {
+            const float xh = (sv[j] - mu) * rs;
+            o[j] = rs * (d[j] * wv[j] - mg - xh * mgx);
+            if (has_ds) o[j] += extra[j];
+          }
         }
         if constexpr (DROP) {  // dresidual = ds; dx = dropout's backward of ds
           store_pack(dres + base + col, o);
@@ -619,11 +637,11 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
 
 // resident blocks per SM of a backward instantiation at the largest shared memory it takes (N = 1024),
 // queried once (the persistent backward grid fills the GPU once)
-template <typename T, typename W, int VPL, int RT, bool PF, bool DROP>
+template <typename T, typename W, int VPL, int RT, bool PF, bool DROP, bool FM>
 int bwd_blocks_per_sm() {
   static const int n = [] {
     int k = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, ln_bwd_kernel<T, W, VPL, RT, PF, DROP>, kThreads,
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, ln_bwd_kernel<T, W, VPL, RT, PF, DROP, FM>, kThreads,
                                                                  2 * 1024 * sizeof(float)));
     return std::max(k, 1);
   }();
@@ -938,6 +956,13 @@ std::vector<Tensor> forward_impl(const Tensor& x_in, const optional<Tensor>& w_i
   return {y, s, mean, rstd, x, r};
 }
 
+// PYKERNELS_LN_BWD_FMA=0: the fp16 / bf16 backward without the fused row math (ln_bwd_kernel's FM; read at every
+// call, for A/B runs)
+inline bool bwd_fma_enabled() {
+  const char* e = std::getenv("PYKERNELS_LN_BWD_FMA");
+  return e == nullptr || std::string(e) != "0";
+}
+
 // -> dx, dweight (or undefined), dbias (or undefined), dresidual (dx itself without dropout). ``a`` is the
 // saved s (pre-LN) or x (post-LN, ``recompute``: s = dropout(x) + residual again); ``pdt`` the parameters' dtype
 // (that of dweight and dbias); ``want_dwb`` false: neither parameter needs a gradient (frozen), so the row sums
@@ -965,13 +990,18 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   const int64_t want = (M + rows_per_block - 1) / rows_per_block;
   const size_t smem = need && rt_threads < kThreads ? 2 * N * sizeof(float) : 0;
   int per_sm = 1;
+  const bool fma = a.element_size() == 2 && bwd_fma_enabled();  // (ln_bwd_kernel's FM)
   dispatch_types(a.scalar_type(), pdt, [&](auto tag, auto wtag) {
     using T = decltype(tag);
     using W = decltype(wtag);
     dispatch_bwd_shape<T>(N, [&](auto v, auto rt) {
       constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
       dispatch_variant<T, kV, kRT>(dropout, [&](auto pf, auto drop) {
-        per_sm = bwd_blocks_per_sm<T, W, kV, kRT, decltype(pf)::value, decltype(drop)::value>();
+        constexpr bool kPF = decltype(pf)::value, kDrop = decltype(drop)::value;
+        per_sm = bwd_blocks_per_sm<T, W, kV, kRT, kPF, kDrop, false>();
+        if constexpr (sizeof(T) == 2) {  // (the launched kernel's own occupancy: its registers may differ)
+          if (fma) per_sm = bwd_blocks_per_sm<T, W, kV, kRT, kPF, kDrop, true>();
+        }
       });
     });
   });
@@ -989,8 +1019,12 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
       dispatch_bwd_shape<T>(N, [&](auto v, auto rt) {
        constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
        dispatch_variant<T, kV, kRT>(dropout, [&](auto pf, auto drop) {
-        launch_pdl(ln_bwd_kernel<T, W, kV, kRT, decltype(pf)::value, decltype(drop)::value>, dim3(progs),
-                   dim3(kThreads), smem, stream,
+        constexpr bool kPF = decltype(pf)::value, kDrop = decltype(drop)::value;
+        auto kernel = ln_bwd_kernel<T, W, kV, kRT, kPF, kDrop, false>;
+        if constexpr (sizeof(T) == 2) {
+          if (fma) kernel = ln_bwd_kernel<T, W, kV, kRT, kPF, kDrop, true>;
+        }
+        launch_pdl(kernel, dim3(progs), dim3(kThreads), smem, stream,
             static_cast<const T*>(dy.data_ptr()), ds.defined() ? static_cast<const T*>(ds.data_ptr()) : nullptr,
             static_cast<const T*>(a.data_ptr()), res.defined() ? static_cast<const T*>(res.data_ptr()) : nullptr,
             w.defined() ? static_cast<const W*>(w.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),

@@ -1111,3 +1111,51 @@ def test_gpu_cuda_forward_rows_kernel(case, monkeypatch):
         outs.append(out if isinstance(out, tuple) else (out,))
     for a, c in zip(*outs):
         assert torch.equal(a, c)
+
+
+# (shape, variant, dtype, param dtype, dropout_p, offset): fp16 / bf16 backward rows of one warp, two warps and one
+# block; offset shifts x (a mean far from 0 against a std of about 1: the fused math's constant carries mean x rstd)
+FMA_CASES = [((16389, 768), "pre", torch.bfloat16, None, 0.0, 0.0),
+             ((4099, 1024), "post", torch.float16, torch.float32, 0.1, 0.0),
+             ((2053, 4096), "pre", torch.bfloat16, None, 0.0, 0.0),
+             ((1001, 256), "rms_post", torch.bfloat16, None, 0.1, 0.0),
+             ((777, 768), "post", torch.bfloat16, None, 0.0, 200.0),
+             ((513, 8192), "pre_no_residual", torch.float16, None, 0.0, 30.0)]
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("case", FMA_CASES, ids=lambda c: f"{c[0][0]}x{c[0][1]}-{c[1]}-{c[4]}-off{c[5]:g}")
+def test_gpu_cuda_backward_fused_math(case, monkeypatch):
+    """The fp16 / bf16 backward's row math in fused multiply-adds (ln_bwd_kernel<..., FM = true>, the profiler's last
+    template argument) and without (PYKERNELS_LN_BWD_FMA=0): both pass the references' rule, also with a mean far from
+    0, and agree within fp32 rounding."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+    shape, variant, dtype, pdt, p, offset = case
+    v = dict(VARIANTS[variant])
+    residual = v.pop("residual", True)
+    x, r, w, b = _make(shape, dtype, "cuda", residual=residual, param_dtype=pdt)
+    with torch.no_grad():
+        x += offset
+    leaves = [t for t in (x, r, w, b) if t is not None]
+    results = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("PYKERNELS_LN_BWD_FMA", setting)
+        _check(x, r, w, b, backend="cuda", dropout_p=p, **v)
+        torch.manual_seed(5)
+        out = pykernels.layer_norm(x, w, b, residual=r, dropout_p=p, backend="cuda", **v)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.manual_seed(6)
+        ups = [torch.randn_like(o) for o in outs]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            results[setting] = torch.autograd.grad(outs, leaves, ups)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if "ln_bwd_kernel" in e.name]
+        assert names
+        for n in names:
+            last = re.search(r"ln_bwd_kernel<.*, (true|false)>", n)
+            assert last is not None and (last.group(1) == "true") == (setting == "1"), (setting, n)
+    for a, c in zip(results["1"], results["0"]):
+        torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2 * c.float().abs().max().item() + 1e-3)

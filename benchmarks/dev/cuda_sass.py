@@ -48,7 +48,8 @@ def compile_source(source: str, workdir: str, *, verbose: bool) -> tuple[str, st
     cmd += test_csrc.DEFINES + test_csrc._includes(Path(workdir) / "inc")
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
-        raise SystemExit(f"nvcc failed ({r.returncode}):\n{(r.stdout + r.stderr)[-4000:]}")
+        errors = [ln for ln in (r.stdout + r.stderr).splitlines() if " error" in ln]
+        raise SystemExit(f"nvcc failed ({r.returncode}):\n" + "\n".join(errors[:20]) + f"\n{(r.stdout + r.stderr)[-2000:]}")
     return obj, r.stdout + r.stderr
 
 

@@ -6,13 +6,15 @@ run363-364). Timed: the forward and forward+backward replayed from CUDA graphs o
 bytes replayed the same way, and a chain as a model runs it: a GEMM (x @ W, cuBLAS) then the LayerNorm of its
 output. The settings alternate over ``--rounds``.
 
-One line a case, setting and round: ``SETTING round case fwd_us fwd_%copy fwdbwd_us gemm+ln_us``, the % of the card's
-copy bandwidth (``common.ceilings()``) over the forward's fewest bytes (benchmarks/layer_norm.py's count).
+One line a case, setting and round: ``SETTING round case fwd_us fwd_%copy fwdbwd_us (bwd_us bwd_%copy) gemm+ln_us``,
+the % of the card's copy bandwidth (``common.ceilings()``) over the forward's fewest bytes (benchmarks/layer_norm.py's
+count) and over the backward's (four rows of M x N: fwdbwd - fwd; ``--no-chain`` skips the GEMM chain).
 
 Usage (GPU): ``python benchmarks/dev/pdl_ab.py [--rounds 2] [--rep 20] [--settings "PDL=1;PDL=0"] [--dropout 0.1]
 [--param-dtype fp32] [--n 768,1024]`` (environment variables without their ``PYKERNELS_`` prefix, ``;`` between
 settings; ``--n`` keeps the cases of those hidden sizes). The two-warp forward against ln_fwd_kernel (run366-367):
-``--settings "LN_FWD_ROWS=1;LN_FWD_ROWS=0"``.
+``--settings "LN_FWD_ROWS=1;LN_FWD_ROWS=0"``; the backward's wide rows against two-warp rows:
+``--settings "LN_BWD_WIDE=1;LN_BWD_WIDE=0"``.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--param-dtype", choices=["bf16", "fp32"], default="bf16",
                     help="weight and bias dtype (fp32: autocast's parameters beside bf16 rows)")
     ap.add_argument("--n", default="", help="comma-separated hidden sizes to keep (default: every case)")
+    ap.add_argument("--no-chain", action="store_true", help="skip the GEMM + LayerNorm chain")
     args = ap.parse_args(argv)
     settings = [dict(kv.split("=") for kv in one.split(",")) for one in args.settings.split(";")]
     names = {k: "PYKERNELS_" + k for one in settings for k in one}
@@ -71,6 +74,9 @@ def main(argv=None) -> int:
         ups = [torch.randn(M, N, device=dev, dtype=torch.bfloat16) for _ in range(2 if pre else 1)]
         gw = torch.randn(N, N, device=dev, dtype=torch.bfloat16) / N ** 0.5
         fwd_bytes = (4 if pre else 3) * M * N * 2
+        # the backward's fewest bytes: s (pre) or x and the residual (post), dy and, pre-LN, the gradient through s;
+        # dx (= dresidual); dweight / dbias are O(N)
+        bwd_bytes = 4 * M * N * 2
 
         def ln(a):
             out = pykernels.layer_norm(a, w, b, 1e-5, residual=r, prenorm=pre, dropout_p=args.dropout,
@@ -98,10 +104,12 @@ def main(argv=None) -> int:
                 label = ",".join(f"{k}={val}" for k, val in setting.items())
                 f = bench(fwd)
                 fb = bench(step)
-                c = bench(chain)
+                chain_txt = "" if args.no_chain else f"gemm+ln {bench(chain):.2f} us "
                 pct = 100 * fwd_bytes / (f * 1e-6) / (copy_tbps * 1e12)
+                bwd_pct = 100 * bwd_bytes / ((fb - f) * 1e-6) / (copy_tbps * 1e12)
                 print(f"{label}{tag} {rnd} {variant}_{M}x{N} fwd {f:.2f} us {pct:.1f}% fwdbwd {fb:.2f} us "
-                      f"gemm+ln {c:.2f} us (copy same bytes {copy_us:.2f} us)", flush=True)
+                      f"(bwd {fb - f:.2f} us {bwd_pct:.1f}%) {chain_txt}(copy same bytes {copy_us:.2f} us)",
+                      flush=True)
     for name in names.values():
         os.environ.pop(name, None)
     return 0

@@ -1,0 +1,91 @@
+"""The C++ LayerNorm backward's kernels over a sweep of row counts, by the profiler's kernel records (each kernel's
+own GPU time, no host gaps): it separates the backward's per-row cost from its fixed cost (ramp, tail, the
+dweight / dbias reduction) as time = fixed + rows x per-row.
+
+Usage (GPU): ``python benchmarks/dev/ln_bwd_sweep.py [--n 768] [--rows 2048,4096,...] [--settings "LN_BWD_WIDE=0;..."]``
+(environment variables without their ``PYKERNELS_`` prefix, read at every call). One line a setting, variant, row
+count and kernel: its mean time a call and, for ln_bwd_kernel, the % of the card's copy bandwidth over the backward's
+fewest bytes (four rows of M x N bf16).
+
+Under programmatic dependent launch a kernel's profiler time starts when its first block is resident: the dweight /
+dbias reduction (``ln_partial_sum_kernel``) starts when the first backward block exits, so its time is its own work
+plus how far apart the SMs finish the backward (run374-375: 4-12 us at 16384-65536 rows, about 2 us of its own).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402  (benchmarks/common.py)
+
+import pykernels  # noqa: E402
+
+
+def kernel_us(m: int, n: int, prenorm: bool, iters: int) -> dict[str, float]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    ups = [torch.randn_like(x) for _ in range(2)]
+
+    def step():
+        out = pykernels.layer_norm(x, w, b, residual=r, prenorm=prenorm, backend="cuda")
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.grad(outs, (x, r, w, b), ups[:len(outs)])
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        found = re.search(r"ln_\w+_kernel(<[^(]*>)?", e.name)
+        if e.device_type == torch.autograd.DeviceType.CUDA and found:
+            name = found.group(0)[:70]
+            total[name] += e.device_time_total
+            count[name] += 1
+    return {k: total[k] / count[k] for k in total}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=768)
+    ap.add_argument("--rows", default="2048,4096,8192,16384,32768,65536")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--settings", default="LN_BWD_WIDE=0")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 0
+    copy_tbps = common.ceilings()["copy_TBps"]
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} copy {copy_tbps:.3f} TB/s")
+    for one in args.settings.split(";"):
+        setting = dict(kv.split("=") for kv in one.split(","))
+        for k, v in setting.items():
+            os.environ["PYKERNELS_" + k] = v
+        for prenorm in (True, False):
+            for m in (int(v) for v in args.rows.split(",")):
+                for name, us in sorted(kernel_us(m, args.n, prenorm, args.iters).items()):
+                    extra = ""
+                    if name.startswith("ln_bwd_kernel"):
+                        extra = f" {100 * 4 * m * args.n * 2 / (us * 1e-6) / (copy_tbps * 1e12):5.1f}%"
+                    print(f"{one} {'pre' if prenorm else 'post'} {m}x{args.n} {name} {us:.2f} us{extra}", flush=True)
+        for k in setting:
+            os.environ.pop("PYKERNELS_" + k, None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
