@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
-from collections import defaultdict
 
 import torch
 
@@ -26,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402  (benchmarks/common.py)
 
 import pykernels  # noqa: E402
+from ln_dropout_kernels import mean_kernel_us  # noqa: E402  (benchmarks/dev, this script's directory)
 
 
 def kernel_us(m: int, n: int, prenorm: bool, iters: int) -> dict[str, float]:
@@ -44,19 +43,7 @@ def kernel_us(m: int, n: int, prenorm: bool, iters: int) -> dict[str, float]:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    total: dict[str, float] = defaultdict(float)
-    count: dict[str, int] = defaultdict(int)
-    for e in prof.events():
-        found = re.search(r"ln_\w+_kernel(<[^(]*>)?", e.name)
-        if e.device_type == torch.autograd.DeviceType.CUDA and found:
-            name = found.group(0)[:70]
-            total[name] += e.device_time_total
-            count[name] += 1
-    return {k: total[k] / count[k] for k in total}
+    return mean_kernel_us(step, iters, r"ln_\w+_kernel(<[^(]*>)?", 70)
 
 
 def main() -> int:

@@ -51,6 +51,14 @@ def kernel_us(backend: str, m: int, n: int, prenorm: bool, iters: int, p: float 
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
         return {}
+    return mean_kernel_us(step, iters)
+
+
+def mean_kernel_us(step, iters: int, pattern: str = r"(_?layer_norm\w*|ln_\w+_kernel)(<[^(]*>)?",
+                   width: int = 60) -> dict[str, float]:
+    """``iters`` calls of ``step`` under the profiler: the mean device time a call of each CUDA kernel whose name
+    matches ``pattern`` (the match's first ``width`` characters name it: the kernel and, for the C++ ones, its
+    template arguments). Also used by ln_bwd_sweep.py."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step()
@@ -58,9 +66,9 @@ def kernel_us(backend: str, m: int, n: int, prenorm: bool, iters: int, p: float 
     total: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     for e in prof.events():
-        found = re.search(r"(_?layer_norm\w*|ln_\w+_kernel)(<[^(]*>)?", e.name)
+        found = re.search(pattern, e.name)
         if e.device_type == torch.autograd.DeviceType.CUDA and found:
-            name = found.group(0)[:60]  # the kernel and, for the C++ ones, its template arguments
+            name = found.group(0)[:width]
             total[name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
             count[name] += 1
     return {k: total[k] / count[k] for k in total}
