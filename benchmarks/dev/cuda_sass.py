@@ -49,7 +49,8 @@ def compile_source(source: str, workdir: str, *, verbose: bool) -> tuple[str, st
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         errors = [ln for ln in (r.stdout + r.stderr).splitlines() if " error" in ln]
-        raise SystemExit(f"nvcc failed ({r.returncode}):\n" + "\n".join(errors[:20]) + f"\n{(r.stdout + r.stderr)[-2000:]}")
+        tail = (r.stdout + r.stderr)[-2000:]
+        raise SystemExit(f"nvcc failed ({r.returncode}):\n" + "\n".join(errors[:20]) + f"\n{tail}")
     return obj, r.stdout + r.stderr
 
 

@@ -2,8 +2,8 @@
 own GPU time, no host gaps): it separates the backward's per-row cost from its fixed cost (ramp, tail, the
 dweight / dbias reduction) as time = fixed + rows x per-row.
 
-Usage (GPU): ``python benchmarks/dev/ln_bwd_sweep.py [--n 768] [--rows 2048,4096,...] [--settings "LN_BWD_WIDE=0;..."]``
-(environment variables without their ``PYKERNELS_`` prefix, read at every call). One line a setting, variant, row
+Usage (GPU): ``python benchmarks/dev/ln_bwd_sweep.py [--n 768] [--rows 2048,4096,...] [--settings "LN_BWD_FMA=1;LN_BWD_FMA=0"]``
+(environment variables without their ``PYKERNELS_`` prefix, read at every call; default: none set). One line a setting, variant, row
 count and kernel: its mean time a call and, for ln_bwd_kernel, the % of the card's copy bandwidth over the backward's
 fewest bytes (four rows of M x N bf16).
 
@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=768)
     ap.add_argument("--rows", default="2048,4096,8192,16384,32768,65536")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--settings", default="LN_BWD_WIDE=0")
+    ap.add_argument("--settings", default="", help="';'-separated settings, each NAME=VALUE[,NAME=VALUE]")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
@@ -59,7 +59,7 @@ def main() -> int:
     copy_tbps = common.ceilings()["copy_TBps"]
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} copy {copy_tbps:.3f} TB/s")
     for one in args.settings.split(";"):
-        setting = dict(kv.split("=") for kv in one.split(","))
+        setting = dict(kv.split("=") for kv in one.split(",") if kv)
         for k, v in setting.items():
             os.environ["PYKERNELS_" + k] = v
         for prenorm in (True, False):

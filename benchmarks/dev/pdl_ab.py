@@ -13,8 +13,8 @@ count) and over the backward's (four rows of M x N: fwdbwd - fwd; ``--no-chain``
 Usage (GPU): ``python benchmarks/dev/pdl_ab.py [--rounds 2] [--rep 20] [--settings "PDL=1;PDL=0"] [--dropout 0.1]
 [--param-dtype fp32] [--n 768,1024]`` (environment variables without their ``PYKERNELS_`` prefix, ``;`` between
 settings; ``--n`` keeps the cases of those hidden sizes). The two-warp forward against ln_fwd_kernel (run366-367):
-``--settings "LN_FWD_ROWS=1;LN_FWD_ROWS=0"``; the backward's wide rows against two-warp rows:
-``--settings "LN_BWD_WIDE=1;LN_BWD_WIDE=0"``.
+``--settings "LN_FWD_ROWS=1;LN_FWD_ROWS=0"``; the backward's fused row math against the old form
+(run376): ``--settings "LN_BWD_FMA=1;LN_BWD_FMA=0"``.
 """
 from __future__ import annotations
 
