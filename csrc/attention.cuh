@@ -3081,11 +3081,21 @@ inline bool fwd_fence(const FwdTma& tm) { return tm.on == 0 || env_first("PYKERN
 // valid row in its tile (BERT-base's third tile a head: rows 512-575) taking its turns and freeing the slots without
 // computing, 74.9-75.5 us against 78.6-78.9 for two: slower than computing rows that are never stored (the third
 // warpgroup's products keep the other two's softmaxes apart). PYKERNELS_CUDA_ATTN_FWD_WG=3 / 2 (or 0) forces three /
-// two (A/B runs and tests, read at each call)
+// two (A/B runs and tests, read at each call). By default also two where three's 192-row tiles would pad the sequence
+// to more than 1.25x the rows of two's 128-row tiles (sq <= 128 and 193..256: 1.5x; fwd_three_pad_ok): at BERT-base's
+// 512 rows three's 576 against two's 512 (1.125x) still take 69.7-70.2 against 78.3 us, a row of three's tiles about
+// 1.26x cheaper, but 128 x 12 x 128 tokens took 36.4-36.5 us on three (192 rows a tile for 128) against 33.2-33.3 on
+// two, 64 x 12 x 256 55.5 against 47.7-47.8 (H200 run379, kernel time; cuDNN 28.3, 41.0; forward+backward between -1%
+// and +3%, run380: the README's attention section). Tried and not kept (run378): BERT-base's last 128 rows a head by a second launch of
+// the two-consumer kernel after three consumers over the first 384, 80.4-80.6 against 69.7-70.2 us.
+inline bool fwd_three_pad_ok(int64_t sq) {
+  const int64_t rows3 = (sq + 191) / 192 * 192, rows2 = (sq + 127) / 128 * 128;
+  return 4 * rows3 <= 5 * rows2;
+}
 inline bool fwd_three_consumers(const Params& p) {
   if (p.cu_q != nullptr) return false;
   const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_WG");
-  return e == '3' || (e != '2' && e != '0' && !p.causal && p.p_drop == 0.f);
+  return e == '3' || (e != '2' && e != '0' && !p.causal && p.p_drop == 0.f && fwd_three_pad_ok(p.sq));
 }
 
 // PYKERNELS_CUDA_ATTN_FWD_STORE=registers: the warp-specialised forward at D = 64 stores O from registers (as before

@@ -2401,7 +2401,8 @@ def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch, on):
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype, overlap):
     """The warp-specialised forward with three consumer warpgroups (tiles of 192 query rows): by default at D <= 64
-    without a mask, causal mask or dropout on dense inputs, else two; PYKERNELS_CUDA_ATTN_FWD_WG=3 forces three
+    without a mask, causal mask or dropout on dense inputs where their tiles do not pad the rows much more than two's
+    (test_gpu_cuda_ws_forward_consumers_by_padding; 300 rows here), else two; PYKERNELS_CUDA_ATTN_FWD_WG=3 forces three
     wherever it applies (D <= 64, no mask, dense inputs: causal and dropout too), =2 two. Under =3, output and
     gradients against the float64 and same-dtype references at lengths whose last tile leaves one, two or all three
     warpgroups rows (1, 17, 100, 130, 203, 1000), D = 40, causal with Sq != Sk, GQA, and dropout (its keep mask
@@ -2448,6 +2449,50 @@ def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype, overlap):
     two = varlen_attention(qv, kv, vv, cu, cu, max(vl), max(vl), backend="cuda")
     _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", "3")
     assert torch.equal(varlen_attention(qv, kv, vv, cu, cu, max(vl), max(vl), backend="cuda"), two), "packed: two"
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_gpu_cuda_ws_forward_consumers_by_padding(monkeypatch, dtype):
+    """Three consumers take tiles of 192 query rows, two of 128: by default three only where their tiles pad the
+    sequence to at most 1.25x two's rows (csrc/attention.cuh, fwd_three_pad_ok): two at 1..128 and 193..256 rows (1.5x),
+    three at 129..192 and from 257 (300: 384 rows either way; 512: 576 against 512). The kernel launched (its NW
+    template argument) at each length, and PYKERNELS_CUDA_ATTN_FWD_WG=3 forcing three; the output and lse bitwise
+    equal either way (a row's key blocks and arithmetic are the same in both kernels), and output and gradients
+    against the references, also with q / k / v as transformers' transposed views ((B, S, H, D) storage) and GQA."""
+    if not _sm90a_device():
+        pytest.skip("the warp-specialised forward runs on compute capability 9.0 from an sm_90a build")
+
+    def nws(q, k, v, **kw):
+        names = [n for n in _cuda_fwd_kernels(q, k, v, **kw) if "attn_fwd_sm90_ws_kernel<" in n]
+        return [int(n.split("attn_fwd_sm90_ws_kernel<", 1)[1].split(">", 1)[0].split(",")[3]) for n in names]
+
+    def fwd(q, k, v):  # (the registered C++ op: output and lse)
+        return torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0, False,
+                                                      q.shape[-1] ** -0.5)[:2]
+
+    for sq, want in ((1, 2), (100, 2), (128, 2), (129, 3), (192, 3), (193, 2), (256, 2), (257, 3), (300, 3), (512, 3)):
+        for layout in ("bhsd", "bshd"):
+            if layout == "bhsd":
+                q, k, v = _inputs((2, 3, sq, 64), (2, 3, sq + 7, 64), (2, 3, sq + 7, 64), dtype, "cuda")
+            else:  # (B, S, H, D) storage seen as (B, H, S, D)
+                q, k, v = (torch.randn(2, n, 3, 64, dtype=dtype, device="cuda").transpose(1, 2).requires_grad_(True)
+                           for n in (sq, sq + 7, sq + 7))
+            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", None)
+            assert nws(q, k, v) == [want], (sq, layout)
+            o, lse = fwd(q.detach(), k.detach(), v.detach())
+            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", "3")
+            assert nws(q, k, v) == [3], (sq, layout)
+            o3, lse3 = fwd(q.detach(), k.detach(), v.detach())
+            assert torch.equal(o, o3) and torch.equal(lse, lse3), (sq, layout)
+            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", None)
+            if layout == "bshd" or sq in (128, 256, 512):
+                _check_against_ref(q, k, v, backend="cuda", what=f"{sq} rows {layout}")
+    q, k, v = _inputs((2, 6, 256, 40), (2, 2, 256, 40), (2, 2, 256, 40), dtype, "cuda")
+    assert nws(q, k, v, enable_gqa=True) == [2]
+    _check_against_ref(q, k, v, enable_gqa=True, backend="cuda", what="256 rows, GQA, d40")
+    _check_against_ref(q, k, v, enable_gqa=True, backend="auto", what="256 rows, GQA, d40, auto (the Triton backward)")
 
 
 @pytest.mark.gpu

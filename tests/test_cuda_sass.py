@@ -46,3 +46,23 @@ def test_cuda_sass_resources_diff_and_calls(cuda_sass, tmp_path, capsys):
     call = [ln for ln in lines if ln.strip().startswith("CALL 0x")]
     assert len(call) == 1 and "IMAD" in call[0] and "RET:1" in call[0]
     assert 3 <= int(call[0].split(": ")[1].split()[0]) < 20  # the body up to RET, not the rest of the kernel
+
+
+def test_cuda_sass_diff_pairs_kernels_of_anonymous_namespaces(cuda_sass, tmp_path, capsys):
+    """Two compiles of one source in different directories name its anonymous namespace differently (a hash of
+    the path): ``diff`` pairs the kernels by their names with that part set aside."""
+    def name(tag: str, kernel: str) -> str:
+        anon = f"_GLOBAL__N__{tag}_16_cross_entropy_cu_528cafa4_18491"
+        return f"_ZN9pykernels{len(anon)}{anon}{kernel}"
+
+    k1, k2 = "13ce_bwd_kernelIfiLb0EEEvPKT_", "13ce_fwd_kernelIfiLb0EEEvPKT_"
+    assert cuda_sass.stable_name(name("291fbbf5", k1)) == cuda_sass.stable_name(name("62b9eba3", k1))
+    assert cuda_sass.stable_name(name("291fbbf5", k1)).endswith(k1)  # the length prefix decides where the name goes on
+    assert cuda_sass.stable_name("_Z4tinyPKjPj") == "_Z4tinyPKjPj"
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({name("291fbbf5", k1): {"regs": 48, "spill": 2}, name("291fbbf5", k2): {"regs": 40}}))
+    b.write_text(json.dumps({name("62b9eba3", k1): {"regs": 48, "spill": 0}, name("62b9eba3", k2): {"regs": 40}}))
+    capsys.readouterr()
+    cuda_sass.main(["diff", str(a), str(b)])
+    out = capsys.readouterr().out
+    assert "1 of 2 kernels differ" in out and "ce_bwd_kernel" in out and "ce_fwd_kernel" not in out

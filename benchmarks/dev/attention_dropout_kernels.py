@@ -7,7 +7,8 @@ forward).
 Usage (GPU): ``python benchmarks/dev/attention_dropout_kernels.py LABEL [--peers] [--triton] [--auto] [--kernels]
 [--busy] [--graph] [--iters 10] [--dtype bf16|fp16] [--p 0.1] [--cases bert,gpt2,...]`` (``--p``: the dropout
 probability, 0 for the same rows without dropout, the peers' too; ``--cases`` also takes the long D = 128 shapes
-s4096_d128, s8192c_d128 and causal_4k_d128 (the attention benchmark's S4096 causal), bert_varlen: bert_pad's
+s4096_d128, s8192c_d128 and causal_4k_d128 (the attention benchmark's S4096 causal), bert_s128 and bert_s256
+(128 x 12 x 128 and 64 x 12 x 256 tokens), bert_varlen: bert_pad's
 sequences packed, through ``varlen_attention``, and d128_pad / d128_varlen, the same at D = 128, 8 x 16 x 1024). One
 line a shape and implementation: ``NAME case fwd_us bwd_us fwd_TFLOPs bwd_TFLOPs`` (a call's kernels; the backward
 is the forward+backward's time less the forward's; FLOPs as benchmarks/attention.py counts them, the padded case's as
@@ -44,7 +45,10 @@ CASES = (("bert", 32, 12, 512, 64, False), ("gpt2", 8, 12, 1024, 64, True), ("be
          ("d128_pad", 8, 16, 1024, 128, False), ("d128_varlen", 8, 16, 1024, 128, False),
          # (named by --cases only: the ANCHORS long D = 128 shapes)
          ("s4096_d128", 4, 16, 4096, 128, False), ("s8192c_d128", 1, 16, 8192, 128, True),
-         ("causal_4k_d128", 4, 16, 4096, 128, True))
+         ("causal_4k_d128", 4, 16, 4096, 128, True),
+         # (named by --cases only: short sequences, 128 and 256 tokens, where the C++ forward takes two consumers:
+         # fwd_three_pad_ok)
+         ("bert_s128", 128, 12, 128, 64, False), ("bert_s256", 64, 12, 256, 64, False))
 DEFAULT_CASES = "bert,gpt2,bert_pad,causal_2k_d128"
 
 

@@ -99,6 +99,19 @@ def sass_functions(obj: str) -> dict[str, list[tuple[int, str]]]:
     return funcs
 
 
+def stable_name(name: str) -> str:
+    """``name`` with its anonymous namespace (``<len>_GLOBAL__N__<hash>_<file>_<hash>_<n>``, which differs between two
+    compiles of one source in different directories) as ``_ANON_``, so that ``diff`` pairs the same kernel."""
+    out, pos = [], 0
+    for m in re.finditer(r"(\d+)_GLOBAL__N_", name):
+        if m.start() < pos:
+            continue
+        start = m.start(1) + len(m.group(1))
+        out.append(name[pos:m.start()] + "_ANON_")
+        pos = start + int(m.group(1))
+    return "".join(out) + name[pos:]
+
+
 def opcode(ins: str) -> str:
     words = ins.split()
     if words and words[0].startswith("@"):
@@ -146,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.cmd == "diff":
         with open(args.a) as fa, open(args.b) as fb:
-            a, b = json.load(fa), json.load(fb)
+            a, b = ({stable_name(k): v for k, v in json.load(f).items()} for f in (fa, fb))
         changed = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         for k in changed:
             print(f"{a.get(k)} -> {b.get(k)}  {k}")

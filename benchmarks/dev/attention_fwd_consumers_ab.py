@@ -1,0 +1,75 @@
+"""The C++ forward's consumer warpgroups (csrc/attention.cuh, fwd_three_consumers / fwd_three_pad_ok) A/B in one process:
+each round times every case under each setting of ``PYKERNELS_CUDA_ATTN_FWD_WG`` (read at every call, so each graph
+is captured under its own setting) by the attention benchmark's CUDA-graph replay (``benchmarks/attention.graph_time``:
+forward, and forward+backward less the forward), through the C++ backend and through ``auto`` (the C++ forward with
+the Triton backward), settings alternating within the round so that the card's clock drifts over both alike; cuDNN's
+(torch SDPA) once a case in the first round.
+
+One line a case, implementation, setting and round: ``SETTING round case impl fwd_us bwd_us fwdbwd_us``.
+
+Usage (GPU): ``python benchmarks/dev/attention_fwd_consumers_ab.py [--rounds 3] [--settings "3;default"]
+[--cases s128,s256,s512]`` (``default``: the variable unset, the rule; ``3`` three consumers forced, ``2`` two).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from attention import graph_time  # noqa: E402  (benchmarks/attention.py)
+
+import pykernels  # noqa: E402
+
+CASES = {"s128": (128, 12, 128), "s256": (64, 12, 256), "s512": (32, 12, 512)}  # (batch, heads, tokens), D = 64
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settings", default="3;default")
+    ap.add_argument("--cases", default="s128,s256,s512")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 0
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}")
+    var = "PYKERNELS_CUDA_ATTN_FWD_WG"
+    impls = {"cuda": lambda q, k, v: pykernels.scaled_dot_product_attention(q, k, v, backend="cuda"),
+             "auto": lambda q, k, v: pykernels.scaled_dot_product_attention(q, k, v, backend="auto")}
+    cudnn = torch.nn.attention.SDPBackend.CUDNN_ATTENTION
+
+    def sdpa_cudnn(q, k, v):
+        with torch.nn.attention.sdpa_kernel(cudnn):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def line(label, rnd, case, name, g):
+        f, b = g.get("graph_fwd_ms", float("nan")) * 1e3, g.get("graph_bwd_ms", float("nan")) * 1e3
+        print(f"{label} {rnd} {case} {name} {f:.1f} {b:.1f} {f + b:.1f}", flush=True)
+
+    inputs = {}
+    for case in args.cases.split(","):
+        b, h, s = CASES[case]
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(b, h, s, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        inputs[case] = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do)
+    for rnd in range(args.rounds):
+        for case, (q, k, v, do) in inputs.items():
+            if rnd == 0:
+                line("cudnn", rnd, case, "sdpa", graph_time(sdpa_cudnn, q, k, v, do))
+            for setting in args.settings.split(";"):
+                if setting == "default":
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = setting
+                for name, fn in impls.items():
+                    line(setting, rnd, case, name, graph_time(fn, q, k, v, do))
+    os.environ.pop(var, None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
