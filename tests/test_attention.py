@@ -2453,7 +2453,7 @@ def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype, overlap):
 
 @pytest.mark.gpu
 @needs_cuda_ext
-@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 def test_gpu_cuda_ws_forward_consumers_by_padding(monkeypatch, dtype):
     """Three consumers take tiles of 192 query rows, two of 128: by default three only where their tiles pad the
     sequence to at most 1.25x two's rows (csrc/attention.cuh, fwd_three_pad_ok): two at 1..128 and 193..256 rows (1.5x),
