@@ -1615,6 +1615,13 @@ def _cuda_fwd_kernels(q, k, v, **kw) -> list[str]:
     return [e.name for e in prof.events() if "attn_fwd" in e.name]
 
 
+def _ws_fwd_args(q, k, v, **kw) -> list[list[str]]:
+    """The template arguments (T, D, MODE, NW, kOvl) of each warp-specialised forward kernel one C++ call launches."""
+    names = [n for n in _cuda_fwd_kernels(q, k, v, **kw) if "attn_fwd_sm90_ws_kernel<" in n]
+    assert names, _cuda_fwd_kernels(q, k, v, **kw)
+    return [[a.strip() for a in n.split("attn_fwd_sm90_ws_kernel<", 1)[1].split(">", 1)[0].split(",")] for n in names]
+
+
 @pytest.mark.gpu
 @needs_cuda_ext
 def test_gpu_cuda_forward_kernel_choice(monkeypatch):
@@ -2412,12 +2419,9 @@ def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype, overlap):
     _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_OVERLAP", overlap)
     if _sm90a_device():
         def nw(q, k, v, **kw):
-            names = [n for n in _cuda_fwd_kernels(q, k, v, **kw) if "attn_fwd_sm90_ws_kernel<" in n]
-            assert names, _cuda_fwd_kernels(q, k, v, **kw)
-            # (the kernel's template arguments: T, D, MODE, NW, kOvl)
-            args = [a.strip() for a in names[0].split("attn_fwd_sm90_ws_kernel<", 1)[1].split(">", 1)[0].split(",")]
+            args = _ws_fwd_args(q, k, v, **kw)[0]  # (T, D, MODE, NW, kOvl)
             on = overlap == "1" or (overlap is None and not kw.get("dropout_p"))
-            assert args[-1] == ("true" if on and args[-2] == "3" else "false"), (overlap, kw, names)
+            assert args[-1] == ("true" if on and args[-2] == "3" else "false"), (overlap, kw, args)
             return int(args[-2])
 
         a = torch.randn(2, 3, 300, 64, dtype=dtype, device="cuda")
@@ -2464,9 +2468,8 @@ def test_gpu_cuda_ws_forward_consumers_by_padding(monkeypatch, dtype):
     if not _sm90a_device():
         pytest.skip("the warp-specialised forward runs on compute capability 9.0 from an sm_90a build")
 
-    def nws(q, k, v, **kw):
-        names = [n for n in _cuda_fwd_kernels(q, k, v, **kw) if "attn_fwd_sm90_ws_kernel<" in n]
-        return [int(n.split("attn_fwd_sm90_ws_kernel<", 1)[1].split(">", 1)[0].split(",")[3]) for n in names]
+    def nws(q, k, v, **kw):  # each launched kernel's NW
+        return [int(args[3]) for args in _ws_fwd_args(q, k, v, **kw)]
 
     def fwd(q, k, v):  # (the registered C++ op: output and lse)
         return torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0, False,
