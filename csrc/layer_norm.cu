@@ -648,26 +648,66 @@ int bwd_blocks_per_sm() {
   return n;
 }
 
-// out[k][col] = sum_p partial[k][p][col], cast to T (the parameters' type). Block: 32 columns x 8 row groups.
+// out[k][col] = sum_p partial[k][p][col], cast to T (the parameters' type): the backward's last step, after its last
+// block. A block sums 32 columns over kSumGroups row groups, a thread 4 adjacent columns (a 16-byte load a row: N is a
+// multiple of 4) of every kSumGroups-th partial row, kSumUnroll rows' loads issued before any of their adds (rows past
+// progs load the last row again, unconditionally: behind a bound, ptxas issued them one at a time), so that the
+// 2 x progs x N partials (264 x 768 x 2 floats at two blocks an SM on 132 SMs) take one round of L2 latency; then the
+// groups' sums in shared memory, in a fixed order (bitwise reproducible). (The minimum of 2 blocks an SM lets ptxas
+// take the 54 registers that the loads in flight need; at its default 32 it interleaved them with the adds, 3 at a
+// time.) The kernel before it (8 row groups of 32 columns, a float a thread: a round of latency every few rows) took
+// the backward 0.3-1.6 us longer a call on every shape of benchmarks/layer_norm.py (H200 run381, pdl_ab.py: pre 16384
+// x 768 35.4-35.5 -> 34.7-34.8 us, pre 16384 x 1024 43.7-43.8 -> 42.7-43.0, post 16384 x 1024 43.8-43.9 -> 42.7-43.0).
+constexpr int kSumGroups = 64, kSumUnroll = 8, kSumThreads = 8 * kSumGroups;
 template <typename T>
-__global__ void __launch_bounds__(256) ln_partial_sum_kernel(const float* __restrict__ partial, T* __restrict__ dw,
-                                                             T* __restrict__ db, int progs, int N) {
+__global__ void __launch_bounds__(kSumThreads, 2) ln_partial_sum_kernel(const float* __restrict__ partial,
+                                                                         T* __restrict__ dw, T* __restrict__ db,
+                                                                         int progs, int N) {
   pdl_enter();  // (launch_pdl: pdl.cuh)
-  __shared__ float buf[8][33];
-  const int col = blockIdx.x * 32 + threadIdx.x;
+  __shared__ float buf[kSumGroups][33];
+  const int cx = threadIdx.x & 7, ry = threadIdx.x >> 3;
+  const int col = blockIdx.x * 32 + cx * 4;
   const int which = blockIdx.y;
-  float acc = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (col < N) {
     const float* p = partial + static_cast<int64_t>(which) * progs * N + col;
-    for (int r = threadIdx.y; r < progs; r += 8) acc += p[static_cast<int64_t>(r) * N];
+    for (int r0 = ry; r0 < progs; r0 += kSumGroups * kSumUnroll) {
+      float4 v[kSumUnroll];
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u)
+        v[u] = __ldcg(
+            reinterpret_cast<const float4*>(p + static_cast<int64_t>(min(r0 + u * kSumGroups, progs - 1)) * N));
+#pragma unroll
+      for (int u = 0; u < kSumUnroll; ++u) {
+        if (r0 + u * kSumGroups < progs) {
+          acc.x += v[u].x;
+          acc.y += v[u].y;
+          acc.z += v[u].z;
+          acc.w += v[u].w;
+        }
+      }
+    }
   }
-  buf[threadIdx.y][threadIdx.x] = acc;
+  buf[ry][cx * 4] = acc.x;
+  buf[ry][cx * 4 + 1] = acc.y;
+  buf[ry][cx * 4 + 2] = acc.z;
+  buf[ry][cx * 4 + 3] = acc.w;
   __syncthreads();
-  if (threadIdx.y == 0 && col < N) {
+  constexpr int kParts = 8, kPer = kSumGroups / kParts;  // column c's groups in 8 parts of 8, then the parts
+  const int c = threadIdx.x & 31, part = threadIdx.x >> 5;
+  if (part < kParts) {
     float t = 0.f;
 #pragma unroll
-    for (int r = 0; r < 8; ++r) t += buf[r][threadIdx.x];
-    (which == 0 ? dw : db)[col] = from_f<T>(t);
+    for (int g = 0; g < kPer; ++g) t += buf[part * kPer + g][c];
+    buf[part * kPer][c] = t;  // (only this thread reads or writes rows part * kPer .. + kPer - 1 of column c)
+  }
+  __syncthreads();
+  const int out = blockIdx.x * 32 + threadIdx.x;
+  if (threadIdx.x < 32 && out < N) {
+    float t = 0.f;
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) t += buf[q * kPer][threadIdx.x];
+    (which == 0 ? dw : db)[out] = from_f<T>(t);
   }
 }
 
@@ -1042,7 +1082,7 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
       Tensor dw_t = dw.defined() ? dw : at::empty({N}, popts);
       Tensor db_t = db.defined() ? db : at::empty({N}, popts);
       dim3 grid((N + 31) / 32, 2);
-      launch_pdl(ln_partial_sum_kernel<W>, grid, dim3(32, 8), 0, stream, partial.data_ptr<float>(),
+      launch_pdl(ln_partial_sum_kernel<W>, grid, dim3(kSumThreads), 0, stream, partial.data_ptr<float>(),
                  static_cast<W*>(dw_t.data_ptr()), static_cast<W*>(db_t.data_ptr()), M > 0 ? progs : 1, N);
     }
   });

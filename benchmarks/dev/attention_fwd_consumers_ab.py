@@ -8,7 +8,9 @@ the Triton backward), settings alternating within the round so that the card's c
 One line a case, implementation, setting and round: ``SETTING round case impl fwd_us bwd_us fwdbwd_us``.
 
 Usage (GPU): ``python benchmarks/dev/attention_fwd_consumers_ab.py [--rounds 3] [--settings "3;default"]
-[--cases s128,s256,s512]`` (``default``: the variable unset, the rule; ``3`` three consumers forced, ``2`` two).
+[--cases s128,s256,s512] [--impls cuda,auto,triton]`` (``default``: the variable unset, the rule; ``3`` three consumers
+forced, ``2`` two; ``triton``: the Triton backend's forward and backward, which the variable does not touch: what
+``auto`` would take instead of the C++ forward).
 """
 from __future__ import annotations
 
@@ -32,14 +34,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--settings", default="3;default")
     ap.add_argument("--cases", default="s128,s256,s512")
+    ap.add_argument("--impls", default="cuda,auto", help="comma-separated: cuda, auto, triton")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}")
     var = "PYKERNELS_CUDA_ATTN_FWD_WG"
-    impls = {"cuda": lambda q, k, v: pykernels.scaled_dot_product_attention(q, k, v, backend="cuda"),
-             "auto": lambda q, k, v: pykernels.scaled_dot_product_attention(q, k, v, backend="auto")}
+    impls = {name: (lambda q, k, v, name=name: pykernels.scaled_dot_product_attention(q, k, v, backend=name))
+             for name in args.impls.split(",")}
     sdpa_cudnn = sdpa_impl(None, False, torch.nn.attention.SDPBackend.CUDNN_ATTENTION)  # (the benchmark's peer)
 
     def line(label, rnd, case, name, g):
