@@ -479,19 +479,25 @@ constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pac
 // call faster without dropout, 0.8-3.3 with. Other layouts of the backward, each slower on the GPU (run372-375; the
 // README's LayerNorm section): rows of three / four warps at one pack a thread; rows copied into shared-memory stages
 // by cp.async.bulk for consumer warps; rows taken from a global counter rather than a fixed stride.
+// ln_bwd_kernel's dweight / dbias block sums (dwb_mode; RT < kThreads): none (neither parameter needs them), the
+// row groups adding theirs into one [2][N] buffer in turns (a barrier each), or each into its own slot of
+// [kRows][2][N] at once and the block summing the slots (PYKERNELS_LN_BWD_SLOTS; branch A/B)
+enum DwbMode : int { kDwbNone = 0, kDwbTurns = 1, kDwbSlots = 2 };
+constexpr size_t kDwbSlotBytes = 32 * 1024;  // kRows x 2 x N floats: 4 x 2 x 1024 (two-warp rows), 8 x 2 x 512 (warp)
 template <typename T, typename W, int VPL, int RT, bool PF, bool DROP, bool FM = false>
 __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) ln_bwd_kernel(
     const T* __restrict__ dy, const T* __restrict__ ds_out, const T* __restrict__ a, const T* __restrict__ res,
     const W* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
     T* __restrict__ dres, float* __restrict__ partial, int64_t M, int N, bool has_ds, bool has_res, bool has_w,
-    bool need_dwb, bool rms, bool recompute, const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
+    int dwb_mode, bool rms, bool recompute, const int64_t* __restrict__ seed_ptr, float drop_p, float drop_scale) {
   pdl_enter();  // (launch_pdl: pdl.cuh)
   constexpr int P = Pack<T>::n;
   static_assert(!FM || sizeof(T) == 2, "the fused row math is for fp16 / bf16 rows");
   constexpr bool kEarly = DROP || !(sizeof(T) == 2 && VPL >= 4);  // (fp16 / bf16 block rows of 4 packs spill)
   static_assert(!PF || (kPrefetchable<T, VPL, RT> && (!DROP || RT == 64)),
                 "prefetch is for rows of at most 2 packs a thread (with dropout: rows of two warps)");
-  extern __shared__ float smem[];  // [2][N]: dweight, dbias block sums (RT < kThreads)
+  // dweight, dbias block sums (RT < kThreads): [2][N] (kDwbTurns), [kRows][2][N] (kDwbSlots)
+  extern __shared__ __align__(16) float smem[];
   constexpr int kRows = kThreads / RT;  // rows a block works on at a time
   drop_seed_init(DROP, seed_ptr);  // (the dropout seed into shared memory, read at each use: philox.cuh)
   const int lane = threadIdx.x % RT;
@@ -614,10 +620,35 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
       }
     }
   }
-  if (!need_dwb) return;
+  if (dwb_mode == kDwbNone) return;
   if constexpr (RT == kThreads) {  // the block's threads own disjoint columns: their sums are the block's
     put_sums<false, VPL, P, RT>(partial + static_cast<int64_t>(blockIdx.x) * N,
                                 static_cast<int64_t>(gridDim.x) * N, dw, db, lane, N);
+    return;
+  }
+  if (dwb_mode == kDwbSlots) {  // each row group its own slot at once, then the block's sums over them in slot order
+    float* slot = smem + (threadIdx.x / RT) * 2 * N;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const int col = (i * RT + lane) * P;
+      if (col < N) {
+#pragma unroll
+        for (int q = 0; q < P / 4; ++q) {
+          *reinterpret_cast<float4*>(slot + col + 4 * q) =
+              make_float4(dw[i][4 * q], dw[i][4 * q + 1], dw[i][4 * q + 2], dw[i][4 * q + 3]);
+          *reinterpret_cast<float4*>(slot + N + col + 4 * q) =
+              make_float4(db[i][4 * q], db[i][4 * q + 1], db[i][4 * q + 2], db[i][4 * q + 3]);
+        }
+      }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < 2 * N; c += kThreads) {
+      float t = 0.f;  // (0 + slot 0 + slot 1 ...: the turns' order, so the same bits)
+#pragma unroll
+      for (int g = 0; g < kRows; ++g) t += smem[g * 2 * N + c];
+      const int which = c / N, col = c - which * N;
+      partial[(static_cast<int64_t>(which) * gridDim.x + blockIdx.x) * N + col] = t;
+    }
     return;
   }
   for (int c = threadIdx.x; c < 2 * N; c += kThreads) smem[c] = 0.f;
@@ -635,17 +666,18 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
   }
 }
 
-// resident blocks per SM of a backward instantiation at the largest shared memory it takes (N = 1024),
-// queried once (the persistent backward grid fills the GPU once)
+// resident blocks per SM of a backward instantiation at the largest shared memory it takes (``slots``: kDwbSlots'
+// kRows x 2 x N floats, at most 32 KB; else 2 x 1024 floats), queried once each (the persistent grid fills the GPU once)
 template <typename T, typename W, int VPL, int RT, bool PF, bool DROP, bool FM>
-int bwd_blocks_per_sm() {
-  static const int n = [] {
+int bwd_blocks_per_sm(bool slots) {
+  const auto query = [](size_t bytes) {
     int k = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, ln_bwd_kernel<T, W, VPL, RT, PF, DROP, FM>, kThreads,
-                                                                 2 * 1024 * sizeof(float)));
+                                                                 bytes));
     return std::max(k, 1);
-  }();
-  return n;
+  };
+  static const int turns = query(2 * 1024 * sizeof(float)), with_slots = query(kDwbSlotBytes);
+  return slots ? with_slots : turns;
 }
 
 // out[k][col] = sum_p partial[k][p][col], cast to T (the parameters' type): the backward's last step, after its last
@@ -1003,6 +1035,13 @@ inline bool bwd_fma_enabled() {
   return e == nullptr || std::string(e) != "0";
 }
 
+// PYKERNELS_LN_BWD_SLOTS=0: the backward's dweight / dbias block sums in turns (kDwbTurns; branch A/B, read at each
+// call); default: in slots (kDwbSlots)
+inline bool bwd_slots_enabled() {
+  const char* e = std::getenv("PYKERNELS_LN_BWD_SLOTS");
+  return e == nullptr || e[0] != '0';
+}
+
 // -> dx, dweight (or undefined), dbias (or undefined), dresidual (dx itself without dropout). ``a`` is the
 // saved s (pre-LN) or x (post-LN, ``recompute``: s = dropout(x) + residual again); ``pdt`` the parameters' dtype
 // (that of dweight and dbias); ``want_dwb`` false: neither parameter needs a gradient (frozen), so the row sums
@@ -1028,7 +1067,8 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   dispatch_float_dtype(a.scalar_type(), "pykernels_cuda.layer_norm: x", [&](auto tag) { rt_threads = bwd_row_threads<decltype(tag)>(N); });
   const int64_t rows_per_block = kThreads / rt_threads;
   const int64_t want = (M + rows_per_block - 1) / rows_per_block;
-  const size_t smem = need && rt_threads < kThreads ? 2 * N * sizeof(float) : 0;
+  const bool slots = bwd_slots_enabled();
+  const size_t smem = need && rt_threads < kThreads ? (slots ? rows_per_block : 1) * 2 * N * sizeof(float) : 0;
   int per_sm = 1;
   const bool fma = a.element_size() == 2 && bwd_fma_enabled();  // (ln_bwd_kernel's FM)
   dispatch_types(a.scalar_type(), pdt, [&](auto tag, auto wtag) {
@@ -1038,9 +1078,9 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
       constexpr int kV = decltype(v)::value, kRT = decltype(rt)::value;
       dispatch_variant<T, kV, kRT>(dropout, [&](auto pf, auto drop) {
         constexpr bool kPF = decltype(pf)::value, kDrop = decltype(drop)::value;
-        per_sm = bwd_blocks_per_sm<T, W, kV, kRT, kPF, kDrop, false>();
+        per_sm = bwd_blocks_per_sm<T, W, kV, kRT, kPF, kDrop, false>(slots);
         if constexpr (sizeof(T) == 2) {  // (the launched kernel's own occupancy: its registers may differ)
-          if (fma) per_sm = bwd_blocks_per_sm<T, W, kV, kRT, kPF, kDrop, true>();
+          if (fma) per_sm = bwd_blocks_per_sm<T, W, kV, kRT, kPF, kDrop, true>(slots);
         }
       });
     });
@@ -1069,7 +1109,8 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
             static_cast<const T*>(a.data_ptr()), res.defined() ? static_cast<const T*>(res.data_ptr()) : nullptr,
             w.defined() ? static_cast<const W*>(w.data_ptr()) : nullptr, rms ? nullptr : mean.data_ptr<float>(),
             rstd.data_ptr<float>(), static_cast<T*>(dx.data_ptr()), static_cast<T*>(dres.data_ptr()),
-            need ? partial.data_ptr<float>() : nullptr, M, N, ds.defined(), res.defined(), w.defined(), need, rms,
+            need ? partial.data_ptr<float>() : nullptr, M, N, ds.defined(), res.defined(), w.defined(),
+            need ? (slots ? kDwbSlots : kDwbTurns) : kDwbNone, rms,
             recompute, seed_ptr(dropout_p, seed, a, "pykernels_cuda.layer_norm_bwd"),
             static_cast<float>(dropout_rate(dropout_p)),
             dropout ? static_cast<float>(1.0 / (1.0 - dropout_rate(dropout_p))) : 1.f);

@@ -1174,18 +1174,21 @@ SUM_CASES = [((16384, 768), "pre", torch.bfloat16, None),
 @pytest.mark.gpu
 @needs_cuda_ext
 @pytest.mark.parametrize("case", SUM_CASES, ids=lambda c: f"{c[0][0]}x{c[0][1]}-{c[1]}-{str(c[2])[6:]}")
-def test_gpu_cuda_backward_partial_sums(case):
+def test_gpu_cuda_backward_partial_sums(case, monkeypatch):
     """dweight / dbias from the backward's per-block partial sums, reduced by ln_partial_sum_kernel (the profiler sees
-    it run), pass the references' rule and are bitwise reproducible call to call."""
+    it run), pass the references' rule and are bitwise reproducible call to call; the block sums by slots (default)
+    and by turns (PYKERNELS_LN_BWD_SLOTS=0) add in the same order, so every gradient is bitwise the same."""
     from torch.profiler import ProfilerActivity, profile
     shape, variant, dtype, pdt = case
     v = dict(VARIANTS[variant])
     residual = v.pop("residual", True)
     x, r, w, b = _make(shape, dtype, "cuda", residual=residual, param_dtype=pdt)
     leaves = [t for t in (x, r, w, b) if t is not None]
-    _check(x, r, w, b, backend="cuda", **v)
     grads = []
-    for _ in range(2):
+    for setting in ("1", "1", "0"):
+        monkeypatch.setenv("PYKERNELS_LN_BWD_SLOTS", setting)
+        if setting == "1" and not grads:
+            _check(x, r, w, b, backend="cuda", **v)
         out = pykernels.layer_norm(x, w, b, residual=r, backend="cuda", **v)
         outs = out if isinstance(out, tuple) else (out,)
         torch.manual_seed(6)
@@ -1194,5 +1197,6 @@ def test_gpu_cuda_backward_partial_sums(case):
             grads.append(torch.autograd.grad(outs, leaves, ups))
             torch.cuda.synchronize()
         assert any("ln_partial_sum_kernel" in e.name for e in prof.events())
-    for a, c in zip(*grads):
-        assert torch.equal(a, c)
+    for other in grads[1:]:
+        for a, c in zip(grads[0], other):
+            assert torch.equal(a, c)
