@@ -31,8 +31,9 @@
 //             flight). dweight = sum dy * xhat and dbias = sum dy
 //             accumulate per lane in fp32 registers over the rows a warp visits (grid-stride loop over a
 //             persistent grid), are summed over the block's row groups in shared memory in a fixed
-//             order, and each block writes one fp32 partial row; a second kernel sums the partial rows
-//             and casts once. No atomics: bitwise reproducible.
+//             order (each group's sums in its own slot, then the block's threads over the slots: kDwbSlots),
+//             and each block writes one fp32 partial row; a second kernel (ln_partial_sum_kernel) sums the
+//             partial rows and casts once. No atomics: bitwise reproducible.
 // Inputs are made contiguous and 16-byte aligned (a copy only when they are not) before the kernels
 // see them, and the tensors saved for the backward are those copies.
 // Cover: fp16/bf16/fp32 x; residual of x's dtype; weight and bias of x's dtype or both fp32 (autocast's
@@ -479,9 +480,15 @@ constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pac
 // call faster without dropout, 0.8-3.3 with. Other layouts of the backward, each slower on the GPU (run372-375; the
 // README's LayerNorm section): rows of three / four warps at one pack a thread; rows copied into shared-memory stages
 // by cp.async.bulk for consumer warps; rows taken from a global counter rather than a fixed stride.
-// ln_bwd_kernel's dweight / dbias block sums (dwb_mode; RT < kThreads): none (neither parameter needs them), the
-// row groups adding theirs into one [2][N] buffer in turns (a barrier each), or each into its own slot of
-// [kRows][2][N] at once and the block summing the slots (PYKERNELS_LN_BWD_SLOTS; branch A/B)
+// ln_bwd_kernel's dweight / dbias block sums (dwb_mode; RT < kThreads): none (neither parameter needs them), each row
+// group's into its own slot of [kRows][2][N] at once (16-byte stores) and the block's threads summing the slots by
+// column (kDwbSlots, the default), or the row groups adding theirs into one [2][N] buffer one group after another
+// (kDwbTurns, PYKERNELS_LN_BWD_SLOTS=0: a barrier a group, and a warp's 8 adjacent columns a thread hit 4 banks, an
+// 8-way conflict on every load and store). Both add in slot order from 0: the same bits. The turns were most of the
+// backward's fixed cost: ln_bwd_sweep.py --graph (H200 run383-384) fits the backward alone as 8.5-9.2 us + rows at
+// copy bandwidth with dweight / dbias, 0.8-1.7 us + the same without; with the slots 4.3-5.3 us. pdl_ab.py (run384):
+// the backward 3.4-3.8 us faster a call at 16384 rows (pre 16384 x 768 34.65 -> 31.1 us), 3.4-3.7 at pre 65536 x 768,
+// 2.1-3.5 with dropout; block rows (N > 1024, RT = kThreads) write their partials directly and are unchanged.
 enum DwbMode : int { kDwbNone = 0, kDwbTurns = 1, kDwbSlots = 2 };
 constexpr size_t kDwbSlotBytes = 32 * 1024;  // kRows x 2 x N floats: 4 x 2 x 1024 (two-warp rows), 8 x 2 x 512 (warp)
 template <typename T, typename W, int VPL, int RT, bool PF, bool DROP, bool FM = false>
@@ -1035,8 +1042,8 @@ inline bool bwd_fma_enabled() {
   return e == nullptr || std::string(e) != "0";
 }
 
-// PYKERNELS_LN_BWD_SLOTS=0: the backward's dweight / dbias block sums in turns (kDwbTurns; branch A/B, read at each
-// call); default: in slots (kDwbSlots)
+// PYKERNELS_LN_BWD_SLOTS=0: the backward's dweight / dbias block sums in turns (kDwbTurns; A/B runs and tests, read at
+// each call); default: in slots (kDwbSlots)
 inline bool bwd_slots_enabled() {
   const char* e = std::getenv("PYKERNELS_LN_BWD_SLOTS");
   return e == nullptr || e[0] != '0';
