@@ -1161,9 +1161,9 @@ def test_gpu_cuda_backward_fused_math(case, monkeypatch):
         torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2 * c.float().abs().max().item() + 1e-3)
 
 
-# (shape, variant, dtype, param dtype): the backward's dweight / dbias partial sums. 20000 x 64 rows of one warp take
-# more than 512 blocks, so the partial-sum kernel's loop runs more than one round (and its rows past the blocks load
-# the last one); 16389 rows leave the last groups a row short; block rows and a single row.
+# (shape, variant, dtype, param dtype): the backward's dweight / dbias partial sums. 20000 x 64: rows of one warp,
+# eight row groups a block (the other cases of at most 1024 columns: two warps, four groups); 16389 rows leave the last
+# groups a row short; block rows and a single row.
 SUM_CASES = [((16384, 768), "pre", torch.bfloat16, None),
              ((16389, 768), "post", torch.bfloat16, torch.float32),
              ((20000, 64), "pre", torch.float16, None),
