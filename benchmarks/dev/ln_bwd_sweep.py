@@ -9,9 +9,10 @@ fewest bytes (four rows of M x N bf16).
 
 ``--graph``: instead, the backward op alone (``pykernels_cuda::layer_norm_bwd`` on one forward's saved tensors) replayed
 from a CUDA graph, with the weight and bias (dweight / dbias: the partial sums and their reduction) and without (no
-partial sums, no reduction kernel; the row math then takes w = 1), beside a copy of the backward's bytes, and each
-column's least-squares line over the row counts: its fixed us and its per-row rate in TB/s (where the backward's ~10
-us over a copy of its bytes, at every row count, goes).
+partial sums, no reduction kernel; the row math then takes w = 1), beside the forward op and a copy of the backward's
+bytes, and each column's least-squares line over the row counts: its fixed us and its per-row rate in TB/s over four
+rows of M x N bf16 (the post-LN forward moves three, so its rate reads 4/3 high). H200 run383-385: with dweight / dbias
+8-9 us fixed at N = 768-1024 before the block sums in slots (4.3-5.3 since), 27 us at N = 4096; without, 0.2-2.7 us.
 
 Under programmatic dependent launch a kernel's profiler time starts when its first block is resident: the dweight /
 dbias reduction (``ln_partial_sum_kernel``) starts when the first backward block exits, so its time is its own work
