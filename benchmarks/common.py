@@ -166,13 +166,18 @@ def ceilings() -> dict:
     return {"copy_TBps": round(copy_tbs, 3), "matmul_bf16_TFLOPs": round(2 * m**3 / ms / 1e9, 1)}
 
 
-def copy_graph_us(nbytes: int, *, rep: int = 10) -> float:
-    """A ``copy_`` of ``nbytes`` (half read, half written) replayed from a CUDA graph (``do_bench_cudagraph``), us:
-    what a kernel moving those bytes reaches at that size, launch ramp and tail included (``ceilings()`` copies 1 GiB)."""
+def graph_us(fn: Callable[[], object], *, rep: int = 10) -> float:
+    """``fn``'s time a call in us, replayed from a CUDA graph of unrolled calls (``do_bench_cudagraph``, ``rep`` ms)."""
     import triton.testing
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep)) * 1e3
+
+
+def copy_graph_us(nbytes: int, *, rep: int = 10) -> float:
+    """A ``copy_`` of ``nbytes`` (half read, half written) replayed from a CUDA graph (``graph_us``), us: what a
+    kernel moving those bytes reaches at that size, launch ramp and tail included (``ceilings()`` copies 1 GiB)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return float(triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=rep)) * 1e3
+    return graph_us(lambda: dst.copy_(src), rep=rep)
 
 
 def write_rows(op: str, rows: list[dict]) -> Path:

@@ -3086,8 +3086,8 @@ inline bool fwd_fence(const FwdTma& tm) { return tm.on == 0 || env_first("PYKERN
 // 512 rows three's 576 against two's 512 (1.125x) still take 69.7-70.2 against 78.3 us, a row of three's tiles about
 // 1.26x cheaper, but 128 x 12 x 128 tokens took 36.4-36.5 us on three (192 rows a tile for 128) against 33.2-33.3 on
 // two, 64 x 12 x 256 55.5 against 47.7-47.8 (H200 run379, kernel time; cuDNN 28.3, 41.0; forward+backward between -1%
-// and +3%, run380: the README's attention section). Tried and not kept (run378): BERT-base's last 128 rows a head by a second launch of
-// the two-consumer kernel after three consumers over the first 384, 80.4-80.6 against 69.7-70.2 us.
+// and +3%, run380: the README's attention section). Tried and not kept (run378): BERT-base's last 128 rows a head by
+// a second launch of the two-consumer kernel after three consumers over the first 384, 80.4-80.6 against 69.7-70.2 us.
 inline bool fwd_three_pad_ok(int64_t sq) {
   const int64_t rows3 = (sq + 191) / 192 * 192, rows2 = (sq + 127) / 128 * 128;
   return 4 * rows3 <= 5 * rows2;

@@ -56,8 +56,6 @@ def kernel_us(m: int, n: int, prenorm: bool, iters: int) -> dict[str, float]:
 def graph_us(m: int, n: int, prenorm: bool, rep: int) -> dict[str, float]:
     """The backward op alone in graph replay (us): with weight and bias, without, the forward op (the same four rows
     of bytes: it reads x and r and writes y and s pre-LN), and a copy of those bytes."""
-    import triton.testing
-
     import pykernels._C  # noqa: F401  (registers torch.ops.pykernels_cuda; pykernels loads it lazily)
     g = torch.Generator(device="cuda").manual_seed(0)
     x, r, dy, ds = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
@@ -71,7 +69,7 @@ def graph_us(m: int, n: int, prenorm: bool, rep: int) -> dict[str, float]:
                                  rstd, seed, 0.0, prenorm, False)
 
     def bench(f) -> float:
-        return float(triton.testing.do_bench_cudagraph(f, rep=rep)) * 1e3
+        return common.graph_us(f, rep=rep)
 
     return {"bwd": bench(lambda: bwd(True)), "bwd_no_wb": bench(lambda: bwd(False)),
             "fwd": bench(lambda: op.layer_norm_fwd(x, w, b, r, 1e-5, 0.0, prenorm, False)),

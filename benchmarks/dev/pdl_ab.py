@@ -50,7 +50,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
-    import triton.testing
 
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} pykernels.backends: {pykernels.backends()}")
@@ -58,7 +57,7 @@ def main(argv=None) -> int:
     print(f"# copy {copy_tbps:.3f} TB/s")
 
     def bench(f) -> float:
-        return float(triton.testing.do_bench_cudagraph(f, rep=args.rep)) * 1e3
+        return common.graph_us(f, rep=args.rep)
 
     keep = {int(n) for n in args.n.split(",") if n}
     pdt = torch.float32 if args.param_dtype == "fp32" else torch.bfloat16
