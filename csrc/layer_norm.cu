@@ -629,8 +629,24 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
   }
   if (dwb_mode == kDwbNone) return;
   if constexpr (RT == kThreads) {  // the block's threads own disjoint columns: their sums are the block's
-    put_sums<false, VPL, P, RT>(partial + static_cast<int64_t>(blockIdx.x) * N,
-                                static_cast<int64_t>(gridDim.x) * N, dw, db, lane, N);
+    if (dwb_mode == kDwbSlots) {  // thread-major rows of VPL P RT floats: a warp's store 128 contiguous bytes
+      constexpr int kLen = VPL * P * RT;
+      float* dst = partial + static_cast<int64_t>(blockIdx.x) * kLen;
+      const int64_t dbo = static_cast<int64_t>(gridDim.x) * kLen;
+#pragma unroll
+      for (int i = 0; i < VPL; ++i) {
+        if ((i * RT + lane) * P < N) {
+#pragma unroll
+          for (int j = 0; j < P; ++j) {
+            dst[(i * P + j) * RT + lane] = dw[i][j];
+            dst[dbo + (i * P + j) * RT + lane] = db[i][j];
+          }
+        }
+      }
+      return;
+    }
+    put_sums<false, VPL, P, RT>(partial + static_cast<int64_t>(blockIdx.x) * N,  // (column order: a warp's store
+                                static_cast<int64_t>(gridDim.x) * N, dw, db, lane, N);  // 32 sectors, 4 B each)
     return;
   }
   if (dwb_mode == kDwbSlots) {  // each row group its own slot at once, then the block's sums over them in slot order
@@ -697,25 +713,38 @@ int bwd_blocks_per_sm(bool slots) {
 // time.) The kernel before it (8 row groups of 32 columns, a float a thread: a round of latency every few rows) took
 // the backward 0.3-1.6 us longer a call on every shape of benchmarks/layer_norm.py (H200 run381, pdl_ab.py: pre 16384
 // x 768 35.4-35.5 -> 34.7-34.8 us, pre 16384 x 1024 43.7-43.8 -> 42.7-43.0, post 16384 x 1024 43.8-43.9 -> 42.7-43.0).
+// (Branch next/ln-block-sums) A partial row holds ``len`` floats: the columns in order (``rt`` = 0), or the block
+// rows' thread-major order (ln_bwd_kernel's kDwbSlots at RT = kThreads: position (i P + j) rt + t holds column
+// (i rt + t) P + j of thread t's pack i, P = ``pk``), whose positions past N hold nothing and are not written out.
+// Loads past progs re-read the row group's own first row (``spread``), or the last row (PYKERNELS_LN_SUM_CLAMP=last:
+// every group of a block the same 128 bytes).
+__device__ __forceinline__ int partial_col(int pos, int rt, int pk) {
+  if (rt == 0) return pos;
+  const int q = pos / rt, t = pos - q * rt;
+  return ((q / pk) * rt + t) * pk + q % pk;
+}
 constexpr int kSumGroups = 64, kSumUnroll = 8, kSumThreads = 8 * kSumGroups;
 template <typename T>
 __global__ void __launch_bounds__(kSumThreads, 2) ln_partial_sum_kernel(const float* __restrict__ partial,
                                                                          T* __restrict__ dw, T* __restrict__ db,
-                                                                         int progs, int N) {
+                                                                         int progs, int N, int len, int rt, int pk,
+                                                                         bool spread) {
   pdl_enter();  // (launch_pdl: pdl.cuh)
   __shared__ float buf[kSumGroups][33];
   const int cx = threadIdx.x & 7, ry = threadIdx.x >> 3;
-  const int col = blockIdx.x * 32 + cx * 4;
+  const int col = blockIdx.x * 32 + cx * 4;  // (a position of the partial rows: a column where rt = 0)
   const int which = blockIdx.y;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (col < N) {
-    const float* p = partial + static_cast<int64_t>(which) * progs * N + col;
+  if (col < len) {
+    const float* p = partial + static_cast<int64_t>(which) * progs * len + col;
+    const int past = spread ? ry % progs : progs - 1;  // (the row a load past progs reads)
     for (int r0 = ry; r0 < progs; r0 += kSumGroups * kSumUnroll) {
       float4 v[kSumUnroll];
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u)
-        v[u] = __ldcg(
-            reinterpret_cast<const float4*>(p + static_cast<int64_t>(min(r0 + u * kSumGroups, progs - 1)) * N));
+      for (int u = 0; u < kSumUnroll; ++u) {
+        const int r = r0 + u * kSumGroups;
+        v[u] = __ldcg(reinterpret_cast<const float4*>(p + static_cast<int64_t>(r < progs ? r : past) * len));
+      }
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
         if (r0 + u * kSumGroups < progs) {
@@ -741,7 +770,8 @@ __global__ void __launch_bounds__(kSumThreads, 2) ln_partial_sum_kernel(const fl
     buf[part * kPer][c] = t;  // (only this thread reads or writes rows part * kPer .. + kPer - 1 of column c)
   }
   __syncthreads();
-  const int out = blockIdx.x * 32 + threadIdx.x;
+  const int pos = blockIdx.x * 32 + threadIdx.x;
+  const int out = pos < len ? partial_col(pos, rt, pk) : N;
   if (threadIdx.x < 32 && out < N) {
     float t = 0.f;
 #pragma unroll
@@ -1049,6 +1079,13 @@ inline bool bwd_slots_enabled() {
   return e == nullptr || e[0] != '0';
 }
 
+// (Branch next/ln-block-sums) PYKERNELS_LN_SUM_CLAMP=last: ln_partial_sum_kernel's loads past the partial rows re-read
+// the last row (as in run381-385); default: each row group its own first row (read at each call, for the A/B)
+inline bool sum_loads_spread() {
+  const char* e = std::getenv("PYKERNELS_LN_SUM_CLAMP");
+  return e == nullptr || e[0] != 'l';
+}
+
 // -> dx, dweight (or undefined), dbias (or undefined), dresidual (dx itself without dropout). ``a`` is the
 // saved s (pre-LN) or x (post-LN, ``recompute``: s = dropout(x) + residual again); ``pdt`` the parameters' dtype
 // (that of dweight and dbias); ``want_dwb`` false: neither parameter needs a gradient (frozen), so the row sums
@@ -1077,6 +1114,7 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   const bool slots = bwd_slots_enabled();
   const size_t smem = need && rt_threads < kThreads ? (slots ? rows_per_block : 1) * 2 * N * sizeof(float) : 0;
   int per_sm = 1;
+  int len = N, layout_rt = 0, layout_p = 1;  // the partial rows' length and order (ln_partial_sum_kernel)
   const bool fma = a.element_size() == 2 && bwd_fma_enabled();  // (ln_bwd_kernel's FM)
   dispatch_types(a.scalar_type(), pdt, [&](auto tag, auto wtag) {
     using T = decltype(tag);
@@ -1086,6 +1124,11 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
       dispatch_variant<T, kV, kRT>(dropout, [&](auto pf, auto drop) {
         constexpr bool kPF = decltype(pf)::value, kDrop = decltype(drop)::value;
         per_sm = bwd_blocks_per_sm<T, W, kV, kRT, kPF, kDrop, false>(slots);
+        if (kRT == kThreads && slots) {
+          len = kV * Pack<T>::n * kRT;
+          layout_rt = kRT;
+          layout_p = Pack<T>::n;
+        }
         if constexpr (sizeof(T) == 2) {  // (the launched kernel's own occupancy: its registers may differ)
           if (fma) per_sm = bwd_blocks_per_sm<T, W, kV, kRT, kPF, kDrop, true>(slots);
         }
@@ -1094,7 +1137,7 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
   });
   const int progs = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, static_cast<int64_t>(per_sm) * sms)));
   auto f32 = a.options().dtype(at::kFloat);
-  Tensor partial = at::empty({need ? 2 * progs * N : 0}, f32);
+  Tensor partial = at::empty({need ? 2 * progs * static_cast<int64_t>(len) : 0}, f32);
   const auto popts = a.options().dtype(pdt);
   Tensor dw = need && w.defined() ? poisoned(at::empty({N}, popts)) : Tensor();
   Tensor db = need && has_b ? poisoned(at::empty({N}, popts)) : Tensor();
@@ -1129,9 +1172,10 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
     if (need) {
       Tensor dw_t = dw.defined() ? dw : at::empty({N}, popts);
       Tensor db_t = db.defined() ? db : at::empty({N}, popts);
-      dim3 grid((N + 31) / 32, 2);
+      dim3 grid((len + 31) / 32, 2);
       launch_pdl(ln_partial_sum_kernel<W>, grid, dim3(kSumThreads), 0, stream, partial.data_ptr<float>(),
-                 static_cast<W*>(dw_t.data_ptr()), static_cast<W*>(db_t.data_ptr()), M > 0 ? progs : 1, N);
+                 static_cast<W*>(dw_t.data_ptr()), static_cast<W*>(db_t.data_ptr()), M > 0 ? progs : 1, N, len,
+                 layout_rt, layout_p, sum_loads_spread());
     }
   });
   return {dx, dw, db, dres};

@@ -1163,11 +1163,15 @@ def test_gpu_cuda_backward_fused_math(case, monkeypatch):
 
 # (shape, variant, dtype, param dtype): the backward's dweight / dbias partial sums. 20000 x 64: rows of one warp,
 # eight row groups a block (the other cases of at most 1024 columns: two warps, four groups); 16389 rows leave the last
-# groups a row short; block rows and a single row.
+# groups a row short; block rows (N > 1024, whose partial rows are thread-major under the slots: 3000 columns leave
+# positions past N unwritten) and a single row.
 SUM_CASES = [((16384, 768), "pre", torch.bfloat16, None),
              ((16389, 768), "post", torch.bfloat16, torch.float32),
              ((20000, 64), "pre", torch.float16, None),
              ((2051, 4096), "rms_post", torch.bfloat16, None),
+             ((1031, 3000), "pre", torch.bfloat16, torch.float32),
+             ((257, 8192), "post", torch.float16, None),
+             ((515, 2048), "pre", torch.float32, None),
              ((1, 1024), "post", torch.float32, None)]
 
 
@@ -1177,7 +1181,9 @@ SUM_CASES = [((16384, 768), "pre", torch.bfloat16, None),
 def test_gpu_cuda_backward_partial_sums(case, monkeypatch):
     """dweight / dbias from the backward's per-block partial sums, reduced by ln_partial_sum_kernel (the profiler sees
     it run), pass the references' rule and are bitwise reproducible call to call; the block sums by slots (default)
-    and by turns (PYKERNELS_LN_BWD_SLOTS=0) add in the same order, so every gradient is bitwise the same."""
+    and by turns (PYKERNELS_LN_BWD_SLOTS=0) add in the same order, so every gradient is bitwise the same (block rows:
+    the partial rows thread-major or in column order); so do the reduction's loads past its rows (PYKERNELS_LN_SUM_CLAMP,
+    whose sums they never enter)."""
     from torch.profiler import ProfilerActivity, profile
     shape, variant, dtype, pdt = case
     v = dict(VARIANTS[variant])
@@ -1185,8 +1191,9 @@ def test_gpu_cuda_backward_partial_sums(case, monkeypatch):
     x, r, w, b = _make(shape, dtype, "cuda", residual=residual, param_dtype=pdt)
     leaves = [t for t in (x, r, w, b) if t is not None]
     grads = []
-    for setting in ("1", "1", "0"):
+    for setting, clamp in (("1", ""), ("1", ""), ("0", ""), ("1", "last")):
         monkeypatch.setenv("PYKERNELS_LN_BWD_SLOTS", setting)
+        monkeypatch.setenv("PYKERNELS_LN_SUM_CLAMP", clamp)
         if setting == "1" and not grads:
             _check(x, r, w, b, backend="cuda", **v)
         out = pykernels.layer_norm(x, w, b, residual=r, backend="cuda", **v)
