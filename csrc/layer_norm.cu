@@ -629,7 +629,10 @@ __global__ void __launch_bounds__(kThreads, (kBwdMinBlocks<T, VPL, RT, DROP>)) l
   }
   if (dwb_mode == kDwbNone) return;
   if constexpr (RT == kThreads) {  // the block's threads own disjoint columns: their sums are the block's
-    if (dwb_mode == kDwbSlots) {  // thread-major rows of VPL P RT floats: a warp's store 128 contiguous bytes
+    // Under the slots: thread-major rows of VPL P RT floats, a warp's store 128 contiguous bytes. (H200 run386, the
+    // column order's 8 scalar stores of adjacent columns a thread against these: the backward at pre 8192 x 4096 88.0
+    // -> 71.4 us in pdl_ab.py; ln_bwd_sweep.py --graph's fixed cost at N = 4096 27.3 -> 8.1 us, 2.3 without dw / db.)
+    if (dwb_mode == kDwbSlots) {
       constexpr int kLen = VPL * P * RT;
       float* dst = partial + static_cast<int64_t>(blockIdx.x) * kLen;
       const int64_t dbo = static_cast<int64_t>(gridDim.x) * kLen;
@@ -713,11 +716,10 @@ int bwd_blocks_per_sm(bool slots) {
 // time.) The kernel before it (8 row groups of 32 columns, a float a thread: a round of latency every few rows) took
 // the backward 0.3-1.6 us longer a call on every shape of benchmarks/layer_norm.py (H200 run381, pdl_ab.py: pre 16384
 // x 768 35.4-35.5 -> 34.7-34.8 us, pre 16384 x 1024 43.7-43.8 -> 42.7-43.0, post 16384 x 1024 43.8-43.9 -> 42.7-43.0).
-// (Branch next/ln-block-sums) A partial row holds ``len`` floats: the columns in order (``rt`` = 0), or the block
-// rows' thread-major order (ln_bwd_kernel's kDwbSlots at RT = kThreads: position (i P + j) rt + t holds column
-// (i rt + t) P + j of thread t's pack i, P = ``pk``), whose positions past N hold nothing and are not written out.
-// Loads past progs re-read the row group's own first row (``spread``), or the last row (PYKERNELS_LN_SUM_CLAMP=last:
-// every group of a block the same 128 bytes).
+// A partial row holds ``len`` floats: the columns in order (``rt`` = 0), or the block rows' thread-major order
+// (ln_bwd_kernel's kDwbSlots at RT = kThreads: position (i P + j) rt + t holds column (i rt + t) P + j of thread t's
+// pack i, P = ``pk``), whose positions past N hold nothing (summed, never written out). (H200 run386: loads past
+// progs spread over each row group's own first row instead of all re-reading the last one: the same time, +-0.3 us.)
 __device__ __forceinline__ int partial_col(int pos, int rt, int pk) {
   if (rt == 0) return pos;
   const int q = pos / rt, t = pos - q * rt;
@@ -727,8 +729,7 @@ constexpr int kSumGroups = 64, kSumUnroll = 8, kSumThreads = 8 * kSumGroups;
 template <typename T>
 __global__ void __launch_bounds__(kSumThreads, 2) ln_partial_sum_kernel(const float* __restrict__ partial,
                                                                          T* __restrict__ dw, T* __restrict__ db,
-                                                                         int progs, int N, int len, int rt, int pk,
-                                                                         bool spread) {
+                                                                         int progs, int N, int len, int rt, int pk) {
   pdl_enter();  // (launch_pdl: pdl.cuh)
   __shared__ float buf[kSumGroups][33];
   const int cx = threadIdx.x & 7, ry = threadIdx.x >> 3;
@@ -737,14 +738,12 @@ __global__ void __launch_bounds__(kSumThreads, 2) ln_partial_sum_kernel(const fl
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (col < len) {
     const float* p = partial + static_cast<int64_t>(which) * progs * len + col;
-    const int past = spread ? ry % progs : progs - 1;  // (the row a load past progs reads)
     for (int r0 = ry; r0 < progs; r0 += kSumGroups * kSumUnroll) {
       float4 v[kSumUnroll];
 #pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) {
-        const int r = r0 + u * kSumGroups;
-        v[u] = __ldcg(reinterpret_cast<const float4*>(p + static_cast<int64_t>(r < progs ? r : past) * len));
-      }
+      for (int u = 0; u < kSumUnroll; ++u)
+        v[u] = __ldcg(
+            reinterpret_cast<const float4*>(p + static_cast<int64_t>(min(r0 + u * kSumGroups, progs - 1)) * len));
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
         if (r0 + u * kSumGroups < progs) {
@@ -1079,13 +1078,6 @@ inline bool bwd_slots_enabled() {
   return e == nullptr || e[0] != '0';
 }
 
-// (Branch next/ln-block-sums) PYKERNELS_LN_SUM_CLAMP=last: ln_partial_sum_kernel's loads past the partial rows re-read
-// the last row (as in run381-385); default: each row group its own first row (read at each call, for the A/B)
-inline bool sum_loads_spread() {
-  const char* e = std::getenv("PYKERNELS_LN_SUM_CLAMP");
-  return e == nullptr || e[0] != 'l';
-}
-
 // -> dx, dweight (or undefined), dbias (or undefined), dresidual (dx itself without dropout). ``a`` is the
 // saved s (pre-LN) or x (post-LN, ``recompute``: s = dropout(x) + residual again); ``pdt`` the parameters' dtype
 // (that of dweight and dbias); ``want_dwb`` false: neither parameter needs a gradient (frozen), so the row sums
@@ -1175,7 +1167,7 @@ std::vector<Tensor> backward_impl(const Tensor& dy_in, const Tensor& ds_in, cons
       dim3 grid((len + 31) / 32, 2);
       launch_pdl(ln_partial_sum_kernel<W>, grid, dim3(kSumThreads), 0, stream, partial.data_ptr<float>(),
                  static_cast<W*>(dw_t.data_ptr()), static_cast<W*>(db_t.data_ptr()), M > 0 ? progs : 1, N, len,
-                 layout_rt, layout_p, sum_loads_spread());
+                 layout_rt, layout_p);
     }
   });
   return {dx, dw, db, dres};
