@@ -488,7 +488,9 @@ constexpr int kBwdMinBlocks = ((sizeof(T) == 4 && VPL > 6) || (DROP && VPL * Pac
 // backward's fixed cost: ln_bwd_sweep.py --graph (H200 run383-384) fits the backward alone as 8.5-9.2 us + rows at
 // copy bandwidth with dweight / dbias, 0.8-1.7 us + the same without; with the slots 4.3-5.3 us. pdl_ab.py (run384):
 // the backward 3.4-3.8 us faster a call at 16384 rows (pre 16384 x 768 34.65 -> 31.1 us), 3.4-3.7 at pre 65536 x 768,
-// 2.1-3.5 with dropout; block rows (N > 1024, RT = kThreads) write their partials directly and are unchanged.
+// 2.1-3.5 with dropout. Block rows (N > 1024, RT = kThreads) write their partials straight from registers (thread-major
+// under the slots: below). (The slots' final loop and the turns' copy loop written as one loop, a branch in it: ptxas
+// then spilled 28-36 bytes in the prefetching two-warp rows, the 16384 x 768 shapes' kernels; two loops kept.)
 enum DwbMode : int { kDwbNone = 0, kDwbTurns = 1, kDwbSlots = 2 };
 constexpr size_t kDwbSlotBytes = 32 * 1024;  // kRows x 2 x N floats: 4 x 2 x 1024 (two-warp rows), 8 x 2 x 512 (warp)
 template <typename T, typename W, int VPL, int RT, bool PF, bool DROP, bool FM = false>
