@@ -7,6 +7,7 @@ Every result row carries the card, the versions, the date and the commit, and go
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as _dt
 import os
@@ -14,7 +15,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -170,6 +171,43 @@ def graph_us(fn: Callable[[], object], *, rep: int = 10) -> float:
     """``fn``'s time a call in us, replayed from a CUDA graph of unrolled calls (``do_bench_cudagraph``, ``rep`` ms)."""
     import triton.testing
     return float(triton.testing.do_bench_cudagraph(fn, rep=rep)) * 1e3
+
+
+def env_settings(spec: str) -> list[dict[str, str]]:
+    """The dev A/B scripts' ``--settings``: ``"A=1,B=0;A=0"`` -> ``[{"A": "1", "B": "0"}, {"A": "0"}]``, names
+    without their ``PYKERNELS_`` prefix (an empty setting is ``{}``: the environment as it is)."""
+    out = []
+    for one in spec.split(";"):
+        setting = {}
+        for kv in (kv.strip() for kv in one.split(",")):
+            if kv:
+                name, sep, value = kv.partition("=")
+                if not sep or not name:
+                    raise ValueError(f"a setting is NAME=VALUE[,NAME=VALUE], got {kv!r} in {spec!r}")
+                setting[name] = value
+        out.append(setting)
+    return out
+
+
+def settings_label(setting: dict[str, str]) -> str:
+    """``{"A": "1", "B": "0"}`` -> ``"A=1,B=0"`` (``"default"`` for ``{}``)."""
+    return ",".join(f"{k}={v}" for k, v in setting.items()) or "default"
+
+
+@contextlib.contextmanager
+def env_setting(setting: dict[str, str]) -> Iterator[None]:
+    """``PYKERNELS_<name>`` set to each value of ``setting`` inside the block, each restored (or unset) after it:
+    a setting need not name the variables of the one before it."""
+    old = {k: os.environ.get("PYKERNELS_" + k) for k in setting}
+    os.environ.update({"PYKERNELS_" + k: v for k, v in setting.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop("PYKERNELS_" + k, None)
+            else:
+                os.environ["PYKERNELS_" + k] = v
 
 
 def copy_graph_us(nbytes: int, *, rep: int = 10) -> float:

@@ -84,6 +84,31 @@ def fit(ms: list[int], us: list[float], n: int) -> str:
     return f"fixed {my - slope * mx:6.2f} us, {4 * n * 2 / (slope * 1e-6) / 1e12:5.2f} TB/s a row"
 
 
+def sweep(args, one: str, copy_tbps: float) -> None:
+    """Both variants' rows under one setting, labelled ``one`` (``--graph``: graph-replay times and their fits; else
+    kernel times)."""
+    for prenorm in (True, False):
+        if args.graph:
+            ms = [int(v) for v in args.rows.split(",")]
+            cols: dict[str, list[float]] = {}
+            for m in ms:
+                t = graph_us(m, args.n, prenorm, args.rep)
+                print(f"{one} {'pre' if prenorm else 'post'} {m}x{args.n} graph " +
+                      " ".join(f"{k} {v:.2f} us" for k, v in t.items()), flush=True)
+                for k, v in t.items():
+                    cols.setdefault(k, []).append(v)
+            if len(ms) > 1:
+                for k, v in cols.items():
+                    print(f"{one} {'pre' if prenorm else 'post'} N={args.n} fit {k}: {fit(ms, v, args.n)}")
+            continue
+        for m in (int(v) for v in args.rows.split(",")):
+            for name, us in sorted(kernel_us(m, args.n, prenorm, args.iters).items()):
+                extra = ""
+                if name.startswith("ln_bwd_kernel"):
+                    extra = f" {100 * 4 * m * args.n * 2 / (us * 1e-6) / (copy_tbps * 1e12):5.1f}%"
+                print(f"{one} {'pre' if prenorm else 'post'} {m}x{args.n} {name} {us:.2f} us{extra}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=768)
@@ -98,32 +123,10 @@ def main() -> int:
         return 0
     copy_tbps = common.ceilings()["copy_TBps"]
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} copy {copy_tbps:.3f} TB/s")
-    for one in args.settings.split(";"):
-        setting = dict(kv.split("=") for kv in one.split(",") if kv)
-        for k, v in setting.items():
-            os.environ["PYKERNELS_" + k] = v
-        for prenorm in (True, False):
-            if args.graph:
-                ms = [int(v) for v in args.rows.split(",")]
-                cols: dict[str, list[float]] = {}
-                for m in ms:
-                    t = graph_us(m, args.n, prenorm, args.rep)
-                    print(f"{one} {'pre' if prenorm else 'post'} {m}x{args.n} graph " +
-                          " ".join(f"{k} {v:.2f} us" for k, v in t.items()), flush=True)
-                    for k, v in t.items():
-                        cols.setdefault(k, []).append(v)
-                if len(ms) > 1:
-                    for k, v in cols.items():
-                        print(f"{one} {'pre' if prenorm else 'post'} N={args.n} fit {k}: {fit(ms, v, args.n)}")
-                continue
-            for m in (int(v) for v in args.rows.split(",")):
-                for name, us in sorted(kernel_us(m, args.n, prenorm, args.iters).items()):
-                    extra = ""
-                    if name.startswith("ln_bwd_kernel"):
-                        extra = f" {100 * 4 * m * args.n * 2 / (us * 1e-6) / (copy_tbps * 1e12):5.1f}%"
-                    print(f"{one} {'pre' if prenorm else 'post'} {m}x{args.n} {name} {us:.2f} us{extra}", flush=True)
-        for k in setting:
-            os.environ.pop("PYKERNELS_" + k, None)
+    for setting in common.env_settings(args.settings):
+        one = common.settings_label(setting) if setting else ""
+        with common.env_setting(setting):
+            sweep(args, one, copy_tbps)
     return 0
 
 

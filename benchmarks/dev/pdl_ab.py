@@ -12,7 +12,8 @@ count) and over the backward's (four rows of M x N: fwdbwd - fwd; ``--no-chain``
 
 Usage (GPU): ``python benchmarks/dev/pdl_ab.py [--rounds 2] [--rep 20] [--settings "PDL=1;PDL=0"] [--dropout 0.1]
 [--param-dtype fp32] [--n 768,1024]`` (environment variables without their ``PYKERNELS_`` prefix, ``;`` between
-settings; ``--n`` keeps the cases of those hidden sizes). The two-warp forward against ln_fwd_kernel (run366-367):
+settings and ``,`` between one setting's variables, each set for that setting's measurements only:
+``common.env_settings``; ``--n`` keeps the cases of those hidden sizes). The two-warp forward against ln_fwd_kernel (run366-367):
 ``--settings "LN_FWD_ROWS=1;LN_FWD_ROWS=0"``; the backward's fused row math against the old form
 (run376): ``--settings "LN_BWD_FMA=1;LN_BWD_FMA=0"``.
 """
@@ -45,8 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n", default="", help="comma-separated hidden sizes to keep (default: every case)")
     ap.add_argument("--no-chain", action="store_true", help="skip the GEMM + LayerNorm chain")
     args = ap.parse_args(argv)
-    settings = [dict(kv.split("=") for kv in one.split(",")) for one in args.settings.split(";")]
-    names = {k: "PYKERNELS_" + k for one in settings for k in one}
+    settings = common.env_settings(args.settings)
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
@@ -98,19 +98,16 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             copy_us = common.copy_graph_us(fwd_bytes, rep=args.rep)
             for setting in settings:
-                for k, val in setting.items():
-                    os.environ[names[k]] = val
-                label = ",".join(f"{k}={val}" for k, val in setting.items())
-                f = bench(fwd)
-                fb = bench(step)
-                chain_txt = "" if args.no_chain else f"gemm+ln {bench(chain):.2f} us "
+                label = common.settings_label(setting)
+                with common.env_setting(setting):
+                    f = bench(fwd)
+                    fb = bench(step)
+                    chain_txt = "" if args.no_chain else f"gemm+ln {bench(chain):.2f} us "
                 pct = 100 * fwd_bytes / (f * 1e-6) / (copy_tbps * 1e12)
                 bwd_pct = 100 * bwd_bytes / ((fb - f) * 1e-6) / (copy_tbps * 1e12)
                 print(f"{label}{tag} {rnd} {variant}_{M}x{N} fwd {f:.2f} us {pct:.1f}% fwdbwd {fb:.2f} us "
                       f"(bwd {fb - f:.2f} us {bwd_pct:.1f}%) {chain_txt}(copy same bytes {copy_us:.2f} us)",
                       flush=True)
-    for name in names.values():
-        os.environ.pop(name, None)
     return 0
 
 
