@@ -5,6 +5,8 @@ ignore_index. Every output and gradient is compared with the float64 reference b
 in the backward only; graph-safe: no wait), no sync in the forward, CUDA-graph capture, int64 offsets."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -133,6 +135,27 @@ def test_matches_reference(device, dtype, v, bias, reduction, ls, mode, path_spy
     hidden, weight, target, b = _inputs((37,), 32, v, dtype, device, frac=0.15, bias=bias)
     _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, **MODES[mode])
     assert path_spy == PATHS[mode]
+
+
+@pytest.mark.parametrize("warm_frac,expect", [(None, ["graph-safe"]), (0.15, ["graph-safe"]),
+                                               (0.95, ["dense", "sized"])])  # (dense runs the sized kernels)
+def test_captured_backward_follows_the_eager_warm_up(device, monkeypatch, path_spy, warm_frac, expect):
+    # A call captured in a CUDA graph cannot read its count on the host: its backward is graph-safe, or the dense one
+    # where the last eager backward of as many positions had at least 40% valid (a causal LM's warm-up). Capture is
+    # simulated (the module's capturing() answers True): the captured call is exact either way, here against the
+    # reference with a density unlike the warm-up's (the hint picks the faster path, never the result).
+    mll = importlib.import_module("pykernels.masked_lm_loss")
+    monkeypatch.setattr(mll, "_VALID_SEEN", mll._ValidSeen())
+    n = 41 if device.type == "cpu" else 4099  # (an N no other test's eager calls noted)
+    if warm_frac is not None:
+        hidden, weight, target, _ = _inputs((n,), 32, 300, torch.float32, device, frac=warm_frac)
+        _run(lambda h, w, bias: masked_lm_loss(h, w, target, backend="triton"), hidden, weight, None, None)
+        assert path_spy == ["sized"]
+        path_spy.clear()
+    monkeypatch.setattr(mll, "capturing", lambda device=None: True)
+    hidden, weight, target, b = _inputs((n,), 32, 300, torch.float32, device, frac=0.5, bias=True)
+    _check(hidden, weight, target, b, reduction="sum")
+    assert path_spy == expect
 
 
 def test_sized_backward_with_chunks_and_every_row_valid(device, monkeypatch, path_spy):
@@ -740,6 +763,24 @@ def test_gpu_dense_backward_in_a_cuda_graph(path_spy):
     assert set(path_spy) == {"dense", "sized"}
     _check(hidden, weight, static_t.clone().copy_(_inputs((2048,), 256, 8192, torch.bfloat16, "cuda",
                                                           frac=0.9)[2]), reduction="mean", dense=True)
+
+
+@pytest.mark.gpu
+def test_gpu_captured_causal_lm_takes_the_dense_backward(path_spy):
+    # The default call (no dense, no max_valid) captured after an eager warm-up with nearly every target valid (a
+    # causal LM): the captured backward is the dense one (faster there than the graph-safe one), replayed with other
+    # densities, every target ignored included; bit for bit the same call with dense=True run eagerly.
+    hidden, weight, target, _ = _inputs((2048,), 256, 8192, torch.bfloat16, "cuda", frac=0.95)
+    h = hidden.clone().requires_grad_(True)
+    static_t = target.clone()
+
+    def step(dense=False):
+        loss = masked_lm_loss(h, weight, static_t, backend="triton", dense=dense)
+        (dh,) = torch.autograd.grad(loss, [h])
+        return loss, dh
+
+    _capture_replay_compare(step, lambda: step(dense=True), static_t, (0.9, 0.15, 1.0, 0.0))
+    assert set(path_spy) == {"sized", "dense"}  # (the eager warm-up: sized; the capture and the eager checks: dense)
 
 
 @pytest.mark.gpu
