@@ -215,7 +215,8 @@ class _ValidSeen:
     hint only picks the faster: per valid row the graph-safe backward costs 3-4x what the dense one costs a position
     (H200 run387: GPT-2, every row valid, 11.92 against 4.07 ms; BERT-base at 15%, 2.59 against 4.24). The eager
     warm-up that capture needs anyway (``torch.cuda.graph``, ``torch.compile``'s CUDA graphs) leaves the hint; without
-    one (no eager call of that N, or ``graph_safe=True`` there) the captured backward stays graph-safe."""
+    one (no eager call of that N, or ``graph_safe=True`` there) the captured backward stays graph-safe, and a call
+    that names ``graph_safe=True`` keeps the graph-safe backward whatever the hint."""
 
     DENSE_FROM = 0.4
     _LIMIT = 64
@@ -325,7 +326,7 @@ def _(hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, d
 @custom_op("pykernels::masked_lm_loss_bwd", mutates_args=())
 def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
          lse: Tensor, rows: Tensor, count: Tensor, ignore_index: int, label_smoothing: float,
-         need_dhidden: bool, need_dweight: bool, dense: bool, backend: str, max_valid: int
+         need_dhidden: bool, need_dweight: bool, dense: bool, backend: str, max_valid: int, graph_safe: bool
          ) -> tuple[Tensor, Tensor, Tensor]:
     # -> dhidden (N, H), dweight (V, H), dbias (V,); an empty (0,) tensor for each gradient not needed
     # (need_dweight covers weight and bias) and for dbias when bias is None
@@ -335,7 +336,7 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
         m = None if dense or max_valid or capturing(hidden.device) else _COUNTS.get(count, rows, lse)
         if m is not None:
             _VALID_SEEN.note(hidden.device, hidden.shape[0], m)
-        elif not dense and not max_valid and capturing(hidden.device):
+        elif not (dense or max_valid or graph_safe) and capturing(hidden.device):
             dense = _VALID_SEEN.dense_pays(hidden.device, hidden.shape[0])  # (see _ValidSeen)
         if dense or max_valid >= hidden.shape[0] > 0:  # (a bound of every position: the dense backward,
             # which needs no row gather)
@@ -379,7 +380,7 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
 
 @_bwd.register_fake
 def _(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index, label_smoothing,
-      need_dhidden, need_dweight, dense, backend, max_valid):
+      need_dhidden, need_dweight, dense, backend, max_valid, graph_safe):
     dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_dhidden else hidden.new_empty(0)
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dweight else hidden.new_empty(0)
     db = (torch.empty_like(bias, memory_format=torch.contiguous_format) if need_dweight and bias is not None
@@ -396,6 +397,7 @@ def _setup_context(ctx, inputs, output):
     ctx.backend = backend
     ctx.dense = dense
     ctx.max_valid = max_valid
+    ctx.graph_safe = graph_safe
     ctx.mark_non_differentiable(lse, rows, count)
 
 
@@ -404,7 +406,7 @@ def _backward(ctx, grad_loss, grad_lse, grad_rows, grad_count):
     need_dh = ctx.needs_input_grad[0]
     need_dw = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[3])
     dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, rows, count, ctx.ignore_index,
-                      ctx.label_smoothing, need_dh, need_dw, ctx.dense, ctx.backend, ctx.max_valid)
+                      ctx.label_smoothing, need_dh, need_dw, ctx.dense, ctx.backend, ctx.max_valid, ctx.graph_safe)
     return (dh if need_dh else None, dw if ctx.needs_input_grad[1] else None, None,
             db if bias is not None and ctx.needs_input_grad[3] else None, None, None, None, None, None, None)
 
@@ -431,7 +433,7 @@ class _EagerLoss(torch.autograd.Function):
         loss, lse, rows, count = _fwd.impl(hidden, weight, target, bias, ignore_index, label_smoothing,
                                            graph_safe, dense, backend, max_valid)
         ctx.save_for_backward(hidden, weight, target, bias, lse, rows, count)
-        ctx.args = (ignore_index, label_smoothing, dense, backend, max_valid)
+        ctx.args = (ignore_index, label_smoothing, dense, backend, max_valid, graph_safe)
         ctx.reduction = reduction
         loss = loss.reshape(shape)
         if reduction == "none":
@@ -455,9 +457,9 @@ class _EagerLoss(torch.autograd.Function):
         needs = ctx.needs_input_grad
         need_dh = needs[0]
         need_dw = needs[1] or (bias is not None and needs[3])
-        ignore_index, label_smoothing, dense, backend, max_valid = ctx.args
+        ignore_index, label_smoothing, dense, backend, max_valid, graph_safe = ctx.args
         dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index,
-                          label_smoothing, need_dh, need_dw, dense, backend, max_valid)
+                          label_smoothing, need_dh, need_dw, dense, backend, max_valid, graph_safe)
         return (dh if need_dh else None, dw if needs[1] else None, None,
                 db if bias is not None and needs[3] else None) + (None,) * 9
 
@@ -490,8 +492,9 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
             memory). A call captured in a CUDA graph (``torch.cuda.graph``, ``torch.compile`` with
             ``mode="reduce-overhead"``) is graph-safe automatically, and its backward is the ``dense`` one
             where the last eager backward of as many positions (the warm-up before the capture) had at least
-            40% of its targets valid, as a causal LM's: there it is the faster (H200, GPT-2 size: 4.1 against
-            11.9 ms), and either is exact for any count at replay.
+            40% of its targets valid, as a causal LM's: there it is the faster (H200, GPT-2 size: 4.3 against
+            12.0 ms replayed), and either is exact for any count at replay (``graph_safe=True`` named keeps the
+            graph-safe backward).
         dense: Triton path only. True: the backward runs over every position as if all were valid, the
             ignored ones getting exactly zero gradient (their upstream gradient is masked to 0), with
             the sized backward's cuBLAS GEMMs: nothing waits for the device and the call can be captured

@@ -137,13 +137,15 @@ def test_matches_reference(device, dtype, v, bias, reduction, ls, mode, path_spy
     assert path_spy == PATHS[mode]
 
 
-@pytest.mark.parametrize("warm_frac,expect", [(None, ["graph-safe"]), (0.15, ["graph-safe"]),
-                                               (0.95, ["dense", "sized"])])  # (dense runs the sized kernels)
-def test_captured_backward_follows_the_eager_warm_up(device, monkeypatch, path_spy, warm_frac, expect):
+@pytest.mark.parametrize("warm_frac,graph_safe,expect", [(None, False, ["graph-safe"]), (0.15, False, ["graph-safe"]),
+                                                          (0.95, False, ["dense", "sized"]),  # (dense: sized kernels)
+                                                          (0.95, True, ["graph-safe"])])
+def test_captured_backward_follows_the_eager_warm_up(device, monkeypatch, path_spy, warm_frac, graph_safe, expect):
     # A call captured in a CUDA graph cannot read its count on the host: its backward is graph-safe, or the dense one
-    # where the last eager backward of as many positions had at least 40% valid (a causal LM's warm-up). Capture is
-    # simulated (the module's capturing() answers True): the captured call is exact either way, here against the
-    # reference with a density unlike the warm-up's (the hint picks the faster path, never the result).
+    # where the last eager backward of as many positions had at least 40% valid (a causal LM's warm-up), unless the
+    # call names graph_safe=True. Capture is simulated (the module's capturing() answers True): the captured call is
+    # exact either way, here against the reference with a density unlike the warm-up's (the hint picks the faster
+    # path, never the result).
     mll = importlib.import_module("pykernels.masked_lm_loss")
     monkeypatch.setattr(mll, "_VALID_SEEN", mll._ValidSeen())
     n = 41 if device.type == "cpu" else 4099  # (an N no other test's eager calls noted)
@@ -154,7 +156,7 @@ def test_captured_backward_follows_the_eager_warm_up(device, monkeypatch, path_s
         path_spy.clear()
     monkeypatch.setattr(mll, "capturing", lambda device=None: True)
     hidden, weight, target, b = _inputs((n,), 32, 300, torch.float32, device, frac=0.5, bias=True)
-    _check(hidden, weight, target, b, reduction="sum")
+    _check(hidden, weight, target, b, reduction="sum", graph_safe=graph_safe)
     assert path_spy == expect
 
 
