@@ -195,19 +195,22 @@ def settings_label(setting: dict[str, str]) -> str:
 
 
 @contextlib.contextmanager
-def env_setting(setting: dict[str, str]) -> Iterator[None]:
-    """``PYKERNELS_<name>`` set to each value of ``setting`` inside the block, each restored (or unset) after it:
-    a setting need not name the variables of the one before it."""
-    old = {k: os.environ.get("PYKERNELS_" + k) for k in setting}
-    os.environ.update({"PYKERNELS_" + k: v for k, v in setting.items()})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
+def env_setting(setting: dict[str, str | None]) -> Iterator[None]:
+    """``PYKERNELS_<name>`` set to each value of ``setting`` (None: unset) inside the block, each restored (or unset)
+    after it: a setting need not name the variables of the one before it."""
+    def put(values: dict[str, str | None]) -> None:
+        for k, v in values.items():
             if v is None:
                 os.environ.pop("PYKERNELS_" + k, None)
             else:
                 os.environ["PYKERNELS_" + k] = v
+
+    old = {k: os.environ.get("PYKERNELS_" + k) for k in setting}
+    put(setting)
+    try:
+        yield
+    finally:
+        put(old)
 
 
 def copy_graph_us(nbytes: int, *, rep: int = 10) -> float:

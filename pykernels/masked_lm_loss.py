@@ -333,10 +333,11 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
     impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
     if impl == "triton":
         from ._kernels import masked_lm_loss as k
-        m = None if dense or max_valid or capturing(hidden.device) else _COUNTS.get(count, rows, lse)
+        captured = capturing(hidden.device)
+        m = None if dense or max_valid or captured else _COUNTS.get(count, rows, lse)
         if m is not None:
             _VALID_SEEN.note(hidden.device, hidden.shape[0], m)
-        elif not (dense or max_valid or graph_safe) and capturing(hidden.device):
+        elif captured and not (dense or max_valid or graph_safe):
             dense = _VALID_SEEN.dense_pays(hidden.device, hidden.shape[0])  # (see _ValidSeen)
         if dense or max_valid >= hidden.shape[0] > 0:  # (a bound of every position: the dense backward,
             # which needs no row gather)

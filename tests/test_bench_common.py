@@ -42,3 +42,6 @@ def test_env_setting_sets_then_restores(common, monkeypatch):
         with common.env_setting({"TEST_B": "4"}):
             raise RuntimeError("inside")
     assert "PYKERNELS_TEST_B" not in os.environ
+    with common.env_setting({"TEST_A": None}):  # (None: unset inside the block)
+        assert "PYKERNELS_TEST_A" not in os.environ
+    assert os.environ["PYKERNELS_TEST_A"] == "before"

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import common  # noqa: E402  (benchmarks/common.py)
 from attention import graph_time, sdpa_impl  # noqa: E402  (benchmarks/attention.py)
 
 import pykernels  # noqa: E402
@@ -40,7 +41,6 @@ def main(argv=None) -> int:
         print("needs CUDA")
         return 0
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}")
-    var = "PYKERNELS_CUDA_ATTN_FWD_WG"
     impls = {name: (lambda q, k, v, name=name: pykernels.scaled_dot_product_attention(q, k, v, backend=name))
              for name in args.impls.split(",")}
     sdpa_cudnn = sdpa_impl(None, False, torch.nn.attention.SDPBackend.CUDNN_ATTENTION)  # (the benchmark's peer)
@@ -59,14 +59,10 @@ def main(argv=None) -> int:
         for case, (q, k, v, do) in inputs.items():
             if rnd == 0:
                 line("cudnn", rnd, case, "sdpa", graph_time(sdpa_cudnn, q, k, v, do))
-            for setting in args.settings.split(";"):
-                if setting == "default":
-                    os.environ.pop(var, None)
-                else:
-                    os.environ[var] = setting
-                for name, fn in impls.items():
-                    line(setting, rnd, case, name, graph_time(fn, q, k, v, do))
-    os.environ.pop(var, None)
+            for setting in args.settings.split(";"):  # (default: the variable unset)
+                with common.env_setting({"CUDA_ATTN_FWD_WG": None if setting == "default" else setting}):
+                    for name, fn in impls.items():
+                        line(setting, rnd, case, name, graph_time(fn, q, k, v, do))
     return 0
 
 

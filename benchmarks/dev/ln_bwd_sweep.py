@@ -124,9 +124,8 @@ def main() -> int:
     copy_tbps = common.ceilings()["copy_TBps"]
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} copy {copy_tbps:.3f} TB/s")
     for setting in common.env_settings(args.settings):
-        one = common.settings_label(setting) if setting else ""
         with common.env_setting(setting):
-            sweep(args, one, copy_tbps)
+            sweep(args, common.settings_label(setting), copy_tbps)
     return 0
 
 

@@ -13,8 +13,8 @@ count) and over the backward's (four rows of M x N: fwdbwd - fwd; ``--no-chain``
 Usage (GPU): ``python benchmarks/dev/pdl_ab.py [--rounds 2] [--rep 20] [--settings "PDL=1;PDL=0"] [--dropout 0.1]
 [--param-dtype fp32] [--n 768,1024]`` (environment variables without their ``PYKERNELS_`` prefix, ``;`` between
 settings and ``,`` between one setting's variables, each set for that setting's measurements only:
-``common.env_settings``; ``--n`` keeps the cases of those hidden sizes). The two-warp forward against ln_fwd_kernel (run366-367):
-``--settings "LN_FWD_ROWS=1;LN_FWD_ROWS=0"``; the backward's fused row math against the old form
+``common.env_settings``; ``--n`` keeps the cases of those hidden sizes). The two-warp forward against ln_fwd_kernel
+(run366-367): ``--settings "LN_FWD_ROWS=1;LN_FWD_ROWS=0"``; the backward's fused row math against the old form
 (run376): ``--settings "LN_BWD_FMA=1;LN_BWD_FMA=0"``.
 """
 from __future__ import annotations
