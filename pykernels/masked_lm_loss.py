@@ -136,7 +136,8 @@ class _CountCopies:
     which the backward receives (saved tensors are the same storage, not the same Python objects). While
     they are alive no other tensor can hold those addresses; every forward overwrites the entry at its
     own addresses, graph-safe or not, so an entry of a freed forward is never read for a new one. Without
-    an entry (graph-safe call, CUDA-graph capture, tracing) the backward takes the graph-safe path."""
+    an entry (graph-safe call, CUDA-graph capture, tracing) the backward takes one that needs no count: the
+    graph-safe path, or under capture the one ``_ValidSeen`` picks."""
 
     _LIMIT = 256  # entries of forwards whose backward never ran (evaluation) drop out beyond this
 
@@ -221,10 +222,11 @@ class _ValidSeen:
       at once);
     * without a hint (no eager call of that N), graph-safe, as is a call that names ``graph_safe=True``.
 
-    All three are exact for any count at replay (the hint only picks the faster). H200: GPT-2, every row valid, dense
-    4.07 against graph-safe 11.92 ms (run387); BERT-base at 15%, graph-safe 2.62 ms against ``max_valid``'s 0.93 for a
-    capacity of 20% of N (run389). The eager warm-up that capture needs anyway (``torch.cuda.graph``,
-    ``torch.compile``'s CUDA graphs) leaves the hint."""
+    All three are exact for any count at replay (the hint only picks the faster). H200, replayed from a CUDA graph:
+    GPT-2, every row valid, dense 4.07 against graph-safe 11.92 ms (run387); BERT-base at 15%, bounded 0.978 ms against
+    graph-safe 2.17 and ``max_valid``'s 0.905 for a capacity of 20% of N (run390; the bounded one's graph-safe kernels
+    cost their launches, ~0.1 ms, with no row past the bound). The eager warm-up that capture needs anyway
+    (``torch.cuda.graph``, ``torch.compile``'s CUDA graphs) leaves the hint."""
 
     DENSE_FROM = 0.9
     ALIGN = 64
@@ -512,11 +514,13 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
             buffers and GEMMs for the valid rows only. True: nothing ever waits for the device; the
             backward's buffers and grids are sized for all N positions (slower at 15% masking, more
             memory). A call captured in a CUDA graph (``torch.cuda.graph``, ``torch.compile`` with
-            ``mode="reduce-overhead"``) is graph-safe automatically, and its backward is the ``dense`` one
-            where the last eager backward of as many positions (the warm-up before the capture) had at least
-            40% of its targets valid, as a causal LM's: there it is the faster (H200, GPT-2 size: 4.3 against
-            12.0 ms replayed), and either is exact for any count at replay (``graph_safe=True`` named keeps the
-            graph-safe backward).
+            ``mode="reduce-overhead"``) never waits either; its backward follows the valid count of the last
+            eager backward of as many positions (the warm-up before the capture): for a capacity of that count
+            plus 8 binomial standard deviations, the bounded backward (``max_valid``'s path for the capacity, the
+            graph-safe kernels for any rows past it; H200, BERT-base MLM: 0.98 against 2.17 ms replayed), or the
+            ``dense`` one where that capacity is at least 90% of N, as a causal LM's (GPT-2 size: 4.2 against
+            9.0 ms); graph-safe without a warm-up. Each is exact for any count at replay (past the capacity,
+            dweight and dbias are rounded twice); ``graph_safe=True`` named keeps the graph-safe backward.
         dense: Triton path only. True: the backward runs over every position as if all were valid, the
             ignored ones getting exactly zero gradient (their upstream gradient is masked to 0), with
             the sized backward's cuBLAS GEMMs: nothing waits for the device and the call can be captured
