@@ -26,9 +26,11 @@ What is measured, per case (bf16 hidden and weight from ``randn``, no bias, mean
 * pykernels with ``max_valid`` (a bound of 20% of the tokens for MLM, N for the causal LM): the sized
   backward for the bound, no count copy and no wait, so it also replays from a CUDA graph at that speed.
 * ``total_ms_graph``: forward+backward replayed from a CUDA graph (GPU time, no host overhead). A call
-  captured in a graph is graph-safe automatically, so for the default and graph-safe rows this column
-  is the graph-safe path (the do_bench columns of the default row are the sized path); the dense row
-  captures its own (dense) path.
+  captured in a graph never waits for the device: the default row's captured backward follows the valid count
+  its eager calls before the capture saw (``pykernels.masked_lm_loss._ValidSeen``): the bounded backward at
+  15% (the capacity path for that count plus 8 standard deviations, graph-safe kernels for any rows past it),
+  the dense one for the causal LM; the graph-safe row captures the graph-safe path (named), the dense and
+  max_valid rows their own (the do_bench columns of the default row are the sized path).
 
 Peers (same run, same inputs): eager full logits with ``ignore_index``; eager with the masked rows
 gathered first (boolean indexing: a host sync); the same compiled with ``torch.compile`` (the
@@ -307,8 +309,7 @@ def time_impl(args, row, rows, name, fn, hidden, weight, target, ref_loss, ref_d
         h.grad = w.grad = None
         if name.startswith("pykernels") or "compile" in name:
             # forward+backward replayed from a CUDA graph: GPU time without host launch overhead
-            # (captured, pykernels takes its graph-safe, no-wait path; peers with .item() inside do
-            # not capture)
+            # (captured, pykernels takes a no-wait path; peers with .item() inside do not capture)
             try:
                 import triton.testing
                 row["total_ms_graph"] = round(float(triton.testing.do_bench_cudagraph(step, rep=20)), 3)

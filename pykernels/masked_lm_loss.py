@@ -17,6 +17,7 @@ cuBLAS GEMMs over the compacted rows, an fp32 logits chunk at a time, and its au
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import Optional
@@ -135,7 +136,8 @@ class _CountCopies:
     which the backward receives (saved tensors are the same storage, not the same Python objects). While
     they are alive no other tensor can hold those addresses; every forward overwrites the entry at its
     own addresses, graph-safe or not, so an entry of a freed forward is never read for a new one. Without
-    an entry (graph-safe call, CUDA-graph capture, tracing) the backward takes the graph-safe path."""
+    an entry (graph-safe call, CUDA-graph capture, tracing) the backward takes one that needs no count: the
+    graph-safe path, or under capture the one ``_ValidSeen`` picks."""
 
     _LIMIT = 256  # entries of forwards whose backward never ran (evaluation) drop out beyond this
 
@@ -209,16 +211,25 @@ _COUNTS = _CountCopies()
 
 class _ValidSeen:
     """The valid fraction M / N that eager backwards of N positions last saw on a device, for the backward of a call
-    captured in a CUDA graph, which cannot read its count on the host: where that fraction was at least
-    ``DENSE_FROM``, the captured backward is the dense one (what ``dense=True`` runs) instead of the graph-safe one.
-    Both are exact for any count at replay (the dense one gives the ignored positions exactly zero gradient), so the
-    hint only picks the faster: per valid row the graph-safe backward costs 3-4x what the dense one costs a position
-    (H200 run387: GPT-2, every row valid, 11.92 against 4.07 ms; BERT-base at 15%, 2.59 against 4.24). The eager
-    warm-up that capture needs anyway (``torch.cuda.graph``, ``torch.compile``'s CUDA graphs) leaves the hint; without
-    one (no eager call of that N, or ``graph_safe=True`` there) the captured backward stays graph-safe, and a call
-    that names ``graph_safe=True`` keeps the graph-safe backward whatever the hint."""
+    captured in a CUDA graph, which cannot read its count on the host. From that fraction ``bound`` gives a capacity:
+    M plus eight binomial standard deviations (a token masked independently with probability M / N exceeds it about
+    once in 10^15 batches), rounded up to 64 rows. The captured backward is then
 
-    DENSE_FROM = 0.4
+    * the dense one (what ``dense=True`` runs) where that capacity is at least ``DENSE_FROM`` of N (a causal LM's
+      warm-up: every position a row, no gather);
+    * else the bounded one (``masked_lm_loss_bwd_bounded``): the capacity backward (``max_valid``'s cuBLAS path)
+      for up to ``bound`` rows, and the graph-safe kernels for any rows past it (usually none: their programs exit
+      at once);
+    * without a hint (no eager call of that N), graph-safe, as is a call that names ``graph_safe=True``.
+
+    All three are exact for any count at replay (the hint only picks the faster). H200, replayed from a CUDA graph:
+    GPT-2, every row valid, dense 4.07 against graph-safe 11.92 ms (run387); BERT-base at 15%, bounded 0.978 ms against
+    graph-safe 2.17 and ``max_valid``'s 0.905 for a capacity of 20% of N (run390; the bounded one's graph-safe kernels
+    cost their launches, ~0.1 ms, with no row past the bound). The eager warm-up that capture needs anyway
+    (``torch.cuda.graph``, ``torch.compile``'s CUDA graphs) leaves the hint."""
+
+    DENSE_FROM = 0.9
+    ALIGN = 64
     _LIMIT = 64
 
     def __init__(self):
@@ -234,10 +245,15 @@ class _ValidSeen:
                 self._seen.pop(next(iter(self._seen)))
             self._seen[(device, n)] = m / n
 
-    def dense_pays(self, device: torch.device, n: int) -> bool:
+    def bound(self, device: torch.device, n: int) -> Optional[int]:
+        """The capacity for a captured backward of ``n`` positions (at most n), or None without a hint."""
         with self._lock:
             frac = self._seen.get((device, n))
-        return frac is not None and frac >= self.DENSE_FROM
+        if frac is None:
+            return None
+        mean = n * frac
+        cap = mean + 8.0 * math.sqrt(mean * (1.0 - frac)) + 1.0
+        return min(n, -(-math.ceil(cap) // self.ALIGN) * self.ALIGN)
 
 
 _VALID_SEEN = _ValidSeen()
@@ -335,10 +351,13 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
         from ._kernels import masked_lm_loss as k
         captured = capturing(hidden.device)
         m = None if dense or max_valid or captured else _COUNTS.get(count, rows, lse)
+        bound = None
         if m is not None:
             _VALID_SEEN.note(hidden.device, hidden.shape[0], m)
         elif captured and not (dense or max_valid or graph_safe):
-            dense = _VALID_SEEN.dense_pays(hidden.device, hidden.shape[0])  # (see _ValidSeen)
+            bound = _VALID_SEEN.bound(hidden.device, hidden.shape[0])  # (see _ValidSeen)
+            if bound is not None and bound >= _VALID_SEEN.DENSE_FROM * hidden.shape[0]:
+                dense, bound = True, None
         if dense or max_valid >= hidden.shape[0] > 0:  # (a bound of every position: the dense backward,
             # which needs no row gather)
             dh, dw, db = k.masked_lm_loss_bwd_dense(
@@ -349,6 +368,10 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
                 grad_loss, hidden, weight, target, bias, lse, rows, count, min(max_valid, hidden.shape[0]),
                 label_smoothing=label_smoothing, compute_dhidden=need_dhidden, compute_dweight=need_dweight,
                 ignore_index=ignore_index, capacity=True)
+        elif bound is not None:
+            dh, dw, db = k.masked_lm_loss_bwd_bounded(
+                grad_loss, hidden, weight, target, bias, lse, rows, count, bound, label_smoothing=label_smoothing,
+                compute_dhidden=need_dhidden, compute_dweight=need_dweight, ignore_index=ignore_index)
         elif m is not None:
             dh, dw, db = k.masked_lm_loss_bwd_sized(
                 grad_loss, hidden, weight, target, bias, lse, rows, count, m, label_smoothing=label_smoothing,
@@ -491,11 +514,13 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
             buffers and GEMMs for the valid rows only. True: nothing ever waits for the device; the
             backward's buffers and grids are sized for all N positions (slower at 15% masking, more
             memory). A call captured in a CUDA graph (``torch.cuda.graph``, ``torch.compile`` with
-            ``mode="reduce-overhead"``) is graph-safe automatically, and its backward is the ``dense`` one
-            where the last eager backward of as many positions (the warm-up before the capture) had at least
-            40% of its targets valid, as a causal LM's: there it is the faster (H200, GPT-2 size: 4.3 against
-            12.0 ms replayed), and either is exact for any count at replay (``graph_safe=True`` named keeps the
-            graph-safe backward).
+            ``mode="reduce-overhead"``) never waits either; its backward follows the valid count of the last
+            eager backward of as many positions (the warm-up before the capture): for a capacity of that count
+            plus 8 binomial standard deviations, the bounded backward (``max_valid``'s path for the capacity, the
+            graph-safe kernels for any rows past it; H200, BERT-base MLM: 0.98 against 2.17 ms replayed), or the
+            ``dense`` one where that capacity is at least 90% of N, as a causal LM's (GPT-2 size: 4.2 against
+            9.0 ms); graph-safe without a warm-up. Each is exact for any count at replay (past the capacity,
+            dweight and dbias are rounded twice); ``graph_safe=True`` named keeps the graph-safe backward.
         dense: Triton path only. True: the backward runs over every position as if all were valid, the
             ignored ones getting exactly zero gradient (their upstream gradient is masked to 0), with
             the sized backward's cuBLAS GEMMs: nothing waits for the device and the call can be captured

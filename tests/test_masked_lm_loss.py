@@ -120,10 +120,11 @@ PATHS = {"sized": ["sized"], "graph-safe": ["graph-safe"], "dense": ["dense", "s
 
 @pytest.fixture
 def path_spy(monkeypatch):
-    """Records which backward ran: "sized" (valid count known on the host) or "graph-safe"."""
+    """Records which backward ran: "sized" (valid count known on the host), "graph-safe", "dense" (then "sized", the
+    kernels it runs) or "bounded" (then "sized" and "graph-safe", its two passes)."""
     taken = []
     for name, label in (("masked_lm_loss_bwd_sized", "sized"), ("masked_lm_loss_bwd", "graph-safe"),
-                        ("masked_lm_loss_bwd_dense", "dense")):
+                        ("masked_lm_loss_bwd_dense", "dense"), ("masked_lm_loss_bwd_bounded", "bounded")):
         fn = getattr(kmod, name)
         monkeypatch.setattr(kmod, name, lambda *a, _fn=fn, _label=label, **k: (taken.append(_label), _fn(*a, **k))[1])
     return taken
@@ -137,20 +138,26 @@ def test_matches_reference(device, dtype, v, bias, reduction, ls, mode, path_spy
     assert path_spy == PATHS[mode]
 
 
-@pytest.mark.parametrize("warm_frac,graph_safe,expect", [(None, False, ["graph-safe"]), (0.15, False, ["graph-safe"]),
-                                                          (0.95, False, ["dense", "sized"]),  # (dense: sized kernels)
-                                                          (0.95, True, ["graph-safe"])])
-def test_captured_backward_follows_the_eager_warm_up(device, monkeypatch, path_spy, warm_frac, graph_safe, expect):
-    # A call captured in a CUDA graph cannot read its count on the host: its backward is graph-safe, or the dense one
-    # where the last eager backward of as many positions had at least 40% valid (a causal LM's warm-up), unless the
-    # call names graph_safe=True. Capture is simulated (the module's capturing() answers True): the captured call is
-    # exact either way, here against the reference with a density unlike the warm-up's (the hint picks the faster
-    # path, never the result).
+@pytest.mark.parametrize("warm_valid,graph_safe,expect", [(None, False, ["graph-safe"]),
+                                                          (6, False, ["bounded", "sized", "graph-safe"]),
+                                                          (40, False, ["dense", "sized"]),  # (dense: sized kernels)
+                                                          (40, True, ["graph-safe"])])
+def test_captured_backward_follows_the_eager_warm_up(device, monkeypatch, path_spy, warm_valid, graph_safe, expect):
+    # A call captured in a CUDA graph cannot read its count on the host. Where an eager backward of as many positions
+    # saw a valid count (the warm-up), the captured backward takes a capacity from it (the count plus eight binomial
+    # standard deviations, here not rounded up: ALIGN 1): the bounded backward below it, the dense one from 90% of N
+    # (a causal LM's warm-up); graph-safe without a warm-up or when the call names graph_safe=True. Capture is
+    # simulated (the module's capturing() answers True): the captured call is exact whichever it takes, here against
+    # the reference with a density unlike the warm-up's (the hint picks the faster path, never the result).
     mll = importlib.import_module("pykernels.masked_lm_loss")
-    monkeypatch.setattr(mll, "_VALID_SEEN", mll._ValidSeen())
+    seen = mll._ValidSeen()
+    seen.ALIGN = 1
+    monkeypatch.setattr(mll, "_VALID_SEEN", seen)
     n = 41 if device.type == "cpu" else 4099  # (an N no other test's eager calls noted)
-    if warm_frac is not None:
-        hidden, weight, target, _ = _inputs((n,), 32, 300, torch.float32, device, frac=warm_frac)
+    if warm_valid is not None:
+        warm = warm_valid if device.type == "cpu" else warm_valid * 100
+        hidden, weight, target, _ = _inputs((n,), 32, 300, torch.float32, device, frac=1.0)
+        target[warm:] = IGN
         _run(lambda h, w, bias: masked_lm_loss(h, w, target, backend="triton"), hidden, weight, None, None)
         assert path_spy == ["sized"]
         path_spy.clear()
@@ -158,6 +165,52 @@ def test_captured_backward_follows_the_eager_warm_up(device, monkeypatch, path_s
     hidden, weight, target, b = _inputs((n,), 32, 300, torch.float32, device, frac=0.5, bias=True)
     _check(hidden, weight, target, b, reduction="sum", graph_safe=graph_safe)
     assert path_spy == expect
+
+
+BOUNDED_CASES = [(torch.float32, True, "sum", 0.0), (torch.float16, True, "none", 0.1),
+                 (torch.float32, False, "mean", 0.0)]
+
+
+@pytest.mark.parametrize("dtype,bias,reduction,ls", BOUNDED_CASES)
+@pytest.mark.parametrize("past", [-4, 0, 5, None], ids=["overflow", "at", "below", "zero"])
+def test_captured_bounded_backward(device, monkeypatch, path_spy, dtype, bias, reduction, ls, past):
+    # The bounded backward (a captured call whose warm-up left a capacity below 90% of N): the capacity pass for up
+    # to `bound` rows and the graph-safe pass for the rows past it. Exact whether the count is below the bound, at it,
+    # above it (the overflow rows through the graph-safe kernels, added into dweight / dbias, dhidden at their own
+    # positions) or the bound 0 (every row overflows); with no overflow bit for bit the max_valid=bound call.
+    mll = importlib.import_module("pykernels.masked_lm_loss")
+    hidden, weight, target, b = _inputs((41,), 32, 300, dtype, device, frac=0.5, bias=bias)
+    m = int((target != IGN).sum())
+    bound = 0 if past is None else max(m + past, 1)
+    seen = mll._ValidSeen()
+    monkeypatch.setattr(seen, "bound", lambda dev, n: bound)
+    monkeypatch.setattr(mll, "_VALID_SEEN", seen)
+    monkeypatch.setattr(mll, "capturing", lambda device=None: True)
+    g = torch.randn(target.shape, device=device) if reduction == "none" else None
+    out = _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, grad_out=g)
+    assert path_spy == ["bounded", "sized", "graph-safe"]
+    if past is not None and past >= 0:
+        path_spy.clear()
+        want = _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, grad_out=g, max_valid=bound)
+        assert path_spy == ["sized"]
+        for got, exp in zip(out, want):
+            torch.testing.assert_close(got, exp, rtol=0, atol=0)
+
+
+def test_valid_seen_bound():
+    # the capacity from a warm-up's count: mean + 8 binomial standard deviations + 1, up to a multiple of ALIGN rows,
+    # at most N; no hint, no bound
+    mll = importlib.import_module("pykernels.masked_lm_loss")
+    seen = mll._ValidSeen()
+    dev = torch.device("cpu")
+    assert seen.bound(dev, 16384) is None
+    seen.note(dev, 16384, 2446)  # BERT-base's 15%
+    assert seen.bound(dev, 16384) == 2816  # 2446 + 8 * 45.6 + 1 = 2812 -> 2816
+    seen.note(dev, 8192, 8184)  # GPT-2 after shift_labels: every sequence's last position ignored
+    assert seen.bound(dev, 8192) == 8192
+    seen.note(dev, 1000, 0)
+    assert seen.bound(dev, 1000) == 64
+    assert seen.bound(dev, 16384) == 2816 and seen.bound(torch.device("meta"), 16384) is None
 
 
 def test_sized_backward_with_chunks_and_every_row_valid(device, monkeypatch, path_spy):
@@ -712,15 +765,46 @@ def test_gpu_cuda_graph_capture_follows_the_data():
     h = hidden.clone().requires_grad_(True)
     static_t = target.clone()
 
-    def step(graph_safe=False):  # captured: graph-safe automatically (the sized path would wait)
-        loss = masked_lm_loss(h, weight, static_t, bias=b, backend="triton", reduction="sum",
-                              graph_safe=graph_safe)
+    def step():  # graph_safe=True: captured, the graph-safe backward whatever the warm-up saw
+        loss = masked_lm_loss(h, weight, static_t, bias=b, backend="triton", reduction="sum", graph_safe=True)
         (dh,) = torch.autograd.grad(loss, [h])
         return loss, dh
 
-    # the eager warm-up takes the sized backward; the captured call is graph-safe, whose kernels are
-    # first launched (compiled, not timed) during the capture
-    _capture_replay_compare(step, lambda: step(graph_safe=True), static_t, (0.05, 0.5, 0.0))
+    # the eager warm-up takes the graph-safe backward too (graph_safe=True never waits)
+    _capture_replay_compare(step, step, static_t, (0.05, 0.5, 0.0))
+
+
+@pytest.mark.gpu
+def test_gpu_captured_mlm_takes_the_bounded_backward(monkeypatch, path_spy):
+    # The default call captured after an eager warm-up at 15%: the bounded backward (capacity 15% + 8 standard
+    # deviations), replayed below its bound, above it (50%, every target valid: the overflow rows through the
+    # graph-safe kernels) and with every target ignored; bit for bit the same call run eagerly on the same path
+    # (capture simulated there), and within the bf16 rule of the reference above the bound.
+    mll = importlib.import_module("pykernels.masked_lm_loss")
+    monkeypatch.setattr(mll, "_VALID_SEEN", mll._ValidSeen())
+    hidden, weight, target, b = _inputs((4096,), 256, 8192, torch.bfloat16, "cuda", frac=0.15, bias=True)
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    static_t = target.clone()
+
+    def step():
+        loss = masked_lm_loss(h, w, static_t, bias=b, backend="triton")
+        dh, dw = torch.autograd.grad(loss, [h, w])
+        return loss, torch.cat([dh, dw])
+
+    def eager_step():
+        with monkeypatch.context() as mp:
+            mp.setattr(mll, "capturing", lambda device=None: True)
+            return step()
+
+    _capture_replay_compare(step, eager_step, static_t, (0.15, 0.5, 0.0, 1.0))
+    assert "bounded" in path_spy and "dense" not in path_spy
+    bound = mll._VALID_SEEN.bound(h.device, 4096)
+    assert 614 < bound < 4096 * 0.25
+    monkeypatch.setattr(mll, "capturing", lambda device=None: True)
+    over = _inputs((4096,), 8, 8192, torch.bfloat16, "cuda", frac=0.5)[2]
+    assert int((over != IGN).sum()) > bound
+    _check(hidden, weight, over, b, reduction="mean")
 
 
 def _capture_replay_compare(step, eager_step, static_t, fracs):
