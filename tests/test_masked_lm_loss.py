@@ -1126,6 +1126,30 @@ def test_gradient_of_one_input_only(device, which, monkeypatch):
     assert max_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("which", ["hidden", "weight", "bias"])
+def test_bounded_backward_gradient_of_one_input_only(device, which, monkeypatch, path_spy):
+    # The bounded backward (captured, simulated) with rows past its bound and several chunks in both passes, one input
+    # needing a gradient: each pass skips the programs no input needs, and the other gradient comes out exact.
+    mll = importlib.import_module("pykernels.masked_lm_loss")
+    monkeypatch.setattr(kmod, "DLOGITS_BUDGET_BYTES", 37 * 4 * 256)  # three chunks in the graph-safe pass
+    monkeypatch.setattr(kmod, "SIZED_DLOGITS_BUDGET_BYTES", 1)  # and in the capacity pass
+    hidden, weight, target, b = _inputs((37,), 32, 517, torch.float32, device, frac=0.6, bias=True)
+    m = int((target != IGN).sum())
+    seen = mll._ValidSeen()
+    monkeypatch.setattr(seen, "bound", lambda dev, n: max(m - 7, 1))
+    monkeypatch.setattr(mll, "_VALID_SEEN", seen)
+    monkeypatch.setattr(mll, "capturing", lambda device=None: True)
+    ins = {"hidden": hidden.clone(), "weight": weight.clone(), "bias": b.clone()}
+    ins[which].requires_grad_(True)
+    loss = masked_lm_loss(ins["hidden"], ins["weight"], target, bias=ins["bias"], backend="triton")
+    (got,) = torch.autograd.grad(loss, [ins[which]])
+    assert path_spy == ["bounded", "sized", "graph-safe"]
+    ref = {k: v.double().requires_grad_(k == which) for k, v in ins.items()}
+    ref_loss = masked_lm_loss_reference(ref["hidden"], ref["weight"], target, bias=ref["bias"])
+    (want,) = torch.autograd.grad(ref_loss, [ref[which]])
+    assert max_err(got, want) < 1e-5
+
+
 # ---- max_valid: the sized backward for an upper bound of the count, no wait ------------------------------
 
 @pytest.mark.parametrize("dtype,bias,reduction,ls,extra", [
