@@ -1,0 +1,87 @@
+"""The captured MLM loss's bounded backward (``kernels/masked_lm_loss.masked_lm_loss_bwd_bounded``): what its
+graph-safe overflow pass costs when no row is past the bound, and the memory of a captured call.
+
+For BERT-base MLM (16384 tokens, 2446 masked, H 768, V 30522, bf16) after an eager warm-up, a forward+backward
+replayed from a CUDA graph (``do_bench_cudagraph``) for: the default call (the bounded backward) with the overflow
+pass's dlogits budget ``DLOGITS_BUDGET_BYTES`` at 64 (the default), 128 and 256 MiB (fewer vocabulary chunks, so
+fewer launches with nothing to do), ``max_valid`` at the bounded call's capacity (the capacity pass alone: the
+difference is the overflow pass) and at N / 5, and ``graph_safe=True``. Memory: the peak above the inputs of one
+forward+backward on the path a capture takes (capture simulated: ``pykernels.masked_lm_loss.capturing`` answers True;
+the graph's pool holds at least that much).
+
+Usage (GPU): ``python benchmarks/dev/mlm_bounded_probe.py`` -> stdout and ``$OUT/mlm_bounded_probe.txt``.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
+import masked_lm_loss as bench  # noqa: E402
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 0
+    import pykernels
+    import triton.testing
+    kmod = importlib.import_module("pykernels._kernels.masked_lm_loss")
+    mll = importlib.import_module("pykernels.masked_lm_loss")
+    case = bench.CASES[0]
+    hidden, weight, target = bench.make_inputs(case, torch.device("cuda"), torch.bfloat16)
+    h = hidden.requires_grad_(True)
+    w = weight.requires_grad_(True)
+    n = case.n
+
+    def call(**kw):
+        def step():
+            h.grad = w.grad = None
+            pykernels.masked_lm_loss(h, w, target, backend="triton", **kw).backward()
+        return step
+
+    call()()  # eager warm-up: the sized backward notes the valid count (the bounded call's capacity)
+    torch.cuda.synchronize()
+    bound = mll._VALID_SEEN.bound(h.device, n)
+    env = common.env_record()
+    lines = [", ".join(f"{k} {v}" for k, v in env.items()),
+             f"BERT-base MLM {n} x {case.h}, V {case.v}, {case.m} valid; bounded capacity {bound} rows"]
+    default_budget = kmod.DLOGITS_BUDGET_BYTES
+    rows = []
+    for label, kw, budget in (
+            ("default (bounded), overflow budget 64 MiB", {}, 64),
+            ("default (bounded), overflow budget 128 MiB", {}, 128),
+            ("default (bounded), overflow budget 256 MiB", {}, 256),
+            (f"max_valid={bound} (the capacity pass alone)", {"max_valid": bound}, 64),
+            (f"max_valid={n // 5} (N / 5)", {"max_valid": n // 5}, 64),
+            ("graph_safe=True", {"graph_safe": True}, 64)):
+        kmod.DLOGITS_BUDGET_BYTES = budget * 2**20
+        try:
+            step = call(**kw)
+            step()
+            ms = float(triton.testing.do_bench_cudagraph(step, rep=30))
+            real = mll.capturing
+            mll.capturing = lambda device=None: True  # the captured path, run eagerly for its peak
+            try:
+                peak = common.peak_extra_mib(step)
+            finally:
+                mll.capturing = real
+            rows.append(f"{label:48s} replay {ms:7.3f} ms   peak extra (captured path) {peak:6.1f} MiB")
+        finally:
+            kmod.DLOGITS_BUDGET_BYTES = default_budget
+        print(rows[-1], flush=True)
+    text = "\n".join(lines + rows) + "\n"
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "mlm_bounded_probe.txt").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
