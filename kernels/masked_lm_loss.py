@@ -30,7 +30,8 @@ call whose eager warm-up left a valid count (``pykernels.masked_lm_loss._ValidSe
 ``graph_safe=True``, :func:`masked_lm_loss_bwd_bounded` for a capacity of that count plus 8 standard deviations
 (the sized backward in capacity mode for up to that many rows, then the graph-safe kernels over the rows past it,
 adding into the same dweight / dbias: exact for any count, and where no row is past it those kernels' programs
-exit at once; H200 run390, BERT-base replayed: 0.978 ms against 2.17 graph-safe), or the dense backward below
+exit at once; H200 run393, BERT-base replayed: 0.902 ms against 2.127 graph-safe and the capacity pass's 0.844
+alone: its programs walk the row blocks by a stride, ``OVERFLOW_ROW_PROGRAMS``), or the dense backward below
 where the capacity is at least 90% of N.
 With ``dense=True`` (the causal LM, nearly every target valid) it runs :func:`masked_lm_loss_bwd_dense`:
 the sized backward with M = N, every position a row and the ignored ones masked (zero upstream
@@ -1485,7 +1486,8 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
 
 # The bounded backward's overflow pass: programs a column tile over its row blocks. Sized for every row past the
 # bound (13568 at BERT-base), a program a row block made ~50k programs a call that only exit where no row is past it
-# (the common case): H200 run391, 0.948 ms replayed against the capacity pass's 0.842 alone.
+# (the common case): H200 run391, 0.948 ms replayed against the capacity pass's 0.842 alone; with 16 row programs
+# 0.902 against 0.844 (run393; ``benchmarks/dev/mlm_bounded_probe.py``).
 OVERFLOW_ROW_PROGRAMS = 1 if _INTERPRET else 16  # (one: the interpreter walks several row blocks a program)
 
 
