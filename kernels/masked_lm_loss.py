@@ -30,7 +30,8 @@ call whose eager warm-up left a valid count (``pykernels.masked_lm_loss._ValidSe
 ``graph_safe=True``, :func:`masked_lm_loss_bwd_bounded` for a capacity of that count plus 8 standard deviations
 (the sized backward in capacity mode for up to that many rows, then the graph-safe kernels over the rows past it,
 adding into the same dweight / dbias: exact for any count, and where no row is past it those kernels' programs
-exit at once; H200 run390, BERT-base replayed: 0.978 ms against 2.17 graph-safe), or the dense backward below
+exit at once; H200 run393, BERT-base replayed: 0.902 ms against 2.127 graph-safe and the capacity pass's 0.844
+alone: its programs walk the row blocks by a stride, ``OVERFLOW_ROW_PROGRAMS``), or the dense backward below
 where the capacity is at least 90% of N.
 With ``dense=True`` (the causal LM, nearly every target valid) it runs :func:`masked_lm_loss_bwd_dense`:
 the sized backward with M = N, every position a row and the ignored ones masked (zero upstream
@@ -393,6 +394,41 @@ def _masked_lm_loss_combine_kernel(
         tl.store(lse_ptr + rows, lse, mask=mask)
 
 
+@triton.jit
+def _dlogits_block(h_ptr, w_ptr, b_ptr, tgt_ptr, rows_ptr, lse_ptr, gloss_ptr, dl_ptr, V, H, v_off, VC,
+                   stride_hn, stride_hh, stride_wv, stride_wh, stride_b, stride_dl, stride_g, smooth_eps,
+                   start_m, pid_n, n_rows, count, mismatch, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (BLOCK_M rows from ``start_m``, BLOCK_N columns) tile of ``_masked_lm_loss_dlogits_kernel``."""
+    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # column within the chunk
+    mask_n = offs_c < VC
+    offs_n = v_off + offs_c                              # vocabulary column
+    w_col = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wv
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < n_rows
+    rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)
+    lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * 1.4426950408889634
+    g = tl.load(gloss_ptr + rows * stride_g, mask=mask_m, other=0.0)
+    h_row = h_ptr + rows[:, None] * stride_hn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < H
+        a = tl.load(h_row + offs_k[None, :] * stride_hh, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_col + offs_k[:, None] * stride_wh, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)
+        acc += bias[None, :]
+    d = _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V)
+    d = tl.where((offs_m < count)[:, None], d, 0.0)  # (capacity rows past the count)
+    if mismatch:
+        d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
+    dst = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl + offs_c[None, :]
+    tl.store(dst, d.to(dl_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
 @_tuning.autotune(configs=_DLOGITS_CONFIGS, key=["H", "VC", "DTYPE_KEY"],
                   prune_configs_by=_prune_by_dtype(_DLOGITS_FP32))
 @triton.jit(do_not_specialize=["v_off", "VC", "expected_count"])
@@ -413,6 +449,8 @@ def _masked_lm_loss_dlogits_kernel(
                     # and only a device count above it poisons
     DTYPE_KEY,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROW_LOOP: tl.constexpr,  # the grid's row programs may be fewer than the row blocks: each walks every
+                             # m_programs-th one (the bounded backward's overflow pass)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # One grid axis (no 65535 limit on the row blocks), column tiles varying fastest: the programs of
@@ -435,35 +473,21 @@ def _masked_lm_loss_dlogits_kernel(
             mismatch = count > expected_count
         else:
             mismatch = count != expected_count
-    start_m = pid_m * BLOCK_M
-    if start_m < n_rows:
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < n_rows
-        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-        tgt = tl.load(tgt_ptr + rows, mask=mask_m, other=-1)
-        lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * 1.4426950408889634
-        g = tl.load(gloss_ptr + rows * stride_g, mask=mask_m, other=0.0)
-        offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # column within the chunk
-        mask_n = offs_c < VC
-        offs_n = v_off + offs_c                              # vocabulary column
-        w_col = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wv
-        h_row = h_ptr + rows[:, None] * stride_hn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < H
-            a = tl.load(h_row + offs_k[None, :] * stride_hh, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(w_col + offs_k[:, None] * stride_wh, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)
-            acc += bias[None, :]
-        d = _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V)
-        d = tl.where((offs_m < count)[:, None], d, 0.0)  # (capacity rows past the count)
-        if mismatch:
-            d = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
-        dst = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl + offs_c[None, :]
-        tl.store(dst, d.to(dl_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    if ROW_LOOP:  # (a grid sized for every possible row block is tens of thousands of programs that only exit
+        # where the overflow pass has no row, its usual case)
+        m_programs = tl.num_programs(0) // n_tiles
+        for start_m in range(pid_m * BLOCK_M, n_rows, m_programs * BLOCK_M):
+            _dlogits_block(h_ptr, w_ptr, b_ptr, tgt_ptr, rows_ptr, lse_ptr, gloss_ptr, dl_ptr, V, H, v_off, VC,
+                           stride_hn, stride_hh, stride_wv, stride_wh, stride_b, stride_dl, stride_g, smooth_eps,
+                           start_m, pid_n, n_rows, count, mismatch, HAS_BIAS, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                           BLOCK_K)
+    else:
+        start_m = pid_m * BLOCK_M
+        if start_m < n_rows:
+            _dlogits_block(h_ptr, w_ptr, b_ptr, tgt_ptr, rows_ptr, lse_ptr, gloss_ptr, dl_ptr, V, H, v_off, VC,
+                           stride_hn, stride_hh, stride_wv, stride_wh, stride_b, stride_dl, stride_g, smooth_eps,
+                           start_m, pid_n, n_rows, count, mismatch, HAS_BIAS, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                           BLOCK_K)
 
 
 @triton.jit
@@ -514,38 +538,58 @@ def _dweight_tile(
 
 
 @triton.jit
-def _dhidden_tile(
-    w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, pid_m, pid_h,
+def _dhidden_block(
+    w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, start_m, pid_h,
     H, v_off, VC, stride_wv, stride_wh, stride_dl,
     is_first, is_last, DOT_PRECISION: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """One (BLOCK_A rows from ``start_m``, BLOCK_H columns) tile of ``_dhidden_tile``."""
+    offs_m = start_m + tl.arange(0, BLOCK_A)
+    mask_m = offs_m < count
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    acc = tl.zeros((BLOCK_A, BLOCK_H), tl.float32)
+    dl_row = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl
+    for k0 in range(0, VC, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < VC
+        dl = tl.load(dl_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        ww = tl.load(w_ptr + (v_off + offs_k).to(tl.int64)[:, None] * stride_wv + offs_h[None, :] * stride_wh,
+                     mask=mask_k[:, None] & mask_h[None, :], other=0.0)
+        acc = tl.dot(dl, ww, acc, input_precision=DOT_PRECISION)
+    mask = mask_m[:, None] & mask_h[None, :]
+    acc_off = offs_m.to(tl.int64)[:, None] * H + offs_h[None, :]
+    if is_first == 0:
+        acc += tl.load(acc_ptr + acc_off, mask=mask, other=0.0)
+    if is_last != 0:
+        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        tl.store(dh_ptr + rows[:, None] * H + offs_h[None, :], acc.to(dh_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(acc_ptr + acc_off, acc, mask=mask)
+
+
+@triton.jit
+def _dhidden_tile(
+    w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, pid_m, pid_h,
+    H, v_off, VC, stride_wv, stride_wh, stride_dl,
+    is_first, is_last, m_programs, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
     """dh[rows tile, h tile] (+)= dz[rows tile, :VC] W[v_off:v_off+VC, h tile]: fp32 accumulator carried
-    across chunks in acc_ptr (compacted rows); the last chunk writes the hidden dtype by position."""
-    start_m = pid_m * BLOCK_A
-    if start_m < count:
-        offs_m = start_m + tl.arange(0, BLOCK_A)
-        mask_m = offs_m < count
-        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < H
-        acc = tl.zeros((BLOCK_A, BLOCK_H), tl.float32)
-        dl_row = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl
-        for k0 in range(0, VC, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < VC
-            dl = tl.load(dl_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            ww = tl.load(w_ptr + (v_off + offs_k).to(tl.int64)[:, None] * stride_wv + offs_h[None, :] * stride_wh,
-                         mask=mask_k[:, None] & mask_h[None, :], other=0.0)
-            acc = tl.dot(dl, ww, acc, input_precision=DOT_PRECISION)
-        mask = mask_m[:, None] & mask_h[None, :]
-        acc_off = offs_m.to(tl.int64)[:, None] * H + offs_h[None, :]
-        if is_first == 0:
-            acc += tl.load(acc_ptr + acc_off, mask=mask, other=0.0)
-        if is_last != 0:
-            rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-            tl.store(dh_ptr + rows[:, None] * H + offs_h[None, :], acc.to(dh_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(acc_ptr + acc_off, acc, mask=mask)
+    across chunks in acc_ptr (compacted rows); the last chunk writes the hidden dtype by position. ROW_LOOP: row
+    block pid_m and every m_programs-th one after it (the grid's row programs may be fewer than the row blocks)."""
+    if ROW_LOOP:
+        for start_m in range(pid_m * BLOCK_A, count, m_programs * BLOCK_A):
+            _dhidden_block(w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, start_m, pid_h, H, v_off, VC,
+                           stride_wv, stride_wh, stride_dl, is_first, is_last, DOT_PRECISION, BLOCK_A, BLOCK_H,
+                           BLOCK_K)
+    else:
+        start_m = pid_m * BLOCK_A
+        if start_m < count:
+            _dhidden_block(w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, start_m, pid_h, H, v_off, VC,
+                           stride_wv, stride_wh, stride_dl, is_first, is_last, DOT_PRECISION, BLOCK_A, BLOCK_H,
+                           BLOCK_K)
 
 
 @_tuning.autotune(configs=_BWD_CONFIGS, key=["H", "VC", "DTYPE_KEY", "is_first", "is_last", "do_dw"],
@@ -566,6 +610,7 @@ def _masked_lm_loss_bwd_kernel(
     do_dw,          # 0: no dW programs (weight and bias need no gradient); the grid then holds dhidden only
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # dW and dbias added to an earlier pass's (``_dweight_tile``)
+    ROW_LOOP: tl.constexpr,    # the dhidden programs may be fewer than the row blocks (``_dhidden_tile``)
     BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # dW (reduction over the valid rows) and dhidden (reduction over the chunk's columns) both only read
@@ -581,9 +626,10 @@ def _masked_lm_loss_bwd_kernel(
                       HAS_BIAS, DOT_PRECISION, ACCUMULATE, BLOCK_A, BLOCK_H, BLOCK_K)
     else:
         q = pid - dw_programs
+        m_programs = (tl.num_programs(0) - dw_programs) // h_tiles
         _dhidden_tile(w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, q // h_tiles, q % h_tiles,
                       H, v_off, VC, stride_wv, stride_wh, stride_dl,
-                      is_first, is_last, DOT_PRECISION, BLOCK_A, BLOCK_H, BLOCK_K)
+                      is_first, is_last, m_programs, DOT_PRECISION, ROW_LOOP, BLOCK_A, BLOCK_H, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["v_off", "VC", "n_rows"])
@@ -1174,7 +1220,7 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
                        rows: torch.Tensor, count: torch.Tensor, *, label_smoothing: float,
                        compute_dhidden: bool = True, compute_dweight: bool = True,
                        dlogits_budget_bytes: int | None = None, n_rows: int | None = None,
-                       into: tuple | None = None,
+                       into: tuple | None = None, row_programs: int | None = None,
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``grad_loss`` (N,) fp32 upstream gradient of the per-position loss; ``lse`` (N,) fp32 from the
     forward; ``rows``/``count`` as for the forward. Returns ``dhidden`` (N, H) (zero at ignored rows),
@@ -1184,7 +1230,8 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
     ``n_rows``: how many entries ``rows`` has room for (default N; buffers and grids are sized for them).
     ``into``: the (dhidden, dweight, dbias) of an earlier pass over other rows, completed in place (the bounded
     backward's overflow rows): dweight and dbias are added to (left untouched, bit for bit, when ``count`` is 0)
-    and dhidden is written at these rows' positions only."""
+    and dhidden is written at these rows' positions only. ``row_programs``: at most this many programs a column
+    tile take the row blocks (each every row_programs-th one; default: a program a row block)."""
     n, h = hidden.shape
     r = n if n_rows is None else int(n_rows)
     if not 0 <= r <= n:
@@ -1206,6 +1253,11 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
     vc = _chunk_columns(r, v, weight.element_size(), budget)
     dl = empty(r, vc, dtype=weight.dtype, device=dev)
     n_chunks = _tuning.cdiv(v, vc)
+
+    def row_blocks(block: int) -> int:
+        blocks = _tuning.cdiv(r, block)
+        return blocks if row_programs is None else max(1, min(blocks, int(row_programs)))
+
     if compute_dhidden:
         acc = empty(r, h, dtype=torch.float32, device=dev) if n_chunks > 1 else dhidden
     # placeholders for pointers a launch never dereferences (a flag or a zero program count guards them)
@@ -1220,24 +1272,25 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
         v_off = c * vc
         vc_c = min(vc, v - v_off)
         _launch.fast(_masked_lm_loss_dlogits_kernel)[
-                lambda m: (_tuning.cdiv(vc_c, m["BLOCK_N"]) * _tuning.cdiv(r, m["BLOCK_M"]),)](
+                lambda m: (_tuning.cdiv(vc_c, m["BLOCK_N"]) * row_blocks(m["BLOCK_M"]),)](
             hidden, weight, b, target, rows, count, lse, grad_loss, dl,
             n, v, h, v_off, vc_c,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             bias.stride(0) if bias is not None else 0, dl.stride(0), grad_loss.stride(0), float(label_smoothing),
             -1, 0, key,
-            HAS_BIAS=bias is not None, DOT_PRECISION=prec)
+            HAS_BIAS=bias is not None, DOT_PRECISION=prec, ROW_LOOP=row_programs is not None)
 
         def grid(m):
             h_tiles = _tuning.cdiv(h, m["BLOCK_H"])
             dw_programs = _tuning.cdiv(vc_c, m["BLOCK_A"]) * h_tiles if compute_dweight else 0
-            return (dw_programs + (_tuning.cdiv(r, m["BLOCK_A"]) * h_tiles if compute_dhidden else 0),)
+            return (dw_programs + (row_blocks(m["BLOCK_A"]) * h_tiles if compute_dhidden else 0),)
 
         _launch.fast(_masked_lm_loss_bwd_kernel)[grid](
             hidden, weight, rows, count, dl, dw_out, db, acc, dh_out,
             h, v_off, vc_c, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), dl.stride(0),
             key, int(c == 0), int(c == n_chunks - 1), int(compute_dweight),
-            HAS_BIAS=bias is not None and compute_dweight, DOT_PRECISION=prec, ACCUMULATE=into is not None)
+            HAS_BIAS=bias is not None and compute_dweight, DOT_PRECISION=prec, ACCUMULATE=into is not None,
+            ROW_LOOP=row_programs is not None)
     return dhidden, dweight, dbias
 
 
@@ -1400,7 +1453,7 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                 hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
                 bias.stride(0) if bias is not None else 0, dl.stride(0), grad_loss.stride(0), float(label_smoothing),
                 m, int(capacity), key,
-                HAS_BIAS=bias is not None, DOT_PRECISION=prec)
+                HAS_BIAS=bias is not None, DOT_PRECISION=prec, ROW_LOOP=False)
         if compute_dweight:
             torch.mm(d_pad.t(), hc, out=dw_buf[v_off:v_off + w_pad])
             if dbias is not None:  # column sums in fp32, rounded once at the end (one call a chunk)
@@ -1431,6 +1484,13 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     return dhidden, dweight, dbias
 
 
+# The bounded backward's overflow pass: programs a column tile over its row blocks. Sized for every row past the
+# bound (13568 at BERT-base), a program a row block made ~50k programs a call that only exit where no row is past it
+# (the common case): H200 run391, 0.948 ms replayed against the capacity pass's 0.842 alone; with 16 row programs
+# 0.902 against 0.844 (run393; ``benchmarks/dev/mlm_bounded_probe.py``).
+OVERFLOW_ROW_PROGRAMS = 1 if _INTERPRET else 16  # (one: the interpreter walks several row blocks a program)
+
+
 def masked_lm_loss_bwd_bounded(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                                target: torch.Tensor, bias: torch.Tensor | None, lse: torch.Tensor,
                                rows: torch.Tensor, count: torch.Tensor, bound: int, *, label_smoothing: float,
@@ -1459,5 +1519,6 @@ def masked_lm_loss_bwd_bounded(grad_loss: torch.Tensor, hidden: torch.Tensor, we
     if bound < n:
         grads = masked_lm_loss_bwd(grad_loss, hidden, weight, target, bias, lse, rows[bound:], over,
                                    label_smoothing=label_smoothing, compute_dhidden=compute_dhidden,
-                                   compute_dweight=compute_dweight, n_rows=n - bound, into=grads)
+                                   compute_dweight=compute_dweight, n_rows=n - bound, into=grads,
+                                   row_programs=OVERFLOW_ROW_PROGRAMS)
     return grads

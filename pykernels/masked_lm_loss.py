@@ -224,8 +224,9 @@ class _ValidSeen:
 
     All three are exact for any count at replay (the hint only picks the faster). H200, replayed from a CUDA graph:
     GPT-2, every row valid, dense 4.07 against graph-safe 11.92 ms (run387); BERT-base at 15%, bounded 0.978 ms against
-    graph-safe 2.17 and ``max_valid``'s 0.905 for a capacity of 20% of N (run390; the bounded one's graph-safe kernels
-    cost their launches, ~0.1 ms, with no row past the bound). The eager warm-up that capture needs anyway
+    graph-safe 2.17 and ``max_valid``'s 0.905 for a capacity of 20% of N (run390); 0.902 against 2.127 since the
+    overflow pass's programs walk row blocks by a stride (run393: the capacity pass alone 0.844, so the graph-safe
+    pass costs ~0.06 ms of launches with no row past the bound). The eager warm-up that capture needs anyway
     (``torch.cuda.graph``, ``torch.compile``'s CUDA graphs) leaves the hint."""
 
     DENSE_FROM = 0.9
@@ -517,7 +518,7 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
             ``mode="reduce-overhead"``) never waits either; its backward follows the valid count of the last
             eager backward of as many positions (the warm-up before the capture): for a capacity of that count
             plus 8 binomial standard deviations, the bounded backward (``max_valid``'s path for the capacity, the
-            graph-safe kernels for any rows past it; H200, BERT-base MLM: 0.98 against 2.17 ms replayed), or the
+            graph-safe kernels for any rows past it; H200, BERT-base MLM: 0.90 against 2.13 ms replayed), or the
             ``dense`` one where that capacity is at least 90% of N, as a causal LM's (GPT-2 size: 4.2 against
             9.0 ms); graph-safe without a warm-up. Each is exact for any count at replay (past the capacity,
             dweight and dbias are rounded twice); ``graph_safe=True`` named keeps the graph-safe backward.

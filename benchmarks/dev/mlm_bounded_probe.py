@@ -6,8 +6,9 @@ replayed from a CUDA graph (``do_bench_cudagraph``) for: the default call (the b
 pass's dlogits budget ``DLOGITS_BUDGET_BYTES`` at 64 (the default), 128 and 256 MiB (fewer vocabulary chunks, so
 fewer launches with nothing to do), ``max_valid`` at the bounded call's capacity (the capacity pass alone: the
 difference is the overflow pass) and at N / 5, and ``graph_safe=True``. Memory: the peak above the inputs of one
-forward+backward on the path a capture takes (capture simulated: ``pykernels.masked_lm_loss.capturing`` answers True;
-the graph's pool holds at least that much).
+forward+backward on the path a capture takes, its gradients included (capture simulated:
+``pykernels.masked_lm_loss.capturing`` answers True; the graph's pool holds at least that much). run391-393's peaks
+were taken with the previous step's gradients (69 MiB, freed by the step) in the base: 69 MiB low.
 
 Usage (GPU): ``python benchmarks/dev/mlm_bounded_probe.py`` -> stdout and ``$OUT/mlm_bounded_probe.txt``.
 """
@@ -68,6 +69,7 @@ def main() -> int:
             real = mll.capturing
             mll.capturing = lambda device=None: True  # the captured path, run eagerly for its peak
             try:
+                h.grad = w.grad = None  # (run391-393 measured with the last step's gradients, 69 MiB, in the base)
                 peak = common.peak_extra_mib(step)
             finally:
                 mll.capturing = real
