@@ -197,6 +197,21 @@ def test_captured_bounded_backward(device, monkeypatch, path_spy, dtype, bias, r
             torch.testing.assert_close(got, exp, rtol=0, atol=0)
 
 
+def test_captured_bounded_backward_after_the_torch_compaction(device, monkeypatch, path_spy):
+    # Past COMPACT_KERNEL_MAX_N positions the rows come from torch's compaction (``compact_rows``); the overflow
+    # pass reads them from the bound on, as it does the kernel's.
+    mll = importlib.import_module("pykernels.masked_lm_loss")
+    monkeypatch.setattr(kmod, "COMPACT_KERNEL_MAX_N", 16)
+    hidden, weight, target, b = _inputs((37,), 32, 517, torch.float16, device, frac=0.5, bias=True)
+    m = int((target != IGN).sum())
+    seen = mll._ValidSeen()
+    monkeypatch.setattr(seen, "bound", lambda dev, n: max(m - 6, 1))
+    monkeypatch.setattr(mll, "_VALID_SEEN", seen)
+    monkeypatch.setattr(mll, "capturing", lambda device=None: True)
+    _check(hidden, weight, target, b, reduction="sum", label_smoothing=0.1)
+    assert path_spy == ["bounded", "sized", "graph-safe"]
+
+
 def test_valid_seen_bound():
     # the capacity from a warm-up's count: mean + 8 binomial standard deviations + 1, up to a multiple of ALIGN rows,
     # at most N; no hint, no bound
