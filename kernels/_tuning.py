@@ -79,8 +79,8 @@ def _capture_safe(tuner):
     """Make an Autotuner usable during CUDA-graph capture. Benchmarking there is impossible (it
     synchronises), so a key first seen while capturing takes its first surviving config without timing
     it and keeps it (the same default ``PYKERNELS_AUTOTUNE=0`` gives). This happens when a warm-up took
-    another path than the captured call, e.g. ``masked_lm_loss``'s sized backward before a capture,
-    which is graph-safe."""
+    another path than the captured call, e.g. ``masked_lm_loss``'s sized backward before a capture, whose
+    backward is the bounded one (its overflow pass on the graph-safe kernels) or the graph-safe one."""
     base = type(tuner)
 
     class CaptureSafeAutotuner(base):
