@@ -1243,12 +1243,10 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
     lse = lse.contiguous()
     if into is not None:
         dhidden, dweight, dbias = into
-        if r == 0 or not (compute_dhidden or compute_dweight):
-            return dhidden, dweight, dbias
     else:
         dhidden, dweight, dbias = _grad_buffers(hidden, weight, bias, compute_dhidden, compute_dweight)
-        if r == 0 or not (compute_dhidden or compute_dweight):
-            return _no_rows(dhidden, dweight, dbias)
+    if r == 0 or not (compute_dhidden or compute_dweight):  # (an earlier pass's gradients stay as they are)
+        return (dhidden, dweight, dbias) if into is not None else _no_rows(dhidden, dweight, dbias)
     budget = DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
     vc = _chunk_columns(r, v, weight.element_size(), budget)
     dl = empty(r, vc, dtype=weight.dtype, device=dev)

@@ -167,6 +167,16 @@ def test_captured_backward_follows_the_eager_warm_up(device, monkeypatch, path_s
     assert path_spy == expect
 
 
+def _simulate_bounded_capture(monkeypatch, bound: int) -> None:
+    """Calls as if captured in a CUDA graph (the module's capturing() answers True) whose warm-up left the capacity
+    ``bound``: their backward is the bounded one for it."""
+    mll = importlib.import_module("pykernels.masked_lm_loss")
+    seen = mll._ValidSeen()
+    monkeypatch.setattr(seen, "bound", lambda dev, n: bound)
+    monkeypatch.setattr(mll, "_VALID_SEEN", seen)
+    monkeypatch.setattr(mll, "capturing", lambda device=None: True)
+
+
 BOUNDED_CASES = [(torch.float32, True, "sum", 0.0), (torch.float16, True, "none", 0.1),
                  (torch.float32, False, "mean", 0.0)]
 
@@ -178,14 +188,10 @@ def test_captured_bounded_backward(device, monkeypatch, path_spy, dtype, bias, r
     # to `bound` rows and the graph-safe pass for the rows past it. Exact whether the count is below the bound, at it,
     # above it (the overflow rows through the graph-safe kernels, added into dweight / dbias, dhidden at their own
     # positions) or the bound 0 (every row overflows); with no overflow bit for bit the max_valid=bound call.
-    mll = importlib.import_module("pykernels.masked_lm_loss")
     hidden, weight, target, b = _inputs((41,), 32, 300, dtype, device, frac=0.5, bias=bias)
     m = int((target != IGN).sum())
     bound = 0 if past is None else max(m + past, 1)
-    seen = mll._ValidSeen()
-    monkeypatch.setattr(seen, "bound", lambda dev, n: bound)
-    monkeypatch.setattr(mll, "_VALID_SEEN", seen)
-    monkeypatch.setattr(mll, "capturing", lambda device=None: True)
+    _simulate_bounded_capture(monkeypatch, bound)
     g = torch.randn(target.shape, device=device) if reduction == "none" else None
     out = _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, grad_out=g)
     assert path_spy == ["bounded", "sized", "graph-safe"]
@@ -200,14 +206,10 @@ def test_captured_bounded_backward(device, monkeypatch, path_spy, dtype, bias, r
 def test_captured_bounded_backward_after_the_torch_compaction(device, monkeypatch, path_spy):
     # Past COMPACT_KERNEL_MAX_N positions the rows come from torch's compaction (``compact_rows``); the overflow
     # pass reads them from the bound on, as it does the kernel's.
-    mll = importlib.import_module("pykernels.masked_lm_loss")
     monkeypatch.setattr(kmod, "COMPACT_KERNEL_MAX_N", 16)
     hidden, weight, target, b = _inputs((37,), 32, 517, torch.float16, device, frac=0.5, bias=True)
     m = int((target != IGN).sum())
-    seen = mll._ValidSeen()
-    monkeypatch.setattr(seen, "bound", lambda dev, n: max(m - 6, 1))
-    monkeypatch.setattr(mll, "_VALID_SEEN", seen)
-    monkeypatch.setattr(mll, "capturing", lambda device=None: True)
+    _simulate_bounded_capture(monkeypatch, max(m - 6, 1))
     _check(hidden, weight, target, b, reduction="sum", label_smoothing=0.1)
     assert path_spy == ["bounded", "sized", "graph-safe"]
 
@@ -1145,15 +1147,11 @@ def test_gradient_of_one_input_only(device, which, monkeypatch):
 def test_bounded_backward_gradient_of_one_input_only(device, which, monkeypatch, path_spy):
     # The bounded backward (captured, simulated) with rows past its bound and several chunks in both passes, one input
     # needing a gradient: each pass skips the programs no input needs, and the other gradient comes out exact.
-    mll = importlib.import_module("pykernels.masked_lm_loss")
     monkeypatch.setattr(kmod, "DLOGITS_BUDGET_BYTES", 37 * 4 * 256)  # three chunks in the graph-safe pass
     monkeypatch.setattr(kmod, "SIZED_DLOGITS_BUDGET_BYTES", 1)  # and in the capacity pass
     hidden, weight, target, b = _inputs((37,), 32, 517, torch.float32, device, frac=0.6, bias=True)
     m = int((target != IGN).sum())
-    seen = mll._ValidSeen()
-    monkeypatch.setattr(seen, "bound", lambda dev, n: max(m - 7, 1))
-    monkeypatch.setattr(mll, "_VALID_SEEN", seen)
-    monkeypatch.setattr(mll, "capturing", lambda device=None: True)
+    _simulate_bounded_capture(monkeypatch, max(m - 7, 1))
     ins = {"hidden": hidden.clone(), "weight": weight.clone(), "bias": b.clone()}
     ins[which].requires_grad_(True)
     loss = masked_lm_loss(ins["hidden"], ins["weight"], target, bias=ins["bias"], backend="triton")
