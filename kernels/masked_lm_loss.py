@@ -249,6 +249,25 @@ def _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V):
     return d * g[:, None]
 
 
+@triton.jit
+def _logit_tile(h_row, w_col, b_ptr, offs_n, mask_m, mask_n, H, stride_hh, stride_wh, stride_b,
+                HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One fp32 (BLOCK_M, BLOCK_N) tile of logits, h[rows] W[offs_n]^T (+ bias): ``h_row`` the rows' (BLOCK_M, 1)
+    pointers, ``w_col`` the columns' (1, BLOCK_N) weight-row pointers; a K loop over H."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < H
+        a = tl.load(h_row + offs_k[None, :] * stride_hh, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_col + offs_k[:, None] * stride_wh, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)
+        acc += bias[None, :]
+    return acc
+
+
 @_tuning.autotune(configs=_FWD_CONFIGS, key=["H", "V_PER_SPLIT", "DTYPE_KEY"],
                   prune_configs_by=_prune_by_dtype(_FWD_FP32))
 @triton.jit
@@ -286,7 +305,6 @@ def _masked_lm_loss_fwd_kernel(
         zsum_i = tl.zeros((BLOCK_M,), tl.float32)
         v_start = pid_s * V_PER_SPLIT
         v_end = tl.minimum(v_start + V_PER_SPLIT, V)
-        offs_k0 = tl.arange(0, BLOCK_K)
         h_row = h_ptr + rows[:, None] * stride_hn
         # Every slice holds at least one column (the launcher sizes SPLIT so), so m_i is finite after
         # the first tile and exp2(m_i - m_new) never sees -inf - -inf.
@@ -294,16 +312,8 @@ def _masked_lm_loss_fwd_kernel(
             offs_n = v0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < v_end
             w_col = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wv
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                offs_k = k0 + offs_k0
-                mask_k = offs_k < H
-                a = tl.load(h_row + offs_k[None, :] * stride_hh, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                b = tl.load(w_col + offs_k[:, None] * stride_wh, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            if HAS_BIAS:
-                bias = tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)
-                acc += bias[None, :]
+            acc = _logit_tile(h_row, w_col, b_ptr, offs_n, mask_m, mask_n, H, stride_hh, stride_wh, stride_b,
+                              HAS_BIAS, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
             z2 = tl.where(mask_n[None, :], acc * 1.4426950408889634, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(z2, axis=1))
             s_i = s_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(z2 - m_new[:, None]), axis=1)
@@ -411,16 +421,8 @@ def _dlogits_block(h_ptr, w_ptr, b_ptr, tgt_ptr, rows_ptr, lse_ptr, gloss_ptr, d
     lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=0.0) * 1.4426950408889634
     g = tl.load(gloss_ptr + rows * stride_g, mask=mask_m, other=0.0)
     h_row = h_ptr + rows[:, None] * stride_hn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < H
-        a = tl.load(h_row + offs_k[None, :] * stride_hh, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(w_col + offs_k[:, None] * stride_wh, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n.to(tl.int64) * stride_b, mask=mask_n, other=0.0).to(tl.float32)
-        acc += bias[None, :]
+    acc = _logit_tile(h_row, w_col, b_ptr, offs_n, mask_m, mask_n, H, stride_hh, stride_wh, stride_b,
+                      HAS_BIAS, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     d = _dlogits_tile(acc, tgt, lse2, g, offs_n, smooth_eps, V)
     d = tl.where((offs_m < count)[:, None], d, 0.0)  # (capacity rows past the count)
     if mismatch:
