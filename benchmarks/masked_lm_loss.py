@@ -23,6 +23,8 @@ What is measured, per case (bf16 hidden and weight from ``randn``, no bias, mean
 * ``gpu_ms``: GPU time of one forward+backward, the sum of its kernels' and copies' device time
   (``common.gpu_kernel_ms``, torch.profiler), for every implementation: host time and idle gaps left
   out, host syncs allowed.
+* pykernels with ``z_loss=1e-4`` (PaLM's auxiliary loss; validated against the reference with that term): the
+  default call plus the term's elementwise ops.
 * pykernels with ``max_valid`` (a bound of 20% of the tokens for MLM, N for the causal LM): the sized
   backward for the bound, no count copy and no wait, so it also replays from a CUDA graph at that speed.
 * ``total_ms_graph``: forward+backward replayed from a CUDA graph (GPU time, no host overhead). A call
@@ -118,6 +120,15 @@ def impl_pykernels_max_valid(h, w, t):
 _ALL_VALID = [False]  # set per case by run_case
 
 
+Z_LOSS = 1e-4  # PaLM's coefficient
+
+
+def impl_pykernels_z_loss(h, w, t):
+    # the default call with z_loss: the forward's one extra elementwise op and the backward's shifted lse
+    import pykernels
+    return pykernels.masked_lm_loss(h, w, t, backend="triton", z_loss=Z_LOSS)
+
+
 def impl_pykernels_dense(h, w, t):
     import pykernels
     return pykernels.masked_lm_loss(h, w, t, backend="triton", dense=True)
@@ -184,6 +195,7 @@ IMPLS = [
     ("pykernels graph_safe=True", impl_pykernels_graph_safe, None),
     ("pykernels dense=True", impl_pykernels_dense, None),
     ("pykernels max_valid=N/5 (MLM) or N", impl_pykernels_max_valid, None),
+    ("pykernels z_loss=1e-4", impl_pykernels_z_loss, None),
     ("pykernels cuda (C++ op)", impl_pykernels_cuda, None),
     ("Cut Cross-Entropy (all rows)", impl_cce, _cce),
     ("Liger fused linear CE (masked rows)", impl_liger, _liger),
@@ -194,12 +206,18 @@ IMPLS = [
 ]
 
 
-def reference(h, w, t):
-    """fp32 reference on the gathered rows: loss, dhidden (N, H), dweight (V, H)."""
+def reference(h, w, t, z_loss=0.0):
+    """fp32 reference on the gathered rows: loss, dhidden (N, H), dweight (V, H); with ``z_loss`` PaLM's term."""
     hh = h.detach().float().requires_grad_(True)
     ww = w.detach().float().requires_grad_(True)
     keep = t != IGN
-    loss = F.cross_entropy(hh[keep] @ ww.t(), t[keep]) if bool(keep.any()) else hh.sum() * 0
+    if bool(keep.any()):
+        logits = hh[keep] @ ww.t()
+        loss = F.cross_entropy(logits, t[keep])
+        if z_loss:
+            loss = loss + z_loss * torch.logsumexp(logits, -1).square().mean()
+    else:
+        loss = hh.sum() * 0
     dh, dw = torch.autograd.grad(loss, [hh, ww])
     return loss.detach(), dh, dw
 
@@ -243,6 +261,9 @@ def run_case(c: Case, args, ceil, rows, t_start):
                 time_impl(args, row, rows, name, fn, hidden, weight, target, ref_loss, ref_dh, ref_dw, flops)
             finally:
                 setattr(kmod, attr, saved_budget)
+        elif fn is impl_pykernels_z_loss:
+            time_impl(args, row, rows, name, fn, hidden, weight, target, *reference(hidden, weight, target, Z_LOSS),
+                      flops)
         else:
             time_impl(args, row, rows, name, fn, hidden, weight, target, ref_loss, ref_dh, ref_dw, flops)
 

@@ -44,6 +44,18 @@ def check_prob(name: str, p) -> float:
     return p
 
 
+def check_nonneg_float(name: str, x) -> float:
+    """A finite non-negative float (e.g. a z-loss coefficient). Comparisons only, no ``math.isfinite``: under
+    torch.compile a float argument may be symbolic (automatic dynamic after a recompile), and a comparison is what
+    dynamo can guard on."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a finite non-negative float, got {type(x).__name__}")
+    x = float(x)
+    if not (0.0 <= x < float("inf")):
+        raise ValueError(f"{name} must be a finite non-negative float, got {x}")
+    return x
+
+
 def param_dtype(weight, bias, rows: torch.Tensor) -> torch.dtype:
     """The dtype a LayerNorm's dweight / dbias come back in: weight's, else bias's, else the rows' (the C++ op's
     ``param_dtype``, csrc/layer_norm.cu); shared by the Triton backward, its fake and the C++ pair's fake."""

@@ -15,7 +15,6 @@ Triton custom op.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -306,10 +305,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
         raise TypeError(f"label_smoothing must be a float in [0, 1], got {type(label_smoothing).__name__}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)):
-        raise TypeError(f"z_loss must be a non-negative float, got {type(z_loss).__name__}")
-    if not (z_loss >= 0.0 and math.isfinite(z_loss)):
-        raise ValueError(f"z_loss must be a finite non-negative float, got {z_loss}")
+    z_loss = _checks.check_nonneg_float("z_loss", z_loss)
     if num_valid is not None:
         if reduction != "mean":
             raise ValueError(f"num_valid applies only to reduction='mean', got reduction={reduction!r}")

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ._backend import CUDA_TRACED, select, use_cuda_op
 from ._op import _plain_eager, custom_op
-from ._checks import check_prob, check_same, check_tensor
+from ._checks import check_nonneg_float, check_prob, check_same, check_tensor
 from ._kernels._tuning import capturing
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -59,8 +59,9 @@ def shift_labels(labels: Tensor, *, ignore_index: int = -100) -> Tensor:
 
 def masked_lm_loss_reference(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tensor | None = None,
                              ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                             num_valid=None, upcast: bool = False) -> Tensor:
-    """Eager truth: full logits + ``F.cross_entropy``. Same arguments as :func:`masked_lm_loss`;
+                             num_valid=None, upcast: bool = False, z_loss: float = 0.0) -> Tensor:
+    """Eager truth: full logits + ``F.cross_entropy`` (+ ``z_loss * logsumexp**2`` at the valid positions). Same
+    arguments as :func:`masked_lm_loss`;
     ``upcast=True`` computes in fp32 (fp64 inputs stay fp64). Returns the loss in the compute dtype.
     Raises ValueError for a target outside [0, V) that is not ``ignore_index`` (this check syncs)."""
     dtype = hidden.dtype
@@ -79,6 +80,9 @@ def masked_lm_loss_reference(hidden: Tensor, weight: Tensor, target: Tensor, *, 
     loss = torch.nn.functional.cross_entropy(logits, t, ignore_index=ignore_index, reduction="none",
                                              label_smoothing=label_smoothing)
     # cross_entropy leaves ignored positions at 0 (also with smoothing): the per-position loss.
+    if z_loss:
+        lse = torch.logsumexp(logits.to(loss.dtype), dim=-1)
+        loss = loss + torch.where(t != ignore_index, z_loss * lse * lse, 0.0)
     return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid)
 
 
@@ -268,8 +272,10 @@ def _support(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> dict:
 
 
 def _cuda_cover(h2: Tensor, weight: Tensor, t1: Tensor, bias: Optional[Tensor], graph_safe: bool, dense: bool,
-                max_valid: int, num_valid) -> Optional[str]:
+                max_valid: int, num_valid, z_loss: float = 0.0) -> Optional[str]:
     """None when the CUDA C++ op ``pykernels_cuda::masked_lm_loss`` covers the call, else why not."""
+    if z_loss:
+        return "z_loss (the CUDA C++ op has no z-loss term; the Triton path and the reference have)"
     if h2.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {h2.dtype} (the CUDA backend takes float16, bfloat16 and float32)"
     if h2.shape[0] >= 2**31 or weight.shape[0] >= 2**31:
@@ -283,14 +289,15 @@ def _cuda_cover(h2: Tensor, weight: Tensor, t1: Tensor, bias: Optional[Tensor], 
 
 
 def _use_cuda(backend: Optional[str], h2: Tensor, weight: Tensor, t1: Tensor, bias: Optional[Tensor],
-              graph_safe: bool, dense: bool, max_valid: int, num_valid) -> bool:
+              graph_safe: bool, dense: bool, max_valid: int, num_valid, z_loss: float = 0.0) -> bool:
     """Whether this call runs the CUDA C++ op: only when named (``_backend.use_cuda_op`` with ``auto=False``: the
     Triton path's fused logit tiles are faster on the GPU than cuBLAS with an fp32 logits chunk)."""
     return use_cuda_op("masked_lm_loss", backend, h2.device,
-                       lambda: _cuda_cover(h2, weight, t1, bias, graph_safe, dense, max_valid, num_valid), auto=False)
+                       lambda: _cuda_cover(h2, weight, t1, bias, graph_safe, dense, max_valid, num_valid,
+                                                           z_loss), auto=False)
 
 
-def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing):
+def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss=0.0):
     v = weight.shape[0]
     logits = (hidden @ weight.t()).float()
     if bias is not None:
@@ -302,12 +309,24 @@ def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing):
         raise ValueError(f"target has values outside [0, {v}) that are not ignore_index={ignore_index}")
     loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction="none",
                                              label_smoothing=label_smoothing)
+    if z_loss:
+        loss = loss + z_loss * lse * lse  # (lse is 0 at ignored positions)
     return loss, lse
+
+
+def _z_loss_lse(lse: Tensor, z_loss: float) -> Tensor:
+    """The lse the backward kernels take for ``z_loss``: the z-loss term ``z lse**2`` adds ``2 z lse softmax`` to a
+    row's dlogits, i.e. scales its softmax by ``c = 1 + 2 z lse``, and ``exp(x - (lse - log c)) = c softmax``: the
+    kernels (every path: dense, sized, bounded, graph-safe) run unchanged on ``lse - log1p(2 z lse)``. Exact for
+    ``c > 0``; ``c = 0`` gives +inf (a softmax of 0, right); ``c < 0`` (lse below ``-1 / (2 z)``: every logit of the
+    row below -5000 at z = 1e-4) gives NaN gradients at that row, never a silently wrong one. Ignored positions
+    (lse 0) keep 0."""
+    return lse - torch.log1p((2.0 * z_loss) * lse) if z_loss else lse
 
 
 @custom_op("pykernels::masked_lm_loss_fwd", mutates_args=())
 def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
-         label_smoothing: float, graph_safe: bool, dense: bool, backend: str, max_valid: int
+         label_smoothing: float, graph_safe: bool, dense: bool, backend: str, max_valid: int, z_loss: float = 0.0
          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # hidden (N, H), weight (V, H), target (N,) int64, bias (V,) or None -> loss (N,) fp32, lse (N,) fp32,
     # rows (N,) int32, count (1,) int32 (the compaction, computed once and saved for the backward)
@@ -325,16 +344,19 @@ def _fwd(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
         copy = None if graph_safe or dense or max_valid or capturing(hidden.device) else _COUNTS.start(count)
         loss, lse = k.masked_lm_loss_fwd(hidden, weight, target, bias, rows, count,
                                          label_smoothing=label_smoothing, loss=loss, lse=lse)
+        if z_loss:
+            loss.addcmul_(lse, lse, value=z_loss)  # (lse is 0 at ignored positions: their loss stays 0)
     else:
         rows, count = compact_rows(target, ignore_index)
         copy = None
-        loss, lse = _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing)
+        loss, lse = _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss)
     _COUNTS.put(count, rows, lse, copy)
     return loss, lse, rows, count
 
 
 @_fwd.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend, max_valid):
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend, max_valid,
+      z_loss=0.0):
     n = hidden.shape[0]
     return (hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32),
             hidden.new_empty(n, dtype=torch.int32), hidden.new_empty(1, dtype=torch.int32))
@@ -343,8 +365,8 @@ def _(hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, d
 @custom_op("pykernels::masked_lm_loss_bwd", mutates_args=())
 def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
          lse: Tensor, rows: Tensor, count: Tensor, ignore_index: int, label_smoothing: float,
-         need_dhidden: bool, need_dweight: bool, dense: bool, backend: str, max_valid: int, graph_safe: bool
-         ) -> tuple[Tensor, Tensor, Tensor]:
+         need_dhidden: bool, need_dweight: bool, dense: bool, backend: str, max_valid: int, graph_safe: bool,
+         z_loss: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     # -> dhidden (N, H), dweight (V, H), dbias (V,); an empty (0,) tensor for each gradient not needed
     # (need_dweight covers weight and bias) and for dbias when bias is None
     impl = select("masked_lm_loss", backend or None, hidden.device, _support(hidden, weight, bias))
@@ -359,6 +381,7 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
             bound = _VALID_SEEN.bound(hidden.device, hidden.shape[0])  # (see _ValidSeen)
             if bound is not None and bound >= _VALID_SEEN.DENSE_FROM * hidden.shape[0]:
                 dense, bound = True, None
+        lse = _z_loss_lse(lse, z_loss)  # (after _COUNTS.get: its entries are keyed by the forward's lse)
         if dense or max_valid >= hidden.shape[0] > 0:  # (a bound of every position: the dense backward,
             # which needs no row gather)
             dh, dw, db = k.masked_lm_loss_bwd_dense(
@@ -386,7 +409,7 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
             h = hidden.detach().requires_grad_(True)
             w = weight.detach().requires_grad_(True)
             b = bias.detach().requires_grad_(True) if bias is not None else None
-            loss, _ = _reference_fwd(h, w, target, b, ignore_index, label_smoothing)
+            loss, _ = _reference_fwd(h, w, target, b, ignore_index, label_smoothing, z_loss)
             grads = torch.autograd.grad(loss, [x for x in (h, w, b) if x is not None], grad_loss.float(),
                                         allow_unused=True)
         dh, dw = grads[0], grads[1]
@@ -405,7 +428,7 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
 
 @_bwd.register_fake
 def _(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index, label_smoothing,
-      need_dhidden, need_dweight, dense, backend, max_valid, graph_safe):
+      need_dhidden, need_dweight, dense, backend, max_valid, graph_safe, z_loss=0.0):
     dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_dhidden else hidden.new_empty(0)
     dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dweight else hidden.new_empty(0)
     db = (torch.empty_like(bias, memory_format=torch.contiguous_format) if need_dweight and bias is not None
@@ -414,7 +437,7 @@ def _(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index, l
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend, max_valid = inputs
+    hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend, max_valid, z_loss = inputs
     _, lse, rows, count = output
     ctx.save_for_backward(hidden, weight, target, bias, lse, rows, count)
     ctx.ignore_index = ignore_index
@@ -423,6 +446,7 @@ def _setup_context(ctx, inputs, output):
     ctx.dense = dense
     ctx.max_valid = max_valid
     ctx.graph_safe = graph_safe
+    ctx.z_loss = z_loss
     ctx.mark_non_differentiable(lse, rows, count)
 
 
@@ -431,9 +455,10 @@ def _backward(ctx, grad_loss, grad_lse, grad_rows, grad_count):
     need_dh = ctx.needs_input_grad[0]
     need_dw = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[3])
     dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, rows, count, ctx.ignore_index,
-                      ctx.label_smoothing, need_dh, need_dw, ctx.dense, ctx.backend, ctx.max_valid, ctx.graph_safe)
+                      ctx.label_smoothing, need_dh, need_dw, ctx.dense, ctx.backend, ctx.max_valid, ctx.graph_safe,
+                      ctx.z_loss)
     return (dh if need_dh else None, dw if ctx.needs_input_grad[1] else None, None,
-            db if bias is not None and ctx.needs_input_grad[3] else None, None, None, None, None, None, None)
+            db if bias is not None and ctx.needs_input_grad[3] else None) + (None,) * 7
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -454,11 +479,11 @@ class _EagerLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, ignore_index, label_smoothing, graph_safe, dense, backend,
-                max_valid, reduction, num_valid, shape):
+                max_valid, z_loss, reduction, num_valid, shape):
         loss, lse, rows, count = _fwd.impl(hidden, weight, target, bias, ignore_index, label_smoothing,
-                                           graph_safe, dense, backend, max_valid)
+                                           graph_safe, dense, backend, max_valid, z_loss)
         ctx.save_for_backward(hidden, weight, target, bias, lse, rows, count)
-        ctx.args = (ignore_index, label_smoothing, dense, backend, max_valid, graph_safe)
+        ctx.args = (ignore_index, label_smoothing, dense, backend, max_valid, graph_safe, z_loss)
         ctx.reduction = reduction
         loss = loss.reshape(shape)
         if reduction == "none":
@@ -482,11 +507,11 @@ class _EagerLoss(torch.autograd.Function):
         needs = ctx.needs_input_grad
         need_dh = needs[0]
         need_dw = needs[1] or (bias is not None and needs[3])
-        ignore_index, label_smoothing, dense, backend, max_valid, graph_safe = ctx.args
+        ignore_index, label_smoothing, dense, backend, max_valid, graph_safe, z_loss = ctx.args
         dh, dw, db = _bwd(grad_loss, hidden, weight, target, bias, lse, rows, count, ignore_index,
-                          label_smoothing, need_dh, need_dw, dense, backend, max_valid, graph_safe)
+                          label_smoothing, need_dh, need_dw, dense, backend, max_valid, graph_safe, z_loss)
         return (dh if need_dh else None, dw if needs[1] else None, None,
-                db if bias is not None and needs[3] else None) + (None,) * 9
+                db if bias is not None and needs[3] else None) + (None,) * 10
 
 
 # ---- public function ---------------------------------------------------------------------------------
@@ -494,7 +519,7 @@ class _EagerLoss(torch.autograd.Function):
 def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tensor | None = None,
                    ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                    num_valid=None, graph_safe: bool = False, dense: bool = False, max_valid: int | None = None,
-                   backend: str | None = None) -> Tensor:
+                   z_loss: float = 0.0, backend: str | None = None) -> Tensor:
     """Cross-entropy of the LM head ``hidden @ weight.T + bias`` at the positions whose target is not
     ``ignore_index``, without materialising the logits.
 
@@ -507,6 +532,13 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
             ``num_valid``; 0 when none is valid), ``"sum"``, or ``"none"`` (fp32 loss shaped like
             ``target``, 0 at ignored positions).
         label_smoothing: eps in [0, 1), as ``torch.nn.functional.cross_entropy`` defines it.
+        z_loss: adds ``z_loss * lse**2`` at each valid position (PaLM's auxiliary loss that keeps the softmax
+            normaliser near 1; as :func:`pykernels.cross_entropy`'s), lse the row's logsumexp over the vocabulary.
+            No kernel of its own: the forward adds the term to the per-position loss, and the backward hands its
+            kernels ``lse - log(1 + 2 z_loss lse)``, which scales each row's softmax by ``1 + 2 z_loss lse`` (the
+            term's gradient), so every path (sized, dense, ``max_valid``, graph-safe, captured) keeps its speed.
+            A row whose factor is negative (lse below ``-1 / (2 z_loss)``: every logit of the row below -5000 at
+            ``z_loss=1e-4``) gets NaN gradients, never silently wrong ones. Not on the ``"cuda"`` backend.
         num_valid: int or tensor; with ``reduction="mean"`` divide by it instead of the local valid
             count (gradient accumulation over micro-batches divides by the global count).
         graph_safe: Triton path only. False (default): the forward copies the number of valid positions
@@ -588,6 +620,7 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     label_smoothing = check_prob("label_smoothing", label_smoothing)
+    z_loss = check_nonneg_float("z_loss", z_loss)
     if num_valid is not None:
         if reduction != "mean":
             raise ValueError(f"num_valid is only used with reduction='mean', got reduction={reduction!r}")
@@ -616,7 +649,7 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
     elif dense or graph_safe:
         raise ValueError("max_valid sizes the backward for at most max_valid valid targets; it cannot be combined "
                          f"with dense=True or graph_safe=True (got dense={dense}, graph_safe={graph_safe})")
-    if _use_cuda(backend, h2, weight, t1, bias, graph_safe, dense, max_valid, num_valid):
+    if _use_cuda(backend, h2, weight, t1, bias, graph_safe, dense, max_valid, num_valid, z_loss):
         nv_tensor, nv_host = None, -1.0
         if isinstance(num_valid, Tensor):
             nv_tensor = num_valid.to(device=h2.device, dtype=torch.float32).reshape(())
@@ -628,7 +661,7 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
     if (_LANE_ON and _plain_eager((h2, weight, t1, bias, num_valid))
             and not (isinstance(num_valid, Tensor) and num_valid.requires_grad)):
         return _EagerLoss.apply(h2, weight, t1, bias, ignore_index, label_smoothing, graph_safe, dense,
-                                backend or "", max_valid, reduction, num_valid, target.shape)
+                                backend or "", max_valid, z_loss, reduction, num_valid, target.shape)
     loss, _, _, count = _fwd(h2, weight, t1, bias, ignore_index, label_smoothing, graph_safe, dense,
-                             backend or "", max_valid)
+                             backend or "", max_valid, z_loss)
     return _reduce(loss.reshape(target.shape), target, ignore_index, reduction, num_valid, count)

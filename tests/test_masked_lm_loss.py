@@ -44,10 +44,11 @@ def _run(fn, hidden, weight, bias, grad_out, **kw):
 
 
 def _check(hidden, weight, target, bias=None, *, reduction="mean", label_smoothing=0.0, num_valid=None,
-           grad_out=None, backend="triton", ignore_index=IGN, graph_safe=False, dense=False, max_valid=None):
+           grad_out=None, backend="triton", ignore_index=IGN, graph_safe=False, dense=False, max_valid=None,
+           z_loss=0.0):
     """The kernel vs the float64 reference, bounded by twice the eager same-dtype reference's error."""
     kw = dict(reduction=reduction, label_smoothing=label_smoothing, num_valid=num_valid,
-              ignore_index=ignore_index)
+              ignore_index=ignore_index, z_loss=z_loss)
     if grad_out is None and reduction == "none":
         grad_out = torch.randn(target.shape, device=hidden.device)
     out = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, backend=backend,
@@ -59,7 +60,7 @@ def _check(hidden, weight, target, bias=None, *, reduction="mean", label_smoothi
     hi = _run(lambda h, w, bias: masked_lm_loss_reference(h, w, target, bias=bias, **kw),
               hidden.double(), weight.double(), b64, grad_out.double() if grad_out is not None else None)
     names = ["loss", "dhidden", "dweight", "dbias"]
-    floors = _rounding_floors(hidden, weight, bias, target, reduction, num_valid, grad_out, ignore_index)
+    floors = _rounding_floors(hidden, weight, bias, target, reduction, num_valid, grad_out, ignore_index, z_loss)
     for name, o, h_, l_ in zip(names, out, hi, lo):
         assert o.dtype == (torch.float32 if name == "loss" else l_.dtype), name
         # atol scales with the reference: mean-reduced gradients are ~1/count small, and a fixed 1e-5
@@ -72,13 +73,15 @@ def _check(hidden, weight, target, bias=None, *, reduction="mean", label_smoothi
     return out
 
 
-def _rounding_floors(hidden, weight, bias, target, reduction, num_valid, grad_out, ignore_index) -> dict:
+def _rounding_floors(hidden, weight, bias, target, reduction, num_valid, grad_out, ignore_index,
+                     z_loss=0.0) -> dict:
     """Per gradient, the kernels' fp32 rounding of the logits carried into it. The backward recomputes each logit z
     (its product sums in another order than the forward's), so p = exp(z - lse) is off by about eps32 |z|. Where
     the references' gradient is exactly 0 (V = 1: p = 1 at every row, so (p - 1) h sums to 0) the kernels' is a sum
     of such terms: at most 4 eps32 max|z| times the sum over valid rows of |upstream| |operand| (the eager
     reference, which keeps its logits, has no such term, so the 2x rule alone would demand exact zeros; a fixed
-    1e-7 floor failed on one CPU's BLAS, with 1.6e-7 at V = 1)."""
+    1e-7 floor failed on one CPU's BLAS, with 1.6e-7 at V = 1). With ``z_loss`` the softmax is scaled by
+    1 + 2 z lse, and so is this floor."""
     h = hidden.detach().double().reshape(-1, hidden.shape[-1])
     w = weight.detach().double()
     valid = (target.reshape(-1) != ignore_index).double()
@@ -92,6 +95,9 @@ def _rounding_floors(hidden, weight, bias, target, reduction, num_valid, grad_ou
         g = torch.ones_like(valid) / max(float(num_valid if num_valid is not None else valid.sum()), 1.0)
     g = g * valid
     c = 4 * torch.finfo(torch.float32).eps * zmax
+    if z_loss:
+        lse = torch.logsumexp(z, dim=-1)
+        c = c * (1 + 2 * z_loss * (lse * valid).abs().max().item())
     return {"dhidden": c * g.max().item() * w.abs().max().item(),
             "dweight": c * (g[:, None] * h.abs()).sum(0).max().item(), "dbias": c * g.sum().item()}
 
@@ -201,6 +207,85 @@ def test_captured_bounded_backward(device, monkeypatch, path_spy, dtype, bias, r
         assert path_spy == ["sized"]
         for got, exp in zip(out, want):
             torch.testing.assert_close(got, exp, rtol=0, atol=0)
+
+
+# z_loss: PaLM's z lse**2 a valid row, through every backward (the kernels take lse - log1p(2 z lse)).
+Z_CASES = [(torch.float32, True, "mean", 0.0), (torch.float32, False, "none", 0.1), (torch.float16, True, "sum", 0.0),
+           (torch.float16, False, "mean", 0.2)]
+
+
+@pytest.mark.parametrize("mode", [*MODES, "max_valid", "bounded-overflow", "reference"])
+@pytest.mark.parametrize("dtype,bias,reduction,ls", Z_CASES)
+def test_z_loss_matches_reference(device, monkeypatch, path_spy, mode, dtype, bias, reduction, ls):
+    hidden, weight, target, b = _inputs((41,), 32, 517, dtype, device, frac=0.4, bias=bias)
+    m = int((target != IGN).sum())
+    kw, want = dict(MODES.get(mode, {})), PATHS.get(mode)
+    if mode == "max_valid":
+        kw, want = dict(max_valid=m + 3), ["sized"]
+    elif mode == "bounded-overflow":
+        _simulate_bounded_capture(monkeypatch, max(m - 5, 1))
+        want = ["bounded", "sized", "graph-safe"]
+    elif mode == "reference":
+        kw, want = dict(backend="reference"), []
+    g = torch.randn(target.shape, device=device) if reduction == "none" else None
+    out = _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, grad_out=g, z_loss=0.05, **kw)
+    assert path_spy == want
+    # the term is there: without it the loss and the gradients differ
+    plain = _run(lambda h, w, bias: masked_lm_loss_reference(h, w, target, bias=bias, reduction=reduction,
+                                                             label_smoothing=ls),
+                 hidden.double(), weight.double(), b.double() if b is not None else None,
+                 g.double() if g is not None else None)
+    for got, p in zip(out, plain):
+        assert max_err(got, p) > 1e-2 * max(p.abs().max().item(), 1e-3)
+
+
+def test_z_loss_reference_is_palms_term():
+    # The reference by hand in float64: cross-entropy plus z lse**2 at the valid positions (0 at ignored ones), and
+    # its dlogits g ((1 + 2 z lse) softmax - onehot), which the kernels' shifted lse reproduces.
+    hidden, weight, target, b = _inputs((23,), 16, 40, torch.float64, "cpu", frac=0.5, bias=True)
+    z, valid = 0.3, target != IGN
+    logits = (hidden @ weight.T + b).requires_grad_(True)
+    lse = torch.logsumexp(logits, -1)
+    t = target.clamp(min=0)
+    want = torch.where(valid, lse - logits.gather(1, t[:, None])[:, 0] + z * lse * lse, 0.0)
+    got = masked_lm_loss_reference(hidden, weight, target, bias=b, reduction="none", z_loss=z)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (dl,) = torch.autograd.grad(want.sum(), [logits])
+    p = torch.softmax(logits.detach(), -1)
+    by_hand = torch.where(valid[:, None], (1 + 2 * z * lse.detach())[:, None] * p - F.one_hot(t, 40), 0.0)
+    torch.testing.assert_close(dl, by_hand, rtol=1e-12, atol=1e-12)
+    shifted = lse.detach() - torch.log1p(2 * z * lse.detach())
+    torch.testing.assert_close(torch.exp(logits.detach() - shifted[:, None]), (1 + 2 * z * lse.detach())[:, None] * p,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_z_loss_negative_factor_gives_nan_gradients_and_the_right_loss(device):
+    # Rows whose lse is below -1 / (2 z) (here every logit near -20, z = 0.1: 1 + 2 z lse < 0) have a negative
+    # softmax factor that a shifted lse cannot carry: NaN gradients there (documented), never a wrong finite one;
+    # the loss is still right.
+    hidden, weight, target, _ = _inputs((37,), 32, 517, torch.float32, device, frac=0.3)
+    b = torch.full((517,), -20.0, device=device)
+    out = _run(lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, z_loss=0.1, reduction="sum",
+                                                 backend="triton"), hidden, weight, b, None)
+    ref = masked_lm_loss_reference(hidden.double(), weight.double(), target, bias=b.double(), z_loss=0.1,
+                                   reduction="sum")
+    torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-3)
+    valid = target != IGN
+    assert torch.isnan(out[1][valid]).all() and not torch.isnan(out[1][~valid]).any()
+    assert torch.isnan(out[2]).any() and torch.isnan(out[3]).any()
+
+
+def test_z_loss_bad_values_and_the_cuda_cover():
+    h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="z_loss"):
+            masked_lm_loss(h, w, t, z_loss=bad)
+    for bad in (True, "0.1", None):
+        with pytest.raises(TypeError, match="z_loss"):
+            masked_lm_loss(h, w, t, z_loss=bad)
+    mll = importlib.import_module("pykernels.masked_lm_loss")
+    assert mll._cuda_cover(h, w, t, None, False, False, 0, None) is None
+    assert "z_loss" in mll._cuda_cover(h, w, t, None, False, False, 0, None, 1e-4)
 
 
 def test_captured_bounded_backward_after_the_torch_compaction(device, monkeypatch, path_spy):
@@ -561,13 +646,15 @@ def test_out_of_range_target(device):
         masked_lm_loss(hidden, weight, target, backend="reference")
 
 
-@pytest.mark.parametrize("max_valid", [None, 16], ids=["sized", "max_valid"])
-def test_torch_compile_fullgraph_matches_eager(device, max_valid):
+@pytest.mark.parametrize("max_valid,z_loss", [(None, 0.0), (16, 0.0), (None, 0.01)],
+                         ids=["sized", "max_valid", "z_loss"])
+def test_torch_compile_fullgraph_matches_eager(device, max_valid, z_loss):
     hidden, weight, target, b = _inputs((2, 11), 32, 517, torch.float32, device, frac=0.4, bias=True)
     assert int((target != IGN).sum()) <= 16
 
     def f(h, w, bias):
-        return masked_lm_loss(h, w, target, bias=bias, label_smoothing=0.1, backend="triton", max_valid=max_valid)
+        return masked_lm_loss(h, w, target, bias=bias, label_smoothing=0.1, backend="triton", max_valid=max_valid,
+                              z_loss=z_loss)
 
     eager = _run(f, hidden, weight, b, None)
     compiled = _run(torch.compile(f, fullgraph=True, backend="aot_eager"), hidden, weight, b, None)
@@ -637,6 +724,19 @@ def _gpu_case(n, h, v, n_valid, *, bias=False):
 def test_gpu_bf16_realistic(name, n, h, v, frac, bias, mode, path_spy):
     hidden, weight, target, b = _inputs((n,), h, v, torch.bfloat16, "cuda", frac=frac, bias=bias)
     _check(hidden, weight, target, b, reduction="mean", **MODES[mode])
+    assert path_spy == PATHS[mode]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,h,v,frac,bias,mode", [
+    ("bert-base-mlm", 16384, 768, 30522, 0.15, True, "sized"),
+    ("bert-base-mlm", 16384, 768, 30522, 0.15, True, "graph-safe"),
+    ("gpt2-lm", 8192, 768, 50257, 1.0, False, "dense"),
+])
+def test_gpu_z_loss_bf16(name, n, h, v, frac, bias, mode, path_spy):
+    # PaLM's z-loss coefficient (1e-4) at realistic sizes, through the Hopper kernels where they apply
+    hidden, weight, target, b = _inputs((n,), h, v, torch.bfloat16, "cuda", frac=frac, bias=bias)
+    _check(hidden, weight, target, b, reduction="mean", z_loss=1e-4, **MODES[mode])
     assert path_spy == PATHS[mode]
 
 
@@ -1228,7 +1328,7 @@ _P = __import__("sys").modules["pykernels.masked_lm_loss"]
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("reduction,num_valid,bias,ls", [
     ("mean", None, True, 0.0), ("mean", 23, False, 0.1), ("mean", "tensor", True, 0.0),
-    ("sum", None, False, 0.0), ("none", None, True, 0.2)])
+    ("sum", None, False, 0.0), ("none", None, True, 0.2), ("mean", None, True, "z_loss")])
 def test_eager_lane_equals_op_path(device, monkeypatch, mode, reduction, num_valid, bias, ls):
     # The lane (default for plain eager calls) and the registered op plus torch's reduction: loss and
     # every gradient bit for bit equal, with a (2, 19) target and strided hidden; the lane's node is the
@@ -1237,7 +1337,8 @@ def test_eager_lane_equals_op_path(device, monkeypatch, mode, reduction, num_val
     hidden = torch.randn(19, 2, 48, device=device, dtype=torch.float16).transpose(0, 1)[..., 8:40]
     nv = torch.tensor(23.0, device=device) if num_valid == "tensor" else num_valid
     grad_out = torch.randn(target.shape, device=device) if reduction == "none" else None
-    kw = dict(reduction=reduction, num_valid=nv, label_smoothing=ls, backend="triton", **MODES[mode])
+    z_loss, ls = (0.01, 0.1) if ls == "z_loss" else (0.0, ls)
+    kw = dict(reduction=reduction, num_valid=nv, label_smoothing=ls, z_loss=z_loss, backend="triton", **MODES[mode])
     f = lambda h, w, bias: masked_lm_loss(h, w, target, bias=bias, **kw)  # noqa: E731
     nodes = []
     real_apply = _P._EagerLoss.apply
