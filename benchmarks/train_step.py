@@ -14,8 +14,9 @@ Variants (each its own model and ``torch.optim.AdamW(fused=True)``):
 * ``pykernels``: the same model with ``attn_implementation="pykernels"`` (``auto``: the C++ attention op for the
   training steps' calls with dropout, the Triton / Gluon kernels for the eval loss's), every ``nn.LayerNorm``
   swapped by ``pykernels.nn.replace_layer_norms``, BERT's post-LN blocks fused (``fuse_residual_layer_norms``:
-  branch dropout, residual add and LayerNorm in one kernel), and the LM head and loss by ``pykernels.masked_lm_loss`` (BERT: only the labelled rows; GPT-2: ``dense=True`` on
-  ``shift_labels``), with the tied word embeddings cast to bf16 as autocast casts them for a linear layer.
+  branch dropout, residual add and LayerNorm in one kernel), and the LM head and loss by ``pykernels.masked_lm_loss`` through ``integrations.transformers.fuse_lm_loss``
+  (BERT: only the labelled rows; GPT-2: ``dense=True`` on the shifted labels), the tied word embeddings cast to
+  bf16 as autocast casts them for a linear layer.
 * ``pykernels, C++ attention``: the same with the attention on ``backend="cuda"`` (the C++ op: its autograd is
   C++, so an eager step spends less host time in it; ``auto`` takes it too for eager calls with dropout, so the
   training steps of the two variants run the same kernels), where the extension is built.
@@ -102,38 +103,20 @@ def hf_loss_fn(model, causal: bool):
     return fwd
 
 
-def _autocast_dtype(h: torch.Tensor) -> torch.dtype:
-    """The dtype autocast gives a linear layer's operands here (``h``'s own outside autocast)."""
-    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else h.dtype
-
-
-def pykernels_loss_fn(model, causal: bool, attn_backend: str | None, max_valid: bool = False):
-    """Forward + loss through pykernels' ops (the model already patched). ``max_valid``: BERT's loss with
-    ``max_valid = tokens // 5`` (no host wait for the count of labelled rows)."""
+def pykernels_loss_fn(model, causal: bool, attn_backend: str | None, max_valid: bool = False, tokens: int = 0):
+    """Forward + loss through pykernels' ops (the model's norms and attention already patched): the loss by
+    ``pykernels.integrations.transformers.fuse_lm_loss`` (``dense=True`` for GPT-2; ``max_valid``: BERT's loss with
+    ``max_valid = tokens // 5``, no host wait for the count of labelled rows; ``in_eval``: the eval loss too), the
+    model called as a user calls it, ``model(..., labels=labels).loss``."""
     import pykernels
+    from pykernels.integrations import transformers as pk_hf
 
-    if causal:
-        body, wte = model.transformer, model.transformer.wte
-
-        def fwd(inputs, labels, mask=None):
-            with pykernels.use_backend(attn_backend) if attn_backend else contextlib.nullcontext():
-                h = body(input_ids=inputs, attention_mask=mask).last_hidden_state
-            dtype = _autocast_dtype(h)
-            return pykernels.masked_lm_loss(h.to(dtype), wte.weight.to(dtype), pykernels.shift_labels(labels),
-                                            dense=True, backend="auto")
-        return fwd
-
-    body, head = model.bert, model.cls.predictions
+    pk_hf.fuse_lm_loss(model, dense=causal, max_valid=tokens // 5 if max_valid else None, backend="auto",
+                       in_eval=True)
 
     def fwd(inputs, labels, mask=None):
         with pykernels.use_backend(attn_backend) if attn_backend else contextlib.nullcontext():
-            h = body(input_ids=inputs, attention_mask=mask).last_hidden_state
-        h = head.transform(h)
-        dtype = _autocast_dtype(h)
-        dec = head.decoder
-        bias = dec.bias.to(dtype) if dec.bias is not None else None
-        return pykernels.masked_lm_loss(h.to(dtype), dec.weight.to(dtype), labels, bias=bias, backend="auto",
-                                        max_valid=labels.numel() // 5 if max_valid else None)
+            return model(input_ids=inputs, attention_mask=mask, labels=labels).loss
     return fwd
 
 
@@ -172,7 +155,8 @@ def build(case: Case, variant: str, state: dict, device):
                 m.backend = "auto"
         if not case.causal:
             pk_hf.fuse_residual_layer_norms(model)
-        fwd = pykernels_loss_fn(model, case.causal, "cuda" if "C++" in variant else None, "max_valid" in variant)
+        fwd = pykernels_loss_fn(model, case.causal, "cuda" if "C++" in variant else None, "max_valid" in variant,
+                                case.batch * case.seqlen)
     if variant.endswith("+ compile"):
         fwd = torch.compile(fwd)
     return model, fwd

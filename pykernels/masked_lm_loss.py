@@ -314,6 +314,27 @@ def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, 
     return loss, lse
 
 
+def _reference_bwd(grad_loss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss):
+    """The gradients of :func:`_reference_fwd`'s per-position loss for the upstream ``grad_loss``, written out (the
+    backward op's body runs below autograd, and under torch.compile's backward graph an ``autograd.grad`` there has
+    no graph to differentiate): dlogits = g ((1 + 2 z lse) softmax - (1 - eps) onehot - eps / V) in fp32 at the
+    valid rows, 0 elsewhere, then in the inputs' dtype through the matmul's transposes, as autograd would take the
+    fp32 logits' gradient back through ``.float()``. Returns (dhidden, dweight, dbias or None)."""
+    v = weight.shape[0]
+    logits = (hidden @ weight.t()).float()
+    if bias is not None:
+        logits = logits + bias.float()
+    valid = target != ignore_index
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    p = torch.exp(logits - lse)
+    if z_loss:
+        p = p * (1.0 + 2.0 * z_loss * lse)
+    onehot = torch.nn.functional.one_hot(torch.where(valid, target, 0), v).to(p.dtype)
+    d = (p - (1.0 - label_smoothing) * onehot - label_smoothing / v) * torch.where(valid, grad_loss.float(), 0.0)[:, None]
+    dl = d.to(hidden.dtype)
+    return dl @ weight, dl.t() @ hidden, d.sum(0).to(bias.dtype) if bias is not None else None
+
+
 def _z_loss_lse(lse: Tensor, z_loss: float) -> Tensor:
     """The lse the backward kernels take for ``z_loss``: the z-loss term ``z lse**2`` adds ``2 z lse softmax`` to a
     row's dlogits, i.e. scales its softmax by ``c = 1 + 2 z lse``, and ``exp(x - (lse - log c)) = c softmax``: the
@@ -405,19 +426,7 @@ def _bwd(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias
                                               label_smoothing=label_smoothing, compute_dhidden=need_dhidden,
                                               compute_dweight=need_dweight)
     else:
-        with torch.enable_grad():
-            h = hidden.detach().requires_grad_(True)
-            w = weight.detach().requires_grad_(True)
-            b = bias.detach().requires_grad_(True) if bias is not None else None
-            loss, _ = _reference_fwd(h, w, target, b, ignore_index, label_smoothing, z_loss)
-            grads = torch.autograd.grad(loss, [x for x in (h, w, b) if x is not None], grad_loss.float(),
-                                        allow_unused=True)
-        dh, dw = grads[0], grads[1]
-        db = grads[2] if b is not None else None
-        dh = torch.zeros_like(hidden) if dh is None else dh.to(hidden.dtype)
-        dw = torch.zeros_like(weight) if dw is None else dw.to(weight.dtype)
-        if b is not None:
-            db = torch.zeros_like(bias) if db is None else db.to(bias.dtype)
+        dh, dw, db = _reference_bwd(grad_loss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss)
         dh = dh.contiguous() if need_dhidden else None
         dw = dw.contiguous() if need_dweight else None
         db = db if need_dweight else None
@@ -515,6 +524,31 @@ class _EagerLoss(torch.autograd.Function):
 
 
 # ---- public function ---------------------------------------------------------------------------------
+
+def check_options(*, label_smoothing=0.0, z_loss=0.0, graph_safe=False, dense=False, max_valid=None,
+                  backend=None) -> tuple[float, float, int]:
+    """:func:`masked_lm_loss`'s checks of its options (also what ``integrations.transformers.fuse_lm_loss`` checks
+    up front): ``TypeError`` / ``ValueError`` naming the argument. Returns (label_smoothing, z_loss, max_valid as an
+    int, 0 for None)."""
+    label_smoothing = check_prob("label_smoothing", label_smoothing)
+    z_loss = check_nonneg_float("z_loss", z_loss)
+    if backend is not None and backend not in ("auto", "triton", "cuda", "reference"):
+        raise ValueError(f"backend must be one of ('auto', 'triton', 'cuda', 'reference') or None, got {backend!r}")
+    if not isinstance(graph_safe, bool):
+        raise TypeError(f"graph_safe must be a bool, got {type(graph_safe).__name__}")
+    if not isinstance(dense, bool):
+        raise TypeError(f"dense must be a bool, got {type(dense).__name__}")
+    if max_valid is None:
+        max_valid = 0
+    elif isinstance(max_valid, bool) or not isinstance(max_valid, int):
+        raise TypeError(f"max_valid must be a positive int or None, got {type(max_valid).__name__}")
+    elif max_valid <= 0:
+        raise ValueError(f"max_valid must be a positive int (an upper bound of the valid targets), got {max_valid}")
+    elif dense or graph_safe:
+        raise ValueError("max_valid sizes the backward for at most max_valid valid targets; it cannot be combined "
+                         f"with dense=True or graph_safe=True (got dense={dense}, graph_safe={graph_safe})")
+    return label_smoothing, z_loss, max_valid
+
 
 def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tensor | None = None,
                    ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
@@ -619,8 +653,9 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    label_smoothing = check_prob("label_smoothing", label_smoothing)
-    z_loss = check_nonneg_float("z_loss", z_loss)
+    label_smoothing, z_loss, max_valid = check_options(label_smoothing=label_smoothing, z_loss=z_loss,
+                                                       graph_safe=graph_safe, dense=dense, max_valid=max_valid,
+                                                       backend=backend)
     if num_valid is not None:
         if reduction != "mean":
             raise ValueError(f"num_valid is only used with reduction='mean', got reduction={reduction!r}")
@@ -631,24 +666,9 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
             raise TypeError(f"num_valid must be an int or a tensor, got {type(num_valid).__name__}")
         elif num_valid <= 0:
             raise ValueError(f"num_valid must be positive, got {num_valid}")
-    if backend is not None and backend not in ("auto", "triton", "cuda", "reference"):
-        raise ValueError(f"backend must be one of ('auto', 'triton', 'cuda', 'reference') or None, got {backend!r}")
 
     h2 = hidden.reshape(-1, hidden.shape[-1])  # (N, H), a view when the strides allow
     t1 = target.reshape(-1).long()              # (N,)
-    if not isinstance(graph_safe, bool):
-        raise TypeError(f"graph_safe must be a bool, got {type(graph_safe).__name__}")
-    if not isinstance(dense, bool):
-        raise TypeError(f"dense must be a bool, got {type(dense).__name__}")
-    if max_valid is None:
-        max_valid = 0
-    elif isinstance(max_valid, bool) or not isinstance(max_valid, int):
-        raise TypeError(f"max_valid must be a positive int or None, got {type(max_valid).__name__}")
-    elif max_valid <= 0:
-        raise ValueError(f"max_valid must be a positive int (an upper bound of the valid targets), got {max_valid}")
-    elif dense or graph_safe:
-        raise ValueError("max_valid sizes the backward for at most max_valid valid targets; it cannot be combined "
-                         f"with dense=True or graph_safe=True (got dense={dense}, graph_safe={graph_safe})")
     if _use_cuda(backend, h2, weight, t1, bias, graph_safe, dense, max_valid, num_valid, z_loss):
         nv_tensor, nv_host = None, -1.0
         if isinstance(num_valid, Tensor):

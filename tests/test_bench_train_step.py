@@ -51,6 +51,7 @@ def test_pykernels_variant_is_patched(bench):
     assert not any(type(m) is torch.nn.LayerNorm for m in model.modules())
     assert any(isinstance(m, pykernels.nn.LayerNorm) for m in model.modules())
     assert sum(type(m).__name__.startswith("FusedBert") for m in model.modules()) == 2 * 2
+    assert type(model).__name__ == "FusedLossBertForMaskedLM"  # the loss by masked_lm_loss (fuse_lm_loss)
 
 
 def test_smoke_gpt2_padded_agrees(bench):

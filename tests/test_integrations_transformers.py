@@ -574,3 +574,187 @@ def test_gpu_gpt2_small_bf16(lengths):
     cfg = lambda: GPT2Config(vocab_size=50257, n_embd=768, n_layer=4, n_head=12, n_positions=1024,  # noqa: E731
                              bos_token_id=0, eos_token_id=0)
     _bf16_three_way(AutoModelForCausalLM, cfg, lengths, 512)
+
+
+# ---- fuse_lm_loss: transformers' training loss through pykernels.masked_lm_loss ------------------------------
+
+from transformers import BertForPreTraining  # noqa: E402
+
+NO_DROPOUT = {"bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+              "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": dict(attention_dropout=0.0)}
+LM_CASES = {"bert-mlm": (AutoModelForMaskedLM, bert_config, "bert"),
+            "bert-pretraining": (BertForPreTraining, bert_config, "bert"),
+            "gpt2": (AutoModelForCausalLM, gpt2_config, "gpt2"), "llama": (AutoModelForCausalLM, llama_config, "llama")}
+
+
+def _lm_models(case, device="cpu", dtype=torch.float32):
+    """(fused, transformers' own in dtype, transformers' own in float64): same weights, eager attention, no dropout,
+    train mode (the fused loss applies in training)."""
+    auto_cls, config_fn, family = LM_CASES[case]
+    torch.manual_seed(1)
+    models = [(auto_cls.from_config(config_fn(**NO_DROPOUT[family]), attn_implementation="eager")
+               if hasattr(auto_cls, "from_config")  # (a model class itself: BertForPreTraining)
+               else auto_cls(config_fn(**NO_DROPOUT[family], _attn_implementation="eager"))) for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    fused = pk_hf.fuse_lm_loss(models[0].to(device, dtype).train())
+    return fused, models[1].to(device, dtype).train(), models[2].to(device, torch.float64).train()
+
+
+def _lm_batch(case, device="cpu"):
+    ids, mask = make_batch([11, 7, 9], 11, device)
+    if case.startswith("bert"):
+        labels = torch.where(torch.rand(ids.shape, device=device) < 0.3, ids, -100)
+        labels[0, 0] = ids[0, 0]
+        labels[mask == 0] = -100
+        batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
+        if case == "bert-pretraining":
+            batch["next_sentence_label"] = torch.tensor([0, 1, 1], device=device)
+        return batch
+    return dict(input_ids=ids, attention_mask=mask, labels=torch.where(mask == 1, ids, -100))
+
+
+def _loss_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out, out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"], ids=["reference", "triton"])
+@pytest.mark.parametrize("case", LM_CASES)
+def test_fuse_lm_loss_matches_transformers_loss(case, backend):
+    # The fused model's loss and every parameter gradient against transformers' own loss (float64 truth, the 2x rule
+    # against the same model in fp32); its logits are never formed (None); the state_dict is unchanged.
+    fused, eager, hi = _lm_models(case)
+    keys = list(eager.state_dict())
+    pk_hf.fuse_lm_loss(fused, backend=backend)
+    assert type(fused).__name__.startswith("FusedLoss") and list(fused.state_dict()) == keys
+    batch = _lm_batch(case)
+    out, loss, g = _loss_grads(fused, batch)
+    _, loss_lo, g_lo = _loss_grads(eager, batch)
+    _, loss_hi, g_hi = _loss_grads(hi, batch)
+    assert (out.logits if hasattr(out, "logits") else out.prediction_logits) is None
+    assert_close_to_ref("loss", loss, loss_hi, loss_lo, atol=1e-6)
+    assert set(g) == set(g_hi) and len(g) > 10
+    for name in g_hi:
+        assert_close_to_ref(f"grad {name}", g[name], g_hi[name], g_lo[name],
+                            atol=1e-6 * max(1.0, g_hi[name].abs().max().item()))
+    if case == "bert-pretraining":
+        torch.testing.assert_close(out.seq_relationship_logits, eager(**batch).seq_relationship_logits)
+
+
+def test_fuse_lm_loss_without_labels_in_eval_and_with_logits_to_keep_is_the_model_forward(monkeypatch):
+    fused, eager, _ = _lm_models("gpt2")
+    calls = []
+    real = pykernels.masked_lm_loss
+    monkeypatch.setattr(pykernels, "masked_lm_loss", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    batch = _lm_batch("gpt2")
+    plain = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    torch.testing.assert_close(fused(**plain).logits, eager(**plain).logits)  # no labels
+    fused.eval(), eager.eval()
+    a, b = fused(**batch), eager(**batch)  # eval: logits and transformers' loss
+    torch.testing.assert_close(a.logits, b.logits)
+    torch.testing.assert_close(a.loss, b.loss)
+    assert calls == []
+    pk_hf.fuse_lm_loss(fused, in_eval=True)
+    out = fused(**batch)
+    assert calls == [1] and out.logits is None
+    torch.testing.assert_close(out.loss, b.loss, rtol=1e-5, atol=1e-6)
+    fused.train(), eager.train()
+    # logits_to_keep other than 0: the model's own forward (which with labels fails as transformers' does)
+    with pytest.raises(ValueError, match="batch_size"):
+        eager(**batch, logits_to_keep=1)
+    with pytest.raises(ValueError, match="batch_size"):
+        fused(**batch, logits_to_keep=1)
+    assert calls == [1]
+
+
+def test_fuse_lm_loss_num_items_in_batch_return_dict_and_z_loss():
+    fused, eager, _ = _lm_models("gpt2")
+    batch = _lm_batch("gpt2")
+    n = torch.tensor(40)  # a trainer's count over the accumulated micro-batches: the loss divides by it
+    torch.testing.assert_close(fused(**batch, num_items_in_batch=n).loss, eager(**batch, num_items_in_batch=n).loss,
+                               rtol=1e-5, atol=1e-6)
+    tup = fused(**batch, return_dict=False)
+    torch.testing.assert_close(tup[0], eager(**batch).loss, rtol=1e-5, atol=1e-6)
+    # z_loss reaches the op: the loss grows by z mean(lse**2) over the labelled (shifted) tokens
+    logits = eager(**batch).logits[:, :-1].double()
+    valid = batch["labels"][:, 1:] != -100
+    lse2 = torch.logsumexp(logits, -1)[valid].square().mean()
+    base = fused(**batch).loss.double()
+    pk_hf.fuse_lm_loss(fused, z_loss=0.01)
+    torch.testing.assert_close(fused(**batch).loss.double(), base + 0.01 * lse2, rtol=1e-5, atol=1e-6)
+
+
+def test_fuse_lm_loss_refuses_other_heads_and_bad_options():
+    from transformers import AutoModelForSequenceClassification
+    with pytest.raises(ValueError, match="fuse_lm_loss covers"):
+        pk_hf.fuse_lm_loss(AutoModel.from_config(bert_config()))
+    with pytest.raises(ValueError, match="fuse_lm_loss covers"):
+        pk_hf.fuse_lm_loss(AutoModelForSequenceClassification.from_config(bert_config()))
+    model = AutoModelForMaskedLM.from_config(bert_config())
+    with pytest.raises(ValueError, match="z_loss"):
+        pk_hf.fuse_lm_loss(model, z_loss=-1.0)
+    with pytest.raises(ValueError, match="max_valid"):
+        pk_hf.fuse_lm_loss(model, max_valid=0)
+    with pytest.raises(ValueError, match="backend"):
+        pk_hf.fuse_lm_loss(model, backend="cudnn")
+    with pytest.raises(TypeError, match="in_eval"):
+        pk_hf.fuse_lm_loss(model, in_eval=1)
+    assert type(model).__name__ == "BertForMaskedLM"  # a refusal leaves the model as it was
+    assert pk_hf.fuse_lm_loss(pk_hf.fuse_lm_loss(model)) is model  # again: the same class, new options
+    assert type(model).__name__ == "FusedLossBertForMaskedLM" and type(model).__bases__[0].__name__ == "BertForMaskedLM"
+
+
+def test_fuse_lm_loss_under_torch_compile():
+    torch._dynamo.reset()
+    fused, eager, _ = _lm_models("bert-mlm")
+    batch = _lm_batch("bert-mlm")
+    compiled = torch.compile(fused, backend="aot_eager")
+    loss = compiled(**batch).loss
+    loss.backward()
+    got = {n: p.grad for n, p in fused.named_parameters() if p.grad is not None}
+    want = _loss_grads(eager, batch)
+    torch.testing.assert_close(loss.detach(), want[1], rtol=1e-5, atol=1e-6)
+    assert set(got) == set(want[2])
+    for name, g in want[2].items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["bert-base", "gpt2"])
+def test_gpu_fuse_lm_loss_bf16_autocast(case):
+    # Realistic vocabularies under bf16 autocast (the head's matmul in bf16, as transformers' nn.Linear under
+    # autocast): the fused loss and gradients against transformers' own loss in float64 by the 2x rule.
+    if case == "bert-base":
+        cfg = BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=2, num_attention_heads=12,
+                         intermediate_size=3072, max_position_embeddings=512, **NO_DROPOUT["bert"])
+        auto_cls = AutoModelForMaskedLM
+    else:
+        cfg = GPT2Config(vocab_size=50257, n_embd=768, n_layer=2, n_head=12, n_positions=1024, bos_token_id=0,
+                         eos_token_id=0, **NO_DROPOUT["gpt2"])
+        auto_cls = AutoModelForCausalLM
+    torch.manual_seed(1)
+    models = [auto_cls.from_config(cfg, attn_implementation="sdpa") for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    fused = pk_hf.fuse_lm_loss(models[0].cuda().train())
+    eager, hi = models[1].cuda().train(), models[2].cuda().double().train()
+    ids = torch.randint(0, cfg.vocab_size, (4, 256), device="cuda")
+    if case == "bert-base":
+        labels = torch.where(torch.rand(ids.shape, device="cuda") < 0.15, ids, -100)
+    else:
+        labels = ids
+    batch = dict(input_ids=ids, labels=labels)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss, g = _loss_grads(fused, batch)
+        _, loss_lo, g_lo = _loss_grads(eager, batch)
+    _, loss_hi, g_hi = _loss_grads(hi, batch)
+    assert_close_to_ref("loss", loss, loss_hi, loss_lo, atol=1e-4)
+    for name in ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias",
+                 "cls.predictions.transform.dense.weight", "bert.encoder.layer.1.output.dense.weight",
+                 "transformer.wte.weight", "transformer.h.1.mlp.c_proj.weight", "transformer.ln_f.weight"):
+        if name in g_hi:
+            assert_close_to_ref(f"grad {name}", g[name].float(), g_hi[name], g_lo[name].float(),
+                                atol=1e-4 * max(1.0, g_hi[name].abs().max().item()))

@@ -9,6 +9,8 @@ Usage::
     model = AutoModel.from_config(config, attn_implementation="pykernels")
     with pykernels.use_backend("triton"):  # optional: pin the backend (default "auto")
         out = model(**batch)
+    pk_hf.fuse_residual_layer_norms(model)  # BERT's post-LN blocks: dropout + residual add + LayerNorm, one kernel
+    pk_hf.fuse_lm_loss(model)             # model(**batch, labels=labels).loss by pykernels.masked_lm_loss
 
 How it plugs in (public transformers API only, no monkeypatching of model code):
 
@@ -69,6 +71,7 @@ padding either way.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from typing import Callable
@@ -332,10 +335,135 @@ def fuse_residual_layer_norms(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# The LM heads whose loss fuse_lm_loss computes with pykernels.masked_lm_loss, by model class: "mlm" (BERT's
+# transform then the tied decoder with its bias; HF's mean over the labelled tokens), "pretraining" (that plus
+# next-sentence prediction) and "causal" (the tied or untied lm_head, labels shifted; HF's ForCausalLMLoss, which
+# divides by ``num_items_in_batch`` when the trainer passes it). Each was compared with transformers' own loss (tests).
+LM_LOSS_CLASSES = {"BertForMaskedLM": "mlm", "BertForPreTraining": "pretraining", "GPT2LMHeadModel": "causal",
+                   "LlamaForCausalLM": "causal"}
+_fused_loss_classes: dict[type, type] = {}
+_LOSS_OPTIONS = ("z_loss", "label_smoothing", "max_valid", "dense", "graph_safe", "backend")
+
+
+def _call_arguments(sig, model, args, kwargs) -> dict:
+    """The call's arguments by name (the forward's ``**kwargs`` flattened in), only those the caller passed."""
+    bound = sig.bind(model, *args, **kwargs)
+    named = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is sig.parameters[name].VAR_KEYWORD:
+            named.update(value)
+        elif kind is sig.parameters[name].VAR_POSITIONAL:
+            if value:
+                raise TypeError(f"{type(model).__name__}.forward: unexpected positional arguments {value!r}")
+        elif name != "self":
+            named[name] = value
+    return named
+
+
+def _fused_lm_loss_forward(self, *args, **kwargs):
+    """The model's forward with its loss from :func:`pykernels.masked_lm_loss` (:func:`fuse_lm_loss`): the base model,
+    the head's transform (BERT), then the fused LM head + cross-entropy at the labelled tokens; ``logits`` is None.
+    Without labels (or in eval mode, unless ``in_eval``) it is the model's own forward."""
+    cls = type(self)
+    base_forward = cls._pk_base_forward
+    kind = cls._pk_kind
+    named = _call_arguments(cls._pk_signature, self, args, kwargs)
+    labels = named.pop("labels", None)
+    nsp_labels = named.pop("next_sentence_label", None)
+    opts = dict(self._pk_lm_loss_options)
+    in_eval = opts.pop("in_eval")
+    keep = named.pop("logits_to_keep", 0)
+    if (labels is None or (kind == "pretraining" and nsp_labels is None) or not (self.training or in_eval)
+            or not (isinstance(keep, int) and keep == 0)):
+        return base_forward(self, *args, **kwargs)
+    return_dict = named.pop("return_dict", None)
+    num_items = named.pop("num_items_in_batch", None)
+    out = getattr(self, self.base_model_prefix)(**named, return_dict=True)
+    h = out[0]
+    if kind == "causal":
+        head, transform = self.get_output_embeddings(), None
+        target = pykernels.shift_labels(labels)
+    else:
+        head, transform = self.cls.predictions.decoder, self.cls.predictions.transform
+        target = labels
+        num_items = None  # (transformers' BERT losses are the plain mean over the labelled tokens)
+    if transform is not None:
+        h = transform(h)
+    weight, bias = head.weight, head.bias
+    if torch.is_autocast_enabled(h.device.type):  # the dtype autocast would give the head's matmul
+        dtype = torch.get_autocast_dtype(h.device.type)
+    else:
+        dtype = weight.dtype
+    loss = pykernels.masked_lm_loss(h.to(dtype), weight.to(dtype), target.to(h.device),
+                                    bias=bias.to(dtype) if bias is not None else None, num_valid=num_items, **opts)
+    fields = dict(loss=loss)
+    if kind == "pretraining":
+        from transformers.models.bert.modeling_bert import BertForPreTrainingOutput as Output
+        rel = self.cls.seq_relationship(out.pooler_output)
+        fields["loss"] = loss + torch.nn.functional.cross_entropy(rel.view(-1, 2), nsp_labels.view(-1).to(rel.device))
+        fields["seq_relationship_logits"] = rel
+    elif kind == "mlm":
+        from transformers.modeling_outputs import MaskedLMOutput as Output
+    elif hasattr(out, "cross_attentions"):
+        from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions as Output
+    else:
+        from transformers.modeling_outputs import CausalLMOutputWithPast as Output
+    for f in dataclasses.fields(Output):  # the base model's outputs the head's output class carries on (caches,
+        if f.name not in fields and f.name not in ("logits", "prediction_logits") and hasattr(out, f.name):
+            fields[f.name] = getattr(out, f.name)  # hidden states, attentions: their names follow the version)
+    result = Output(**fields)
+    return result.to_tuple() if return_dict is False else result
+
+
+def fuse_lm_loss(model: torch.nn.Module, *, z_loss: float = 0.0, label_smoothing: float = 0.0,
+                 max_valid: int | None = None, dense: bool = False, graph_safe: bool = False,
+                 backend: str | None = None, in_eval: bool = False) -> torch.nn.Module:
+    """Compute a transformers LM's training loss with :func:`pykernels.masked_lm_loss`, in place: the LM head's matmul
+    and the softmax cross-entropy only at the labelled tokens (BERT's 15%; every next token of a causal LM), fused,
+    so the (tokens, vocabulary) logits are never materialised. ``model(..., labels=labels).loss`` is transformers'
+    loss (the mean over the labelled tokens; a causal LM's labels shifted inside, and divided by
+    ``num_items_in_batch`` when a trainer passes it, as transformers' ``ForCausalLMLoss`` does; BERT pre-training adds
+    the next-sentence loss), and ``.logits`` is None. Calls without labels, and calls in eval mode unless
+    ``in_eval=True``, run the model's own forward (logits and all).
+
+    Models: :data:`LM_LOSS_CLASSES` (``BertForMaskedLM``, ``BertForPreTraining``, ``GPT2LMHeadModel``,
+    ``LlamaForCausalLM``). The module keeps its parameters, names and ``state_dict`` (weight tying included); only
+    its class changes, to a subclass ``FusedLoss<Name>``. The keywords go to :func:`pykernels.masked_lm_loss`
+    (``z_loss``, ``label_smoothing``, ``max_valid``, ``dense``, ``graph_safe``, ``backend``); under autocast the
+    head runs in autocast's dtype, as its ``nn.Linear`` would. ``logits_to_keep`` other than 0 takes the model's
+    own forward. Calling it again replaces the options. Returns ``model``.
+
+    Raises ``ValueError`` for a model class outside :data:`LM_LOSS_CLASSES` (another head may scale or cap its
+    logits, which the fused loss would silently skip) and ``TypeError`` / ``ValueError`` for bad options (checked
+    here, by :func:`pykernels.masked_lm_loss`'s own checks, not at the first training step)."""
+    cls = type(model)
+    base = cls.__bases__[0] if cls in _fused_loss_classes.values() else cls
+    kind = LM_LOSS_CLASSES.get(base.__name__)
+    if kind is None:
+        raise ValueError(f"model: fuse_lm_loss covers {sorted(LM_LOSS_CLASSES)}, got {base.__name__} (another LM head "
+                         "may transform its logits, e.g. scale or soft-cap them, which the fused loss would skip)")
+    if not isinstance(in_eval, bool):
+        raise TypeError(f"in_eval must be a bool, got {type(in_eval).__name__}")
+    options = dict(z_loss=z_loss, label_smoothing=label_smoothing, max_valid=max_valid, dense=dense,
+                   graph_safe=graph_safe, backend=backend)
+    from pykernels.masked_lm_loss import check_options
+    check_options(**options)  # (the op's own checks, now rather than at the first training step)
+    if base not in _fused_loss_classes:
+        import inspect
+        _fused_loss_classes[base] = type(f"FusedLoss{base.__name__}", (base,), {
+            "forward": _fused_lm_loss_forward, "__module__": __name__, "_pk_base_forward": base.forward,
+            "_pk_kind": kind, "_pk_signature": inspect.signature(base.forward)})
+    model._pk_lm_loss_options = {**options, "in_eval": in_eval}
+    model.__class__ = _fused_loss_classes[base]
+    return model
+
+
 def is_registered() -> bool:
     """Whether :func:`register` has run in this process."""
     return _registered
 
 
-__all__ = ["register", "is_registered", "attention_forward", "build_mask", "fuse_residual_layer_norms",
+__all__ = ["register", "is_registered", "attention_forward", "build_mask", "fuse_residual_layer_norms", "fuse_lm_loss",
+           "LM_LOSS_CLASSES",
            "POST_LN_OUTPUT_CLASSES", "NAME"]
