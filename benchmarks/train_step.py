@@ -14,9 +14,10 @@ Variants (each its own model and ``torch.optim.AdamW(fused=True)``):
 * ``pykernels``: the same model with ``attn_implementation="pykernels"`` (``auto``: the C++ attention op for the
   training steps' calls with dropout, the Triton / Gluon kernels for the eval loss's), every ``nn.LayerNorm``
   swapped by ``pykernels.nn.replace_layer_norms``, BERT's post-LN blocks fused (``fuse_residual_layer_norms``:
-  branch dropout, residual add and LayerNorm in one kernel), and the LM head and loss by ``pykernels.masked_lm_loss`` through ``integrations.transformers.fuse_lm_loss``
-  (BERT: only the labelled rows; GPT-2: ``dense=True`` on the shifted labels), the tied word embeddings cast to
-  bf16 as autocast casts them for a linear layer.
+  branch dropout, residual add and LayerNorm in one kernel), and the LM head and loss by
+  ``pykernels.masked_lm_loss`` through ``integrations.transformers.fuse_lm_loss`` (BERT: only the labelled rows;
+  GPT-2: ``dense=True`` on the shifted labels), the tied word embeddings cast to bf16 as autocast casts them for a
+  linear layer.
 * ``pykernels, C++ attention``: the same with the attention on ``backend="cuda"`` (the C++ op: its autograd is
   C++, so an eager step spends less host time in it; ``auto`` takes it too for eager calls with dropout, so the
   training steps of the two variants run the same kernels), where the extension is built.

@@ -293,8 +293,8 @@ def _use_cuda(backend: Optional[str], h2: Tensor, weight: Tensor, t1: Tensor, bi
     """Whether this call runs the CUDA C++ op: only when named (``_backend.use_cuda_op`` with ``auto=False``: the
     Triton path's fused logit tiles are faster on the GPU than cuBLAS with an fp32 logits chunk)."""
     return use_cuda_op("masked_lm_loss", backend, h2.device,
-                       lambda: _cuda_cover(h2, weight, t1, bias, graph_safe, dense, max_valid, num_valid,
-                                                           z_loss), auto=False)
+                       lambda: _cuda_cover(h2, weight, t1, bias, graph_safe, dense, max_valid, num_valid, z_loss),
+                       auto=False)
 
 
 def _reference_fwd(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss=0.0):
@@ -330,7 +330,8 @@ def _reference_bwd(grad_loss, hidden, weight, target, bias, ignore_index, label_
     if z_loss:
         p = p * (1.0 + 2.0 * z_loss * lse)
     onehot = torch.nn.functional.one_hot(torch.where(valid, target, 0), v).to(p.dtype)
-    d = (p - (1.0 - label_smoothing) * onehot - label_smoothing / v) * torch.where(valid, grad_loss.float(), 0.0)[:, None]
+    g = torch.where(valid, grad_loss.float(), 0.0)
+    d = (p - (1.0 - label_smoothing) * onehot - label_smoothing / v) * g[:, None]
     dl = d.to(hidden.dtype)
     return dl @ weight, dl.t() @ hidden, d.sum(0).to(bias.dtype) if bias is not None else None
 

@@ -342,7 +342,6 @@ def fuse_residual_layer_norms(model: torch.nn.Module) -> torch.nn.Module:
 LM_LOSS_CLASSES = {"BertForMaskedLM": "mlm", "BertForPreTraining": "pretraining", "GPT2LMHeadModel": "causal",
                    "LlamaForCausalLM": "causal"}
 _fused_loss_classes: dict[type, type] = {}
-_LOSS_OPTIONS = ("z_loss", "label_smoothing", "max_valid", "dense", "graph_safe", "backend")
 
 
 def _call_arguments(sig, model, args, kwargs) -> dict:
