@@ -581,10 +581,37 @@ def test_gpu_gpt2_small_bf16(lengths):
 from transformers import BertForPreTraining  # noqa: E402
 
 NO_DROPOUT = {"bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-              "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": dict(attention_dropout=0.0)}
+              "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": dict(attention_dropout=0.0),
+              "other": {}}
+
+
+def _tiny_causal(name):
+    """A tiny config of another causal LM that fuse_lm_loss covers (no dropout)."""
+    def config(**kw):
+        gqa = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=64)
+        made = {"mistral": lambda: transformers.MistralConfig(**gqa),
+                "qwen2": lambda: transformers.Qwen2Config(**gqa),
+                "qwen3": lambda: transformers.Qwen3Config(**gqa, head_dim=8),
+                "phi3": lambda: transformers.Phi3Config(**gqa, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0),
+                "gemma": lambda: transformers.GemmaConfig(**gqa, head_dim=8, pad_token_id=0),
+                "gpt_neox": lambda: transformers.GPTNeoXConfig(
+                    vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0),
+                "opt": lambda: transformers.OPTConfig(
+                    vocab_size=VOCAB, hidden_size=32, ffn_dim=37, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)}[name]()
+        for k, v in kw.items():
+            setattr(made, k, v)
+        return made
+    return config
+
+
 LM_CASES = {"bert-mlm": (AutoModelForMaskedLM, bert_config, "bert"),
             "bert-pretraining": (BertForPreTraining, bert_config, "bert"),
-            "gpt2": (AutoModelForCausalLM, gpt2_config, "gpt2"), "llama": (AutoModelForCausalLM, llama_config, "llama")}
+            "gpt2": (AutoModelForCausalLM, gpt2_config, "gpt2"), "llama": (AutoModelForCausalLM, llama_config, "llama"),
+            **{name: (AutoModelForCausalLM, _tiny_causal(name), "other")
+               for name in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "opt")}}
 
 
 def _lm_models(case, device="cpu", dtype=torch.float32):
@@ -693,6 +720,14 @@ def test_fuse_lm_loss_refuses_other_heads_and_bad_options():
         pk_hf.fuse_lm_loss(AutoModel.from_config(bert_config()))
     with pytest.raises(ValueError, match="fuse_lm_loss covers"):
         pk_hf.fuse_lm_loss(AutoModelForSequenceClassification.from_config(bert_config()))
+    gemma2 = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0)
+    with pytest.raises(ValueError, match="soft-cap"):  # (its logits are soft-capped: not the plain head)
+        pk_hf.fuse_lm_loss(AutoModelForCausalLM.from_config(gemma2))
+    other_loss = AutoModelForCausalLM.from_config(gpt2_config())
+    other_loss.loss_type = "ForMaskedLM"  # (a config naming another loss for the model's loss_function)
+    with pytest.raises(ValueError, match="ForCausalLMLoss"):
+        pk_hf.fuse_lm_loss(other_loss)
     model = AutoModelForMaskedLM.from_config(bert_config())
     with pytest.raises(ValueError, match="z_loss"):
         pk_hf.fuse_lm_loss(model, z_loss=-1.0)

@@ -337,10 +337,14 @@ def fuse_residual_layer_norms(model: torch.nn.Module) -> torch.nn.Module:
 
 # The LM heads whose loss fuse_lm_loss computes with pykernels.masked_lm_loss, by model class: "mlm" (BERT's
 # transform then the tied decoder with its bias; HF's mean over the labelled tokens), "pretraining" (that plus
-# next-sentence prediction) and "causal" (the tied or untied lm_head, labels shifted; HF's ForCausalLMLoss, which
-# divides by ``num_items_in_batch`` when the trainer passes it). Each was compared with transformers' own loss (tests).
+# next-sentence prediction) and "causal" (the tied or untied output embedding applied to the base model's last hidden
+# state as it is, labels shifted; HF's ForCausalLMLoss, which divides by ``num_items_in_batch`` when the trainer passes
+# it). Each was compared with transformers' own loss (tests/test_integrations_transformers.py). Heads that scale or
+# soft-cap their logits (Gemma 2 and 3, Cohere, Granite) are not in it.
 LM_LOSS_CLASSES = {"BertForMaskedLM": "mlm", "BertForPreTraining": "pretraining", "GPT2LMHeadModel": "causal",
-                   "LlamaForCausalLM": "causal"}
+                   "LlamaForCausalLM": "causal", "MistralForCausalLM": "causal", "Qwen2ForCausalLM": "causal",
+                   "Qwen3ForCausalLM": "causal", "Phi3ForCausalLM": "causal", "GemmaForCausalLM": "causal",
+                   "GPTNeoXForCausalLM": "causal", "OPTForCausalLM": "causal"}
 _fused_loss_classes: dict[type, type] = {}
 
 
@@ -426,8 +430,8 @@ def fuse_lm_loss(model: torch.nn.Module, *, z_loss: float = 0.0, label_smoothing
     the next-sentence loss), and ``.logits`` is None. Calls without labels, and calls in eval mode unless
     ``in_eval=True``, run the model's own forward (logits and all).
 
-    Models: :data:`LM_LOSS_CLASSES` (``BertForMaskedLM``, ``BertForPreTraining``, ``GPT2LMHeadModel``,
-    ``LlamaForCausalLM``). The module keeps its parameters, names and ``state_dict`` (weight tying included); only
+    Models: :data:`LM_LOSS_CLASSES` (``BertForMaskedLM``, ``BertForPreTraining``, ``GPT2LMHeadModel``, and the
+    Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, GPT-NeoX and OPT causal LMs). The module keeps its parameters, names and ``state_dict`` (weight tying included); only
     its class changes, to a subclass ``FusedLoss<Name>``. The keywords go to :func:`pykernels.masked_lm_loss`
     (``z_loss``, ``label_smoothing``, ``max_valid``, ``dense``, ``graph_safe``, ``backend``); under autocast the
     head runs in autocast's dtype, as its ``nn.Linear`` would. ``logits_to_keep`` other than 0 takes the model's
@@ -444,6 +448,11 @@ def fuse_lm_loss(model: torch.nn.Module, *, z_loss: float = 0.0, label_smoothing
                          "may transform its logits, e.g. scale or soft-cap them, which the fused loss would skip)")
     if not isinstance(in_eval, bool):
         raise TypeError(f"in_eval must be a bool, got {type(in_eval).__name__}")
+    if kind == "causal":  # (a config may name another loss for the model's loss_function: the fused one is this one)
+        from transformers.loss.loss_utils import ForCausalLMLoss
+        if getattr(model, "loss_function", None) is not ForCausalLMLoss:
+            raise ValueError(f"model: fuse_lm_loss computes transformers' ForCausalLMLoss, but {base.__name__}'s "
+                             f"loss_function is {getattr(model, 'loss_function', None)!r}")
     options = dict(z_loss=z_loss, label_smoothing=label_smoothing, max_valid=max_valid, dense=dense,
                    graph_safe=graph_safe, backend=backend)
     from pykernels.masked_lm_loss import check_options
