@@ -607,8 +607,22 @@ def _tiny_causal(name):
     return config
 
 
+def _tiny_roberta(name):
+    """A tiny RoBERTa-family config (its head: dense, gelu, layer_norm, decoder), no dropout."""
+    def config(**kw):
+        cls = {"roberta": transformers.RobertaConfig, "xlm-roberta": transformers.XLMRobertaConfig,
+               "camembert": transformers.CamembertConfig}[name]
+        return cls(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+                   max_position_embeddings=64, type_vocab_size=1, pad_token_id=1, hidden_dropout_prob=0.0,
+                   attention_probs_dropout_prob=0.0, **kw)
+    return config
+
+
+MLM_CASES = ("bert-mlm", "bert-pretraining", "roberta", "xlm-roberta", "camembert")
 LM_CASES = {"bert-mlm": (AutoModelForMaskedLM, bert_config, "bert"),
             "bert-pretraining": (BertForPreTraining, bert_config, "bert"),
+            **{name: (AutoModelForMaskedLM, _tiny_roberta(name), "other")
+               for name in ("roberta", "xlm-roberta", "camembert")},
             "gpt2": (AutoModelForCausalLM, gpt2_config, "gpt2"), "llama": (AutoModelForCausalLM, llama_config, "llama"),
             **{name: (AutoModelForCausalLM, _tiny_causal(name), "other")
                for name in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "opt")}}
@@ -630,7 +644,7 @@ def _lm_models(case, device="cpu", dtype=torch.float32):
 
 def _lm_batch(case, device="cpu"):
     ids, mask = make_batch([11, 7, 9], 11, device)
-    if case.startswith("bert"):
+    if case in MLM_CASES:
         labels = torch.where(torch.rand(ids.shape, device=device) < 0.3, ids, -100)
         labels[0, 0] = ids[0, 0]
         labels[mask == 0] = -100

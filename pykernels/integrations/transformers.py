@@ -72,6 +72,7 @@ padding either way.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import warnings
 from typing import Callable
@@ -336,12 +337,14 @@ def fuse_residual_layer_norms(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # The LM heads whose loss fuse_lm_loss computes with pykernels.masked_lm_loss, by model class: "mlm" (BERT's
-# transform then the tied decoder with its bias; HF's mean over the labelled tokens), "pretraining" (that plus
+# transform, or RoBERTa's dense / gelu / layer_norm, then the tied decoder with its bias; HF's mean over the labelled
+# tokens), "pretraining" (that plus
 # next-sentence prediction) and "causal" (the tied or untied output embedding applied to the base model's last hidden
 # state as it is, labels shifted; HF's ForCausalLMLoss, which divides by ``num_items_in_batch`` when the trainer passes
 # it). Each was compared with transformers' own loss (tests/test_integrations_transformers.py). Heads that scale or
 # soft-cap their logits (Gemma 2 and 3, Cohere, Granite) are not in it.
-LM_LOSS_CLASSES = {"BertForMaskedLM": "mlm", "BertForPreTraining": "pretraining", "GPT2LMHeadModel": "causal",
+LM_LOSS_CLASSES = {"BertForMaskedLM": "mlm", "BertForPreTraining": "pretraining", "RobertaForMaskedLM": "mlm",
+                   "XLMRobertaForMaskedLM": "mlm", "CamembertForMaskedLM": "mlm", "GPT2LMHeadModel": "causal",
                    "LlamaForCausalLM": "causal", "MistralForCausalLM": "causal", "Qwen2ForCausalLM": "causal",
                    "Qwen3ForCausalLM": "causal", "Phi3ForCausalLM": "causal", "GemmaForCausalLM": "causal",
                    "GPTNeoXForCausalLM": "causal", "OPTForCausalLM": "causal"}
@@ -362,6 +365,17 @@ def _call_arguments(sig, model, args, kwargs) -> dict:
         elif name != "self":
             named[name] = value
     return named
+
+
+def _mlm_head(model) -> tuple[torch.nn.Module, Callable]:
+    """(decoder, transform) of a BERT-family masked-LM head: BERT's ``cls.predictions`` (its ``transform`` module),
+    or RoBERTa's ``lm_head`` (``layer_norm(gelu(dense(x)))`` with the ``gelu`` its own module calls)."""
+    if hasattr(model, "cls"):
+        pred = model.cls.predictions
+        return pred.decoder, pred.transform
+    head = model.lm_head
+    act = sys.modules[type(head).__module__].gelu
+    return head.decoder, lambda x: head.layer_norm(act(head.dense(x)))
 
 
 def _fused_lm_loss_forward(self, *args, **kwargs):
@@ -388,7 +402,7 @@ def _fused_lm_loss_forward(self, *args, **kwargs):
         head, transform = self.get_output_embeddings(), None
         target = pykernels.shift_labels(labels)
     else:
-        head, transform = self.cls.predictions.decoder, self.cls.predictions.transform
+        head, transform = _mlm_head(self)
         target = labels
         num_items = None  # (transformers' BERT losses are the plain mean over the labelled tokens)
     if transform is not None:
@@ -430,8 +444,9 @@ def fuse_lm_loss(model: torch.nn.Module, *, z_loss: float = 0.0, label_smoothing
     the next-sentence loss), and ``.logits`` is None. Calls without labels, and calls in eval mode unless
     ``in_eval=True``, run the model's own forward (logits and all).
 
-    Models: :data:`LM_LOSS_CLASSES` (``BertForMaskedLM``, ``BertForPreTraining``, ``GPT2LMHeadModel``, and the
-    Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, GPT-NeoX and OPT causal LMs). The module keeps its parameters, names and ``state_dict`` (weight tying included); only
+    Models: :data:`LM_LOSS_CLASSES` (``BertForMaskedLM``, ``BertForPreTraining``, the RoBERTa, XLM-R and CamemBERT
+    masked LMs, ``GPT2LMHeadModel``, and the Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, GPT-NeoX and OPT causal
+    LMs). The module keeps its parameters, names and ``state_dict`` (weight tying included); only
     its class changes, to a subclass ``FusedLoss<Name>``. The keywords go to :func:`pykernels.masked_lm_loss`
     (``z_loss``, ``label_smoothing``, ``max_valid``, ``dense``, ``graph_safe``, ``backend``); under autocast the
     head runs in autocast's dtype, as its ``nn.Linear`` would. ``logits_to_keep`` other than 0 takes the model's
