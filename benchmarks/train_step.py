@@ -30,8 +30,9 @@ Variants (each its own model and ``torch.optim.AdamW(fused=True)``):
 * ``--graph`` adds each of the first two with the whole step (forward, loss, backward, the fused AdamW step with
   ``capturable=True``) captured once in a CUDA graph and replayed (``torch.cuda.graph``, autocast without its weight
   cache as CUDA graphs need): no host time a step. Dropout stays on: transformers' own dropout and pykernels' draw
-  their seeds on the device, so each replay draws fresh masks. BERT's masked-LM loss takes its graph-safe backward
-  there (the labelled rows are not counted on the host).
+  their seeds on the device, so each replay draws fresh masks. BERT's masked-LM loss takes its bounded backward
+  there (the labelled rows are not counted on the host: the capacity path for the warm-up's count plus a margin,
+  graph-safe kernels for any rows past it), GPT-2's the dense one.
 
 Reported per variant: milliseconds a step (wall clock over ``--steps`` steps after ``--warmup``, host
 included, as a training loop sees it), tokens a second, peak memory allocated during the timed steps, and the
