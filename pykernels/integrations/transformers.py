@@ -388,8 +388,8 @@ def _fused_lm_loss_forward(self, *args, **kwargs):
     named = _call_arguments(cls._pk_signature, self, args, kwargs)
     labels = named.pop("labels", None)
     nsp_labels = named.pop("next_sentence_label", None)
-    opts = dict(self._pk_lm_loss_options)
-    in_eval = opts.pop("in_eval")
+    opts = self._pk_lm_loss_options
+    in_eval = self._pk_lm_loss_in_eval
     keep = named.pop("logits_to_keep", 0)
     if (labels is None or (kind == "pretraining" and nsp_labels is None) or not (self.training or in_eval)
             or not (isinstance(keep, int) and keep == 0)):
@@ -477,7 +477,7 @@ def fuse_lm_loss(model: torch.nn.Module, *, z_loss: float = 0.0, label_smoothing
         _fused_loss_classes[base] = type(f"FusedLoss{base.__name__}", (base,), {
             "forward": _fused_lm_loss_forward, "__module__": __name__, "_pk_base_forward": base.forward,
             "_pk_kind": kind, "_pk_signature": inspect.signature(base.forward)})
-    model._pk_lm_loss_options = {**options, "in_eval": in_eval}
+    model._pk_lm_loss_options, model._pk_lm_loss_in_eval = options, in_eval
     model.__class__ = _fused_loss_classes[base]
     return model
 
