@@ -1299,8 +1299,13 @@ TORCH_LIBRARY_IMPL(pykernels_cuda, CUDA, m) {
 
 TORCH_LIBRARY_IMPL(pykernels_cuda, Autograd, m) { m.impl("layer_norm", &pykernels::layer_norm_autograd); }
 
+namespace pykernels {
+void bind_graph_if(pybind11::module_& m);  // csrc/graph_if.cu
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pykernels CUDA C++ kernels; the ops are registered as torch.ops.pykernels_cuda.*";
+  pykernels::bind_graph_if(m);
   // whether this build has sm_90a code (TORCH_CUDA_ARCH_LIST with 9.0a: the attention forward's wgmma kernel)
 #if defined(PYKERNELS_SM90A)
   m.attr("sm90a") = true;

@@ -71,6 +71,48 @@ def capturing(device=None) -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
+_NO_IF_NODES: list[str] = []  # why this process captures no IF nodes (empty: it does, or has not tried)
+_GRAPH_IF = []                # the CUDA extension's (graph_if_begin, graph_if_end), once imported
+
+
+def _graph_if_fns():
+    """The CUDA extension's IF-node functions (csrc/graph_if.cu), or None where it is not built."""
+    if not _GRAPH_IF and not _NO_IF_NODES:
+        try:
+            import importlib
+            ext = importlib.import_module("pykernels._C")
+            _GRAPH_IF.extend((ext.graph_if_begin, ext.graph_if_end))
+        except (ImportError, AttributeError) as err:
+            _NO_IF_NODES.append(f"the CUDA extension pykernels._C has no graph_if ({type(err).__name__}: {err})")
+    return tuple(_GRAPH_IF) if _GRAPH_IF and not _NO_IF_NODES else None
+
+
+@contextlib.contextmanager
+def graph_if(count, start: int, length: int, out):
+    """Work issued inside runs at CUDA-graph replay only where it has rows, when that can be captured.
+
+    ``out[0]`` (an int32 tensor) becomes ``clamp(count[0] - start, 0, length)``: how many of the rows ``start`` to
+    ``start + length`` a device ``count`` reaches. While a CUDA graph is capturing the current stream (``torch.cuda
+    .graph``, ``torch.compile``'s CUDA graphs) and the CUDA extension is built, the block's work is captured into a
+    conditional (IF) node of that graph (csrc/graph_if.cu): each replay computes ``out`` in a one-thread kernel and
+    runs the block only where it is above 0 (skipped, the block costs that kernel and the node, not its launches).
+    Yields True then. Elsewhere (eager calls, CPU tensors, no extension) ``out`` is computed by torch ops, the block
+    runs as issued every time and it yields False: so the block must give the same result either way where ``out``
+    is 0 (its kernels exit with nothing to do), as the masked-LM loss's overflow blocks do. Nothing may be allocated
+    inside a captured block (the caching allocator serves the graph's pool only to the graph's own stream): make
+    its buffers before it. Blocks nest."""
+    fns = _graph_if_fns() if count.is_cuda and capturing(count.device) else None
+    if fns is not None and fns[0](count, int(start), int(length), out):
+        try:
+            yield True
+        finally:
+            fns[1]()
+        return
+    import torch
+    torch.clamp(count[:1] - int(start), min=0, max=int(length), out=out[:1])
+    yield False
+
+
 def _untimed_bench(*args, config, **kwargs):
     return [0.0, 0.0, 0.0]  # equal timings: min() keeps the first pruned config
 

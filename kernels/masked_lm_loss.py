@@ -148,6 +148,7 @@ in one pass), FlashAttention-2 (online softmax with exp2).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -1222,7 +1223,7 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
                        rows: torch.Tensor, count: torch.Tensor, *, label_smoothing: float,
                        compute_dhidden: bool = True, compute_dweight: bool = True,
                        dlogits_budget_bytes: int | None = None, n_rows: int | None = None,
-                       into: tuple | None = None, row_programs: int | None = None,
+                       into: tuple | None = None, row_programs: int | None = None, work: tuple | None = None,
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``grad_loss`` (N,) fp32 upstream gradient of the per-position loss; ``lse`` (N,) fp32 from the
     forward; ``rows``/``count`` as for the forward. Returns ``dhidden`` (N, H) (zero at ignored rows),
@@ -1233,7 +1234,9 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
     ``into``: the (dhidden, dweight, dbias) of an earlier pass over other rows, completed in place (the bounded
     backward's overflow rows): dweight and dbias are added to (left untouched, bit for bit, when ``count`` is 0)
     and dhidden is written at these rows' positions only. ``row_programs``: at most this many programs a column
-    tile take the row blocks (each every row_programs-th one; default: a program a row block)."""
+    tile take the row blocks (each every row_programs-th one; default: a program a row block). ``work``: the
+    (n_rows, VC) dlogits buffer (VC its width, the vocabulary chunk) and, where VC < V and dhidden is computed,
+    the (n_rows, H) fp32 dhidden accumulator to use instead of allocating them (the bounded backward's blocks)."""
     n, h = hidden.shape
     r = n if n_rows is None else int(n_rows)
     if not 0 <= r <= n:
@@ -1249,9 +1252,13 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
         dhidden, dweight, dbias = _grad_buffers(hidden, weight, bias, compute_dhidden, compute_dweight)
     if r == 0 or not (compute_dhidden or compute_dweight):  # (an earlier pass's gradients stay as they are)
         return (dhidden, dweight, dbias) if into is not None else _no_rows(dhidden, dweight, dbias)
-    budget = DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
-    vc = _chunk_columns(r, v, weight.element_size(), budget)
-    dl = empty(r, vc, dtype=weight.dtype, device=dev)
+    if work is None:
+        budget = DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
+        vc = _chunk_columns(r, v, weight.element_size(), budget)
+        dl = empty(r, vc, dtype=weight.dtype, device=dev)
+    else:
+        dl = work[0]
+        vc = dl.shape[1]
     n_chunks = _tuning.cdiv(v, vc)
 
     def row_blocks(block: int) -> int:
@@ -1259,7 +1266,10 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
         return blocks if row_programs is None else max(1, min(blocks, int(row_programs)))
 
     if compute_dhidden:
-        acc = empty(r, h, dtype=torch.float32, device=dev) if n_chunks > 1 else dhidden
+        if n_chunks == 1:
+            acc = dhidden
+        else:
+            acc = empty(r, h, dtype=torch.float32, device=dev) if work is None else work[1]
     # placeholders for pointers a launch never dereferences (a flag or a zero program count guards them)
     acc = acc if compute_dhidden else dl
     dh_out = dhidden if compute_dhidden else dl
@@ -1484,11 +1494,34 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
     return dhidden, dweight, dbias
 
 
-# The bounded backward's overflow pass: programs a column tile over its row blocks. Sized for every row past the
-# bound (13568 at BERT-base), a program a row block made ~50k programs a call that only exit where no row is past it
-# (the common case): H200 run391, 0.948 ms replayed against the capacity pass's 0.842 alone; with 16 row programs
-# 0.902 against 0.844 (run393; ``benchmarks/dev/mlm_bounded_probe.py``).
+# The bounded backward's overflow pass: programs a column tile over its row blocks. A program a row block made ~50k
+# programs a call that only exit where no row is past the bound (the common case): H200 run391, 0.948 ms replayed
+# against the capacity pass's 0.842 alone; with 16 row programs 0.902 against 0.844 (run393;
+# ``benchmarks/dev/mlm_bounded_probe.py``). Since then the pass is in row blocks, each captured in an IF node of the
+# graph (``_tuning.graph_if``) where torch can, so with no row past the bound a replay skips its launches.
 OVERFLOW_ROW_PROGRAMS = 1 if _INTERPRET else 16  # (one: the interpreter walks several row blocks a program)
+OVERFLOW_BLOCKS = 4       # the overflow rows (N - bound of them) are taken in at most this many blocks of rows:
+OVERFLOW_FIRST_ROWS = 512  # a first block this small (an overflow past 8 standard deviations is usually a few
+OVERFLOW_ALIGN = 64        # hundred rows), then the rest in even blocks, multiples of this many rows
+
+
+def overflow_blocks(n: int, bound: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each block of the bounded backward's overflow pass over the N - bound rows past the
+    bound: a first block of ``OVERFLOW_FIRST_ROWS`` (its dlogits chunks as wide as the buffer allows: few launches
+    where a few hundred rows overflow, the usual case), then the rest in at most ``OVERFLOW_BLOCKS - 1`` even blocks
+    of a multiple of ``OVERFLOW_ALIGN`` rows (BERT-base MLM, 16384 positions at 15%: bound 2816, blocks of 512 and
+    three of 4352 rows at most)."""
+    over = n - bound
+    if over <= 0:
+        return []
+    align = OVERFLOW_ALIGN
+    first = min(over, _tuning.cdiv(OVERFLOW_FIRST_ROWS, align) * align)
+    rest = over - first
+    blocks = [(bound, first)]
+    if rest > 0:
+        size = _tuning.cdiv(_tuning.cdiv(rest, max(1, OVERFLOW_BLOCKS - 1)), align) * align
+        blocks += [(start, min(size, n - start)) for start in range(bound + first, n, size)]
+    return blocks
 
 
 def masked_lm_loss_bwd_bounded(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
@@ -1503,22 +1536,43 @@ def masked_lm_loss_bwd_bounded(grad_loss: torch.Tensor, hidden: torch.Tensor, we
     * the first ``min(count, bound)`` valid rows take :func:`masked_lm_loss_bwd_sized` with capacity ``bound``
       (cuBLAS GEMMs sized for ``bound`` rows), handed a count clamped to the bound, so it never poisons;
     * the rows past the bound, ``count - bound`` of them (on the device; usually none), take the graph-safe
-      :func:`masked_lm_loss_bwd` over ``rows[bound:]``, sized for ``N - bound`` rows, adding into the first
+      :func:`masked_lm_loss_bwd` over ``rows[bound:]`` in the blocks of :func:`overflow_blocks` (one dlogits
+      buffer of ``SIZED_DLOGITS_BUDGET_BYTES`` and one accumulator serve every block), adding into the first
       pass's dweight / dbias and writing dhidden at their own positions (which the first pass left alone).
-      With no such row each of its programs exits at once and the first pass's gradients stay bit for bit.
+      Under a torch CUDA-graph capture each block is an IF node nested in the one before it, taken at replay
+      only where a row is past the block's start: with no row past the bound a replay runs one one-thread
+      kernel for the whole pass. Elsewhere every block is launched and, with no row in it, its programs exit
+      at once; so captured or not, the same kernels run on the same rows (bit for bit the same gradients).
 
-    Where rows overflow, dweight and dbias are rounded twice (each pass's sum in the weight dtype); dhidden's rows
-    come from one pass each, rounded once. Same arguments and results as :func:`masked_lm_loss_bwd`."""
+    Where rows overflow, dweight and dbias are rounded once a pass with rows (each pass's sum added in the
+    weight dtype: twice where the rows past the bound fit one block, the usual overflow); dhidden's rows come
+    from one pass each, rounded once. Same arguments and results as :func:`masked_lm_loss_bwd`."""
     n = hidden.shape[0]
     bound = max(0, min(int(bound), n))
     head = torch.clamp(count, max=bound)           # (int32 stays int32: no host value read)
-    over = torch.clamp(count - bound, min=0)
     grads = masked_lm_loss_bwd_sized(grad_loss, hidden, weight, target, bias, lse, rows, head, bound,
                                      label_smoothing=label_smoothing, compute_dhidden=compute_dhidden,
                                      compute_dweight=compute_dweight, ignore_index=ignore_index, capacity=True)
-    if bound < n:
-        grads = masked_lm_loss_bwd(grad_loss, hidden, weight, target, bias, lse, rows[bound:], over,
-                                   label_smoothing=label_smoothing, compute_dhidden=compute_dhidden,
-                                   compute_dweight=compute_dweight, n_rows=n - bound, into=grads,
-                                   row_programs=OVERFLOW_ROW_PROGRAMS)
+    blocks = overflow_blocks(n, bound)
+    if not blocks or not (compute_dhidden or compute_dweight):
+        return grads
+    # everything the blocks read or fill, made before the first IF node (no allocation inside one): one dlogits
+    # buffer, each block's (rows, VC) view of it as wide as the sized budget allows its rows, and one accumulator
+    v, elem = weight.shape[0], weight.element_size()
+    widths = [_chunk_columns(r, v, elem, SIZED_DLOGITS_BUDGET_BYTES) for _, r in blocks]
+    grad_loss, target, lse = _grad_vector(grad_loss), target.contiguous(), lse.contiguous()
+    dl = empty(max(r * vc for (_, r), vc in zip(blocks, widths)), dtype=weight.dtype, device=hidden.device)
+    chunked = [r for (_, r), vc in zip(blocks, widths) if vc < v]
+    acc = (empty(max(chunked), hidden.shape[1], dtype=torch.float32, device=hidden.device)
+           if compute_dhidden and chunked else None)
+    heres = empty(len(blocks), dtype=torch.int32, device=hidden.device)  # each block's count of rows
+    with contextlib.ExitStack() as nested:
+        for i, ((start, r), vc) in enumerate(zip(blocks, widths)):
+            here = heres[i:i + 1]
+            nested.enter_context(_tuning.graph_if(count, start, r, here))
+            masked_lm_loss_bwd(grad_loss, hidden, weight, target, bias, lse, rows[start:start + r], here,
+                               label_smoothing=label_smoothing, compute_dhidden=compute_dhidden,
+                               compute_dweight=compute_dweight, n_rows=r, into=grads,
+                               row_programs=OVERFLOW_ROW_PROGRAMS,
+                               work=(dl[:r * vc].view(r, vc), None if acc is None else acc[:r]))
     return grads

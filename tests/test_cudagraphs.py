@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import pykernels
+from utils import needs_cuda_ext
 
 
 def _leaves():
@@ -240,3 +241,39 @@ def test_reduce_overhead_captures_dropout(backend):
     assert not torch.equal(losses[2], losses[3]), "two replays drew the same dropout masks"
     assert not torch.equal(grads[2][0], grads[3][0])
     assert not torch.equal(grads[2][3], grads[3][3])
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_graph_if_runs_its_block_at_replay_only_where_the_count_reaches_it():
+    # pykernels' IF nodes (csrc/graph_if.cu; the captured MLM loss's overflow blocks): eagerly the block runs as
+    # issued; captured in a torch CUDA graph it is a conditional node, run at each replay only where the device count
+    # (written by the graph's earlier work or copied in) reaches past the block's start, with the block's share of
+    # it, clamp(count - start, 0, length), written first; nested, the inner block's count is written and the block
+    # run only where the outer one runs.
+    from pykernels._kernels import _tuning
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    x = torch.zeros(4, device="cuda")
+    outs = torch.full((2,), -1, dtype=torch.int32, device="cuda")
+    took = []
+
+    def body():
+        x.add_(1.0)
+        with _tuning.graph_if(count, 2, 3, outs[0:1]) as outer:  # rows 2, 3, 4
+            x.mul_(10.0)
+            with _tuning.graph_if(count, 5, 3, outs[1:2]) as inner:  # rows 5, 6, 7
+                x.add_(5.0)
+        took.append((outer, inner))
+
+    body()
+    torch.cuda.synchronize()
+    assert took == [(False, False)] and x.tolist() == [15.0] * 4 and outs.tolist() == [0, 0]  # eager: both ran
+    graph, _ = _capture(body)
+    assert took[-1] == (True, True)
+    for c, want, want_outs in ((0, 1.0, [0, -1]), (2, 1.0, [0, -1]), (3, 10.0, [1, 0]), (5, 10.0, [3, 0]),
+                               (6, 15.0, [3, 1]), (100, 15.0, [3, 3])):  # (-1: that block's count not written)
+        x.zero_()
+        outs.fill_(-1)
+        count.fill_(c)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert x.tolist() == [want] * 4 and outs.tolist() == want_outs, (c, x.tolist(), outs.tolist())

@@ -5,6 +5,7 @@ ignore_index. Every output and gradient is compared with the float64 reference b
 in the backward only; graph-safe: no wait), no sync in the forward, CUDA-graph capture, int64 offsets."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
@@ -15,7 +16,7 @@ from pykernels import BackendUnavailableError, masked_lm_loss, shift_labels
 from pykernels.masked_lm_loss import masked_lm_loss_reference
 from pykernels._kernels import masked_lm_loss as kmod
 
-from utils import assert_close_to_ref, max_err, needs_cuda_ext
+from utils import assert_close_to_ref, cuda_built, max_err, needs_cuda_ext
 
 IGN = -100
 
@@ -170,7 +171,10 @@ def test_captured_backward_follows_the_eager_warm_up(device, monkeypatch, path_s
     monkeypatch.setattr(mll, "capturing", lambda device=None: True)
     hidden, weight, target, b = _inputs((n,), 32, 300, torch.float32, device, frac=0.5, bias=True)
     _check(hidden, weight, target, b, reduction="sum", graph_safe=graph_safe)
-    assert path_spy == expect
+    if expect[0] == "bounded":  # (one pass a block of overflow rows: several at the GPU's N)
+        assert path_spy[:2] == expect[:2] and set(path_spy[2:]) == {"graph-safe"}
+    else:
+        assert path_spy == expect
 
 
 def _simulate_bounded_capture(monkeypatch, bound: int) -> None:
@@ -207,6 +211,34 @@ def test_captured_bounded_backward(device, monkeypatch, path_spy, dtype, bias, r
         assert path_spy == ["sized"]
         for got, exp in zip(out, want):
             torch.testing.assert_close(got, exp, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype,bias,reduction,ls", BOUNDED_CASES)
+def test_captured_bounded_backward_in_overflow_blocks(device, monkeypatch, path_spy, dtype, bias, reduction, ls):
+    # The rows past the bound in blocks (a small first one, then at most OVERFLOW_BLOCKS - 1 even ones; here a first
+    # block of 6 rows and an alignment of one row, so that 41 positions make four): two blocks with rows, the first
+    # full, and two without. Exact against the reference, each block adding into dweight / dbias; and with the count
+    # at the bound (no row past it) bit for bit the max_valid=bound call, every block's programs exiting at once.
+    monkeypatch.setattr(kmod, "OVERFLOW_ALIGN", 1)
+    monkeypatch.setattr(kmod, "OVERFLOW_FIRST_ROWS", 6)
+    assert kmod.overflow_blocks(41, 4) == [(4, 6), (10, 11), (21, 11), (32, 9)]
+    assert kmod.overflow_blocks(41, 0) == [(0, 6), (6, 12), (18, 12), (30, 11)]
+    assert kmod.overflow_blocks(41, 38) == [(38, 3)] and kmod.overflow_blocks(41, 41) == []
+    hidden, weight, target, b = _inputs((41,), 32, 300, dtype, device, frac=1.0, bias=bias)
+    target[torch.randperm(41, device=device)[:23]] = IGN  # 18 valid: 6 past the bound in block 1, 8 in block 2
+    _simulate_bounded_capture(monkeypatch, 4)
+    g = torch.randn(target.shape, device=device) if reduction == "none" else None
+    _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, grad_out=g)
+    assert path_spy == ["bounded", "sized"] + ["graph-safe"] * 4
+    target[(target != IGN).nonzero()[4:, 0]] = IGN  # 4 valid: the count at the bound
+    path_spy.clear()
+    out = _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, grad_out=g)
+    assert path_spy == ["bounded", "sized"] + ["graph-safe"] * 4
+    path_spy.clear()
+    want = _check(hidden, weight, target, b, reduction=reduction, label_smoothing=ls, grad_out=g, max_valid=4)
+    assert path_spy == ["sized"]
+    for got, exp in zip(out, want):
+        torch.testing.assert_close(got, exp, rtol=0, atol=0)
 
 
 # z_loss: PaLM's z lse**2 a valid row, through every backward (the kernels take lse - log1p(2 z lse)).
@@ -898,10 +930,20 @@ def test_gpu_cuda_graph_capture_follows_the_data():
 def test_gpu_captured_mlm_takes_the_bounded_backward(monkeypatch, path_spy):
     # The default call captured after an eager warm-up at 15%: the bounded backward (capacity 15% + 8 standard
     # deviations), replayed below its bound, above it (50%, every target valid: the overflow rows through the
-    # graph-safe kernels) and with every target ignored; bit for bit the same call run eagerly on the same path
-    # (capture simulated there), and within the bf16 rule of the reference above the bound.
+    # graph-safe kernels, in blocks each captured in an IF node, two and four of them taken) and with every target
+    # ignored; bit for bit the same call run eagerly on the same path (capture simulated there: every block
+    # launched), and within the bf16 rule of the reference above the bound.
     mll = importlib.import_module("pykernels.masked_lm_loss")
     monkeypatch.setattr(mll, "_VALID_SEEN", mll._ValidSeen())
+    from pykernels._kernels import _tuning
+    real_if, took_if = _tuning.graph_if, []
+
+    @contextlib.contextmanager
+    def graph_if(*args):
+        with real_if(*args) as captured:
+            took_if.append(captured)
+            yield captured
+    monkeypatch.setattr(_tuning, "graph_if", graph_if)
     hidden, weight, target, b = _inputs((4096,), 256, 8192, torch.bfloat16, "cuda", frac=0.15, bias=True)
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
@@ -919,8 +961,10 @@ def test_gpu_captured_mlm_takes_the_bounded_backward(monkeypatch, path_spy):
 
     _capture_replay_compare(step, eager_step, static_t, (0.15, 0.5, 0.0, 1.0))
     assert "bounded" in path_spy and "dense" not in path_spy
+    # IF nodes captured (True) where the CUDA extension is built, the eager blocks launched as issued (False)
+    assert (True in took_if) == cuda_built() and False in took_if, took_if
     bound = mll._VALID_SEEN.bound(h.device, 4096)
-    assert 614 < bound < 4096 * 0.25
+    assert 614 < bound < 4096 * 0.25 and len(kmod.overflow_blocks(4096, bound)) == 4
     monkeypatch.setattr(mll, "capturing", lambda device=None: True)
     over = _inputs((4096,), 8, 8192, torch.bfloat16, "cuda", frac=0.5)[2]
     assert int((over != IGN).sum()) > bound

@@ -2,10 +2,11 @@
 graph-safe overflow pass costs when no row is past the bound, and the memory of a captured call.
 
 For BERT-base MLM (16384 tokens, 2446 masked, H 768, V 30522, bf16) after an eager warm-up, a forward+backward
-replayed from a CUDA graph (``do_bench_cudagraph``) for: the default call (the bounded backward) with the overflow
-pass's dlogits budget ``DLOGITS_BUDGET_BYTES`` at 64 (the default), 128 and 256 MiB (fewer vocabulary chunks, so
-fewer launches with nothing to do), ``max_valid`` at the bounded call's capacity (the capacity pass alone: the
-difference is the overflow pass) and at N / 5, and ``graph_safe=True``. Memory: the peak above the inputs of one
+replayed from a CUDA graph (``do_bench_cudagraph``) for: the default call (the bounded backward, its overflow pass in
+row blocks captured in IF nodes), the same with IF nodes off (every block launched, its programs exiting), the
+bounded backward at a capacity 192-255 rows below the valid count (the overflow pass's rows run at replay),
+``max_valid`` at the bounded call's capacity (the capacity pass alone: the difference is the overflow pass) and at
+N / 5, and ``graph_safe=True``. Memory: the peak above the inputs of one
 forward+backward on the path a capture takes, its gradients included (capture simulated:
 ``pykernels.masked_lm_loss.capturing`` answers True; the graph's pool holds at least that much). run391-393's peaks
 were taken with the previous step's gradients (69 MiB, freed by the step) in the base: 69 MiB low.
@@ -52,31 +53,36 @@ def main() -> int:
     env = common.env_record()
     lines = [", ".join(f"{k} {v}" for k, v in env.items()),
              f"BERT-base MLM {n} x {case.h}, V {case.v}, {case.m} valid; bounded capacity {bound} rows"]
-    default_budget = kmod.DLOGITS_BUDGET_BYTES
+    tuning = importlib.import_module("pykernels._kernels._tuning")
+    m = int((target != -100).sum())
+    short = (m - 192) // kmod.OVERFLOW_ALIGN * kmod.OVERFLOW_ALIGN  # a capacity below the count: overflow rows run
     rows = []
-    for label, kw, budget in (
-            ("default (bounded), overflow budget 64 MiB", {}, 64),
-            ("default (bounded), overflow budget 128 MiB", {}, 128),
-            ("default (bounded), overflow budget 256 MiB", {}, 256),
-            (f"max_valid={bound} (the capacity pass alone)", {"max_valid": bound}, 64),
-            (f"max_valid={n // 5} (N / 5)", {"max_valid": n // 5}, 64),
-            ("graph_safe=True", {"graph_safe": True}, 64)):
-        kmod.DLOGITS_BUDGET_BYTES = budget * 2**20
+    for label, kw, no_if, cap in (
+            ("default (bounded, overflow blocks in IF nodes)", {}, False, bound),
+            ("default (bounded), IF nodes off: every block launched", {}, True, bound),
+            (f"bounded at capacity {short}: {m - short} rows past it", {}, False, short),
+            (f"max_valid={bound} (the capacity pass alone)", {"max_valid": bound}, False, bound),
+            (f"max_valid={n // 5} (N / 5)", {"max_valid": n // 5}, False, bound),
+            ("graph_safe=True", {"graph_safe": True}, False, bound)):
+        real_bound, real_capturing = mll._VALID_SEEN.bound, mll.capturing
+        mll._VALID_SEEN.bound = lambda dev, n, _cap=cap: _cap
+        if no_if:
+            tuning._NO_IF_NODES.append("probe: IF nodes off")
         try:
             step = call(**kw)
             step()
             ms = float(triton.testing.do_bench_cudagraph(step, rep=30))
-            real = mll.capturing
             mll.capturing = lambda device=None: True  # the captured path, run eagerly for its peak
-            try:
-                h.grad = w.grad = None  # (run391-393 measured with the last step's gradients, 69 MiB, in the base)
-                peak = common.peak_extra_mib(step)
-            finally:
-                mll.capturing = real
-            rows.append(f"{label:48s} replay {ms:7.3f} ms   peak extra (captured path) {peak:6.1f} MiB")
+            h.grad = w.grad = None  # (run391-393 measured with the last step's gradients, 69 MiB, in the base)
+            peak = common.peak_extra_mib(step)
         finally:
-            kmod.DLOGITS_BUDGET_BYTES = default_budget
+            mll._VALID_SEEN.bound, mll.capturing = real_bound, real_capturing
+            if no_if:
+                tuning._NO_IF_NODES.remove("probe: IF nodes off")
+        rows.append(f"{label:56s} replay {ms:7.3f} ms   peak extra (captured path) {peak:6.1f} MiB")
         print(rows[-1], flush=True)
+    lines.append(f"IF nodes: {'yes' if not tuning._NO_IF_NODES else tuning._NO_IF_NODES[0]}; overflow blocks of "
+                 f"{[r for _, r in kmod.overflow_blocks(n, bound)]} rows")
     text = "\n".join(lines + rows) + "\n"
     out = os.environ.get("OUT")
     if out:
