@@ -28,11 +28,12 @@ two gradient GEMMs. Under CUDA-graph capture, or with ``graph_safe=True``, it ru
 ``range(0, count, BLOCK_K)``; nothing waits, and the op replays from a graph with any valid count. A captured
 call whose eager warm-up left a valid count (``pykernels.masked_lm_loss._ValidSeen``) runs, unless it names
 ``graph_safe=True``, :func:`masked_lm_loss_bwd_bounded` for a capacity of that count plus 8 standard deviations
-(the sized backward in capacity mode for up to that many rows, then the graph-safe kernels over the rows past it,
-adding into the same dweight / dbias: exact for any count, and where no row is past it those kernels' programs
-exit at once; H200 run393, BERT-base replayed: 0.902 ms against 2.127 graph-safe and the capacity pass's 0.844
-alone: its programs walk the row blocks by a stride, ``OVERFLOW_ROW_PROGRAMS``), or the dense backward below
-where the capacity is at least 90% of N.
+(the sized backward in capacity mode for up to that many rows, then the graph-safe kernels over the rows past it
+in a few row blocks, adding into the same dweight / dbias: exact for any count; each block is an IF node of the
+captured graph (csrc/graph_if.cu, ``_tuning.graph_if``), run at replay only where a row reaches it, so with no row
+past the capacity a replay pays one one-thread kernel for the whole overflow pass; H200 run402, BERT-base replayed:
+0.839 ms at 97.6 MiB above the inputs, against the capacity pass's 0.844 alone and 2.133 graph-safe), or the dense
+backward below where the capacity is at least 90% of N.
 With ``dense=True`` (the causal LM, nearly every target valid) it runs :func:`masked_lm_loss_bwd_dense`:
 the sized backward with M = N, every position a row and the ignored ones masked (zero upstream
 gradient, lse +inf); nothing waits and every shape is known on the host, so it also replays from a
@@ -1498,7 +1499,9 @@ def masked_lm_loss_bwd_sized(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
 # programs a call that only exit where no row is past the bound (the common case): H200 run391, 0.948 ms replayed
 # against the capacity pass's 0.842 alone; with 16 row programs 0.902 against 0.844 (run393;
 # ``benchmarks/dev/mlm_bounded_probe.py``). Since then the pass is in row blocks, each captured in an IF node of the
-# graph (``_tuning.graph_if``) where torch can, so with no row past the bound a replay skips its launches.
+# graph where the CUDA extension is built (``_tuning.graph_if``), so with no row past the bound a replay skips its
+# launches: 0.839 against 0.844 for the capacity pass alone, and 97.6 MiB above the inputs (the blocks share one
+# block's buffers) where one pass sized for every overflow row took 169 (run402); 1.032 ms with every block launched.
 OVERFLOW_ROW_PROGRAMS = 1 if _INTERPRET else 16  # (one: the interpreter walks several row blocks a program)
 OVERFLOW_BLOCKS = 4       # the overflow rows (N - bound of them) are taken in at most this many blocks of rows:
 OVERFLOW_FIRST_ROWS = 512  # a first block this small (an overflow past 8 standard deviations is usually a few

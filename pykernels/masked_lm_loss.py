@@ -222,15 +222,18 @@ class _ValidSeen:
     * the dense one (what ``dense=True`` runs) where that capacity is at least ``DENSE_FROM`` of N (a causal LM's
       warm-up: every position a row, no gather);
     * else the bounded one (``masked_lm_loss_bwd_bounded``): the capacity backward (``max_valid``'s cuBLAS path)
-      for up to ``bound`` rows, and the graph-safe kernels for any rows past it (usually none: their programs exit
-      at once);
+      for up to ``bound`` rows, and the graph-safe kernels for any rows past it in a few row blocks, each an IF
+      node of the captured graph run only where a row reaches it (usually none);
     * without a hint (no eager call of that N), graph-safe, as is a call that names ``graph_safe=True``.
 
     All three are exact for any count at replay (the hint only picks the faster). H200, replayed from a CUDA graph:
     GPT-2, every row valid, dense 4.07 against graph-safe 11.92 ms (run387); BERT-base at 15%, bounded 0.978 ms against
     graph-safe 2.17 and ``max_valid``'s 0.905 for a capacity of 20% of N (run390); 0.902 against 2.127 since the
-    overflow pass's programs walk row blocks by a stride (run393: the capacity pass alone 0.844, so the graph-safe
-    pass costs ~0.06 ms of launches with no row past the bound). The eager warm-up that capture needs anyway
+    overflow pass's programs walk row blocks by a stride (run393: the capacity pass alone 0.844, so ~0.06 ms of
+    launches with no row past the bound, and 169 MiB above the inputs); 0.839 at 97.6 MiB since the overflow rows
+    are blocks in IF nodes (run402: the capacity pass alone 0.844 in that call; 1.649 ms where 206 rows are past
+    the bound; 1.032 with the IF nodes off, where the CUDA extension is not built). The eager warm-up that capture
+    needs anyway
     (``torch.cuda.graph``, ``torch.compile``'s CUDA graphs) leaves the hint."""
 
     DENSE_FROM = 0.9
@@ -585,10 +588,11 @@ def masked_lm_loss(hidden: Tensor, weight: Tensor, target: Tensor, *, bias: Tens
             ``mode="reduce-overhead"``) never waits either; its backward follows the valid count of the last
             eager backward of as many positions (the warm-up before the capture): for a capacity of that count
             plus 8 binomial standard deviations, the bounded backward (``max_valid``'s path for the capacity, the
-            graph-safe kernels for any rows past it; H200, BERT-base MLM: 0.90 against 2.13 ms replayed), or the
-            ``dense`` one where that capacity is at least 90% of N, as a causal LM's (GPT-2 size: 4.2 against
-            9.0 ms); graph-safe without a warm-up. Each is exact for any count at replay (past the capacity,
-            dweight and dbias are rounded twice); ``graph_safe=True`` named keeps the graph-safe backward.
+            graph-safe kernels for any rows past it, skipped at replay where there are none; H200, BERT-base MLM:
+            0.84 against 2.13 ms replayed), or the ``dense`` one where that capacity is at least 90% of N, as a
+            causal LM's (GPT-2 size: 4.2 against 9.0 ms); graph-safe without a warm-up. Each is exact for any
+            count at replay (past the capacity, dweight and dbias are rounded once more a block of overflow rows:
+            twice for up to 512 rows past it); ``graph_safe=True`` named keeps the graph-safe backward.
         dense: Triton path only. True: the backward runs over every position as if all were valid, the
             ignored ones getting exactly zero gradient (their upstream gradient is masked to 0), with
             the sized backward's cuBLAS GEMMs: nothing waits for the device and the call can be captured
