@@ -618,11 +618,28 @@ def _tiny_roberta(name):
     return config
 
 
-MLM_CASES = ("bert-mlm", "bert-pretraining", "roberta", "xlm-roberta", "camembert")
+def _tiny_mlm(name):
+    """A tiny ELECTRA (its generator: embeddings narrower than the hidden size) or DeBERTa config (the current head:
+    dense, act, LayerNorm, the word embeddings and the head's bias; "-legacy": BERT's cls.predictions), no dropout."""
+    def config(**kw):
+        common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=37, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0, **kw)
+        if name == "electra":
+            return transformers.ElectraConfig(embedding_size=16, **common)
+        cls = transformers.DebertaConfig if name.startswith("deberta-v1") else transformers.DebertaV2Config
+        return cls(legacy=name.endswith("-legacy"), **common)
+    return config
+
+
+MLM_CASES = ("bert-mlm", "bert-pretraining", "roberta", "xlm-roberta", "camembert", "electra", "deberta-v1",
+             "deberta-v2", "deberta-v2-legacy")
 LM_CASES = {"bert-mlm": (AutoModelForMaskedLM, bert_config, "bert"),
             "bert-pretraining": (BertForPreTraining, bert_config, "bert"),
             **{name: (AutoModelForMaskedLM, _tiny_roberta(name), "other")
                for name in ("roberta", "xlm-roberta", "camembert")},
+            **{name: (AutoModelForMaskedLM, _tiny_mlm(name), "other")
+               for name in ("electra", "deberta-v1", "deberta-v2", "deberta-v2-legacy")},
             "gpt2": (AutoModelForCausalLM, gpt2_config, "gpt2"), "llama": (AutoModelForCausalLM, llama_config, "llama"),
             **{name: (AutoModelForCausalLM, _tiny_causal(name), "other")
                for name in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "opt")}}

@@ -337,14 +337,16 @@ def fuse_residual_layer_norms(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # The LM heads whose loss fuse_lm_loss computes with pykernels.masked_lm_loss, by model class: "mlm" (BERT's
-# transform, or RoBERTa's dense / gelu / layer_norm, then the tied decoder with its bias; HF's mean over the labelled
+# transform, RoBERTa's dense / gelu / layer_norm, ELECTRA's generator predictions or DeBERTa's dense / act / LayerNorm,
+# then the tied decoder or word embeddings with the head's bias: ``_mlm_head``; HF's mean over the labelled
 # tokens), "pretraining" (that plus
 # next-sentence prediction) and "causal" (the tied or untied output embedding applied to the base model's last hidden
 # state as it is, labels shifted; HF's ForCausalLMLoss, which divides by ``num_items_in_batch`` when the trainer passes
 # it). Each was compared with transformers' own loss (tests/test_integrations_transformers.py). Heads that scale or
 # soft-cap their logits (Gemma 2 and 3, Cohere, Granite) are not in it.
 LM_LOSS_CLASSES = {"BertForMaskedLM": "mlm", "BertForPreTraining": "pretraining", "RobertaForMaskedLM": "mlm",
-                   "XLMRobertaForMaskedLM": "mlm", "CamembertForMaskedLM": "mlm", "GPT2LMHeadModel": "causal",
+                   "XLMRobertaForMaskedLM": "mlm", "CamembertForMaskedLM": "mlm", "ElectraForMaskedLM": "mlm",
+                   "DebertaForMaskedLM": "mlm", "DebertaV2ForMaskedLM": "mlm", "GPT2LMHeadModel": "causal",
                    "LlamaForCausalLM": "causal", "MistralForCausalLM": "causal", "Qwen2ForCausalLM": "causal",
                    "Qwen3ForCausalLM": "causal", "Phi3ForCausalLM": "causal", "GemmaForCausalLM": "causal",
                    "GPTNeoXForCausalLM": "causal", "OPTForCausalLM": "causal"}
@@ -367,15 +369,25 @@ def _call_arguments(sig, model, args, kwargs) -> dict:
     return named
 
 
-def _mlm_head(model) -> tuple[torch.nn.Module, Callable]:
-    """(decoder, transform) of a BERT-family masked-LM head: BERT's ``cls.predictions`` (its ``transform`` module),
-    or RoBERTa's ``lm_head`` (``layer_norm(gelu(dense(x)))`` with the ``gelu`` its own module calls)."""
+def _mlm_head(model) -> tuple[torch.Tensor, torch.Tensor | None, Callable]:
+    """(weight, bias, transform) of a BERT-family masked-LM head, as the model's forward applies them: BERT's (and
+    legacy DeBERTa's) ``cls.predictions`` (its ``transform`` module, then ``decoder``); RoBERTa's ``lm_head``
+    (``layer_norm(gelu(dense(x)))`` with the ``gelu`` its own module calls, then ``decoder``); ELECTRA's generator
+    (``generator_predictions``, then ``generator_lm_head``); DeBERTa's ``lm_predictions.lm_head``
+    (``LayerNorm(act(dense(x)))``, then the word embeddings and the head's own bias)."""
     if hasattr(model, "cls"):
         pred = model.cls.predictions
-        return pred.decoder, pred.transform
+        return pred.decoder.weight, pred.decoder.bias, pred.transform
+    if hasattr(model, "generator_lm_head"):
+        head = model.generator_lm_head
+        return head.weight, head.bias, model.generator_predictions
+    if hasattr(model, "lm_predictions"):
+        head = model.lm_predictions.lm_head
+        return (model.deberta.embeddings.word_embeddings.weight, head.bias,
+                lambda x: head.LayerNorm(head.transform_act_fn(head.dense(x))))
     head = model.lm_head
     act = sys.modules[type(head).__module__].gelu
-    return head.decoder, lambda x: head.layer_norm(act(head.dense(x)))
+    return head.decoder.weight, head.decoder.bias, lambda x: head.layer_norm(act(head.dense(x)))
 
 
 def _fused_lm_loss_forward(self, *args, **kwargs):
@@ -399,15 +411,15 @@ def _fused_lm_loss_forward(self, *args, **kwargs):
     out = getattr(self, self.base_model_prefix)(**named, return_dict=True)
     h = out[0]
     if kind == "causal":
-        head, transform = self.get_output_embeddings(), None
+        head = self.get_output_embeddings()
+        weight, bias, transform = head.weight, head.bias, None
         target = pykernels.shift_labels(labels)
     else:
-        head, transform = _mlm_head(self)
+        weight, bias, transform = _mlm_head(self)
         target = labels
-        num_items = None  # (transformers' BERT losses are the plain mean over the labelled tokens)
+        num_items = None  # (transformers' BERT-family losses are the plain mean over the labelled tokens)
     if transform is not None:
         h = transform(h)
-    weight, bias = head.weight, head.bias
     if torch.is_autocast_enabled(h.device.type):  # the dtype autocast would give the head's matmul
         dtype = torch.get_autocast_dtype(h.device.type)
     else:
@@ -444,8 +456,8 @@ def fuse_lm_loss(model: torch.nn.Module, *, z_loss: float = 0.0, label_smoothing
     the next-sentence loss), and ``.logits`` is None. Calls without labels, and calls in eval mode unless
     ``in_eval=True``, run the model's own forward (logits and all).
 
-    Models: :data:`LM_LOSS_CLASSES` (``BertForMaskedLM``, ``BertForPreTraining``, the RoBERTa, XLM-R and CamemBERT
-    masked LMs, ``GPT2LMHeadModel``, and the Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, GPT-NeoX and OPT causal
+    Models: :data:`LM_LOSS_CLASSES` (``BertForMaskedLM``, ``BertForPreTraining``, the RoBERTa, XLM-R, CamemBERT,
+    ELECTRA (its generator), DeBERTa and DeBERTa-v2 masked LMs (``config.legacy`` either way), ``GPT2LMHeadModel``, and the Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, GPT-NeoX and OPT causal
     LMs). The module keeps its parameters, names and ``state_dict`` (weight tying included); only
     its class changes, to a subclass ``FusedLoss<Name>``. The keywords go to :func:`pykernels.masked_lm_loss`
     (``z_loss``, ``label_smoothing``, ``max_valid``, ``dense``, ``graph_safe``, ``backend``); under autocast the
