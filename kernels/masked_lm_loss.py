@@ -1542,9 +1542,9 @@ def masked_lm_loss_bwd_bounded(grad_loss: torch.Tensor, hidden: torch.Tensor, we
       :func:`masked_lm_loss_bwd` over ``rows[bound:]`` in the blocks of :func:`overflow_blocks` (one dlogits
       buffer of ``SIZED_DLOGITS_BUDGET_BYTES`` and one accumulator serve every block), adding into the first
       pass's dweight / dbias and writing dhidden at their own positions (which the first pass left alone).
-      Under a torch CUDA-graph capture each block is an IF node nested in the one before it, taken at replay
-      only where a row is past the block's start: with no row past the bound a replay runs one one-thread
-      kernel for the whole pass. Elsewhere every block is launched and, with no row in it, its programs exit
+      Captured in a CUDA graph (the CUDA extension built) each block is an IF node nested in the one before it,
+      taken at replay only where a row is past the block's start: with no row past the bound a replay runs one
+      one-thread kernel for the whole pass. Elsewhere every block is launched and, with no row in it, its programs exit
       at once; so captured or not, the same kernels run on the same rows (bit for bit the same gradients).
 
     Where rows overflow, dweight and dbias are rounded once a pass with rows (each pass's sum added in the
