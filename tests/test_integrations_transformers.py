@@ -619,27 +619,39 @@ def _tiny_roberta(name):
 
 
 def _tiny_mlm(name):
-    """A tiny ELECTRA (its generator: embeddings narrower than the hidden size) or DeBERTa config (the current head:
-    dense, act, LayerNorm, the word embeddings and the head's bias; "-legacy": BERT's cls.predictions), no dropout."""
+    """A tiny ELECTRA (its generator: embeddings narrower than the hidden size), ALBERT (likewise), DistilBERT,
+    ModernBERT or DeBERTa config (the current head: dense, act, LayerNorm, the word embeddings and the head's bias;
+    "-legacy": BERT's cls.predictions), no dropout."""
     def config(**kw):
+        if name == "distilbert":
+            return transformers.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=37,
+                                                 max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, **kw)
+        if name.startswith("modernbert"):
+            return transformers.ModernBertConfig(
+                vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                sep_token_id=2, attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0,
+                sparse_prediction=name.endswith("-sparse"), **kw)
         common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                       intermediate_size=37, max_position_embeddings=64, hidden_dropout_prob=0.0,
                       attention_probs_dropout_prob=0.0, **kw)
         if name == "electra":
             return transformers.ElectraConfig(embedding_size=16, **common)
+        if name == "albert":
+            return transformers.AlbertConfig(embedding_size=16, **common)
         cls = transformers.DebertaConfig if name.startswith("deberta-v1") else transformers.DebertaV2Config
         return cls(legacy=name.endswith("-legacy"), **common)
     return config
 
 
-MLM_CASES = ("bert-mlm", "bert-pretraining", "roberta", "xlm-roberta", "camembert", "electra", "deberta-v1",
-             "deberta-v2", "deberta-v2-legacy")
+MLM_TINY = ("electra", "albert", "distilbert", "modernbert", "modernbert-sparse", "deberta-v1", "deberta-v2",
+            "deberta-v2-legacy")
+MLM_CASES = ("bert-mlm", "bert-pretraining", "roberta", "xlm-roberta", "camembert", *MLM_TINY)
 LM_CASES = {"bert-mlm": (AutoModelForMaskedLM, bert_config, "bert"),
             "bert-pretraining": (BertForPreTraining, bert_config, "bert"),
             **{name: (AutoModelForMaskedLM, _tiny_roberta(name), "other")
                for name in ("roberta", "xlm-roberta", "camembert")},
-            **{name: (AutoModelForMaskedLM, _tiny_mlm(name), "other")
-               for name in ("electra", "deberta-v1", "deberta-v2", "deberta-v2-legacy")},
+            **{name: (AutoModelForMaskedLM, _tiny_mlm(name), "other") for name in MLM_TINY},
             "gpt2": (AutoModelForCausalLM, gpt2_config, "gpt2"), "llama": (AutoModelForCausalLM, llama_config, "llama"),
             **{name: (AutoModelForCausalLM, _tiny_causal(name), "other")
                for name in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "opt")}}
@@ -745,6 +757,20 @@ def test_fuse_lm_loss_num_items_in_batch_return_dict_and_z_loss():
     torch.testing.assert_close(fused(**batch).loss.double(), base + 0.01 * lse2, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["modernbert", "modernbert-sparse", "bert-mlm"])
+def test_fuse_lm_loss_masked_lm_num_items_in_batch(case):
+    # ModernBERT's loss is transformers' ForMaskedLMLoss: a trainer's num_items_in_batch divides its sum (sparse
+    # prediction or not); BERT's is a plain mean over the labelled tokens, which ignores it. The fused loss does each.
+    fused, eager, _ = _lm_models(case)
+    batch = _lm_batch(case)
+    n = torch.tensor(40)
+    want = eager(**batch, num_items_in_batch=n).loss
+    torch.testing.assert_close(fused(**batch, num_items_in_batch=n).loss, want, rtol=1e-5, atol=1e-6)
+    valid = int((batch["labels"] != -100).sum())
+    scale = valid / 40 if case.startswith("modernbert") else 1.0
+    torch.testing.assert_close(want, eager(**batch).loss * scale, rtol=1e-5, atol=1e-6)
+
+
 def test_fuse_lm_loss_refuses_other_heads_and_bad_options():
     from transformers import AutoModelForSequenceClassification
     with pytest.raises(ValueError, match="fuse_lm_loss covers"):
@@ -759,6 +785,13 @@ def test_fuse_lm_loss_refuses_other_heads_and_bad_options():
     other_loss.loss_type = "ForMaskedLM"  # (a config naming another loss for the model's loss_function)
     with pytest.raises(ValueError, match="ForCausalLMLoss"):
         pk_hf.fuse_lm_loss(other_loss)
+    modern = AutoModelForMaskedLM.from_config(_tiny_mlm("modernbert")())
+    modern.loss_type = "ForCausalLM"
+    with pytest.raises(ValueError, match="ForMaskedLMLoss"):
+        pk_hf.fuse_lm_loss(modern)
+    modern = AutoModelForMaskedLM.from_config(_tiny_mlm("modernbert-sparse")(sparse_pred_ignore_index=0))
+    with pytest.raises(ValueError, match="sparse prediction drops the positions labelled 0"):
+        pk_hf.fuse_lm_loss(modern)
     model = AutoModelForMaskedLM.from_config(bert_config())
     with pytest.raises(ValueError, match="z_loss"):
         pk_hf.fuse_lm_loss(model, z_loss=-1.0)

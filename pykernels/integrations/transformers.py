@@ -338,15 +338,17 @@ def fuse_residual_layer_norms(model: torch.nn.Module) -> torch.nn.Module:
 
 # The LM heads whose loss fuse_lm_loss computes with pykernels.masked_lm_loss, by model class: "mlm" (BERT's
 # transform, RoBERTa's dense / gelu / layer_norm, ELECTRA's generator predictions or DeBERTa's dense / act / LayerNorm,
-# then the tied decoder or word embeddings with the head's bias: ``_mlm_head``; HF's mean over the labelled
-# tokens), "pretraining" (that plus
+# DistilBERT's, ALBERT's or ModernBERT's, then the tied decoder or word embeddings with the head's bias: ``_mlm_head``;
+# HF's mean over the labelled tokens), "mlm-items" (that as transformers' ForMaskedLMLoss, which divides by a
+# trainer's ``num_items_in_batch``: ModernBERT), "pretraining" (that plus
 # next-sentence prediction) and "causal" (the tied or untied output embedding applied to the base model's last hidden
 # state as it is, labels shifted; HF's ForCausalLMLoss, which divides by ``num_items_in_batch`` when the trainer passes
 # it). Each was compared with transformers' own loss (tests/test_integrations_transformers.py). Heads that scale or
 # soft-cap their logits (Gemma 2 and 3, Cohere, Granite) are not in it.
 LM_LOSS_CLASSES = {"BertForMaskedLM": "mlm", "BertForPreTraining": "pretraining", "RobertaForMaskedLM": "mlm",
                    "XLMRobertaForMaskedLM": "mlm", "CamembertForMaskedLM": "mlm", "ElectraForMaskedLM": "mlm",
-                   "DebertaForMaskedLM": "mlm", "DebertaV2ForMaskedLM": "mlm", "GPT2LMHeadModel": "causal",
+                   "DebertaForMaskedLM": "mlm", "DebertaV2ForMaskedLM": "mlm", "DistilBertForMaskedLM": "mlm",
+                   "AlbertForMaskedLM": "mlm", "ModernBertForMaskedLM": "mlm-items", "GPT2LMHeadModel": "causal",
                    "LlamaForCausalLM": "causal", "MistralForCausalLM": "causal", "Qwen2ForCausalLM": "causal",
                    "Qwen3ForCausalLM": "causal", "Phi3ForCausalLM": "causal", "GemmaForCausalLM": "causal",
                    "GPTNeoXForCausalLM": "causal", "OPTForCausalLM": "causal"}
@@ -374,10 +376,21 @@ def _mlm_head(model) -> tuple[torch.Tensor, torch.Tensor | None, Callable]:
     legacy DeBERTa's) ``cls.predictions`` (its ``transform`` module, then ``decoder``); RoBERTa's ``lm_head``
     (``layer_norm(gelu(dense(x)))`` with the ``gelu`` its own module calls, then ``decoder``); ELECTRA's generator
     (``generator_predictions``, then ``generator_lm_head``); DeBERTa's ``lm_predictions.lm_head``
-    (``LayerNorm(act(dense(x)))``, then the word embeddings and the head's own bias)."""
+    (``LayerNorm(act(dense(x)))``, then the word embeddings and the head's own bias); DistilBERT's ``vocab_transform``,
+    ``activation``, ``vocab_layer_norm``, then ``vocab_projector``; ALBERT's ``predictions`` (``LayerNorm(activation(
+    dense(x)))``, then its ``decoder``); ModernBERT's ``head``, then its ``decoder`` (a bias or not)."""
     if hasattr(model, "cls"):
         pred = model.cls.predictions
         return pred.decoder.weight, pred.decoder.bias, pred.transform
+    if hasattr(model, "vocab_projector"):
+        proj = model.vocab_projector
+        return (proj.weight, proj.bias,
+                lambda x: model.vocab_layer_norm(model.activation(model.vocab_transform(x))))
+    if hasattr(model, "predictions"):
+        pred = model.predictions
+        return pred.decoder.weight, pred.decoder.bias, lambda x: pred.LayerNorm(pred.activation(pred.dense(x)))
+    if hasattr(model, "head") and hasattr(model, "decoder"):
+        return model.decoder.weight, model.decoder.bias, model.head
     if hasattr(model, "generator_lm_head"):
         head = model.generator_lm_head
         return head.weight, head.bias, model.generator_predictions
@@ -417,7 +430,9 @@ def _fused_lm_loss_forward(self, *args, **kwargs):
     else:
         weight, bias, transform = _mlm_head(self)
         target = labels
-        num_items = None  # (transformers' BERT-family losses are the plain mean over the labelled tokens)
+        if kind == "mlm":
+            num_items = None  # (their losses are the plain mean over the labelled tokens; "mlm-items" is
+            # transformers' ForMaskedLMLoss, which divides by num_items_in_batch where the trainer passes it)
     if transform is not None:
         h = transform(h)
     if torch.is_autocast_enabled(h.device.type):  # the dtype autocast would give the head's matmul
@@ -432,7 +447,7 @@ def _fused_lm_loss_forward(self, *args, **kwargs):
         rel = self.cls.seq_relationship(out.pooler_output)
         fields["loss"] = loss + torch.nn.functional.cross_entropy(rel.view(-1, 2), nsp_labels.view(-1).to(rel.device))
         fields["seq_relationship_logits"] = rel
-    elif kind == "mlm":
+    elif kind in ("mlm", "mlm-items"):
         from transformers.modeling_outputs import MaskedLMOutput as Output
     elif hasattr(out, "cross_attentions"):
         from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions as Output
@@ -452,13 +467,15 @@ def fuse_lm_loss(model: torch.nn.Module, *, z_loss: float = 0.0, label_smoothing
     and the softmax cross-entropy only at the labelled tokens (BERT's 15%; every next token of a causal LM), fused,
     so the (tokens, vocabulary) logits are never materialised. ``model(..., labels=labels).loss`` is transformers'
     loss (the mean over the labelled tokens; a causal LM's labels shifted inside, and divided by
-    ``num_items_in_batch`` when a trainer passes it, as transformers' ``ForCausalLMLoss`` does; BERT pre-training adds
+    ``num_items_in_batch`` when a trainer passes it, as transformers' ``ForCausalLMLoss`` does, and so is
+    ModernBERT's masked-LM loss, transformers' ``ForMaskedLMLoss``; BERT pre-training adds
     the next-sentence loss), and ``.logits`` is None. Calls without labels, and calls in eval mode unless
     ``in_eval=True``, run the model's own forward (logits and all).
 
     Models: :data:`LM_LOSS_CLASSES` (``BertForMaskedLM``, ``BertForPreTraining``, the RoBERTa, XLM-R, CamemBERT,
-    ELECTRA (its generator), DeBERTa and DeBERTa-v2 masked LMs (``config.legacy`` either way), ``GPT2LMHeadModel``, and the Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, GPT-NeoX and OPT causal
-    LMs). The module keeps its parameters, names and ``state_dict`` (weight tying included); only
+    ELECTRA (its generator), DeBERTa and DeBERTa-v2 (``config.legacy`` either way), DistilBERT, ALBERT and
+    ModernBERT masked LMs, ``GPT2LMHeadModel``, and the Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, GPT-NeoX and OPT
+    causal LMs). The module keeps its parameters, names and ``state_dict`` (weight tying included); only
     its class changes, to a subclass ``FusedLoss<Name>``. The keywords go to :func:`pykernels.masked_lm_loss`
     (``z_loss``, ``label_smoothing``, ``max_valid``, ``dense``, ``graph_safe``, ``backend``); under autocast the
     head runs in autocast's dtype, as its ``nn.Linear`` would. ``logits_to_keep`` other than 0 takes the model's
@@ -480,6 +497,15 @@ def fuse_lm_loss(model: torch.nn.Module, *, z_loss: float = 0.0, label_smoothing
         if getattr(model, "loss_function", None) is not ForCausalLMLoss:
             raise ValueError(f"model: fuse_lm_loss computes transformers' ForCausalLMLoss, but {base.__name__}'s "
                              f"loss_function is {getattr(model, 'loss_function', None)!r}")
+    if kind == "mlm-items":
+        from transformers.loss.loss_utils import ForMaskedLMLoss
+        if getattr(model, "loss_function", None) is not ForMaskedLMLoss:
+            raise ValueError(f"model: fuse_lm_loss computes transformers' ForMaskedLMLoss, but {base.__name__}'s "
+                             f"loss_function is {getattr(model, 'loss_function', None)!r}")
+        config = model.config
+        if getattr(config, "sparse_prediction", False) and getattr(config, "sparse_pred_ignore_index", -100) != -100:
+            raise ValueError("model: fuse_lm_loss ignores the labels -100; this config's sparse prediction drops the "
+                             f"positions labelled {config.sparse_pred_ignore_index} instead")
     options = dict(z_loss=z_loss, label_smoothing=label_smoothing, max_valid=max_valid, dense=dense,
                    graph_safe=graph_safe, backend=backend)
     from pykernels.masked_lm_loss import check_options
