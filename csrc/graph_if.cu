@@ -7,10 +7,12 @@
 // current stream becomes one capturing that node's body until graph_if_end. Torch 2.11 has no such API
 // (CUDAGraph.begin_capture_to_if_node came later); this is the same construction for one predicate: a handle
 // of the capturing graph, the setter kernel, the conditional node made the stream's only dependency, and the
-// body captured on a pool stream not capturing already. Nothing may be allocated inside a body: the caching allocator serves the
-// graph's pool only to streams capturing the graph itself, so the body's launches use buffers made before it.
+// body captured on a pool stream not capturing already. Nothing may be allocated inside a body: the caching
+// allocator serves the graph's pool only to streams capturing the graph itself, so the body's launches use buffers
+// made before it.
 #include <torch/extension.h>
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -35,10 +37,6 @@ struct Body {
 };
 thread_local std::vector<Body> bodies;  // the open bodies, innermost last
 
-void check(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "graph_if: ", what, " failed: ", cudaGetErrorString(err));
-}
-
 // Whether an IF node was added (the current stream capturing); false otherwise, having done nothing.
 bool graph_if_begin(const at::Tensor& count, int64_t start, int64_t length, const at::Tensor& out) {
   TORCH_CHECK(count.is_cuda() && count.scalar_type() == at::kInt && count.numel() >= 1,
@@ -49,25 +47,23 @@ bool graph_if_begin(const at::Tensor& count, int64_t start, int64_t length, cons
   c10::cuda::CUDAGuard guard(count.device());
   const c10::cuda::CUDAStream parent = c10::cuda::getCurrentCUDAStream();
   cudaStreamCaptureStatus status{};
-  check(cudaStreamIsCapturing(parent.stream(), &status), "cudaStreamIsCapturing");
+  C10_CUDA_CHECK(cudaStreamIsCapturing(parent.stream(), &status));
   if (status != cudaStreamCaptureStatusActive) return false;
 #if CUDART_VERSION >= 12040
   cudaGraph_t graph{};
-  check(cudaStreamGetCaptureInfo(parent.stream(), &status, nullptr, &graph), "cudaStreamGetCaptureInfo");
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(parent.stream(), &status, nullptr, &graph));
   cudaGraphConditionalHandle handle{};
-  check(cudaGraphConditionalHandleCreate(&handle, graph, 0, 0), "cudaGraphConditionalHandleCreate");
+  C10_CUDA_CHECK(cudaGraphConditionalHandleCreate(&handle, graph, 0, 0));
   graph_if_set_kernel<<<1, 1, 0, parent.stream()>>>(handle, count.data_ptr<int>(), start, length,
                                                      out.data_ptr<int>());
-  check(cudaGetLastError(), "the IF node's setter kernel");
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   const cudaGraphNode_t* deps = nullptr;  // (the setter kernel, the stream's dependency now)
   const cudaGraphEdgeData* edges = nullptr;
   size_t n_deps = 0;
 #if CUDART_VERSION >= 13000
-  check(cudaStreamGetCaptureInfo(parent.stream(), &status, nullptr, &graph, &deps, &edges, &n_deps),
-        "cudaStreamGetCaptureInfo");
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(parent.stream(), &status, nullptr, &graph, &deps, &edges, &n_deps));
 #else
-  check(cudaStreamGetCaptureInfo_v3(parent.stream(), &status, nullptr, &graph, &deps, &edges, &n_deps),
-        "cudaStreamGetCaptureInfo_v3");
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo_v3(parent.stream(), &status, nullptr, &graph, &deps, &edges, &n_deps));
 #endif
   cudaGraphNodeParams params{};
   params.type = cudaGraphNodeTypeConditional;
@@ -76,29 +72,27 @@ bool graph_if_begin(const at::Tensor& count, int64_t start, int64_t length, cons
   params.conditional.size = 1;
   cudaGraphNode_t node{};
 #if CUDART_VERSION >= 13000
-  check(cudaGraphAddNode(&node, graph, deps, edges, n_deps, &params), "cudaGraphAddNode");
-  check(cudaStreamUpdateCaptureDependencies(parent.stream(), &node, nullptr, 1, cudaStreamSetCaptureDependencies),
-        "cudaStreamUpdateCaptureDependencies");
+  C10_CUDA_CHECK(cudaGraphAddNode(&node, graph, deps, edges, n_deps, &params));
+  C10_CUDA_CHECK(
+      cudaStreamUpdateCaptureDependencies(parent.stream(), &node, nullptr, 1, cudaStreamSetCaptureDependencies));
 #else
-  check(cudaGraphAddNode_v2(&node, graph, deps, edges, n_deps, &params), "cudaGraphAddNode_v2");
-  check(cudaStreamUpdateCaptureDependencies_v2(parent.stream(), &node, nullptr, 1,
-                                               cudaStreamSetCaptureDependencies),
-        "cudaStreamUpdateCaptureDependencies_v2");
+  C10_CUDA_CHECK(cudaGraphAddNode_v2(&node, graph, deps, edges, n_deps, &params));
+  C10_CUDA_CHECK(
+      cudaStreamUpdateCaptureDependencies_v2(parent.stream(), &node, nullptr, 1, cudaStreamSetCaptureDependencies));
 #endif
   // a pool stream not capturing already (the pool is round-robin, and torch.cuda.Stream() and torch.cuda.graph's
   // capture stream come from it too: run399's probe drew the capturing stream itself)
   c10::cuda::CUDAStream child = c10::cuda::getStreamFromPool(false, count.device().index());
   for (int tries = 0;; ++tries) {
     cudaStreamCaptureStatus child_status{};
-    check(cudaStreamIsCapturing(child.stream(), &child_status), "cudaStreamIsCapturing");
+    C10_CUDA_CHECK(cudaStreamIsCapturing(child.stream(), &child_status));
     if (child_status == cudaStreamCaptureStatusNone) break;
     TORCH_CHECK(tries < 64, "graph_if: no stream of torch's pool is free to capture an IF node's body");
     child = c10::cuda::getStreamFromPool(false, count.device().index());
   }
   // thread-local mode: an unsafe call from this thread (a cudaMalloc) inside the body fails instead of slipping in
-  check(cudaStreamBeginCaptureToGraph(child.stream(), params.conditional.phGraph_out[0], nullptr, nullptr, 0,
-                                      cudaStreamCaptureModeThreadLocal),
-        "cudaStreamBeginCaptureToGraph");
+  C10_CUDA_CHECK(cudaStreamBeginCaptureToGraph(child.stream(), params.conditional.phGraph_out[0], nullptr, nullptr,
+                                              0, cudaStreamCaptureModeThreadLocal));
   bodies.push_back({parent, child});
   c10::cuda::setCurrentCUDAStream(child);
   return true;
@@ -114,7 +108,7 @@ void graph_if_end() {
   cudaGraph_t graph{};
   const cudaError_t err = cudaStreamEndCapture(body.child.stream(), &graph);
   c10::cuda::setCurrentCUDAStream(body.parent);
-  check(err, "cudaStreamEndCapture");
+  C10_CUDA_CHECK(err);
 }
 
 }  // namespace

@@ -71,20 +71,16 @@ def capturing(device=None) -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-_NO_IF_NODES: list[str] = []  # why this process captures no IF nodes (empty: it does, or has not tried)
-_GRAPH_IF = []                # the CUDA extension's (graph_if_begin, graph_if_end), once imported
-
-
-def _graph_if_fns():
-    """The CUDA extension's IF-node functions (csrc/graph_if.cu), or None where it is not built."""
-    if not _GRAPH_IF and not _NO_IF_NODES:
-        try:
-            import importlib
-            ext = importlib.import_module("pykernels._C")
-            _GRAPH_IF.extend((ext.graph_if_begin, ext.graph_if_end))
-        except (ImportError, AttributeError) as err:
-            _NO_IF_NODES.append(f"the CUDA extension pykernels._C has no graph_if ({type(err).__name__}: {err})")
-    return tuple(_GRAPH_IF) if _GRAPH_IF and not _NO_IF_NODES else None
+@functools.lru_cache(maxsize=None)
+def graph_if_support() -> tuple[tuple | None, str | None]:
+    """((graph_if_begin, graph_if_end), None): the CUDA extension's IF-node functions (csrc/graph_if.cu); or
+    (None, why not) where it is not built."""
+    try:
+        import importlib
+        ext = importlib.import_module("pykernels._C")
+        return (ext.graph_if_begin, ext.graph_if_end), None
+    except (ImportError, AttributeError) as err:
+        return None, f"the CUDA extension pykernels._C has no graph_if ({type(err).__name__}: {err})"
 
 
 @contextlib.contextmanager
@@ -101,7 +97,7 @@ def graph_if(count, start: int, length: int, out):
     is 0 (its kernels exit with nothing to do), as the masked-LM loss's overflow blocks do. Nothing may be allocated
     inside a captured block (the caching allocator serves the graph's pool only to the graph's own stream): make
     its buffers before it. Blocks nest."""
-    fns = _graph_if_fns() if count.is_cuda and capturing(count.device) else None
+    fns = graph_if_support()[0] if count.is_cuda and capturing(count.device) else None
     if fns is not None and fns[0](count, int(start), int(length), out):
         try:
             yield True

@@ -66,8 +66,9 @@ def main() -> int:
             ("graph_safe=True", {"graph_safe": True}, False, bound)):
         real_bound, real_capturing = mll._VALID_SEEN.bound, mll.capturing
         mll._VALID_SEEN.bound = lambda dev, n, _cap=cap: _cap
+        real_support = tuning.graph_if_support
         if no_if:
-            tuning._NO_IF_NODES.append("probe: IF nodes off")
+            tuning.graph_if_support = lambda: (None, "probe: IF nodes off")
         try:
             step = call(**kw)
             step()
@@ -77,11 +78,10 @@ def main() -> int:
             peak = common.peak_extra_mib(step)
         finally:
             mll._VALID_SEEN.bound, mll.capturing = real_bound, real_capturing
-            if no_if:
-                tuning._NO_IF_NODES.remove("probe: IF nodes off")
+            tuning.graph_if_support = real_support
         rows.append(f"{label:56s} replay {ms:7.3f} ms   peak extra (captured path) {peak:6.1f} MiB")
         print(rows[-1], flush=True)
-    lines.append(f"IF nodes: {'yes' if not tuning._NO_IF_NODES else tuning._NO_IF_NODES[0]}; overflow blocks of "
+    lines.append(f"IF nodes: {tuning.graph_if_support()[1] or 'yes'}; overflow blocks of "
                  f"{[r for _, r in kmod.overflow_blocks(n, bound)]} rows")
     text = "\n".join(lines + rows) + "\n"
     out = os.environ.get("OUT")

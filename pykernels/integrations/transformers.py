@@ -492,16 +492,14 @@ def fuse_lm_loss(model: torch.nn.Module, *, z_loss: float = 0.0, label_smoothing
                          "may transform its logits, e.g. scale or soft-cap them, which the fused loss would skip)")
     if not isinstance(in_eval, bool):
         raise TypeError(f"in_eval must be a bool, got {type(in_eval).__name__}")
-    if kind == "causal":  # (a config may name another loss for the model's loss_function: the fused one is this one)
-        from transformers.loss.loss_utils import ForCausalLMLoss
-        if getattr(model, "loss_function", None) is not ForCausalLMLoss:
-            raise ValueError(f"model: fuse_lm_loss computes transformers' ForCausalLMLoss, but {base.__name__}'s "
+    # (a config may name another loss for the model's loss_function: the fused one is the kind's)
+    hf_loss = {"causal": "ForCausalLMLoss", "mlm-items": "ForMaskedLMLoss"}.get(kind)
+    if hf_loss is not None:
+        from transformers.loss import loss_utils
+        if getattr(model, "loss_function", None) is not getattr(loss_utils, hf_loss):
+            raise ValueError(f"model: fuse_lm_loss computes transformers' {hf_loss}, but {base.__name__}'s "
                              f"loss_function is {getattr(model, 'loss_function', None)!r}")
     if kind == "mlm-items":
-        from transformers.loss.loss_utils import ForMaskedLMLoss
-        if getattr(model, "loss_function", None) is not ForMaskedLMLoss:
-            raise ValueError(f"model: fuse_lm_loss computes transformers' ForMaskedLMLoss, but {base.__name__}'s "
-                             f"loss_function is {getattr(model, 'loss_function', None)!r}")
         config = model.config
         if getattr(config, "sparse_prediction", False) and getattr(config, "sparse_pred_ignore_index", -100) != -100:
             raise ValueError("model: fuse_lm_loss ignores the labels -100; this config's sparse prediction drops the "
