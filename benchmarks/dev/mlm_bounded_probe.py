@@ -11,7 +11,12 @@ forward+backward on the path a capture takes, its gradients included (capture si
 ``pykernels.masked_lm_loss.capturing`` answers True; the graph's pool holds at least that much). run391-393's peaks
 were taken with the previous step's gradients (69 MiB, freed by the step) in the base: 69 MiB low.
 
-Usage (GPU): ``python benchmarks/dev/mlm_bounded_probe.py`` -> stdout and ``$OUT/mlm_bounded_probe.txt``.
+``--profile``: also each kernel's device time (torch.profiler) in one call of the capacity pass alone and of the
+bounded backward with rows past its capacity, both on the captured path run eagerly (every overflow block launched):
+where the overflow rows' time goes.
+
+Usage (GPU): ``python benchmarks/dev/mlm_bounded_probe.py [--profile]`` -> stdout and
+``$OUT/mlm_bounded_probe.txt``.
 """
 from __future__ import annotations
 
@@ -81,6 +86,21 @@ def main() -> int:
             tuning.graph_if_support = real_support
         rows.append(f"{label:56s} replay {ms:7.3f} ms   peak extra (captured path) {peak:6.1f} MiB")
         print(rows[-1], flush=True)
+    if "--profile" in sys.argv[1:]:
+        for label, kw, cap in ((f"max_valid={bound}", {"max_valid": bound}, bound),
+                               (f"bounded at capacity {short} ({m - short} rows past it)", {}, short)):
+            real_bound, real_capturing = mll._VALID_SEEN.bound, mll.capturing
+            mll._VALID_SEEN.bound = lambda dev, n, _cap=cap: _cap
+            mll.capturing = lambda device=None: True
+            try:
+                step = call(**kw)
+                step()
+                table = sorted(common._device_us(step).items(), key=lambda kv: -kv[1])
+            finally:
+                mll._VALID_SEEN.bound, mll.capturing = real_bound, real_capturing
+            rows.append(f"kernels of one call, {label}: {sum(us for _, us in table):.1f} us")
+            rows += [f"  {us:9.1f} us  {name[:110]}" for name, us in table]
+            print("\n".join(rows[-len(table) - 1:]), flush=True)
     lines.append(f"IF nodes: {tuning.graph_if_support()[1] or 'yes'}; overflow blocks of "
                  f"{[r for _, r in kmod.overflow_blocks(n, bound)]} rows")
     text = "\n".join(lines + rows) + "\n"
