@@ -545,60 +545,98 @@ def _dweight_tile(
 def _dhidden_block(
     w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, start_m, pid_h,
     H, v_off, VC, stride_wv, stride_wh, stride_dl,
-    is_first, is_last, DOT_PRECISION: tl.constexpr,
+    is_first, is_last, c0, c1, split, part_ptr, DOT_PRECISION: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One (BLOCK_A rows from ``start_m``, BLOCK_H columns) tile of ``_dhidden_tile``."""
+    """One (BLOCK_A rows from ``start_m``, BLOCK_H columns) tile of ``_dhidden_tile`` over the chunk's columns
+    [c0, c1). ``split``: the fp32 sum goes as it is to ``part_ptr`` (a split's slot of the partial sums, which
+    ``_dhidden_reduce_kernel`` adds) instead of into the accumulator or dhidden."""
     offs_m = start_m + tl.arange(0, BLOCK_A)
     mask_m = offs_m < count
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     acc = tl.zeros((BLOCK_A, BLOCK_H), tl.float32)
     dl_row = dl_ptr + offs_m.to(tl.int64)[:, None] * stride_dl
-    for k0 in range(0, VC, BLOCK_K):
+    for k0 in range(c0, c1, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < VC
+        mask_k = offs_k < c1
         dl = tl.load(dl_row + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         ww = tl.load(w_ptr + (v_off + offs_k).to(tl.int64)[:, None] * stride_wv + offs_h[None, :] * stride_wh,
                      mask=mask_k[:, None] & mask_h[None, :], other=0.0)
         acc = tl.dot(dl, ww, acc, input_precision=DOT_PRECISION)
     mask = mask_m[:, None] & mask_h[None, :]
     acc_off = offs_m.to(tl.int64)[:, None] * H + offs_h[None, :]
-    if is_first == 0:
-        acc += tl.load(acc_ptr + acc_off, mask=mask, other=0.0)
-    if is_last != 0:
-        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-        tl.store(dh_ptr + rows[:, None] * H + offs_h[None, :], acc.to(dh_ptr.dtype.element_ty), mask=mask)
+    if split:
+        tl.store(part_ptr + acc_off, acc, mask=mask)
     else:
-        tl.store(acc_ptr + acc_off, acc, mask=mask)
+        if is_first == 0:
+            acc += tl.load(acc_ptr + acc_off, mask=mask, other=0.0)
+        if is_last != 0:
+            rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+            tl.store(dh_ptr + rows[:, None] * H + offs_h[None, :], acc.to(dh_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(acc_ptr + acc_off, acc, mask=mask)
 
 
 @triton.jit
 def _dhidden_tile(
     w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, pid_m, pid_h,
     H, v_off, VC, stride_wv, stride_wh, stride_dl,
-    is_first, is_last, m_programs, DOT_PRECISION: tl.constexpr, ROW_LOOP: tl.constexpr,
-    BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    is_first, is_last, m_programs, k_splits, ks, part_ptr, part_rows, DOT_PRECISION: tl.constexpr,
+    ROW_LOOP: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """dh[rows tile, h tile] (+)= dz[rows tile, :VC] W[v_off:v_off+VC, h tile]: fp32 accumulator carried
     across chunks in acc_ptr (compacted rows); the last chunk writes the hidden dtype by position. ROW_LOOP: row
-    block pid_m and every m_programs-th one after it (the grid's row programs may be fewer than the row blocks)."""
+    block pid_m and every m_programs-th one after it (the grid's row programs may be fewer than the row blocks),
+    and with ``k_splits`` > 1 only the ks-th of k_splits even column ranges, its fp32 sum into slot ks of the
+    (k_splits, part_rows, H) partial sums (``_dhidden_reduce_kernel`` adds them in order)."""
     if ROW_LOOP:
+        span = tl.cdiv(tl.cdiv(VC, k_splits), BLOCK_K) * BLOCK_K
+        c0 = ks * span
+        c1 = tl.minimum(VC, c0 + span)
+        part = part_ptr + ks.to(tl.int64) * part_rows * H
         for start_m in range(pid_m * BLOCK_A, count, m_programs * BLOCK_A):
             _dhidden_block(w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, start_m, pid_h, H, v_off, VC,
-                           stride_wv, stride_wh, stride_dl, is_first, is_last, DOT_PRECISION, BLOCK_A, BLOCK_H,
-                           BLOCK_K)
+                           stride_wv, stride_wh, stride_dl, is_first, is_last, c0, c1, k_splits > 1, part,
+                           DOT_PRECISION, BLOCK_A, BLOCK_H, BLOCK_K)
     else:
         start_m = pid_m * BLOCK_A
         if start_m < count:
             _dhidden_block(w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, start_m, pid_h, H, v_off, VC,
-                           stride_wv, stride_wh, stride_dl, is_first, is_last, DOT_PRECISION, BLOCK_A, BLOCK_H,
-                           BLOCK_K)
+                           stride_wv, stride_wh, stride_dl, is_first, is_last, 0, VC, False, acc_ptr,
+                           DOT_PRECISION, BLOCK_A, BLOCK_H, BLOCK_K)
 
 
-@_tuning.autotune(configs=_BWD_CONFIGS, key=["H", "VC", "DTYPE_KEY", "is_first", "is_last", "do_dw"],
+@triton.jit(do_not_specialize=["part_rows", "k_splits", "is_first", "is_last"])
+def _dhidden_reduce_kernel(part_ptr, acc_ptr, rows_ptr, count_ptr, dh_ptr, H, part_rows, k_splits, is_first,
+                           is_last, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The split dhidden of ``_dhidden_tile`` (ROW_LOOP, k_splits > 1) for the first ``count`` compacted rows:
+    the accumulator (after the first chunk) plus the k_splits slots in order, into the accumulator, or on the last
+    chunk cast to dhidden at each row's position. Programs wholly past the count exit."""
+    pid = tl.program_id(0)
+    c_tiles = tl.cdiv(H, BLOCK_C)
+    offs_r = (pid // c_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = (pid % c_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
+    count = tl.load(count_ptr)
+    if (pid // c_tiles) * BLOCK_R < count:
+        mask = (offs_r < count)[:, None] & (offs_c < H)[None, :]
+        off = offs_r.to(tl.int64)[:, None] * H + offs_c[None, :]
+        acc = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+        if is_first == 0:
+            acc += tl.load(acc_ptr + off, mask=mask, other=0.0)
+        slot = part_rows.to(tl.int64) * H
+        for ks in range(0, k_splits):
+            acc += tl.load(part_ptr + ks * slot + off, mask=mask, other=0.0)
+        if is_last != 0:
+            rows = tl.load(rows_ptr + offs_r, mask=offs_r < count, other=0).to(tl.int64)
+            tl.store(dh_ptr + rows[:, None] * H + offs_c[None, :], acc.to(dh_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(acc_ptr + off, acc, mask=mask)
+
+
+@_tuning.autotune(configs=_BWD_CONFIGS, key=["H", "VC", "DTYPE_KEY", "is_first", "is_last", "do_dw", "k_splits"],
                   prune_configs_by=_prune_by_dtype(_BWD_FP32), restore_value=["acc_ptr", "dw_ptr", "db_ptr"])
-@triton.jit(do_not_specialize=["v_off", "VC", "is_first", "is_last", "do_dw"])
+@triton.jit(do_not_specialize=["v_off", "VC", "is_first", "is_last", "do_dw", "k_splits", "part_rows"])
 def _masked_lm_loss_bwd_kernel(
     h_ptr, w_ptr, rows_ptr, count_ptr,
     dl_ptr,         # (N, VC) dlogits of this chunk (compacted rows)
@@ -612,6 +650,9 @@ def _masked_lm_loss_bwd_kernel(
     is_first,       # 1 on the first chunk: nothing to accumulate onto yet
     is_last,        # 1 on the last chunk: write dhidden instead of the accumulator
     do_dw,          # 0: no dW programs (weight and bias need no gradient); the grid then holds dhidden only
+    k_splits,       # ROW_LOOP: the dhidden programs split the chunk's columns k_splits ways (1: not split)
+    part_ptr,       # k_splits > 1: (k_splits, part_rows, H) fp32 partial sums of dhidden (else unused)
+    part_rows,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # dW and dbias added to an earlier pass's (``_dweight_tile``)
     ROW_LOOP: tl.constexpr,    # the dhidden programs may be fewer than the row blocks (``_dhidden_tile``)
@@ -630,10 +671,14 @@ def _masked_lm_loss_bwd_kernel(
                       HAS_BIAS, DOT_PRECISION, ACCUMULATE, BLOCK_A, BLOCK_H, BLOCK_K)
     else:
         q = pid - dw_programs
-        m_programs = (tl.num_programs(0) - dw_programs) // h_tiles
+        per_split = (tl.num_programs(0) - dw_programs) // k_splits  # (ROW_LOOP: row programs x H tiles a split)
+        ks = q // per_split
+        q = q % per_split
+        m_programs = per_split // h_tiles
         _dhidden_tile(w_ptr, rows_ptr, dl_ptr, acc_ptr, dh_ptr, count, q // h_tiles, q % h_tiles,
                       H, v_off, VC, stride_wv, stride_wh, stride_dl,
-                      is_first, is_last, m_programs, DOT_PRECISION, ROW_LOOP, BLOCK_A, BLOCK_H, BLOCK_K)
+                      is_first, is_last, m_programs, k_splits, ks, part_ptr, part_rows, DOT_PRECISION, ROW_LOOP,
+                      BLOCK_A, BLOCK_H, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["v_off", "VC", "n_rows"])
@@ -1237,7 +1282,11 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
     and dhidden is written at these rows' positions only. ``row_programs``: at most this many programs a column
     tile take the row blocks (each every row_programs-th one; default: a program a row block). ``work``: the
     (n_rows, VC) dlogits buffer (VC its width, the vocabulary chunk) and, where VC < V and dhidden is computed,
-    the (n_rows, H) fp32 dhidden accumulator to use instead of allocating them (the bounded backward's blocks)."""
+    the (n_rows, H) fp32 dhidden accumulator to use instead of allocating them (the bounded backward's blocks), and
+    optionally a third entry: None, or (with ``row_programs``) a (S, n_rows, H) fp32 buffer for dhidden's partial
+    sums, S > 1: each chunk's dhidden programs then split its columns S ways (S times the programs, each walking
+    1/S of the columns: a few hundred overflow rows make only a dozen row x H tiles, each else walking a chunk of
+    thousands of columns alone), and ``_dhidden_reduce_kernel`` adds the S sums in order (deterministic)."""
     n, h = hidden.shape
     r = n if n_rows is None else int(n_rows)
     if not 0 <= r <= n:
@@ -1260,6 +1309,8 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
     else:
         dl = work[0]
         vc = dl.shape[1]
+    part = work[2] if work is not None and len(work) > 2 and compute_dhidden and row_programs is not None else None
+    k_splits = part.shape[0] if part is not None else 1
     n_chunks = _tuning.cdiv(v, vc)
 
     def row_blocks(block: int) -> int:
@@ -1294,15 +1345,23 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
         def grid(m):
             h_tiles = _tuning.cdiv(h, m["BLOCK_H"])
             dw_programs = _tuning.cdiv(vc_c, m["BLOCK_A"]) * h_tiles if compute_dweight else 0
-            return (dw_programs + (row_blocks(m["BLOCK_A"]) * h_tiles if compute_dhidden else 0),)
+            return (dw_programs + (row_blocks(m["BLOCK_A"]) * h_tiles * k_splits if compute_dhidden else 0),)
 
         _launch.fast(_masked_lm_loss_bwd_kernel)[grid](
             hidden, weight, rows, count, dl, dw_out, db, acc, dh_out,
             h, v_off, vc_c, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), dl.stride(0),
-            key, int(c == 0), int(c == n_chunks - 1), int(compute_dweight),
+            key, int(c == 0), int(c == n_chunks - 1), int(compute_dweight), k_splits,
+            part if part is not None else acc, r,
             HAS_BIAS=bias is not None and compute_dweight, DOT_PRECISION=prec, ACCUMULATE=into is not None,
             ROW_LOOP=row_programs is not None)
+        if part is not None:  # (acc: where one chunk, dhidden itself, neither read nor written: is_first and is_last)
+            _launch.fast(_dhidden_reduce_kernel)[(_tuning.cdiv(r, REDUCE_ROWS) * _tuning.cdiv(h, REDUCE_COLS),)](
+                part, acc, rows, count, dh_out, h, r, k_splits, int(c == 0), int(c == n_chunks - 1),
+                BLOCK_R=REDUCE_ROWS, BLOCK_C=REDUCE_COLS)
     return dhidden, dweight, dbias
+
+
+REDUCE_ROWS, REDUCE_COLS = 16, 128  # _dhidden_reduce_kernel's tile
 
 
 def _grad_vector(grad_loss: torch.Tensor) -> torch.Tensor:
@@ -1506,6 +1565,11 @@ OVERFLOW_ROW_PROGRAMS = 1 if _INTERPRET else 16  # (one: the interpreter walks s
 OVERFLOW_BLOCKS = 4       # the overflow rows (N - bound of them) are taken in at most this many blocks of rows:
 OVERFLOW_FIRST_ROWS = 512  # a first block this small (an overflow past 8 standard deviations is usually a few
 OVERFLOW_ALIGN = 64        # hundred rows), then the rest in even blocks, multiples of this many rows
+# A block's dhidden programs split each chunk's columns this many ways at most (as many as the bounded backward's fp32
+# buffer holds: 7 for the first block at BERT-base, within the buffer the later blocks' accumulators need anyway).
+# Unsplit, 206 overflow rows made 12 dhidden programs of 128 x 128, each walking a 16384-column chunk alone: H200
+# run405, the overflow pass 0.8 ms of a 1.66 ms replay (``mlm_bounded_probe.py --profile``).
+OVERFLOW_DH_SPLITS = 8
 
 
 def overflow_blocks(n: int, bound: int) -> list[tuple[int, int]]:
@@ -1565,17 +1629,27 @@ def masked_lm_loss_bwd_bounded(grad_loss: torch.Tensor, hidden: torch.Tensor, we
     widths = [_chunk_columns(r, v, elem, SIZED_DLOGITS_BUDGET_BYTES) for _, r in blocks]
     grad_loss, target, lse = _grad_vector(grad_loss), target.contiguous(), lse.contiguous()
     dl = empty(max(r * vc for (_, r), vc in zip(blocks, widths)), dtype=weight.dtype, device=hidden.device)
-    chunked = [r for (_, r), vc in zip(blocks, widths) if vc < v]
-    acc = (empty(max(chunked), hidden.shape[1], dtype=torch.float32, device=hidden.device)
-           if compute_dhidden and chunked else None)
+    # one fp32 buffer of f rows for dhidden: a block's accumulator across its chunks (its first r rows, where it has
+    # more than one chunk) and after it the partial sums of its split columns (as many splits of r rows as fit, up to
+    # OVERFLOW_DH_SPLITS; at least that many for the first block's rows, the overflow that usually happens)
+    h = hidden.shape[1]
+    chunked = [vc < v for vc in widths]
+    f = max([r for (_, r), c in zip(blocks, chunked) if c] + [OVERFLOW_DH_SPLITS * blocks[0][1]])
+    f32 = empty(f * h, dtype=torch.float32, device=hidden.device) if compute_dhidden else None
     heres = empty(len(blocks), dtype=torch.int32, device=hidden.device)  # each block's count of rows
     with contextlib.ExitStack() as nested:
-        for i, ((start, r), vc) in enumerate(zip(blocks, widths)):
+        for i, ((start, r), vc, c) in enumerate(zip(blocks, widths, chunked)):
             here = heres[i:i + 1]
+            acc = part = None
+            if f32 is not None:
+                acc = f32[:r * h].view(r, h) if c else None
+                splits = min(OVERFLOW_DH_SPLITS, (f - (r if c else 0)) // r)
+                if splits > 1:
+                    at = r * h if c else 0
+                    part = f32[at:at + splits * r * h].view(splits, r, h)
             nested.enter_context(_tuning.graph_if(count, start, r, here))
             masked_lm_loss_bwd(grad_loss, hidden, weight, target, bias, lse, rows[start:start + r], here,
                                label_smoothing=label_smoothing, compute_dhidden=compute_dhidden,
                                compute_dweight=compute_dweight, n_rows=r, into=grads,
-                               row_programs=OVERFLOW_ROW_PROGRAMS,
-                               work=(dl[:r * vc].view(r, vc), None if acc is None else acc[:r]))
+                               row_programs=OVERFLOW_ROW_PROGRAMS, work=(dl[:r * vc].view(r, vc), acc, part))
     return grads

@@ -241,6 +241,40 @@ def test_captured_bounded_backward_in_overflow_blocks(device, monkeypatch, path_
         torch.testing.assert_close(got, exp, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("vc,splits,past", [(300, 8, 0), (40, 4, 0), (40, 3, 5), (100, 8, 2)],
+                         ids=["one-chunk", "chunks-empty-split", "chunks-rows-past-count", "chunks-8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_overflow_block_dhidden_split(device, dtype, vc, splits, past):
+    # An overflow block's dhidden with each chunk's columns split S ways (partial sums added by _dhidden_reduce_kernel)
+    # gives the unsplit block's gradients (which the bounded tests above check against the reference): V in one chunk
+    # or several (the fp32 accumulator across them), splits whose column range is empty (40 columns 4 ways at the
+    # interpreter's BLOCK_K of 16: 16, 16, 8 and none), and buffer rows past the device count (never read or
+    # written). dweight / dbias bit for bit (the same dW programs), dhidden to the fp32 sums' order; every split's
+    # partial sums written.
+    hidden, weight, target, b = _inputs((41,), 32, 300, dtype, device, frac=0.6, bias=True)
+    rows, count, loss, lse = kmod.compact(target, IGN)
+    kmod.masked_lm_loss_fwd(hidden, weight, target, b, rows, count, label_smoothing=0.1, loss=loss, lse=lse)
+    m = int(count)
+    r = m + past  # the block's buffer rows
+    g = torch.randn(41, device=device)
+    h = hidden.shape[1]
+    out, parts = [], []
+    for k in (1, splits):
+        dl = torch.full((r, vc), float("nan"), dtype=dtype, device=device)
+        acc = torch.full((r, h), float("nan"), device=device) if vc < 300 else None
+        part = torch.full((k, r, h), float("nan"), device=device) if k > 1 else None
+        grads = (torch.zeros_like(hidden), torch.zeros_like(weight), torch.zeros_like(b))
+        out.append(kmod.masked_lm_loss_bwd(g, hidden, weight, target, b, lse, rows[:r], count, label_smoothing=0.1,
+                                           n_rows=r, into=grads, row_programs=1, work=(dl, acc, part)))
+        parts.append(part)
+    (dh1, dw1, db1), (dhs, dws, dbs) = out
+    assert torch.equal(dw1, dws) and torch.equal(db1, dbs)
+    assert torch.isfinite(parts[1][:, :m]).all() and parts[1][:, m:].isnan().all()
+    valid = target != IGN
+    assert not dhs[~valid].any() and dhs[valid].abs().sum() > 0
+    torch.testing.assert_close(dhs, dh1, rtol=2e-3 if dtype == torch.float16 else 1e-5, atol=1e-6)
+
+
 # z_loss: PaLM's z lse**2 a valid row, through every backward (the kernels take lse - log1p(2 z lse)).
 Z_CASES = [(torch.float32, True, "mean", 0.0), (torch.float32, False, "none", 0.1), (torch.float16, True, "sum", 0.0),
            (torch.float16, False, "mean", 0.2)]
