@@ -1568,7 +1568,8 @@ OVERFLOW_ALIGN = 64        # hundred rows), then the rest in even blocks, multip
 # A block's dhidden programs split each chunk's columns this many ways at most (as many as the bounded backward's fp32
 # buffer holds: 7 for the first block at BERT-base, within the buffer the later blocks' accumulators need anyway).
 # Unsplit, 206 overflow rows made 12 dhidden programs of 128 x 128, each walking a 16384-column chunk alone: H200
-# run405, the overflow pass 0.8 ms of a 1.66 ms replay (``mlm_bounded_probe.py --profile``).
+# run405, a 1.662 ms replay where the capacity pass alone took 0.847; split 7 ways, 1.054 against 0.832 (run406;
+# ``mlm_bounded_probe.py --profile``: the backward kernel's time in an eager call, every block launched, 934 -> 308 us).
 OVERFLOW_DH_SPLITS = 8
 
 

@@ -232,8 +232,8 @@ class _ValidSeen:
     overflow pass's programs walk row blocks by a stride (run393: the capacity pass alone 0.844, so ~0.06 ms of
     launches with no row past the bound, and 169 MiB above the inputs); 0.839 at 97.6 MiB since the overflow rows
     are blocks in IF nodes (run402: the capacity pass alone 0.844 in that call; 1.649 ms where 206 rows are past
-    the bound; 1.032 with the IF nodes off, where the CUDA extension is not built). The eager warm-up that capture
-    needs anyway
+    the bound, 1.054 since the overflow's dhidden programs split their columns (run406); 1.032 with the IF nodes off,
+    where the CUDA extension is not built). The eager warm-up that capture needs anyway
     (``torch.cuda.graph``, ``torch.compile``'s CUDA graphs) leaves the hint."""
 
     DENSE_FROM = 0.9
