@@ -32,8 +32,10 @@ call whose eager warm-up left a valid count (``pykernels.masked_lm_loss._ValidSe
 in a few row blocks, adding into the same dweight / dbias: exact for any count; each block is an IF node of the
 captured graph (csrc/graph_if.cu, ``_tuning.graph_if``), run at replay only where a row reaches it, so with no row
 past the capacity a replay pays one one-thread kernel for the whole overflow pass; H200 run402, BERT-base replayed:
-0.839 ms at 97.6 MiB above the inputs, against the capacity pass's 0.844 alone and 2.133 graph-safe), or the dense
-backward below where the capacity is at least 90% of N.
+0.839 ms at 97.6 MiB above the inputs, against the capacity pass's 0.844 alone and 2.133 graph-safe; where rows
+are past it, a block's dhidden programs split each chunk's columns up to ``OVERFLOW_DH_SPLITS`` ways, their fp32
+partial sums added in order by ``_dhidden_reduce_kernel``: 206 rows past it replayed in 1.054 ms against 1.662
+unsplit, run406), or the dense backward below where the capacity is at least 90% of N.
 With ``dense=True`` (the causal LM, nearly every target valid) it runs :func:`masked_lm_loss_bwd_dense`:
 the sized backward with M = N, every position a row and the ignored ones masked (zero upstream
 gradient, lse +inf); nothing waits and every shape is known on the host, so it also replays from a
