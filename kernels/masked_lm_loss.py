@@ -1285,10 +1285,10 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
     tile take the row blocks (each every row_programs-th one; default: a program a row block). ``work``: the
     (n_rows, VC) dlogits buffer (VC its width, the vocabulary chunk) and, where VC < V and dhidden is computed,
     the (n_rows, H) fp32 dhidden accumulator to use instead of allocating them (the bounded backward's blocks), and
-    optionally a third entry: None, or (with ``row_programs``) a (S, n_rows, H) fp32 buffer for dhidden's partial
-    sums, S > 1: each chunk's dhidden programs then split its columns S ways (S times the programs, each walking
-    1/S of the columns: a few hundred overflow rows make only a dozen row x H tiles, each else walking a chunk of
-    thousands of columns alone), and ``_dhidden_reduce_kernel`` adds the S sums in order (deterministic)."""
+    None or (with ``row_programs``) a (S, n_rows, H) fp32 buffer for dhidden's partial sums, S > 1: each chunk's
+    dhidden programs then split its columns S ways (S times the programs, each walking 1/S of the columns: a few
+    hundred overflow rows make only a dozen row x H tiles, each else walking a chunk of thousands of columns alone),
+    and ``_dhidden_reduce_kernel`` adds the S sums in order (deterministic)."""
     n, h = hidden.shape
     r = n if n_rows is None else int(n_rows)
     if not 0 <= r <= n:
@@ -1304,14 +1304,16 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
         dhidden, dweight, dbias = _grad_buffers(hidden, weight, bias, compute_dhidden, compute_dweight)
     if r == 0 or not (compute_dhidden or compute_dweight):  # (an earlier pass's gradients stay as they are)
         return (dhidden, dweight, dbias) if into is not None else _no_rows(dhidden, dweight, dbias)
+    part = None
     if work is None:
         budget = DLOGITS_BUDGET_BYTES if dlogits_budget_bytes is None else dlogits_budget_bytes
         vc = _chunk_columns(r, v, weight.element_size(), budget)
         dl = empty(r, vc, dtype=weight.dtype, device=dev)
     else:
-        dl = work[0]
+        dl, work_acc, part = work
         vc = dl.shape[1]
-    part = work[2] if work is not None and len(work) > 2 and compute_dhidden and row_programs is not None else None
+        if not (compute_dhidden and row_programs is not None):
+            part = None  # (the split is the row-walking dhidden programs' own)
     k_splits = part.shape[0] if part is not None else 1
     n_chunks = _tuning.cdiv(v, vc)
 
@@ -1323,7 +1325,7 @@ def masked_lm_loss_bwd(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: to
         if n_chunks == 1:
             acc = dhidden
         else:
-            acc = empty(r, h, dtype=torch.float32, device=dev) if work is None else work[1]
+            acc = empty(r, h, dtype=torch.float32, device=dev) if work is None else work_acc
     # placeholders for pointers a launch never dereferences (a flag or a zero program count guards them)
     acc = acc if compute_dhidden else dl
     dh_out = dhidden if compute_dhidden else dl
