@@ -10,8 +10,8 @@ in its graph; each takes ``backend="auto" | "triton" | "cuda" | "reference"``):
 Backends: :func:`backends` says which are available here and why not; :func:`use_backend` sets the
 default for a block.
 """
-from ._backend import (BackendInfo, BackendUnavailableError, FallbackWarning, backends, default_backend,
-                       use_backend)
+from ._backend import (BackendInfo, BackendUnavailableError, FallbackWarning, PerformanceWarning, backends,
+                       default_backend, use_backend)
 from .attention import pad_input, scaled_dot_product_attention, unpad_input, varlen_attention
 from .cross_entropy import cross_entropy
 from .layer_norm import layer_norm
@@ -24,4 +24,5 @@ __all__ = [
     "scaled_dot_product_attention", "varlen_attention", "unpad_input", "pad_input",
     "layer_norm", "cross_entropy", "masked_lm_loss", "shift_labels", "nn",
     "backends", "use_backend", "default_backend", "BackendInfo", "BackendUnavailableError", "FallbackWarning",
+    "PerformanceWarning",
 ]

@@ -40,7 +40,7 @@ _default: contextvars.ContextVar[str | None] = contextvars.ContextVar("pykernels
 # choice of an op's C++ pair, ``use_cuda_op``) reads this global instead; dynamo guards on it, so a compiled function
 # called inside another use_backend block is traced again for that block.
 _traced_default: str | None = None
-_warned: set[tuple[str, str]] = set()
+_warned: set[tuple[str, ...]] = set()
 _warned_lock = threading.Lock()
 
 
@@ -51,6 +51,11 @@ class BackendUnavailableError(RuntimeError):
 
 class FallbackWarning(UserWarning):
     """``backend="auto"`` fell back to the eager reference for a case no kernel covers."""
+
+
+class PerformanceWarning(UserWarning):
+    """A call was served exactly, but by a slower path than this machine could take; the message says why and how
+    to get the faster one."""
 
 
 @dataclass(frozen=True)
@@ -162,13 +167,25 @@ def backends() -> dict[str, BackendInfo]:
     return out
 
 
-def warn_once(op: str, reason: str) -> None:
-    key = (op, reason)
+def _first_time(key: tuple[str, ...]) -> bool:
     with _warned_lock:
         if key in _warned:
-            return
+            return False
         _warned.add(key)
-    warnings.warn(f"pykernels.{op}: falling back to the eager reference: {reason}", FallbackWarning, stacklevel=4)
+        return True
+
+
+def warn_once(op: str, reason: str) -> None:
+    if _first_time(("fallback", op, reason)):
+        warnings.warn(f"pykernels.{op}: falling back to the eager reference: {reason}", FallbackWarning,
+                      stacklevel=4)
+
+
+def warn_slow_once(op: str, reason: str) -> None:
+    """A one-time :class:`PerformanceWarning` for ``op``: ``reason`` says which slower path serves the call, why and
+    how to get the faster one."""
+    if _first_time(("slow", op, reason)):
+        warnings.warn(f"pykernels.{op}: {reason}", PerformanceWarning, stacklevel=4)
 
 
 def select(op: str, backend: str | None, device: torch.device, support: Mapping[str, str | None]) -> str:

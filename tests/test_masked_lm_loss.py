@@ -241,6 +241,31 @@ def test_captured_bounded_backward_in_overflow_blocks(device, monkeypatch, path_
         torch.testing.assert_close(got, exp, rtol=0, atol=0)
 
 
+def test_captured_bounded_backward_says_once_without_graph_if(device, monkeypatch, path_spy):
+    # Without the CUDA extension's IF nodes a captured call's overflow blocks run at every replay: exact (the tests
+    # above), slower, and said once by a PerformanceWarning naming why; with the IF nodes nothing is said.
+    import warnings
+
+    import pykernels
+    be = importlib.import_module("pykernels._backend")
+    mll = importlib.import_module("pykernels.masked_lm_loss")
+    monkeypatch.setattr(be, "_warned", set())
+    hidden, weight, target, b = _inputs((41,), 32, 300, torch.float32, device, frac=0.5)
+    _simulate_bounded_capture(monkeypatch, 4)
+    monkeypatch.setattr(mll, "graph_if_support", lambda: (None, "no graph_if (test)"))
+    said = r"^pykernels\.masked_lm_loss: .*overflow-row blocks at every replay.*\(no graph_if \(test\)\)"
+    with pytest.warns(pykernels.PerformanceWarning, match=said):
+        _check(hidden, weight, target, b)
+    assert path_spy[:2] == ["bounded", "sized"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pykernels.PerformanceWarning)
+        _check(hidden, weight, target, b)  # (once a process)
+        monkeypatch.setattr(be, "_warned", set())
+        monkeypatch.setattr(mll, "graph_if_support", lambda: ((None, None), None))
+        _check(hidden, weight, target, b)  # (the IF nodes there: silent)
+    assert path_spy.count("bounded") == 3
+
+
 @pytest.mark.parametrize("vc,splits,past", [(300, 8, 0), (40, 4, 0), (40, 3, 5), (100, 8, 2)],
                          ids=["one-chunk", "chunks-empty-split", "chunks-rows-past-count", "chunks-8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
