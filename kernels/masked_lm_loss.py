@@ -571,13 +571,21 @@ def _dhidden_block(
     if split:
         tl.store(part_ptr + acc_off, acc, mask=mask)
     else:
-        if is_first == 0:
-            acc += tl.load(acc_ptr + acc_off, mask=mask, other=0.0)
-        if is_last != 0:
-            rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-            tl.store(dh_ptr + rows[:, None] * H + offs_h[None, :], acc.to(dh_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(acc_ptr + acc_off, acc, mask=mask)
+        _dhidden_finish(acc, acc_ptr, acc_off, rows_ptr, dh_ptr, offs_m, mask_m, offs_h, mask, H, is_first, is_last)
+
+
+@triton.jit
+def _dhidden_finish(acc, acc_ptr, acc_off, rows_ptr, dh_ptr, offs_m, mask_m, offs_h, mask, H, is_first, is_last):
+    """A dhidden tile's fp32 sum over this chunk's columns (rows offs_m of the compacted rows, columns offs_h) plus
+    the accumulator after the first chunk: into the accumulator, or on the last chunk cast to dhidden at each row's
+    position (``rows_ptr``). ``_dhidden_block`` and ``_dhidden_reduce_kernel`` end with it."""
+    if is_first == 0:
+        acc += tl.load(acc_ptr + acc_off, mask=mask, other=0.0)
+    if is_last != 0:
+        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        tl.store(dh_ptr + rows[:, None] * H + offs_h[None, :], acc.to(dh_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(acc_ptr + acc_off, acc, mask=mask)
 
 
 @triton.jit
@@ -613,27 +621,23 @@ def _dhidden_tile(
 def _dhidden_reduce_kernel(part_ptr, acc_ptr, rows_ptr, count_ptr, dh_ptr, H, part_rows, k_splits, is_first,
                            is_last, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """The split dhidden of ``_dhidden_tile`` (ROW_LOOP, k_splits > 1) for the first ``count`` compacted rows:
-    the accumulator (after the first chunk) plus the k_splits slots in order, into the accumulator, or on the last
-    chunk cast to dhidden at each row's position. Programs wholly past the count exit."""
+    the k_splits slots added in order, then as ``_dhidden_block``'s own sum (``_dhidden_finish``): plus the
+    accumulator after the first chunk, into the accumulator, or on the last chunk cast to dhidden at each row's
+    position. Programs wholly past the count exit."""
     pid = tl.program_id(0)
     c_tiles = tl.cdiv(H, BLOCK_C)
     offs_r = (pid // c_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = (pid % c_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
     count = tl.load(count_ptr)
     if (pid // c_tiles) * BLOCK_R < count:
-        mask = (offs_r < count)[:, None] & (offs_c < H)[None, :]
+        mask_r = offs_r < count
+        mask = mask_r[:, None] & (offs_c < H)[None, :]
         off = offs_r.to(tl.int64)[:, None] * H + offs_c[None, :]
         acc = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
-        if is_first == 0:
-            acc += tl.load(acc_ptr + off, mask=mask, other=0.0)
         slot = part_rows.to(tl.int64) * H
         for ks in range(0, k_splits):
             acc += tl.load(part_ptr + ks * slot + off, mask=mask, other=0.0)
-        if is_last != 0:
-            rows = tl.load(rows_ptr + offs_r, mask=offs_r < count, other=0).to(tl.int64)
-            tl.store(dh_ptr + rows[:, None] * H + offs_c[None, :], acc.to(dh_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(acc_ptr + off, acc, mask=mask)
+        _dhidden_finish(acc, acc_ptr, off, rows_ptr, dh_ptr, offs_r, mask_r, offs_c, mask, H, is_first, is_last)
 
 
 @_tuning.autotune(configs=_BWD_CONFIGS, key=["H", "VC", "DTYPE_KEY", "is_first", "is_last", "do_dw", "k_splits"],
