@@ -66,7 +66,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from . import _launch, _tuning
 from .attention_sm90 import (LOG2E, MAX_REGS, _alloc_kv_ring, _fill_kv_ring, _flat_coords, _flat_descriptor,

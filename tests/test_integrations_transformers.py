@@ -691,6 +691,20 @@ def _loss_grads(model, batch):
     return out, out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def test_fuse_lm_loss_has_a_head_for_every_masked_lm_class():
+    # The head table the fused forward reads (weight, bias, transform) covers exactly the masked-LM classes that
+    # fuse_lm_loss takes (a class added to one table and not the other would fail here, not at a user's first step);
+    # each head is checked against transformers' loss in the test below.
+    masked = {name for name, kind in pk_hf.LM_LOSS_CLASSES.items() if kind != "causal"}
+    assert set(pk_hf._MLM_HEADS) == masked
+    tested = set()
+    for case in MLM_CASES:  # (and the cases below test every one of them)
+        auto_cls, config_fn, _ = LM_CASES[case]
+        model = auto_cls.from_config(config_fn()) if hasattr(auto_cls, "from_config") else auto_cls(config_fn())
+        tested.add(type(model).__name__)
+    assert tested == masked
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("case", LM_CASES)
 def test_fuse_lm_loss_matches_transformers_loss(case, backend, device):

@@ -338,7 +338,7 @@ def fuse_residual_layer_norms(model: torch.nn.Module) -> torch.nn.Module:
 
 # The LM heads whose loss fuse_lm_loss computes with pykernels.masked_lm_loss, by model class: "mlm" (BERT's
 # transform, RoBERTa's dense / gelu / layer_norm, ELECTRA's generator predictions or DeBERTa's dense / act / LayerNorm,
-# DistilBERT's, ALBERT's or ModernBERT's, then the tied decoder or word embeddings with the head's bias: ``_mlm_head``;
+# DistilBERT's, ALBERT's or ModernBERT's, then the tied decoder or word embeddings with the head's bias: _MLM_HEADS;
 # HF's mean over the labelled tokens), "mlm-items" (that as transformers' ForMaskedLMLoss, which divides by a
 # trainer's ``num_items_in_batch``: ModernBERT), "pretraining" (that plus
 # next-sentence prediction) and "causal" (the tied or untied output embedding applied to the base model's last hidden
@@ -371,36 +371,61 @@ def _call_arguments(sig, model, args, kwargs) -> dict:
     return named
 
 
-def _mlm_head(model) -> tuple[torch.Tensor, torch.Tensor | None, Callable]:
-    """(weight, bias, transform) of a BERT-family masked-LM head, as the model's forward applies them: BERT's (and
-    legacy DeBERTa's) ``cls.predictions`` (its ``transform`` module, then ``decoder``); RoBERTa's ``lm_head``
-    (``layer_norm(gelu(dense(x)))`` with the ``gelu`` its own module calls, then ``decoder``); ELECTRA's generator
-    (``generator_predictions``, then ``generator_lm_head``); DeBERTa's ``lm_predictions.lm_head``
-    (``LayerNorm(act(dense(x)))``, then the word embeddings and the head's own bias); DistilBERT's ``vocab_transform``,
-    ``activation``, ``vocab_layer_norm``, then ``vocab_projector``; ALBERT's ``predictions`` (``LayerNorm(activation(
-    dense(x)))``, then its ``decoder``); ModernBERT's ``head``, then its ``decoder`` (a bias or not)."""
-    if hasattr(model, "cls"):
-        pred = model.cls.predictions
-        return pred.decoder.weight, pred.decoder.bias, pred.transform
-    if hasattr(model, "vocab_projector"):
-        proj = model.vocab_projector
-        return (proj.weight, proj.bias,
-                lambda x: model.vocab_layer_norm(model.activation(model.vocab_transform(x))))
-    if hasattr(model, "predictions"):
-        pred = model.predictions
-        return pred.decoder.weight, pred.decoder.bias, lambda x: pred.LayerNorm(pred.activation(pred.dense(x)))
-    if hasattr(model, "head") and hasattr(model, "decoder"):
-        return model.decoder.weight, model.decoder.bias, model.head
-    if hasattr(model, "generator_lm_head"):
-        head = model.generator_lm_head
-        return head.weight, head.bias, model.generator_predictions
-    if hasattr(model, "lm_predictions"):
-        head = model.lm_predictions.lm_head
-        return (model.deberta.embeddings.word_embeddings.weight, head.bias,
-                lambda x: head.LayerNorm(head.transform_act_fn(head.dense(x))))
+def _bert_head(model):
+    """BERT's ``cls.predictions`` (legacy DeBERTa's too): its ``transform`` module, then ``decoder``."""
+    pred = model.cls.predictions
+    return pred.decoder.weight, pred.decoder.bias, pred.transform
+
+
+def _roberta_head(model):
+    """RoBERTa's (XLM-R's, CamemBERT's) ``lm_head``: ``layer_norm(gelu(dense(x)))`` with the ``gelu`` its own module
+    calls, then ``decoder``."""
     head = model.lm_head
     act = sys.modules[type(head).__module__].gelu
     return head.decoder.weight, head.decoder.bias, lambda x: head.layer_norm(act(head.dense(x)))
+
+
+def _electra_head(model):
+    """ELECTRA's generator: ``generator_predictions``, then ``generator_lm_head``."""
+    head = model.generator_lm_head
+    return head.weight, head.bias, model.generator_predictions
+
+
+def _deberta_head(model):
+    """DeBERTa's (v1 and v2) ``lm_predictions.lm_head``: ``LayerNorm(act(dense(x)))``, then the word embeddings and
+    the head's own bias; with ``config.legacy`` the model keeps BERT's ``cls.predictions`` instead."""
+    if hasattr(model, "cls"):
+        return _bert_head(model)
+    head = model.lm_predictions.lm_head
+    return (model.deberta.embeddings.word_embeddings.weight, head.bias,
+            lambda x: head.LayerNorm(head.transform_act_fn(head.dense(x))))
+
+
+def _distilbert_head(model):
+    """DistilBERT's ``vocab_transform``, ``activation``, ``vocab_layer_norm``, then ``vocab_projector``."""
+    proj = model.vocab_projector
+    return proj.weight, proj.bias, lambda x: model.vocab_layer_norm(model.activation(model.vocab_transform(x)))
+
+
+def _albert_head(model):
+    """ALBERT's ``predictions``: ``LayerNorm(activation(dense(x)))``, then its ``decoder``."""
+    pred = model.predictions
+    return pred.decoder.weight, pred.decoder.bias, lambda x: pred.LayerNorm(pred.activation(pred.dense(x)))
+
+
+def _modernbert_head(model):
+    """ModernBERT's ``head``, then its ``decoder`` (a bias or not)."""
+    return model.decoder.weight, model.decoder.bias, model.head
+
+
+# model class -> (weight, bias, transform) of its masked-LM head as the model's forward applies them, for every
+# LM_LOSS_CLASSES entry that is not "causal" (tests/test_integrations_transformers.py checks the two tables agree)
+_MLM_HEADS: dict[str, Callable] = {
+    "BertForMaskedLM": _bert_head, "BertForPreTraining": _bert_head, "RobertaForMaskedLM": _roberta_head,
+    "XLMRobertaForMaskedLM": _roberta_head, "CamembertForMaskedLM": _roberta_head,
+    "ElectraForMaskedLM": _electra_head, "DebertaForMaskedLM": _deberta_head, "DebertaV2ForMaskedLM": _deberta_head,
+    "DistilBertForMaskedLM": _distilbert_head, "AlbertForMaskedLM": _albert_head,
+    "ModernBertForMaskedLM": _modernbert_head}
 
 
 def _fused_lm_loss_forward(self, *args, **kwargs):
@@ -428,7 +453,7 @@ def _fused_lm_loss_forward(self, *args, **kwargs):
         weight, bias, transform = head.weight, head.bias, None
         target = pykernels.shift_labels(labels)
     else:
-        weight, bias, transform = _mlm_head(self)
+        weight, bias, transform = cls._pk_head(self)
         target = labels
         if kind == "mlm":
             num_items = None  # (their losses are the plain mean over the labelled tokens; "mlm-items" is
@@ -512,7 +537,8 @@ def fuse_lm_loss(model: torch.nn.Module, *, z_loss: float = 0.0, label_smoothing
         import inspect
         _fused_loss_classes[base] = type(f"FusedLoss{base.__name__}", (base,), {
             "forward": _fused_lm_loss_forward, "__module__": __name__, "_pk_base_forward": base.forward,
-            "_pk_kind": kind, "_pk_signature": inspect.signature(base.forward)})
+            "_pk_kind": kind, "_pk_head": staticmethod(_MLM_HEADS.get(base.__name__)),
+            "_pk_signature": inspect.signature(base.forward)})
     model._pk_lm_loss_options, model._pk_lm_loss_in_eval = options, in_eval
     model.__class__ = _fused_loss_classes[base]
     return model
