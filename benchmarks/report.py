@@ -92,10 +92,10 @@ def _run(fn, inputs, n_diff, grad_out):
 
 
 def _times(fn, inputs, n_diff, grad_out) -> tuple[float | None, float]:
-    """(GPU ms, wall ms) of a forward+backward call; on a CPU (None, the interpreter's wall time of one call)."""
+    """(GPU ms, wall ms) of a forward+backward call; on a CPU (None, the interpreter's wall time of one call).
+    ``grad_out`` already in the output's dtype (the checked call's)."""
     xs = [t.detach().clone().requires_grad_(i < n_diff) for i, t in enumerate(inputs)]  # (cloned once: not timed)
-    g = grad_out.to(fn(*xs).dtype)
-    call = lambda: torch.autograd.grad(fn(*xs), xs[:n_diff], g)  # noqa: E731
+    call = lambda: torch.autograd.grad(fn(*xs), xs[:n_diff], grad_out)  # noqa: E731
     if GPU:
         from common import bench, gpu_kernel_ms
         wall = bench(call, warmup=5, rep=30)
@@ -150,8 +150,8 @@ def main() -> int:
             hi = _run(ref, [t.double() for t in inputs], n_diff, grad_out.double())
             ok, err, base = _errors(got, lo, hi)
             failures += not ok
-            g_k, w_k = _times(kernel, inputs, n_diff, grad_out)
-            g_r, w_r = _times(ref, inputs, n_diff, grad_out)
+            g_k, w_k = _times(kernel, inputs, n_diff, grad_out.to(got[0].dtype))
+            g_r, w_r = _times(ref, inputs, n_diff, grad_out.to(lo[0].dtype))
             rows.append((op, case, backend, f"{err:.2e}", f"{base:.2e}", "pass" if ok else "FAIL",
                          _ms(g_k), _ms(g_r), "-" if g_k is None else f"{g_r / g_k:.2f}x",
                          _ms(w_k), _ms(w_r), f"{w_r / w_k:.2f}x" if GPU else "-"))
