@@ -1216,8 +1216,9 @@ struct FwdTrace {
 #define PK_FWD_TRACE(code)
 #endif
 
-// NW: the consumer warpgroups (2; 3 at D = 64 without a mask: fwd_three_consumers)
-template <int D, int NW = 2>
+// NW: the consumer warpgroups (2; 3 at D = 64 without a mask: fwd_three_consumers); MIX: tiles that may mix heads
+// (the kernel's kMix)
+template <int D, int NW = 2, bool MIX = false>
 struct FwdWsCfg {
   static_assert(NW == 2 || (NW == 3 && D == 64), "three consumers at D = 64 only (their 160 registers)");
   static constexpr int BM = 64 * NW;  // query rows a tile: a consumer warpgroup's 64 each
@@ -1226,7 +1227,9 @@ struct FwdWsCfg {
   // block), so with 2 slots the producer can issue a block's V only about one block before its P V; 3 took the
   // forward 1.06-1.07x with key padding and 1.00-1.01x otherwise, 4 no further (run233; run215, before the edge
   // split, had found 4 no faster)
-  static constexpr int STAGES = D == 64 ? 3 : 2;
+  // Tiles that mix heads (MIX) take 4 at D = 64: a tile of two heads streams their blocks in turn, so that each head
+  // has half the ring, as many blocks ahead as 2 slots give the others
+  static constexpr int STAGES = D == 64 ? (MIX ? 4 : 3) : 2;
   static constexpr int NT = 128 * (1 + NW);  // the producer warpgroup and the consumers
   // the warpgroups' registers (setmaxnreg): at most 512 a thread of each warpgroup together (64K a block)
   static constexpr int PRODUCER_REGS = NW == 2 ? 56 : 32, CONSUMER_REGS = NW == 2 ? 224 : 160;
@@ -1423,14 +1426,15 @@ __device__ __forceinline__ void ws_draw_bits(const Params& p, uint32_t dst, uint
   }
 }
 
-template <typename T, int D, int MODE, int NW = 2, bool kOvl = false>
+template <typename T, int D, int MODE, int NW = 2, bool kOvl = false, bool kMix = false>
 __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
     attn_fwd_sm90_ws_kernel(const Params p, const __grid_constant__ FwdTma tm) {
   pdl_enter();  // (launch: pdl.cuh)
   drop_seed_init(p.p_drop > 0.f, p.seed);  // (the seed into shared memory, with dropout only)
 #if defined(PK_WGMMA)
   static_assert(!kOvl || (NW == 3 && MODE == kModeNone), "the overlap: three consumers, no mask");
-  using C = FwdWsCfg<D, NW>;
+  static_assert(!kMix || kOvl, "tiles that mix heads: the overlap kernel's");
+  using C = FwdWsCfg<D, NW, kMix>;
   constexpr int BM = C::BM, BN = C::BN, S = C::STAGES;
   constexpr int kTurn = 1;  // named barriers kTurn + w: consumer warpgroup w's turn to issue its products
   constexpr int kProducer = 1 + NW;  // the producer warpgroup's named barrier (key-only masks)
@@ -1488,7 +1492,11 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
   const int n_m = (p.sq + BM - 1) / BM;
   // packed varlen sequences: the walk attn_fwd_order_kernel wrote (tile_at's indices, its causal order left out)
   const bool ordered = p.fwd_order != nullptr;
-  const int64_t n_tiles = ordered ? p.fwd_order[p.fwd_order_n] : static_cast<int64_t>(n_m) * p.hq * p.batch;
+  // kMix: the 64-row units a head and in all (mix_rows; the host keeps 3 units within int32), three a tile
+  const int n_u = (p.sq + 63) / 64, units = kMix ? n_u * p.hq * p.batch : 0;
+  const int64_t n_tiles = kMix      ? (units + 2) / 3
+                          : ordered ? p.fwd_order[p.fwd_order_n]
+                                    : static_cast<int64_t>(n_m) * p.hq * p.batch;
   // the key blocks a tile visits: keys past n_end are masked for each of its rows
   const auto n_blocks = [&](const Seq& s, int q0) {
     const int n_end = p.causal ? min(s.sk, q0 + BM) : s.sk;
@@ -1509,17 +1517,30 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
     uint32_t g = 0;  // key blocks loaded (ring slot g % S)
     // (tile_at, not TileWalk: the producer, off the consumers' path, has no registers for it with key-only masks)
     for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-      const Tile x = tile_at(p, ordered ? p.fwd_order[t] : t, n_m, !ordered);
+      // kMix: the tile's first head A's (x), the last's B (mix_rows); ``sh`` 1 where they differ (a block each in turn)
+      const Tile x = kMix ? mix_tile(mix_rows(static_cast<int>(t), 0, n_u, p.hq, units))
+                          : tile_at(p, ordered ? p.fwd_order[t] : t, n_m, !ordered);
+      const MixRows z = kMix ? mix_rows(static_cast<int>(t), NW - 1, n_u, p.hq, units) : MixRows{};
+      const int sh = kMix ? z.step - 1 : 0;
       const Seq s = seq_of(p, x.b);
-      const int q0 = x.m * BM;
-      if (q0 >= s.sq) continue;  // (varlen: this sequence is shorter than the max)
+      const int q0 = kMix ? 0 : x.m * BM;
+      if (!kMix && q0 >= s.sq) continue;  // (varlen: this sequence is shorter than the max)
       const int hk = x.h / p.group;
       const int qb = qi & 1;
       mbar_wait(q_empty(qb), ((qi >> 1) & 1) ^ 1);
       PK_FWD_TRACE(8);
       // (the maps' row and batch: packed sequences are rows of a batch of one)
       const int tb = packed ? 0 : x.b;
-      if (tma) {
+      if (kMix) {  // (TMA: the host's rule) each warpgroup's 64 rows (the map's box), zeros past the sequence
+        if (tid == 0) {
+          mbar_expect_tx(q_full(qb), C::QBYTES);
+#pragma unroll 1
+          for (int w = 0; w < NW; ++w) {
+            const MixRows r = mix_rows(static_cast<int>(t), w, n_u, p.hq, units);
+            tma_tile<64, D>(sQ + qb * C::QBYTES + w * 64 * 128, &tm.q, tm.order[0], r.m * 64, r.h, r.b, q_full(qb));
+          }
+        }
+      } else if (tma) {
         if (tid == 0) {
           mbar_expect_tx(q_full(qb), C::QBYTES);
           tma_tile<BM, D>(sQ + qb * C::QBYTES, &tm.q, tm.order[0], static_cast<int>(s.q_off) + q0, x.h, tb,
@@ -1533,7 +1554,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
       }
       const T* K = static_cast<const T*>(p.k) + x.b * p.k_sb + hk * p.k_sh + s.k_off * p.k_ss;
       const T* V = static_cast<const T*>(p.v) + x.b * p.v_sb + hk * p.v_sh + s.k_off * p.v_ss;
-      int nb0 = 0, nb1 = n_blocks(s, q0);
+      int nb0 = 0, nb1 = n_blocks(s, q0) << sh;
       // (the keep bits: this thread's row's first Philox counter; none for a row past the sequence)
       const bool draw = bits && q0 + tid < s.sq;
       const uint64_t dctr = draw ? drop_rows(p, x.b, x.h).row_ctr(q0 + tid) : 0;
@@ -1551,15 +1572,18 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
       }
       ++qi;
       for (int nb = nb0; nb < nb1; ++nb, ++g) {
-        const int st = g % S, k0 = nb * BN, n = min(BN, s.sk - k0);
+        const int st = g % S, k0 = (nb >> sh) * BN, n = min(BN, s.sk - k0);
         const uint32_t ph = ((g / S) & 1) ^ 1;
         mbar_wait(k_empty(st), ph);
         PK_FWD_TRACE(9);
         const int kr = static_cast<int>(s.k_off) + k0;  // (the maps' row)
+        // (kMix: B's blocks at the odd positions of a two-head tile)
+        const bool bz = kMix && (nb & sh) != 0;
+        const int hkj = bz ? z.h / p.group : hk, tbj = bz ? z.b : tb;
         if (tma) {
           if (tid == 0) {
             mbar_expect_tx(k_full(st), C::KVBYTES);
-            tma_tile<BN, D>(sK + st * C::KVBYTES, &tm.k, tm.order[1], kr, hk, tb, k_full(st));
+            tma_tile<BN, D>(sK + st * C::KVBYTES, &tm.k, tm.order[1], kr, hkj, tbj, k_full(st));
           }
         } else {
           load_tile_sw128<T, BN, D, 128, 1>(sK + st * C::KVBYTES, K + k0 * p.k_ss, p.k_ss, n, p.d, tid);
@@ -1580,7 +1604,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
         if (tma && !(packed && n < BN)) {
           if (tid == 0) {
             mbar_expect_tx(v_full(st), C::KVBYTES);
-            tma_tile<BN, D>(sV + st * C::KVBYTES, &tm.v, tm.order[2], kr, hk, tb, v_full(st));
+            tma_tile<BN, D>(sV + st * C::KVBYTES, &tm.v, tm.order[2], kr, hkj, tbj, v_full(st));
           }
         } else if (tma) {  // a packed sequence's last V block: every thread's cp.async counted, then the one arrival
           load_tile_sw128<T, BN, D, 128, 1>(sV + st * C::KVBYTES, V + k0 * p.v_ss, p.v_ss, n, p.d, tid);
@@ -1609,18 +1633,42 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
   if (soft_turn && cw == NW - 1) named_arrive(kSoft, 256);  // and the first softmax turn
   int qi = 0;
   uint32_t g = 0;
+  // kMix: the other head's block at ring position ``gs``, never read here, freed once it landed (a wait that passes
+  // at once: it was issued before this warpgroup's block at gs + 1, or, for the tile's last, before the turn that the
+  // other head's warpgroup took on it)
+  const auto free_other = [&](uint32_t gs) {
+    const int ss = gs % S;
+    const uint32_t ps = (gs / S) & 1;
+    mbar_wait2(k_full(ss), ps, v_full(ss), ps);
+    if (lane == 0) {
+      mbar_arrive(k_empty(ss));
+      mbar_arrive(v_empty(ss));
+    }
+  };
   TileWalk walk(static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x), n_m, p.hq);  // (fwd_order.cuh)
-  for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x, walk.next(n_m, p.hq)) {
-    const Tile x =
-        ordered ? tile_at(p, p.fwd_order[t], n_m, false) : walk.tile(n_m, static_cast<int>(gridDim.x), p.causal);
+  MixWalk mwalk(static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x), kMix ? n_u : 1, p.hq);
+  for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x, walk.next(n_m, p.hq), mwalk.next(n_u, p.hq)) {
+    Tile x;
+    // kMix: the warpgroup's own unit (mix_rows), its ring positions every ``step``-th from the tile's first plus
+    // ``second``; else the tile's rows from q0, every position the warpgroup's
+    int q0, step = 1, second = 0;
+    if constexpr (kMix) {
+      const MixRows r = mwalk.rows(cw, NW, n_u, p.hq, p.batch);
+      x = Tile{r.m, r.h, r.b};
+      q0 = r.m * 64;
+      step = r.step;
+      second = r.second;
+    } else {
+      x = ordered ? tile_at(p, p.fwd_order[t], n_m, false) : walk.tile(n_m, static_cast<int>(gridDim.x), p.causal);
+      q0 = x.m * BM;
+    }
     const Seq s = seq_of(p, x.b);
-    const int q0 = x.m * BM;
-    if (q0 >= s.sq) continue;
+    if (!kMix && q0 >= s.sq) continue;
     const int qb = qi & 1;
     mbar_wait(q_full(qb), (qi >> 1) & 1);
     PK_FWD_TRACE(1);
     ++qi;
-    const int qw = q0 + cw * 64;  // the warpgroup's first row
+    const int qw = kMix ? q0 : q0 + cw * 64;  // the warpgroup's first row
     const int row[2] = {qw + warp * 16 + g8, qw + warp * 16 + g8 + 8};
     const uint32_t q_base = sQ + qb * C::QBYTES + cw * 64 * 128;
     float o[D / 8][4];
@@ -1638,14 +1686,17 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) wgmma_rs<T, D>(o, pa[kt], gmma_desc<BN * 128, 1024>(v_base, kt * 16 * 128));
     };
-    for (int nb = nb0; nb < nb1; ++nb, ++g) {
-      const int st = g % S, pst = (g + S - 1) % S, k0 = nb * BN;
+    g += second;
+    for (int nb = nb0; nb < nb1; ++nb, g += step) {
+      const int st = g % S, pst = (g + S - step) % S, k0 = nb * BN;
       if (kOvl && nb > nb0) {  // (both polled at once: run349, BERT-base 69.6-69.9 us against 70.0-70.4 one by one)
-        mbar_wait2(k_full(st), (g / S) & 1, v_full(pst), ((g - 1) / S) & 1);
+        mbar_wait2(k_full(st), (g / S) & 1, v_full(pst), ((g - step) / S) & 1);
       } else {
         mbar_wait(k_full(st), (g / S) & 1);
-        if (nb > nb0) mbar_wait(v_full(pst), ((g - 1) / S) & 1);
+        if (nb > nb0) mbar_wait(v_full(pst), ((g - step) / S) & 1);
       }
+      // (before the turn: the products' registers not yet held; at S's wait it spilled)
+      if (kMix && step == 2 && (second != 0 || nb > nb0)) free_other(g - 1);
       PK_FWD_TRACE(11);
       if (fence) fence_async_smem();  // (cp.async's tiles; TMA's land in the async proxy that wgmma reads)
       float sc[BN / 8][4], alpha[2];
@@ -1718,8 +1769,8 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
       PK_FWD_TRACE(4);
     }
     if (nb1 > nb0) {  // the last block's P V
-      const int pst = (g + S - 1) % S;
-      mbar_wait(v_full(pst), ((g - 1) / S) & 1);
+      const int pst = (g + S - step) % S;
+      mbar_wait(v_full(pst), ((g - step) / S) & 1);
       PK_FWD_TRACE(12);
       if (fence || packed) fence_async_smem();  // (and a packed sequence's last V block, cp.async's)
       named_sync(kTurn + cw, 256);
@@ -1734,9 +1785,11 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
       PK_FWD_TRACE(6);
       __syncwarp();
       if (lane == 0) mbar_arrive(v_empty(pst));
+      if (kMix && step == 2 && second == 0) free_other(g - 1);  // (the second head's last block)
     } else if (lane == 0) {
       mbar_arrive(q_empty(qb));  // (no key: Q unread)
     }
+    g -= second;
     if constexpr (D == 64) {
       if (ostage) {
         store_out_tma<T>(p, &tm.o, tm.order[3], sO + cw * 64 * 128, kOStage + cw, (tid & 127) == 0, o, m, l, x.b,
@@ -3068,6 +3121,32 @@ inline bool fwd_soft_turn(const Params& p, int d, int mode, int nw = 2) {
 // PYKERNELS_CUDA_ATTN_FWD_FENCE=1: every block, as before run341 (A/B runs and tests, read at each call)
 inline bool fwd_fence(const FwdTma& tm) { return tm.on == 0 || env_first("PYKERNELS_CUDA_ATTN_FWD_FENCE") == '1'; }
 
+// Whether the three consumer warpgroups overlap each key block's softmax with their own previous P V
+// (attn_fwd_sm90_ws_kernel's kOvl: S_j and P_{j-1} V_{j-1} two commit groups, the softmax after S_j's, O rescaled
+// after both; FlashAttention-3's intra-warpgroup overlap): by default without dropout. H200, BERT-base without
+// dropout: run348 69.4-69.6 us against 71.0-71.3; run349 (K and V polled together too) 69.6-69.9 against 70.7-71.2
+// (cuDNN 67.3). With dropout (three forced) it was slower: 147.9-148.4 against 144.4-144.8 (run348).
+// PYKERNELS_CUDA_ATTN_FWD_OVERLAP=1 / 0 forces it on / off (A/B runs and tests, read at each call)
+inline bool fwd_overlap(const Params& p) {
+  const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_OVERLAP");
+  return e == '1' || (e != '0' && p.p_drop == 0.f);
+}
+
+// Whether the three-consumer overlap kernel takes tiles that mix heads (attn_fwd_sm90_ws_kernel's kMix; fwd_order.cuh's
+// mix_rows): three 64-row units a tile, consecutive over (batch, head, rows), so that a head's rows are never padded
+// to a multiple of 192 (BERT-base's 512 rows: 8 warpgroup-tiles of work instead of 9, the third tile's third
+// warpgroup computing rows past the sequence). Dense, not causal (a causal tile's warpgroups would visit different key
+// blocks), the overlap kernel's (fwd_overlap), at least two units a head (a tile then meets two heads at most), the
+// walk's units within int32; by default where a head's units are no multiple of 3 (else every tile is one head's,
+// as without it). PYKERNELS_CUDA_ATTN_FWD_MIX=1 / 0 forces it on / off where it applies (A/B runs and tests, read at
+// each call).
+inline bool fwd_mix(const Params& p) {
+  const int64_t n_u = (p.sq + 63) / 64, units = n_u * p.hq * p.batch;
+  if (p.cu_q != nullptr || p.causal || n_u < 2 || units > INT32_MAX - 3 || !fwd_overlap(p)) return false;
+  const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_MIX");
+  return e == '1' || (e != '0' && n_u % 3 != 0);
+}
+
 // Whether the warp-specialised forward runs three consumer warpgroups (tiles of 192 query rows, FwdWsCfg<64, 3>)
 // instead of two: at D <= 64 without a mask on dense inputs (not packed sequences: the order kernel's tiles are 128
 // rows), where TMA takes the inputs (the host falls back to two otherwise), by default neither causal nor with dropout.
@@ -3095,7 +3174,8 @@ inline bool fwd_three_pad_ok(int64_t sq) {
 inline bool fwd_three_consumers(const Params& p) {
   if (p.cu_q != nullptr) return false;
   const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_WG");
-  return e == '3' || (e != '2' && e != '0' && !p.causal && p.p_drop == 0.f && fwd_three_pad_ok(p.sq));
+  return e == '3' ||
+         (e != '2' && e != '0' && !p.causal && p.p_drop == 0.f && (fwd_three_pad_ok(p.sq) || fwd_mix(p)));
 }
 
 // PYKERNELS_CUDA_ATTN_FWD_STORE=registers: the warp-specialised forward at D = 64 stores O from registers (as before
@@ -3159,16 +3239,6 @@ inline unsigned fwd_ws_grid(const Params& p, int bm, int sms) {
 
 inline unsigned blocks_of(int64_t rows) { return static_cast<unsigned>((rows + kRows - 1) / kRows); }
 
-// Whether the three consumer warpgroups overlap each key block's softmax with their own previous P V
-// (attn_fwd_sm90_ws_kernel's kOvl: S_j and P_{j-1} V_{j-1} two commit groups, the softmax after S_j's, O rescaled
-// after both; FlashAttention-3's intra-warpgroup overlap): by default without dropout. H200, BERT-base without
-// dropout: run348 69.4-69.6 us against 71.0-71.3; run349 (K and V polled together too) 69.6-69.9 against 70.7-71.2
-// (cuDNN 67.3). With dropout (three forced) it was slower: 147.9-148.4 against 144.4-144.8 (run348).
-// PYKERNELS_CUDA_ATTN_FWD_OVERLAP=1 / 0 forces it on / off (A/B runs and tests, read at each call)
-inline bool fwd_overlap(const Params& p) {
-  const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_OVERLAP");
-  return e == '1' || (e != '0' && p.p_drop == 0.f);
-}
 
 // PYKERNELS_CUDA_ATTN_FILL=launch: packed sequences' rows outside the sequences filled by a launch of their own after
 // the kernels, forward and backward (A/B runs of the fills folded into the order and pre kernels; read at each call)
@@ -3200,10 +3270,19 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
               Params q = p;
               q.fwd_order = nullptr;
               q.fwd_drop_bits = 0;  // (its consumers draw every keep bit: C3::BITS)
-              FwdTma tm = make_fwd_tma<T>(q, C3::BM, C3::BN, true);
+              const bool mix = fwd_mix(q);  // (Q's map then in boxes of a warpgroup's 64 rows)
+              FwdTma tm = make_fwd_tma<T>(q, mix ? 64 : C3::BM, C3::BN, true);
               if (tm.on) {
                 tm.soft_turn = fwd_soft_turn(p, 64, M, 3);
                 tm.fence = fwd_fence(tm);
+                if (mix) {  // a block an SM, or one a tile of three units
+                  using CM = FwdWsCfg<64, 3, true>;
+                  const int64_t tiles = ((p.sq + 63) / 64 * p.hq * p.batch + 2) / 3;
+                  const dim3 gridm(static_cast<unsigned>(std::min<int64_t>(tiles, plan.sms)));
+                  launch(attn_fwd_sm90_ws_kernel<T, 64, M, 3, true, true>, gridm, CM::smem(), q, tm, stream, CM::NT,
+                         'w');
+                  return;
+                }
                 const dim3 grid3(fwd_ws_grid(p, C3::BM, plan.sms));
                 if (fwd_overlap(q))
                   launch(attn_fwd_sm90_ws_kernel<T, 64, M, 3, true>, grid3, C3::smem(), q, tm, stream, C3::NT, 'w');

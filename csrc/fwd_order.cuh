@@ -89,5 +89,69 @@ struct TileWalk {
   }
 };
 
+// The three-consumer forward's walk over 64-row units that may mix heads (attention.cuh's kMix): unit u is query rows
+// 64 m .. 64 m + 63 of head (b, h), u = (b Hq + h) n_u + m, n_u = ceil(Sq / 64) a head, ``units`` = n_u Hq B in all;
+// tile t is units 3 t, 3 t + 1, 3 t + 2, one a consumer warpgroup w, so that no warpgroup computes rows past a head's
+// sequence but in the walk's last tile (units past the last: the last head's rows past its sequence, whose products
+// run and are never stored). With n_u >= 2 a tile meets at most two heads: the first unit's (A) and the last's (B).
+// Where they differ (``step`` 2) the producer streams the tile's key blocks A's and B's in turn (A's block j at the
+// tile's ring position 2 j, B's at 2 j + 1), and a warpgroup of B (``second``) takes the odd positions; else
+// (``step`` 1) the one head's blocks one after the other, as the other tiles of the kernel.
+struct MixRows {
+  int m, h, b;  // warpgroup w's unit: query block m of head h, batch b
+  int step;     // 2 where the tile meets two heads, else 1
+  int second;   // 1 where warpgroup w's head is the tile's second (its ring positions odd), else 0
+};
+PK_HD MixRows mix_rows(int t, int w, int n_u, int hq, int units) {
+  const int u = 3 * t + w, last = units - 1;
+  const int a = 3 * t / n_u, z = (3 * t + 2 < units ? 3 * t + 2 : last) / n_u, me = (u < units ? u : last) / n_u;
+  MixRows x;
+  x.m = u - me * n_u;
+  x.b = me / hq;
+  x.h = me - x.b * hq;
+  x.step = a != z ? 2 : 1;
+  x.second = me != a ? 1 : 0;
+  return x;
+}
+PK_HD Tile mix_tile(const MixRows& r) { return {r.m, r.h, r.b}; }
+// mix_rows's tiles t0, t0 + g, ... of a grid of g blocks, stepped by additions (as TileWalk): the consumers' divisions
+// would leave their rows and head in vector registers, where these sums stay uniform (ptxas: 450-500 bytes of spills
+// in the softmax at the consumers' 160 registers with mix_rows there, none this way). t0 < g; 3 (t0 + g) within int32.
+struct MixWalk {
+  int m, h, b;     // the tile's first unit (warpgroup 0's): query block m of head (b, h)
+  int rm, rq, qq;  // the step of 3 g units: (qq Hq + rq) n_u + rm
+  PK_HD MixWalk(int g, int t0, int n_u, int hq) {
+    const int u0 = 3 * t0, bh = u0 / n_u, qs = 3 * g / n_u;
+    m = u0 - bh * n_u;
+    b = bh / hq;
+    h = bh - b * hq;
+    rm = 3 * g - qs * n_u;
+    qq = qs / hq;
+    rq = qs - qq * hq;
+  }
+  PK_HD void next(int n_u, int hq) {
+    m += rm;
+    const int c1 = m >= n_u ? 1 : 0;
+    m -= c1 * n_u;
+    h += rq + c1;  // (< 2 Hq)
+    const int c2 = h >= hq ? 1 : 0;
+    h -= c2 * hq;
+    b += qq + c2;
+  }
+  // mix_rows(t, w, ...) of this tile t: warpgroup w's unit (of nw a tile) is in the next head where m + w passes the
+  // head's n_u units, if there is a next head (else it is a unit past the last: the last head's rows past its end)
+  PK_HD MixRows rows(int w, int nw, int n_u, int hq, int batch) const {
+    const int hn = h + 1 == hq ? 0 : h + 1, bn = h + 1 == hq ? b + 1 : b;
+    const bool next = bn < batch, second = next && m + w >= n_u;
+    MixRows x;
+    x.m = second ? m + w - n_u : m + w;
+    x.h = second ? hn : h;
+    x.b = second ? bn : b;
+    x.step = next && m + nw - 1 >= n_u ? 2 : 1;
+    x.second = second ? 1 : 0;
+    return x;
+  }
+};
+
 }  // namespace attn
 }  // namespace pykernels
