@@ -1616,7 +1616,8 @@ def _cuda_fwd_kernels(q, k, v, **kw) -> list[str]:
 
 
 def _ws_fwd_args(q, k, v, **kw) -> list[list[str]]:
-    """The template arguments (T, D, MODE, NW, kOvl) of each warp-specialised forward kernel one C++ call launches."""
+    """The template arguments (T, D, MODE, NW, kOvl, kMix) of each warp-specialised forward kernel one C++ call
+    launches."""
     names = [n for n in _cuda_fwd_kernels(q, k, v, **kw) if "attn_fwd_sm90_ws_kernel<" in n]
     assert names, _cuda_fwd_kernels(q, k, v, **kw)
     return [[a.strip() for a in n.split("attn_fwd_sm90_ws_kernel<", 1)[1].split(">", 1)[0].split(",")] for n in names]
@@ -2359,12 +2360,13 @@ def test_gpu_cuda_ws_forward_stores_o_by_tma(monkeypatch, dtype):
 @needs_cuda_ext
 @pytest.mark.parametrize("switch,on", [("PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN", "1"),
                                        ("PYKERNELS_CUDA_ATTN_FWD_FENCE", "1"), ("PYKERNELS_CUDA_ATTN_FWD_WG", "3"),
-                                       ("PYKERNELS_CUDA_ATTN_FWD_OVERLAP", "1")],
-                         ids=["softmax_turn", "fence", "three_consumers", "overlap"])
+                                       ("PYKERNELS_CUDA_ATTN_FWD_OVERLAP", "1"), ("PYKERNELS_CUDA_ATTN_FWD_MIX", "1")],
+                         ids=["softmax_turn", "fence", "three_consumers", "overlap", "mixed_heads"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 def test_gpu_cuda_ws_forward_switches(monkeypatch, dtype, switch, on):
-    """Four switches of the warp-specialised forward that change only when or how its consumers wait, or how many
-    share a tile, never what any row computes: the consumer warpgroups taking turns at their softmaxes (the default
+    """Five switches of the warp-specialised forward that change only when or how its consumers wait, or how many
+    share a tile, never what any row computes (PYKERNELS_CUDA_ATTN_FWD_MIX=1 / 0: three consumers' tiles of 64-row
+    units that may mix heads, test_gpu_cuda_ws_forward_mixed_head_tiles): the consumer warpgroups taking turns at their softmaxes (the default
     at D = 64 without a causal mask, but for dropout under a key-only mask; PYKERNELS_CUDA_ATTN_FWD_SOFT_TURN=1 / 0
     forces it on / off), the async proxy's fence before each key block's products (off by default on TMA-loaded
     inputs; PYKERNELS_CUDA_ATTN_FWD_FENCE=1 puts it back), three consumer warpgroups on tiles of 192 rows instead
@@ -2419,10 +2421,10 @@ def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype, overlap):
     _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_OVERLAP", overlap)
     if _sm90a_device():
         def nw(q, k, v, **kw):
-            args = _ws_fwd_args(q, k, v, **kw)[0]  # (T, D, MODE, NW, kOvl)
+            args = _ws_fwd_args(q, k, v, **kw)[0]  # (T, D, MODE, NW, kOvl, kMix)
             on = overlap == "1" or (overlap is None and not kw.get("dropout_p"))
-            assert args[-1] == ("true" if on and args[-2] == "3" else "false"), (overlap, kw, args)
-            return int(args[-2])
+            assert args[4] == ("true" if on and args[3] == "3" else "false"), (overlap, kw, args)
+            return int(args[3])
 
         a = torch.randn(2, 3, 300, 64, dtype=dtype, device="cuda")
         a40 = a[..., :40]
@@ -2459,23 +2461,31 @@ def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype, overlap):
 @needs_cuda_ext
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 def test_gpu_cuda_ws_forward_consumers_by_padding(monkeypatch, dtype):
-    """Three consumers take tiles of 192 query rows, two of 128: by default three only where their tiles pad the
-    sequence to at most 1.25x two's rows (csrc/attention.cuh, fwd_three_pad_ok): two at 1..128 and 193..256 rows (1.5x),
-    three at 129..192 and from 257 (300: 384 rows either way; 512: 576 against 512). The kernel launched (its NW
-    template argument) at each length, and PYKERNELS_CUDA_ATTN_FWD_WG=3 forcing three; the output and lse bitwise
-    equal either way (a row's key blocks and arithmetic are the same in both kernels), and output and gradients
-    against the references, also with q / k / v as transformers' transposed views ((B, S, H, D) storage) and GQA."""
+    """Three consumers take tiles of 192 query rows, two of 128, unless the three's tiles are of 64-row units that may
+    mix heads (kMix: csrc/attention.cuh, fwd_mix; by default where a head's 64-row units are at least 2 and no multiple
+    of 3), which pad no head. By default three where they pad the sequence to at most 1.25x two's rows
+    (fwd_three_pad_ok) or mix heads: two at 1..64 rows (one unit a head, 192 rows against 128), three from 65 (100,
+    128, 193 and 256 mixing heads, 129..192 three units a head, 300 and 512 mixing heads). The kernel launched (its NW
+    and kMix template arguments) at each length; the output and lse bitwise equal under the default, three forced
+    without mixing (PYKERNELS_CUDA_ATTN_FWD_WG=3, PYKERNELS_CUDA_ATTN_FWD_MIX=0: the 192-row tiles) and two (a row's
+    key blocks and arithmetic are the same in each kernel); output and gradients against the references, also with
+    q / k / v as transformers' transposed views ((B, S, H, D) storage) and GQA."""
     if not _sm90a_device():
         pytest.skip("the warp-specialised forward runs on compute capability 9.0 from an sm_90a build")
 
     def nws(q, k, v, **kw):  # each launched kernel's NW
         return [int(args[3]) for args in _ws_fwd_args(q, k, v, **kw)]
 
+    def mixes(q, k, v, **kw):  # each launched kernel's kMix
+        return [args[5] == "true" for args in _ws_fwd_args(q, k, v, **kw)]
+
     def fwd(q, k, v):  # (the registered C++ op: output and lse)
         return torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0, False,
                                                       q.shape[-1] ** -0.5)[:2]
 
-    for sq, want in ((1, 2), (100, 2), (128, 2), (129, 3), (192, 3), (193, 2), (256, 2), (257, 3), (300, 3), (512, 3)):
+    for sq, want, mix in ((1, 2, False), (64, 2, False), (65, 3, True), (100, 3, True), (128, 3, True),
+                          (129, 3, False), (192, 3, False), (193, 3, True), (256, 3, True), (257, 3, True),
+                          (300, 3, True), (512, 3, True)):
         for layout in ("bhsd", "bshd"):
             if layout == "bhsd":
                 q, k, v = _inputs((2, 3, sq, 64), (2, 3, sq + 7, 64), (2, 3, sq + 7, 64), dtype, "cuda")
@@ -2483,19 +2493,71 @@ def test_gpu_cuda_ws_forward_consumers_by_padding(monkeypatch, dtype):
                 q, k, v = (torch.randn(2, n, 3, 64, dtype=dtype, device="cuda").transpose(1, 2).requires_grad_(True)
                            for n in (sq, sq + 7, sq + 7))
             _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", None)
-            assert nws(q, k, v) == [want], (sq, layout)
+            assert nws(q, k, v) == [want] and mixes(q, k, v) == [mix], (sq, layout)
             o, lse = fwd(q.detach(), k.detach(), v.detach())
-            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", "3")
-            assert nws(q, k, v) == [3], (sq, layout)
-            o3, lse3 = fwd(q.detach(), k.detach(), v.detach())
-            assert torch.equal(o, o3) and torch.equal(lse, lse3), (sq, layout)
+            for wg, no_mix in (("3", "0"), ("2", None)):
+                _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", wg)
+                _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_MIX", no_mix)
+                assert nws(q, k, v) == [int(wg)] and mixes(q, k, v) == [False], (sq, layout, wg)
+                o3, lse3 = fwd(q.detach(), k.detach(), v.detach())
+                assert torch.equal(o, o3) and torch.equal(lse, lse3), (sq, layout, wg)
             _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", None)
+            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_MIX", None)
             if layout == "bshd" or sq in (128, 256, 512):
                 _check_against_ref(q, k, v, backend="cuda", what=f"{sq} rows {layout}")
     q, k, v = _inputs((2, 6, 256, 40), (2, 2, 256, 40), (2, 2, 256, 40), dtype, "cuda")
-    assert nws(q, k, v, enable_gqa=True) == [2]
+    assert nws(q, k, v, enable_gqa=True) == [3] and mixes(q, k, v, enable_gqa=True) == [True]
     _check_against_ref(q, k, v, enable_gqa=True, backend="cuda", what="256 rows, GQA, d40")
     _check_against_ref(q, k, v, enable_gqa=True, backend="auto", what="256 rows, GQA, d40, auto (the Triton backward)")
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+def test_gpu_cuda_ws_forward_mixed_head_tiles(monkeypatch, dtype):
+    """The three-consumer forward's tiles of three 64-row units that may mix heads (kMix; csrc/fwd_order.cuh's
+    mix_rows, test_attention_forward_mixed_head_tiles on the CPU): a tile meeting two heads streams their key blocks
+    in turn and each warpgroup frees the other head's blocks unread. Output and lse bitwise equal with it forced on
+    (PYKERNELS_CUDA_ATTN_FWD_MIX=1) and off (=0, the 192-row tiles), and the call repeated back to back (the ring's
+    and the turns' barriers balanced across calls), at: every tile two heads (2 units a head: 100 and 128 rows), units
+    past the last in the walk's last tile (1 x 1 x 100: one tile of [A, A, none]; 1 x 2 x 300), three units a head
+    (130: no tile mixes, forced on), one key block and several (Sq != Sk: 300 x 77, 300 x 1000), more tiles than the
+    grid (8 x 12 x 500: several rounds a block), GQA, D = 40, transformers' (B, S, H, D) storage; then output and
+    gradients against the float64 and same-dtype references."""
+    if not _sm90a_device():
+        pytest.skip("the warp-specialised forward runs on compute capability 9.0 from an sm_90a build")
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_WG", "3")
+
+    def fwd(q, k, v):  # (the registered C++ op: output and lse)
+        return torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0, False,
+                                                      q.shape[-1] ** -0.5)[:2]
+
+    cases = {"2 units a head": ((2, 3, 100, 64), (2, 3, 100, 64)), "128 rows": ((3, 5, 128, 64), (3, 5, 128, 64)),
+             "one tile, a unit past the last": ((1, 1, 100, 64), (1, 1, 100, 64)),
+             "units past the last": ((1, 2, 300, 64), (1, 2, 300, 64)),
+             "three units a head": ((2, 3, 130, 64), (2, 3, 130, 64)),
+             "one key block": ((2, 4, 300, 64), (2, 4, 77, 64)), "1000 keys": ((1, 5, 300, 64), (1, 5, 1000, 64)),
+             "rounds": ((8, 12, 500, 64), (8, 12, 500, 64)), "gqa": ((2, 6, 200, 64), (2, 2, 200, 64)),
+             "d40": ((3, 2, 450, 40), (3, 2, 450, 40))}
+    for name, (shape_q, shape_k) in cases.items():
+        q, k, v = _inputs(shape_q, shape_k, shape_k, dtype, "cuda", requires_grad=False)
+        outs = {}
+        for mix in ("1", "0"):
+            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_MIX", mix)
+            args = _ws_fwd_args(q, k, v, enable_gqa=shape_q[1] != shape_k[1])
+            assert [(a[3], a[4], a[5]) for a in args] == [("3", "true", "true" if mix == "1" else "false")], args
+            outs[mix] = [fwd(q, k, v) for _ in range(2)]
+        (o, lse), (o2, lse2) = outs["1"]
+        assert not torch.isnan(o).any() and not torch.isnan(lse).any(), name
+        for o3, lse3 in (outs["1"][1], *outs["0"]):
+            assert torch.equal(o, o3) and torch.equal(lse, lse3), name
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_MIX", None)
+    q, k, v = (torch.randn(2, n, 4, 64, dtype=dtype, device="cuda").transpose(1, 2).requires_grad_(True)
+               for n in (330, 200, 200))
+    assert [a[5] for a in _ws_fwd_args(q, k, v)] == ["true"]
+    _check_against_ref(q, k, v, backend="cuda", what="mixed heads, (B, S, H, D) storage")
+    q, k, v = _inputs((2, 6, 100, 40), (2, 3, 100, 40), (2, 3, 100, 40), dtype, "cuda")
+    _check_against_ref(q, k, v, enable_gqa=True, backend="cuda", what="mixed heads, 2 units a head, GQA, d40")
 
 
 @pytest.mark.gpu

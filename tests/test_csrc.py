@@ -407,6 +407,62 @@ def test_attention_forward_order_walk_covers_every_tile_once(tmp_path, batch, hq
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("n_u,hq,batch,g", [(8, 12, 32, 132), (2, 12, 128, 132), (4, 12, 64, 132), (5, 3, 7, 4),
+                                            (16, 16, 4, 132), (2, 1, 1, 1), (3, 2, 5, 7), (7, 5, 3, 2), (2, 3, 1, 50)])
+def test_attention_forward_mixed_head_tiles(tmp_path, n_u, hq, batch, g):
+    """csrc/fwd_order.cuh's mix_rows (the three-consumer forward's tiles of three 64-row units that may mix heads,
+    kMix: the producer's divisions) and MixWalk (the consumers' sums), compiled for the host: equal, block by block
+    and tile by tile; the tiles cover every (batch, head, query block) once, warpgroup w of tile t taking unit 3 t + w
+    (units past the last: the last head's blocks past its n_u, in the walk's last tile only); a tile meets one head
+    or two, ``step`` 2 exactly where it meets two, and ``second`` marks the warpgroups of the second (the ring's odd
+    positions: the producer's order)."""
+    main = tmp_path / "main.cpp"
+    main.write_text('#include <cstdio>\n#include <cstdlib>\n#include "fwd_order.cuh"\n'
+                    "using namespace pykernels::attn;\n"
+                    "int main(int argc, char** argv) {\n"
+                    "  const int n_u = atoi(argv[1]), hq = atoi(argv[2]), batch = atoi(argv[3]), g = atoi(argv[4]);\n"
+                    "  const int units = n_u * hq * batch, tiles = (units + 2) / 3;\n"
+                    "  for (int blk = 0; blk < g && blk < tiles; ++blk) {\n"
+                    "    MixWalk w(g, blk, n_u, hq);\n"
+                    "    for (int t = blk; t < tiles; t += g, w.next(n_u, hq))\n"
+                    "      for (int k = 0; k < 3; ++k) {\n"
+                    "        const MixRows a = w.rows(k, 3, n_u, hq, batch), e = mix_rows(t, k, n_u, hq, units);\n"
+                    "        printf(\"%d %d %d %d %d %d %d %d %d %d %d %d\\n\", t, k, a.m, a.h, a.b, a.step, a.second,\n"
+                    "               e.m, e.h, e.b, e.step, e.second);\n"
+                    "      }\n"
+                    "  }\n}\n")
+    exe = _host_exe(main)
+    out = subprocess.run([str(exe), str(n_u), str(hq), str(batch), str(g)], capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    rows = [tuple(int(v) for v in line.split()) for line in out if line]
+    units = n_u * hq * batch
+    tiles = -(-units // 3)
+    assert len(rows) == 3 * tiles
+    got = {}
+    for t, k, *x in rows:
+        assert x[:5] == x[5:], (t, k, x)
+        got[t, k] = x[:5]
+    seen = []
+    for t in range(tiles):
+        heads = set()
+        for k in range(3):
+            m, h, b, step, second = got[t, k]
+            u = 3 * t + k
+            if u < units:
+                assert (b * hq + h) * n_u + m == u and 0 <= m < n_u, (t, k, got[t, k])
+                seen.append((b, h, m))
+                heads.add((b, h))
+            else:  # past the last unit: the last head's rows past its end, in the last tile
+                assert t == tiles - 1 and (b, h) == (batch - 1, hq - 1) and m == n_u + u - units, (t, k)
+        assert len(heads) in (1, 2)
+        first = (got[t, 0][2], got[t, 0][1])
+        for k in range(3):
+            m, h, b, step, second = got[t, k]
+            assert step == len(heads) and second == int((b, h) != first), (t, k, got[t, k])
+    assert sorted(seen) == [(b, h, m) for b in range(batch) for h in range(hq) for m in range(n_u)]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("n_m,hq,batch,g", [(4, 12, 32, 132), (16, 16, 4, 128), (8, 12, 8, 132), (1, 1, 1, 1),
                                             (3, 5, 7, 2), (7, 3, 11, 50), (2, 40, 3, 132), (5, 1, 300, 17)])
 def test_attention_forward_tile_walk_is_tile_of(tmp_path, n_m, hq, batch, g):

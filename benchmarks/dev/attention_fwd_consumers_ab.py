@@ -5,6 +5,9 @@ forward, and forward+backward less the forward), through the C++ backend and thr
 the Triton backward), settings alternating within the round so that the card's clock drifts over both alike; cuDNN's
 (torch SDPA) once a case in the first round.
 
+A setting may also be ``NAME=VALUE[,NAME=VALUE]`` (common.env_settings: names without their ``PYKERNELS_`` prefix, e.g.
+``CUDA_ATTN_FWD_WG=3,CUDA_ATTN_FWD_MIX=0``), each variable the others leave unset.
+
 One line a case, implementation, setting and round: ``SETTING round case impl fwd_us bwd_us fwdbwd_us``.
 
 Usage (GPU): ``python benchmarks/dev/attention_fwd_consumers_ab.py [--rounds 3] [--settings "3;default"]
@@ -27,7 +30,10 @@ from attention import graph_time, sdpa_impl  # noqa: E402  (benchmarks/attention
 
 import pykernels  # noqa: E402
 
-CASES = {"s128": (128, 12, 128), "s256": (64, 12, 256), "s512": (32, 12, 512)}  # (batch, heads, tokens), D = 64
+# (batch, heads, tokens), D = 64
+CASES = {"s100": (128, 12, 100), "s128": (128, 12, 128), "s256": (64, 12, 256), "s300": (48, 12, 300),
+         "s512": (32, 12, 512), "s1000": (16, 12, 1000)}
+VARS = ("CUDA_ATTN_FWD_WG", "CUDA_ATTN_FWD_MIX")  # (unset by every setting that does not name them)
 
 
 def main(argv=None) -> int:
@@ -59,8 +65,13 @@ def main(argv=None) -> int:
         for case, (q, k, v, do) in inputs.items():
             if rnd == 0:
                 line("cudnn", rnd, case, "sdpa", graph_time(sdpa_cudnn, q, k, v, do))
-            for setting in args.settings.split(";"):  # (default: the variable unset)
-                with common.env_setting({"CUDA_ATTN_FWD_WG": None if setting == "default" else setting}):
+            for setting in args.settings.split(";"):  # (default: the variables unset)
+                env = dict.fromkeys(VARS)
+                if "=" in setting:
+                    env.update(common.env_settings(setting)[0])
+                elif setting != "default":
+                    env["CUDA_ATTN_FWD_WG"] = setting
+                with common.env_setting(env):
                     for name, fn in impls.items():
                         line(setting, rnd, case, name, graph_time(fn, q, k, v, do))
     return 0
