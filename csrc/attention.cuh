@@ -1526,6 +1526,20 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
       const int q0 = kMix ? 0 : x.m * BM;
       if (!kMix && q0 >= s.sq) continue;  // (varlen: this sequence is shorter than the max)
       const int hk = x.h / p.group;
+      // kMix: the V of the tile's position j (ring position gj), TMA by thread 0. Each position's V is issued after
+      // the next one's K: a V slot comes free only after its P V, a block after its K slot, and with the two heads'
+      // blocks in turn on 4 slots, K and V in one order held each K behind the V two positions before it
+      const auto mix_v = [&](int j, uint32_t gj) {
+        const int sj = gj % S;
+        const bool bj = (j & sh) != 0;
+        mbar_wait(v_empty(sj), ((gj / S) & 1) ^ 1);
+        PK_FWD_TRACE(10);
+        if (tid == 0) {
+          mbar_expect_tx(v_full(sj), C::KVBYTES);
+          tma_tile<BN, D>(sV + sj * C::KVBYTES, &tm.v, tm.order[2], (j >> sh) * BN, bj ? z.h / p.group : hk,
+                          bj ? z.b : x.b, v_full(sj));
+        }
+      };
       const int qb = qi & 1;
       mbar_wait(q_empty(qb), ((qi >> 1) & 1) ^ 1);
       PK_FWD_TRACE(8);
@@ -1598,6 +1612,10 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
             ws_draw_bits<BN, C::DRAWN>(p, sbits + st * C::BITS + tid * (BN / 8), dctr + static_cast<uint64_t>(k0 >> 3));
           mbar_arrive(k_full(st));
         }
+        if constexpr (kMix) {  // a position's V after the next one's K (mix_v)
+          if (nb > nb0) mix_v(nb - 1, g - 1);
+          continue;
+        }
         mbar_wait(v_empty(st), ph);
         PK_FWD_TRACE(10);
         // (as K's load above: one lambda for both changed ptxas's schedule of the kernel, a build not measured)
@@ -1616,6 +1634,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
           cp_async_arrive(v_full(st));
         }
       }
+      if (kMix && nb1 > nb0) mix_v(nb1 - 1, g - 1);  // (the tile's last V)
     }
     cp_async_wait_all();
     return;
@@ -1633,17 +1652,16 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
   if (soft_turn && cw == NW - 1) named_arrive(kSoft, 256);  // and the first softmax turn
   int qi = 0;
   uint32_t g = 0;
-  // kMix: the other head's block at ring position ``gs``, never read here, freed once it landed (a wait that passes
-  // at once: it was issued before this warpgroup's block at gs + 1, or, for the tile's last, before the turn that the
-  // other head's warpgroup took on it)
-  const auto free_other = [&](uint32_t gs) {
-    const int ss = gs % S;
-    const uint32_t ps = (gs / S) & 1;
-    mbar_wait2(k_full(ss), ps, v_full(ss), ps);
-    if (lane == 0) {
-      mbar_arrive(k_empty(ss));
-      mbar_arrive(v_empty(ss));
-    }
+  // kMix: the other head's K / V at ring position ``gs``, never read here, freed once it landed: at the warpgroup's
+  // block at ring position g, the K at g - 1 and the V at g - 3 (the producer issues V(g - 3) before K(g - 1), and
+  // K(g - 1) before K(g), which the warpgroup has waited for: these waits pass at once); the rest after its last P V
+  const auto free_k = [&](uint32_t gs) {
+    mbar_wait(k_full(gs % S), (gs / S) & 1);
+    if (lane == 0) mbar_arrive(k_empty(gs % S));
+  };
+  const auto free_v = [&](uint32_t gs) {
+    mbar_wait(v_full(gs % S), (gs / S) & 1);
+    if (lane == 0) mbar_arrive(v_empty(gs % S));
   };
   TileWalk walk(static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x), n_m, p.hq);  // (fwd_order.cuh)
   MixWalk mwalk(static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x), kMix ? n_u : 1, p.hq);
@@ -1696,7 +1714,10 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
         if (nb > nb0) mbar_wait(v_full(pst), ((g - step) / S) & 1);
       }
       // (before the turn: the products' registers not yet held; at S's wait it spilled)
-      if (kMix && step == 2 && (second != 0 || nb > nb0)) free_other(g - 1);
+      if (kMix && step == 2) {
+        if (second != 0 || nb > nb0) free_k(g - 1);
+        if (nb - nb0 >= 2 - second) free_v(g - 3);
+      }
       PK_FWD_TRACE(11);
       if (fence) fence_async_smem();  // (cp.async's tiles; TMA's land in the async proxy that wgmma reads)
       float sc[BN / 8][4], alpha[2];
@@ -1785,7 +1806,13 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
       PK_FWD_TRACE(6);
       __syncwarp();
       if (lane == 0) mbar_arrive(v_empty(pst));
-      if (kMix && step == 2 && second == 0) free_other(g - 1);  // (the second head's last block)
+      if (kMix && step == 2) {  // the other head's last V or two, and (the first head's) its last K
+        if (nb1 - nb0 >= 2 - second) free_v(g - 3);
+        if (second == 0) {
+          free_k(g - 1);
+          free_v(g - 1);
+        }
+      }
     } else if (lane == 0) {
       mbar_arrive(q_empty(qb));  // (no key: Q unread)
     }

@@ -535,3 +535,16 @@ def test_programmatic_launches_wait_first():
     kernels, plain = _kernels_and_plain_launches(bad)
     assert set(kernels) == {"k1", "k2"} and plain == {"k2"}
     assert not kernels["k1"][1:].lstrip().startswith("pdl_enter();")
+
+
+def test_attention_forward_mixed_head_protocol_model():
+    """benchmarks/dev/attention_fwd_mix_protocol.py, the model of the kMix forward's barrier protocol (its producer's
+    order, the consumers' turns and their frees of the other head's blocks): no deadlock, every consumer reading its
+    own head's blocks and no load landing in a held slot, over random schedules of tiles of one and two heads."""
+    import contextlib
+
+    from utils import load_benchmark
+    with contextlib.contextmanager(load_benchmark)("dev/attention_fwd_mix_protocol") as model:
+        assert model.main(["--seeds", "2"]) == 0
+        for n_u, heads, nkb in ((2, 3, 4), (5, 2, 3), (8, 1, 1)):
+            assert model.run(n_u, heads, nkb, 2, seed=7)
