@@ -23,6 +23,7 @@ import pykernels
 
 CASES = {  # name: (batch, heads, seq, head dim, causal)
     "bert": (32, 12, 512, 64, False),
+    "s256": (64, 12, 256, 64, False),
     "gpt2": (8, 12, 1024, 64, True),
     "long": (2, 12, 4096, 64, False),
     "d128": (8, 16, 2048, 128, True),
@@ -99,7 +100,40 @@ def mean(x):
     return sum(x) / len(x) if x else float("nan")
 
 
-def run_case(name, dump):
+def mixed_tiles(name, tile, grid):
+    """``--by-mix``: each traced block's tiles split by whether they meet two heads (the three-consumer kernel's
+    tiles of 64-row units, kMix: csrc/fwd_order.cuh's mix_rows), as consumer warp ``w``'s events show them: mean
+    cycles of the tile (O stored to O stored), of its start (the Q wait), and its key blocks' waits for K / V and
+    for the turn."""
+    b, h, s, d, causal = CASES[name]
+    n_u = (s + 63) // 64
+    units = n_u * h * b
+    out = collections.defaultdict(list)
+    for c, cta in enumerate(tile):
+        k, prev, last7, cls = 0, None, None, None
+        for code, clk in cta:
+            if code == 1:
+                t = c + k * grid
+                a, z = 3 * t // n_u, min(3 * t + 2, units - 1) // n_u
+                cls = "two heads" if a != z else "one head"
+                if last7 is not None:
+                    out[cls, "q wait"].append(clk - last7)
+            elif code == 11 and cls:
+                out[cls, "kv wait"].append(clk - prev)
+            elif code == 2 and cls:
+                out[cls, "turn wait"].append(clk - prev)
+            elif code == 7:
+                if last7 is not None and cls:
+                    out[cls, "period"].append(clk - last7)
+                last7 = clk
+                k += 1
+            prev = clk
+    for cls in ("one head", "two heads"):
+        print(f"    {cls:9s}: " + "  ".join(f"{key} {mean(out[cls, key]):6.0f} (n {len(out[cls, key])})"
+                                          for key in ("period", "q wait", "kv wait", "turn wait")))
+
+
+def run_case(name, dump, by_mix=False):
     b, h, s, d, causal = CASES[name]
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
@@ -145,6 +179,15 @@ def run_case(name, dump):
         for key in ("tile end: last V landed", "tile end: last P V's turn", "tile end: last P V done",
                     "tile end: O stored", "q wait (after O stored)", "first q wait"):
             print(f"    {key:28s} {mean(agg[key]):7.0f}  (n {len(agg[key])})")
+    if by_mix:
+        import os
+        n_u = (CASES[name][2] + 63) // 64
+        grid = min((n_u * CASES[name][1] * CASES[name][0] + 2) // 3,
+                   torch.cuda.get_device_properties(0).multi_processor_count)
+        if os.environ.get("PYKERNELS_CUDA_ATTN_FWD_MIX") != "0":
+            for wg, w in consumers:
+                print(f"  consumer {wg} by tile kind (grid {grid}):")
+                mixed_tiles(name, [cta[w] for cta in tr], grid)
     if dump:
         base = starts[0]
         for wg, w in consumers:
@@ -165,13 +208,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="bert,gpt2,long")
     ap.add_argument("--dump", type=int, default=2)
+    ap.add_argument("--by-mix", action="store_true", help="the three-consumer kernel's tiles of one head and of two")
     a = ap.parse_args()
     import pykernels._C  # noqa: F401  (registers the ops; pykernels loads it lazily)
     if not hasattr(torch.ops.pykernels_cuda, "attention_fwd_trace"):
         raise SystemExit("this build has no timeline: PYKERNELS_NVCC_FLAGS=-DPYKERNELS_FWD_TRACE pip install -e .")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for name in a.cases.split(","):
-        run_case(name, a.dump)
+        run_case(name, a.dump, a.by_mix)
 
 
 if __name__ == "__main__":
