@@ -1526,20 +1526,6 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
       const int q0 = kMix ? 0 : x.m * BM;
       if (!kMix && q0 >= s.sq) continue;  // (varlen: this sequence is shorter than the max)
       const int hk = x.h / p.group;
-      // kMix: the V of the tile's position j (ring position gj), TMA by thread 0. Each position's V is issued after
-      // the next one's K: a V slot comes free only after its P V, a block after its K slot, and with the two heads'
-      // blocks in turn on 4 slots, K and V in one order held each K behind the V two positions before it
-      const auto mix_v = [&](int j, uint32_t gj) {
-        const int sj = gj % S;
-        const bool bj = (j & sh) != 0;
-        mbar_wait(v_empty(sj), ((gj / S) & 1) ^ 1);
-        PK_FWD_TRACE(10);
-        if (tid == 0) {
-          mbar_expect_tx(v_full(sj), C::KVBYTES);
-          tma_tile<BN, D>(sV + sj * C::KVBYTES, &tm.v, tm.order[2], (j >> sh) * BN, bj ? z.h / p.group : hk,
-                          bj ? z.b : x.b, v_full(sj));
-        }
-      };
       const int qb = qi & 1;
       mbar_wait(q_empty(qb), ((qi >> 1) & 1) ^ 1);
       PK_FWD_TRACE(8);
@@ -1612,10 +1598,6 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
             ws_draw_bits<BN, C::DRAWN>(p, sbits + st * C::BITS + tid * (BN / 8), dctr + static_cast<uint64_t>(k0 >> 3));
           mbar_arrive(k_full(st));
         }
-        if constexpr (kMix) {  // a position's V after the next one's K (mix_v)
-          if (nb > nb0) mix_v(nb - 1, g - 1);
-          continue;
-        }
         mbar_wait(v_empty(st), ph);
         PK_FWD_TRACE(10);
         // (as K's load above: one lambda for both changed ptxas's schedule of the kernel, a build not measured)
@@ -1634,7 +1616,6 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
           cp_async_arrive(v_full(st));
         }
       }
-      if (kMix && nb1 > nb0) mix_v(nb1 - 1, g - 1);  // (the tile's last V)
     }
     cp_async_wait_all();
     return;
@@ -1652,16 +1633,22 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
   if (soft_turn && cw == NW - 1) named_arrive(kSoft, 256);  // and the first softmax turn
   int qi = 0;
   uint32_t g = 0;
-  // kMix: the other head's K / V at ring position ``gs``, never read here, freed once it landed: at the warpgroup's
-  // block at ring position g, the K at g - 1 and the V at g - 3 (the producer issues V(g - 3) before K(g - 1), and
-  // K(g - 1) before K(g), which the warpgroup has waited for: these waits pass at once); the rest after its last P V
-  const auto free_k = [&](uint32_t gs) {
-    mbar_wait(k_full(gs % S), (gs / S) & 1);
-    if (lane == 0) mbar_arrive(k_empty(gs % S));
-  };
-  const auto free_v = [&](uint32_t gs) {
-    mbar_wait(v_full(gs % S), (gs / S) & 1);
-    if (lane == 0) mbar_arrive(v_empty(gs % S));
+  // kMix: the other head's block at ring position ``gs``, never read here, freed once it landed: at the warpgroup's
+  // block at ring position g, the one at g - 1 (a wait that passes at once: the producer issued its K and V before
+  // this block's K), and the first head's warpgroups free the second's last after their last P V (by then the second
+  // head's warpgroup has taken its turn on it). (Tried, H200 run416-417: each position's V issued after the next
+  // one's K, so that a V slot still held would not hold back the next K, and the other head's V freed two blocks
+  // later: BERT-base 73.9-74.6 us against run415's 73.1-73.2 in this order; in the timeline, run417, its key blocks
+  // waited 519 cycles for their K and previous V against the 192-row tiles' 326, the consumer needing that V with
+  // the K, now issued after it.)
+  const auto free_other = [&](uint32_t gs) {
+    const int ss = gs % S;
+    const uint32_t ps = (gs / S) & 1;
+    mbar_wait2(k_full(ss), ps, v_full(ss), ps);
+    if (lane == 0) {
+      mbar_arrive(k_empty(ss));
+      mbar_arrive(v_empty(ss));
+    }
   };
   TileWalk walk(static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x), n_m, p.hq);  // (fwd_order.cuh)
   MixWalk mwalk(static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x), kMix ? n_u : 1, p.hq);
@@ -1714,10 +1701,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
         if (nb > nb0) mbar_wait(v_full(pst), ((g - step) / S) & 1);
       }
       // (before the turn: the products' registers not yet held; at S's wait it spilled)
-      if (kMix && step == 2) {
-        if (second != 0 || nb > nb0) free_k(g - 1);
-        if (nb - nb0 >= 2 - second) free_v(g - 3);
-      }
+      if (kMix && step == 2 && (second != 0 || nb > nb0)) free_other(g - 1);
       PK_FWD_TRACE(11);
       if (fence) fence_async_smem();  // (cp.async's tiles; TMA's land in the async proxy that wgmma reads)
       float sc[BN / 8][4], alpha[2];
@@ -1806,13 +1790,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
       PK_FWD_TRACE(6);
       __syncwarp();
       if (lane == 0) mbar_arrive(v_empty(pst));
-      if (kMix && step == 2) {  // the other head's last V or two, and (the first head's) its last K
-        if (nb1 - nb0 >= 2 - second) free_v(g - 3);
-        if (second == 0) {
-          free_k(g - 1);
-          free_v(g - 1);
-        }
-      }
+      if (kMix && step == 2 && second == 0) free_other(g - 1);  // (the second head's last block)
     } else if (lane == 0) {
       mbar_arrive(q_empty(qb));  // (no key: Q unread)
     }
@@ -3165,13 +3143,18 @@ inline bool fwd_overlap(const Params& p) {
 // warpgroup computing rows past the sequence). Dense, not causal (a causal tile's warpgroups would visit different key
 // blocks), the overlap kernel's (fwd_overlap), at least two units a head (a tile then meets two heads at most), the
 // walk's units within int32; by default where a head's units are no multiple of 3 (else every tile is one head's,
-// as without it). PYKERNELS_CUDA_ATTN_FWD_MIX=1 / 0 forces it on / off where it applies (A/B runs and tests, read at
-// each call).
+// as without it) from 3 units (at 2, 65..128 rows, two consumers' 128-row tiles pad no more). H200 run415, D = 64,
+// kernel time in graph replay (settings alternating, two rounds), against the 192-row tiles and two consumers:
+// 32 x 12 x 512 tokens 73.1-73.2 us against 73.8-73.9 and 81.7-81.8 (cuDNN 72.1), 64 x 12 x 256 47.3 against 59.2-59.5
+// and 51.3-51.4 (cuDNN 45.1), 48 x 12 x 300 62.7-62.8 against 64.1 (cuDNN 73.1), 16 x 12 x 1000 126.4-126.8 against
+// 131.5-131.8 (cuDNN 140.0); at 2 units 128 x 12 x 100 36.2 against two's 38.3-38.4 but 128 x 12 x 128 38.3-39.3
+// against 37.1-37.2. A tile of two heads took 3-5% longer than one of one in the timeline (run417).
+// PYKERNELS_CUDA_ATTN_FWD_MIX=1 / 0 forces it on / off where it applies (A/B runs and tests, read at each call).
 inline bool fwd_mix(const Params& p) {
   const int64_t n_u = (p.sq + 63) / 64, units = n_u * p.hq * p.batch;
   if (p.cu_q != nullptr || p.causal || n_u < 2 || units > INT32_MAX - 3 || !fwd_overlap(p)) return false;
   const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_MIX");
-  return e == '1' || (e != '0' && n_u % 3 != 0);
+  return e == '1' || (e != '0' && n_u >= 3 && n_u % 3 != 0);
 }
 
 // Whether the warp-specialised forward runs three consumer warpgroups (tiles of 192 query rows, FwdWsCfg<64, 3>)

@@ -2462,10 +2462,10 @@ def test_gpu_cuda_ws_forward_three_consumers(monkeypatch, dtype, overlap):
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 def test_gpu_cuda_ws_forward_consumers_by_padding(monkeypatch, dtype):
     """Three consumers take tiles of 192 query rows, two of 128, unless the three's tiles are of 64-row units that may
-    mix heads (kMix: csrc/attention.cuh, fwd_mix; by default where a head's 64-row units are at least 2 and no multiple
+    mix heads (kMix: csrc/attention.cuh, fwd_mix; by default where a head's 64-row units are at least 3 and no multiple
     of 3), which pad no head. By default three where they pad the sequence to at most 1.25x two's rows
-    (fwd_three_pad_ok) or mix heads: two at 1..64 rows (one unit a head, 192 rows against 128), three from 65 (100,
-    128, 193 and 256 mixing heads, 129..192 three units a head, 300 and 512 mixing heads). The kernel launched (its NW
+    (fwd_three_pad_ok) or mix heads: two at 1..128 rows (192 rows against 128), three from 129 (129..192 three units
+    a head, 193 and 256 mixing heads, 257 and 300 too, and 512). The kernel launched (its NW
     and kMix template arguments) at each length; the output and lse bitwise equal under the default, three forced
     without mixing (PYKERNELS_CUDA_ATTN_FWD_WG=3, PYKERNELS_CUDA_ATTN_FWD_MIX=0: the 192-row tiles) and two (a row's
     key blocks and arithmetic are the same in each kernel); output and gradients against the references, also with
@@ -2483,9 +2483,9 @@ def test_gpu_cuda_ws_forward_consumers_by_padding(monkeypatch, dtype):
         return torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], 0.0, False,
                                                       q.shape[-1] ** -0.5)[:2]
 
-    for sq, want, mix in ((1, 2, False), (64, 2, False), (65, 3, True), (100, 3, True), (128, 3, True),
-                          (129, 3, False), (192, 3, False), (193, 3, True), (256, 3, True), (257, 3, True),
-                          (300, 3, True), (512, 3, True)):
+    for sq, want, mix in ((1, 2, False), (64, 2, False), (100, 2, False), (128, 2, False), (129, 3, False),
+                          (192, 3, False), (193, 3, True), (256, 3, True), (257, 3, True), (300, 3, True),
+                          (512, 3, True)):
         for layout in ("bhsd", "bshd"):
             if layout == "bhsd":
                 q, k, v = _inputs((2, 3, sq, 64), (2, 3, sq + 7, 64), (2, 3, sq + 7, 64), dtype, "cuda")
@@ -2551,12 +2551,14 @@ def test_gpu_cuda_ws_forward_mixed_head_tiles(monkeypatch, dtype):
         assert not torch.isnan(o).any() and not torch.isnan(lse).any(), name
         for o3, lse3 in (outs["1"][1], *outs["0"]):
             assert torch.equal(o, o3) and torch.equal(lse, lse3), name
-    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_MIX", None)
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_MIX", None)  # (300 rows: 5 units a head, mixed by default)
     q, k, v = (torch.randn(2, n, 4, 64, dtype=dtype, device="cuda").transpose(1, 2).requires_grad_(True)
                for n in (300, 200, 200))
     assert [a[5] for a in _ws_fwd_args(q, k, v)] == ["true"]
     _check_against_ref(q, k, v, backend="cuda", what="mixed heads, (B, S, H, D) storage")
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_MIX", "1")
     q, k, v = _inputs((2, 6, 100, 40), (2, 3, 100, 40), (2, 3, 100, 40), dtype, "cuda")
+    assert [a[5] for a in _ws_fwd_args(q, k, v, enable_gqa=True)] == ["true"]
     _check_against_ref(q, k, v, enable_gqa=True, backend="cuda", what="mixed heads, 2 units a head, GQA, d40")
 
 

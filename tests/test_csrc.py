@@ -548,3 +548,5 @@ def test_attention_forward_mixed_head_protocol_model():
         assert model.main(["--seeds", "2"]) == 0
         for n_u, heads, nkb in ((2, 3, 4), (5, 2, 3), (8, 1, 1)):
             assert model.run(n_u, heads, nkb, 2, seed=7)
+        with pytest.raises(RuntimeError, match="deadlock"):  # (a block left unfreed: the model sees it)
+            model.run(2, 2, 4, 1, seed=0, keep_last=True)

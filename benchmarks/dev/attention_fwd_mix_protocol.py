@@ -1,8 +1,8 @@
 """A model of the C++ forward's barrier protocol on tiles that mix heads (csrc/attention.cuh, attn_fwd_sm90_ws_kernel's
-kMix), for development: the producer (Q buffers, the K / V ring of S slots, each position's V issued after the next
-one's K), three consumer warpgroups (their turn chain, each freeing the other head's K / V unread: the K at g - 1 and
-the V at g - 3 at its block at ring position g, the rest after its last P V) and the TMA loads landing in a random
-order, stepped by random schedules. It checks that no schedule deadlocks, that each consumer finds its own head's
+kMix), for development: the producer (Q buffers, the K / V ring of S slots, a position's K then its V), three consumer
+warpgroups (their turn chain, each freeing the other head's block unread: the one at g - 1 at its block at ring
+position g, and the first head's warpgroups the second's last after their last P V) and the TMA loads landing in a
+random order, stepped by random schedules. It checks that no schedule deadlocks, that each consumer finds its own head's
 block in the slot it reads, and that no load lands in a slot a consumer still holds. A model, not the kernel: a
 change to the kernel's protocol is to be made here too (the GPU tests run the kernel: test_attention.py's
 mixed-head tests). Usage: ``python benchmarks/dev/attention_fwd_mix_protocol.py [--seeds 6]``.
@@ -26,7 +26,9 @@ class Bar:
         if s.pending == 0: s.n += 1; s.pending = s.count
     def done(s, parity): return (s.n & 1) != parity
 
-def run(n_u, heads, nkb, grid, seed):
+def run(n_u, heads, nkb, grid, seed, keep_last=False):
+    """One schedule; ``keep_last``: the first head's warpgroups leave the second head's last block unfreed (a broken
+    protocol, which deadlocks: the check's own check)."""
     rng = random.Random(seed)
     units = n_u * heads; tiles = (units + 2) // 3
     kf = [Bar(1) for _ in range(S)]; ke = [Bar(NW) for _ in range(S)]
@@ -51,9 +53,8 @@ def run(n_u, heads, nkb, grid, seed):
                 st = g % S
                 yield lambda: ke[st].done(((g // S) & 1) ^ 1)
                 assert not holds.get(('k', st)), ('k overwritten in use', g); inflight.append(kf[st]); slot_head[('k', st)] = (r['z'] if (j & sh) else r['a'], j >> sh)
-                if j > 0: yield from v(j - 1, g - 1)
+                yield from v(j, g)
                 g += 1
-            if n > 0: yield from v(n - 1, g - 1)
     turn = [0] * NW
     def consumer(blk, cw):
         nxt = (cw + 1) % NW
@@ -79,9 +80,9 @@ def run(n_u, heads, nkb, grid, seed):
                 if nb > 0:
                     assert slot_head[('v', pst)] == (r['head'], nb - 1)
                     holds[('v', pst)] = holds.get(('v', pst), 0) + 1
-                if step == 2:
-                    if second or nb > 0: yield from free_k(g - 1)
-                    if nb >= 2 - second: yield from free_v(g - 3)
+                if step == 2 and (second or nb > 0):
+                    yield from free_k(g - 1)
+                    yield from free_v(g - 1)
                 yield lambda: turn[cw] > 0
                 turn[cw] -= 1
                 turn[nxt] += 1
@@ -99,10 +100,9 @@ def run(n_u, heads, nkb, grid, seed):
                 turn[cw] -= 1; turn[nxt] += 1
                 yield lambda: True  # the P V
                 holds[('v', pst)] -= 1; ve[pst].arrive()
-                if step == 2:
-                    if nkb >= 2 - second: yield from free_v(g - 3)
-                    if second == 0:
-                        yield from free_k(g - 1); yield from free_v(g - 1)
+                if step == 2 and second == 0 and not keep_last:
+                    yield from free_k(g - 1)
+                    yield from free_v(g - 1)
             else:
                 qe[qb].arrive()
             g -= second
