@@ -24,6 +24,7 @@ import pykernels
 CASES = {  # name: (batch, heads, seq, head dim, causal)
     "bert": (32, 12, 512, 64, False),
     "s256": (64, 12, 256, 64, False),
+    "s384": (40, 12, 384, 64, False),
     "gpt2": (8, 12, 1024, 64, True),
     "long": (2, 12, 4096, 64, False),
     "d128": (8, 16, 2048, 128, True),
