@@ -116,38 +116,20 @@ PK_HD MixRows mix_rows(int t, int w, int n_u, int hq, int units) {
 PK_HD Tile mix_tile(const MixRows& r) { return {r.m, r.h, r.b}; }
 // mix_rows's tiles t0, t0 + g, ... of a grid of g blocks, stepped by additions (as TileWalk): the consumers' divisions
 // would leave their rows and head in vector registers, where these sums stay uniform (ptxas: 450-500 bytes of spills
-// in the softmax at the consumers' 160 registers with mix_rows there, none this way). t0 < g; 3 (t0 + g) within int32.
-struct MixWalk {
-  int m, h, b;     // the tile's first unit (warpgroup 0's): query block m of head (b, h)
-  int rm, rq, qq;  // the step of 3 g units: (qq Hq + rq) n_u + rm
-  PK_HD MixWalk(int g, int t0, int n_u, int hq) {
-    const int u0 = 3 * t0, bh = u0 / n_u, qs = 3 * g / n_u;
-    m = u0 - bh * n_u;
-    b = bh / hq;
-    h = bh - b * hq;
-    rm = 3 * g - qs * n_u;
-    qq = qs / hq;
-    rq = qs - qq * hq;
-  }
-  PK_HD void next(int n_u, int hq) {
-    m += rm;
-    const int c1 = m >= n_u ? 1 : 0;
-    m -= c1 * n_u;
-    h += rq + c1;  // (< 2 Hq)
-    const int c2 = h >= hq ? 1 : 0;
-    h -= c2 * hq;
-    b += qq + c2;
-  }
+// in the softmax at the consumers' 160 registers with mix_rows there, 8 this way, in the dropout path's set-up once a
+// tile). t0 < g; 3 (t0 + g) within int32.
+struct MixWalk : TileWalk {  // TileWalk over the units, 3 g of them a round: its m, h, b the tile's first unit's
+  PK_HD MixWalk(int g, int t0, int n_u, int hq) : TileWalk(3 * g, 3 * t0, n_u, hq) {}
   // mix_rows(t, w, ...) of this tile t: warpgroup w's unit (of nw a tile) is in the next head where m + w passes the
   // head's n_u units, if there is a next head (else it is a unit past the last: the last head's rows past its end)
   PK_HD MixRows rows(int w, int nw, int n_u, int hq, int batch) const {
     const int hn = h + 1 == hq ? 0 : h + 1, bn = h + 1 == hq ? b + 1 : b;
-    const bool next = bn < batch, second = next && m + w >= n_u;
+    const bool more = bn < batch, second = more && m + w >= n_u;
     MixRows x;
     x.m = second ? m + w - n_u : m + w;
     x.h = second ? hn : h;
     x.b = second ? bn : b;
-    x.step = next && m + nw - 1 >= n_u ? 2 : 1;
+    x.step = more && m + nw - 1 >= n_u ? 2 : 1;
     x.second = second ? 1 : 0;
     return x;
   }

@@ -215,6 +215,12 @@ def _host_exe(main):
     return exe
 
 
+def _int_rows(exe, *args) -> list[tuple[int, ...]]:
+    """The lines the executable prints for ``args``, each a tuple of its integers."""
+    out = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, check=True).stdout
+    return [tuple(int(v) for v in line.split()) for line in out.splitlines() if line]
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_philox_port_matches_triton_stream(tmp_path):
     """csrc/philox.cuh's philox4x32, compiled for the host, gives bit for bit pykernels.attention.philox4x32, the
@@ -431,10 +437,7 @@ def test_attention_forward_mixed_head_tiles(tmp_path, n_u, hq, batch, g):
                     "               e.m, e.h, e.b, e.step, e.second);\n"
                     "      }\n"
                     "  }\n}\n")
-    exe = _host_exe(main)
-    out = subprocess.run([str(exe), str(n_u), str(hq), str(batch), str(g)], capture_output=True, text=True,
-                         check=True).stdout.split("\n")
-    rows = [tuple(int(v) for v in line.split()) for line in out if line]
+    rows = _int_rows(_host_exe(main), n_u, hq, batch, g)
     units = n_u * hq * batch
     tiles = -(-units // 3)
     assert len(rows) == 3 * tiles
@@ -483,10 +486,7 @@ def test_attention_forward_tile_walk_is_tile_of(tmp_path, n_m, hq, batch, g):
                     "        printf(\"%d %lld %d %d %d %d %d %d\\n\", flip, t, a.m, a.h, a.b, e.m, e.h, e.b);\n"
                     "      }\n"
                     "    }\n}\n")
-    exe = _host_exe(main)
-    out = subprocess.run([str(exe), str(n_m), str(hq), str(batch), str(g)], capture_output=True, text=True,
-                         check=True).stdout.split("\n")
-    rows = [tuple(int(v) for v in line.split()) for line in out if line]
+    rows = _int_rows(_host_exe(main), n_m, hq, batch, g)
     n = n_m * hq * batch
     assert len(rows) == 2 * n
     for flip, t, *got in rows:
