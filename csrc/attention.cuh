@@ -1636,11 +1636,10 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
   // kMix: the other head's block at ring position ``gs``, never read here, freed once it landed: at the warpgroup's
   // block at ring position g, the one at g - 1 (a wait that passes at once: the producer issued its K and V before
   // this block's K), and the first head's warpgroups free the second's last after their last P V (by then the second
-  // head's warpgroup has taken its turn on it). (Tried, H200 run416-417: each position's V issued after the next
-  // one's K, so that a V slot still held would not hold back the next K, and the other head's V freed two blocks
-  // later: BERT-base 73.9-74.6 us against run415's 73.1-73.2 in this order; in the timeline, run417, its key blocks
-  // waited 519 cycles for their K and previous V against the 192-row tiles' 326, the consumer needing that V with
-  // the K, now issued after it.)
+  // head's warpgroup has taken its turn on it). (Tried, H200 run416: each position's V issued after the next one's
+  // K, so that a V slot still held would not hold back the next K, and the other head's V freed two blocks later:
+  // BERT-base 73.9-74.6 us against run415's 73.1-73.2 in this order. The timelines of both orders, run417 / run419,
+  // had the key blocks' waits for K and the previous V about equal, 496-531 against 487-559 cycles.)
   const auto free_other = [&](uint32_t gs) {
     const int ss = gs % S;
     const uint32_t ps = (gs / S) & 1;
