@@ -1522,6 +1522,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
                           : tile_at(p, ordered ? p.fwd_order[t] : t, n_m, !ordered);
       const MixRows z = kMix ? mix_rows(static_cast<int>(t), NW - 1, n_u, p.hq, units) : MixRows{};
       const int sh = kMix ? z.step - 1 : 0;
+      const int hkz = kMix ? z.h / p.group : 0;  // (B's K / V head once a tile: ptxas left the division in each block)
       const Seq s = seq_of(p, x.b);
       const int q0 = kMix ? 0 : x.m * BM;
       if (!kMix && q0 >= s.sq) continue;  // (varlen: this sequence is shorter than the max)
@@ -1579,7 +1580,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
         const int kr = static_cast<int>(s.k_off) + k0;  // (the maps' row)
         // (kMix: B's blocks at the odd positions of a two-head tile)
         const bool bz = kMix && (nb & sh) != 0;
-        const int hkj = bz ? z.h / p.group : hk, tbj = bz ? z.b : tb;
+        const int hkj = bz ? hkz : hk, tbj = bz ? z.b : tb;
         if (tma) {
           if (tid == 0) {
             mbar_expect_tx(k_full(st), C::KVBYTES);
