@@ -550,3 +550,24 @@ def test_attention_forward_mixed_head_protocol_model():
             assert model.run(n_u, heads, nkb, 2, seed=7)
         with pytest.raises(RuntimeError, match="deadlock"):  # (a block left unfreed: the model sees it)
             model.run(2, 2, 4, 1, seed=0, keep_last=True)
+
+
+def test_attention_forward_trace_latency(capsys):
+    """benchmarks/dev/attention_fwd_trace.py's ``latency``: on a synthetic timeline whose producer issues ring
+    position n's K at 1000 n and V at 1000 n + 400, and whose consumer arrives at its wait 5000 cycles after the K's
+    issue and passes it 300 later, it prints those spans (the lead 5000, the wait 300, K issue to pass 5300, the
+    previous V's issue to pass 5900, a K 600 after the previous V)."""
+    import contextlib
+
+    from utils import load_benchmark
+    with contextlib.contextmanager(load_benchmark)("dev/attention_fwd_trace") as trace:
+        n = 12
+        prod = [e for i in range(n) for e in ((9, 1000 * i), (10, 1000 * i + 400))]
+        cons = [(0, 0)] + [e for i in range(n) for e in ((4, 1000 * i + 5000), (11, 1000 * i + 5300))]
+        cta = [prod, [], [], [], cons] + [[] for _ in range(11)]
+        trace.latency([cta, cta], [(1, 4)])
+        out = capsys.readouterr().out
+        assert "consumer 1 latency:" in out and "(n 16)" in out, out
+        for key, val in (("K issue->arrival", 5000), ("arrival->pass", 300), ("K issue->pass", 5300),
+                         ("V(n-1) issue->pass", 5900), ("K(n) issue - V(n-1) issue", 600)):
+            assert f"{key} {val:6d}" in out, (key, out)

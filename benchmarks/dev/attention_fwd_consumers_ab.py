@@ -32,7 +32,7 @@ import pykernels  # noqa: E402
 
 # (batch, heads, tokens), D = 64
 CASES = {"s100": (128, 12, 100), "s128": (128, 12, 128), "s256": (64, 12, 256), "s300": (48, 12, 300),
-         "s512": (32, 12, 512), "s1000": (16, 12, 1000)}
+         "s384": (40, 12, 384), "s512": (32, 12, 512), "s1000": (16, 12, 1000)}
 VARS = ("CUDA_ATTN_FWD_WG", "CUDA_ATTN_FWD_MIX")  # (unset by every setting that does not name them)
 
 

@@ -3,7 +3,7 @@
 Needs a development build with the timeline compiled in (it is not in the package's build)::
 
     PYKERNELS_NVCC_FLAGS=-DPYKERNELS_FWD_TRACE pip install --no-build-isolation --no-deps -e .
-    python benchmarks/dev/attention_fwd_trace.py [--cases bert,gpt2,long] [--dump 2]
+    python benchmarks/dev/attention_fwd_trace.py [--cases bert,gpt2,long] [--dump 2] [--by-mix] [--latency]
 
 Each case runs the bf16 forward (backend="cuda") a few times, then once more with the timeline reset, and reads
 what the first 16 blocks' warps recorded (clock64 at each event). Per consumer warpgroup (its first warp) it prints
@@ -12,7 +12,10 @@ softmax_block: entered, each row's max, the exponentials, the dropout's zeros; t
 split by the block's place in its tile, and of each tile's end (the last P V, O's store, the next tile's Q); then the
 tile period and the kernel's cycles against its time (the SM clock it implies). ``--dump N`` prints the first N
 tiles' events of block 0, each consumer (two or three: PYKERNELS_CUDA_ATTN_FWD_WG), as cycles from the block's
-start.
+start. ``--by-mix`` splits the three-consumer kernel's tiles into those of one head and of two (kMix); ``--latency``
+(where no tile mixes heads) sets each ring position's K / V issue by the producer against each consumer's wait for it:
+how far ahead the producer is, and how long the wait takes once the consumer arrives (run422: the kMix kernel's
+producer 11-13k cycles ahead, the 192-row kernel's 7.5-9.7k, yet kMix's wait 462-538 cycles against 342-372).
 """
 import argparse
 import collections
@@ -53,7 +56,6 @@ def phases(events):
     ph = collections.defaultdict(list)
     periods = []
     prev = None          # the last event's clock
-    tile_start = None
     blk = 0
     last_store = None
     tile_blocks = []     # (phase, cycles) of this tile's blocks, labelled after the tile ends
@@ -63,7 +65,7 @@ def phases(events):
             continue
         if code == 1:
             ph["q wait (after O stored)" if last_store is not None else "first q wait"].append(clk - prev)
-            tile_start, blk, tile_blocks = clk, 0, []
+            blk, tile_blocks = 0, []
         elif code == 11:
             tile_blocks.append(("kv landed", clk - prev))
         elif code == 2:
@@ -134,7 +136,35 @@ def mixed_tiles(name, tile, grid):
                                           for key in ("period", "q wait", "kv wait", "turn wait")))
 
 
-def run_case(name, dump, by_mix=False):
+def latency(tr, consumers):
+    """Where no tile mixes heads (every consumer reads every ring position): per position n, the producer's K / V
+    issue (codes 9 / 10, the n-th of each) against each consumer's pass of the wait for K_n and V_(n-1) (code 11, the
+    n-th) and its arrival there (the event before it): issue -> arrival (the producer's lead), arrival -> pass (the
+    wait) and issue -> pass, means over the first 16 blocks' positions 4 on (SM cycles)."""
+    for wg, w in consumers:
+        acc = collections.defaultdict(list)
+        for cta in tr:
+            prod = cta[0]
+            k_iss = [clk for c, clk in prod if c == 9]
+            v_iss = [clk for c, clk in prod if c == 10]
+            ev = cta[w]
+            n = 0
+            for i, (c, clk) in enumerate(ev):
+                if c != 11:
+                    continue
+                if 4 <= n < len(k_iss) and i > 0:
+                    arr = ev[i - 1][1]
+                    acc["K issue->arrival"].append(arr - k_iss[n])
+                    acc["arrival->pass"].append(clk - arr)
+                    acc["K issue->pass"].append(clk - k_iss[n])
+                    acc["V(n-1) issue->pass"].append(clk - v_iss[n - 1])
+                    acc["K(n) issue - V(n-1) issue"].append(k_iss[n] - v_iss[n - 1])
+                n += 1
+        print(f"  consumer {wg} latency: " + "  ".join(f"{k} {mean(v):6.0f}" for k, v in acc.items())
+              + f"  (n {len(acc['arrival->pass'])})")
+
+
+def run_case(name, dump, by_mix=False, lat=False):
     b, h, s, d, causal = CASES[name]
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
@@ -189,6 +219,8 @@ def run_case(name, dump, by_mix=False):
             for wg, w in consumers:
                 print(f"  consumer {wg} by tile kind (grid {grid}):")
                 mixed_tiles(name, [cta[w] for cta in tr], grid)
+    if lat:
+        latency(tr, consumers)
     if dump:
         base = starts[0]
         for wg, w in consumers:
@@ -210,13 +242,14 @@ def main():
     ap.add_argument("--cases", default="bert,gpt2,long")
     ap.add_argument("--dump", type=int, default=2)
     ap.add_argument("--by-mix", action="store_true", help="the three-consumer kernel's tiles of one head and of two")
+    ap.add_argument("--latency", action="store_true", help="K / V issue to the consumers' waits (no tile mixing)")
     a = ap.parse_args()
     import pykernels._C  # noqa: F401  (registers the ops; pykernels loads it lazily)
     if not hasattr(torch.ops.pykernels_cuda, "attention_fwd_trace"):
         raise SystemExit("this build has no timeline: PYKERNELS_NVCC_FLAGS=-DPYKERNELS_FWD_TRACE pip install -e .")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for name in a.cases.split(","):
-        run_case(name, a.dump, a.by_mix)
+        run_case(name, a.dump, a.by_mix, a.latency)
 
 
 if __name__ == "__main__":
