@@ -215,6 +215,17 @@ def _host_exe(main):
     return exe
 
 
+def _walk_exe(tmp_path, names, body):
+    """A host program over csrc/fwd_order.cuh's walks: int ``names`` read from argv[1], argv[2], ..., then ``body``
+    (the rest of main, printing its rows), compiled by _host_exe."""
+    args = ", ".join(f"{n} = atoi(argv[{i}])" for i, n in enumerate(names, 1))
+    main = tmp_path / "main.cpp"
+    main.write_text('#include <cstdio>\n#include <cstdlib>\n#include "fwd_order.cuh"\n'
+                    f"using namespace pykernels::attn;\nint main(int argc, char** argv) {{\n  const int {args};\n"
+                    + body + "}\n")
+    return _host_exe(main)
+
+
 def _int_rows(exe, *args) -> list[tuple[int, ...]]:
     """The lines the executable prints for ``args``, each a tuple of its integers."""
     out = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, check=True).stdout
@@ -422,11 +433,7 @@ def test_attention_forward_mixed_head_tiles(tmp_path, n_u, hq, batch, g):
     (units past the last: the last head's blocks past its n_u, in the walk's last tile only); a tile meets one head
     or two, ``step`` 2 exactly where it meets two, and ``second`` marks the warpgroups of the second (the ring's odd
     positions: the producer's order)."""
-    main = tmp_path / "main.cpp"
-    main.write_text('#include <cstdio>\n#include <cstdlib>\n#include "fwd_order.cuh"\n'
-                    "using namespace pykernels::attn;\n"
-                    "int main(int argc, char** argv) {\n"
-                    "  const int n_u = atoi(argv[1]), hq = atoi(argv[2]), batch = atoi(argv[3]), g = atoi(argv[4]);\n"
+    exe = _walk_exe(tmp_path, ("n_u", "hq", "batch", "g"),
                     "  const int units = n_u * hq * batch, tiles = (units + 2) / 3;\n"
                     "  for (int blk = 0; blk < g && blk < tiles; ++blk) {\n"
                     "    MixWalk w(g, blk, n_u, hq);\n"
@@ -436,8 +443,8 @@ def test_attention_forward_mixed_head_tiles(tmp_path, n_u, hq, batch, g):
                     "        printf(\"%d %d %d %d %d %d %d %d %d %d %d %d\\n\", t, k, a.m, a.h, a.b, a.step, a.second,\n"
                     "               e.m, e.h, e.b, e.step, e.second);\n"
                     "      }\n"
-                    "  }\n}\n")
-    rows = _int_rows(_host_exe(main), n_u, hq, batch, g)
+                    "  }\n")
+    rows = _int_rows(exe, n_u, hq, batch, g)
     units = n_u * hq * batch
     tiles = -(-units // 3)
     assert len(rows) == 3 * tiles
@@ -472,11 +479,7 @@ def test_attention_forward_tile_walk_is_tile_of(tmp_path, n_m, hq, batch, g):
     """csrc/fwd_order.cuh's TileWalk (the warp-specialised forward's consumers step their tiles by additions) gives,
     block by block and round by round, the tile tile_of computes with its divisions (the producer's walk), causal
     flips included; and the walk covers every (query tile, head, batch) once."""
-    main = tmp_path / "main.cpp"
-    main.write_text('#include <cstdio>\n#include <cstdlib>\n#include "fwd_order.cuh"\n'
-                    "using namespace pykernels::attn;\n"
-                    "int main(int argc, char** argv) {\n"
-                    "  const int n_m = atoi(argv[1]), hq = atoi(argv[2]), batch = atoi(argv[3]), g = atoi(argv[4]);\n"
+    exe = _walk_exe(tmp_path, ("n_m", "hq", "batch", "g"),
                     "  const long long n = static_cast<long long>(n_m) * hq * batch;\n"
                     "  for (int flip = 0; flip < 2; ++flip)\n"
                     "    for (int blk = 0; blk < g && blk < n; ++blk) {\n"
@@ -485,8 +488,8 @@ def test_attention_forward_tile_walk_is_tile_of(tmp_path, n_m, hq, batch, g):
                     "        const Tile a = w.tile(n_m, g, flip), e = tile_of(t, n_m, hq, g, flip);\n"
                     "        printf(\"%d %lld %d %d %d %d %d %d\\n\", flip, t, a.m, a.h, a.b, e.m, e.h, e.b);\n"
                     "      }\n"
-                    "    }\n}\n")
-    rows = _int_rows(_host_exe(main), n_m, hq, batch, g)
+                    "    }\n")
+    rows = _int_rows(exe, n_m, hq, batch, g)
     n = n_m * hq * batch
     assert len(rows) == 2 * n
     for flip, t, *got in rows:
