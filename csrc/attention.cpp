@@ -181,7 +181,8 @@ attn::ZeroRows forward_outside(const Shape& s, const Tensor& o, const Tensor& ls
 std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                  const optional<Tensor>& mask, const optional<Tensor>& cu_q,
                                  const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k, double p_drop,
-                                 bool causal, double scale, const optional<Tensor>& seed) {
+                                 bool causal, double scale, const optional<Tensor>& seed,
+                                 const optional<Tensor>& kv_range = c10::nullopt) {
   const Shape s = check_inputs(q_in, k_in, v_in, mask, cu_q, cu_k, max_q, max_k);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = aligned(q_in), k = aligned(k_in), v = aligned(v_in);
@@ -202,6 +203,22 @@ std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const T
     p.fwd_order = order.data_ptr<int>();
   }
   const attn::ZeroRows outside = s.varlen ? forward_outside(s, o, lse, *cu_q) : attn::ZeroRows{};
+  // a boolean key-padding mask: each batch's valid key range for the forward's split (attention.cuh's fwd_key_ranges),
+  // the caller's (pykernels.attention's, which the Triton backward takes too) or computed here; no host sync
+  Tensor ranges;
+  if (!s.varlen && q.scalar_type() != at::kFloat && attn::fwd_key_ranges_planned(p)) {
+    if (kv_range.has_value() && kv_range->defined()) {
+      const Tensor& r = *kv_range;
+      TORCH_CHECK(r.scalar_type() == at::kInt && r.dim() == 2 && r.size(0) == s.B && r.size(1) == 3 &&
+                      r.is_contiguous() && r.device() == q.device(),
+                  kOp, ": kv_range must be a contiguous (B, 3) int32 tensor on query's device");
+      ranges = r;
+    } else {
+      ranges = at::empty({s.B, 3}, q.options().dtype(at::kInt));
+      attn::launch_kv_range(p, ranges.data_ptr<int>(), c10::cuda::getCurrentCUDAStream());
+    }
+    p.kv_range = ranges.data_ptr<int>();
+  }
   dispatch_float_dtype(q.scalar_type(), "pykernels_cuda.attention: query", [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, float>) attn::launch_forward<T>(p, c10::cuda::getCurrentCUDAStream(), &outside);
@@ -315,9 +332,10 @@ Tensor attention_nograd(const Tensor& q, const Tensor& k, const Tensor& v, const
 std::tuple<Tensor, Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                                  const optional<Tensor>& mask, const optional<Tensor>& cu_q,
                                                  const optional<Tensor>& cu_k, int64_t max_q, int64_t max_k,
-                                                 double p_drop, bool causal, double scale) {
+                                                 double p_drop, bool causal, double scale,
+                                                 const optional<Tensor>& kv_range) {
   Tensor seed = draw_seed(p_drop, q);
-  auto out = forward_impl(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed);
+  auto out = forward_impl(q, k, v, mask, cu_q, cu_k, max_q, max_k, p_drop, causal, scale, seed, kv_range);
   return {out[0], out[1], seed};
 }
 
@@ -353,7 +371,8 @@ TORCH_LIBRARY_FRAGMENT(pykernels_cuda, m) {
         "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale, Tensor? seed, "
         "bool deterministic=False) -> Tensor");
   m.def("attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-        "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale) -> (Tensor, Tensor, Tensor)");
+        "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, float scale, Tensor? kv_range=None) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? attn_mask, "
         "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p, bool causal, "
         "float scale, Tensor seed, bool deterministic=False) -> (Tensor, Tensor, Tensor)");

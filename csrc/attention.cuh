@@ -286,6 +286,31 @@ inline int mask_mode(const Params& p) {
   return p.mask_kind == kNoMask ? kModeNone : p.mask_keys ? kModeKeys : kModeAny;
 }
 
+// The warp-specialised forward's sequence b with Params::kv_range (kRange: a boolean key-padding mask split in two
+// launches, fwd_key_ranges): the unmasked kernel (MODE kModeNone) takes the batches whose valid keys are one run
+// [lo, hi) (kv_range's dense flag) as sequences of keys lo .. hi - 1, masked by index past the run's end as any
+// sequence's last key block, and skips the others (sq 0: no tile); the key-mask kernel (kModeKeys) skips the dense
+// ones and takes the others as without the split
+template <int MODE, bool kRange>
+__device__ __forceinline__ Seq ws_seq(const Params& p, int b) {
+  Seq s = seq_of(p, b);
+  if constexpr (kRange) {
+    const int* r = p.kv_range + 3 * b;
+    const bool dense = r[2] != 0;
+    if constexpr (MODE == kModeNone) {
+      if (dense) {
+        s.k_off = r[0];
+        s.sk = r[1] - r[0];
+      } else {
+        s.sq = 0;
+      }
+    } else if (dense) {
+      s.sq = 0;
+    }
+  }
+  return s;
+}
+
 // The scaled score (log2 units) of query i and key j, -inf where masked. ``edge``: the tile may hold keys past
 // the sequence or above the causal diagonal (a compile-time constant where the caller splits on it: with_flag).
 // ``kb``: key j's addend of a key-only mask (kModeKeys); other masks are read here, only inside the (sq, sk)
@@ -1428,7 +1453,7 @@ __device__ __forceinline__ void ws_draw_bits(const Params& p, uint32_t dst, uint
   }
 }
 
-template <typename T, int D, int MODE, int NW = 2, bool kOvl = false, bool kMix = false>
+template <typename T, int D, int MODE, int NW = 2, bool kOvl = false, bool kMix = false, bool kRange = false>
 __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
     attn_fwd_sm90_ws_kernel(const Params p, const __grid_constant__ FwdTma tm) {
   pdl_enter();  // (launch: pdl.cuh)
@@ -1436,6 +1461,12 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
 #if defined(PK_WGMMA)
   static_assert(!kOvl || (NW == 3 && MODE == kModeNone), "the overlap: three consumers, no mask");
   static_assert(!kMix || kOvl, "tiles that mix heads: the overlap kernel's");
+  static_assert(!kRange || (!kMix && MODE != kModeAny), "key ranges (ws_seq): dense tiles, a key-only mask's split");
+  if constexpr (kRange && MODE == kModeKeys) {  // the key-mask half of the split: nothing to do where every batch's
+    int any = 0;                                // keys are one run (the usual case), so the block leaves at once
+    for (int b = threadIdx.x; b < p.batch; b += blockDim.x) any |= p.kv_range[3 * b + 2] == 0 ? 1 : 0;
+    if (!__syncthreads_or(any)) return;
+  }
   using C = FwdWsCfg<D, NW, kMix>;
   constexpr int BM = C::BM, BN = C::BN, S = C::STAGES;
   constexpr int kTurn = 1;  // named barriers kTurn + w: consumer warpgroup w's turn to issue its products
@@ -1525,7 +1556,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
       const MixRows z = kMix ? mix_rows(static_cast<int>(t), NW - 1, n_u, p.hq, units) : MixRows{};
       const int sh = kMix ? z.step - 1 : 0;
       const int hkz = kMix ? z.h / p.group : 0;  // (B's K / V head once a tile: ptxas left the division in each block)
-      const Seq s = seq_of(p, x.b);
+      const Seq s = ws_seq<MODE, kRange>(p, x.b);
       const int q0 = kMix ? 0 : x.m * BM;
       if (!kMix && q0 >= s.sq) continue;  // (varlen: this sequence is shorter than the max)
       const int hk = x.h / p.group;
@@ -1669,7 +1700,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
       x = ordered ? tile_at(p, p.fwd_order[t], n_m, false) : walk.tile(n_m, static_cast<int>(gridDim.x), p.causal);
       q0 = x.m * BM;
     }
-    const Seq s = seq_of(p, x.b);
+    const Seq s = ws_seq<MODE, kRange>(p, x.b);
     if (!kMix && q0 >= s.sq) continue;
     const int qb = qi & 1;
     mbar_wait(q_full(qb), (qi >> 1) & 1);
@@ -2949,14 +2980,15 @@ inline void allow_smem(const void* kernel, size_t smem) {
 }
 
 // Which launches are programmatic (pdl.cuh): those whose role letter PYKERNELS_PDL_ATTN lists (read at each launch;
-// default "f"): 'w' the warp-specialised forward, 'p' the backward's pre kernel, 'f' its sm_90a dQ / dK / dV kernel,
-// 'c' the dQ conversion; the others launch plainly. H200 run362 (graph replay, BERT-base / GPT-2 / key padding, no
-// dropout, two rounds): 'f' 0.4-1.0 us faster than none on all six, 'w' even, 'p' and 'c' 1-3 us slower (their
+// default "fk"): 'w' the warp-specialised forward, 'p' the backward's pre kernel, 'f' its sm_90a dQ / dK / dV kernel,
+// 'c' the dQ conversion, 'k' the unmasked half of a key-padding mask's split (fwd_key_ranges: its blocks take the
+// SMs as the key-mask half's leave, at once where every batch's keys are one run); the others launch plainly. H200
+// run362 (graph replay, BERT-base / GPT-2 / key padding, no dropout, two rounds): 'f' 0.4-1.0 us faster than none on all six, 'w' even, 'p' and 'c' 1-3 us slower (their
 // kernels' blocks, resident early, waiting beside the kernel ahead)
 inline bool attn_pdl(char role) {
   if (role == 0) return false;
   const char* e = std::getenv("PYKERNELS_PDL_ATTN");
-  return std::strchr(e != nullptr ? e : "f", role) != nullptr;
+  return std::strchr(e != nullptr ? e : "fk", role) != nullptr;
 }
 
 inline void launch(void (*kernel)(Params), dim3 grid, size_t smem, const Params& p, cudaStream_t stream,
@@ -3190,6 +3222,27 @@ inline bool fwd_three_consumers(const Params& p) {
          (e != '2' && e != '0' && !p.causal && p.p_drop == 0.f && (fwd_three_pad_ok(p.sq) || fwd_mix(p)));
 }
 
+// Whether the forward splits a boolean key-padding mask (BERT's attention mask) by each batch's valid keys
+// (Params::kv_range, attn_kv_range_kernel or the caller's): the key-mask kernel (two consumers, a key addend an
+// element) takes only the batches whose valid keys are not one run [lo, hi), and leaves at once where there is none;
+// then the three-consumer overlap kernel without a mask takes the others as sequences of keys lo .. hi - 1 (ws_seq),
+// so that a padded batch runs the unmasked kernel's tiles on its valid key blocks. No host sync: both launches read
+// the ranges on the device. Where three consumers would take the unmasked call by default (fwd_three_consumers' rule:
+// D <= 64, not causal, no dropout, a positive scale, dense inputs that TMA takes: launch_forward_kernels falls back
+// to the key-mask kernel alone otherwise), always on the overlap kernel's 192-row tiles (not kMix: a tile of two
+// batches would meet two key ranges; PYKERNELS_CUDA_ATTN_FWD_WG, _OVERLAP and _MIX leave the split alone).
+// PYKERNELS_CUDA_ATTN_FWD_RANGES=0: the key-mask kernel alone (A/B runs and tests, read at each call); '1' also where
+// fwd_three_pad_ok says no.
+inline bool fwd_key_ranges(const Params& p) {
+  const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_RANGES");
+  if (e == '0') return false;
+  if (p.mask_kind != kBoolMask || !p.mask_keys || p.cu_q != nullptr || p.causal || p.p_drop > 0.f || p.d > 64 ||
+      !(p.scale_log2 > 0.f) || p.sq <= 0 || p.sk <= 0 || (e != '1' && !fwd_three_pad_ok(p.sq)))
+    return false;
+  const Plan plan = plan_of(p);
+  return plan.sm90 && plan.choice == kSm90Default;
+}
+
 // PYKERNELS_CUDA_ATTN_FWD_STORE=registers: the warp-specialised forward at D = 64 stores O from registers (as before
 // run330; A/B runs and tests, read at each call); default: through shared memory by TMA where FwdTma::o_on
 inline bool fwd_store_by_tma() { return env_first("PYKERNELS_CUDA_ATTN_FWD_STORE") != 'r'; }
@@ -3276,6 +3329,34 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
       if (plan.choice == kSm90Default && (M != kModeNone || p.scale_log2 > 0.f)) {
         const auto ws = [&](auto dc) {
           constexpr int D = decltype(dc)::value;
+          if constexpr (D == 64 && M == kModeKeys) {  // a key-padding mask split by its ranges (fwd_key_ranges)
+            if (p.kv_range != nullptr) {
+              using C2 = FwdWsCfg<64>;
+              using C3 = FwdWsCfg<64, 3>;
+              Params a = p;  // (the unmasked kernel's)
+              a.mask = nullptr;
+              a.mask_kind = kNoMask;
+              a.mask_keys = false;
+              a.fwd_order = nullptr;
+              a.fwd_drop_bits = 0;
+              FwdTma ta = make_fwd_tma<T>(a, C3::BM, C3::BN, true);
+              if (ta.on) {
+                ta.soft_turn = fwd_soft_turn(a, 64, kModeNone, 3);
+                ta.fence = fwd_fence(ta);
+                Params k = p;
+                k.fwd_order = nullptr;
+                k.fwd_drop_bits = 0;
+                FwdTma tk = make_fwd_tma<T>(k, C2::BM, C2::BN, true);
+                tk.soft_turn = fwd_soft_turn(p, 64, M);
+                tk.fence = fwd_fence(tk);
+                launch(attn_fwd_sm90_ws_kernel<T, 64, M, 2, false, false, true>, dim3(fwd_ws_grid(p, C2::BM, plan.sms)),
+                       C2::smem(), k, tk, stream, C2::NT, 'w');
+                launch(attn_fwd_sm90_ws_kernel<T, 64, kModeNone, 3, true, false, true>,
+                       dim3(fwd_ws_grid(p, C3::BM, plan.sms)), C3::smem(), a, ta, stream, C3::NT, 'k');
+                return;
+              }
+            }
+          }
           if constexpr (D == 64 && M == kModeNone) {  // three consumer warpgroups (fwd_three_consumers)
             using C3 = FwdWsCfg<64, 3>;
             if (fwd_three_consumers(p)) {

@@ -68,6 +68,9 @@ struct Params {
                             // PYKERNELS_CUDA_ATTN_FWD_DRAWS=consumers)
   float lazy_max;           // forward: the online softmax's lazy max (attention.cuh's kLazyMax; launch_forward sets it;
                             // 0, the max moved at every block where it grew: PYKERNELS_CUDA_ATTN_FWD_LAZY=0)
+  const int* kv_range;      // forward, a boolean key-padding mask (nullptr: none): each batch's valid keys, (B, 3)
+                            // int32 lo, hi, dense (pykernels.attention._key_padding_range's; launch_kv_range writes
+                            // it), where fwd_key_ranges_planned: the forward split in two launches (attention.cuh)
 };
 
 // The warp-specialised forward's ordered walk over packed varlen sequences (attention.cuh's attn_fwd_order_kernel):
@@ -111,6 +114,11 @@ void launch_backward(const Params& p, cudaStream_t stream);
 // launch_backward's pre kernel zeroes it) where it is true, and leaves it nullptr where the backward must be
 // reproducible bit for bit (the reductions' order varies)
 bool fused_dq_planned(const Params& p);
+// Whether launch_forward would split p's boolean key-padding mask by each batch's valid keys (attention.cuh's
+// fwd_key_ranges): then the caller sets Params::kv_range, to a (B, 3) int32 tensor of the ranges it has or that
+// launch_kv_range computes on ``stream`` (no host sync)
+bool fwd_key_ranges_planned(const Params& p);
+void launch_kv_range(const Params& p, int* out, cudaStream_t stream);
 
 extern template void launch_forward<__half>(const Params&, cudaStream_t, const ZeroRows*);
 extern template void launch_forward<__nv_bfloat16>(const Params&, cudaStream_t, const ZeroRows*);

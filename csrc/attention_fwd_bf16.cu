@@ -4,6 +4,7 @@
 namespace pykernels {
 namespace attn {
 template void launch_forward<__nv_bfloat16>(const Params&, cudaStream_t, const ZeroRows*);
+bool fwd_key_ranges_planned(const Params& p) { return fwd_key_ranges(p); }
 #ifdef PYKERNELS_FWD_TRACE
 // the bf16 forward's timeline (attention.cuh, FwdTrace): copied to ``host`` (kTraceCtas x kTraceWarps x kTraceN
 // values), then zeroed where ``reset``; returns the number of values

@@ -50,7 +50,7 @@ def _layer_norm_bwd(dy, ds, a, residual, weight, bias, mean, rstd, seed, dropout
 
 
 def _attention_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
-                   scale):
+                   scale, kv_range=None):
     f32 = torch.float32
     if cu_seqlens_q is not None:  # varlen: o zeroed and contiguous, lse (heads, tokens)
         o = q.new_empty(q.shape)

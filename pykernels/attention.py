@@ -490,10 +490,11 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dr
     """``_attention_fwd`` on the Triton backend (also what the eager lane calls): (o, lse, seed, kv_range).
     ``cuda_fwd`` (``_auto_cuda_fwd``: no dropout, no mask or a key-padding one): the C++ forward kernel instead, for
     the Triton backward (which takes the key ranges that the Triton forward would have computed)."""
-    if cuda_fwd:
+    if cuda_fwd:  # (the key ranges first: the C++ forward splits a key-padding mask by them, csrc's fwd_key_ranges)
+        kv_range = _key_padding_range(attn_mask, use_kernel=True)
         o, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, attn_mask, None, None, q.shape[2], k.shape[2],
-                                                            0.0, False, scale)
-        return _out_layout(o, q), lse, op_seed(0.0, q.device), _key_padding_range(attn_mask, use_kernel=True)
+                                                            0.0, False, scale, kv_range if kv_range.numel() else None)
+        return _out_layout(o, q), lse, op_seed(0.0, q.device), kv_range
     seed = op_seed(dropout_p, q.device)
     kv_range = _key_padding_range(attn_mask, use_kernel=True)
     o, lse = _kernels().attention_fwd(q, k, v, attn_mask, causal=is_causal, scale=scale, dropout_p=dropout_p,

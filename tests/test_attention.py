@@ -1616,8 +1616,8 @@ def _cuda_fwd_kernels(q, k, v, **kw) -> list[str]:
 
 
 def _ws_fwd_args(q, k, v, **kw) -> list[list[str]]:
-    """The template arguments (T, D, MODE, NW, kOvl, kMix) of each warp-specialised forward kernel one C++ call
-    launches."""
+    """The template arguments (T, D, MODE, NW, kOvl, kMix, kRange) of each warp-specialised forward kernel one C++
+    call launches."""
     names = [n for n in _cuda_fwd_kernels(q, k, v, **kw) if "attn_fwd_sm90_ws_kernel<" in n]
     assert names, _cuda_fwd_kernels(q, k, v, **kw)
     return [[a.strip() for a in n.split("attn_fwd_sm90_ws_kernel<", 1)[1].split(">", 1)[0].split(",")] for n in names]
@@ -1769,6 +1769,82 @@ def test_gpu_cuda_backend_key_padding_ranges(d, causal, dtype, cuda_fwd):
         if causal:
             assert torch.equal(out[0, :, :70], torch.zeros_like(out[0, :, :70]))
             assert torch.equal(dq[0, :, :70], torch.zeros_like(dq[0, :, :70]))
+
+
+def _spans_mask(s: int, spans) -> torch.Tensor:
+    """A (B, 1, 1, s) boolean key-padding mask, batch i's valid keys spans[i] = (lo, hi[, hole]): keys lo .. hi - 1,
+    less keys 100 .. 109 where a third item is given."""
+    pos = torch.arange(s, device="cuda")
+    rows = []
+    for span in spans:
+        valid = (pos >= span[0]) & (pos < span[1])
+        if len(span) > 2:
+            valid &= ~((pos >= 100) & (pos < 110))
+        rows.append(valid)
+    return torch.stack(rows).view(len(spans), 1, 1, s)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+def test_gpu_cuda_forward_key_padding_split(monkeypatch, dtype):
+    """A boolean key-padding mask on the C++ forward (csrc/attention.cuh, fwd_key_ranges: D <= 64, not causal, no
+    dropout, where three consumers' tiles pad little): split by each batch's valid keys between the key-mask kernel
+    (MODE 1, two consumers) for the batches whose valid keys are not one run (a hole, no key) and the unmasked
+    three-consumer overlap kernel (MODE 0) over every other batch's keys lo .. hi - 1, both with kRange true, the
+    key-mask one launched even where it has no batch (it leaves at once); one key-mask kernel with
+    PYKERNELS_CUDA_ATTN_FWD_RANGES=0 and at 100 rows (three consumers' 192-row tiles would pad them to 1.5x). Batches
+    of every key, one key, a block and one key, left padding, a hole, no key (output 0, lse -inf), GQA, D = 40, 333
+    and 1000 rows: output, lse and gradients against the references and the unsplit kernel's (close: the key-mask
+    kernel adds its 0 / -inf addends before the max, so not bitwise); the ranges the caller passes
+    (pykernels.attention._key_padding_range, auto's path) bitwise equal to those the op computes, and two calls back
+    to back bitwise equal."""
+    if not _sm90a_device():
+        pytest.skip("the warp-specialised forward runs on compute capability 9.0 from an sm_90a build")
+    from pykernels.attention import _key_padding_range
+
+    def fwd(q, k, v, mask, kv_range=None):  # (the registered C++ op: output and lse)
+        b, h, sq, _ = q.shape
+        sk = k.shape[2]
+        o, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, mask.expand(b, h, sq, sk), None, None, sq, sk, 0.0,
+                                                            False, q.shape[-1] ** -0.5, kv_range)
+        return o, lse
+
+    def kinds(q, k, v, mask):  # (MODE, NW, kOvl, kMix, kRange) of each warp-specialised forward launched
+        return [tuple(a[2:7]) for a in _ws_fwd_args(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])]
+
+    split = [("1", "2", "false", "false", "true"), ("0", "3", "true", "false", "true")]
+    alone = [("1", "2", "false", "false", "false")]
+    cases = (
+        (6, 4, 2, 512, 64, [(0, 512), (0, 1), (0, 129), (300, 512), (70, 250, "hole"), (0, 0)]),
+        (4, 3, 3, 1000, 40, [(0, 1000), (0, 999), (0, 500), (0, 17)]),
+        (2, 2, 2, 333, 64, [(0, 333), (5, 6)]),
+        (2, 2, 2, 100, 64, [(0, 100), (0, 60)]),
+    )
+    for b, hq, hkv, s, d, spans in cases:
+        q, k, v = _inputs((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d), dtype, "cuda")
+        mask = _spans_mask(s, spans)
+        qd, kd, vd = (t.detach() for t in (q, k, v))
+        _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_RANGES", None)
+        assert kinds(qd, kd, vd, mask) == (alone if s == 100 else split), (s, kinds(qd, kd, vd, mask))
+        out, lse = fwd(qd, kd, vd, mask)
+        again = fwd(qd, kd, vd, mask)
+        assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), s
+        given = fwd(qd, kd, vd, mask, _key_padding_range(mask))
+        assert torch.equal(out, given[0]) and torch.equal(lse, given[1]), s
+        dead = [i for i, span in enumerate(spans) if span[1] <= span[0]]
+        for i in dead:
+            assert torch.equal(out[i], torch.zeros_like(out[i])) and bool((lse[i] == float("-inf")).all()), i
+        _check_against_ref(q, k, v, mask=mask, enable_gqa=hkv != hq, backend="cuda", what=f"split {s} d{d}")
+        _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_RANGES", "0")
+        assert kinds(qd, kd, vd, mask) == alone, s
+        out0, lse0 = fwd(qd, kd, vd, mask)
+        torch.testing.assert_close(lse, lse0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, out0, rtol=2e-2, atol=2e-2)
+    _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_RANGES", None)
+    q, k, v = _inputs((3, 4, 512, 64), (3, 4, 512, 64), (3, 4, 512, 64), dtype, "cuda")
+    _check_against_ref(q, k, v, mask=_spans_mask(512, [(0, 512), (0, 300), (0, 257)]), backend="auto",
+                       what="auto, the C++ forward split by the ranges it passes")
 
 
 @pytest.mark.gpu

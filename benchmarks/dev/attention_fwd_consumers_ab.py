@@ -26,14 +26,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402  (benchmarks/common.py)
-from attention import graph_time, sdpa_impl  # noqa: E402  (benchmarks/attention.py)
+from attention import (Case, bert_lengths, flex_impl, graph_time, key_padding_mask,  # noqa: E402
+                       sdpa_impl)  # (benchmarks/attention.py)
 
 import pykernels  # noqa: E402
 
-# (batch, heads, tokens), D = 64
+# (batch, heads, tokens), D = 64; ``kp`` cases: a boolean key-padding mask, the attention benchmark's lengths
+# (uniform in [S/2, S], its seed: bert_lengths), whose peer line is cuDNN's and FlexAttention's with that mask
 CASES = {"s100": (128, 12, 100), "s128": (128, 12, 128), "s256": (64, 12, 256), "s300": (48, 12, 300),
-         "s384": (40, 12, 384), "s512": (32, 12, 512), "s1000": (16, 12, 1000)}
-VARS = ("CUDA_ATTN_FWD_WG", "CUDA_ATTN_FWD_MIX")  # (unset by every setting that does not name them)
+         "s384": (40, 12, 384), "s512": (32, 12, 512), "s1000": (16, 12, 1000), "kp512": (32, 12, 512),
+         "kp1000": (16, 12, 1000)}
+# (unset by every setting that does not name them)
+VARS = ("CUDA_ATTN_FWD_WG", "CUDA_ATTN_FWD_MIX", "CUDA_ATTN_FWD_RANGES")
 
 
 def main(argv=None) -> int:
@@ -47,9 +51,8 @@ def main(argv=None) -> int:
         print("needs CUDA")
         return 0
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}")
-    impls = {name: (lambda q, k, v, name=name: pykernels.scaled_dot_product_attention(q, k, v, backend=name))
-             for name in args.impls.split(",")}
-    sdpa_cudnn = sdpa_impl(None, False, torch.nn.attention.SDPBackend.CUDNN_ATTENTION)  # (the benchmark's peer)
+    impls = {name: (lambda q, k, v, mask, name=name: pykernels.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, backend=name)) for name in args.impls.split(",")}
 
     def line(label, rnd, case, name, g):
         f, b = g.get("graph_fwd_ms", float("nan")) * 1e3, g.get("graph_bwd_ms", float("nan")) * 1e3
@@ -60,11 +63,18 @@ def main(argv=None) -> int:
         b, h, s = CASES[case]
         torch.manual_seed(0)
         q, k, v, do = (torch.randn(b, h, s, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        inputs[case] = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do)
+        lengths = bert_lengths(b, s // 2, s) if case.startswith("kp") else None
+        mask = key_padding_mask(lengths, s) if lengths is not None else None
+        inputs[case] = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do, mask, lengths)
     for rnd in range(args.rounds):
-        for case, (q, k, v, do) in inputs.items():
-            if rnd == 0:
-                line("cudnn", rnd, case, "sdpa", graph_time(sdpa_cudnn, q, k, v, do))
+        for case, (q, k, v, do, mask, lengths) in inputs.items():
+            if rnd == 0:  # the peers (the benchmark's): cuDNN; FlexAttention with its block mask where padded
+                cudnn = sdpa_impl(mask, False, torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+                line("cudnn", rnd, case, "sdpa", graph_time(cudnn, q, k, v, do))
+                if mask is not None:
+                    b, h, s = CASES[case]
+                    flex = flex_impl(Case(case, b, h, s, 64, key_padding=True), lengths)
+                    line("flex", rnd, case, "flex", graph_time(flex, q, k, v, do))
             for setting in args.settings.split(";"):  # (default: the variables unset)
                 env = dict.fromkeys(VARS)
                 if "=" in setting:
@@ -73,7 +83,8 @@ def main(argv=None) -> int:
                     env["CUDA_ATTN_FWD_WG"] = setting
                 with common.env_setting(env):
                     for name, fn in impls.items():
-                        line(setting, rnd, case, name, graph_time(fn, q, k, v, do))
+                        line(setting, rnd, case, name,
+                             graph_time(lambda q, k, v, fn=fn, mask=mask: fn(q, k, v, mask), q, k, v, do))
     return 0
 
 
