@@ -204,10 +204,11 @@ std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const T
   }
   const attn::ZeroRows outside = s.varlen ? forward_outside(s, o, lse, *cu_q) : attn::ZeroRows{};
   // a boolean key-padding mask: each batch's valid key range for the forward's split (attention.cuh's fwd_key_ranges),
-  // the caller's (pykernels.attention's, which the Triton backward takes too) or computed here; no host sync
+  // the caller's (pykernels.attention's, which the Triton backward takes too; without dropout: with it the split needs
+  // runs from key 0, which the kernel here flags) or computed here; no host sync
   Tensor ranges;
   if (!s.varlen && q.scalar_type() != at::kFloat && attn::fwd_key_ranges_planned(p)) {
-    if (kv_range.has_value() && kv_range->defined()) {
+    if (kv_range.has_value() && kv_range->defined() && p.p_drop == 0.f) {
       const Tensor& r = *kv_range;
       TORCH_CHECK(r.scalar_type() == at::kInt && r.dim() == 2 && r.size(0) == s.B && r.size(1) == 3 &&
                       r.is_contiguous() && r.device() == q.device(),

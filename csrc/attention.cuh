@@ -288,15 +288,18 @@ inline int mask_mode(const Params& p) {
 
 // The warp-specialised forward's sequence b with Params::kv_range (kRange: a boolean key-padding mask split in two
 // launches, fwd_key_ranges): the unmasked kernel (MODE kModeNone) takes the batches whose valid keys are one run
-// [lo, hi) (kv_range's dense flag) as sequences of keys lo .. hi - 1, masked by index past the run's end as any
-// sequence's last key block, and skips the others (sq 0: no tile); the key-mask kernel (kModeKeys) skips the dense
-// ones and takes the others as without the split
+// [lo, hi) (kv_range's dense flag; key_run) as sequences of keys lo .. hi - 1, masked by index past the run's end as
+// any sequence's last key block, and skips the others (sq 0: no tile); the key-mask kernel (kModeKeys) skips those
+// and takes the others as without the split
+// (with dropout only a run from key 0, which attn_kv_range_kernel's flag says: the keep bits' Philox counters count
+// keys from the row's first, 8 a call; a condition on lo here made ptxas serialize the key-mask kernel's wgmma chains)
+__device__ __forceinline__ bool key_run(const int* r) { return r[2] != 0; }
 template <int MODE, bool kRange>
 __device__ __forceinline__ Seq ws_seq(const Params& p, int b) {
   Seq s = seq_of(p, b);
   if constexpr (kRange) {
     const int* r = p.kv_range + 3 * b;
-    const bool dense = r[2] != 0;
+    const bool dense = key_run(r);
     if constexpr (MODE == kModeNone) {
       if (dense) {
         s.k_off = r[0];
@@ -1464,7 +1467,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NW>::NT, 1)
   static_assert(!kRange || (!kMix && MODE != kModeAny), "key ranges (ws_seq): dense tiles, a key-only mask's split");
   if constexpr (kRange && MODE == kModeKeys) {  // the key-mask half of the split: nothing to do where every batch's
     int any = 0;                                // keys are one run (the usual case), so the block leaves at once
-    for (int b = threadIdx.x; b < p.batch; b += blockDim.x) any |= p.kv_range[3 * b + 2] == 0 ? 1 : 0;
+    for (int b = threadIdx.x; b < p.batch; b += blockDim.x) any |= key_run(p.kv_range + 3 * b) ? 0 : 1;
     if (!__syncthreads_or(any)) return;
   }
   using C = FwdWsCfg<D, NW, kMix>;
@@ -2980,15 +2983,16 @@ inline void allow_smem(const void* kernel, size_t smem) {
 }
 
 // Which launches are programmatic (pdl.cuh): those whose role letter PYKERNELS_PDL_ATTN lists (read at each launch;
-// default "fk"): 'w' the warp-specialised forward, 'p' the backward's pre kernel, 'f' its sm_90a dQ / dK / dV kernel,
-// 'c' the dQ conversion, 'k' the unmasked half of a key-padding mask's split (fwd_key_ranges: its blocks take the
-// SMs as the key-mask half's leave, at once where every batch's keys are one run); the others launch plainly. H200
-// run362 (graph replay, BERT-base / GPT-2 / key padding, no dropout, two rounds): 'f' 0.4-1.0 us faster than none on all six, 'w' even, 'p' and 'c' 1-3 us slower (their
+// default "f"): 'w' the warp-specialised forward, 'p' the backward's pre kernel, 'f' its sm_90a dQ / dK / dV kernel,
+// 'c' the dQ conversion, 'k' the unmasked half of a key-padding mask's split (fwd_key_ranges); the others launch
+// plainly. H200 run426 ('k', BERT-base with key padding, graph replay, two rounds): forward 78.7-78.8 us against
+// 79.5-79.7 plainly, but the forward+backward 327.7-328.5 against 320.4-320.5 (the C++ op; auto 296.7-296.8 against
+// 289.8-289.9). H200 run362 (graph replay, BERT-base / GPT-2 / key padding, no dropout, two rounds): 'f' 0.4-1.0 us faster than none on all six, 'w' even, 'p' and 'c' 1-3 us slower (their
 // kernels' blocks, resident early, waiting beside the kernel ahead)
 inline bool attn_pdl(char role) {
   if (role == 0) return false;
   const char* e = std::getenv("PYKERNELS_PDL_ATTN");
-  return std::strchr(e != nullptr ? e : "fk", role) != nullptr;
+  return std::strchr(e != nullptr ? e : "f", role) != nullptr;
 }
 
 inline void launch(void (*kernel)(Params), dim3 grid, size_t smem, const Params& p, cudaStream_t stream,
@@ -3224,20 +3228,26 @@ inline bool fwd_three_consumers(const Params& p) {
 
 // Whether the forward splits a boolean key-padding mask (BERT's attention mask) by each batch's valid keys
 // (Params::kv_range, attn_kv_range_kernel or the caller's): the key-mask kernel (two consumers, a key addend an
-// element) takes only the batches whose valid keys are not one run [lo, hi), and leaves at once where there is none;
-// then the three-consumer overlap kernel without a mask takes the others as sequences of keys lo .. hi - 1 (ws_seq),
-// so that a padded batch runs the unmasked kernel's tiles on its valid key blocks. No host sync: both launches read
-// the ranges on the device. Where three consumers would take the unmasked call by default (fwd_three_consumers' rule:
-// D <= 64, not causal, no dropout, a positive scale, dense inputs that TMA takes: launch_forward_kernels falls back
-// to the key-mask kernel alone otherwise), always on the overlap kernel's 192-row tiles (not kMix: a tile of two
-// batches would meet two key ranges; PYKERNELS_CUDA_ATTN_FWD_WG, _OVERLAP and _MIX leave the split alone).
+// element) takes only the batches whose valid keys are not one run [lo, hi) (key_run), and leaves at once where
+// there is none; then an unmasked kernel takes the others as sequences of keys lo .. hi - 1 (ws_seq), so that a
+// padded batch runs the unmasked kernel's tiles on its valid key blocks. No host sync: both launches read the ranges
+// on the device. At D <= 64, not causal, a positive scale, on dense inputs that TMA takes (launch_forward_kernels
+// falls back to the key-mask kernel alone otherwise). Without dropout the unmasked half is the three-consumer overlap
+// kernel on 192-row tiles (not kMix: a tile of two batches would meet two key ranges; PYKERNELS_CUDA_ATTN_FWD_WG,
+// _OVERLAP and _MIX leave the split alone), where fwd_three_pad_ok says its tiles pad little; with dropout the
+// two-consumer kernel whose producer draws keep bits (the unmasked call's), over runs from key 0 only (key_run: the
+// Philox counters count a row's keys from its first, 8 a call).
 // PYKERNELS_CUDA_ATTN_FWD_RANGES=0: the key-mask kernel alone (A/B runs and tests, read at each call); '1' also where
-// fwd_three_pad_ok says no.
+// fwd_three_pad_ok says no. H200 run425 (graph replay, forward, three rounds, settings alternating): 32 x 12 x 512
+// tokens with key padding (lengths uniform in 256..512, the attention benchmark's) 78.0-79.0 us against 85.4-87.1
+// unsplit (FlexAttention 97.7, cuDNN 119.2); 16 x 12 x 1000 (lengths in 500..1000) 121.6-123.3 against 145.1-146.3.
+// Run426's kernel records at the first: the unmasked half 71.2-71.9 us, the key-mask half leaving at once 1.6,
+// attn_kv_range_kernel 2.4 (the C++ op; auto passes the ranges of the Triton kernel its backward takes, 1.6).
 inline bool fwd_key_ranges(const Params& p) {
   const char e = env_first("PYKERNELS_CUDA_ATTN_FWD_RANGES");
   if (e == '0') return false;
-  if (p.mask_kind != kBoolMask || !p.mask_keys || p.cu_q != nullptr || p.causal || p.p_drop > 0.f || p.d > 64 ||
-      !(p.scale_log2 > 0.f) || p.sq <= 0 || p.sk <= 0 || (e != '1' && !fwd_three_pad_ok(p.sq)))
+  if (p.mask_kind != kBoolMask || !p.mask_keys || p.cu_q != nullptr || p.causal || p.d > 64 ||
+      !(p.scale_log2 > 0.f) || p.sq <= 0 || p.sk <= 0 || (p.p_drop == 0.f && e != '1' && !fwd_three_pad_ok(p.sq)))
     return false;
   const Plan plan = plan_of(p);
   return plan.sm90 && plan.choice == kSm90Default;
@@ -3333,15 +3343,16 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
             if (p.kv_range != nullptr) {
               using C2 = FwdWsCfg<64>;
               using C3 = FwdWsCfg<64, 3>;
+              const bool drop = p.p_drop > 0.f;  // (two consumers then, the producer drawing keep bits, as unmasked)
               Params a = p;  // (the unmasked kernel's)
               a.mask = nullptr;
               a.mask_kind = kNoMask;
               a.mask_keys = false;
               a.fwd_order = nullptr;
-              a.fwd_drop_bits = 0;
-              FwdTma ta = make_fwd_tma<T>(a, C3::BM, C3::BN, true);
+              a.fwd_drop_bits = drop && !fwd_draws_by_consumers();
+              FwdTma ta = make_fwd_tma<T>(a, drop ? C2::BM : C3::BM, C3::BN, true);
               if (ta.on) {
-                ta.soft_turn = fwd_soft_turn(a, 64, kModeNone, 3);
+                ta.soft_turn = fwd_soft_turn(a, 64, kModeNone, drop ? 2 : 3);
                 ta.fence = fwd_fence(ta);
                 Params k = p;
                 k.fwd_order = nullptr;
@@ -3351,8 +3362,12 @@ void launch_forward_kernels(const Params& p, cudaStream_t stream, const ZeroRows
                 tk.fence = fwd_fence(tk);
                 launch(attn_fwd_sm90_ws_kernel<T, 64, M, 2, false, false, true>, dim3(fwd_ws_grid(p, C2::BM, plan.sms)),
                        C2::smem(), k, tk, stream, C2::NT, 'w');
-                launch(attn_fwd_sm90_ws_kernel<T, 64, kModeNone, 3, true, false, true>,
-                       dim3(fwd_ws_grid(p, C3::BM, plan.sms)), C3::smem(), a, ta, stream, C3::NT, 'k');
+                if (drop)
+                  launch(attn_fwd_sm90_ws_kernel<T, 64, kModeNone, 2, false, false, true>,
+                         dim3(fwd_ws_grid(p, C2::BM, plan.sms)), C2::smem(), a, ta, stream, C2::NT, 'k');
+                else
+                  launch(attn_fwd_sm90_ws_kernel<T, 64, kModeNone, 3, true, false, true>,
+                         dim3(fwd_ws_grid(p, C3::BM, plan.sms)), C3::smem(), a, ta, stream, C3::NT, 'k');
                 return;
               }
             }

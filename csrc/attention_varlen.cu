@@ -24,7 +24,8 @@ __global__ void __launch_bounds__(256) zero_rows_outside_kernel(ZeroRows z) {
 
 // A boolean key-padding mask's valid key range a batch (Params::kv_range; block b: batch b): the first valid key lo,
 // one past the last hi (Sk and 0 where none), and whether every key in [lo, hi) is valid (and there is one), as
-// pykernels.attention._key_padding_range computes them
+// pykernels.attention._key_padding_range computes them; with dropout that flag only where lo is 0 (attention.cuh's
+// key_run)
 __global__ void __launch_bounds__(256) attn_kv_range_kernel(const Params p, int* out) {
   const bool* m = static_cast<const bool*>(p.mask) + static_cast<int64_t>(blockIdx.x) * p.m_sb;
   int lo = p.sk, hi = 0, n = 0;
@@ -56,7 +57,7 @@ __global__ void __launch_bounds__(256) attn_kv_range_kernel(const Params p, int*
     }
     out[3 * blockIdx.x] = lo;
     out[3 * blockIdx.x + 1] = hi;
-    out[3 * blockIdx.x + 2] = n > 0 && n == hi - lo ? 1 : 0;
+    out[3 * blockIdx.x + 2] = n > 0 && n == hi - lo && (p.p_drop == 0.f || lo == 0) ? 1 : 0;
   }
 }
 

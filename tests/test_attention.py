@@ -1788,10 +1788,11 @@ def _spans_mask(s: int, spans) -> torch.Tensor:
 @needs_cuda_ext
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 def test_gpu_cuda_forward_key_padding_split(monkeypatch, dtype):
-    """A boolean key-padding mask on the C++ forward (csrc/attention.cuh, fwd_key_ranges: D <= 64, not causal, no
-    dropout, where three consumers' tiles pad little): split by each batch's valid keys between the key-mask kernel
+    """A boolean key-padding mask on the C++ forward (csrc/attention.cuh, fwd_key_ranges: D <= 64, not causal; without
+    dropout where three consumers' tiles pad little): split by each batch's valid keys between the key-mask kernel
     (MODE 1, two consumers) for the batches whose valid keys are not one run (a hole, no key) and the unmasked
-    three-consumer overlap kernel (MODE 0) over every other batch's keys lo .. hi - 1, both with kRange true, the
+    three-consumer overlap kernel (MODE 0; with dropout two consumers, below) over every other batch's keys
+    lo .. hi - 1, both with kRange true, the
     key-mask one launched even where it has no batch (it leaves at once); one key-mask kernel with
     PYKERNELS_CUDA_ATTN_FWD_RANGES=0 and at 100 rows (three consumers' 192-row tiles would pad them to 1.5x). Batches
     of every key, one key, a block and one key, left padding, a hole, no key (output 0, lse -inf), GQA, D = 40, 333
@@ -1810,8 +1811,8 @@ def test_gpu_cuda_forward_key_padding_split(monkeypatch, dtype):
                                                             False, q.shape[-1] ** -0.5, kv_range)
         return o, lse
 
-    def kinds(q, k, v, mask):  # (MODE, NW, kOvl, kMix, kRange) of each warp-specialised forward launched
-        return [tuple(a[2:7]) for a in _ws_fwd_args(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])]
+    def kinds(q, k, v, mask, **kw):  # (MODE, NW, kOvl, kMix, kRange) of each warp-specialised forward launched
+        return [tuple(a[2:7]) for a in _ws_fwd_args(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1], **kw)]
 
     split = [("1", "2", "false", "false", "true"), ("0", "3", "true", "false", "true")]
     alone = [("1", "2", "false", "false", "false")]
@@ -1845,6 +1846,23 @@ def test_gpu_cuda_forward_key_padding_split(monkeypatch, dtype):
     q, k, v = _inputs((3, 4, 512, 64), (3, 4, 512, 64), (3, 4, 512, 64), dtype, "cuda")
     _check_against_ref(q, k, v, mask=_spans_mask(512, [(0, 512), (0, 300), (0, 257)]), backend="auto",
                        what="auto, the C++ forward split by the ranges it passes")
+    # dropout (the keep mask attention_dropout_mask's, split or not): the unmasked half on two consumers whose
+    # producer draws keep bits, over the runs from key 0 only (left padding goes to the key-mask kernel), also at
+    # 100 rows (two consumers' tiles: no padding rule)
+    for b, s, spans in ((5, 512, [(0, 512), (0, 300), (0, 1), (200, 512), (70, 250, "hole")]),
+                        (2, 100, [(0, 100), (0, 60)])):
+        q, k, v = _inputs((b, 4, s, 64), (b, 4, s, 64), (b, 4, s, 64), dtype, "cuda")
+        mask = _spans_mask(s, spans)
+        for env in (None, "0"):
+            _set_env(monkeypatch, "PYKERNELS_CUDA_ATTN_FWD_RANGES", env)
+            want = alone if env == "0" else [split[0], ("0", "2", "false", "false", "true")]
+            assert kinds(q.detach(), k.detach(), v.detach(), mask, dropout_p=0.1) == want, (s, env)
+            torch.manual_seed(6)
+            seed = new_seed(q.device)
+            torch.manual_seed(6)
+            out = sdpa(q, k, v, mask, dropout_p=0.1, backend="cuda")
+            _check_against_ref(q, k, v, mask=mask, dropout_p=0.1, out=out, what=f"split {s}, dropout, ranges {env}",
+                               dropout_mask=attention_dropout_mask(seed, b, 4, s, s, 0.1, "cuda"))
 
 
 @pytest.mark.gpu
