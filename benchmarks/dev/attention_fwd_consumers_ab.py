@@ -6,7 +6,9 @@ the Triton backward), settings alternating within the round so that the card's c
 (torch SDPA) once a case in the first round.
 
 A setting may also be ``NAME=VALUE[,NAME=VALUE]`` (common.env_settings: names without their ``PYKERNELS_`` prefix, e.g.
-``CUDA_ATTN_FWD_WG=3,CUDA_ATTN_FWD_MIX=0``), each variable the others leave unset.
+``CUDA_ATTN_FWD_WG=3,CUDA_ATTN_FWD_MIX=0``), each variable the others leave unset. The ``kp`` cases carry a boolean
+key-padding mask (``CUDA_ATTN_FWD_RANGES=0`` against ``default``: the forward split by key ranges or not), and their
+peer lines are cuDNN's and FlexAttention's on that mask.
 
 One line a case, implementation, setting and round: ``SETTING round case impl fwd_us bwd_us fwdbwd_us``.
 
