@@ -2987,8 +2987,9 @@ inline void allow_smem(const void* kernel, size_t smem) {
 // 'c' the dQ conversion, 'k' the unmasked half of a key-padding mask's split (fwd_key_ranges); the others launch
 // plainly. H200 run426 ('k', BERT-base with key padding, graph replay, two rounds): forward 78.7-78.8 us against
 // 79.5-79.7 plainly, but the forward+backward 327.7-328.5 against 320.4-320.5 (the C++ op; auto 296.7-296.8 against
-// 289.8-289.9). H200 run362 (graph replay, BERT-base / GPT-2 / key padding, no dropout, two rounds): 'f' 0.4-1.0 us faster than none on all six, 'w' even, 'p' and 'c' 1-3 us slower (their
-// kernels' blocks, resident early, waiting beside the kernel ahead)
+// 289.8-289.9). H200 run362 (graph replay, BERT-base / GPT-2 / key padding, no dropout, two rounds): 'f' 0.4-1.0 us
+// faster than none on all six, 'w' even, 'p' and 'c' 1-3 us slower (their kernels' blocks, resident early, waiting
+// beside the kernel ahead)
 inline bool attn_pdl(char role) {
   if (role == 0) return false;
   const char* e = std::getenv("PYKERNELS_PDL_ATTN");
