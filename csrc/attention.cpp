@@ -207,7 +207,7 @@ std::vector<Tensor> forward_impl(const Tensor& q_in, const Tensor& k_in, const T
   // the caller's (pykernels.attention's, which the Triton backward takes too; without dropout: with it the split needs
   // runs from key 0, which the kernel here flags) or computed here; no host sync
   Tensor ranges;
-  if (!s.varlen && q.scalar_type() != at::kFloat && attn::fwd_key_ranges_planned(p)) {
+  if (!s.varlen && attn::fwd_key_ranges_planned(p)) {  // (check_inputs: fp16 / bf16 only)
     if (kv_range.has_value() && kv_range->defined() && p.p_drop == 0.f) {
       const Tensor& r = *kv_range;
       TORCH_CHECK(r.scalar_type() == at::kInt && r.dim() == 2 && r.size(0) == s.B && r.size(1) == 3 &&
