@@ -343,15 +343,21 @@ def _head_descriptors(Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, strid
 
 
 @gluon.jit
-def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 ORDER: gl.constexpr):
     """Tile index -> (first query row of the CTA's 2 * BLOCK_M, batch, head, kv head (int64), key blocks).
     Query tiles run fastest (a head's K/V stay in L2). Causal: a head's tiles longest first in even rounds
     of the grid and shortest first in odd ones, so a persistent CTA alternates long and short tiles (the
-    host makes the grid a multiple of n_m: every head's tiles lie in one round)."""
+    host makes the grid a multiple of n_m: every head's tiles lie in one round). ORDER: ``tile`` is an
+    entry of the host's tile table (``_causal_order``), taken as it is (tile = (batch * H + head) * n_m +
+    query tile)."""
     pid_m = tile % n_m
     if IS_CAUSAL:
-        if (tile // gl.num_programs(0)) % 2 == 0:
-            pid_m = n_m - 1 - pid_m
+        if ORDER:
+            pass
+        else:
+            if (tile // gl.num_programs(0)) % 2 == 0:
+                pid_m = n_m - 1 - pid_m
     hb = tile // n_m
     h = hb % H
     start_m = pid_m * (2 * BLOCK_M)
@@ -386,9 +392,9 @@ def _varlen_span(CuQ, CuK, b, start_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
 def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
               k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
-              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
-              KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, q_layout: gl.constexpr):
+              KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, ORDER: gl.constexpr, q_layout: gl.constexpr):
     """Consumer warpgroup WG over the CTA's tiles: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each; its Q
     buffer of a tile is (tile count % 2, WG), released through ``q_empty`` once O left it. VARLEN: tiles
     past their sequence's length are skipped (by the producer alike), so the count of active tiles is
@@ -397,7 +403,7 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
         base = 0
         n_done = 0  # active tiles so far (the producer skips the same ones)
         for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+            start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, ORDER)
             q0, sq_t, k0, sk_t, n_blocks, v_empty_seq = _varlen_span(CuQ, CuK, b, start_m, BLOCK_M, BLOCK_N, IS_CAUSAL)
             if start_m < sq_t:
                 buf = (n_done % 2) * 2 + WG
@@ -419,9 +425,21 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
                 n_done += 1
     else:
         base = 0
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-            it = (tile - gl.program_id(0)) // gl.num_programs(0)  # this CTA's tile count (not loop-carried)
+        if ORDER:  # the CTA's run of the host's tile table
+            i0 = gl.load(Order + gl.program_id(0))
+            i1 = gl.load(Order + gl.program_id(0) + 1)
+            step = 1
+        else:
+            i0 = gl.program_id(0)
+            i1 = n_tiles
+            step = gl.num_programs(0)
+        for i in range(i0, i1, step):
+            if ORDER:
+                tile = gl.load(Order + gl.num_programs(0) + 1 + i)
+            else:
+                tile = i
+            start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, ORDER)
+            it = (i - i0) // step  # this CTA's tile count (not loop-carried)
             buf = (it % 2) * 2 + WG
             my_m = start_m + WG * BLOCK_M
             j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
@@ -446,17 +464,29 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
 def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
               k_empty, v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
-              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
-              KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, q_layout: gl.constexpr):
+              KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, ORDER: gl.constexpr, q_layout: gl.constexpr):
     """The producer warp, over the CTA's tiles: both warpgroups' Q tiles (double-buffered across tiles),
     then the tile's K/V through the ring (each stage's empty barriers count 2 arrivals, one per consumer).
     VARLEN: a sequence b is rows [cu[b], cu[b + 1]) of the packed tensors (``stride_*b`` 0); tiles past its
     length are skipped, as the consumers skip them."""
     base = 0
     it = 0
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    if ORDER:  # the CTA's run of the host's tile table
+        i0 = gl.load(Order + gl.program_id(0))
+        i1 = gl.load(Order + gl.program_id(0) + 1)
+        step = 1
+    else:
+        i0 = gl.program_id(0)
+        i1 = n_tiles
+        step = gl.num_programs(0)
+    for i in range(i0, i1, step):
+        if ORDER:
+            tile = gl.load(Order + gl.num_programs(0) + 1 + i)
+        else:
+            tile = i
+        start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, ORDER)
         active = True
         sk_t = Sk
         if VARLEN:
@@ -517,10 +547,10 @@ def _attention_fwd_sm90_kernel(
     Q, K, V, O, LSE, QD, KD, VD, OD,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-    H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK,
+    H, GROUP, Sq, Sk, qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, KEY_PAD: gl.constexpr, VARLEN: gl.constexpr,
-    q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+    ORDER: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Tiles of 2 * BLOCK_M query rows of one (batch, head), n_m per head, n_tiles in all, over a 1-D grid:
     a CTA takes tiles program_id, + num_programs, ... (persistent when the grid is smaller than n_tiles).
@@ -537,11 +567,12 @@ def _attention_fwd_sm90_kernel(
     descriptors only; causal top-left aligned within each sequence."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(HOST_DESC or not VARLEN, "varlen takes the host's descriptors")
+    gl.static_assert(not ORDER or (HOST_DESC and not VARLEN), "the tile table is the dense persistent grid's")
     dtype: gl.constexpr = Q.dtype.element_ty
     if HOST_DESC:
         q_desc, k_desc, v_desc, o_desc = QD, KD, VD, OD
     else:
-        start_m, b, h, hk, n_blocks = _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        start_m, b, h, hk, n_blocks = _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, False)
         q_desc, k_desc, v_desc = _head_descriptors(
             Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
             stride_vn, b, h, hk, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
@@ -559,18 +590,18 @@ def _attention_fwd_sm90_kernel(
         (_consumer, (0, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
-                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, q_layout)),
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D, BLOCK_M, BLOCK_N,
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout)),
         (_producer, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
-                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, q_layout)),
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D, BLOCK_M, BLOCK_N,
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout)),
         (_consumer, (1, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
-                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, q_layout)),
+                        qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D, BLOCK_M, BLOCK_N,
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout)),
     ], [1, 4], [24, 240])
 
 
@@ -688,6 +719,94 @@ def _num_sms(device) -> int:
     return n
 
 
+# The causal persistent forward's tile table (``_causal_order``). Without it the grid is the largest multiple of
+# a head's tiles within the SMs (128 of an H100's or H200's 132 at n_m = 32 or 64: 3% of the card idle) and a
+# CTA's tiles alternate in order round by round. With it every SM takes tiles: each (batch, head) group's tiles
+# longest first, handed one by one to the CTA with the least work so far (longest-processing-time), the work of
+# a tile modelled as its key blocks plus ``ORDER_TILE_COST`` (its Q load and epilogue); a group is as many
+# heads as the candidates' best model (``_order_groups``) within ``ORDER_L2_BYTES`` of K / V, so that the tiles
+# running together share their heads' K / V in L2. Taken where the model's last CTA ends at least
+# ``ORDER_MIN_GAIN`` sooner than the alternating rounds' (``PYKERNELS_ATTN_SM90_ORDER``: ``auto``, ``1``
+# wherever the persistent causal grid runs, ``0`` never), for at most ``ORDER_MAX_TILES`` tiles (the table's
+# host time, once per shape: ~1 us a tile and candidate).
+ORDER_TILE_COST = 1.0
+ORDER_L2_BYTES = 24 << 20
+ORDER_MIN_GAIN = 0.01
+ORDER_MAX_TILES = 1 << 16
+
+
+def order_mode() -> str:
+    """``PYKERNELS_ATTN_SM90_ORDER``: ``auto`` (default), ``1`` or ``0``; anything else is a ValueError."""
+    mode = os.environ.get("PYKERNELS_ATTN_SM90_ORDER", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "1", "0"):
+        raise ValueError(f"PYKERNELS_ATTN_SM90_ORDER must be auto, 1 or 0, got {mode!r}")
+    return mode
+
+
+def _order_groups(n_m: int, sms: int, g_max: int) -> list:
+    """The heads-per-group candidates of ``_causal_order``: about 0.5 .. 4 rounds of the grid's tiles."""
+    cands = {max(1, sms // n_m)} | {max(1, round(sms * f / n_m)) for f in (0.5, 1, 1.25, 1.5, 2, 3, 4)}
+    return sorted(g for g in cands if g <= g_max) or [1]
+
+
+def _causal_order(n_m: int, n_bh: int, sk: int, rows: int, block_n: int, sms: int, head_bytes: int,
+                  force: bool = False):
+    """The causal persistent forward's tile table, or None where the alternating rounds are modelled as no
+    worse (by ``ORDER_MIN_GAIN``; ``force``: always a table). ``n_m`` tiles of ``rows`` query rows per
+    (batch, head), ``n_bh`` (batch, head)s, tile p of a head visiting cdiv(min(sk, (p + 1) rows), block_n) key
+    blocks; ``head_bytes`` the K / V bytes a query head reads. Returns (grid, table): table = the CTAs' starts
+    (grid + 1 int32, into the tile list) then the tile list, CTA c's tiles at [table[c], table[c + 1]), in
+    the order it runs them (tile = (batch * H + head) * n_m + query tile)."""
+    import heapq
+    n_tiles = n_m * n_bh
+    grid = min(n_tiles, sms)
+    cost = [_tuning.cdiv(min(sk, (p + 1) * rows), block_n) + ORDER_TILE_COST for p in range(n_m)]
+    # the alternating rounds (``_tile_coords``), as the kernel runs them without a table
+    g_old = min(n_tiles, sms // n_m * n_m) if n_m <= sms else n_tiles
+    loads = [0.0] * g_old
+    for t in range(n_tiles):
+        p = t % n_m
+        if (t // g_old) % 2 == 0:
+            p = n_m - 1 - p
+        loads[t % g_old] += cost[p]
+    old = max(loads)
+    by_len = sorted(range(n_m), key=lambda p: -cost[p])
+    best = None
+    for g in _order_groups(n_m, grid, max(1, min(n_bh, ORDER_L2_BYTES // max(1, head_bytes)))):
+        heap = [(0.0, c) for c in range(grid)]
+        runs = [[] for _ in range(grid)]
+        for g0 in range(0, n_bh, g):
+            for p in by_len:
+                for hb in range(g0, min(n_bh, g0 + g)):
+                    load, c = heapq.heappop(heap)
+                    runs[c].append(hb * n_m + p)
+                    heapq.heappush(heap, (load + cost[p], c))
+        span = max(load for load, _ in heap)
+        if best is None or span < best[0]:
+            best = (span, runs)
+    if not force and best[0] > old * (1.0 - ORDER_MIN_GAIN):
+        return None
+    starts, tiles = [0], []
+    for run in best[1]:
+        tiles += run
+        starts.append(len(tiles))
+    return grid, starts + tiles
+
+
+_ORDER_TABLES: dict = {}
+
+
+def _order_table(table: list, device) -> torch.Tensor:
+    """``table`` as an int32 tensor on ``device``, one per distinct table and device, kept for the process: a
+    CUDA graph that captured a launch reads it at every replay, whatever becomes of the plan that made it
+    (``_FWD_PLANS`` starts over when full). A table is at most ``ORDER_MAX_TILES`` + SMs + 1 ints."""
+    key = (tuple(table), str(device))
+    t = _ORDER_TABLES.get(key)
+    if t is None:
+        t = _ORDER_TABLES[key] = torch.tensor(table, dtype=torch.int32).to(device)
+    return t
+
+
 class _FwdPlan:
     """What ``attention_fwd_sm90`` works out from the shapes, strides, dtype, device and flags of a call,
     kept per such key (``_FWD_PLANS``) so that a repeated call only allocates, makes its descriptors and
@@ -696,7 +815,7 @@ class _FwdPlan:
     checked on every call (``__call__``)."""
 
     __slots__ = ("o_shape", "o_stride", "o_layout_ok", "lse_shape", "geo", "grid", "args", "kwargs", "kernel",
-                 "key_pad", "dtype")
+                 "key_pad", "dtype", "order_spec", "order", "order_kwargs")
 
     def __init__(self, q, k, v, causal, scale, config, host_descriptors, persistent, key_pad):
         """``config`` (BLOCK_M, BLOCK_N, STAGES), resolved by ``forward_plan``."""
@@ -741,9 +860,18 @@ class _FwdPlan:
         self.args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_strides[:3], hq * sq, sq,
                      hq, hq // hkv, sq, sk, scale * LOG2E, n_m, n_tiles)
         self.kwargs = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal),
-                           HOST_DESC=geo is not None, KEY_PAD=key_pad, VARLEN=False, q_layout=ql, kv_layout=kl,
-                           num_warps=4, maxnreg=MAX_REGS)
+                           HOST_DESC=geo is not None, KEY_PAD=key_pad, VARLEN=False, ORDER=False, q_layout=ql,
+                           kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
         self.kernel = _launch.fast(_attention_fwd_sm90_kernel)
+        # causal on the persistent grid: the tile table where it is modelled faster (``_causal_order``); made
+        # here, uploaded on the first call that is not capturing a CUDA graph (the rounds serve until then)
+        self.order_spec = self.order = None
+        self.order_kwargs = dict(self.kwargs, ORDER=True)
+        mode = order_mode() if causal else "0"
+        if mode != "0" and geo is not None and persistent is not False and not key_pad and n_m <= sms \
+                and n_tiles <= ORDER_MAX_TILES:
+            head_bytes = 2 * sk * d * q.element_size() // (hq // hkv)
+            self.order_spec = _causal_order(n_m, hq * batch, sk, 2 * bm, bn, sms, head_bytes, force=mode == "1")
 
     def __call__(self, q, k, v, mask=None, kv_range=None):
         dev = q.device
@@ -761,10 +889,17 @@ class _FwdPlan:
             descs = (_descriptor(q, gq), _descriptor(k, gk), _descriptor(v, gv), _descriptor(o, go))
         _tuning.ensure_allocator()  # device-made descriptors (with host ones: for a query tail tile's store)
         key_pad = self.key_pad
-        self.kernel[self.grid](
+        grid, order, kwargs = self.grid, None, self.kwargs
+        if self.order_spec is not None:
+            order = self.order
+            if order is None and not _tuning.capturing(dev):
+                order = self.order = _order_table(self.order_spec[1], dev)
+            if order is not None:
+                grid, kwargs = (self.order_spec[0],), self.order_kwargs
+        self.kernel[grid](
             q, k, v, o, lse, *descs, *self.args,
             mask.view(torch.uint8) if key_pad else None, kv_range if key_pad else None,
-            mask.stride(0) if key_pad else 0, mask.stride(3) if key_pad else 0, None, None, **self.kwargs)
+            mask.stride(0) if key_pad else 0, mask.stride(3) if key_pad else 0, None, None, order, **kwargs)
         return o, lse
 
 
@@ -779,7 +914,7 @@ def forward_plan(q, k, v, *, causal: bool, scale: float, config=None, host_descr
     config = config or (KEY_PAD_CONFIGS.get(d, CONFIGS[d]) if key_pad else CONFIGS[d])  # (read per call: tools
     # and tests change these tables)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, bool(causal),
-           scale, config, host_descriptors, persistent, key_pad, MAX_REGS)
+           scale, config, host_descriptors, persistent, key_pad, MAX_REGS, order_mode() if causal else None)
     plan = _FWD_PLANS.get(key)
     if plan is None:
         if len(_FWD_PLANS) >= _MAX_PLANS:
@@ -856,7 +991,7 @@ def attention_fwd_sm90_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
     _launch.fast(_attention_fwd_sm90_kernel)[(grid,)](
         q, k, v, o, lse, *descs, *strides(q), *strides(k), *strides(v), *strides(o), 0, lse.stride(0),
         hq, hq // hkv, max_seqlen_q, max_seqlen_k, scale * LOG2E, n_m, n_tiles, None, None, 0, 0,
-        cu_seqlens_q, cu_seqlens_k,
+        cu_seqlens_q, cu_seqlens_k, None,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), HOST_DESC=True, KEY_PAD=False,
-        VARLEN=True, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
+        VARLEN=True, ORDER=False, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
     return o, lse

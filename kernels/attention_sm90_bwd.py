@@ -394,7 +394,7 @@ def _dq_tile(n_m, lpt_heads, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
         hi = gl.minimum(Sk, start_m + 2 * BLOCK_M)
         return start_m, (hb // H).to(gl.int64), h.to(gl.int64), (h // GROUP).to(gl.int64), gl.cdiv(hi, BLOCK_N)
     else:
-        return _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        return _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, False)
 
 
 @gluon.jit

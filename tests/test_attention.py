@@ -1309,6 +1309,66 @@ def test_gpu_sm90_forward_in_cuda_graph():
 
 @pytest.mark.gpu
 @sm90_only
+@pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,d,forced", [
+    ("bhsd", 3, 12, 12, 2048, 2048, 128, False),  # 4.5 rounds of the 128-CTA grid: the table by the model
+    ("bshd", 2, 4, 2, 1000, 1500, 64, True),      # GQA, Sq != Sk, a query tail
+    ("bhsd", 1, 6, 6, 1031, 777, 128, True),      # Sk < Sq: tiles past the keys' end
+    ("bhsd", 40, 2, 1, 300, 300, 64, True)])      # three tiles a head, fewer heads a group than the grid's
+def test_gpu_sm90_causal_tile_order(monkeypatch, layout, b, hq, hkv, sq, sk, d, forced):
+    """The causal persistent forward over the host's tile table (``attention_sm90._causal_order``,
+    ``PYKERNELS_ATTN_SM90_ORDER``) computes each tile as the alternating rounds do: output and lse bitwise equal
+    to the rounds', both against float64; the table made and uploaded where it is taken; a plan first made while
+    a CUDA graph captures runs the rounds there and the table after, each replay equal to the eager call."""
+    from pykernels._kernels import attention_sm90 as ks
+    q, k, v = (t.detach() for t in _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout, d=d))
+    scale = d ** -0.5
+
+    def run(mode):
+        monkeypatch.setenv("PYKERNELS_ATTN_SM90_ORDER", mode)
+        o = ks.attention_fwd_sm90(q, k, v, causal=True, scale=scale)
+        return o, ks.forward_plan(q, k, v, causal=True, scale=scale)
+    (o_r, l_r), plan_r = run("0")
+    assert plan_r.order_spec is None and plan_r.grid[0] % ks._tuning.cdiv(sq, 128) == 0  # the rounds
+    (o_t, l_t), plan_t = run("1" if forced else "auto")
+    assert plan_t.order_spec is not None and plan_t.order is not None, "this case must take the tile table"
+    grid, table = plan_t.order_spec
+    assert grid == min(ks._num_sms(q.device), len(table) - grid - 1)
+    assert plan_t.order.tolist() == table and plan_t.order.dtype == torch.int32
+    assert torch.equal(o_t, o_r) and torch.equal(l_t, l_r)
+    kk, vv = (t.repeat_interleave(hq // hkv, 1) for t in (k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), kk.double(), vv.double(), is_causal=True,
+                                                           scale=scale)
+    eager = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=scale)
+    assert (o_t.double() - ref).abs().max().item() <= 2 * (eager.double() - ref).abs().max().item() + 1e-3
+    # a plan first made during a capture: the rounds in that graph, the table once a call runs outside one
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_ORDER", "1")
+    ks._FWD_PLANS.clear()
+    static = [t.clone() for t in (q, k, v)]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o_g, l_g = ks.attention_fwd_sm90(*static, causal=True, scale=scale)
+    plan = ks.forward_plan(*static, causal=True, scale=scale)
+    assert plan.order_spec is not None and plan.order is None
+    g.replay()
+    assert torch.equal(o_g, o_r) and torch.equal(l_g, l_r)
+    ks.attention_fwd_sm90(*static, causal=True, scale=scale)  # uploads the table
+    assert plan.order is not None
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2):
+        o_g2, l_g2 = ks.attention_fwd_sm90(*static, causal=True, scale=scale)
+    ks._FWD_PLANS.clear()  # the graph's table outlives the plan (``_ORDER_TABLES``)
+    for t in static:
+        t.normal_()
+    g2.replay()
+    assert not torch.equal(o_g2, o_r)
+    for t, src in zip(static, (q, k, v)):
+        t.copy_(src)
+    g2.replay()
+    assert torch.equal(o_g2, o_r) and torch.equal(l_g2, l_r)
+
+
+@pytest.mark.gpu
+@sm90_only
 @pytest.mark.parametrize("layout,sq,sk,hq,hkv", [("bhsd", 1000, 1100, 4, 2), ("bshd", 1031, 1024, 4, 4),
                                                   ("expanded", 257, 1024, 4, 1), ("bhsd", 64, 1024, 2, 2)])
 def test_gpu_sm90_host_descriptors_equal_device_ones(layout, sq, sk, hq, hkv):
@@ -1514,6 +1574,52 @@ def test_sm90_flat_descriptors_views():
     odd = base.as_strided((2, h, s, d), (h * s * d + 8, s * d, d, 1))
     assert ks._flat_descriptor(odd, 64, ql) is None
     assert ks._flat_descriptor(torch.randn(1, 2, 17, d, dtype=BF16), 64, ql) is None
+
+
+def _order_makespan(table, grid, n_m, cost):
+    """The last CTA's modelled work under ``_causal_order``'s table (``cost[p]``: query tile p's)."""
+    starts, tiles = table[:grid + 1], table[grid + 1:]
+    return max(sum(cost[t % n_m] for t in tiles[starts[c]:starts[c + 1]]) for c in range(grid))
+
+
+def test_sm90_causal_tile_order_on_cpu(monkeypatch):
+    """The causal persistent forward's tile table (``attention_sm90._causal_order``): every tile exactly once,
+    the CTAs' runs back to back, a CTA per SM, each (batch, head) group's tiles handed out longest first; taken
+    where it is modelled faster than the alternating rounds, never where it is not (unless forced); the switch."""
+    from pykernels._kernels import attention_sm90 as ks
+    for n_m, n_bh, sk, rows, bn, head_bytes in [(32, 64, 4096, 128, 128, 2 << 20),   # B4 H16 S4096 D128
+                                                (64, 32, 8192, 128, 128, 4 << 20),   # B2 H16 S8192 D128
+                                                (16, 36, 2048, 128, 128, 1 << 20),   # B3 H12 S2048: 4.5 rounds
+                                                (8, 3, 1000, 128, 128, 1 << 20)]:    # fewer tiles than SMs
+        forced = ks._causal_order(n_m, n_bh, sk, rows, bn, 132, head_bytes, force=True)
+        assert forced is not None
+        grid, table = forced
+        n_tiles = n_m * n_bh
+        assert grid == min(132, n_tiles) and len(table) == grid + 1 + n_tiles
+        starts = table[:grid + 1]
+        assert starts[0] == 0 and starts[-1] == n_tiles and all(a < b for a, b in zip(starts, starts[1:]))
+        assert sorted(table[grid + 1:]) == list(range(n_tiles))
+        cost = [ks._tuning.cdiv(min(sk, (p + 1) * rows), bn) + ks.ORDER_TILE_COST for p in range(n_m)]
+        total = n_bh * sum(cost)
+        span = _order_makespan(table, grid, n_m, cost)
+        assert total / grid <= span <= total / grid + max(cost)  # (greedy's bound: one tile past the mean)
+        if n_tiles >= 15 * 132:  # many tiles a CTA: within 1% of a perfect split
+            assert span <= 1.01 * total / grid, (n_m, n_bh, span, total / grid)
+        if n_tiles >= 4 * 132:  # taken unforced: the rounds leave 4 of the 132 SMs idle (or worse)
+            assert ks._causal_order(n_m, n_bh, sk, rows, bn, 132, head_bytes) == forced
+    # the rounds already balanced (132 SMs = 33 whole heads of 4 tiles): no table unless forced
+    assert ks._causal_order(4, 66, 512, 128, 128, 132, 1 << 20) is None
+    assert ks._causal_order(4, 66, 512, 128, 128, 132, 1 << 20, force=True) is not None
+    # a group's tiles longest first: a CTA's first tile is among the longest of the first group
+    grid, table = ks._causal_order(64, 32, 8192, 128, 128, 132, 4 << 20, force=True)
+    firsts = [table[grid + 1 + table[c]] % 64 for c in range(grid)]
+    assert min(firsts) >= 64 - 132 // 2 - 1
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_ORDER", "sometimes")
+    with pytest.raises(ValueError, match="PYKERNELS_ATTN_SM90_ORDER"):
+        ks.order_mode()
+    for value, mode in (("", "auto"), ("AUTO", "auto"), ("1", "1"), ("0", "0")):
+        monkeypatch.setenv("PYKERNELS_ATTN_SM90_ORDER", value)
+        assert ks.order_mode() == mode
 
 
 def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):

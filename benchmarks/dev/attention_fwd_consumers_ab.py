@@ -33,13 +33,22 @@ from attention import (Case, bert_lengths, flex_impl, graph_time, key_padding_ma
 
 import pykernels  # noqa: E402
 
-# (batch, heads, tokens), D = 64; ``kp`` cases: a boolean key-padding mask, the attention benchmark's lengths
-# (uniform in [S/2, S], its seed: bert_lengths), whose peer line is cuDNN's and FlexAttention's with that mask
+# (batch, heads, tokens[, D, causal]), D = 64 and not causal unless given; ``kp`` cases: a boolean key-padding
+# mask, the attention benchmark's lengths (uniform in [S/2, S], its seed: bert_lengths), whose peer line is
+# cuDNN's and FlexAttention's with that mask; ``c`` cases causal (the Gluon forward's tile table,
+# ``ATTN_SM90_ORDER``: GPT-2, the benchmark's S4096 / S8192 D = 128 causal rows, and odd head counts)
 CASES = {"s100": (128, 12, 100), "s128": (128, 12, 128), "s256": (64, 12, 256), "s300": (48, 12, 300),
          "s384": (40, 12, 384), "s512": (32, 12, 512), "s1000": (16, 12, 1000), "kp512": (32, 12, 512),
-         "kp1000": (16, 12, 1000)}
+         "kp1000": (16, 12, 1000), "cgpt2": (8, 12, 1024, 64, True), "c1k": (16, 16, 1024, 128, True),
+         "c2k": (3, 12, 2048, 128, True), "c4k": (4, 16, 4096, 128, True), "c8k": (2, 16, 8192, 128, True)}
 # (unset by every setting that does not name them)
-VARS = ("CUDA_ATTN_FWD_WG", "CUDA_ATTN_FWD_MIX", "CUDA_ATTN_FWD_RANGES")
+VARS = ("CUDA_ATTN_FWD_WG", "CUDA_ATTN_FWD_MIX", "CUDA_ATTN_FWD_RANGES", "ATTN_SM90_ORDER")
+
+
+def case_shape(case: str) -> tuple:
+    """(batch, heads, tokens, D, causal) of a case."""
+    b, h, s, *rest = CASES[case]
+    return (b, h, s, *(rest or (64, False)))
 
 
 def main(argv=None) -> int:
@@ -53,8 +62,8 @@ def main(argv=None) -> int:
         print("needs CUDA")
         return 0
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}")
-    impls = {name: (lambda q, k, v, mask, name=name: pykernels.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, backend=name)) for name in args.impls.split(",")}
+    impls = {name: (lambda q, k, v, mask, causal, name=name: pykernels.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, backend=name)) for name in args.impls.split(",")}
 
     def line(label, rnd, case, name, g):
         f, b = g.get("graph_fwd_ms", float("nan")) * 1e3, g.get("graph_bwd_ms", float("nan")) * 1e3
@@ -62,19 +71,19 @@ def main(argv=None) -> int:
 
     inputs = {}
     for case in args.cases.split(","):
-        b, h, s = CASES[case]
+        b, h, s, d, causal = case_shape(case)
         torch.manual_seed(0)
-        q, k, v, do = (torch.randn(b, h, s, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         lengths = bert_lengths(b, s // 2, s) if case.startswith("kp") else None
         mask = key_padding_mask(lengths, s) if lengths is not None else None
-        inputs[case] = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do, mask, lengths)
+        inputs[case] = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do, mask, lengths, causal)
     for rnd in range(args.rounds):
-        for case, (q, k, v, do, mask, lengths) in inputs.items():
+        for case, (q, k, v, do, mask, lengths, causal) in inputs.items():
             if rnd == 0:  # the peers (the benchmark's): cuDNN; FlexAttention with its block mask where padded
-                cudnn = sdpa_impl(mask, False, torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+                cudnn = sdpa_impl(mask, causal, torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
                 line("cudnn", rnd, case, "sdpa", graph_time(cudnn, q, k, v, do))
                 if mask is not None:
-                    b, h, s = CASES[case]
+                    b, h, s, _, _ = case_shape(case)
                     flex = flex_impl(Case(case, b, h, s, 64, key_padding=True), lengths)
                     line("flex", rnd, case, "flex", graph_time(flex, q, k, v, do))
             for setting in args.settings.split(";"):  # (default: the variables unset)
@@ -86,7 +95,8 @@ def main(argv=None) -> int:
                 with common.env_setting(env):
                     for name, fn in impls.items():
                         line(setting, rnd, case, name,
-                             graph_time(lambda q, k, v, fn=fn, mask=mask: fn(q, k, v, mask), q, k, v, do))
+                             graph_time(lambda q, k, v, fn=fn, mask=mask, causal=causal: fn(q, k, v, mask, causal),
+                                        q, k, v, do))
     return 0
 
 

@@ -327,9 +327,15 @@ def compile_only() -> None:
             sig.update(QD=qd, OD=qd, KD=kd, VD=kd)
             consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, HOST_DESC=True,
                           q_layout=ql, kv_layout=kl, num_warps=4, Mask=None, KvRange=None, KEY_PAD=False,
-                          CuQ=None, CuK=None, VARLEN=False)
+                          CuQ=None, CuK=None, VARLEN=False, Order=None, ORDER=False)
             print(f"host-desc D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
                   f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
+            if causal:  # the causal persistent grid's tile table (``_causal_order``)
+                osig = dict(sig, Order="*i32")
+                oconsts = {kk: vv for kk, vv in consts.items() if kk != "Order"}
+                oconsts["ORDER"] = True
+                print(f"order D{d} cfg{(bm, bn, stages, 4)} causal: "
+                      f"{compile_report(fn, osig, oconsts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
             # packed varlen sequences (the forward's VARLEN variant, cu_seqlens int32)
             vsig = dict(sig, CuQ="*i32", CuK="*i32")
             vconsts = {kk: vv for kk, vv in consts.items() if kk not in ("CuQ", "CuK")}
@@ -355,7 +361,7 @@ def compile_only() -> None:
                               kv_layout=kl, num_warps=warps)
                 if fn is pkg._attention_fwd_sm90_kernel:
                     consts.update(QD=None, KD=None, VD=None, OD=None, HOST_DESC=False, Mask=None, KvRange=None,
-                                  KEY_PAD=False, CuQ=None, CuK=None, VARLEN=False)
+                                  KEY_PAD=False, CuQ=None, CuK=None, VARLEN=False, Order=None, ORDER=False)
                 opts = dict(num_warps=warps)
                 if kind != "plain":
                     opts["maxnreg"] = max_regs(8 if kind == "ping-pong" else warps)
