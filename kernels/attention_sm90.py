@@ -22,10 +22,13 @@ walks tiles program_id, + num_programs, ... (a persistent grid of one CTA per SM
   "turn" mbarriers (taken before the issue, passed on right after it), so one warpgroup's softmax
   runs during the other's GEMMs and the tensor cores stay busy. Ring slots, phases and turns are
   counted over the CTA's tiles.
-* **schedule**: query tiles fastest (a head's K/V stay in L2). Causal: the grid is a multiple of the
-  tiles per head and alternate rounds reverse a head's order, so each persistent CTA alternates long and
-  short tiles (a plain round robin handed each CTA tiles of one length, run32: 0.69-0.95x of one tile
-  per CTA; alternating, run34: D = 64 GPT-2 shape 217 -> 276 TFLOP/s).
+* **schedule**: query tiles fastest (a head's K/V stay in L2). Causal: a table the host makes
+  (``_causal_order``: each group of heads' tiles longest first, each to the CTA with the least work so
+  far, one CTA per SM; 1.02-1.03x the rounds below at the benchmark's causal shapes, run430); without it
+  (``PYKERNELS_ATTN_SM90_ORDER=0``, or a launch captured before the table was uploaded) the grid is a
+  multiple of the tiles per head and alternate rounds reverse a head's order, so each persistent CTA
+  alternates long and short tiles (a plain round robin handed each CTA tiles of one length, run32:
+  0.69-0.95x of one tile per CTA; alternating, run34: D = 64 GPT-2 shape 217 -> 276 TFLOP/s).
 
 The epilogue of each consumer: O / l through its Q buffer by TMA (see Descriptors for the tail), and
 lse = (m + log2 l) * ln 2 (natural log, as the Triton forward saves it, so ``attention_bwd`` takes it).
@@ -725,13 +728,17 @@ def _num_sms(device) -> int:
 # longest first, handed one by one to the CTA with the least work so far (longest-processing-time), the work of
 # a tile modelled as its key blocks plus ``ORDER_TILE_COST`` (its Q load and epilogue); a group is as many
 # heads as the candidates' best model (``_order_groups``) within ``ORDER_L2_BYTES`` of K / V, so that the tiles
-# running together share their heads' K / V in L2. Taken where the model's last CTA ends at least
-# ``ORDER_MIN_GAIN`` sooner than the alternating rounds' (``PYKERNELS_ATTN_SM90_ORDER``: ``auto``, ``1``
-# wherever the persistent causal grid runs, ``0`` never), for at most ``ORDER_MAX_TILES`` tiles (the table's
-# host time, once per shape: ~1 us a tile and candidate).
+# running together share their heads' K / V in L2. Taken where the model's last CTA ends no later than the
+# alternating rounds' (``ORDER_MIN_GAIN`` sooner; ``PYKERNELS_ATTN_SM90_ORDER``: ``auto``, ``1`` wherever the
+# persistent causal grid runs, ``0`` never), for at most ``ORDER_MAX_TILES`` tiles (the table's host time, once
+# per shape: ~1 us a tile and candidate). H200 run430 (``benchmarks/dev/attention_fwd_order_ab.py``, the two
+# alternating graph by graph), forward speed-up over the rounds: B4 H16 S4096 D128 1.017x, B2 H16 S8192 1.019x,
+# B1 H16 S16384 1.021x, B8 H16 S2048 1.009x, B16 H16 S1024 1.031x, B8 H12 S1024 D64 (GPT-2) 1.027x (the model:
+# no gain; so the threshold is 0), B3 H12 S2048 D128 (4.5 rounds of 128 CTAs) 1.25x; groups of one head (4
+# MiB at S8192): 0.96-0.97x at S4096 / S8192.
 ORDER_TILE_COST = 1.0
 ORDER_L2_BYTES = 24 << 20
-ORDER_MIN_GAIN = 0.01
+ORDER_MIN_GAIN = 0.0
 ORDER_MAX_TILES = 1 << 16
 
 
@@ -751,8 +758,8 @@ def _order_groups(n_m: int, sms: int, g_max: int) -> list:
 
 def _causal_order(n_m: int, n_bh: int, sk: int, rows: int, block_n: int, sms: int, head_bytes: int,
                   force: bool = False):
-    """The causal persistent forward's tile table, or None where the alternating rounds are modelled as no
-    worse (by ``ORDER_MIN_GAIN``; ``force``: always a table). ``n_m`` tiles of ``rows`` query rows per
+    """The causal persistent forward's tile table, or None where the alternating rounds are modelled as
+    faster (``ORDER_MIN_GAIN``; ``force``: always a table). ``n_m`` tiles of ``rows`` query rows per
     (batch, head), ``n_bh`` (batch, head)s, tile p of a head visiting cdiv(min(sk, (p + 1) rows), block_n) key
     blocks; ``head_bytes`` the K / V bytes a query head reads. Returns (grid, table): table = the CTAs' starts
     (grid + 1 int32, into the tile list) then the tile list, CTA c's tiles at [table[c], table[c + 1]), in
