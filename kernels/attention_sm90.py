@@ -731,7 +731,8 @@ def _num_sms(device) -> int:
 # running together share their heads' K / V in L2. Taken where the model's last CTA ends no later than the
 # alternating rounds' (``ORDER_MIN_GAIN`` sooner; ``PYKERNELS_ATTN_SM90_ORDER``: ``auto``, ``1`` wherever the
 # persistent causal grid runs, ``0`` never), for at most ``ORDER_MAX_TILES`` tiles (the table's host time, once
-# per shape: ~1 us a tile and candidate). H200 run430 (``benchmarks/dev/attention_fwd_order_ab.py``, the two
+# per shape: 3.5 ms at GPT-2's 768 tiles, 8 ms at 2048, 27 ms at 32768 with one candidate group past
+# ``ORDER_FEW_GROUPS_TILES``, 61 ms at 65536). H200 run430 (``benchmarks/dev/attention_fwd_order_ab.py``, the two
 # alternating graph by graph), forward speed-up over the rounds: B4 H16 S4096 D128 1.017x, B2 H16 S8192 1.019x,
 # B1 H16 S16384 1.021x, B8 H16 S2048 1.009x, B16 H16 S1024 1.031x, B8 H12 S1024 D64 (GPT-2) 1.027x (the model:
 # no gain; so the threshold is 0), B3 H12 S2048 D128 (4.5 rounds of 128 CTAs) 1.25x; groups of one head (4
@@ -740,6 +741,7 @@ ORDER_TILE_COST = 1.0
 ORDER_L2_BYTES = 24 << 20
 ORDER_MIN_GAIN = 0.0
 ORDER_MAX_TILES = 1 << 16
+ORDER_FEW_GROUPS_TILES = 1 << 13
 
 
 def order_mode() -> str:
@@ -750,9 +752,12 @@ def order_mode() -> str:
     return mode
 
 
-def _order_groups(n_m: int, sms: int, g_max: int) -> list:
-    """The heads-per-group candidates of ``_causal_order``: about 0.5 .. 4 rounds of the grid's tiles."""
-    cands = {max(1, sms // n_m)} | {max(1, round(sms * f / n_m)) for f in (0.5, 1, 1.25, 1.5, 2, 3, 4)}
+def _order_groups(n_m: int, sms: int, g_max: int, n_tiles: int = 0) -> list:
+    """The heads-per-group candidates of ``_causal_order``: about 0.5 .. 4 rounds of the grid's tiles; past
+    ``ORDER_FEW_GROUPS_TILES`` tiles only the group of a round or just under (the greedy's host time; with
+    many tiles a CTA the groups' ends weigh less)."""
+    fs = (1,) if n_tiles > ORDER_FEW_GROUPS_TILES else (0.5, 1, 1.25, 1.5, 2, 3, 4)
+    cands = {max(1, sms // n_m)} | {max(1, round(sms * f / n_m)) for f in fs}
     return sorted(g for g in cands if g <= g_max) or [1]
 
 
@@ -779,15 +784,15 @@ def _causal_order(n_m: int, n_bh: int, sk: int, rows: int, block_n: int, sms: in
     old = max(loads)
     by_len = sorted(range(n_m), key=lambda p: -cost[p])
     best = None
-    for g in _order_groups(n_m, grid, max(1, min(n_bh, ORDER_L2_BYTES // max(1, head_bytes)))):
+    for g in _order_groups(n_m, grid, max(1, min(n_bh, ORDER_L2_BYTES // max(1, head_bytes))), n_tiles):
         heap = [(0.0, c) for c in range(grid)]
         runs = [[] for _ in range(grid)]
         for g0 in range(0, n_bh, g):
             for p in by_len:
                 for hb in range(g0, min(n_bh, g0 + g)):
-                    load, c = heapq.heappop(heap)
+                    load, c = heap[0]
                     runs[c].append(hb * n_m + p)
-                    heapq.heappush(heap, (load + cost[p], c))
+                    heapq.heapreplace(heap, (load + cost[p], c))
         span = max(load for load, _ in heap)
         if best is None or span < best[0]:
             best = (span, runs)

@@ -1590,6 +1590,7 @@ def test_sm90_causal_tile_order_on_cpu(monkeypatch):
     for n_m, n_bh, sk, rows, bn, head_bytes in [(32, 64, 4096, 128, 128, 2 << 20),   # B4 H16 S4096 D128
                                                 (64, 32, 8192, 128, 128, 4 << 20),   # B2 H16 S8192 D128
                                                 (16, 36, 2048, 128, 128, 1 << 20),   # B3 H12 S2048: 4.5 rounds
+                                                (32, 300, 4096, 128, 128, 2 << 20),  # past ORDER_FEW_GROUPS_TILES
                                                 (8, 3, 1000, 128, 128, 1 << 20)]:    # fewer tiles than SMs
         forced = ks._causal_order(n_m, n_bh, sk, rows, bn, 132, head_bytes, force=True)
         assert forced is not None
