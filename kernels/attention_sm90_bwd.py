@@ -117,6 +117,20 @@ def _tma_reduce_add_smem(desc, offsets, src, _semantic=None):
 
 
 @gluon.jit
+def _trace_mark(Trace, slot, TRACE: gl.constexpr):
+    """With TRACE (``benchmarks/dev/attention_bwd_trace.py``): %globaltimer into ``Trace[pid * 8 + slot]`` (slot 5:
+    %smid), stored by every thread of the calling warpgroup (one value). Nothing without TRACE."""
+    if TRACE:
+        pid = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+        now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
+                                        pack=1)
+        gl.store(Trace + pid * 8 + slot, now)
+        if slot == 0:
+            sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [pid], dtype=gl.int32, is_pure=False, pack=1)
+            gl.store(Trace + pid * 8 + 5, sm.to(gl.int64))
+
+
+@gluon.jit
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_smem,
                    dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
                    stride_dom, LSE,
@@ -155,8 +169,9 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
                    ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
                    stride_qm, stride_dob, stride_doh,
                    stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n,
-                   j_lo, n_qb, dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, STATS_EARLY: gl.constexpr):
+                   j_lo, n_qb, dk_desc, dv_desc, Trace, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr,
+                   STATS_EARLY: gl.constexpr, TRACE: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block.
     FUSED_DQ: also dQ_j's columns [WG * D / 2, + D / 2) over both warpgroups' keys, dQ_j = dS_j K, from
     both dS^T tiles in shared memory (``ds_bar``: both written), added (scaled) to the fp32 dQ buffer by a
@@ -181,11 +196,16 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     mbarrier.wait(kv_bar.index(WG), 0)
     if FUSED_DQ:
         mbarrier.wait(kv_bar.index(1 - WG), 0)  # the other warpgroup's K halves too
+    if WG == 0:
+        _trace_mark(Trace, 1, TRACE)
     it = 0
     for g in range(GROUP):
         for j in range(j_lo, n_qb):
             s = it % STAGES
             mbarrier.wait(q_bar.index(s), (it // STAGES) & 1)
+            if TRACE and WG == 0:
+                if it == 0:
+                    _trace_mark(Trace, 2, TRACE)
             q_tile = q_smem.index(s)
             do_tile = do_smem.index(s)
             if STATS_EARLY:
@@ -239,6 +259,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
                 mbarrier.arrive(q_empty.index(s), count=1)
             it += 1
+    if WG == 0:
+        _trace_mark(Trace, 3, TRACE)
     if FUSED_DQ:  # the other warpgroup's dQ GEMMs read this one's K: both past their last block
         mbarrier.arrive(ds_bar.index(it % 2), count=1)
         mbarrier.wait(ds_bar.index(it % 2), (it // 2) & 1)
@@ -255,6 +277,11 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
         tma.async_copy_shared_to_global(dk_desc, [n0 + BLOCK_N, 0], k_smem.index(1))
         tma.async_copy_shared_to_global(dv_desc, [n0 + BLOCK_N, 0], v_smem.index(1))
         tma.store_wait(pendings=0)
+        _trace_mark(Trace, 4, TRACE)
+        if TRACE:
+            gl.store(Trace + 6 + 8 * (gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1)
+                                                                                * gl.program_id(2))),
+                     (GROUP * (n_qb - j_lo)).to(gl.int64))
     else:
         mbarrier.arrive(st_bar.index(0), count=1)
 
@@ -265,10 +292,10 @@ def _attention_bwd_dkdv_sm90_kernel(
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
-    H, GROUP, Sq, Sk, qk_scale, scale, lpt_heads,
+    H, GROUP, Sq, Sk, qk_scale, scale, lpt_heads, Trace,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, STATS_EARLY: gl.constexpr,
-    kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr,
+    kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr, TRACE: gl.constexpr = False,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (cdiv(Sk, 2 * BLOCK_N) * kv heads * batch,):
     causal, longest CTAs first across the (batch, kv head)s of a group of ``lpt_heads`` (``_lpt_order``).
@@ -279,6 +306,7 @@ def _attention_bwd_dkdv_sm90_kernel(
     buffer seen as (B * H * Sq, D), (BLOCK_M, D / 2) tiles, by bulk TMA reductions."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = K.dtype.element_ty
+    _trace_mark(Trace, 0, TRACE)
     if LPT:
         n_kb = gl.cdiv(Sk, 2 * BLOCK_N)
         rank, head = _lpt_order(gl.program_id(0), n_kb, gl.num_programs(0) // n_kb, lpt_heads)
@@ -347,8 +375,8 @@ def _attention_bwd_dkdv_sm90_kernel(
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
-                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ, STATS_EARLY)),
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, Trace, HEAD_D, BLOCK_N, BLOCK_M,
+                          STAGES, IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
@@ -359,8 +387,8 @@ def _attention_bwd_dkdv_sm90_kernel(
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
-                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ, STATS_EARLY)),
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, Trace, HEAD_D, BLOCK_N, BLOCK_M,
+                          STAGES, IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE)),
     ], [1, 4], [24, 240])
 
 
@@ -626,12 +654,13 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
 
 
 def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: float, config=None,
-                            dq=None) -> bool:
+                            dq=None, trace=None) -> bool:
     """dK, dV into ``dk``, ``dv`` for (B, H, S, D) tensors covered per ``attention_sm90.unsupported`` and a
     TMA-aligned ``do``; lse and delta (B, H, Sq) fp32 with a unit last stride. With ``dq``: dQ too, in the
     same kernel (FUSED_DQ: bulk TMA reductions into a zeroed fp32 buffer, then one copy into ``dq``). False (nothing
     launched) where q or do cannot be seen through one host descriptor or dk / dv are not TMA-aligned: the
-    caller runs the Triton kernel."""
+    caller runs the Triton kernel. ``trace``: an int64 (CTAs, 8) buffer for the development timeline
+    (``benchmarks/dev/attention_bwd_trace.py``; ``_trace_mark``'s slots)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bn, bm, stages = config or DKDV_CONFIGS[d]
@@ -653,10 +682,10 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale,
         lpt_group(batch * hkv, 2 * (hq // hkv) * sq * d * q.element_size(), n_kb, q.device, hq == hkv) if lpt
-        else 1,
+        else 1, trace,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
-        ds_layout=dsl, num_warps=4, maxnreg=MAX_REGS)
+        ds_layout=dsl, num_warps=4, TRACE=trace is not None, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)
     return True

@@ -45,7 +45,8 @@ def compile_only() -> None:
             n = p.name
             sig[n] = (descs[n] if n in descs else "*bf16" if n in ("K", "V", "DK", "DV", "DQ", "O")
                       else "*fp32" if n in ("LSE", "DELTA") else "i64" if n.startswith("stride")
-                      else "fp32" if n in ("qk_scale", "scale") else "constexpr" if p.is_constexpr else "i32")
+                      else "fp32" if n in ("qk_scale", "scale") else "constexpr" if p.is_constexpr or n == "Trace"
+                      else "i32")
         return sig
 
     def desc(rows, d, layout):
@@ -65,10 +66,22 @@ def compile_only() -> None:
                     consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
                                   LPT=causal, STATS_EARLY=kb.STATS_EARLY and not causal,
                                   kv_layout=kl, ds_layout=dsl, num_warps=4)
+                    consts["Trace"] = None
                     if not fused:
                         consts["DQACC"] = None
                     print(f"bwd-{'fused' if fused else 'dkdv'} D{d} cfg{cfg} {'causal' if causal else 'full'}: "
                           f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
+        if d == 128:  # the development timeline's variant (benchmarks/dev/attention_bwd_trace.py), fused and causal
+            bn, bm, stages = kb.DKDV_CONFIGS[d]
+            ql, kl = smem_layouts(bm, bn, d, torch.bfloat16)
+            fn = kb._attention_bwd_dkdv_sm90_kernel
+            sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql), Trace="*i64",
+                                  DQACC=mangle_type(kb._dq_acc_descriptor(torch.zeros(4096, d), bm, d))))
+            consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=True, FUSED_DQ=True, LPT=True,
+                          STATS_EARLY=False, kv_layout=kl, ds_layout=kb._ds_layout(bn, bm, torch.bfloat16),
+                          num_warps=4, TRACE=True)
+            print(f"bwd-trace D{d} causal: {ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}",
+                  flush=True)
         for cfg in [kb.DQ_CONFIGS[d]] + DQ_ALT[d]:
             bm, bn, stages = cfg
             ql, kl = smem_layouts(bm, bn, d, torch.bfloat16)

@@ -1,0 +1,132 @@
+"""Where the fused Gluon backward's time goes, CTA by CTA (``kernels/attention_sm90_bwd.py``, its dK/dV kernel with
+dQ fused, as ``auto`` runs it for D = 128 from 2048 keys, causal from 4096): a development timeline.
+
+With ``TRACE`` the kernel's default partition (consumer warpgroup 0) writes %globaltimer at five marks of each CTA
+(``_trace_mark``): 0 the kernel's entry, 1 its K / V landed, 2 its first Q / dO block landed, 3 its last query block
+done, 4 its dK / dV stored; and the CTA's SM and query-block count. From those this prints, per case:
+- the kernel time with and without the marks (CUDA events, median), so that the marks' own cost shows;
+- a CTA's set-up (entry -> first Q / dO), its loop and its epilogue (last block -> dK / dV stored), and the loop's
+  least-squares fit against its query blocks: the time a block and the loop's fixed part;
+- per SM, the gap between one CTA's end and the next one's entry (launch and exit), and the tail: how long each SM
+  sits idle after its last CTA while others still run;
+- the SMs' time split into set-up, loop, epilogue, gaps and tail, against SMs x span.
+So a persistent kernel's possible gain (set-up, epilogue and gaps overlapped with work) is measured, not guessed.
+
+Usage (GPU): ``python benchmarks/dev/attention_bwd_trace.py [--cases c4k,c8k,b8k,c2k]``.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from pykernels._kernels import attention as tri
+from pykernels._kernels import attention_sm90_bwd as kb
+
+CASES = {  # name: (batch, heads, seq, causal), D = 128
+    "c4k": (4, 16, 4096, True),
+    "c8k": (2, 16, 8192, True),
+    "b8k": (2, 16, 8192, False),
+    "c2k": (8, 16, 2048, True),
+}
+
+
+def _events_ms(fn, reps: int = 20) -> float:
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _fit(xs, ys):
+    """Least squares y = a + b x."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def run_case(name: str, batch: int, heads: int, seq: int, causal: bool) -> None:
+    d = 128
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    sc = d ** -0.5
+    o, lse = tri.attention_fwd(q, k, v, None, causal=causal, scale=sc, dropout_p=0.0, seed=0)
+    delta = (o.float() * do.float()).sum(-1).contiguous()
+    dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
+    n_ctas = -(-seq // (2 * kb.DKDV_CONFIGS[d][0])) * heads * batch
+    trace = torch.zeros(n_ctas, 8, dtype=torch.int64, device="cuda")
+
+    def plain():
+        assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=sc, dq=dq)
+
+    def traced():
+        assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=sc, dq=dq,
+                                          trace=trace)
+
+    plain()
+    ref = (dk.clone(), dv.clone())
+    traced()
+    dkv_same = torch.equal(dk, ref[0]) and torch.equal(dv, ref[1])
+    t_plain, t_trace = _events_ms(plain), _events_ms(traced)
+    t_plain = min(t_plain, _events_ms(plain))
+    torch.cuda.synchronize()
+    tr = trace.cpu().tolist()
+    t0 = min(r[0] for r in tr)
+    rows = [dict(e=r[0] - t0, kv=r[1] - t0, q=r[2] - t0, last=r[3] - t0, end=r[4] - t0, sm=r[5], n=r[6]) for r in tr]
+    span = max(r["end"] for r in rows)
+    n_sm = len({r["sm"] for r in rows})
+    setup = [r["q"] - r["e"] for r in rows]
+    kv = [r["kv"] - r["e"] for r in rows]
+    loop = [r["last"] - r["q"] for r in rows]
+    epi = [r["end"] - r["last"] for r in rows]
+    a, b = _fit([r["n"] for r in rows], loop)
+    by_sm = {}
+    for r in rows:
+        by_sm.setdefault(r["sm"], []).append(r)
+    gaps, tails, heads_ = [], [], []
+    for lst in by_sm.values():
+        lst.sort(key=lambda r: r["e"])
+        heads_.append(lst[0]["e"])
+        gaps += [y["e"] - x["end"] for x, y in zip(lst, lst[1:])]
+        tails.append(span - lst[-1]["end"])
+    total = n_sm * span
+    parts = dict(setup=sum(setup), loop=sum(loop), epilogue=sum(epi), gaps=sum(gaps), tail=sum(tails),
+                 start=sum(heads_))
+    print(f"{name}: B{batch} H{heads} S{seq} D{d} {'causal' if causal else 'full'}: {n_ctas} CTAs on {n_sm} SMs; "
+          f"kernel {t_plain * 1e3:.1f} us plain, {t_trace * 1e3:.1f} us traced; traced span {span / 1e3:.1f} us; "
+          f"dK/dV bitwise as plain: {dkv_same}", flush=True)
+    print(f"  per CTA (us, mean / median / max): set-up {statistics.mean(setup) / 1e3:.2f} / "
+          f"{statistics.median(setup) / 1e3:.2f} / {max(setup) / 1e3:.2f} (K/V landed "
+          f"{statistics.mean(kv) / 1e3:.2f}); epilogue {statistics.mean(epi) / 1e3:.2f} / "
+          f"{statistics.median(epi) / 1e3:.2f} / {max(epi) / 1e3:.2f}; gap between CTAs on an SM "
+          f"{statistics.mean(gaps) / 1e3 if gaps else 0:.2f} / {statistics.median(gaps) / 1e3 if gaps else 0:.2f}",
+          flush=True)
+    print(f"  loop = {a / 1e3:.2f} us + {b / 1e3:.3f} us x query blocks (blocks a CTA {min(r['n'] for r in rows)}.."
+          f"{max(r['n'] for r in rows)}, mean {statistics.mean(r['n'] for r in rows):.1f})", flush=True)
+    print("  SM time: " + ", ".join(f"{k_} {100 * v_ / total:.1f}%" for k_, v_ in parts.items())
+          + f" (sum {100 * sum(parts.values()) / total:.1f}%); tail per SM mean {statistics.mean(tails) / 1e3:.1f} "
+          f"max {max(tails) / 1e3:.1f} us", flush=True)
+    blocks = sum(r["n"] for r in rows)
+    print(f"  if every SM ran only loop blocks at {b / 1e3:.3f} us: {blocks * b / n_sm / 1e3:.1f} us "
+          f"({100 * blocks * b / n_sm / span:.1f}% of the span)", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="c4k,c8k,b8k,c2k")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    for name in args.cases.split(","):
+        run_case(name, *CASES[name])
+
+
+if __name__ == "__main__":
+    main()
