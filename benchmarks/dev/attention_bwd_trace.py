@@ -11,15 +11,23 @@ done, 4 its dK / dV stored; and the CTA's SM and query-block count. From those t
   sits idle after its last CTA while others still run;
 - the SMs' time split into set-up, loop, epilogue, gaps and tail, against SMs x span.
 So a persistent kernel's possible gain (set-up, epilogue and gaps overlapped with work) is measured, not guessed.
+Each case also prints one call's kernels with their device times (torch.profiler), and ``--ab N`` times the fused
+call (zeros, kernel, dQ copy) in CUDA-graph replay with the causal grid's tail cut (``LPT_TAIL``, ``lpt_cut``) on
+and off, alternating, N rounds, then traces both.
 
-Usage (GPU): ``python benchmarks/dev/attention_bwd_trace.py [--cases c4k,c8k,b8k,c2k]``.
+Usage (GPU): ``python benchmarks/dev/attention_bwd_trace.py [--cases c4k,c8k,b8k,c2k] [--ab 3]``.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import _device_us  # noqa: E402
 
 from pykernels._kernels import attention as tri
 from pykernels._kernels import attention_sm90_bwd as kb
@@ -53,7 +61,28 @@ def _fit(xs, ys):
     return my - b * mx, b
 
 
-def run_case(name: str, batch: int, heads: int, seq: int, causal: bool) -> None:
+def _graph_us(fn, reps: int = 10) -> float:
+    """Mean time of ``fn`` replayed from one CUDA graph, us (3 replays of warm-up, ``reps`` timed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps
+
+
+def run_case(name: str, batch: int, heads: int, seq: int, causal: bool, ab: int = 0) -> None:
     d = 128
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -72,6 +101,23 @@ def run_case(name: str, batch: int, heads: int, seq: int, causal: bool) -> None:
                                           trace=trace)
 
     plain()
+    if ab:
+        n_kb, n_qb = -(-seq // 128), -(-seq // 64)
+        g = kb.lpt_group(batch * heads, 2 * seq * d * 2, n_kb, q.device)
+        cut = kb.lpt_cut(kb.dkdv_blocks, (n_kb, n_qb, 128, 64), batch * heads, g, q.device)
+        print(f"{name}: heads in groups of {g}, tail cut at rank {cut} of {n_kb}", flush=True)
+        res = {False: [], True: []}
+        for _ in range(ab):
+            for tail in (False, True):
+                kb.LPT_TAIL = tail
+                res[tail].append(_graph_us(plain))
+        kb.LPT_TAIL = True
+        print(f"  graph replay (zeros, kernel, dQ copy), us: cut off {' '.join(f'{x:.1f}' for x in res[False])}; "
+              f"cut on {' '.join(f'{x:.1f}' for x in res[True])}; on / off {min(res[False]) / min(res[True]):.4f}x "
+              f"(best), {statistics.median(res[False]) / statistics.median(res[True]):.4f}x (median)", flush=True)
+    print("  one call's device time, us: " + ", ".join(f"{k_[:60]} {v_:.1f}" for k_, v_ in _device_us(plain).items()),
+          flush=True)
+    plain()
     ref = (dk.clone(), dv.clone())
     traced()
     dkv_same = torch.equal(dk, ref[0]) and torch.equal(dv, ref[1])
@@ -80,7 +126,15 @@ def run_case(name: str, batch: int, heads: int, seq: int, causal: bool) -> None:
     torch.cuda.synchronize()
     tr = trace.cpu().tolist()
     t0 = min(r[0] for r in tr)
-    rows = [dict(e=r[0] - t0, kv=r[1] - t0, q=r[2] - t0, last=r[3] - t0, end=r[4] - t0, sm=r[5], n=r[6]) for r in tr]
+    rows = [dict(e=r[0] - t0, kv=r[1] - t0, q=r[2] - t0, last=r[3] - t0, end=r[4] - t0, sm=r[5], n=r[6], hr=r[7])
+            for r in tr]
+    if causal:  # the grid's (rank, head) against the host's copy of the order (``lpt_order``)
+        n_kb, n_qb = -(-seq // 128), -(-seq // 64)
+        g = kb.lpt_group(batch * heads, 2 * seq * d * 2, n_kb, q.device)
+        cut = kb.lpt_cut(kb.dkdv_blocks, (n_kb, n_qb, 128, 64), batch * heads, g, q.device)
+        got = [(r["hr"] & 0xFFFF, r["hr"] >> 16) for r in rows]
+        print(f"  grid order (groups of {g}, cut {cut}) as lpt_order gives it: "
+              f"{got == kb.lpt_order(n_kb, batch * heads, g, cut)}", flush=True)
     span = max(r["end"] for r in rows)
     n_sm = len({r["sm"] for r in rows})
     setup = [r["q"] - r["e"] for r in rows]
@@ -122,10 +176,19 @@ def run_case(name: str, batch: int, heads: int, seq: int, causal: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="c4k,c8k,b8k,c2k")
+    ap.add_argument("--ab", type=int, default=0, help="rounds of the tail cut's A/B (causal cases)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name in args.cases.split(","):
-        run_case(name, *CASES[name])
+        batch, heads, seq, causal = CASES[name]
+        if args.ab and causal:
+            run_case(name, batch, heads, seq, causal, ab=args.ab)
+            kb.LPT_TAIL = False
+            print(f"{name}: traced with the cut off", flush=True)
+            run_case(name, batch, heads, seq, causal)
+            kb.LPT_TAIL = True
+            print(f"{name}: traced with the cut on", flush=True)
+        run_case(name, batch, heads, seq, causal)
 
 
 if __name__ == "__main__":
