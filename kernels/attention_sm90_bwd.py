@@ -58,7 +58,6 @@ S4096 causal and is the default where the backward need not be deterministic (``
 from __future__ import annotations
 
 import functools
-import heapq
 import os
 
 import torch
@@ -92,17 +91,15 @@ CAUSAL_LPT = True
 # 0.93-0.97x, so GQA keeps all heads at once
 LPT_L2_BYTES = 12 << 20
 LPT_MIN_WAVES = 1
-# ... and, where the heads come in more than one group, every head's CTAs of rank ``lpt_cut`` on (its shortest) run
-# last, rank by rank across all the heads (``_lpt_order``): the last group's long CTAs otherwise start near the end
-# and run while the other SMs idle (run435's timeline: 4.0-4.5% of the SMs' time idle in the tail at 4 x 16 x 4096 and
-# 2 x 16 x 8192 causal). The host picks the cut by simulating the hardware's in-order dispatch (``lpt_cut``) with a
-# CTA costing LPT_TAIL_FIXED query blocks beside its blocks (run435: set-up 6.1 us, epilogue 2.8, launch gap 0.7,
-# against 2.35 us a block), and takes it where it shortens the modelled span by LPT_TAIL_MIN_GAIN or more
-LPT_TAIL = True
-LPT_TAIL_FIXED = 4.0
-LPT_TAIL_MIN_GAIN = 0.01
-LPT_TAIL_MAX_CTAS = 8192
-LPT_TAIL_CUTS = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
+# ... except the last LPT_TAIL_GROUPS groups, which run as one (their heads' rank 0, then their rank 1, ...): with
+# the groups one after another, the last group's long CTAs start near the end and run while the other SMs idle
+# (run435's timeline: 4.0-4.6% of the SMs' time idle in the tail at 4 x 16 x 4096 and 2 x 16 x 8192 causal). With two
+# merged, the grid's last CTAs are short ones (the dispatch modelled with run435's costs: 598 -> 580 against a
+# balanced 574 at 4 x 16 x 4096, 1120 -> 1080 against 1071 at 2 x 16 x 8192; three or four merged gain no more:
+# ``benchmarks/dev/attention_bwd_trace.py --model``), and L2 holds two groups' operands where they overlap. Moving
+# every head's shortest CTAs to the grid's end, rank by rank across all heads, removed the tail too but read their
+# Q / dO and dQ sums from DRAM (run436: its CTAs 3.3 us slower each at 4 x 16 x 4096, the kernel 1.01-1.05x)
+LPT_TAIL_GROUPS = 2
 # the fused kernel (dQ by TMA reductions, not bitwise reproducible) is the default where the backward need not be
 # deterministic: full attention from FUSED_MIN_SK keys, causal without GQA from FUSED_CAUSAL_MIN_SK (``kernels``;
 # H100 run88-89: it ties the pair at S1024 full and S4096 causal, loses 10-13% causal with 4 query heads per kv head;
@@ -305,7 +302,7 @@ def _attention_bwd_dkdv_sm90_kernel(
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
-    H, GROUP, Sq, Sk, qk_scale, scale, lpt_heads, lpt_cut, Trace,
+    H, GROUP, Sq, Sk, qk_scale, scale, lpt_heads, tail_from, Trace,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, STATS_EARLY: gl.constexpr,
     kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr, TRACE: gl.constexpr = False,
@@ -322,7 +319,7 @@ def _attention_bwd_dkdv_sm90_kernel(
     _trace_mark(Trace, 0, TRACE)
     if LPT:
         n_kb = gl.cdiv(Sk, 2 * BLOCK_N)
-        rank, head = _lpt_order(gl.program_id(0), n_kb, gl.num_programs(0) // n_kb, lpt_heads, lpt_cut)
+        rank, head = _lpt_order(gl.program_id(0), n_kb, gl.num_programs(0) // n_kb, lpt_heads, tail_from)
         start_n = rank * (2 * BLOCK_N)
         hk = (head % (H // GROUP)).to(gl.int64)
         b = (head // (H // GROUP)).to(gl.int64)
@@ -413,37 +410,35 @@ def _attention_bwd_dkdv_sm90_kernel(
 # dQ
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _lpt_order(pid, n_units, n_heads, lpt_heads, lpt_cut):
+def _lpt_order(pid, n_units, n_heads, lpt_heads, tail_from):
     """CTA ``pid`` of a grid of ``n_heads * n_units`` -> (rank, head): heads in groups of ``lpt_heads``, one
     group after the other, and within a group every head's rank 0 (its longest unit), then every head's rank
     1, and so on. A group's Q / dO / K / V stay in L2 (longest first across all the heads at once streamed
-    every head from DRAM: L2 hit rate 35-39%, run76); ``lpt_heads = n_heads`` is that order. Ranks from
-    ``lpt_cut`` on (every head's shortest units) are left out of the groups and run last, rank by rank across all
-    the heads (``lpt_cut``, the host's choice; ``n_units``: none), so that the grid ends on short CTAs, not on the
-    last group's long ones."""
-    n_first = n_heads * lpt_cut
+    every head from DRAM: L2 hit rate 35-39%, run76); ``lpt_heads = n_heads`` is that order. The heads from
+    ``tail_from`` (a multiple of ``lpt_heads``) on are one last group (``lpt_tail_from``: LPT_TAIL_GROUPS groups
+    merged), so that the grid ends on short CTAs."""
+    n_first = tail_from * n_units
     if pid < n_first:
-        per_group = lpt_heads * lpt_cut
-        group = pid // per_group
-        r = pid - group * per_group
-        g_size = gl.minimum(lpt_heads, n_heads - group * lpt_heads)
-        rank = r // g_size
-        head = group * lpt_heads + (r - rank * g_size)
+        g_size = lpt_heads
+        group = pid // (lpt_heads * n_units)
+        r = pid - group * (lpt_heads * n_units)
+        head0 = group * lpt_heads
     else:
+        g_size = n_heads - tail_from
         r = pid - n_first
-        rank = lpt_cut + r // n_heads
-        head = r % n_heads
-    return rank, head
+        head0 = tail_from
+    rank = r // g_size
+    return rank, head0 + (r - rank * g_size)
 
 
 @gluon.jit
-def _dq_tile(n_m, lpt_heads, lpt_cut, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _dq_tile(n_m, lpt_heads, tail_from, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              IS_CAUSAL: gl.constexpr, LPT: gl.constexpr):
     """The CTA's tile as ``_tile_coords`` gives it; LPT (causal): tiles ordered longest first across the
     heads of a group of ``lpt_heads`` (``_lpt_order``), so that the grid's last CTAs are short ones (by
     head, the last head's longest tiles would start near the end and run alone)."""
     if LPT:
-        rank, hb = _lpt_order(gl.program_id(0), n_m, gl.num_programs(0) // n_m, lpt_heads, lpt_cut)
+        rank, hb = _lpt_order(gl.program_id(0), n_m, gl.num_programs(0) // n_m, lpt_heads, tail_from)
         start_m = (n_m - 1 - rank) * (2 * BLOCK_M)
         h = hb % H
         hi = gl.minimum(Sk, start_m + 2 * BLOCK_M)
@@ -481,10 +476,10 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_sm
                  k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om, stride_qb, stride_qh,
                  stride_qm, stride_dob, stride_doh, stride_dom,
                  stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dqb, stride_dqh, stride_dqm,
-                 stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale, n_m, lpt_heads, lpt_cut,
+                 stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale, n_m, lpt_heads, tail_from,
                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, COMPUTE_DELTA: gl.constexpr, q_layout: gl.constexpr):
-    start_m, b, h, hk, n_blocks = _dq_tile(n_m, lpt_heads, lpt_cut, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, LPT)
+    start_m, b, h, hk, n_blocks = _dq_tile(n_m, lpt_heads, tail_from, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, LPT)
     q_row0, q_col0 = _flat_coords(b * stride_qb + h * stride_qh, stride_qm)
     do_row0, do_col0 = _flat_coords(b * stride_dob + h * stride_doh, stride_dom)
     k_row0, k_col0 = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
@@ -504,7 +499,7 @@ def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_s
                  k_bar, v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om,
                  stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP,
-                 Sq, Sk, qk_scale, scale, n_m, lpt_heads, lpt_cut,
+                 Sq, Sk, qk_scale, scale, n_m, lpt_heads, tail_from,
                  HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, COMPUTE_DELTA: gl.constexpr, q_layout: gl.constexpr):
     """Consumer warpgroup WG: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of the CTA's tile. Per key
@@ -522,7 +517,7 @@ def _dq_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, dq_desc, q_s
                                                          instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    start_m, b, h, hk, n_blocks = _dq_tile(n_m, lpt_heads, lpt_cut, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, LPT)
+    start_m, b, h, hk, n_blocks = _dq_tile(n_m, lpt_heads, tail_from, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, LPT)
     my_m = start_m + WG * BLOCK_M
     rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
     l_off = b * stride_lb + h * stride_lh
@@ -587,7 +582,7 @@ def _attention_bwd_dq_sm90_kernel(
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
-    H, GROUP, Sq, Sk, qk_scale, scale, n_m, lpt_heads, lpt_cut,
+    H, GROUP, Sq, Sk, qk_scale, scale, n_m, lpt_heads, tail_from,
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, LPT: gl.constexpr, COMPUTE_DELTA: gl.constexpr, q_layout: gl.constexpr,
     kv_layout: gl.constexpr, num_warps: gl.constexpr,
@@ -610,21 +605,21 @@ def _attention_bwd_dq_sm90_kernel(
                         stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
-                        n_m, lpt_heads, lpt_cut, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA,
+                        n_m, lpt_heads, tail_from, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA,
                         q_layout)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
                         v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om,
                         stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
-                        n_m, lpt_heads, lpt_cut, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA,
+                        n_m, lpt_heads, tail_from, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA,
                         q_layout)),
         (_dq_consumer, (1, q_desc, do_desc, k_desc, v_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, k_bar,
                         v_bar, k_empty, v_empty, turn_bar, DQ, LSE, DELTA, O, stride_ob, stride_oh, stride_om,
                         stride_qb, stride_qh, stride_qm, stride_dob,
                         stride_doh, stride_dom, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                         stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale, scale,
-                        n_m, lpt_heads, lpt_cut, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA,
+                        n_m, lpt_heads, tail_from, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, LPT, COMPUTE_DELTA,
                         q_layout)),
     ], [1, 4], [24, 240])
 
@@ -644,72 +639,17 @@ def lpt_group(n_heads: int, reused_bytes: int, n_units: int, device, grouped: bo
     return max(1, min(n_heads, max(floor, LPT_L2_BYTES // max(1, reused_bytes))))
 
 
-def _dispatch_span(blocks: tuple, n_heads: int, lpt_heads: int, cut: int, sms: int) -> float:
-    """The modelled span of the causal grid in ``_lpt_order``'s order with ``cut`` (CTAs taken in order by the
-    first free SM; a CTA of rank r costs ``blocks[r] + LPT_TAIL_FIXED``)."""
-    free = [0.0] * sms
-    cost = [b + LPT_TAIL_FIXED for b in blocks]
-    end = 0.0
-    for g0 in range(0, n_heads, lpt_heads):  # (``lpt_order``'s sequence, by rank only)
-        g_size = min(lpt_heads, n_heads - g0)
-        for r in range(cut):
-            c = cost[r]
-            for _ in range(g_size):
-                t = free[0] + c
-                heapq.heapreplace(free, t)
-                end = max(end, t)
-    for r in range(cut, len(blocks)):
-        c = cost[r]
-        for _ in range(n_heads):
-            t = free[0] + c
-            heapq.heapreplace(free, t)
-            end = max(end, t)
-    return end
+def lpt_tail_from(n_heads: int, lpt_heads: int) -> int:
+    """``_lpt_order``'s ``tail_from``: the first head of the last LPT_TAIL_GROUPS groups of ``lpt_heads``."""
+    n_groups = -(-n_heads // lpt_heads)
+    return (n_groups - min(n_groups, max(1, LPT_TAIL_GROUPS))) * lpt_heads
 
 
-def lpt_order(n_units: int, n_heads: int, lpt_heads: int, cut: int) -> list:
-    """``_lpt_order``'s (rank, head) for every CTA of the grid, in grid order (the host's copy: tests and
-    ``_dispatch_span``'s model)."""
-    order = []
-    for g0 in range(0, n_heads, lpt_heads):
-        order += [(r, g0 + h) for r in range(cut) for h in range(min(lpt_heads, n_heads - g0))]
-    return order + [(r, h) for r in range(cut, n_units) for h in range(n_heads)]
-
-
-def dkdv_blocks(n_kb: int, n_qb: int, step: int, bm: int) -> tuple:
-    """The query blocks of the dK/dV kernel's causal CTAs by rank (keys ``r * step`` on, ``bm``-row query blocks)."""
-    return tuple(n_qb - min(n_qb, r * step // bm) for r in range(n_kb))
-
-
-def dq_blocks(n_m: int, sk: int, step: int, bn: int) -> tuple:
-    """The key blocks of the dQ kernel's causal CTAs by rank (rank r: query rows up to ``(n_m - r) * step``)."""
-    return tuple(-(-min(sk, (n_m - r) * step) // bn) for r in range(n_m))
-
-
-@functools.lru_cache(maxsize=256)
-def _lpt_cut(blocks_of, geometry: tuple, n_heads: int, lpt_heads: int, sms: int) -> int:
-    blocks = blocks_of(*geometry)
-    n_units = len(blocks)
-    base = _dispatch_span(blocks, n_heads, lpt_heads, n_units, sms)
-    best, cut = base * (1.0 - LPT_TAIL_MIN_GAIN), n_units
-    for f in LPT_TAIL_CUTS:
-        c = max(1, min(n_units, round(f * n_units)))
-        span = _dispatch_span(blocks, n_heads, lpt_heads, c, sms)
-        if span < best - 1e-9:
-            best, cut = span, c
-    return cut
-
-
-def lpt_cut(blocks_of, geometry: tuple, n_heads: int, lpt_heads: int, device) -> int:
-    """The causal grid's ``lpt_cut`` (``_lpt_order``), for CTAs whose blocks by rank, longest first, are
-    ``blocks_of(*geometry)`` (``dkdv_blocks``, ``dq_blocks``; its length: the ranks). No cut (the ranks) where the
-    heads are one group or ``LPT_TAIL`` is off; else the cut among ``LPT_TAIL_CUTS`` with the shortest modelled span
-    (``_dispatch_span``), where that is LPT_TAIL_MIN_GAIN or more shorter than none. Host time once per shape
-    (cached): 3-10 ms at 1024-2048 CTAs; none past LPT_TAIL_MAX_CTAS CTAs, where the tail is a smaller share (B32
-    H16 S4096: 16384 CTAs, 0.9% above the balanced span, 68 ms to model)."""
-    if not LPT_TAIL or lpt_heads >= n_heads or n_heads * geometry[0] > LPT_TAIL_MAX_CTAS:
-        return geometry[0]
-    return _lpt_cut(blocks_of, geometry, n_heads, lpt_heads, _num_sms(device))
+def lpt_order(n_units: int, n_heads: int, lpt_heads: int, tail_from: int) -> list:
+    """``_lpt_order``'s (rank, head) for every CTA of the grid, in grid order (the host's copy, for tests and
+    ``benchmarks/dev/attention_bwd_trace.py``'s model)."""
+    groups = [range(g0, g0 + lpt_heads) for g0 in range(0, tail_from, lpt_heads)] + [range(tail_from, n_heads)]
+    return [(r, h) for heads in groups for r in range(n_units) for h in heads]
 
 
 def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
@@ -772,15 +712,14 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     _tuning.ensure_allocator()
     lpt = bool(causal) and CAUSAL_LPT
     n_kb = _tuning.cdiv(sk, 2 * bn)
-    lpt_heads, cut = 1, n_kb
+    lpt_heads, tail_from = 1, 0
     if lpt:
         lpt_heads = lpt_group(batch * hkv, 2 * (hq // hkv) * sq * d * q.element_size(), n_kb, q.device, hq == hkv)
-        n_qb = _tuning.cdiv(sq, bm)
-        cut = lpt_cut(dkdv_blocks, (n_kb, n_qb, 2 * bn, bm), batch * hkv, lpt_heads, q.device)
+        tail_from = lpt_tail_from(batch * hkv, lpt_heads)
     _launch.fast(_attention_bwd_dkdv_sm90_kernel)[(n_kb * hkv * batch,) if lpt else (n_kb, hkv, batch)](
         qd, dod, k, v, dk, dv, lse, delta, dqd, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
-        hq, hq // hkv, sq, sk, scale * LOG2E, scale, lpt_heads, cut, trace,
+        hq, hq // hkv, sq, sk, scale * LOG2E, scale, lpt_heads, tail_from, trace,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
         ds_layout=dsl, num_warps=4, TRACE=trace is not None, maxnreg=MAX_REGS)
@@ -819,14 +758,14 @@ def attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, *, causal: bool, scale: f
         return False
     _tuning.ensure_allocator()  # a query tail tile's store
     n_m = _tuning.cdiv(sq, 2 * bm)
-    lpt_heads, cut = 1, n_m
+    lpt_heads, tail_from = 1, 0
     if causal and CAUSAL_LPT:
         lpt_heads = lpt_group(batch * hq, 2 * sk * d * k.element_size() // (hq // hkv), n_m, q.device, hq == hkv)
-        cut = lpt_cut(dq_blocks, (n_m, sk, 2 * bm, bn), batch * hq, lpt_heads, q.device)
+        tail_from = lpt_tail_from(batch * hq, lpt_heads)
     _launch.fast(_attention_bwd_dq_sm90_kernel)[(n_m * hq * batch,)](
         *descs, dq, lse, delta, o, *(o.stride()[:3] if o is not None else (0, 0, 0)), *q.stride()[:3],
         *do.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dq.stride()[:3], *lse.stride()[:2],
-        hq, hq // hkv, sq, sk, scale * LOG2E, scale, n_m, lpt_heads, cut,
+        hq, hq // hkv, sq, sk, scale * LOG2E, scale, n_m, lpt_heads, tail_from,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal),
         LPT=bool(causal) and CAUSAL_LPT, COMPUTE_DELTA=o is not None, q_layout=ql, kv_layout=kl,
         num_warps=4, maxnreg=MAX_REGS)

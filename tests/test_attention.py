@@ -1519,6 +1519,51 @@ def test_gpu_sm90_causal_head_groups_change_only_the_order(monkeypatch, kernels)
 
 @pytest.mark.gpu
 @sm90_only
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_sm90_causal_grid_runs_lpt_order(monkeypatch, fused):
+    # the causal dK/dV grid's CTAs take (rank, head) as the host's copy of the order says (``lpt_order``, read back
+    # from the development timeline's slot 7), with the last LPT_TAIL_GROUPS head groups merged (1: the order before
+    # run437), each CTA's query blocks as its rank gives them (slot 6); dK and dV are the same bits in every order
+    from pykernels._kernels import attention_sm90_bwd as kb
+    from pykernels._kernels import attention as tri
+    monkeypatch.setattr(kb, "LPT_MIN_WAVES", 0)
+    b, h, s, d = 2, 7, 1000, 128
+    q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=BF16) for _ in range(4))
+    o, lse = tri.attention_fwd(q, k, v, None, causal=True, scale=0.1, dropout_p=0.0, seed=0)
+    delta = (o.float() * do.float()).sum(-1).contiguous()
+    head = 2 * s * d * 2
+    n_kb, n_qb = -(-s // 128), -(-s // 64)
+    first = None
+    for budget, merged in ((head, 1), (head, 2), (head, 5), (3 * head, 2), (0, 2)):
+        monkeypatch.setattr(kb, "LPT_L2_BYTES", budget)
+        monkeypatch.setattr(kb, "LPT_TAIL_GROUPS", merged)
+        g = kb.lpt_group(b * h, head, n_kb, q.device)
+        tail_from = kb.lpt_tail_from(b * h, g)
+        trace = torch.full((b * h * n_kb, 8), -1, dtype=torch.int64, device="cuda")
+        dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        dq = torch.full_like(q, float("nan")) if fused else None
+        assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=True, scale=0.1, dq=dq, trace=trace)
+        t = trace.cpu()
+        order = [(int(x) & 0xFFFF, int(x) >> 16) for x in t[:, 7]]
+        assert order == kb.lpt_order(n_kb, b * h, g, tail_from), (budget, merged)
+        assert t[:, 6].tolist() == [n_qb - min(n_qb, 2 * r) for r, _ in order]
+        assert (t[:, :5] > 0).all() and (t[:, 4] >= t[:, 0]).all()
+        if first is None:
+            first = (dk.clone(), dv.clone())
+        assert torch.equal(dk, first[0]) and torch.equal(dv, first[1]), (budget, merged)
+        if fused:
+            got_dq = dq.clone()
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    mask = torch.ones(s, s, dtype=torch.bool, device="cuda").tril()
+    p64 = torch.softmax((q64 @ k64.transpose(-1, -2) * 0.1).masked_fill(~mask, float("-inf")), dim=-1)
+    ref = torch.autograd.grad(p64 @ v64, (q64, k64, v64), do.double())
+    for got, want in zip(((got_dq if fused else None), first[0], first[1]), ref):
+        if got is not None:
+            assert (got.double() - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+
+
+@pytest.mark.gpu
+@sm90_only
 @pytest.mark.parametrize("kernels", ["dkdv,dq", "fused"])
 def test_gpu_sm90_backward_declined_layouts_run_triton(monkeypatch, kernels):
     # a Gluon backward kernel that declines the case (17 queries: no 64-row Q tile through a host
@@ -1580,6 +1625,43 @@ def _order_makespan(table, grid, n_m, cost):
     """The last CTA's modelled work under ``_causal_order``'s table (``cost[p]``: query tile p's)."""
     starts, tiles = table[:grid + 1], table[grid + 1:]
     return max(sum(cost[t % n_m] for t in tiles[starts[c]:starts[c + 1]]) for c in range(grid))
+
+
+def test_sm90_backward_lpt_order_on_cpu(monkeypatch):
+    """The causal backward grids' order (``attention_sm90_bwd.lpt_order``, the host's copy of ``_lpt_order``):
+    every (rank, head) once; the head groups one after the other, each rank by rank (longest first); the last
+    LPT_TAIL_GROUPS groups as one, so that the grid's last CTAs are the shortest rank of that merged group's heads;
+    with LPT_TAIL_GROUPS 1 the order before run437, written out here."""
+    from pykernels._kernels import attention_sm90_bwd as kb
+
+    def before(n_units, n_heads, lpt_heads):  # _lpt_order until run436, per CTA
+        out = []
+        for pid in range(n_units * n_heads):
+            group, r = divmod(pid, lpt_heads * n_units)
+            g_size = min(lpt_heads, n_heads - group * lpt_heads)
+            rank = r // g_size
+            out.append((rank, group * lpt_heads + r - rank * g_size))
+        return out
+
+    for n_units, n_heads, lpt_heads in [(32, 64, 6), (64, 32, 3), (16, 128, 12), (8, 14, 3), (8, 14, 1), (8, 14, 14),
+                                        (16, 36, 12), (5, 7, 2)]:
+        every = sorted((r, h) for r in range(n_units) for h in range(n_heads))
+        monkeypatch.setattr(kb, "LPT_TAIL_GROUPS", 1)
+        tail_from = kb.lpt_tail_from(n_heads, lpt_heads)
+        assert kb.lpt_order(n_units, n_heads, lpt_heads, tail_from) == before(n_units, n_heads, lpt_heads)
+        for merged in (2, 3):
+            monkeypatch.setattr(kb, "LPT_TAIL_GROUPS", merged)
+            n_groups = -(-n_heads // lpt_heads)
+            tail_from = kb.lpt_tail_from(n_heads, lpt_heads)
+            assert tail_from % lpt_heads == 0 and tail_from == max(0, n_groups - merged) * lpt_heads
+            order = kb.lpt_order(n_units, n_heads, lpt_heads, tail_from)
+            assert sorted(order) == every
+            n_first = tail_from * n_units
+            assert order[:n_first] == before(n_units, n_heads, lpt_heads)[:n_first]  # the groups before: unchanged
+            last = order[n_first:]
+            assert [r for r, _ in last] == sorted(r for r, _ in last)  # the merged group: rank by rank
+            assert {h for _, h in last} == set(range(tail_from, n_heads))
+            assert all(r == n_units - 1 for r, _ in last[-(n_heads - tail_from):])  # ends on its shortest CTAs
 
 
 def test_sm90_causal_tile_order_on_cpu(monkeypatch):

@@ -11,11 +11,13 @@ done, 4 its dK / dV stored; and the CTA's SM and query-block count. From those t
   sits idle after its last CTA while others still run;
 - the SMs' time split into set-up, loop, epilogue, gaps and tail, against SMs x span.
 So a persistent kernel's possible gain (set-up, epilogue and gaps overlapped with work) is measured, not guessed.
-Each case also prints one call's kernels with their device times (torch.profiler), and ``--ab N`` times the fused
-call (zeros, kernel, dQ copy) in CUDA-graph replay with the causal grid's tail cut (``LPT_TAIL``, ``lpt_cut``) on
-and off, alternating, N rounds, then traces both.
+Each case also prints one call's kernels with their device times (torch.profiler) and checks the grid's causal
+order against the host's copy (``lpt_order``); ``--ab N`` times the fused call (zeros, kernel, dQ copy) in CUDA-graph
+replay with the last two head groups merged (``LPT_TAIL_GROUPS`` 2) and not (1), alternating, N rounds, then
+traces both. ``--model`` (no GPU) prints the causal grid's span as the in-order dispatch gives it with run435's
+costs (a CTA: 4 query blocks' time beside its blocks) for 1-4 merged groups, against a perfect balance.
 
-Usage (GPU): ``python benchmarks/dev/attention_bwd_trace.py [--cases c4k,c8k,b8k,c2k] [--ab 3]``.
+Usage (GPU): ``python benchmarks/dev/attention_bwd_trace.py [--cases c4k,c8k,b8k,c2k] [--ab 3] [--model]``.
 """
 from __future__ import annotations
 
@@ -102,19 +104,19 @@ def run_case(name: str, batch: int, heads: int, seq: int, causal: bool, ab: int 
 
     plain()
     if ab:
-        n_kb, n_qb = -(-seq // 128), -(-seq // 64)
+        n_kb = -(-seq // 128)
         g = kb.lpt_group(batch * heads, 2 * seq * d * 2, n_kb, q.device)
-        cut = kb.lpt_cut(kb.dkdv_blocks, (n_kb, n_qb, 128, 64), batch * heads, g, q.device)
-        print(f"{name}: heads in groups of {g}, tail cut at rank {cut} of {n_kb}", flush=True)
-        res = {False: [], True: []}
+        print(f"{name}: heads in groups of {g}, the last two from head {kb.lpt_tail_from(batch * heads, g)} on",
+              flush=True)
+        res = {1: [], 2: []}
         for _ in range(ab):
-            for tail in (False, True):
-                kb.LPT_TAIL = tail
-                res[tail].append(_graph_us(plain))
-        kb.LPT_TAIL = True
-        print(f"  graph replay (zeros, kernel, dQ copy), us: cut off {' '.join(f'{x:.1f}' for x in res[False])}; "
-              f"cut on {' '.join(f'{x:.1f}' for x in res[True])}; on / off {min(res[False]) / min(res[True]):.4f}x "
-              f"(best), {statistics.median(res[False]) / statistics.median(res[True]):.4f}x (median)", flush=True)
+            for m in (1, 2):
+                kb.LPT_TAIL_GROUPS = m
+                res[m].append(_graph_us(plain))
+        kb.LPT_TAIL_GROUPS = 2
+        print(f"  graph replay (zeros, kernel, dQ copy), us: one group last {' '.join(f'{x:.1f}' for x in res[1])}; "
+              f"two merged {' '.join(f'{x:.1f}' for x in res[2])}; merged / not {min(res[1]) / min(res[2]):.4f}x "
+              f"(best), {statistics.median(res[1]) / statistics.median(res[2]):.4f}x (median)", flush=True)
     print("  one call's device time, us: " + ", ".join(f"{k_[:60]} {v_:.1f}" for k_, v_ in _device_us(plain).items()),
           flush=True)
     plain()
@@ -129,12 +131,12 @@ def run_case(name: str, batch: int, heads: int, seq: int, causal: bool, ab: int 
     rows = [dict(e=r[0] - t0, kv=r[1] - t0, q=r[2] - t0, last=r[3] - t0, end=r[4] - t0, sm=r[5], n=r[6], hr=r[7])
             for r in tr]
     if causal:  # the grid's (rank, head) against the host's copy of the order (``lpt_order``)
-        n_kb, n_qb = -(-seq // 128), -(-seq // 64)
+        n_kb = -(-seq // 128)
         g = kb.lpt_group(batch * heads, 2 * seq * d * 2, n_kb, q.device)
-        cut = kb.lpt_cut(kb.dkdv_blocks, (n_kb, n_qb, 128, 64), batch * heads, g, q.device)
+        tail_from = kb.lpt_tail_from(batch * heads, g)
         got = [(r["hr"] & 0xFFFF, r["hr"] >> 16) for r in rows]
-        print(f"  grid order (groups of {g}, cut {cut}) as lpt_order gives it: "
-              f"{got == kb.lpt_order(n_kb, batch * heads, g, cut)}", flush=True)
+        print(f"  grid order (groups of {g}, last group from head {tail_from}) as lpt_order gives it: "
+              f"{got == kb.lpt_order(n_kb, batch * heads, g, tail_from)}", flush=True)
     span = max(r["end"] for r in rows)
     n_sm = len({r["sm"] for r in rows})
     setup = [r["q"] - r["e"] for r in rows]
@@ -173,21 +175,48 @@ def run_case(name: str, batch: int, heads: int, seq: int, causal: bool, ab: int 
           f"({100 * blocks * b / n_sm / span:.1f}% of the span)", flush=True)
 
 
+def model(sms: int = 132, fixed: float = 4.0) -> None:
+    """The causal dK/dV grid's span in query blocks' time, CTAs dispatched in grid order to the first free SM."""
+    import heapq
+    kb._num_sms = lambda device: sms  # (no GPU needed)
+    for batch, heads, seq in ((4, 16, 4096), (2, 16, 8192), (8, 16, 2048), (3, 12, 2048), (8, 16, 4096),
+                              (1, 16, 16384)):
+        n_kb, n_qb, nh = seq // 128, seq // 64, batch * heads
+        g = kb.lpt_group(nh, 2 * seq * 128 * 2, n_kb, None)
+        spans = []
+        for m in (1, 2, 3, 4):
+            kb.LPT_TAIL_GROUPS = m
+            free, end = [0.0] * sms, 0.0
+            for r, _ in kb.lpt_order(n_kb, nh, g, kb.lpt_tail_from(nh, g)):
+                t = free[0] + n_qb - 2 * r + fixed
+                heapq.heapreplace(free, t)
+                end = max(end, t)
+            spans.append(end)
+        kb.LPT_TAIL_GROUPS = 2
+        ideal = nh * sum(n_qb - 2 * r + fixed for r in range(n_kb)) / sms
+        print(f"B{batch} H{heads} S{seq}: groups of {g}; span with 1-4 groups merged last "
+              f"{' '.join(f'{x:.0f}' for x in spans)}, balanced {ideal:.0f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="c4k,c8k,b8k,c2k")
-    ap.add_argument("--ab", type=int, default=0, help="rounds of the tail cut's A/B (causal cases)")
+    ap.add_argument("--ab", type=int, default=0, help="rounds of the merged groups' A/B (causal cases)")
+    ap.add_argument("--model", action="store_true", help="the modelled spans only (no GPU)")
     args = ap.parse_args()
+    if args.model:
+        model()
+        return
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name in args.cases.split(","):
         batch, heads, seq, causal = CASES[name]
         if args.ab and causal:
             run_case(name, batch, heads, seq, causal, ab=args.ab)
-            kb.LPT_TAIL = False
-            print(f"{name}: traced with the cut off", flush=True)
+            kb.LPT_TAIL_GROUPS = 1
+            print(f"{name}: traced with one group last", flush=True)
             run_case(name, batch, heads, seq, causal)
-            kb.LPT_TAIL = True
-            print(f"{name}: traced with the cut on", flush=True)
+            kb.LPT_TAIL_GROUPS = 2
+            print(f"{name}: traced with two merged", flush=True)
         run_case(name, batch, heads, seq, causal)
 
 
