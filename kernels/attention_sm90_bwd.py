@@ -125,19 +125,33 @@ def _tma_reduce_add_smem(desc, offsets, src, _semantic=None):
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, offsets, src.handle)
 
 
+TRACE_SLOTS = gl.constexpr(16)  # int64 values a CTA in the development timeline (``_trace_put``)
+
+
+@gluon.jit
+def _trace_put(Trace, slot, value, TRACE: gl.constexpr):
+    """With TRACE (``benchmarks/dev/attention_bwd_trace.py``): ``value`` into ``Trace[cta * TRACE_SLOTS + slot]``,
+    stored by every thread of the calling partition (one value). Nothing without TRACE. Slots: %globaltimer at
+    the marks (``_trace_mark``) 0 entry, 8 K / V descriptors made, 9 consumer 0 started, 1 K / V landed, 10 the
+    producer's first Q / dO issued, 11 its first lse / delta in shared memory, 2 the first Q / dO landed, 3 the
+    last query block done, 12 dK / dV stores issued, 4 stored; 5 the SM, 6 the CTA's query blocks, 7 its (batch *
+    kv heads + kv head) * 65536 + key rank."""
+    if TRACE:
+        cta = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+        gl.store(Trace + cta * TRACE_SLOTS + slot, value)
+
+
 @gluon.jit
 def _trace_mark(Trace, slot, TRACE: gl.constexpr):
-    """With TRACE (``benchmarks/dev/attention_bwd_trace.py``): %globaltimer into ``Trace[pid * 8 + slot]`` (slot 5:
-    %smid; the kernel fills slot 6 with the CTA's query blocks, 7 with its head and rank), stored by every thread
-    of the calling warpgroup (one value). Nothing without TRACE."""
+    """%globaltimer into ``slot`` (``_trace_put``); at slot 0 also the SM into slot 5."""
     if TRACE:
-        pid = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+        pid = gl.program_id(0)
         now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=gl.int64, is_pure=False,
                                         pack=1)
-        gl.store(Trace + pid * 8 + slot, now)
+        _trace_put(Trace, slot, now, TRACE)
         if slot == 0:
             sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [pid], dtype=gl.int32, is_pure=False, pack=1)
-            gl.store(Trace + pid * 8 + 5, sm.to(gl.int64))
+            _trace_put(Trace, 5, sm.to(gl.int64), TRACE)
 
 
 @gluon.jit
@@ -145,8 +159,8 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
                    dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
                    stride_dom, LSE,
                    DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
-                   dk_desc, dv_desc, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr):
+                   dk_desc, dv_desc, Trace, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, TRACE: gl.constexpr):
     """Per query block Q_j and dO_j by TMA (host descriptors), and lse_j * log2 e and delta_j by loads into
     ``lse_smem`` / ``dlt_smem`` (the block's second ``q_bar`` arrival): read by the consumers there, no global
     load stands between their GEMM issues. (K and V, through descriptors made on the device, are loaded by
@@ -165,11 +179,17 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
             tma.async_copy_global_to_shared(q_desc, [q_row0 + j * BLOCK_M, q_col0], q_bar.index(s), q_smem.index(s))
             tma.async_copy_global_to_shared(do_desc, [do_row0 + j * BLOCK_M, do_col0], q_bar.index(s),
                                             do_smem.index(s))
+            if TRACE:
+                if it == 0:
+                    _trace_mark(Trace, 10, TRACE)
             # (queries past Sq: lse +inf, so P = 0 there)
             rows = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=stat_reg)
             lse = gl.load(LSE + l_off + rows, mask=rows < Sq, other=float("inf"))
             lse_smem.index(s).store(lse * 1.4426950408889634)
             dlt_smem.index(s).store(gl.load(DELTA + l_off + rows, mask=rows < Sq, other=0.0))
+            if TRACE:
+                if it == 0:
+                    _trace_mark(Trace, 11, TRACE)
             mbarrier.arrive(q_bar.index(s), count=1)
             it += 1
 
@@ -203,6 +223,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     keys = n0 + gl.arange(0, BLOCK_N, layout=row_s)
+    if WG == 0:
+        _trace_mark(Trace, 9, TRACE)
     mbarrier.wait(kv_bar.index(WG), 0)
     if FUSED_DQ:
         mbarrier.wait(kv_bar.index(1 - WG), 0)  # the other warpgroup's K halves too
@@ -286,12 +308,10 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
         mbarrier.wait(st_bar.index(0), 0)
         tma.async_copy_shared_to_global(dk_desc, [n0 + BLOCK_N, 0], k_smem.index(1))
         tma.async_copy_shared_to_global(dv_desc, [n0 + BLOCK_N, 0], v_smem.index(1))
+        _trace_mark(Trace, 12, TRACE)
         tma.store_wait(pendings=0)
         _trace_mark(Trace, 4, TRACE)
-        if TRACE:
-            gl.store(Trace + 6 + 8 * (gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1)
-                                                                                * gl.program_id(2))),
-                     (GROUP * (n_qb - j_lo)).to(gl.int64))
+        _trace_put(Trace, 6, (GROUP * (n_qb - j_lo)).to(gl.int64), TRACE)
     else:
         mbarrier.arrive(st_bar.index(0), count=1)
 
@@ -327,14 +347,12 @@ def _attention_bwd_dkdv_sm90_kernel(
         start_n = gl.program_id(0) * (2 * BLOCK_N)
         hk = gl.program_id(1).to(gl.int64)
         b = gl.program_id(2).to(gl.int64)
-    if TRACE:  # slot 7: the CTA's (batch * kv heads + kv head) * 65536 + key rank, as the grid's order gave them
-        gl.store(Trace + 8 * (gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1)
-                                                                       * gl.program_id(2))) + 7,
-                 (b * (H // GROUP) + hk) * 65536 + start_n // (2 * BLOCK_N))
+    _trace_put(Trace, 7, (b * (H // GROUP) + hk) * 65536 + start_n // (2 * BLOCK_N), TRACE)  # as the order gave
     k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
     v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
     dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
     dv_desc = _slice_desc(DV, b * stride_dvb + hk * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
+    _trace_mark(Trace, 8, TRACE)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], kv_layout)
@@ -395,8 +413,8 @@ def _attention_bwd_dkdv_sm90_kernel(
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
-                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ)),
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, Trace, HEAD_D, BLOCK_N, BLOCK_M,
+                          STAGES, IS_CAUSAL, FUSED_DQ, TRACE)),
         (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
@@ -694,8 +712,8 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     TMA-aligned ``do``; lse and delta (B, H, Sq) fp32 with a unit last stride. With ``dq``: dQ too, in the
     same kernel (FUSED_DQ: bulk TMA reductions into a zeroed fp32 buffer, then one copy into ``dq``). False (nothing
     launched) where q or do cannot be seen through one host descriptor or dk / dv are not TMA-aligned: the
-    caller runs the Triton kernel. ``trace``: an int64 (CTAs, 8) buffer for the development timeline
-    (``benchmarks/dev/attention_bwd_trace.py``; ``_trace_mark``'s slots)."""
+    caller runs the Triton kernel. ``trace``: an int64 (CTAs, TRACE_SLOTS) buffer for the development timeline
+    (``benchmarks/dev/attention_bwd_trace.py``; ``_trace_put``'s slots)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bn, bm, stages = config or DKDV_CONFIGS[d]

@@ -1539,7 +1539,7 @@ def test_gpu_sm90_causal_grid_runs_lpt_order(monkeypatch, fused):
         monkeypatch.setattr(kb, "LPT_TAIL_GROUPS", merged)
         g = kb.lpt_group(b * h, head, n_kb, q.device)
         tail_from = kb.lpt_tail_from(b * h, g)
-        trace = torch.full((b * h * n_kb, 8), -1, dtype=torch.int64, device="cuda")
+        trace = torch.full((b * h * n_kb, int(kb.TRACE_SLOTS)), -1, dtype=torch.int64, device="cuda")
         dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
         dq = torch.full_like(q, float("nan")) if fused else None
         assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=True, scale=0.1, dq=dq, trace=trace)
@@ -1547,7 +1547,8 @@ def test_gpu_sm90_causal_grid_runs_lpt_order(monkeypatch, fused):
         order = [(int(x) & 0xFFFF, int(x) >> 16) for x in t[:, 7]]
         assert order == kb.lpt_order(n_kb, b * h, g, tail_from), (budget, merged)
         assert t[:, 6].tolist() == [n_qb - min(n_qb, 2 * r) for r, _ in order]
-        assert (t[:, :5] > 0).all() and (t[:, 4] >= t[:, 0]).all()
+        marks = t[:, [0, 8, 9, 1, 10, 11, 2, 3, 12, 4]]  # every mark set, none before the CTA's entry
+        assert (marks > 0).all() and (marks >= t[:, :1]).all() and (t[:, 4] >= t[:, 3]).all()
         if first is None:
             first = (dk.clone(), dv.clone())
         assert torch.equal(dk, first[0]) and torch.equal(dv, first[1]), (budget, merged)

@@ -93,7 +93,7 @@ def run_case(name: str, batch: int, heads: int, seq: int, causal: bool, ab: int 
     delta = (o.float() * do.float()).sum(-1).contiguous()
     dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
     n_ctas = -(-seq // (2 * kb.DKDV_CONFIGS[d][0])) * heads * batch
-    trace = torch.zeros(n_ctas, 8, dtype=torch.int64, device="cuda")
+    trace = torch.zeros(n_ctas, int(kb.TRACE_SLOTS), dtype=torch.int64, device="cuda")
 
     def plain():
         assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=sc, dq=dq)
@@ -128,7 +128,8 @@ def run_case(name: str, batch: int, heads: int, seq: int, causal: bool, ab: int 
     torch.cuda.synchronize()
     tr = trace.cpu().tolist()
     t0 = min(r[0] for r in tr)
-    rows = [dict(e=r[0] - t0, kv=r[1] - t0, q=r[2] - t0, last=r[3] - t0, end=r[4] - t0, sm=r[5], n=r[6], hr=r[7])
+    rows = [dict(e=r[0] - t0, kv=r[1] - t0, q=r[2] - t0, last=r[3] - t0, end=r[4] - t0, sm=r[5], n=r[6], hr=r[7],
+                 desc=r[8] - t0, c0=r[9] - t0, p_issue=r[10] - t0, p_stats=r[11] - t0, st_issue=r[12] - t0)
             for r in tr]
     if causal:  # the grid's (rank, head) against the host's copy of the order (``lpt_order``)
         n_kb = -(-seq // 128)
@@ -144,6 +145,14 @@ def run_case(name: str, batch: int, heads: int, seq: int, causal: bool, ab: int 
     loop = [r["last"] - r["q"] for r in rows]
     epi = [r["end"] - r["last"] for r in rows]
     a, b = _fit([r["n"] for r in rows], loop)
+
+    def mean_us(key, frm="e"):
+        return statistics.mean(r[key] - r[frm] for r in rows) / 1e3
+    print(f"  set-up marks from entry (us, mean): descriptors made {mean_us('desc'):.2f}, consumer 0 started "
+          f"{mean_us('c0'):.2f}, producer's first Q / dO issued {mean_us('p_issue'):.2f}, its lse / delta in shared "
+          f"memory {mean_us('p_stats'):.2f}, K / V landed {mean_us('kv'):.2f}, first Q / dO landed {mean_us('q'):.2f}; "
+          f"epilogue: dK / dV stores issued {mean_us('st_issue', 'last'):.2f} after the last block, stored "
+          f"{mean_us('end', 'st_issue'):.2f} later", flush=True)
     by_sm = {}
     for r in rows:
         by_sm.setdefault(r["sm"], []).append(r)
