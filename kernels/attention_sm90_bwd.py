@@ -109,6 +109,11 @@ FUSED_CAUSAL_MIN_SK = 4096
 # dK/dV without causal masking the consumers also read lse before issuing the block's first GEMMs (run77: 1.05x
 # at S8192; causal 0.98-1.01x, so not there)
 STATS_EARLY = True
+# dK/dV: K, V, dK and dV through host descriptors over their (rows, row stride) views where Sk is a multiple of the
+# CTA's 2 x BLOCK_N keys (no tile then reaches the next head's rows; else, or where a view has no such geometry,
+# through descriptors of the CTA's head made on the device). run438's timeline: a CTA's four device-made
+# descriptors were ready 3.6-3.9 us after its entry, of the 6.1 us before its K / V landed
+HOST_KV = True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,7 +204,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
                    ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
                    stride_qm, stride_dob, stride_doh,
                    stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n,
-                   j_lo, n_qb, dk_desc, dv_desc, Trace, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
+                   j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, Trace, HEAD_D: gl.constexpr,
+                   BLOCK_N: gl.constexpr,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr,
                    STATS_EARLY: gl.constexpr, TRACE: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block.
@@ -296,18 +302,18 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     if FUSED_DQ:  # the other warpgroup's dQ GEMMs read this one's K: both past their last block
         mbarrier.arrive(ds_bar.index(it % 2), count=1)
         mbarrier.wait(ds_bar.index(it % 2), (it // 2) & 1)
-    # every wgmma that read this warpgroup's K and V is complete: their buffers stage dK and dV. dk_desc and
-    # dv_desc were made on the device by warpgroup 0's partition, which issues every TMA through them: it
-    # stores warpgroup 1's tiles too, once ``st_bar`` says they are in place
+    # every wgmma that read this warpgroup's K and V is complete: their buffers stage dK and dV. Warpgroup 0's
+    # partition (which made dk_desc and dv_desc where they are made on the device) issues every TMA through
+    # them: it stores warpgroup 1's tiles too, once ``st_bar`` says they are in place
     k_tile.store((dk * scale).to(dtype))
     v_tile.store(dv.to(dtype))
     fence_async_shared()
     if WG == 0:
-        tma.async_copy_shared_to_global(dk_desc, [n0, 0], k_tile)
-        tma.async_copy_shared_to_global(dv_desc, [n0, 0], v_tile)
+        tma.async_copy_shared_to_global(dk_desc, [dk_row + n0, dk_col], k_tile)
+        tma.async_copy_shared_to_global(dv_desc, [dv_row + n0, dv_col], v_tile)
         mbarrier.wait(st_bar.index(0), 0)
-        tma.async_copy_shared_to_global(dk_desc, [n0 + BLOCK_N, 0], k_smem.index(1))
-        tma.async_copy_shared_to_global(dv_desc, [n0 + BLOCK_N, 0], v_smem.index(1))
+        tma.async_copy_shared_to_global(dk_desc, [dk_row + n0 + BLOCK_N, dk_col], k_smem.index(1))
+        tma.async_copy_shared_to_global(dv_desc, [dv_row + n0 + BLOCK_N, dv_col], v_smem.index(1))
         _trace_mark(Trace, 12, TRACE)
         tma.store_wait(pendings=0)
         _trace_mark(Trace, 4, TRACE)
@@ -326,16 +332,19 @@ def _attention_bwd_dkdv_sm90_kernel(
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, STATS_EARLY: gl.constexpr,
     kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr, TRACE: gl.constexpr = False,
+    HOST_KV: gl.constexpr = False,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (cdiv(Sk, 2 * BLOCK_N) * kv heads * batch,):
     causal, longest CTAs first across the (batch, kv head)s of a group of ``lpt_heads`` (``_lpt_order``).
     q_desc / do_desc: host descriptors over (rows, row stride) views of q and do
     (``attention_sm90._flat_descriptor``); K, V, dK, dV: the CTA's kv head's slice through descriptors made
-    on the device. LSE and DELTA (B, H, Sq) fp32 with strides (lb, lh, 1).
+    on the device; with HOST_KV host descriptors over their (rows, row stride) views, as q's (``HOST_KV``: Sk a
+    multiple of 2 * BLOCK_N, so no tile reaches the next head's rows). LSE and DELTA (B, H, Sq) fp32 with strides
+    (lb, lh, 1).
     FUSED_DQ: dQ * scale is added through DQACC, a host descriptor over a zeroed contiguous (B, H, Sq, D) fp32
     buffer seen as (B * H * Sq, D), (BLOCK_M, D / 2) tiles, by bulk TMA reductions."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-    dtype: gl.constexpr = K.dtype.element_ty
+    dtype: gl.constexpr = q_desc.dtype
     _trace_mark(Trace, 0, TRACE)
     if LPT:
         n_kb = gl.cdiv(Sk, 2 * BLOCK_N)
@@ -348,10 +357,21 @@ def _attention_bwd_dkdv_sm90_kernel(
         hk = gl.program_id(1).to(gl.int64)
         b = gl.program_id(2).to(gl.int64)
     _trace_put(Trace, 7, (b * (H // GROUP) + hk) * 65536 + start_n // (2 * BLOCK_N), TRACE)  # as the order gave
-    k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
-    v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
-    dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
-    dv_desc = _slice_desc(DV, b * stride_dvb + hk * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
+    if HOST_KV:
+        k_desc = K
+        v_desc = V
+        dk_desc = DK
+        dv_desc = DV
+        k_row, k_col = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
+        v_row, v_col = _flat_coords(b * stride_vb + hk * stride_vh, stride_vn)
+        dk_row, dk_col = _flat_coords(b * stride_dkb + hk * stride_dkh, stride_dkn)
+        dv_row, dv_col = _flat_coords(b * stride_dvb + hk * stride_dvh, stride_dvn)
+    else:
+        k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
+        v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
+        dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
+        dv_desc = _slice_desc(DV, b * stride_dvb + hk * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
+        k_row, k_col, v_row, v_col, dk_row, dk_col, dv_row, dv_col = 0, 0, 0, 0, 0, 0, 0, 0
     _trace_mark(Trace, 8, TRACE)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
@@ -396,8 +416,10 @@ def _attention_bwd_dkdv_sm90_kernel(
     # (run106, causal gained most)
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), k_smem.index(wg))
-        tma.async_copy_global_to_shared(v_desc, [start_n + wg * BLOCK_N, 0], kv_bar.index(wg), v_smem.index(wg))
+        tma.async_copy_global_to_shared(k_desc, [k_row + start_n + wg * BLOCK_N, k_col], kv_bar.index(wg),
+                                        k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [v_row + start_n + wg * BLOCK_N, v_col], kv_bar.index(wg),
+                                        v_smem.index(wg))
     j_lo = 0
     if IS_CAUSAL:
         j_lo = start_n // BLOCK_M  # queries before the CTA's first key see none of its keys
@@ -407,8 +429,8 @@ def _attention_bwd_dkdv_sm90_kernel(
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
-                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, Trace, HEAD_D, BLOCK_N, BLOCK_M,
-                          STAGES, IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE)),
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
+                          Trace, HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
@@ -419,8 +441,8 @@ def _attention_bwd_dkdv_sm90_kernel(
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
-                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, Trace, HEAD_D, BLOCK_N, BLOCK_M,
-                          STAGES, IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE)),
+                          scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
+                          Trace, HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE)),
     ], [1, 4], [24, 240])
 
 
@@ -727,6 +749,8 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         dq_acc = torch.zeros(batch, hq, sq, d, dtype=torch.float32, device=q.device)
         dqd = _dq_acc_descriptor(dq_acc, bm, d)
     dsl = _ds_layout(bn, bm, q.dtype) if fused else kl
+    host_kv = host_kv_descriptors(k, v, dk, dv, bn, kl)
+    kv = host_kv or (k, v, dk, dv)
     _tuning.ensure_allocator()
     lpt = bool(causal) and CAUSAL_LPT
     n_kb = _tuning.cdiv(sk, 2 * bn)
@@ -735,15 +759,25 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         lpt_heads = lpt_group(batch * hkv, 2 * (hq // hkv) * sq * d * q.element_size(), n_kb, q.device, hq == hkv)
         tail_from = lpt_tail_from(batch * hkv, lpt_heads)
     _launch.fast(_attention_bwd_dkdv_sm90_kernel)[(n_kb * hkv * batch,) if lpt else (n_kb, hkv, batch)](
-        qd, dod, k, v, dk, dv, lse, delta, dqd, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
+        qd, dod, *kv, lse, delta, dqd, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale, lpt_heads, tail_from, trace,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
-        ds_layout=dsl, num_warps=4, TRACE=trace is not None, maxnreg=MAX_REGS)
+        ds_layout=dsl, num_warps=4, TRACE=trace is not None, HOST_KV=host_kv is not None, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)
     return True
+
+
+def host_kv_descriptors(k, v, dk, dv, bn: int, layout):
+    """The dK/dV kernel's host descriptors over k, v, dk and dv (``HOST_KV``: (rows, row stride) views, BLOCK_N-row
+    tiles), or None where it makes them on the device: HOST_KV off, Sk not a multiple of 2 * bn (a CTA's last tile
+    would read, and store into, the next head's rows), or a tensor without such a view."""
+    if not HOST_KV or k.shape[2] % (2 * bn):
+        return None
+    descs = tuple(_flat_descriptor(t, bn, layout) for t in (k, v, dk, dv))
+    return None if any(x is None for x in descs) else descs
 
 
 def _dq_acc_descriptor(dq_acc: torch.Tensor, bm: int, d: int):

@@ -1434,6 +1434,51 @@ def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, s
         assert all(torch.equal(x, y) for x, y in zip(grads, again))
 
 
+@pytest.mark.gpu
+@sm90_only
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal,d", [
+    ("bhsd", 2, 4, 4, 1000, 1024, True, 128), ("bshd", 1, 4, 2, 1031, 1024, False, 128),
+    ("bshd", 2, 2, 2, 384, 512, True, 64), ("bhsd", 1, 4, 2, 700, 256, False, 64)])
+def test_gpu_sm90_backward_host_kv_descriptors(monkeypatch, fused, layout, b, hq, hkv, sq, sk, causal, d):
+    # the dK/dV kernel's K, V, dK and dV through host descriptors over (rows, row stride) views (HOST_KV, Sk a
+    # multiple of 128; transposed views at a column offset) give dK / dV bit for bit what the descriptors made on
+    # the device give, and the fused kernel's dQ within its reductions' rounding; poisoned outputs
+    from pykernels._kernels import attention as tri
+    from pykernels._kernels import attention_sm90_bwd as kb
+    took = []
+
+    def spy(*a, _f=kb.host_kv_descriptors, **kw):
+        got = _f(*a, **kw)
+        took.append(got is not None)
+        return got
+    monkeypatch.setattr(kb, "host_kv_descriptors", spy)
+    q, k, v = (t.detach() for t in _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout, d))
+    do = torch.randn(b, sq, hq, d, dtype=BF16, device="cuda").transpose(1, 2)
+    o, lse = tri.attention_fwd(q, k, v, None, causal=causal, scale=0.1, dropout_p=0.0, seed=0)
+    delta = (o.float() * do.float()).sum(-1).contiguous()
+    res = {}
+    for host in (False, True):
+        monkeypatch.setattr(kb, "HOST_KV", host)
+        dk, dv, dq = (torch.full_like(t, float("nan")) for t in (k, v, q))
+        assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=0.1,
+                                          dq=dq if fused else None)
+        res[host] = dk, dv, dq
+    assert took == [False, True]
+    assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])
+    assert not any(t.isnan().any() for t in res[True][:2])
+    if fused:
+        torch.testing.assert_close(res[True][2].float(), res[False][2].float(), rtol=2e-2, atol=2e-3)
+    g = hq // hkv
+    qq, kk, vv, oo = (t.double().requires_grad_() for t in (q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                                              do))
+    ref = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, scale=0.1)
+    rdq, rdk, rdv = torch.autograd.grad(ref, (qq, kk, vv), oo)
+    rdk, rdv = (t.unflatten(1, (hkv, g)).sum(2) for t in (rdk, rdv))
+    for got, want in zip(res[True][:2] + ((res[True][2],) if fused else ()), (rdk, rdv, rdq)):
+        assert (got.double() - want).abs().max().item() <= 2e-2 * want.abs().max().item() + 1e-3
+
+
 def _spy_gluon_dkdv(monkeypatch) -> list[bool]:
     """The default Gluon backward rule (PYKERNELS_ATTN_SM90_BWD unset), and a list that records each call of its
     dK/dV launcher: True for the fused kernel (given a dQ buffer), False for the pair's dK/dV kernel."""

@@ -18,6 +18,7 @@ Usage (GPU): ``python benchmarks/dev/attention_bwd_sm90_gluon.py``.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -56,30 +57,34 @@ def compile_only() -> None:
         for cfg in [kb.DKDV_CONFIGS[d]] + DKDV_ALT[d]:
             bn, bm, stages = cfg
             ql, kl = smem_layouts(bm, bn, d, torch.bfloat16)
-            for causal in (False, True):
-                for fused in (False, True):
-                    fn = kb._attention_bwd_dkdv_sm90_kernel
-                    dqacc = (mangle_type(kb._dq_acc_descriptor(torch.zeros(4096, d), bm, d)) if fused
-                             else "constexpr")
-                    sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql), DQACC=dqacc))
-                    dsl = kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl
-                    consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
-                                  LPT=causal, STATS_EARLY=kb.STATS_EARLY and not causal,
-                                  kv_layout=kl, ds_layout=dsl, num_warps=4)
-                    consts["Trace"] = None
-                    if not fused:
-                        consts["DQACC"] = None
-                    print(f"bwd-{'fused' if fused else 'dkdv'} D{d} cfg{cfg} {'causal' if causal else 'full'}: "
-                          f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
+            for causal, fused, host_kv in itertools.product((False, True), repeat=3):
+                fn = kb._attention_bwd_dkdv_sm90_kernel
+                dqacc = (mangle_type(kb._dq_acc_descriptor(torch.zeros(4096, d), bm, d)) if fused
+                         else "constexpr")
+                descs = dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql), DQACC=dqacc)
+                if host_kv:  # (K, V, dK, dV through host descriptors: kb.HOST_KV)
+                    descs.update({n: desc(bn, d, kl) for n in ("K", "V", "DK", "DV")})
+                sig = sig_of(fn, descs)
+                dsl = kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl
+                consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
+                              LPT=causal, STATS_EARLY=kb.STATS_EARLY and not causal,
+                              kv_layout=kl, ds_layout=dsl, num_warps=4, HOST_KV=host_kv)
+                consts["Trace"] = None
+                if not fused:
+                    consts["DQACC"] = None
+                print(f"bwd-{'fused' if fused else 'dkdv'} D{d} cfg{cfg} {'causal' if causal else 'full'}"
+                      f"{' host-kv' if host_kv else ''}: "
+                      f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
         if d == 128:  # the development timeline's variant (benchmarks/dev/attention_bwd_trace.py), fused and causal
             bn, bm, stages = kb.DKDV_CONFIGS[d]
             ql, kl = smem_layouts(bm, bn, d, torch.bfloat16)
             fn = kb._attention_bwd_dkdv_sm90_kernel
             sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql), Trace="*i64",
-                                  DQACC=mangle_type(kb._dq_acc_descriptor(torch.zeros(4096, d), bm, d))))
+                                  DQACC=mangle_type(kb._dq_acc_descriptor(torch.zeros(4096, d), bm, d)),
+                                  **{n: desc(bn, d, kl) for n in ("K", "V", "DK", "DV")}))
             consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=True, FUSED_DQ=True, LPT=True,
                           STATS_EARLY=False, kv_layout=kl, ds_layout=kb._ds_layout(bn, bm, torch.bfloat16),
-                          num_warps=4, TRACE=True)
+                          num_warps=4, TRACE=True, HOST_KV=True)
             print(f"bwd-trace D{d} causal: {ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}",
                   flush=True)
         for cfg in [kb.DQ_CONFIGS[d]] + DQ_ALT[d]:

@@ -14,10 +14,12 @@ So a persistent kernel's possible gain (set-up, epilogue and gaps overlapped wit
 Each case also prints one call's kernels with their device times (torch.profiler) and checks the grid's causal
 order against the host's copy (``lpt_order``); ``--ab N`` times the fused call (zeros, kernel, dQ copy) in CUDA-graph
 replay with the last two head groups merged (``LPT_TAIL_GROUPS`` 2) and not (1), alternating, N rounds, then
-traces both. ``--model`` (no GPU) prints the causal grid's span as the in-order dispatch gives it with run435's
+traces both; ``--ab-knob host-kv`` alternates ``HOST_KV`` instead (K / V / dK / dV through host descriptors or
+through descriptors made on the device), timing the dK/dV kernel alone too. ``--model`` (no GPU) prints the causal grid's span as the in-order dispatch gives it with run435's
 costs (a CTA: 4 query blocks' time beside its blocks) for 1-4 merged groups, against a perfect balance.
 
-Usage (GPU): ``python benchmarks/dev/attention_bwd_trace.py [--cases c4k,c8k,b8k,c2k] [--ab 3] [--model]``.
+Usage (GPU): ``python benchmarks/dev/attention_bwd_trace.py [--cases c4k,c8k,b8k,c2k] [--ab 3 [--ab-knob host-kv]]
+[--model]``.
 """
 from __future__ import annotations
 
@@ -84,7 +86,13 @@ def _graph_us(fn, reps: int = 10) -> float:
     return a.elapsed_time(b) * 1e3 / reps
 
 
-def run_case(name: str, batch: int, heads: int, seq: int, causal: bool, ab: int = 0) -> None:
+AB_KNOBS = {  # --ab-knob: the module constant of kernels/attention_sm90_bwd.py alternated, (off, on)
+    "tail": ("LPT_TAIL_GROUPS", (1, 2)),
+    "host-kv": ("HOST_KV", (False, True)),
+}
+
+
+def run_case(name: str, batch: int, heads: int, seq: int, causal: bool, ab: int = 0, knob: str = "tail") -> None:
     d = 128
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -102,21 +110,31 @@ def run_case(name: str, batch: int, heads: int, seq: int, causal: bool, ab: int 
         assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=sc, dq=dq,
                                           trace=trace)
 
+    def dkdv_only():
+        assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=sc)
+
     plain()
     if ab:
         n_kb = -(-seq // 128)
         g = kb.lpt_group(batch * heads, 2 * seq * d * 2, n_kb, q.device)
         print(f"{name}: heads in groups of {g}, the last two from head {kb.lpt_tail_from(batch * heads, g)} on",
               flush=True)
-        res = {1: [], 2: []}
-        for _ in range(ab):
-            for m in (1, 2):
-                kb.LPT_TAIL_GROUPS = m
-                res[m].append(_graph_us(plain))
-        kb.LPT_TAIL_GROUPS = 2
-        print(f"  graph replay (zeros, kernel, dQ copy), us: one group last {' '.join(f'{x:.1f}' for x in res[1])}; "
-              f"two merged {' '.join(f'{x:.1f}' for x in res[2])}; merged / not {min(res[1]) / min(res[2]):.4f}x "
-              f"(best), {statistics.median(res[1]) / statistics.median(res[2]):.4f}x (median)", flush=True)
+        attr, vals = AB_KNOBS[knob]
+        keep = getattr(kb, attr)
+        calls = {"fused call (zeros, kernel, dQ copy)": plain}
+        if knob == "host-kv":
+            calls["dK/dV kernel alone"] = dkdv_only
+        for what, fn in calls.items():
+            res = {m: [] for m in vals}
+            for _ in range(ab):
+                for m in vals:
+                    setattr(kb, attr, m)
+                    res[m].append(_graph_us(fn))
+            setattr(kb, attr, keep)
+            off, on = vals
+            print(f"  graph replay of the {what}, us: {attr} {off} {' '.join(f'{x:.1f}' for x in res[off])}; "
+                  f"{on} {' '.join(f'{x:.1f}' for x in res[on])}; {on} / {off} {min(res[off]) / min(res[on]):.4f}x "
+                  f"(best), {statistics.median(res[off]) / statistics.median(res[on]):.4f}x (median)", flush=True)
     print("  one call's device time, us: " + ", ".join(f"{k_[:60]} {v_:.1f}" for k_, v_ in _device_us(plain).items()),
           flush=True)
     plain()
@@ -210,7 +228,8 @@ def model(sms: int = 132, fixed: float = 4.0) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="c4k,c8k,b8k,c2k")
-    ap.add_argument("--ab", type=int, default=0, help="rounds of the merged groups' A/B (causal cases)")
+    ap.add_argument("--ab", type=int, default=0, help="rounds of the knob's A/B (the tail's: causal cases only)")
+    ap.add_argument("--ab-knob", default="tail", choices=sorted(AB_KNOBS))
     ap.add_argument("--model", action="store_true", help="the modelled spans only (no GPU)")
     args = ap.parse_args()
     if args.model:
@@ -219,13 +238,14 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for name in args.cases.split(","):
         batch, heads, seq, causal = CASES[name]
-        if args.ab and causal:
-            run_case(name, batch, heads, seq, causal, ab=args.ab)
-            kb.LPT_TAIL_GROUPS = 1
-            print(f"{name}: traced with one group last", flush=True)
+        if args.ab and (causal or args.ab_knob != "tail"):
+            attr, (off, on) = AB_KNOBS[args.ab_knob]
+            run_case(name, batch, heads, seq, causal, ab=args.ab, knob=args.ab_knob)
+            setattr(kb, attr, off)
+            print(f"{name}: traced with {attr} {off}", flush=True)
             run_case(name, batch, heads, seq, causal)
-            kb.LPT_TAIL_GROUPS = 2
-            print(f"{name}: traced with two merged", flush=True)
+            setattr(kb, attr, on)
+            print(f"{name}: traced with {attr} {on}", flush=True)
         run_case(name, batch, heads, seq, causal)
 
 
