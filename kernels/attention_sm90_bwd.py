@@ -112,7 +112,11 @@ STATS_EARLY = True
 # dK/dV: K, V, dK and dV through host descriptors over their (rows, row stride) views where Sk is a multiple of the
 # CTA's 2 x BLOCK_N keys (no tile then reaches the next head's rows; else, or where a view has no such geometry,
 # through descriptors of the CTA's head made on the device). run438's timeline: a CTA's four device-made
-# descriptors were ready 3.6-3.9 us after its entry, of the 6.1 us before its K / V landed
+# descriptors were ready 3.6-3.9 us after its entry, of the 6.1 us before its first Q / dO landed. run439 (H200,
+# ``benchmarks/dev/attention_bwd_trace.py --ab 5 --ab-knob host-kv``): set-up 6.1 -> 3.0 us a CTA, epilogue 2.8 ->
+# 2.2; the fused call in graph replay 1.049x (median) at 4 x 16 x 4096 causal, 1.028x at 2 x 16 x 8192 causal,
+# 1.086x at 8 x 16 x 2048 causal, 0.989x at 2 x 16 x 8192 full (its rounds 4690-5046 us: the card's power limit;
+# the dK/dV kernel alone 1.016x there, 1.027-1.105x at the causal shapes)
 HOST_KV = True
 
 
@@ -168,8 +172,8 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
                    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, TRACE: gl.constexpr):
     """Per query block Q_j and dO_j by TMA (host descriptors), and lse_j * log2 e and delta_j by loads into
     ``lse_smem`` / ``dlt_smem`` (the block's second ``q_bar`` arrival): read by the consumers there, no global
-    load stands between their GEMM issues. (K and V, through descriptors made on the device, are loaded by
-    the default partition: see ``_attention_bwd_dkdv_sm90_kernel``.)"""
+    load stands between their GEMM issues. (K and V are loaded by the default partition: see
+    ``_attention_bwd_dkdv_sm90_kernel``.)"""
     stat_reg: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     it = 0
     for g in range(GROUP):
@@ -411,9 +415,9 @@ def _attention_bwd_dkdv_sm90_kernel(
     mbarrier.init(st_bar.index(0), count=1)
     fence_async_shared()
     # K and V of both warpgroups, issued here by the partition that made their descriptors on the device (as
-    # Triton's own one-partition kernels use such descriptors: the tensormap acquire fence is this partition's),
-    # and the producer warp starts on Q / dO at once: with the stores below, 1.003-1.047x the whole backward
-    # (run106, causal gained most)
+    # Triton's own one-partition kernels use such descriptors: the tensormap acquire fence is this partition's;
+    # HOST_KV's come made), and the producer warp starts on Q / dO at once: with the stores below, 1.003-1.047x
+    # the whole backward (run106, causal gained most)
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row + start_n + wg * BLOCK_N, k_col], kv_bar.index(wg),
