@@ -103,9 +103,14 @@ LPT_TAIL_GROUPS = 2
 # the fused kernel (dQ by TMA reductions, not bitwise reproducible) is the default where the backward need not be
 # deterministic: full attention from FUSED_MIN_SK keys, causal without GQA from FUSED_CAUSAL_MIN_SK (``kernels``;
 # H100 run88-89: it ties the pair at S1024 full and S4096 causal, loses 10-13% causal with 4 query heads per kv head;
-# H200 run358, 4 x 16 x 4096 causal: 1.03-1.06x the pair in kernel time, 1.03x in graph replay, where 2048 keys tie)
-FUSED_MIN_SK = 2048
-FUSED_CAUSAL_MIN_SK = 4096
+# H200 run358, 4 x 16 x 4096 causal: 1.03-1.06x the pair in kernel time, 1.03x in graph replay, where 2048 keys tie).
+# Since HOST_KV (the dK/dV kernel's set-up halved, the fused one's most), H200 run440 (``benchmarks/dev/
+# attention_bwd_lpt_sweep.py --kernels``, graph replay of the whole backward, two rounds): 8 x 16 x 2048 causal
+# 911.0 / 896.9 us against the pair's 953.2 / 942.4 (1.05x), 16 x 16 x 1024 full 829.5 / 832.6 against 885.3 /
+# 881.9 (1.06x), 8 x 16 x 1024 full 397.3 / 398.1 against 426.4 / 431.3 (1.08x): the thresholds 2048 -> 1024 and
+# 4096 -> 2048 (shorter ones not measured)
+FUSED_MIN_SK = 1024
+FUSED_CAUSAL_MIN_SK = 2048
 # dK/dV without causal masking the consumers also read lse before issuing the block's first GEMMs (run77: 1.05x
 # at S8192; causal 0.98-1.01x, so not there)
 STATS_EARLY = True
@@ -717,7 +722,8 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
     32/8 at S4096 3.36 against 2.98-3.08 (all heads at once). H200 run358 (``benchmarks/dev/
     attention_dropout_kernels.py --graph``, kernel time / graph replay, us): causal 4 x 16 x 4096 1478-1486 /
     1624-1636 against the pair's 1529-1567 / 1674-1686 (cuDNN 1398 / 1602), 4 x 16 x 2048 495-496 / 492-501
-    against 493 / 495-500: the causal threshold 8192 -> 4096."""
+    against 493 / 495-500: the causal threshold 8192 -> 4096. H200 run440 (since ``HOST_KV``): the thresholds 1024
+    and 2048 (``FUSED_MIN_SK``'s comment)."""
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     named = os.environ.get("PYKERNELS_ATTN_SM90_BWD")
     if named is not None:

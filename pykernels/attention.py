@@ -908,7 +908,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       kernels, and capturable in CUDA graphs).
     * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. True (or torch's
       deterministic mode) makes the backward bitwise reproducible. Otherwise, on Hopper at D = 128 with
-      enough work (full attention; causal from 4096 keys), the backward is one fused kernel that adds dQ by
+      enough work (full attention from 1024 keys, causal from 2048), the backward is one fused kernel that adds dQ by
       bulk TMA reductions into an fp32 buffer, in no fixed order (as FlashAttention-2/3 and cuDNN do; it is
       3-8% faster where it is taken, ``kernels/attention_sm90_bwd.py``), whose dQ may differ in the last bits between runs;
       so is the "cuda" backend's on Hopper at D <= 128 (its dK/dV blocks add dQ by bulk reductions:

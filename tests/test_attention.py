@@ -1518,18 +1518,19 @@ def test_gpu_sm90_default_backward_is_fused_unless_deterministic(monkeypatch):
 @pytest.mark.gpu
 @sm90_only
 def test_gpu_sm90_default_causal_backward_is_fused_from_threshold(monkeypatch):
-    # causal MHA at D = 128 from FUSED_CAUSAL_MIN_SK keys (4096 since H200 run358, 1.03x the pair at 4 x 16 x 4096):
-    # the auto backward is the fused kernel, checked against float64; below the threshold, and with GQA, the pair
+    # causal MHA at D = 128 from FUSED_CAUSAL_MIN_SK keys (2048 since H200 run440, 1.05x the pair at 8 x 16 x 2048
+    # in graph replay): the auto backward is the fused kernel, checked against float64; below the threshold, and
+    # with GQA, the pair
     from pykernels._kernels import attention_sm90_bwd as kb
     fused = _spy_gluon_dkdv(monkeypatch)
     n = kb.FUSED_CAUSAL_MIN_SK
-    q, k, v = _sm90_inputs(1, 8, 8, n, n, BF16, "bshd")  # 8 * n / 128 CTAs of 128 keys
+    q, k, v = _sm90_inputs(2, 8, 8, n, n, BF16, "bshd")  # 2 * 8 * n / 128 CTAs of 128 keys
     _check_against_ref(q, k, v, causal=True, scale=0.1, do=torch.randn_like(q), what="causal fused")
     assert fused == [True]
     q, k, v = _sm90_inputs(4, 8, 8, n // 2, n // 2, BF16, "bshd")
     _check_against_ref(q, k, v, causal=True, scale=0.1, do=torch.randn_like(q), what="causal pair")
     assert fused == [True, False]
-    q, k, v = _sm90_inputs(2, 8, 4, n, n, BF16, "bshd")  # GQA (2 * 4 * n / 128 CTAs)
+    q, k, v = _sm90_inputs(4, 8, 4, n, n, BF16, "bshd")  # GQA (4 * 4 * n / 128 CTAs)
     _check_against_ref(q, k, v, causal=True, scale=0.1, enable_gqa=True, do=torch.randn_like(q), what="causal GQA")
     assert fused == [True, False, False]
 
@@ -1627,11 +1628,19 @@ def test_gpu_sm90_backward_declined_layouts_run_triton(monkeypatch, kernels):
 @sm90_only
 def test_gpu_sm90_backward_dispatch_rules(monkeypatch):
     from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90_bwd as kb
     q, k, v = _sm90_inputs(8, 2, 2, 256, 2048, BF16, "bhsd")  # 8 * 2 * 16 CTAs of 128 keys
     do = torch.randn_like(q)
+    assert kb.FUSED_MIN_SK <= 1024 and kb.FUSED_CAUSAL_MIN_SK == 2048
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1) == "fused"
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, deterministic=True) == "dkdv,dq"
-    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=True) == "dkdv,dq"
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=True) == "fused"
+    q2, k2, v2 = _sm90_inputs(16, 2, 2, 256, 1024, BF16, "bhsd")  # 16 * 2 * 8 CTAs
+    do2 = torch.randn_like(q2)
+    assert katt.sm90_backward(q2, k2, v2, do2, None, dropout_p=0.0, scale=0.1, causal=True) == "dkdv,dq"
+    assert katt.sm90_backward(q2, k2, v2, do2, None, dropout_p=0.0, scale=0.1) == "fused"
+    q3, k3, v3 = _sm90_inputs(32, 2, 2, 256, 512, BF16, "bhsd")  # 32 * 2 * 4 CTAs, below FUSED_MIN_SK
+    assert katt.sm90_backward(q3, k3, v3, torch.randn_like(q3), None, dropout_p=0.0, scale=0.1) == "dkdv,dq"
     assert katt.sm90_backward(q[:1], k[:1], v[:1], do[:1], None, dropout_p=0.0, scale=0.1) == ""  # 32 CTAs
     assert katt.sm90_backward(q[..., :64], k[..., :64], v[..., :64], do[..., :64], None, dropout_p=0.0,
                               scale=0.1) == ""  # D = 64: the Triton kernels
@@ -1778,9 +1787,9 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     assert kb.kernels(q, k, causal=False, sms=132) == "fused"
     assert kb.kernels(q[..., :64], k, causal=False, sms=132) == ""
     assert kb.kernels(q, k, causal=False, sms=132, deterministic=True) == "dkdv,dq"
-    mid_k = torch.empty(16, 2, kb.FUSED_CAUSAL_MIN_SK // 2, 128, dtype=BF16)  # 16 * 2 * 16 CTAs
+    mid_k = torch.empty(16, 2, kb.FUSED_CAUSAL_MIN_SK // 2, 128, dtype=BF16)  # 16 * 2 * 8 CTAs (at 2048 keys)
     assert kb.kernels(q, mid_k, causal=True, sms=132) == "dkdv,dq"
-    long_k = torch.empty(4, 2, kb.FUSED_CAUSAL_MIN_SK, 128, dtype=BF16)  # 4 * 2 * 32 CTAs (at 4096 keys)
+    long_k = torch.empty(8, 2, kb.FUSED_CAUSAL_MIN_SK, 128, dtype=BF16)  # 8 * 2 * 16 CTAs
     assert kb.kernels(q, long_k, causal=True, sms=132) == "fused"
     assert kb.kernels(q, long_k, causal=True, sms=132, deterministic=True) == "dkdv,dq"
     assert kb.kernels(q.repeat(1, 2, 1, 1), long_k, causal=True, sms=132) == "dkdv,dq"  # causal GQA: the pair

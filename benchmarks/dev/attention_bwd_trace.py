@@ -1,5 +1,5 @@
 """Where the fused Gluon backward's time goes, CTA by CTA (``kernels/attention_sm90_bwd.py``, its dK/dV kernel with
-dQ fused, as ``auto`` runs it for D = 128 from 2048 keys, causal from 4096): a development timeline.
+dQ fused, as ``auto`` runs it for D = 128 from 1024 keys, causal from 2048): a development timeline.
 
 With ``TRACE`` the kernel's default partition (consumer warpgroup 0) writes %globaltimer at five marks of each CTA
 (``_trace_mark``): 0 the kernel's entry, 1 its K / V landed, 2 its first Q / dO block landed, 3 its last query block
