@@ -37,7 +37,12 @@ Queries past a head's Sq in a Q/dO tile are the next head's rows (or TMA's zero 
 never stored.
 
 Causal: both kernels' CTAs run longest first (``CAUSAL_LPT``) across the (batch, head)s of a group that fits L2
-(``_lpt_order``, ``LPT_L2_BYTES``; all heads at once streamed every head's operands from DRAM, run87).
+(``_lpt_order``, ``LPT_L2_BYTES``; all heads at once streamed every head's operands from DRAM, run87), the last
+``LPT_TAIL_GROUPS`` groups as one so that the grid ends on short CTAs (run437).
+
+Set-up: the dK/dV kernel's K, V, dK and dV come through host descriptors where Sk is a multiple of its 128 keys
+(``HOST_KV``; else made on the device per CTA, which cost 3.6-3.9 us of a CTA's 6.1 us before its first query
+block, run438-439). ``benchmarks/dev/attention_bwd_trace.py`` (``TRACE``) times a CTA's marks.
 
 Measured (H100 80GB HBM3, triton 3.6, bf16, ``benchmarks/dev/attention_bwd_sm90_gluon.py``, do_bench,
 2026-11-26, run49): B2 H16 S8192 D128 full / causal, dK/dV 3.30 / 1.92 ms (667 / 572 TFLOP/s of its 4
