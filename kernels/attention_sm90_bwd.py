@@ -128,9 +128,6 @@ STATS_EARLY = True
 # 1.086x at 8 x 16 x 2048 causal, 0.989x at 2 x 16 x 8192 full (its rounds 4690-5046 us: the card's power limit;
 # the dK/dV kernel alone 1.016x there, 1.027-1.105x at the causal shapes)
 HOST_KV = True
-# dK/dV: the first query block's Q / dO issued by the default partition with K / V, before the warp split (the
-# producer warp starts about 1 us after a CTA's entry, run439's marks)
-EARLY_Q = True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -182,12 +179,11 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
                    stride_dom, LSE,
                    DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n, j_lo, n_qb,
                    dk_desc, dv_desc, Trace, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, TRACE: gl.constexpr,
-                   EARLY_Q: gl.constexpr):
+                   STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, TRACE: gl.constexpr):
     """Per query block Q_j and dO_j by TMA (host descriptors), and lse_j * log2 e and delta_j by loads into
     ``lse_smem`` / ``dlt_smem`` (the block's second ``q_bar`` arrival): read by the consumers there, no global
-    load stands between their GEMM issues. (K and V, and with EARLY_Q the first block's Q and dO, are loaded by
-    the default partition: see ``_attention_bwd_dkdv_sm90_kernel``.)"""
+    load stands between their GEMM issues. (K and V are loaded by the default partition: see
+    ``_attention_bwd_dkdv_sm90_kernel``.)"""
     stat_reg: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     it = 0
     for g in range(GROUP):
@@ -197,16 +193,14 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_s
         l_off = b * stride_lb + h * stride_lh
         for j in range(j_lo, n_qb):
             s = it % STAGES
-            if not EARLY_Q or it > 0:
-                mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(q_bar.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row0 + j * BLOCK_M, q_col0], q_bar.index(s),
-                                                q_smem.index(s))
-                tma.async_copy_global_to_shared(do_desc, [do_row0 + j * BLOCK_M, do_col0], q_bar.index(s),
-                                                do_smem.index(s))
-                if TRACE and not EARLY_Q:
-                    if it == 0:
-                        _trace_mark(Trace, 10, TRACE)
+            mbarrier.wait(q_empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(q_bar.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row0 + j * BLOCK_M, q_col0], q_bar.index(s), q_smem.index(s))
+            tma.async_copy_global_to_shared(do_desc, [do_row0 + j * BLOCK_M, do_col0], q_bar.index(s),
+                                            do_smem.index(s))
+            if TRACE:
+                if it == 0:
+                    _trace_mark(Trace, 10, TRACE)
             # (queries past Sq: lse +inf, so P = 0 there)
             rows = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=stat_reg)
             lse = gl.load(LSE + l_off + rows, mask=rows < Sq, other=float("inf"))
@@ -352,7 +346,7 @@ def _attention_bwd_dkdv_sm90_kernel(
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, STATS_EARLY: gl.constexpr,
     kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr, TRACE: gl.constexpr = False,
-    HOST_KV: gl.constexpr = False, EARLY_Q: gl.constexpr = False,
+    HOST_KV: gl.constexpr = False,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (cdiv(Sk, 2 * BLOCK_N) * kv heads * batch,):
     causal, longest CTAs first across the (batch, kv head)s of a group of ``lpt_heads`` (``_lpt_order``).
@@ -444,17 +438,6 @@ def _attention_bwd_dkdv_sm90_kernel(
     if IS_CAUSAL:
         j_lo = start_n // BLOCK_M  # queries before the CTA's first key see none of its keys
     n_qb = gl.cdiv(Sq, BLOCK_M)
-    if EARLY_Q:  # the first query block's Q / dO (ring stage 0) issued here too, before the warps split
-        if j_lo < n_qb:  # (a CTA without query blocks must leave no TMA in flight)
-            h0 = hk * GROUP
-            q_row0, q_col0 = _flat_coords(b * stride_qb + h0 * stride_qh, stride_qm)
-            do_row0, do_col0 = _flat_coords(b * stride_dob + h0 * stride_doh, stride_dom)
-            mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row0 + j_lo * BLOCK_M, q_col0], q_bar.index(0),
-                                            q_smem.index(0))
-            tma.async_copy_global_to_shared(do_desc, [do_row0 + j_lo * BLOCK_M, do_col0], q_bar.index(0),
-                                            do_smem.index(0))
-            _trace_mark(Trace, 10, TRACE)
     gl.warp_specialize([
         (_dkdv_consumer, (0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
@@ -467,7 +450,7 @@ def _attention_bwd_dkdv_sm90_kernel(
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, Trace, HEAD_D, BLOCK_N, BLOCK_M,
-                          STAGES, IS_CAUSAL, FUSED_DQ, TRACE, EARLY_Q)),
+                          STAGES, IS_CAUSAL, FUSED_DQ, TRACE)),
         (_dkdv_consumer, (1, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
@@ -796,8 +779,7 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         hq, hq // hkv, sq, sk, scale * LOG2E, scale, lpt_heads, tail_from, trace,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
-        ds_layout=dsl, num_warps=4, TRACE=trace is not None, HOST_KV=host_kv is not None, EARLY_Q=EARLY_Q,
-        maxnreg=MAX_REGS)
+        ds_layout=dsl, num_warps=4, TRACE=trace is not None, HOST_KV=host_kv is not None, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)
     return True

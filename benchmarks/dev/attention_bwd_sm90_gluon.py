@@ -68,7 +68,7 @@ def compile_only() -> None:
                 dsl = kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl
                 consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
                               LPT=causal, STATS_EARLY=kb.STATS_EARLY and not causal,
-                              kv_layout=kl, ds_layout=dsl, num_warps=4, HOST_KV=host_kv, EARLY_Q=kb.EARLY_Q)
+                              kv_layout=kl, ds_layout=dsl, num_warps=4, HOST_KV=host_kv)
                 consts["Trace"] = None
                 if not fused:
                     consts["DQACC"] = None
@@ -84,7 +84,7 @@ def compile_only() -> None:
                                   **{n: desc(bn, d, kl) for n in ("K", "V", "DK", "DV")}))
             consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=True, FUSED_DQ=True, LPT=True,
                           STATS_EARLY=False, kv_layout=kl, ds_layout=kb._ds_layout(bn, bm, torch.bfloat16),
-                          num_warps=4, TRACE=True, HOST_KV=True, EARLY_Q=kb.EARLY_Q)
+                          num_warps=4, TRACE=True, HOST_KV=True)
             print(f"bwd-trace D{d} causal: {ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}",
                   flush=True)
         for cfg in [kb.DQ_CONFIGS[d]] + DQ_ALT[d]:

@@ -15,8 +15,7 @@ Each case also prints one call's kernels with their device times (torch.profiler
 order against the host's copy (``lpt_order``); ``--ab N`` times the fused call (zeros, kernel, dQ copy) in CUDA-graph
 replay with the last two head groups merged (``LPT_TAIL_GROUPS`` 2) and not (1), alternating, N rounds, then
 traces both; ``--ab-knob host-kv`` alternates ``HOST_KV`` instead (K / V / dK / dV through host descriptors or
-through descriptors made on the device), ``early-q`` ``EARLY_Q`` (the first Q / dO issued before the warp split),
-each timing the dK/dV kernel alone too. ``--model`` (no GPU) prints the causal grid's span as the in-order dispatch gives it with run435's
+through descriptors made on the device), timing the dK/dV kernel alone too. ``--model`` (no GPU) prints the causal grid's span as the in-order dispatch gives it with run435's
 costs (a CTA: 4 query blocks' time beside its blocks) for 1-4 merged groups, against a perfect balance.
 
 Usage (GPU): ``python benchmarks/dev/attention_bwd_trace.py [--cases c4k,c8k,b8k,c2k] [--ab 3 [--ab-knob host-kv]]
@@ -90,7 +89,6 @@ def _graph_us(fn, reps: int = 10) -> float:
 AB_KNOBS = {  # --ab-knob: the module constant of kernels/attention_sm90_bwd.py alternated, (off, on)
     "tail": ("LPT_TAIL_GROUPS", (1, 2)),
     "host-kv": ("HOST_KV", (False, True)),
-    "early-q": ("EARLY_Q", (False, True)),
 }
 
 
@@ -124,7 +122,7 @@ def run_case(name: str, batch: int, heads: int, seq: int, causal: bool, ab: int 
         attr, vals = AB_KNOBS[knob]
         keep = getattr(kb, attr)
         calls = {"fused call (zeros, kernel, dQ copy)": plain}
-        if knob != "tail":
+        if knob == "host-kv":
             calls["dK/dV kernel alone"] = dkdv_only
         for what, fn in calls.items():
             res = {m: [] for m in vals}
