@@ -1439,11 +1439,13 @@ def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, s
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal,d", [
     ("bhsd", 2, 4, 4, 1000, 1024, True, 128), ("bshd", 1, 4, 2, 1031, 1024, False, 128),
-    ("bshd", 2, 2, 2, 384, 512, True, 64), ("bhsd", 1, 4, 2, 700, 256, False, 64)])
+    ("bshd", 2, 2, 2, 384, 512, True, 64), ("bhsd", 1, 4, 2, 700, 256, False, 64),
+    ("expanded", 2, 4, 4, 300, 512, False, 128)])
 def test_gpu_sm90_backward_host_kv_descriptors(monkeypatch, fused, layout, b, hq, hkv, sq, sk, causal, d):
     # the dK/dV kernel's K, V, dK and dV through host descriptors over (rows, row stride) views (HOST_KV, Sk a
-    # multiple of 128; transposed views at a column offset) give dK / dV bit for bit what the descriptors made on
-    # the device give, and the fused kernel's dQ within its reductions' rounding; poisoned outputs
+    # multiple of 128; transposed views at a column offset; K / V expanded over the heads, stride 0) give dK / dV
+    # bit for bit what the descriptors made on the device give, and the fused kernel's dQ within its reductions'
+    # rounding; poisoned outputs
     from pykernels._kernels import attention as tri
     from pykernels._kernels import attention_sm90_bwd as kb
     took = []
@@ -1453,14 +1455,19 @@ def test_gpu_sm90_backward_host_kv_descriptors(monkeypatch, fused, layout, b, hq
         took.append(got is not None)
         return got
     monkeypatch.setattr(kb, "host_kv_descriptors", spy)
-    q, k, v = (t.detach() for t in _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout, d))
+    if layout == "expanded":  # one K / V head seen as hkv (stride 0); dK / dV per head, as autograd wants them
+        q = torch.randn(b, hq, sq, d, dtype=BF16, device="cuda")
+        k, v = (torch.randn(b, 1, sk, d, dtype=BF16, device="cuda").expand(b, hkv, sk, d) for _ in range(2))
+    else:
+        q, k, v = (t.detach() for t in _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout, d))
     do = torch.randn(b, sq, hq, d, dtype=BF16, device="cuda").transpose(1, 2)
     o, lse = tri.attention_fwd(q, k, v, None, causal=causal, scale=0.1, dropout_p=0.0, seed=0)
     delta = (o.float() * do.float()).sum(-1).contiguous()
     res = {}
     for host in (False, True):
         monkeypatch.setattr(kb, "HOST_KV", host)
-        dk, dv, dq = (torch.full_like(t, float("nan")) for t in (k, v, q))
+        dk, dv, dq = (torch.full(t.shape, float("nan"), dtype=BF16, device="cuda") if t.stride(1) == 0
+                      else torch.full_like(t, float("nan")) for t in (k, v, q))
         assert kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=0.1,
                                           dq=dq if fused else None)
         res[host] = dk, dv, dq
