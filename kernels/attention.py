@@ -836,14 +836,19 @@ def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range
     backward takes instead of the Triton ones: the forward's cover (``attention_sm90.unsupported``), a
     TMA-aligned ``do`` and the speed rule ``attention_sm90_bwd.kernels`` (never "fused" when
     ``deterministic``). Each kernel may still decline a layout (then
-    its Triton kernel runs)."""
-    if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or mask is not None or kv_range is not None \
-            or dropout_p > 0:
+    its Triton kernel runs). With dropout only the dK/dV kernel (fused with dQ or not) draws the mask
+    (``attention_sm90_bwd.DROPOUT_KERNELS``): "dkdv,dq" becomes "dkdv" (Triton's dQ kernel beside it), "dq" ""."""
+    if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or mask is not None or kv_range is not None:
         return ""
     from . import attention_sm90, attention_sm90_bwd
+    if dropout_p > 0 and not attention_sm90_bwd.DROPOUT_KERNELS:
+        return ""
     which = attention_sm90_bwd.kernels(q, k, causal, attention_sm90._num_sms(q.device), deterministic)
+    if dropout_p > 0:
+        which = "fused" if which == "fused" else "dkdv" if "dkdv" in which.split(",") else ""
+    # (the kernels' cover apart from dropout, which the dK/dV kernel draws itself)
     if not which or not attention_sm90.enabled() or do.dtype != q.dtype or not attention_sm90._tma_ok(do) \
-            or attention_sm90.unsupported(q, k, v, mask, dropout_p=dropout_p, scale=scale, varlen=False) is not None:
+            or attention_sm90.unsupported(q, k, v, mask, dropout_p=0.0, scale=scale, varlen=False) is not None:
         return ""
     return which
 
@@ -1013,9 +1018,10 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
             o, do, delta, cu_q, *s_o, *s_do, *ls, hq, sq,
             DV=dv_dim, BLOCK_DV=bdv, IS_VARLEN=varlen, BLOCK_M=pre_bm)
     fused = gluon == "fused" and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal,
-                                                            scale=scale, dq=dq)
+                                                            scale=scale, dq=dq, dropout_p=dropout_p, seed=seed)
     if not fused and not ("dkdv" in gluon and kb.attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv,
-                                                                         causal=causal, scale=scale)):
+                                                                         causal=causal, scale=scale,
+                                                                         dropout_p=dropout_p, seed=seed)):
         _launch.fast(_attention_bwd_dkdv_kernel)[lambda meta: (_tuning.cdiv(sk, meta["BLOCK_N"]), hkv, batch)](
             q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
             *s_q, *s_k, *s_v, *s_do, *s_dk, *s_dv, *ls, *ms,

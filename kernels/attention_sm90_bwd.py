@@ -73,6 +73,9 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+from pykernels.attention import PHILOX_ROUNDS
+from ._dropout import dropout_rate, seed_arg
+
 from . import _launch, _tuning
 from .attention_sm90 import (LOG2E, MAX_REGS, _alloc_kv_ring, _fill_kv_ring, _flat_coords, _flat_descriptor,
                              _mask_scores, _needs_mask, _num_sms, _slice_desc, _store_rows, _tile_coords, _tma_ok,
@@ -119,6 +122,9 @@ FUSED_CAUSAL_MIN_SK = 2048
 # dK/dV without causal masking the consumers also read lse before issuing the block's first GEMMs (run77: 1.05x
 # at S8192; causal 0.98-1.01x, so not there)
 STATS_EARLY = True
+# Dropout in the dK/dV kernel (HAS_DROPOUT: the consumers draw the forward's keep mask, ``_dropout_scale``), fused with
+# dQ or beside Triton's dQ kernel; ``PYKERNELS_ATTN_SM90_DROPOUT=0``: the Triton kernels take every call with dropout
+DROPOUT_KERNELS = os.environ.get("PYKERNELS_ATTN_SM90_DROPOUT", "1") not in ("", "0")
 # dK/dV: K, V, dK and dV through host descriptors over their (rows, row stride) views where Sk is a multiple of the
 # CTA's 2 x BLOCK_N keys (no tile then reaches the next head's rows; else, or where a view has no such geometry,
 # through descriptors of the CTA's head made on the device). run438's timeline: a CTA's four device-made
@@ -173,6 +179,67 @@ def _trace_mark(Trace, slot, TRACE: gl.constexpr):
             _trace_put(Trace, 5, sm.to(gl.int64), TRACE)
 
 
+def _keep_octet_ptx() -> str:
+    """The PTX of ``_dropout_scale``: one asm block a pack of 8 accumulator registers (``pack=8``). Operands: $0-$7
+    out (the factors, fp32 bits), then 8 registers each of: the element's Philox row ((b H + h) Sq + query), its key,
+    the seed's low word, the calls a row (ceil(Sk / 8)), the threshold (p 2^16) and 1 / (1 - p) (fp32 bits); of each
+    only the pack's first element is read. The pack's element c is (query q0 + 8 (c >> 2) + (c & 1), key k0 +
+    8 ((c >> 1) & 1)), k0 = kb + g for lane 4 g + t4 (the NVMMA accumulator's register and lane order, row = key:
+    ``to_linear_layout`` of ``s_layout``). The 8 lanes g of one t4 (an octet) need the 8 calls (query, key group) of
+    their pack: lane g draws call c = g (Philox-4x32-7, csrc/philox.cuh's philox4x32), forms its 8 keep bits (bit v:
+    key v of the call; keep_byte), and three xor-shuffle stages transpose the octet's bit matrix (transpose_stage,
+    F = 1), after which bit c is this lane's key in call c: csrc/attention.cuh's key_keep_bits, in Gluon's
+    registers."""
+    lines = ["{", ".reg .pred pkp;",
+             ".reg .b32 pkg, pkt, pkr, pkk, pkc0, pkc1, pkc2, pkc3, pkk0, pkk1, pkhb, pklb, pkha, pkla, pkn, pkx, pky, "
+             "pku, pkv, pkhi;", ".reg .b64 pkctr, pkw;",
+             "mov.u32 pkg, %laneid;", "shr.b32 pkg, pkg, 2;",
+             # the call of element c = g: query row $8 + 8 (g >> 2) + (g & 1), key group ($16 >> 3) + ((g >> 1) & 1)
+             "shr.b32 pkt, pkg, 2;", "shl.b32 pkt, pkt, 3;", "and.b32 pkr, pkg, 1;", "add.u32 pkr, pkr, pkt;",
+             "add.u32 pkr, pkr, $2;", "shr.b32 pkk, $10, 3;", "bfe.u32 pkt, pkg, 1, 1;", "add.u32 pkk, pkk, pkt;",
+             "mul.wide.u32 pkctr, pkr, $26;", "cvt.u64.u32 pkw, pkk;", "add.u64 pkctr, pkctr, pkw;",
+             "mov.b64 {pkc0, pkc1}, pkctr;", "mov.b32 pkc2, 0;", "mov.b32 pkc3, 0;", "mov.b32 pkk0, $18;",
+             "mov.b32 pkk1, 0;"]  # (seeds are drawn below 2^31: the key's high word is 0)
+    for _ in range(PHILOX_ROUNDS):
+        lines += ["mul.hi.u32 pkhb, pkc2, 0xCD9E8D57;", "mul.lo.u32 pklb, pkc2, 0xCD9E8D57;",
+                  "mul.hi.u32 pkha, pkc0, 0xD2511F53;", "mul.lo.u32 pkla, pkc0, 0xD2511F53;",
+                  "xor.b32 pkn, pkhb, pkc1;", "xor.b32 pkc0, pkn, pkk0;", "xor.b32 pkn, pkha, pkc3;",
+                  "xor.b32 pkc2, pkn, pkk1;", "mov.b32 pkc1, pklb;", "mov.b32 pkc3, pkla;",
+                  "add.u32 pkk0, pkk0, 0x9E3779B9;", "add.u32 pkk1, pkk1, 0xBB67AE85;"]
+    # keep bits: bit 2 w (low half of word w) and 2 w + 1 (high half), kept where the half is >= the threshold
+    lines += ["shl.b32 pkhi, $34, 16;", "mov.b32 pkx, 0;"]
+    for w in range(4):
+        lines += [f"shl.b32 pku, pkc{w}, 16;", "setp.ge.u32 pkp, pku, pkhi;", f"selp.b32 pkv, {1 << 2 * w}, 0, pkp;",
+                  "or.b32 pkx, pkx, pkv;", f"setp.ge.u32 pkp, pkc{w}, pkhi;",
+                  f"selp.b32 pkv, {1 << 2 * w + 1}, 0, pkp;", "or.b32 pkx, pkx, pkv;"]
+    for st, lo in ((4, 0x0F), (2, 0x33), (1, 0x55)):  # the octet's lanes are 4 apart
+        lines += [f"shfl.sync.bfly.b32 pky, pkx, {st << 2}, 0x1f, 0xffffffff;", f"and.b32 pkt, pkg, {st};",
+                  "setp.ne.u32 pkp, pkt, 0;",
+                  f"and.b32 pku, pkx, {lo << st};", f"shr.b32 pkv, pky, {st};", f"and.b32 pkv, pkv, {lo};",
+                  "or.b32 pku, pku, pkv;",
+                  f"and.b32 pkn, pkx, {lo};", f"and.b32 pkv, pky, {lo};", f"shl.b32 pkv, pkv, {st};",
+                  "or.b32 pkn, pkn, pkv;", "selp.b32 pkx, pku, pkn, pkp;"]
+    # out: int8 keep flags, four a register (element c: byte c % 4 of $c // 4), bit i of a nibble moved to bit 8 i
+    # by one multiply (the partial products' bits i + 7 k are distinct: no carries)
+    lines += ["and.b32 pkt, pkx, 15;", "mul.lo.u32 pkt, pkt, 0x204081;", "and.b32 $0, pkt, 0x01010101;",
+              "shr.b32 pkt, pkx, 4;", "mul.lo.u32 pkt, pkt, 0x204081;", "and.b32 $1, pkt, 0x01010101;"]
+    return "\n".join(lines + ["}"])
+
+
+_KEEP_OCTET_PTX = gl.constexpr(_keep_octet_ptx())
+_KEEP_OCTET_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))
+
+
+@gluon.jit
+def _dropout_scale(row, key, seed, groups, thr):
+    """The dropout factor (1 / (1 - p) kept, 0 dropped) of every element of a (keys, queries) tensor in the
+    consumers' ``s_layout`` (NVMMA v3, 4 x 1 warps), from int32 tensors of that shape and layout: ``row`` the
+    element's Philox row ((b H + h) Sq + query), ``key`` its key, and the seed's low word, the calls a row, the
+    threshold and 1 / (1 - p) (its fp32 bits) as int32 tensors: ``_keep_octet_ptx``."""
+    return gl.inline_asm_elementwise(_KEEP_OCTET_PTX, _KEEP_OCTET_CONSTRAINTS, [row, key, seed, groups, thr],
+                                     dtype=gl.int8, is_pure=True, pack=8)
+
+
 @gluon.jit
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem, ds_smem, lse_smem,
                    dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh, stride_qm, stride_dob, stride_doh,
@@ -218,14 +285,17 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
                    ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
                    stride_qm, stride_dob, stride_doh,
                    stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale, scale, b, hk, start_n,
-                   j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, Trace, HEAD_D: gl.constexpr,
-                   BLOCK_N: gl.constexpr,
+                   j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, Trace, seed, drop_groups, drop_thr,
+                   drop_inv, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr,
-                   STATS_EARLY: gl.constexpr, TRACE: gl.constexpr):
+                   STATS_EARLY: gl.constexpr, TRACE: gl.constexpr, HAS_DROPOUT: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block.
     FUSED_DQ: also dQ_j's columns [WG * D / 2, + D / 2) over both warpgroups' keys, dQ_j = dS_j K, from
     both dS^T tiles in shared memory (``ds_bar``: both written), added (scaled) to the fp32 dQ buffer by a
-    bulk TMA reduction through the descriptor DQACC (rows B * H * Sq, D columns; D / 2-column tiles)."""
+    bulk TMA reduction through the descriptor DQACC (rows B * H * Sq, D columns; D / 2-column tiles).
+    HAS_DROPOUT: the forward's keep mask regenerated (``_dropout_scale``): dV += (P^T * Z) dO_j and
+    dS^T = P^T (dP^T * Z - delta_j), Z the factor 1 / (1 - p) or 0; ``seed`` the seed's low word, ``drop_groups``
+    the Philox calls a query row (ceil(Sk / 8)), ``drop_thr`` p 2^16 and ``drop_inv`` 1 / (1 - p)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -243,6 +313,12 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     keys = n0 + gl.arange(0, BLOCK_N, layout=row_s)
+    if HAS_DROPOUT:  # (int32 tensors of s_layout: a broadcast is the same register, the asm reads one a pack)
+        i_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, s_layout)
+        d_key = i_zero + gl.expand_dims(keys.to(gl.int32), 1)
+        d_seed = i_zero + seed
+        d_groups = i_zero + drop_groups
+        d_thr = i_zero + drop_thr
     if WG == 0:
         _trace_mark(Trace, 9, TRACE)
     mbarrier.wait(kv_bar.index(WG), 0)
@@ -273,10 +349,18 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
             if IS_CAUSAL:
                 if j * BLOCK_M < n0 + BLOCK_N:  # the block reaches the diagonal: query i sees keys <= i
                     pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), pt, 0.0)
-            pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+            if HAS_DROPOUT:
+                d_row = gl.expand_dims(((b * H + hk * GROUP + g) * Sq).to(gl.int32) + cols, 0) + i_zero
+                zt = _dropout_scale(d_row, d_key, d_seed, d_groups, d_thr)
+                pt_op = gl.convert_layout(gl.where(zt != 0, pt * drop_inv, 0.0).to(dtype), a_layout)
+            else:
+                pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-            dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            if HAS_DROPOUT:
+                dst = (pt * (gl.where(zt != 0, dpt * drop_inv, 0.0) - gl.expand_dims(delta, 0))).to(dtype)
+            else:
+                dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
             if FUSED_DQ:
                 # dS^T goes through shared memory: the A operand of dK += dS^T Q_j (no register copy held while
                 # the GEMMs run) and, with the other warpgroup's, of dQ_j's columns
@@ -342,11 +426,11 @@ def _attention_bwd_dkdv_sm90_kernel(
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
-    H, GROUP, Sq, Sk, qk_scale, scale, lpt_heads, tail_from, Trace,
+    H, GROUP, Sq, Sk, qk_scale, scale, lpt_heads, tail_from, Trace, Seed, drop_thr, drop_inv,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, STATS_EARLY: gl.constexpr,
     kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr, TRACE: gl.constexpr = False,
-    HOST_KV: gl.constexpr = False,
+    HOST_KV: gl.constexpr = False, HAS_DROPOUT: gl.constexpr = False,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (cdiv(Sk, 2 * BLOCK_N) * kv heads * batch,):
     causal, longest CTAs first across the (batch, kv head)s of a group of ``lpt_heads`` (``_lpt_order``).
@@ -356,7 +440,9 @@ def _attention_bwd_dkdv_sm90_kernel(
     multiple of 2 * BLOCK_N, so no tile reaches the next head's rows). LSE and DELTA (B, H, Sq) fp32 with strides
     (lb, lh, 1).
     FUSED_DQ: dQ * scale is added through DQACC, a host descriptor over a zeroed contiguous (B, H, Sq, D) fp32
-    buffer seen as (B * H * Sq, D), (BLOCK_M, D / 2) tiles, by bulk TMA reductions."""
+    buffer seen as (B * H * Sq, D), (BLOCK_M, D / 2) tiles, by bulk TMA reductions.
+    HAS_DROPOUT: Seed the (1,) int64 seed (below 2^31), drop_thr p 2^16, drop_inv 1 / (1 - p)
+    (``_dkdv_consumer``)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = q_desc.dtype
     _trace_mark(Trace, 0, TRACE)
@@ -438,13 +524,19 @@ def _attention_bwd_dkdv_sm90_kernel(
     if IS_CAUSAL:
         j_lo = start_n // BLOCK_M  # queries before the CTA's first key see none of its keys
     n_qb = gl.cdiv(Sq, BLOCK_M)
+    if HAS_DROPOUT:
+        seed = gl.load(Seed).to(gl.int32)
+    else:
+        seed = 0
+    drop_groups = (Sk + 7) // 8
     gl.warp_specialize([
         (_dkdv_consumer, (0, q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, st_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
-                          Trace, HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE)),
+                          Trace, seed, drop_groups, drop_thr, drop_inv, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
+                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
@@ -456,7 +548,8 @@ def _attention_bwd_dkdv_sm90_kernel(
                           stride_qm, stride_dob,
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
-                          Trace, HEAD_D, BLOCK_N, BLOCK_M, STAGES, IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE)),
+                          Trace, seed, drop_groups, drop_thr, drop_inv, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
+                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT)),
     ], [1, 4], [24, 240])
 
 
@@ -744,13 +837,15 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
 
 
 def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: float, config=None,
-                            dq=None, trace=None) -> bool:
+                            dq=None, trace=None, dropout_p: float = 0.0, seed=None) -> bool:
     """dK, dV into ``dk``, ``dv`` for (B, H, S, D) tensors covered per ``attention_sm90.unsupported`` and a
     TMA-aligned ``do``; lse and delta (B, H, Sq) fp32 with a unit last stride. With ``dq``: dQ too, in the
     same kernel (FUSED_DQ: bulk TMA reductions into a zeroed fp32 buffer, then one copy into ``dq``). False (nothing
     launched) where q or do cannot be seen through one host descriptor or dk / dv are not TMA-aligned: the
     caller runs the Triton kernel. ``trace``: an int64 (CTAs, TRACE_SLOTS) buffer for the development timeline
-    (``benchmarks/dev/attention_bwd_trace.py``; ``_trace_put``'s slots)."""
+    (``benchmarks/dev/attention_bwd_trace.py``; ``_trace_put``'s slots). ``dropout_p`` > 0: the forward's dropout
+    (its rate rounded as every kernel rounds it, ``dropout_rate``), regenerated from ``seed`` (the op's (1,)
+    int64 seed tensor on the device, or an int)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bn, bm, stages = config or DKDV_CONFIGS[d]
@@ -773,13 +868,18 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     if lpt:
         lpt_heads = lpt_group(batch * hkv, 2 * (hq // hkv) * sq * d * q.element_size(), n_kb, q.device, hq == hkv)
         tail_from = lpt_tail_from(batch * hkv, lpt_heads)
+    rate = dropout_rate(dropout_p) if dropout_p > 0 else 0.0
+    seed_t = seed_arg(seed if seed is not None else 0, q.device, rate > 0)
+    drop_thr = round(rate * 65536)
+    drop_inv = 1.0 / (1.0 - rate)
     _launch.fast(_attention_bwd_dkdv_sm90_kernel)[(n_kb * hkv * batch,) if lpt else (n_kb, hkv, batch)](
         qd, dod, *kv, lse, delta, dqd, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
-        hq, hq // hkv, sq, sk, scale * LOG2E, scale, lpt_heads, tail_from, trace,
+        hq, hq // hkv, sq, sk, scale * LOG2E, scale, lpt_heads, tail_from, trace, seed_t, drop_thr, drop_inv,
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
-        ds_layout=dsl, num_warps=4, TRACE=trace is not None, HOST_KV=host_kv is not None, maxnreg=MAX_REGS)
+        ds_layout=dsl, num_warps=4, TRACE=trace is not None, HOST_KV=host_kv is not None, HAS_DROPOUT=rate > 0,
+        maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)
     return True

@@ -323,12 +323,16 @@ def _cuda_cover(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, batch: int
 
 
 def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-              batch: int, dropout_p: float) -> bool:
+              batch: int, dropout_p: float, causal: bool | None = None) -> bool:
     """Whether this eager call runs the C++ op (``_backend.use_cuda_op``): when named, and under ``auto`` for a call
     with dropout only (:data:`AUTO_CUDA_DROPOUT`). Without dropout the Triton path runs (its backward the faster;
-    at BERT-like shapes on Hopper with the C++ forward kernel: :data:`AUTO_CUDA_FWD`)."""
+    at BERT-like shapes on Hopper with the C++ forward kernel: :data:`AUTO_CUDA_FWD`), and with dropout where the
+    Gluon backward draws it (:data:`AUTO_SM90_DROPOUT`; ``causal`` None: a varlen call, never)."""
+    auto = dropout_p > 0.0 and AUTO_CUDA_DROPOUT and not (
+        causal is not None and (backend or default_backend()) == "auto"
+        and _auto_sm90_dropout_kind(q, k, v, mask, causal, "auto"))
     return use_cuda_op(op, backend, q.device, lambda: _cuda_cover(q, k, v, mask, batch),
-                       auto=dropout_p > 0.0 and AUTO_CUDA_DROPOUT, traced=True, capture=True)
+                       auto=auto, traced=True, capture=True)
 
 
 # ``auto`` runs attention calls with dropout on the C++ op where it is built and covers them (eager, and under
@@ -374,6 +378,44 @@ def _auto_cuda_fwd_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, ca
     return bool(ext.sm90a) and torch.cuda.get_device_capability(q.device) == (9, 0)
 
 
+# ``auto`` with dropout at D = 128 on Hopper, where the Gluon backward takes the case (``sm90_backward``: its dK/dV
+# kernel draws the dropout mask itself, fused with dQ or beside Triton's dQ kernel): the C++ forward kernel (with its
+# dropout) and that backward, instead of the C++ op's backward (0.76-0.78x cuDNN's with dropout at D = 128, run306).
+# ``PYKERNELS_AUTO_SM90_DROPOUT=0`` keeps those calls on the C++ op (read once).
+AUTO_SM90_DROPOUT = os.environ.get("PYKERNELS_AUTO_SM90_DROPOUT", "1") not in ("", "0")
+
+
+def _auto_sm90_dropout_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+                            requested: str) -> bool:
+    """What ``auto``'s call with dropout needs to run the C++ forward and the Gluon backward
+    (:data:`AUTO_SM90_DROPOUT`): ``auto``, no mask, dense (B, H, S, 128) fp16 / bf16 on a compute capability 9.0
+    device, the extension built with sm_90a code and covering the case, TMA-able strides, and the Gluon backward's
+    rule taking it (``sm90_backward``'s, less what needs the data: a call's own tensors are checked again, the
+    forward's alignment by ``_aligned16`` and the backward's by ``sm90_backward``). Shapes, strides and dtypes only:
+    torch.compile calls it on fake tensors."""
+    if not AUTO_SM90_DROPOUT or requested != "auto" or mask is not None:
+        return False
+    if q.device.type != "cuda" or q.dim() != 4 or q.shape[-1] != 128 or q.dtype not in (torch.float16,
+                                                                                          torch.bfloat16):
+        return False
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.shape[-1] != 128 or v.shape[-1] != 128 or q.numel() == 0 \
+            or k.numel() == 0:
+        return False
+    if not cuda_ops_ready() or _cuda_cover(q, k, v, mask, q.shape[0]) is not None:
+        return False
+    import pykernels._C as ext  # (built: cuda_ops_ready)
+    if not (bool(ext.sm90a) and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return False
+    from ._kernels import attention_sm90 as a9
+    from ._kernels import attention_sm90_bwd as kb
+    if not (kb.DROPOUT_KERNELS and a9.enabled()):
+        return False
+    if not (a9._tma_strides_ok(q.stride()) and a9._tma_strides_ok(k.stride()) and a9._tma_strides_ok(v.stride())):
+        return False
+    which = kb.kernels(q, k, causal, a9._num_sms(q.device))
+    return which == "fused" or "dkdv" in which.split(",")
+
+
 def _auto_cuda_fwd_call(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
     """What ``_auto_cuda_fwd`` requires of each call: no dropout, and q, k, v 16-byte aligned (TMA's maps)."""
     return dropout_p == 0.0 and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16)
@@ -381,12 +423,19 @@ def _auto_cuda_fwd_call(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bo
 
 def _auto_cuda_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, causal: bool,
                    requested: str) -> bool:
-    """Whether ``auto``'s Triton path takes the C++ forward kernel (:data:`AUTO_CUDA_FWD`; the two parts above)."""
+    """Whether ``auto``'s Triton path takes the C++ forward kernel (:data:`AUTO_CUDA_FWD`; the two parts above; with
+    dropout :data:`AUTO_SM90_DROPOUT`)."""
+    if dropout_p > 0:
+        return _aligned16(q, k, v) and _auto_sm90_dropout_kind(q, k, v, mask, causal, requested)
     return _auto_cuda_fwd_call(q, k, v, dropout_p) and _auto_cuda_fwd_kind(q, k, v, mask, causal, requested)
 
 
+def _aligned16(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    return not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16)
+
+
 def _lane_cuda(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, batch: int, dropout_p: float,
-               requested: str) -> bool:
+               requested: str, causal: bool | None = None) -> bool:
     """Whether a call the lane covers goes to the C++ op under ``auto`` (a call with dropout, the extension built
     and covering it: remembered per lane key; captured in CUDA graphs too, where its kernels are faster as well)."""
     if not (dropout_p > 0.0 and requested == "auto" and AUTO_CUDA_DROPOUT):
@@ -396,7 +445,8 @@ def _lane_cuda(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, batch
         if len(_LANE_CUDA) >= _LANE_MAX:
             _LANE_CUDA.clear()
         ok = _LANE_CUDA[lkey] = use_cuda_op(_OP, "auto", q.device, lambda: _cuda_cover(q, k, v, mask, batch),
-                                            capture=True)
+                                            capture=True) and not (
+            causal is not None and _auto_sm90_dropout_kind(q, k, v, mask, causal, requested))
     return ok
 
 
@@ -488,13 +538,15 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
 def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float, is_causal: bool,
                 scale: float, cuda_fwd: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``_attention_fwd`` on the Triton backend (also what the eager lane calls): (o, lse, seed, kv_range).
-    ``cuda_fwd`` (``_auto_cuda_fwd``: no dropout, no mask or a key-padding one): the C++ forward kernel instead, for
-    the Triton backward (which takes the key ranges that the Triton forward would have computed)."""
+    ``cuda_fwd`` (``_auto_cuda_fwd``: no dropout, no mask or a key-padding one; or with dropout, no mask, where the
+    Gluon backward draws it): the C++ forward kernel instead, for the Triton backward (which takes the key ranges that
+    the Triton forward would have computed, and the seed the C++ forward drew: the same mask)."""
     if cuda_fwd:  # (the key ranges first: the C++ forward splits a key-padding mask by them, csrc's fwd_key_ranges)
         kv_range = _key_padding_range(attn_mask, use_kernel=True)
-        o, lse, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, attn_mask, None, None, q.shape[2], k.shape[2],
-                                                            0.0, False, scale, kv_range if kv_range.numel() else None)
-        return _out_layout(o, q), lse, op_seed(0.0, q.device), kv_range
+        o, lse, seed = torch.ops.pykernels_cuda.attention_fwd(q, k, v, attn_mask, None, None, q.shape[2], k.shape[2],
+                                                               dropout_p, bool(is_causal), scale,
+                                                               kv_range if kv_range.numel() else None)
+        return _out_layout(o, q), lse, seed if dropout_p > 0 else op_seed(0.0, q.device), kv_range
     seed = op_seed(dropout_p, q.device)
     kv_range = _key_padding_range(attn_mask, use_kernel=True)
     o, lse = _kernels().attention_fwd(q, k, v, attn_mask, causal=is_causal, scale=scale, dropout_p=dropout_p,
@@ -695,6 +747,7 @@ def _broadcasts_to(shape, full) -> bool:
 _LANE_ON = os.environ.get("PYKERNELS_EAGER_LANE", "1") not in ("", "0")  # read once (tests flip the attribute)
 _LANE: dict = {}
 _LANE_CUDA: dict = {}  # lane key -> whether auto's calls with dropout take the C++ op (_lane_cuda)
+_LANE_SM90_DROPOUT: dict = {}  # lane key -> whether auto's calls with dropout take the C++ forward and Gluon backward
 _LANE_CUDA_FWD: dict = {}  # lane key -> whether auto's calls of that kind take the C++ forward (_auto_cuda_fwd_kind)
 _LANE_MAX = 1024  # the cache starts over when full (bounded whatever the callers vary)
 
@@ -796,16 +849,31 @@ def _lane(query, key, value, mask, dropout_p, is_causal, scale, backend, determi
         if grad and mask.requires_grad:
             return None  # a trainable bias: the full path runs the reference for its gradient
         mask = mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])  # (a view, as the full path's)
-    if _lane_cuda(lkey, query, key, value, mask, query.shape[0], dropout_p, requested):
+    if _lane_cuda(lkey, query, key, value, mask, query.shape[0], dropout_p, requested, bool(is_causal)):
         return _cuda_attention(query, key, value, mask, None, None, 0, 0, dropout_p, bool(is_causal), sc)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    cuda_fwd = _auto_cuda_fwd_call(query, key, value, dropout_p) and _lane_cuda_fwd(lkey, query, key, value, mask,
-                                                                                    is_causal, requested)
+    if dropout_p > 0:  # (auto's calls with dropout that reach here: AUTO_SM90_DROPOUT's, or another backend's)
+        cuda_fwd = _aligned16(query, key, value) and _lane_sm90_dropout(lkey, query, key, value, mask, is_causal,
+                                                                        requested)
+    else:
+        cuda_fwd = _auto_cuda_fwd_call(query, key, value, dropout_p) and _lane_cuda_fwd(lkey, query, key, value, mask,
+                                                                                        is_causal, requested)
     if grad and (query.requires_grad or key.requires_grad or value.requires_grad):
         return _LaneFunction.apply(query, key, value, mask, dropout_p, is_causal, sc, backend or "", deterministic,
                                    cuda_fwd)
     return _triton_fwd(query, key, value, mask, dropout_p, is_causal, sc, cuda_fwd)[0]
+
+
+def _lane_sm90_dropout(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+                       requested: str) -> bool:
+    """``_auto_sm90_dropout_kind`` of a lane key, remembered."""
+    ok = _LANE_SM90_DROPOUT.get(lkey)
+    if ok is None:
+        if len(_LANE_SM90_DROPOUT) >= _LANE_MAX:
+            _LANE_SM90_DROPOUT.clear()
+        ok = _LANE_SM90_DROPOUT[lkey] = _auto_sm90_dropout_kind(q, k, v, mask, causal, requested)
+    return ok
 
 
 def _lane_cuda_fwd(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, requested: str) -> bool:
@@ -1010,7 +1078,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         return attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, hq != hk)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    if _use_cuda(_OP, backend, q4, k4, v4, m4, q4.shape[0], dropout_p):
+    if _use_cuda(_OP, backend, q4, k4, v4, m4, q4.shape[0], dropout_p, bool(is_causal)):
         o = _cuda_attention(q4, k4, v4, m4, None, None, 0, 0, dropout_p, bool(is_causal), scale, deterministic)
     else:
         o = _attention_fwd(q4, k4, v4, m4, dropout_p, bool(is_causal), scale, backend or "", deterministic)[0]

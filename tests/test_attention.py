@@ -1486,6 +1486,89 @@ def test_gpu_sm90_backward_host_kv_descriptors(monkeypatch, fused, layout, b, hq
         assert (got.double() - want).abs().max().item() <= 2e-2 * want.abs().max().item() + 1e-3
 
 
+@pytest.mark.gpu
+@sm90_only
+@pytest.mark.parametrize("kernels", ["fused", "dkdv,dq"])
+@pytest.mark.parametrize("p", [0.1, 0.3])
+@pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal", [
+    ("bhsd", 2, 4, 2, 1000, 1100, True), ("bshd", 1, 4, 4, 1031, 1024, False), ("bhsd", 2, 2, 2, 64, 127, False),
+    ("bshd", 1, 6, 2, 700, 700, True), ("bhsd", 1, 2, 1, 1, 17, False)])
+def test_gpu_sm90_gluon_backward_dropout(monkeypatch, kernels, p, layout, b, hq, hkv, sq, sk, causal):
+    # the Gluon dK/dV kernel drawing the forward's dropout mask itself (HAS_DROPOUT; fused with dQ, or beside
+    # Triton's dQ kernel: "dkdv,dq" becomes "dkdv" with dropout), odd lengths, GQA, a transposed layout: output
+    # and the three gradients against float64 and eager's error with attention_dropout_mask of the seed drawn;
+    # a different seed gives different gradients (the mask is drawn, not ignored)
+    from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90_bwd as kb
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", kernels)
+    ran = []
+
+    def spy(*a, _f=kb.attention_bwd_dkdv_sm90, **kw):
+        took = _f(*a, **kw)
+        ran.append((kw.get("dropout_p", 0.0), kw.get("dq") is not None, took))
+        return took
+    monkeypatch.setattr(kb, "attention_bwd_dkdv_sm90", spy)
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout)
+    do = torch.randn(b, sq, hq, 128, dtype=BF16, device="cuda").transpose(1, 2)
+    want = "fused" if kernels == "fused" else "dkdv"
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=p, scale=0.1, causal=causal) == want
+    torch.manual_seed(2024)
+    seed = new_seed(q.device)
+    torch.manual_seed(2024)
+    out = sdpa(q, k, v, dropout_p=p, is_causal=causal, scale=0.1, enable_gqa=hq != hkv, backend="triton")
+    dmask = attention_dropout_mask(seed, b, hq, sq, sk, p, "cuda")
+    _, grads = _check_against_ref(q, k, v, causal=causal, scale=0.1, enable_gqa=hq != hkv, dropout_p=p,
+                                  dropout_mask=dmask, out=out, do=do, what=f"sm90 bwd dropout {kernels} p={p}")
+    assert ran == [(p, kernels == "fused", True)]
+    torch.manual_seed(7)
+    other = _grads(sdpa(q, k, v, dropout_p=p, is_causal=causal, scale=0.1, enable_gqa=hq != hkv,
+                        backend="triton"), (q, k, v), do)
+    assert not torch.equal(other[1], grads[1])
+
+
+@pytest.mark.gpu
+@sm90_only
+@needs_cuda_ext
+@pytest.mark.parametrize("b,h,s,causal", [(2, 16, 1024, False), (2, 16, 2048, True)])
+def test_gpu_auto_dropout_cpp_forward_gluon_backward(monkeypatch, b, h, s, causal):
+    # auto with dropout at D = 128 where the Gluon backward takes it (AUTO_SM90_DROPOUT): the C++ forward kernel
+    # (its dropout) and the Gluon dK/dV kernel with the seed that forward drew, through the lane and the full path:
+    # against the reference with attention_dropout_mask of that seed; =0 keeps the C++ op (the same mask)
+    import pykernels.attention as pa
+    from pykernels._kernels import attention_sm90_bwd as kb
+    ran = []
+
+    def spy(*a, _f=kb.attention_bwd_dkdv_sm90, **kw):
+        took = _f(*a, **kw)
+        ran.append((kw.get("dropout_p", 0.0) > 0, took))
+        return took
+    monkeypatch.setattr(kb, "attention_bwd_dkdv_sm90", spy)
+    monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD", raising=False)
+    q, k, v = _sm90_inputs(b, h, h, s, s, BF16, "bshd")
+    do = torch.randn(b, s, h, 128, dtype=BF16, device="cuda").transpose(1, 2)
+    assert pa._auto_sm90_dropout_kind(q, k, v, None, causal, "auto")
+    results = []
+    for lane in (True, False):
+        monkeypatch.setattr(pa, "_LANE_ON", lane)
+        ran.clear()
+        torch.manual_seed(99)
+        seed = new_seed(q.device)
+        torch.manual_seed(99)
+        out = sdpa(q, k, v, dropout_p=0.1, is_causal=causal)
+        dmask = attention_dropout_mask(seed, b, h, s, s, 0.1, "cuda")
+        results.append(_check_against_ref(q, k, v, causal=causal, dropout_p=0.1, dropout_mask=dmask, out=out, do=do,
+                                          what=f"auto dropout lane {lane}"))
+        assert ran == [(True, True)], (lane, ran)
+    assert torch.equal(results[0][0], results[1][0])  # (the same C++ forward either way)
+    monkeypatch.setattr(pa, "AUTO_SM90_DROPOUT", False)
+    pa._LANE_CUDA.clear()
+    ran.clear()
+    torch.manual_seed(99)
+    out = sdpa(q, k, v, dropout_p=0.1, is_causal=causal)
+    assert ran == []
+    torch.testing.assert_close(out, results[0][0], atol=0, rtol=0)  # (the C++ forward: the same kernel and mask)
+
+
 def _spy_gluon_dkdv(monkeypatch) -> list[bool]:
     """The default Gluon backward rule (PYKERNELS_ATTN_SM90_BWD unset), and a list that records each call of its
     dK/dV launcher: True for the fused kernel (given a dQ buffer), False for the pair's dK/dV kernel."""

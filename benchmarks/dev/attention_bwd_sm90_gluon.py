@@ -44,9 +44,9 @@ def compile_only() -> None:
         sig = {}
         for p in fn.params:
             n = p.name
-            sig[n] = (descs[n] if n in descs else "*bf16" if n in ("K", "V", "DK", "DV", "DQ", "O")
+            sig[n] = (descs[n] if n in descs else "*i64" if n == "Seed" else "*bf16" if n in ("K", "V", "DK", "DV", "DQ", "O")
                       else "*fp32" if n in ("LSE", "DELTA") else "i64" if n.startswith("stride")
-                      else "fp32" if n in ("qk_scale", "scale") else "constexpr" if p.is_constexpr or n == "Trace"
+                      else "fp32" if n in ("qk_scale", "scale", "drop_inv") else "constexpr" if p.is_constexpr or n == "Trace"
                       else "i32")
         return sig
 
@@ -74,6 +74,26 @@ def compile_only() -> None:
                     consts["DQACC"] = None
                 print(f"bwd-{'fused' if fused else 'dkdv'} D{d} cfg{cfg} {'causal' if causal else 'full'}"
                       f"{' host-kv' if host_kv else ''}: "
+                      f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
+        if d == 128:  # with dropout (HAS_DROPOUT: the keep mask drawn in the consumers), fused or not, both layouts
+            bn, bm, stages = kb.DKDV_CONFIGS[d]
+            ql, kl = smem_layouts(bm, bn, d, torch.bfloat16)
+            for causal, fused, host_kv in itertools.product((False, True), repeat=3):
+                fn = kb._attention_bwd_dkdv_sm90_kernel
+                descs = dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql), Seed="*i64",
+                             DQACC=(mangle_type(kb._dq_acc_descriptor(torch.zeros(4096, d), bm, d)) if fused
+                                    else "constexpr"))
+                if host_kv:
+                    descs.update({n: desc(bn, d, kl) for n in ("K", "V", "DK", "DV")})
+                sig = sig_of(fn, descs)
+                consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
+                              LPT=causal, STATS_EARLY=kb.STATS_EARLY and not causal, kv_layout=kl,
+                              ds_layout=kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl, num_warps=4,
+                              HOST_KV=host_kv, HAS_DROPOUT=True, Trace=None)
+                if not fused:
+                    consts["DQACC"] = None
+                print(f"bwd-drop-{'fused' if fused else 'dkdv'} D{d} cfg{(bn, bm, stages)} "
+                      f"{'causal' if causal else 'full'}{' host-kv' if host_kv else ''}: "
                       f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
         if d == 128:  # the development timeline's variant (benchmarks/dev/attention_bwd_trace.py), fused and causal
             bn, bm, stages = kb.DKDV_CONFIGS[d]

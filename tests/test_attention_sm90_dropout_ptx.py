@@ -1,0 +1,130 @@
+"""The Gluon dK/dV kernel's dropout PTX (``attention_sm90_bwd._keep_octet_ptx``) run on the CPU by a small
+interpreter of the instructions it uses, for the 32 lanes of a warp at once (its shuffles too): every lane's 8 keep
+flags of a pack must be ``pykernels.attention_dropout_mask``'s bits at the (query, key) that the NVMMA accumulator's
+register and lane order put there (``to_linear_layout`` of the consumers' ``s_layout``: register bit 0 = query + 1,
+bit 1 = key + 8, bit 2 = query + 8; lane bits 0-1 = query + 2, 4, bits 2-4 = key + 1, 2, 4). Whether the kernel
+gives the right gradients with it is the GPU's to say (tests/test_attention.py's sm_90 dropout test)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from pykernels.attention import attention_dropout_mask, dropout_rate  # noqa: E402
+
+M32, M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+
+
+def _run_ptx(ptx: str, operands: list[list[int]]) -> list[list[int]]:
+    """Runs the asm block for 32 lanes; ``operands[lane]``: the values of $0.. (outputs first, their initial values
+    ignored). Returns each lane's operands after the block."""
+    body = [ln.strip() for ln in ptx.strip().strip("{}").split("\n") if ln.strip() and not ln.strip().startswith(".reg")]
+    regs = [dict() for _ in range(32)]
+    ops = [list(o) for o in operands]
+
+    def val(lane, tok):
+        tok = tok.strip()
+        if tok.startswith("$"):
+            return ops[lane][int(tok[1:])]
+        if tok == "%laneid":
+            return lane
+        if re.fullmatch(r"0x[0-9A-Fa-f]+|\d+", tok):
+            return int(tok, 0)
+        return regs[lane][tok]
+
+    def put(lane, tok, x):
+        tok = tok.strip()
+        if tok.startswith("$"):
+            ops[lane][int(tok[1:])] = x
+        else:
+            regs[lane][tok] = x
+
+    for ln in body:
+        ins, rest = ln.rstrip(";").split(None, 1)
+        if ins == "mov.b64" and rest.startswith("{"):
+            lo_hi, src = rest.split("}", 1)
+            lo, hi = lo_hi.strip("{ ").split(",")
+            for lane in range(32):
+                x = val(lane, src.strip(", "))
+                put(lane, lo, x & M32)
+                put(lane, hi, x >> 32)
+            continue
+        args = [a.strip() for a in rest.split(",")]
+        if ins.startswith("shfl.sync.bfly"):
+            xs = [val(lane, args[1]) for lane in range(32)]
+            for lane in range(32):
+                put(lane, args[0], xs[lane ^ val(lane, args[2])])
+            continue
+        for lane in range(32):
+            a = [val(lane, t) for t in args[1:]]
+            if ins in ("mov.u32", "mov.b32"):
+                r = a[0]
+            elif ins == "shr.b32" or ins == "shr.u32":
+                r = a[0] >> a[1]
+            elif ins == "shl.b32":
+                r = (a[0] << a[1]) & M32
+            elif ins == "and.b32":
+                r = a[0] & a[1]
+            elif ins == "or.b32":
+                r = a[0] | a[1]
+            elif ins == "xor.b32":
+                r = a[0] ^ a[1]
+            elif ins == "add.u32":
+                r = (a[0] + a[1]) & M32
+            elif ins == "add.u64":
+                r = (a[0] + a[1]) & M64
+            elif ins == "bfe.u32":
+                r = (a[0] >> a[1]) & ((1 << a[2]) - 1)
+            elif ins == "mul.wide.u32":
+                r = a[0] * a[1]
+            elif ins == "cvt.u64.u32":
+                r = a[0]
+            elif ins == "mul.lo.u32":
+                r = (a[0] * a[1]) & M32
+            elif ins == "mul.hi.u32":
+                r = (a[0] * a[1]) >> 32
+            elif ins == "setp.ge.u32":
+                r = a[0] >= a[1]
+            elif ins == "setp.ne.u32":
+                r = a[0] != a[1]
+            elif ins == "selp.b32":
+                r = a[0] if a[2] else a[1]
+            else:
+                raise AssertionError(f"instruction {ins} not interpreted")
+            put(lane, args[0], r)
+    return ops
+
+
+@pytest.mark.parametrize("p,sk,kb,nt,row0", [(0.1, 200, 16, 2, 0), (0.5, 64, 48, 0, 3 * 57), (0.37, 1031, 1008, 6, 5 * 1000)])
+def test_keep_octet_ptx_draws_the_kernels_mask(p, sk, kb, nt, row0):
+    from pykernels._kernels.attention_sm90_bwd import _keep_octet_ptx
+    seed = 987654321
+    rate = dropout_rate(p)
+    groups, thr = (sk + 7) // 8, round(rate * 65536)
+    operands = []
+    for lane in range(32):
+        g, t4 = lane >> 2, lane & 3
+        q0 = row0 + nt * 8 + 2 * t4  # the pack's element 0: (query of its column, key of its row)
+        k0 = kb + g
+        operands.append([0, 0] + [q0] * 8 + [k0] * 8 + [seed] * 8 + [groups] * 8 + [thr] * 8)
+    out = _run_ptx(_keep_octet_ptx(), operands)
+    rows = row0 + nt * 8 + 16  # enough query rows for the pack's columns
+    keep = attention_dropout_mask(seed, 1, 1, rows, sk, p, "cpu")[0, 0]
+    checked = 0
+    for lane in range(32):
+        g, t4 = lane >> 2, lane & 3
+        for c in range(8):
+            flag = (out[lane][c // 4] >> (8 * (c % 4))) & 0xFF
+            query = row0 + nt * 8 + 2 * t4 + 8 * (c >> 2) + (c & 1)
+            key = kb + g + 8 * ((c >> 1) & 1)
+            assert flag in (0, 1)
+            if key < sk:
+                assert flag == int(keep[query, key]), (lane, c, query, key)
+                checked += 1
+    assert checked >= 8 * 16
+    # a rate that keeps about 1 - p of them (not a constant answer)
+    flags = [(out[lane][c // 4] >> (8 * (c % 4))) & 1 for lane in range(32) for c in range(8)]
+    assert 0 < sum(flags) < len(flags)
