@@ -125,6 +125,8 @@ STATS_EARLY = True
 # Dropout in the dK/dV kernel (HAS_DROPOUT: the consumers draw the forward's keep mask, ``_dropout_scale``), fused with
 # dQ or beside Triton's dQ kernel; ``PYKERNELS_ATTN_SM90_DROPOUT=0``: the Triton kernels take every call with dropout
 DROPOUT_KERNELS = os.environ.get("PYKERNELS_ATTN_SM90_DROPOUT", "1") not in ("", "0")
+# ... its draws issued between a block's S^T / dP^T GEMMs and their wait (DROP_EARLY), else after P^T
+DROPOUT_EARLY = True
 # dK/dV: K, V, dK and dV through host descriptors over their (rows, row stride) views where Sk is a multiple of the
 # CTA's 2 x BLOCK_N keys (no tile then reaches the next head's rows; else, or where a view has no such geometry,
 # through descriptors of the CTA's head made on the device). run438's timeline: a CTA's four device-made
@@ -227,6 +229,28 @@ def _keep_octet_ptx() -> str:
 
 
 _KEEP_OCTET_PTX = gl.constexpr(_keep_octet_ptx())
+
+
+def _apply_keep_ptx() -> str:
+    """The PTX of ``_apply_keep``: 8 fp32 values ($8-$15) kept or zeroed by the int8 flags of ``_dropout_scale``,
+    which come packed four a register ($16, $17: element c in byte c % 4 of $16 + c // 4), as that asm left them (the
+    flags stay packed in two registers a pack between the two asm blocks, not 8)."""
+    lines = ["{", ".reg .pred pkp;", ".reg .b32 pkt;"]
+    for c in range(8):
+        lines += [f"and.b32 pkt, ${16 + c // 4}, {1 << 8 * (c % 4)};", "setp.ne.u32 pkp, pkt, 0;",
+                  f"selp.b32 ${c}, ${8 + c}, 0, pkp;"]
+    return "\n".join(lines + ["}"])
+
+
+_APPLY_KEEP_PTX = gl.constexpr(_apply_keep_ptx())
+_APPLY_KEEP_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
+
+
+@gluon.jit
+def _apply_keep(vals, keep):
+    """``vals`` (fp32) where ``keep`` (``_dropout_scale``'s int8 flags, the same shape and layout) is set, else 0."""
+    return gl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [vals, keep], dtype=gl.float32,
+                                     is_pure=True, pack=8)
 _KEEP_OCTET_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))
 
 
@@ -288,7 +312,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
                    j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, Trace, seed, drop_groups, drop_thr,
                    drop_inv, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr,
-                   STATS_EARLY: gl.constexpr, TRACE: gl.constexpr, HAS_DROPOUT: gl.constexpr):
+                   STATS_EARLY: gl.constexpr, TRACE: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+                   DROP_EARLY: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block.
     FUSED_DQ: also dQ_j's columns [WG * D / 2, + D / 2) over both warpgroups' keys, dQ_j = dS_j K, from
     both dS^T tiles in shared memory (``ds_bar``: both written), added (scaled) to the fp32 dQ buffer by a
@@ -341,6 +366,10 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
             st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             cols = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
+            if HAS_DROPOUT:
+                if DROP_EARLY:  # the draws while S^T and dP^T are on the tensor cores
+                    d_row = gl.expand_dims(((b * H + hk * GROUP + g) * Sq).to(gl.int32) + cols, 0) + i_zero
+                    zt = _dropout_scale(d_row, d_key, d_seed, d_groups, d_thr)
             if not STATS_EARLY:
                 lse2 = lse_smem.index(s).load(col_s)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
@@ -350,15 +379,17 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
                 if j * BLOCK_M < n0 + BLOCK_N:  # the block reaches the diagonal: query i sees keys <= i
                     pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), pt, 0.0)
             if HAS_DROPOUT:
-                d_row = gl.expand_dims(((b * H + hk * GROUP + g) * Sq).to(gl.int32) + cols, 0) + i_zero
-                zt = _dropout_scale(d_row, d_key, d_seed, d_groups, d_thr)
-                pt_op = gl.convert_layout(gl.where(zt != 0, pt * drop_inv, 0.0).to(dtype), a_layout)
+                if not DROP_EARLY:
+                    d_row = gl.expand_dims(((b * H + hk * GROUP + g) * Sq).to(gl.int32) + cols, 0) + i_zero
+                    zt = _dropout_scale(d_row, d_key, d_seed, d_groups, d_thr)
+                # (1 / (1 - p) applied to dV once, at the end)
+                pt_op = gl.convert_layout(_apply_keep(pt, zt).to(dtype), a_layout)
             else:
                 pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
             if HAS_DROPOUT:
-                dst = (pt * (gl.where(zt != 0, dpt * drop_inv, 0.0) - gl.expand_dims(delta, 0))).to(dtype)
+                dst = (pt * (_apply_keep(dpt, zt) * drop_inv - gl.expand_dims(delta, 0))).to(dtype)
             else:
                 dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
             if FUSED_DQ:
@@ -404,7 +435,10 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     # partition (which made dk_desc and dv_desc where they are made on the device) issues every TMA through
     # them: it stores warpgroup 1's tiles too, once ``st_bar`` says they are in place
     k_tile.store((dk * scale).to(dtype))
-    v_tile.store(dv.to(dtype))
+    if HAS_DROPOUT:
+        v_tile.store((dv * drop_inv).to(dtype))
+    else:
+        v_tile.store(dv.to(dtype))
     fence_async_shared()
     if WG == 0:
         tma.async_copy_shared_to_global(dk_desc, [dk_row + n0, dk_col], k_tile)
@@ -430,7 +464,7 @@ def _attention_bwd_dkdv_sm90_kernel(
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, STATS_EARLY: gl.constexpr,
     kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr, TRACE: gl.constexpr = False,
-    HOST_KV: gl.constexpr = False, HAS_DROPOUT: gl.constexpr = False,
+    HOST_KV: gl.constexpr = False, HAS_DROPOUT: gl.constexpr = False, DROP_EARLY: gl.constexpr = True,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (cdiv(Sk, 2 * BLOCK_N) * kv heads * batch,):
     causal, longest CTAs first across the (batch, kv head)s of a group of ``lpt_heads`` (``_lpt_order``).
@@ -536,7 +570,7 @@ def _attention_bwd_dkdv_sm90_kernel(
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
                           Trace, seed, drop_groups, drop_thr, drop_inv, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT)),
+                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT, DROP_EARLY)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
@@ -549,7 +583,7 @@ def _attention_bwd_dkdv_sm90_kernel(
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
                           Trace, seed, drop_groups, drop_thr, drop_inv, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT)),
+                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT, DROP_EARLY)),
     ], [1, 4], [24, 240])
 
 
@@ -879,7 +913,7 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
         ds_layout=dsl, num_warps=4, TRACE=trace is not None, HOST_KV=host_kv is not None, HAS_DROPOUT=rate > 0,
-        maxnreg=MAX_REGS)
+        DROP_EARLY=DROPOUT_EARLY, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)
     return True

@@ -1,0 +1,109 @@
+"""The attention backward with dropout at D = 128 on Hopper, kernel against kernel in one process (GPU): the Gluon
+dK/dV kernel drawing the mask itself (``attention_sm90_bwd``'s HAS_DROPOUT, fused with dQ or beside Triton's dQ
+kernel as the speed rule picks), with its draws before the S^T / dP^T wait (``DROPOUT_EARLY``) or after P^T; the
+Triton kernels (``DROPOUT_KERNELS`` off); the C++ op's backward; cuDNN's backward with dropout; and the Gluon
+backward without dropout (the dropout's cost). Every backward takes the C++ forward's output, lse and seed (the same
+mask: each row says how far its dK / dV / dQ are from the Triton kernels'); cuDNN's draws its own mask.
+
+Usage (GPU): ``python benchmarks/dev/attention_bwd_dropout_ab.py [--p 0.1] [--reps 20]``. One line a shape and
+variant: ``case variant us TFLOP/s max|diff|`` (us: one backward's CUDA-graph replay, the median of ``--reps``
+timed replays of 5 calls; FLOPs 2.5x the forward's 4 B H S^2 D, half of it causal).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+CASES = (("causal_2k", 4, 16, 2048, True), ("full_1k", 8, 16, 1024, False), ("full_4k", 4, 16, 4096, False),
+         ("causal_4k", 4, 16, 4096, True), ("causal_8k_b1", 1, 16, 8192, True))
+
+
+def graph_us(fn, reps: int) -> float:
+    """One call of ``fn``'s kernels as a CUDA graph of 5 calls, replayed: the median of ``reps`` replays, per call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(5):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / 5)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--p", type=float, default=0.1)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
+    args = ap.parse_args()
+    import pykernels  # noqa: F401  (the ops, the extension)
+    from pykernels._kernels import attention as tri
+    from pykernels._kernels import attention_sm90_bwd as kb
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} p {args.p} "
+          f"commit {os.environ.get('PYKERNELS_COMMIT', '?')}", flush=True)
+    want = set(args.cases.split(","))
+    for name, b, h, s, causal in CASES:
+        if name not in want:
+            continue
+        d, sc = 128, 128 ** -0.5
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        do = torch.randn_like(q)
+        o, lse, seed = torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, s, s, args.p, causal, sc)
+        o0, lse0, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, s, s, 0.0, causal, sc)
+        flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+
+        def gluon(early: bool, on: bool = True, p: float = args.p):
+            def run():
+                kb.DROPOUT_EARLY, kb.DROPOUT_KERNELS = early, on
+                return tri.attention_bwd(do, q, k, v, o if p else o0, lse if p else lse0, None, causal=causal,
+                                         scale=sc, dropout_p=p, seed=seed)
+            return run
+
+        def cpp():
+            return torch.ops.pykernels_cuda.attention_bwd(do, q, k, v, o, lse, None, None, None, s, s, args.p, causal,
+                                                          sc, seed, False)
+
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out_c = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, dropout_p=args.p, is_causal=causal,
+                                                                     scale=sc)
+
+        def cudnn():
+            return torch.autograd.grad(out_c, (qq, kk, vv), do, retain_graph=True)
+
+        ref = gluon(True, on=False)()  # the Triton kernels with the same mask
+        variants = (("gluon-early", gluon(True)), ("gluon-late", gluon(False)), ("triton", gluon(True, on=False)),
+                    ("cpp", cpp), ("cudnn", cudnn), ("gluon-nodrop", gluon(True, p=0.0)))
+        for vname, fn in variants:
+            try:
+                got = fn()
+                diff = (max((x.float() - y.float()).abs().max().item() for x, y in zip(got, ref))
+                        if vname not in ("cudnn", "gluon-nodrop") else float("nan"))
+                us = graph_us(fn, args.reps)
+                print(f"{name} {vname} {us:.1f} {flops / us / 1e6:.1f} {diff:.2e}", flush=True)
+            except Exception as e:  # a probe: report and go on
+                print(f"{name} {vname} ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
+        kb.DROPOUT_EARLY, kb.DROPOUT_KERNELS = True, True
+
+
+if __name__ == "__main__":
+    main()
