@@ -54,7 +54,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
     args = ap.parse_args()
-    import pykernels  # noqa: F401  (the ops, the extension)
+    from pykernels._backend import cuda_ops_ready
+    assert cuda_ops_ready(), "needs the C++ extension (pykernels._C)"
     from pykernels._kernels import attention as tri
     from pykernels._kernels import attention_sm90_bwd as kb
     from torch.nn.attention import SDPBackend, sdpa_kernel
