@@ -379,18 +379,15 @@ def _auto_cuda_fwd_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, ca
 
 
 # ``auto`` with dropout at D = 128 on Hopper, where the Gluon backward takes the case (``sm90_backward``: its dK/dV
-# kernel draws the dropout mask itself, fused with dQ or beside Triton's dQ kernel), except causal from 4096 keys:
-# the C++ forward kernel (with its dropout) and that backward, instead of the C++ op's backward. H200 run445
-# (``benchmarks/dev/attention_dropout_kernels.py --auto --graph``, p = 0.1, backward kernel time / graph replay, us):
-# causal 4 x 16 x 2048 655.2 / 644.9 against the C++ op's 692.4 / 669.8, full 4 x 16 x 4096 3949.6 / 4014.9 against
-# 4019.6 / 4059.8, causal 1 x 16 x 8192 2155.3 / 2147.4 against 2192.6 / 2157.9, but causal 4 x 16 x 4096 2225.6 /
-# 2233.7 against 2216.0 / 2206.0 (so not there). cuDNN's backward with dropout in that call 533.2 / 3284.2 / 1658.1 /
-# 1707.7: the Philox draws (four calls a thread a block, one per 8 elements, about 100 instructions each) cost this
-# kernel 45% over its time without dropout, cuDNN's about 20%. ``PYKERNELS_AUTO_SM90_DROPOUT=0`` keeps those calls
-# on the C++ op (read once).
+# kernel draws the dropout mask itself, fused with dQ or beside Triton's dQ kernel): the C++ forward kernel (with its
+# dropout) and that backward, instead of the C++ op's backward. H200 run447 (``benchmarks/dev/
+# attention_bwd_dropout_ab.py``, p = 0.1, the whole backward's graph replay, us, Gluon / C++ op / cuDNN): causal
+# 4 x 16 x 2048 596.9 / 676.6 / - (cuDNN's capture failed there), full 8 x 16 x 1024 507.4 / 597.4 / 505.0, full
+# 4 x 16 x 4096 3377.4 / 4012.0 / 3402.4, causal 4 x 16 x 4096 2028.8 / 2214.7 / 1820.0, causal 1 x 16 x 8192 1966.7 /
+# 2168.6 / 1751.9 (the Triton kernels 2.0-2.4x the Gluon time). Its first version (flags unpacked, 45% over its time
+# without dropout) lost at causal 4 x 16 x 4096 (run445); with the flags packed between the asm blocks 1.27-1.40x.
+# ``PYKERNELS_AUTO_SM90_DROPOUT=0`` keeps those calls on the C++ op (read once).
 AUTO_SM90_DROPOUT = os.environ.get("PYKERNELS_AUTO_SM90_DROPOUT", "1") not in ("", "0")
-# (the causal length from which auto keeps the C++ op's backward with dropout: run445)
-AUTO_SM90_DROPOUT_CAUSAL_MAX_SK = 4096
 
 
 def _auto_sm90_dropout_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
@@ -402,8 +399,6 @@ def _auto_sm90_dropout_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     forward's alignment by ``_aligned16`` and the backward's by ``sm90_backward``). Shapes, strides and dtypes only:
     torch.compile calls it on fake tensors."""
     if not AUTO_SM90_DROPOUT or requested != "auto" or mask is not None:
-        return False
-    if causal and k.dim() == 4 and k.shape[2] >= AUTO_SM90_DROPOUT_CAUSAL_MAX_SK:
         return False
     if q.device.type != "cuda" or q.dim() != 4 or q.shape[-1] != 128 or q.dtype not in (torch.float16,
                                                                                           torch.bfloat16):

@@ -1530,7 +1530,7 @@ def test_gpu_sm90_gluon_backward_dropout(monkeypatch, kernels, p, layout, b, hq,
 @pytest.mark.gpu
 @sm90_only
 @needs_cuda_ext
-@pytest.mark.parametrize("b,h,s,causal", [(2, 16, 1024, False), (2, 16, 2048, True)])
+@pytest.mark.parametrize("b,h,s,causal", [(2, 16, 1024, False), (2, 16, 2048, True), (1, 16, 4096, True)])
 def test_gpu_auto_dropout_cpp_forward_gluon_backward(monkeypatch, b, h, s, causal):
     # auto with dropout at D = 128 where the Gluon backward takes it (AUTO_SM90_DROPOUT): the C++ forward kernel
     # (its dropout) and the Gluon dK/dV kernel with the seed that forward drew, through the lane and the full path:
@@ -1548,10 +1548,10 @@ def test_gpu_auto_dropout_cpp_forward_gluon_backward(monkeypatch, b, h, s, causa
     q, k, v = _sm90_inputs(b, h, h, s, s, BF16, "bshd")
     do = torch.randn(b, s, h, 128, dtype=BF16, device="cuda").transpose(1, 2)
     assert pa._auto_sm90_dropout_kind(q, k, v, None, causal, "auto")
-    long = torch.empty(1, 16, 4096, 128, dtype=BF16, device="cuda")  # (causal from 4096 keys: the C++ op's, run445)
-    assert pa._auto_sm90_dropout_kind(long, long, long, None, False, "auto")
-    assert not pa._auto_sm90_dropout_kind(long, long, long, None, True, "auto")
+    few = torch.empty(1, 2, 256, 128, dtype=BF16, device="cuda")  # (4 CTAs: the Gluon backward's rule declines)
+    assert not pa._auto_sm90_dropout_kind(few, few, few, None, causal, "auto")
     assert not pa._auto_sm90_dropout_kind(q, k, v, None, causal, "cuda")
+    assert not pa._auto_sm90_dropout_kind(q, k, v, torch.ones(s, s, dtype=torch.bool, device="cuda"), causal, "auto")
     results = []
     for lane in (True, False):
         monkeypatch.setattr(pa, "_LANE_ON", lane)
