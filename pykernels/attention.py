@@ -328,9 +328,10 @@ def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mas
     with dropout only (:data:`AUTO_CUDA_DROPOUT`). Without dropout the Triton path runs (its backward the faster;
     at BERT-like shapes on Hopper with the C++ forward kernel: :data:`AUTO_CUDA_FWD`), and with dropout where the
     Gluon backward draws it (:data:`AUTO_SM90_DROPOUT`; ``causal`` None: a varlen call, never)."""
-    auto = dropout_p > 0.0 and AUTO_CUDA_DROPOUT and not (
-        causal is not None and (backend or default_backend()) == "auto"
-        and _auto_sm90_dropout_kind(q, k, v, mask, causal, "auto"))
+    auto = dropout_p > 0.0 and AUTO_CUDA_DROPOUT
+    if auto and causal is not None and not torch.compiler.is_compiling() and (backend or default_backend()) == "auto" \
+            and _auto_sm90_dropout_kind(q, k, v, mask, causal, "auto"):
+        auto = False  # (torch.compile's graphs keep the C++ pair: the rule asks the device, which dynamo would not trace)
     return use_cuda_op(op, backend, q.device, lambda: _cuda_cover(q, k, v, mask, batch),
                        auto=auto, traced=True, capture=True)
 
@@ -396,8 +397,8 @@ def _auto_sm90_dropout_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     (:data:`AUTO_SM90_DROPOUT`): ``auto``, no mask, dense (B, H, S, 128) fp16 / bf16 on a compute capability 9.0
     device, the extension built with sm_90a code and covering the case, TMA-able strides, and the Gluon backward's
     rule taking it (``sm90_backward``'s, less what needs the data: a call's own tensors are checked again, the
-    forward's alignment by ``_aligned16`` and the backward's by ``sm90_backward``). Shapes, strides and dtypes only:
-    torch.compile calls it on fake tensors."""
+    forward's alignment by ``_aligned16`` and the backward's by ``sm90_backward``). Shapes, strides and dtypes only
+    (no data pointer). Not under torch.compile's tracing, whose graphs keep the C++ pair for auto with dropout."""
     if not AUTO_SM90_DROPOUT or requested != "auto" or mask is not None:
         return False
     if q.device.type != "cuda" or q.dim() != 4 or q.shape[-1] != 128 or q.dtype not in (torch.float16,

@@ -1739,7 +1739,17 @@ def test_gpu_sm90_backward_dispatch_rules(monkeypatch):
     assert katt.sm90_backward(q[:1], k[:1], v[:1], do[:1], None, dropout_p=0.0, scale=0.1) == ""  # 32 CTAs
     assert katt.sm90_backward(q[..., :64], k[..., :64], v[..., :64], do[..., :64], None, dropout_p=0.0,
                               scale=0.1) == ""  # D = 64: the Triton kernels
+    # with dropout the dK/dV kernel draws the mask: fused, or beside Triton's dQ kernel ("dkdv,dq" -> "dkdv", "dq" ->
+    # ""), and nothing where DROPOUT_KERNELS is off
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=0.1) == "fused"
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=0.1, deterministic=True) == "dkdv"
+    assert katt.sm90_backward(q3, k3, v3, torch.randn_like(q3), None, dropout_p=0.1, scale=0.1) == "dkdv"
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "dq")
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=0.1) == ""
+    monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD")
+    monkeypatch.setattr(kb, "DROPOUT_KERNELS", False)
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=0.1) == ""
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1) == "fused"
     assert katt.sm90_backward(q, k, v, do.expand_as(q)[..., :1].expand_as(q), None, dropout_p=0.0, scale=0.1) == ""
     assert katt.sm90_backward(q, k, v, do.float(), None, dropout_p=0.0, scale=0.1) == ""
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "")
