@@ -1,8 +1,9 @@
 """Attention backward for Hopper (sm_90) in Gluon: the dK/dV and dQ kernels that ``attention.attention_bwd``
-takes on sm_90 where ``attention_sm90`` covers the case (fp16/bf16, D = 64 or 128, no mask, no dropout,
-not varlen), at D = 128 with at least one CTA per SM (``kernels``), and the tensors are seen through host
-descriptors. The Gluon dQ kernel runs first and forms delta = rowsum(dO * O) itself (``_row_delta``) for
-the dK/dV kernel too; where it does not run, the Triton preprocess does, as for the Triton kernels.
+takes on sm_90 where ``attention_sm90`` covers the case (fp16/bf16, D = 64 or 128, no mask, not varlen; with
+dropout the dK/dV kernel only, ``HAS_DROPOUT`` below), at D = 128 with at least one CTA per SM (``kernels``),
+and the tensors are seen through host descriptors. The Gluon dQ kernel runs first and forms delta =
+rowsum(dO * O) itself (``_row_delta``) for the dK/dV kernel too; where it does not run, the Triton preprocess
+does, as for the Triton kernels.
 Either Gluon kernel can run with the other's Triton one.
 
 Why. The Triton dK/dV and dQ kernels wait for every wgmma right after issuing it and cannot split a
@@ -39,6 +40,17 @@ never stored.
 Causal: both kernels' CTAs run longest first (``CAUSAL_LPT``) across the (batch, head)s of a group that fits L2
 (``_lpt_order``, ``LPT_L2_BYTES``; all heads at once streamed every head's operands from DRAM, run87), the last
 ``LPT_TAIL_GROUPS`` groups as one so that the grid ends on short CTAs (run437).
+
+Dropout (``HAS_DROPOUT``, D = 128; ``DROPOUT_KERNELS``): the dK/dV kernel's consumers draw the forward's keep mask
+themselves, Philox-4x32-7 at the counter every pykernels kernel uses (``kernels/_dropout.py``), in inline PTX
+(``_keep_octet_ptx``): one call per 8 elements, its keep bits moved to the lanes that hold them by three xor
+shuffles (csrc/attention.cuh's octet transpose), the flags left packed four to a register until ``_apply_keep``
+zeroes P^T and dP^T with them; the draws are issued while the block's S^T and dP^T GEMMs run (``DROPOUT_EARLY``).
+dV += (P^T Z) dO_j and dS^T = P^T (dP^T Z / (1 - p) - delta_j), dV scaled by 1 / (1 - p) once at the end. The dQ
+kernel has no dropout: beside the dK/dV kernel Triton's dQ kernel runs (``sm90_backward``). H200 run447 (whole
+backward, graph replay, p = 0.1): 1.09-1.19x the C++ op's backward and 2.0-2.4x the Triton kernels', 1.27-1.40x
+its own time without dropout; against cuDNN's backward with dropout 1.007x at 4 x 16 x 4096 full, 0.995x at 8 x 16 x
+1024 full, 0.89-0.90x causal.
 
 Set-up: the dK/dV kernel's K, V, dK and dV come through host descriptors where Sk is a multiple of its 128 keys
 (``HOST_KV``; else made on the device per CTA, which cost 3.6-3.9 us of a CTA's 6.1 us before its first query
@@ -122,8 +134,9 @@ FUSED_CAUSAL_MIN_SK = 2048
 # dK/dV without causal masking the consumers also read lse before issuing the block's first GEMMs (run77: 1.05x
 # at S8192; causal 0.98-1.01x, so not there)
 STATS_EARLY = True
-# Dropout in the dK/dV kernel (HAS_DROPOUT: the consumers draw the forward's keep mask, ``_dropout_scale``), fused with
-# dQ or beside Triton's dQ kernel; ``PYKERNELS_ATTN_SM90_DROPOUT=0``: the Triton kernels take every call with dropout
+# Dropout in the dK/dV kernel (HAS_DROPOUT: the consumers draw the forward's keep mask, ``_dropout_keep_flags``),
+# fused with dQ or beside Triton's dQ kernel; ``PYKERNELS_ATTN_SM90_DROPOUT=0``: the Triton kernels take every call
+# with dropout
 DROPOUT_KERNELS = os.environ.get("PYKERNELS_ATTN_SM90_DROPOUT", "1") not in ("", "0")
 # ... its draws issued between a block's S^T / dP^T GEMMs and their wait (DROP_EARLY), else after P^T
 DROPOUT_EARLY = True
@@ -182,21 +195,22 @@ def _trace_mark(Trace, slot, TRACE: gl.constexpr):
 
 
 def _keep_octet_ptx() -> str:
-    """The PTX of ``_dropout_scale``: one asm block a pack of 8 accumulator registers (``pack=8``). Operands: $0-$7
-    out (the factors, fp32 bits), then 8 registers each of: the element's Philox row ((b H + h) Sq + query), its key,
-    the seed's low word, the calls a row (ceil(Sk / 8)), the threshold (p 2^16) and 1 / (1 - p) (fp32 bits); of each
-    only the pack's first element is read. The pack's element c is (query q0 + 8 (c >> 2) + (c & 1), key k0 +
-    8 ((c >> 1) & 1)), k0 = kb + g for lane 4 g + t4 (the NVMMA accumulator's register and lane order, row = key:
-    ``to_linear_layout`` of ``s_layout``). The 8 lanes g of one t4 (an octet) need the 8 calls (query, key group) of
-    their pack: lane g draws call c = g (Philox-4x32-7, csrc/philox.cuh's philox4x32), forms its 8 keep bits (bit v:
-    key v of the call; keep_byte), and three xor-shuffle stages transpose the octet's bit matrix (transpose_stage,
-    F = 1), after which bit c is this lane's key in call c: csrc/attention.cuh's key_keep_bits, in Gluon's
-    registers."""
+    """The PTX of ``_dropout_keep_flags``: one asm block a pack of 8 accumulator registers (``pack=8``). Operands:
+    $0, $1 out (the pack's 8 int8 keep flags, 0 or 1, four a register: element c in byte c % 4 of $(c // 4)), then 8
+    registers each of: the element's Philox row ((b H + h) Sq + query), its key, the seed's low word, the calls a row
+    (ceil(Sk / 8)) and the threshold (p 2^16); of each only the pack's first element is read. The pack's element c is
+    (query q0 + 8 (c >> 2) + (c & 1), key k0 + 8 ((c >> 1) & 1)), k0 = kb + g for lane 4 g + t4 (the NVMMA
+    accumulator's register and lane order, row = key: ``to_linear_layout`` of ``s_layout``). The 8 lanes g of one t4
+    (an octet) need the 8 calls (query, key group) of their pack: lane g draws call c = g (Philox-4x32-7,
+    csrc/philox.cuh's philox4x32), forms its 8 keep bits (bit v: key v of the call; keep_byte), and three xor-shuffle
+    stages transpose the octet's bit matrix (transpose_stage, F = 1), after which bit c is this lane's key in call c:
+    csrc/attention.cuh's key_keep_bits, in Gluon's registers. ``tests/test_attention_sm90_dropout_ptx.py`` runs it on
+    the CPU against ``attention_dropout_mask``."""
     lines = ["{", ".reg .pred pkp;",
              ".reg .b32 pkg, pkt, pkr, pkk, pkc0, pkc1, pkc2, pkc3, pkk0, pkk1, pkhb, pklb, pkha, pkla, pkn, pkx, pky, "
              "pku, pkv, pkhi;", ".reg .b64 pkctr, pkw;",
              "mov.u32 pkg, %laneid;", "shr.b32 pkg, pkg, 2;",
-             # the call of element c = g: query row $8 + 8 (g >> 2) + (g & 1), key group ($16 >> 3) + ((g >> 1) & 1)
+             # the call of element c = g: query row $2 + 8 (g >> 2) + (g & 1), key group ($10 >> 3) + ((g >> 1) & 1)
              "shr.b32 pkt, pkg, 2;", "shl.b32 pkt, pkt, 3;", "and.b32 pkr, pkg, 1;", "add.u32 pkr, pkr, pkt;",
              "add.u32 pkr, pkr, $2;", "shr.b32 pkk, $10, 3;", "bfe.u32 pkt, pkg, 1, 1;", "add.u32 pkk, pkk, pkt;",
              "mul.wide.u32 pkctr, pkr, $26;", "cvt.u64.u32 pkw, pkk;", "add.u64 pkctr, pkctr, pkw;",
@@ -232,7 +246,7 @@ _KEEP_OCTET_PTX = gl.constexpr(_keep_octet_ptx())
 
 
 def _apply_keep_ptx() -> str:
-    """The PTX of ``_apply_keep``: 8 fp32 values ($8-$15) kept or zeroed by the int8 flags of ``_dropout_scale``,
+    """The PTX of ``_apply_keep``: 8 fp32 values ($8-$15) kept or zeroed by the int8 flags of ``_dropout_keep_flags``,
     which come packed four a register ($16, $17: element c in byte c % 4 of $16 + c // 4), as that asm left them (the
     flags stay packed in two registers a pack between the two asm blocks, not 8)."""
     lines = ["{", ".reg .pred pkp;", ".reg .b32 pkt;"]
@@ -248,18 +262,19 @@ _APPLY_KEEP_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 
 @gluon.jit
 def _apply_keep(vals, keep):
-    """``vals`` (fp32) where ``keep`` (``_dropout_scale``'s int8 flags, the same shape and layout) is set, else 0."""
+    """``vals`` (fp32) where ``keep`` (``_dropout_keep_flags``'s int8 flags, the same shape and layout) is set,
+    else 0."""
     return gl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [vals, keep], dtype=gl.float32,
                                      is_pure=True, pack=8)
 _KEEP_OCTET_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))
 
 
 @gluon.jit
-def _dropout_scale(row, key, seed, groups, thr):
-    """The dropout factor (1 / (1 - p) kept, 0 dropped) of every element of a (keys, queries) tensor in the
+def _dropout_keep_flags(row, key, seed, groups, thr):
+    """The dropout keep flag (int8: 1 kept, 0 dropped) of every element of a (keys, queries) tensor in the
     consumers' ``s_layout`` (NVMMA v3, 4 x 1 warps), from int32 tensors of that shape and layout: ``row`` the
-    element's Philox row ((b H + h) Sq + query), ``key`` its key, and the seed's low word, the calls a row, the
-    threshold and 1 / (1 - p) (its fp32 bits) as int32 tensors: ``_keep_octet_ptx``."""
+    element's Philox row ((b H + h) Sq + query), ``key`` its key, and the seed's low word, the calls a row and the
+    threshold (p 2^16) as int32 tensors: ``_keep_octet_ptx``."""
     return gl.inline_asm_elementwise(_KEEP_OCTET_PTX, _KEEP_OCTET_CONSTRAINTS, [row, key, seed, groups, thr],
                                      dtype=gl.int8, is_pure=True, pack=8)
 
@@ -318,9 +333,9 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     FUSED_DQ: also dQ_j's columns [WG * D / 2, + D / 2) over both warpgroups' keys, dQ_j = dS_j K, from
     both dS^T tiles in shared memory (``ds_bar``: both written), added (scaled) to the fp32 dQ buffer by a
     bulk TMA reduction through the descriptor DQACC (rows B * H * Sq, D columns; D / 2-column tiles).
-    HAS_DROPOUT: the forward's keep mask regenerated (``_dropout_scale``): dV += (P^T * Z) dO_j and
-    dS^T = P^T (dP^T * Z - delta_j), Z the factor 1 / (1 - p) or 0; ``seed`` the seed's low word, ``drop_groups``
-    the Philox calls a query row (ceil(Sk / 8)), ``drop_thr`` p 2^16 and ``drop_inv`` 1 / (1 - p)."""
+    HAS_DROPOUT: the forward's keep mask regenerated (``_dropout_keep_flags``, Z 1 kept, 0 dropped): dV += (P^T Z)
+    dO_j, scaled by 1 / (1 - p) at the end, and dS^T = P^T (dP^T Z / (1 - p) - delta_j); ``seed`` the seed's low word,
+    ``drop_groups`` the Philox calls a query row (ceil(Sk / 8)), ``drop_thr`` p 2^16 and ``drop_inv`` 1 / (1 - p)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -369,7 +384,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
             if HAS_DROPOUT:
                 if DROP_EARLY:  # the draws while S^T and dP^T are on the tensor cores
                     d_row = gl.expand_dims(((b * H + hk * GROUP + g) * Sq).to(gl.int32) + cols, 0) + i_zero
-                    zt = _dropout_scale(d_row, d_key, d_seed, d_groups, d_thr)
+                    zt = _dropout_keep_flags(d_row, d_key, d_seed, d_groups, d_thr)
             if not STATS_EARLY:
                 lse2 = lse_smem.index(s).load(col_s)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
@@ -381,7 +396,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
             if HAS_DROPOUT:
                 if not DROP_EARLY:
                     d_row = gl.expand_dims(((b * H + hk * GROUP + g) * Sq).to(gl.int32) + cols, 0) + i_zero
-                    zt = _dropout_scale(d_row, d_key, d_seed, d_groups, d_thr)
+                    zt = _dropout_keep_flags(d_row, d_key, d_seed, d_groups, d_thr)
                 # (1 / (1 - p) applied to dV once, at the end)
                 pt_op = gl.convert_layout(_apply_keep(pt, zt).to(dtype), a_layout)
             else:

@@ -331,7 +331,7 @@ def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mas
     auto = dropout_p > 0.0 and AUTO_CUDA_DROPOUT
     if auto and causal is not None and not torch.compiler.is_compiling() and (backend or default_backend()) == "auto" \
             and _auto_sm90_dropout_kind(q, k, v, mask, causal, "auto"):
-        auto = False  # (torch.compile's graphs keep the C++ pair: the rule asks the device, which dynamo would not trace)
+        auto = False  # (not under torch.compile: its graphs keep the C++ pair, as dynamo would not trace the rule)
     return use_cuda_op(op, backend, q.device, lambda: _cuda_cover(q, k, v, mask, batch),
                        auto=auto, traced=True, capture=True)
 

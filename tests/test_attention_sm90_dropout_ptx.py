@@ -21,7 +21,8 @@ M32, M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
 def _run_ptx(ptx: str, operands: list[list[int]]) -> list[list[int]]:
     """Runs the asm block for 32 lanes; ``operands[lane]``: the values of $0.. (outputs first, their initial values
     ignored). Returns each lane's operands after the block."""
-    body = [ln.strip() for ln in ptx.strip().strip("{}").split("\n") if ln.strip() and not ln.strip().startswith(".reg")]
+    body = [ln.strip() for ln in ptx.strip().strip("{}").split("\n")
+            if ln.strip() and not ln.strip().startswith(".reg")]
     regs = [dict() for _ in range(32)]
     ops = [list(o) for o in operands]
 
@@ -98,7 +99,8 @@ def _run_ptx(ptx: str, operands: list[list[int]]) -> list[list[int]]:
     return ops
 
 
-@pytest.mark.parametrize("p,sk,kb,nt,row0", [(0.1, 200, 16, 2, 0), (0.5, 64, 48, 0, 3 * 57), (0.37, 1031, 1008, 6, 5 * 1000)])
+@pytest.mark.parametrize("p,sk,kb,nt,row0", [(0.1, 200, 16, 2, 0), (0.5, 64, 48, 0, 3 * 57),
+                                              (0.37, 1031, 1008, 6, 5 * 1000)])
 def test_keep_octet_ptx_draws_the_kernels_mask(p, sk, kb, nt, row0):
     from pykernels._kernels.attention_sm90_bwd import _keep_octet_ptx
     seed = 987654321
