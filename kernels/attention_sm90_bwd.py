@@ -140,6 +140,8 @@ STATS_EARLY = True
 DROPOUT_KERNELS = os.environ.get("PYKERNELS_ATTN_SM90_DROPOUT", "1") not in ("", "0")
 # ... its draws issued between a block's S^T / dP^T GEMMs and their wait (DROP_EARLY), else after P^T
 DROPOUT_EARLY = True
+# ... its keep bits by a carry chain (``_keep_octet_ptx(carry=True)``) instead of compares
+DROPOUT_CARRY = False
 # dK/dV: K, V, dK and dV through host descriptors over their (rows, row stride) views where Sk is a multiple of the
 # CTA's 2 x BLOCK_N keys (no tile then reaches the next head's rows; else, or where a view has no such geometry,
 # through descriptors of the CTA's head made on the device). run438's timeline: a CTA's four device-made
@@ -194,7 +196,7 @@ def _trace_mark(Trace, slot, TRACE: gl.constexpr):
             _trace_put(Trace, 5, sm.to(gl.int64), TRACE)
 
 
-def _keep_octet_ptx() -> str:
+def _keep_octet_ptx(carry: bool = False) -> str:
     """The PTX of ``_dropout_keep_flags``: one asm block a pack of 8 accumulator registers (``pack=8``). Operands:
     $0, $1 out (the pack's 8 int8 keep flags, 0 or 1, four a register: element c in byte c % 4 of $(c // 4)), then 8
     registers each of: the element's Philox row ((b H + h) Sq + query), its key, the seed's low word, the calls a row
@@ -205,7 +207,9 @@ def _keep_octet_ptx() -> str:
     csrc/philox.cuh's philox4x32), forms its 8 keep bits (bit v: key v of the call; keep_byte), and three xor-shuffle
     stages transpose the octet's bit matrix (transpose_stage, F = 1), after which bit c is this lane's key in call c:
     csrc/attention.cuh's key_keep_bits, in Gluon's registers. ``tests/test_attention_sm90_dropout_ptx.py`` runs it on
-    the CPU against ``attention_dropout_mask``."""
+    the CPU against ``attention_dropout_mask``. ``carry``: the keep bits by an add.cc / addc chain (csrc/attention.cuh's
+    keep_byte_carry: a half is >= the threshold iff it, moved to the top, plus (2^16 - thr) 2^16 carries out; two
+    instructions a bit) instead of a compare, select and or a bit."""
     lines = ["{", ".reg .pred pkp;",
              ".reg .b32 pkg, pkt, pkr, pkk, pkc0, pkc1, pkc2, pkc3, pkk0, pkk1, pkhb, pklb, pkha, pkla, pkn, pkx, pky, "
              "pku, pkv, pkhi;", ".reg .b64 pkctr, pkw;",
@@ -223,11 +227,19 @@ def _keep_octet_ptx() -> str:
                   "xor.b32 pkc2, pkn, pkk1;", "mov.b32 pkc1, pklb;", "mov.b32 pkc3, pkla;",
                   "add.u32 pkk0, pkk0, 0x9E3779B9;", "add.u32 pkk1, pkk1, 0xBB67AE85;"]
     # keep bits: bit 2 w (low half of word w) and 2 w + 1 (high half), kept where the half is >= the threshold
-    lines += ["shl.b32 pkhi, $34, 16;", "mov.b32 pkx, 0;"]
-    for w in range(4):
-        lines += [f"shl.b32 pku, pkc{w}, 16;", "setp.ge.u32 pkp, pku, pkhi;", f"selp.b32 pkv, {1 << 2 * w}, 0, pkp;",
-                  "or.b32 pkx, pkx, pkv;", f"setp.ge.u32 pkp, pkc{w}, pkhi;",
-                  f"selp.b32 pkv, {1 << 2 * w + 1}, 0, pkp;", "or.b32 pkx, pkx, pkv;"]
+    if carry:  # bit 7 (word 3's high half) first: each addc doubles the bits and adds the carry
+        lines += ["sub.u32 pkhi, 65536, $34;", "shl.b32 pkhi, pkhi, 16;", "add.cc.u32 pkt, pkc3, pkhi;",
+                  "addc.u32 pkx, 0, 0;", "shl.b32 pku, pkc3, 16;", "add.cc.u32 pkt, pku, pkhi;",
+                  "addc.u32 pkx, pkx, pkx;"]
+        for w in (2, 1, 0):
+            lines += [f"add.cc.u32 pkt, pkc{w}, pkhi;", "addc.u32 pkx, pkx, pkx;", f"shl.b32 pku, pkc{w}, 16;",
+                      "add.cc.u32 pkt, pku, pkhi;", "addc.u32 pkx, pkx, pkx;"]
+    else:
+        lines += ["shl.b32 pkhi, $34, 16;", "mov.b32 pkx, 0;"]
+        for w in range(4):
+            lines += [f"shl.b32 pku, pkc{w}, 16;", "setp.ge.u32 pkp, pku, pkhi;",
+                      f"selp.b32 pkv, {1 << 2 * w}, 0, pkp;", "or.b32 pkx, pkx, pkv;", f"setp.ge.u32 pkp, pkc{w}, pkhi;",
+                      f"selp.b32 pkv, {1 << 2 * w + 1}, 0, pkp;", "or.b32 pkx, pkx, pkv;"]
     for st, lo in ((4, 0x0F), (2, 0x33), (1, 0x55)):  # the octet's lanes are 4 apart
         lines += [f"shfl.sync.bfly.b32 pky, pkx, {st << 2}, 0x1f, 0xffffffff;", f"and.b32 pkt, pkg, {st};",
                   "setp.ne.u32 pkp, pkt, 0;",
@@ -243,6 +255,7 @@ def _keep_octet_ptx() -> str:
 
 
 _KEEP_OCTET_PTX = gl.constexpr(_keep_octet_ptx())
+_KEEP_OCTET_CARRY_PTX = gl.constexpr(_keep_octet_ptx(carry=True))
 
 
 def _apply_keep_ptx() -> str:
@@ -270,13 +283,18 @@ _KEEP_OCTET_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))
 
 
 @gluon.jit
-def _dropout_keep_flags(row, key, seed, groups, thr):
+def _dropout_keep_flags(row, key, seed, groups, thr, CARRY: gl.constexpr):
     """The dropout keep flag (int8: 1 kept, 0 dropped) of every element of a (keys, queries) tensor in the
     consumers' ``s_layout`` (NVMMA v3, 4 x 1 warps), from int32 tensors of that shape and layout: ``row`` the
     element's Philox row ((b H + h) Sq + query), ``key`` its key, and the seed's low word, the calls a row and the
-    threshold (p 2^16) as int32 tensors: ``_keep_octet_ptx``."""
-    return gl.inline_asm_elementwise(_KEEP_OCTET_PTX, _KEEP_OCTET_CONSTRAINTS, [row, key, seed, groups, thr],
-                                     dtype=gl.int8, is_pure=True, pack=8)
+    threshold (p 2^16) as int32 tensors: ``_keep_octet_ptx`` (``carry``: CARRY)."""
+    if CARRY:
+        flags = gl.inline_asm_elementwise(_KEEP_OCTET_CARRY_PTX, _KEEP_OCTET_CONSTRAINTS,
+                                          [row, key, seed, groups, thr], dtype=gl.int8, is_pure=True, pack=8)
+    else:
+        flags = gl.inline_asm_elementwise(_KEEP_OCTET_PTX, _KEEP_OCTET_CONSTRAINTS, [row, key, seed, groups, thr],
+                                          dtype=gl.int8, is_pure=True, pack=8)
+    return flags
 
 
 @gluon.jit
@@ -328,7 +346,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
                    drop_inv, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr,
                    STATS_EARLY: gl.constexpr, TRACE: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-                   DROP_EARLY: gl.constexpr):
+                   DROP_EARLY: gl.constexpr, DROP_CARRY: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block.
     FUSED_DQ: also dQ_j's columns [WG * D / 2, + D / 2) over both warpgroups' keys, dQ_j = dS_j K, from
     both dS^T tiles in shared memory (``ds_bar``: both written), added (scaled) to the fp32 dQ buffer by a
@@ -384,7 +402,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
             if HAS_DROPOUT:
                 if DROP_EARLY:  # the draws while S^T and dP^T are on the tensor cores
                     d_row = gl.expand_dims(((b * H + hk * GROUP + g) * Sq).to(gl.int32) + cols, 0) + i_zero
-                    zt = _dropout_keep_flags(d_row, d_key, d_seed, d_groups, d_thr)
+                    zt = _dropout_keep_flags(d_row, d_key, d_seed, d_groups, d_thr, DROP_CARRY)
             if not STATS_EARLY:
                 lse2 = lse_smem.index(s).load(col_s)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
@@ -396,7 +414,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
             if HAS_DROPOUT:
                 if not DROP_EARLY:
                     d_row = gl.expand_dims(((b * H + hk * GROUP + g) * Sq).to(gl.int32) + cols, 0) + i_zero
-                    zt = _dropout_keep_flags(d_row, d_key, d_seed, d_groups, d_thr)
+                    zt = _dropout_keep_flags(d_row, d_key, d_seed, d_groups, d_thr, DROP_CARRY)
                 # (1 / (1 - p) applied to dV once, at the end)
                 pt_op = gl.convert_layout(_apply_keep(pt, zt).to(dtype), a_layout)
             else:
@@ -480,6 +498,7 @@ def _attention_bwd_dkdv_sm90_kernel(
     IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, STATS_EARLY: gl.constexpr,
     kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr, TRACE: gl.constexpr = False,
     HOST_KV: gl.constexpr = False, HAS_DROPOUT: gl.constexpr = False, DROP_EARLY: gl.constexpr = True,
+    DROP_CARRY: gl.constexpr = False,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (cdiv(Sk, 2 * BLOCK_N) * kv heads * batch,):
     causal, longest CTAs first across the (batch, kv head)s of a group of ``lpt_heads`` (``_lpt_order``).
@@ -585,7 +604,7 @@ def _attention_bwd_dkdv_sm90_kernel(
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
                           Trace, seed, drop_groups, drop_thr, drop_inv, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT, DROP_EARLY)),
+                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT, DROP_EARLY, DROP_CARRY)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
@@ -598,7 +617,7 @@ def _attention_bwd_dkdv_sm90_kernel(
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
                           Trace, seed, drop_groups, drop_thr, drop_inv, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT, DROP_EARLY)),
+                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT, DROP_EARLY, DROP_CARRY)),
     ], [1, 4], [24, 240])
 
 
@@ -928,7 +947,7 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
         ds_layout=dsl, num_warps=4, TRACE=trace is not None, HOST_KV=host_kv is not None, HAS_DROPOUT=rate > 0,
-        DROP_EARLY=DROPOUT_EARLY, maxnreg=MAX_REGS)
+        DROP_EARLY=DROPOUT_EARLY, DROP_CARRY=DROPOUT_CARRY, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)
     return True

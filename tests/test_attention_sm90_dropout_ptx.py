@@ -24,6 +24,7 @@ def _run_ptx(ptx: str, operands: list[list[int]]) -> list[list[int]]:
     body = [ln.strip() for ln in ptx.strip().strip("{}").split("\n")
             if ln.strip() and not ln.strip().startswith(".reg")]
     regs = [dict() for _ in range(32)]
+    carry = [0] * 32  # (add.cc sets it, addc reads it)
     ops = [list(o) for o in operands]
 
     def val(lane, tok):
@@ -75,6 +76,12 @@ def _run_ptx(ptx: str, operands: list[list[int]]) -> list[list[int]]:
                 r = a[0] ^ a[1]
             elif ins == "add.u32":
                 r = (a[0] + a[1]) & M32
+            elif ins == "sub.u32":
+                r = (a[0] - a[1]) & M32
+            elif ins == "add.cc.u32":
+                r, carry[lane] = (a[0] + a[1]) & M32, (a[0] + a[1]) >> 32
+            elif ins == "addc.u32":
+                r = (a[0] + a[1] + carry[lane]) & M32
             elif ins == "add.u64":
                 r = (a[0] + a[1]) & M64
             elif ins == "bfe.u32":
@@ -101,7 +108,8 @@ def _run_ptx(ptx: str, operands: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("p,sk,kb,nt,row0", [(0.1, 200, 16, 2, 0), (0.5, 64, 48, 0, 3 * 57),
                                               (0.37, 1031, 1008, 6, 5 * 1000)])
-def test_keep_octet_ptx_draws_the_kernels_mask(p, sk, kb, nt, row0):
+@pytest.mark.parametrize("carry", [False, True])
+def test_keep_octet_ptx_draws_the_kernels_mask(p, sk, kb, nt, row0, carry):
     from pykernels._kernels.attention_sm90_bwd import _keep_octet_ptx
     seed = 987654321
     rate = dropout_rate(p)
@@ -112,7 +120,7 @@ def test_keep_octet_ptx_draws_the_kernels_mask(p, sk, kb, nt, row0):
         q0 = row0 + nt * 8 + 2 * t4  # the pack's element 0: (query of its column, key of its row)
         k0 = kb + g
         operands.append([0, 0] + [q0] * 8 + [k0] * 8 + [seed] * 8 + [groups] * 8 + [thr] * 8)
-    out = _run_ptx(_keep_octet_ptx(), operands)
+    out = _run_ptx(_keep_octet_ptx(carry), operands)
     rows = row0 + nt * 8 + 16  # enough query rows for the pack's columns
     keep = attention_dropout_mask(seed, 1, 1, rows, sk, p, "cpu")[0, 0]
     checked = 0

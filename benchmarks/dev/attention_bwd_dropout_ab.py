@@ -1,6 +1,7 @@
 """The attention backward with dropout at D = 128 on Hopper, kernel against kernel in one process (GPU): the Gluon
 dK/dV kernel drawing the mask itself (``attention_sm90_bwd``'s HAS_DROPOUT, fused with dQ or beside Triton's dQ
-kernel as the speed rule picks), with its draws before the S^T / dP^T wait (``DROPOUT_EARLY``) or after P^T; the
+kernel as the speed rule picks), with its draws before the S^T / dP^T wait (``DROPOUT_EARLY``) or after P^T, its
+keep bits by compares or by a carry chain (``DROPOUT_CARRY``); the
 Triton kernels (``DROPOUT_KERNELS`` off); the C++ op's backward; cuDNN's backward with dropout; and the Gluon
 backward without dropout (the dropout's cost). Every backward takes the C++ forward's output, lse and seed (the same
 mask: each row says how far its dK / dV / dQ are from the Triton kernels'); cuDNN's draws its own mask.
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--p", type=float, default=0.1)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
+    ap.add_argument("--variants", default="", help="comma-separated variant names (default: all)")
     args = ap.parse_args()
     from pykernels._backend import cuda_ops_ready
     assert cuda_ops_ready(), "needs the C++ extension (pykernels._C)"
@@ -72,9 +74,9 @@ def main() -> None:
         o0, lse0, _ = torch.ops.pykernels_cuda.attention_fwd(q, k, v, None, None, None, s, s, 0.0, causal, sc)
         flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
 
-        def gluon(early: bool, on: bool = True, p: float = args.p):
+        def gluon(early: bool, on: bool = True, p: float = args.p, carry: bool = False):
             def run():
-                kb.DROPOUT_EARLY, kb.DROPOUT_KERNELS = early, on
+                kb.DROPOUT_EARLY, kb.DROPOUT_KERNELS, kb.DROPOUT_CARRY = early, on, carry
                 return tri.attention_bwd(do, q, k, v, o if p else o0, lse if p else lse0, None, causal=causal,
                                          scale=sc, dropout_p=p, seed=seed)
             return run
@@ -92,9 +94,12 @@ def main() -> None:
             return torch.autograd.grad(out_c, (qq, kk, vv), do, retain_graph=True)
 
         ref = gluon(True, on=False)()  # the Triton kernels with the same mask
-        variants = (("gluon-early", gluon(True)), ("gluon-late", gluon(False)), ("triton", gluon(True, on=False)),
-                    ("cpp", cpp), ("cudnn", cudnn), ("gluon-nodrop", gluon(True, p=0.0)))
+        variants = (("gluon-early", gluon(True)), ("gluon-carry", gluon(True, carry=True)), ("gluon-late", gluon(False)),
+                    ("triton", gluon(True, on=False)), ("cpp", cpp), ("cudnn", cudnn),
+                    ("gluon-nodrop", gluon(True, p=0.0)))
         for vname, fn in variants:
+            if args.variants and vname not in args.variants.split(","):
+                continue
             try:
                 got = fn()
                 diff = (max((x.float() - y.float()).abs().max().item() for x, y in zip(got, ref))
@@ -103,7 +108,7 @@ def main() -> None:
                 print(f"{name} {vname} {us:.1f} {flops / us / 1e6:.1f} {diff:.2e}", flush=True)
             except Exception as e:  # a probe: report and go on
                 print(f"{name} {vname} ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
-        kb.DROPOUT_EARLY, kb.DROPOUT_KERNELS = True, True
+        kb.DROPOUT_EARLY, kb.DROPOUT_KERNELS, kb.DROPOUT_CARRY = True, True, False
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ def compile_only() -> None:
                 consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
                               LPT=causal, STATS_EARLY=kb.STATS_EARLY and not causal, kv_layout=kl,
                               ds_layout=kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl, num_warps=4,
-                              HOST_KV=host_kv, HAS_DROPOUT=True, Trace=None)
+                              HOST_KV=host_kv, HAS_DROPOUT=True, Trace=None, DROP_EARLY=kb.DROPOUT_EARLY,
+                              DROP_CARRY=kb.DROPOUT_CARRY)
                 if not fused:
                     consts["DQACC"] = None
                 print(f"bwd-drop-{'fused' if fused else 'dkdv'} D{d} cfg{(bn, bm, stages)} "
