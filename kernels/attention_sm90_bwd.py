@@ -45,12 +45,13 @@ Dropout (``HAS_DROPOUT``, D = 128; ``DROPOUT_KERNELS``): the dK/dV kernel's cons
 themselves, Philox-4x32-7 at the counter every pykernels kernel uses (``kernels/_dropout.py``), in inline PTX
 (``_keep_octet_ptx``): one call per 8 elements, its keep bits moved to the lanes that hold them by three xor
 shuffles (csrc/attention.cuh's octet transpose), the flags left packed four to a register until ``_apply_keep``
-zeroes P^T and dP^T with them; the draws are issued while the block's S^T and dP^T GEMMs run (``DROPOUT_EARLY``).
+zeroes P^T and dP^T with them; the draws are issued while the block's S^T and dP^T GEMMs run
+(``DROPOUT_EARLY``), and the keep bits come from an add.cc / addc chain (``DROPOUT_CARRY``).
 dV += (P^T Z) dO_j and dS^T = P^T (dP^T Z / (1 - p) - delta_j), dV scaled by 1 / (1 - p) once at the end. The dQ
 kernel has no dropout: beside the dK/dV kernel Triton's dQ kernel runs (``sm90_backward``). H200 run447 (whole
 backward, graph replay, p = 0.1): 1.09-1.19x the C++ op's backward and 2.0-2.4x the Triton kernels', 1.27-1.40x
 its own time without dropout; against cuDNN's backward with dropout 1.007x at 4 x 16 x 4096 full, 0.995x at 8 x 16 x
-1024 full, 0.89-0.90x causal.
+1024 full, 0.89-0.90x causal; the carry chain 1.008-1.029x on that (run451).
 
 Set-up: the dK/dV kernel's K, V, dK and dV come through host descriptors where Sk is a multiple of its 128 keys
 (``HOST_KV``; else made on the device per CTA, which cost 3.6-3.9 us of a CTA's 6.1 us before its first query
@@ -140,8 +141,11 @@ STATS_EARLY = True
 DROPOUT_KERNELS = os.environ.get("PYKERNELS_ATTN_SM90_DROPOUT", "1") not in ("", "0")
 # ... its draws issued between a block's S^T / dP^T GEMMs and their wait (DROP_EARLY), else after P^T
 DROPOUT_EARLY = True
-# ... its keep bits by a carry chain (``_keep_octet_ptx(carry=True)``) instead of compares
-DROPOUT_CARRY = False
+# ... its keep bits by a carry chain (``_keep_octet_ptx(carry=True)``) instead of compares: H200 run451 (the whole
+# backward, graph replay, p = 0.1) 1.022x / 1.008x / 1.027x / 1.029x at 4 x 16 x 2048 causal / 4 x 16 x 4096 full /
+# 4 x 16 x 4096 causal / 1 x 16 x 8192 causal (580.8 / 3375.8 / 1983.2 / 1918.7 us); ptxas 336 / 460 bytes of spill
+# fused full / causal against 384 / 544
+DROPOUT_CARRY = True
 # dK/dV: K, V, dK and dV through host descriptors over their (rows, row stride) views where Sk is a multiple of the
 # CTA's 2 x BLOCK_N keys (no tile then reaches the next head's rows; else, or where a view has no such geometry,
 # through descriptors of the CTA's head made on the device). run438's timeline: a CTA's four device-made
@@ -238,7 +242,8 @@ def _keep_octet_ptx(carry: bool = False) -> str:
         lines += ["shl.b32 pkhi, $34, 16;", "mov.b32 pkx, 0;"]
         for w in range(4):
             lines += [f"shl.b32 pku, pkc{w}, 16;", "setp.ge.u32 pkp, pku, pkhi;",
-                      f"selp.b32 pkv, {1 << 2 * w}, 0, pkp;", "or.b32 pkx, pkx, pkv;", f"setp.ge.u32 pkp, pkc{w}, pkhi;",
+                      f"selp.b32 pkv, {1 << 2 * w}, 0, pkp;", "or.b32 pkx, pkx, pkv;",
+                      f"setp.ge.u32 pkp, pkc{w}, pkhi;",
                       f"selp.b32 pkv, {1 << 2 * w + 1}, 0, pkp;", "or.b32 pkx, pkx, pkv;"]
     for st, lo in ((4, 0x0F), (2, 0x33), (1, 0x55)):  # the octet's lanes are 4 apart
         lines += [f"shfl.sync.bfly.b32 pky, pkx, {st << 2}, 0x1f, 0xffffffff;", f"and.b32 pkt, pkg, {st};",

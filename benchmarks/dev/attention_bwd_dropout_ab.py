@@ -7,7 +7,8 @@ backward without dropout (the dropout's cost). Every backward takes the C++ forw
 mask: each row says how far its dK / dV / dQ are from the Triton kernels'); cuDNN's draws its own mask.
 
 Usage (GPU): ``python benchmarks/dev/attention_bwd_dropout_ab.py [--p 0.1] [--reps 20]``. One line a shape and
-variant: ``case variant us TFLOP/s max|diff|`` (us: one backward's CUDA-graph replay, the median of ``--reps``
+variant (gluon-early: the draws before the wait, keep bits by compares; gluon-carry: by the carry chain, the
+default since run451): ``case variant us TFLOP/s max|diff|`` (us: one backward's CUDA-graph replay, the median of ``--reps``
 timed replays of 5 calls; FLOPs 2.5x the forward's 4 B H S^2 D, half of it causal).
 """
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} p {args.p} "
           f"commit {os.environ.get('PYKERNELS_COMMIT', '?')}", flush=True)
     want = set(args.cases.split(","))
+    defaults = kb.DROPOUT_EARLY, kb.DROPOUT_KERNELS, kb.DROPOUT_CARRY
     for name, b, h, s, causal in CASES:
         if name not in want:
             continue
@@ -94,8 +96,8 @@ def main() -> None:
             return torch.autograd.grad(out_c, (qq, kk, vv), do, retain_graph=True)
 
         ref = gluon(True, on=False)()  # the Triton kernels with the same mask
-        variants = (("gluon-early", gluon(True)), ("gluon-carry", gluon(True, carry=True)), ("gluon-late", gluon(False)),
-                    ("triton", gluon(True, on=False)), ("cpp", cpp), ("cudnn", cudnn),
+        variants = (("gluon-early", gluon(True)), ("gluon-carry", gluon(True, carry=True)),
+                    ("gluon-late", gluon(False)), ("triton", gluon(True, on=False)), ("cpp", cpp), ("cudnn", cudnn),
                     ("gluon-nodrop", gluon(True, p=0.0)))
         for vname, fn in variants:
             if args.variants and vname not in args.variants.split(","):
@@ -108,7 +110,7 @@ def main() -> None:
                 print(f"{name} {vname} {us:.1f} {flops / us / 1e6:.1f} {diff:.2e}", flush=True)
             except Exception as e:  # a probe: report and go on
                 print(f"{name} {vname} ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
-        kb.DROPOUT_EARLY, kb.DROPOUT_KERNELS, kb.DROPOUT_CARRY = True, True, False
+        kb.DROPOUT_EARLY, kb.DROPOUT_KERNELS, kb.DROPOUT_CARRY = defaults
 
 
 if __name__ == "__main__":
