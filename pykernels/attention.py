@@ -398,8 +398,9 @@ def _auto_sm90_dropout_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     device, the extension built with sm_90a code and covering the case, TMA-able strides, and the Gluon backward's
     rule taking it (``sm90_backward``'s, less what needs the data: a call's own tensors are checked again, the
     forward's alignment by ``_aligned16`` and the backward's by ``sm90_backward``). Shapes, strides and dtypes only
-    (no data pointer). Not under torch.compile's tracing, whose graphs keep the C++ pair for auto with dropout."""
-    if not AUTO_SM90_DROPOUT or requested != "auto" or mask is not None:
+    (no data pointer). Not under torch.compile's tracing, whose graphs keep the C++ pair for auto with dropout. Off
+    with :data:`AUTO_CUDA_DROPOUT` too (no C++ kernel for auto's calls with dropout)."""
+    if not (AUTO_SM90_DROPOUT and AUTO_CUDA_DROPOUT) or requested != "auto" or mask is not None:
         return False
     if q.device.type != "cuda" or q.dim() != 4 or q.shape[-1] != 128 or q.dtype not in (torch.float16,
                                                                                           torch.bfloat16):
@@ -410,10 +411,12 @@ def _auto_sm90_dropout_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     if not cuda_ops_ready() or _cuda_cover(q, k, v, mask, q.shape[0]) is not None:
         return False
     import pykernels._C as ext  # (built: cuda_ops_ready)
-    if not (bool(ext.sm90a) and torch.cuda.get_device_capability(q.device) == (9, 0)):
-        return False
+    from ._kernels import _tuning
     from ._kernels import attention_sm90 as a9
     from ._kernels import attention_sm90_bwd as kb
+    props = _tuning.device_properties(q.device)  # (cached: torch.cuda.get_device_capability costs microseconds)
+    if not (bool(ext.sm90a) and (props.major, props.minor) == (9, 0)):
+        return False
     if not (kb.DROPOUT_KERNELS and a9.enabled()):
         return False
     if not (a9._tma_strides_ok(q.stride()) and a9._tma_strides_ok(k.stride()) and a9._tma_strides_ok(v.stride())):
