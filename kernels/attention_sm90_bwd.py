@@ -926,6 +926,10 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
     if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)) or (dq is not None and batch * hq * sq >= 2**31):
         return False
+    rate = dropout_rate(dropout_p) if dropout_p > 0 else 0.0
+    if rate > 0 and (batch * hq * sq >= 2**32 or (isinstance(seed, int) and not 0 <= seed < 2**31)):
+        return False  # (the draws' Philox row and seed are 32-bit registers, the seed's high word 0: ops draw seeds
+        # below 2^31, pykernels._rng.new_seed; an int seed outside that, or 2^32 query rows, go to the Triton kernels)
     fused = dq is not None
     dq_acc = dqd = None
     if fused:
@@ -941,7 +945,6 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     if lpt:
         lpt_heads = lpt_group(batch * hkv, 2 * (hq // hkv) * sq * d * q.element_size(), n_kb, q.device, hq == hkv)
         tail_from = lpt_tail_from(batch * hkv, lpt_heads)
-    rate = dropout_rate(dropout_p) if dropout_p > 0 else 0.0
     seed_t = seed_arg(seed if seed is not None else 0, q.device, rate > 0)
     drop_thr = round(rate * 65536)
     drop_inv = 1.0 / (1.0 - rate)
