@@ -368,15 +368,25 @@ def _auto_cuda_fwd_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, ca
         return False
     if mask is not None and not (mask.dtype == torch.bool and _is_key_padding(mask)):
         return False
-    if q.device.type != "cuda" or q.dim() != 4 or q.shape[-1] > 64 or q.dtype not in (torch.float16, torch.bfloat16):
+    return q.shape[-1] <= 64 and _hopper_cpp_kernels(q, k, v, mask)
+
+
+def _hopper_cpp_kernels(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    """Whether the C++ op's Hopper kernels can take a kind of call (what the rules for ``auto``'s C++ forward ask
+    of it: :data:`AUTO_CUDA_FWD`, :data:`AUTO_SM90_DROPOUT`): dense (B, H, S, D) fp16 / bf16 on a CUDA device of
+    compute capability 9.0, the extension built with sm_90a code and covering the case (``_cuda_cover``), strides
+    that TMA takes (``_tma_strides_ok``, as the Gluon kernels check it). Shapes, strides and dtypes only."""
+    if q.device.type != "cuda" or q.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if not cuda_ops_ready() or _cuda_cover(q, k, v, mask, q.shape[0]) is not None:
         return False
-    from ._kernels.attention_sm90 import _tma_strides_ok  # (TMA's stride rule, as the Gluon kernels check it)
+    from ._kernels import _tuning
+    from ._kernels.attention_sm90 import _tma_strides_ok
     if not (_tma_strides_ok(q.stride()) and _tma_strides_ok(k.stride()) and _tma_strides_ok(v.stride())):
         return False
     import pykernels._C as ext  # (built: cuda_ops_ready)
-    return bool(ext.sm90a) and torch.cuda.get_device_capability(q.device) == (9, 0)
+    props = _tuning.device_properties(q.device)  # (cached: torch.cuda.get_device_capability costs microseconds)
+    return bool(ext.sm90a) and (props.major, props.minor) == (9, 0)
 
 
 # ``auto`` with dropout at D = 128 on Hopper, where the Gluon backward takes the case (``sm90_backward``: its dK/dV
@@ -402,24 +412,12 @@ def _auto_sm90_dropout_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     with :data:`AUTO_CUDA_DROPOUT` too (no C++ kernel for auto's calls with dropout)."""
     if not (AUTO_SM90_DROPOUT and AUTO_CUDA_DROPOUT) or requested != "auto" or mask is not None:
         return False
-    if q.device.type != "cuda" or q.dim() != 4 or q.shape[-1] != 128 or q.dtype not in (torch.float16,
-                                                                                          torch.bfloat16):
+    if q.shape[-1] != 128 or k.dtype != q.dtype or v.dtype != q.dtype or k.shape[-1] != 128 or v.shape[-1] != 128 \
+            or q.numel() == 0 or k.numel() == 0 or not _hopper_cpp_kernels(q, k, v, mask):
         return False
-    if k.dtype != q.dtype or v.dtype != q.dtype or k.shape[-1] != 128 or v.shape[-1] != 128 or q.numel() == 0 \
-            or k.numel() == 0:
-        return False
-    if not cuda_ops_ready() or _cuda_cover(q, k, v, mask, q.shape[0]) is not None:
-        return False
-    import pykernels._C as ext  # (built: cuda_ops_ready)
-    from ._kernels import _tuning
     from ._kernels import attention_sm90 as a9
     from ._kernels import attention_sm90_bwd as kb
-    props = _tuning.device_properties(q.device)  # (cached: torch.cuda.get_device_capability costs microseconds)
-    if not (bool(ext.sm90a) and (props.major, props.minor) == (9, 0)):
-        return False
     if not (kb.DROPOUT_KERNELS and a9.enabled()):
-        return False
-    if not (a9._tma_strides_ok(q.stride()) and a9._tma_strides_ok(k.stride()) and a9._tma_strides_ok(v.stride())):
         return False
     which = kb.kernels(q, k, causal, a9._num_sms(q.device))
     return which == "fused" or "dkdv" in which.split(",")
@@ -427,7 +425,7 @@ def _auto_sm90_dropout_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
 
 def _auto_cuda_fwd_call(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
     """What ``_auto_cuda_fwd`` requires of each call: no dropout, and q, k, v 16-byte aligned (TMA's maps)."""
-    return dropout_p == 0.0 and not (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16)
+    return dropout_p == 0.0 and _aligned16(q, k, v)
 
 
 def _auto_cuda_fwd(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, causal: bool,
@@ -449,14 +447,9 @@ def _lane_cuda(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, batch
     and covering it: remembered per lane key; captured in CUDA graphs too, where its kernels are faster as well)."""
     if not (dropout_p > 0.0 and requested == "auto" and AUTO_CUDA_DROPOUT):
         return False
-    ok = _LANE_CUDA.get(lkey)
-    if ok is None:
-        if len(_LANE_CUDA) >= _LANE_MAX:
-            _LANE_CUDA.clear()
-        ok = _LANE_CUDA[lkey] = use_cuda_op(_OP, "auto", q.device, lambda: _cuda_cover(q, k, v, mask, batch),
-                                            capture=True) and not (
-            causal is not None and _auto_sm90_dropout_kind(q, k, v, mask, causal, requested))
-    return ok
+    return _lane_remember(_LANE_CUDA, lkey, lambda: use_cuda_op(
+        _OP, "auto", q.device, lambda: _cuda_cover(q, k, v, mask, batch), capture=True) and not (
+            causal is not None and _auto_sm90_dropout_kind(q, k, v, mask, causal, requested)))
 
 
 def _cuda_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cu_q: Tensor | None, cu_k: Tensor | None,
@@ -877,21 +870,21 @@ def _lane(query, key, value, mask, dropout_p, is_causal, scale, backend, determi
 def _lane_sm90_dropout(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                        requested: str) -> bool:
     """``_auto_sm90_dropout_kind`` of a lane key, remembered."""
-    ok = _LANE_SM90_DROPOUT.get(lkey)
-    if ok is None:
-        if len(_LANE_SM90_DROPOUT) >= _LANE_MAX:
-            _LANE_SM90_DROPOUT.clear()
-        ok = _LANE_SM90_DROPOUT[lkey] = _auto_sm90_dropout_kind(q, k, v, mask, causal, requested)
-    return ok
+    return _lane_remember(_LANE_SM90_DROPOUT, lkey, lambda: _auto_sm90_dropout_kind(q, k, v, mask, causal, requested))
 
 
 def _lane_cuda_fwd(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, requested: str) -> bool:
     """``_auto_cuda_fwd_kind`` of a lane key, remembered."""
-    ok = _LANE_CUDA_FWD.get(lkey)
+    return _lane_remember(_LANE_CUDA_FWD, lkey, lambda: _auto_cuda_fwd_kind(q, k, v, mask, causal, requested))
+
+
+def _lane_remember(cache: dict, lkey, compute) -> bool:
+    """``cache``'s answer for ``lkey``, from ``compute()`` the first time (the cache starts over when full)."""
+    ok = cache.get(lkey)
     if ok is None:
-        if len(_LANE_CUDA_FWD) >= _LANE_MAX:
-            _LANE_CUDA_FWD.clear()
-        ok = _LANE_CUDA_FWD[lkey] = _auto_cuda_fwd_kind(q, k, v, mask, causal, requested)
+        if len(cache) >= _LANE_MAX:
+            cache.clear()
+        ok = cache[lkey] = compute()
     return ok
 
 

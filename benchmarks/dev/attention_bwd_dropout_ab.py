@@ -6,10 +6,11 @@ Triton kernels (``DROPOUT_KERNELS`` off); the C++ op's backward; cuDNN's backwar
 backward without dropout (the dropout's cost). Every backward takes the C++ forward's output, lse and seed (the same
 mask: each row says how far its dK / dV / dQ are from the Triton kernels'); cuDNN's draws its own mask.
 
-Usage (GPU): ``python benchmarks/dev/attention_bwd_dropout_ab.py [--p 0.1] [--reps 20]``. One line a shape and
+Usage (GPU): ``python benchmarks/dev/attention_bwd_dropout_ab.py [--p 0.1] [--rep 20]``. One line a shape and
 variant (gluon-early: the draws before the wait, keep bits by compares; gluon-carry: by the carry chain, the
-default since run451): ``case variant us TFLOP/s max|diff|`` (us: one backward's CUDA-graph replay, the median of ``--reps``
-timed replays of 5 calls; FLOPs 2.5x the forward's 4 B H S^2 D, half of it causal).
+default since run451): ``case variant us TFLOP/s max|diff|`` (us: one backward's CUDA-graph replay, ``common.graph_us``,
+``--rep`` ms of replays; run447 and run451 timed the median of 20 / 30 replays of a 5-call graph of the script's own;
+FLOPs 2.5x the forward's 4 B H S^2 D, half of it causal).
 """
 from __future__ import annotations
 
@@ -20,40 +21,18 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import graph_us  # noqa: E402  (benchmarks/common.py)
 
 CASES = (("causal_2k", 4, 16, 2048, True), ("full_1k", 8, 16, 1024, False), ("full_4k", 4, 16, 4096, False),
          ("causal_4k", 4, 16, 4096, True), ("causal_8k_b1", 1, 16, 8192, True))
 
 
-def graph_us(fn, reps: int) -> float:
-    """One call of ``fn``'s kernels as a CUDA graph of 5 calls, replayed: the median of ``reps`` replays, per call."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(5):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / 5)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--p", type=float, default=0.1)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rep", type=int, default=20, help="ms of replays a variant (do_bench_cudagraph)")
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
     ap.add_argument("--variants", default="", help="comma-separated variant names (default: all)")
     args = ap.parse_args()
@@ -106,7 +85,7 @@ def main() -> None:
                 got = fn()
                 diff = (max((x.float() - y.float()).abs().max().item() for x, y in zip(got, ref))
                         if vname not in ("cudnn", "gluon-nodrop") else float("nan"))
-                us = graph_us(fn, args.reps)
+                us = graph_us(fn, rep=args.rep)
                 print(f"{name} {vname} {us:.1f} {flops / us / 1e6:.1f} {diff:.2e}", flush=True)
             except Exception as e:  # a probe: report and go on
                 print(f"{name} {vname} ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
