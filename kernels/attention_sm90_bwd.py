@@ -146,6 +146,8 @@ DROPOUT_EARLY = True
 # 4 x 16 x 4096 causal / 1 x 16 x 8192 causal (580.8 / 3375.8 / 1983.2 / 1918.7 us); ptxas 336 / 460 bytes of spill
 # fused full / causal against 384 / 544
 DROPOUT_CARRY = True
+# ... (with the carry chain) g from the key and each transpose stage a rotate and one lop3 (``_keep_octet_ptx(rot=True)``)
+DROPOUT_ROT = True
 # dK/dV: K, V, dK and dV through host descriptors over their (rows, row stride) views where Sk is a multiple of the
 # CTA's 2 x BLOCK_N keys (no tile then reaches the next head's rows; else, or where a view has no such geometry,
 # through descriptors of the CTA's head made on the device). run438's timeline: a CTA's four device-made
@@ -200,9 +202,10 @@ def _trace_mark(Trace, slot, TRACE: gl.constexpr):
             _trace_put(Trace, 5, sm.to(gl.int64), TRACE)
 
 
-def _keep_octet_ptx(carry: bool = False) -> str:
+def _keep_octet_ptx(carry: bool = False, rot: bool = False) -> str:
     """The PTX of ``_dropout_keep_flags``: one asm block a pack of 8 accumulator registers (``pack=8``). Operands:
-    $0, $1 out (the pack's 8 int8 keep flags, 0 or 1, four a register: element c in byte c % 4 of $(c // 4)), then 8
+    $0, $1 out (the pack's 8 keep bits in $0, bit c element c's; $1 zero: the int8 "flags" tensor is only their
+    carrier, ``_apply_keep`` reads its first register a pack), then 8
     registers each of: the element's Philox row ((b H + h) Sq + query), its key, the seed's low word, the calls a row
     (ceil(Sk / 8)) and the threshold (p 2^16); of each only the pack's first element is read. The pack's element c is
     (query q0 + 8 (c >> 2) + (c & 1), key k0 + 8 ((c >> 1) & 1)), k0 = kb + g for lane 4 g + t4 (the NVMMA
@@ -213,11 +216,13 @@ def _keep_octet_ptx(carry: bool = False) -> str:
     csrc/attention.cuh's key_keep_bits, in Gluon's registers. ``tests/test_attention_sm90_dropout_ptx.py`` runs it on
     the CPU against ``attention_dropout_mask``. ``carry``: the keep bits by an add.cc / addc chain (csrc/attention.cuh's
     keep_byte_carry: a half is >= the threshold iff it, moved to the top, plus (2^16 - thr) 2^16 carries out; two
-    instructions a bit) instead of a compare, select and or a bit."""
+    instructions a bit) instead of a compare, select and or a bit. ``rot``: g read from the key (k0 & 7: kb is a multiple
+    of 8) rather than %laneid, and each transpose stage a shuffle, a rotate and a lop3 with lane values (two mads)
+    instead of both candidates' masks and shifts and a select."""
     lines = ["{", ".reg .pred pkp;",
              ".reg .b32 pkg, pkt, pkr, pkk, pkc0, pkc1, pkc2, pkc3, pkk0, pkk1, pkhb, pklb, pkha, pkla, pkn, pkx, pky, "
              "pku, pkv, pkhi;", ".reg .b64 pkctr, pkw;",
-             "mov.u32 pkg, %laneid;", "shr.b32 pkg, pkg, 2;",
+             *(["and.b32 pkg, $10, 7;"] if rot else ["mov.u32 pkg, %laneid;", "shr.b32 pkg, pkg, 2;"]),
              # the call of element c = g: query row $2 + 8 (g >> 2) + (g & 1), key group ($10 >> 3) + ((g >> 1) & 1)
              "shr.b32 pkt, pkg, 2;", "shl.b32 pkt, pkt, 3;", "and.b32 pkr, pkg, 1;", "add.u32 pkr, pkr, pkt;",
              "add.u32 pkr, pkr, $2;", "shr.b32 pkk, $10, 3;", "bfe.u32 pkt, pkg, 1, 1;", "add.u32 pkk, pkk, pkt;",
@@ -246,31 +251,37 @@ def _keep_octet_ptx(carry: bool = False) -> str:
                       f"setp.ge.u32 pkp, pkc{w}, pkhi;",
                       f"selp.b32 pkv, {1 << 2 * w + 1}, 0, pkp;", "or.b32 pkx, pkx, pkv;"]
     for st, lo in ((4, 0x0F), (2, 0x33), (1, 0x55)):  # the octet's lanes are 4 apart
+        if rot:  # the partner's word rotated left by st (this lane's g bit st clear) or right (set), then one lop3
+            # keeps this lane's half (mask lo, or lo << st) and the byte's rest from the rotated word: x's bits past
+            # the byte are 0, so the mask takes them from x; both lane values are two mads of the g bit
+            lines += [f"bfe.u32 pkt, pkg, {st.bit_length() - 1}, 1;", f"mad.lo.u32 pkn, pkt, {32 - 2 * st}, {st};",
+                      f"mad.lo.u32 pkv, pkt, {(lo << st) - lo}, {lo | 0xFFFFFF00};",
+                      f"shfl.sync.bfly.b32 pky, pkx, {st << 2}, 0x1f, 0xffffffff;",
+                      "shf.l.wrap.b32 pky, pky, pky, pkn;", "lop3.b32 pkx, pkx, pky, pkv, 0xE4;"]
+            continue
         lines += [f"shfl.sync.bfly.b32 pky, pkx, {st << 2}, 0x1f, 0xffffffff;", f"and.b32 pkt, pkg, {st};",
                   "setp.ne.u32 pkp, pkt, 0;",
                   f"and.b32 pku, pkx, {lo << st};", f"shr.b32 pkv, pky, {st};", f"and.b32 pkv, pkv, {lo};",
                   "or.b32 pku, pku, pkv;",
                   f"and.b32 pkn, pkx, {lo};", f"and.b32 pkv, pky, {lo};", f"shl.b32 pkv, pkv, {st};",
                   "or.b32 pkn, pkn, pkv;", "selp.b32 pkx, pku, pkn, pkp;"]
-    # out: int8 keep flags, four a register (element c: byte c % 4 of $c // 4), bit i of a nibble moved to bit 8 i
-    # by one multiply (the partial products' bits i + 7 k are distinct: no carries)
-    lines += ["and.b32 pkt, pkx, 15;", "mul.lo.u32 pkt, pkt, 0x204081;", "and.b32 $0, pkt, 0x01010101;",
-              "shr.b32 pkt, pkx, 4;", "mul.lo.u32 pkt, pkt, 0x204081;", "and.b32 $1, pkt, 0x01010101;"]
+    # out: the 8 keep bits as they are (bit c: element c) in $0, $1 zero (``_apply_keep`` reads bits of $0 only)
+    lines += ["mov.b32 $0, pkx;", "mov.b32 $1, 0;"]
     return "\n".join(lines + ["}"])
 
 
 _KEEP_OCTET_PTX = gl.constexpr(_keep_octet_ptx())
 _KEEP_OCTET_CARRY_PTX = gl.constexpr(_keep_octet_ptx(carry=True))
+_KEEP_OCTET_ROT_PTX = gl.constexpr(_keep_octet_ptx(carry=True, rot=True))
 
 
 def _apply_keep_ptx() -> str:
-    """The PTX of ``_apply_keep``: 8 fp32 values ($8-$15) kept or zeroed by the int8 flags of ``_dropout_keep_flags``,
-    which come packed four a register ($16, $17: element c in byte c % 4 of $16 + c // 4), as that asm left them (the
-    flags stay packed in two registers a pack between the two asm blocks, not 8)."""
+    """The PTX of ``_apply_keep``: 8 fp32 values ($8-$15) kept or zeroed by the keep bits of ``_dropout_keep_flags``,
+    which come as that asm left them: bit c of $16 element c's ($17 unused), one register a pack between the two asm
+    blocks (until run451 the flags were bytes, two registers a pack and a multiply-and-mask each to make them)."""
     lines = ["{", ".reg .pred pkp;", ".reg .b32 pkt;"]
     for c in range(8):
-        lines += [f"and.b32 pkt, ${16 + c // 4}, {1 << 8 * (c % 4)};", "setp.ne.u32 pkp, pkt, 0;",
-                  f"selp.b32 ${c}, ${8 + c}, 0, pkp;"]
+        lines += [f"and.b32 pkt, $16, {1 << c};", "setp.ne.u32 pkp, pkt, 0;", f"selp.b32 ${c}, ${8 + c}, 0, pkp;"]
     return "\n".join(lines + ["}"])
 
 
@@ -280,20 +291,24 @@ _APPLY_KEEP_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 
 @gluon.jit
 def _apply_keep(vals, keep):
-    """``vals`` (fp32) where ``keep`` (``_dropout_keep_flags``'s int8 flags, the same shape and layout) is set,
-    else 0."""
+    """``vals`` (fp32) where ``keep`` (``_dropout_keep_flags``'s keep bits, the same shape and layout) keeps the
+    element, else 0."""
     return gl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [vals, keep], dtype=gl.float32,
                                      is_pure=True, pack=8)
 _KEEP_OCTET_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))
 
 
 @gluon.jit
-def _dropout_keep_flags(row, key, seed, groups, thr, CARRY: gl.constexpr):
-    """The dropout keep flag (int8: 1 kept, 0 dropped) of every element of a (keys, queries) tensor in the
-    consumers' ``s_layout`` (NVMMA v3, 4 x 1 warps), from int32 tensors of that shape and layout: ``row`` the
+def _dropout_keep_flags(row, key, seed, groups, thr, CARRY: gl.constexpr, ROT: gl.constexpr = False):
+    """The dropout keep bits of every element of a (keys, queries) tensor in the consumers' ``s_layout`` (NVMMA v3,
+    4 x 1 warps), carried by an int8 tensor of that shape and layout whose values are not per element (a pack's 8
+    bits in its first byte: only ``_apply_keep`` reads them, with the same layout), from int32 tensors: ``row`` the
     element's Philox row ((b H + h) Sq + query), ``key`` its key, and the seed's low word, the calls a row and the
-    threshold (p 2^16) as int32 tensors: ``_keep_octet_ptx`` (``carry``: CARRY)."""
-    if CARRY:
+    threshold (p 2^16) as int32 tensors: ``_keep_octet_ptx`` (``carry``: CARRY; ``rot``: ROT, with CARRY)."""
+    if CARRY and ROT:
+        flags = gl.inline_asm_elementwise(_KEEP_OCTET_ROT_PTX, _KEEP_OCTET_CONSTRAINTS,
+                                          [row, key, seed, groups, thr], dtype=gl.int8, is_pure=True, pack=8)
+    elif CARRY:
         flags = gl.inline_asm_elementwise(_KEEP_OCTET_CARRY_PTX, _KEEP_OCTET_CONSTRAINTS,
                                           [row, key, seed, groups, thr], dtype=gl.int8, is_pure=True, pack=8)
     else:
@@ -351,13 +366,15 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
                    drop_inv, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr,
                    STATS_EARLY: gl.constexpr, TRACE: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-                   DROP_EARLY: gl.constexpr, DROP_CARRY: gl.constexpr):
+                   DROP_EARLY: gl.constexpr, DROP_CARRY: gl.constexpr,
+                   DROP_ROT: gl.constexpr):
     """Consumer warpgroup WG: keys [start_n + WG * BLOCK_N, + BLOCK_N) against every visible query block.
     FUSED_DQ: also dQ_j's columns [WG * D / 2, + D / 2) over both warpgroups' keys, dQ_j = dS_j K, from
     both dS^T tiles in shared memory (``ds_bar``: both written), added (scaled) to the fp32 dQ buffer by a
     bulk TMA reduction through the descriptor DQACC (rows B * H * Sq, D columns; D / 2-column tiles).
     HAS_DROPOUT: the forward's keep mask regenerated (``_dropout_keep_flags``, Z 1 kept, 0 dropped): dV += (P^T Z)
-    dO_j, scaled by 1 / (1 - p) at the end, and dS^T = P^T (dP^T Z / (1 - p) - delta_j); ``seed`` the seed's low word,
+    dO_j and dS^T (1 - p) = (P^T Z) dP^T - P^T delta_j (1 - p), i.e. dS^T = P^T (dP^T Z / (1 - p) - delta_j) with
+    the 1 / (1 - p) applied to dV, dK and dQ at the end (one select an element: Z on P^T only); ``seed`` the seed's low word,
     ``drop_groups`` the Philox calls a query row (ceil(Sk / 8)), ``drop_thr`` p 2^16 and ``drop_inv`` 1 / (1 - p)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -376,7 +393,10 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     keys = n0 + gl.arange(0, BLOCK_N, layout=row_s)
+    ds_scale = scale  # (dK's and dQ's factor: with dropout dS^T is formed times 1 - p)
     if HAS_DROPOUT:  # (int32 tensors of s_layout: a broadcast is the same register, the asm reads one a pack)
+        drop_keep = 1.0 - drop_thr.to(gl.float32) * (1.0 / 65536)  # (1 - p, exact: p is a multiple of 2^-16)
+        ds_scale = scale * drop_inv
         i_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, s_layout)
         d_key = i_zero + gl.expand_dims(keys.to(gl.int32), 1)
         d_seed = i_zero + seed
@@ -407,7 +427,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
             if HAS_DROPOUT:
                 if DROP_EARLY:  # the draws while S^T and dP^T are on the tensor cores
                     d_row = gl.expand_dims(((b * H + hk * GROUP + g) * Sq).to(gl.int32) + cols, 0) + i_zero
-                    zt = _dropout_keep_flags(d_row, d_key, d_seed, d_groups, d_thr, DROP_CARRY)
+                    zt = _dropout_keep_flags(d_row, d_key, d_seed, d_groups, d_thr, DROP_CARRY, DROP_ROT)
             if not STATS_EARLY:
                 lse2 = lse_smem.index(s).load(col_s)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
@@ -419,15 +439,16 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
             if HAS_DROPOUT:
                 if not DROP_EARLY:
                     d_row = gl.expand_dims(((b * H + hk * GROUP + g) * Sq).to(gl.int32) + cols, 0) + i_zero
-                    zt = _dropout_keep_flags(d_row, d_key, d_seed, d_groups, d_thr, DROP_CARRY)
-                # (1 / (1 - p) applied to dV once, at the end)
-                pt_op = gl.convert_layout(_apply_keep(pt, zt).to(dtype), a_layout)
+                    zt = _dropout_keep_flags(d_row, d_key, d_seed, d_groups, d_thr, DROP_CARRY, DROP_ROT)
+                # (1 / (1 - p) applied to dV, dK and dQ once, at the end)
+                pt_z = _apply_keep(pt, zt)
+                pt_op = gl.convert_layout(pt_z.to(dtype), a_layout)
             else:
                 pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-            if HAS_DROPOUT:
-                dst = (pt * (_apply_keep(dpt, zt) * drop_inv - gl.expand_dims(delta, 0))).to(dtype)
+            if HAS_DROPOUT:  # dS^T (1 - p) = (P^T Z) dP^T - P^T delta_j (1 - p): dK and dQ take the 1 / (1 - p)
+                dst = (pt_z * dpt - pt * gl.expand_dims(delta * drop_keep, 0)).to(dtype)
             else:
                 dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
             if FUSED_DQ:
@@ -452,7 +473,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
                 # the previous block's reduction has read the staging tile by now (a block's GEMMs ago)
                 tma.store_wait(pendings=0)
                 dq_tile = dq_smem.index(WG)
-                dq_tile.store(dq * scale)
+                dq_tile.store(dq * ds_scale)
                 fence_async_shared()
                 # an asynchronous bulk TMA reduction of the tile into DQACC's rows (B * H * Sq, D): query rows
                 # past Sq add the zeros of P = 0 there (to the next head's rows, or clipped past the end)
@@ -472,7 +493,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     # every wgmma that read this warpgroup's K and V is complete: their buffers stage dK and dV. Warpgroup 0's
     # partition (which made dk_desc and dv_desc where they are made on the device) issues every TMA through
     # them: it stores warpgroup 1's tiles too, once ``st_bar`` says they are in place
-    k_tile.store((dk * scale).to(dtype))
+    k_tile.store((dk * ds_scale).to(dtype))
     if HAS_DROPOUT:
         v_tile.store((dv * drop_inv).to(dtype))
     else:
@@ -503,7 +524,7 @@ def _attention_bwd_dkdv_sm90_kernel(
     IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, STATS_EARLY: gl.constexpr,
     kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr, TRACE: gl.constexpr = False,
     HOST_KV: gl.constexpr = False, HAS_DROPOUT: gl.constexpr = False, DROP_EARLY: gl.constexpr = True,
-    DROP_CARRY: gl.constexpr = False,
+    DROP_CARRY: gl.constexpr = False, DROP_ROT: gl.constexpr = False,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (cdiv(Sk, 2 * BLOCK_N) * kv heads * batch,):
     causal, longest CTAs first across the (batch, kv head)s of a group of ``lpt_heads`` (``_lpt_order``).
@@ -609,7 +630,7 @@ def _attention_bwd_dkdv_sm90_kernel(
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
                           Trace, seed, drop_groups, drop_thr, drop_inv, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT, DROP_EARLY, DROP_CARRY)),
+                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT, DROP_EARLY, DROP_CARRY, DROP_ROT)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, dq_smem,
                           ds_smem, lse_smem, dlt_smem, kv_bar, q_bar, q_empty, ds_bar, stride_qb, stride_qh,
                           stride_qm, stride_dob,
@@ -622,7 +643,7 @@ def _attention_bwd_dkdv_sm90_kernel(
                           stride_doh, stride_dom, LSE, DELTA, DQACC, stride_lb, stride_lh, H, GROUP, Sq, qk_scale,
                           scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
                           Trace, seed, drop_groups, drop_thr, drop_inv, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT, DROP_EARLY, DROP_CARRY)),
+                          IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT, DROP_EARLY, DROP_CARRY, DROP_ROT)),
     ], [1, 4], [24, 240])
 
 
@@ -955,7 +976,8 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
         ds_layout=dsl, num_warps=4, TRACE=trace is not None, HOST_KV=host_kv is not None, HAS_DROPOUT=rate > 0,
-        DROP_EARLY=DROPOUT_EARLY, DROP_CARRY=DROPOUT_CARRY, maxnreg=MAX_REGS)
+        DROP_EARLY=DROPOUT_EARLY, DROP_CARRY=DROPOUT_CARRY,
+        DROP_ROT=DROPOUT_ROT and DROPOUT_CARRY, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)
     return True

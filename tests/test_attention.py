@@ -1488,21 +1488,23 @@ def test_gpu_sm90_backward_host_kv_descriptors(monkeypatch, fused, layout, b, hq
 
 @pytest.mark.gpu
 @sm90_only
-@pytest.mark.parametrize("kernels,carry", [("fused", False), ("dkdv,dq", False), ("fused", True), ("dkdv,dq", True)])
+@pytest.mark.parametrize("kernels", ["fused", "dkdv,dq"])
+@pytest.mark.parametrize("carry,rot", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("p", [0.1, 0.3])
 @pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal", [
     ("bhsd", 2, 4, 2, 1000, 1100, True), ("bshd", 1, 4, 4, 1031, 1024, False), ("bhsd", 2, 2, 2, 64, 127, False),
     ("bshd", 1, 6, 2, 700, 700, True), ("bhsd", 1, 2, 1, 1, 17, False)])
-def test_gpu_sm90_gluon_backward_dropout(monkeypatch, kernels, carry, p, layout, b, hq, hkv, sq, sk, causal):
+def test_gpu_sm90_gluon_backward_dropout(monkeypatch, kernels, carry, rot, p, layout, b, hq, hkv, sq, sk, causal):
     # the Gluon dK/dV kernel drawing the forward's dropout mask itself (HAS_DROPOUT; fused with dQ, or beside
     # Triton's dQ kernel: "dkdv,dq" becomes "dkdv" with dropout), odd lengths, GQA, a transposed layout: output
     # and the three gradients against float64 and eager's error with attention_dropout_mask of the seed drawn;
     # a different seed gives different gradients (the mask is drawn, not ignored); keep bits by compares or by the
-    # carry chain (DROPOUT_CARRY)
+    # carry chain (DROPOUT_CARRY), its octet transposes by selects or by rotates (DROPOUT_ROT)
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90_bwd as kb
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", kernels)
     monkeypatch.setattr(kb, "DROPOUT_CARRY", carry)
+    monkeypatch.setattr(kb, "DROPOUT_ROT", rot)
     ran = []
 
     def spy(*a, _f=kb.attention_bwd_dkdv_sm90, **kw):

@@ -94,6 +94,15 @@ def _run_ptx(ptx: str, operands: list[list[int]]) -> list[list[int]]:
                 r = (a[0] * a[1]) & M32
             elif ins == "mul.hi.u32":
                 r = (a[0] * a[1]) >> 32
+            elif ins == "mad.lo.u32":
+                r = (a[0] * a[1] + a[2]) & M32
+            elif ins == "shf.l.wrap.b32":  # (funnel shift of a[1]:a[0] left by a[2] mod 32, the high word's bits)
+                n = a[2] & 31
+                r = (((a[1] << 32 | a[0]) << n) >> 32) & M32
+            elif ins == "lop3.b32":  # (bit i of the result: bit (a b c) of the table, a 0xF0, b 0xCC, c 0xAA)
+                r = 0
+                for i in range(32):
+                    r |= (a[3] >> ((a[0] >> i & 1) << 2 | (a[1] >> i & 1) << 1 | (a[2] >> i & 1)) & 1) << i
             elif ins == "setp.ge.u32":
                 r = a[0] >= a[1]
             elif ins == "setp.ne.u32":
@@ -108,8 +117,8 @@ def _run_ptx(ptx: str, operands: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("p,sk,kb,nt,row0", [(0.1, 200, 16, 2, 0), (0.5, 64, 48, 0, 3 * 57),
                                               (0.37, 1031, 1008, 6, 5 * 1000)])
-@pytest.mark.parametrize("carry", [False, True])
-def test_keep_octet_ptx_draws_the_kernels_mask(p, sk, kb, nt, row0, carry):
+@pytest.mark.parametrize("carry,rot", [(False, False), (True, False), (True, True)])
+def test_keep_octet_ptx_draws_the_kernels_mask(p, sk, kb, nt, row0, carry, rot):
     from pykernels._kernels.attention_sm90_bwd import _keep_octet_ptx
     seed = 987654321
     rate = dropout_rate(p)
@@ -120,21 +129,38 @@ def test_keep_octet_ptx_draws_the_kernels_mask(p, sk, kb, nt, row0, carry):
         q0 = row0 + nt * 8 + 2 * t4  # the pack's element 0: (query of its column, key of its row)
         k0 = kb + g
         operands.append([0, 0] + [q0] * 8 + [k0] * 8 + [seed] * 8 + [groups] * 8 + [thr] * 8)
-    out = _run_ptx(_keep_octet_ptx(carry), operands)
+    out = _run_ptx(_keep_octet_ptx(carry, rot), operands)
     rows = row0 + nt * 8 + 16  # enough query rows for the pack's columns
     keep = attention_dropout_mask(seed, 1, 1, rows, sk, p, "cpu")[0, 0]
     checked = 0
     for lane in range(32):
         g, t4 = lane >> 2, lane & 3
         for c in range(8):
-            flag = (out[lane][c // 4] >> (8 * (c % 4))) & 0xFF
+            flag = (out[lane][0] >> c) & 1
             query = row0 + nt * 8 + 2 * t4 + 8 * (c >> 2) + (c & 1)
             key = kb + g + 8 * ((c >> 1) & 1)
-            assert flag in (0, 1)
             if key < sk:
                 assert flag == int(keep[query, key]), (lane, c, query, key)
                 checked += 1
     assert checked >= 8 * 16
+    assert all(out[lane][0] < 256 and out[lane][1] == 0 for lane in range(32))  # (no bit past the pack's 8)
     # a rate that keeps about 1 - p of them (not a constant answer)
-    flags = [(out[lane][c // 4] >> (8 * (c % 4))) & 1 for lane in range(32) for c in range(8)]
+    flags = [(out[lane][0] >> c) & 1 for lane in range(32) for c in range(8)]
     assert 0 < sum(flags) < len(flags)
+
+
+def test_apply_keep_ptx_zeroes_the_dropped_elements():
+    """``_apply_keep_ptx`` keeps value c of a pack where bit c of the keep register is set, else writes 0 (as fp32
+    bit patterns), reading nothing of the pack's second keep register."""
+    import struct
+
+    from pykernels._kernels.attention_sm90_bwd import _apply_keep_ptx
+    gen = torch.Generator().manual_seed(5)
+    vals = [[struct.unpack("<I", struct.pack("<f", float(x)))[0] for x in torch.randn(8, generator=gen) + 3.0]
+            for _ in range(32)]
+    bits = [int(b) for b in torch.randint(0, 256, (32,), generator=gen)]
+    out = _run_ptx(_apply_keep_ptx(), [[0] * 8 + vals[lane] + [bits[lane], 0xFFFFFFFF] for lane in range(32)])
+    for lane in range(32):
+        for c in range(8):
+            assert out[lane][c] == (vals[lane][c] if bits[lane] >> c & 1 else 0), (lane, c)
+    assert 0 < sum(bin(b).count("1") for b in bits) < 256

@@ -90,7 +90,7 @@ def compile_only() -> None:
                               LPT=causal, STATS_EARLY=kb.STATS_EARLY and not causal, kv_layout=kl,
                               ds_layout=kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl, num_warps=4,
                               HOST_KV=host_kv, HAS_DROPOUT=True, Trace=None, DROP_EARLY=kb.DROPOUT_EARLY,
-                              DROP_CARRY=kb.DROPOUT_CARRY)
+                              DROP_CARRY=kb.DROPOUT_CARRY, DROP_ROT=kb.DROPOUT_ROT)
                 if not fused:
                     consts["DQACC"] = None
                 print(f"bwd-drop-{'fused' if fused else 'dkdv'} D{d} cfg{(bn, bm, stages)} "
