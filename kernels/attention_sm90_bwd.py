@@ -286,6 +286,30 @@ def _apply_keep_ptx() -> str:
 
 
 _APPLY_KEEP_PTX = gl.constexpr(_apply_keep_ptx())
+
+
+def _apply_keep16_ptx() -> str:
+    """The PTX of ``_apply_keep16``: 8 fp32 values ($8-$15) kept where P^T Z's bf16 value of the same element is not 0
+    (element c in half c % 2, low first, of $16 + c // 2), else 0."""
+    lines = ["{", ".reg .pred pkp;", ".reg .b32 pkt;"]
+    for c in range(8):
+        lines += [f"and.b32 pkt, ${16 + c // 2}, {0xFFFF << 16 * (c % 2)};", "setp.ne.u32 pkp, pkt, 0;",
+                  f"selp.b32 ${c}, ${8 + c}, 0, pkp;"]
+    return "\n".join(lines + ["}"])
+
+
+_APPLY_KEEP16_PTX = gl.constexpr(_apply_keep16_ptx())
+_APPLY_KEEP16_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 12))
+
+
+@gluon.jit
+def _apply_keep16(vals, pz16):
+    """``vals`` (fp32) where ``pz16`` (P^T Z in bf16 / fp16, the same shape and layout) is not 0, else 0: dP^T's
+    dropout without the keep bits, which are dead once P^T Z is formed (their registers free while the dV GEMM reads
+    P^T Z's). Where Z = 1 and P^T rounds to 0 the element's dS^T = P^T (..) is below the 16-bit format's least value
+    times dP^T either way."""
+    return gl.inline_asm_elementwise(_APPLY_KEEP16_PTX, _APPLY_KEEP16_CONSTRAINTS, [vals, pz16], dtype=gl.float32,
+                                     is_pure=True, pack=8)
 _APPLY_KEEP_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 
 
@@ -373,8 +397,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     both dS^T tiles in shared memory (``ds_bar``: both written), added (scaled) to the fp32 dQ buffer by a
     bulk TMA reduction through the descriptor DQACC (rows B * H * Sq, D columns; D / 2-column tiles).
     HAS_DROPOUT: the forward's keep mask regenerated (``_dropout_keep_flags``, Z 1 kept, 0 dropped): dV += (P^T Z)
-    dO_j and dS^T (1 - p) = (P^T Z) dP^T - P^T delta_j (1 - p), i.e. dS^T = P^T (dP^T Z / (1 - p) - delta_j) with
-    the 1 / (1 - p) applied to dV, dK and dQ at the end (one select an element: Z on P^T only); ``seed`` the seed's low word,
+    dO_j, scaled by 1 / (1 - p) at the end, and dS^T = P^T (dP^T Z / (1 - p) - delta_j), Z there read from P^T Z's
+    bf16 operand registers (``_apply_keep16``); ``seed`` the seed's low word,
     ``drop_groups`` the Philox calls a query row (ceil(Sk / 8)), ``drop_thr`` p 2^16 and ``drop_inv`` 1 / (1 - p)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -393,10 +417,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     keys = n0 + gl.arange(0, BLOCK_N, layout=row_s)
-    ds_scale = scale  # (dK's and dQ's factor: with dropout dS^T is formed times 1 - p)
     if HAS_DROPOUT:  # (int32 tensors of s_layout: a broadcast is the same register, the asm reads one a pack)
-        drop_keep = 1.0 - drop_thr.to(gl.float32) * (1.0 / 65536)  # (1 - p, exact: p is a multiple of 2^-16)
-        ds_scale = scale * drop_inv
         i_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, s_layout)
         d_key = i_zero + gl.expand_dims(keys.to(gl.int32), 1)
         d_seed = i_zero + seed
@@ -440,15 +461,16 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
                 if not DROP_EARLY:
                     d_row = gl.expand_dims(((b * H + hk * GROUP + g) * Sq).to(gl.int32) + cols, 0) + i_zero
                     zt = _dropout_keep_flags(d_row, d_key, d_seed, d_groups, d_thr, DROP_CARRY, DROP_ROT)
-                # (1 / (1 - p) applied to dV, dK and dQ once, at the end)
-                pt_z = _apply_keep(pt, zt)
-                pt_op = gl.convert_layout(pt_z.to(dtype), a_layout)
+                # (1 / (1 - p) applied to dV once, at the end; the keep bits die here: dP^T's zeros come from
+                # P^T Z's in the GEMM's operand registers, _apply_keep16)
+                pz16 = _apply_keep(pt, zt).to(dtype)
+                pt_op = gl.convert_layout(pz16, a_layout)
             else:
                 pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
             dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-            if HAS_DROPOUT:  # dS^T (1 - p) = (P^T Z) dP^T - P^T delta_j (1 - p): dK and dQ take the 1 / (1 - p)
-                dst = (pt_z * dpt - pt * gl.expand_dims(delta * drop_keep, 0)).to(dtype)
+            if HAS_DROPOUT:
+                dst = (pt * (_apply_keep16(dpt, pz16) * drop_inv - gl.expand_dims(delta, 0))).to(dtype)
             else:
                 dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
             if FUSED_DQ:
@@ -473,7 +495,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
                 # the previous block's reduction has read the staging tile by now (a block's GEMMs ago)
                 tma.store_wait(pendings=0)
                 dq_tile = dq_smem.index(WG)
-                dq_tile.store(dq * ds_scale)
+                dq_tile.store(dq * scale)
                 fence_async_shared()
                 # an asynchronous bulk TMA reduction of the tile into DQACC's rows (B * H * Sq, D): query rows
                 # past Sq add the zeros of P = 0 there (to the next head's rows, or clipped past the end)
@@ -493,7 +515,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
     # every wgmma that read this warpgroup's K and V is complete: their buffers stage dK and dV. Warpgroup 0's
     # partition (which made dk_desc and dv_desc where they are made on the device) issues every TMA through
     # them: it stores warpgroup 1's tiles too, once ``st_bar`` says they are in place
-    k_tile.store((dk * ds_scale).to(dtype))
+    k_tile.store((dk * scale).to(dtype))
     if HAS_DROPOUT:
         v_tile.store((dv * drop_inv).to(dtype))
     else:

@@ -92,7 +92,8 @@ def main() -> None:
 
         ref = gluon(True, on=False)()  # the Triton kernels with the same mask
         variants = (("gluon-early", gluon(True)), ("gluon-carry", gluon(True, carry=True)),
-                    ("gluon-rot", gluon(True, carry=True, rot=True)),
+                    ("gluon-rot", gluon(True, carry=True, rot=True)), ("gluon-late-carry", gluon(False, carry=True)),
+                    ("gluon-late-rot", gluon(False, carry=True, rot=True)),
                     *((("gluon-base", gluon(True, mod=base)),) if base is not None else ()),
                     ("gluon-late", gluon(False)), ("triton", gluon(True, on=False)), ("cpp", cpp), ("cudnn", cudnn),
                     ("gluon-nodrop", gluon(True, p=0.0)))
