@@ -146,8 +146,11 @@ DROPOUT_EARLY = True
 # 4 x 16 x 4096 causal / 1 x 16 x 8192 causal (580.8 / 3375.8 / 1983.2 / 1918.7 us); ptxas 336 / 460 bytes of spill
 # fused full / causal against 384 / 544
 DROPOUT_CARRY = True
-# ... (with the carry chain) g from the key and each transpose stage a rotate and one lop3 (``_keep_octet_ptx(rot=True)``)
-DROPOUT_ROT = True
+# ... (with the carry chain) g from the key and each transpose stage a rotate and one lop3 (``_keep_octet_ptx(rot=True)``):
+# 30-40 fewer instructions a block a thread, more registers held (ptxas: 516 / 392 bytes of spill fused causal / full
+# against 436 / 340); H200 run453 (the whole backward, graph replay, p = 0.1) 1.040x / 1.043x / 1.041x slower at 4 x 16
+# x 2048 causal / 4 x 16 x 4096 causal / 1 x 16 x 8192 causal, 1.005x faster at 4 x 16 x 4096 full: off
+DROPOUT_ROT = False
 # dK/dV: K, V, dK and dV through host descriptors over their (rows, row stride) views where Sk is a multiple of the
 # CTA's 2 x BLOCK_N keys (no tile then reaches the next head's rows; else, or where a view has no such geometry,
 # through descriptors of the CTA's head made on the device). run438's timeline: a CTA's four device-made
