@@ -164,3 +164,23 @@ def test_apply_keep_ptx_zeroes_the_dropped_elements():
         for c in range(8):
             assert out[lane][c] == (vals[lane][c] if bits[lane] >> c & 1 else 0), (lane, c)
     assert 0 < sum(bin(b).count("1") for b in bits) < 256
+
+
+def test_apply_keep16_ptx_zeroes_where_p_z_is_zero():
+    """``_apply_keep16_ptx`` keeps value c where element c's 16-bit P^T Z (half c % 2, low first, of register c // 2)
+    is not 0, else writes 0: dP^T's dropout read from the dV GEMM's operand registers. The halves that stand for kept
+    elements are nonzero bf16 values with a zero low or high byte too (a test of the whole half, not of one byte)."""
+    import struct
+
+    from pykernels._kernels.attention_sm90_bwd import _apply_keep16_ptx
+    gen = torch.Generator().manual_seed(11)
+    vals = [[struct.unpack("<I", struct.pack("<f", float(x)))[0] for x in torch.randn(8, generator=gen) - 2.0]
+            for _ in range(32)]
+    kept = torch.rand(32, 8, generator=gen) > 0.3
+    halves = [0x3F80, 0x0100, 0x0001, 0x8000, 0x4049]  # (bf16 1, 2^-125, the least denormal, -0 as bits, 3.14)
+    pz = [[(halves[(lane + c) % len(halves)] if kept[lane, c] else 0) for c in range(8)] for lane in range(32)]
+    regs = [[pz[lane][2 * r] | pz[lane][2 * r + 1] << 16 for r in range(4)] for lane in range(32)]
+    out = _run_ptx(_apply_keep16_ptx(), [[0] * 8 + vals[lane] + regs[lane] for lane in range(32)])
+    for lane in range(32):
+        for c in range(8):
+            assert out[lane][c] == (vals[lane][c] if kept[lane, c] else 0), (lane, c)
