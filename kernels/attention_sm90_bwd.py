@@ -152,10 +152,11 @@ DROPOUT_EARLY = True
 # 4 x 16 x 4096 causal / 1 x 16 x 8192 causal (580.8 / 3375.8 / 1983.2 / 1918.7 us); ptxas 336 / 460 bytes of spill
 # fused full / causal against 384 / 544
 DROPOUT_CARRY = True
-# ... (with the carry chain) g from the key and each transpose stage a rotate and one lop3 (``_keep_octet_ptx(rot=True)``):
-# 30-40 fewer instructions a block a thread, more registers held (ptxas: 516 / 392 bytes of spill fused causal / full
-# against 436 / 340); H200 run453 (the whole backward, graph replay, p = 0.1) 1.040x / 1.043x / 1.041x slower at 4 x 16
-# x 2048 causal / 4 x 16 x 4096 causal / 1 x 16 x 8192 causal, 1.005x faster at 4 x 16 x 4096 full: off
+# ... (with the carry chain) g from the key and each transpose stage a rotate and one lop3
+# (``_keep_octet_ptx(rot=True)``): 30-40 fewer instructions a block a thread, more registers held (ptxas: 516 / 392
+# bytes of spill fused causal / full against 436 / 340); H200 run453 (the whole backward, graph replay, p = 0.1)
+# 1.040x / 1.043x / 1.041x slower at 4 x 16 x 2048 causal / 4 x 16 x 4096 causal / 1 x 16 x 8192 causal, 1.005x
+# faster at 4 x 16 x 4096 full: off
 DROPOUT_ROT = False
 # dK/dV: K, V, dK and dV through host descriptors over their (rows, row stride) views where Sk is a multiple of the
 # CTA's 2 x BLOCK_N keys (no tile then reaches the next head's rows; else, or where a view has no such geometry,
@@ -225,9 +226,9 @@ def _keep_octet_ptx(carry: bool = False, rot: bool = False) -> str:
     csrc/attention.cuh's key_keep_bits, in Gluon's registers. ``tests/test_attention_sm90_dropout_ptx.py`` runs it on
     the CPU against ``attention_dropout_mask``. ``carry``: the keep bits by an add.cc / addc chain (csrc/attention.cuh's
     keep_byte_carry: a half is >= the threshold iff it, moved to the top, plus (2^16 - thr) 2^16 carries out; two
-    instructions a bit) instead of a compare, select and or a bit. ``rot``: g read from the key (k0 & 7: kb is a multiple
-    of 8) rather than %laneid, and each transpose stage a shuffle, a rotate and a lop3 with lane values (two mads)
-    instead of both candidates' masks and shifts and a select."""
+    instructions a bit) instead of a compare, select and or a bit. ``rot``: g read from the key (k0 & 7: kb is a
+    multiple of 8) rather than %laneid, and each transpose stage a shuffle, a rotate and a lop3 with lane values (two
+    mads) instead of both candidates' masks and shifts and a select."""
     lines = ["{", ".reg .pred pkp;",
              ".reg .b32 pkg, pkt, pkr, pkk, pkc0, pkc1, pkc2, pkc3, pkk0, pkk1, pkhb, pklb, pkha, pkla, pkn, pkx, pky, "
              "pku, pkv, pkhi;", ".reg .b64 pkctr, pkw;",
@@ -287,7 +288,7 @@ _KEEP_OCTET_ROT_PTX = gl.constexpr(_keep_octet_ptx(carry=True, rot=True))
 def _apply_keep_ptx() -> str:
     """The PTX of ``_apply_keep``: 8 fp32 values ($8-$15) kept or zeroed by the keep bits of ``_dropout_keep_flags``,
     which come as that asm left them: bit c of $16 element c's ($17 unused), one register a pack between the two asm
-    blocks (until run451 the flags were bytes, two registers a pack and a multiply-and-mask each to make them)."""
+    blocks (through run451 the flags were bytes, two registers a pack and a multiply-and-mask each to make them)."""
     lines = ["{", ".reg .pred pkp;", ".reg .b32 pkt;"]
     for c in range(8):
         lines += [f"and.b32 pkt, $16, {1 << c};", "setp.ne.u32 pkp, pkt, 0;", f"selp.b32 ${c}, ${8 + c}, 0, pkp;"]
@@ -295,6 +296,7 @@ def _apply_keep_ptx() -> str:
 
 
 _APPLY_KEEP_PTX = gl.constexpr(_apply_keep_ptx())
+_APPLY_KEEP_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 
 
 def _apply_keep16_ptx() -> str:
@@ -319,7 +321,6 @@ def _apply_keep16(vals, pz16):
     times dP^T either way."""
     return gl.inline_asm_elementwise(_APPLY_KEEP16_PTX, _APPLY_KEEP16_CONSTRAINTS, [vals, pz16], dtype=gl.float32,
                                      is_pure=True, pack=8)
-_APPLY_KEEP_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 
 
 @gluon.jit

@@ -9,9 +9,10 @@ mask: each row says how far its dK / dV / dQ are from the Triton kernels'); cuDN
 
 Usage (GPU): ``python benchmarks/dev/attention_bwd_dropout_ab.py [--p 0.1] [--rep 20]``. One line a shape and
 variant (gluon-early: the draws before the wait, keep bits by compares; gluon-carry: by the carry chain, the
-default since run451; gluon-rot: with the rotate transposes; gluon-base: ``--base``'s module, its defaults): ``case variant us TFLOP/s max|diff|`` (us: one backward's CUDA-graph replay, ``common.graph_us``,
-``--rep`` ms of replays; run447 and run451 timed the median of 20 / 30 replays of a 5-call graph of the script's own;
-FLOPs 2.5x the forward's 4 B H S^2 D, half of it causal).
+default since run451; gluon-rot: with the rotate transposes; gluon-late-carry / gluon-late-rot: the draws after
+P^T; gluon-base: ``--base``'s module, its defaults): ``case variant us TFLOP/s max|diff|`` (us: one backward's
+CUDA-graph replay, ``common.graph_us``, ``--rep`` ms of replays; run447 and run451 timed the median of 20 / 30
+replays of a 5-call graph of the script's own; FLOPs 2.5x the forward's 4 B H S^2 D, half of it causal).
 """
 from __future__ import annotations
 
