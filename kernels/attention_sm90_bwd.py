@@ -53,11 +53,12 @@ beside the dK/dV kernel Triton's dQ kernel runs (``sm90_backward``). H200 run447
 0.1): 1.09-1.19x the C++ op's backward and 2.0-2.4x the Triton kernels', 1.27-1.40x its own time without dropout;
 against cuDNN's backward with dropout 1.007x at 4 x 16 x 4096 full, 0.995x at 8 x 16 x 1024 full, 0.89-0.90x causal;
 the carry chain 1.008-1.029x on that (run451). The consumer's time follows its registers, not its instruction count
-(ptxas's spills; the loop's SASS counted by a development probe): keeping dP^T's Z until dS^T (two int8 registers a
-pack across the dP^T wait) against reading it from P^T Z, H200 run453: 1.082x / 1.039x / 1.078x / 1.089x faster at 4 x
-16 x 2048 causal / 4 x 16 x 4096 full / 4 x 16 x 4096 causal / 1 x 16 x 8192 causal (536.3 / 3215.6 / 1841.9 / 1769.0
-us, the dropout's cost 1.22-1.25x its time without); run452's try, P^T Z held in fp32 for dS^T = (P^T Z) dP^T - P^T
-delta_j (1 - p) with 75 fewer instructions a block a thread, was 1.01-1.10x slower (more spills).
+(ptxas's spills; the loop's SASS counted by ``benchmarks/dev/attention_bwd_sass_loops.py``): reading dP^T's Z from
+P^T Z instead of keeping the int8 flags (two registers a pack) across the dP^T wait, H200 run453: 1.082x / 1.039x /
+1.078x / 1.089x faster at 4 x 16 x 2048 causal / 4 x 16 x 4096 full / 4 x 16 x 4096 causal / 1 x 16 x 8192 causal
+(536.3 / 3215.6 / 1841.9 / 1769.0 us, the dropout's cost 1.22-1.25x its time without); run452's try, P^T Z held in
+fp32 for dS^T = (P^T Z) dP^T - P^T delta_j (1 - p) with 75 fewer instructions a block a thread, was 1.01-1.10x
+slower (more spills).
 
 Set-up: the dK/dV kernel's K, V, dK and dV come through host descriptors where Sk is a multiple of its 128 keys
 (``HOST_KV``; else made on the device per CTA, which cost 3.6-3.9 us of a CTA's 6.1 us before its first query
