@@ -1489,17 +1489,20 @@ def test_gpu_sm90_backward_host_kv_descriptors(monkeypatch, fused, layout, b, hq
 @pytest.mark.gpu
 @sm90_only
 @pytest.mark.parametrize("kernels", ["fused", "dkdv,dq"])
-@pytest.mark.parametrize("carry,rot", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("carry,rot,dtype", [(False, False, BF16), (True, False, BF16), (True, True, BF16),
+                                             (True, False, F16)])
 @pytest.mark.parametrize("p", [0.1, 0.3])
 @pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal", [
     ("bhsd", 2, 4, 2, 1000, 1100, True), ("bshd", 1, 4, 4, 1031, 1024, False), ("bhsd", 2, 2, 2, 64, 127, False),
     ("bshd", 1, 6, 2, 700, 700, True), ("bhsd", 1, 2, 1, 1, 17, False)])
-def test_gpu_sm90_gluon_backward_dropout(monkeypatch, kernels, carry, rot, p, layout, b, hq, hkv, sq, sk, causal):
+def test_gpu_sm90_gluon_backward_dropout(monkeypatch, kernels, carry, rot, dtype, p, layout, b, hq, hkv, sq, sk,
+                                         causal):
     # the Gluon dK/dV kernel drawing the forward's dropout mask itself (HAS_DROPOUT; fused with dQ, or beside
     # Triton's dQ kernel: "dkdv,dq" becomes "dkdv" with dropout), odd lengths, GQA, a transposed layout: output
     # and the three gradients against float64 and eager's error with attention_dropout_mask of the seed drawn;
     # a different seed gives different gradients (the mask is drawn, not ignored); keep bits by compares or by the
-    # carry chain (DROPOUT_CARRY), its octet transposes by selects or by rotates (DROPOUT_ROT)
+    # carry chain (DROPOUT_CARRY), its octet transposes by selects or by rotates (DROPOUT_ROT); fp16 too, whose P^T Z
+    # (from which dP^T's zeros are read, _apply_keep16) underflows sooner than bf16's
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90_bwd as kb
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", kernels)
@@ -1512,8 +1515,8 @@ def test_gpu_sm90_gluon_backward_dropout(monkeypatch, kernels, carry, rot, p, la
         ran.append((kw.get("dropout_p", 0.0), kw.get("dq") is not None, took))
         return took
     monkeypatch.setattr(kb, "attention_bwd_dkdv_sm90", spy)
-    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout)
-    do = torch.randn(b, sq, hq, 128, dtype=BF16, device="cuda").transpose(1, 2)
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout)
+    do = torch.randn(b, sq, hq, 128, dtype=dtype, device="cuda").transpose(1, 2)
     want = "fused" if kernels == "fused" else "dkdv"
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=p, scale=0.1, causal=causal) == want
     torch.manual_seed(2024)
