@@ -77,3 +77,81 @@ def load_seed(Seed, HAS_DROPOUT: tl.constexpr):
     if HAS_DROPOUT:
         seed = tl.load(Seed)
     return seed
+
+
+def _keep_octet_ptx(carry: bool = False, rot: bool = False) -> str:
+    """The PTX of ``_dropout_keep_flags``: one asm block a pack of 8 accumulator registers (``pack=8``). Operands:
+    $0, $1 out (the pack's 8 keep bits in $0, bit c element c's; $1 zero: the int8 "flags" tensor is only their
+    carrier, ``_apply_keep`` reads its first register a pack), then 8
+    registers each of: the element's Philox row ((b H + h) Sq + query), its key, the seed's low word, the calls a row
+    (ceil(Sk / 8)) and the threshold (p 2^16); of each only the pack's first element is read. The pack's element c is
+    (query q0 + 8 (c >> 2) + (c & 1), key k0 + 8 ((c >> 1) & 1)), k0 = kb + g for lane 4 g + t4 (the NVMMA
+    accumulator's register and lane order, row = key: ``to_linear_layout`` of ``s_layout``). The 8 lanes g of one t4
+    (an octet) need the 8 calls (query, key group) of their pack: lane g draws call c = g (Philox-4x32-7,
+    csrc/philox.cuh's philox4x32), forms its 8 keep bits (bit v: key v of the call; keep_byte), and three xor-shuffle
+    stages transpose the octet's bit matrix (transpose_stage, F = 1), after which bit c is this lane's key in call c:
+    csrc/attention.cuh's key_keep_bits, in Gluon's registers. ``tests/test_attention_sm90_dropout_ptx.py`` runs it on
+    the CPU against ``attention_dropout_mask``. ``carry``: the keep bits by an add.cc / addc chain (csrc/attention.cuh's
+    keep_byte_carry: a half is >= the threshold iff it, moved to the top, plus (2^16 - thr) 2^16 carries out; two
+    instructions a bit) instead of a compare, select and or a bit. ``rot``: g read from the key (k0 & 7: kb is a
+    multiple of 8) rather than %laneid, and each transpose stage a shuffle, a rotate and a lop3 with lane values (two
+    mads) instead of both candidates' masks and shifts and a select."""
+    lines = ["{", ".reg .pred pkp;",
+             ".reg .b32 pkg, pkt, pkr, pkk, pkc0, pkc1, pkc2, pkc3, pkk0, pkk1, pkhb, pklb, pkha, pkla, pkn, pkx, pky, "
+             "pku, pkv, pkhi;", ".reg .b64 pkctr, pkw;",
+             *(["and.b32 pkg, $10, 7;"] if rot else ["mov.u32 pkg, %laneid;", "shr.b32 pkg, pkg, 2;"]),
+             # the call of element c = g: query row $2 + 8 (g >> 2) + (g & 1), key group ($10 >> 3) + ((g >> 1) & 1)
+             "shr.b32 pkt, pkg, 2;", "shl.b32 pkt, pkt, 3;", "and.b32 pkr, pkg, 1;", "add.u32 pkr, pkr, pkt;",
+             "add.u32 pkr, pkr, $2;", "shr.b32 pkk, $10, 3;", "bfe.u32 pkt, pkg, 1, 1;", "add.u32 pkk, pkk, pkt;",
+             "mul.wide.u32 pkctr, pkr, $26;", "cvt.u64.u32 pkw, pkk;", "add.u64 pkctr, pkctr, pkw;",
+             "mov.b64 {pkc0, pkc1}, pkctr;", "mov.b32 pkc2, 0;", "mov.b32 pkc3, 0;", "mov.b32 pkk0, $18;",
+             "mov.b32 pkk1, 0;"]  # (seeds are drawn below 2^31: the key's high word is 0)
+    for _ in range(_ROUNDS):
+        lines += ["mul.hi.u32 pkhb, pkc2, 0xCD9E8D57;", "mul.lo.u32 pklb, pkc2, 0xCD9E8D57;",
+                  "mul.hi.u32 pkha, pkc0, 0xD2511F53;", "mul.lo.u32 pkla, pkc0, 0xD2511F53;",
+                  "xor.b32 pkn, pkhb, pkc1;", "xor.b32 pkc0, pkn, pkk0;", "xor.b32 pkn, pkha, pkc3;",
+                  "xor.b32 pkc2, pkn, pkk1;", "mov.b32 pkc1, pklb;", "mov.b32 pkc3, pkla;",
+                  "add.u32 pkk0, pkk0, 0x9E3779B9;", "add.u32 pkk1, pkk1, 0xBB67AE85;"]
+    # keep bits: bit 2 w (low half of word w) and 2 w + 1 (high half), kept where the half is >= the threshold
+    if carry:  # bit 7 (word 3's high half) first: each addc doubles the bits and adds the carry
+        lines += ["sub.u32 pkhi, 65536, $34;", "shl.b32 pkhi, pkhi, 16;", "add.cc.u32 pkt, pkc3, pkhi;",
+                  "addc.u32 pkx, 0, 0;", "shl.b32 pku, pkc3, 16;", "add.cc.u32 pkt, pku, pkhi;",
+                  "addc.u32 pkx, pkx, pkx;"]
+        for w in (2, 1, 0):
+            lines += [f"add.cc.u32 pkt, pkc{w}, pkhi;", "addc.u32 pkx, pkx, pkx;", f"shl.b32 pku, pkc{w}, 16;",
+                      "add.cc.u32 pkt, pku, pkhi;", "addc.u32 pkx, pkx, pkx;"]
+    else:
+        lines += ["shl.b32 pkhi, $34, 16;", "mov.b32 pkx, 0;"]
+        for w in range(4):
+            lines += [f"shl.b32 pku, pkc{w}, 16;", "setp.ge.u32 pkp, pku, pkhi;",
+                      f"selp.b32 pkv, {1 << 2 * w}, 0, pkp;", "or.b32 pkx, pkx, pkv;",
+                      f"setp.ge.u32 pkp, pkc{w}, pkhi;",
+                      f"selp.b32 pkv, {1 << 2 * w + 1}, 0, pkp;", "or.b32 pkx, pkx, pkv;"]
+    for st, lo in ((4, 0x0F), (2, 0x33), (1, 0x55)):  # the octet's lanes are 4 apart
+        if rot:  # the partner's word rotated left by st (this lane's g bit st clear) or right (set), then one lop3
+            # keeps this lane's half (mask lo, or lo << st) and the byte's rest from the rotated word: x's bits past
+            # the byte are 0, so the mask takes them from x; both lane values are two mads of the g bit
+            lines += [f"bfe.u32 pkt, pkg, {st.bit_length() - 1}, 1;", f"mad.lo.u32 pkn, pkt, {32 - 2 * st}, {st};",
+                      f"mad.lo.u32 pkv, pkt, {(lo << st) - lo}, {lo | 0xFFFFFF00};",
+                      f"shfl.sync.bfly.b32 pky, pkx, {st << 2}, 0x1f, 0xffffffff;",
+                      "shf.l.wrap.b32 pky, pky, pky, pkn;", "lop3.b32 pkx, pkx, pky, pkv, 0xE4;"]
+            continue
+        lines += [f"shfl.sync.bfly.b32 pky, pkx, {st << 2}, 0x1f, 0xffffffff;", f"and.b32 pkt, pkg, {st};",
+                  "setp.ne.u32 pkp, pkt, 0;",
+                  f"and.b32 pku, pkx, {lo << st};", f"shr.b32 pkv, pky, {st};", f"and.b32 pkv, pkv, {lo};",
+                  "or.b32 pku, pku, pkv;",
+                  f"and.b32 pkn, pkx, {lo};", f"and.b32 pkv, pky, {lo};", f"shl.b32 pkv, pkv, {st};",
+                  "or.b32 pkn, pkn, pkv;", "selp.b32 pkx, pku, pkn, pkp;"]
+    # out: the 8 keep bits as they are (bit c: element c) in $0, $1 zero (``_apply_keep`` reads bits of $0 only)
+    lines += ["mov.b32 $0, pkx;", "mov.b32 $1, 0;"]
+    return "\n".join(lines + ["}"])
+
+
+def _apply_keep_ptx() -> str:
+    """The PTX of ``_apply_keep``: 8 fp32 values ($8-$15) kept or zeroed by the keep bits of ``_dropout_keep_flags``,
+    which come as that asm left them: bit c of $16 element c's ($17 unused), one register a pack between the two asm
+    blocks (through run451 the flags were bytes, two registers a pack and a multiply-and-mask each to make them)."""
+    lines = ["{", ".reg .pred pkp;", ".reg .b32 pkt;"]
+    for c in range(8):
+        lines += [f"and.b32 pkt, $16, {1 << c};", "setp.ne.u32 pkp, pkt, 0;", f"selp.b32 ${c}, ${8 + c}, 0, pkp;"]
+    return "\n".join(lines + ["}"])

@@ -102,6 +102,7 @@ known to be wrong; ours is tested on the full matrix); flash-attn's varlen inter
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -115,8 +116,19 @@ from . import _tuning
 from ._dropout import dropout_keep as _dropout_keep
 from ._dropout import load_seed, seed_arg
 from ._dropout import dropout_rate as _dropout_rate
+from ._dropout import _apply_keep_ptx, _keep_octet_ptx
 
 LOG2E = 1.4426950408889634
+# The dK/dV kernel's dropout keep bits by inline PTX on the GPU (fp16 / bf16: its S^T tile in an MMA accumulator
+# layout), the Gluon dK/dV kernel's octet draws (``_dropout._keep_octet_ptx``): one Philox call a lane for 8 elements,
+# the keep bits moved by three xor shuffles, instead of ``dropout_keep``'s call per 8 columns of each row and the
+# reshapes that give every element its bits. ``PYKERNELS_TRITON_PTX_DROPOUT=0`` turns it off; never under the
+# interpreter (no inline asm there)
+PTX_DROPOUT = os.environ.get("PYKERNELS_TRITON_PTX_DROPOUT", "1") not in ("", "0")
+_KEEP_OCTET_PTX = tl.constexpr(_keep_octet_ptx(carry=True))
+_KEEP_OCTET_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))
+_APPLY_KEEP_PTX = tl.constexpr(_apply_keep_ptx())
+_APPLY_KEEP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,10 +513,14 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
                 q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, rng_sk, dropout_p,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
                 APPLY_CAUSAL: tl.constexpr, CHECK_M: tl.constexpr, EVEN_D: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr):
+                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr, PTX_DROPOUT: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [start_lo, end_hi). Works on the
     transposed tile (BLOCK_N keys x BLOCK_M queries) so that dV += P^T dO and dK += dS^T Q need no
-    register transposes. Key columns past k_len only touch their own (unstored) dK/dV rows."""
+    register transposes. Key columns past k_len only touch their own (unstored) dK/dV rows. PTX_DROPOUT: the keep
+    bits by ``_octet_keep_bits`` (the tile in an MMA accumulator layout)."""
+    row0 = 0
+    if PTX_DROPOUT:
+        row0 = (rng_base // ((rng_sk + 7) // 8)).to(tl.int32)  # ((b H + h) Sq: the launcher keeps it below 2^32)
     # The short loops are not software-pipelined: the causal diagonal band (APPLY_CAUSAL) runs 1-4
     # times and the row tail (CHECK_M) at most once; pipelining them buys nothing and costs registers
     # that the long loop needs (sm_90 AOT, D=128 causal 32x128/8 warps: 244 -> 241 registers).
@@ -536,10 +552,17 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
         pt = tl.math.exp2(st - lse2[None, :])
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p, True)
             inv_keep = 1.0 / (1.0 - dropout_p)
-            pt_drop = tl.where(keep, pt * inv_keep, 0.0)
-            dpt = tl.where(keep, dpt * inv_keep, 0.0)
+            if PTX_DROPOUT:
+                keep = _octet_keep_bits(seed, row0, offs_m, offs_n, rng_sk, dropout_p)
+                pt_drop = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [pt * inv_keep, keep],
+                                                    dtype=tl.float32, is_pure=True, pack=8)
+                dpt = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [dpt * inv_keep, keep],
+                                                dtype=tl.float32, is_pure=True, pack=8)
+            else:
+                keep = _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p, True)
+                pt_drop = tl.where(keep, pt * inv_keep, 0.0)
+                dpt = tl.where(keep, dpt * inv_keep, 0.0)
         else:
             pt_drop = pt
         dv += tl.dot(pt_drop.to(do.dtype), do, input_precision=PRECISION)
@@ -549,19 +572,35 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
 
 
 @triton.jit
+def _octet_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p):
+    """The keep bits of a (keys ``offs_n``, queries ``offs_m``) tile in an MMA accumulator layout, Philox row ``row0`` +
+    query: an int8 tensor that carries them (a pack of 8 registers' bits in its first byte, ``_keep_octet_ptx``),
+    read only by ``_APPLY_KEEP_PTX`` in the same layout."""
+    zero = tl.zeros([offs_n.shape[0], offs_m.shape[0]], dtype=tl.int32)
+    d_row = (row0 + offs_m.to(tl.int32))[None, :] + zero
+    d_key = offs_n.to(tl.int32)[:, None] + zero
+    d_seed = zero + seed.to(tl.int32)
+    d_groups = zero + ((Sk + 7) // 8)
+    d_thr = zero + (dropout_p * 65536.0).to(tl.int32)  # (p is a multiple of 2^-16)
+    return tl.inline_asm_elementwise(_KEEP_OCTET_PTX, _KEEP_OCTET_CONSTRAINTS, [d_row, d_key, d_seed, d_groups, d_thr],
+                                     dtype=tl.int8, is_pure=True, pack=8)
+
+
+@triton.jit
 def _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, hi, offs_n, offs_d, offs_dv, q_len, k_len,
                stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
-               EVEN_D: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr):
+               EVEN_D: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
+               PTX_DROPOUT: tl.constexpr):
     """Query blocks [lo, hi) without causal compare: full blocks unchecked, then the row tail."""
     full_end = tl.maximum(lo, (q_len // BLOCK_M) * BLOCK_M)
     split = tl.minimum(hi, full_end)
     dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, split, offs_n, offs_d, offs_dv,
                          q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
-                         D, DV, BLOCK_M, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
+                         D, DV, BLOCK_M, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT)
     dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, split, hi, offs_n, offs_d, offs_dv,
                          q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
-                         D, DV, BLOCK_M, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
+                         D, DV, BLOCK_M, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT)
     return dk, dv
 
 
@@ -578,7 +617,7 @@ def _attention_bwd_dkdv_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PTX_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     pid_n = tl.program_id(0)
@@ -619,16 +658,16 @@ def _attention_bwd_dkdv_kernel(
                 dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, mid, offs_n, offs_d,
                                      offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                      rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, True, True, EVEN_D,
-                                     HAS_DROPOUT, PRECISION, IDX64)
+                                     HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT)
                 dk, dv = _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, mid, q_len, offs_n, offs_d,
                                     offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                     rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, EVEN_D, HAS_DROPOUT,
-                                    PRECISION, IDX64)
+                                    PRECISION, IDX64, PTX_DROPOUT)
             else:
                 dk, dv = _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, 0, q_len, offs_n, offs_d,
                                     offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                     rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, EVEN_D, HAS_DROPOUT,
-                                    PRECISION, IDX64)
+                                    PRECISION, IDX64, PTX_DROPOUT)
     _store_tile(DK, cols, n_ok, offs_d, stride_dkn, D, dk * sm_scale)
     _store_tile(DV_, cols, n_ok, offs_dv, stride_dvn, DV, dv)
 
@@ -946,6 +985,17 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
     return o, lse
 
 
+def _ptx_dropout(q, v, rows: int, dropout_p: float, seed) -> bool:
+    """Whether the dK/dV kernel draws its keep bits by PTX (``PTX_DROPOUT``): dropout, fp16 / bf16 on a CUDA device (an
+    MMA tile), head dims up to 128 (the dropout configs' tiles, every warp 16 keys x 16 or more queries; D = 256's
+    smaller tiles are not assumed to be), not the interpreter, and the draws' 32-bit registers enough: fewer than
+    2^32 Philox rows (``rows``, B H Sq) and a seed below 2^31 (the ops draw them so; an int seed outside that takes
+    ``dropout_keep``)."""
+    return (dropout_p > 0 and PTX_DROPOUT and not _tuning.interpret() and q.is_cuda
+            and q.dtype in (torch.float16, torch.bfloat16) and max(q.shape[-1], v.shape[-1]) <= 128
+            and rows < 2**32 and not (isinstance(seed, int) and not 0 <= seed < 2**31))
+
+
 def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, dropout_p: float, seed,
                   kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0, deterministic: bool = False):
@@ -1025,7 +1075,8 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
         _launch.fast(_attention_bwd_dkdv_kernel)[lambda meta: (_tuning.cdiv(sk, meta["BLOCK_N"]), hkv, batch)](
             q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
             *s_q, *s_k, *s_v, *s_do, *s_dk, *s_dv, *ls, *ms,
-            hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket, **common)
+            hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket, **common,
+            PTX_DROPOUT=_ptx_dropout(q, v, batch * hq * sq, dropout_p, seed))
     if not fused and not dq_done:
         triton_dq(False)
     if varlen:
