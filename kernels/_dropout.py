@@ -9,6 +9,10 @@ of 2^-16 (the host rounds it: ``pykernels.attention.dropout_rate``), and scaled 
 (``dropout_bits16``) in CUDA C++. Drawing a ``tl.rand`` per element, as before, cost one Philox call (ten rounds of
 two 32-bit multiplies) an element: the BERT-base attention forward with dropout took 5.8x its dropout-free time
 (run243).
+
+The same bits for an MMA accumulator tile of (keys, queries), as inline PTX (``_keep_octet_ptx``, ``_apply_keep_ptx``):
+the Gluon dK/dV kernel's (``attention_sm90_bwd``) and the Triton dK/dV kernel's on the GPU (``attention.PTX_DROPOUT``);
+``tests/test_attention_sm90_dropout_ptx.py`` runs them on the CPU.
 """
 from __future__ import annotations
 

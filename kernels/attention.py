@@ -47,7 +47,9 @@ Dropout: one Philox-4x32-7 call (``tl.randint4x``) per 8 keys of a query row, at
 i, j are positions inside the sequence); key j takes 16 of its 128 bits and is kept where they are
 ``>= p * 65536``, p rounded to a multiple of 2^-16 on the host (``_dropout_keep``). The backward regenerates
 the same mask from the seed; it is never stored. ``attention_dropout_mask`` in ``pykernels.attention``
-reproduces it in eager PyTorch, and the CUDA C++ kernels draw the same bits.
+reproduces it in eager PyTorch, and the CUDA C++ kernels draw the same bits. On the GPU the dK/dV kernel draws them
+by inline PTX instead (``PTX_DROPOUT``: fp16 / bf16, D <= 128): one call a lane, shared by the 8 lanes that hold its
+keys through three xor shuffles (the Gluon dK/dV kernel's octet draws), with no reshape of the tile.
 
 Varlen: the same kernels with ``IS_VARLEN``: q/k/v are packed (total, H, D) tensors, the program reads
 its sequence's start and length from ``cu_seqlens`` and works inside it; lse is (H, total_q). Output
@@ -122,8 +124,12 @@ LOG2E = 1.4426950408889634
 # The dK/dV kernel's dropout keep bits by inline PTX on the GPU (fp16 / bf16: its S^T tile in an MMA accumulator
 # layout), the Gluon dK/dV kernel's octet draws (``_dropout._keep_octet_ptx``): one Philox call a lane for 8 elements,
 # the keep bits moved by three xor shuffles, instead of ``dropout_keep``'s call per 8 columns of each row and the
-# reshapes that give every element its bits. ``PYKERNELS_TRITON_PTX_DROPOUT=0`` turns it off; never under the
-# interpreter (no inline asm there)
+# reshapes that give every element its bits (which went through shared memory: the kernel's LDS 115 -> 61 at D = 64).
+# ``PYKERNELS_TRITON_PTX_DROPOUT=0`` turns it off; never under the interpreter (no inline asm there). H200 run456 (the
+# whole Triton backward with dropout 0.1, graph replay, ``benchmarks/dev/attention_bwd_triton_dropout_ab.py``, the same
+# gradients bitwise): 1.084x at BERT-base (432.0 against 468.1 us), 1.123x at GPT-2, 1.121x at 4 x 16 x 2048 D64
+# causal, 1.187x at 4 x 16 x 2048 D128 causal, 1.080x at 8 x 16 x 1024 D128 (ptxas at D = 128: 140 bytes of spill
+# against 192). The dQ kernel keeps ``dropout_keep`` (its tile, queries x keys, needs the quad variant)
 PTX_DROPOUT = os.environ.get("PYKERNELS_TRITON_PTX_DROPOUT", "1") not in ("", "0")
 _KEEP_OCTET_PTX = tl.constexpr(_keep_octet_ptx(carry=True))
 _KEEP_OCTET_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))
