@@ -992,14 +992,15 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
 
 
 def _ptx_dropout(q, v, rows: int, dropout_p: float, seed) -> bool:
-    """Whether the dK/dV kernel draws its keep bits by PTX (``PTX_DROPOUT``): dropout, fp16 / bf16 on a CUDA device (an
-    MMA tile), head dims up to 128 (the dropout configs' tiles, every warp 16 keys x 16 or more queries; D = 256's
-    smaller tiles are not assumed to be), not the interpreter, and the draws' 32-bit registers enough: fewer than
-    2^32 Philox rows (``rows``, B H Sq) and a seed below 2^31 (the ops draw them so; an int seed outside that takes
-    ``dropout_keep``)."""
+    """Whether the dK/dV kernel draws its keep bits by PTX (``PTX_DROPOUT``): dropout, fp16 / bf16 on a CUDA device of
+    compute capability 8.0 or later (an MMA tile), head dims up to 128 (the dropout configs' tiles, every warp 16 keys
+    x 16 or more queries; D = 256's smaller tiles are not assumed to be), not the interpreter, and the draws' 32-bit
+    registers enough: fewer than 2^32 Philox rows (``rows``, B H Sq) and a seed below 2^31 (the ops draw them so; an
+    int seed outside that takes ``dropout_keep``)."""
     return (dropout_p > 0 and PTX_DROPOUT and not _tuning.interpret() and q.is_cuda
             and q.dtype in (torch.float16, torch.bfloat16) and max(q.shape[-1], v.shape[-1]) <= 128
-            and rows < 2**32 and not (isinstance(seed, int) and not 0 <= seed < 2**31))
+            and rows < 2**32 and not (isinstance(seed, int) and not 0 <= seed < 2**31)
+            and _tuning.device_properties(q.device).major >= 8)  # (mma.sync m16n8k16 / wgmma accumulators)
 
 
 def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, dropout_p: float, seed,
