@@ -84,7 +84,9 @@ def load_seed(Seed, HAS_DROPOUT: tl.constexpr):
 
 
 def _keep_octet_ptx(carry: bool = False, rot: bool = False) -> str:
-    """The PTX of ``_dropout_keep_flags``: one asm block a pack of 8 accumulator registers (``pack=8``). Operands:
+    """The PTX of ``attention_sm90_bwd._dropout_keep_flags`` (and of the Triton dK/dV kernel's ``_octet_keep_bits``,
+    whose S^T tile has the same register and lane order): one asm block a pack of 8 accumulator registers
+    (``pack=8``). Operands:
     $0, $1 out (the pack's 8 keep bits in $0, bit c element c's; $1 zero: the int8 "flags" tensor is only their
     carrier, ``_apply_keep`` reads its first register a pack), then 8
     registers each of: the element's Philox row ((b H + h) Sq + query), its key, the seed's low word, the calls a row
@@ -152,7 +154,8 @@ def _keep_octet_ptx(carry: bool = False, rot: bool = False) -> str:
 
 
 def _apply_keep_ptx() -> str:
-    """The PTX of ``_apply_keep``: 8 fp32 values ($8-$15) kept or zeroed by the keep bits of ``_dropout_keep_flags``,
+    """The PTX of ``attention_sm90_bwd._apply_keep`` (and the Triton dK/dV kernel's ``_APPLY_KEEP_PTX``): 8 fp32 values
+    ($8-$15) kept or zeroed by the keep bits of ``_keep_octet_ptx``,
     which come as that asm left them: bit c of $16 element c's ($17 unused), one register a pack between the two asm
     blocks (through run451 the flags were bytes, two registers a pack and a multiply-and-mask each to make them)."""
     lines = ["{", ".reg .pred pkp;", ".reg .b32 pkt;"]
