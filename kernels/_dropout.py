@@ -162,3 +162,11 @@ def _apply_keep_ptx() -> str:
     for c in range(8):
         lines += [f"and.b32 pkt, $16, {1 << c};", "setp.ne.u32 pkp, pkt, 0;", f"selp.b32 ${c}, ${8 + c}, 0, pkp;"]
     return "\n".join(lines + ["}"])
+
+
+# The constants both dK/dV kernels pass to ``inline_asm_elementwise`` (``gl.constexpr`` is ``tl.constexpr``): the keep
+# bits with the carry chain (the kernels' default), and the select that applies them, with their operand constraints
+KEEP_OCTET_CARRY_PTX = tl.constexpr(_keep_octet_ptx(carry=True))
+KEEP_OCTET_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))
+APPLY_KEEP_PTX = tl.constexpr(_apply_keep_ptx())
+APPLY_KEEP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))

@@ -118,7 +118,10 @@ from . import _tuning
 from ._dropout import dropout_keep as _dropout_keep
 from ._dropout import load_seed, seed_arg
 from ._dropout import dropout_rate as _dropout_rate
-from ._dropout import _apply_keep_ptx, _keep_octet_ptx
+from ._dropout import APPLY_KEEP_CONSTRAINTS as _APPLY_KEEP_CONSTRAINTS
+from ._dropout import APPLY_KEEP_PTX as _APPLY_KEEP_PTX
+from ._dropout import KEEP_OCTET_CARRY_PTX as _KEEP_OCTET_PTX
+from ._dropout import KEEP_OCTET_CONSTRAINTS as _KEEP_OCTET_CONSTRAINTS
 
 LOG2E = 1.4426950408889634
 # The dK/dV kernel's dropout keep bits by inline PTX on the GPU (fp16 / bf16: its S^T tile in an MMA accumulator
@@ -131,10 +134,6 @@ LOG2E = 1.4426950408889634
 # causal, 1.187x at 4 x 16 x 2048 D128 causal, 1.080x at 8 x 16 x 1024 D128 (ptxas at D = 128: 140 bytes of spill
 # against 192). The dQ kernel keeps ``dropout_keep`` (its tile, queries x keys, needs the quad variant)
 PTX_DROPOUT = os.environ.get("PYKERNELS_TRITON_PTX_DROPOUT", "1") not in ("", "0")
-_KEEP_OCTET_PTX = tl.constexpr(_keep_octet_ptx(carry=True))
-_KEEP_OCTET_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))
-_APPLY_KEEP_PTX = tl.constexpr(_apply_keep_ptx())
-_APPLY_KEEP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,6 +94,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from ._dropout import _apply_keep_ptx, _keep_octet_ptx, dropout_rate, seed_arg  # noqa: F401  (the PTX: also the tests')
+from ._dropout import APPLY_KEEP_CONSTRAINTS as _APPLY_KEEP_CONSTRAINTS
+from ._dropout import APPLY_KEEP_PTX as _APPLY_KEEP_PTX
+from ._dropout import KEEP_OCTET_CARRY_PTX as _KEEP_OCTET_CARRY_PTX
+from ._dropout import KEEP_OCTET_CONSTRAINTS as _KEEP_OCTET_CONSTRAINTS
 
 from . import _launch, _tuning
 from .attention_sm90 import (LOG2E, MAX_REGS, _alloc_kv_ring, _fill_kv_ring, _flat_coords, _flat_descriptor,
@@ -213,12 +217,9 @@ def _trace_mark(Trace, slot, TRACE: gl.constexpr):
 
 
 _KEEP_OCTET_PTX = gl.constexpr(_keep_octet_ptx())
-_KEEP_OCTET_CARRY_PTX = gl.constexpr(_keep_octet_ptx(carry=True))
 _KEEP_OCTET_ROT_PTX = gl.constexpr(_keep_octet_ptx(carry=True, rot=True))
 
 
-_APPLY_KEEP_PTX = gl.constexpr(_apply_keep_ptx())
-_APPLY_KEEP_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 
 
 def _apply_keep16_ptx() -> str:
@@ -251,7 +252,6 @@ def _apply_keep(vals, keep):
     element, else 0."""
     return gl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [vals, keep], dtype=gl.float32,
                                      is_pure=True, pack=8)
-_KEEP_OCTET_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))
 
 
 @gluon.jit
