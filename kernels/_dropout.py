@@ -83,7 +83,21 @@ def load_seed(Seed, HAS_DROPOUT: tl.constexpr):
     return seed
 
 
-def _keep_octet_ptx(carry: bool = False, rot: bool = False) -> str:
+def _call_coordinates(quad: bool, rot: bool) -> list[str]:
+    """The PTX that puts the Philox row and key group of this lane's call in pkr / pkk (and its index in the octet
+    or quad in pkg), from the pack's element 0 ($2 its Philox row, $10 its key): ``_keep_octet_ptx``'s."""
+    if quad:  # (queries, keys) tile: t4 = (key >> 1) & 3 (keys 2 t4, 2 t4 + 1 of a group of 8); call t4: query
+        # row $2 + 8 (t4 & 1), key group ($10 >> 3) + (t4 >> 1)
+        return ["bfe.u32 pkg, $10, 1, 2;", "and.b32 pkt, pkg, 1;", "shl.b32 pkt, pkt, 3;", "add.u32 pkr, pkt, $2;",
+                "shr.b32 pkk, $10, 3;", "shr.b32 pkt, pkg, 1;", "add.u32 pkk, pkk, pkt;"]
+    # (keys, queries) tile: the call of element c = g: query row $2 + 8 (g >> 2) + (g & 1), key group ($10 >> 3) +
+    # ((g >> 1) & 1)
+    return [*(["and.b32 pkg, $10, 7;"] if rot else ["mov.u32 pkg, %laneid;", "shr.b32 pkg, pkg, 2;"]),
+            "shr.b32 pkt, pkg, 2;", "shl.b32 pkt, pkt, 3;", "and.b32 pkr, pkg, 1;", "add.u32 pkr, pkr, pkt;",
+            "add.u32 pkr, pkr, $2;", "shr.b32 pkk, $10, 3;", "bfe.u32 pkt, pkg, 1, 1;", "add.u32 pkk, pkk, pkt;"]
+
+
+def _keep_octet_ptx(carry: bool = False, rot: bool = False, quad: bool = False) -> str:
     """The PTX of ``attention_sm90_bwd._dropout_keep_flags`` (and of the Triton dK/dV kernel's ``_octet_keep_bits``,
     whose S^T tile has the same register and lane order): one asm block a pack of 8 accumulator registers
     (``pack=8``). Operands:
@@ -101,14 +115,18 @@ def _keep_octet_ptx(carry: bool = False, rot: bool = False) -> str:
     keep_byte_carry: a half is >= the threshold iff it, moved to the top, plus (2^16 - thr) 2^16 carries out; two
     instructions a bit) instead of a compare, select and or a bit. ``rot``: g read from the key (k0 & 7: kb is a
     multiple of 8) rather than %laneid, and each transpose stage a shuffle, a rotate and a lop3 with lane values (two
-    mads) instead of both candidates' masks and shifts and a select."""
+    mads) instead of both candidates' masks and shifts and a select. ``quad``: the same bits for a (queries, keys)
+    tile (the Triton dQ kernel's S and dP, ``attention.PTX_DROPOUT``), whose pack's element c is (query q0 + 8
+    ((c >> 1) & 1), key k0 + (c & 1) + 8 (c >> 2)), q0 = qb + g, k0 = kb + 2 t4 for lane 4 g + t4: the 4 lanes t4 of
+    one g (a quad) need 4 calls, (query q0 + 8 (t4 & 1), key group (k0 >> 3) + (t4 >> 1)) drawn by lane t4, whose
+    keep bits two xor-shuffle stages transpose as 2-bit fields (csrc/attention.cuh's group_keep_bits<2>), so that
+    bit c is element c's here too (``_apply_keep_ptx`` applies either); with ``carry`` only (no ``rot``)."""
+    if quad and rot:
+        raise ValueError("rot: the octet's transposes only (quad takes carry or the compare)")
     lines = ["{", ".reg .pred pkp;",
              ".reg .b32 pkg, pkt, pkr, pkk, pkc0, pkc1, pkc2, pkc3, pkk0, pkk1, pkhb, pklb, pkha, pkla, pkn, pkx, pky, "
              "pku, pkv, pkhi;", ".reg .b64 pkctr, pkw;",
-             *(["and.b32 pkg, $10, 7;"] if rot else ["mov.u32 pkg, %laneid;", "shr.b32 pkg, pkg, 2;"]),
-             # the call of element c = g: query row $2 + 8 (g >> 2) + (g & 1), key group ($10 >> 3) + ((g >> 1) & 1)
-             "shr.b32 pkt, pkg, 2;", "shl.b32 pkt, pkt, 3;", "and.b32 pkr, pkg, 1;", "add.u32 pkr, pkr, pkt;",
-             "add.u32 pkr, pkr, $2;", "shr.b32 pkk, $10, 3;", "bfe.u32 pkt, pkg, 1, 1;", "add.u32 pkk, pkk, pkt;",
+             *_call_coordinates(quad, rot),
              "mul.wide.u32 pkctr, pkr, $26;", "cvt.u64.u32 pkw, pkk;", "add.u64 pkctr, pkctr, pkw;",
              "mov.b64 {pkc0, pkc1}, pkctr;", "mov.b32 pkc2, 0;", "mov.b32 pkc3, 0;", "mov.b32 pkk0, $18;",
              "mov.b32 pkk1, 0;"]  # (seeds are drawn below 2^31: the key's high word is 0)
@@ -133,7 +151,16 @@ def _keep_octet_ptx(carry: bool = False, rot: bool = False) -> str:
                       f"selp.b32 pkv, {1 << 2 * w}, 0, pkp;", "or.b32 pkx, pkx, pkv;",
                       f"setp.ge.u32 pkp, pkc{w}, pkhi;",
                       f"selp.b32 pkv, {1 << 2 * w + 1}, 0, pkp;", "or.b32 pkx, pkx, pkv;"]
-    for st, lo in ((4, 0x0F), (2, 0x33), (1, 0x55)):  # the octet's lanes are 4 apart
+    if quad:  # a 4 x 4 transpose of 2-bit fields over the quad's lanes (1 apart): field j of lane t4 is then call
+        # j's keys 2 t4, 2 t4 + 1, i.e. bit c element c's (its call c >> 1, its key's half c & 1)
+        for st, lo in ((2, 0x0F), (1, 0x33)):
+            lines += [f"shfl.sync.bfly.b32 pky, pkx, {st}, 0x1f, 0xffffffff;", f"and.b32 pkt, pkg, {st};",
+                      "setp.ne.u32 pkp, pkt, 0;",
+                      f"and.b32 pku, pkx, {lo << 2 * st};", f"shr.b32 pkv, pky, {2 * st};", f"and.b32 pkv, pkv, {lo};",
+                      "or.b32 pku, pku, pkv;",
+                      f"and.b32 pkn, pkx, {lo};", f"and.b32 pkv, pky, {lo};", f"shl.b32 pkv, pkv, {2 * st};",
+                      "or.b32 pkn, pkn, pkv;", "selp.b32 pkx, pku, pkn, pkp;"]
+    for st, lo in () if quad else ((4, 0x0F), (2, 0x33), (1, 0x55)):  # the octet's lanes are 4 apart
         if rot:  # the partner's word rotated left by st (this lane's g bit st clear) or right (set), then one lop3
             # keeps this lane's half (mask lo, or lo << st) and the byte's rest from the rotated word: x's bits past
             # the byte are 0, so the mask takes them from x; both lane values are two mads of the g bit
@@ -167,6 +194,7 @@ def _apply_keep_ptx() -> str:
 # The constants both dK/dV kernels pass to ``inline_asm_elementwise`` (``gl.constexpr`` is ``tl.constexpr``): the keep
 # bits with the carry chain (the kernels' default), and the select that applies them, with their operand constraints
 KEEP_OCTET_CARRY_PTX = tl.constexpr(_keep_octet_ptx(carry=True))
-KEEP_OCTET_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))
+KEEP_QUAD_CARRY_PTX = tl.constexpr(_keep_octet_ptx(carry=True, quad=True))  # (the Triton dQ kernel's)
+KEEP_OCTET_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))  # (the quad's too)
 APPLY_KEEP_PTX = tl.constexpr(_apply_keep_ptx())
 APPLY_KEEP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))

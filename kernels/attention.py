@@ -122,6 +122,7 @@ from ._dropout import APPLY_KEEP_CONSTRAINTS as _APPLY_KEEP_CONSTRAINTS
 from ._dropout import APPLY_KEEP_PTX as _APPLY_KEEP_PTX
 from ._dropout import KEEP_OCTET_CARRY_PTX as _KEEP_OCTET_PTX
 from ._dropout import KEEP_OCTET_CONSTRAINTS as _KEEP_OCTET_CONSTRAINTS
+from ._dropout import KEEP_QUAD_CARRY_PTX as _KEEP_QUAD_PTX
 
 LOG2E = 1.4426950408889634
 # The dK/dV kernel's dropout keep bits by inline PTX on the GPU (fp16 / bf16: its S^T tile in an MMA accumulator
@@ -209,7 +210,7 @@ def _pruner(kind):
     return prune
 
 
-_FWD_KEYS = ["BLOCK_D", "BLOCK_DV", "seq_bucket", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT", "IS_VARLEN"]
+_FWD_KEYS = ["BLOCK_D", "BLOCK_DV", "seq_bucket", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT", "IS_VARLEN", "PTX_DROPOUT"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,11 +340,12 @@ def _lse_log2(lse):
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, offs_dv, k_len,
-               stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, rng_sk, dropout_p,
+               stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_row0, rng_sk, dropout_p,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
                APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr):
-    """Online-softmax update over key blocks [start_lo, end_hi). CHECK_N only for the tail block."""
+               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr, PTX_DROPOUT: tl.constexpr):
+    """Online-softmax update over key blocks [start_lo, end_hi). CHECK_N only for the tail block. ``rng_row0``: the
+    Philox row of the program's query 0, (b H + h) Sq; PTX_DROPOUT: the keep bits by ``_quad_keep_bits``."""
     # Unlike the backward loops, the short CHECK_N loops stay pipelined here: unpipelining them saved
     # no registers in the sm_90 AOT check (128x128/8 warps causal even gained a spill store).
     for start_n in range(start_lo, end_hi, BLOCK_N):
@@ -368,7 +370,14 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, o
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)  # the denominator counts dropped entries too
         if HAS_DROPOUT:
-            p = tl.where(_dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p), p, 0.0)
+            if PTX_DROPOUT:
+                p = tl.inline_asm_elementwise(
+                    _APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS,
+                    [p, _quad_keep_bits(seed, rng_row0.to(tl.int32), offs_m, offs_n, rng_sk, dropout_p)],
+                    dtype=tl.float32, is_pure=True, pack=8)
+            else:
+                p = tl.where(_dropout_keep(seed, rng_row0 * ((rng_sk + 7) // 8), offs_m, offs_n, rng_sk, dropout_p),
+                             p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -390,7 +399,7 @@ def _attention_fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PTX_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     pid_m = tl.program_id(0)
@@ -417,18 +426,20 @@ def _attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     lo, split, mid, hi = _key_ranges(KvRange, b, start_m, k_len, IS_CAUSAL, HAS_KV_RANGE, BLOCK_M, BLOCK_N)
-    rng_base = ((b * H + h) * Sq) * ((Sk + 7) // 8)
+    rng_row0 = (b * H + h) * Sq
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
-                               stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
-                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
+                               stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_row0, Sk,
+                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64,
+                               PTX_DROPOUT)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, split, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
-                               stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_base, Sk,
-                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
+                               stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_row0, Sk,
+                               dropout_p, D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64,
+                               PTX_DROPOUT)
     if IS_CAUSAL:  # the diagonal band [start_m, start_m + BLOCK_M): causal compare
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, tl.maximum(lo, start_m), hi, offs_m, m_ok, offs_d,
                                    offs_dv, k_len, stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed,
-                                   rng_base, Sk, dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D,
-                                   HAS_DROPOUT, PRECISION, IDX64)
+                                   rng_row0, Sk, dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D,
+                                   HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT)
 
     # Fully masked rows have l = 0: output 0 and lse = -inf (never 0/0).
     row_ok = l_i > 0.0
@@ -592,6 +603,20 @@ def _octet_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p):
 
 
 @triton.jit
+def _quad_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p):
+    """The keep bits of a (queries ``offs_m``, keys ``offs_n``) tile in an MMA accumulator layout, Philox row ``row0`` +
+    query: ``_octet_keep_bits``'s carrier, by the quad form of its PTX (``_dropout._keep_octet_ptx(quad=True)``)."""
+    zero = tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.int32)
+    d_row = (row0 + offs_m.to(tl.int32))[:, None] + zero
+    d_key = offs_n.to(tl.int32)[None, :] + zero
+    d_seed = zero + seed.to(tl.int32)
+    d_groups = zero + ((Sk + 7) // 8)
+    d_thr = zero + (dropout_p * 65536.0).to(tl.int32)  # (p is a multiple of 2^-16)
+    return tl.inline_asm_elementwise(_KEEP_QUAD_PTX, _KEEP_OCTET_CONSTRAINTS, [d_row, d_key, d_seed, d_groups, d_thr],
+                                     dtype=tl.int8, is_pure=True, pack=8)
+
+
+@triton.jit
 def _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, hi, offs_n, offs_d, offs_dv, q_len, k_len,
                stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
@@ -679,12 +704,14 @@ def _attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, offs_m, m_ok, offs_d, offs_dv, k_len,
-              stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, rng_sk, dropout_p,
+              stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, rng_sk, dropout_p,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
               APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr):
+              HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr, PTX_DROPOUT: tl.constexpr):
     """dQ += dS K over key blocks [start_lo, end_hi). CHECK_N loops (key tail, causal band) are short:
-    not pipelined (sm_90 AOT, D=128 causal 128x64/8 warps: 236 -> 215 registers)."""
+    not pipelined (sm_90 AOT, D=128 causal 128x64/8 warps: 236 -> 215 registers). ``rng_row0``: the Philox row of
+    the program's query 0, (b H + h) Sq. PTX_DROPOUT: the keep bits by ``_quad_keep_bits`` (the tile in an MMA
+    accumulator layout)."""
     for start_n in tl.range(start_lo, end_hi, BLOCK_N, num_stages=1 if CHECK_N else None):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         cols = _idx(offs_n, IDX64)
@@ -702,8 +729,14 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, vt, input_precision=PRECISION)
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+            if PTX_DROPOUT:
+                keep = _quad_keep_bits(seed, rng_row0.to(tl.int32), offs_m, offs_n, rng_sk, dropout_p)
+                dp = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS,
+                                               [dp * (1.0 / (1.0 - dropout_p)), keep], dtype=tl.float32, is_pure=True,
+                                               pack=8)
+            else:
+                keep = _dropout_keep(seed, rng_row0 * ((rng_sk + 7) // 8), offs_m, offs_n, rng_sk, dropout_p)
+                dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PRECISION)
     return dq
@@ -720,7 +753,7 @@ def _attention_bwd_dq_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
-    COMPUTE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    COMPUTE_DELTA: tl.constexpr, PTX_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """COMPUTE_DELTA: delta = rowsum(dO * O) of the program's rows is formed here (dO is loaded anyway, O
     once) and stored to ``Delta`` for the dK/dV kernel, which then runs after this one (no preprocess)."""
@@ -756,17 +789,18 @@ def _attention_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, split, mid, hi = _key_ranges(KvRange, b, start_m, k_len, IS_CAUSAL, HAS_KV_RANGE, BLOCK_M, BLOCK_N)
-    rng_base = ((b * H + h) * Sq) * ((Sk + 7) // 8)
+    rng_row0 = (b * H + h) * Sq
     dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
-                   stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
-                   D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
+                   stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk, dropout_p,
+                   D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT)
     dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, split, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
-                   stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk, dropout_p,
-                   D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
+                   stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk, dropout_p,
+                   D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT)
     if IS_CAUSAL:
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, tl.maximum(lo, start_m), hi, offs_m, m_ok,
-                       offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_base, Sk,
-                       dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64)
+                       offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk,
+                       dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64,
+                       PTX_DROPOUT)
     _store_tile(DQ, rows, m_ok, offs_d, stride_dqm, D, dq * sm_scale)
 
 
@@ -984,6 +1018,7 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         D=d, DV=dv, BLOCK_D=_pow2_dim(d), BLOCK_DV=_pow2_dim(dv), EVEN_D=_pow2_dim(d) == d and _pow2_dim(dv) == dv,
         IS_CAUSAL=bool(causal), MASK_KIND=mask_kind, HAS_KV_RANGE=kv_range is not None,
         HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen, PRECISION=_precision(q.dtype), IDX64=idx64,
+        PTX_DROPOUT=_ptx_dropout(q, v, batch * hq * sq, dropout_p, seed),
     )
     if varlen:
         _zero_uncovered(o, None, cu_seqlens_q, sq)
@@ -991,9 +1026,9 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
 
 
 def _ptx_dropout(q, v, rows: int, dropout_p: float, seed) -> bool:
-    """Whether the dK/dV kernel draws its keep bits by PTX (``PTX_DROPOUT``): dropout, fp16 / bf16 on a CUDA device of
-    compute capability 8.0 or later (an MMA tile), head dims up to 128 (the dropout configs' tiles, every warp 16 keys
-    x 16 or more queries; D = 256's smaller tiles are not assumed to be), not the interpreter, and the draws' 32-bit
+    """Whether the kernels draw their keep bits by PTX (``PTX_DROPOUT``): dropout, fp16 / bf16 on a CUDA device of
+    compute capability 8.0 or later (an MMA tile), head dims up to 128 (the dropout configs' tiles, every warp 16 rows
+    x 16 or more columns; D = 256's smaller tiles are not assumed to be), not the interpreter, and the draws' 32-bit
     registers enough: fewer than 2^32 Philox rows (``rows``, B H Sq) and a seed below 2^31 (the ops draw them so; an
     int seed outside that takes ``dropout_keep``)."""
     return (dropout_p > 0 and PTX_DROPOUT and not _tuning.interpret() and q.is_cuda
@@ -1056,12 +1091,14 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
                   PRECISION=_precision(q.dtype),
                   IDX64=_needs_idx64(sq, sk, [t[2] for t in (s_q, s_k, s_v, s_do, s_dq, s_dk, s_dv, s_o)], ms))
 
+    ptx_dropout = _ptx_dropout(q, v, batch * hq * sq, dropout_p, seed)
+
     def triton_dq(compute_delta: bool):
         _launch.fast(_attention_bwd_dq_kernel)[lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)](
             q, k, v, do, dq, lse, delta, o, mask_t, kvr, cu_q, cu_k,
             *s_q, *s_k, *s_v, *s_do, *s_dq, *s_o, *ls, *ms,
             hq, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket, **common,
-            COMPUTE_DELTA=compute_delta)
+            COMPUTE_DELTA=compute_delta, PTX_DROPOUT=ptx_dropout)
 
     dq_done = "dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=scale,
                                                          o=o)
@@ -1082,7 +1119,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
             q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
             *s_q, *s_k, *s_v, *s_do, *s_dk, *s_dv, *ls, *ms,
             hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket, **common,
-            PTX_DROPOUT=_ptx_dropout(q, v, batch * hq * sq, dropout_p, seed))
+            PTX_DROPOUT=ptx_dropout)
     if not fused and not dq_done:
         triton_dq(False)
     if varlen:

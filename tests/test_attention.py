@@ -895,6 +895,45 @@ def test_gpu_masks_gqa_dropout_bf16():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d,causal,hq,hkv,sq,sk,dtype,mask", [
+    (64, False, 4, 4, 512, 512, BF16, None), (64, True, 4, 2, 1000, 1000, BF16, None),
+    (64, False, 2, 2, 300, 257, F16, "pad"), (16, False, 2, 2, 17, 127, F16, None), (32, True, 2, 1, 1, 33, BF16, None),
+    (80, True, 4, 1, 127, 300, BF16, None), (96, False, 2, 2, 257, 1000, F16, "bool"),
+    (128, True, 2, 2, 300, 300, BF16, None), (128, False, 2, 2, 200, 129, F16, None)])
+def test_gpu_triton_dropout_ptx_draws_dropout_keeps_mask(monkeypatch, d, causal, hq, hkv, sq, sk, dtype, mask):
+    # The Triton backward's keep bits by inline PTX (PTX_DROPOUT: the dK/dV kernel's octets, the dQ kernel's quads)
+    # against the reference with attention_dropout_mask of the seed, and bitwise the gradients of dropout_keep's
+    # draws (PTX_DROPOUT off: the same mask, the same arithmetic); odd lengths, GQA, head dims 16..128, masks
+    from pykernels._kernels import attention as tri
+    from pykernels._kernels import attention_sm90_bwd as kb
+    monkeypatch.setattr(kb, "DROPOUT_KERNELS", False)  # (D = 128: the Triton kernels, not the Gluon dK/dV kernel)
+    b, p = 2, 0.17
+    q, k, v = _inputs((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), dtype, "cuda")
+    m = None
+    if mask == "pad":
+        m = torch.arange(sk, device="cuda")[None, None, None, :] < torch.tensor([sk, sk // 3], device="cuda")[:, None,
+                                                                                                              None, None]
+    elif mask == "bool":
+        m = torch.rand(b, 1, sq, sk, device="cuda") > 0.3
+    assert tri._ptx_dropout(q, v, b * hq * sq, p, 5)
+    do = torch.randn(b, hq, sq, d, dtype=dtype, device="cuda")
+    results = []
+    for ptx in (True, False):
+        monkeypatch.setattr(tri, "PTX_DROPOUT", ptx)
+        torch.manual_seed(7)
+        seed = new_seed(q.device)
+        torch.manual_seed(7)
+        out = sdpa(q, k, v, m, dropout_p=p, is_causal=causal, enable_gqa=hkv != hq, backend="triton")
+        dmask = attention_dropout_mask(seed, b, hq, sq, sk, p, "cuda")
+        results.append(_check_against_ref(q, k, v, mask=m, causal=causal, dropout_p=p, dropout_mask=dmask, out=out,
+                                          do=do, enable_gqa=hkv != hq, what=f"ptx {ptx}"))
+    (o1, g1), (o2, g2) = results
+    assert torch.equal(o1, o2)
+    for name, a, c in zip(("dq", "dk", "dv"), g1, g2):
+        assert torch.equal(a, c), name
+
+
+@pytest.mark.gpu
 def test_gpu_varlen_bf16_and_deterministic():
     lq = [1000, 1, 0, 513, 77]
     q, k, v, cu_q, cu_k = _varlen_case(lq, lq, 8, 2, 128, BF16, "cuda", extra_rows=5)

@@ -184,3 +184,44 @@ def test_apply_keep16_ptx_zeroes_where_p_z_is_zero():
     for lane in range(32):
         for c in range(8):
             assert out[lane][c] == (vals[lane][c] if kept[lane, c] else 0), (lane, c)
+
+
+@pytest.mark.parametrize("p,sk,kb,mt,row0", [(0.1, 200, 16, 2, 0), (0.5, 64, 48, 0, 3 * 57),
+                                              (0.37, 1031, 1008, 5, 5 * 1000)])
+@pytest.mark.parametrize("carry", [False, True])
+def test_keep_quad_ptx_draws_the_kernels_mask(p, sk, kb, mt, row0, carry):
+    """The quad form (``quad=True``: the Triton dQ kernel's (queries, keys) tile, register bit 0 = key + 1, bit 1 =
+    query + 8, bit 2 = key + 8; lane bits 0-1 = key + 2, 4, bits 2-4 = query + 1, 2, 4): bit c of every lane's first
+    output is its element c's keep flag of ``attention_dropout_mask``."""
+    from pykernels._kernels._dropout import _keep_octet_ptx
+    seed = 1234567
+    rate = dropout_rate(p)
+    groups, thr = (sk + 7) // 8, round(rate * 65536)
+    operands = []
+    for lane in range(32):
+        g, t4 = lane >> 2, lane & 3
+        q0 = row0 + mt * 16 + g  # the pack's element 0: (its query's Philox row, its key)
+        k0 = kb + 2 * t4
+        operands.append([0, 0] + [q0] * 8 + [k0] * 8 + [seed] * 8 + [groups] * 8 + [thr] * 8)
+    out = _run_ptx(_keep_octet_ptx(carry, quad=True), operands)
+    keep = attention_dropout_mask(seed, 1, 1, row0 + mt * 16 + 16, sk, p, "cpu")[0, 0]
+    checked = 0
+    for lane in range(32):
+        g, t4 = lane >> 2, lane & 3
+        for c in range(8):
+            flag = (out[lane][0] >> c) & 1
+            query = row0 + mt * 16 + g + 8 * ((c >> 1) & 1)
+            key = kb + 2 * t4 + (c & 1) + 8 * (c >> 2)
+            if key < sk:
+                assert flag == int(keep[query, key]), (lane, c, query, key)
+                checked += 1
+    assert checked >= 8 * 16
+    assert all(out[lane][0] < 256 and out[lane][1] == 0 for lane in range(32))
+    flags = [(out[lane][0] >> c) & 1 for lane in range(32) for c in range(8)]
+    assert 0 < sum(flags) < len(flags)
+
+
+def test_keep_quad_ptx_refuses_rot():
+    from pykernels._kernels._dropout import _keep_octet_ptx
+    with pytest.raises(ValueError, match="rot"):
+        _keep_octet_ptx(True, rot=True, quad=True)
