@@ -38,6 +38,8 @@ def _pinned(tri, kind: str, tier: int, cfg):
     after)."""
     import contextlib
 
+    from pykernels._kernels import _launch
+
     @contextlib.contextmanager
     def ctx():
         table = tri._TABLE[SWEEP[kind]]
@@ -46,11 +48,13 @@ def _pinned(tri, kind: str, tier: int, cfg):
                 "fwd": tri._attention_fwd_kernel}[kind]
         table[tier] = [cfg]
         kern.cache.clear()
+        _launch.fast(kern).cache.clear()  # (the fast launcher keeps each key's compiled kernel too)
         try:
             yield
         finally:
             table[tier] = old
             kern.cache.clear()
+            _launch.fast(kern).cache.clear()
     return ctx()
 
 
@@ -61,6 +65,7 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--base", default="", help="a file of kernels/attention.py to time beside (loaded as a sibling)")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--kernels", action="store_true", help="each kernel's time in the PTX backward (profiler)")
     args = ap.parse_args()
     from pykernels._kernels import attention as tri
     from pykernels._kernels import attention_sm90_bwd as kb
@@ -96,6 +101,12 @@ def main() -> None:
             t_base = graph_us(run(True, base), rep=args.rep)
             print(f"{name} base {t_base:.1f} {t_base / t_ptx:.3f}x {bdiff:.2e}", flush=True)
         print(f"{name} nodrop {graph_us(run(True, p=0.0), rep=args.rep):.1f}", flush=True)
+        if args.kernels:
+            from common import gpu_kernels_us
+            for p_ in (args.p, 0.0):
+                one = run(True, p=p_)
+                for us, kname in gpu_kernels_us(lambda: [one() for _ in range(10)], 10):
+                    print(f"{name} kernel p={p_} {us:.1f} {kname[:80]}", flush=True)
         def fwd(ptx: bool):
             def f():
                 tri.PTX_DROPOUT = ptx
