@@ -165,6 +165,14 @@ _TABLE = {
     # left out (sm_90 AOT: D=128 dK/dV 32x128 spills 184 B, dQ 128x64 456 B; these spill <= 24 B).
     "dkdv_dropout": {64: [(32, 128, 8, 3), (32, 64, 4, 3)], 128: [(16, 128, 8, 3)]},
     "dq_dropout": {64: [(128, 32, 8, 3)], 128: [(128, 32, 8, 3)]},
+    # ... and with the keep bits by PTX (PTX_DROPOUT), which hold fewer registers (sm_90 AOT, D = 64 dQ 128x32/8 warps
+    # 151 -> 100, 64x64/4 207 -> 154; every entry here spill-free at D = 64 and 128): H200 run458 (BERT-base / GPT-2,
+    # each config pinned, the whole backward's graph replay, us): dQ 64x64/w4/s3 333.6 / 216.6, 64x32/w4/s4 336.8 /
+    # 218.7, 128x32/w8/s3 339.9 / 235.5, 128x64/w8/s3 364.8 / 235.1; dK/dV 64x64/w4/s3 337.4 / 235.7, 32x64/w4/s3
+    # 339.0 / 235.6, 32x64/w4/s4 340.6 / 234.9, 32x128/w8/s3 382.3 / 277.8
+    "dkdv_dropout_ptx": {64: [(32, 64, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4)],
+                         128: [(16, 128, 8, 3), (32, 128, 8, 3), (32, 64, 4, 3)]},
+    "dq_dropout_ptx": {64: [(64, 64, 4, 3), (64, 32, 4, 4)], 128: [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2)]},
     # fp32 inputs: IEEE fp32 dots run on FMA units (no tensor cores), so small tiles limit spills.
     "fp32_fwd": {64: [(64, 32, 4, 2)], 128: [(32, 32, 4, 2)], 256: [(16, 16, 4, 2)]},
     "fp32_dkdv": {64: [(16, 32, 4, 2)], 128: [(16, 32, 4, 2)], 256: [(16, 16, 4, 2)]},
@@ -200,7 +208,8 @@ def _pruner(kind):
             # In-kernel Philox needs registers: 128-row tiles spilled (sm_90 AOT check, when a score drew its own call).
             table = _TABLE["fwd_short"][tier]
         elif kind in ("dkdv", "dq") and args.get("HAS_DROPOUT") and tier <= 128:
-            table = _TABLE[kind + "_dropout"][tier]  # entries of the main table (in the configs list)
+            # entries of the main table (in the configs list)
+            table = _TABLE[kind + ("_dropout_ptx" if args.get("PTX_DROPOUT") else "_dropout")][tier]
         else:
             table = _TABLE["fwd_short" if kind == "fwd" and args["seq_bucket"] <= 128 else kind][tier]
         # In table order (best guess first): with PYKERNELS_AUTOTUNE=0, kernels/_tuning keeps the first.

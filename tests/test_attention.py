@@ -897,7 +897,7 @@ def test_gpu_masks_gqa_dropout_bf16():
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,causal,hq,hkv,sq,sk,dtype,mask", [
     (64, False, 4, 4, 512, 512, BF16, None), (64, True, 4, 2, 1000, 1000, BF16, None),
-    (64, False, 2, 2, 300, 257, F16, "pad"), (16, False, 2, 2, 17, 127, F16, None), (32, True, 2, 1, 1, 33, BF16, None),
+    (64, False, 2, 2, 300, 257, F16, "pad"), (16, False, 2, 2, 17, 127, F16, None), (32, False, 2, 1, 1, 33, BF16, None),
     (80, True, 4, 1, 127, 300, BF16, None), (96, False, 2, 2, 257, 1000, F16, "bool"),
     (128, True, 2, 2, 300, 300, BF16, None), (128, False, 2, 2, 200, 129, F16, None)])
 def test_gpu_triton_dropout_ptx_draws_dropout_keeps_mask(monkeypatch, d, causal, hq, hkv, sq, sk, dtype, mask):
@@ -3390,3 +3390,26 @@ def test_cuda_cover_rules(device):
         with pytest.raises(BackendUnavailableError, match="pykernels._C is not built"):
             varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 8, 8,
                              backend="cuda")
+
+
+def test_dropout_tables_pick_ptx_entries():
+    """The dK/dV and dQ kernels' tables with dropout: each entry is one of the kernel's main table (the autotuner's
+    configs list holds only those), and the pruner takes the PTX table where the kernel draws by PTX."""
+    import triton
+
+    from pykernels._kernels import attention as tri
+    for kind in ("dq", "dkdv"):
+        main = {e for t in tri._TABLE[kind].values() for e in t}
+        for variant in ("_dropout", "_dropout_ptx"):
+            for tier, entries in tri._TABLE[kind + variant].items():
+                assert set(entries) <= main, (kind, variant, tier)
+        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+                   for bm, bn, w, st in dict.fromkeys(e for t in tri._TABLE[kind].values() for e in t)]
+        for ptx in (False, True):
+            for tier in (64, 128):
+                args = dict(BLOCK_D=tier, BLOCK_DV=tier, HAS_DROPOUT=True, PTX_DROPOUT=ptx, PRECISION="tf32",
+                            seq_bucket=512)
+                kept = tri._pruner(kind)(configs, {"seq_bucket": 512}, **args)
+                want = tri._TABLE[kind + ("_dropout_ptx" if ptx else "_dropout")][tier]
+                got = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
+                assert got == want, (kind, ptx, tier)  # (in table order: PYKERNELS_AUTOTUNE=0 keeps the first)

@@ -30,7 +30,8 @@ CASES = {"bert": (32, 12, 512, 64, False), "gpt2": (8, 12, 1024, 64, True), "d64
          "d128_causal_2k": (4, 16, 2048, 128, True), "d128_full_1k": (8, 16, 1024, 128, False)}
 
 
-SWEEP = {"dq": "dq_dropout", "dkdv": "dkdv_dropout", "fwd": "fwd_short"}  # (the table each kernel takes with dropout)
+# (the table each kernel takes with dropout by PTX)
+SWEEP = {"dq": "dq_dropout_ptx", "dkdv": "dkdv_dropout_ptx", "fwd": "fwd_short"}
 
 
 def _pinned(tri, kind: str, tier: int, cfg):
