@@ -12,6 +12,7 @@ two 32-bit multiplies) an element: the BERT-base attention forward with dropout 
 
 The same bits for an MMA accumulator tile of (keys, queries), as inline PTX (``_keep_octet_ptx``, ``_apply_keep_ptx``):
 the Gluon dK/dV kernel's (``attention_sm90_bwd``) and the Triton dK/dV kernel's on the GPU (``attention.PTX_DROPOUT``);
+and for a (queries, keys) tile, its quad form (``quad=True``): the Triton forward's and dQ kernel's.
 ``tests/test_attention_sm90_dropout_ptx.py`` runs them on the CPU.
 """
 from __future__ import annotations

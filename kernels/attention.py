@@ -47,9 +47,10 @@ Dropout: one Philox-4x32-7 call (``tl.randint4x``) per 8 keys of a query row, at
 i, j are positions inside the sequence); key j takes 16 of its 128 bits and is kept where they are
 ``>= p * 65536``, p rounded to a multiple of 2^-16 on the host (``_dropout_keep``). The backward regenerates
 the same mask from the seed; it is never stored. ``attention_dropout_mask`` in ``pykernels.attention``
-reproduces it in eager PyTorch, and the CUDA C++ kernels draw the same bits. On the GPU the dK/dV kernel draws them
-by inline PTX instead (``PTX_DROPOUT``: fp16 / bf16, D <= 128): one call a lane, shared by the 8 lanes that hold its
-keys through three xor shuffles (the Gluon dK/dV kernel's octet draws), with no reshape of the tile.
+reproduces it in eager PyTorch, and the CUDA C++ kernels draw the same bits. On the GPU every kernel draws them
+by inline PTX instead (``PTX_DROPOUT``: fp16 / bf16, D <= 128): one call a lane, shared by the lanes that hold its
+8 elements through xor shuffles (the dK/dV kernel: the Gluon dK/dV kernel's octet draws, three shuffles; the forward
+and the dQ kernel, whose tiles are queries x keys: their quad form, two), with no reshape of the tile.
 
 Varlen: the same kernels with ``IS_VARLEN``: q/k/v are packed (total, H, D) tensors, the program reads
 its sequence's start and length from ``cu_seqlens`` and works inside it; lse is (H, total_q). Output
@@ -133,7 +134,11 @@ LOG2E = 1.4426950408889634
 # whole Triton backward with dropout 0.1, graph replay, ``benchmarks/dev/attention_bwd_triton_dropout_ab.py``, the same
 # gradients bitwise): 1.084x at BERT-base (432.0 against 468.1 us), 1.123x at GPT-2, 1.121x at 4 x 16 x 2048 D64
 # causal, 1.187x at 4 x 16 x 2048 D128 causal, 1.080x at 8 x 16 x 1024 D128 (ptxas at D = 128: 140 bytes of spill
-# against 192). The dQ kernel keeps ``dropout_keep`` (its tile, queries x keys, needs the quad variant)
+# against 192). Since the seventy-fifth session the forward and the dQ kernel too, by the quad form
+# (``_keep_octet_ptx(quad=True)``: ``_quad_keep_bits``), each kernel with its own dropout config table for the PTX
+# draws (``dq_dropout_ptx``, ``dkdv_dropout_ptx``): the whole backward 1.42x at BERT-base (470.8 -> 330.7 us), 1.48x
+# at GPT-2, 1.47x at 4 x 16 x 2048 D64 causal, 1.60x / 1.58x at the D = 128 shapes, the forward 1.21-1.28x (H200
+# run459-460, against ``dropout_keep``'s draws in the same call)
 PTX_DROPOUT = os.environ.get("PYKERNELS_TRITON_PTX_DROPOUT", "1") not in ("", "0")
 
 
