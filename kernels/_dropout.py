@@ -152,29 +152,26 @@ def _keep_octet_ptx(carry: bool = False, rot: bool = False, quad: bool = False) 
                       f"selp.b32 pkv, {1 << 2 * w}, 0, pkp;", "or.b32 pkx, pkx, pkv;",
                       f"setp.ge.u32 pkp, pkc{w}, pkhi;",
                       f"selp.b32 pkv, {1 << 2 * w + 1}, 0, pkp;", "or.b32 pkx, pkx, pkv;"]
-    if quad:  # a 4 x 4 transpose of 2-bit fields over the quad's lanes (1 apart): field j of lane t4 is then call
-        # j's keys 2 t4, 2 t4 + 1, i.e. bit c element c's (its call c >> 1, its key's half c & 1)
-        for st, lo in ((2, 0x0F), (1, 0x33)):
-            lines += [f"shfl.sync.bfly.b32 pky, pkx, {st}, 0x1f, 0xffffffff;", f"and.b32 pkt, pkg, {st};",
-                      "setp.ne.u32 pkp, pkt, 0;",
-                      f"and.b32 pku, pkx, {lo << 2 * st};", f"shr.b32 pkv, pky, {2 * st};", f"and.b32 pkv, pkv, {lo};",
-                      "or.b32 pku, pku, pkv;",
-                      f"and.b32 pkn, pkx, {lo};", f"and.b32 pkv, pky, {lo};", f"shl.b32 pkv, pkv, {2 * st};",
-                      "or.b32 pkn, pkn, pkv;", "selp.b32 pkx, pku, pkn, pkp;"]
-    for st, lo in () if quad else ((4, 0x0F), (2, 0x33), (1, 0x55)):  # the octet's lanes are 4 apart
+    # the transposes: the octet's lanes are 4 apart, stages of bits; the quad's 1 apart, stages of 2-bit fields (a 4 x 4
+    # transpose over the quad's lanes: field j of lane t4 is then call j's keys 2 t4, 2 t4 + 1, i.e. bit c element c's,
+    # its call c >> 1, its key's half c & 1)
+    stages = [(st, 2 * st, lo) for st, lo in ((2, 0x0F), (1, 0x33))] if quad else \
+        [(st, st, lo) for st, lo in ((4, 0x0F), (2, 0x33), (1, 0x55))]
+    for st, sh, lo in stages:  # (st: the stage's bit of g, sh: its shift; lo: the positions whose bit st is clear)
+        lanes = st if quad else st << 2
         if rot:  # the partner's word rotated left by st (this lane's g bit st clear) or right (set), then one lop3
             # keeps this lane's half (mask lo, or lo << st) and the byte's rest from the rotated word: x's bits past
             # the byte are 0, so the mask takes them from x; both lane values are two mads of the g bit
             lines += [f"bfe.u32 pkt, pkg, {st.bit_length() - 1}, 1;", f"mad.lo.u32 pkn, pkt, {32 - 2 * st}, {st};",
                       f"mad.lo.u32 pkv, pkt, {(lo << st) - lo}, {lo | 0xFFFFFF00};",
-                      f"shfl.sync.bfly.b32 pky, pkx, {st << 2}, 0x1f, 0xffffffff;",
+                      f"shfl.sync.bfly.b32 pky, pkx, {lanes}, 0x1f, 0xffffffff;",
                       "shf.l.wrap.b32 pky, pky, pky, pkn;", "lop3.b32 pkx, pkx, pky, pkv, 0xE4;"]
             continue
-        lines += [f"shfl.sync.bfly.b32 pky, pkx, {st << 2}, 0x1f, 0xffffffff;", f"and.b32 pkt, pkg, {st};",
+        lines += [f"shfl.sync.bfly.b32 pky, pkx, {lanes}, 0x1f, 0xffffffff;", f"and.b32 pkt, pkg, {st};",
                   "setp.ne.u32 pkp, pkt, 0;",
-                  f"and.b32 pku, pkx, {lo << st};", f"shr.b32 pkv, pky, {st};", f"and.b32 pkv, pkv, {lo};",
+                  f"and.b32 pku, pkx, {lo << sh};", f"shr.b32 pkv, pky, {sh};", f"and.b32 pkv, pkv, {lo};",
                   "or.b32 pku, pku, pkv;",
-                  f"and.b32 pkn, pkx, {lo};", f"and.b32 pkv, pky, {lo};", f"shl.b32 pkv, pkv, {st};",
+                  f"and.b32 pkn, pkx, {lo};", f"and.b32 pkv, pky, {lo};", f"shl.b32 pkv, pkv, {sh};",
                   "or.b32 pkn, pkn, pkv;", "selp.b32 pkx, pku, pkn, pkp;"]
     # out: the 8 keep bits as they are (bit c: element c) in $0, $1 zero (``_apply_keep`` reads bits of $0 only)
     lines += ["mov.b32 $0, pkx;", "mov.b32 $1, 0;"]

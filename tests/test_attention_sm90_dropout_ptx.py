@@ -115,38 +115,41 @@ def _run_ptx(ptx: str, operands: list[list[int]]) -> list[list[int]]:
     return ops
 
 
-@pytest.mark.parametrize("p,sk,kb,nt,row0", [(0.1, 200, 16, 2, 0), (0.5, 64, 48, 0, 3 * 57),
-                                              (0.37, 1031, 1008, 6, 5 * 1000)])
-@pytest.mark.parametrize("carry,rot", [(False, False), (True, False), (True, True)])
-def test_keep_octet_ptx_draws_the_kernels_mask(p, sk, kb, nt, row0, carry, rot):
-    from pykernels._kernels.attention_sm90_bwd import _keep_octet_ptx
-    seed = 987654321
-    rate = dropout_rate(p)
-    groups, thr = (sk + 7) // 8, round(rate * 65536)
+def _check_draws(ptx: str, p: float, sk: int, rows: int, seed: int, element) -> None:
+    """Runs a keep-bit asm block (``_keep_octet_ptx``'s operands) for 32 lanes and checks bit c of each lane's first
+    output against ``attention_dropout_mask`` at ``element(lane, c)`` = (Philox row, key), element 0 of a pack
+    being what the block is given; rows below ``rows``."""
+    groups, thr = (sk + 7) // 8, round(dropout_rate(p) * 65536)
     operands = []
     for lane in range(32):
-        g, t4 = lane >> 2, lane & 3
-        q0 = row0 + nt * 8 + 2 * t4  # the pack's element 0: (query of its column, key of its row)
-        k0 = kb + g
+        q0, k0 = element(lane, 0)
         operands.append([0, 0] + [q0] * 8 + [k0] * 8 + [seed] * 8 + [groups] * 8 + [thr] * 8)
-    out = _run_ptx(_keep_octet_ptx(carry, rot), operands)
-    rows = row0 + nt * 8 + 16  # enough query rows for the pack's columns
+    out = _run_ptx(ptx, operands)
     keep = attention_dropout_mask(seed, 1, 1, rows, sk, p, "cpu")[0, 0]
     checked = 0
     for lane in range(32):
-        g, t4 = lane >> 2, lane & 3
         for c in range(8):
-            flag = (out[lane][0] >> c) & 1
-            query = row0 + nt * 8 + 2 * t4 + 8 * (c >> 2) + (c & 1)
-            key = kb + g + 8 * ((c >> 1) & 1)
+            query, key = element(lane, c)
             if key < sk:
-                assert flag == int(keep[query, key]), (lane, c, query, key)
+                assert (out[lane][0] >> c) & 1 == int(keep[query, key]), (lane, c, query, key)
                 checked += 1
     assert checked >= 8 * 16
     assert all(out[lane][0] < 256 and out[lane][1] == 0 for lane in range(32))  # (no bit past the pack's 8)
     # a rate that keeps about 1 - p of them (not a constant answer)
     flags = [(out[lane][0] >> c) & 1 for lane in range(32) for c in range(8)]
     assert 0 < sum(flags) < len(flags)
+
+
+@pytest.mark.parametrize("p,sk,kb,nt,row0", [(0.1, 200, 16, 2, 0), (0.5, 64, 48, 0, 3 * 57),
+                                              (0.37, 1031, 1008, 6, 5 * 1000)])
+@pytest.mark.parametrize("carry,rot", [(False, False), (True, False), (True, True)])
+def test_keep_octet_ptx_draws_the_kernels_mask(p, sk, kb, nt, row0, carry, rot):
+    from pykernels._kernels.attention_sm90_bwd import _keep_octet_ptx
+
+    def element(lane, c):  # (query of its column, key of its row)
+        g, t4 = lane >> 2, lane & 3
+        return row0 + nt * 8 + 2 * t4 + 8 * (c >> 2) + (c & 1), kb + g + 8 * ((c >> 1) & 1)
+    _check_draws(_keep_octet_ptx(carry, rot), p, sk, row0 + nt * 8 + 16, 987654321, element)
 
 
 def test_apply_keep_ptx_zeroes_the_dropped_elements():
@@ -190,35 +193,15 @@ def test_apply_keep16_ptx_zeroes_where_p_z_is_zero():
                                               (0.37, 1031, 1008, 5, 5 * 1000)])
 @pytest.mark.parametrize("carry", [False, True])
 def test_keep_quad_ptx_draws_the_kernels_mask(p, sk, kb, mt, row0, carry):
-    """The quad form (``quad=True``: the Triton dQ kernel's (queries, keys) tile, register bit 0 = key + 1, bit 1 =
-    query + 8, bit 2 = key + 8; lane bits 0-1 = key + 2, 4, bits 2-4 = query + 1, 2, 4): bit c of every lane's first
-    output is its element c's keep flag of ``attention_dropout_mask``."""
+    """The quad form (``quad=True``: the Triton dQ kernel's and forward's (queries, keys) tile, register bit 0 = key
+    + 1, bit 1 = query + 8, bit 2 = key + 8; lane bits 0-1 = key + 2, 4, bits 2-4 = query + 1, 2, 4): bit c of every
+    lane's first output is its element c's keep flag of ``attention_dropout_mask``."""
     from pykernels._kernels._dropout import _keep_octet_ptx
-    seed = 1234567
-    rate = dropout_rate(p)
-    groups, thr = (sk + 7) // 8, round(rate * 65536)
-    operands = []
-    for lane in range(32):
+
+    def element(lane, c):  # (its query's Philox row, its key)
         g, t4 = lane >> 2, lane & 3
-        q0 = row0 + mt * 16 + g  # the pack's element 0: (its query's Philox row, its key)
-        k0 = kb + 2 * t4
-        operands.append([0, 0] + [q0] * 8 + [k0] * 8 + [seed] * 8 + [groups] * 8 + [thr] * 8)
-    out = _run_ptx(_keep_octet_ptx(carry, quad=True), operands)
-    keep = attention_dropout_mask(seed, 1, 1, row0 + mt * 16 + 16, sk, p, "cpu")[0, 0]
-    checked = 0
-    for lane in range(32):
-        g, t4 = lane >> 2, lane & 3
-        for c in range(8):
-            flag = (out[lane][0] >> c) & 1
-            query = row0 + mt * 16 + g + 8 * ((c >> 1) & 1)
-            key = kb + 2 * t4 + (c & 1) + 8 * (c >> 2)
-            if key < sk:
-                assert flag == int(keep[query, key]), (lane, c, query, key)
-                checked += 1
-    assert checked >= 8 * 16
-    assert all(out[lane][0] < 256 and out[lane][1] == 0 for lane in range(32))
-    flags = [(out[lane][0] >> c) & 1 for lane in range(32) for c in range(8)]
-    assert 0 < sum(flags) < len(flags)
+        return row0 + mt * 16 + g + 8 * ((c >> 1) & 1), kb + 2 * t4 + (c & 1) + 8 * (c >> 2)
+    _check_draws(_keep_octet_ptx(carry, quad=True), p, sk, row0 + mt * 16 + 16, 1234567, element)
 
 
 def test_keep_quad_ptx_refuses_rot():
