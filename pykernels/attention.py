@@ -341,7 +341,10 @@ def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mas
 # forward and backward are one dispatcher call each (autograd in C++), against the Triton path's Python (under
 # CUDA-graph capture too: both paths read the seed from device memory). Its kernels with dropout
 # are also the faster ones on the GPU since run255-256 (H200, a call at BERT-base: 156 / 484 us forward / backward
-# against the Triton kernels' 177 / 547; GPT-2 91 / 286 against 120 / 359); before that they had been slower (H100:
+# against the Triton kernels' 177 / 547; GPT-2 91 / 286 against 120 / 359), still after the Triton kernels drew their
+# keep bits by PTX (H200 run457, graph replay: BERT-base 135.2 / 317.0 against 142.3 / 336.1, GPT-2 85.7 / 194.0
+# against 99.1 / 231.3; run459's Triton tables 143.2 / 329.1 and 99.3 / 214.7, in another call; with key padding
+# about level, 143.0 / 301.4 against 143.9 / 309.3); before that they had been slower (H100:
 # 3.2 + 7.8 ms a BERT-base step against Triton's 2.2 + 6.1), and whole eager training steps were faster with them
 # all the same (run249: transformers' BERT-base MLM step 48.7 ms against 56.9, GPT-2 59.5 against 69.5).
 # ``PYKERNELS_AUTO_CUDA_DROPOUT=0`` keeps auto on Triton (read once).
