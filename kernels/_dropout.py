@@ -99,8 +99,8 @@ def _call_coordinates(quad: bool, rot: bool) -> list[str]:
 
 
 def _keep_octet_ptx(carry: bool = False, rot: bool = False, quad: bool = False) -> str:
-    """The PTX of ``attention_sm90_bwd._dropout_keep_flags`` (and of the Triton dK/dV kernel's ``_octet_keep_bits``,
-    whose S^T tile has the same register and lane order): one asm block a pack of 8 accumulator registers
+    """The PTX of ``attention_sm90_bwd._dropout_keep_flags`` (and of the Triton kernels' ``_ptx_keep_bits``: the
+    dK/dV kernel's S^T tile has the same register and lane order): one asm block a pack of 8 accumulator registers
     (``pack=8``). Operands:
     $0, $1 out (the pack's 8 keep bits in $0, bit c element c's; $1 zero: the int8 "flags" tensor is only their
     carrier, ``_apply_keep`` reads its first register a pack), then 8

@@ -135,7 +135,7 @@ LOG2E = 1.4426950408889634
 # gradients bitwise): 1.084x at BERT-base (432.0 against 468.1 us), 1.123x at GPT-2, 1.121x at 4 x 16 x 2048 D64
 # causal, 1.187x at 4 x 16 x 2048 D128 causal, 1.080x at 8 x 16 x 1024 D128 (ptxas at D = 128: 140 bytes of spill
 # against 192). Since the seventy-fifth session the forward and the dQ kernel too, by the quad form
-# (``_keep_octet_ptx(quad=True)``: ``_quad_keep_bits``), each kernel with its own dropout config table for the PTX
+# (``_keep_octet_ptx(quad=True)``: ``_ptx_keep_bits``), each kernel with its own dropout config table for the PTX
 # draws (``dq_dropout_ptx``, ``dkdv_dropout_ptx``): the whole backward 1.42x at BERT-base (470.8 -> 330.7 us), 1.48x
 # at GPT-2, 1.47x at 4 x 16 x 2048 D64 causal, 1.60x / 1.58x at the D = 128 shapes, the forward 1.21-1.28x (H200
 # run459-460, against ``dropout_keep``'s draws in the same call)
@@ -361,9 +361,10 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, o
                APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr, PTX_DROPOUT: tl.constexpr):
     """Online-softmax update over key blocks [start_lo, end_hi). CHECK_N only for the tail block. ``rng_row0``: the
-    Philox row of the program's query 0, (b H + h) Sq; PTX_DROPOUT: the keep bits by ``_quad_keep_bits``."""
+    Philox row of the program's query 0, (b H + h) Sq; PTX_DROPOUT: the keep bits by ``_ptx_keep_bits``."""
     # Unlike the backward loops, the short CHECK_N loops stay pipelined here: unpipelining them saved
     # no registers in the sm_90 AOT check (128x128/8 warps causal even gained a spill store).
+    rng_base = rng_row0 * ((rng_sk + 7) // 8)  # (``dropout_keep``'s counter of the program's query 0)
     for start_n in range(start_lo, end_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         cols = _idx(offs_n, IDX64)
@@ -389,11 +390,10 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, o
             if PTX_DROPOUT:
                 p = tl.inline_asm_elementwise(
                     _APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS,
-                    [p, _quad_keep_bits(seed, rng_row0.to(tl.int32), offs_m, offs_n, rng_sk, dropout_p)],
+                    [p, _ptx_keep_bits(seed, rng_row0.to(tl.int32), offs_m, offs_n, rng_sk, dropout_p, True)],
                     dtype=tl.float32, is_pure=True, pack=8)
             else:
-                p = tl.where(_dropout_keep(seed, rng_row0 * ((rng_sk + 7) // 8), offs_m, offs_n, rng_sk, dropout_p),
-                             p, 0.0)
+                p = tl.where(_dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p), p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -549,7 +549,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
     """Accumulate dK, dV of one key block over query blocks [start_lo, end_hi). Works on the
     transposed tile (BLOCK_N keys x BLOCK_M queries) so that dV += P^T dO and dK += dS^T Q need no
     register transposes. Key columns past k_len only touch their own (unstored) dK/dV rows. PTX_DROPOUT: the keep
-    bits by ``_octet_keep_bits`` (the tile in an MMA accumulator layout)."""
+    bits by ``_ptx_keep_bits`` (the tile in an MMA accumulator layout)."""
     row0 = 0
     if PTX_DROPOUT:
         row0 = (rng_base // ((rng_sk + 7) // 8)).to(tl.int32)  # ((b H + h) Sq: the launcher keeps it below 2^32)
@@ -586,7 +586,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
         if HAS_DROPOUT:
             inv_keep = 1.0 / (1.0 - dropout_p)
             if PTX_DROPOUT:
-                keep = _octet_keep_bits(seed, row0, offs_m, offs_n, rng_sk, dropout_p)
+                keep = _ptx_keep_bits(seed, row0, offs_m, offs_n, rng_sk, dropout_p, False)
                 pt_drop = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [pt * inv_keep, keep],
                                                     dtype=tl.float32, is_pure=True, pack=8)
                 dpt = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [dpt * inv_keep, keep],
@@ -604,32 +604,31 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
 
 
 @triton.jit
-def _octet_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p):
-    """The keep bits of a (keys ``offs_n``, queries ``offs_m``) tile in an MMA accumulator layout, Philox row ``row0`` +
-    query: an int8 tensor that carries them (a pack of 8 registers' bits in its first byte, ``_keep_octet_ptx``),
-    read only by ``_APPLY_KEEP_PTX`` in the same layout."""
-    zero = tl.zeros([offs_n.shape[0], offs_m.shape[0]], dtype=tl.int32)
-    d_row = (row0 + offs_m.to(tl.int32))[None, :] + zero
-    d_key = offs_n.to(tl.int32)[:, None] + zero
+def _ptx_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p, QUAD: tl.constexpr):
+    """The keep bits of a tile in an MMA accumulator layout, Philox row ``row0`` + query: (keys ``offs_n``, queries
+    ``offs_m``) by ``_keep_octet_ptx`` (the dK/dV kernel's S^T), or with QUAD (queries, keys) by its quad form (the
+    forward's and the dQ kernel's S). An int8 tensor that carries them (a pack of 8 registers' bits in its first
+    byte), read only by ``_APPLY_KEEP_PTX`` in the same layout."""
+    rows = row0 + offs_m.to(tl.int32)
+    keys = offs_n.to(tl.int32)
+    if QUAD:
+        zero = tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.int32)
+        d_row = rows[:, None] + zero
+        d_key = keys[None, :] + zero
+    else:
+        zero = tl.zeros([offs_n.shape[0], offs_m.shape[0]], dtype=tl.int32)
+        d_row = rows[None, :] + zero
+        d_key = keys[:, None] + zero
     d_seed = zero + seed.to(tl.int32)
     d_groups = zero + ((Sk + 7) // 8)
     d_thr = zero + (dropout_p * 65536.0).to(tl.int32)  # (p is a multiple of 2^-16)
-    return tl.inline_asm_elementwise(_KEEP_OCTET_PTX, _KEEP_OCTET_CONSTRAINTS, [d_row, d_key, d_seed, d_groups, d_thr],
-                                     dtype=tl.int8, is_pure=True, pack=8)
-
-
-@triton.jit
-def _quad_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p):
-    """The keep bits of a (queries ``offs_m``, keys ``offs_n``) tile in an MMA accumulator layout, Philox row ``row0`` +
-    query: ``_octet_keep_bits``'s carrier, by the quad form of its PTX (``_dropout._keep_octet_ptx(quad=True)``)."""
-    zero = tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.int32)
-    d_row = (row0 + offs_m.to(tl.int32))[:, None] + zero
-    d_key = offs_n.to(tl.int32)[None, :] + zero
-    d_seed = zero + seed.to(tl.int32)
-    d_groups = zero + ((Sk + 7) // 8)
-    d_thr = zero + (dropout_p * 65536.0).to(tl.int32)  # (p is a multiple of 2^-16)
-    return tl.inline_asm_elementwise(_KEEP_QUAD_PTX, _KEEP_OCTET_CONSTRAINTS, [d_row, d_key, d_seed, d_groups, d_thr],
-                                     dtype=tl.int8, is_pure=True, pack=8)
+    if QUAD:
+        bits = tl.inline_asm_elementwise(_KEEP_QUAD_PTX, _KEEP_OCTET_CONSTRAINTS,
+                                         [d_row, d_key, d_seed, d_groups, d_thr], dtype=tl.int8, is_pure=True, pack=8)
+    else:
+        bits = tl.inline_asm_elementwise(_KEEP_OCTET_PTX, _KEEP_OCTET_CONSTRAINTS,
+                                         [d_row, d_key, d_seed, d_groups, d_thr], dtype=tl.int8, is_pure=True, pack=8)
+    return bits
 
 
 @triton.jit
@@ -726,8 +725,9 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr, PTX_DROPOUT: tl.constexpr):
     """dQ += dS K over key blocks [start_lo, end_hi). CHECK_N loops (key tail, causal band) are short:
     not pipelined (sm_90 AOT, D=128 causal 128x64/8 warps: 236 -> 215 registers). ``rng_row0``: the Philox row of
-    the program's query 0, (b H + h) Sq. PTX_DROPOUT: the keep bits by ``_quad_keep_bits`` (the tile in an MMA
+    the program's query 0, (b H + h) Sq. PTX_DROPOUT: the keep bits by ``_ptx_keep_bits`` (the tile in an MMA
     accumulator layout)."""
+    rng_base = rng_row0 * ((rng_sk + 7) // 8)  # (``dropout_keep``'s counter of the program's query 0)
     for start_n in tl.range(start_lo, end_hi, BLOCK_N, num_stages=1 if CHECK_N else None):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         cols = _idx(offs_n, IDX64)
@@ -746,12 +746,12 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
         dp = tl.dot(do, vt, input_precision=PRECISION)
         if HAS_DROPOUT:
             if PTX_DROPOUT:
-                keep = _quad_keep_bits(seed, rng_row0.to(tl.int32), offs_m, offs_n, rng_sk, dropout_p)
+                keep = _ptx_keep_bits(seed, rng_row0.to(tl.int32), offs_m, offs_n, rng_sk, dropout_p, True)
                 dp = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS,
                                                [dp * (1.0 / (1.0 - dropout_p)), keep], dtype=tl.float32, is_pure=True,
                                                pack=8)
             else:
-                keep = _dropout_keep(seed, rng_row0 * ((rng_sk + 7) // 8), offs_m, offs_n, rng_sk, dropout_p)
+                keep = _dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p)
                 dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PRECISION)
