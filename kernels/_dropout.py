@@ -98,7 +98,16 @@ def _call_coordinates(quad: bool, rot: bool) -> list[str]:
             "add.u32 pkr, pkr, $2;", "shr.b32 pkk, $10, 3;", "bfe.u32 pkt, pkg, 1, 1;", "add.u32 pkk, pkk, pkt;"]
 
 
-def _keep_octet_ptx(carry: bool = False, rot: bool = False, quad: bool = False) -> str:
+def _keep_buffer_address() -> list[str]:
+    """The PTX that puts in pka the byte of the keep buffer (``attention.keep_buffer``) that holds this lane's call
+    (Philox row pkr, key group pkk): $42 (the head's buffer, a u64 address) + ((q >> 4) $58 + pkk) 16 + (q & 15), q =
+    pkr - $50 the call's query in its head ($50 the head's Philox row 0, $58 the buffer's groups a row). A warp's
+    calls of one pack are 16 queries (a multiple of 16 first) x 2 key groups (an even one first): one 32-byte sector."""
+    return ["sub.u32 pkq, pkr, $50;", "shr.u32 pkt, pkq, 4;", "mad.lo.u32 pkt, pkt, $58, pkk;", "shl.b32 pkt, pkt, 4;",
+            "and.b32 pkq, pkq, 15;", "or.b32 pkt, pkt, pkq;", "cvt.u64.u32 pka, pkt;", "add.u64 pka, pka, $42;"]
+
+
+def _keep_octet_ptx(carry: bool = False, rot: bool = False, quad: bool = False, buffer: str = "") -> str:
     """The PTX of ``attention_sm90_bwd._dropout_keep_flags`` (and of the Triton kernels' ``_ptx_keep_bits``: the
     dK/dV kernel's S^T tile has the same register and lane order): one asm block a pack of 8 accumulator registers
     (``pack=8``). Operands:
@@ -121,14 +130,34 @@ def _keep_octet_ptx(carry: bool = False, rot: bool = False, quad: bool = False) 
     ((c >> 1) & 1), key k0 + (c & 1) + 8 (c >> 2)), q0 = qb + g, k0 = kb + 2 t4 for lane 4 g + t4: the 4 lanes t4 of
     one g (a quad) need 4 calls, (query q0 + 8 (t4 & 1), key group (k0 >> 3) + (t4 >> 1)) drawn by lane t4, whose
     keep bits two xor-shuffle stages transpose as 2-bit fields (csrc/attention.cuh's group_keep_bits<2>), so that
-    bit c is element c's here too (``_apply_keep_ptx`` applies either); with ``carry`` only (no ``rot``)."""
+    bit c is element c's here too (``_apply_keep_ptx`` applies either); with ``carry`` only (no ``rot``).
+    ``buffer``: the keep bits shared through a buffer of the backward (``attention.keep_buffer``), three more operands
+    ($42 the head's buffer address, "l"; $50 the head's Philox row 0; $58 the buffer's groups a row: 16 more "r";
+    ``KEEP_BUFFER_CONSTRAINTS``): "store" draws the call as above and also stores its 8 keep bits (before the
+    transposes: bit v key v of the call) at the call's byte (``_keep_buffer_address``); "load" loads them from there
+    instead of drawing (no Philox: the seed, groups and threshold operands are not read)."""
     if quad and rot:
         raise ValueError("rot: the octet's transposes only (quad takes carry or the compare)")
+    if buffer not in ("", "store", "load"):
+        raise ValueError(f"buffer: '', 'store' or 'load', got {buffer!r}")
     lines = ["{", ".reg .pred pkp;",
              ".reg .b32 pkg, pkt, pkr, pkk, pkc0, pkc1, pkc2, pkc3, pkk0, pkk1, pkhb, pklb, pkha, pkla, pkn, pkx, pky, "
              "pku, pkv, pkhi;", ".reg .b64 pkctr, pkw;",
-             *_call_coordinates(quad, rot),
-             "mul.wide.u32 pkctr, pkr, $26;", "cvt.u64.u32 pkw, pkk;", "add.u64 pkctr, pkctr, pkw;",
+             *([".reg .b32 pkq;", ".reg .b64 pka;"] if buffer else []), *_call_coordinates(quad, rot)]
+    if buffer == "load":  # (the bits another kernel's "store" left: a u8 load zero-extends into the 32-bit register)
+        lines += [*_keep_buffer_address(), "ld.global.nc.u8 pkx, [pka];"]
+    else:
+        lines += _philox_keep_bits(carry)
+    if buffer == "store":
+        lines += [*_keep_buffer_address(), "st.global.u8 [pka], pkx;"]
+    lines += _transposes(quad, rot)
+    return "\n".join(lines + ["}"])
+
+
+def _philox_keep_bits(carry: bool) -> list[str]:
+    """The PTX that draws this lane's call (Philox row pkr, key group pkk) and puts its 8 keep bits in pkx (bit v: key
+    v of the call): ``_keep_octet_ptx``'s draw."""
+    lines = ["mul.wide.u32 pkctr, pkr, $26;", "cvt.u64.u32 pkw, pkk;", "add.u64 pkctr, pkctr, pkw;",
              "mov.b64 {pkc0, pkc1}, pkctr;", "mov.b32 pkc2, 0;", "mov.b32 pkc3, 0;", "mov.b32 pkk0, $18;",
              "mov.b32 pkk1, 0;"]  # (seeds are drawn below 2^31: the key's high word is 0)
     for _ in range(_ROUNDS):
@@ -152,6 +181,13 @@ def _keep_octet_ptx(carry: bool = False, rot: bool = False, quad: bool = False) 
                       f"selp.b32 pkv, {1 << 2 * w}, 0, pkp;", "or.b32 pkx, pkx, pkv;",
                       f"setp.ge.u32 pkp, pkc{w}, pkhi;",
                       f"selp.b32 pkv, {1 << 2 * w + 1}, 0, pkp;", "or.b32 pkx, pkx, pkv;"]
+    return lines
+
+
+def _transposes(quad: bool, rot: bool) -> list[str]:
+    """The PTX that moves the calls' keep bits (pkx) to the lanes that hold their elements, then writes the outputs:
+    ``_keep_octet_ptx``'s transposes."""
+    lines = []
     # the transposes: the octet's lanes are 4 apart, stages of bits; the quad's 1 apart, stages of 2-bit fields (a 4 x 4
     # transpose over the quad's lanes: field j of lane t4 is then call j's keys 2 t4, 2 t4 + 1, i.e. bit c element c's,
     # its call c >> 1, its key's half c & 1)
@@ -175,7 +211,7 @@ def _keep_octet_ptx(carry: bool = False, rot: bool = False, quad: bool = False) 
                   "or.b32 pkn, pkn, pkv;", "selp.b32 pkx, pku, pkn, pkp;"]
     # out: the 8 keep bits as they are (bit c: element c) in $0, $1 zero (``_apply_keep`` reads bits of $0 only)
     lines += ["mov.b32 $0, pkx;", "mov.b32 $1, 0;"]
-    return "\n".join(lines + ["}"])
+    return lines
 
 
 def _apply_keep_ptx() -> str:
@@ -194,5 +230,10 @@ def _apply_keep_ptx() -> str:
 KEEP_OCTET_CARRY_PTX = tl.constexpr(_keep_octet_ptx(carry=True))
 KEEP_QUAD_CARRY_PTX = tl.constexpr(_keep_octet_ptx(carry=True, quad=True))  # (the Triton dQ kernel's)
 KEEP_OCTET_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))  # (the quad's too)
+# ... the Triton backward's keep buffer (``attention.keep_buffer``): the dQ kernel's quad draws store, the dK/dV
+# kernel's octet loads
+KEEP_QUAD_STORE_PTX = tl.constexpr(_keep_octet_ptx(carry=True, quad=True, buffer="store"))
+KEEP_OCTET_LOAD_PTX = tl.constexpr(_keep_octet_ptx(carry=True, buffer="load"))
+KEEP_BUFFER_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 2 + ["r"] * 40 + ["l"] * 8 + ["r"] * 16))
 APPLY_KEEP_PTX = tl.constexpr(_apply_keep_ptx())
 APPLY_KEEP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))

@@ -124,6 +124,9 @@ from ._dropout import APPLY_KEEP_PTX as _APPLY_KEEP_PTX
 from ._dropout import KEEP_OCTET_CARRY_PTX as _KEEP_OCTET_PTX
 from ._dropout import KEEP_OCTET_CONSTRAINTS as _KEEP_OCTET_CONSTRAINTS
 from ._dropout import KEEP_QUAD_CARRY_PTX as _KEEP_QUAD_PTX
+from ._dropout import KEEP_BUFFER_CONSTRAINTS as _KEEP_BUFFER_CONSTRAINTS
+from ._dropout import KEEP_OCTET_LOAD_PTX as _KEEP_OCTET_LOAD_PTX
+from ._dropout import KEEP_QUAD_STORE_PTX as _KEEP_QUAD_STORE_PTX
 
 LOG2E = 1.4426950408889634
 # The dK/dV kernel's dropout keep bits by inline PTX on the GPU (fp16 / bf16: its S^T tile in an MMA accumulator
@@ -227,6 +230,7 @@ def _pruner(kind):
 
 
 _FWD_KEYS = ["BLOCK_D", "BLOCK_DV", "seq_bucket", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT", "IS_VARLEN", "PTX_DROPOUT"]
+_BWD_KEYS = _FWD_KEYS + ["KEEP_BUF"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,7 +549,8 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
                 q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, rng_sk, dropout_p,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
                 APPLY_CAUSAL: tl.constexpr, CHECK_M: tl.constexpr, EVEN_D: tl.constexpr,
-                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr, PTX_DROPOUT: tl.constexpr):
+                HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr, PTX_DROPOUT: tl.constexpr,
+                KEEP_BUF: tl.constexpr, keep_head, keep_groups):
     """Accumulate dK, dV of one key block over query blocks [start_lo, end_hi). Works on the
     transposed tile (BLOCK_N keys x BLOCK_M queries) so that dV += P^T dO and dK += dS^T Q need no
     register transposes. Key columns past k_len only touch their own (unstored) dK/dV rows. PTX_DROPOUT: the keep
@@ -586,7 +591,8 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
         if HAS_DROPOUT:
             inv_keep = 1.0 / (1.0 - dropout_p)
             if PTX_DROPOUT:
-                keep = _ptx_keep_bits(seed, row0, offs_m, offs_n, rng_sk, dropout_p, False)
+                keep = _ptx_keep_bits(seed, row0, offs_m, offs_n, rng_sk, dropout_p, False, KEEP_BUF, keep_head,
+                                      keep_groups)
                 pt_drop = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [pt * inv_keep, keep],
                                                     dtype=tl.float32, is_pure=True, pack=8)
                 dpt = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [dpt * inv_keep, keep],
@@ -604,11 +610,14 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
 
 
 @triton.jit
-def _ptx_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p, QUAD: tl.constexpr):
+def _ptx_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p, QUAD: tl.constexpr, KEEP_BUF: tl.constexpr = 0,
+                   keep_head=0, keep_groups=0):
     """The keep bits of a tile in an MMA accumulator layout, Philox row ``row0`` + query: (keys ``offs_n``, queries
     ``offs_m``) by ``_keep_octet_ptx`` (the dK/dV kernel's S^T), or with QUAD (queries, keys) by its quad form (the
     forward's and the dQ kernel's S). An int8 tensor that carries them (a pack of 8 registers' bits in its first
-    byte), read only by ``_APPLY_KEEP_PTX`` in the same layout."""
+    byte), read only by ``_APPLY_KEEP_PTX`` in the same layout. KEEP_BUF (``keep_buffer``; ``keep_head`` the head's
+    buffer as an int64 address, ``keep_groups`` its groups a row): 1, the quad's draws also stored there (the dQ
+    kernel); 2, the octet's bits loaded from there instead of drawn (the dK/dV kernel, after it)."""
     rows = row0 + offs_m.to(tl.int32)
     keys = offs_n.to(tl.int32)
     if QUAD:
@@ -622,7 +631,15 @@ def _ptx_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p, QUAD: tl.constexpr
     d_seed = zero + seed.to(tl.int32)
     d_groups = zero + ((Sk + 7) // 8)
     d_thr = zero + (dropout_p * 65536.0).to(tl.int32)  # (p is a multiple of 2^-16)
-    if QUAD:
+    if KEEP_BUF != 0:
+        tl.static_assert(QUAD == (KEEP_BUF == 1), "the keep buffer: the quad stores, the octet loads")
+        args = [d_row, d_key, d_seed, d_groups, d_thr, zero.to(tl.int64) + keep_head, zero + row0, zero + keep_groups]
+        # (both pure, the store too: it writes the byte of its inputs' call at that call's address, whatever the
+        # layout, so a copy more or less changes nothing, and its result is read. Marked impure, the compiler kept the
+        # copies of it that layout propagation leaves dead: three draws a tile, two in blocked layouts, sm_90 probe)
+        bits = tl.inline_asm_elementwise(_KEEP_QUAD_STORE_PTX if KEEP_BUF == 1 else _KEEP_OCTET_LOAD_PTX,
+                                         _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8, is_pure=True, pack=8)
+    elif QUAD:
         bits = tl.inline_asm_elementwise(_KEEP_QUAD_PTX, _KEEP_OCTET_CONSTRAINTS,
                                          [d_row, d_key, d_seed, d_groups, d_thr], dtype=tl.int8, is_pure=True, pack=8)
     else:
@@ -636,20 +653,22 @@ def _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, hi, offs_
                stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK_KIND: tl.constexpr,
                EVEN_D: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
-               PTX_DROPOUT: tl.constexpr):
+               PTX_DROPOUT: tl.constexpr, KEEP_BUF: tl.constexpr, keep_head, keep_groups):
     """Query blocks [lo, hi) without causal compare: full blocks unchecked, then the row tail."""
     full_end = tl.maximum(lo, (q_len // BLOCK_M) * BLOCK_M)
     split = tl.minimum(hi, full_end)
     dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, split, offs_n, offs_d, offs_dv,
                          q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
-                         D, DV, BLOCK_M, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT)
+                         D, DV, BLOCK_M, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT,
+                         KEEP_BUF, keep_head, keep_groups)
     dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, split, hi, offs_n, offs_d, offs_dv,
                          q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed, rng_base, Sk, dropout_p,
-                         D, DV, BLOCK_M, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT)
+                         D, DV, BLOCK_M, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT,
+                         KEEP_BUF, keep_head, keep_groups)
     return dk, dv
 
 
-@_tuning.autotune(configs=_configs("dkdv", "fp32_dkdv"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dkdv")})
+@_tuning.autotune(configs=_configs("dkdv", "fp32_dkdv"), key=_BWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dkdv")})
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV_, LSE, Delta, Mask, KvRange, CuQ, CuK,
@@ -658,12 +677,14 @@ def _attention_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,  # dK, dV strides
     stride_lb, stride_lh,  # lse/delta strides (batch, head)
     stride_mb, stride_mh, stride_mm, stride_mn,
-    H, HKV, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, Seed, seq_bucket,
+    H, HKV, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, Seed, seq_bucket, KeepBuf, keep_stride, keep_groups,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
-    PTX_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PTX_DROPOUT: tl.constexpr, KEEP_BUF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """KEEP_BUF (2): the keep bits loaded from ``keep_buffer`` (``KeepBuf``, a head's ``keep_stride`` bytes of
+    ``keep_groups`` groups a row), where the dQ kernel, run before this one, stored them."""
     seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     pid_n = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
@@ -695,6 +716,10 @@ def _attention_bwd_dkdv_kernel(
             Deltah = Delta + b * stride_lb + h * stride_lh + q_start
             mask_col_ptrs = Mask + b * stride_mb + h * stride_mh + cols[:, None] * stride_mn
             rng_base = ((b * H + h) * Sq) * ((Sk + 7) // 8)
+            keep_head = 0
+            if KEEP_BUF != 0:
+                tl.static_assert(BLOCK_M <= 128 and BLOCK_N <= 128, "keep_buffer pads its heads to 128 rows and keys")
+                keep_head = (KeepBuf + (b * H + h) * keep_stride).to(tl.int64)
             if IS_CAUSAL:
                 # Rows i < start_n never see this block; rows in [start_n, start_n + BLOCK_N) form the
                 # diagonal band (BLOCK_N is a multiple of BLOCK_M); later rows see all of it.
@@ -703,16 +728,19 @@ def _attention_bwd_dkdv_kernel(
                 dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, mid, offs_n, offs_d,
                                      offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                      rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, True, True, EVEN_D,
-                                     HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT)
+                                     HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF,
+                                    keep_head, keep_groups)
                 dk, dv = _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, mid, q_len, offs_n, offs_d,
                                     offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                     rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, EVEN_D, HAS_DROPOUT,
-                                    PRECISION, IDX64, PTX_DROPOUT)
+                                    PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF,
+                                    keep_head, keep_groups)
             else:
                 dk, dv = _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, 0, q_len, offs_n, offs_d,
                                     offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                     rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, EVEN_D, HAS_DROPOUT,
-                                    PRECISION, IDX64, PTX_DROPOUT)
+                                    PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF,
+                                    keep_head, keep_groups)
     _store_tile(DK, cols, n_ok, offs_d, stride_dkn, D, dk * sm_scale)
     _store_tile(DV_, cols, n_ok, offs_dv, stride_dvn, DV, dv)
 
@@ -722,7 +750,8 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
               stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, rng_sk, dropout_p,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
               APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr, PTX_DROPOUT: tl.constexpr):
+              HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr, PTX_DROPOUT: tl.constexpr,
+              KEEP_BUF: tl.constexpr, keep_head, keep_groups):
     """dQ += dS K over key blocks [start_lo, end_hi). CHECK_N loops (key tail, causal band) are short:
     not pipelined (sm_90 AOT, D=128 causal 128x64/8 warps: 236 -> 215 registers). ``rng_row0``: the Philox row of
     the program's query 0, (b H + h) Sq. PTX_DROPOUT: the keep bits by ``_ptx_keep_bits`` (the tile in an MMA
@@ -746,7 +775,8 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
         dp = tl.dot(do, vt, input_precision=PRECISION)
         if HAS_DROPOUT:
             if PTX_DROPOUT:
-                keep = _ptx_keep_bits(seed, rng_row0.to(tl.int32), offs_m, offs_n, rng_sk, dropout_p, True)
+                keep = _ptx_keep_bits(seed, rng_row0.to(tl.int32), offs_m, offs_n, rng_sk, dropout_p, True, KEEP_BUF,
+                                      keep_head, keep_groups)
                 dp = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS,
                                                [dp * (1.0 / (1.0 - dropout_p)), keep], dtype=tl.float32, is_pure=True,
                                                pack=8)
@@ -758,21 +788,24 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
     return dq
 
 
-@_tuning.autotune(configs=_configs("dq", "fp32_dq"), key=_FWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dq")})
+@_tuning.autotune(configs=_configs("dq", "fp32_dq"), key=_BWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dq")})
 @triton.jit
 def _attention_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, Delta, O, Mask, KvRange, CuQ, CuK,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh, stride_mb, stride_mh, stride_mm, stride_mn,
-    H, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, Seed, seq_bucket,
+    H, GROUP, Sq, Sk, qk_scale, sm_scale, dropout_p, Seed, seq_bucket, KeepBuf, keep_stride, keep_groups,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
-    COMPUTE_DELTA: tl.constexpr, PTX_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    COMPUTE_DELTA: tl.constexpr, PTX_DROPOUT: tl.constexpr, KEEP_BUF: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """COMPUTE_DELTA: delta = rowsum(dO * O) of the program's rows is formed here (dO is loaded anyway, O
-    once) and stored to ``Delta`` for the dK/dV kernel, which then runs after this one (no preprocess)."""
+    once) and stored to ``Delta`` for the dK/dV kernel, which then runs after this one (no preprocess).
+    KEEP_BUF (1): the keep bits also stored in ``keep_buffer`` (``KeepBuf``, a head's ``keep_stride`` bytes of
+    ``keep_groups`` groups a row), for the dK/dV kernel."""
     seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
@@ -806,17 +839,24 @@ def _attention_bwd_dq_kernel(
 
     lo, split, mid, hi = _key_ranges(KvRange, b, start_m, k_len, IS_CAUSAL, HAS_KV_RANGE, BLOCK_M, BLOCK_N)
     rng_row0 = (b * H + h) * Sq
+    keep_head = 0
+    if KEEP_BUF != 0:
+        tl.static_assert(BLOCK_M <= 128 and BLOCK_N <= 128, "keep_buffer pads its heads to 128 rows and keys")
+        keep_head = (KeepBuf + (b * H + h) * keep_stride).to(tl.int64)
     dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
                    stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk, dropout_p,
-                   D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT)
+                   D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF,
+                   keep_head, keep_groups)
     dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, split, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
                    stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk, dropout_p,
-                   D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT)
+                   D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF,
+                   keep_head, keep_groups)
     if IS_CAUSAL:
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, tl.maximum(lo, start_m), hi, offs_m, m_ok,
                        offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk,
                        dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64,
-                       PTX_DROPOUT)
+                       PTX_DROPOUT, KEEP_BUF,
+                   keep_head, keep_groups)
     _store_tile(DQ, rows, m_ok, offs_d, stride_dqm, D, dq * sm_scale)
 
 
@@ -1053,6 +1093,24 @@ def _ptx_dropout(q, v, rows: int, dropout_p: float, seed) -> bool:
             and _tuning.device_properties(q.device).major >= 8)  # (mma.sync m16n8k16 / wgmma accumulators)
 
 
+# The Triton backward's keep buffer: its dQ kernel (run first) stores each Philox call's 8 keep bits, its dK/dV kernel
+# loads them instead of drawing the mask again. B H Sq Sk / 8 bytes (heads padded to 128 queries and keys), held for
+# the backward only; ``PYKERNELS_TRITON_KEEP_BUFFER_MB`` caps it (MiB, default 1024: above it both kernels draw; 0: never)
+KEEP_BUFFER_MB = float(os.environ.get("PYKERNELS_TRITON_KEEP_BUFFER_MB", "1024") or 0)
+
+
+def keep_buffer(batch: int, heads: int, sq: int, sk: int, device) -> tuple[torch.Tensor, int, int] | None:
+    """The keep buffer of a Triton backward with PTX dropout draws: (buffer, a head's bytes, groups a row), a head
+    being ceil(sq / 128) 128 queries x ceil(sk / 128) 16 key groups of 8, stored by 16-query blocks (byte ((q >> 4)
+    groups + group) 16 + (q & 15): ``_dropout._keep_buffer_address``, a warp's calls one 32-byte sector). None where
+    it is over ``KEEP_BUFFER_MB`` or a head's bytes reach 2^31 (the PTX's 32-bit offsets)."""
+    groups = _tuning.cdiv(sk, 128) * 16
+    head = _tuning.cdiv(sq, 128) * 128 * groups
+    if head >= 2**31 or batch * heads * head > KEEP_BUFFER_MB * 2**20:
+        return None
+    return empty(batch * heads * head, dtype=torch.uint8, device=device), head, groups
+
+
 def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, dropout_p: float, seed,
                   kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
                   max_seqlen_q: int = 0, max_seqlen_k: int = 0, deterministic: bool = False):
@@ -1108,13 +1166,20 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
                   IDX64=_needs_idx64(sq, sk, [t[2] for t in (s_q, s_k, s_v, s_do, s_dq, s_dk, s_dv, s_o)], ms))
 
     ptx_dropout = _ptx_dropout(q, v, batch * hq * sq, dropout_p, seed)
+    # the keep buffer where the Triton dQ kernel runs first and the Triton dK/dV kernel after it (not where a Gluon
+    # dK/dV kernel is to run: it draws its own)
+    keep = None
+    if ptx_dropout and not gluon:
+        keep = keep_buffer(batch, hq, sq, sk, q.device)
+    keep_args = (keep[0], keep[1], keep[2]) if keep else (dummy, 0, 0)
 
     def triton_dq(compute_delta: bool):
         _launch.fast(_attention_bwd_dq_kernel)[lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)](
             q, k, v, do, dq, lse, delta, o, mask_t, kvr, cu_q, cu_k,
             *s_q, *s_k, *s_v, *s_do, *s_dq, *s_o, *ls, *ms,
-            hq, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket, **common,
-            COMPUTE_DELTA=compute_delta, PTX_DROPOUT=ptx_dropout)
+            hq, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket,
+            *keep_args, **common, COMPUTE_DELTA=compute_delta, PTX_DROPOUT=ptx_dropout,
+            KEEP_BUF=1 if keep and compute_delta else 0)
 
     dq_done = "dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=scale,
                                                          o=o)
@@ -1134,8 +1199,8 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
         _launch.fast(_attention_bwd_dkdv_kernel)[lambda meta: (_tuning.cdiv(sk, meta["BLOCK_N"]), hkv, batch)](
             q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
             *s_q, *s_k, *s_v, *s_do, *s_dk, *s_dv, *ls, *ms,
-            hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket, **common,
-            PTX_DROPOUT=ptx_dropout)
+            hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket,
+            *keep_args, **common, PTX_DROPOUT=ptx_dropout, KEEP_BUF=2 if keep and dq_done else 0)
     if not fused and not dq_done:
         triton_dq(False)
     if varlen:

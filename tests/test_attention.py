@@ -894,22 +894,14 @@ def test_gpu_masks_gqa_dropout_bf16():
         assert torch.equal(a, b_)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("d,causal,hq,hkv,sq,sk,dtype,mask", [
-    (64, False, 4, 4, 512, 512, BF16, None), (64, True, 4, 2, 1000, 1000, BF16, None),
-    (64, False, 2, 2, 300, 257, F16, "pad"), (16, False, 2, 2, 17, 127, F16, None), (32, False, 2, 1, 1, 33, BF16, None),
-    (80, True, 4, 1, 127, 300, BF16, None), (96, False, 2, 2, 257, 1000, F16, "bool"),
-    (128, True, 2, 2, 300, 300, BF16, None), (128, False, 2, 2, 200, 129, F16, None)])
-def test_gpu_triton_dropout_ptx_draws_dropout_keeps_mask(monkeypatch, d, causal, hq, hkv, sq, sk, dtype, mask):
-    # The Triton backward's keep bits by inline PTX (PTX_DROPOUT: the dK/dV kernel's octets, the dQ kernel's quads)
-    # against the reference with attention_dropout_mask of the seed, and bitwise the gradients of dropout_keep's
-    # draws (PTX_DROPOUT off: the same mask, the same arithmetic); odd lengths, GQA, head dims 16..128, masks
+def _pin_triton_dropout_configs(monkeypatch):
+    """One config a Triton kernel for every dropout draw (the PTX draws have their own tables, and the autotuner times
+    each key: tiles of another shape sum in another order), the kernels' remembered choices forgotten; the Triton
+    dK/dV kernel at D = 128 too (not the Gluon one)."""
     from pykernels._kernels import _launch
     from pykernels._kernels import attention as tri
     from pykernels._kernels import attention_sm90_bwd as kb
-    monkeypatch.setattr(kb, "DROPOUT_KERNELS", False)  # (D = 128: the Triton kernels, not the Gluon dK/dV kernel)
-    # one config a kernel for both draws (the PTX draws have their own tables, and the autotuner times each key:
-    # tiles of another shape sum in another order), the kernels' remembered choices forgotten
+    monkeypatch.setattr(kb, "DROPOUT_KERNELS", False)
     for table, src in (("dq_dropout", "dq_dropout_ptx"), ("dkdv_dropout", "dkdv_dropout_ptx"),
                        ("fwd_short", "fwd_short")):
         for tier in (64, 128):
@@ -919,6 +911,66 @@ def test_gpu_triton_dropout_ptx_draws_dropout_keeps_mask(monkeypatch, d, causal,
     for kern in (tri._attention_fwd_kernel, tri._attention_bwd_dq_kernel, tri._attention_bwd_dkdv_kernel):
         kern.cache.clear()
         _launch.fast(kern).cache.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_triton_varlen_dropout_keep_buffer(monkeypatch, d):
+    """Varlen with dropout through the Triton backward's keep buffer (heads of max_seqlen rows, empty and one-row
+    sequences, GQA): bitwise the gradients of the PTX draws without it and of dropout_keep's draws, and one
+    sequence's output and gradients against the float64 reference with its slice of attention_dropout_mask."""
+    from pykernels._kernels import attention as tri
+    _pin_triton_dropout_configs(monkeypatch)
+    lq = lk = [300, 1, 0, 130, 77]
+    q, k, v, cu_q, cu_k = _varlen_case(lq, lk, 4, 2, d, BF16, "cuda")
+    do = torch.randn(q.shape[0], 4, d, dtype=BF16, device="cuda")
+    buffers = []
+    keep_buffer = tri.keep_buffer
+    monkeypatch.setattr(tri, "keep_buffer", lambda *a: buffers.append(keep_buffer(*a)) or buffers[-1])
+    runs = []
+    for ptx, keep_mb in ((True, 1024), (True, 0), (False, 1024)):
+        monkeypatch.setattr(tri, "PTX_DROPOUT", ptx)
+        monkeypatch.setattr(tri, "KEEP_BUFFER_MB", keep_mb)
+        torch.manual_seed(5)
+        seed = new_seed(q.device)
+        torch.manual_seed(5)
+        out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), dropout_p=0.2, causal=True, backend="triton")
+        runs.append((out, *_grads(out, (q, k, v), do)))
+    assert [x is not None for x in buffers] == [True, False]
+    for other in runs[1:]:
+        for name, a, b in zip(("out", "dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, b), name
+    dmask = attention_dropout_mask(seed, len(lq), 4, max(lq), max(lk), 0.2, "cuda")
+    i = 3
+    qs, qe = int(cu_q[i]), int(cu_q[i + 1])
+    seq = lambda t: t.detach()[qs:qe].transpose(0, 1)[None]  # noqa: E731  ((1, H, L, D) of sequence i)
+    keep = dmask[i:i + 1, :, :qe - qs, :qe - qs]
+
+    def ref(dt):
+        qq, kk, vv = (seq(t).to(dt).requires_grad_(True) for t in (q, k, v))
+        o = attention_reference(qq, kk, vv, None, 0.2, True, None, True, dropout_mask=keep)
+        return o, _grads(o, (qq, kk, vv), seq(do).to(dt))
+    (o_hi, g_hi), (o_lo, g_lo) = ref(torch.float64), ref(BF16)
+    out, *grads = runs[0]
+    assert_close_to_ref("varlen keep buffer out", seq(out), o_hi, o_lo)
+    # dq of the sequence's rows; dk / dv of its keys (only its own queries see them)
+    for name, a, b, c in zip(("dq", "dk", "dv"), grads, g_hi, g_lo):
+        assert_close_to_ref(f"varlen keep buffer {name}", seq(a), b, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal,hq,hkv,sq,sk,dtype,mask", [
+    (64, False, 4, 4, 512, 512, BF16, None), (64, True, 4, 2, 1000, 1000, BF16, None),
+    (64, False, 2, 2, 300, 257, F16, "pad"), (16, False, 2, 2, 17, 127, F16, None), (32, False, 2, 1, 1, 33, BF16, None),
+    (80, True, 4, 1, 127, 300, BF16, None), (96, False, 2, 2, 257, 1000, F16, "bool"),
+    (128, True, 2, 2, 300, 300, BF16, None), (128, False, 2, 2, 200, 129, F16, None)])
+def test_gpu_triton_dropout_ptx_draws_dropout_keeps_mask(monkeypatch, d, causal, hq, hkv, sq, sk, dtype, mask):
+    # The Triton backward's keep bits by inline PTX (PTX_DROPOUT: the dK/dV kernel's octets, the dQ kernel's quads)
+    # against the reference with attention_dropout_mask of the seed, and bitwise the gradients of dropout_keep's
+    # draws (PTX_DROPOUT off: the same mask, the same arithmetic); odd lengths, GQA, head dims 16..128, masks. The PTX
+    # draws both with the keep buffer (the dQ kernel stores its bits, the dK/dV kernel loads them) and without
+    from pykernels._kernels import attention as tri
+    _pin_triton_dropout_configs(monkeypatch)
     b, p = 2, 0.17
     q, k, v = _inputs((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), dtype, "cuda")
     m = None
@@ -929,20 +981,27 @@ def test_gpu_triton_dropout_ptx_draws_dropout_keeps_mask(monkeypatch, d, causal,
         m = torch.rand(b, 1, sq, sk, device="cuda") > 0.3
     assert tri._ptx_dropout(q, v, b * hq * sq, p, 5)
     do = torch.randn(b, hq, sq, d, dtype=dtype, device="cuda")
+    buffers = []
+    keep_buffer = tri.keep_buffer
+    monkeypatch.setattr(tri, "keep_buffer", lambda *a: buffers.append(keep_buffer(*a)) or buffers[-1])
     results = []
-    for ptx in (True, False):
+    for ptx, keep_mb in ((True, 1024), (True, 0), (False, 1024)):
         monkeypatch.setattr(tri, "PTX_DROPOUT", ptx)
+        monkeypatch.setattr(tri, "KEEP_BUFFER_MB", keep_mb)
         torch.manual_seed(7)
         seed = new_seed(q.device)
         torch.manual_seed(7)
         out = sdpa(q, k, v, m, dropout_p=p, is_causal=causal, enable_gqa=hkv != hq, backend="triton")
         dmask = attention_dropout_mask(seed, b, hq, sq, sk, p, "cuda")
         results.append(_check_against_ref(q, k, v, mask=m, causal=causal, dropout_p=p, dropout_mask=dmask, out=out,
-                                          do=do, enable_gqa=hkv != hq, what=f"ptx {ptx}"))
-    (o1, g1), (o2, g2) = results
-    assert torch.equal(o1, o2)
-    for name, a, c in zip(("dq", "dk", "dv"), g1, g2):
-        assert torch.equal(a, c), name
+                                          do=do, enable_gqa=hkv != hq, what=f"ptx {ptx} keep buffer {keep_mb}"))
+    # the buffer taken by the first backward only (PTX draws, under the cap), refused by the second (cap 0)
+    assert [x is not None for x in buffers] == [True, False]
+    (o1, g1), *others = results
+    for o2, g2 in others:
+        assert torch.equal(o1, o2)
+        for name, a, c in zip(("dq", "dk", "dv"), g1, g2):
+            assert torch.equal(a, c), name
 
 
 @pytest.mark.gpu

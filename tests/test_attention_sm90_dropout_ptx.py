@@ -18,9 +18,12 @@ from pykernels.attention import attention_dropout_mask, dropout_rate  # noqa: E4
 M32, M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
 
 
-def _run_ptx(ptx: str, operands: list[list[int]]) -> list[list[int]]:
+def _run_ptx(ptx: str, operands: list[list[int]], mem: dict | None = None,
+             accesses: list | None = None) -> list[list[int]]:
     """Runs the asm block for 32 lanes; ``operands[lane]``: the values of $0.. (outputs first, their initial values
-    ignored). Returns each lane's operands after the block."""
+    ignored). Returns each lane's operands after the block. ``mem``: global memory, address -> byte, that the block's
+    u8 loads read (an address it lacks fails the test) and its u8 stores write; ``accesses`` gets the 32 lanes'
+    addresses of each load or store."""
     body = [ln.strip() for ln in ptx.strip().strip("{}").split("\n")
             if ln.strip() and not ln.strip().startswith(".reg")]
     regs = [dict() for _ in range(32)]
@@ -53,6 +56,20 @@ def _run_ptx(ptx: str, operands: list[list[int]]) -> list[list[int]]:
                 x = val(lane, src.strip(", "))
                 put(lane, lo, x & M32)
                 put(lane, hi, x >> 32)
+            continue
+        if ins in ("ld.global.nc.u8", "st.global.u8"):  # ([address] operand: a register)
+            assert mem is not None, ins
+            dst, addr = ([a.strip() for a in rest.split(",")] if ins.startswith("ld") else
+                         [a.strip() for a in rest.split(",")][::-1])
+            addrs = [val(lane, addr.strip("[]")) for lane in range(32)]
+            if accesses is not None:
+                accesses.append(addrs)
+            for lane, a in enumerate(addrs):
+                if ins.startswith("ld"):
+                    assert a in mem, (lane, hex(a))
+                    put(lane, dst, mem[a])
+                else:
+                    mem[a] = val(lane, dst) & 0xFF
             continue
         args = [a.strip() for a in rest.split(",")]
         if ins.startswith("shfl.sync.bfly"):
@@ -115,16 +132,20 @@ def _run_ptx(ptx: str, operands: list[list[int]]) -> list[list[int]]:
     return ops
 
 
-def _check_draws(ptx: str, p: float, sk: int, rows: int, seed: int, element) -> None:
+def _check_draws(ptx: str, p: float, sk: int, rows: int, seed: int, element, buffer=(), mem=None, accesses=None,
+                 draw: bool = True) -> None:
     """Runs a keep-bit asm block (``_keep_octet_ptx``'s operands) for 32 lanes and checks bit c of each lane's first
     output against ``attention_dropout_mask`` at ``element(lane, c)`` = (Philox row, key), element 0 of a pack
-    being what the block is given; rows below ``rows``."""
+    being what the block is given; rows below ``rows``. ``buffer``: the keep buffer's three operands (address, the
+    head's Philox row 0, groups a row), with ``mem`` and ``accesses`` as ``_run_ptx``'s; ``draw`` False: the seed,
+    groups and threshold operands given wrong (a block that loads its bits must not read them)."""
     groups, thr = (sk + 7) // 8, round(dropout_rate(p) * 65536)
+    ops = [seed, groups, thr] if draw else [seed ^ 0x5A5A5A5, groups + 3, 65536 - thr]
     operands = []
     for lane in range(32):
         q0, k0 = element(lane, 0)
-        operands.append([0, 0] + [q0] * 8 + [k0] * 8 + [seed] * 8 + [groups] * 8 + [thr] * 8)
-    out = _run_ptx(ptx, operands)
+        operands.append([0, 0] + [q0] * 8 + [k0] * 8 + [v for v in ops + list(buffer) for _ in range(8)])
+    out = _run_ptx(ptx, operands, mem, accesses)
     keep = attention_dropout_mask(seed, 1, 1, rows, sk, p, "cpu")[0, 0]
     checked = 0
     for lane in range(32):
@@ -208,3 +229,48 @@ def test_keep_quad_ptx_refuses_rot():
     from pykernels._kernels._dropout import _keep_octet_ptx
     with pytest.raises(ValueError, match="rot"):
         _keep_octet_ptx(True, rot=True, quad=True)
+
+
+@pytest.mark.parametrize("p,sq,sk,head", [(0.1, 40, 200, 0), (0.37, 20, 75, 5)])
+def test_keep_buffer_quad_stores_octet_loads(p, sq, sk, head):
+    """The Triton backward's keep buffer (``attention.keep_buffer``): the dQ kernel's quad draws with ``buffer="store"``
+    over every 16 x 16 (queries, keys) block of a head leave each call's keep byte (bit v: key v of the group) at
+    ``_keep_buffer_address``'s byte, and the dK/dV kernel's octet with ``buffer="load"`` over every (keys, queries)
+    block then gives the mask's bits, with the seed, groups and threshold operands wrong (it draws nothing).
+    Each warp-wide store and load is one 32-byte sector."""
+    from pykernels._kernels._dropout import _keep_octet_ptx
+    seed, base = 1357911, 1 << 36
+    row0, gp = head * sq, -(-sk // 128) * 16  # (the head's Philox row 0; the buffer's groups a row)
+    rows = row0 + -(-sq // 16) * 16
+    mem, accesses = {}, []
+    for mt in range(-(-sq // 16)):
+        for kb in range(0, -(-sk // 16) * 16, 16):
+            def element(lane, c, mt=mt, kb=kb):  # (quad: query of its row, key of its column)
+                g, t4 = lane >> 2, lane & 3
+                return row0 + mt * 16 + g + 8 * ((c >> 1) & 1), kb + 2 * t4 + (c & 1) + 8 * (c >> 2)
+            _check_draws(_keep_octet_ptx(True, quad=True, buffer="store"), p, sk, rows, seed, element,
+                         (base, row0, gp), mem, accesses)
+    keep = attention_dropout_mask(seed, 1, 1, rows, sk, p, "cpu")[0, 0]
+    assert len(mem) == -(-sq // 16) * 16 * -(-sk // 16) * 2  # (a byte for each call of the blocks, none twice)
+    for q in range(-(-sq // 16) * 16):
+        for grp in range(-(-sk // 8)):
+            byte = mem[base + ((q >> 4) * gp + grp) * 16 + (q & 15)]
+            for v in range(min(8, sk - 8 * grp)):
+                assert byte >> v & 1 == int(keep[row0 + q, 8 * grp + v]), (q, grp, v)
+    n_stores = len(accesses)
+    for nt in range(0, -(-sq // 16) * 2, 2):
+        for kb in range(0, -(-sk // 16) * 16, 16):
+            def element(lane, c, nt=nt, kb=kb):  # (octet: query of its column, key of its row)
+                g, t4 = lane >> 2, lane & 3
+                return row0 + nt * 8 + 2 * t4 + 8 * (c >> 2) + (c & 1), kb + g + 8 * ((c >> 1) & 1)
+            _check_draws(_keep_octet_ptx(True, buffer="load"), p, sk, rows, seed, element, (base, row0, gp), mem,
+                         accesses, draw=False)
+    assert len(accesses) == 2 * n_stores
+    for addrs in accesses:
+        assert len({a // 32 for a in addrs}) == 1, addrs
+
+
+def test_keep_octet_ptx_refuses_an_unknown_buffer():
+    from pykernels._kernels._dropout import _keep_octet_ptx
+    with pytest.raises(ValueError, match="buffer"):
+        _keep_octet_ptx(True, buffer="keep")

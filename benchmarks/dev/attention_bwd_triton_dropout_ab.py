@@ -8,7 +8,8 @@ Gluon ones.
 Usage (GPU): ``python benchmarks/dev/attention_bwd_triton_dropout_ab.py [--p 0.1] [--rep 30] [--cases ...]
 [--base FILE] [--sweep]``. One line a case: ``case ptx_us dropout_keep_us speed-up max|diff|``, then with ``--base``
 (another version of kernels/attention.py, e.g. ``git show HEAD~3:kernels/attention.py``, loaded beside)
-``case base base_us ptx/base``, the backward without dropout (``case nodrop us``), and with ``--sweep`` each dQ and
+``case base base_us ptx/base``, the PTX draws without the keep buffer (``KEEP_BUFFER_MB`` 0: both kernels draw;
+``case nobuf us nobuf/ptx max|diff|``), the backward without dropout (``case nodrop us``), and with ``--sweep`` each dQ and
 dK/dV config of the kernels' tables for the case's head-dim tier, pinned one at a time (the other kernel at its
 default; ``fwd``: the forward alone): ``case dq|dkdv|fwd BMxBNxWxS us``; and the forward with dropout, PTX against
 ``dropout_keep`` (``case fwd ptx_us dropout_keep_us speed-up max|diff|``).
@@ -96,6 +97,14 @@ def main() -> None:
         t_ptx, t_old = graph_us(run(True), rep=args.rep), graph_us(run(False), rep=args.rep)
         tri.PTX_DROPOUT = True
         print(f"{name} {t_ptx:.1f} {t_old:.1f} {t_old / t_ptx:.3f}x {diff:.2e}", flush=True)
+        keep_mb, tri.KEEP_BUFFER_MB = tri.KEEP_BUFFER_MB, 0  # (the PTX draws in both kernels: no keep buffer)
+        try:
+            ngot = run(True)()
+            ndiff = max((x.float() - y.float()).abs().max().item() for x, y in zip(got, ngot))
+            t_nobuf = graph_us(run(True), rep=args.rep)
+        finally:
+            tri.KEEP_BUFFER_MB = keep_mb
+        print(f"{name} nobuf {t_nobuf:.1f} {t_nobuf / t_ptx:.3f}x {ndiff:.2e}", flush=True)
         if base is not None:
             bgot = run(True, base)()
             bdiff = max((x.float() - y.float()).abs().max().item() for x, y in zip(got, bgot))
