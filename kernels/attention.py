@@ -126,6 +126,9 @@ from ._dropout import KEEP_OCTET_CONSTRAINTS as _KEEP_OCTET_CONSTRAINTS
 from ._dropout import KEEP_QUAD_CARRY_PTX as _KEEP_QUAD_PTX
 from ._dropout import KEEP_BUFFER_CONSTRAINTS as _KEEP_BUFFER_CONSTRAINTS
 from ._dropout import KEEP_OCTET_LOAD_PTX as _KEEP_OCTET_LOAD_PTX
+from ._dropout import KEEP_OCTET_FETCH_PTX as _KEEP_OCTET_FETCH_PTX
+from ._dropout import KEEP_TRANSPOSE_APPLY_CONSTRAINTS as _KEEP_TRANSPOSE_APPLY_CONSTRAINTS
+from ._dropout import KEEP_TRANSPOSE_APPLY_PTX as _KEEP_TRANSPOSE_APPLY_PTX
 from ._dropout import KEEP_QUAD_STORE_PTX as _KEEP_QUAD_STORE_PTX
 
 LOG2E = 1.4426950408889634
@@ -561,9 +564,18 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
     # The short loops are not software-pipelined: the causal diagonal band (APPLY_CAUSAL) runs 1-4
     # times and the row tail (CHECK_M) at most once; pipelining them buys nothing and costs registers
     # that the long loop needs (sm_90 AOT, D=128 causal 32x128/8 warps: 244 -> 241 registers).
+    if HAS_DROPOUT and PTX_DROPOUT and KEEP_BUF == 3:  # (the first block's keep bits: see the loop)
+        raw = _ptx_keep_bits(seed, row0, start_lo + tl.arange(0, BLOCK_M), offs_n, rng_sk, dropout_p, False, 3,
+                             keep_head, keep_groups)
     for start_m in tl.range(start_lo, end_hi, BLOCK_M, num_stages=1 if (APPLY_CAUSAL or CHECK_M) else None):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rows = _idx(offs_m, IDX64)
+        if HAS_DROPOUT and PTX_DROPOUT and KEEP_BUF == 3:  # (this block's bits, loaded in the last iteration, and
+            # the next block's loaded now, used there: ptxas sinks a load to its use, here past every GEMM between;
+            # the last block's next is past the query rows, which ``keep_buffer`` pads)
+            cur = raw
+            raw = _ptx_keep_bits(seed, row0, offs_m + BLOCK_M, offs_n, rng_sk, dropout_p, False, 3, keep_head,
+                                 keep_groups)
         qt_ptrs = Q + rows[None, :] * stride_qm + offs_d[:, None]
         do_ptrs = DO + rows[:, None] * stride_dom + offs_dv[None, :]
         if CHECK_M or not EVEN_D:
@@ -590,7 +602,13 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         if HAS_DROPOUT:
             inv_keep = 1.0 / (1.0 - dropout_p)
-            if PTX_DROPOUT:
+            if PTX_DROPOUT and KEEP_BUF == 3:  # (the fetched bits transposed, and P^T's dropout by them)
+                pt_drop, keep = tl.inline_asm_elementwise(
+                    _KEEP_TRANSPOSE_APPLY_PTX, _KEEP_TRANSPOSE_APPLY_CONSTRAINTS, [pt * inv_keep, cur],
+                    dtype=(tl.float32, tl.int8), is_pure=True, pack=8)
+                dpt = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [dpt * inv_keep, keep],
+                                                dtype=tl.float32, is_pure=True, pack=8)
+            elif PTX_DROPOUT:
                 keep = _ptx_keep_bits(seed, row0, offs_m, offs_n, rng_sk, dropout_p, False, KEEP_BUF, keep_head,
                                       keep_groups)
                 pt_drop = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [pt * inv_keep, keep],
@@ -617,7 +635,8 @@ def _ptx_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p, QUAD: tl.constexpr
     forward's and the dQ kernel's S). An int8 tensor that carries them (a pack of 8 registers' bits in its first
     byte), read only by ``_APPLY_KEEP_PTX`` in the same layout. KEEP_BUF (``keep_buffer``; ``keep_head`` the head's
     buffer as an int64 address, ``keep_groups`` its groups a row): 1, the quad's draws also stored there (the dQ
-    kernel); 2, the octet's bits loaded from there instead of drawn (the dK/dV kernel, after it)."""
+    kernel); 2, the octet's bits loaded from there instead of drawn (the dK/dV kernel, after it); 3, only loaded,
+    not transposed (``_KEEP_TRANSPOSE_PTX`` does that later)."""
     rows = row0 + offs_m.to(tl.int32)
     keys = offs_n.to(tl.int32)
     if QUAD:
@@ -634,11 +653,18 @@ def _ptx_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p, QUAD: tl.constexpr
     if KEEP_BUF != 0:
         tl.static_assert(QUAD == (KEEP_BUF == 1), "the keep buffer: the quad stores, the octet loads")
         args = [d_row, d_key, d_seed, d_groups, d_thr, zero.to(tl.int64) + keep_head, zero + row0, zero + keep_groups]
-        # (both pure, the store too: it writes the byte of its inputs' call at that call's address, whatever the
+        # (all pure, the store too: it writes the byte of its inputs' call at that call's address, whatever the
         # layout, so a copy more or less changes nothing, and its result is read. Marked impure, the compiler kept the
         # copies of it that layout propagation leaves dead: three draws a tile, two in blocked layouts, sm_90 probe)
-        bits = tl.inline_asm_elementwise(_KEEP_QUAD_STORE_PTX if KEEP_BUF == 1 else _KEEP_OCTET_LOAD_PTX,
-                                         _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8, is_pure=True, pack=8)
+        if KEEP_BUF == 1:
+            bits = tl.inline_asm_elementwise(_KEEP_QUAD_STORE_PTX, _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8,
+                                             is_pure=True, pack=8)
+        elif KEEP_BUF == 2:
+            bits = tl.inline_asm_elementwise(_KEEP_OCTET_LOAD_PTX, _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8,
+                                             is_pure=True, pack=8)
+        else:
+            bits = tl.inline_asm_elementwise(_KEEP_OCTET_FETCH_PTX, _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8,
+                                             is_pure=True, pack=8)
     elif QUAD:
         bits = tl.inline_asm_elementwise(_KEEP_QUAD_PTX, _KEEP_OCTET_CONSTRAINTS,
                                          [d_row, d_key, d_seed, d_groups, d_thr], dtype=tl.int8, is_pure=True, pack=8)
@@ -1097,6 +1123,9 @@ def _ptx_dropout(q, v, rows: int, dropout_p: float, seed) -> bool:
 # loads them instead of drawing the mask again. B H Sq Sk / 8 bytes (heads padded to 128 queries and keys), held for
 # the backward only; ``PYKERNELS_TRITON_KEEP_BUFFER_MB`` caps it (MiB, default 1024: above it both kernels draw; 0: never)
 KEEP_BUFFER_MB = float(os.environ.get("PYKERNELS_TRITON_KEEP_BUFFER_MB", "1024") or 0)
+# the dK/dV kernel's loads of them one query block ahead (KEEP_BUF 3: in the iteration before, ptxas sank a load in the
+# same iteration to its use, after the GEMMs that were to hide it) rather than in the block's own iteration (2)
+KEEP_PREFETCH = os.environ.get("PYKERNELS_TRITON_KEEP_PREFETCH", "1") not in ("", "0")
 
 
 def keep_buffer(batch: int, heads: int, sq: int, sk: int, device) -> tuple[torch.Tensor, int, int] | None:
@@ -1108,7 +1137,8 @@ def keep_buffer(batch: int, heads: int, sq: int, sk: int, device) -> tuple[torch
     head = _tuning.cdiv(sq, 128) * 128 * groups
     if head >= 2**31 or batch * heads * head > KEEP_BUFFER_MB * 2**20:
         return None
-    return empty(batch * heads * head, dtype=torch.uint8, device=device), head, groups
+    # (and 128 rows more: the dK/dV kernel's loads of the block after a head's last, never used)
+    return empty(batch * heads * head + 128 * groups, dtype=torch.uint8, device=device), head, groups
 
 
 def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, dropout_p: float, seed,
@@ -1200,7 +1230,8 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
             q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
             *s_q, *s_k, *s_v, *s_do, *s_dk, *s_dv, *ls, *ms,
             hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket,
-            *keep_args, **common, PTX_DROPOUT=ptx_dropout, KEEP_BUF=2 if keep and dq_done else 0)
+            *keep_args, **common, PTX_DROPOUT=ptx_dropout,
+            KEEP_BUF=(3 if KEEP_PREFETCH else 2) if keep and dq_done else 0)
     if not fused and not dq_done:
         triton_dq(False)
     if varlen:

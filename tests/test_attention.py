@@ -917,7 +917,8 @@ def _pin_triton_dropout_configs(monkeypatch):
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_triton_varlen_dropout_keep_buffer(monkeypatch, d):
     """Varlen with dropout through the Triton backward's keep buffer (heads of max_seqlen rows, empty and one-row
-    sequences, GQA): bitwise the gradients of the PTX draws without it and of dropout_keep's draws, and one
+    sequences, GQA; the dK/dV kernel's loads one block ahead and in place): bitwise the gradients of the PTX draws
+    without it and of dropout_keep's draws, and one
     sequence's output and gradients against the float64 reference with its slice of attention_dropout_mask."""
     from pykernels._kernels import attention as tri
     _pin_triton_dropout_configs(monkeypatch)
@@ -928,15 +929,16 @@ def test_gpu_triton_varlen_dropout_keep_buffer(monkeypatch, d):
     keep_buffer = tri.keep_buffer
     monkeypatch.setattr(tri, "keep_buffer", lambda *a: buffers.append(keep_buffer(*a)) or buffers[-1])
     runs = []
-    for ptx, keep_mb in ((True, 1024), (True, 0), (False, 1024)):
+    for ptx, keep_mb, prefetch in ((True, 1024, True), (True, 1024, False), (True, 0, True), (False, 1024, True)):
         monkeypatch.setattr(tri, "PTX_DROPOUT", ptx)
         monkeypatch.setattr(tri, "KEEP_BUFFER_MB", keep_mb)
+        monkeypatch.setattr(tri, "KEEP_PREFETCH", prefetch)
         torch.manual_seed(5)
         seed = new_seed(q.device)
         torch.manual_seed(5)
         out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), dropout_p=0.2, causal=True, backend="triton")
         runs.append((out, *_grads(out, (q, k, v), do)))
-    assert [x is not None for x in buffers] == [True, False]
+    assert [x is not None for x in buffers] == [True, True, False]
     for other in runs[1:]:
         for name, a, b in zip(("out", "dq", "dk", "dv"), runs[0], other):
             assert torch.equal(a, b), name
@@ -985,9 +987,10 @@ def test_gpu_triton_dropout_ptx_draws_dropout_keeps_mask(monkeypatch, d, causal,
     keep_buffer = tri.keep_buffer
     monkeypatch.setattr(tri, "keep_buffer", lambda *a: buffers.append(keep_buffer(*a)) or buffers[-1])
     results = []
-    for ptx, keep_mb in ((True, 1024), (True, 0), (False, 1024)):
+    for ptx, keep_mb, prefetch in ((True, 1024, True), (True, 1024, False), (True, 0, True), (False, 1024, True)):
         monkeypatch.setattr(tri, "PTX_DROPOUT", ptx)
         monkeypatch.setattr(tri, "KEEP_BUFFER_MB", keep_mb)
+        monkeypatch.setattr(tri, "KEEP_PREFETCH", prefetch)
         torch.manual_seed(7)
         seed = new_seed(q.device)
         torch.manual_seed(7)
@@ -995,8 +998,8 @@ def test_gpu_triton_dropout_ptx_draws_dropout_keeps_mask(monkeypatch, d, causal,
         dmask = attention_dropout_mask(seed, b, hq, sq, sk, p, "cuda")
         results.append(_check_against_ref(q, k, v, mask=m, causal=causal, dropout_p=p, dropout_mask=dmask, out=out,
                                           do=do, enable_gqa=hkv != hq, what=f"ptx {ptx} keep buffer {keep_mb}"))
-    # the buffer taken by the first backward only (PTX draws, under the cap), refused by the second (cap 0)
-    assert [x is not None for x in buffers] == [True, False]
+    # the buffer taken by the first two backwards (PTX draws, under the cap), refused by the third (cap 0)
+    assert [x is not None for x in buffers] == [True, True, False]
     (o1, g1), *others = results
     for o2, g2 in others:
         assert torch.equal(o1, o2)
