@@ -138,35 +138,19 @@ def _keep_octet_ptx(carry: bool = False, rot: bool = False, quad: bool = False, 
     instead of drawing (no Philox: the seed, groups and threshold operands are not read)."""
     if quad and rot:
         raise ValueError("rot: the octet's transposes only (quad takes carry or the compare)")
-    if buffer not in ("", "store", "load", "fetch"):
-        raise ValueError(f"buffer: '', 'store', 'load' or 'fetch', got {buffer!r}")
+    if buffer not in ("", "store", "load"):
+        raise ValueError(f"buffer: '', 'store' or 'load', got {buffer!r}")
     lines = ["{", ".reg .pred pkp;",
              ".reg .b32 pkg, pkt, pkr, pkk, pkc0, pkc1, pkc2, pkc3, pkk0, pkk1, pkhb, pklb, pkha, pkla, pkn, pkx, pky, "
              "pku, pkv, pkhi;", ".reg .b64 pkctr, pkw;",
              *([".reg .b32 pkq;", ".reg .b64 pka;"] if buffer else []), *_call_coordinates(quad, rot)]
-    if buffer in ("load", "fetch"):  # (the bits another kernel's "store" left: a u8 load zero-extends into 32 bits)
+    if buffer == "load":  # (the bits another kernel's "store" left: a u8 load zero-extends into the 32-bit register)
         lines += [*_keep_buffer_address(), "ld.global.nc.u8 pkx, [pka];"]
     else:
         lines += _philox_keep_bits(carry)
     if buffer == "store":
         lines += [*_keep_buffer_address(), "st.global.u8 [pka], pkx;"]
-    if buffer == "fetch":  # (the call's bits as loaded, for ``_keep_transpose_ptx`` later)
-        return "\n".join(lines + ["mov.b32 $0, pkx;", "mov.b32 $1, 0;", "}"])
     lines += _transposes(quad, rot)
-    return "\n".join(lines + ["}"])
-
-
-def _keep_transpose_apply_ptx() -> str:
-    """The second half of ``_keep_octet_ptx(buffer="fetch")``'s load, with the first use of its bits: the call's 8
-    keep bits ($18; $19 unused: the int8 carrier's two registers a pack) transposed to the lanes that hold their
-    elements (the octet's), out in $8 ($9 zero) as ``_keep_octet_ptx``'s, and 8 fp32 values ($10-$17) kept or zeroed
-    by them into $0-$7 (``_apply_keep_ptx``). Reading the values ties the shuffles to them: given the bits alone, ptxas
-    hoisted the shuffles to just after the load, before the GEMMs that were to hide its latency (sm_90)."""
-    lines = ["{", ".reg .pred pkp;", ".reg .b32 pkg, pkt, pkn, pkx, pky, pku, pkv;",
-             "mov.u32 pkg, %laneid;", "shr.b32 pkg, pkg, 2;", "mov.b32 pkx, $18;"]
-    lines += [ln.replace("$0,", "$8,").replace("$1,", "$9,") for ln in _transposes(False, False)]
-    for c in range(8):
-        lines += [f"and.b32 pkt, $8, {1 << c};", "setp.ne.u32 pkp, pkt, 0;", f"selp.b32 ${c}, ${10 + c}, 0, pkp;"]
     return "\n".join(lines + ["}"])
 
 
@@ -250,9 +234,7 @@ KEEP_OCTET_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 2 + ["r"] * 40))  # (the
 # kernel's octet loads
 KEEP_QUAD_STORE_PTX = tl.constexpr(_keep_octet_ptx(carry=True, quad=True, buffer="store"))
 KEEP_OCTET_LOAD_PTX = tl.constexpr(_keep_octet_ptx(carry=True, buffer="load"))
-KEEP_OCTET_FETCH_PTX = tl.constexpr(_keep_octet_ptx(carry=True, buffer="fetch"))
-KEEP_TRANSPOSE_APPLY_PTX = tl.constexpr(_keep_transpose_apply_ptx())
-KEEP_TRANSPOSE_APPLY_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 10 + ["r"] * 10))
+KEEP_QUAD_LOAD_PTX = tl.constexpr(_keep_octet_ptx(carry=True, quad=True, buffer="load"))
 KEEP_BUFFER_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 2 + ["r"] * 40 + ["l"] * 8 + ["r"] * 16))
 APPLY_KEEP_PTX = tl.constexpr(_apply_keep_ptx())
 APPLY_KEEP_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))

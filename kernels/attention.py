@@ -126,9 +126,7 @@ from ._dropout import KEEP_OCTET_CONSTRAINTS as _KEEP_OCTET_CONSTRAINTS
 from ._dropout import KEEP_QUAD_CARRY_PTX as _KEEP_QUAD_PTX
 from ._dropout import KEEP_BUFFER_CONSTRAINTS as _KEEP_BUFFER_CONSTRAINTS
 from ._dropout import KEEP_OCTET_LOAD_PTX as _KEEP_OCTET_LOAD_PTX
-from ._dropout import KEEP_OCTET_FETCH_PTX as _KEEP_OCTET_FETCH_PTX
-from ._dropout import KEEP_TRANSPOSE_APPLY_CONSTRAINTS as _KEEP_TRANSPOSE_APPLY_CONSTRAINTS
-from ._dropout import KEEP_TRANSPOSE_APPLY_PTX as _KEEP_TRANSPOSE_APPLY_PTX
+from ._dropout import KEEP_QUAD_LOAD_PTX as _KEEP_QUAD_LOAD_PTX
 from ._dropout import KEEP_QUAD_STORE_PTX as _KEEP_QUAD_STORE_PTX
 
 LOG2E = 1.4426950408889634
@@ -233,7 +231,7 @@ def _pruner(kind):
 
 
 _FWD_KEYS = ["BLOCK_D", "BLOCK_DV", "seq_bucket", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT", "IS_VARLEN", "PTX_DROPOUT"]
-_BWD_KEYS = _FWD_KEYS + ["KEEP_BUF"]
+_BWD_KEYS = _FWD_KEYS + ["KEEP_BUF"]  # (the forward's too)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,9 +364,11 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, o
                stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_row0, rng_sk, dropout_p,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
                APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
-               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr, PTX_DROPOUT: tl.constexpr):
+               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr, PTX_DROPOUT: tl.constexpr,
+               KEEP_BUF: tl.constexpr, keep_head, keep_groups):
     """Online-softmax update over key blocks [start_lo, end_hi). CHECK_N only for the tail block. ``rng_row0``: the
-    Philox row of the program's query 0, (b H + h) Sq; PTX_DROPOUT: the keep bits by ``_ptx_keep_bits``."""
+    Philox row of the program's query 0, (b H + h) Sq; PTX_DROPOUT: the keep bits by ``_ptx_keep_bits`` (KEEP_BUF 1:
+    also stored in ``keep_buffer``, for the backward)."""
     # Unlike the backward loops, the short CHECK_N loops stay pipelined here: unpipelining them saved
     # no registers in the sm_90 AOT check (128x128/8 warps causal even gained a spill store).
     rng_base = rng_row0 * ((rng_sk + 7) // 8)  # (``dropout_keep``'s counter of the program's query 0)
@@ -397,7 +397,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, o
             if PTX_DROPOUT:
                 p = tl.inline_asm_elementwise(
                     _APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS,
-                    [p, _ptx_keep_bits(seed, rng_row0.to(tl.int32), offs_m, offs_n, rng_sk, dropout_p, True)],
+                    [p, _ptx_keep_bits(seed, rng_row0.to(tl.int32), offs_m, offs_n, rng_sk, dropout_p, True, KEEP_BUF,
+                                       keep_head, keep_groups)],
                     dtype=tl.float32, is_pure=True, pack=8)
             else:
                 p = tl.where(_dropout_keep(seed, rng_base, offs_m, offs_n, rng_sk, dropout_p), p, 0.0)
@@ -406,7 +407,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, o
     return acc, l_i, m_i
 
 
-@_tuning.autotune(configs=_configs("fwd", "fwd_short", "fp32_fwd"), key=_FWD_KEYS,
+@_tuning.autotune(configs=_configs("fwd", "fwd_short", "fp32_fwd"), key=_BWD_KEYS,
                  prune_configs_by={"early_config_prune": _pruner("fwd")})
 @triton.jit
 def _attention_fwd_kernel(
@@ -419,10 +420,11 @@ def _attention_fwd_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,  # mask strides (0 where broadcast)
     H, GROUP, Sq, Sk,  # query heads, query heads per kv head, (max) sequence lengths
     qk_scale, dropout_p, Seed, seq_bucket,  # scale*log2(e); dropout prob; Philox seed; autotune key
+    KeepBuf, keep_stride, keep_groups,  # keep_buffer (KEEP_BUF 1: the keep bits stored there for the backward)
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
-    PTX_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PTX_DROPOUT: tl.constexpr, KEEP_BUF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     pid_m = tl.program_id(0)
@@ -450,19 +452,23 @@ def _attention_fwd_kernel(
 
     lo, split, mid, hi = _key_ranges(KvRange, b, start_m, k_len, IS_CAUSAL, HAS_KV_RANGE, BLOCK_M, BLOCK_N)
     rng_row0 = (b * H + h) * Sq
+    keep_head = 0
+    if KEEP_BUF != 0:
+        tl.static_assert(BLOCK_M <= 128 and BLOCK_N <= 128, "keep_buffer pads its heads to 128 rows and keys")
+        keep_head = (KeepBuf + (b * H + h) * keep_stride).to(tl.int64)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
                                stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_row0, Sk,
                                dropout_p, D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64,
-                               PTX_DROPOUT)
+                               PTX_DROPOUT, KEEP_BUF, keep_head, keep_groups)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, split, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
                                stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_row0, Sk,
                                dropout_p, D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64,
-                               PTX_DROPOUT)
+                               PTX_DROPOUT, KEEP_BUF, keep_head, keep_groups)
     if IS_CAUSAL:  # the diagonal band [start_m, start_m + BLOCK_M): causal compare
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, tl.maximum(lo, start_m), hi, offs_m, m_ok, offs_d,
                                    offs_dv, k_len, stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed,
                                    rng_row0, Sk, dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D,
-                                   HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT)
+                                   HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF, keep_head, keep_groups)
 
     # Fully masked rows have l = 0: output 0 and lse = -inf (never 0/0).
     row_ok = l_i > 0.0
@@ -564,18 +570,9 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
     # The short loops are not software-pipelined: the causal diagonal band (APPLY_CAUSAL) runs 1-4
     # times and the row tail (CHECK_M) at most once; pipelining them buys nothing and costs registers
     # that the long loop needs (sm_90 AOT, D=128 causal 32x128/8 warps: 244 -> 241 registers).
-    if HAS_DROPOUT and PTX_DROPOUT and KEEP_BUF == 3:  # (the first block's keep bits: see the loop)
-        raw = _ptx_keep_bits(seed, row0, start_lo + tl.arange(0, BLOCK_M), offs_n, rng_sk, dropout_p, False, 3,
-                             keep_head, keep_groups)
     for start_m in tl.range(start_lo, end_hi, BLOCK_M, num_stages=1 if (APPLY_CAUSAL or CHECK_M) else None):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         rows = _idx(offs_m, IDX64)
-        if HAS_DROPOUT and PTX_DROPOUT and KEEP_BUF == 3:  # (this block's bits, loaded in the last iteration, and
-            # the next block's loaded now, used there: ptxas sinks a load to its use, here past every GEMM between;
-            # the last block's next is past the query rows, which ``keep_buffer`` pads)
-            cur = raw
-            raw = _ptx_keep_bits(seed, row0, offs_m + BLOCK_M, offs_n, rng_sk, dropout_p, False, 3, keep_head,
-                                 keep_groups)
         qt_ptrs = Q + rows[None, :] * stride_qm + offs_d[:, None]
         do_ptrs = DO + rows[:, None] * stride_dom + offs_dv[None, :]
         if CHECK_M or not EVEN_D:
@@ -602,13 +599,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         if HAS_DROPOUT:
             inv_keep = 1.0 / (1.0 - dropout_p)
-            if PTX_DROPOUT and KEEP_BUF == 3:  # (the fetched bits transposed, and P^T's dropout by them)
-                pt_drop, keep = tl.inline_asm_elementwise(
-                    _KEEP_TRANSPOSE_APPLY_PTX, _KEEP_TRANSPOSE_APPLY_CONSTRAINTS, [pt * inv_keep, cur],
-                    dtype=(tl.float32, tl.int8), is_pure=True, pack=8)
-                dpt = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [dpt * inv_keep, keep],
-                                                dtype=tl.float32, is_pure=True, pack=8)
-            elif PTX_DROPOUT:
+            if PTX_DROPOUT:
                 keep = _ptx_keep_bits(seed, row0, offs_m, offs_n, rng_sk, dropout_p, False, KEEP_BUF, keep_head,
                                       keep_groups)
                 pt_drop = tl.inline_asm_elementwise(_APPLY_KEEP_PTX, _APPLY_KEEP_CONSTRAINTS, [pt * inv_keep, keep],
@@ -635,8 +626,8 @@ def _ptx_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p, QUAD: tl.constexpr
     forward's and the dQ kernel's S). An int8 tensor that carries them (a pack of 8 registers' bits in its first
     byte), read only by ``_APPLY_KEEP_PTX`` in the same layout. KEEP_BUF (``keep_buffer``; ``keep_head`` the head's
     buffer as an int64 address, ``keep_groups`` its groups a row): 1, the quad's draws also stored there (the dQ
-    kernel); 2, the octet's bits loaded from there instead of drawn (the dK/dV kernel, after it); 3, only loaded,
-    not transposed (``_KEEP_TRANSPOSE_PTX`` does that later)."""
+    kernel, or the forward with ``attention_fwd``'s ``keep``); 2, the bits loaded from there instead of drawn (the
+    dK/dV kernel's octets after the dQ kernel; both backward kernels after such a forward)."""
     rows = row0 + offs_m.to(tl.int32)
     keys = offs_n.to(tl.int32)
     if QUAD:
@@ -651,7 +642,7 @@ def _ptx_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p, QUAD: tl.constexpr
     d_groups = zero + ((Sk + 7) // 8)
     d_thr = zero + (dropout_p * 65536.0).to(tl.int32)  # (p is a multiple of 2^-16)
     if KEEP_BUF != 0:
-        tl.static_assert(QUAD == (KEEP_BUF == 1), "the keep buffer: the quad stores, the octet loads")
+        tl.static_assert(QUAD or KEEP_BUF == 2, "the keep buffer: the quad stores or loads, the octet loads")
         args = [d_row, d_key, d_seed, d_groups, d_thr, zero.to(tl.int64) + keep_head, zero + row0, zero + keep_groups]
         # (all pure, the store too: it writes the byte of its inputs' call at that call's address, whatever the
         # layout, so a copy more or less changes nothing, and its result is read. Marked impure, the compiler kept the
@@ -659,11 +650,11 @@ def _ptx_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p, QUAD: tl.constexpr
         if KEEP_BUF == 1:
             bits = tl.inline_asm_elementwise(_KEEP_QUAD_STORE_PTX, _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8,
                                              is_pure=True, pack=8)
-        elif KEEP_BUF == 2:
-            bits = tl.inline_asm_elementwise(_KEEP_OCTET_LOAD_PTX, _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8,
+        elif QUAD:
+            bits = tl.inline_asm_elementwise(_KEEP_QUAD_LOAD_PTX, _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8,
                                              is_pure=True, pack=8)
         else:
-            bits = tl.inline_asm_elementwise(_KEEP_OCTET_FETCH_PTX, _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8,
+            bits = tl.inline_asm_elementwise(_KEEP_OCTET_LOAD_PTX, _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8,
                                              is_pure=True, pack=8)
     elif QUAD:
         bits = tl.inline_asm_elementwise(_KEEP_QUAD_PTX, _KEEP_OCTET_CONSTRAINTS,
@@ -1048,10 +1039,12 @@ def _placeholder(device) -> torch.Tensor:
 
 def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float, seed,
                   kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, keep=None):
     """Dense: q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), mask None or a (B, Hq, Sq, Sk)
     view (bool or float). Varlen (cu_seqlens given): q (Tq, Hq, D), k/v (Tk, Hkv, D/Dv), no mask.
-    Returns o (like q with Dv) and lse (fp32: (B, Hq, Sq) dense, (Hq, Tq) varlen)."""
+    Returns o (like q with Dv) and lse (fp32: (B, Hq, Sq) dense, (Hq, Tq) varlen). ``keep``: a ``keep_buffer`` of
+    the shape, in which the forward stores its dropout keep bits for ``attention_bwd``'s ``keep`` (where it draws
+    them by PTX, else a ValueError; not the sm_90 forward, which has no dropout)."""
     varlen = cu_seqlens_q is not None
     if varlen:
         tq, hq, d = q.shape
@@ -1090,6 +1083,9 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
     dummy = _placeholder(q.device)
     mask_t, mask_kind, ms = _mask_args(mask, dummy)
     idx64 = _needs_idx64(sq, sk, (qs[2], ks[2], vs[2], os_[2]), ms)
+    ptx_dropout = _ptx_dropout(q, v, batch * hq * sq, dropout_p, seed)
+    if keep is not None and not ptx_dropout:
+        raise ValueError("keep: the forward stores keep bits only where it draws them by PTX (_ptx_dropout)")
     grid = lambda meta: (_tuning.cdiv(sq, meta["BLOCK_M"]), hq, batch)  # noqa: E731
     _launch.fast(_attention_fwd_kernel)[grid](
         q, k, v, o, lse, mask_t, kv_range if kv_range is not None else dummy,
@@ -1097,10 +1093,11 @@ def attention_fwd(q, k, v, mask, *, causal: bool, scale: float, dropout_p: float
         *qs, *ks, *vs, *os_, *ls, *ms,
         hq, hq // hkv, sq, sk,
         scale * LOG2E, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), _seq_bucket(sq, sk),
+        *(keep if keep is not None else (dummy, 0, 0)),
         D=d, DV=dv, BLOCK_D=_pow2_dim(d), BLOCK_DV=_pow2_dim(dv), EVEN_D=_pow2_dim(d) == d and _pow2_dim(dv) == dv,
         IS_CAUSAL=bool(causal), MASK_KIND=mask_kind, HAS_KV_RANGE=kv_range is not None,
         HAS_DROPOUT=dropout_p > 0, IS_VARLEN=varlen, PRECISION=_precision(q.dtype), IDX64=idx64,
-        PTX_DROPOUT=_ptx_dropout(q, v, batch * hq * sq, dropout_p, seed),
+        PTX_DROPOUT=ptx_dropout, KEEP_BUF=1 if keep is not None else 0,
     )
     if varlen:
         _zero_uncovered(o, None, cu_seqlens_q, sq)
@@ -1123,9 +1120,6 @@ def _ptx_dropout(q, v, rows: int, dropout_p: float, seed) -> bool:
 # loads them instead of drawing the mask again. B H Sq Sk / 8 bytes (heads padded to 128 queries and keys), held for
 # the backward only; ``PYKERNELS_TRITON_KEEP_BUFFER_MB`` caps it (MiB, default 1024: above it both kernels draw; 0: never)
 KEEP_BUFFER_MB = float(os.environ.get("PYKERNELS_TRITON_KEEP_BUFFER_MB", "1024") or 0)
-# the dK/dV kernel's loads of them one query block ahead (KEEP_BUF 3: in the iteration before, ptxas sank a load in the
-# same iteration to its use, after the GEMMs that were to hide it) rather than in the block's own iteration (2)
-KEEP_PREFETCH = os.environ.get("PYKERNELS_TRITON_KEEP_PREFETCH", "1") not in ("", "0")
 
 
 def keep_buffer(batch: int, heads: int, sq: int, sk: int, device) -> tuple[torch.Tensor, int, int] | None:
@@ -1137,16 +1131,16 @@ def keep_buffer(batch: int, heads: int, sq: int, sk: int, device) -> tuple[torch
     head = _tuning.cdiv(sq, 128) * 128 * groups
     if head >= 2**31 or batch * heads * head > KEEP_BUFFER_MB * 2**20:
         return None
-    # (and 128 rows more: the dK/dV kernel's loads of the block after a head's last, never used)
-    return empty(batch * heads * head + 128 * groups, dtype=torch.uint8, device=device), head, groups
+    return empty(batch * heads * head, dtype=torch.uint8, device=device), head, groups
 
 
 def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, dropout_p: float, seed,
                   kv_range: torch.Tensor | None = None, cu_seqlens_q=None, cu_seqlens_k=None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, deterministic: bool = False):
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, deterministic: bool = False, keep=None):
     """Gradients (dq, dk, dv) with the shapes and dtypes of q, k, v (see ``attention_fwd``). Bitwise
     reproducible where ``deterministic``, and wherever the sm_90 fused kernel does not run (every other
-    kernel writes each gradient element once, in a fixed order)."""
+    kernel writes each gradient element once, in a fixed order). ``keep``: the ``keep_buffer`` in which
+    ``attention_fwd`` stored its keep bits: the Triton kernels load them instead of drawing (the Gluon ones draw)."""
     varlen = cu_seqlens_q is not None
     if varlen:
         tq, hq, d = q.shape
@@ -1198,8 +1192,10 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
     ptx_dropout = _ptx_dropout(q, v, batch * hq * sq, dropout_p, seed)
     # the keep buffer where the Triton dQ kernel runs first and the Triton dK/dV kernel after it (not where a Gluon
     # dK/dV kernel is to run: it draws its own)
-    keep = None
-    if ptx_dropout and not gluon:
+    stored = keep is not None
+    if stored and not ptx_dropout:
+        raise ValueError("keep: stored keep bits are loaded only where the kernels draw them by PTX (_ptx_dropout)")
+    if ptx_dropout and not gluon and not stored:
         keep = keep_buffer(batch, hq, sq, sk, q.device)
     keep_args = (keep[0], keep[1], keep[2]) if keep else (dummy, 0, 0)
 
@@ -1209,7 +1205,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
             *s_q, *s_k, *s_v, *s_do, *s_dq, *s_o, *ls, *ms,
             hq, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket,
             *keep_args, **common, COMPUTE_DELTA=compute_delta, PTX_DROPOUT=ptx_dropout,
-            KEEP_BUF=1 if keep and compute_delta else 0)
+            KEEP_BUF=2 if stored else 1 if keep and compute_delta else 0)
 
     dq_done = "dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=scale,
                                                          o=o)
@@ -1230,8 +1226,7 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
             q, k, v, do, dk, dv, lse, delta, mask_t, kvr, cu_q, cu_k,
             *s_q, *s_k, *s_v, *s_do, *s_dk, *s_dv, *ls, *ms,
             hq, hkv, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket,
-            *keep_args, **common, PTX_DROPOUT=ptx_dropout,
-            KEEP_BUF=(3 if KEEP_PREFETCH else 2) if keep and dq_done else 0)
+            *keep_args, **common, PTX_DROPOUT=ptx_dropout, KEEP_BUF=2 if keep and (dq_done or stored) else 0)
     if not fused and not dq_done:
         triton_dq(False)
     if varlen:

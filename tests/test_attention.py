@@ -914,11 +914,38 @@ def _pin_triton_dropout_configs(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d,causal,hq,hkv,sq,sk", [(64, False, 4, 4, 512, 512), (64, True, 4, 2, 1000, 1000),
+                                                  (80, False, 2, 1, 127, 300), (128, True, 2, 2, 257, 257)])
+def test_gpu_triton_dropout_keep_bits_stored_by_the_forward(monkeypatch, d, causal, hq, hkv, sq, sk):
+    """``attention_fwd``'s ``keep``: the forward stores its PTX draws' keep bits in a ``keep_buffer`` and
+    ``attention_bwd``'s ``keep`` loads them in both backward kernels: the same output and gradients bitwise as the
+    draws (one config a kernel), which the reference holds to the seed's mask; a case without PTX draws refuses it."""
+    from pykernels._kernels import attention as tri
+    _pin_triton_dropout_configs(monkeypatch)
+    b, p, sc = 2, 0.23, d ** -0.5
+    q, k, v = _inputs((b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), BF16, "cuda")
+    do = torch.randn(b, hq, sq, d, dtype=BF16, device="cuda")
+    seed = torch.tensor([4242], dtype=torch.int64, device="cuda")
+    o, lse = tri.attention_fwd(q, k, v, None, causal=causal, scale=sc, dropout_p=p, seed=seed)
+    grads = tri.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=sc, dropout_p=p, seed=seed)
+    keep = tri.keep_buffer(b, hq, sq, sk, q.device)
+    keep[0].fill_(0x5A)  # (poison: every byte the backward reads must be one the forward stored)
+    o2, lse2 = tri.attention_fwd(q, k, v, None, causal=causal, scale=sc, dropout_p=p, seed=seed, keep=keep)
+    grads2 = tri.attention_bwd(do, q, k, v, o2, lse2, None, causal=causal, scale=sc, dropout_p=p, seed=seed,
+                               keep=keep)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    for name, a, c in zip(("dq", "dk", "dv"), grads, grads2):
+        assert torch.equal(a, c), name
+    with pytest.raises(ValueError, match="keep"):
+        tri.attention_fwd(q.float(), k.float(), v.float(), None, causal=causal, scale=sc, dropout_p=p, seed=seed,
+                          keep=keep)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_triton_varlen_dropout_keep_buffer(monkeypatch, d):
     """Varlen with dropout through the Triton backward's keep buffer (heads of max_seqlen rows, empty and one-row
-    sequences, GQA; the dK/dV kernel's loads one block ahead and in place): bitwise the gradients of the PTX draws
-    without it and of dropout_keep's draws, and one
+    sequences, GQA): bitwise the gradients of the PTX draws without it and of dropout_keep's draws, and one
     sequence's output and gradients against the float64 reference with its slice of attention_dropout_mask."""
     from pykernels._kernels import attention as tri
     _pin_triton_dropout_configs(monkeypatch)
@@ -929,16 +956,15 @@ def test_gpu_triton_varlen_dropout_keep_buffer(monkeypatch, d):
     keep_buffer = tri.keep_buffer
     monkeypatch.setattr(tri, "keep_buffer", lambda *a: buffers.append(keep_buffer(*a)) or buffers[-1])
     runs = []
-    for ptx, keep_mb, prefetch in ((True, 1024, True), (True, 1024, False), (True, 0, True), (False, 1024, True)):
+    for ptx, keep_mb in ((True, 1024), (True, 0), (False, 1024)):
         monkeypatch.setattr(tri, "PTX_DROPOUT", ptx)
         monkeypatch.setattr(tri, "KEEP_BUFFER_MB", keep_mb)
-        monkeypatch.setattr(tri, "KEEP_PREFETCH", prefetch)
         torch.manual_seed(5)
         seed = new_seed(q.device)
         torch.manual_seed(5)
         out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), dropout_p=0.2, causal=True, backend="triton")
         runs.append((out, *_grads(out, (q, k, v), do)))
-    assert [x is not None for x in buffers] == [True, True, False]
+    assert [x is not None for x in buffers] == [True, False]
     for other in runs[1:]:
         for name, a, b in zip(("out", "dq", "dk", "dv"), runs[0], other):
             assert torch.equal(a, b), name
@@ -987,10 +1013,9 @@ def test_gpu_triton_dropout_ptx_draws_dropout_keeps_mask(monkeypatch, d, causal,
     keep_buffer = tri.keep_buffer
     monkeypatch.setattr(tri, "keep_buffer", lambda *a: buffers.append(keep_buffer(*a)) or buffers[-1])
     results = []
-    for ptx, keep_mb, prefetch in ((True, 1024, True), (True, 1024, False), (True, 0, True), (False, 1024, True)):
+    for ptx, keep_mb in ((True, 1024), (True, 0), (False, 1024)):
         monkeypatch.setattr(tri, "PTX_DROPOUT", ptx)
         monkeypatch.setattr(tri, "KEEP_BUFFER_MB", keep_mb)
-        monkeypatch.setattr(tri, "KEEP_PREFETCH", prefetch)
         torch.manual_seed(7)
         seed = new_seed(q.device)
         torch.manual_seed(7)
@@ -998,8 +1023,8 @@ def test_gpu_triton_dropout_ptx_draws_dropout_keeps_mask(monkeypatch, d, causal,
         dmask = attention_dropout_mask(seed, b, hq, sq, sk, p, "cuda")
         results.append(_check_against_ref(q, k, v, mask=m, causal=causal, dropout_p=p, dropout_mask=dmask, out=out,
                                           do=do, enable_gqa=hkv != hq, what=f"ptx {ptx} keep buffer {keep_mb}"))
-    # the buffer taken by the first two backwards (PTX draws, under the cap), refused by the third (cap 0)
-    assert [x is not None for x in buffers] == [True, True, False]
+    # the buffer taken by the first backward (PTX draws, under the cap), refused by the second (cap 0)
+    assert [x is not None for x in buffers] == [True, False]
     (o1, g1), *others = results
     for o2, g2 in others:
         assert torch.equal(o1, o2)

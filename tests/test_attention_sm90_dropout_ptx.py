@@ -235,8 +235,9 @@ def test_keep_quad_ptx_refuses_rot():
 def test_keep_buffer_quad_stores_octet_loads(p, sq, sk, head):
     """The Triton backward's keep buffer (``attention.keep_buffer``): the dQ kernel's quad draws with ``buffer="store"``
     over every 16 x 16 (queries, keys) block of a head leave each call's keep byte (bit v: key v of the group) at
-    ``_keep_buffer_address``'s byte, and the dK/dV kernel's octet with ``buffer="load"`` over every (keys, queries)
-    block then gives the mask's bits, with the seed, groups and threshold operands wrong (it draws nothing).
+    ``_keep_buffer_address``'s byte, and the quad (a forward's stores, then the dQ kernel's loads) and the dK/dV
+    kernel's octet with ``buffer="load"`` over every block then give the mask's bits, with the seed, groups and
+    threshold operands wrong (they draw nothing).
     Each warp-wide store and load is one 32-byte sector."""
     from pykernels._kernels._dropout import _keep_octet_ptx
     seed, base = 1357911, 1 << 36
@@ -258,6 +259,13 @@ def test_keep_buffer_quad_stores_octet_loads(p, sq, sk, head):
             for v in range(min(8, sk - 8 * grp)):
                 assert byte >> v & 1 == int(keep[row0 + q, 8 * grp + v]), (q, grp, v)
     n_stores = len(accesses)
+    for mt in range(-(-sq // 16)):  # (the quad's loads: the backward's dQ kernel after a forward that stored)
+        for kb in range(0, -(-sk // 16) * 16, 16):
+            def element(lane, c, mt=mt, kb=kb):
+                g, t4 = lane >> 2, lane & 3
+                return row0 + mt * 16 + g + 8 * ((c >> 1) & 1), kb + 2 * t4 + (c & 1) + 8 * (c >> 2)
+            _check_draws(_keep_octet_ptx(True, quad=True, buffer="load"), p, sk, rows, seed, element,
+                         (base, row0, gp), mem, accesses, draw=False)
     for nt in range(0, -(-sq // 16) * 2, 2):
         for kb in range(0, -(-sk // 16) * 16, 16):
             def element(lane, c, nt=nt, kb=kb):  # (octet: query of its column, key of its row)
@@ -265,7 +273,7 @@ def test_keep_buffer_quad_stores_octet_loads(p, sq, sk, head):
                 return row0 + nt * 8 + 2 * t4 + 8 * (c >> 2) + (c & 1), kb + g + 8 * ((c >> 1) & 1)
             _check_draws(_keep_octet_ptx(True, buffer="load"), p, sk, rows, seed, element, (base, row0, gp), mem,
                          accesses, draw=False)
-    assert len(accesses) == 2 * n_stores
+    assert len(accesses) == 3 * n_stores
     for addrs in accesses:
         assert len({a // 32 for a in addrs}) == 1, addrs
 

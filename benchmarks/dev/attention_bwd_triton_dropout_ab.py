@@ -9,8 +9,9 @@ Usage (GPU): ``python benchmarks/dev/attention_bwd_triton_dropout_ab.py [--p 0.1
 [--base FILE] [--sweep]``. One line a case: ``case ptx_us dropout_keep_us speed-up max|diff|``, then with ``--base``
 (another version of kernels/attention.py, e.g. ``git show HEAD~3:kernels/attention.py``, loaded beside)
 ``case base base_us ptx/base``, the PTX draws without the keep buffer (``KEEP_BUFFER_MB`` 0: both kernels draw;
-``case nobuf us nobuf/ptx max|diff|``), the dK/dV kernel's loads of it the other way (``KEEP_PREFETCH`` flipped:
-``case prefetch=X us X/ptx max|diff|``), the backward without dropout (``case nodrop us``), and with ``--sweep`` each dQ and
+``case nobuf us nobuf/ptx max|diff|``), the keep bits stored by the forward and loaded by both backward kernels
+(``case stored bwd us ptx/stored max|diff| fwd us against us max|diff| fwd+bwd speed-up``), the backward without
+dropout (``case nodrop us``), and with ``--sweep`` each dQ and
 dK/dV config of the kernels' tables for the case's head-dim tier, pinned one at a time (the other kernel at its
 default; ``fwd``: the forward alone): ``case dq|dkdv|fwd BMxBNxWxS us``; and the forward with dropout, PTX against
 ``dropout_keep`` (``case fwd ptx_us dropout_keep_us speed-up max|diff|``).
@@ -106,14 +107,19 @@ def main() -> None:
         finally:
             tri.KEEP_BUFFER_MB = keep_mb
         print(f"{name} nobuf {t_nobuf:.1f} {t_nobuf / t_ptx:.3f}x {ndiff:.2e}", flush=True)
-        pre, tri.KEEP_PREFETCH = tri.KEEP_PREFETCH, not tri.KEEP_PREFETCH  # (the dK/dV kernel's loads, the other way)
-        try:
-            ngot = run(True)()
-            ndiff = max((x.float() - y.float()).abs().max().item() for x, y in zip(got, ngot))
-            t_pre = graph_us(run(True), rep=args.rep)
-        finally:
-            tri.KEEP_PREFETCH = pre
-        print(f"{name} prefetch={not pre} {t_pre:.1f} {t_pre / t_ptx:.3f}x {ndiff:.2e}", flush=True)
+        # the keep bits stored by the forward (``attention_fwd``'s ``keep``), loaded by both backward kernels
+        kbuf = tri.keep_buffer(b, h, s, s, q.device)
+        fwd_store = lambda: tri.attention_fwd(q, k, v, None, causal=causal, scale=sc, dropout_p=args.p,  # noqa: E731
+                                              seed=seed, keep=kbuf)
+        sdiff_o = (fwd_store()[0].float() - o.float()).abs().max().item()
+        stored = lambda: tri.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=sc,  # noqa: E731
+                                           dropout_p=args.p, seed=seed, keep=kbuf)
+        sdiff = max((x.float() - y.float()).abs().max().item() for x, y in zip(got, stored()))
+        t_stored, t_fstore = graph_us(stored, rep=args.rep), graph_us(fwd_store, rep=args.rep)
+        t_fptx = graph_us(lambda: tri.attention_fwd(q, k, v, None, causal=causal, scale=sc, dropout_p=args.p,
+                                                    seed=seed), rep=args.rep)
+        print(f"{name} stored bwd {t_stored:.1f} {t_ptx / t_stored:.3f}x {sdiff:.2e} fwd {t_fstore:.1f} against "
+              f"{t_fptx:.1f} {sdiff_o:.2e} fwd+bwd {(t_fptx + t_ptx) / (t_fstore + t_stored):.3f}x", flush=True)
         if base is not None:
             bgot = run(True, base)()
             bdiff = max((x.float() - y.float()).abs().max().item() for x, y in zip(got, bgot))

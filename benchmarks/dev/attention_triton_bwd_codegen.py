@@ -6,7 +6,8 @@ each ``elementwise_inline_asm``: it must be an ``nvidia_mma`` accumulator, whose
 assumes) and the innermost loop's SASS instruction count. The seventy-fifth session's probe for the dQ kernel's quad
 keep bits (``attention.PTX_DROPOUT``).
 
-Usage: ``python benchmarks/dev/attention_triton_bwd_codegen.py [--cases bert,gpt2] [--p 0.1] [--ptx 1] [--out DIR]``.
+Usage: ``python benchmarks/dev/attention_triton_bwd_codegen.py [--cases bert,gpt2] [--p 0.1] [--ptx 1] [--out DIR]
+[--stored]``.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ CASES = {"bert": (2, 2, 512, 64, False), "gpt2": (2, 2, 1024, 64, True), "d128_c
          "d128_full": (2, 2, 1024, 128, False)}
 
 
-def capture_launches(case, p: float, ptx: bool):
+def capture_launches(case, p: float, ptx: bool, stored: bool = False):
     """(kernel, args, kwargs) of each Triton launch ``attention_bwd`` makes for the case, on CPU tensors."""
     from pykernels._kernels import _launch
     from pykernels._kernels import attention as tri
@@ -44,7 +45,7 @@ def capture_launches(case, p: float, ptx: bool):
     tri._ptx_dropout = lambda *a, **kw: ptx and p > 0
     try:
         tri.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=d ** -0.5, dropout_p=p,
-                          seed=torch.tensor([5]))
+                          seed=torch.tensor([5]), keep=tri.keep_buffer(b, h, s, s, "cpu") if stored else None)
     finally:
         tri._launch.fast, tri._ptx_dropout = fast, ptx_rule
     return got
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="dq,dkdv")
     ap.add_argument("--configs", default="", help="bm.bn.warps.stages,... (default: the tables' for the case)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--stored", action="store_true", help="the backward of keep bits a forward stored (``keep``)")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "0")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +90,7 @@ def main() -> None:
     for case in args.cases.split(","):
         d = CASES[case][3]
         tier = 64 if d <= 64 else 128
-        for kern, a, kw in capture_launches(case, args.p, bool(args.ptx)):
+        for kern, a, kw in capture_launches(case, args.p, bool(args.ptx), args.stored):
             name = "dq" if "COMPUTE_DELTA" in kw else "dkdv" if "PTX_DROPOUT" in kw else "pre"
             if name not in args.kernels.split(","):
                 continue
