@@ -1120,6 +1120,10 @@ def _ptx_dropout(q, v, rows: int, dropout_p: float, seed) -> bool:
 # loads them instead of drawing the mask again. B H Sq Sk / 8 bytes (heads padded to 128 queries and keys), held for
 # the backward only; ``PYKERNELS_TRITON_KEEP_BUFFER_MB`` caps it (MiB, default 1024: above it both kernels draw; 0: never)
 KEEP_BUFFER_MB = float(os.environ.get("PYKERNELS_TRITON_KEEP_BUFFER_MB", "1024") or 0)
+# ... at head dims up to 64. H200 run464 (the whole Triton backward, p = 0.1, graph replay, against both kernels
+# drawing, in the same call): BERT-base 328.5 against 335.7 us (1.022x), GPT-2 1.008x, 4 x 16 x 2048 D64 causal
+# 1.014x (run462: 1.013x, 1.001x, 1.016x); at D = 128 slower: 8 x 16 x 1024 0.955x, 4 x 16 x 2048 causal 0.996x
+KEEP_BUFFER_MAX_D = 64
 
 
 def keep_buffer(batch: int, heads: int, sq: int, sk: int, device) -> tuple[torch.Tensor, int, int] | None:
@@ -1191,11 +1195,11 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
 
     ptx_dropout = _ptx_dropout(q, v, batch * hq * sq, dropout_p, seed)
     # the keep buffer where the Triton dQ kernel runs first and the Triton dK/dV kernel after it (not where a Gluon
-    # dK/dV kernel is to run: it draws its own)
+    # dK/dV kernel is to run: it draws its own), at head dims up to 64 (KEEP_BUFFER_MAX_D)
     stored = keep is not None
     if stored and not ptx_dropout:
         raise ValueError("keep: stored keep bits are loaded only where the kernels draw them by PTX (_ptx_dropout)")
-    if ptx_dropout and not gluon and not stored:
+    if ptx_dropout and not gluon and not stored and max(d, dv_dim) <= KEEP_BUFFER_MAX_D:
         keep = keep_buffer(batch, hq, sq, sk, q.device)
     keep_args = (keep[0], keep[1], keep[2]) if keep else (dummy, 0, 0)
 
