@@ -46,7 +46,9 @@ Dropout: one Philox-4x32-7 call (``tl.randint4x``) per 8 keys of a query row, at
 ``((b * H + h) * Sq + i) * ceil(Sk / 8) + j // 8`` (query head h; for varlen Sq/Sk are max_seqlen_q/k and
 i, j are positions inside the sequence); key j takes 16 of its 128 bits and is kept where they are
 ``>= p * 65536``, p rounded to a multiple of 2^-16 on the host (``_dropout_keep``). The backward regenerates
-the same mask from the seed; it is never stored. ``attention_dropout_mask`` in ``pykernels.attention``
+the same mask from the seed; the forward never stores it. Within the backward, at head dims up to 64, the dQ kernel
+stores its draws' keep bits (``keep_buffer``, B H Sq Sk / 8 bytes, freed with the backward) and the dK/dV kernel loads
+them instead of drawing again. ``attention_dropout_mask`` in ``pykernels.attention``
 reproduces it in eager PyTorch, and the CUDA C++ kernels draw the same bits. On the GPU every kernel draws them
 by inline PTX instead (``PTX_DROPOUT``: fp16 / bf16, D <= 128): one call a lane, shared by the lanes that hold its
 8 elements through xor shuffles (the dK/dV kernel: the Gluon dK/dV kernel's octet draws, three shuffles; the forward
