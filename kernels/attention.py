@@ -454,10 +454,7 @@ def _attention_fwd_kernel(
 
     lo, split, mid, hi = _key_ranges(KvRange, b, start_m, k_len, IS_CAUSAL, HAS_KV_RANGE, BLOCK_M, BLOCK_N)
     rng_row0 = (b * H + h) * Sq
-    keep_head = 0
-    if KEEP_BUF != 0:
-        tl.static_assert(BLOCK_M <= 128 and BLOCK_N <= 128, "keep_buffer pads its heads to 128 rows and keys")
-        keep_head = (KeepBuf + (b * H + h) * keep_stride).to(tl.int64)
+    keep_head = _keep_head(KeepBuf, b * H + h, keep_stride, KEEP_BUF, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
                                stride_kn, stride_vn, stride_mn, mask_row_ptrs, qk_scale, seed, rng_row0, Sk,
                                dropout_p, D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64,
@@ -621,6 +618,17 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, Delta, mask_col_ptrs, start_lo, end_hi
 
 
 @triton.jit
+def _keep_head(KeepBuf, bh, keep_stride, KEEP_BUF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Head ``bh``'s part of ``keep_buffer`` (``keep_stride`` bytes a head) as an int64 address, 0 without KEEP_BUF.
+    Its heads are padded to 128 rows and keys: no tile may reach past them."""
+    head = 0
+    if KEEP_BUF != 0:
+        tl.static_assert(BLOCK_M <= 128 and BLOCK_N <= 128, "keep_buffer pads its heads to 128 rows and keys")
+        head = (KeepBuf + bh * keep_stride).to(tl.int64)
+    return head
+
+
+@triton.jit
 def _ptx_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p, QUAD: tl.constexpr, KEEP_BUF: tl.constexpr = 0,
                    keep_head=0, keep_groups=0):
     """The keep bits of a tile in an MMA accumulator layout, Philox row ``row0`` + query: (keys ``offs_n``, queries
@@ -735,10 +743,7 @@ def _attention_bwd_dkdv_kernel(
             Deltah = Delta + b * stride_lb + h * stride_lh + q_start
             mask_col_ptrs = Mask + b * stride_mb + h * stride_mh + cols[:, None] * stride_mn
             rng_base = ((b * H + h) * Sq) * ((Sk + 7) // 8)
-            keep_head = 0
-            if KEEP_BUF != 0:
-                tl.static_assert(BLOCK_M <= 128 and BLOCK_N <= 128, "keep_buffer pads its heads to 128 rows and keys")
-                keep_head = (KeepBuf + (b * H + h) * keep_stride).to(tl.int64)
+            keep_head = _keep_head(KeepBuf, b * H + h, keep_stride, KEEP_BUF, BLOCK_M, BLOCK_N)
             if IS_CAUSAL:
                 # Rows i < start_n never see this block; rows in [start_n, start_n + BLOCK_N) form the
                 # diagonal band (BLOCK_N is a multiple of BLOCK_M); later rows see all of it.
@@ -747,19 +752,17 @@ def _attention_bwd_dkdv_kernel(
                 dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, mid, offs_n, offs_d,
                                      offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                      rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, True, True, EVEN_D,
-                                     HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF,
-                                    keep_head, keep_groups)
+                                     HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF, keep_head,
+                                     keep_groups)
                 dk, dv = _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, mid, q_len, offs_n, offs_d,
                                     offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                     rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, EVEN_D, HAS_DROPOUT,
-                                    PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF,
-                                    keep_head, keep_groups)
+                                    PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF, keep_head, keep_groups)
             else:
                 dk, dv = _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, 0, q_len, offs_n, offs_d,
                                     offs_dv, q_len, k_len, stride_qm, stride_dom, stride_mm, qk_scale, seed,
                                     rng_base, Sk, dropout_p, D, DV, BLOCK_M, MASK_KIND, EVEN_D, HAS_DROPOUT,
-                                    PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF,
-                                    keep_head, keep_groups)
+                                    PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF, keep_head, keep_groups)
     _store_tile(DK, cols, n_ok, offs_d, stride_dkn, D, dk * sm_scale)
     _store_tile(DV_, cols, n_ok, offs_dv, stride_dvn, DV, dv)
 
@@ -858,10 +861,7 @@ def _attention_bwd_dq_kernel(
 
     lo, split, mid, hi = _key_ranges(KvRange, b, start_m, k_len, IS_CAUSAL, HAS_KV_RANGE, BLOCK_M, BLOCK_N)
     rng_row0 = (b * H + h) * Sq
-    keep_head = 0
-    if KEEP_BUF != 0:
-        tl.static_assert(BLOCK_M <= 128 and BLOCK_N <= 128, "keep_buffer pads its heads to 128 rows and keys")
-        keep_head = (KeepBuf + (b * H + h) * keep_stride).to(tl.int64)
+    keep_head = _keep_head(KeepBuf, b * H + h, keep_stride, KEEP_BUF, BLOCK_M, BLOCK_N)
     dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
                    stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk, dropout_p,
                    D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF,
@@ -874,8 +874,7 @@ def _attention_bwd_dq_kernel(
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, tl.maximum(lo, start_m), hi, offs_m, m_ok,
                        offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk,
                        dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64,
-                       PTX_DROPOUT, KEEP_BUF,
-                   keep_head, keep_groups)
+                       PTX_DROPOUT, KEEP_BUF, keep_head, keep_groups)
     _store_tile(DQ, rows, m_ok, offs_d, stride_dqm, D, dq * sm_scale)
 
 
@@ -1121,7 +1120,18 @@ def _ptx_dropout(q, v, rows: int, dropout_p: float, seed) -> bool:
 # The Triton backward's keep buffer: its dQ kernel (run first) stores each Philox call's 8 keep bits, its dK/dV kernel
 # loads them instead of drawing the mask again. B H Sq Sk / 8 bytes (heads padded to 128 queries and keys), held for
 # the backward only; ``PYKERNELS_TRITON_KEEP_BUFFER_MB`` caps it (MiB, default 1024: above it both kernels draw; 0: never)
-KEEP_BUFFER_MB = float(os.environ.get("PYKERNELS_TRITON_KEEP_BUFFER_MB", "1024") or 0)
+def _keep_buffer_mb(value: str) -> float:
+    """``PYKERNELS_TRITON_KEEP_BUFFER_MB``'s value: MiB, a number >= 0 ("" is 0)."""
+    try:
+        mb = float(value or 0)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:
+        raise ValueError(f"PYKERNELS_TRITON_KEEP_BUFFER_MB: expected a number of MiB >= 0, got {value!r}")
+    return mb
+
+
+KEEP_BUFFER_MB = _keep_buffer_mb(os.environ.get("PYKERNELS_TRITON_KEEP_BUFFER_MB", "1024"))
 # ... at head dims up to 64. H200 run464 (the whole Triton backward, p = 0.1, graph replay, against both kernels
 # drawing, in the same call): BERT-base 328.5 against 335.7 us (1.022x), GPT-2 1.008x, 4 x 16 x 2048 D64 causal
 # 1.014x (run462: 1.013x, 1.001x, 1.016x); at D = 128 slower: 8 x 16 x 1024 0.955x, 4 x 16 x 2048 causal 0.996x

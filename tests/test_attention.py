@@ -3513,3 +3513,63 @@ def test_dropout_tables_pick_ptx_entries():
                 want = tri._TABLE[kind + ("_dropout_ptx" if ptx else "_dropout")][tier]
                 got = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
                 assert got == want, (kind, ptx, tier)  # (in table order: PYKERNELS_AUTOTUNE=0 keeps the first)
+
+
+def test_keep_buffer_sizes_caps_and_env():
+    """``keep_buffer``: heads padded to 128 queries x 128 keys (16 groups of 8), B H of them; None over
+    ``KEEP_BUFFER_MB`` or where a head's bytes reach 2^31 (nothing allocated); ``PYKERNELS_TRITON_KEEP_BUFFER_MB``
+    takes MiB >= 0 and names itself otherwise."""
+    from pykernels._kernels import attention as tri
+    buf, head, groups = tri.keep_buffer(2, 3, 200, 300, "cpu")
+    assert (head, groups) == (256 * 48, 48) and buf.dtype == torch.uint8 and buf.numel() == 2 * 3 * head
+    assert tri.keep_buffer(1, 1, 2**20, 2**17, "cpu") is None  # (a head of 2^34 bytes)
+    old = tri.KEEP_BUFFER_MB
+    try:
+        tri.KEEP_BUFFER_MB = (2 * 3 * head - 1) / 2**20
+        assert tri.keep_buffer(2, 3, 200, 300, "cpu") is None
+        tri.KEEP_BUFFER_MB = 0
+        assert tri.keep_buffer(1, 1, 16, 16, "cpu") is None
+    finally:
+        tri.KEEP_BUFFER_MB = old
+    assert [tri._keep_buffer_mb(v) for v in ("1024", "", "0", "12.5")] == [1024.0, 0.0, 0.0, 12.5]
+    for bad in ("abc", "-1", "nan"):
+        with pytest.raises(ValueError, match="PYKERNELS_TRITON_KEEP_BUFFER_MB"):
+            tri._keep_buffer_mb(bad)
+
+
+@pytest.mark.parametrize("d,keep_mb,stored,want", [(64, 1024, False, (1, 2)), (32, 1024, False, (1, 2)),
+                                                   (128, 1024, False, (0, 0)), (64, 0, False, (0, 0)),
+                                                   (64, 1024, True, (2, 2)), (128, 0, True, (2, 2))])
+def test_attention_bwd_takes_the_keep_buffer(monkeypatch, d, keep_mb, stored, want):
+    """Which way ``attention_bwd``'s Triton kernels get their keep bits with the PTX draws (the launches captured on
+    CPU tensors, the draws' rule forced on): (dQ KEEP_BUF, dK/dV KEEP_BUF) = (1 store, 2 load) at head dims up to
+    ``KEEP_BUFFER_MAX_D`` under the cap, (0, 0) above it or with the cap 0, and (2, 2) with a forward's stored bits
+    (``keep``), at any head dim; the dQ kernel launched first, both on the same buffer."""
+    from pykernels._kernels import attention as tri
+    b, h, s = 2, 2, 200
+    q, k, v, o, do = (torch.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.randn(b, h, s)
+    got = []
+
+    class Capture:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: got.append((self.fn, a, kw))
+    monkeypatch.setattr(tri._launch, "fast", Capture)
+    monkeypatch.setattr(tri, "_ptx_dropout", lambda *a, **kw: True)
+    keep = tri.keep_buffer(b, h, s, s, "cpu") if stored else None  # (a forward's: the cap below is the backward's)
+    monkeypatch.setattr(tri, "KEEP_BUFFER_MB", keep_mb)
+    tri.attention_bwd(do, q, k, v, o, lse, None, causal=True, scale=d ** -0.5, dropout_p=0.1,
+                      seed=torch.tensor([5]), keep=keep)
+    names = [fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__ for fn, _, _ in got]
+    assert names == ["_attention_bwd_dq_kernel", "_attention_bwd_dkdv_kernel"], names
+    assert tuple(kw["KEEP_BUF"] for _, _, kw in got) == want
+    if want != (0, 0):
+        (_, a_dq, _), (_, a_dkdv, _) = got
+        dq_buf = [t for t in a_dq if isinstance(t, torch.Tensor) and t.dtype == torch.uint8]
+        dkdv_buf = [t for t in a_dkdv if isinstance(t, torch.Tensor) and t.dtype == torch.uint8]
+        assert len(dq_buf) == len(dkdv_buf) == 1 and dq_buf[0] is dkdv_buf[0]
+        if stored:
+            assert dq_buf[0] is keep[0]
