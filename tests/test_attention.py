@@ -913,6 +913,27 @@ def _pin_triton_dropout_configs(monkeypatch):
         _launch.fast(kern).cache.clear()
 
 
+def _over_triton_dropout_draws(monkeypatch, d, call):
+    """``call(seed, what)`` three times, the Triton kernels getting their keep bits each way: the PTX draws with the
+    keep buffer (``keep_buffer``: the dQ kernel stores, the dK/dV kernel loads), the PTX draws in both kernels (the
+    cap 0), ``dropout_keep``'s draws; each with the same torch seed, whose op seed ``call`` gets. Checks that the first backward took the buffer, the second was refused it,
+    and none asked for one above ``KEEP_BUFFER_MAX_D``; returns the three results."""
+    from pykernels._kernels import attention as tri
+    buffers = []
+    keep_buffer = tri.keep_buffer
+    monkeypatch.setattr(tri, "keep_buffer", lambda *a: buffers.append(keep_buffer(*a)) or buffers[-1])
+    results = []
+    for ptx, keep_mb in ((True, 1024), (True, 0), (False, 1024)):
+        monkeypatch.setattr(tri, "PTX_DROPOUT", ptx)
+        monkeypatch.setattr(tri, "KEEP_BUFFER_MB", keep_mb)
+        torch.manual_seed(7)
+        seed = new_seed(torch.device("cuda"))
+        torch.manual_seed(7)
+        results.append(call(seed, f"ptx {ptx} keep buffer {keep_mb}"))
+    assert [x is not None for x in buffers] == ([True, False] if d <= tri.KEEP_BUFFER_MAX_D else [])
+    return results
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,causal,hq,hkv,sq,sk", [(64, False, 4, 4, 512, 512), (64, True, 4, 2, 1000, 1000),
                                                   (80, False, 2, 1, 127, 300), (128, True, 2, 2, 257, 257)])
@@ -947,24 +968,16 @@ def test_gpu_triton_varlen_dropout_keep_buffer(monkeypatch, d):
     """Varlen with dropout through the Triton backward's keep buffer (heads of max_seqlen rows, empty and one-row
     sequences, GQA): bitwise the gradients of the PTX draws without it and of dropout_keep's draws, and one
     sequence's output and gradients against the float64 reference with its slice of attention_dropout_mask."""
-    from pykernels._kernels import attention as tri
     _pin_triton_dropout_configs(monkeypatch)
     lq = lk = [300, 1, 0, 130, 77]
     q, k, v, cu_q, cu_k = _varlen_case(lq, lk, 4, 2, d, BF16, "cuda")
     do = torch.randn(q.shape[0], 4, d, dtype=BF16, device="cuda")
-    buffers = []
-    keep_buffer = tri.keep_buffer
-    monkeypatch.setattr(tri, "keep_buffer", lambda *a: buffers.append(keep_buffer(*a)) or buffers[-1])
-    runs = []
-    for ptx, keep_mb in ((True, 1024), (True, 0), (False, 1024)):
-        monkeypatch.setattr(tri, "PTX_DROPOUT", ptx)
-        monkeypatch.setattr(tri, "KEEP_BUFFER_MB", keep_mb)
-        torch.manual_seed(5)
-        seed = new_seed(q.device)
-        torch.manual_seed(5)
+
+    def call(seed, what):
         out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), dropout_p=0.2, causal=True, backend="triton")
-        runs.append((out, *_grads(out, (q, k, v), do)))
-    assert [x is not None for x in buffers] == ([True, False] if d <= tri.KEEP_BUFFER_MAX_D else [])
+        return seed, out, *_grads(out, (q, k, v), do)
+    results = _over_triton_dropout_draws(monkeypatch, d, call)
+    seed, runs = results[0][0], [r[1:] for r in results]
     for other in runs[1:]:
         for name, a, b in zip(("out", "dq", "dk", "dv"), runs[0], other):
             assert torch.equal(a, b), name
@@ -1009,24 +1022,13 @@ def test_gpu_triton_dropout_ptx_draws_dropout_keeps_mask(monkeypatch, d, causal,
         m = torch.rand(b, 1, sq, sk, device="cuda") > 0.3
     assert tri._ptx_dropout(q, v, b * hq * sq, p, 5)
     do = torch.randn(b, hq, sq, d, dtype=dtype, device="cuda")
-    buffers = []
-    keep_buffer = tri.keep_buffer
-    monkeypatch.setattr(tri, "keep_buffer", lambda *a: buffers.append(keep_buffer(*a)) or buffers[-1])
-    results = []
-    for ptx, keep_mb in ((True, 1024), (True, 0), (False, 1024)):
-        monkeypatch.setattr(tri, "PTX_DROPOUT", ptx)
-        monkeypatch.setattr(tri, "KEEP_BUFFER_MB", keep_mb)
-        torch.manual_seed(7)
-        seed = new_seed(q.device)
-        torch.manual_seed(7)
+
+    def call(seed, what):
         out = sdpa(q, k, v, m, dropout_p=p, is_causal=causal, enable_gqa=hkv != hq, backend="triton")
         dmask = attention_dropout_mask(seed, b, hq, sq, sk, p, "cuda")
-        results.append(_check_against_ref(q, k, v, mask=m, causal=causal, dropout_p=p, dropout_mask=dmask, out=out,
-                                          do=do, enable_gqa=hkv != hq, what=f"ptx {ptx} keep buffer {keep_mb}"))
-    # the buffer taken by the first backward (PTX draws, under the cap), refused by the second (cap 0); none asked
-    # for above KEEP_BUFFER_MAX_D
-    assert [x is not None for x in buffers] == ([True, False] if d <= tri.KEEP_BUFFER_MAX_D else [])
-    (o1, g1), *others = results
+        return _check_against_ref(q, k, v, mask=m, causal=causal, dropout_p=p, dropout_mask=dmask, out=out, do=do,
+                                  enable_gqa=hkv != hq, what=what)
+    (o1, g1), *others = _over_triton_dropout_draws(monkeypatch, d, call)
     for o2, g2 in others:
         assert torch.equal(o1, o2)
         for name, a, c in zip(("dq", "dk", "dv"), g1, g2):
