@@ -232,8 +232,8 @@ def _pruner(kind):
     return prune
 
 
-_FWD_KEYS = ["BLOCK_D", "BLOCK_DV", "seq_bucket", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT", "IS_VARLEN", "PTX_DROPOUT"]
-_BWD_KEYS = _FWD_KEYS + ["KEEP_BUF"]  # (the forward's too)
+_KEYS = ["BLOCK_D", "BLOCK_DV", "seq_bucket", "IS_CAUSAL", "MASK_KIND", "HAS_DROPOUT", "IS_VARLEN", "PTX_DROPOUT",
+         "KEEP_BUF"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,7 +409,7 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, start_lo, end_hi, offs_m, m_ok, offs_d, o
     return acc, l_i, m_i
 
 
-@_tuning.autotune(configs=_configs("fwd", "fwd_short", "fp32_fwd"), key=_BWD_KEYS,
+@_tuning.autotune(configs=_configs("fwd", "fwd_short", "fp32_fwd"), key=_KEYS,
                  prune_configs_by={"early_config_prune": _pruner("fwd")})
 @triton.jit
 def _attention_fwd_kernel(
@@ -651,26 +651,18 @@ def _ptx_keep_bits(seed, row0, offs_m, offs_n, Sk, dropout_p, QUAD: tl.constexpr
     d_seed = zero + seed.to(tl.int32)
     d_groups = zero + ((Sk + 7) // 8)
     d_thr = zero + (dropout_p * 65536.0).to(tl.int32)  # (p is a multiple of 2^-16)
+    # (all pure, the store too: it writes the byte of its inputs' call at that call's address, whatever the layout, so
+    # a copy more or less changes nothing, and its result is read. Marked impure, the compiler kept the copies of it
+    # that layout propagation leaves dead: three draws a tile, two in blocked layouts, sm_90 probe)
     if KEEP_BUF != 0:
         tl.static_assert(QUAD or KEEP_BUF == 2, "the keep buffer: the quad stores or loads, the octet loads")
-        args = [d_row, d_key, d_seed, d_groups, d_thr, zero.to(tl.int64) + keep_head, zero + row0, zero + keep_groups]
-        # (all pure, the store too: it writes the byte of its inputs' call at that call's address, whatever the
-        # layout, so a copy more or less changes nothing, and its result is read. Marked impure, the compiler kept the
-        # copies of it that layout propagation leaves dead: three draws a tile, two in blocked layouts, sm_90 probe)
-        if KEEP_BUF == 1:
-            bits = tl.inline_asm_elementwise(_KEEP_QUAD_STORE_PTX, _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8,
-                                             is_pure=True, pack=8)
-        elif QUAD:
-            bits = tl.inline_asm_elementwise(_KEEP_QUAD_LOAD_PTX, _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8,
-                                             is_pure=True, pack=8)
-        else:
-            bits = tl.inline_asm_elementwise(_KEEP_OCTET_LOAD_PTX, _KEEP_BUFFER_CONSTRAINTS, args, dtype=tl.int8,
-                                             is_pure=True, pack=8)
-    elif QUAD:
-        bits = tl.inline_asm_elementwise(_KEEP_QUAD_PTX, _KEEP_OCTET_CONSTRAINTS,
-                                         [d_row, d_key, d_seed, d_groups, d_thr], dtype=tl.int8, is_pure=True, pack=8)
+        bits = tl.inline_asm_elementwise(
+            _KEEP_QUAD_STORE_PTX if KEEP_BUF == 1 else (_KEEP_QUAD_LOAD_PTX if QUAD else _KEEP_OCTET_LOAD_PTX),
+            _KEEP_BUFFER_CONSTRAINTS,
+            [d_row, d_key, d_seed, d_groups, d_thr, zero.to(tl.int64) + keep_head, zero + row0, zero + keep_groups],
+            dtype=tl.int8, is_pure=True, pack=8)
     else:
-        bits = tl.inline_asm_elementwise(_KEEP_OCTET_PTX, _KEEP_OCTET_CONSTRAINTS,
+        bits = tl.inline_asm_elementwise(_KEEP_QUAD_PTX if QUAD else _KEEP_OCTET_PTX, _KEEP_OCTET_CONSTRAINTS,
                                          [d_row, d_key, d_seed, d_groups, d_thr], dtype=tl.int8, is_pure=True, pack=8)
     return bits
 
@@ -695,7 +687,7 @@ def _dkdv_rows(dk, dv, k, v, Qh, DOh, LSEh, Deltah, mask_col_ptrs, lo, hi, offs_
     return dk, dv
 
 
-@_tuning.autotune(configs=_configs("dkdv", "fp32_dkdv"), key=_BWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dkdv")})
+@_tuning.autotune(configs=_configs("dkdv", "fp32_dkdv"), key=_KEYS, prune_configs_by={"early_config_prune": _pruner("dkdv")})
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV_, LSE, Delta, Mask, KvRange, CuQ, CuK,
@@ -810,7 +802,7 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
     return dq
 
 
-@_tuning.autotune(configs=_configs("dq", "fp32_dq"), key=_BWD_KEYS, prune_configs_by={"early_config_prune": _pruner("dq")})
+@_tuning.autotune(configs=_configs("dq", "fp32_dq"), key=_KEYS, prune_configs_by={"early_config_prune": _pruner("dq")})
 @triton.jit
 def _attention_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, Delta, O, Mask, KvRange, CuQ, CuK,
