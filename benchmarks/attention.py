@@ -68,11 +68,13 @@ class Case:
     key_padding: bool = False  # (B, 1, 1, S) bool mask from lengths uniform in [S/2, S]
     quick: bool = False
     eager: bool = False  # eager matmul+softmax peer (only where the score matrix is cheap)
+    Hkv: int = 0  # key / value heads (GQA) where nonzero and below H
 
     @property
     def label(self) -> str:
         kind = "causal" if self.causal else ("key-padding" if self.key_padding else "bidirectional")
-        return f"B{self.B} H{self.H} S{self.S} D{self.D} {kind}"
+        heads = f"H{self.H}/{self.Hkv}" if self.Hkv and self.Hkv != self.H else f"H{self.H}"
+        return f"B{self.B} {heads} S{self.S} D{self.D} {kind}"
 
     @property
     def fwd_flops(self) -> float:
@@ -88,6 +90,22 @@ CASES = [
     Case("causal_8k", 2, 16, 8192, 128, causal=True),
 ]
 VARLEN = dict(B=32, H=12, D=64, S=512, lo=256, hi=512)
+# --matrix: shapes beyond the anchors that users' models have (head dims 80 / 96 / 256, GQA, short and BERT-large
+# sequences), against torch's SDPA flash and cuDNN backends in the same run (no FlexAttention, eager or
+# memory-efficient rows: the run stays within one GPU call); every pykernels backend and `auto` a row each
+MATRIX = [
+    Case("short_128", 128, 12, 128, 64),
+    Case("bert_large", 16, 16, 512, 64),
+    Case("d80_bidir", 8, 16, 2048, 80),
+    Case("d80_causal", 8, 32, 2048, 80, causal=True),
+    Case("d96_bidir", 8, 16, 2048, 96),
+    Case("d96_causal", 8, 16, 2048, 96, causal=True),
+    Case("gqa_causal", 4, 32, 4096, 128, causal=True, Hkv=8),
+    Case("gqa_d64_causal", 8, 32, 2048, 64, causal=True, Hkv=8),
+    Case("d256_causal", 4, 8, 4096, 256, causal=True),
+    Case("d256_bidir", 4, 8, 2048, 256),
+]
+MATRIX_MODE = False
 
 
 def bert_lengths(B: int, lo: int, hi: int) -> torch.Tensor:
@@ -127,10 +145,15 @@ def no_kernel(e: BaseException) -> bool:
 # ---------------------------------------------------------------------------------------------
 # implementations: each is fwd(q, k, v) -> o for fixed mask/causal, on (B, H, S, D) tensors
 
+def gqa(q, k) -> bool:
+    """Whether a call has fewer key / value heads than query heads (``enable_gqa``)."""
+    return q.shape[1] != k.shape[1]
+
+
 def pykernels_impl(mask, causal, backend="triton"):
     import pykernels
     return lambda q, k, v: pykernels.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                                   backend=backend)
+                                                                   enable_gqa=gqa(q, k), backend=backend)
 
 
 def cuda_built() -> bool:
@@ -155,9 +178,9 @@ def sdpa_impl(mask, causal, backend=None):
 
     def fwd(q, k, v):
         if backend is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa(q, k))
         with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa(q, k))
     return fwd
 
 
@@ -403,7 +426,8 @@ def sm90_case(D: int, S: int, causal: bool, mask_kind: int, varlen: bool) -> boo
 
 def run_case(case: Case, budget: Budget) -> list[dict]:
     from torch.nn.attention import SDPBackend
-    base = dict(case=case.name, shape=case.label, B=case.B, H=case.H, S=case.S, D=case.D, causal=case.causal,
+    base = dict(case=case.name, shape=case.label, B=case.B, H=case.H, Hkv=case.Hkv or case.H, S=case.S, D=case.D,
+                causal=case.causal,
                 key_padding=case.key_padding, flops_fwd=f"{case.fwd_flops:.4g}")
     if not budget.ok():
         return [{**base, "impl": "all", "status": f"skipped (time budget {budget.seconds:.0f}s)"}]
@@ -413,14 +437,15 @@ def run_case(case: Case, budget: Budget) -> list[dict]:
     # pykernels: validate, then time, then memory (the Triton backend; the CUDA C++ one where it is built)
     for backend in ("triton", "cuda") if cuda_built() else ("triton",):
         rows.append(time_ours(case, base, backend, q, k, v, do, mask))
-    if auto_is_own(case, q, k, v, mask):  # auto's own pair: the C++ forward and the Triton backward
+    if MATRIX_MODE or auto_is_own(case, q, k, v, mask):  # auto's own pair: the C++ forward, the Triton backward
         rows.append(time_ours(case, base, "auto", q, k, v, do, mask))
 
     additive = additive_mask(mask)
     peers = [("sdpa flash", sdpa_impl(mask, case.causal, SDPBackend.FLASH_ATTENTION), None),
              ("sdpa cudnn", sdpa_impl(mask, case.causal, SDPBackend.CUDNN_ATTENTION),
-              None if additive is None else sdpa_impl(additive, case.causal, SDPBackend.CUDNN_ATTENTION)),
-             ("sdpa mem-efficient", sdpa_impl(mask, case.causal, SDPBackend.EFFICIENT_ATTENTION), None)]
+              None if additive is None else sdpa_impl(additive, case.causal, SDPBackend.CUDNN_ATTENTION))]
+    if not MATRIX_MODE:
+        peers.append(("sdpa mem-efficient", sdpa_impl(mask, case.causal, SDPBackend.EFFICIENT_ATTENTION), None))
     if case.eager:
         peers.append(("eager", eager_impl(mask, case.causal), None))
     for name, fwd, alt in peers:
@@ -460,7 +485,8 @@ def case_inputs(case: Case):
     """q, k, v, do (B, H, S, D) randn (seeded), and for key padding the lengths and the (B, 1, 1, S) mask."""
     torch.manual_seed(0)
     shape = (case.B, case.H, case.S, case.D)
-    q, k, v, do = (torch.randn(shape, device=DEVICE, dtype=DTYPE) for _ in range(4))
+    kv_shape = (case.B, case.Hkv or case.H, case.S, case.D)
+    q, k, v, do = (torch.randn(sh, device=DEVICE, dtype=DTYPE) for sh in (shape, kv_shape, kv_shape, shape))
     lengths = bert_lengths(case.B, case.S // 2, case.S) if case.key_padding else None
     mask = key_padding_mask(lengths, case.S) if case.key_padding else None
     return q, k, v, do, lengths, mask
@@ -685,7 +711,7 @@ def report_step(groups: list[list[dict]], new: list[dict], budget: Budget):
     print(f"[{budget.used():.0f}s] {new[0].get('shape')}: " + ", ".join(
         f"{r['impl']} {r.get('status')}" for r in new), flush=True)
     if not SMOKE:
-        return common.write_rows("attention", [r for g in groups for r in g])
+        return common.write_rows("attention_matrix" if MATRIX_MODE else "attention", [r for g in groups for r in g])
     return None
 
 
@@ -700,11 +726,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the BERT and GPT-2 shapes and the varlen batch")
     ap.add_argument("--budget-s", type=float, default=170.0,
                     help="wall-clock budget in seconds: nothing new (case or FlexAttention compile) starts past 80%% of it")
+    ap.add_argument("--matrix", action="store_true",
+                    help="the shapes beyond the anchors (MATRIX: head dims 80 / 96 / 256, GQA, short sequences) "
+                         "against SDPA flash and cuDNN; written to attention_matrix_<card>_<date>.csv")
     ap.add_argument("--smoke", action="store_true",
                     help="check the script's logic on CPU: tiny fp32 shapes, Triton interpreter, no timing, no CSV")
     args = ap.parse_args(argv)
     budget = Budget(args.budget_s)
-    global DEVICE, SMOKE, DTYPE, CASES, VARLEN, MATMUL_PEAK
+    global DEVICE, SMOKE, DTYPE, CASES, VARLEN, MATMUL_PEAK, MATRIX, MATRIX_MODE
+    MATRIX_MODE = args.matrix
     if args.smoke:
         import os
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -713,6 +743,7 @@ def main(argv=None) -> int:
                  Case("bert_keypad", 2, 2, 24, 16, key_padding=True, quick=True, eager=True),
                  Case("gpt2", 2, 2, 40, 16, causal=True, quick=True)]
         VARLEN = dict(B=3, H=2, D=16, S=20, lo=5, hi=20)
+        MATRIX = [Case("d80", 2, 2, 24, 80), Case("gqa", 2, 4, 20, 16, causal=True, Hkv=2)]
         rows: list[dict] = []
     elif not torch.cuda.is_available():
         print("attention benchmark: no CUDA device present; nothing to time (run it on the GPU machine)")
@@ -723,6 +754,17 @@ def main(argv=None) -> int:
               f"{ceil['matmul_bf16_TFLOPs']} TFLOP/s", flush=True)
         rows = [{"case": "ceilings", "impl": "card", "status": "ok", **ceil}]
         MATMUL_PEAK = ceil["matmul_bf16_TFLOPs"]
+    if MATRIX_MODE:  # every case its own step, no varlen batch, no FlexAttention
+        groups: list[list[dict]] = [rows]
+        path = "(not written: --smoke)"
+        for case in MATRIX:
+            groups.append(run_case(case, budget))
+            path = report_step(groups, groups[-1], budget) or path
+        rows = [r for g in groups for r in g]
+        common.print_table([r for r in rows if r["case"] != "ceilings"], COLS)
+        print("x_vs_best_peer = fastest peer's time (SDPA flash, cuDNN) / this row's time")
+        print(f"wrote {path} in {budget.used():.0f}s")
+        return 0
     cases = [c for c in CASES if c.quick or not args.quick]
     # BERT cases, then the varlen batch (same lengths as bert_keypad), then the rest; FlexAttention
     # last, case by case while the budget lasts (each case compiles its own kernels). The CSV is

@@ -57,3 +57,23 @@ def test_varlen_ratio_skips_rows_that_did_not_run(bench):
     assert rows[0]["time_vs_cudnn_padded"] == pytest.approx(0.7 / 0.9, abs=1e-3)
     assert rows[0]["goal_le_0.667"] == "not met"
     assert "graph_time_vs_cudnn_padded" not in rows[0]
+
+
+def test_matrix_smoke_validates_gqa_and_odd_head_dims(bench, monkeypatch):
+    """``--matrix`` (the shapes beyond the anchors) on CPU: every pykernels row (Triton and auto) of a D = 80 case and
+    a GQA case (4 query heads over 2 key / value heads) passes the three-way check against the fp32 reference and
+    torch's SDPA, which the peers' rows get ``enable_gqa`` for; the labels name the key / value heads."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("--smoke is the CPU plumbing check")
+    seen: list[dict] = []
+    monkeypatch.setattr(bench.common, "print_table", lambda rows, cols: seen.extend(rows))
+    assert bench.main(["--smoke", "--matrix"]) == 0
+    ours = [r for r in seen if r["impl"].startswith("pykernels")]
+    assert {r["shape"] for r in ours} == {"B2 H2 S24 D80 bidirectional", "B2 H4/2 S20 D16 causal"}
+    assert {r["impl"] for r in ours} >= {"pykernels triton", "pykernels auto"}
+    for r in ours:
+        assert r["status"] == "ok", r
+        assert float(r["err_out"]) < 1e-4 and float(r["err_dq"]) < 1e-4, r
+    gqa = [r for r in seen if r["shape"] == "B2 H4/2 S20 D16 causal" and r["impl"] == "sdpa flash"]
+    assert gqa and gqa[0]["status"] == "ok" and gqa[0]["Hkv"] == 2
