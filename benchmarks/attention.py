@@ -100,10 +100,12 @@ MATRIX = [
     Case("d80_causal", 8, 32, 2048, 80, causal=True),
     Case("d96_bidir", 8, 16, 2048, 96),
     Case("d96_causal", 8, 16, 2048, 96, causal=True),
+    Case("d96_keypad", 8, 16, 2048, 96, key_padding=True),
     Case("gqa_causal", 4, 32, 4096, 128, causal=True, Hkv=8),
     Case("gqa_d64_causal", 8, 32, 2048, 64, causal=True, Hkv=8),
     Case("d256_causal", 4, 8, 4096, 256, causal=True),
     Case("d256_bidir", 4, 8, 2048, 256),
+    Case("d192_bidir", 4, 8, 2048, 192),
 ]
 MATRIX_MODE = False
 

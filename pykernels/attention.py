@@ -3,7 +3,8 @@
 Layers: the Triton kernels and launchers live in ``pykernels._kernels.attention`` (design note
 there); the CUDA C++ implementation is ``torch.ops.pykernels_cuda.attention`` (``csrc/attention.cpp``, its
 kernels in ``csrc/attention.cuh``), which eager calls that name ``backend="cuda"`` run, and ``auto``'s eager calls
-with dropout (``_use_cuda``, ``_lane_cuda``: :data:`AUTO_CUDA_DROPOUT`). This
+with dropout (``_use_cuda``, ``_lane_cuda``: :data:`AUTO_CUDA_DROPOUT`), and on Hopper without dropout at head dims
+that Triton has no Hopper kernel for (``_lane_cuda_head_dim``: :data:`AUTO_CUDA_HEAD_DIMS`). This
 module holds the input checks, the eager reference (``attention_reference``), the dropout-mask helper that
 reproduces the kernels' Philox stream (``attention_dropout_mask``), the torch custom ops
 ``pykernels::attention_fwd/bwd`` and ``pykernels::varlen_attention_fwd/bwd`` with fake impls and autograd, and the
@@ -332,6 +333,9 @@ def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mas
     if auto and causal is not None and not torch.compiler.is_compiling() and (backend or default_backend()) == "auto" \
             and _auto_sm90_dropout_kind(q, k, v, mask, causal, "auto"):
         auto = False  # (not under torch.compile: its graphs keep the C++ pair, as dynamo would not trace the rule)
+    if not auto and dropout_p == 0.0 and causal is not None and not torch.compiler.is_compiling() \
+            and (backend or default_backend()) == "auto":
+        auto = _auto_cuda_head_dim_kind(q, k, v, mask) and _auto_cuda_head_dim_call(q, k, v)
     return use_cuda_op(op, backend, q.device, lambda: _cuda_cover(q, k, v, mask, batch),
                        auto=auto, traced=True, capture=True)
 
@@ -402,6 +406,39 @@ def _hopper_cpp_kernels(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) ->
 # without dropout) lost at causal 4 x 16 x 4096 (run445); with the flags packed between the asm blocks 1.27-1.40x.
 # ``PYKERNELS_AUTO_SM90_DROPOUT=0`` keeps those calls on the C++ op (read once).
 AUTO_SM90_DROPOUT = os.environ.get("PYKERNELS_AUTO_SM90_DROPOUT", "1") not in ("", "0")
+
+
+# ``auto`` without dropout at the head dims where neither Triton nor Gluon has a Hopper kernel (64 < D < 128, D > 128)
+# runs the C++ op on Hopper: dense calls, unmasked or with a boolean key-padding mask. H200 run469
+# (``benchmarks/attention.py --matrix``, graph replay, TFLOP/s forward / backward, the C++ op against the Triton
+# backend that auto took before; cuDNN in the same call): 8 x 16 x 2048 D80 371.5 / 263.0 against 275.5 / 250.0
+# (cuDNN 396.9 / 325.3), D80 causal (32 heads) 326.2 / 228.6 against 220.8 / 183.8 (343.1 / 276.2), D96 441.1 /
+# 309.6 against 328.3 / 290.6 (482.8 / 376.4), D96 causal 377.6 / 260.9 against 253.8 / 212.9 (387.2 / 314.5): its
+# warpgroup-MMA kernels (D computed as 96) against Triton's FlashAttention-2 kernels (D computed as 128). At D = 256
+# its backward is 1.6-1.7x Triton's and its forward 0.88-0.98x (4 x 8 x 4096 causal 207.5 / 132.7 against 236.4 /
+# 76.7, 4 x 8 x 2048 226.9 / 131.5 against 231.4 / 82.3; cuDNN 591-657 / 329-336: neither has Hopper kernels
+# there), so above D = 128 it takes calls that will have a backward only (grad enabled, an input requiring it).
+# Eager calls (and their CUDA-graph capture); compiled graphs keep the Triton pair there.
+# ``PYKERNELS_AUTO_CUDA_HEAD_DIMS=0`` keeps auto on Triton at these head dims (read once).
+AUTO_CUDA_HEAD_DIMS = os.environ.get("PYKERNELS_AUTO_CUDA_HEAD_DIMS", "1") not in ("", "0")
+
+
+def _auto_cuda_head_dim_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    """What ``auto``'s call without dropout needs to run the C++ op at a head dim Triton has no Hopper kernel for
+    (:data:`AUTO_CUDA_HEAD_DIMS`): 64 < D < 128 or D > 128, no mask or a boolean key-padding one, and the C++ op's
+    Hopper kernels taking the kind of call (``_hopper_cpp_kernels``). Shapes, strides and dtypes only."""
+    d = q.shape[-1]
+    if not AUTO_CUDA_HEAD_DIMS or d <= 64 or d == 128:
+        return False
+    if mask is not None and not (mask.dtype == torch.bool and _is_key_padding(mask)):
+        return False
+    return _hopper_cpp_kernels(q, k, v, mask)
+
+
+def _auto_cuda_head_dim_call(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """What ``_auto_cuda_head_dim_kind``'s rule asks of each call: above D = 128 a backward to come (grad enabled
+    and an input requiring it: the C++ forward alone is the slower there)."""
+    return q.shape[-1] < 128 or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
 def _auto_sm90_dropout_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
@@ -751,6 +788,7 @@ def _broadcasts_to(shape, full) -> bool:
 # ``deterministic=True``, the reference backend, tracing, tensor subclasses...
 _LANE_ON = os.environ.get("PYKERNELS_EAGER_LANE", "1") not in ("", "0")  # read once (tests flip the attribute)
 _LANE: dict = {}
+_LANE_CUDA_HEAD_DIM: dict = {}  # lane key -> whether auto's calls without dropout take the C++ op (_lane_cuda_head_dim)
 _LANE_CUDA: dict = {}  # lane key -> whether auto's calls with dropout take the C++ op (_lane_cuda)
 _LANE_SM90_DROPOUT: dict = {}  # lane key -> whether auto's calls with dropout take the C++ forward and Gluon backward
 _LANE_CUDA_FWD: dict = {}  # lane key -> whether auto's calls of that kind take the C++ forward (_auto_cuda_fwd_kind)
@@ -854,7 +892,9 @@ def _lane(query, key, value, mask, dropout_p, is_causal, scale, backend, determi
         if grad and mask.requires_grad:
             return None  # a trainable bias: the full path runs the reference for its gradient
         mask = mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])  # (a view, as the full path's)
-    if _lane_cuda(lkey, query, key, value, mask, query.shape[0], dropout_p, requested, bool(is_causal)):
+    if _lane_cuda(lkey, query, key, value, mask, query.shape[0], dropout_p, requested, bool(is_causal)) or (
+            dropout_p == 0.0 and requested == "auto" and _lane_cuda_head_dim(lkey, query, key, value, mask)
+            and _auto_cuda_head_dim_call(query, key, value)):
         return _cuda_attention(query, key, value, mask, None, None, 0, 0, dropout_p, bool(is_causal), sc)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
@@ -874,6 +914,12 @@ def _lane_sm90_dropout(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
                        requested: str) -> bool:
     """``_auto_sm90_dropout_kind`` of a lane key, remembered."""
     return _lane_remember(_LANE_SM90_DROPOUT, lkey, lambda: _auto_sm90_dropout_kind(q, k, v, mask, causal, requested))
+
+
+def _lane_cuda_head_dim(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    """``_auto_cuda_head_dim_kind`` of a lane key, remembered (with the C++ op's cover, as ``use_cuda_op`` asks it)."""
+    return _lane_remember(_LANE_CUDA_HEAD_DIM, lkey, lambda: _auto_cuda_head_dim_kind(q, k, v, mask) and use_cuda_op(
+        _OP, "auto", q.device, lambda: _cuda_cover(q, k, v, mask, q.shape[0]), capture=True))
 
 
 def _lane_cuda_fwd(lkey, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, requested: str) -> bool:
@@ -977,14 +1023,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     * ``backend``: None (the current default), "auto", "triton", "cuda", "reference". "cuda" is the CUDA C++ op
       (``csrc/attention.cpp`` and ``attention.cuh``: fp16 / bf16, one head dim for q, k, v, a multiple of 8 up to
       256), taken when named, and by "auto" for eager calls with dropout (its autograd runs
-      in C++: less host time a training step; :data:`AUTO_CUDA_DROPOUT`); "auto" takes Triton otherwise (faster
-      kernels, and capturable in CUDA graphs).
+      in C++: less host time a training step; :data:`AUTO_CUDA_DROPOUT`) and, on Hopper, for eager calls without
+      dropout at head dims that Triton has no Hopper kernel for (64 < D < 128; D > 128 when a backward follows),
+      unmasked or with a boolean key-padding mask (:data:`AUTO_CUDA_HEAD_DIMS`); "auto" takes Triton otherwise
+      (faster kernels, and capturable in CUDA graphs).
     * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. True (or torch's
       deterministic mode) makes the backward bitwise reproducible. Otherwise, on Hopper at D = 128 with
       enough work (full attention from 1024 keys, causal from 2048), the backward is one fused kernel that adds dQ by
       bulk TMA reductions into an fp32 buffer, in no fixed order (as FlashAttention-2/3 and cuDNN do; it is
       3-8% faster where it is taken, ``kernels/attention_sm90_bwd.py``), whose dQ may differ in the last bits between runs;
-      so is the "cuda" backend's on Hopper at D <= 128 (its dK/dV blocks add dQ by bulk reductions:
+      so is the "cuda" backend's on Hopper at D <= 128, named or taken by "auto" (its dK/dV blocks add dQ by bulk
+      reductions:
       ``csrc/attention.cuh``; packed varlen sequences too; stride-0 K / V at D <= 64 with dropout); every other
       case is reproducible in either mode (no atomics).
       ``deterministic=True`` with the developer switch ``PYKERNELS_ATTN_SM90_BWD=fused`` raises ``ValueError``.

@@ -3439,6 +3439,101 @@ def test_gpu_auto_takes_cuda_forward_at_bert_shapes(monkeypatch):
         assert not cuda_fwd(q, k, v, enable_gqa=True), lane
 
 
+def test_auto_cuda_head_dim_rule(monkeypatch):
+    """auto without dropout takes the C++ op on Hopper at the head dims Triton has no Hopper kernel for: 64 < D < 128
+    always, D > 128 only when a backward follows; no mask or a boolean key-padding one; dense calls (not varlen), not
+    with backend "triton", not with AUTO_CUDA_HEAD_DIMS off. The rule's parts on CPU tensors, the C++ op's Hopper
+    check stubbed (what the GPU test below runs for real)."""
+    import pykernels.attention as pa
+    monkeypatch.setattr(pa, "_hopper_cpp_kernels", lambda q, k, v, mask: True)
+
+    def qkv(d, grad=False):
+        return _inputs((2, 4, 33, d), (2, 2, 33, d), (2, 2, 33, d), F16, "cpu", requires_grad=grad)
+
+    for d, want in ((32, False), (64, False), (72, True), (80, True), (96, True), (120, True), (128, False),
+                    (160, True), (256, True)):
+        assert pa._auto_cuda_head_dim_kind(*qkv(d), None) == want, d
+    q, k, v = qkv(80)
+    keys = (torch.rand(2, 1, 1, 33) > 0.3).expand(2, 4, 33, 33)
+    assert pa._auto_cuda_head_dim_kind(q, k, v, keys)
+    assert not pa._auto_cuda_head_dim_kind(q, k, v, torch.zeros(2, 4, 33, 33, dtype=F16))  # additive
+    assert not pa._auto_cuda_head_dim_kind(q, k, v, (torch.rand(2, 1, 33, 33) > 0.3).expand(2, 4, 33, 33))
+    # per call: above D = 128 only with a backward to come
+    assert pa._auto_cuda_head_dim_call(*qkv(80)) and pa._auto_cuda_head_dim_call(*qkv(80, grad=True))
+    assert not pa._auto_cuda_head_dim_call(*qkv(256))
+    assert pa._auto_cuda_head_dim_call(*qkv(256, grad=True))
+    with torch.no_grad():
+        assert not pa._auto_cuda_head_dim_call(*qkv(256, grad=True))
+    # _use_cuda hands the rule to use_cuda_op as ``auto``: dense calls without dropout under auto only
+    seen = []
+    monkeypatch.setattr(pa, "use_cuda_op", lambda op, backend, device, cover, *, auto, traced, capture:
+                        seen.append(auto) or False)
+    q, k, v = qkv(96)
+    for backend, causal, p, want in ((None, False, 0.0, True), ("auto", True, 0.0, True), ("triton", False, 0.0,
+                                     False), (None, None, 0.0, False), (None, False, 0.1, pa.AUTO_CUDA_DROPOUT)):
+        seen.clear()
+        pa._use_cuda(pa._OP, backend, q, k, v, None, 2, p, causal)
+        assert seen == [want], (backend, causal, p)
+    monkeypatch.setattr(pa, "AUTO_CUDA_HEAD_DIMS", False)
+    assert not pa._auto_cuda_head_dim_kind(q, k, v, None)
+
+
+@pytest.mark.gpu
+@needs_cuda_ext
+def test_gpu_auto_takes_cuda_op_at_head_dims_80_96_256(monkeypatch):
+    """auto without dropout on Hopper with the sm_90a build: at D = 80 and 96 (bidirectional, causal, key padding,
+    GQA, odd lengths) the C++ op runs forward and backward; at D = 256 with a backward to come too, without one
+    (no_grad) the Triton forward; at D = 64 / 128, with an additive mask, backend "triton" or AUTO_CUDA_HEAD_DIMS off,
+    never the C++ op. Outputs and gradients against the references (the lane and the full path)."""
+    import pykernels.attention as pa
+    from torch.profiler import ProfilerActivity, profile
+
+    def cpp_kernels(q, k, v, backward=True, **kw):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = sdpa(q, k, v, **kw)
+            if backward:
+                torch.autograd.grad(out, [q, k, v], torch.ones_like(out))
+            torch.cuda.synchronize()
+        return sorted({e.name.split("<")[0].split("(")[0] for e in prof.events() if "pykernels::attn::" in e.name})
+
+    want = _sm90a_device()
+    for lane in (True, False):
+        monkeypatch.setattr(pa, "_LANE_ON", lane)
+        for d in (80, 96):
+            q, k, v = _inputs((2, 4, 300, d), (2, 2, 300, d), (2, 2, 300, d), BF16, "cuda")
+            ran = cpp_kernels(q, k, v, enable_gqa=True)
+            assert bool(ran) == want and (not want or any("attn_bwd" in n for n in ran)), (lane, d, ran)
+            assert bool(cpp_kernels(q, k, v, is_causal=True, enable_gqa=True)) == want, (lane, d)
+            keys = torch.rand(2, 1, 1, 300, device="cuda") > 0.2
+            assert bool(cpp_kernels(q, k, v, attn_mask=keys, enable_gqa=True)) == want, (lane, d)
+            additive = torch.zeros(keys.shape, dtype=BF16, device="cuda").masked_fill(~keys, float("-inf"))
+            assert not cpp_kernels(q, k, v, attn_mask=additive, enable_gqa=True), (lane, d)
+            with pykernels.use_backend("triton"):
+                assert not cpp_kernels(q, k, v, enable_gqa=True), (lane, d)
+            for sq, sk, causal in ((1, 1, False), (17, 17, True), (100, 130, False), (1000, 1000, True)):
+                args = _inputs((2, 4, sq, d), (2, 2, sk, d), (2, 2, sk, d), BF16, "cuda")
+                _check_against_ref(*args, causal=causal, enable_gqa=True, backend="auto",
+                                   what=f"auto {sq}x{sk} d{d} causal {causal} lane {lane}")
+            pad = (torch.arange(130, device="cuda") < torch.tensor([[129], [0]], device="cuda")).view(2, 1, 1, 130)
+            args = _inputs((2, 4, 77, d), (2, 2, 130, d), (2, 2, 130, d), BF16, "cuda")
+            out, g = _check_against_ref(*args, mask=pad, enable_gqa=True, backend="auto",
+                                        what=f"auto key padding d{d} lane {lane}")
+            assert out[1].abs().max() == 0 and all(t[1].abs().max() == 0 for t in g), (lane, d)
+        q, k, v = _inputs((2, 2, 260, 256), (2, 2, 260, 256), (2, 2, 260, 256), BF16, "cuda")
+        assert bool(cpp_kernels(q, k, v, is_causal=True)) == want, lane
+        with torch.no_grad():
+            assert not cpp_kernels(q, k, v, backward=False, is_causal=True), lane
+        _check_against_ref(q, k, v, causal=True, backend="auto", what=f"auto d256 lane {lane}")
+        for d in (64, 128):
+            assert not any("attn_bwd" in n for n in cpp_kernels(*_inputs(*[(2, 2, 300, d)] * 3, BF16, "cuda"))), d
+    monkeypatch.setattr(pa, "AUTO_CUDA_HEAD_DIMS", False)
+    pa._LANE_CUDA_HEAD_DIM.clear()
+    for lane in (True, False):
+        monkeypatch.setattr(pa, "_LANE_ON", lane)
+        assert not cpp_kernels(*_inputs(*[(2, 2, 300, 96)] * 3, BF16, "cuda")), lane
+    pa._LANE_CUDA_HEAD_DIM.clear()
+
+
 def test_compiled_pair_fakes_promise_the_cpp_layouts():
     # the fake impls of the C++ attention pair (pykernels/_cuda_ops.py) promise torch.compile the strides the C++ op
     # returns (csrc/attention.cpp: ``aligned`` keeps a tensor whose last dim is contiguous and whose start and strides
