@@ -1,5 +1,5 @@
 """The Triton attention backward's kernels as the JIT compiles them for sm_90, on any machine (Triton's ptxas, no GPU):
-``attention.attention_bwd``'s launches are captured on CPU tensors (with the JIT's own argument specialisation: 16-byte
+``attention.attention_fwd``'s (the Triton forward kernel) and ``attention.attention_bwd``'s launches are captured on CPU tensors (with the JIT's own argument specialisation: 16-byte
 aligned pointers and strides and lengths divisible by 16 marked so), and each kernel is compiled with every config of
 its tables for the case, printing ptxas's registers and spill bytes, the inline PTX dropout's layouts (the TTGIR of
 each ``elementwise_inline_asm``: it must be an ``nvidia_mma`` accumulator, whose register and lane order the PTX
@@ -7,7 +7,8 @@ assumes) and the innermost loop's SASS instruction count. The seventy-fifth sess
 keep bits (``attention.PTX_DROPOUT``).
 
 Usage: ``python benchmarks/dev/attention_triton_bwd_codegen.py [--cases bert,gpt2] [--p 0.1] [--ptx 1] [--out DIR]
-[--stored]``.
+[--stored] [--kernels fwd,dq,dkdv]``. The seventy-eighth session's screen of the D = 256 tiles (``d256_causal``,
+``d256_full``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import tempfile
 import torch
 
 CASES = {"bert": (2, 2, 512, 64, False), "gpt2": (2, 2, 1024, 64, True), "d128_causal": (2, 2, 2048, 128, True),
-         "d128_full": (2, 2, 1024, 128, False)}
+         "d128_full": (2, 2, 1024, 128, False), "d256_causal": (2, 2, 4096, 256, True),
+         "d256_full": (2, 2, 2048, 256, False)}
 
 
 def capture_launches(case, p: float, ptx: bool, stored: bool = False):
@@ -43,10 +45,14 @@ def capture_launches(case, p: float, ptx: bool, stored: bool = False):
     fast, ptx_rule = _launch.fast, tri._ptx_dropout
     tri._launch.fast = Cap
     tri._ptx_dropout = lambda *a, **kw: ptx and p > 0
+    sm90 = tri.sm90_forward
+    tri.sm90_forward = lambda *a, **kw: False  # (the Triton forward kernel, as on a card without the Gluon one)
     try:
+        tri.attention_fwd(q, k, v, None, causal=causal, scale=d ** -0.5, dropout_p=p, seed=torch.tensor([5]))
         tri.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=d ** -0.5, dropout_p=p,
                           seed=torch.tensor([5]), keep=tri.keep_buffer(b, h, s, s, "cpu") if stored else None)
     finally:
+        tri.sm90_forward = sm90
         tri._launch.fast, tri._ptx_dropout = fast, ptx_rule
     return got
 
@@ -74,7 +80,7 @@ def main() -> None:
     ap.add_argument("--cases", default="bert,gpt2")
     ap.add_argument("--p", type=float, default=0.1)
     ap.add_argument("--ptx", type=int, default=1)
-    ap.add_argument("--kernels", default="dq,dkdv")
+    ap.add_argument("--kernels", default="dq,dkdv", help="of fwd,dq,dkdv")
     ap.add_argument("--configs", default="", help="bm.bn.warps.stages,... (default: the tables' for the case)")
     ap.add_argument("--out", default="")
     ap.add_argument("--stored", action="store_true", help="the backward of keep bits a forward stored (``keep``)")
@@ -89,15 +95,17 @@ def main() -> None:
     tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
     for case in args.cases.split(","):
         d = CASES[case][3]
-        tier = 64 if d <= 64 else 128
+        tier = 64 if d <= 64 else (128 if d <= 128 else 256)
         for kern, a, kw in capture_launches(case, args.p, bool(args.ptx), args.stored):
-            name = "dq" if "COMPUTE_DELTA" in kw else "dkdv" if "PTX_DROPOUT" in kw else "pre"
+            name = ("fwd" if "HAS_KV_RANGE" in kw else "dq" if "COMPUTE_DELTA" in kw else "dkdv" if "PTX_DROPOUT" in kw
+                    else "pre")
             if name not in args.kernels.split(","):
                 continue
             if args.configs:
                 cfgs = [tuple(int(x) for x in c.split(".")) for c in args.configs.split(",")]
             else:
-                table = tri._TABLE[name + ("_dropout" if args.p > 0 else "")][tier]
+                drop = "_short" if name == "fwd" else "_dropout"
+                table = tri._TABLE[name + (drop if args.p > 0 and tier <= 128 else "")][tier]
                 cfgs = list(dict.fromkeys(table + tri._TABLE[name][tier]))
             for cfg in cfgs:
                 tag = f"{case} {name} p={args.p} ptx={args.ptx} {'x'.join(map(str, cfg))}"
