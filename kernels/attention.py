@@ -86,17 +86,18 @@ spill-free for the plain, causal and key-padding variants, and dropout has its o
 entries that run190 added by measured time, dK/dV 32x64/w4/s4 and 64x64/w4/s3 and dQ 64x32/w4/s4, were not
 compiled for this check; they were the fastest of their kernel's candidates on the H100).
 Exceptions (8 to 80 bytes of stack): forward 128x128 at D = 128 with causal/masks, varlen D = 64
-forward 128x64/4 warps, varlen D = 128 dK/dV 32x64/4 warps; the autotuner can avoid them. D = 256
-still spills. Rules the tables follow: the TTGIR of the dK/dV kernel gives its (BLOCK_N x BLOCK_M)
+forward 128x64/4 warps, varlen D = 128 dK/dV 32x64/4 warps; the autotuner can avoid them. D = 256's
+larger entries spill a little and were chosen by time (run471: the small spill-free tiles were 1.5-3.8x slower), the
+entries pruned by their shared memory on smaller cards (``_SMEM_256``). Rules the tables follow: the TTGIR of the dK/dV kernel gives its (BLOCK_N x BLOCK_M)
 S^T/dP^T wgmma tiles warps [8, 1] along BLOCK_N at 8 warps, so a 64-row tile there is replicated over
 both warpgroups (those two products computed twice): BLOCK_N = 128 at 8 warps, BLOCK_N = 64 only at
-4 warps. Loops that run at most a few iterations (key / query tail, causal diagonal band) of the
+4 warps (at D = 256 excepted: there 64x64 at 8 warps halves each thread's dK/dV accumulators and was the fastest). Loops that run at most a few iterations (key / query tail, causal diagonal band) of the
 backward are not software-pipelined, which frees registers for the main loop.
 The D = 64 backward's entries are ordered by H100 timings (run190); the benchmark records the configs the
 autotuner picks.
 
-Limits: head dims up to 256 (padded to the next power of two >= 16 with masked loads; D=256 uses
-small tiles to fit shared memory), Dv may differ from D. fp16/bf16 use tensor-core dots with fp32
+Limits: head dims up to 256 (padded to the next power of two >= 16 with masked loads; D > 128 takes
+the D = 256 tiles), Dv may differ from D. fp16/bf16 use tensor-core dots with fp32
 accumulation; fp32 inputs use IEEE fp32 dots (no TF32) for accuracy, on small tiles (FMA units, slow).
 The last dim of every tensor must have stride 1 (the caller makes it so when needed). No tensor
 descriptors (TMA), warp specialisation or persistent scheduling yet: expect plain-Triton FA2 speed.
@@ -154,10 +155,18 @@ PTX_DROPOUT = os.environ.get("PYKERNELS_TRITON_PTX_DROPOUT", "1") not in ("", "0
 # ---------------------------------------------------------------------------------------------
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and padded-head-dim tier, best guess first.
 # Forward/dQ: BLOCK_M % BLOCK_N == 0; dK/dV: BLOCK_N % BLOCK_M == 0 (the causal split needs it).
+# D = 256 (the tier of 128 < D <= 256): H200 run471 (``benchmarks/dev/attention_bwd_configs.py``, each kernel's
+# candidates timed by its autotuner, bf16, us at 4 x 8 x 4096 causal / 4 x 8 x 2048 bidirectional): forward 128x32/w8/s3
+# 769 / 321, 64x32/w4/s2 785 / 356, 64x64/w8/s2 1162 / 588, 64x32/w8/s2 1717 / 906 (the old pair: 64x64/w8/s2
+# first); dK/dV 64x64/w8/s2 2142 / 962, 32x32/w4/s2 3171 / 1602, 32x64/w8/s2 3555 / 1308, 16x32/w4/s2 4680 / 2344,
+# 16x64/w8/s2 5782 / 2065 (the old pair); dQ 128x32/w8/s2 1122 / 531, 128x16/w8/s2 1710 / 811, 64x32/w8/s2 2380 /
+# 1225, 32x16/w4/s2 4299 / 2140, 32x16/w8/s2 8372 / 4247 (the old pair): the whole call 1.5x forward and 2.2-3.8x
+# backward kernels. The larger tiles spill a little (sm_90 ptxas: dK/dV 64x64/w8 1368 B, dQ 128x32/w8 156 B; the
+# small ones none) and beat the small ones by far; their shared memory (``_SMEM_256``) prunes them on smaller cards.
 _TABLE = {
     "fwd": {64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
             128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)],
-            256: [(64, 32, 8, 2), (64, 64, 8, 2)]},
+            256: [(128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)]},
     "fwd_short": {64: [(64, 64, 4, 3), (64, 32, 4, 3)],
                   128: [(64, 64, 4, 3), (64, 32, 4, 3)],
                   256: [(64, 32, 8, 2)]},
@@ -168,10 +177,10 @@ _TABLE = {
     # default without autotuning, was the slowest one before (dK/dV 32x128/w8/s3 185 us against 135 at BERT-base).
     "dkdv": {64: [(32, 64, 4, 4), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3)],
              128: [(32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 4, 3)],
-             256: [(16, 32, 4, 2), (16, 64, 8, 2)]},
+             256: [(64, 64, 8, 2), (32, 64, 8, 3), (32, 64, 8, 2), (16, 32, 4, 2)]},
     "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
            128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)],
-           256: [(32, 16, 8, 2), (32, 16, 4, 2)]},
+           256: [(128, 32, 8, 2), (128, 16, 8, 3), (64, 32, 8, 2), (32, 16, 4, 2)]},
     # Dropout (in-kernel Philox per score) needs registers: the entries above that spill with it are
     # left out (sm_90 AOT: D=128 dK/dV 32x128 spills 184 B, dQ 128x64 456 B; these spill <= 24 B).
     "dkdv_dropout": {64: [(32, 128, 8, 3), (32, 64, 4, 3)], 128: [(16, 128, 8, 3)]},
@@ -191,6 +200,35 @@ _TABLE = {
     "fp32_dkdv": {64: [(16, 32, 4, 2)], 128: [(16, 32, 4, 2)], 256: [(16, 16, 4, 2)]},
     "fp32_dq": {64: [(32, 16, 4, 2)], 128: [(32, 16, 4, 2)], 256: [(16, 16, 4, 2)]},
 }
+
+
+# Shared memory (bytes) of the D = 256 entries as the JIT compiles them for sm_90 (``benchmarks/dev/
+# attention_triton_bwd_codegen.py --cases d256_causal``, the larger of no dropout and dropout 0.1): the pruner keeps at
+# D = 256 the entries that fit the device's opt-in limit (an A100's 163 KiB drops the 192 KiB tiles, a 99 KiB card
+# all but the last), so that ``PYKERNELS_AUTOTUNE=0``'s first entry launches there too.
+_SMEM_256 = {
+    "fwd": {(128, 32, 8, 3): 167936, (128, 64, 8, 2): 204800, (64, 32, 4, 2): 100352, (64, 32, 8, 2): 98304},
+    "dkdv": {(64, 64, 8, 2): 201216, (32, 64, 8, 3): 168448, (32, 64, 8, 2): 135424, (16, 32, 4, 2): 57472},
+    "dq": {(128, 32, 8, 2): 200704, (128, 16, 8, 3): 184320, (64, 32, 8, 2): 135168, (32, 16, 4, 2): 57344},
+}
+
+
+def _smem_limit(args) -> int | None:
+    """The opt-in shared memory per block of the CUDA device the launch's tensors are on (None: none found)."""
+    for v in args.values():
+        dev = getattr(v, "device", None)
+        if dev is not None and getattr(dev, "type", "") == "cuda":
+            return getattr(_tuning.device_properties(dev), "shared_memory_per_block_optin", None)
+    return None
+
+
+def _fitting(kind: str, table: list, limit: int | None) -> list:
+    """The D = 256 table's entries whose sm_90 shared memory (``_SMEM_256``) fits ``limit``, in table order; the last
+    (smallest) entry when none does, and the whole table when the limit is unknown."""
+    if limit is None:
+        return table
+    sizes = _SMEM_256[kind]
+    return [t for t in table if sizes.get(t, 0) <= limit] or table[-1:]
 
 
 def _configs(*kinds):
@@ -225,6 +263,8 @@ def _pruner(kind):
             table = _TABLE[kind + ("_dropout_ptx" if args.get("PTX_DROPOUT") else "_dropout")][tier]
         else:
             table = _TABLE["fwd_short" if kind == "fwd" and args["seq_bucket"] <= 128 else kind][tier]
+        if tier == 256 and args.get("PRECISION") != "ieee":
+            table = _fitting(kind, table, _smem_limit(args))
         # In table order (best guess first): with PYKERNELS_AUTOTUNE=0, kernels/_tuning keeps the first.
         by_key = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
         keep = [by_key[t] for t in table if t in by_key]

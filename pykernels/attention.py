@@ -335,7 +335,7 @@ def _use_cuda(op: str, backend: str | None, q: Tensor, k: Tensor, v: Tensor, mas
         auto = False  # (not under torch.compile: its graphs keep the C++ pair, as dynamo would not trace the rule)
     if not auto and dropout_p == 0.0 and causal is not None and not torch.compiler.is_compiling() \
             and (backend or default_backend()) == "auto":
-        auto = _auto_cuda_head_dim_kind(q, k, v, mask) and _auto_cuda_head_dim_call(q, k, v)
+        auto = _auto_cuda_head_dim_kind(q, k, v, mask)
     return use_cuda_op(op, backend, q.device, lambda: _cuda_cover(q, k, v, mask, batch),
                        auto=auto, traced=True, capture=True)
 
@@ -408,16 +408,17 @@ def _hopper_cpp_kernels(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) ->
 AUTO_SM90_DROPOUT = os.environ.get("PYKERNELS_AUTO_SM90_DROPOUT", "1") not in ("", "0")
 
 
-# ``auto`` without dropout at the head dims where neither Triton nor Gluon has a Hopper kernel (64 < D < 128, D > 128)
-# runs the C++ op on Hopper: dense calls, unmasked or with a boolean key-padding mask. H200 run469
+# ``auto`` without dropout at the head dims where neither Triton nor Gluon has a Hopper kernel (64 < D < 128) runs
+# the C++ op on Hopper: dense calls, unmasked or with a boolean key-padding mask. H200 run469
 # (``benchmarks/attention.py --matrix``, graph replay, TFLOP/s forward / backward, the C++ op against the Triton
 # backend that auto took before; cuDNN in the same call): 8 x 16 x 2048 D80 371.5 / 263.0 against 275.5 / 250.0
 # (cuDNN 396.9 / 325.3), D80 causal (32 heads) 326.2 / 228.6 against 220.8 / 183.8 (343.1 / 276.2), D96 441.1 /
 # 309.6 against 328.3 / 290.6 (482.8 / 376.4), D96 causal 377.6 / 260.9 against 253.8 / 212.9 (387.2 / 314.5): its
-# warpgroup-MMA kernels (D computed as 96) against Triton's FlashAttention-2 kernels (D computed as 128). At D = 256
-# its backward is 1.6-1.7x Triton's and its forward 0.88-0.98x (4 x 8 x 4096 causal 207.5 / 132.7 against 236.4 /
-# 76.7, 4 x 8 x 2048 226.9 / 131.5 against 231.4 / 82.3; cuDNN 591-657 / 329-336: neither has Hopper kernels
-# there), so above D = 128 it takes calls that will have a backward only (grad enabled, an input requiring it).
+# warpgroup-MMA kernels (D computed as 96) against Triton's FlashAttention-2 kernels (D computed as 128); run471 with
+# key padding (8 x 16 x 2048 D96) 469.8 / 399.6 against 331.1 / 355.2 (cuDNN 302.7 / 265.4). Above D = 128 the
+# seventy-seventh session took calls with a backward to come too (its backward then 1.6-1.7x Triton's small tiles);
+# since the Triton D = 256 tiles of run471 (``kernels/attention.py``: forward 1.5x, backward 2.2-3.8x) Triton is the
+# faster there both ways, so auto stays on it (4 x 8 x 4096 D256 causal: the C++ op 207.8 / 132.9 in run471).
 # Eager calls (and their CUDA-graph capture); compiled graphs keep the Triton pair there.
 # ``PYKERNELS_AUTO_CUDA_HEAD_DIMS=0`` keeps auto on Triton at these head dims (read once).
 AUTO_CUDA_HEAD_DIMS = os.environ.get("PYKERNELS_AUTO_CUDA_HEAD_DIMS", "1") not in ("", "0")
@@ -425,20 +426,14 @@ AUTO_CUDA_HEAD_DIMS = os.environ.get("PYKERNELS_AUTO_CUDA_HEAD_DIMS", "1") not i
 
 def _auto_cuda_head_dim_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
     """What ``auto``'s call without dropout needs to run the C++ op at a head dim Triton has no Hopper kernel for
-    (:data:`AUTO_CUDA_HEAD_DIMS`): 64 < D < 128 or D > 128, no mask or a boolean key-padding one, and the C++ op's
-    Hopper kernels taking the kind of call (``_hopper_cpp_kernels``). Shapes, strides and dtypes only."""
+    (:data:`AUTO_CUDA_HEAD_DIMS`): 64 < D < 128, no mask or a boolean key-padding one, and the C++ op's Hopper kernels
+    taking the kind of call (``_hopper_cpp_kernels``). Shapes, strides and dtypes only."""
     d = q.shape[-1]
-    if not AUTO_CUDA_HEAD_DIMS or d <= 64 or d == 128:
+    if not AUTO_CUDA_HEAD_DIMS or not 64 < d < 128:
         return False
     if mask is not None and not (mask.dtype == torch.bool and _is_key_padding(mask)):
         return False
     return _hopper_cpp_kernels(q, k, v, mask)
-
-
-def _auto_cuda_head_dim_call(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """What ``_auto_cuda_head_dim_kind``'s rule asks of each call: above D = 128 a backward to come (grad enabled
-    and an input requiring it: the C++ forward alone is the slower there)."""
-    return q.shape[-1] < 128 or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
 def _auto_sm90_dropout_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
@@ -893,8 +888,7 @@ def _lane(query, key, value, mask, dropout_p, is_causal, scale, backend, determi
             return None  # a trainable bias: the full path runs the reference for its gradient
         mask = mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])  # (a view, as the full path's)
     if _lane_cuda(lkey, query, key, value, mask, query.shape[0], dropout_p, requested, bool(is_causal)) or (
-            dropout_p == 0.0 and requested == "auto" and _lane_cuda_head_dim(lkey, query, key, value, mask)
-            and _auto_cuda_head_dim_call(query, key, value)):
+            dropout_p == 0.0 and requested == "auto" and _lane_cuda_head_dim(lkey, query, key, value, mask)):
         return _cuda_attention(query, key, value, mask, None, None, 0, 0, dropout_p, bool(is_causal), sc)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
@@ -1024,8 +1018,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       (``csrc/attention.cpp`` and ``attention.cuh``: fp16 / bf16, one head dim for q, k, v, a multiple of 8 up to
       256), taken when named, and by "auto" for eager calls with dropout (its autograd runs
       in C++: less host time a training step; :data:`AUTO_CUDA_DROPOUT`) and, on Hopper, for eager calls without
-      dropout at head dims that Triton has no Hopper kernel for (64 < D < 128; D > 128 when a backward follows),
-      unmasked or with a boolean key-padding mask (:data:`AUTO_CUDA_HEAD_DIMS`); "auto" takes Triton otherwise
+      dropout at head dims that Triton has no Hopper kernel for (64 < D < 128), unmasked or with a boolean key-padding mask (:data:`AUTO_CUDA_HEAD_DIMS`); "auto" takes Triton otherwise
       (faster kernels, and capturable in CUDA graphs).
     * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. True (or torch's
       deterministic mode) makes the backward bitwise reproducible. Otherwise, on Hopper at D = 128 with

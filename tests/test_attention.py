@@ -3441,8 +3441,8 @@ def test_gpu_auto_takes_cuda_forward_at_bert_shapes(monkeypatch):
 
 def test_auto_cuda_head_dim_rule(monkeypatch):
     """auto without dropout takes the C++ op on Hopper at the head dims Triton has no Hopper kernel for: 64 < D < 128
-    always, D > 128 only when a backward follows; no mask or a boolean key-padding one; dense calls (not varlen), not
-    with backend "triton", not with AUTO_CUDA_HEAD_DIMS off. The rule's parts on CPU tensors, the C++ op's Hopper
+    (not above 128, where the Triton D = 256 tiles are the faster); no mask or a boolean key-padding one; dense calls
+    (not varlen), not with backend "triton", not with AUTO_CUDA_HEAD_DIMS off. The rule's parts on CPU tensors, the C++ op's Hopper
     check stubbed (what the GPU test below runs for real)."""
     import pykernels.attention as pa
     monkeypatch.setattr(pa, "_hopper_cpp_kernels", lambda q, k, v, mask: True)
@@ -3451,19 +3451,16 @@ def test_auto_cuda_head_dim_rule(monkeypatch):
         return _inputs((2, 4, 33, d), (2, 2, 33, d), (2, 2, 33, d), F16, "cpu", requires_grad=grad)
 
     for d, want in ((32, False), (64, False), (72, True), (80, True), (96, True), (120, True), (128, False),
-                    (160, True), (256, True)):
+                    (160, False), (192, False), (256, False)):
         assert pa._auto_cuda_head_dim_kind(*qkv(d), None) == want, d
     q, k, v = qkv(80)
     keys = (torch.rand(2, 1, 1, 33) > 0.3).expand(2, 4, 33, 33)
     assert pa._auto_cuda_head_dim_kind(q, k, v, keys)
     assert not pa._auto_cuda_head_dim_kind(q, k, v, torch.zeros(2, 4, 33, 33, dtype=F16))  # additive
     assert not pa._auto_cuda_head_dim_kind(q, k, v, (torch.rand(2, 1, 33, 33) > 0.3).expand(2, 4, 33, 33))
-    # per call: above D = 128 only with a backward to come
-    assert pa._auto_cuda_head_dim_call(*qkv(80)) and pa._auto_cuda_head_dim_call(*qkv(80, grad=True))
-    assert not pa._auto_cuda_head_dim_call(*qkv(256))
-    assert pa._auto_cuda_head_dim_call(*qkv(256, grad=True))
+    assert pa._auto_cuda_head_dim_kind(*qkv(80, grad=True), None)
     with torch.no_grad():
-        assert not pa._auto_cuda_head_dim_call(*qkv(256, grad=True))
+        assert pa._auto_cuda_head_dim_kind(*qkv(96, grad=True), None)
     # _use_cuda hands the rule to use_cuda_op as ``auto``: dense calls without dropout under auto only
     seen = []
     monkeypatch.setattr(pa, "use_cuda_op", lambda op, backend, device, cover, *, auto, traced, capture:
@@ -3480,11 +3477,11 @@ def test_auto_cuda_head_dim_rule(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda_ext
-def test_gpu_auto_takes_cuda_op_at_head_dims_80_96_256(monkeypatch):
+def test_gpu_auto_takes_cuda_op_at_head_dims_80_96(monkeypatch):
     """auto without dropout on Hopper with the sm_90a build: at D = 80 and 96 (bidirectional, causal, key padding,
-    GQA, odd lengths) the C++ op runs forward and backward; at D = 256 with a backward to come too, without one
-    (no_grad) the Triton forward; at D = 64 / 128, with an additive mask, backend "triton" or AUTO_CUDA_HEAD_DIMS off,
-    never the C++ op. Outputs and gradients against the references (the lane and the full path)."""
+    GQA, odd lengths) the C++ op runs forward and backward; at D = 64 / 128 / 192 / 256, with an additive mask,
+    backend "triton" or AUTO_CUDA_HEAD_DIMS off, never the C++ op. Outputs and gradients against the references
+    (the lane and the full path)."""
     import pykernels.attention as pa
     from torch.profiler import ProfilerActivity, profile
 
@@ -3519,11 +3516,10 @@ def test_gpu_auto_takes_cuda_op_at_head_dims_80_96_256(monkeypatch):
             out, g = _check_against_ref(*args, mask=pad, enable_gqa=True, backend="auto",
                                         what=f"auto key padding d{d} lane {lane}")
             assert out[1].abs().max() == 0 and all(t[1].abs().max() == 0 for t in g), (lane, d)
-        q, k, v = _inputs((2, 2, 260, 256), (2, 2, 260, 256), (2, 2, 260, 256), BF16, "cuda")
-        assert bool(cpp_kernels(q, k, v, is_causal=True)) == want, lane
-        with torch.no_grad():
-            assert not cpp_kernels(q, k, v, backward=False, is_causal=True), lane
-        _check_against_ref(q, k, v, causal=True, backend="auto", what=f"auto d256 lane {lane}")
+        for d in (192, 256):
+            q, k, v = _inputs((2, 2, 260, d), (2, 2, 260, d), (2, 2, 260, d), BF16, "cuda")
+            assert not cpp_kernels(q, k, v, is_causal=True), (lane, d)
+            _check_against_ref(q, k, v, causal=True, backend="auto", what=f"auto d{d} lane {lane}")
         for d in (64, 128):
             assert not any("attn_bwd" in n for n in cpp_kernels(*_inputs(*[(2, 2, 300, d)] * 3, BF16, "cuda"))), d
     monkeypatch.setattr(pa, "AUTO_CUDA_HEAD_DIMS", False)
@@ -3610,6 +3606,50 @@ def test_dropout_tables_pick_ptx_entries():
                 want = tri._TABLE[kind + ("_dropout_ptx" if ptx else "_dropout")][tier]
                 got = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept]
                 assert got == want, (kind, ptx, tier)  # (in table order: PYKERNELS_AUTOTUNE=0 keeps the first)
+
+
+def test_d256_tables_pruned_by_shared_memory(monkeypatch):
+    """At D = 256 (the tier of 128 < D <= 256) the pruner keeps the entries whose sm_90 shared memory
+    (``_SMEM_256``) fits the device's opt-in limit, in table order (``PYKERNELS_AUTOTUNE=0`` takes the first); the
+    smallest entry when none fits; the whole table when no CUDA tensor names a device; other tiers and fp32 untouched."""
+    import types
+
+    import triton
+
+    from pykernels._kernels import attention as tri
+    limit = {"value": None}
+    monkeypatch.setattr(tri._tuning, "device_properties",
+                        lambda dev: types.SimpleNamespace(shared_memory_per_block_optin=limit["value"]))
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+
+    def kept(kind, d, **extra):
+        configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+                   for bm, bn, w, st in dict.fromkeys(e for k in (kind, "fwd_short", "fp32_" + kind)
+                                                      if kind == "fwd" or k != "fwd_short"
+                                                      for t in tri._TABLE[k].values() for e in t)]
+        args = {"BLOCK_D": d, "BLOCK_DV": d, "HAS_DROPOUT": False, "PTX_DROPOUT": False, "PRECISION": "tf32", **extra}
+        got = tri._pruner(kind)(configs, {"seq_bucket": 2048, "Q": on_gpu}, **args)
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in got]
+
+    for kind in ("fwd", "dkdv", "dq"):
+        table = tri._TABLE[kind][256]
+        assert set(table) <= set(tri._SMEM_256[kind]), kind  # every entry has its size
+        sizes = [tri._SMEM_256[kind][t] for t in table]
+        assert sizes[-1] == min(sizes) and sizes[-1] <= 101376, kind  # the last fits a 99 KiB card
+        for value in (232448, 166912, 101376):  # H100 / H200, A100, sm_86 / sm_89
+            limit["value"] = value
+            assert kept(kind, 256) == [t for t in table if tri._SMEM_256[kind][t] <= value], (kind, value)
+        limit["value"] = 1024
+        assert kept(kind, 256) == table[-1:], kind
+        assert kept(kind, 128) == tri._TABLE[kind][128], kind  # (only D = 256's tier)
+        assert kept(kind, 256, PRECISION="ieee") == tri._TABLE["fp32_" + kind][256], kind
+        limit["value"] = None
+        assert kept(kind, 256) == table, kind
+    limit["value"] = 232448
+    assert kept("fwd", 256)[0] == (128, 32, 8, 3) and kept("dkdv", 256)[0] == (64, 64, 8, 2)
+    assert kept("dq", 256)[0] == (128, 32, 8, 2)
+    limit["value"] = 166912
+    assert kept("dkdv", 256)[0] == (32, 64, 8, 2) and kept("dq", 256)[0] == (64, 32, 8, 2)
 
 
 def test_keep_buffer_sizes_caps_and_env():

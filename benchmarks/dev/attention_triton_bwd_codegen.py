@@ -97,8 +97,8 @@ def main() -> None:
         d = CASES[case][3]
         tier = 64 if d <= 64 else (128 if d <= 128 else 256)
         for kern, a, kw in capture_launches(case, args.p, bool(args.ptx), args.stored):
-            name = ("fwd" if "HAS_KV_RANGE" in kw else "dq" if "COMPUTE_DELTA" in kw else "dkdv" if "PTX_DROPOUT" in kw
-                    else "pre")
+            name = ("fwd" if kern is tri._attention_fwd_kernel else "dq" if "COMPUTE_DELTA" in kw
+                    else "dkdv" if "PTX_DROPOUT" in kw else "pre")
             if name not in args.kernels.split(","):
                 continue
             if args.configs:
@@ -123,7 +123,7 @@ def main() -> None:
                     sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
                 lp = loops(sass)
                 longest = max((n for n, _, _ in lp), default=0)
-                print(f"{tag}: {ws._ptxas_report(ck.asm['ptx'])}; longest MMA loop {longest} instructions; "
+                print(f"{tag}: {ws._ptxas_report(ck.asm['ptx'])}; shared {ck.metadata.shared} B; longest MMA loop {longest} instructions; "
                       f"asm layouts {[defs.get(x, x) for x in asm_layouts]}", flush=True)
                 if args.out:
                     os.makedirs(args.out, exist_ok=True)
