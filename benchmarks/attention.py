@@ -731,6 +731,8 @@ def main(argv=None) -> int:
     ap.add_argument("--matrix", action="store_true",
                     help="the shapes beyond the anchors (MATRIX: head dims 80 / 96 / 256, GQA, short sequences) "
                          "against SDPA flash and cuDNN; written to attention_matrix_<card>_<date>.csv")
+    ap.add_argument("--only", default="",
+                    help="with --matrix: the MATRIX cases of these comma-separated names only (e.g. d256_causal,d192_bidir)")
     ap.add_argument("--smoke", action="store_true",
                     help="check the script's logic on CPU: tiny fp32 shapes, Triton interpreter, no timing, no CSV")
     args = ap.parse_args(argv)
@@ -759,7 +761,11 @@ def main(argv=None) -> int:
     if MATRIX_MODE:  # every case its own step, no varlen batch, no FlexAttention
         groups: list[list[dict]] = [rows]
         path = "(not written: --smoke)"
-        for case in MATRIX:
+        names = [n for n in args.only.split(",") if n]
+        unknown = sorted(set(names) - {c.name for c in MATRIX})
+        if unknown:
+            raise SystemExit(f"--only: no MATRIX case named {', '.join(unknown)} (have {', '.join(c.name for c in MATRIX)})")
+        for case in [c for c in MATRIX if not names or c.name in names]:
             groups.append(run_case(case, budget))
             path = report_step(groups, groups[-1], budget) or path
         rows = [r for g in groups for r in g]

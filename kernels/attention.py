@@ -161,12 +161,15 @@ PTX_DROPOUT = os.environ.get("PYKERNELS_TRITON_PTX_DROPOUT", "1") not in ("", "0
 # first); dK/dV 64x64/w8/s2 2142 / 962, 32x32/w4/s2 3171 / 1602, 32x64/w8/s2 3555 / 1308, 16x32/w4/s2 4680 / 2344,
 # 16x64/w8/s2 5782 / 2065 (the old pair); dQ 128x32/w8/s2 1122 / 531, 128x16/w8/s2 1710 / 811, 64x32/w8/s2 2380 /
 # 1225, 32x16/w4/s2 4299 / 2140, 32x16/w8/s2 8372 / 4247 (the old pair): the whole call 1.5x forward and 2.2-3.8x
-# backward kernels. The larger tiles spill a little (sm_90 ptxas: dK/dV 64x64/w8 1368 B, dQ 128x32/w8 156 B; the
-# small ones none) and beat the small ones by far; their shared memory (``_SMEM_256``) prunes them on smaller cards.
+# backward kernels. run472 (the bidirectional shape, more candidates): forward 128x64/w8/s2 292, 128x32/w8/s3 320,
+# 128x32/w8/s4 324; dQ 128x32/w8/s3 403, 128x64/w8/s1 460, 128x32/w8/s2 532, 128x16/w8/s3 554; dK/dV 64x64/w8/s2 960,
+# 32x64/w8/s3 1127, 32x64/w8/s2 1298, 64x64/w8/s1 1407. The larger tiles spill a little (sm_90 ptxas: dK/dV 64x64/w8
+# 1368 B, dQ 128x32/w8 156 B; the small ones none) and beat the small ones by far; their shared memory
+# (``_SMEM_256``) prunes them on smaller cards.
 _TABLE = {
     "fwd": {64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
             128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)],
-            256: [(128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)]},
+            256: [(128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (64, 32, 8, 2)]},
     "fwd_short": {64: [(64, 64, 4, 3), (64, 32, 4, 3)],
                   128: [(64, 64, 4, 3), (64, 32, 4, 3)],
                   256: [(64, 32, 8, 2)]},
@@ -180,7 +183,7 @@ _TABLE = {
              256: [(64, 64, 8, 2), (32, 64, 8, 3), (32, 64, 8, 2), (16, 32, 4, 2)]},
     "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4), (128, 32, 8, 3)],
            128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)],
-           256: [(128, 32, 8, 2), (128, 16, 8, 3), (64, 32, 8, 2), (32, 16, 4, 2)]},
+           256: [(128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 2), (32, 16, 4, 2)]},
     # Dropout (in-kernel Philox per score) needs registers: the entries above that spill with it are
     # left out (sm_90 AOT: D=128 dK/dV 32x128 spills 184 B, dQ 128x64 456 B; these spill <= 24 B).
     "dkdv_dropout": {64: [(32, 128, 8, 3), (32, 64, 4, 3)], 128: [(16, 128, 8, 3)]},
@@ -203,13 +206,18 @@ _TABLE = {
 
 
 # Shared memory (bytes) of the D = 256 entries as the JIT compiles them for sm_90 (``benchmarks/dev/
-# attention_triton_bwd_codegen.py --cases d256_causal``, the larger of no dropout and dropout 0.1): the pruner keeps at
-# D = 256 the entries that fit the device's opt-in limit (an A100's 163 KiB drops the 192 KiB tiles, a 99 KiB card
-# all but the last), so that ``PYKERNELS_AUTOTUNE=0``'s first entry launches there too.
+# attention_triton_bwd_codegen.py --cases d256_causal [--p 0.1] [--mask additive|bool]``): (no mask and no dropout,
+# the most over masks and dropout: an additive mask's tiles are pipelined too). At D = 256 the pruner keeps the
+# entries that fit the device's opt-in limit (an H100 / H200's 227 KiB drops dQ 128x32/w8/s3 with a mask or dropout,
+# an A100's 163 KiB the 192 KiB tiles, a 99 KiB card all but the last), so that ``PYKERNELS_AUTOTUNE=0``'s first
+# entry launches there too.
 _SMEM_256 = {
-    "fwd": {(128, 32, 8, 3): 167936, (128, 64, 8, 2): 204800, (64, 32, 4, 2): 100352, (64, 32, 8, 2): 98304},
-    "dkdv": {(64, 64, 8, 2): 201216, (32, 64, 8, 3): 168448, (32, 64, 8, 2): 135424, (16, 32, 4, 2): 57472},
-    "dq": {(128, 32, 8, 2): 200704, (128, 16, 8, 3): 184320, (64, 32, 8, 2): 135168, (32, 16, 4, 2): 57344},
+    "fwd": {(128, 64, 8, 2): (196608, 221184), (128, 32, 8, 3): (163840, 184320), (64, 32, 4, 2): (98304, 104448),
+            (64, 32, 8, 2): (98304, 104448)},
+    "dkdv": {(64, 64, 8, 2): (197120, 209408), (32, 64, 8, 3): (164352, 176640), (32, 64, 8, 2): (131328, 139520),
+             (16, 32, 4, 2): (57344, 58496)},
+    "dq": {(128, 32, 8, 3): (229376, 249856), (128, 32, 8, 2): (196608, 208896), (64, 32, 8, 2): (131072, 139264),
+           (32, 16, 4, 2): (53248, 58368)},
 }
 
 
@@ -222,13 +230,14 @@ def _smem_limit(args) -> int | None:
     return None
 
 
-def _fitting(kind: str, table: list, limit: int | None) -> list:
-    """The D = 256 table's entries whose sm_90 shared memory (``_SMEM_256``) fits ``limit``, in table order; the last
-    (smallest) entry when none does, and the whole table when the limit is unknown."""
+def _fitting(kind: str, table: list, limit: int | None, plain: bool) -> list:
+    """The D = 256 table's entries whose sm_90 shared memory (``_SMEM_256``: ``plain`` a call without mask and
+    dropout) fits ``limit``, in table order; the last (smallest) entry when none does, the whole table when the
+    limit is unknown."""
     if limit is None:
         return table
     sizes = _SMEM_256[kind]
-    return [t for t in table if sizes.get(t, 0) <= limit] or table[-1:]
+    return [t for t in table if sizes.get(t, (0, 0))[0 if plain else 1] <= limit] or table[-1:]
 
 
 def _configs(*kinds):
@@ -264,7 +273,7 @@ def _pruner(kind):
         else:
             table = _TABLE["fwd_short" if kind == "fwd" and args["seq_bucket"] <= 128 else kind][tier]
         if tier == 256 and args.get("PRECISION") != "ieee":
-            table = _fitting(kind, table, _smem_limit(args))
+            table = _fitting(kind, table, _smem_limit(args), not args.get("HAS_DROPOUT") and not args.get("MASK_KIND"))
         # In table order (best guess first): with PYKERNELS_AUTOTUNE=0, kernels/_tuning keeps the first.
         by_key = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
         keep = [by_key[t] for t in table if t in by_key]

@@ -852,6 +852,63 @@ def test_gpu_bf16_head_dims(d, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [256, 192, 136])
+def test_gpu_triton_d256_tier_masks_dropout_gqa(d):
+    """The D = 256 tier's tiles (128 < D <= 256: the first entry each kernel's pruner keeps on this card, masks and
+    dropout taking the entries whose shared memory fits with them): GQA causal with odd lengths, an additive and a
+    boolean mask, key padding with a fully masked batch (output and gradients 0), dropout against the seed's mask."""
+    b, hq, hkv = 2, 4, 2
+    q, k, v = _inputs((b, hq, 333, d), (b, hkv, 333, d), (b, hkv, 333, d), BF16, "cuda")
+    _check_against_ref(q, k, v, causal=True, enable_gqa=True, what=f"d{d} causal gqa")
+    _check_against_ref(q, k, v, mask=torch.randn(1, hq, 333, 333, device="cuda", dtype=BF16), enable_gqa=True,
+                       what=f"d{d} additive")
+    _check_against_ref(q, k, v, mask=torch.rand(b, 1, 333, 333, device="cuda") > 0.5, causal=True, enable_gqa=True,
+                       what=f"d{d} bool")
+    keys = (torch.arange(333, device="cuda") < torch.tensor([[200], [0]], device="cuda")).view(b, 1, 1, 333)
+    out, g = _check_against_ref(q, k, v, mask=keys, enable_gqa=True, what=f"d{d} key padding")
+    assert out[1].abs().max() == 0 and all(t[1].abs().max() == 0 for t in g)
+    torch.manual_seed(5)
+    seed = new_seed(q.device)
+    torch.manual_seed(5)
+    out = sdpa(q, k, v, dropout_p=0.2, is_causal=True, enable_gqa=True, backend="triton")
+    dmask = attention_dropout_mask(seed, b, hq, 333, 333, 0.2, "cuda")
+    _check_against_ref(q, k, v, causal=True, dropout_p=0.2, dropout_mask=dmask, enable_gqa=True, out=out,
+                       what=f"d{d} dropout")
+
+
+@pytest.mark.gpu
+def test_gpu_triton_d256_every_table_entry(monkeypatch):
+    """Each entry of the D = 256 tables (forward, dK/dV, dQ: the i-th of each pinned together) that fits this card's
+    shared memory, against the references: causal with odd lengths and a bidirectional call with Sq != Sk."""
+    from pykernels._kernels import _launch
+    from pykernels._kernels import _tuning
+    from pykernels._kernels import attention as tri
+    limit = getattr(_tuning.device_properties(torch.device("cuda")), "shared_memory_per_block_optin", 0)
+    kernels = {"fwd": tri._attention_fwd_kernel, "dkdv": tri._attention_bwd_dkdv_kernel,
+               "dq": tri._attention_bwd_dq_kernel}
+    q, k, v = _inputs((2, 4, 300, 256), (2, 2, 300, 256), (2, 2, 300, 256), BF16, "cuda")
+    q2, k2, v2 = _inputs((1, 2, 77, 256), (1, 2, 400, 256), (1, 2, 400, 256), BF16, "cuda")
+    ran = 0
+    for i in range(max(len(tri._TABLE[kind][256]) for kind in kernels)):
+        for kind, kern in kernels.items():
+            table = tri._TABLE[kind][256]
+            entry = table[min(i, len(table) - 1)]
+            if tri._SMEM_256[kind][entry][0] > limit:
+                entry = table[-1]
+            monkeypatch.setitem(tri._TABLE[kind], 256, [entry])
+            kern.cache.clear()
+            _launch.fast(kern).cache.clear()
+        _check_against_ref(q, k, v, causal=True, enable_gqa=True, what=f"entry {i} causal")
+        _check_against_ref(q2, k2, v2, what=f"entry {i} 77x400")
+        ran += 1
+        monkeypatch.undo()
+    for kern in kernels.values():
+        kern.cache.clear()
+        _launch.fast(kern).cache.clear()
+    assert ran == 4
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("sq,sk,causal", [(1, 1000, True), (1000, 777, True), (777, 1000, True),
                                           (127, 4097, True)])
 def test_gpu_bf16_uneven_gqa(sq, sk, causal):
@@ -3610,8 +3667,9 @@ def test_dropout_tables_pick_ptx_entries():
 
 def test_d256_tables_pruned_by_shared_memory(monkeypatch):
     """At D = 256 (the tier of 128 < D <= 256) the pruner keeps the entries whose sm_90 shared memory
-    (``_SMEM_256``) fits the device's opt-in limit, in table order (``PYKERNELS_AUTOTUNE=0`` takes the first); the
-    smallest entry when none fits; the whole table when no CUDA tensor names a device; other tiers and fp32 untouched."""
+    (``_SMEM_256``: without mask and dropout, and the most with them) fits the device's opt-in limit, in table order
+    (``PYKERNELS_AUTOTUNE=0`` takes the first); the smallest entry when none fits; the whole table when no CUDA
+    tensor names a device; other tiers and fp32 untouched."""
     import types
 
     import triton
@@ -3623,22 +3681,25 @@ def test_d256_tables_pruned_by_shared_memory(monkeypatch):
     on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
 
     def kept(kind, d, **extra):
+        kinds = (kind, "fp32_" + kind) + (("fwd_short",) if kind == "fwd" else ())
         configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-                   for bm, bn, w, st in dict.fromkeys(e for k in (kind, "fwd_short", "fp32_" + kind)
-                                                      if kind == "fwd" or k != "fwd_short"
-                                                      for t in tri._TABLE[k].values() for e in t)]
-        args = {"BLOCK_D": d, "BLOCK_DV": d, "HAS_DROPOUT": False, "PTX_DROPOUT": False, "PRECISION": "tf32", **extra}
+                   for bm, bn, w, st in dict.fromkeys(e for k in kinds for t in tri._TABLE[k].values() for e in t)]
+        args = {"BLOCK_D": d, "BLOCK_DV": d, "HAS_DROPOUT": False, "PTX_DROPOUT": False, "PRECISION": "tf32",
+                "MASK_KIND": 0, **extra}
         got = tri._pruner(kind)(configs, {"seq_bucket": 2048, "Q": on_gpu}, **args)
         return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in got]
 
     for kind in ("fwd", "dkdv", "dq"):
         table = tri._TABLE[kind][256]
-        assert set(table) <= set(tri._SMEM_256[kind]), kind  # every entry has its size
-        sizes = [tri._SMEM_256[kind][t] for t in table]
-        assert sizes[-1] == min(sizes) and sizes[-1] <= 101376, kind  # the last fits a 99 KiB card
+        assert set(table) <= set(tri._SMEM_256[kind]), kind  # every entry has its sizes
+        plain = [tri._SMEM_256[kind][t][0] for t in table]
+        assert plain[-1] == min(plain) and plain[-1] <= 101376, kind  # the last fits a 99 KiB card
+        assert all(a <= b for a, b in tri._SMEM_256[kind].values()), kind
         for value in (232448, 166912, 101376):  # H100 / H200, A100, sm_86 / sm_89
             limit["value"] = value
-            assert kept(kind, 256) == [t for t in table if tri._SMEM_256[kind][t] <= value], (kind, value)
+            for extra, i in (({}, 0), ({"HAS_DROPOUT": True}, 1), ({"MASK_KIND": 2}, 1), ({"MASK_KIND": 3}, 1)):
+                want = [t for t in table if tri._SMEM_256[kind][t][i] <= value] or table[-1:]
+                assert kept(kind, 256, **extra) == want, (kind, value, extra)
         limit["value"] = 1024
         assert kept(kind, 256) == table[-1:], kind
         assert kept(kind, 128) == tri._TABLE[kind][128], kind  # (only D = 256's tier)
@@ -3646,10 +3707,12 @@ def test_d256_tables_pruned_by_shared_memory(monkeypatch):
         limit["value"] = None
         assert kept(kind, 256) == table, kind
     limit["value"] = 232448
-    assert kept("fwd", 256)[0] == (128, 32, 8, 3) and kept("dkdv", 256)[0] == (64, 64, 8, 2)
-    assert kept("dq", 256)[0] == (128, 32, 8, 2)
+    assert kept("fwd", 256)[0] == (128, 64, 8, 2) and kept("dkdv", 256)[0] == (64, 64, 8, 2)
+    assert kept("dq", 256)[0] == (128, 32, 8, 3) and kept("dq", 256, HAS_DROPOUT=True)[0] == (128, 32, 8, 2)
+    assert kept("dq", 256, MASK_KIND=2)[0] == (128, 32, 8, 2)
     limit["value"] = 166912
-    assert kept("dkdv", 256)[0] == (32, 64, 8, 2) and kept("dq", 256)[0] == (64, 32, 8, 2)
+    assert kept("dkdv", 256)[0] == (32, 64, 8, 3) and kept("dq", 256)[0] == (64, 32, 8, 2)
+    assert kept("dkdv", 256, MASK_KIND=4)[0] == (32, 64, 8, 2)
 
 
 def test_keep_buffer_sizes_caps_and_env():

@@ -77,3 +77,16 @@ def test_matrix_smoke_validates_gqa_and_odd_head_dims(bench, monkeypatch):
         assert float(r["err_out"]) < 1e-4 and float(r["err_dq"]) < 1e-4, r
     gqa = [r for r in seen if r["shape"] == "B2 H4/2 S20 D16 causal" and r["impl"] == "sdpa flash"]
     assert gqa and gqa[0]["status"] == "ok" and gqa[0]["Hkv"] == 2
+
+
+def test_matrix_only_runs_the_named_cases(bench, monkeypatch):
+    """``--matrix --only NAMES`` runs those MATRIX cases alone; a name the matrix lacks is refused, naming the cases."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("--smoke is the CPU plumbing check")
+    seen: list[dict] = []
+    monkeypatch.setattr(bench.common, "print_table", lambda rows, cols: seen.extend(rows))
+    assert bench.main(["--smoke", "--matrix", "--only", "gqa"]) == 0
+    assert {r["shape"] for r in seen if r["impl"].startswith("pykernels")} == {"B2 H4/2 S20 D16 causal"}
+    with pytest.raises(SystemExit, match="no MATRIX case named d999.*have d80, gqa"):
+        bench.main(["--smoke", "--matrix", "--only", "gqa,d999"])

@@ -26,7 +26,7 @@ CASES = {"bert": (2, 2, 512, 64, False), "gpt2": (2, 2, 1024, 64, True), "d128_c
          "d256_full": (2, 2, 2048, 256, False)}
 
 
-def capture_launches(case, p: float, ptx: bool, stored: bool = False):
+def capture_launches(case, p: float, ptx: bool, stored: bool = False, mask: str = ""):
     """(kernel, args, kwargs) of each Triton launch ``attention_bwd`` makes for the case, on CPU tensors."""
     from pykernels._kernels import _launch
     from pykernels._kernels import attention as tri
@@ -48,8 +48,15 @@ def capture_launches(case, p: float, ptx: bool, stored: bool = False):
     sm90 = tri.sm90_forward
     tri.sm90_forward = lambda *a, **kw: False  # (the Triton forward kernel, as on a card without the Gluon one)
     try:
-        tri.attention_fwd(q, k, v, None, causal=causal, scale=d ** -0.5, dropout_p=p, seed=torch.tensor([5]))
-        tri.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=d ** -0.5, dropout_p=p,
+        m = None
+        if mask == "bool":  # an arbitrary boolean mask, broadcast over heads
+            m = (torch.rand(b, 1, s, s) > 0.5).expand(b, h, s, s)
+        elif mask == "additive":
+            m = torch.randn(b, 1, s, s, dtype=torch.bfloat16).expand(b, h, s, s)
+        elif mask == "keys":
+            m = (torch.rand(b, 1, 1, s) > 0.5).expand(b, h, s, s)
+        tri.attention_fwd(q, k, v, m, causal=causal, scale=d ** -0.5, dropout_p=p, seed=torch.tensor([5]))
+        tri.attention_bwd(do, q, k, v, o, lse, m, causal=causal, scale=d ** -0.5, dropout_p=p,
                           seed=torch.tensor([5]), keep=tri.keep_buffer(b, h, s, s, "cpu") if stored else None)
     finally:
         tri.sm90_forward = sm90
@@ -83,6 +90,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="dq,dkdv", help="of fwd,dq,dkdv")
     ap.add_argument("--configs", default="", help="bm.bn.warps.stages,... (default: the tables' for the case)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--mask", default="", help="bool, additive or keys (a key-padding mask): the masked kernels")
     ap.add_argument("--stored", action="store_true", help="the backward of keep bits a forward stored (``keep``)")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "0")
@@ -96,7 +104,7 @@ def main() -> None:
     for case in args.cases.split(","):
         d = CASES[case][3]
         tier = 64 if d <= 64 else (128 if d <= 128 else 256)
-        for kern, a, kw in capture_launches(case, args.p, bool(args.ptx), args.stored):
+        for kern, a, kw in capture_launches(case, args.p, bool(args.ptx), args.stored, args.mask):
             name = ("fwd" if kern is tri._attention_fwd_kernel else "dq" if "COMPUTE_DELTA" in kw
                     else "dkdv" if "PTX_DROPOUT" in kw else "pre")
             if name not in args.kernels.split(","):
