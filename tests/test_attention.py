@@ -883,7 +883,8 @@ def test_gpu_triton_d256_every_table_entry(monkeypatch):
     from pykernels._kernels import _launch
     from pykernels._kernels import _tuning
     from pykernels._kernels import attention as tri
-    limit = getattr(_tuning.device_properties(torch.device("cuda")), "shared_memory_per_block_optin", 0)
+    limit = _tuning.device_properties(torch.device("cuda")).shared_memory_per_block_optin
+    assert limit >= 48 * 1024, limit
     kernels = {"fwd": tri._attention_fwd_kernel, "dkdv": tri._attention_bwd_dkdv_kernel,
                "dq": tri._attention_bwd_dq_kernel}
     q, k, v = _inputs((2, 4, 300, 256), (2, 2, 300, 256), (2, 2, 300, 256), BF16, "cuda")
