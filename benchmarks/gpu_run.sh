@@ -6,6 +6,8 @@
 #   that needs them all tars $OUT
 # PYKERNELS_COMMIT names the commit in every result row (the device copy has no .git).
 # Usage: STAGES="tests bench" TEST_TIMEOUT=300 BENCH_ARGS="" bash benchmarks/gpu_run.sh
+# STAGES may also name "matrix": benchmarks/attention.py --matrix (the shapes beyond the anchors; MATRIX_ARGS, e.g.
+# "--only d256_causal,d192_bidir"), written to $OUT/matrix.log and attention_matrix.csv (not in the default stages).
 # Peers Liger-Kernel and Cut Cross-Entropy come as wheels in .wheels/ (carried; the machine reaches
 # no registry) and are unpacked to /tmp/site.
 set -uo pipefail
@@ -62,4 +64,12 @@ if [[ " $STAGES " == *" bench "* ]]; then
     echo "$op rc=$?" | tee -a "$OUT/bench.log"
   done
   tail -c 6000 "$OUT/bench.log"
+fi
+
+if [[ " $STAGES " == *" matrix "* ]]; then
+  echo "== attention matrix (benchmarks/attention.py --matrix) =="
+  timeout "$BENCH_TIMEOUT" $PY benchmarks/attention.py --matrix --budget-s $(( BENCH_TIMEOUT - 20 )) ${MATRIX_ARGS:-} \
+    >"$OUT/matrix.log" 2>&1
+  echo "matrix rc=$?" | tee -a "$OUT/matrix.log"
+  grep -E "^\[" "$OUT/matrix.log"
 fi
