@@ -856,7 +856,8 @@ def test_gpu_bf16_head_dims(d, causal):
 def test_gpu_triton_d256_tier_masks_dropout_gqa(d):
     """The D = 256 tier's tiles (128 < D <= 256: the first entry each kernel's pruner keeps on this card, masks and
     dropout taking the entries whose shared memory fits with them): GQA causal with odd lengths, an additive and a
-    boolean mask, key padding with a fully masked batch (output and gradients 0), dropout against the seed's mask."""
+    boolean mask, key padding with a fully masked batch (output and gradients 0), dropout against the seed's mask,
+    packed varlen sequences (empty, one-row, Sq != Sk; rows past the last sequence zero)."""
     b, hq, hkv = 2, 4, 2
     q, k, v = _inputs((b, hq, 333, d), (b, hkv, 333, d), (b, hkv, 333, d), BF16, "cuda")
     _check_against_ref(q, k, v, causal=True, enable_gqa=True, what=f"d{d} causal gqa")
@@ -874,6 +875,14 @@ def test_gpu_triton_d256_tier_masks_dropout_gqa(d):
     dmask = attention_dropout_mask(seed, b, hq, 333, 333, 0.2, "cuda")
     _check_against_ref(q, k, v, causal=True, dropout_p=0.2, dropout_mask=dmask, enable_gqa=True, out=out,
                        what=f"d{d} dropout")
+    lq, lk = [300, 1, 0, 77], [260, 5, 9, 130]  # packed varlen: empty and one-row sequences, Sq != Sk
+    q, k, v, cu_q, cu_k = _varlen_case(lq, lk, hq, hkv, d, BF16, "cuda", extra_rows=3)
+    out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True, backend="triton")
+    do = torch.randn_like(out)
+    dq, dk, dv = _grads(out, (q, k, v), do)
+    for t, end in ((out, cu_q[-1]), (dq, cu_q[-1]), (dk, cu_k[-1]), (dv, cu_k[-1])):
+        assert torch.equal(t[int(end):], torch.zeros_like(t[int(end):]))
+    _check_varlen_per_sequence(out, (dq, dk, dv), q, k, v, do, cu_q, cu_k, True, BF16)
 
 
 @pytest.mark.gpu
