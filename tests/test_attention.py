@@ -671,17 +671,16 @@ def test_varlen_equals_per_sequence(device, causal, dtype):
     q, k, v, cu_q, cu_k = _varlen_case(lq, lk, 4, 2, 16, dtype, device, extra_rows=3)
     out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, backend="triton")
     do = torch.randn_like(out)
-    dq, dk, dv = _grads(out, (q, k, v), do)
-    # Rows past cu_seqlens[-1]: output and gradients are defined zeros.
-    for t, end in ((out, cu_q[-1]), (dq, cu_q[-1]), (dk, cu_k[-1]), (dv, cu_k[-1])):
-        assert torch.equal(t[int(end):], torch.zeros_like(t[int(end):]))
-    _check_varlen_per_sequence(out, (dq, dk, dv), q, k, v, do, cu_q, cu_k, causal, dtype)
+    _check_varlen_per_sequence(out, _grads(out, (q, k, v), do), q, k, v, do, cu_q, cu_k, causal, dtype, zero_tail=True)
 
 
-def _check_varlen_per_sequence(out, grads, q, k, v, do, cu_q, cu_k, causal, dtype):
+def _check_varlen_per_sequence(out, grads, q, k, v, do, cu_q, cu_k, causal, dtype, zero_tail=False):
     """Each sequence's output and gradients of a varlen call against the reference on that sequence alone
-    (float64 and ``dtype``, by the accuracy rule); zero-length query sequences are skipped."""
+    (float64 and ``dtype``, by the accuracy rule); zero-length query sequences are skipped. ``zero_tail``: also the
+    rows past cu_seqlens[-1], whose output and gradients are defined zeros."""
     dq, dk, dv = grads
+    for t, end in ((out, cu_q[-1]), (dq, cu_q[-1]), (dk, cu_k[-1]), (dv, cu_k[-1])) if zero_tail else ():
+        assert torch.equal(t[int(end):], torch.zeros_like(t[int(end):]))
     for i in range(cu_q.numel() - 1):
         qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
         if qe == qs:
@@ -879,10 +878,7 @@ def test_gpu_triton_d256_tier_masks_dropout_gqa(d):
     q, k, v, cu_q, cu_k = _varlen_case(lq, lk, hq, hkv, d, BF16, "cuda", extra_rows=3)
     out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True, backend="triton")
     do = torch.randn_like(out)
-    dq, dk, dv = _grads(out, (q, k, v), do)
-    for t, end in ((out, cu_q[-1]), (dq, cu_q[-1]), (dk, cu_k[-1]), (dv, cu_k[-1])):
-        assert torch.equal(t[int(end):], torch.zeros_like(t[int(end):]))
-    _check_varlen_per_sequence(out, (dq, dk, dv), q, k, v, do, cu_q, cu_k, True, BF16)
+    _check_varlen_per_sequence(out, _grads(out, (q, k, v), do), q, k, v, do, cu_q, cu_k, True, BF16, zero_tail=True)
 
 
 @pytest.mark.gpu
