@@ -732,7 +732,7 @@ def main(argv=None) -> int:
                     help="the shapes beyond the anchors (MATRIX: head dims 80 / 96 / 256, GQA, short sequences) "
                          "against SDPA flash and cuDNN; written to attention_matrix_<card>_<date>.csv")
     ap.add_argument("--only", default="",
-                    help="with --matrix: the MATRIX cases of these comma-separated names only (e.g. d256_causal,d192_bidir)")
+                    help="with --matrix: only the MATRIX cases of these comma-separated names (d256_causal,d192_bidir)")
     ap.add_argument("--smoke", action="store_true",
                     help="check the script's logic on CPU: tiny fp32 shapes, Triton interpreter, no timing, no CSV")
     args = ap.parse_args(argv)
@@ -764,7 +764,8 @@ def main(argv=None) -> int:
         names = [n for n in args.only.split(",") if n]
         unknown = sorted(set(names) - {c.name for c in MATRIX})
         if unknown:
-            raise SystemExit(f"--only: no MATRIX case named {', '.join(unknown)} (have {', '.join(c.name for c in MATRIX)})")
+            have = ", ".join(c.name for c in MATRIX)
+            raise SystemExit(f"--only: no MATRIX case named {', '.join(unknown)} (have {have})")
         for case in [c for c in MATRIX if not names or c.name in names]:
             groups.append(run_case(case, budget))
             path = report_step(groups, groups[-1], budget) or path

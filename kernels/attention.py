@@ -87,12 +87,13 @@ entries that run190 added by measured time, dK/dV 32x64/w4/s4 and 64x64/w4/s3 an
 compiled for this check; they were the fastest of their kernel's candidates on the H100).
 Exceptions (8 to 80 bytes of stack): forward 128x128 at D = 128 with causal/masks, varlen D = 64
 forward 128x64/4 warps, varlen D = 128 dK/dV 32x64/4 warps; the autotuner can avoid them. D = 256's
-larger entries spill a little and were chosen by time (run471: the small spill-free tiles were 1.5-3.8x slower), the
-entries pruned by their shared memory on smaller cards (``_SMEM_256``). Rules the tables follow: the TTGIR of the dK/dV kernel gives its (BLOCK_N x BLOCK_M)
-S^T/dP^T wgmma tiles warps [8, 1] along BLOCK_N at 8 warps, so a 64-row tile there is replicated over
-both warpgroups (those two products computed twice): BLOCK_N = 128 at 8 warps, BLOCK_N = 64 only at
-4 warps (at D = 256 excepted: there 64x64 at 8 warps halves each thread's dK/dV accumulators and was the fastest). Loops that run at most a few iterations (key / query tail, causal diagonal band) of the
-backward are not software-pipelined, which frees registers for the main loop.
+larger entries spill a little and were chosen by time (run471: the small spill-free tiles were 1.5-3.8x slower),
+the entries pruned by their shared memory on smaller cards (``_SMEM_256``). Rules the tables follow: the TTGIR of
+the dK/dV kernel gives its (BLOCK_N x BLOCK_M) S^T/dP^T wgmma tiles warps [8, 1] along BLOCK_N at 8 warps, so a
+64-row tile there is replicated over both warpgroups (those two products computed twice): BLOCK_N = 128 at 8
+warps, BLOCK_N = 64 only at 4 warps (D = 256 excepted: there 64x64 at 8 warps halves each thread's dK/dV
+accumulators and was the fastest). Loops that run at most a few iterations (key / query tail, causal diagonal
+band) of the backward are not software-pipelined, which frees registers for the main loop.
 The D = 64 backward's entries are ordered by H100 timings (run190); the benchmark records the configs the
 autotuner picks.
 

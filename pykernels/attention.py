@@ -1018,7 +1018,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       (``csrc/attention.cpp`` and ``attention.cuh``: fp16 / bf16, one head dim for q, k, v, a multiple of 8 up to
       256), taken when named, and by "auto" for eager calls with dropout (its autograd runs
       in C++: less host time a training step; :data:`AUTO_CUDA_DROPOUT`) and, on Hopper, for eager calls without
-      dropout at head dims that Triton has no Hopper kernel for (64 < D < 128), unmasked or with a boolean key-padding mask (:data:`AUTO_CUDA_HEAD_DIMS`); "auto" takes Triton otherwise
+      dropout at head dims that Triton has no Hopper kernel for (64 < D < 128), unmasked or with a boolean
+      key-padding mask (:data:`AUTO_CUDA_HEAD_DIMS`); "auto" takes Triton otherwise
       (faster kernels, and capturable in CUDA graphs).
     * ``deterministic``: None = ``torch.are_deterministic_algorithms_enabled()``. True (or torch's
       deterministic mode) makes the backward bitwise reproducible. Otherwise, on Hopper at D = 128 with

@@ -1,7 +1,8 @@
-"""The Triton attention backward's kernels as the JIT compiles them for sm_90, on any machine (Triton's ptxas, no GPU):
-``attention.attention_fwd``'s (the Triton forward kernel) and ``attention.attention_bwd``'s launches are captured on CPU tensors (with the JIT's own argument specialisation: 16-byte
-aligned pointers and strides and lengths divisible by 16 marked so), and each kernel is compiled with every config of
-its tables for the case, printing ptxas's registers and spill bytes, the inline PTX dropout's layouts (the TTGIR of
+"""The Triton attention kernels as the JIT compiles them for sm_90, on any machine (Triton's ptxas, no GPU):
+``attention.attention_fwd``'s (the Triton forward kernel) and ``attention.attention_bwd``'s launches are captured on
+CPU tensors (with the JIT's own argument specialisation: 16-byte aligned pointers and strides and lengths divisible by
+16 marked so), and each kernel is compiled with every config of its tables for the case, printing ptxas's registers
+and spill bytes, the shared memory, the inline PTX dropout's layouts (the TTGIR of
 each ``elementwise_inline_asm``: it must be an ``nvidia_mma`` accumulator, whose register and lane order the PTX
 assumes) and the innermost loop's SASS instruction count. The seventy-fifth session's probe for the dQ kernel's quad
 keep bits (``attention.PTX_DROPOUT``).
@@ -131,7 +132,8 @@ def main() -> None:
                     sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
                 lp = loops(sass)
                 longest = max((n for n, _, _ in lp), default=0)
-                print(f"{tag}: {ws._ptxas_report(ck.asm['ptx'])}; shared {ck.metadata.shared} B; longest MMA loop {longest} instructions; "
+                print(f"{tag}: {ws._ptxas_report(ck.asm['ptx'])}; shared {ck.metadata.shared} B; "
+                      f"longest MMA loop {longest} instructions; "
                       f"asm layouts {[defs.get(x, x) for x in asm_layouts]}", flush=True)
                 if args.out:
                     os.makedirs(args.out, exist_ok=True)
