@@ -222,6 +222,11 @@ _SMEM_256 = {
 }
 
 
+def _tier(d: int) -> int:
+    """The tables' head-dim tier of a padded head dim: 64, 128 or 256."""
+    return 64 if d <= 64 else (128 if d <= 128 else 256)
+
+
 def _smem_limit(args) -> int | None:
     """The opt-in shared memory per block of the CUDA device the launch's tensors are on (None: none found)."""
     for v in args.values():
@@ -238,7 +243,7 @@ def _fitting(kind: str, table: list, limit: int | None, plain: bool) -> list:
     if limit is None:
         return table
     sizes = _SMEM_256[kind]
-    return [t for t in table if sizes.get(t, (0, 0))[0 if plain else 1] <= limit] or table[-1:]
+    return [t for t in table if sizes[t][0 if plain else 1] <= limit] or table[-1:]
 
 
 def _configs(*kinds):
@@ -261,8 +266,7 @@ def _pruner(kind):
         if len(configs) == 1:
             return configs
         args = {**nargs, **kw}  # seq_bucket is positional (nargs); the constexprs come as keywords
-        d = max(args["BLOCK_D"], args["BLOCK_DV"])
-        tier = 64 if d <= 64 else (128 if d <= 128 else 256)
+        tier = _tier(max(args["BLOCK_D"], args["BLOCK_DV"]))
         if args.get("PRECISION") == "ieee":
             table = _TABLE["fp32_" + kind][tier]
         elif kind == "fwd" and args.get("HAS_DROPOUT") and tier <= 128:

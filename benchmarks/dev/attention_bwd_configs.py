@@ -53,7 +53,7 @@ FWD = {256: [(128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 3), (64, 16, 8, 2), (
 
 
 def _widen(kernel, kind: str, tier: int, extra: list[tuple]) -> list[tuple]:
-    have = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kernel.configs}
+    have = {_key(c) for c in kernel.configs}
     for bm, bn, w, st in extra:
         if (bm, bn, w, st) not in have:
             kernel.configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st))
@@ -67,6 +67,11 @@ def _forget(*kernels) -> None:
     for k in kernels:
         k.cache.clear()
         _launch.fast(k).cache.clear()
+
+
+def _key(cfg) -> tuple:
+    """A config as the tables write it: (BLOCK_M, BLOCK_N, warps, stages)."""
+    return cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages
 
 
 def _name(cfg) -> str:
@@ -98,13 +103,12 @@ def main() -> None:
     dkdv_k, dq_k, fwd_k = katt._attention_bwd_dkdv_kernel, katt._attention_bwd_dq_kernel, katt._attention_fwd_kernel
     for name in [c for c in args.cases.split(",") for _ in range(args.repeat)]:
         b, h, s, d, causal, pad = CASES[name]
-        tier = 64 if d <= 64 else (128 if d <= 128 else 256)
+        tier = katt._tier(d)
         kerns = [("dkdv", dkdv_k, DKDV), ("dq", dq_k, DQ)] + ([("fwd", fwd_k, FWD)] if tier in FWD else [])
         base = {kind: katt._TABLE[kind][tier] for kind, _, _ in kerns}
         _forget(*(k for _, k, _ in kerns))
         ref = _grads(b, h, s, d, causal, pad)  # the table's own choice
-        picked = {kind: (k.best_config.kwargs["BLOCK_M"], k.best_config.kwargs["BLOCK_N"], k.best_config.num_warps,
-                         k.best_config.num_stages) for kind, k, _ in kerns}
+        picked = {kind: _key(k.best_config) for kind, k, _ in kerns}
         for kind, k, cands in kerns:
             _widen(k, kind, tier, cands[tier])
         _forget(*(k for _, k, _ in kerns))
@@ -115,11 +119,12 @@ def main() -> None:
         for label, kern, _ in kerns:
             timings = sorted(kern.configs_timings.items(), key=lambda kv: kv[1][0])
             for cfg, t in timings:
-                key = (cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages)
-                print(f"  {label:5s} {_name(cfg):16s} {t[0] * 1e3:8.1f} us{'   (table)' if key in base[label] else ''}")
+                print(f"  {label:5s} {_name(cfg):16s} {t[0] * 1e3:8.1f} us"
+                      f"{'   (table)' if _key(cfg) in base[label] else ''}")
         for kind, _, _ in kerns:
             katt._TABLE[kind][tier] = base[kind]
         _forget(*(k for _, k, _ in kerns))
+
 
 if __name__ == "__main__":
     main()

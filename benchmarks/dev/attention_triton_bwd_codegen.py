@@ -104,7 +104,7 @@ def main() -> None:
     tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
     for case in args.cases.split(","):
         d = CASES[case][3]
-        tier = 64 if d <= 64 else (128 if d <= 128 else 256)
+        tier = tri._tier(d)
         for kern, a, kw in capture_launches(case, args.p, bool(args.ptx), args.stored, args.mask):
             name = ("fwd" if kern is tri._attention_fwd_kernel else "dq" if "COMPUTE_DELTA" in kw
                     else "dkdv" if "PTX_DROPOUT" in kw else "pre")
