@@ -998,10 +998,10 @@ def _precision(dtype: torch.dtype) -> str:
 
 def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None, causal: bool = False) -> bool:
     """Whether the dense forward runs the Gluon warp-specialised kernel of ``attention_sm90`` (Hopper;
-    D = 128, or D = 64 with long keys: ``attention_sm90.preferred``) instead of ``_attention_fwd_kernel``.
+    D = 128 or 256, or D = 64 with long keys: ``attention_sm90.preferred``) instead of ``_attention_fwd_kernel``.
     Cheap checks first, so CPU tensors and masked (but key padding), dropout or other head-dim calls never
     import the Gluon module; ``unsupported`` checks the device (sm_90) and the rest, the mask's kind too."""
-    if q.device.type != "cuda" or q.shape[-1] not in (64, 128) or dropout_p > 0 \
+    if q.device.type != "cuda" or q.shape[-1] not in (64, 128, 256) or dropout_p > 0 \
             or (mask is not None and kv_range is None):
         return False
     from . import attention_sm90

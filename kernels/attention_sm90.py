@@ -36,7 +36,7 @@ Scores are in base 2 (``qk_scale = scale * log2 e``). Causal masking is top-left
 ``attention.py``: a tile visits the key blocks up to its last row's diagonal; a block is masked only
 where it crosses the diagonal or the key tail (a uniform branch).
 
-Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 128), no mask (or a boolean
+Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 128, 256), no mask (or a boolean
 key-padding mask with its key range, not causal: ``KEY_PAD``), no dropout, scale > 0, no empty dimension,
 TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto path. Packed varlen sequences take the same
 kernel (``VARLEN``, ``attention_fwd_sm90_varlen``; ``varlen_unsupported`` says why not, and
@@ -77,12 +77,16 @@ from . import _launch, _tuning
 
 LOG2E = 1.4426950408889634
 # (rows per consumer warpgroup, BLOCK_N, STAGES) per head dim; a CTA takes two warpgroups' rows
-CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2)}
+CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)}
 # with a key-padding mask at D = 64: 128 rows x 64 keys per warpgroup (finer key blocks skip more padding):
 # 1.032-1.043x at BERT-base key padding, graph replay (run98, ``attention_ab_fwd64_*_run98.txt``; the benchmark
 # 1.01 -> 1.05x FlexAttention, run109); without a mask even (BERT) or 0.79x (GPT-2 causal), so only here.
 # GPU key-padding tests at odd lengths: run110
 KEY_PAD_CONFIGS = {64: (128, 64, 3)}
+# the Q tiles are double-buffered across a CTA's tiles (the next tile's Q arrives during this tile's epilogue)
+# where that fits beside the K/V ring in sm_90's 227 KiB of shared memory per block; else (D > 128) one Q tile
+# a warpgroup, loaded once its O left it (``q_bufs``)
+SMEM_PER_BLOCK = 232448
 MAX_REGS = 65536 // (12 * 32) // 8 * 8  # 12 warps on one SM: the launch cap (168); setmaxnreg moves them
 MIN_SK_D64 = 1024  # the auto path's rule at D = 64, causal (at D = 128 it always wins): ``preferred``
 # the varlen forward's head dims (``kernels.attention.sm90_varlen_forward``): against the Triton varlen kernel
@@ -397,9 +401,10 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
               n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
-              KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, ORDER: gl.constexpr, q_layout: gl.constexpr):
+              KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, ORDER: gl.constexpr, q_layout: gl.constexpr,
+              Q_BUFS: gl.constexpr):
     """Consumer warpgroup WG over the CTA's tiles: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each; its Q
-    buffer of a tile is (tile count % 2, WG), released through ``q_empty`` once O left it. VARLEN: tiles
+    buffer of a tile is (tile count % Q_BUFS, WG), released through ``q_empty`` once O left it. VARLEN: tiles
     past their sequence's length are skipped (by the producer alike), so the count of active tiles is
     carried through the loop."""
     if VARLEN:  # (its own loop: the dense one below stays as it was, register for register)
@@ -409,11 +414,11 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
             start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, ORDER)
             q0, sq_t, k0, sk_t, n_blocks, v_empty_seq = _varlen_span(CuQ, CuK, b, start_m, BLOCK_M, BLOCK_N, IS_CAUSAL)
             if start_m < sq_t:
-                buf = (n_done % 2) * 2 + WG
+                buf = (n_done % Q_BUFS) * 2 + WG
                 my_m = start_m + WG * BLOCK_M
                 acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
                                          v_empty, turn_bar, WG, sk_t, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M,
-                                         BLOCK_N, STAGES, IS_CAUSAL, 4, True, base, (n_done // 2) & 1)
+                                         BLOCK_N, STAGES, IS_CAUSAL, 4, True, base, (n_done // Q_BUFS) & 1)
                 hb = tile // n_m  # (sequence, head, start and length again: not held through the main loop)
                 b = (hb // H).to(gl.int64)
                 h = (hb % H).to(gl.int64)
@@ -443,12 +448,12 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
                 tile = i
             start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, ORDER)
             it = (i - i0) // step  # this CTA's tile count (not loop-carried)
-            buf = (it % 2) * 2 + WG
+            buf = (it % Q_BUFS) * 2 + WG
             my_m = start_m + WG * BLOCK_M
             j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
             acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
                                      v_empty, turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
-                                     STAGES, IS_CAUSAL, 4, True, base, (it // 2) & 1, j0, Mask, b * stride_mb,
+                                     STAGES, IS_CAUSAL, 4, True, base, (it // Q_BUFS) & 1, j0, Mask, b * stride_mb,
                                      stride_mn, lo, hi, dense, KEY_PAD)
             if KEY_PAD:  # a batch without a valid key: O = 0, lse = -inf
                 acc = acc * gl.where(empty, 0.0, 1.0)
@@ -469,7 +474,8 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
               stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk, qk_scale,
               n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
-              KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, ORDER: gl.constexpr, q_layout: gl.constexpr):
+              KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, ORDER: gl.constexpr, q_layout: gl.constexpr,
+              Q_BUFS: gl.constexpr):
     """The producer warp, over the CTA's tiles: both warpgroups' Q tiles (double-buffered across tiles),
     then the tile's K/V through the ring (each stage's empty barriers count 2 arrivals, one per consumer).
     VARLEN: a sequence b is rows [cu[b], cu[b + 1]) of the packed tensors (``stride_*b`` 0); tiles past its
@@ -510,8 +516,8 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
                 k_row0, k_col0 = _flat_coords(k_off, stride_kn)
                 v_row0, v_col0 = _flat_coords(v_off, stride_vn)
             for wg in gl.static_range(2):
-                buf = (it % 2) * 2 + wg
-                mbarrier.wait(q_empty.index(buf), ((it // 2) & 1) ^ 1)
+                buf = (it % Q_BUFS) * 2 + wg
+                mbarrier.wait(q_empty.index(buf), ((it // Q_BUFS) & 1) ^ 1)
                 mbarrier.expect(q_bar.index(buf), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_row0 + start_m + wg * BLOCK_M, q_col0], q_bar.index(buf),
                                                 q_smem.index(buf))
@@ -554,6 +560,7 @@ def _attention_fwd_sm90_kernel(
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, KEY_PAD: gl.constexpr, VARLEN: gl.constexpr,
     ORDER: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
+    Q_BUFS: gl.constexpr,
 ):
     """Tiles of 2 * BLOCK_M query rows of one (batch, head), n_m per head, n_tiles in all, over a 1-D grid:
     a CTA takes tiles program_id, + num_programs, ... (persistent when the grid is smaller than n_tiles).
@@ -580,10 +587,10 @@ def _attention_fwd_sm90_kernel(
             Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
             stride_vn, b, h, hk, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
         o_desc = q_desc  # (unused: the consumers make the head's O descriptor)
-    q_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HEAD_D], q_layout)  # (tile parity, warpgroup)
-    q_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(4):
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, BLOCK_M, HEAD_D], q_layout)  # (tile % Q_BUFS, warpgroup)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * Q_BUFS):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
     k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, turn_bar = _alloc_kv_ring(dtype, STAGES, BLOCK_N, HEAD_D,
@@ -594,18 +601,25 @@ def _attention_fwd_sm90_kernel(
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
                         qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout)),
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS)),
         (_producer, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
                         qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout)),
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS)),
         (_consumer, (1, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
                         qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout)),
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS)),
     ], [1, 4], [24, 240])
+
+
+def q_bufs(block_m: int, block_n: int, stages: int, d: int) -> int:
+    """Q tiles a consumer warpgroup holds (``Q_BUFS``): 2 where both warpgroups' two Q tiles and the K/V ring
+    (bf16 / fp16) fit ``SMEM_PER_BLOCK`` with 1 KiB to spare for the mbarriers, else 1."""
+    ring = 2 * stages * block_n * d * 2
+    return 2 if 4 * block_m * d * 2 + ring + 1024 <= SMEM_PER_BLOCK else 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -648,7 +662,7 @@ def unsupported(q, k, v, mask, *, dropout_p: float, scale: float, varlen: bool, 
         return "dtype is not float16/bfloat16"
     d = q.shape[-1]
     if d not in CONFIGS or k.shape[-1] != d or v.shape[-1] != d:
-        return "head dim is not 64 or 128 (or Dv != D)"
+        return "head dim is not 64, 128 or 256 (or Dv != D)"
     if not scale > 0:
         return "scale <= 0"
     if not (_tma_ok(q) and _tma_ok(k) and _tma_ok(v)):
@@ -664,11 +678,11 @@ def preferred(q, k, causal: bool) -> bool:
     """The auto path's speed rule against the Triton forward (H100 run34,
     ``benchmarks/dev/attention_sm90_crossover.py``, graph replay): D = 128 always (1.17-1.64x); D = 64
     without causal masking from Sk = 512 (1.04-1.09x; 0.97x at 256), causal from 1024 (1.10-1.18x; 0.72x
-    at 256, 0.91x at 512)."""
+    at 256, 0.91x at 512). D = 256 always (RESULT_D256)."""
     d, sk = q.shape[-1], k.shape[2]
     if d == 64:
         return sk >= (MIN_SK_D64 if causal else 512) and enabled()
-    return d == 128 and enabled()
+    return d in (128, 256) and enabled()
 
 
 def _flat_geometry(shape, strides, block_rows: int):
@@ -873,7 +887,7 @@ class _FwdPlan:
                      hq, hq // hkv, sq, sk, scale * LOG2E, n_m, n_tiles)
         self.kwargs = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal),
                            HOST_DESC=geo is not None, KEY_PAD=key_pad, VARLEN=False, ORDER=False, q_layout=ql,
-                           kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
+                           kv_layout=kl, num_warps=4, maxnreg=MAX_REGS, Q_BUFS=q_bufs(bm, bn, stages, d))
         self.kernel = _launch.fast(_attention_fwd_sm90_kernel)
         # causal on the persistent grid: the tile table where it is modelled faster (``_causal_order``); made
         # here, uploaded on the first call that is not capturing a CUDA graph (the rounds serve until then)
@@ -1005,5 +1019,6 @@ def attention_fwd_sm90_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
         hq, hq // hkv, max_seqlen_q, max_seqlen_k, scale * LOG2E, n_m, n_tiles, None, None, 0, 0,
         cu_seqlens_q, cu_seqlens_k, None,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), HOST_DESC=True, KEY_PAD=False,
-        VARLEN=True, ORDER=False, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS)
+        VARLEN=True, ORDER=False, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS,
+        Q_BUFS=q_bufs(bm, bn, stages, d))
     return o, lse

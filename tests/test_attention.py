@@ -883,8 +883,8 @@ def test_gpu_triton_d256_tier_masks_dropout_gqa(d):
 
 @pytest.mark.gpu
 def test_gpu_triton_d256_every_table_entry(monkeypatch):
-    """Each entry of the D = 256 tables (forward, dK/dV, dQ: the i-th of each pinned together) that fits this card's
-    shared memory, against the references: causal with odd lengths and a bidirectional call with Sq != Sk."""
+    """Each entry of the D = 256 tables (forward, dK/dV, dQ: the i-th of each pinned together; the sm_90 Gluon forward
+    off) that fits this card's shared memory, against the references: causal with odd lengths and a bidirectional call with Sq != Sk."""
     from pykernels._kernels import _launch
     from pykernels._kernels import _tuning
     from pykernels._kernels import attention as tri
@@ -896,6 +896,7 @@ def test_gpu_triton_d256_every_table_entry(monkeypatch):
     q2, k2, v2 = _inputs((1, 2, 77, 256), (1, 2, 400, 256), (1, 2, 400, 256), BF16, "cuda")
     ran = 0
     for i in range(max(len(tri._TABLE[kind][256]) for kind in kernels)):
+        monkeypatch.setenv("PYKERNELS_ATTN_SM90", "0")  # the Triton forward (the Gluon one takes D = 256 on Hopper)
         for kind, kern in kernels.items():
             table = tri._TABLE[kind][256]
             entry = table[min(i, len(table) - 1)]
@@ -1361,6 +1362,44 @@ def test_gpu_sm90_gluon_forward_key_padding(layout, b, hq, hkv, sq, sk, d, patte
 
 @pytest.mark.gpu
 @sm90_only
+@pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal,pattern", [
+    ("bhsd", 4, 16, 16, 2048, 2048, False, None),   # 1024 tiles: each persistent CTA walks ~8 (one Q tile a warpgroup)
+    ("bshd", 2, 16, 4, 2048, 2048, True, None),     # GQA causal on the host's tile table
+    ("bhsd", 1, 4, 2, 1000, 1500, True, None),      # Sq != Sk, odd lengths
+    ("bshd", 2, 2, 1, 1, 2048, True, None),         # Sq = 1
+    ("bhsd", 1, 2, 2, 127, 1031, False, None),      # the query and key tails
+    ("bshd", 3, 4, 2, 1000, 777, False, "keys"),    # key padding, the last batch without a valid key
+])
+def test_gpu_sm90_gluon_forward_d256(layout, b, hq, hkv, sq, sk, causal, pattern):
+    """The Gluon forward at D = 256 (64 x 64 tiles a warpgroup, one Q tile a warpgroup: ``attention_sm90.q_bufs``)
+    against the float64 reference, forward and (Triton's backward on its lse) gradients; bitwise the same through
+    the kernel entry point; a batch without a valid key gives 0."""
+    from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90
+    from pykernels.attention import _key_padding_range
+    cfg = attention_sm90.CONFIGS[256]
+    assert attention_sm90.q_bufs(*cfg, 256) == 1  # (the two-tile Q ring does not fit beside the K/V ring)
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout, d=256)
+    mask = m4 = kv_range = None
+    if pattern == "keys":
+        lens = torch.tensor([[sk], [sk // 2 + 3], [0]], device="cuda")
+        mask = (torch.arange(sk, device="cuda")[None, :] < lens).view(b, 1, 1, sk)
+        m4 = mask.expand(b, hq, sq, sk)
+        kv_range = _key_padding_range(m4)
+    assert katt.sm90_forward(q, k, v, m4, dropout_p=0.0, scale=256 ** -0.5, kv_range=kv_range, causal=causal), \
+        "this case must take the sm_90 kernel"
+    out, grads = _check_against_ref(q, k, v, mask=mask, causal=causal, enable_gqa=hq != hkv, what="sm90 d256")
+    assert torch.isfinite(out).all()
+    o2, lse2 = katt.attention_fwd(q.detach(), k.detach(), v.detach(), m4, causal=causal, scale=256 ** -0.5,
+                                  dropout_p=0.0, seed=0, kv_range=kv_range)
+    assert torch.equal(o2, out.detach())
+    if pattern == "keys":
+        assert (out[2] == 0).all() and torch.isneginf(lse2[2]).all()
+        assert all((g[2] == 0).all() for g in grads)
+
+
+@pytest.mark.gpu
+@sm90_only
 @pytest.mark.parametrize("layout", ["packed", "qkv"])
 @pytest.mark.parametrize("lens,hq,hkv,d,causal", [
     ([512, 300, 0, 17, 511, 1], 4, 4, 64, False),   # BERT-like lengths, an empty sequence, lengths 17 and 1
@@ -1460,6 +1499,10 @@ def test_gpu_sm90_dispatch_rules(monkeypatch):
         assert katt.sm90_forward(q64, kk64, kk64, None, dropout_p=0.0, scale=sc, causal=causal) == expected, (sk, causal)
     assert not katt.sm90_forward(q[..., :80].contiguous(), k[..., :80].contiguous(), v[..., :80].contiguous(), None,
                                  dropout_p=0.0, scale=sc)  # D = 80: Triton
+    q256, k256 = (torch.randn(1, 2, n, 256, dtype=BF16, device="cuda") for n in (64, 1024))
+    assert katt.sm90_forward(q256, k256, k256, None, dropout_p=0.0, scale=sc)  # D = 256: the Gluon forward
+    assert not katt.sm90_forward(q256[..., :192], k256[..., :192], k256[..., :192], None, dropout_p=0.0,
+                                 scale=sc)  # D = 192: Triton (a TMA box is a power of two wide)
     assert not katt.sm90_forward(q, k, v, None, dropout_p=0.1, scale=sc)
     assert not katt.sm90_forward(q.float(), k.float(), v.float(), None, dropout_p=0.0, scale=sc)
     assert not katt.sm90_forward(q, k[..., ::2].contiguous(), v, None, dropout_p=0.0, scale=sc)  # D 64 keys

@@ -316,7 +316,9 @@ def compile_only() -> None:
              for d, cfgs in PP_CONFIGS.items() for cfg in cfgs]
     from triton.runtime.jit import mangle_type
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    for d in PP_CONFIGS:  # the package kernel with host descriptors (typed through a CPU stand-in)
+    # the package kernel with host descriptors (typed through a CPU stand-in); D = 256 (one Q tile a warpgroup,
+    # ``q_bufs``) without the varlen variant, which its rule does not take (``VARLEN_HEAD_DIMS``)
+    for d in (*PP_CONFIGS, 256):
         for causal in (False, True):
             bm, bn, stages = pkg.CONFIGS[d]
             ql, kl = base.smem_layouts(bm, bn, d, torch.bfloat16)
@@ -327,7 +329,8 @@ def compile_only() -> None:
             sig.update(QD=qd, OD=qd, KD=kd, VD=kd)
             consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, HOST_DESC=True,
                           q_layout=ql, kv_layout=kl, num_warps=4, Mask=None, KvRange=None, KEY_PAD=False,
-                          CuQ=None, CuK=None, VARLEN=False, Order=None, ORDER=False)
+                          CuQ=None, CuK=None, VARLEN=False, Order=None, ORDER=False,
+                          Q_BUFS=pkg.q_bufs(bm, bn, stages, d))
             print(f"host-desc D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
                   f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
             if causal:  # the causal persistent grid's tile table (``_causal_order``)
@@ -336,19 +339,20 @@ def compile_only() -> None:
                 oconsts["ORDER"] = True
                 print(f"order D{d} cfg{(bm, bn, stages, 4)} causal: "
                       f"{compile_report(fn, osig, oconsts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
-            # packed varlen sequences (the forward's VARLEN variant, cu_seqlens int32)
-            vsig = dict(sig, CuQ="*i32", CuK="*i32")
-            vconsts = {kk: vv for kk, vv in consts.items() if kk not in ("CuQ", "CuK")}
-            vconsts["VARLEN"] = True
-            print(f"varlen D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
-                  f"{compile_report(fn, vsig, vconsts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
+            if d in PP_CONFIGS:  # packed varlen sequences (the forward's VARLEN variant, cu_seqlens int32)
+                vsig = dict(sig, CuQ="*i32", CuK="*i32")
+                vconsts = {kk: vv for kk, vv in consts.items() if kk not in ("CuQ", "CuK")}
+                vconsts["VARLEN"] = True
+                print(f"varlen D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
+                      f"{compile_report(fn, vsig, vconsts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
             if not causal:  # a boolean key-padding mask (the forward's KEY_PAD variant, its own tiles)
                 bm, bn, stages = pkg.KEY_PAD_CONFIGS.get(d, pkg.CONFIGS[d])
                 ql, kl = base.smem_layouts(bm, bn, d, torch.bfloat16)
                 qd, kd = (mangle_type(TensorDescriptor.from_tensor(t, [r, d], lay))
                           for r, lay in ((bm, ql), (bn, kl)))
                 sig.update(QD=qd, OD=qd, KD=kd, VD=kd, Mask="*u8", KvRange="*i32")
-                consts.update(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, q_layout=ql, kv_layout=kl, KEY_PAD=True)
+                consts.update(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, q_layout=ql, kv_layout=kl, KEY_PAD=True,
+                              Q_BUFS=pkg.q_bufs(bm, bn, stages, d))
                 del consts["Mask"], consts["KvRange"]
                 print(f"keypad D{d} cfg{(bm, bn, stages, 4)} full: "
                       f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
@@ -361,7 +365,8 @@ def compile_only() -> None:
                               kv_layout=kl, num_warps=warps)
                 if fn is pkg._attention_fwd_sm90_kernel:
                     consts.update(QD=None, KD=None, VD=None, OD=None, HOST_DESC=False, Mask=None, KvRange=None,
-                                  KEY_PAD=False, CuQ=None, CuK=None, VARLEN=False, Order=None, ORDER=False)
+                                  KEY_PAD=False, CuQ=None, CuK=None, VARLEN=False, Order=None, ORDER=False,
+                                  Q_BUFS=pkg.q_bufs(bm, bn, stages, d))
                 opts = dict(num_warps=warps)
                 if kind != "plain":
                     opts["maxnreg"] = max_regs(8 if kind == "ping-pong" else warps)
