@@ -76,7 +76,12 @@ from pykernels._alloc import empty, empty_strided
 from . import _launch, _tuning
 
 LOG2E = 1.4426950408889634
-# (rows per consumer warpgroup, BLOCK_N, STAGES) per head dim; a CTA takes two warpgroups' rows
+# (rows per consumer warpgroup, BLOCK_N, STAGES) per head dim; a CTA takes two warpgroups' rows. D = 256: 64 keys a
+# block, two stages, one Q tile a warpgroup (``q_bufs``; 197 KB of shared memory, no spill at 240 registers a
+# consumer: its O is 128 of them). H200 run474 (``attention_sm90_configs.py --d256``, graph replay) against 64 x 32
+# with 3 stages and two Q tiles (the Q ring kept, 225 KB): 654 against 483 TFLOP/s at B4 H8 S4096 causal, 672 / 484
+# at B4 H8 S2048, 535 / 432 at B16 H16 S512 (32-key blocks halve each wgmma's N); 64 x 32 x 4 and 64 x 128 x 1 slower
+# still. D = 192 stays on Triton: a TMA box's width is a power of two.
 CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)}
 # with a key-padding mask at D = 64: 128 rows x 64 keys per warpgroup (finer key blocks skip more padding):
 # 1.032-1.043x at BERT-base key padding, graph replay (run98, ``attention_ab_fwd64_*_run98.txt``; the benchmark
@@ -678,7 +683,9 @@ def preferred(q, k, causal: bool) -> bool:
     """The auto path's speed rule against the Triton forward (H100 run34,
     ``benchmarks/dev/attention_sm90_crossover.py``, graph replay): D = 128 always (1.17-1.64x); D = 64
     without causal masking from Sk = 512 (1.04-1.09x; 0.97x at 256), causal from 1024 (1.10-1.18x; 0.72x
-    at 256, 0.91x at 512). D = 256 always (RESULT_D256)."""
+    at 256, 0.91x at 512). D = 256 always: H200 run474 (``benchmarks/dev/attention_sm90_configs.py --d256``, graph
+    replay, TFLOP/s against the Triton forward's D = 256 tier) B4 H8 S4096 causal 654 / 426, B4 H8 S2048 672 / 474,
+    B2 H8 S8192 624 / 510, B16 H16 S512 535 / 353, B1 H8 S8192 causal 682 / 415."""
     d, sk = q.shape[-1], k.shape[2]
     if d == 64:
         return sk >= (MIN_SK_D64 if causal else 512) and enabled()

@@ -1362,15 +1362,15 @@ def test_gpu_sm90_gluon_forward_key_padding(layout, b, hq, hkv, sq, sk, d, patte
 
 @pytest.mark.gpu
 @sm90_only
-@pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal,pattern", [
-    ("bhsd", 4, 16, 16, 2048, 2048, False, None),   # 1024 tiles: each persistent CTA walks ~8 (one Q tile a warpgroup)
-    ("bshd", 2, 16, 4, 2048, 2048, True, None),     # GQA causal on the host's tile table
-    ("bhsd", 1, 4, 2, 1000, 1500, True, None),      # Sq != Sk, odd lengths
-    ("bshd", 2, 2, 1, 1, 2048, True, None),         # Sq = 1
-    ("bhsd", 1, 2, 2, 127, 1031, False, None),      # the query and key tails
-    ("bshd", 3, 4, 2, 1000, 777, False, "keys"),    # key padding, the last batch without a valid key
+@pytest.mark.parametrize("dtype,layout,b,hq,hkv,sq,sk,causal,pattern", [
+    (BF16, "bhsd", 4, 16, 16, 1024, 1024, False, None),  # 512 tiles: each persistent CTA walks ~4 (one Q tile each)
+    (BF16, "bshd", 2, 16, 4, 1024, 1024, True, None),    # GQA causal on the host's tile table
+    (F16, "bhsd", 1, 4, 2, 1000, 1500, True, None),      # Sq != Sk, odd lengths; fp16
+    (BF16, "bshd", 2, 2, 1, 1, 2048, True, None),        # Sq = 1
+    (BF16, "bhsd", 1, 2, 2, 127, 1031, False, None),     # the query and key tails
+    (BF16, "bshd", 3, 4, 2, 1000, 777, False, "keys"),   # key padding, the last batch without a valid key
 ])
-def test_gpu_sm90_gluon_forward_d256(layout, b, hq, hkv, sq, sk, causal, pattern):
+def test_gpu_sm90_gluon_forward_d256(dtype, layout, b, hq, hkv, sq, sk, causal, pattern):
     """The Gluon forward at D = 256 (64 x 64 tiles a warpgroup, one Q tile a warpgroup: ``attention_sm90.q_bufs``)
     against the float64 reference, forward and (Triton's backward on its lse) gradients; bitwise the same through
     the kernel entry point; a batch without a valid key gives 0."""
@@ -1379,7 +1379,7 @@ def test_gpu_sm90_gluon_forward_d256(layout, b, hq, hkv, sq, sk, causal, pattern
     from pykernels.attention import _key_padding_range
     cfg = attention_sm90.CONFIGS[256]
     assert attention_sm90.q_bufs(*cfg, 256) == 1  # (the two-tile Q ring does not fit beside the K/V ring)
-    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout, d=256)
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, d=256)
     mask = m4 = kv_range = None
     if pattern == "keys":
         lens = torch.tensor([[sk], [sk // 2 + 3], [0]], device="cuda")
