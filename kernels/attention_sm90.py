@@ -92,9 +92,6 @@ KEY_PAD_CONFIGS = {64: (128, 64, 3)}
 # where that fits beside the K/V ring in sm_90's 227 KiB of shared memory per block; else (D > 128) one Q tile
 # a warpgroup, loaded once its O left it (``q_bufs``)
 SMEM_PER_BLOCK = 232448
-# with one Q tile a warpgroup, the producer loads a tile's first K block before its Q tiles (``K_AHEAD``): A/B (tools
-# flip it; the forward plans key on it) RESULT_KAHEAD
-K_AHEAD = True
 MAX_REGS = 65536 // (12 * 32) // 8 * 8  # 12 warps on one SM: the launch cap (168); setmaxnreg moves them
 MIN_SK_D64 = 1024  # the auto path's rule at D = 64, causal (at D = 128 it always wins): ``preferred``
 # the varlen forward's head dims (``kernels.attention.sm90_varlen_forward``): against the Triton varlen kernel
@@ -180,14 +177,12 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, base, k_row0, k_col0,
-                  v_row0, v_col0, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, FIRST_K: gl.constexpr = True):
+                  v_row0, v_col0, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
     """K and V of every block of one tile (rows from ``k_row0`` / ``v_row0`` of the descriptors, at column
     ``k_col0`` / ``v_col0``) into the STAGES-deep ring, K one block ahead of V, each stage once its
     consumers released it. ``base``: blocks the CTA streamed before this tile (ring slot and phase of
-    block j are those of base + j; mbarriers start with phase 1 complete: the first round does not wait).
-    FIRST_K False: the caller loaded block 0's K already."""
-    if FIRST_K:
-        _load_stage(k_desc, k_smem, k_bar, k_empty, base, k_row0, k_col0, STAGES)
+    block j are those of base + j; mbarriers start with phase 1 complete: the first round does not wait)."""
+    _load_stage(k_desc, k_smem, k_bar, k_empty, base, k_row0, k_col0, STAGES)
     for blk in range(n_blocks):
         nxt = blk + 1
         if nxt < n_blocks:
@@ -485,11 +480,9 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
               n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
               KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, ORDER: gl.constexpr, q_layout: gl.constexpr,
-              Q_BUFS: gl.constexpr, K_AHEAD: gl.constexpr):
+              Q_BUFS: gl.constexpr):
     """The producer warp, over the CTA's tiles: both warpgroups' Q tiles (double-buffered across tiles),
     then the tile's K/V through the ring (each stage's empty barriers count 2 arrivals, one per consumer).
-    K_AHEAD: the tile's first K block before its Q tiles, whose buffers (one a warpgroup, Q_BUFS 1) free only
-    once the previous tile's O left them, while K's stage frees with that tile's last QK^T.
     VARLEN: a sequence b is rows [cu[b], cu[b + 1]) of the packed tensors (``stride_*b`` 0); tiles past its
     length are skipped, as the consumers skip them."""
     base = 0
@@ -527,8 +520,6 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
                 q_row0, q_col0 = _flat_coords(q_off, stride_qm)
                 k_row0, k_col0 = _flat_coords(k_off, stride_kn)
                 v_row0, v_col0 = _flat_coords(v_off, stride_vn)
-            if K_AHEAD:
-                _load_stage(k_desc, k_smem, k_bar, k_empty, base, k_row0 + j0 * BLOCK_N, k_col0, STAGES)
             for wg in gl.static_range(2):
                 buf = (it % Q_BUFS) * 2 + wg
                 mbarrier.wait(q_empty.index(buf), ((it // Q_BUFS) & 1) ^ 1)
@@ -536,7 +527,7 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
                 tma.async_copy_global_to_shared(q_desc, [q_row0 + start_m + wg * BLOCK_M, q_col0], q_bar.index(buf),
                                                 q_smem.index(buf))
             _fill_kv_ring(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_empty, v_empty, n_blocks, base,
-                          k_row0 + j0 * BLOCK_N, k_col0, v_row0 + j0 * BLOCK_N, v_col0, STAGES, BLOCK_N, not K_AHEAD)
+                          k_row0 + j0 * BLOCK_N, k_col0, v_row0 + j0 * BLOCK_N, v_col0, STAGES, BLOCK_N)
             base += n_blocks
             it += 1
 
@@ -574,7 +565,7 @@ def _attention_fwd_sm90_kernel(
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, KEY_PAD: gl.constexpr, VARLEN: gl.constexpr,
     ORDER: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
-    Q_BUFS: gl.constexpr, K_AHEAD: gl.constexpr,
+    Q_BUFS: gl.constexpr,
 ):
     """Tiles of 2 * BLOCK_M query rows of one (batch, head), n_m per head, n_tiles in all, over a 1-D grid:
     a CTA takes tiles program_id, + num_programs, ... (persistent when the grid is smaller than n_tiles).
@@ -620,7 +611,7 @@ def _attention_fwd_sm90_kernel(
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
                         qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS, K_AHEAD)),
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS)),
         (_consumer, (1, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
@@ -903,8 +894,7 @@ class _FwdPlan:
                      hq, hq // hkv, sq, sk, scale * LOG2E, n_m, n_tiles)
         self.kwargs = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal),
                            HOST_DESC=geo is not None, KEY_PAD=key_pad, VARLEN=False, ORDER=False, q_layout=ql,
-                           kv_layout=kl, num_warps=4, maxnreg=MAX_REGS, Q_BUFS=q_bufs(bm, bn, stages, d),
-                           K_AHEAD=K_AHEAD and q_bufs(bm, bn, stages, d) == 1)
+                           kv_layout=kl, num_warps=4, maxnreg=MAX_REGS, Q_BUFS=q_bufs(bm, bn, stages, d))
         self.kernel = _launch.fast(_attention_fwd_sm90_kernel)
         # causal on the persistent grid: the tile table where it is modelled faster (``_causal_order``); made
         # here, uploaded on the first call that is not capturing a CUDA graph (the rounds serve until then)
@@ -957,7 +947,7 @@ def forward_plan(q, k, v, *, causal: bool, scale: float, config=None, host_descr
     config = config or (KEY_PAD_CONFIGS.get(d, CONFIGS[d]) if key_pad else CONFIGS[d])  # (read per call: tools
     # and tests change these tables)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, bool(causal),
-           scale, config, host_descriptors, persistent, key_pad, MAX_REGS, order_mode() if causal else None, K_AHEAD)
+           scale, config, host_descriptors, persistent, key_pad, MAX_REGS, order_mode() if causal else None)
     plan = _FWD_PLANS.get(key)
     if plan is None:
         if len(_FWD_PLANS) >= _MAX_PLANS:
@@ -1037,5 +1027,5 @@ def attention_fwd_sm90_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q:
         cu_seqlens_q, cu_seqlens_k, None,
         HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal), HOST_DESC=True, KEY_PAD=False,
         VARLEN=True, ORDER=False, q_layout=ql, kv_layout=kl, num_warps=4, maxnreg=MAX_REGS,
-        Q_BUFS=q_bufs(bm, bn, stages, d), K_AHEAD=K_AHEAD and q_bufs(bm, bn, stages, d) == 1)
+        Q_BUFS=q_bufs(bm, bn, stages, d))
     return o, lse

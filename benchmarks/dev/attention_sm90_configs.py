@@ -5,8 +5,7 @@ and dQ (``DQ_CONFIGS``) kernels at D = 128. Each line: config, ms, TFLOP/s (the 
 and the max difference from the default config's output (configs change only the summation order).
 
 ``--d256``: instead the forward at D = 256 (its configs, each with its ``q_bufs``) next to the Triton forward
-(``PYKERNELS_ATTN_SM90=0``; its autotuned D = 256 tier), with each one's max difference from Triton's output, and
-the default config with ``attention_sm90.K_AHEAD`` off against on.
+(``PYKERNELS_ATTN_SM90=0``; its autotuned D = 256 tier), with each one's max difference from Triton's output.
 
 Usage (GPU): ``python benchmarks/dev/attention_sm90_configs.py [--d256]``.
 """
@@ -62,16 +61,6 @@ def main() -> None:
                       f"{'triton' if d256 else 'default'}| {err:.1e}, lse {lerr:.1e}", flush=True)
             except Exception as e:  # noqa: BLE001  (a probe: report and go on)
                 print(f"{name} fwd {cfg}: ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
-        if d256:  # the default config with the producer's K block ahead of Q off (``K_AHEAD``), same call
-            cfg = kf.CONFIGS[d]
-            kf.K_AHEAD = False
-            o, _ = kf.attention_fwd_sm90(q, k, v, causal=causal, scale=sc, config=cfg)
-            err = (o.float() - ref[0].float()).abs().max().item()
-            ms = graph_ms(lambda: kf.attention_fwd_sm90(q, k, v, causal=causal, scale=sc, config=cfg))
-            kf.K_AHEAD = True
-            ms2 = graph_ms(lambda: kf.attention_fwd_sm90(q, k, v, causal=causal, scale=sc, config=cfg))
-            print(f"{name} fwd {cfg} K_AHEAD off: {ms:.4f} ms {2 * gemm / ms / 1e9:.0f} TFLOP/s (on, again: {ms2:.4f} ms "
-                  f"{2 * gemm / ms2 / 1e9:.0f}); max |o - triton| {err:.1e}", flush=True)
         if d != 128 or d256:
             continue
         o, lse = ref

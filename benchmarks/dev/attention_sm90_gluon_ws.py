@@ -330,8 +330,7 @@ def compile_only() -> None:
             consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, HOST_DESC=True,
                           q_layout=ql, kv_layout=kl, num_warps=4, Mask=None, KvRange=None, KEY_PAD=False,
                           CuQ=None, CuK=None, VARLEN=False, Order=None, ORDER=False,
-                          Q_BUFS=pkg.q_bufs(bm, bn, stages, d),
-                          K_AHEAD=pkg.q_bufs(bm, bn, stages, d) == 1)
+                          Q_BUFS=pkg.q_bufs(bm, bn, stages, d))
             print(f"host-desc D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
                   f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
             if causal:  # the causal persistent grid's tile table (``_causal_order``)
@@ -353,8 +352,7 @@ def compile_only() -> None:
                           for r, lay in ((bm, ql), (bn, kl)))
                 sig.update(QD=qd, OD=qd, KD=kd, VD=kd, Mask="*u8", KvRange="*i32")
                 consts.update(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, q_layout=ql, kv_layout=kl, KEY_PAD=True,
-                              Q_BUFS=pkg.q_bufs(bm, bn, stages, d),
-                              K_AHEAD=pkg.q_bufs(bm, bn, stages, d) == 1)
+                              Q_BUFS=pkg.q_bufs(bm, bn, stages, d))
                 del consts["Mask"], consts["KvRange"]
                 print(f"keypad D{d} cfg{(bm, bn, stages, 4)} full: "
                       f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
@@ -368,8 +366,7 @@ def compile_only() -> None:
                 if fn is pkg._attention_fwd_sm90_kernel:
                     consts.update(QD=None, KD=None, VD=None, OD=None, HOST_DESC=False, Mask=None, KvRange=None,
                                   KEY_PAD=False, CuQ=None, CuK=None, VARLEN=False, Order=None, ORDER=False,
-                                  Q_BUFS=pkg.q_bufs(bm, bn, stages, d),
-                              K_AHEAD=pkg.q_bufs(bm, bn, stages, d) == 1)
+                                  Q_BUFS=pkg.q_bufs(bm, bn, stages, d))
                 opts = dict(num_warps=warps)
                 if kind != "plain":
                     opts["maxnreg"] = max_regs(8 if kind == "ping-pong" else warps)
