@@ -3714,6 +3714,22 @@ def test_dropout_tables_pick_ptx_entries():
                 assert got == want, (kind, ptx, tier)  # (in table order: PYKERNELS_AUTOTUNE=0 keeps the first)
 
 
+def test_sm90_forward_q_buffers_fit_shared_memory():
+    """The sm_90 Gluon forward keeps two Q tiles a warpgroup (the next tile's Q arrives during the epilogue) only where
+    they fit beside the K/V ring in 227 KiB; each head dim's config fits with its ``q_bufs``."""
+    from pykernels._kernels import attention_sm90 as a9
+    assert a9.q_bufs(64, 128, 2, 64) == 2 and a9.q_bufs(64, 128, 2, 128) == 2
+    assert a9.q_bufs(64, 64, 2, 256) == 1   # 128 KiB of Q tiles beside 128 KiB of K / V: one Q tile a warpgroup
+    assert a9.q_bufs(64, 32, 3, 256) == 2   # 128 + 96 KiB + the mbarriers fit
+    assert a9.q_bufs(64, 32, 4, 256) == 1
+    for d, (bm, bn, stages) in list(a9.CONFIGS.items()) + list(a9.KEY_PAD_CONFIGS.items()):
+        nq = a9.q_bufs(bm, bn, stages, d)
+        assert 2 * nq * bm * d * 2 + 2 * stages * bn * d * 2 + 1024 <= a9.SMEM_PER_BLOCK, (d, nq)
+    assert set(a9.CONFIGS) == {64, 128, 256}  # (D = 192: a TMA box is a power of two wide)
+    q = torch.zeros(1, 1, 64, 256, dtype=torch.bfloat16)
+    assert a9.unsupported(q, q, q, None, dropout_p=0.0, scale=1.0, varlen=False) == "not an sm_90 GPU"
+
+
 def test_d256_tables_pruned_by_shared_memory(monkeypatch):
     """At D = 256 (the tier of 128 < D <= 256) the pruner keeps the entries whose sm_90 shared memory
     (``_SMEM_256``: without mask and dropout, and the most with them) fits the device's opt-in limit, in table order
