@@ -2,7 +2,7 @@
 the forward the Triton backend would run (the sm_90 Gluon kernel from 512 keys, ``attention_sm90.preferred``; the
 Triton kernel below): both forwards alone, CUDA-graph replay, bf16, D = 64, bidirectional, over batch x heads at
 BERT's lengths, alternating the two in rounds (the least of each). One line a shape: ms and TFLOP/s of each, C++ /
-other. Usage (sm_90 GPU, the extension built): ``python benchmarks/dev/attention_cuda_fwd_rule.py [--rounds 3]``."""
+other. Usage (sm_90 GPU, the extension built; not yet run: run476 called the op before loading the extension): ``python benchmarks/dev/attention_cuda_fwd_rule.py [--rounds 3]``."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_sm90_gluon_ws import graph_ms  # noqa: E402
 
-import pykernels  # noqa: E402,F401  (loads the extension's ops)
+from pykernels._backend import cuda_ops_ready  # noqa: E402
 from pykernels._kernels import attention as katt  # noqa: E402
 
 SHAPES = [(32, 12, 512), (16, 16, 512), (16, 12, 512), (24, 16, 512), (32, 16, 512), (64, 12, 512), (8, 16, 512),
@@ -23,6 +23,8 @@ SHAPES = [(32, 12, 512), (16, 16, 512), (16, 12, 512), (24, 16, 512), (32, 16, 5
 def main() -> None:
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if not cuda_ops_ready():  # (imports pykernels._C, which registers torch.ops.pykernels_cuda)
+        raise SystemExit("the CUDA extension pykernels._C is not built here")
     for b, h, s in SHAPES:
         q, k, v = (torch.randn(b, h, s, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         sc = 0.125
