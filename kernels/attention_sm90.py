@@ -10,8 +10,8 @@ Structure of ``_attention_fwd_sm90_kernel``. A tile is 2 x 64 query rows of one 
 walks tiles program_id, + num_programs, ... (a persistent grid of one CTA per SM, or one tile per CTA).
 
 * a 1-warp **producer** (``gl.warp_specialize`` worker, 24 registers) issues every TMA load: both
-  warpgroups' Q tiles (double-buffered across tiles, so the next tile's Q arrives during this tile's
-  epilogue), then K and V block by block into a STAGES-deep ring, K one block ahead of V (order K0, K1,
+  warpgroups' Q tiles (double-buffered across tiles where they fit beside the K/V ring, D <= 128, so the
+  next tile's Q arrives during this tile's epilogue; at D = 256 one Q tile a warpgroup, ``Q_BUFS``), then K and V block by block into a STAGES-deep ring, K one block ahead of V (order K0, K1,
   V0, K2, V1, ...). Each stage of K and of V has its own ``empty`` mbarrier (2 arrivals, one per
   consumer), so the next QK^T's operand never queues behind the V the current P V still reads;
 * two **consumer warpgroups** (the default partition and a 4-warp worker, ``setmaxnreg`` 240 each), 64
@@ -481,8 +481,8 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
               KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, ORDER: gl.constexpr, q_layout: gl.constexpr,
               Q_BUFS: gl.constexpr):
-    """The producer warp, over the CTA's tiles: both warpgroups' Q tiles (double-buffered across tiles),
-    then the tile's K/V through the ring (each stage's empty barriers count 2 arrivals, one per consumer).
+    """The producer warp, over the CTA's tiles: both warpgroups' Q tiles (``Q_BUFS`` a warpgroup: two,
+    double-buffered across tiles, where they fit; else one, loaded once the last tile's O left it), then the tile's K/V through the ring (each stage's empty barriers count 2 arrivals, one per consumer).
     VARLEN: a sequence b is rows [cu[b], cu[b + 1]) of the packed tensors (``stride_*b`` 0); tiles past its
     length are skipped, as the consumers skip them."""
     base = 0

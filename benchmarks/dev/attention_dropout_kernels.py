@@ -93,10 +93,11 @@ def impls(peers: bool, triton: bool, p_drop: float = 0.1, auto: bool = False):
 
 def time_case(fn, b: int, h: int, s: int, d: int, causal: bool, iters: int,
               kernels: bool = False, dtype: torch.dtype = torch.bfloat16, padded: bool = False,
-              varlen: bool = False, busy: bool = False, graph: bool = False) -> tuple[float, float, list[float]]:
+              varlen: bool = False, busy: bool = False, graph: bool = False,
+              hkv: int = 0) -> tuple[float, float, list[float]]:
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
-               for _ in range(3))
+    q, k, v = (torch.randn(b, hh, s, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
+               for hh in (h, hkv or h, hkv or h))  # (hkv < h: GQA, the fn's to pass enable_gqa)
     do = torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g)
     mask, cu, max_len = None, None, 0
     if padded or varlen:  # a key-padding mask, lengths uniform in s / 2 .. s
