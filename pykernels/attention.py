@@ -365,17 +365,50 @@ AUTO_CUDA_DROPOUT = os.environ.get("PYKERNELS_AUTO_CUDA_DROPOUT", "1") not in ("
 # forward on Triton (read once).
 AUTO_CUDA_FWD = os.environ.get("PYKERNELS_AUTO_CUDA_FWD", "1") not in ("", "0")
 
+# Unmasked at D = 64, where the Triton path's forward is the Gluon kernel (from 512 keys: ``attention_sm90.preferred``),
+# the C++ forward is taken only where its rounds over the SMs do not lose to the Gluon kernel's (``_cpp_fwd_rounds_win``):
+# its three consumers' tiles (192 rows, or three 64-row units mixing heads) are this much faster a 64-row unit than
+# the Gluon kernel's two consumers' 128-row tiles, but there are fewer of them to spread over the SMs. H200 run477
+# (``benchmarks/dev/attention_cuda_fwd_rule.py``, both forwards alone, graph replay, bf16, best of 3 alternating
+# rounds; C++ / Gluon speed): at 512 keys B32 H12 1.057x, B24 H16 1.055, B64 H12 1.057, B48 H16 1.062, B16 H12 1.064
+# (equal rounds: 8 / 12 ...), B32 H16 1.031 (11 x 3 units against 16 x 2), but B16 H16 (BERT-large) 0.949 and B8 H16
+# 0.985 (6 x 3 against 8 x 2, 3 x 3 against 4 x 2); at 1024 keys B8 H12 1.088, B16 H16 1.095, B8 H16 0.973; B4 H16
+# S2048 0.970. The model below (1.055 a unit, rounds of 132 SMs) orders all twelve shapes as measured.
+CPP_FWD_UNIT_SPEEDUP = 1.055
+
+
+def _cpp_fwd_rounds_win(batch: int, heads: int, sq: int, sms: int) -> bool:
+    """Whether the C++ three-consumer forward's rounds over ``sms`` SMs, each 3 units of 64 query rows a tile, take no
+    longer than the Gluon forward's, each 2 units, at :data:`CPP_FWD_UNIT_SPEEDUP` the cost of a unit (csrc's
+    ``fwd_three_consumers`` / ``fwd_mix``: tiles mixing heads where a head's units are 3 or more and no multiple of 3,
+    else 192 rows of one head where that pads the rows to at most 1.25x 128-row tiles; else two consumers, which lose
+    to the Gluon kernel: False)."""
+    n_u = -(-sq // 64)
+    mix = n_u >= 3 and n_u % 3 != 0
+    if not (mix or 4 * (-(-sq // 192) * 192) <= 5 * (-(-sq // 128) * 128)):
+        return False
+    tiles_c = -(-(batch * heads * n_u) // 3) if mix else batch * heads * -(-sq // 192)
+    tiles_g = batch * heads * -(-sq // 128)
+    return 3 * -(-tiles_c // sms) <= 2 * -(-tiles_g // sms) * CPP_FWD_UNIT_SPEEDUP
+
 
 def _auto_cuda_fwd_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, requested: str) -> bool:
     """What ``_auto_cuda_fwd`` requires of a kind of call (its shapes, strides, dtypes, device, flags: the eager
     lane remembers it per key): :data:`AUTO_CUDA_FWD`, ``auto``, the extension built with sm_90a code on a compute
     capability 9.0 device, at D <= 64, not causal, no mask or a boolean key-padding one (the C++ forward's warp-
-    specialised kernels there), fp16 / bf16, strides that TMA takes (``_tma_strides_ok``)."""
+    specialised kernels there), fp16 / bf16, strides that TMA takes (``_tma_strides_ok``); unmasked at D = 64 where
+    the Gluon forward would run, only where the C++ kernel's rounds do not lose (``_cpp_fwd_rounds_win``)."""
     if not AUTO_CUDA_FWD or requested != "auto" or causal:
         return False
     if mask is not None and not (mask.dtype == torch.bool and _is_key_padding(mask)):
         return False
-    return q.shape[-1] <= 64 and _hopper_cpp_kernels(q, k, v, mask)
+    if not (q.shape[-1] <= 64 and _hopper_cpp_kernels(q, k, v, mask)):
+        return False
+    if mask is None and q.shape[-1] == 64 and k.shape[2] >= 512:
+        from ._kernels import attention_sm90 as a9
+        if a9.preferred(q, k, False):
+            return _cpp_fwd_rounds_win(q.shape[0], q.shape[1], q.shape[2], a9._num_sms(q.device))
+    return True
 
 
 def _hopper_cpp_kernels(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:

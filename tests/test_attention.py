@@ -1683,6 +1683,47 @@ def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, s
 
 @pytest.mark.gpu
 @sm90_only
+@pytest.mark.parametrize("dtype,layout,b,hq,hkv,sq,sk,causal", [
+    (BF16, "bhsd", 2, 4, 2, 1000, 1100, True), (BF16, "bshd", 1, 4, 4, 1031, 1024, False),
+    (BF16, "bhsd", 2, 2, 2, 64, 127, False), (F16, "bshd", 1, 6, 2, 700, 700, True),
+    (BF16, "bhsd", 3, 2, 1, 1, 300, False)])
+def test_gpu_sm90_gluon_backward_d256(monkeypatch, dtype, layout, b, hq, hkv, sq, sk, causal):
+    # D = 256: the Gluon dQ kernel (forming delta) beside Triton's dK/dV kernel, by default and named; "dkdv" and
+    # "fused" take nothing there (no Gluon dK/dV kernel at D = 256), nor does dropout. Against float64 and eager's
+    # error (GQA, causal with Sq != Sk, query and key tails, fp16; one query row, where the kernel declines its 64-row
+    # Q tile and Triton's dQ kernel runs), a non-contiguous dO; bitwise reproducible; close to the Triton kernels'
+    # gradients
+    from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90_bwd as kb
+    ran = []
+    for name in ("attention_bwd_dkdv_sm90", "attention_bwd_dq_sm90"):
+        def spy(*a, _f=getattr(kb, name), _n=name, **kw):
+            took = _f(*a, **kw)
+            ran.append((_n, took))
+            return took
+        monkeypatch.setattr(kb, name, spy)
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, 256)
+    do = torch.randn(b, sq, hq, 256, dtype=dtype, device="cuda").transpose(1, 2)
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=causal) == "dq"
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=0.1, causal=causal) == ""
+    _, grads = _check_against_ref(q, k, v, causal=causal, scale=0.1, enable_gqa=hq != hkv, do=do,
+                                  what=f"sm90 bwd d256 {layout}")
+    assert ran == [("attention_bwd_dq_sm90", sq >= 64)], ran
+    out = sdpa(q, k, v, is_causal=causal, scale=0.1, enable_gqa=hq != hkv, backend="triton")
+    assert all(torch.equal(x, y) for x, y in zip(grads, _grads(out, (q, k, v), do)))
+    for named in ("dkdv", "fused", ""):
+        monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", named)
+        assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=causal) == "", named
+    ran.clear()
+    out = sdpa(q, k, v, is_causal=causal, scale=0.1, enable_gqa=hq != hkv, backend="triton")
+    tri = _grads(out, (q, k, v), do)
+    assert ran == []
+    for x, y in zip(tri, grads):
+        assert (x.double() - y.double()).abs().max().item() <= 2e-2 * max(1.0, y.double().abs().max().item())
+
+
+@pytest.mark.gpu
+@sm90_only
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal,d", [
     ("bhsd", 2, 4, 4, 1000, 1024, True, 128), ("bshd", 1, 4, 2, 1031, 1024, False, 128),
@@ -2155,6 +2196,9 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     short_k = torch.empty(200, 2, kb.FUSED_MIN_SK // 2, 128, dtype=BF16)
     assert kb.kernels(q, short_k, causal=False, sms=132) == "dkdv,dq"  # full attention below FUSED_MIN_SK keys
     assert kb.kernels(q, k[:, :, :2000], causal=False, sms=132) == ""  # 4 * 2 * 16 CTAs: fewer than the SMs
+    q256, k256 = torch.empty(1, 2, 64, 256, dtype=BF16), torch.empty(1, 2, 64, 256, dtype=BF16)
+    assert kb.kernels(q256, k256, causal=True, sms=132) == "dq"  # D = 256: the dQ kernel only, at any size
+    assert kb.kernels(q256, k256, causal=False, sms=132, deterministic=True) == "dq"  # (no atomics in it)
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "fused")
     assert kb.kernels(q, k, causal=True, sms=132) == "fused"
     with pytest.raises(ValueError, match="deterministic=True conflicts"):
@@ -3579,6 +3623,36 @@ def test_auto_cuda_head_dim_rule(monkeypatch):
         assert seen == [want], (backend, causal, p)
     monkeypatch.setattr(pa, "AUTO_CUDA_HEAD_DIMS", False)
     assert not pa._auto_cuda_head_dim_kind(q, k, v, None)
+
+
+def test_auto_cuda_forward_rounds_rule(monkeypatch):
+    """auto's C++ forward at D = 64 without a mask, where the Gluon forward would run (from 512 keys): only where the
+    C++ kernel's rounds of three-unit tiles over the SMs take no longer than the Gluon kernel's two-unit tiles at the
+    measured speed a unit (``_cpp_fwd_rounds_win``). The twelve shapes H200 run477 measured on 132 SMs, each on the
+    side it measured faster; BERT-large (16 x 16 x 512) takes the Gluon forward, BERT-base the C++ one; with a key-padding
+    mask, under 512 keys, below D = 64 or with the Gluon forward off, the C++ forward as before. The rule's parts on
+    meta tensors, the C++ op's Hopper check stubbed and the SM count 132 (the GPU test above runs the kernels)."""
+    import pykernels.attention as pa
+    from pykernels._kernels import attention_sm90 as a9
+    faster = {(32, 12, 512): 1.057, (16, 16, 512): 0.949, (16, 12, 512): 1.064, (24, 16, 512): 1.055,
+              (32, 16, 512): 1.031, (64, 12, 512): 1.057, (8, 16, 512): 0.985, (48, 16, 512): 1.062,
+              (8, 12, 1024): 1.088, (8, 16, 1024): 0.973, (16, 16, 1024): 1.095, (4, 16, 2048): 0.970}
+    for (b, h, s), cpp_over_gluon in faster.items():
+        assert pa._cpp_fwd_rounds_win(b, h, s, 132) == (cpp_over_gluon > 1), (b, h, s)
+    assert not pa._cpp_fwd_rounds_win(1, 1, 512, 132)  # one tile: the Gluon kernel's two units take less time
+    assert not pa._cpp_fwd_rounds_win(64, 12, 128, 132)  # two consumers (three would pad 128 rows to 192)
+    monkeypatch.setattr(pa, "_hopper_cpp_kernels", lambda q, k, v, mask: True)
+    monkeypatch.setattr(a9, "_num_sms", lambda device: 132)
+
+    def kind(b, h, s, d=64, mask=None, causal=False):
+        q, k, v = (torch.empty(b, h, s, d, dtype=BF16, device="meta") for _ in range(3))
+        return pa._auto_cuda_fwd_kind(q, k, v, mask, causal, "auto")
+
+    pad = torch.ones(16, 1, 1, 512, dtype=torch.bool, device="meta")
+    assert kind(32, 12, 512) and not kind(16, 16, 512) and kind(16, 16, 512, mask=pad) and kind(16, 16, 256)
+    assert not kind(8, 16, 1024) and kind(16, 16, 1024) and kind(16, 16, 512, d=32) and not kind(32, 12, 512, causal=True)
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90", "0")  # no Gluon forward: the C++ one beats Triton's
+    assert kind(16, 16, 512)
 
 
 @pytest.mark.gpu

@@ -2,7 +2,8 @@
 the forward the Triton backend would run (the sm_90 Gluon kernel from 512 keys, ``attention_sm90.preferred``; the
 Triton kernel below): both forwards alone, CUDA-graph replay, bf16, D = 64, bidirectional, over batch x heads at
 BERT's lengths, alternating the two in rounds (the least of each). One line a shape: ms and TFLOP/s of each, C++ /
-other. Usage (sm_90 GPU, the extension built; not yet run: run476 called the op before loading the extension): ``python benchmarks/dev/attention_cuda_fwd_rule.py [--rounds 3]``."""
+other. Usage (sm_90 GPU, the extension built): ``python benchmarks/dev/attention_cuda_fwd_rule.py [--rounds 3]``. H200 run477
+(``benchmarks/results/attention_cuda_fwd_rule_*_run477.txt``) set ``pykernels.attention._cpp_fwd_rounds_win``."""
 from __future__ import annotations
 
 import os
