@@ -1,7 +1,6 @@
 """Attention backward for Hopper (sm_90) in Gluon: the dK/dV and dQ kernels that ``attention.attention_bwd``
 takes on sm_90 where ``attention_sm90`` covers the case (fp16/bf16, D = 64 or 128, no mask, not varlen; with
-dropout the dK/dV kernel only, ``HAS_DROPOUT`` below; at D = 256 the dQ kernel only, without dropout), at D = 128
-with at least one CTA per SM and at D = 256 (``kernels``),
+dropout the dK/dV kernel only, ``HAS_DROPOUT`` below), at D = 128 with at least one CTA per SM (``kernels``),
 and the tensors are seen through host descriptors. The Gluon dQ kernel runs first and forms delta =
 rowsum(dO * O) itself (``_row_delta``) for the dK/dV kernel too; where it does not run, the Triton preprocess
 does, as for the Triton kernels.
@@ -112,11 +111,11 @@ from .attention_sm90 import (LOG2E, MAX_REGS, _alloc_kv_ring, _fill_kv_ring, _fl
 DKDV_CONFIGS = {64: (64, 64, 2), 128: (64, 64, 2)}
 # dQ: (query rows per consumer warpgroup, BLOCK_N keys per block, STAGES). STAGES >= 3 (the consumer releases
 # K_{j-1} after V_j arrived); at D = 128 four stages beat three by 1.29-1.36x (run44: 2.33 vs 3.00 ms, S = 8192)
-DQ_CONFIGS = {64: (64, 128, 3), 128: (64, 64, 4), 256: (64, 32, 3)}
-# D = 256: the dQ kernel only (the dK / dV kernel's 2 x 64 x 256 fp32 accumulators a warpgroup do not fit its
-# registers: Triton's dK/dV kernel runs beside it, on the delta this kernel forms). 32-key blocks, three stages: Q and
-# dO (2 x 2 x 64 x 256 bf16, 128 KiB) and the K / V ring (96 KiB) fill 225 KiB of shared memory (ptxas: 36 bytes
-# spilled, 48 causal, at the 240 registers: dQ is 128 of them)
+DQ_CONFIGS = {64: (64, 128, 3), 128: (64, 64, 4)}
+# D = 256 (tried, not kept: H200 run478, ``attention_bwd_d256_gluon_dq_*_run478.txt``): this kernel compiles there at
+# 64 x 32 x 3 (Q, dO and the ring fill 225 KiB; 36-48 bytes spilled) and is right (its GPU tests passed), but beside
+# Triton's dK/dV kernel the whole backward ran at 0.87-0.98x the Triton pair's speed in graph replay (64 x 16 x 4:
+# 0.87-1.00x) at B4 H8 S2048 / S4096 causal, B2 H8 S8192, B16 H16 S512 and B1 H8 S8192 causal
 # causal: both kernels' CTAs longest first across (batch, head)s (the probe compares with by-head order)
 CAUSAL_LPT = True
 # ... in groups of heads whose reused operands fit this much of L2, yet of at least LPT_MIN_WAVES CTAs per SM
@@ -860,8 +859,7 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
     the kernels cover the case (D = 64 too), except "fused" where ``deterministic`` or torch's deterministic
     mode asks for a reproducible backward ("dkdv,dq" then).
 
-    The speed rule: at D = 256 "dq" (beside Triton's dK/dV kernel; ``DQ_CONFIGS``). D = 128 with at least one CTA
-    of 128 keys per SM (``sms``); with fewer, the Triton
+    The speed rule: D = 128 with at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton
     kernels' smaller blocks fill the card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon; at D = 64 both
     lose, BERT-base shape 0.349 vs 0.245 ms; H100 run41-44). There, "fused" unless deterministic, from
     ``FUSED_MIN_SK`` keys (causal: from ``FUSED_CAUSAL_MIN_SK``, and without GQA); else "dkdv,dq". H100
@@ -882,8 +880,6 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
         if named == "fused" and deterministic:
             return "dkdv,dq"  # (the fused kernel's dQ reductions are not bitwise reproducible)
         return named
-    if q.shape[-1] == 256:
-        return "dq"  # (the dQ kernel only: ``DQ_CONFIGS``)
     if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
         return ""
     if not deterministic and k.shape[2] >= (FUSED_CAUSAL_MIN_SK if causal else FUSED_MIN_SK) \

@@ -119,17 +119,6 @@ def compile_only() -> None:
                               COMPUTE_DELTA=True, q_layout=ql, kv_layout=kl, num_warps=4)  # (the package's default)
                 print(f"bwd-dq D{d} cfg{cfg} {'causal' if causal else 'full'}: "
                       f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
-    d = 256  # the dQ kernel only (``kb.DQ_CONFIGS``; the dK/dV kernel has no D = 256)
-    bm, bn, stages = cfg = kb.DQ_CONFIGS[d]
-    ql, kl = smem_layouts(bm, bn, d, torch.bfloat16)
-    for causal in (False, True):
-        fn = kb._attention_bwd_dq_sm90_kernel
-        qd, kd = desc(bm, d, ql), desc(bn, d, kl)
-        sig = sig_of(fn, dict(q_desc=qd, do_desc=qd, k_desc=kd, v_desc=kd, dq_desc=qd))
-        consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, LPT=causal,
-                      COMPUTE_DELTA=True, q_layout=ql, kv_layout=kl, num_warps=4)
-        print(f"bwd-dq D{d} cfg{cfg} {'causal' if causal else 'full'}: "
-              f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
 
 
 def fused_sweep() -> None:
