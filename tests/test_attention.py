@@ -3487,8 +3487,9 @@ def test_gpu_auto_takes_cuda_forward_at_bert_shapes(monkeypatch):
     output and lse (and the Triton kernel's key ranges); the pair's output and gradients against the references (the
     lane and the full path, GQA, Sq != Sk, lengths 1, 17 and 1000, D = 40, a batch whose keys are all masked: output
     and gradients 0, never NaN; under torch.compile). A causal mask, an additive or a (B, 1, Sq, Sk) mask, D = 128,
-    backend "triton" or AUTO_CUDA_FWD off: the Triton forward (with dropout auto takes the C++ op, both ways). Without sm_90a code or on another device:
-    never the C++."""
+    backend "triton" or AUTO_CUDA_FWD off: the Triton forward (with dropout auto takes the C++ op, both ways). Unmasked
+    from 512 keys at D = 64 the C++ forward only where its rounds win (BERT-base yes, BERT-large no on 132 SMs). Without
+    sm_90a code or on another device: never the C++."""
     import pykernels.attention as pa
     from torch.profiler import ProfilerActivity, profile
 
@@ -3533,6 +3534,13 @@ def test_gpu_auto_takes_cuda_forward_at_bert_shapes(monkeypatch):
             out, g = _check_against_ref(*args, mask=pad, enable_gqa=True, backend="auto",
                                         what=f"auto key padding 130x{sk} lane {lane}")
             assert out[1].abs().max() == 0 and all(t[1].abs().max() == 0 for t in g), (lane, sk)
+    # unmasked at D = 64 from 512 keys, where the Gluon forward would run: the C++ one only where its rounds over the
+    # SMs do not lose (``_cpp_fwd_rounds_win``: BERT-base's shape takes it, BERT-large's not, on 132 SMs)
+    from pykernels._kernels.attention_sm90 import _num_sms
+    for shape in ((32, 12, 512, 64), (16, 16, 512, 64)):
+        big = _inputs(shape, shape, shape, BF16, "cuda")
+        rounds = pa._cpp_fwd_rounds_win(*shape[:3], _num_sms(big[0].device)) if want else False
+        assert cuda_fwd(*big) == rounds, shape
     compiled = torch.compile(lambda *a: sdpa(*a, enable_gqa=True), fullgraph=True)
     qc, kc, vc = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out = compiled(qc, kc, vc)
