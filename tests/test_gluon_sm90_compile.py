@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = os.path.join(ROOT, "benchmarks", "dev", "attention_sm90_gluon_ws.py")
 MLM = os.path.join(ROOT, "benchmarks", "dev", "mlm_logits_sm90.py")
 BWD = os.path.join(ROOT, "benchmarks", "dev", "attention_bwd_sm90_gluon.py")
+D256 = os.path.join(ROOT, "benchmarks", "dev", "attention_bwd_d256_gluon.py")
 
 pytest.importorskip("triton.experimental.gluon")
 
@@ -104,3 +105,18 @@ def test_gluon_attention_bwd_kernels_compile_for_sm90():
                  ("bwd-dq", "D128"): 16, ("bwd-drop-dkdv", "D128"): 240,
                  ("bwd-drop-fused", "D128"): 640}.get(tuple(ln.split()[:2]), 0)
         assert spilled <= limit, ln
+
+
+def test_gluon_attention_dkdv_d256_dev_kernel_compiles_for_sm90():
+    # the development dK/dV kernel for D = 256 (its head dim split across the consumer warpgroups), causal or not,
+    # K / V through host descriptors or device-made ones: compiled, warp specialised, within sm_90's 227 KiB of
+    # shared memory, no mbarrier sharing bytes with captured values, at most 64 bytes spilled (28 when written)
+    res = _compile_only(D256)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("bwd-dkdv-d256 ")]
+    assert len(lines) == 4, out[-4000:]
+    for ln in lines:
+        assert ": compiled;" in ln and "'24;'" in ln and "mbarriers clear" in ln, ln
+        assert int(ln.split("shared ")[1].split(" B")[0]) <= 232448, ln
+        assert int(ln.split(" bytes spilled")[0].rsplit(" ", 1)[-1]) <= 64, ln
