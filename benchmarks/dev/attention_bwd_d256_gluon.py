@@ -26,7 +26,7 @@ dQ kernel runs first and forms delta (as the package's pair does).
 Shared memory at 64 x 64 x 2 stages: Q and dO 128 KiB, K and V 64 KiB, P^T and dS^T 32 KiB: 225 KiB.
 
 Usage: ``python benchmarks/dev/attention_bwd_d256_gluon.py --compile-only`` (any machine: Triton's ptxas, registers,
-spills, shared memory); on an sm_90 GPU without arguments: dK / dV against the float64 reference and the Triton
+spills, shared memory); on an sm_90 GPU without arguments (``--quick``: three timed shapes): dK / dV against the float64 reference and the Triton
 kernel's, then each shape's time (graph replay) of this kernel, of the Triton backward and its kernels (profiler),
 and cuDNN's backward. Not yet run on a GPU (written in the eightieth session, compiled on the CPU only).
 """
@@ -301,8 +301,8 @@ def gpu_check_and_time() -> None:
         print(f"check B{b} H{h}/{hkv} Sq{sq} Sk{sk} {'causal' if causal else 'full'}: |dk - ref| {err[0]:.2e} "
               f"|dv - ref| {err[1]:.2e} (Triton {err[2]:.2e} / {err[3]:.2e}); NaN {bool(dk.isnan().any() or dv.isnan().any())}",
               flush=True)
-    for b, h, s, causal in [(4, 8, 4096, True), (4, 8, 2048, False), (2, 8, 8192, False), (16, 16, 512, False),
-                            (1, 8, 8192, True)]:
+    shapes = [(4, 8, 4096, True), (4, 8, 2048, False), (2, 8, 8192, False), (16, 16, 512, False), (1, 8, 8192, True)]
+    for b, h, s, causal in shapes[:3] if "--quick" in sys.argv else shapes:
         q, k, v = (torch.randn(b, h, s, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         do = torch.randn_like(q)
         sc = 256 ** -0.5
