@@ -319,7 +319,11 @@ def gpu_check_and_time() -> None:
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, scale=sc)
-        cudnn = graph_ms(lambda: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True))
+        try:
+            cudnn = graph_ms(lambda: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True))
+        except Exception:  # (capture refused: do_bench, host included)  # noqa: BLE001
+            from triton.testing import do_bench
+            cudnn = do_bench(lambda: torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True))
         gemm4 = 4 * 2 * b * h * s * s * 256 / (2 if causal else 1)
         print(f"B{b} H{h} S{s} D256 {'causal' if causal else 'full'}: this dK/dV {ours:.4f} ms ({gemm4 / ours / 1e9:.0f} "
               f"TFLOP/s of its 4 GEMMs); the Triton backward {pair:.4f} ms, its kernels (ms) {kern}; cuDNN backward "
