@@ -4,7 +4,9 @@ dropout the dK/dV kernel only, ``HAS_DROPOUT`` below), at D = 128 with at least 
 and the tensors are seen through host descriptors. The Gluon dQ kernel runs first and forms delta =
 rowsum(dO * O) itself (``_row_delta``) for the dK/dV kernel too; where it does not run, the Triton preprocess
 does, as for the Triton kernels.
-Either Gluon kernel can run with the other's Triton one.
+Either Gluon kernel can run with the other's Triton one. At D = 256 a third kernel, the split dK/dV kernel
+(``_attention_bwd_dkdv_split_sm90_kernel``, ``DKDV_SPLIT_CONFIGS``: the head dim's columns split across the two
+consumer warpgroups), runs beside Triton's dQ kernel; staged behind ``PYKERNELS_ATTN_SM90_D256=1`` (``DKDV_SPLIT_AUTO``).
 
 Why. The Triton dK/dV and dQ kernels wait for every wgmma right after issuing it and cannot split a
 producer from the consumers (``attention_sm90``'s docstring): at D = 128 the whole Triton backward reaches
@@ -175,6 +177,29 @@ DROPOUT_ROT = False
 # 1.086x at 8 x 16 x 2048 causal, 0.989x at 2 x 16 x 8192 full (its rounds 4690-5046 us: the card's power limit;
 # the dK/dV kernel alone 1.016x there, 1.027-1.105x at the causal shapes)
 HOST_KV = True
+# D = 256 (``_attention_bwd_dkdv_split_sm90_kernel``; ``kernels`` takes it as "dkdv", beside Triton's dQ kernel, which
+# forms delta first). Here the consumers' dK / dV (2 x 64 x 256 fp32 a warpgroup) do not fit their registers, so both
+# warpgroups work on one CTA's BLOCK_N keys and split the head dim's columns (FlashAttention-3's layout for large
+# head dims): warpgroup w holds dK[:, w D/2 : (w + 1) D/2] and dV's same columns (128 registers). Per query block j:
+#     warpgroup 0: S^T = K Q_j^T, P^T = exp2(S^T scale log2 e - lse_j log2 e) (causal: 0 above the diagonal) -> shared
+#                  memory (``p_bar``);
+#     warpgroup 1: dP^T = V dO_j^T; with P^T (bf16, from shared memory) dS^T = P^T (dP^T - delta_j) -> shared memory
+#                  (``s_bar``);
+#     both: dV[:, cols] += P^T dO_j[:, cols], dK[:, cols] += dS^T Q_j[:, cols] (warpgroup 0's P^T from registers and
+#           dS^T from shared memory, warpgroup 1's the other way round).
+# One full-width GEMM (64 x 64 x 256) and two half-width ones (64 x 128 x 64) a warpgroup a block. The two P^T and dS^T
+# buffers need no release barrier: a warpgroup reaches block it + 2 only after the other's barrier of block it + 1,
+# which the other passes only after its block it's GEMMs completed. At the end both halves go into the K / V buffers
+# and warpgroup 0 stores the tiles. (BLOCK_N keys, BLOCK_M queries, STAGES): Q and dO 128 KiB, K and V 64 KiB, P^T and
+# dS^T 32 KiB (230912 B); ptxas 28 bytes spilled. First written in ``benchmarks/dev/attention_bwd_d256_gluon.py``:
+# H200 run480, B4 H8 S4096 causal, graph replay: 1.009 ms against the Triton dK/dV kernel's 2.157 (545 TFLOP/s of its 4
+# GEMMs; Triton's dQ kernel 0.927 ms, cuDNN's whole backward 1.947). dK's error against float64 1.2-2.6x the Triton
+# kernel's (P^T reaches warpgroup 1 rounded to bf16); dV's the same.
+DKDV_SPLIT_CONFIGS = {256: (64, 64, 2)}
+# ... staged: ``kernels``' default rule takes it only where ``PYKERNELS_ATTN_SM90_D256=1`` (read once, at import)
+# until its GPU tests have run through the package (``test_gpu_sm90_gluon_backward_d256``); a named
+# ``PYKERNELS_ATTN_SM90_BWD`` with "dkdv" takes it at D = 256 either way
+DKDV_SPLIT_AUTO = os.environ.get("PYKERNELS_ATTN_SM90_D256", "0") not in ("", "0")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -605,6 +630,171 @@ def _attention_bwd_dkdv_sm90_kernel(
     ], [1, 4], [24, 240])
 
 
+@gluon.jit
+def _dkdv_split_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, ds_smem, lse_smem, dlt_smem,
+                         kv_bar, q_bar, q_empty, p_bar, s_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col,
+                         dv_row, dv_col, GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D: gl.constexpr,
+                         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Consumer warpgroup WG of the split dK/dV kernel: columns [WG * HEAD_D / 2, + HEAD_D / 2) of the CTA's keys'
+    dK and dV (``DKDV_SPLIT_CONFIGS``' comment has the algorithm)."""
+    HALF: gl.constexpr = HEAD_D // 2
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HALF, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    keys = start_n + gl.arange(0, BLOCK_N, layout=row_s)
+    dk = gl.zeros([BLOCK_N, HALF], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HALF], gl.float32, acc_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    mbarrier.wait(kv_bar.index(0), 0)
+    it = 0
+    for g in range(GROUP):
+        for j in range(j_lo, n_qb):
+            s = it % STAGES
+            buf = it % 2
+            ph = (it // 2) & 1
+            mbarrier.wait(q_bar.index(s), (it // STAGES) & 1)
+            q_tile = q_smem.index(s)
+            do_tile = do_smem.index(s)
+            pt_tile = pt_smem.index(buf)
+            ds_tile = ds_smem.index(buf)
+            if WG == 0:
+                st = warpgroup_mma(k_smem.index(0), q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                lse2 = lse_smem.index(s).load(col_s)
+                st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+                pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+                if IS_CAUSAL:
+                    if j * BLOCK_M < start_n + BLOCK_N:  # the block reaches the diagonal: query i sees keys <= i
+                        cols = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
+                        pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), pt, 0.0)
+                pt16 = pt.to(dtype)
+                pt_tile.store(pt16)
+                fence_async_shared()
+                mbarrier.arrive(p_bar.index(buf), count=1)
+                dv = warpgroup_mma(gl.convert_layout(pt16, a_layout), do_tile.slice(0, HALF, dim=1), dv,
+                                   is_async=True)
+                mbarrier.wait(s_bar.index(buf), ph)
+                dk = warpgroup_mma(ds_tile, q_tile.slice(0, HALF, dim=1), dk, is_async=True)
+            else:
+                dpt = warpgroup_mma(v_smem.index(0), do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                delta = dlt_smem.index(s).load(col_s)
+                dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
+                mbarrier.wait(p_bar.index(buf), ph)
+                dv = warpgroup_mma(pt_tile, do_tile.slice(HALF, HALF, dim=1), dv, is_async=True)
+                pt = pt_tile.load(s_layout).to(gl.float32)
+                dst16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+                ds_tile.store(dst16)
+                fence_async_shared()
+                mbarrier.arrive(s_bar.index(buf), count=1)
+                dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_tile.slice(HALF, HALF, dim=1), dk,
+                                   is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(q_empty.index(s), count=1)
+            it += 1
+    mbarrier.arrive(end_bar.index(0), count=1)
+    mbarrier.wait(end_bar.index(0), 0)  # both warpgroups past their loops: no GEMM reads K or V any more
+    k_smem.index(0).slice(WG * HALF, HALF, dim=1).store((dk * scale).to(dtype))
+    v_smem.index(0).slice(WG * HALF, HALF, dim=1).store(dv.to(dtype))
+    fence_async_shared()
+    if WG == 0:
+        mbarrier.wait(st_bar.index(0), 0)  # warpgroup 1's halves are in place
+        tma.async_copy_shared_to_global(dk_desc, [dk_row + start_n, dk_col], k_smem.index(0))
+        tma.async_copy_shared_to_global(dv_desc, [dv_row + start_n, dv_col], v_smem.index(0))
+        tma.store_wait(pendings=0)
+    else:
+        mbarrier.arrive(st_bar.index(0), count=1)
+
+
+@gluon.jit
+def _attention_bwd_dkdv_split_sm90_kernel(
+    q_desc, do_desc, K, V, DK, DV, LSE, DELTA,
+    stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
+    H, GROUP, Sq, Sk, qk_scale, scale,
+    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, kv_layout: gl.constexpr, p_layout: gl.constexpr,
+    num_warps: gl.constexpr, HOST_KV: gl.constexpr,
+):
+    """Grid (cdiv(Sk, BLOCK_N), kv heads, batch). q_desc / do_desc: host descriptors over (rows, row stride) views
+    (``_flat_descriptor``); K, V, dK, dV: host descriptors likewise where Sk is a multiple of BLOCK_N (HOST_KV),
+    else the tensors, whose (batch, kv head) slices get descriptors made here (a store clips keys >= Sk). LSE and
+    DELTA (B, H, Sq) fp32, unit last stride."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    gl.static_assert(HEAD_D % 128 == 0, "each warpgroup's column half a multiple of 64")
+    dtype: gl.constexpr = q_desc.dtype
+    start_n = gl.program_id(0) * BLOCK_N
+    hk = gl.program_id(1).to(gl.int64)
+    b = gl.program_id(2).to(gl.int64)
+    if HOST_KV:
+        k_desc = K
+        v_desc = V
+        dk_desc = DK
+        dv_desc = DV
+        k_row, k_col = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
+        v_row, v_col = _flat_coords(b * stride_vb + hk * stride_vh, stride_vn)
+        dk_row, dk_col = _flat_coords(b * stride_dkb + hk * stride_dkh, stride_dkn)
+        dv_row, dv_col = _flat_coords(b * stride_dvb + hk * stride_dvh, stride_dvn)
+    else:
+        k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
+        v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
+        dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
+        dv_desc = _slice_desc(DV, b * stride_dvb + hk * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
+        k_row, k_col, v_row, v_col, dk_row, dk_col, dv_row, dv_col = 0, 0, 0, 0, 0, 0, 0, 0
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], kv_layout)
+    pt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
+    stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
+    dlt_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    s_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    st_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar.index(0), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(p_bar.index(i), count=1)
+        mbarrier.init(s_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_bar.index(i), count=2)  # (the TMA's expect, the stats' arrival: _dkdv_producer)
+        mbarrier.init(q_empty.index(i), count=2)
+    mbarrier.init(end_bar.index(0), count=2)
+    mbarrier.init(st_bar.index(0), count=1)
+    fence_async_shared()
+    mbarrier.expect(kv_bar.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [k_row + start_n, k_col], kv_bar.index(0), k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [v_row + start_n, v_col], kv_bar.index(0), v_smem.index(0))
+    j_lo = 0
+    if IS_CAUSAL:
+        j_lo = start_n // BLOCK_M  # queries before the CTA's first key see none of its keys
+    n_qb = gl.cdiv(Sq, BLOCK_M)
+    gl.warp_specialize([
+        (_dkdv_split_consumer, (0, q_smem, do_smem, k_smem, v_smem, pt_smem, ds_smem, lse_smem, dlt_smem, kv_bar,
+                                q_bar, q_empty, p_bar, s_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col,
+                                dv_row, dv_col, GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D, BLOCK_N,
+                                BLOCK_M, STAGES, IS_CAUSAL)),
+        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, k_smem, k_smem,
+                          lse_smem, dlt_smem, kv_bar, q_bar, q_empty, kv_bar, stride_qb, stride_qh, stride_qm,
+                          stride_dob, stride_doh, stride_dom, LSE, DELTA, None, stride_lb, stride_lh, H, GROUP, Sq,
+                          qk_scale, scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, None, HEAD_D, BLOCK_N,
+                          BLOCK_M, STAGES, IS_CAUSAL, False, False)),
+        (_dkdv_split_consumer, (1, q_smem, do_smem, k_smem, v_smem, pt_smem, ds_smem, lse_smem, dlt_smem, kv_bar,
+                                q_bar, q_empty, p_bar, s_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col,
+                                dv_row, dv_col, GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D, BLOCK_N,
+                                BLOCK_M, STAGES, IS_CAUSAL)),
+    ], [1, 4], [24, 240])
+
+
 # ------------------------------------------------------------------------------------------------
 # dQ
 # ------------------------------------------------------------------------------------------------
@@ -859,7 +1049,8 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
     the kernels cover the case (D = 64 too), except "fused" where ``deterministic`` or torch's deterministic
     mode asks for a reproducible backward ("dkdv,dq" then).
 
-    The speed rule: D = 128 with at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton
+    The speed rule: at D = 256 "dkdv" (the split kernel, ``DKDV_SPLIT_CONFIGS``) where ``DKDV_SPLIT_AUTO``, else "".
+    D = 128 with at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton
     kernels' smaller blocks fill the card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon; at D = 64 both
     lose, BERT-base shape 0.349 vs 0.245 ms; H100 run41-44). There, "fused" unless deterministic, from
     ``FUSED_MIN_SK`` keys (causal: from ``FUSED_CAUSAL_MIN_SK``, and without GQA); else "dkdv,dq". H100
@@ -880,6 +1071,8 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
         if named == "fused" and deterministic:
             return "dkdv,dq"  # (the fused kernel's dQ reductions are not bitwise reproducible)
         return named
+    if q.shape[-1] in DKDV_SPLIT_CONFIGS:
+        return "dkdv" if DKDV_SPLIT_AUTO else ""  # (the split dK/dV kernel, beside Triton's dQ)
     if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
         return ""
     if not deterministic and k.shape[2] >= (FUSED_CAUSAL_MIN_SK if causal else FUSED_MIN_SK) \
@@ -900,6 +1093,11 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     int64 seed tensor on the device, or an int)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
+    if d in DKDV_SPLIT_CONFIGS:  # (no dQ, no dropout there: ``sm90_backward`` asks for neither)
+        if dq is not None or dropout_p > 0 or trace is not None:
+            return False
+        return attention_bwd_dkdv_split_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=scale,
+                                             config=config)
     bn, bm, stages = config or DKDV_CONFIGS[d]
     ql, kl = smem_layouts(bm, bn, d, q.dtype)
     qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
@@ -938,6 +1136,32 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         DROP_ROT=DROPOUT_ROT and DROPOUT_CARRY, maxnreg=MAX_REGS)
     if fused:
         dq.copy_(dq_acc)
+    return True
+
+
+def attention_bwd_dkdv_split_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: float,
+                                  config=None) -> bool:
+    """dK, dV at D = 256 by the split kernel (``DKDV_SPLIT_CONFIGS``) into ``dk``, ``dv``; inputs as
+    ``attention_bwd_dkdv_sm90`` takes them (delta = rowsum(dO O) already formed). False (nothing launched) where q or
+    do cannot be seen through one host descriptor or dk / dv are not TMA-aligned. K / V / dK / dV through host
+    descriptors where Sk is a multiple of BLOCK_N (``HOST_KV``), else descriptors made on the device."""
+    batch, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    bn, bm, stages = config or DKDV_SPLIT_CONFIGS[d]
+    ql, kl = smem_layouts(bm, bn, d, q.dtype)
+    qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
+    if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)):
+        return False
+    host = None
+    if HOST_KV and sk % bn == 0:
+        host = tuple(_flat_descriptor(t, bn, kl) for t in (k, v, dk, dv))
+        host = None if any(x is None for x in host) else host
+    _tuning.ensure_allocator()  # (descriptors made on the device)
+    _launch.fast(_attention_bwd_dkdv_split_sm90_kernel)[(_tuning.cdiv(sk, bn), hkv, batch)](
+        qd, dod, *(host or (k, v, dk, dv)), lse, delta, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2], hq, hq // hkv, sq, sk,
+        scale * LOG2E, scale, HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal),
+        kv_layout=kl, p_layout=_ds_layout(bn, bm, q.dtype), num_warps=4, HOST_KV=host is not None, maxnreg=MAX_REGS)
     return True
 
 

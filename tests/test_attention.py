@@ -1683,6 +1683,50 @@ def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, s
 
 @pytest.mark.gpu
 @sm90_only
+@pytest.mark.parametrize("dtype,layout,b,hq,hkv,sq,sk,causal", [
+    (BF16, "bhsd", 2, 4, 2, 1000, 1100, True), (BF16, "bshd", 1, 4, 4, 1031, 1024, False),
+    (BF16, "bhsd", 2, 2, 2, 64, 127, False), (F16, "bshd", 1, 6, 2, 700, 700, True),
+    (BF16, "bhsd", 1, 2, 1, 300, 4096, False), (BF16, "bhsd", 3, 2, 1, 1, 300, False)])
+def test_gpu_sm90_gluon_backward_d256(monkeypatch, dtype, layout, b, hq, hkv, sq, sk, causal):
+    # D = 256: the split dK/dV kernel (``attention_sm90_bwd.DKDV_SPLIT_CONFIGS``: the head dim's columns split across
+    # the consumer warpgroups) beside Triton's dQ kernel, which forms delta, where its rule takes it
+    # (``DKDV_SPLIT_AUTO``) and where "dkdv" is named; "dq", "fused" and dropout take nothing there. Against float64 and
+    # eager's error (GQA, causal with Sq != Sk, query and key tails (device-made K / V descriptors), Sk a multiple of
+    # its 64 keys (host ones), fp16; one query row, where the kernel declines its 64-row Q tile and Triton's dK/dV
+    # kernel runs), a non-contiguous dO; bitwise reproducible; close to the Triton kernels' gradients
+    from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90_bwd as kb
+    monkeypatch.setattr(kb, "DKDV_SPLIT_AUTO", True)
+    ran = []
+    for name in ("attention_bwd_dkdv_sm90", "attention_bwd_dq_sm90"):
+        def spy(*a, _f=getattr(kb, name), _n=name, **kw):
+            took = _f(*a, **kw)
+            ran.append((_n, took))
+            return took
+        monkeypatch.setattr(kb, name, spy)
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, 256)
+    do = torch.randn(b, sq, hq, 256, dtype=dtype, device="cuda").transpose(1, 2)
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=causal) == "dkdv"
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=0.1, causal=causal) == ""
+    _, grads = _check_against_ref(q, k, v, causal=causal, scale=0.1, enable_gqa=hq != hkv, do=do,
+                                  what=f"sm90 bwd d256 {layout}")
+    assert ran == [("attention_bwd_dkdv_sm90", sq >= 64)], ran
+    out = sdpa(q, k, v, is_causal=causal, scale=0.1, enable_gqa=hq != hkv, backend="triton")
+    assert all(torch.equal(x, y) for x, y in zip(grads, _grads(out, (q, k, v), do)))
+    for named, want in (("dkdv", "dkdv"), ("dkdv,dq", "dkdv"), ("dq", ""), ("fused", ""), ("", "")):
+        monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", named)
+        assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=causal) == want, named
+    ran.clear()
+    out = sdpa(q, k, v, is_causal=causal, scale=0.1, enable_gqa=hq != hkv, backend="triton")
+    tri = _grads(out, (q, k, v), do)
+    assert ran == []
+    assert torch.equal(tri[0], grads[0])  # dQ: Triton's kernel both times
+    for x, y in zip(tri[1:], grads[1:]):
+        assert (x.double() - y.double()).abs().max().item() <= 2e-2 * max(1.0, y.double().abs().max().item())
+
+
+@pytest.mark.gpu
+@sm90_only
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal,d", [
     ("bhsd", 2, 4, 4, 1000, 1024, True, 128), ("bshd", 1, 4, 2, 1031, 1024, False, 128),
@@ -2155,6 +2199,12 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     short_k = torch.empty(200, 2, kb.FUSED_MIN_SK // 2, 128, dtype=BF16)
     assert kb.kernels(q, short_k, causal=False, sms=132) == "dkdv,dq"  # full attention below FUSED_MIN_SK keys
     assert kb.kernels(q, k[:, :, :2000], causal=False, sms=132) == ""  # 4 * 2 * 16 CTAs: fewer than the SMs
+    q256 = torch.empty(1, 2, 64, 256, dtype=BF16)  # D = 256: the split dK/dV kernel where DKDV_SPLIT_AUTO (staged)
+    monkeypatch.setattr(kb, "DKDV_SPLIT_AUTO", False)
+    assert kb.kernels(q256, q256, causal=True, sms=132) == ""
+    monkeypatch.setattr(kb, "DKDV_SPLIT_AUTO", True)
+    assert kb.kernels(q256, q256, causal=True, sms=132) == "dkdv"
+    assert kb.kernels(q256, q256, causal=False, sms=132, deterministic=True) == "dkdv"  # (no atomics in it)
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "fused")
     assert kb.kernels(q, k, causal=True, sms=132) == "fused"
     with pytest.raises(ValueError, match="deterministic=True conflicts"):
