@@ -330,6 +330,10 @@ def gpu_check_and_time() -> None:
         roles = graph_ms(lambda: dkdv_d256_roles(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=sc))
         pair = graph_ms(lambda: tri.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=sc, dropout_p=0.0,
                                                   seed=0))
+        os.environ["PYKERNELS_ATTN_SM90_BWD"] = "dkdv"  # the package's backward with the split kernel (Triton's dQ)
+        whole = graph_ms(lambda: tri.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=sc,
+                                                   dropout_p=0.0, seed=0))
+        os.environ["PYKERNELS_ATTN_SM90_BWD"] = ""
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             tri.attention_bwd(do, q, k, v, o, lse, None, causal=causal, scale=sc, dropout_p=0.0, seed=0)
             torch.cuda.synchronize()
@@ -342,7 +346,9 @@ def gpu_check_and_time() -> None:
         gemm4 = 4 * 2 * b * h * s * s * 256 / (2 if causal else 1)
         print(f"B{b} H{h} S{s} D256 {'causal' if causal else 'full'}: split dK/dV {ours:.4f} ms "
               f"({gemm4 / ours / 1e9:.0f} TFLOP/s of its 4 GEMMs), roles {roles:.4f} ms "
-              f"({gemm4 / roles / 1e9:.0f}); the Triton backward {pair:.4f} ms, its kernels (ms) {kern}; "
+              f"({gemm4 / roles / 1e9:.0f}); the package's backward with the split kernel {whole:.4f} ms "
+              f"({1.25 * gemm4 / whole / 1e9:.0f} TFLOP/s, 2.5x the forward's); the Triton backward {pair:.4f} ms, "
+              f"its kernels (ms) {kern}; "
               f"cuDNN backward (do_bench) {cudnn:.4f} ms", flush=True)
 
 
