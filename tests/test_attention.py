@@ -3665,6 +3665,12 @@ def test_auto_cuda_forward_rounds_rule(monkeypatch):
     pad = torch.ones(16, 1, 1, 512, dtype=torch.bool, device="meta")
     assert kind(32, 12, 512) and not kind(16, 16, 512) and kind(16, 16, 512, mask=pad) and kind(16, 16, 256)
     assert not kind(8, 16, 1024) and kind(16, 16, 1024) and kind(16, 16, 512, d=32) and not kind(32, 12, 512, causal=True)
+    q, k, v = (torch.empty(16, 16, 512, 80, dtype=BF16, device="meta")[..., :64] for _ in range(3))
+    assert not pa._auto_cuda_fwd_kind(q, k, v, None, False, "auto")  # padded rows: host descriptors still
+    q = torch.empty(16, 512, 16, 64, dtype=BF16, device="meta").transpose(1, 2)  # transformers' layout
+    assert not pa._auto_cuda_fwd_kind(q, q, q, None, False, "auto")
+    q = torch.empty(16, 16, 40, 64, dtype=BF16, device="meta")  # 40 query rows: below a 64-row Q tile
+    assert pa._auto_cuda_fwd_kind(q, k, v, None, False, "auto")  # (the Gluon forward makes its descriptors)
     monkeypatch.setenv("PYKERNELS_ATTN_SM90", "0")  # no Gluon forward: the C++ one beats Triton's
     assert kind(16, 16, 512)
 
