@@ -193,7 +193,7 @@ HOST_KV = True
 # and warpgroup 0 stores the tiles. (BLOCK_N keys, BLOCK_M queries, STAGES): Q and dO 128 KiB, K and V 64 KiB, P^T and
 # dS^T 32 KiB (230912 B); ptxas 28 bytes spilled. First written in ``benchmarks/dev/attention_bwd_d256_gluon.py``:
 # H200 run480, B4 H8 S4096 causal, graph replay: 1.009 ms against the Triton dK/dV kernel's 2.157 (545 TFLOP/s of its 4
-# GEMMs; Triton's dQ kernel 0.927 ms, cuDNN's whole backward 1.947). dK's error against float64 1.2-2.6x the Triton
+# GEMMs; Triton's dQ kernel 0.927 ms, cuDNN's whole backward 1.947). dK's error against float64 1.0-2.6x the Triton
 # kernel's (P^T reaches warpgroup 1 rounded to bf16); dV's the same.
 DKDV_SPLIT_CONFIGS = {256: (64, 64, 2)}
 # ... staged: ``kernels``' default rule takes it only where ``PYKERNELS_ATTN_SM90_D256=1`` (read once, at import)
