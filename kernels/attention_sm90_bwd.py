@@ -1152,10 +1152,7 @@ def attention_bwd_dkdv_split_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bo
     qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
     if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)):
         return False
-    host = None
-    if HOST_KV and sk % bn == 0:
-        host = tuple(_flat_descriptor(t, bn, kl) for t in (k, v, dk, dv))
-        host = None if any(x is None for x in host) else host
+    host = host_kv_descriptors(k, v, dk, dv, bn, kl, cta_keys=bn)
     _tuning.ensure_allocator()  # (descriptors made on the device)
     _launch.fast(_attention_bwd_dkdv_split_sm90_kernel)[(_tuning.cdiv(sk, bn), hkv, batch)](
         qd, dod, *(host or (k, v, dk, dv)), lse, delta, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
@@ -1165,11 +1162,12 @@ def attention_bwd_dkdv_split_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bo
     return True
 
 
-def host_kv_descriptors(k, v, dk, dv, bn: int, layout):
+def host_kv_descriptors(k, v, dk, dv, bn: int, layout, cta_keys: int = 0):
     """The dK/dV kernel's host descriptors over k, v, dk and dv (``HOST_KV``: (rows, row stride) views, BLOCK_N-row
-    tiles), or None where it makes them on the device: HOST_KV off, Sk not a multiple of 2 * bn (a CTA's last tile
-    would read, and store into, the next head's rows), or a tensor without such a view."""
-    if not HOST_KV or k.shape[2] % (2 * bn):
+    tiles), or None where it makes them on the device: HOST_KV off, Sk not a multiple of a CTA's keys (``cta_keys``,
+    2 * bn by default; the split kernel's bn: a CTA's last tile would read, and store into, the next head's rows), or
+    a tensor without such a view."""
+    if not HOST_KV or k.shape[2] % (cta_keys or 2 * bn):
         return None
     descs = tuple(_flat_descriptor(t, bn, layout) for t in (k, v, dk, dv))
     return None if any(x is None for x in descs) else descs

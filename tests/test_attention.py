@@ -1287,6 +1287,19 @@ def _is_sm90() -> bool:
 sm90_only = pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 (Hopper) GPU")
 
 
+def _spy_sm90_bwd_kernels(monkeypatch) -> list:
+    """(name, launched) of every call of the Gluon backward's two entry points, in order."""
+    from pykernels._kernels import attention_sm90_bwd as kb
+    ran = []
+    for name in ("attention_bwd_dkdv_sm90", "attention_bwd_dq_sm90"):
+        def spy(*a, _f=getattr(kb, name), _n=name, **kw):
+            took = _f(*a, **kw)
+            ran.append((_n, took))
+            return took
+        monkeypatch.setattr(kb, name, spy)
+    return ran
+
+
 def _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, d=128):
     def make(h, s):
         if layout == "bshd":  # transformers' layout: a transposed view of (B, S, H, D)
@@ -1658,15 +1671,8 @@ def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, s
     # against float64 and eager's error; a non-contiguous dO (a transposed view); bitwise reproducible
     # where no atomics are involved (all but "fused")
     from pykernels._kernels import attention as katt
-    from pykernels._kernels import attention_sm90_bwd as kb
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", kernels)
-    ran = []
-    for name in ("attention_bwd_dkdv_sm90", "attention_bwd_dq_sm90"):
-        def spy(*a, _f=getattr(kb, name), _n=name, **kw):
-            took = _f(*a, **kw)
-            ran.append((_n, took))
-            return took
-        monkeypatch.setattr(kb, name, spy)
+    ran = _spy_sm90_bwd_kernels(monkeypatch)
     q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, BF16, layout, d)
     do = torch.randn(b, sq, hq, d, dtype=BF16, device="cuda").transpose(1, 2)
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=causal) == kernels
@@ -1697,13 +1703,7 @@ def test_gpu_sm90_gluon_backward_d256(monkeypatch, dtype, layout, b, hq, hkv, sq
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90_bwd as kb
     monkeypatch.setattr(kb, "DKDV_SPLIT_AUTO", True)
-    ran = []
-    for name in ("attention_bwd_dkdv_sm90", "attention_bwd_dq_sm90"):
-        def spy(*a, _f=getattr(kb, name), _n=name, **kw):
-            took = _f(*a, **kw)
-            ran.append((_n, took))
-            return took
-        monkeypatch.setattr(kb, name, spy)
+    ran = _spy_sm90_bwd_kernels(monkeypatch)
     q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, 256)
     do = torch.randn(b, sq, hq, 256, dtype=dtype, device="cuda").transpose(1, 2)
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=causal) == "dkdv"

@@ -78,7 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from pykernels._kernels.attention_sm90 import LOG2E, _flat_coords, _flat_descriptor, _slice_desc  # noqa: E402
-from pykernels._kernels.attention_sm90_bwd import HOST_KV, _dkdv_producer  # noqa: E402
+from pykernels._kernels.attention_sm90_bwd import _dkdv_producer, host_kv_descriptors  # noqa: E402
 
 
 @gluon.jit
@@ -239,10 +239,7 @@ def dkdv_d256_roles(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: flo
     qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
     if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)):
         return False
-    host = None
-    if HOST_KV and sk % bn == 0:
-        host = tuple(_flat_descriptor(t, bn, kl) for t in (k, v, dk, dv))
-        host = None if any(x is None for x in host) else host
+    host = host_kv_descriptors(k, v, dk, dv, bn, kl, cta_keys=bn)
     _tuning.ensure_allocator()
     _launch.fast(_dkdv_d256_roles_kernel)[(_tuning.cdiv(sk, bn), hkv, batch)](
         qd, dod, *(host or (k, v, dk, dv)), lse, delta, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
