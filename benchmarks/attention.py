@@ -389,9 +389,9 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
                    else "(in the fused kernel)")
         elif name != "fwd" and name in which.split(","):
             from pykernels._kernels import attention_sm90_bwd as kb
-            if name == "dkdv" and D in kb.DKDV_SPLIT_CONFIGS:
-                bn, bm, st = kb.DKDV_SPLIT_CONFIGS[D]
-                cfg = f"gluon split ws {bn} keys x {bm} queries/s{st}, D halved between the warpgroups"
+            if name == "dkdv" and D in kb.DKDV_D256_CONFIGS:
+                bn, bm, st = kb.DKDV_D256_CONFIGS[D]
+                cfg = f"gluon ws {bn} keys x {bm} queries/s{st}, dV in one warpgroup, dK in the other"
             elif name == "dkdv":
                 bn, bm, st = kb.DKDV_CONFIGS[D]
                 cfg = f"gluon ws 2x{bn} keys x {bm} queries/s{st}"

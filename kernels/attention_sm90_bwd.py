@@ -4,9 +4,9 @@ dropout the dK/dV kernel only, ``HAS_DROPOUT`` below), at D = 128 with at least 
 and the tensors are seen through host descriptors. The Gluon dQ kernel runs first and forms delta =
 rowsum(dO * O) itself (``_row_delta``) for the dK/dV kernel too; where it does not run, the Triton preprocess
 does, as for the Triton kernels.
-Either Gluon kernel can run with the other's Triton one. At D = 256 a third kernel, the split dK/dV kernel
-(``_attention_bwd_dkdv_split_sm90_kernel``, ``DKDV_SPLIT_CONFIGS``: the head dim's columns split across the two
-consumer warpgroups), runs beside Triton's dQ kernel; staged behind ``PYKERNELS_ATTN_SM90_D256=1`` (``DKDV_SPLIT_AUTO``).
+Either Gluon kernel can run with the other's Triton one. At D = 256 a third kernel, the D = 256 dK/dV kernel
+(``_attention_bwd_dkdv_d256_sm90_kernel``, ``DKDV_D256_CONFIGS``: one consumer warpgroup holds dV, the other dK),
+runs beside Triton's dQ kernel (``PYKERNELS_ATTN_SM90_D256=0`` turns it off, ``DKDV_D256_AUTO``).
 
 Why. The Triton dK/dV and dQ kernels wait for every wgmma right after issuing it and cannot split a
 producer from the consumers (``attention_sm90``'s docstring): at D = 128 the whole Triton backward reaches
@@ -177,29 +177,28 @@ DROPOUT_ROT = False
 # 1.086x at 8 x 16 x 2048 causal, 0.989x at 2 x 16 x 8192 full (its rounds 4690-5046 us: the card's power limit;
 # the dK/dV kernel alone 1.016x there, 1.027-1.105x at the causal shapes)
 HOST_KV = True
-# D = 256 (``_attention_bwd_dkdv_split_sm90_kernel``; ``kernels`` takes it as "dkdv", beside Triton's dQ kernel, which
-# forms delta first). Here the consumers' dK / dV (2 x 64 x 256 fp32 a warpgroup) do not fit their registers, so both
-# warpgroups work on one CTA's BLOCK_N keys and split the head dim's columns (FlashAttention-3's layout for large
-# head dims): warpgroup w holds dK[:, w D/2 : (w + 1) D/2] and dV's same columns (128 registers). Per query block j:
-#     warpgroup 0: S^T = K Q_j^T, P^T = exp2(S^T scale log2 e - lse_j log2 e) (causal: 0 above the diagonal) -> shared
-#                  memory (``p_bar``);
-#     warpgroup 1: dP^T = V dO_j^T; with P^T (bf16, from shared memory) dS^T = P^T (dP^T - delta_j) -> shared memory
-#                  (``s_bar``);
-#     both: dV[:, cols] += P^T dO_j[:, cols], dK[:, cols] += dS^T Q_j[:, cols] (warpgroup 0's P^T from registers and
-#           dS^T from shared memory, warpgroup 1's the other way round).
-# One full-width GEMM (64 x 64 x 256) and two half-width ones (64 x 128 x 64) a warpgroup a block. The two P^T and dS^T
-# buffers need no release barrier: a warpgroup reaches block it + 2 only after the other's barrier of block it + 1,
-# which the other passes only after its block it's GEMMs completed. At the end both halves go into the K / V buffers
-# and warpgroup 0 stores the tiles. (BLOCK_N keys, BLOCK_M queries, STAGES): Q and dO 128 KiB, K and V 64 KiB, P^T and
-# dS^T 32 KiB (230912 B); ptxas 28 bytes spilled. First written in ``benchmarks/dev/attention_bwd_d256_gluon.py``:
-# H200 run480, B4 H8 S4096 causal, graph replay: 1.009 ms against the Triton dK/dV kernel's 2.157 (545 TFLOP/s of its 4
-# GEMMs; Triton's dQ kernel 0.927 ms, cuDNN's whole backward 1.947). dK's error against float64 1.0-2.6x the Triton
-# kernel's (P^T reaches warpgroup 1 rounded to bf16); dV's the same.
-DKDV_SPLIT_CONFIGS = {256: (64, 64, 2)}
-# ... staged: ``kernels``' default rule takes it only where ``PYKERNELS_ATTN_SM90_D256=1`` (read once, at import)
-# until its GPU tests have run through the package (``test_gpu_sm90_gluon_backward_d256``); a named
+# D = 256 (``_attention_bwd_dkdv_d256_sm90_kernel``; ``kernels`` takes it as "dkdv", beside Triton's dQ kernel, which
+# forms delta first). Here one warpgroup's dK and dV (2 x 64 x 256 fp32) do not fit its registers, so both consumer
+# warpgroups work on one CTA's BLOCK_N keys and split the work by role: warpgroup 0 holds all of dV, warpgroup 1 all
+# of dK (64 x 256 fp32, 128 registers a thread each). Per query block j (the producer warp streams Q_j, dO_j, lse_j
+# and delta_j through a STAGES-deep ring, ``_dkdv_producer``):
+#     warpgroup 0: S^T = K Q_j^T, P^T = exp2(S^T scale log2 e - lse_j log2 e) (causal: 0 above the diagonal), P^T in
+#                  fp32 -> shared memory (one tile a ring stage, ``p_bar``); dV += P^T dO_j (P^T from registers);
+#     warpgroup 1: dP^T = V dO_j^T; with P^T from shared memory dS^T = P^T (dP^T - delta_j); dK += dS^T Q_j.
+# Two 64 x 64 x 256 GEMMs a warpgroup a block. A P^T tile is rewritten only once the producer refilled its stage,
+# i.e. after both warpgroups released it. At the end dV and dK * scale go into the V and K buffers (once neither
+# warpgroup reads them) and warpgroup 0 stores both by TMA. (BLOCK_N keys, BLOCK_M queries, STAGES): Q and dO 128 KiB,
+# K and V 64 KiB, P^T 32 KiB (230864 B); ptxas 12-16 bytes spilled. dK's and dV's errors against float64 equal the
+# Triton kernel's (one bf16 rounding of dS^T, P^T handed over in fp32). First written in
+# ``benchmarks/dev/attention_bwd_d256_gluon.py``; H200 run481 (graph replay) against the column split of run480
+# (both warpgroups on half of dK's and dV's columns, P^T and dS^T handed over in bf16: dK's error 1.0-2.6x Triton's;
+# commit 7fc36f1): 0.926 / 0.425 / 3.340 / 0.267 / 0.852 ms against 1.009 / 0.450 / 3.677 / 0.286 / 0.920 at
+# B4 H8 S4096 causal, B4 H8 S2048, B2 H8 S8192, B16 H16 S512, B1 H8 S8192 causal (594-658 TFLOP/s of its 4 GEMMs but
+# 514 at S512), the Triton dK/dV kernel 2.225 / 1.011 / 7.987 / 0.574 / 2.061.
+DKDV_D256_CONFIGS = {256: (64, 64, 2)}
+# ``kernels``' default rule takes it (``PYKERNELS_ATTN_SM90_D256=0`` turns it off; read once, at import); a named
 # ``PYKERNELS_ATTN_SM90_BWD`` with "dkdv" takes it at D = 256 either way
-DKDV_SPLIT_AUTO = os.environ.get("PYKERNELS_ATTN_SM90_D256", "0") not in ("", "0")
+DKDV_D256_AUTO = os.environ.get("PYKERNELS_ATTN_SM90_D256", "1") not in ("", "0")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -631,37 +630,33 @@ def _attention_bwd_dkdv_sm90_kernel(
 
 
 @gluon.jit
-def _dkdv_split_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, ds_smem, lse_smem, dlt_smem,
-                         kv_bar, q_bar, q_empty, p_bar, s_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col,
-                         dv_row, dv_col, GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D: gl.constexpr,
-                         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """Consumer warpgroup WG of the split dK/dV kernel: columns [WG * HEAD_D / 2, + HEAD_D / 2) of the CTA's keys'
-    dK and dV (``DKDV_SPLIT_CONFIGS``' comment has the algorithm)."""
-    HALF: gl.constexpr = HEAD_D // 2
+def _dkdv_d256_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, lse_smem, dlt_smem, kv_bar,
+                        q_bar, q_empty, p_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
+                        GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Consumer warpgroup WG of the D = 256 dK/dV kernel: warpgroup 0 S^T, P^T and dV, warpgroup 1 dP^T, dS^T and dK
+    (``DKDV_D256_CONFIGS``' comment has the algorithm)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HALF, 16])
+                                                         instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     keys = start_n + gl.arange(0, BLOCK_N, layout=row_s)
-    dk = gl.zeros([BLOCK_N, HALF], gl.float32, acc_layout)
-    dv = gl.zeros([BLOCK_N, HALF], gl.float32, acc_layout)
+    acc = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)  # dV (warpgroup 0) or dK (warpgroup 1)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     mbarrier.wait(kv_bar.index(0), 0)
     it = 0
     for g in range(GROUP):
         for j in range(j_lo, n_qb):
             s = it % STAGES
-            buf = it % 2
-            ph = (it // 2) & 1
-            mbarrier.wait(q_bar.index(s), (it // STAGES) & 1)
+            ph = (it // STAGES) & 1
+            mbarrier.wait(q_bar.index(s), ph)
             q_tile = q_smem.index(s)
             do_tile = do_smem.index(s)
-            pt_tile = pt_smem.index(buf)
-            ds_tile = ds_smem.index(buf)
+            pt_tile = pt_smem.index(s)
             if WG == 0:
                 st = warpgroup_mma(k_smem.index(0), q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 lse2 = lse_smem.index(s).load(col_s)
@@ -671,37 +666,29 @@ def _dkdv_split_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_s
                     if j * BLOCK_M < start_n + BLOCK_N:  # the block reaches the diagonal: query i sees keys <= i
                         cols = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
                         pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), pt, 0.0)
-                pt16 = pt.to(dtype)
-                pt_tile.store(pt16)
-                fence_async_shared()
-                mbarrier.arrive(p_bar.index(buf), count=1)
-                dv = warpgroup_mma(gl.convert_layout(pt16, a_layout), do_tile.slice(0, HALF, dim=1), dv,
-                                   is_async=True)
-                mbarrier.wait(s_bar.index(buf), ph)
-                dk = warpgroup_mma(ds_tile, q_tile.slice(0, HALF, dim=1), dk, is_async=True)
+                pt_tile.store(pt)
+                mbarrier.arrive(p_bar.index(s), count=1)
+                acc = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, acc, is_async=True)
             else:
                 dpt = warpgroup_mma(v_smem.index(0), do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 delta = dlt_smem.index(s).load(col_s)
                 dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
-                mbarrier.wait(p_bar.index(buf), ph)
-                dv = warpgroup_mma(pt_tile, do_tile.slice(HALF, HALF, dim=1), dv, is_async=True)
-                pt = pt_tile.load(s_layout).to(gl.float32)
-                dst16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-                ds_tile.store(dst16)
-                fence_async_shared()
-                mbarrier.arrive(s_bar.index(buf), count=1)
-                dk = warpgroup_mma(gl.convert_layout(dst16, a_layout), q_tile.slice(HALF, HALF, dim=1), dk,
-                                   is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                mbarrier.wait(p_bar.index(s), ph)
+                pt = pt_tile.load(s_layout)
+                dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+                acc = warpgroup_mma(gl.convert_layout(dst, a_layout), q_tile, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(q_empty.index(s), count=1)
             it += 1
     mbarrier.arrive(end_bar.index(0), count=1)
     mbarrier.wait(end_bar.index(0), 0)  # both warpgroups past their loops: no GEMM reads K or V any more
-    k_smem.index(0).slice(WG * HALF, HALF, dim=1).store((dk * scale).to(dtype))
-    v_smem.index(0).slice(WG * HALF, HALF, dim=1).store(dv.to(dtype))
+    if WG == 0:
+        v_smem.index(0).store(acc.to(dtype))
+    else:
+        k_smem.index(0).store((acc * scale).to(dtype))
     fence_async_shared()
     if WG == 0:
-        mbarrier.wait(st_bar.index(0), 0)  # warpgroup 1's halves are in place
+        mbarrier.wait(st_bar.index(0), 0)  # warpgroup 1's dK is in place
         tma.async_copy_shared_to_global(dk_desc, [dk_row + start_n, dk_col], k_smem.index(0))
         tma.async_copy_shared_to_global(dv_desc, [dv_row + start_n, dv_col], v_smem.index(0))
         tma.store_wait(pendings=0)
@@ -710,7 +697,7 @@ def _dkdv_split_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_s
 
 
 @gluon.jit
-def _attention_bwd_dkdv_split_sm90_kernel(
+def _attention_bwd_dkdv_d256_sm90_kernel(
     q_desc, do_desc, K, V, DK, DV, LSE, DELTA,
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -723,9 +710,8 @@ def _attention_bwd_dkdv_split_sm90_kernel(
     """Grid (cdiv(Sk, BLOCK_N), kv heads, batch). q_desc / do_desc: host descriptors over (rows, row stride) views
     (``_flat_descriptor``); K, V, dK, dV: host descriptors likewise where Sk is a multiple of BLOCK_N (HOST_KV),
     else the tensors, whose (batch, kv head) slices get descriptors made here (a store clips keys >= Sk). LSE and
-    DELTA (B, H, Sq) fp32, unit last stride."""
+    DELTA (B, H, Sq) fp32, unit last stride. ``p_layout``: the fp32 P^T tiles' shared layout (one a ring stage)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
-    gl.static_assert(HEAD_D % 128 == 0, "each warpgroup's column half a multiple of 64")
     dtype: gl.constexpr = q_desc.dtype
     start_n = gl.program_id(0) * BLOCK_N
     hk = gl.program_id(1).to(gl.int64)
@@ -749,25 +735,21 @@ def _attention_bwd_dkdv_split_sm90_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], kv_layout)
-    pt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], p_layout)
+    pt_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, BLOCK_M], p_layout)
     stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
     dlt_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    s_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     end_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     st_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar.index(0), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(p_bar.index(i), count=1)
-        mbarrier.init(s_bar.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_bar.index(i), count=2)  # (the TMA's expect, the stats' arrival: _dkdv_producer)
         mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(p_bar.index(i), count=1)
     mbarrier.init(end_bar.index(0), count=2)
     mbarrier.init(st_bar.index(0), count=1)
     fence_async_shared()
@@ -779,19 +761,19 @@ def _attention_bwd_dkdv_split_sm90_kernel(
         j_lo = start_n // BLOCK_M  # queries before the CTA's first key see none of its keys
     n_qb = gl.cdiv(Sq, BLOCK_M)
     gl.warp_specialize([
-        (_dkdv_split_consumer, (0, q_smem, do_smem, k_smem, v_smem, pt_smem, ds_smem, lse_smem, dlt_smem, kv_bar,
-                                q_bar, q_empty, p_bar, s_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col,
-                                dv_row, dv_col, GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D, BLOCK_N,
-                                BLOCK_M, STAGES, IS_CAUSAL)),
+        (_dkdv_d256_consumer, (0, q_smem, do_smem, k_smem, v_smem, pt_smem, lse_smem, dlt_smem, kv_bar, q_bar,
+                               q_empty, p_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
+                               GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
+                               IS_CAUSAL)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, k_smem, k_smem,
                           lse_smem, dlt_smem, kv_bar, q_bar, q_empty, kv_bar, stride_qb, stride_qh, stride_qm,
                           stride_dob, stride_doh, stride_dom, LSE, DELTA, None, stride_lb, stride_lh, H, GROUP, Sq,
                           qk_scale, scale, b, hk, start_n, j_lo, n_qb, dk_desc, dv_desc, None, HEAD_D, BLOCK_N,
                           BLOCK_M, STAGES, IS_CAUSAL, False, False)),
-        (_dkdv_split_consumer, (1, q_smem, do_smem, k_smem, v_smem, pt_smem, ds_smem, lse_smem, dlt_smem, kv_bar,
-                                q_bar, q_empty, p_bar, s_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col,
-                                dv_row, dv_col, GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D, BLOCK_N,
-                                BLOCK_M, STAGES, IS_CAUSAL)),
+        (_dkdv_d256_consumer, (1, q_smem, do_smem, k_smem, v_smem, pt_smem, lse_smem, dlt_smem, kv_bar, q_bar,
+                               q_empty, p_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
+                               GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
+                               IS_CAUSAL)),
     ], [1, 4], [24, 240])
 
 
@@ -1049,7 +1031,7 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
     the kernels cover the case (D = 64 too), except "fused" where ``deterministic`` or torch's deterministic
     mode asks for a reproducible backward ("dkdv,dq" then).
 
-    The speed rule: at D = 256 "dkdv" (the split kernel, ``DKDV_SPLIT_CONFIGS``) where ``DKDV_SPLIT_AUTO``, else "".
+    The speed rule: at D = 256 "dkdv" (``DKDV_D256_CONFIGS``' kernel) where ``DKDV_D256_AUTO`` (default), else "".
     D = 128 with at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton
     kernels' smaller blocks fill the card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon; at D = 64 both
     lose, BERT-base shape 0.349 vs 0.245 ms; H100 run41-44). There, "fused" unless deterministic, from
@@ -1071,8 +1053,8 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
         if named == "fused" and deterministic:
             return "dkdv,dq"  # (the fused kernel's dQ reductions are not bitwise reproducible)
         return named
-    if q.shape[-1] in DKDV_SPLIT_CONFIGS:
-        return "dkdv" if DKDV_SPLIT_AUTO else ""  # (the split dK/dV kernel, beside Triton's dQ)
+    if q.shape[-1] in DKDV_D256_CONFIGS:
+        return "dkdv" if DKDV_D256_AUTO else ""  # (the D = 256 dK/dV kernel, beside Triton's dQ)
     if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
         return ""
     if not deterministic and k.shape[2] >= (FUSED_CAUSAL_MIN_SK if causal else FUSED_MIN_SK) \
@@ -1093,10 +1075,10 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     int64 seed tensor on the device, or an int)."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    if d in DKDV_SPLIT_CONFIGS:  # (no dQ, no dropout there: ``sm90_backward`` asks for neither)
+    if d in DKDV_D256_CONFIGS:  # (no dQ, no dropout there: ``sm90_backward`` asks for neither)
         if dq is not None or dropout_p > 0 or trace is not None:
             return False
-        return attention_bwd_dkdv_split_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=scale,
+        return attention_bwd_dkdv_d256_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=scale,
                                              config=config)
     bn, bm, stages = config or DKDV_CONFIGS[d]
     ql, kl = smem_layouts(bm, bn, d, q.dtype)
@@ -1139,33 +1121,33 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     return True
 
 
-def attention_bwd_dkdv_split_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: float,
-                                  config=None) -> bool:
-    """dK, dV at D = 256 by the split kernel (``DKDV_SPLIT_CONFIGS``) into ``dk``, ``dv``; inputs as
+def attention_bwd_dkdv_d256_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: float,
+                                 config=None) -> bool:
+    """dK, dV at D = 256 (``DKDV_D256_CONFIGS``' kernel) into ``dk``, ``dv``; inputs as
     ``attention_bwd_dkdv_sm90`` takes them (delta = rowsum(dO O) already formed). False (nothing launched) where q or
     do cannot be seen through one host descriptor or dk / dv are not TMA-aligned. K / V / dK / dV through host
     descriptors where Sk is a multiple of BLOCK_N (``HOST_KV``), else descriptors made on the device."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    bn, bm, stages = config or DKDV_SPLIT_CONFIGS[d]
+    bn, bm, stages = config or DKDV_D256_CONFIGS[d]
     ql, kl = smem_layouts(bm, bn, d, q.dtype)
     qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
     if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)):
         return False
     host = host_kv_descriptors(k, v, dk, dv, bn, kl, cta_keys=bn)
     _tuning.ensure_allocator()  # (descriptors made on the device)
-    _launch.fast(_attention_bwd_dkdv_split_sm90_kernel)[(_tuning.cdiv(sk, bn), hkv, batch)](
+    _launch.fast(_attention_bwd_dkdv_d256_sm90_kernel)[(_tuning.cdiv(sk, bn), hkv, batch)](
         qd, dod, *(host or (k, v, dk, dv)), lse, delta, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2], hq, hq // hkv, sq, sk,
         scale * LOG2E, scale, HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal),
-        kv_layout=kl, p_layout=_ds_layout(bn, bm, q.dtype), num_warps=4, HOST_KV=host is not None, maxnreg=MAX_REGS)
+        kv_layout=kl, p_layout=_pt_layout(bn, bm), num_warps=4, HOST_KV=host is not None, maxnreg=MAX_REGS)
     return True
 
 
 def host_kv_descriptors(k, v, dk, dv, bn: int, layout, cta_keys: int = 0):
     """The dK/dV kernel's host descriptors over k, v, dk and dv (``HOST_KV``: (rows, row stride) views, BLOCK_N-row
     tiles), or None where it makes them on the device: HOST_KV off, Sk not a multiple of a CTA's keys (``cta_keys``,
-    2 * bn by default; the split kernel's bn: a CTA's last tile would read, and store into, the next head's rows), or
+    2 * bn by default; the D = 256 kernel's bn: a CTA's last tile would read, and store into, the next head's rows), or
     a tensor without such a view."""
     if not HOST_KV or k.shape[2] % (cta_keys or 2 * bn):
         return None
@@ -1179,6 +1161,12 @@ def _dq_acc_descriptor(dq_acc: torch.Tensor, bm: int, d: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     layout = gl.NVMMASharedLayout.get_default_for([bm, d // 2], gl.float32)
     return TensorDescriptor.from_tensor(dq_acc.view(-1, d), [bm, d // 2], layout)
+
+
+@functools.lru_cache(maxsize=16)
+def _pt_layout(bn: int, bm: int):
+    """The shared layout of the D = 256 dK/dV kernel's fp32 P^T tiles."""
+    return gl.NVMMASharedLayout.get_default_for([bn, bm], gl.float32)
 
 
 @functools.lru_cache(maxsize=16)

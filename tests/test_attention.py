@@ -1694,15 +1694,15 @@ def test_gpu_sm90_gluon_backward(monkeypatch, kernels, layout, b, hq, hkv, sq, s
     (BF16, "bhsd", 2, 2, 2, 64, 127, False), (F16, "bshd", 1, 6, 2, 700, 700, True),
     (BF16, "bhsd", 1, 2, 1, 300, 4096, False), (BF16, "bhsd", 3, 2, 1, 1, 300, False)])
 def test_gpu_sm90_gluon_backward_d256(monkeypatch, dtype, layout, b, hq, hkv, sq, sk, causal):
-    # D = 256: the split dK/dV kernel (``attention_sm90_bwd.DKDV_SPLIT_CONFIGS``: the head dim's columns split across
-    # the consumer warpgroups) beside Triton's dQ kernel, which forms delta, where its rule takes it
-    # (``DKDV_SPLIT_AUTO``) and where "dkdv" is named; "dq", "fused" and dropout take nothing there. Against float64 and
+    # D = 256: its dK/dV kernel (``attention_sm90_bwd.DKDV_D256_CONFIGS``: one consumer warpgroup holds dV, the other
+    # dK) beside Triton's dQ kernel, which forms delta, where its rule takes it (``DKDV_D256_AUTO``, on by default)
+    # and where "dkdv" is named; "dq", "fused" and dropout take nothing there. Against float64 and
     # eager's error (GQA, causal with Sq != Sk, query and key tails (device-made K / V descriptors), Sk a multiple of
     # its 64 keys (host ones), fp16; one query row, where the kernel declines its 64-row Q tile and Triton's dK/dV
     # kernel runs), a non-contiguous dO; bitwise reproducible; close to the Triton kernels' gradients
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90_bwd as kb
-    monkeypatch.setattr(kb, "DKDV_SPLIT_AUTO", True)
+    monkeypatch.setattr(kb, "DKDV_D256_AUTO", True)
     ran = _spy_sm90_bwd_kernels(monkeypatch)
     q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, 256)
     do = torch.randn(b, sq, hq, 256, dtype=dtype, device="cuda").transpose(1, 2)
@@ -2199,10 +2199,10 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     short_k = torch.empty(200, 2, kb.FUSED_MIN_SK // 2, 128, dtype=BF16)
     assert kb.kernels(q, short_k, causal=False, sms=132) == "dkdv,dq"  # full attention below FUSED_MIN_SK keys
     assert kb.kernels(q, k[:, :, :2000], causal=False, sms=132) == ""  # 4 * 2 * 16 CTAs: fewer than the SMs
-    q256 = torch.empty(1, 2, 64, 256, dtype=BF16)  # D = 256: the split dK/dV kernel where DKDV_SPLIT_AUTO (staged)
-    monkeypatch.setattr(kb, "DKDV_SPLIT_AUTO", False)
+    q256 = torch.empty(1, 2, 64, 256, dtype=BF16)  # D = 256: its dK/dV kernel where DKDV_D256_AUTO (default)
+    monkeypatch.setattr(kb, "DKDV_D256_AUTO", False)
     assert kb.kernels(q256, q256, causal=True, sms=132) == ""
-    monkeypatch.setattr(kb, "DKDV_SPLIT_AUTO", True)
+    monkeypatch.setattr(kb, "DKDV_D256_AUTO", True)
     assert kb.kernels(q256, q256, causal=True, sms=132) == "dkdv"
     assert kb.kernels(q256, q256, causal=False, sms=132, deterministic=True) == "dkdv"  # (no atomics in it)
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "fused")
