@@ -355,6 +355,31 @@ def _head_descriptors(Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, strid
 
 
 @gluon.jit
+def _tile_run(Order, n_tiles, ORDER: gl.constexpr):
+    """(first, end, step) of the CTA's tiles in the persistent grid: with ORDER its run of the host's tile table
+    (``_causal_order``: the CTAs' run starts, then the tiles), else every num_programs-th tile from its own."""
+    if ORDER:
+        i0 = gl.load(Order + gl.program_id(0))
+        i1 = gl.load(Order + gl.program_id(0) + 1)
+        step = 1
+    else:
+        i0 = gl.program_id(0)
+        i1 = n_tiles
+        step = gl.num_programs(0)
+    return i0, i1, step
+
+
+@gluon.jit
+def _tile_at(Order, i, ORDER: gl.constexpr):
+    """The tile at place ``i`` of ``_tile_run``'s range."""
+    if ORDER:
+        tile = gl.load(Order + gl.num_programs(0) + 1 + i)
+    else:
+        tile = i
+    return tile
+
+
+@gluon.jit
 def _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  ORDER: gl.constexpr):
     """Tile index -> (first query row of the CTA's 2 * BLOCK_M, batch, head, kv head (int64), key blocks).
@@ -438,19 +463,9 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
                 n_done += 1
     else:
         base = 0
-        if ORDER:  # the CTA's run of the host's tile table
-            i0 = gl.load(Order + gl.program_id(0))
-            i1 = gl.load(Order + gl.program_id(0) + 1)
-            step = 1
-        else:
-            i0 = gl.program_id(0)
-            i1 = n_tiles
-            step = gl.num_programs(0)
+        i0, i1, step = _tile_run(Order, n_tiles, ORDER)
         for i in range(i0, i1, step):
-            if ORDER:
-                tile = gl.load(Order + gl.num_programs(0) + 1 + i)
-            else:
-                tile = i
+            tile = _tile_at(Order, i, ORDER)
             start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, ORDER)
             it = (i - i0) // step  # this CTA's tile count (not loop-carried)
             buf = (it % Q_BUFS) * 2 + WG
@@ -487,19 +502,9 @@ def _producer(Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v
     length are skipped, as the consumers skip them."""
     base = 0
     it = 0
-    if ORDER:  # the CTA's run of the host's tile table
-        i0 = gl.load(Order + gl.program_id(0))
-        i1 = gl.load(Order + gl.program_id(0) + 1)
-        step = 1
-    else:
-        i0 = gl.program_id(0)
-        i1 = n_tiles
-        step = gl.num_programs(0)
+    i0, i1, step = _tile_run(Order, n_tiles, ORDER)
     for i in range(i0, i1, step):
-        if ORDER:
-            tile = gl.load(Order + gl.num_programs(0) + 1 + i)
-        else:
-            tile = i
+        tile = _tile_at(Order, i, ORDER)
         start_m, b, h, hk, n_blocks = _tile_coords(tile, n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, ORDER)
         active = True
         sk_t = Sk

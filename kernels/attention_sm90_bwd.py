@@ -496,6 +496,31 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
 
 
 @gluon.jit
+def _kv_slices(K, V, DK, DV, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dkb, stride_dkh,
+               stride_dkn, stride_dvb, stride_dvh, stride_dvn, b, hk, Sk, HEAD_D: gl.constexpr,
+               BLOCK_N: gl.constexpr, kv_layout: gl.constexpr, HOST_KV: gl.constexpr):
+    """The dK/dV kernels' K, V, dK and dV descriptors of (batch ``b``, kv head ``hk``) and each one's (row, column)
+    of the slice's first element: with HOST_KV the host descriptors K .. DV over (rows, row stride) views and the
+    slice's place in them; else descriptors of the slices made here, at (0, 0)."""
+    if HOST_KV:
+        k_desc = K
+        v_desc = V
+        dk_desc = DK
+        dv_desc = DV
+        k_row, k_col = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
+        v_row, v_col = _flat_coords(b * stride_vb + hk * stride_vh, stride_vn)
+        dk_row, dk_col = _flat_coords(b * stride_dkb + hk * stride_dkh, stride_dkn)
+        dv_row, dv_col = _flat_coords(b * stride_dvb + hk * stride_dvh, stride_dvn)
+    else:
+        k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
+        v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
+        dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
+        dv_desc = _slice_desc(DV, b * stride_dvb + hk * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
+        k_row, k_col, v_row, v_col, dk_row, dk_col, dv_row, dv_col = 0, 0, 0, 0, 0, 0, 0, 0
+    return k_desc, v_desc, dk_desc, dv_desc, k_row, k_col, v_row, v_col, dk_row, dk_col, dv_row, dv_col
+
+
+@gluon.jit
 def _attention_bwd_dkdv_sm90_kernel(
     q_desc, do_desc, K, V, DK, DV, LSE, DELTA, DQACC,
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
@@ -533,21 +558,9 @@ def _attention_bwd_dkdv_sm90_kernel(
         hk = gl.program_id(1).to(gl.int64)
         b = gl.program_id(2).to(gl.int64)
     _trace_put(Trace, 7, (b * (H // GROUP) + hk) * 65536 + start_n // (2 * BLOCK_N), TRACE)  # as the order gave
-    if HOST_KV:
-        k_desc = K
-        v_desc = V
-        dk_desc = DK
-        dv_desc = DV
-        k_row, k_col = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
-        v_row, v_col = _flat_coords(b * stride_vb + hk * stride_vh, stride_vn)
-        dk_row, dk_col = _flat_coords(b * stride_dkb + hk * stride_dkh, stride_dkn)
-        dv_row, dv_col = _flat_coords(b * stride_dvb + hk * stride_dvh, stride_dvn)
-    else:
-        k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
-        v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
-        dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
-        dv_desc = _slice_desc(DV, b * stride_dvb + hk * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
-        k_row, k_col, v_row, v_col, dk_row, dk_col, dv_row, dv_col = 0, 0, 0, 0, 0, 0, 0, 0
+    k_desc, v_desc, dk_desc, dv_desc, k_row, k_col, v_row, v_col, dk_row, dk_col, dv_row, dv_col = _kv_slices(
+        K, V, DK, DV, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dkb, stride_dkh,
+        stride_dkn, stride_dvb, stride_dvh, stride_dvn, b, hk, Sk, HEAD_D, BLOCK_N, kv_layout, HOST_KV)
     _trace_mark(Trace, 8, TRACE)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
@@ -716,21 +729,9 @@ def _attention_bwd_dkdv_d256_sm90_kernel(
     start_n = gl.program_id(0) * BLOCK_N
     hk = gl.program_id(1).to(gl.int64)
     b = gl.program_id(2).to(gl.int64)
-    if HOST_KV:
-        k_desc = K
-        v_desc = V
-        dk_desc = DK
-        dv_desc = DV
-        k_row, k_col = _flat_coords(b * stride_kb + hk * stride_kh, stride_kn)
-        v_row, v_col = _flat_coords(b * stride_vb + hk * stride_vh, stride_vn)
-        dk_row, dk_col = _flat_coords(b * stride_dkb + hk * stride_dkh, stride_dkn)
-        dv_row, dv_col = _flat_coords(b * stride_dvb + hk * stride_dvh, stride_dvn)
-    else:
-        k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
-        v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
-        dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
-        dv_desc = _slice_desc(DV, b * stride_dvb + hk * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
-        k_row, k_col, v_row, v_col, dk_row, dk_col, dv_row, dv_col = 0, 0, 0, 0, 0, 0, 0, 0
+    k_desc, v_desc, dk_desc, dv_desc, k_row, k_col, v_row, v_col, dk_row, dk_col, dv_row, dv_col = _kv_slices(
+        K, V, DK, DV, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dkb, stride_dkh,
+        stride_dkn, stride_dvb, stride_dvh, stride_dvn, b, hk, Sk, HEAD_D, BLOCK_N, kv_layout, HOST_KV)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], kv_layout)
