@@ -1036,20 +1036,23 @@ def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range
     ``deterministic``). Each kernel may still decline a layout (then
     its Triton kernel runs). With dropout only the dK/dV kernel (fused with dQ or not) draws the mask
     (``attention_sm90_bwd.DROPOUT_KERNELS``): "dkdv,dq" becomes "dkdv" (Triton's dQ kernel beside it), "dq" "". At
-    D = 256 only the D = 256 dK/dV kernel exists ("dkdv", beside Triton's dQ kernel; no dropout)."""
-    if q.device.type != "cuda" or q.shape[-1] not in (64, 128, 256) or mask is not None or kv_range is not None:
+    D = 256 (and, staged, D = 192 on its zero-filled tiles) only the D = 256 dK/dV kernel exists ("dkdv", beside
+    Triton's dQ kernel; no dropout)."""
+    d = q.shape[-1]
+    if q.device.type != "cuda" or d not in (64, 128, 192, 256) or mask is not None or kv_range is not None:
         return ""
     from . import attention_sm90, attention_sm90_bwd
-    if dropout_p > 0 and (not attention_sm90_bwd.DROPOUT_KERNELS or q.shape[-1] == 256):
+    if dropout_p > 0 and (not attention_sm90_bwd.DROPOUT_KERNELS or d > 128):
         return ""
     which = attention_sm90_bwd.kernels(q, k, causal, attention_sm90._num_sms(q.device), deterministic)
-    if q.shape[-1] == 256:  # only the dK/dV kernel there (``attention_sm90_bwd.DKDV_D256_CONFIGS``)
+    if d > 128:  # only the dK/dV kernel there (``attention_sm90_bwd.DKDV_D256_CONFIGS``)
         which = "dkdv" if "dkdv" in which.split(",") else ""
     if dropout_p > 0:
         which = "fused" if which == "fused" else "dkdv" if "dkdv" in which.split(",") else ""
     # (the kernels' cover apart from dropout, which the dK/dV kernel draws itself)
     if not which or not attention_sm90.enabled() or do.dtype != q.dtype or not attention_sm90._tma_ok(do) \
-            or attention_sm90.unsupported(q, k, v, mask, dropout_p=0.0, scale=scale, varlen=False) is not None:
+            or attention_sm90.unsupported(q, k, v, mask, dropout_p=0.0, scale=scale, varlen=False,
+                                          head_dims=(64, 128, 192, 256)) is not None:
         return ""
     return which
 

@@ -207,10 +207,17 @@ def _flat_coords(off, stride_m):
 
 
 @gluon.jit
-def _slice_desc(base, off, rows, stride_rows, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, layout: gl.constexpr):
+def _slice_desc(base, off, rows, stride_rows, HEAD_D: gl.constexpr, BLOCK: gl.constexpr, layout: gl.constexpr,
+                COLS: gl.constexpr = 0):
     """A descriptor, made on the device, of one (batch, head) slice: ``rows`` x HEAD_D from ``base + off``
-    with row stride ``stride_rows``, BLOCK-row tiles (a store through it clips rows >= ``rows``)."""
-    return tma.make_tensor_descriptor(base + off, [rows, HEAD_D], [stride_rows, 1], [BLOCK, HEAD_D], layout)
+    with row stride ``stride_rows``, BLOCK-row tiles (a store through it clips rows >= ``rows``). COLS > 0: the
+    slice is ``rows`` x COLS (COLS < HEAD_D) in HEAD_D-wide tiles: a load reads zeros past column COLS, a store
+    clips there."""
+    if COLS > 0:
+        desc = tma.make_tensor_descriptor(base + off, [rows, COLS], [stride_rows, 1], [BLOCK, HEAD_D], layout)
+    else:
+        desc = tma.make_tensor_descriptor(base + off, [rows, HEAD_D], [stride_rows, 1], [BLOCK, HEAD_D], layout)
+    return desc
 
 
 @gluon.jit
@@ -654,9 +661,10 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def unsupported(q, k, v, mask, *, dropout_p: float, scale: float, varlen: bool, kv_range=None,
-                causal: bool = False) -> str | None:
+                causal: bool = False, head_dims=None) -> str | None:
     """None when this kernel covers the call (dense (B, H, S, D) tensors), else the reason it does not. A
-    mask is covered only as a boolean key-padding mask with its ``kv_range`` (the forward, not causal)."""
+    mask is covered only as a boolean key-padding mask with its ``kv_range`` (the forward, not causal).
+    ``head_dims``: the head dims covered (default the forward's, ``CONFIGS``)."""
     if varlen or dropout_p > 0:
         return "dropout or varlen"
     if mask is not None and (kv_range is None or mask.dtype != torch.bool or causal):
@@ -671,8 +679,9 @@ def unsupported(q, k, v, mask, *, dropout_p: float, scale: float, varlen: bool, 
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return "dtype is not float16/bfloat16"
     d = q.shape[-1]
-    if d not in CONFIGS or k.shape[-1] != d or v.shape[-1] != d:
-        return "head dim is not 64, 128 or 256 (or Dv != D)"
+    dims = CONFIGS if head_dims is None else head_dims
+    if d not in dims or k.shape[-1] != d or v.shape[-1] != d:
+        return f"head dim is not {', '.join(map(str, sorted(dims)))} (or Dv != D)"
     if not scale > 0:
         return "scale <= 0"
     if not (_tma_ok(q) and _tma_ok(k) and _tma_ok(v)):

@@ -102,9 +102,9 @@ from ._dropout import KEEP_OCTET_CARRY_PTX as _KEEP_OCTET_CARRY_PTX
 from ._dropout import KEEP_OCTET_CONSTRAINTS as _KEEP_OCTET_CONSTRAINTS
 
 from . import _launch, _tuning
-from .attention_sm90 import (LOG2E, MAX_REGS, _alloc_kv_ring, _fill_kv_ring, _flat_coords, _flat_descriptor,
-                             _mask_scores, _needs_mask, _num_sms, _slice_desc, _store_rows, _tile_coords, _tma_ok,
-                             smem_layouts)
+from .attention_sm90 import (LOG2E, MAX_REGS, _alloc_kv_ring, _descriptor, _fill_kv_ring, _flat_coords,
+                             _flat_descriptor, _flat_geometry, _mask_scores, _needs_mask, _num_sms, _slice_desc,
+                             _store_rows, _tile_coords, _tma_ok, smem_layouts)
 
 # dK/dV: (keys per consumer warpgroup, BLOCK_M query rows per block, STAGES). At D = 128 with 64-query
 # blocks ptxas spills 100 bytes (216 causal; 28 / 80 since lse / delta come through shared memory; dK, dV,
@@ -195,10 +195,18 @@ HOST_KV = True
 # commit 7fc36f1): 0.926 / 0.425 / 3.340 / 0.267 / 0.852 ms against 1.009 / 0.450 / 3.677 / 0.286 / 0.920 at
 # B4 H8 S4096 causal, B4 H8 S2048, B2 H8 S8192, B16 H16 S512, B1 H8 S8192 causal (594-658 TFLOP/s of its 4 GEMMs but
 # 514 at S512), the Triton dK/dV kernel 2.225 / 1.011 / 7.987 / 0.574 / 2.061.
-DKDV_D256_CONFIGS = {256: (64, 64, 2)}
+DKDV_D256_CONFIGS = {256: (64, 64, 2), 192: (64, 64, 2)}
 # ``kernels``' default rule takes it (``PYKERNELS_ATTN_SM90_D256=0`` turns it off; read once, at import); a named
 # ``PYKERNELS_ATTN_SM90_BWD`` with "dkdv" takes it at D = 256 either way
 DKDV_D256_AUTO = os.environ.get("PYKERNELS_ATTN_SM90_D256", "1") not in ("", "0")
+# D = 192 (staged: ``PYKERNELS_ATTN_SM90_D192=1``, or a named "dkdv"; not yet run on a GPU): the same kernel on its
+# 256-wide tiles with every descriptor 192 columns wide (``D_COLS``), so that TMA loads read zeros in columns 192-255
+# (nothing added to S^T or dP^T) and stores clip there: no padded copies, a third more tensor-core work than the
+# columns need. Q and dO come through the host's descriptors, so each of their (batch, head) slices must start at
+# column 0 of its (rows, row stride) view (``_zero_fill_descriptor``: (B, H, S, D) rows, not the (B, S, H, D) views,
+# whose heads sit side by side in a row); elsewhere the kernel declines and Triton's runs. Expected from the D = 256
+# numbers: the backward at 4 x 8 x 2048 about 0.85 ms against Triton's 1.32 and cuDNN's 0.90 (run482's matrix).
+DKDV_D192_AUTO = os.environ.get("PYKERNELS_ATTN_SM90_D192", "0") not in ("", "0")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -498,10 +506,11 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, do_desc, k_desc, v_desc, q_smem, do
 @gluon.jit
 def _kv_slices(K, V, DK, DV, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dkb, stride_dkh,
                stride_dkn, stride_dvb, stride_dvh, stride_dvn, b, hk, Sk, HEAD_D: gl.constexpr,
-               BLOCK_N: gl.constexpr, kv_layout: gl.constexpr, HOST_KV: gl.constexpr):
+               BLOCK_N: gl.constexpr, kv_layout: gl.constexpr, HOST_KV: gl.constexpr, COLS: gl.constexpr = 0):
     """The dK/dV kernels' K, V, dK and dV descriptors of (batch ``b``, kv head ``hk``) and each one's (row, column)
     of the slice's first element: with HOST_KV the host descriptors K .. DV over (rows, row stride) views and the
-    slice's place in them; else descriptors of the slices made here, at (0, 0)."""
+    slice's place in them; else descriptors of the slices made here, at (0, 0) (COLS > 0: COLS columns in HEAD_D-wide
+    tiles, ``_slice_desc``)."""
     if HOST_KV:
         k_desc = K
         v_desc = V
@@ -512,10 +521,14 @@ def _kv_slices(K, V, DK, DV, stride_kb, stride_kh, stride_kn, stride_vb, stride_
         dk_row, dk_col = _flat_coords(b * stride_dkb + hk * stride_dkh, stride_dkn)
         dv_row, dv_col = _flat_coords(b * stride_dvb + hk * stride_dvh, stride_dvn)
     else:
-        k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
-        v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
-        dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout)
-        dv_desc = _slice_desc(DV, b * stride_dvb + hk * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout)
+        k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout,
+                              COLS)
+        v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout,
+                              COLS)
+        dk_desc = _slice_desc(DK, b * stride_dkb + hk * stride_dkh, Sk, stride_dkn, HEAD_D, BLOCK_N, kv_layout,
+                              COLS)
+        dv_desc = _slice_desc(DV, b * stride_dvb + hk * stride_dvh, Sk, stride_dvn, HEAD_D, BLOCK_N, kv_layout,
+                              COLS)
         k_row, k_col, v_row, v_col, dk_row, dk_col, dv_row, dv_col = 0, 0, 0, 0, 0, 0, 0, 0
     return k_desc, v_desc, dk_desc, dv_desc, k_row, k_col, v_row, v_col, dk_row, dk_col, dv_row, dv_col
 
@@ -718,12 +731,14 @@ def _attention_bwd_dkdv_d256_sm90_kernel(
     H, GROUP, Sq, Sk, qk_scale, scale,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, kv_layout: gl.constexpr, p_layout: gl.constexpr,
-    num_warps: gl.constexpr, HOST_KV: gl.constexpr,
+    num_warps: gl.constexpr, HOST_KV: gl.constexpr, D_COLS: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sk, BLOCK_N), kv heads, batch). q_desc / do_desc: host descriptors over (rows, row stride) views
     (``_flat_descriptor``); K, V, dK, dV: host descriptors likewise where Sk is a multiple of BLOCK_N (HOST_KV),
     else the tensors, whose (batch, kv head) slices get descriptors made here (a store clips keys >= Sk). LSE and
-    DELTA (B, H, Sq) fp32, unit last stride. ``p_layout``: the fp32 P^T tiles' shared layout (one a ring stage)."""
+    DELTA (B, H, Sq) fp32, unit last stride. ``p_layout``: the fp32 P^T tiles' shared layout (one a ring stage).
+    D_COLS > 0 (D = 192 on the HEAD_D = 256 tiles): the tensors are D_COLS wide; every descriptor, the host's too,
+    is D_COLS columns wide with HEAD_D-wide tiles, so loads read zeros past column D_COLS and stores clip there."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = q_desc.dtype
     start_n = gl.program_id(0) * BLOCK_N
@@ -731,7 +746,7 @@ def _attention_bwd_dkdv_d256_sm90_kernel(
     b = gl.program_id(2).to(gl.int64)
     k_desc, v_desc, dk_desc, dv_desc, k_row, k_col, v_row, v_col, dk_row, dk_col, dv_row, dv_col = _kv_slices(
         K, V, DK, DV, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dkb, stride_dkh,
-        stride_dkn, stride_dvb, stride_dvh, stride_dvn, b, hk, Sk, HEAD_D, BLOCK_N, kv_layout, HOST_KV)
+        stride_dkn, stride_dvb, stride_dvh, stride_dvn, b, hk, Sk, HEAD_D, BLOCK_N, kv_layout, HOST_KV, D_COLS)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_D], kv_layout)
@@ -1032,7 +1047,8 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
     the kernels cover the case (D = 64 too), except "fused" where ``deterministic`` or torch's deterministic
     mode asks for a reproducible backward ("dkdv,dq" then).
 
-    The speed rule: at D = 256 "dkdv" (``DKDV_D256_CONFIGS``' kernel) where ``DKDV_D256_AUTO`` (default), else "".
+    The speed rule: at D = 256 "dkdv" (``DKDV_D256_CONFIGS``' kernel) where ``DKDV_D256_AUTO`` (default), else "";
+    at D = 192 the same kernel where ``DKDV_D192_AUTO`` (staged, default off).
     D = 128 with at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton
     kernels' smaller blocks fill the card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon; at D = 64 both
     lose, BERT-base shape 0.349 vs 0.245 ms; H100 run41-44). There, "fused" unless deterministic, from
@@ -1054,6 +1070,8 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
         if named == "fused" and deterministic:
             return "dkdv,dq"  # (the fused kernel's dQ reductions are not bitwise reproducible)
         return named
+    if q.shape[-1] == 192:
+        return "dkdv" if DKDV_D192_AUTO else ""  # (the D = 256 dK/dV kernel on zero-filled columns: staged)
     if q.shape[-1] in DKDV_D256_CONFIGS:
         return "dkdv" if DKDV_D256_AUTO else ""  # (the D = 256 dK/dV kernel, beside Triton's dQ)
     if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
@@ -1124,35 +1142,61 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
 
 def attention_bwd_dkdv_d256_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, scale: float,
                                  config=None) -> bool:
-    """dK, dV at D = 256 (``DKDV_D256_CONFIGS``' kernel) into ``dk``, ``dv``; inputs as
-    ``attention_bwd_dkdv_sm90`` takes them (delta = rowsum(dO O) already formed). False (nothing launched) where q or
-    do cannot be seen through one host descriptor or dk / dv are not TMA-aligned. K / V / dK / dV through host
-    descriptors where Sk is a multiple of BLOCK_N (``HOST_KV``), else descriptors made on the device."""
+    """dK, dV at D = 256 (``DKDV_D256_CONFIGS``' kernel) into ``dk``, ``dv``; inputs as ``attention_bwd_dkdv_sm90``
+    takes them (delta = rowsum(dO O) already formed). False (nothing launched) where q or do cannot be seen through
+    one host descriptor or dk / dv are not TMA-aligned. K / V / dK / dV through host descriptors where Sk is a
+    multiple of BLOCK_N (``HOST_KV``), else descriptors made on the device. D = 192: the same kernel on zero-filled
+    columns (``DKDV_D192_AUTO``' comment); q and do must then have every slice at column 0 of their views."""
     batch, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bn, bm, stages = config or DKDV_D256_CONFIGS[d]
-    ql, kl = smem_layouts(bm, bn, d, q.dtype)
-    qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
+    tile_d = 256
+    cols = d if d < tile_d else 0
+    ql, kl = smem_layouts(bm, bn, tile_d, q.dtype)
+    if cols:
+        qd, dod = _zero_fill_descriptor(q, bm, tile_d, ql), _zero_fill_descriptor(do, bm, tile_d, ql)
+    else:
+        qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
     if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)):
         return False
-    host = host_kv_descriptors(k, v, dk, dv, bn, kl, cta_keys=bn)
+    host = host_kv_descriptors(k, v, dk, dv, bn, kl, cta_keys=bn, tile_d=tile_d if cols else 0)
     _tuning.ensure_allocator()  # (descriptors made on the device)
     _launch.fast(_attention_bwd_dkdv_d256_sm90_kernel)[(_tuning.cdiv(sk, bn), hkv, batch)](
         qd, dod, *(host or (k, v, dk, dv)), lse, delta, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2], hq, hq // hkv, sq, sk,
-        scale * LOG2E, scale, HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal),
-        kv_layout=kl, p_layout=_pt_layout(bn, bm), num_warps=4, HOST_KV=host is not None, maxnreg=MAX_REGS)
+        scale * LOG2E, scale, HEAD_D=tile_d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal),
+        kv_layout=kl, p_layout=_pt_layout(bn, bm), num_warps=4, HOST_KV=host is not None, D_COLS=cols,
+        maxnreg=MAX_REGS)
     return True
 
 
-def host_kv_descriptors(k, v, dk, dv, bn: int, layout, cta_keys: int = 0):
+def _zero_fill_descriptor(t: torch.Tensor, block_rows: int, tile_d: int, layout):
+    """A host descriptor over ``t`` (B, H, S, D), D < tile_d, as ``_flat_descriptor``'s (rows, row stride) view but
+    D columns wide in (block_rows, tile_d) tiles (loads read zeros past column D, stores clip there); None where
+    there is no such view or a (batch, head) slice would not start at column 0 of it (the tiles would then cover the
+    next head's columns)."""
+    batch, heads, _, d = t.shape
+    geometry = _flat_geometry(t.shape, t.stride(), block_rows)
+    if geometry is None:
+        return None
+    rows, sm = geometry
+    sb, sh = t.stride(0), t.stride(1)
+    if (batch > 1 and sb % sm) or (heads > 1 and sh % sm):
+        return None
+    return _descriptor(t, ([rows, d], [sm, 1], [block_rows, tile_d], layout))
+
+
+def host_kv_descriptors(k, v, dk, dv, bn: int, layout, cta_keys: int = 0, tile_d: int = 0):
     """The dK/dV kernel's host descriptors over k, v, dk and dv (``HOST_KV``: (rows, row stride) views, BLOCK_N-row
     tiles), or None where it makes them on the device: HOST_KV off, Sk not a multiple of a CTA's keys (``cta_keys``,
     2 * bn by default; the D = 256 kernel's bn: a CTA's last tile would read, and store into, the next head's rows), or
-    a tensor without such a view."""
+    a tensor without such a view. ``tile_d`` > D: ``_zero_fill_descriptor``'s (D columns in tile_d-wide tiles)."""
     if not HOST_KV or k.shape[2] % (cta_keys or 2 * bn):
         return None
-    descs = tuple(_flat_descriptor(t, bn, layout) for t in (k, v, dk, dv))
+    if tile_d:
+        descs = tuple(_zero_fill_descriptor(t, bn, tile_d, layout) for t in (k, v, dk, dv))
+    else:
+        descs = tuple(_flat_descriptor(t, bn, layout) for t in (k, v, dk, dv))
     return None if any(x is None for x in descs) else descs
 
 

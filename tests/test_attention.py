@@ -1727,6 +1727,51 @@ def test_gpu_sm90_gluon_backward_d256(monkeypatch, dtype, layout, b, hq, hkv, sq
 
 @pytest.mark.gpu
 @sm90_only
+@pytest.mark.parametrize("dtype,layout,b,hq,hkv,sq,sk,causal", [
+    (BF16, "bhsd", 2, 4, 2, 1000, 1100, True), (BF16, "bhsd", 1, 4, 4, 1024, 1024, False),
+    (F16, "bhsd", 1, 6, 2, 700, 700, True), (BF16, "bhsd", 2, 2, 2, 64, 128, False),
+    (BF16, "kv_bshd", 2, 4, 2, 300, 512, False), (BF16, "bshd", 1, 4, 4, 512, 512, True)])
+def test_gpu_sm90_gluon_backward_d192(monkeypatch, dtype, layout, b, hq, hkv, sq, sk, causal):
+    # D = 192 (staged, ``attention_sm90_bwd.DKDV_D192_AUTO``): the D = 256 dK/dV kernel on 192-column descriptors
+    # (TMA reads zeros in the tiles' columns 192-255, stores clip there) beside Triton's dQ kernel. Against float64
+    # and eager's error: GQA, causal with Sq != Sk and key tails (device-made K / V descriptors), Sk a multiple of 64
+    # (host ones), fp16; K / V in the (B, S, H, D) views (device-made descriptors over them); q in those views, where
+    # the kernel declines (its slices do not start at column 0) and Triton's dK/dV kernel runs. Bitwise reproducible;
+    # close to the Triton kernels' gradients; poisoned outputs (the suite's PYKERNELS_POISON)
+    from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90 as ks
+    from pykernels._kernels import attention_sm90_bwd as kb
+    monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD", raising=False)
+    monkeypatch.setattr(kb, "DKDV_D192_AUTO", True)
+    ran = _spy_sm90_bwd_kernels(monkeypatch)
+    if layout == "kv_bshd":
+        q = _sm90_inputs(b, hq, hkv, sq, sk, dtype, "bhsd", 192)[0]
+        _, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, "bshd", 192)
+    else:
+        q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, 192)
+    do = torch.randn(b, hq, sq, 192, dtype=dtype, device="cuda")
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=causal) == "dkdv"
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=0.1, causal=causal) == ""
+    assert ks.unsupported(q, k, v, None, dropout_p=0.0, scale=0.1, varlen=False,
+                          head_dims=(64, 128, 192, 256)) is None
+    assert "head dim is not 64, 128, 256" in ks.unsupported(q, k, v, None, dropout_p=0.0, scale=0.1, varlen=False)
+    _, grads = _check_against_ref(q, k, v, causal=causal, scale=0.1, enable_gqa=hq != hkv, do=do,
+                                  what=f"sm90 bwd d192 {layout}")
+    assert ran == [("attention_bwd_dkdv_sm90", layout != "bshd" and sq >= 64)], ran
+    out = sdpa(q, k, v, is_causal=causal, scale=0.1, enable_gqa=hq != hkv, backend="triton")
+    assert all(torch.equal(x, y) for x, y in zip(grads, _grads(out, (q, k, v), do)))
+    monkeypatch.setattr(kb, "DKDV_D192_AUTO", False)
+    ran.clear()
+    out = sdpa(q, k, v, is_causal=causal, scale=0.1, enable_gqa=hq != hkv, backend="triton")
+    tri = _grads(out, (q, k, v), do)
+    assert ran == []
+    assert torch.equal(tri[0], grads[0])  # dQ: Triton's kernel both times
+    for x, y in zip(tri[1:], grads[1:]):
+        assert (x.double() - y.double()).abs().max().item() <= 2e-2 * max(1.0, y.double().abs().max().item())
+
+
+@pytest.mark.gpu
+@sm90_only
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal,d", [
     ("bhsd", 2, 4, 4, 1000, 1024, True, 128), ("bshd", 1, 4, 2, 1031, 1024, False, 128),
@@ -2077,6 +2122,52 @@ def test_sm90_flat_descriptors_views():
     odd = base.as_strided((2, h, s, d), (h * s * d + 8, s * d, d, 1))
     assert ks._flat_descriptor(odd, 64, ql) is None
     assert ks._flat_descriptor(torch.randn(1, 2, 17, d, dtype=BF16), 64, ql) is None
+
+
+def test_sm90_zero_fill_descriptors_d192():
+    # D = 192 on the D = 256 dK/dV kernel's tiles (staged, ``attention_sm90_bwd.DKDV_D192_AUTO``): the host
+    # descriptors are 192 columns wide with 256-wide tiles (TMA reads zeros past column 192), only where every
+    # (batch, head) slice starts at column 0 of the (rows, row stride) view; the host K / V set likewise or none
+    from pykernels._kernels import attention_sm90 as ks
+    from pykernels._kernels import attention_sm90_bwd as kb
+    ql, kl = ks.smem_layouts(64, 64, 256, BF16)
+    b, h, s, d = 2, 3, 128, 192
+    t = torch.randn(b, h, s, d, dtype=BF16)
+    desc = kb._zero_fill_descriptor(t, 64, 256, ql)  # (B, H, S, D) rows: every slice at column 0
+    assert (desc.shape, desc.strides, desc.block_shape) == ([b * h * s, d], [d, 1], [64, 256])
+    padded = torch.randn(b, h, s, 256, dtype=BF16)[..., :d]  # rows 256 wide: the tile's last 64 columns are the
+    desc = kb._zero_fill_descriptor(padded, 64, 256, ql)  # padding, outside the descriptor's 192
+    assert (desc.shape, desc.strides) == ([b * h * s, d], [256, 1])
+    expanded = torch.randn(b, 1, s, d, dtype=BF16).expand(b, h, s, d)  # GQA by expand: stride 0 over the heads
+    assert kb._zero_fill_descriptor(expanded, 64, 256, kl).shape == [b * s, d]
+    # transformers' (B, S, H, D) views: head h at column h D of a row, so a 256-wide tile would read head h + 1
+    bshd = torch.randn(b, s, h, d, dtype=BF16).transpose(1, 2)
+    assert ks._flat_descriptor(bshd, 64, ql) is not None and kb._zero_fill_descriptor(bshd, 64, 256, ql) is None
+    assert kb._zero_fill_descriptor(torch.randn(1, 1, 17, d, dtype=BF16), 64, 256, ql) is None  # fewer rows than a tile
+    one_head = torch.randn(b, s, 1, d, dtype=BF16).transpose(1, 2)  # one head: its slices start at column 0
+    assert kb._zero_fill_descriptor(one_head, 64, 256, ql).shape == [b * s, d]
+    k = torch.randn(b, h, s, d, dtype=BF16)
+    got = kb.host_kv_descriptors(k, k, k, k, 64, kl, cta_keys=64, tile_d=256)
+    assert got is not None and all((x.shape, x.block_shape) == ([b * h * s, d], [64, 256]) for x in got)
+    assert kb.host_kv_descriptors(bshd, k, k, k, 64, kl, cta_keys=64, tile_d=256) is None  # made on the device
+    assert kb.host_kv_descriptors(k[:, :, :100], k, k, k, 64, kl, cta_keys=64, tile_d=256) is None  # key tail
+
+
+def test_sm90_backward_d192_rule_on_cpu(monkeypatch):
+    # the staged D = 192 rule: "dkdv" only with DKDV_D192_AUTO (default off) or a named "dkdv"; the dK/dV kernel's
+    # config is the D = 256 one
+    from pykernels._kernels import attention_sm90_bwd as kb
+    monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD", raising=False)
+    q = torch.empty(2, 4, 1024, 192, dtype=BF16)
+    monkeypatch.setattr(kb, "DKDV_D192_AUTO", False)
+    assert kb.kernels(q, q, causal=False, sms=132) == ""
+    monkeypatch.setattr(kb, "DKDV_D192_AUTO", True)
+    assert kb.kernels(q, q, causal=True, sms=132) == "dkdv"
+    assert kb.kernels(q, q, causal=False, sms=132, deterministic=True) == "dkdv"
+    monkeypatch.setattr(kb, "DKDV_D192_AUTO", False)
+    monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "dkdv")
+    assert kb.kernels(q, q, causal=False, sms=132) == "dkdv"
+    assert kb.DKDV_D256_CONFIGS[192] == kb.DKDV_D256_CONFIGS[256]
 
 
 def _order_makespan(table, grid, n_m, cost):

@@ -14,7 +14,7 @@ over once in fp32), 1.06-1.10x faster at five shapes and dK's error that of the 
 1.0-2.6x): the role split is the package's.
 
 Usage: ``python benchmarks/dev/attention_bwd_d256_gluon.py --compile-only`` (any machine: Triton's ptxas, registers,
-spills, shared memory); on an sm_90 GPU without arguments (``--quick``: three timed shapes): dK / dV against the
+spills, shared memory; D = 256 and the staged D = 192, ``D_COLS``); on an sm_90 GPU without arguments (``--quick``: three timed shapes): dK / dV against the
 float64 reference and the Triton kernel's, then each shape's time (graph replay) of this kernel, of the package's
 whole backward with it and with the Triton pair (and its kernels by the profiler), and cuDNN's backward (do_bench: a
 captured cuDNN backward left the generator mid-capture in run480, "Offset increment outside graph capture").
@@ -51,7 +51,7 @@ def compile_only() -> None:
         return mangle_type(TensorDescriptor.from_tensor(torch.empty(4096, d, dtype=torch.bfloat16), [rows, d], layout))
 
     fn = _attention_bwd_dkdv_d256_sm90_kernel
-    for causal, host_kv in itertools.product((False, True), (False, True)):
+    for cols, causal, host_kv in itertools.product((0, 192), (False, True), (False, True)):
         sig = {}
         for p in fn.params:
             n = p.name
@@ -60,8 +60,8 @@ def compile_only() -> None:
                 "LSE", "DELTA") else "i64" if n.startswith("stride") else "fp32" if n in ("qk_scale", "scale")
                 else "constexpr" if p.is_constexpr else "i32")
         consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, kv_layout=kl,
-                      p_layout=_pt_layout(bn, bm), num_warps=4, HOST_KV=host_kv)
-        print(f"bwd-dkdv-d256 cfg{CONFIG} {'causal' if causal else 'full'}{' host-kv' if host_kv else ''}: "
+                      p_layout=_pt_layout(bn, bm), num_warps=4, HOST_KV=host_kv, D_COLS=cols)
+        print(f"bwd-dkdv-d{cols or 256} cfg{CONFIG} {'causal' if causal else 'full'}{' host-kv' if host_kv else ''}: "
               f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
 
 
