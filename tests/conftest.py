@@ -1,8 +1,15 @@
 """Test setup: Triton runs under its CPU interpreter when no GPU is present; every kernel output is
 poisoned with NaN before the kernel writes it (PYKERNELS_POISON=1)."""
 import os
+import sys
 
-import torch
+# The repository's kernels/ (installed as pykernels._kernels) is also a top-level package ``kernels`` to a process
+# whose sys.path holds the repository root (``python -m pytest`` puts the working directory there), where it would
+# shadow Hugging Face's ``kernels``, which transformers >= 5.25 imports (and requires): keep the root off sys.path
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
