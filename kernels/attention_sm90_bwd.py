@@ -199,14 +199,15 @@ DKDV_D256_CONFIGS = {256: (64, 64, 2), 192: (64, 64, 2)}
 # ``kernels``' default rule takes it (``PYKERNELS_ATTN_SM90_D256=0`` turns it off; read once, at import); a named
 # ``PYKERNELS_ATTN_SM90_BWD`` with "dkdv" takes it at D = 256 either way
 DKDV_D256_AUTO = os.environ.get("PYKERNELS_ATTN_SM90_D256", "1") not in ("", "0")
-# D = 192 (staged: ``PYKERNELS_ATTN_SM90_D192=1``, or a named "dkdv"; not yet run on a GPU): the same kernel on its
-# 256-wide tiles with every descriptor 192 columns wide (``D_COLS``), so that TMA loads read zeros in columns 192-255
-# (nothing added to S^T or dP^T) and stores clip there: no padded copies, a third more tensor-core work than the
-# columns need. Q and dO come through the host's descriptors, so each of their (batch, head) slices must start at
+# D = 192 (default; ``PYKERNELS_ATTN_SM90_D192=0`` turns it off, a named "dkdv" takes it either way): the same kernel
+# on its 256-wide tiles with every descriptor 192 columns wide (``D_COLS``), so that TMA loads read zeros in columns
+# 192-255 (nothing added to S^T or dP^T) and stores clip there: no padded copies, a third more tensor-core work than
+# the columns need. Q and dO come through the host's descriptors, so each of their (batch, head) slices must start at
 # column 0 of its (rows, row stride) view (``_zero_fill_descriptor``: (B, H, S, D) rows, not the (B, S, H, D) views,
-# whose heads sit side by side in a row); elsewhere the kernel declines and Triton's runs. Expected from the D = 256
-# numbers: the backward at 4 x 8 x 2048 about 0.85 ms against Triton's 1.32 and cuDNN's 0.90 (run482's matrix).
-DKDV_D192_AUTO = os.environ.get("PYKERNELS_ATTN_SM90_D192", "0") not in ("", "0")
+# whose heads sit side by side in a row); elsewhere the kernel declines and Triton's runs. H200 run485 (matrix,
+# B4 H8 S2048 bidirectional, graph replay): the backward at 331 TFLOP/s against 194 with it off and cuDNN's 289
+# (1.14x); ``test_gpu_sm90_gluon_backward_d192`` passed (the zero fill and its byte count on the barrier hold).
+DKDV_D192_AUTO = os.environ.get("PYKERNELS_ATTN_SM90_D192", "1") not in ("", "0")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1048,7 +1049,7 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
     mode asks for a reproducible backward ("dkdv,dq" then).
 
     The speed rule: at D = 256 "dkdv" (``DKDV_D256_CONFIGS``' kernel) where ``DKDV_D256_AUTO`` (default), else "";
-    at D = 192 the same kernel where ``DKDV_D192_AUTO`` (staged, default off).
+    at D = 192 the same kernel where ``DKDV_D192_AUTO`` (default).
     D = 128 with at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton
     kernels' smaller blocks fill the card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon; at D = 64 both
     lose, BERT-base shape 0.349 vs 0.245 ms; H100 run41-44). There, "fused" unless deterministic, from
@@ -1071,7 +1072,7 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
             return "dkdv,dq"  # (the fused kernel's dQ reductions are not bitwise reproducible)
         return named
     if q.shape[-1] == 192:
-        return "dkdv" if DKDV_D192_AUTO else ""  # (the D = 256 dK/dV kernel on zero-filled columns: staged)
+        return "dkdv" if DKDV_D192_AUTO else ""  # (the D = 256 dK/dV kernel on zero-filled columns)
     if q.shape[-1] in DKDV_D256_CONFIGS:
         return "dkdv" if DKDV_D256_AUTO else ""  # (the D = 256 dK/dV kernel, beside Triton's dQ)
     if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:

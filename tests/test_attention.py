@@ -1738,7 +1738,7 @@ def test_gpu_sm90_gluon_backward_d256(monkeypatch, dtype, layout, b, hq, hkv, sq
     (F16, "bhsd", 1, 6, 2, 700, 700, True), (BF16, "bhsd", 2, 2, 2, 64, 128, False),
     (BF16, "kv_bshd", 2, 4, 2, 300, 512, False), (BF16, "bshd", 1, 4, 4, 512, 512, True)])
 def test_gpu_sm90_gluon_backward_d192(monkeypatch, dtype, layout, b, hq, hkv, sq, sk, causal):
-    # D = 192 (staged, ``attention_sm90_bwd.DKDV_D192_AUTO``): the D = 256 dK/dV kernel on 192-column descriptors
+    # D = 192 (``attention_sm90_bwd.DKDV_D192_AUTO``, default): the D = 256 dK/dV kernel on 192-column descriptors
     # (TMA reads zeros in the tiles' columns 192-255, stores clip there) beside Triton's dQ kernel. Against float64
     # and eager's error: GQA, causal with Sq != Sk and key tails (device-made K / V descriptors), Sk a multiple of 64
     # (host ones), fp16; K / V in the (B, S, H, D) views (device-made descriptors over them); q in those views, where
@@ -2125,7 +2125,7 @@ def test_sm90_flat_descriptors_views():
 
 
 def test_sm90_zero_fill_descriptors_d192():
-    # D = 192 on the D = 256 dK/dV kernel's tiles (staged, ``attention_sm90_bwd.DKDV_D192_AUTO``): the host
+    # D = 192 on the D = 256 dK/dV kernel's tiles (``attention_sm90_bwd.DKDV_D192_AUTO``): the host
     # descriptors are 192 columns wide with 256-wide tiles (TMA reads zeros past column 192), only where every
     # (batch, head) slice starts at column 0 of the (rows, row stride) view; the host K / V set likewise or none
     from pykernels._kernels import attention_sm90 as ks
@@ -2154,8 +2154,8 @@ def test_sm90_zero_fill_descriptors_d192():
 
 
 def test_sm90_backward_d192_rule_on_cpu(monkeypatch):
-    # the staged D = 192 rule: "dkdv" only with DKDV_D192_AUTO (default off) or a named "dkdv"; the dK/dV kernel's
-    # config is the D = 256 one
+    # the D = 192 rule: "dkdv" with DKDV_D192_AUTO (default on) or a named "dkdv"; the dK/dV kernel's config is the
+    # D = 256 one
     from pykernels._kernels import attention_sm90_bwd as kb
     monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD", raising=False)
     q = torch.empty(2, 4, 1024, 192, dtype=BF16)
