@@ -106,6 +106,7 @@ MATRIX = [
     Case("d256_causal", 4, 8, 4096, 256, causal=True),
     Case("d256_bidir", 4, 8, 2048, 256),
     Case("d192_bidir", 4, 8, 2048, 192),
+    Case("d192_causal", 4, 8, 4096, 192, causal=True),
 ]
 MATRIX_MODE = False
 

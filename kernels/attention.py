@@ -998,10 +998,10 @@ def _precision(dtype: torch.dtype) -> str:
 
 def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None, causal: bool = False) -> bool:
     """Whether the dense forward runs the Gluon warp-specialised kernel of ``attention_sm90`` (Hopper;
-    D = 128 or 256, or D = 64 with long keys: ``attention_sm90.preferred``) instead of ``_attention_fwd_kernel``.
+    D = 128, 192 or 256, or D = 64 with long keys: ``attention_sm90.preferred``) instead of ``_attention_fwd_kernel``.
     Cheap checks first, so CPU tensors and masked (but key padding), dropout or other head-dim calls never
     import the Gluon module; ``unsupported`` checks the device (sm_90) and the rest, the mask's kind too."""
-    if q.device.type != "cuda" or q.shape[-1] not in (64, 128, 256) or dropout_p > 0 \
+    if q.device.type != "cuda" or q.shape[-1] not in (64, 128, 192, 256) or dropout_p > 0 \
             or (mask is not None and kv_range is None):
         return False
     from . import attention_sm90
@@ -1036,7 +1036,7 @@ def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range
     ``deterministic``). Each kernel may still decline a layout (then
     its Triton kernel runs). With dropout only the dK/dV kernel (fused with dQ or not) draws the mask
     (``attention_sm90_bwd.DROPOUT_KERNELS``): "dkdv,dq" becomes "dkdv" (Triton's dQ kernel beside it), "dq" "". At
-    D = 256 (and, staged, D = 192 on its zero-filled tiles) only the D = 256 dK/dV kernel exists ("dkdv", beside
+    D = 256 (and D = 192 on its zero-filled tiles) only the D = 256 dK/dV kernel exists ("dkdv", beside
     Triton's dQ kernel; no dropout)."""
     d = q.shape[-1]
     if q.device.type != "cuda" or d not in (64, 128, 192, 256) or mask is not None or kv_range is not None:
@@ -1051,8 +1051,7 @@ def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range
         which = "fused" if which == "fused" else "dkdv" if "dkdv" in which.split(",") else ""
     # (the kernels' cover apart from dropout, which the dK/dV kernel draws itself)
     if not which or not attention_sm90.enabled() or do.dtype != q.dtype or not attention_sm90._tma_ok(do) \
-            or attention_sm90.unsupported(q, k, v, mask, dropout_p=0.0, scale=scale, varlen=False,
-                                          head_dims=(64, 128, 192, 256)) is not None:
+            or attention_sm90.unsupported(q, k, v, mask, dropout_p=0.0, scale=scale, varlen=False) is not None:
         return ""
     return which
 

@@ -36,7 +36,8 @@ Scores are in base 2 (``qk_scale = scale * log2 e``). Causal masking is top-left
 ``attention.py``: a tile visits the key blocks up to its last row's diagonal; a block is masked only
 where it crosses the diagonal or the key tail (a uniform branch).
 
-Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 128, 256), no mask (or a boolean
+Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 128, 192, 256; 192 on 256-wide tiles,
+``TILE_D``), no mask (or a boolean
 key-padding mask with its key range, not causal: ``KEY_PAD``), no dropout, scale > 0, no empty dimension,
 TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto path. Packed varlen sequences take the same
 kernel (``VARLEN``, ``attention_fwd_sm90_varlen``; ``varlen_unsupported`` says why not, and
@@ -81,8 +82,17 @@ LOG2E = 1.4426950408889634
 # consumer: its O is 128 of them). H200 run474 (``attention_sm90_configs.py --d256``, graph replay) against 64 x 32
 # with 3 stages and two Q tiles (the Q ring kept, 225 KB): 654 against 483 TFLOP/s at B4 H8 S4096 causal, 672 / 484
 # at B4 H8 S2048, 535 / 432 at B16 H16 S512 (32-key blocks halve each wgmma's N); 64 x 32 x 4 and 64 x 128 x 1 slower
-# still. D = 192 stays on Triton: a TMA box's width is a power of two.
-CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)}
+# still. D = 192 runs the D = 256 kernel (``TILE_D``).
+CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2), 192: (64, 64, 2), 256: (64, 64, 2)}
+# head dims that run on wider tiles: a Gluon tensor's dims are powers of two, so D = 192 runs the D = 256 kernel on
+# 256-wide tiles over 192-column descriptors (``D_COLS``): TMA loads read zeros in columns 192-255 (nothing added to
+# S, O's columns there 0) and stores clip there, so no padded copies, for a third more tensor-core work than the
+# columns need. Host descriptors only where every (batch, head) slice starts at column 0 of its (rows, row stride)
+# view (``_flat_geometry``'s ``zero_fill``: (B, H, S, D) rows, not the (B, S, H, D) views, where a 256-wide tile would
+# cover the next head's columns); else the CTAs make them on the device. ``PYKERNELS_ATTN_SM90_D192=0`` keeps D = 192
+# on the Triton kernels (``preferred``; the backward's dK/dV kernel reads the same switch)
+TILE_D = {192: 256}
+D192 = os.environ.get("PYKERNELS_ATTN_SM90_D192", "1") not in ("", "0")
 # with a key-padding mask at D = 64: 128 rows x 64 keys per warpgroup (finer key blocks skip more padding):
 # 1.032-1.043x at BERT-base key padding, graph replay (run98, ``attention_ab_fwd64_*_run98.txt``; the benchmark
 # 1.01 -> 1.05x FlexAttention, run109); without a mask even (BERT) or 0.79x (GPT-2 causal), so only here.
@@ -307,12 +317,12 @@ def _lg2_approx(x):
 @gluon.jit
 def _epilogue(acc, m_i, l_i, q_tile, O, LSE, o_off, l_off, stride_om, Sq, my_m, o_desc, HEAD_D: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, HOST_O: gl.constexpr,
-              q_layout: gl.constexpr):
+              q_layout: gl.constexpr, D_COLS: gl.constexpr = 0):
     """O / l by TMA through ``q_tile`` (every QK^T is complete, so Q's buffer stages O) and lse (natural
     log) by pointer. HOST_O: a whole tile goes through the caller's descriptor ``o_desc`` over every head's
     rows; a tail tile (and every tile without HOST_O) through this head's (Sq, D) descriptor made on the
     device, whose store clips rows >= Sq. The offsets are computed by the caller after the main loop, so
-    they hold no registers during it."""
+    they hold no registers during it. D_COLS > 0: O's rows are D_COLS wide (``TILE_D``)."""
     dtype: gl.constexpr = q_tile.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -331,21 +341,22 @@ def _epilogue(acc, m_i, l_i, q_tile, O, LSE, o_off, l_off, stride_om, Sq, my_m, 
     gl.store(LSE + l_off + rows, lse, mask=rows < Sq)
     q_tile.store(out.to(dtype))
     fence_async_shared()
-    _store_rows(q_tile, O, o_off, stride_om, Sq, my_m, o_desc, HEAD_D, BLOCK_M, HOST_O, q_layout)
+    _store_rows(q_tile, O, o_off, stride_om, Sq, my_m, o_desc, HEAD_D, BLOCK_M, HOST_O, q_layout, D_COLS)
 
 
 @gluon.jit
 def _store_rows(tile, X, x_off, stride_xm, S, my_m, x_desc, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                HOST: gl.constexpr, layout: gl.constexpr):
+                HOST: gl.constexpr, layout: gl.constexpr, COLS: gl.constexpr = 0):
     """Rows [my_m, + BLOCK_M) of the (batch, head) slice at element offset ``x_off`` of X from the shared
     ``tile`` (written and fenced) by TMA, then waits. HOST: a whole tile goes through the caller's
     descriptor ``x_desc`` over every head's rows; a tail tile (and every tile without HOST) through this
-    head's (S, D) descriptor made on the device, whose store clips rows >= S."""
+    head's (S, D) descriptor made on the device, whose store clips rows >= S. COLS > 0: X's rows are COLS
+    wide (``_slice_desc``; the store clips columns >= COLS)."""
     if HOST and my_m + BLOCK_M <= S:
         row0, col0 = _flat_coords(x_off, stride_xm)
         tma.async_copy_shared_to_global(x_desc, [row0 + my_m, col0], tile)
     else:
-        head = _slice_desc(X, x_off, S, stride_xm, HEAD_D, BLOCK_M, layout)
+        head = _slice_desc(X, x_off, S, stride_xm, HEAD_D, BLOCK_M, layout, COLS)
         tma.async_copy_shared_to_global(head, [my_m, 0], tile)
     tma.store_wait(pendings=0)
 
@@ -353,11 +364,13 @@ def _store_rows(tile, X, x_off, stride_xm, S, my_m, x_desc, HEAD_D: gl.constexpr
 @gluon.jit
 def _head_descriptors(Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
                       stride_vn, b, h64, hk, Sq, Sk, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr):
-    """The (batch b, head h64 / kv head hk) slices of Q, K and V as tensor descriptors made on the device."""
-    q_desc = _slice_desc(Q, b * stride_qb + h64 * stride_qh, Sq, stride_qm, HEAD_D, BLOCK_M, q_layout)
-    k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout)
-    v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout)
+                      BLOCK_N: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr,
+                      COLS: gl.constexpr = 0):
+    """The (batch b, head h64 / kv head hk) slices of Q, K and V as tensor descriptors made on the device (COLS >
+    0: COLS columns in HEAD_D-wide tiles, ``_slice_desc``)."""
+    q_desc = _slice_desc(Q, b * stride_qb + h64 * stride_qh, Sq, stride_qm, HEAD_D, BLOCK_M, q_layout, COLS)
+    k_desc = _slice_desc(K, b * stride_kb + hk * stride_kh, Sk, stride_kn, HEAD_D, BLOCK_N, kv_layout, COLS)
+    v_desc = _slice_desc(V, b * stride_vb + hk * stride_vh, Sk, stride_vn, HEAD_D, BLOCK_N, kv_layout, COLS)
     return q_desc, k_desc, v_desc
 
 
@@ -439,11 +452,11 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
               n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
               KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, ORDER: gl.constexpr, q_layout: gl.constexpr,
-              Q_BUFS: gl.constexpr):
+              Q_BUFS: gl.constexpr, D_COLS: gl.constexpr = 0):
     """Consumer warpgroup WG over the CTA's tiles: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each; its Q
     buffer of a tile is (tile count % Q_BUFS, WG), released through ``q_empty`` once O left it. VARLEN: tiles
     past their sequence's length are skipped (by the producer alike), so the count of active tiles is
-    carried through the loop."""
+    carried through the loop. D_COLS > 0: O's rows are D_COLS wide (``TILE_D``)."""
     if VARLEN:  # (its own loop: the dense one below stays as it was, register for register)
         base = 0
         n_done = 0  # active tiles so far (the producer skips the same ones)
@@ -464,7 +477,7 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
                 m_i = gl.where(v_empty_seq, float("-inf"), m_i)
                 _epilogue(acc, m_i, l_i, q_smem.index(buf), O, LSE, h * stride_oh + q0 * stride_om,
                           h * stride_lh + q0, stride_om, sq_t, my_m, o_desc, HEAD_D, BLOCK_M, BLOCK_N, 4, HOST_DESC,
-                          q_layout)
+                          q_layout, D_COLS)
                 mbarrier.arrive(q_empty.index(buf), count=1)
                 base += n_blocks
                 n_done += 1
@@ -490,7 +503,7 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
             h = (hb % H).to(gl.int64)
             _epilogue(acc, m_i, l_i, q_smem.index(buf), O, LSE, b * stride_ob + h * stride_oh,
                       b * stride_lb + h * stride_lh, stride_om, Sq, my_m, o_desc, HEAD_D, BLOCK_M, BLOCK_N, 4,
-                      HOST_DESC, q_layout)
+                      HOST_DESC, q_layout, D_COLS)
             mbarrier.arrive(q_empty.index(buf), count=1)
             base += n_blocks
 
@@ -577,7 +590,7 @@ def _attention_fwd_sm90_kernel(
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, KEY_PAD: gl.constexpr, VARLEN: gl.constexpr,
     ORDER: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
-    Q_BUFS: gl.constexpr,
+    Q_BUFS: gl.constexpr, D_COLS: gl.constexpr = 0,
 ):
     """Tiles of 2 * BLOCK_M query rows of one (batch, head), n_m per head, n_tiles in all, over a 1-D grid:
     a CTA takes tiles program_id, + num_programs, ... (persistent when the grid is smaller than n_tiles).
@@ -591,7 +604,8 @@ def _attention_fwd_sm90_kernel(
     host's rule). VARLEN: packed (T, H, D) q/k/v/o seen as (1, H, T, D) (``stride_*b`` 0), batch b the
     sequence at rows [CuQ[b], CuQ[b + 1]) and [CuK[b], CuK[b + 1]); n_m tiles per (sequence, head) from the
     longest, those past a sequence's length skipped; lse (H, T) at ``h * stride_lh + row``; host
-    descriptors only; causal top-left aligned within each sequence."""
+    descriptors only; causal top-left aligned within each sequence. D_COLS > 0 (``TILE_D``): q, k, v, o are
+    D_COLS < HEAD_D columns wide, in HEAD_D-wide tiles (the host's descriptors so too)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(HOST_DESC or not VARLEN, "varlen takes the host's descriptors")
     gl.static_assert(not ORDER or (HOST_DESC and not VARLEN), "the tile table is the dense persistent grid's")
@@ -602,7 +616,7 @@ def _attention_fwd_sm90_kernel(
         start_m, b, h, hk, n_blocks = _tile_coords(gl.program_id(0), n_m, H, GROUP, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, False)
         q_desc, k_desc, v_desc = _head_descriptors(
             Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-            stride_vn, b, h, hk, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout)
+            stride_vn, b, h, hk, Sq, Sk, HEAD_D, BLOCK_M, BLOCK_N, q_layout, kv_layout, D_COLS)
         o_desc = q_desc  # (unused: the consumers make the head's O descriptor)
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, BLOCK_M, HEAD_D], q_layout)  # (tile % Q_BUFS, warpgroup)
     q_bar = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
@@ -618,7 +632,7 @@ def _attention_fwd_sm90_kernel(
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
                         qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS)),
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS, D_COLS)),
         (_producer, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
@@ -628,7 +642,7 @@ def _attention_fwd_sm90_kernel(
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
                         qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS)),
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS, D_COLS)),
     ], [1, 4], [24, 240])
 
 
@@ -661,10 +675,9 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def unsupported(q, k, v, mask, *, dropout_p: float, scale: float, varlen: bool, kv_range=None,
-                causal: bool = False, head_dims=None) -> str | None:
+                causal: bool = False) -> str | None:
     """None when this kernel covers the call (dense (B, H, S, D) tensors), else the reason it does not. A
-    mask is covered only as a boolean key-padding mask with its ``kv_range`` (the forward, not causal).
-    ``head_dims``: the head dims covered (default the forward's, ``CONFIGS``)."""
+    mask is covered only as a boolean key-padding mask with its ``kv_range`` (the forward, not causal)."""
     if varlen or dropout_p > 0:
         return "dropout or varlen"
     if mask is not None and (kv_range is None or mask.dtype != torch.bool or causal):
@@ -679,9 +692,8 @@ def unsupported(q, k, v, mask, *, dropout_p: float, scale: float, varlen: bool, 
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return "dtype is not float16/bfloat16"
     d = q.shape[-1]
-    dims = CONFIGS if head_dims is None else head_dims
-    if d not in dims or k.shape[-1] != d or v.shape[-1] != d:
-        return f"head dim is not {', '.join(map(str, sorted(dims)))} (or Dv != D)"
+    if d not in CONFIGS or k.shape[-1] != d or v.shape[-1] != d:
+        return f"head dim is not {', '.join(map(str, sorted(CONFIGS)))} (or Dv != D)"
     if not scale > 0:
         return "scale <= 0"
     if not (_tma_ok(q) and _tma_ok(k) and _tma_ok(v)):
@@ -699,26 +711,30 @@ def preferred(q, k, causal: bool) -> bool:
     without causal masking from Sk = 512 (1.04-1.09x; 0.97x at 256), causal from 1024 (1.10-1.18x; 0.72x
     at 256, 0.91x at 512). D = 256 always: H200 run474 (``benchmarks/dev/attention_sm90_configs.py --d256``, graph
     replay, TFLOP/s against the Triton forward's D = 256 tier) B4 H8 S4096 causal 654 / 426, B4 H8 S2048 672 / 474,
-    B2 H8 S8192 624 / 510, B16 H16 S512 535 / 353, B1 H8 S8192 causal 682 / 415."""
+    B2 H8 S8192 624 / 510, B16 H16 S512 535 / 353, B1 H8 S8192 causal 682 / 415. D = 192 on the D = 256 kernel
+    (``TILE_D``) where ``D192``."""
     d, sk = q.shape[-1], k.shape[2]
     if d == 64:
         return sk >= (MIN_SK_D64 if causal else 512) and enabled()
+    if d == 192:
+        return D192 and enabled()
     return d in (128, 256) and enabled()
 
 
-def _flat_geometry(shape, strides, block_rows: int):
+def _flat_geometry(shape, strides, block_rows: int, zero_fill: bool = False):
     """(rows, row stride) of a host descriptor over a (B, H, S, D) tensor of this shape and these strides
     seen as a (rows, stride(2)) matrix, in which every (batch, head) slice is a run of rows at one column
     offset; None when the strides do not allow that (then the kernel makes each head's descriptors on the
     device). Covers contiguous (B, H, S, D) and the (B, S, H, D) transposed views, packed or padded rows, and
-    expanded (stride 0) batch or head dims."""
+    expanded (stride 0) batch or head dims. ``zero_fill`` (tiles wider than D, ``TILE_D``): every slice must
+    start at column 0 (not the (B, S, H, D) views of more than one head)."""
     batch, heads, seq, d = shape
     sb, sh, sm, _ = strides
     if sm < d or seq < block_rows:
         return None
     if batch > 1 and sb % sm:
         return None
-    if heads > 1 and sh % sm and not (sh >= d and sh * (heads - 1) + d <= sm):
+    if heads > 1 and sh % sm and (zero_fill or not (sh >= d and sh * (heads - 1) + d <= sm)):
         return None
     rows = ((batch - 1) * sb + (heads - 1) * sh) // sm + seq
     if rows >= 2**31:
@@ -726,10 +742,14 @@ def _flat_geometry(shape, strides, block_rows: int):
     return rows, sm
 
 
-def _descriptor_fields(geometry, block_rows: int, d: int, layout) -> tuple:
+def _descriptor_fields(geometry, block_rows: int, d: int, layout, tile_d: int = 0) -> tuple:
     """(shape, strides, block shape, layout) of the host descriptor of ``_flat_geometry``'s ``geometry``
-    (rows, row stride): what ``_descriptor`` sets (the lists are only read by the launcher)."""
+    (rows, row stride): what ``_descriptor`` sets (the lists are only read by the launcher). ``tile_d`` > d:
+    d columns wide in tile_d-wide tiles (loads read zeros past column d, stores clip there; the geometry's
+    ``zero_fill``)."""
     rows, sm = geometry
+    if tile_d > d:
+        return [rows, d], [sm, 1], [block_rows, tile_d], layout
     return [rows, sm], [sm, 1], [block_rows, d], layout
 
 
@@ -876,19 +896,20 @@ class _FwdPlan:
         self.o_layout_ok = _tma_strides_ok(like)
         self.o_shape, self.o_stride = tuple(q.shape), like if self.o_layout_ok else None
         self.lse_shape = (batch, hq, sq)
-        ql, kl = smem_layouts(bm, bn, d, q.dtype)
+        tile_d = TILE_D.get(d, d)  # (D = 192 on 256-wide tiles)
+        ql, kl = smem_layouts(bm, bn, tile_d, q.dtype)
         o_strides = like if self.o_layout_ok else (hq * sq * d, sq * d, d, 1)
         # (rows, row stride) of the four flat descriptors, or None: device-made descriptors
         geo = None
         if host_descriptors:
-            geo = tuple(_flat_geometry(shape, strides, rows)
+            geo = tuple(_flat_geometry(shape, strides, rows, zero_fill=tile_d != d)
                         for shape, strides, rows in ((q.shape, q.stride(), bm), (k.shape, k.stride(), bn),
                                                      (v.shape, v.stride(), bn), (q.shape, o_strides, bm)))
             if any(g is None for g in geo):
                 geo = None
             else:
-                geo = tuple(_descriptor_fields(g, rows, d, lay) for g, rows, lay in zip(geo, (bm, bn, bn, bm),
-                                                                                         (ql, kl, kl, ql)))
+                geo = tuple(_descriptor_fields(g, rows, d, lay, tile_d)
+                            for g, rows, lay in zip(geo, (bm, bn, bn, bm), (ql, kl, kl, ql)))
         self.geo = geo
         n_m = _tuning.cdiv(sq, 2 * bm)
         n_tiles = n_m * hq * batch
@@ -906,9 +927,10 @@ class _FwdPlan:
         # the launch's arguments after q, k, v, o, lse, the four descriptors (strides: lse contiguous)
         self.args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_strides[:3], hq * sq, sq,
                      hq, hq // hkv, sq, sk, scale * LOG2E, n_m, n_tiles)
-        self.kwargs = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal),
+        self.kwargs = dict(HEAD_D=tile_d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=bool(causal),
                            HOST_DESC=geo is not None, KEY_PAD=key_pad, VARLEN=False, ORDER=False, q_layout=ql,
-                           kv_layout=kl, num_warps=4, maxnreg=MAX_REGS, Q_BUFS=q_bufs(bm, bn, stages, d))
+                           kv_layout=kl, num_warps=4, maxnreg=MAX_REGS, Q_BUFS=q_bufs(bm, bn, stages, tile_d),
+                           D_COLS=d if tile_d != d else 0)
         self.kernel = _launch.fast(_attention_fwd_sm90_kernel)
         # causal on the persistent grid: the tile table where it is modelled faster (``_causal_order``); made
         # here, uploaded on the first call that is not capturing a CUDA graph (the rounds serve until then)

@@ -102,9 +102,9 @@ from ._dropout import KEEP_OCTET_CARRY_PTX as _KEEP_OCTET_CARRY_PTX
 from ._dropout import KEEP_OCTET_CONSTRAINTS as _KEEP_OCTET_CONSTRAINTS
 
 from . import _launch, _tuning
-from .attention_sm90 import (LOG2E, MAX_REGS, _alloc_kv_ring, _descriptor, _fill_kv_ring, _flat_coords,
-                             _flat_descriptor, _flat_geometry, _mask_scores, _needs_mask, _num_sms, _slice_desc,
-                             _store_rows, _tile_coords, _tma_ok, smem_layouts)
+from .attention_sm90 import (D192, LOG2E, MAX_REGS, _alloc_kv_ring, _descriptor, _descriptor_fields, _fill_kv_ring,
+                             _flat_coords, _flat_descriptor, _flat_geometry, _mask_scores, _needs_mask, _num_sms,
+                             _slice_desc, _store_rows, _tile_coords, _tma_ok, smem_layouts)
 
 # dK/dV: (keys per consumer warpgroup, BLOCK_M query rows per block, STAGES). At D = 128 with 64-query
 # blocks ptxas spills 100 bytes (216 causal; 28 / 80 since lse / delta come through shared memory; dK, dV,
@@ -207,7 +207,7 @@ DKDV_D256_AUTO = os.environ.get("PYKERNELS_ATTN_SM90_D256", "1") not in ("", "0"
 # whose heads sit side by side in a row); elsewhere the kernel declines and Triton's runs. H200 run485 (matrix,
 # B4 H8 S2048 bidirectional, graph replay): the backward at 331 TFLOP/s against 194 with it off and cuDNN's 289
 # (1.14x); ``test_gpu_sm90_gluon_backward_d192`` passed (the zero fill and its byte count on the barrier hold).
-DKDV_D192_AUTO = os.environ.get("PYKERNELS_ATTN_SM90_D192", "1") not in ("", "0")
+DKDV_D192_AUTO = D192  # (``PYKERNELS_ATTN_SM90_D192``: the forward's switch too, ``attention_sm90.TILE_D``)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1176,15 +1176,10 @@ def _zero_fill_descriptor(t: torch.Tensor, block_rows: int, tile_d: int, layout)
     D columns wide in (block_rows, tile_d) tiles (loads read zeros past column D, stores clip there); None where
     there is no such view or a (batch, head) slice would not start at column 0 of it (the tiles would then cover the
     next head's columns)."""
-    batch, heads, _, d = t.shape
-    geometry = _flat_geometry(t.shape, t.stride(), block_rows)
+    geometry = _flat_geometry(t.shape, t.stride(), block_rows, zero_fill=True)
     if geometry is None:
         return None
-    rows, sm = geometry
-    sb, sh = t.stride(0), t.stride(1)
-    if (batch > 1 and sb % sm) or (heads > 1 and sh % sm):
-        return None
-    return _descriptor(t, ([rows, d], [sm, 1], [block_rows, tile_d], layout))
+    return _descriptor(t, _descriptor_fields(geometry, block_rows, t.shape[3], layout, tile_d))
 
 
 def host_kv_descriptors(k, v, dk, dv, bn: int, layout, cta_keys: int = 0, tile_d: int = 0):

@@ -1383,27 +1383,34 @@ def test_gpu_sm90_gluon_forward_key_padding(layout, b, hq, hkv, sq, sk, d, patte
     (BF16, "bhsd", 1, 2, 2, 127, 1031, False, None),     # the query and key tails
     (BF16, "bshd", 3, 4, 2, 1000, 777, False, "keys"),   # key padding, the last batch without a valid key
 ])
-def test_gpu_sm90_gluon_forward_d256(dtype, layout, b, hq, hkv, sq, sk, causal, pattern):
+@pytest.mark.parametrize("d", [256, 192])
+def test_gpu_sm90_gluon_forward_d256(dtype, layout, b, hq, hkv, sq, sk, causal, pattern, d):
     """The Gluon forward at D = 256 (64 x 64 tiles a warpgroup, one Q tile a warpgroup: ``attention_sm90.q_bufs``)
-    against the float64 reference, forward and (Triton's backward on its lse) gradients; bitwise the same through
-    the kernel entry point; a batch without a valid key gives 0."""
+    and at D = 192 on the same tiles over 192-column descriptors (``attention_sm90.TILE_D``: host ones for the
+    (B, H, S, D) rows, device-made ones for the (B, S, H, D) views) against the float64 reference, forward and
+    gradients (D = 256: Triton's backward on its lse; D = 192 (B, H, S, D): the Gluon dK/dV kernel beside Triton's
+    dQ); bitwise the same through the kernel entry point; a batch without a valid key gives 0."""
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90
     from pykernels.attention import _key_padding_range
-    cfg = attention_sm90.CONFIGS[256]
+    cfg = attention_sm90.CONFIGS[d]
     assert attention_sm90.q_bufs(*cfg, 256) == 1  # (the two-tile Q ring does not fit beside the K/V ring)
-    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, d=256)
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, d=d)
     mask = m4 = kv_range = None
     if pattern == "keys":
         lens = torch.tensor([[sk], [sk // 2 + 3], [0]], device="cuda")
         mask = (torch.arange(sk, device="cuda")[None, :] < lens).view(b, 1, 1, sk)
         m4 = mask.expand(b, hq, sq, sk)
         kv_range = _key_padding_range(m4)
-    assert katt.sm90_forward(q, k, v, m4, dropout_p=0.0, scale=256 ** -0.5, kv_range=kv_range, causal=causal), \
+    assert katt.sm90_forward(q, k, v, m4, dropout_p=0.0, scale=d ** -0.5, kv_range=kv_range, causal=causal), \
         "this case must take the sm_90 kernel"
-    out, grads = _check_against_ref(q, k, v, mask=mask, causal=causal, enable_gqa=hq != hkv, what="sm90 d256")
+    plan = attention_sm90.forward_plan(q, k, v, causal=causal, scale=d ** -0.5, key_pad=mask is not None)
+    assert plan.kwargs["HEAD_D"] == 256 and plan.kwargs["D_COLS"] == (192 if d == 192 else 0)
+    if d == 192:  # host descriptors only where every head starts at column 0 of its rows
+        assert (plan.geo is not None) == (layout == "bhsd"), plan.geo
+    out, grads = _check_against_ref(q, k, v, mask=mask, causal=causal, enable_gqa=hq != hkv, what=f"sm90 d{d}")
     assert torch.isfinite(out).all()
-    o2, lse2 = katt.attention_fwd(q.detach(), k.detach(), v.detach(), m4, causal=causal, scale=256 ** -0.5,
+    o2, lse2 = katt.attention_fwd(q.detach(), k.detach(), v.detach(), m4, causal=causal, scale=d ** -0.5,
                                   dropout_p=0.0, seed=0, kv_range=kv_range)
     assert torch.equal(o2, out.detach())
     if pattern == "keys":
@@ -1514,8 +1521,15 @@ def test_gpu_sm90_dispatch_rules(monkeypatch):
                                  dropout_p=0.0, scale=sc)  # D = 80: Triton
     q256, k256 = (torch.randn(1, 2, n, 256, dtype=BF16, device="cuda") for n in (64, 1024))
     assert katt.sm90_forward(q256, k256, k256, None, dropout_p=0.0, scale=sc)  # D = 256: the Gluon forward
-    assert not katt.sm90_forward(q256[..., :192], k256[..., :192], k256[..., :192], None, dropout_p=0.0,
-                                 scale=sc)  # D = 192: Triton (a TMA box is a power of two wide)
+    # D = 192: the D = 256 kernel on 192 of its 256 columns (``attention_sm90.TILE_D``), here over rows 256 apart
+    assert katt.sm90_forward(q256[..., :192], k256[..., :192], k256[..., :192], None, dropout_p=0.0, scale=sc)
+    monkeypatch.setattr(attention_sm90, "D192", False)  # (PYKERNELS_ATTN_SM90_D192=0): the Triton forward
+    assert not katt.sm90_forward(q256[..., :192], k256[..., :192], k256[..., :192], None, dropout_p=0.0, scale=sc)
+    monkeypatch.setattr(attention_sm90, "D192", True)
+    padded = [torch.randn(1, 2, n, 256, dtype=BF16, device="cuda", requires_grad=True)[..., :192]
+              for n in (64, 1024, 1024)]
+    assert attention_sm90.forward_plan(*padded, causal=False, scale=sc).geo is not None  # host descriptors
+    _check_against_ref(*padded, what="D = 192 over rows 256 apart (the Gluon forward)")
     assert not katt.sm90_forward(q, k, v, None, dropout_p=0.1, scale=sc)
     assert not katt.sm90_forward(q.float(), k.float(), v.float(), None, dropout_p=0.0, scale=sc)
     assert not katt.sm90_forward(q, k[..., ::2].contiguous(), v, None, dropout_p=0.0, scale=sc)  # D 64 keys
@@ -1758,9 +1772,7 @@ def test_gpu_sm90_gluon_backward_d192(monkeypatch, dtype, layout, b, hq, hkv, sq
     do = torch.randn(b, hq, sq, 192, dtype=dtype, device="cuda")
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=causal) == "dkdv"
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=0.1, causal=causal) == ""
-    assert ks.unsupported(q, k, v, None, dropout_p=0.0, scale=0.1, varlen=False,
-                          head_dims=(64, 128, 192, 256)) is None
-    assert "head dim is not 64, 128, 256" in ks.unsupported(q, k, v, None, dropout_p=0.0, scale=0.1, varlen=False)
+    assert ks.unsupported(q, k, v, None, dropout_p=0.0, scale=0.1, varlen=False) is None
     _, grads = _check_against_ref(q, k, v, causal=causal, scale=0.1, enable_gqa=hq != hkv, do=do,
                                   what=f"sm90 bwd d192 {layout}")
     assert ran == [("attention_bwd_dkdv_sm90", layout != "bshd" and sq >= 64)], ran
@@ -2144,6 +2156,13 @@ def test_sm90_zero_fill_descriptors_d192():
     bshd = torch.randn(b, s, h, d, dtype=BF16).transpose(1, 2)
     assert ks._flat_descriptor(bshd, 64, ql) is not None and kb._zero_fill_descriptor(bshd, 64, 256, ql) is None
     assert kb._zero_fill_descriptor(torch.randn(1, 1, 17, d, dtype=BF16), 64, 256, ql) is None  # fewer rows than a tile
+    # the forward's plan takes the same geometry (``attention_sm90.TILE_D``): the (B, S, H, D) views of several heads
+    # have a flat view, but not one whose heads start at column 0
+    assert ks._flat_geometry(bshd.shape, bshd.stride(), 64) == (b * s, h * d)
+    assert ks._flat_geometry(bshd.shape, bshd.stride(), 64, zero_fill=True) is None
+    assert ks._flat_geometry(t.shape, t.stride(), 64, zero_fill=True) == (b * h * s, d)
+    assert ks._descriptor_fields((b * h * s, d), 64, d, ql, 256)[:3] == ([b * h * s, d], [d, 1], [64, 256])
+    assert ks._descriptor_fields((b * s, h * d), 64, d, ql)[:3] == ([b * s, h * d], [h * d, 1], [64, d])
     one_head = torch.randn(b, s, 1, d, dtype=BF16).transpose(1, 2)  # one head: its slices start at column 0
     assert kb._zero_fill_descriptor(one_head, 64, 256, ql).shape == [b * s, d]
     k = torch.randn(b, h, s, d, dtype=BF16)
@@ -3910,7 +3929,8 @@ def test_sm90_forward_q_buffers_fit_shared_memory():
     for d, (bm, bn, stages) in list(a9.CONFIGS.items()) + list(a9.KEY_PAD_CONFIGS.items()):
         nq = a9.q_bufs(bm, bn, stages, d)
         assert 2 * nq * bm * d * 2 + 2 * stages * bn * d * 2 + 1024 <= a9.SMEM_PER_BLOCK, (d, nq)
-    assert set(a9.CONFIGS) == {64, 128, 256}  # (D = 192: a TMA box is a power of two wide)
+    assert set(a9.CONFIGS) == {64, 128, 192, 256}
+    assert a9.TILE_D == {192: 256} and a9.CONFIGS[192] == a9.CONFIGS[256]  # (D = 192 on the D = 256 kernel's tiles)
     q = torch.zeros(1, 1, 64, 256, dtype=torch.bfloat16)
     assert a9.unsupported(q, q, q, None, dropout_p=0.0, scale=1.0, varlen=False) == "not an sm_90 GPU"
 

@@ -317,22 +317,29 @@ def compile_only() -> None:
     from triton.runtime.jit import mangle_type
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     # the package kernel with host descriptors (typed through a CPU stand-in); D = 256 (one Q tile a warpgroup,
-    # ``q_bufs``) without the varlen variant, which its rule does not take (``VARLEN_HEAD_DIMS``)
-    for d in (*PP_CONFIGS, 256):
+    # ``q_bufs``) and D = 192 on its 256-wide tiles (``TILE_D``: D_COLS = 192) without the varlen variant, which their
+    # rule does not take (``VARLEN_HEAD_DIMS``); D = 192's device-made descriptors too (``_slice_desc``'s COLS)
+    for d in (*PP_CONFIGS, 256, 192):
         for causal in (False, True):
             bm, bn, stages = pkg.CONFIGS[d]
-            ql, kl = base.smem_layouts(bm, bn, d, torch.bfloat16)
-            t = torch.empty(4096, d, dtype=torch.bfloat16)
-            qd, kd = (mangle_type(TensorDescriptor.from_tensor(t, [r, d], lay)) for r, lay in ((bm, ql), (bn, kl)))
+            td = pkg.TILE_D.get(d, d)
+            ql, kl = base.smem_layouts(bm, bn, td, torch.bfloat16)
+            t = torch.empty(4096, td, dtype=torch.bfloat16)
+            qd, kd = (mangle_type(TensorDescriptor.from_tensor(t, [r, td], lay)) for r, lay in ((bm, ql), (bn, kl)))
             fn = pkg._attention_fwd_sm90_kernel
             sig = _pkg_signature(fn)
             sig.update(QD=qd, OD=qd, KD=kd, VD=kd)
-            consts = dict(HEAD_D=d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, HOST_DESC=True,
+            consts = dict(HEAD_D=td, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, HOST_DESC=True,
                           q_layout=ql, kv_layout=kl, num_warps=4, Mask=None, KvRange=None, KEY_PAD=False,
                           CuQ=None, CuK=None, VARLEN=False, Order=None, ORDER=False,
-                          Q_BUFS=pkg.q_bufs(bm, bn, stages, d))
+                          Q_BUFS=pkg.q_bufs(bm, bn, stages, td), D_COLS=d if td != d else 0)
             print(f"host-desc D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
                   f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
+            if td != d:  # the CTAs' own descriptors (the (B, S, H, D) views: their heads do not start at column 0)
+                dsig = {kk: vv for kk, vv in sig.items() if kk not in ("QD", "KD", "VD", "OD")}
+                dconsts = dict(consts, QD=None, KD=None, VD=None, OD=None, HOST_DESC=False)
+                print(f"device-desc D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
+                      f"{compile_report(fn, dsig, dconsts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
             if causal:  # the causal persistent grid's tile table (``_causal_order``)
                 osig = dict(sig, Order="*i32")
                 oconsts = {kk: vv for kk, vv in consts.items() if kk != "Order"}
@@ -347,12 +354,12 @@ def compile_only() -> None:
                       f"{compile_report(fn, vsig, vconsts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
             if not causal:  # a boolean key-padding mask (the forward's KEY_PAD variant, its own tiles)
                 bm, bn, stages = pkg.KEY_PAD_CONFIGS.get(d, pkg.CONFIGS[d])
-                ql, kl = base.smem_layouts(bm, bn, d, torch.bfloat16)
-                qd, kd = (mangle_type(TensorDescriptor.from_tensor(t, [r, d], lay))
+                ql, kl = base.smem_layouts(bm, bn, td, torch.bfloat16)
+                qd, kd = (mangle_type(TensorDescriptor.from_tensor(t, [r, td], lay))
                           for r, lay in ((bm, ql), (bn, kl)))
                 sig.update(QD=qd, OD=qd, KD=kd, VD=kd, Mask="*u8", KvRange="*i32")
                 consts.update(BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, q_layout=ql, kv_layout=kl, KEY_PAD=True,
-                              Q_BUFS=pkg.q_bufs(bm, bn, stages, d))
+                              Q_BUFS=pkg.q_bufs(bm, bn, stages, td))
                 del consts["Mask"], consts["KvRange"]
                 print(f"keypad D{d} cfg{(bm, bn, stages, 4)} full: "
                       f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
@@ -366,7 +373,7 @@ def compile_only() -> None:
                 if fn is pkg._attention_fwd_sm90_kernel:
                     consts.update(QD=None, KD=None, VD=None, OD=None, HOST_DESC=False, Mask=None, KvRange=None,
                                   KEY_PAD=False, CuQ=None, CuK=None, VARLEN=False, Order=None, ORDER=False,
-                                  Q_BUFS=pkg.q_bufs(bm, bn, stages, d))
+                                  Q_BUFS=pkg.q_bufs(bm, bn, stages, d), D_COLS=0)
                 opts = dict(num_warps=warps)
                 if kind != "plain":
                     opts["maxnreg"] = max_regs(8 if kind == "ping-pong" else warps)
