@@ -998,10 +998,11 @@ def _precision(dtype: torch.dtype) -> str:
 
 def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None, causal: bool = False) -> bool:
     """Whether the dense forward runs the Gluon warp-specialised kernel of ``attention_sm90`` (Hopper;
-    D = 128, 192 or 256, or D = 64 with long keys: ``attention_sm90.preferred``) instead of ``_attention_fwd_kernel``.
+    D = 128, 192 or 256 (80 and 96 staged), or D = 64 with long keys: ``attention_sm90.preferred``) instead of
+    ``_attention_fwd_kernel``.
     Cheap checks first, so CPU tensors and masked (but key padding), dropout or other head-dim calls never
     import the Gluon module; ``unsupported`` checks the device (sm_90) and the rest, the mask's kind too."""
-    if q.device.type != "cuda" or q.shape[-1] not in (64, 128, 192, 256) or dropout_p > 0 \
+    if q.device.type != "cuda" or q.shape[-1] not in (64, 80, 96, 128, 192, 256) or dropout_p > 0 \
             or (mask is not None and kv_range is None):
         return False
     from . import attention_sm90
@@ -1037,16 +1038,18 @@ def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range
     its Triton kernel runs). With dropout only the dK/dV kernel (fused with dQ or not) draws the mask
     (``attention_sm90_bwd.DROPOUT_KERNELS``): "dkdv,dq" becomes "dkdv" (Triton's dQ kernel beside it), "dq" "". At
     D = 256 (and D = 192 on its zero-filled tiles) only the D = 256 dK/dV kernel exists ("dkdv", beside
-    Triton's dQ kernel; no dropout)."""
+    Triton's dQ kernel; no dropout). At D = 80 and 96 (staged, on the D = 128 tiles: ``attention_sm90.TILE_D``)
+    the dK/dV kernel, fused with dQ or beside Triton's dQ kernel (the Gluon dQ kernel reads O by pointer at its
+    tile's width), without dropout."""
     d = q.shape[-1]
-    if q.device.type != "cuda" or d not in (64, 128, 192, 256) or mask is not None or kv_range is not None:
+    if q.device.type != "cuda" or d not in (64, 80, 96, 128, 192, 256) or mask is not None or kv_range is not None:
         return ""
     from . import attention_sm90, attention_sm90_bwd
-    if dropout_p > 0 and (not attention_sm90_bwd.DROPOUT_KERNELS or d > 128):
+    if dropout_p > 0 and (not attention_sm90_bwd.DROPOUT_KERNELS or d not in (64, 128)):
         return ""
     which = attention_sm90_bwd.kernels(q, k, causal, attention_sm90._num_sms(q.device), deterministic)
-    if d > 128:  # only the dK/dV kernel there (``attention_sm90_bwd.DKDV_D256_CONFIGS``)
-        which = "dkdv" if "dkdv" in which.split(",") else ""
+    if d > 128 or (d in (80, 96) and which != "fused"):  # only the D = 256 dK/dV kernel (``attention_sm90_bwd.
+        which = "dkdv" if "dkdv" in which.split(",") else ""  # DKDV_D256_CONFIGS``); at 80 / 96 no Gluon dQ
     if dropout_p > 0:
         which = "fused" if which == "fused" else "dkdv" if "dkdv" in which.split(",") else ""
     # (the kernels' cover apart from dropout, which the dK/dV kernel draws itself)

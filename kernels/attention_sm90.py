@@ -36,8 +36,8 @@ Scores are in base 2 (``qk_scale = scale * log2 e``). Causal masking is top-left
 ``attention.py``: a tile visits the key blocks up to its last row's diagonal; a block is masked only
 where it crosses the diagonal or the key tail (a uniform branch).
 
-Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 128, 192, 256; 192 on 256-wide tiles,
-``TILE_D``), no mask (or a boolean
+Scope (``unsupported`` says why not): sm_90, fp16/bf16, D = Dv in (64, 80, 96, 128, 192, 256; 80 and 96 on
+128-wide tiles, 192 on 256-wide ones: ``TILE_D``), no mask (or a boolean
 key-padding mask with its key range, not causal: ``KEY_PAD``), no dropout, scale > 0, no empty dimension,
 TMA-aligned q/k/v. ``preferred`` is the speed rule of the auto path. Packed varlen sequences take the same
 kernel (``VARLEN``, ``attention_fwd_sm90_varlen``; ``varlen_unsupported`` says why not, and
@@ -82,17 +82,27 @@ LOG2E = 1.4426950408889634
 # consumer: its O is 128 of them). H200 run474 (``attention_sm90_configs.py --d256``, graph replay) against 64 x 32
 # with 3 stages and two Q tiles (the Q ring kept, 225 KB): 654 against 483 TFLOP/s at B4 H8 S4096 causal, 672 / 484
 # at B4 H8 S2048, 535 / 432 at B16 H16 S512 (32-key blocks halve each wgmma's N); 64 x 32 x 4 and 64 x 128 x 1 slower
-# still. D = 192 runs the D = 256 kernel (``TILE_D``).
-CONFIGS = {64: (64, 128, 2), 128: (64, 128, 2), 192: (64, 64, 2), 256: (64, 64, 2)}
+# still. D = 192 runs the D = 256 kernel, D = 80 and 96 the D = 128 one (``TILE_D``).
+CONFIGS = {64: (64, 128, 2), 80: (64, 128, 2), 96: (64, 128, 2), 128: (64, 128, 2), 192: (64, 64, 2),
+           256: (64, 64, 2)}
 # head dims that run on wider tiles: a Gluon tensor's dims are powers of two, so D = 192 runs the D = 256 kernel on
 # 256-wide tiles over 192-column descriptors (``D_COLS``): TMA loads read zeros in columns 192-255 (nothing added to
 # S, O's columns there 0) and stores clip there, so no padded copies, for a third more tensor-core work than the
 # columns need. Host descriptors only where every (batch, head) slice starts at column 0 of its (rows, row stride)
 # view (``_flat_geometry``'s ``zero_fill``: (B, H, S, D) rows, not the (B, S, H, D) views, where a 256-wide tile would
 # cover the next head's columns); else the CTAs make them on the device. ``PYKERNELS_ATTN_SM90_D192=0`` keeps D = 192
-# on the Triton kernels (``preferred``; the backward's dK/dV kernel reads the same switch)
-TILE_D = {192: 256}
+# on the Triton kernels (``preferred``; the backward's dK/dV kernel reads the same switch). D = 80 and 96 likewise on
+# the D = 128 kernels' tiles (staged behind ``PYKERNELS_ATTN_SM90_D80_96=1``: 1.6x / 1.33x the columns' work, against
+# the C++ op's wgmma kernels, which compute D as 96, ``pykernels.attention.AUTO_CUDA_HEAD_DIMS``)
+TILE_D = {80: 128, 96: 128, 192: 256}
 D192 = os.environ.get("PYKERNELS_ATTN_SM90_D192", "1") not in ("", "0")
+D80_96 = os.environ.get("PYKERNELS_ATTN_SM90_D80_96", "0") not in ("", "0")
+
+
+def zero_fill_on(d: int) -> bool:
+    """Whether head dim ``d`` of ``TILE_D`` runs the Gluon kernels on its wider tiles (``D192``, ``D80_96``); True
+    for the head dims the kernels take as they are."""
+    return D192 if d == 192 else D80_96 if d in (80, 96) else True
 # with a key-padding mask at D = 64: 128 rows x 64 keys per warpgroup (finer key blocks skip more padding):
 # 1.032-1.043x at BERT-base key padding, graph replay (run98, ``attention_ab_fwd64_*_run98.txt``; the benchmark
 # 1.01 -> 1.05x FlexAttention, run109); without a mask even (BERT) or 0.79x (GPT-2 causal), so only here.
@@ -711,13 +721,13 @@ def preferred(q, k, causal: bool) -> bool:
     without causal masking from Sk = 512 (1.04-1.09x; 0.97x at 256), causal from 1024 (1.10-1.18x; 0.72x
     at 256, 0.91x at 512). D = 256 always: H200 run474 (``benchmarks/dev/attention_sm90_configs.py --d256``, graph
     replay, TFLOP/s against the Triton forward's D = 256 tier) B4 H8 S4096 causal 654 / 426, B4 H8 S2048 672 / 474,
-    B2 H8 S8192 624 / 510, B16 H16 S512 535 / 353, B1 H8 S8192 causal 682 / 415. D = 192 on the D = 256 kernel
-    (``TILE_D``) where ``D192``."""
+    B2 H8 S8192 624 / 510, B16 H16 S512 535 / 353, B1 H8 S8192 causal 682 / 415. D = 192 on the D = 256 kernel,
+    D = 80 and 96 on the D = 128 one (``TILE_D``) where ``zero_fill_on``."""
     d, sk = q.shape[-1], k.shape[2]
     if d == 64:
         return sk >= (MIN_SK_D64 if causal else 512) and enabled()
-    if d == 192:
-        return D192 and enabled()
+    if d in TILE_D:
+        return zero_fill_on(d) and enabled()
     return d in (128, 256) and enabled()
 
 
@@ -896,7 +906,7 @@ class _FwdPlan:
         self.o_layout_ok = _tma_strides_ok(like)
         self.o_shape, self.o_stride = tuple(q.shape), like if self.o_layout_ok else None
         self.lse_shape = (batch, hq, sq)
-        tile_d = TILE_D.get(d, d)  # (D = 192 on 256-wide tiles)
+        tile_d = TILE_D.get(d, d)  # (D = 192 on 256-wide tiles, 80 and 96 on 128-wide ones)
         ql, kl = smem_layouts(bm, bn, tile_d, q.dtype)
         o_strides = like if self.o_layout_ok else (hq * sq * d, sq * d, d, 1)
         # (rows, row stride) of the four flat descriptors, or None: device-made descriptors

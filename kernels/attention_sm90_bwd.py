@@ -102,9 +102,9 @@ from ._dropout import KEEP_OCTET_CARRY_PTX as _KEEP_OCTET_CARRY_PTX
 from ._dropout import KEEP_OCTET_CONSTRAINTS as _KEEP_OCTET_CONSTRAINTS
 
 from . import _launch, _tuning
-from .attention_sm90 import (D192, LOG2E, MAX_REGS, _alloc_kv_ring, _descriptor, _descriptor_fields, _fill_kv_ring,
+from .attention_sm90 import (D192, LOG2E, TILE_D, MAX_REGS, _alloc_kv_ring, _descriptor, _descriptor_fields, _fill_kv_ring,
                              _flat_coords, _flat_descriptor, _flat_geometry, _mask_scores, _needs_mask, _num_sms,
-                             _slice_desc, _store_rows, _tile_coords, _tma_ok, smem_layouts)
+                             _slice_desc, _store_rows, _tile_coords, _tma_ok, smem_layouts, zero_fill_on)
 
 # dK/dV: (keys per consumer warpgroup, BLOCK_M query rows per block, STAGES). At D = 128 with 64-query
 # blocks ptxas spills 100 bytes (216 causal; 28 / 80 since lse / delta come through shared memory; dK, dV,
@@ -545,7 +545,7 @@ def _attention_bwd_dkdv_sm90_kernel(
     IS_CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr, LPT: gl.constexpr, STATS_EARLY: gl.constexpr,
     kv_layout: gl.constexpr, ds_layout: gl.constexpr, num_warps: gl.constexpr, TRACE: gl.constexpr = False,
     HOST_KV: gl.constexpr = False, HAS_DROPOUT: gl.constexpr = False, DROP_EARLY: gl.constexpr = True,
-    DROP_CARRY: gl.constexpr = False, DROP_ROT: gl.constexpr = False,
+    DROP_CARRY: gl.constexpr = False, DROP_ROT: gl.constexpr = False, D_COLS: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sk, 2 * BLOCK_N), kv heads, batch), or with LPT (cdiv(Sk, 2 * BLOCK_N) * kv heads * batch,):
     causal, longest CTAs first across the (batch, kv head)s of a group of ``lpt_heads`` (``_lpt_order``).
@@ -557,7 +557,9 @@ def _attention_bwd_dkdv_sm90_kernel(
     FUSED_DQ: dQ * scale is added through DQACC, a host descriptor over a zeroed contiguous (B, H, Sq, D) fp32
     buffer seen as (B * H * Sq, D), (BLOCK_M, D / 2) tiles, by bulk TMA reductions.
     HAS_DROPOUT: Seed the (1,) int64 seed (below 2^31), drop_thr p 2^16, drop_inv 1 / (1 - p)
-    (``_dkdv_consumer``)."""
+    (``_dkdv_consumer``). D_COLS > 0 (D = 80 / 96, ``attention_sm90.TILE_D``): the tensors are D_COLS < HEAD_D
+    columns wide (the device-made K / V / dK / dV descriptors so too; the host's, q's and do's, come so), DQACC
+    HEAD_D wide."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = q_desc.dtype
     _trace_mark(Trace, 0, TRACE)
@@ -574,7 +576,7 @@ def _attention_bwd_dkdv_sm90_kernel(
     _trace_put(Trace, 7, (b * (H // GROUP) + hk) * 65536 + start_n // (2 * BLOCK_N), TRACE)  # as the order gave
     k_desc, v_desc, dk_desc, dv_desc, k_row, k_col, v_row, v_col, dk_row, dk_col, dv_row, dv_col = _kv_slices(
         K, V, DK, DV, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_dkb, stride_dkh,
-        stride_dkn, stride_dvb, stride_dvh, stride_dvn, b, hk, Sk, HEAD_D, BLOCK_N, kv_layout, HOST_KV)
+        stride_dkn, stride_dvb, stride_dvh, stride_dvn, b, hk, Sk, HEAD_D, BLOCK_N, kv_layout, HOST_KV, D_COLS)
     _trace_mark(Trace, 8, TRACE)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
@@ -1049,7 +1051,8 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
     mode asks for a reproducible backward ("dkdv,dq" then).
 
     The speed rule: at D = 256 "dkdv" (``DKDV_D256_CONFIGS``' kernel) where ``DKDV_D256_AUTO`` (default), else "";
-    at D = 192 the same kernel where ``DKDV_D192_AUTO`` (default).
+    at D = 192 the same kernel where ``DKDV_D192_AUTO`` (default); D = 80 and 96 as D = 128 where
+    ``attention_sm90.zero_fill_on`` (staged; ``kernels.attention.sm90_backward`` then keeps "fused" or "dkdv").
     D = 128 with at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton
     kernels' smaller blocks fill the card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon; at D = 64 both
     lose, BERT-base shape 0.349 vs 0.245 ms; H100 run41-44). There, "fused" unless deterministic, from
@@ -1075,7 +1078,8 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
         return "dkdv" if DKDV_D192_AUTO else ""  # (the D = 256 dK/dV kernel on zero-filled columns)
     if q.shape[-1] in DKDV_D256_CONFIGS:
         return "dkdv" if DKDV_D256_AUTO else ""  # (the D = 256 dK/dV kernel, beside Triton's dQ)
-    if q.shape[-1] != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
+    d = 128 if q.shape[-1] in (80, 96) and zero_fill_on(q.shape[-1]) else q.shape[-1]  # (on the D = 128 tiles)
+    if d != 128 or (k.shape[2] + 127) // 128 * k.shape[1] * k.shape[0] < sms:
         return ""
     if not deterministic and k.shape[2] >= (FUSED_CAUSAL_MIN_SK if causal else FUSED_MIN_SK) \
             and (not causal or q.shape[1] == k.shape[1]):
@@ -1100,9 +1104,15 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
             return False
         return attention_bwd_dkdv_d256_sm90(do, q, k, v, lse, delta, dk, dv, causal=causal, scale=scale,
                                              config=config)
-    bn, bm, stages = config or DKDV_CONFIGS[d]
-    ql, kl = smem_layouts(bm, bn, d, q.dtype)
-    qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
+    tile_d = TILE_D.get(d, d)  # (D = 80 / 96 on the D = 128 tiles: zero-filled columns, ``_zero_fill_descriptor``)
+    bn, bm, stages = config or DKDV_CONFIGS[tile_d]
+    ql, kl = smem_layouts(bm, bn, tile_d, q.dtype)
+    if tile_d != d:
+        if dropout_p > 0 or trace is not None:
+            return False
+        qd, dod = _zero_fill_descriptor(q, bm, tile_d, ql), _zero_fill_descriptor(do, bm, tile_d, ql)
+    else:
+        qd, dod = _flat_descriptor(q, bm, ql), _flat_descriptor(do, bm, ql)
     if qd is None or dod is None or not (_tma_ok(dk) and _tma_ok(dv)) or (dq is not None and batch * hq * sq >= 2**31):
         return False
     rate = dropout_rate(dropout_p) if dropout_p > 0 else 0.0
@@ -1111,11 +1121,11 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         # below 2^31, pykernels._rng.new_seed; an int seed outside that, or 2^32 query rows, go to the Triton kernels)
     fused = dq is not None
     dq_acc = dqd = None
-    if fused:
-        dq_acc = torch.zeros(batch, hq, sq, d, dtype=torch.float32, device=q.device)
-        dqd = _dq_acc_descriptor(dq_acc, bm, d)
+    if fused:  # (tile_d wide: the reductions add the zero columns' zeros there too)
+        dq_acc = torch.zeros(batch, hq, sq, tile_d, dtype=torch.float32, device=q.device)
+        dqd = _dq_acc_descriptor(dq_acc, bm, tile_d)
     dsl = _ds_layout(bn, bm, q.dtype) if fused else kl
-    host_kv = host_kv_descriptors(k, v, dk, dv, bn, kl)
+    host_kv = host_kv_descriptors(k, v, dk, dv, bn, kl, tile_d=tile_d if tile_d != d else 0)
     kv = host_kv or (k, v, dk, dv)
     _tuning.ensure_allocator()
     lpt = bool(causal) and CAUSAL_LPT
@@ -1131,13 +1141,13 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
         qd, dod, *kv, lse, delta, dqd, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2],
         hq, hq // hkv, sq, sk, scale * LOG2E, scale, lpt_heads, tail_from, trace, seed_t, drop_thr, drop_inv,
-        HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
+        HEAD_D=tile_d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal), FUSED_DQ=fused, LPT=lpt,
         STATS_EARLY=STATS_EARLY and not causal, kv_layout=kl,
         ds_layout=dsl, num_warps=4, TRACE=trace is not None, HOST_KV=host_kv is not None, HAS_DROPOUT=rate > 0,
         DROP_EARLY=DROPOUT_EARLY, DROP_CARRY=DROPOUT_CARRY,
-        DROP_ROT=DROPOUT_ROT and DROPOUT_CARRY, maxnreg=MAX_REGS)
+        DROP_ROT=DROPOUT_ROT and DROPOUT_CARRY, D_COLS=d if tile_d != d else 0, maxnreg=MAX_REGS)
     if fused:
-        dq.copy_(dq_acc)
+        dq.copy_(dq_acc if tile_d == d else dq_acc[..., :d])
     return True
 
 

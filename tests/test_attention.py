@@ -1784,6 +1784,58 @@ def test_gpu_sm90_gluon_backward_d192(monkeypatch, dtype, layout, b, hq, hkv, sq
 
 @pytest.mark.gpu
 @sm90_only
+@pytest.mark.parametrize("d", [96, 80])
+@pytest.mark.parametrize("dtype,layout,b,hq,hkv,sq,sk,causal,named", [
+    (BF16, "bhsd", 2, 16, 16, 2048, 2048, False, None),   # the default rule: fused (host K / V descriptors)
+    (BF16, "bhsd", 1, 4, 2, 1000, 1500, True, "fused"),   # GQA, causal Sq != Sk, key tails (device-made K / V)
+    (F16, "bhsd", 1, 2, 2, 127, 1031, False, "dkdv"),     # beside Triton's dQ kernel; fp16
+    (BF16, "kv_bshd", 2, 4, 2, 300, 512, False, "fused"),  # K / V in the (B, S, H, D) views: device-made
+    (BF16, "bshd", 2, 4, 2, 512, 512, True, "fused"),     # q there: the forward's CTAs make their descriptors, the
+    (BF16, "bhsd", 2, 2, 2, 1, 2048, True, "fused"),      # backward declines (Triton); Sq = 1: declined too
+])
+def test_gpu_sm90_zero_fill_d80_d96(monkeypatch, d, dtype, layout, b, hq, hkv, sq, sk, causal, named):
+    # D = 80 and 96 on the D = 128 Gluon kernels' tiles (staged, ``attention_sm90.D80_96``; ``TILE_D``): TMA reads
+    # zeros past column D and the stores clip there. The forward (host descriptors for (B, H, S, D) rows, else the
+    # CTAs' own) and the backward's fused or dK/dV kernel (q and dO (B, H, S, D) rows; K / V any layout) against float64
+    # and eager's error; auto then leaves the C++ op (``pykernels.attention._auto_cuda_head_dim_kind``) unmasked only
+    import pykernels.attention as pa
+    from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90 as a9
+    monkeypatch.setattr(a9, "D80_96", True)
+    if named is None:
+        monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD", raising=False)
+    else:
+        monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", named)
+    ran = _spy_sm90_bwd_kernels(monkeypatch)
+    if layout == "kv_bshd":
+        q = _sm90_inputs(b, hq, hkv, sq, sk, dtype, "bhsd", d)[0]
+        _, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, "bshd", d)
+    else:
+        q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, d)
+    do = torch.randn(b, hq, sq, d, dtype=dtype, device="cuda")
+    scale = d ** -0.5
+    assert katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=scale, causal=causal)
+    plan = a9.forward_plan(q, k, v, causal=causal, scale=scale)
+    assert plan.kwargs["HEAD_D"] == 128 and plan.kwargs["D_COLS"] == d
+    assert (plan.geo is not None) == (layout != "bshd" and sq >= 64), plan.geo
+    which = "fused" if named in (None, "fused") else "dkdv"
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=scale, causal=causal) == which
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=scale, causal=causal) == ""
+    assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=scale, causal=causal, deterministic=True) \
+        == ("dkdv" if named is None else which)
+    _check_against_ref(q, k, v, causal=causal, scale=scale, enable_gqa=hq != hkv, do=do, what=f"sm90 d{d} {layout}")
+    assert ran == [("attention_bwd_dkdv_sm90", layout != "bshd" and sq >= 64)], ran
+    if named is None:  # auto: the Triton path (these kernels) unmasked, the C++ op with key padding
+        assert not pa._auto_cuda_head_dim_kind(q, k, v, None)
+        keys = torch.ones(b, 1, 1, sk, dtype=torch.bool, device="cuda").expand(b, hq, sq, sk)
+        assert pa._auto_cuda_head_dim_kind(q, k, v, keys) == pa._hopper_cpp_kernels(q, k, v, keys)
+        monkeypatch.setattr(a9, "D80_96", False)
+        assert not katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=scale, causal=causal)
+        assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=scale, causal=causal) == ""
+
+
+@pytest.mark.gpu
+@sm90_only
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("layout,b,hq,hkv,sq,sk,causal,d", [
     ("bhsd", 2, 4, 4, 1000, 1024, True, 128), ("bshd", 1, 4, 2, 1031, 1024, False, 128),
@@ -2187,6 +2239,30 @@ def test_sm90_backward_d192_rule_on_cpu(monkeypatch):
     monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "dkdv")
     assert kb.kernels(q, q, causal=False, sms=132) == "dkdv"
     assert kb.DKDV_D256_CONFIGS[192] == kb.DKDV_D256_CONFIGS[256]
+
+
+def test_sm90_backward_d80_d96_rule_on_cpu(monkeypatch):
+    # D = 80 / 96 (staged, ``attention_sm90.D80_96``): the D = 128 rule where on ("fused" from FUSED_MIN_SK keys,
+    # "dkdv,dq" with fewer or deterministic, nothing with too few CTAs), nothing where off; a named value either way
+    from pykernels._kernels import attention_sm90 as a9
+    from pykernels._kernels import attention_sm90_bwd as kb
+    monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD", raising=False)
+    for d in (80, 96):
+        q = torch.empty(2, 16, 2048, d, dtype=BF16)
+        monkeypatch.setattr(a9, "D80_96", False)
+        assert not a9.zero_fill_on(d) and kb.kernels(q, q, causal=False, sms=132) == ""
+        monkeypatch.setattr(a9, "D80_96", True)
+        assert a9.zero_fill_on(d)
+        assert kb.kernels(q, q, causal=False, sms=132) == kb.kernels(q[..., :1].expand(2, 16, 2048, 128), q,
+                                                                     causal=False, sms=132) == "fused"
+        assert kb.kernels(q, q, causal=False, sms=132, deterministic=True) == "dkdv,dq"
+        assert kb.kernels(q[:, :, :1000], q[:, :, :1000], causal=False, sms=132) == "dkdv,dq"
+        assert kb.kernels(q[:1, :2], q[:1, :2], causal=False, sms=132) == ""  # 32 CTAs of 128 keys
+        monkeypatch.setattr(a9, "D80_96", False)
+        monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", "fused")
+        assert kb.kernels(q, q, causal=False, sms=132) == "fused"
+        monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD")
+    assert a9.zero_fill_on(192) == a9.D192 and a9.zero_fill_on(128) and a9.zero_fill_on(64)
 
 
 def _order_makespan(table, grid, n_m, cost):
@@ -3929,8 +4005,9 @@ def test_sm90_forward_q_buffers_fit_shared_memory():
     for d, (bm, bn, stages) in list(a9.CONFIGS.items()) + list(a9.KEY_PAD_CONFIGS.items()):
         nq = a9.q_bufs(bm, bn, stages, d)
         assert 2 * nq * bm * d * 2 + 2 * stages * bn * d * 2 + 1024 <= a9.SMEM_PER_BLOCK, (d, nq)
-    assert set(a9.CONFIGS) == {64, 128, 192, 256}
-    assert a9.TILE_D == {192: 256} and a9.CONFIGS[192] == a9.CONFIGS[256]  # (D = 192 on the D = 256 kernel's tiles)
+    assert set(a9.CONFIGS) == {64, 80, 96, 128, 192, 256}
+    assert a9.TILE_D == {80: 128, 96: 128, 192: 256}  # (D = 192 on the D = 256 kernel's tiles, 80 / 96 on D = 128's)
+    assert all(a9.CONFIGS[d] == a9.CONFIGS[t] for d, t in a9.TILE_D.items())
     q = torch.zeros(1, 1, 64, 256, dtype=torch.bfloat16)
     assert a9.unsupported(q, q, q, None, dropout_p=0.0, scale=1.0, varlen=False) == "not an sm_90 GPU"
 

@@ -92,7 +92,7 @@ def main() -> None:
                       STATS_EARLY=kb.STATS_EARLY and not causal, kv_layout=kl,
                       ds_layout=kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl, num_warps=4, HOST_KV=True,
                       HAS_DROPOUT=drop, Trace=None, DROP_EARLY=kb.DROPOUT_EARLY, DROP_CARRY=kb.DROPOUT_CARRY,
-                      DROP_ROT=kb.DROPOUT_ROT)
+                      DROP_ROT=kb.DROPOUT_ROT, D_COLS=0)
         if not fused:
             consts["DQACC"] = None
         kern = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),

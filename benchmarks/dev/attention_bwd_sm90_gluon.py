@@ -68,12 +68,28 @@ def compile_only() -> None:
                 dsl = kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl
                 consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
                               LPT=causal, STATS_EARLY=kb.STATS_EARLY and not causal,
-                              kv_layout=kl, ds_layout=dsl, num_warps=4, HOST_KV=host_kv)
+                              kv_layout=kl, ds_layout=dsl, num_warps=4, HOST_KV=host_kv, D_COLS=0)
                 consts["Trace"] = None
                 if not fused:
                     consts["DQACC"] = None
                 print(f"bwd-{'fused' if fused else 'dkdv'} D{d} cfg{cfg} {'causal' if causal else 'full'}"
                       f"{' host-kv' if host_kv else ''}: "
+                      f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
+        if d == 128:  # D = 96 on these tiles (``attention_sm90.TILE_D``): K / V / dK / dV descriptors made on the device
+            bn, bm, stages = kb.DKDV_CONFIGS[d]  # 96 columns wide (D_COLS; the host's are the D = 128 kernel's code)
+            ql, kl = smem_layouts(bm, bn, d, torch.bfloat16)
+            for causal, fused in itertools.product((False, True), repeat=2):
+                fn = kb._attention_bwd_dkdv_sm90_kernel
+                dqacc = mangle_type(kb._dq_acc_descriptor(torch.zeros(4096, d), bm, d)) if fused else "constexpr"
+                sig = sig_of(fn, dict(q_desc=desc(bm, d, ql), do_desc=desc(bm, d, ql), DQACC=dqacc))
+                consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, FUSED_DQ=fused,
+                              LPT=causal, STATS_EARLY=kb.STATS_EARLY and not causal, kv_layout=kl,
+                              ds_layout=kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl, num_warps=4,
+                              HOST_KV=False, D_COLS=96, Trace=None)
+                if not fused:
+                    consts["DQACC"] = None
+                print(f"bwd-{'fused' if fused else 'dkdv'}-d96 D{d} cfg{(bn, bm, stages)} "
+                      f"{'causal' if causal else 'full'}: "
                       f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
         if d == 128:  # with dropout (HAS_DROPOUT: the keep mask drawn in the consumers), fused or not, both layouts
             bn, bm, stages = kb.DKDV_CONFIGS[d]
@@ -90,7 +106,7 @@ def compile_only() -> None:
                               LPT=causal, STATS_EARLY=kb.STATS_EARLY and not causal, kv_layout=kl,
                               ds_layout=kb._ds_layout(bn, bm, torch.bfloat16) if fused else kl, num_warps=4,
                               HOST_KV=host_kv, HAS_DROPOUT=True, Trace=None, DROP_EARLY=kb.DROPOUT_EARLY,
-                              DROP_CARRY=kb.DROPOUT_CARRY, DROP_ROT=kb.DROPOUT_ROT)
+                              DROP_CARRY=kb.DROPOUT_CARRY, DROP_ROT=kb.DROPOUT_ROT, D_COLS=0)
                 if not fused:
                     consts["DQACC"] = None
                 print(f"bwd-drop-{'fused' if fused else 'dkdv'} D{d} cfg{(bn, bm, stages)} "
@@ -105,7 +121,7 @@ def compile_only() -> None:
                                   **{n: desc(bn, d, kl) for n in ("K", "V", "DK", "DV")}))
             consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=True, FUSED_DQ=True, LPT=True,
                           STATS_EARLY=False, kv_layout=kl, ds_layout=kb._ds_layout(bn, bm, torch.bfloat16),
-                          num_warps=4, TRACE=True, HOST_KV=True)
+                          num_warps=4, TRACE=True, HOST_KV=True, D_COLS=0)
             print(f"bwd-trace D{d} causal: {ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}",
                   flush=True)
         for cfg in [kb.DQ_CONFIGS[d]] + DQ_ALT[d]:

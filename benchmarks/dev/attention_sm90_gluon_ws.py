@@ -317,9 +317,9 @@ def compile_only() -> None:
     from triton.runtime.jit import mangle_type
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     # the package kernel with host descriptors (typed through a CPU stand-in); D = 256 (one Q tile a warpgroup,
-    # ``q_bufs``) and D = 192 on its 256-wide tiles (``TILE_D``: D_COLS = 192) without the varlen variant, which their
-    # rule does not take (``VARLEN_HEAD_DIMS``); D = 192's device-made descriptors too (``_slice_desc``'s COLS)
-    for d in (*PP_CONFIGS, 256, 192):
+    # ``q_bufs``), D = 192 on its 256-wide tiles and D = 96 on the D = 128 ones (``TILE_D``: D_COLS) without the varlen
+    # variant, which their rule does not take (``VARLEN_HEAD_DIMS``); their device-made descriptors too (COLS)
+    for d in (*PP_CONFIGS, 256, 192, 96):
         for causal in (False, True):
             bm, bn, stages = pkg.CONFIGS[d]
             td = pkg.TILE_D.get(d, d)
