@@ -381,11 +381,13 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
             cfgs = attention_sm90.KEY_PAD_CONFIGS if mask_kind else {}
             bm, bn, st = cfgs.get(D, attention_sm90.CONFIGS[D])
             cfg = (f"gluon ping-pong 2x{bm}x{bn}/s{st}{'' if causal else ' persistent'}"
+                   f"{f' on {_tile_d(D)}-wide tiles' if _tile_d(D) != D else ''}"
                    f"{' key padding' if mask_kind else ''}{' varlen' if varlen else ''}")
         which = sm90_bwd_kernels(D, S, causal, mask_kind, varlen, B, H) if name != "fwd" else ""
+        tile_d = _tile_d(D)  # (D = 80 / 96 / 192 on wider tiles: ``attention_sm90.TILE_D``)
         if which == "fused":
             from pykernels._kernels import attention_sm90_bwd as kb
-            bn, bm, st = kb.DKDV_CONFIGS[D]
+            bn, bm, st = kb.DKDV_CONFIGS[tile_d]
             cfg = (f"gluon fused ws 2x{bn} keys x {bm} queries/s{st}, dQ by TMA reductions" if name == "dkdv"
                    else "(in the fused kernel)")
         elif name != "fwd" and name in which.split(","):
@@ -394,13 +396,22 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
                 bn, bm, st = kb.DKDV_D256_CONFIGS[D]
                 cfg = f"gluon ws {bn} keys x {bm} queries/s{st}, dV in one warpgroup, dK in the other"
             elif name == "dkdv":
-                bn, bm, st = kb.DKDV_CONFIGS[D]
+                bn, bm, st = kb.DKDV_CONFIGS[tile_d]
                 cfg = f"gluon ws 2x{bn} keys x {bm} queries/s{st}"
             else:
                 bm, bn, st = kb.DQ_CONFIGS[D]
                 cfg = f"gluon ping-pong 2x{bm}x{bn}/s{st}"
         out.append(f"{name} {cfg}")
     return "; ".join(out)
+
+
+def _tile_d(D: int) -> int:
+    """The tile width the sm_90 Gluon kernels run head dim D on (``attention_sm90.TILE_D``)."""
+    try:
+        from pykernels._kernels import attention_sm90
+    except ImportError:  # (no Gluon in this Triton)
+        return D
+    return attention_sm90.TILE_D.get(D, D)
 
 
 def sm90_bwd_kernels(D: int, S: int, causal: bool, mask_kind: int, varlen: bool, B: int, H: int) -> str:

@@ -998,7 +998,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 def sm90_forward(q, k, v, mask, *, dropout_p: float, scale: float, kv_range=None, causal: bool = False) -> bool:
     """Whether the dense forward runs the Gluon warp-specialised kernel of ``attention_sm90`` (Hopper;
-    D = 128, 192 or 256 (80 and 96 staged), or D = 64 with long keys: ``attention_sm90.preferred``) instead of
+    D = 80, 96, 128, 192 or 256, or D = 64 with long keys: ``attention_sm90.preferred``) instead of
     ``_attention_fwd_kernel``.
     Cheap checks first, so CPU tensors and masked (but key padding), dropout or other head-dim calls never
     import the Gluon module; ``unsupported`` checks the device (sm_90) and the rest, the mask's kind too."""
@@ -1038,7 +1038,7 @@ def sm90_backward(q, k, v, do, mask, *, dropout_p: float, scale: float, kv_range
     its Triton kernel runs). With dropout only the dK/dV kernel (fused with dQ or not) draws the mask
     (``attention_sm90_bwd.DROPOUT_KERNELS``): "dkdv,dq" becomes "dkdv" (Triton's dQ kernel beside it), "dq" "". At
     D = 256 (and D = 192 on its zero-filled tiles) only the D = 256 dK/dV kernel exists ("dkdv", beside
-    Triton's dQ kernel; no dropout). At D = 80 and 96 (staged, on the D = 128 tiles: ``attention_sm90.TILE_D``)
+    Triton's dQ kernel; no dropout). At D = 80 and 96 (on the D = 128 tiles: ``attention_sm90.TILE_D``)
     the dK/dV kernel, fused with dQ or beside Triton's dQ kernel (the Gluon dQ kernel reads O by pointer at its
     tile's width), without dropout."""
     d = q.shape[-1]

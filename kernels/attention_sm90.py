@@ -92,11 +92,14 @@ CONFIGS = {64: (64, 128, 2), 80: (64, 128, 2), 96: (64, 128, 2), 128: (64, 128, 
 # view (``_flat_geometry``'s ``zero_fill``: (B, H, S, D) rows, not the (B, S, H, D) views, where a 256-wide tile would
 # cover the next head's columns); else the CTAs make them on the device. ``PYKERNELS_ATTN_SM90_D192=0`` keeps D = 192
 # on the Triton kernels (``preferred``; the backward's dK/dV kernel reads the same switch). D = 80 and 96 likewise on
-# the D = 128 kernels' tiles (staged behind ``PYKERNELS_ATTN_SM90_D80_96=1``: 1.6x / 1.33x the columns' work, against
-# the C++ op's wgmma kernels, which compute D as 96, ``pykernels.attention.AUTO_CUDA_HEAD_DIMS``)
+# the D = 128 kernels' tiles (1.6x / 1.33x the columns' work), where auto ran the C++ op's wgmma kernels (D computed as
+# 96, ``pykernels.attention.AUTO_CUDA_HEAD_DIMS``): H200 run487 (matrix, graph replay, forward / backward against
+# cuDNN in the same call) 8 x 16 x 2048 D80 0.95 / 0.99x, D80 causal (32 heads) 1.10 / 0.92x, D96 1.01 / 0.98x, D96
+# causal 1.08 / 0.93x, where the C++ op was 0.90 / 0.81, 0.93 / 0.83, 0.94 / 0.79, 0.98 / 0.80 (run472);
+# ``PYKERNELS_ATTN_SM90_D80_96=0`` turns it off (auto then takes the C++ op there again)
 TILE_D = {80: 128, 96: 128, 192: 256}
 D192 = os.environ.get("PYKERNELS_ATTN_SM90_D192", "1") not in ("", "0")
-D80_96 = os.environ.get("PYKERNELS_ATTN_SM90_D80_96", "0") not in ("", "0")
+D80_96 = os.environ.get("PYKERNELS_ATTN_SM90_D80_96", "1") not in ("", "0")
 
 
 def zero_fill_on(d: int) -> bool:

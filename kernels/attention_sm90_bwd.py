@@ -1052,7 +1052,7 @@ def kernels(q, k, causal: bool, sms: int, deterministic: bool = False) -> str:
 
     The speed rule: at D = 256 "dkdv" (``DKDV_D256_CONFIGS``' kernel) where ``DKDV_D256_AUTO`` (default), else "";
     at D = 192 the same kernel where ``DKDV_D192_AUTO`` (default); D = 80 and 96 as D = 128 where
-    ``attention_sm90.zero_fill_on`` (staged; ``kernels.attention.sm90_backward`` then keeps "fused" or "dkdv").
+    ``attention_sm90.zero_fill_on`` (``kernels.attention.sm90_backward`` then keeps "fused" or "dkdv").
     D = 128 with at least one CTA of 128 keys per SM (``sms``); with fewer, the Triton
     kernels' smaller blocks fill the card (B2 H8/2 S1000: 0.148 ms Triton, 0.266 ms Gluon; at D = 64 both
     lose, BERT-base shape 0.349 vs 0.245 ms; H100 run41-44). There, "fused" unless deterministic, from

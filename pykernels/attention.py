@@ -473,7 +473,7 @@ def _auto_cuda_head_dim_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     if mask is None and d in (80, 96) and q.device.type == "cuda":
         from ._kernels import attention as katt
         if katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=1.0):  # the Gluon kernels on the D = 128 tiles
-            return False  # (``attention_sm90.TILE_D``, staged: ``PYKERNELS_ATTN_SM90_D80_96``) both ways
+            return False  # (``attention_sm90.TILE_D``; ``PYKERNELS_ATTN_SM90_D80_96``) both ways
     return _hopper_cpp_kernels(q, k, v, mask)
 
 

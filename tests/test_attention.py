@@ -1338,7 +1338,8 @@ def test_gpu_sm90_gluon_forward(monkeypatch, dtype, layout, b, hq, hkv, sq, sk, 
     # (the auto path takes the kernel at D = 64 from Sk = 512: ``attention_sm90.preferred``)
     (2, 4, 2, 1000, 777, 64, "holes"),
     (2, 3, 3, 17, 530, 64, "short"),
-    (2, 2, 2, 1, 600, 64, "prefix")])
+    (2, 2, 2, 1, 600, 64, "prefix"),
+    (2, 4, 2, 1000, 777, 96, "holes")])  # D = 96 on the D = 128 tiles (``attention_sm90.TILE_D``)
 def test_gpu_sm90_gluon_forward_key_padding(layout, b, hq, hkv, sq, sk, d, pattern):
     """The Gluon forward with a boolean key-padding mask: only the batch's valid key blocks, masked keys
     inside them; a batch without a valid key gives O = 0 (lse -inf, never NaN). The backward is Triton's."""
@@ -1794,7 +1795,7 @@ def test_gpu_sm90_gluon_backward_d192(monkeypatch, dtype, layout, b, hq, hkv, sq
     (BF16, "bhsd", 2, 2, 2, 1, 2048, True, "fused"),      # backward declines (Triton); Sq = 1: declined too
 ])
 def test_gpu_sm90_zero_fill_d80_d96(monkeypatch, d, dtype, layout, b, hq, hkv, sq, sk, causal, named):
-    # D = 80 and 96 on the D = 128 Gluon kernels' tiles (staged, ``attention_sm90.D80_96``; ``TILE_D``): TMA reads
+    # D = 80 and 96 on the D = 128 Gluon kernels' tiles (``attention_sm90.D80_96``, default; ``TILE_D``): TMA reads
     # zeros past column D and the stores clip there. The forward (host descriptors for (B, H, S, D) rows, else the
     # CTAs' own) and the backward's fused or dK/dV kernel (q and dO (B, H, S, D) rows; K / V any layout) against float64
     # and eager's error; auto then leaves the C++ op (``pykernels.attention._auto_cuda_head_dim_kind``) unmasked only
@@ -1821,8 +1822,9 @@ def test_gpu_sm90_zero_fill_d80_d96(monkeypatch, d, dtype, layout, b, hq, hkv, s
     which = "fused" if named in (None, "fused") else "dkdv"
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=scale, causal=causal) == which
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=scale, causal=causal) == ""
+    # deterministic: "dkdv,dq" from the rule (or "fused" named), the dK/dV kernel alone here (no Gluon dQ at 80 / 96)
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=scale, causal=causal, deterministic=True) \
-        == ("dkdv" if named is None else which)
+        == "dkdv"
     _check_against_ref(q, k, v, causal=causal, scale=scale, enable_gqa=hq != hkv, do=do, what=f"sm90 d{d} {layout}")
     assert ran == [("attention_bwd_dkdv_sm90", layout != "bshd" and sq >= 64)], ran
     if named is None:  # auto: the Triton path (these kernels) unmasked, the C++ op with key padding
@@ -2242,7 +2244,7 @@ def test_sm90_backward_d192_rule_on_cpu(monkeypatch):
 
 
 def test_sm90_backward_d80_d96_rule_on_cpu(monkeypatch):
-    # D = 80 / 96 (staged, ``attention_sm90.D80_96``): the D = 128 rule where on ("fused" from FUSED_MIN_SK keys,
+    # D = 80 / 96 (``attention_sm90.D80_96``, default on): the D = 128 rule where on ("fused" from FUSED_MIN_SK keys,
     # "dkdv,dq" with fewer or deterministic, nothing with too few CTAs), nothing where off; a named value either way
     from pykernels._kernels import attention_sm90 as a9
     from pykernels._kernels import attention_sm90_bwd as kb
@@ -3879,6 +3881,8 @@ def test_gpu_auto_takes_cuda_op_at_head_dims_80_96(monkeypatch):
             torch.cuda.synchronize()
         return sorted({e.name.split("<")[0].split("(")[0] for e in prof.events() if "pykernels::attn::" in e.name})
 
+    from pykernels._kernels import attention_sm90 as a9
+    monkeypatch.setattr(a9, "D80_96", False)  # (on, unmasked calls run the Gluon kernels: test_gpu_sm90_zero_fill_d80_d96)
     want = _sm90a_device()
     for lane in (True, False):
         monkeypatch.setattr(pa, "_LANE_ON", lane)

@@ -90,3 +90,23 @@ def test_matrix_only_runs_the_named_cases(bench, monkeypatch):
     assert {r["shape"] for r in seen if r["impl"].startswith("pykernels")} == {"B2 H4/2 S20 D16 causal"}
     with pytest.raises(SystemExit, match="no MATRIX case named d999.*have d80, gqa"):
         bench.main(["--smoke", "--matrix", "--only", "gqa,d999"])
+
+
+@pytest.mark.parametrize("d,tile", [(96, 128), (80, 128), (192, 256), (128, 128), (256, 256)])
+def test_tuned_configs_names_the_gluon_tiles_of_padded_head_dims(bench, monkeypatch, d, tile):
+    """The matrix's configs column at head dims the Gluon kernels run on wider tiles (``attention_sm90.TILE_D``): the
+    tiles' own configs (run487's "pykernels triton" rows failed there with a KeyError on D = 80 / 96). The Gluon
+    rules' answers stubbed (what the GPU gives them)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from pykernels._kernels import attention_sm90 as a9
+    from pykernels._kernels import attention_sm90_bwd as kb
+    assert bench._tile_d(d) == tile
+    monkeypatch.setattr(bench, "sm90_case", lambda *a: True)
+    for which in ("fused", "dkdv") if d <= 128 else ("dkdv",):  # (what ``sm90_backward`` answers at these dims)
+        monkeypatch.setattr(bench, "sm90_bwd_kernels", lambda *a, _w=which: _w)
+        got = bench.tuned_configs(d, 2048, False, 0)
+        bm, bn, st = a9.CONFIGS[d]
+        assert got.startswith(f"fwd gluon ping-pong 2x{bm}x{bn}/s{st} persistent"), got
+        assert (f"on {tile}-wide tiles" in got) == (tile != d), got
+        if which == "fused" and d <= 128:
+            assert "dkdv gluon fused ws 2x{} keys".format(kb.DKDV_CONFIGS[tile][0]) in got, got

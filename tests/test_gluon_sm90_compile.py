@@ -47,7 +47,8 @@ def test_gluon_attention_kernels_compile_for_sm90_without_spills():
         # at D = 64 (its 128 x 64 tiles per warpgroup: KEY_PAD_CONFIGS); the varlen variant 4 at D = 128 (the
         # sequence's start and length)
         # (the causal grid's tile table, ``order``, 44 at D = 128 against host-desc's 40: the table's run bounds)
-        limit = 64 if ((" causal:" in ln and ln.split()[0] in ("ping-pong", "host-desc", "order"))
+        # (D = 96 on the D = 128 tiles with device-made descriptors, ``device-desc``, causal: 24)
+        limit = 64 if ((" causal:" in ln and ln.split()[0] in ("ping-pong", "host-desc", "order", "device-desc"))
                        or ln.startswith("keypad ")) else 16 if ln.startswith("varlen ") else 0
         assert spilled <= limit, ln
         if not ln.startswith("plain"):
