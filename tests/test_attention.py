@@ -2362,7 +2362,11 @@ def test_sm90_dispatch_rule_and_cover_on_cpu(monkeypatch):
     assert ks.preferred(*qk(128, 17), causal=True) and ks.preferred(*qk(128, 8192), causal=False)
     assert ks.preferred(*qk(64, 512), causal=False) and not ks.preferred(*qk(64, 256), causal=False)
     assert ks.preferred(*qk(64, 1024), causal=True) and not ks.preferred(*qk(64, 512), causal=True)
-    assert not ks.preferred(*qk(80, 4096), causal=False)
+    assert not ks.preferred(*qk(72, 4096), causal=False)  # (no tiles for it: Triton)
+    for d in (80, 96, 192):  # on wider tiles (``TILE_D``) where their switch is on
+        assert ks.preferred(*qk(d, 4096), causal=False) == ks.zero_fill_on(d)
+    monkeypatch.setattr(ks, "D80_96", False)
+    assert not ks.preferred(*qk(80, 4096), causal=False) and ks.preferred(*qk(192, 4096), causal=False) == ks.D192
     monkeypatch.setenv("PYKERNELS_ATTN_SM90", "0")
     assert not ks.preferred(*qk(128, 4096), causal=False)
     q = torch.randn(1, 2, 64, 128, dtype=BF16)
