@@ -464,16 +464,20 @@ def _auto_cuda_head_dim_kind(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     """What ``auto``'s call without dropout needs to run the C++ op at a head dim Triton has no Hopper kernel for
     (:data:`AUTO_CUDA_HEAD_DIMS`): 64 < D < 128, no mask or a boolean key-padding one, and the C++ op's Hopper kernels
     taking the kind of call (``_hopper_cpp_kernels``), but not where the Gluon kernels take D = 80 / 96 unmasked on
-    their D = 128 tiles (``attention_sm90.zero_fill_on``). Shapes, strides and dtypes only."""
+    their D = 128 tiles both ways (``attention_sm90.zero_fill_on``; the backward's rule wants enough CTAs). Shapes,
+    strides and dtypes only."""
     d = q.shape[-1]
     if not AUTO_CUDA_HEAD_DIMS or not 64 < d < 128:
         return False
     if mask is not None and not (mask.dtype == torch.bool and _is_key_padding(mask)):
         return False
-    if mask is None and d in (80, 96) and q.device.type == "cuda":
+    if mask is None and d in (80, 96):
         from ._kernels import attention as katt
-        if katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=1.0):  # the Gluon kernels on the D = 128 tiles
-            return False  # (``attention_sm90.TILE_D``; ``PYKERNELS_ATTN_SM90_D80_96``) both ways
+        # the Gluon kernels on the D = 128 tiles (``attention_sm90.TILE_D``; ``PYKERNELS_ATTN_SM90_D80_96``) both ways:
+        # where the backward's rule takes them too (enough CTAs to fill the card; H200 run487-488 measured those)
+        if katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=1.0) \
+                and katt.sm90_backward(q, k, v, q, None, dropout_p=0.0, scale=1.0):
+            return False
     return _hopper_cpp_kernels(q, k, v, mask)
 
 

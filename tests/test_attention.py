@@ -3817,6 +3817,17 @@ def test_auto_cuda_head_dim_rule(monkeypatch):
     assert pa._auto_cuda_head_dim_kind(*qkv(80, grad=True), None)
     with torch.no_grad():
         assert pa._auto_cuda_head_dim_kind(*qkv(96, grad=True), None)
+    # unmasked D = 80 / 96 where the Gluon kernels take both directions on their D = 128 tiles: not the C++ op (the
+    # Gluon rules stubbed: ``test_gpu_sm90_zero_fill_d80_d96`` runs them)
+    from pykernels._kernels import attention as katt
+    monkeypatch.setattr(katt, "sm90_forward", lambda *a, **kw: True)
+    for bwd, want in (("fused", False), ("dkdv", False), ("", True)):  # ("": too few CTAs for the Gluon backward)
+        monkeypatch.setattr(katt, "sm90_backward", lambda *a, _b=bwd, **kw: _b)
+        assert pa._auto_cuda_head_dim_kind(*qkv(96), None) == want, bwd
+        assert pa._auto_cuda_head_dim_kind(*qkv(80), None) == want, bwd
+        assert pa._auto_cuda_head_dim_kind(*qkv(72), None)  # (no tiles take 72)
+        assert pa._auto_cuda_head_dim_kind(q, k, v, keys)  # key padding: the C++ op (its backward takes the mask)
+    monkeypatch.setattr(katt, "sm90_forward", lambda *a, **kw: False)
     # _use_cuda hands the rule to use_cuda_op as ``auto``: dense calls without dropout under auto only
     seen = []
     monkeypatch.setattr(pa, "use_cuda_op", lambda op, backend, device, cover, *, auto, traced, capture:
