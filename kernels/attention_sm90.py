@@ -52,6 +52,12 @@ descriptor of its head made on the device, whose store clips at Sq. Otherwise (o
 makes its head's descriptors on the device and takes one tile (bitwise the same results; a GPU test
 checks it). Making descriptors on the device costs several microseconds per CTA: host descriptors
 took the D = 64 BERT-base forward from 181 to 344 TFLOP/s with the persistent grid (run34).
+Head dims on wider tiles (``TILE_D``): a Gluon tensor's dims are powers of two, so D = 80 and 96 run the
+D = 128 kernel and D = 192 the D = 256 one, every descriptor D columns wide in tiles of the wider width
+(``D_COLS``): TMA loads read zeros past column D (no score changes, O's extra columns 0) and stores clip
+there. Host descriptors only where every (batch, head) slice starts at column 0 of its row view (the
+(B, S, H, D) views of several heads take the CTAs' own). H200 run486-488, forward against cuDNN in the same
+call: D = 192 0.80-0.85x (the Triton 256 tiles 0.55x), D = 80 / 96 0.95-1.10x (the C++ op 0.90-0.98x).
 
 Measured, H100 80GB HBM3, triton 3.6, bf16 forward, graph replay, run34 (same run): B32 H12 S512 D64
 344 TFLOP/s (Triton 323, cuDNN 379); B8 H12 S1024 D64 causal 276 (217, 277); B16 H16 S1024 D128 causal
