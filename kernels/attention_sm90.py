@@ -112,6 +112,8 @@ def zero_fill_on(d: int) -> bool:
     """Whether head dim ``d`` of ``TILE_D`` runs the Gluon kernels on its wider tiles (``D192``, ``D80_96``); True
     for the head dims the kernels take as they are."""
     return D192 if d == 192 else D80_96 if d in (80, 96) else True
+
+
 # with a key-padding mask at D = 64: 128 rows x 64 keys per warpgroup (finer key blocks skip more padding):
 # 1.032-1.043x at BERT-base key padding, graph replay (run98, ``attention_ab_fwd64_*_run98.txt``; the benchmark
 # 1.01 -> 1.05x FlexAttention, run109); without a mask even (BERT) or 0.79x (GPT-2 causal), so only here.

@@ -102,9 +102,9 @@ from ._dropout import KEEP_OCTET_CARRY_PTX as _KEEP_OCTET_CARRY_PTX
 from ._dropout import KEEP_OCTET_CONSTRAINTS as _KEEP_OCTET_CONSTRAINTS
 
 from . import _launch, _tuning
-from .attention_sm90 import (D192, LOG2E, TILE_D, MAX_REGS, _alloc_kv_ring, _descriptor, _descriptor_fields, _fill_kv_ring,
-                             _flat_coords, _flat_descriptor, _flat_geometry, _mask_scores, _needs_mask, _num_sms,
-                             _slice_desc, _store_rows, _tile_coords, _tma_ok, smem_layouts, zero_fill_on)
+from .attention_sm90 import (D192, LOG2E, MAX_REGS, TILE_D, _alloc_kv_ring, _descriptor, _descriptor_fields,
+                             _fill_kv_ring, _flat_coords, _flat_descriptor, _flat_geometry, _mask_scores, _needs_mask,
+                             _num_sms, _slice_desc, _store_rows, _tile_coords, _tma_ok, smem_layouts, zero_fill_on)
 
 # dK/dV: (keys per consumer warpgroup, BLOCK_M query rows per block, STAGES). At D = 128 with 64-query
 # blocks ptxas spills 100 bytes (216 causal; 28 / 80 since lse / delta come through shared memory; dK, dV,

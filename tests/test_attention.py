@@ -3897,7 +3897,7 @@ def test_gpu_auto_takes_cuda_op_at_head_dims_80_96(monkeypatch):
         return sorted({e.name.split("<")[0].split("(")[0] for e in prof.events() if "pykernels::attn::" in e.name})
 
     from pykernels._kernels import attention_sm90 as a9
-    monkeypatch.setattr(a9, "D80_96", False)  # (on, unmasked calls run the Gluon kernels: test_gpu_sm90_zero_fill_d80_d96)
+    monkeypatch.setattr(a9, "D80_96", False)  # (on: the Gluon kernels, test_gpu_sm90_zero_fill_d80_d96)
     want = _sm90a_device()
     for lane in (True, False):
         monkeypatch.setattr(pa, "_LANE_ON", lane)
