@@ -106,6 +106,13 @@ CONFIGS = {64: (64, 128, 2), 80: (64, 128, 2), 96: (64, 128, 2), 128: (64, 128, 
 TILE_D = {80: 128, 96: 128, 192: 256}
 D192 = os.environ.get("PYKERNELS_ATTN_SM90_D192", "1") not in ("", "0")
 D80_96 = os.environ.get("PYKERNELS_ATTN_SM90_D80_96", "1") not in ("", "0")
+# Staged (``PYKERNELS_ATTN_SM90_SPLIT_D=1``; compiled, not yet run on a GPU): D = 192's forward GEMMs on its columns
+# only, as two power-of-two blocks of 128 and 64 (``_consume``'s D_A / D_B: QK^T in two wgmma groups over K, O as two
+# accumulators of 128 and 64 columns), not on the 256-wide tile's zero columns: a quarter of the tensor-core work
+# less, 96 accumulator registers a thread instead of 128. Column blocks whole 128-byte swizzle atoms (64 bf16), as the
+# dK/dV kernel's dQ slices are; D = 80 / 96 would need blocks of 16 / 32 columns, inside an atom.
+SPLIT = {192: (128, 64)}
+SPLIT_D = os.environ.get("PYKERNELS_ATTN_SM90_SPLIT_D", "0") not in ("", "0")
 
 
 def zero_fill_on(d: int) -> bool:
@@ -255,7 +262,8 @@ def _slice_desc(base, off, rows, stride_rows, HEAD_D: gl.constexpr, BLOCK: gl.co
 def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, Sk,
              qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, NW: gl.constexpr, TURNS: gl.constexpr, base, q_phase,
-             j0=0, Mask=None, mask_off=0, stride_mn=0, lo=0, hi=0, dense=True, KEY_PAD: gl.constexpr = False):
+             j0=0, Mask=None, mask_off=0, stride_mn=0, lo=0, hi=0, dense=True, KEY_PAD: gl.constexpr = False,
+             D_A: gl.constexpr = 0, D_B: gl.constexpr = 0):
     """A consumer's main loop on its BLOCK_M query rows (from ``my_m``; Q in ``q_tile``), NW warps: the
     blocks' QK^T and P V on asynchronous wgmma, the next QK^T in flight during the softmax; K_j released
     through ``k_empty`` once its QK^T completed, V_j through ``v_empty`` once its P V did. Returns the
@@ -263,12 +271,31 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
     warpgroup's turn (``turn_bar[WG]``), passed to the other warpgroup right after the issue. ``base``:
     key blocks the CTA consumed before this tile (ring slots, phases and turns continue from there);
     ``q_phase``: the phase of ``q_ready`` that this tile's Q completes. KEY_PAD: the blocks are j0, j0 + 1,
-    ... of the head's keys, masked per ``_key_pad_scores`` (``_key_span``; the mask row at ``Mask + mask_off``)."""
+    ... of the head's keys, masked per ``_key_pad_scores`` (``_key_span``; the mask row at ``Mask + mask_off``). D_B > 0 (staged, ``SPLIT_D``): the head dim's
+    columns as two blocks, [0, D_A) and [D_A, D_A + D_B), each a power of two: QK^T over both (two wgmma groups),
+    O as two accumulators (two P V groups), so that the tile's columns past D_A + D_B (zeros, ``TILE_D``) cost no
+    tensor-core work. Returns (O, m, l, O's second block; O itself where D_B = 0)"""
     dtype: gl.constexpr = q_tile.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
+    if D_B > 0:
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, D_A, 16])
+        ob_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                            instr_shape=[16, D_B, 16])
+        pb_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ob_layout, k_width=2)
+        row_ob: gl.constexpr = gl.SliceLayout(1, ob_layout)
+        q_a = q_tile.slice(0, D_A, dim=1)
+        q_b = q_tile.slice(D_A, D_B, dim=1)
+        acc = gl.zeros([BLOCK_M, D_A], gl.float32, o_layout)
+        acc_b = gl.zeros([BLOCK_M, D_B], gl.float32, ob_layout)
+        S_GROUPS: gl.constexpr = 2  # (wgmma groups a QK^T, and a P V)
+    else:
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+        acc_b = acc
+        S_GROUPS: gl.constexpr = 1
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -276,13 +303,17 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
 
     mbarrier.wait(q_ready, q_phase)
     mbarrier.wait(k_bar.index(base % STAGES), (base // STAGES) & 1)
     if TURNS:  # issue t (counted over the CTA's tiles) waits phase t of turn_bar[WG] (warpgroup 0's 0 at init)
         mbarrier.wait(turn_bar.index(WG), base & 1)
-    s = warpgroup_mma(q_tile, k_smem.index(base % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    k_tile = k_smem.index(base % STAGES)
+    if D_B > 0:
+        s = warpgroup_mma(q_a, k_tile.slice(0, D_A, dim=1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_b, k_tile.slice(D_A, D_B, dim=1).permute((1, 0)), s, is_async=True)
+    else:
+        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if TURNS:
         mbarrier.arrive(turn_bar.index(1 - WG), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
@@ -293,6 +324,8 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
         s = _mask_scores(s, j0, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
     m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
+    if D_B > 0:
+        pb_op = gl.convert_layout(p.to(dtype), pb_layout)
 
     for j in range(1, n_blocks):
         g = base + j
@@ -302,11 +335,20 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
         mbarrier.wait(v_bar.index(prev), ((g - 1) // STAGES) & 1)
         if TURNS:
             mbarrier.wait(turn_bar.index(WG), g & 1)
-        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        k_tile = k_smem.index(slot)
+        v_tile = v_smem.index(prev)
+        if D_B > 0:
+            s = warpgroup_mma(q_a, k_tile.slice(0, D_A, dim=1).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            s = warpgroup_mma(q_b, k_tile.slice(D_A, D_B, dim=1).permute((1, 0)), s, is_async=True)
+            acc = warpgroup_mma(p_op, v_tile.slice(0, D_A, dim=1), acc, is_async=True)
+            acc_b = warpgroup_mma(pb_op, v_tile.slice(D_A, D_B, dim=1), acc_b, is_async=True)
+        else:
+            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
         if TURNS:
             mbarrier.arrive(turn_bar.index(1 - WG), count=1)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        s = warpgroup_mma_wait(num_outstanding=S_GROUPS, deps=(s, ))
         mbarrier.arrive(k_empty.index(slot), count=1)  # S_j done (groups complete in order); P V may run
         if KEY_PAD:
             s = _key_pad_scores(s, j0 + j, Mask + mask_off, stride_mn, Sk, lo, hi, dense, BLOCK_N, s_layout)
@@ -314,17 +356,30 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
             s = _mask_scores(s, j0 + j, my_m, Sk, BLOCK_M, BLOCK_N, IS_CAUSAL, s_layout)
         m_i, l_i, p, alpha = _softmax_step(s, m_i, l_i, qk_scale)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if D_B > 0:
+            pb_op = gl.convert_layout(p.to(dtype), pb_layout)
+            acc, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_b))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         fence_async_shared()
         mbarrier.arrive(v_empty.index(prev), count=1)  # V of block j - 1 is no longer read
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if D_B > 0:
+            acc_b = acc_b * gl.expand_dims(gl.convert_layout(alpha, row_ob), 1)
 
     last = base + n_blocks - 1
     mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
-    acc = warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    v_tile = v_smem.index(last % STAGES)
+    if D_B > 0:
+        acc = warpgroup_mma(p_op, v_tile.slice(0, D_A, dim=1), acc, is_async=True)
+        acc_b = warpgroup_mma(pb_op, v_tile.slice(D_A, D_B, dim=1), acc_b, is_async=True)
+        acc, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_b))
+    else:
+        acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc_b = acc
     mbarrier.arrive(v_empty.index(last % STAGES), count=1)  # the next tile's blocks reuse the ring
-    return acc, m_i, l_i
+    return acc, m_i, l_i, acc_b
 
 
 @gluon.jit
@@ -338,17 +393,25 @@ def _lg2_approx(x):
 @gluon.jit
 def _epilogue(acc, m_i, l_i, q_tile, O, LSE, o_off, l_off, stride_om, Sq, my_m, o_desc, HEAD_D: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NW: gl.constexpr, HOST_O: gl.constexpr,
-              q_layout: gl.constexpr, D_COLS: gl.constexpr = 0):
+              q_layout: gl.constexpr, D_COLS: gl.constexpr = 0, acc_b=None, D_A: gl.constexpr = 0,
+              D_B: gl.constexpr = 0):
     """O / l by TMA through ``q_tile`` (every QK^T is complete, so Q's buffer stages O) and lse (natural
     log) by pointer. HOST_O: a whole tile goes through the caller's descriptor ``o_desc`` over every head's
     rows; a tail tile (and every tile without HOST_O) through this head's (Sq, D) descriptor made on the
     device, whose store clips rows >= Sq. The offsets are computed by the caller after the main loop, so
-    they hold no registers during it. D_COLS > 0: O's rows are D_COLS wide (``TILE_D``)."""
+    they hold no registers during it. D_COLS > 0: O's rows are D_COLS wide (``TILE_D``). D_B > 0: O is ``acc``
+    (columns [0, D_A)) and ``acc_b`` (the next D_B), ``_consume``'s split."""
     dtype: gl.constexpr = q_tile.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
+    if D_B > 0:
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, D_A, 16])
+        ob_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                            instr_shape=[16, D_B, 16])
+    else:
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_o = gl.convert_layout(l_i, row_o)
@@ -360,7 +423,12 @@ def _epilogue(acc, m_i, l_i, q_tile, O, LSE, o_off, l_off, stride_om, Sq, my_m, 
     rows = my_m + gl.arange(0, BLOCK_M, layout=row_s)
     lse = (m_i + _lg2_approx(l_i)) * 0.6931471805599453
     gl.store(LSE + l_off + rows, lse, mask=rows < Sq)
-    q_tile.store(out.to(dtype))
+    if D_B > 0:  # (the tile's columns past D_A + D_B keep Q's zeros; the store clips them)
+        q_tile.slice(0, D_A, dim=1).store(out.to(dtype))
+        out_b = acc_b * gl.expand_dims(1.0 / gl.convert_layout(l_i, gl.SliceLayout(1, ob_layout)), 1)
+        q_tile.slice(D_A, D_B, dim=1).store(out_b.to(dtype))
+    else:
+        q_tile.store(out.to(dtype))
     fence_async_shared()
     _store_rows(q_tile, O, o_off, stride_om, Sq, my_m, o_desc, HEAD_D, BLOCK_M, HOST_O, q_layout, D_COLS)
 
@@ -473,11 +541,12 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
               n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr,
               KEY_PAD: gl.constexpr, VARLEN: gl.constexpr, ORDER: gl.constexpr, q_layout: gl.constexpr,
-              Q_BUFS: gl.constexpr, D_COLS: gl.constexpr = 0):
+              Q_BUFS: gl.constexpr, D_COLS: gl.constexpr = 0, D_A: gl.constexpr = 0, D_B: gl.constexpr = 0):
     """Consumer warpgroup WG over the CTA's tiles: rows [start_m + WG * BLOCK_M, + BLOCK_M) of each; its Q
     buffer of a tile is (tile count % Q_BUFS, WG), released through ``q_empty`` once O left it. VARLEN: tiles
     past their sequence's length are skipped (by the producer alike), so the count of active tiles is
-    carried through the loop. D_COLS > 0: O's rows are D_COLS wide (``TILE_D``)."""
+    carried through the loop. D_COLS > 0: O's rows are D_COLS wide (``TILE_D``); D_B > 0: O in two column blocks
+    (``_consume``'s split, dense tiles only)."""
     if VARLEN:  # (its own loop: the dense one below stays as it was, register for register)
         base = 0
         n_done = 0  # active tiles so far (the producer skips the same ones)
@@ -487,7 +556,7 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
             if start_m < sq_t:
                 buf = (n_done % Q_BUFS) * 2 + WG
                 my_m = start_m + WG * BLOCK_M
-                acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
+                acc, m_i, l_i, _ = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
                                          v_empty, turn_bar, WG, sk_t, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M,
                                          BLOCK_N, STAGES, IS_CAUSAL, 4, True, base, (n_done // Q_BUFS) & 1)
                 hb = tile // n_m  # (sequence, head, start and length again: not held through the main loop)
@@ -512,19 +581,20 @@ def _consumer(WG: gl.constexpr, Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc,
             buf = (it % Q_BUFS) * 2 + WG
             my_m = start_m + WG * BLOCK_M
             j0, n_blocks, empty, lo, hi, dense = _key_span(KvRange, b, n_blocks, Sk, BLOCK_N, KEY_PAD)
-            acc, m_i, l_i = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar, k_empty,
-                                     v_empty, turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N,
-                                     STAGES, IS_CAUSAL, 4, True, base, (it // Q_BUFS) & 1, j0, Mask, b * stride_mb,
-                                     stride_mn, lo, hi, dense, KEY_PAD)
+            acc, m_i, l_i, acc_b = _consume(q_smem.index(buf), k_smem, v_smem, q_bar.index(buf), k_bar, v_bar,
+                                            k_empty, v_empty, turn_bar, WG, Sk, qk_scale, my_m, n_blocks, HEAD_D,
+                                            BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, 4, True, base, (it // Q_BUFS) & 1, j0,
+                                            Mask, b * stride_mb, stride_mn, lo, hi, dense, KEY_PAD, D_A, D_B)
             if KEY_PAD:  # a batch without a valid key: O = 0, lse = -inf
                 acc = acc * gl.where(empty, 0.0, 1.0)
+                acc_b = acc_b * gl.where(empty, 0.0, 1.0)  # (D_B = 0: acc_b is O itself, unused)
                 m_i = gl.where(empty, float("-inf"), m_i)
             hb = tile // n_m  # (batch, head) again: not held in registers through the main loop
             b = (hb // H).to(gl.int64)
             h = (hb % H).to(gl.int64)
             _epilogue(acc, m_i, l_i, q_smem.index(buf), O, LSE, b * stride_ob + h * stride_oh,
                       b * stride_lb + h * stride_lh, stride_om, Sq, my_m, o_desc, HEAD_D, BLOCK_M, BLOCK_N, 4,
-                      HOST_DESC, q_layout, D_COLS)
+                      HOST_DESC, q_layout, D_COLS, acc_b, D_A, D_B)
             mbarrier.arrive(q_empty.index(buf), count=1)
             base += n_blocks
 
@@ -611,7 +681,7 @@ def _attention_fwd_sm90_kernel(
     HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, HOST_DESC: gl.constexpr, KEY_PAD: gl.constexpr, VARLEN: gl.constexpr,
     ORDER: gl.constexpr, q_layout: gl.constexpr, kv_layout: gl.constexpr, num_warps: gl.constexpr,
-    Q_BUFS: gl.constexpr, D_COLS: gl.constexpr = 0,
+    Q_BUFS: gl.constexpr, D_COLS: gl.constexpr = 0, D_A: gl.constexpr = 0, D_B: gl.constexpr = 0,
 ):
     """Tiles of 2 * BLOCK_M query rows of one (batch, head), n_m per head, n_tiles in all, over a 1-D grid:
     a CTA takes tiles program_id, + num_programs, ... (persistent when the grid is smaller than n_tiles).
@@ -626,7 +696,8 @@ def _attention_fwd_sm90_kernel(
     sequence at rows [CuQ[b], CuQ[b + 1]) and [CuK[b], CuK[b + 1]); n_m tiles per (sequence, head) from the
     longest, those past a sequence's length skipped; lse (H, T) at ``h * stride_lh + row``; host
     descriptors only; causal top-left aligned within each sequence. D_COLS > 0 (``TILE_D``): q, k, v, o are
-    D_COLS < HEAD_D columns wide, in HEAD_D-wide tiles (the host's descriptors so too)."""
+    D_COLS < HEAD_D columns wide, in HEAD_D-wide tiles (the host's descriptors so too); D_B > 0 (staged,
+    ``SPLIT_D``): the consumers' GEMMs on column blocks [0, D_A) and [D_A, D_A + D_B) only (``_consume``)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(HOST_DESC or not VARLEN, "varlen takes the host's descriptors")
     gl.static_assert(not ORDER or (HOST_DESC and not VARLEN), "the tile table is the dense persistent grid's")
@@ -653,7 +724,7 @@ def _attention_fwd_sm90_kernel(
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
                         qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS, D_COLS)),
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS, D_COLS, D_A, D_B)),
         (_producer, (Q, K, V, O, LSE, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
@@ -663,7 +734,7 @@ def _attention_fwd_sm90_kernel(
                         v_empty, turn_bar, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb,
                         stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh, H, GROUP, Sq, Sk,
                         qk_scale, n_m, n_tiles, Mask, KvRange, stride_mb, stride_mn, CuQ, CuK, Order, HEAD_D, BLOCK_M, BLOCK_N,
-                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS, D_COLS)),
+                        STAGES, IS_CAUSAL, HOST_DESC, KEY_PAD, VARLEN, ORDER, q_layout, Q_BUFS, D_COLS, D_A, D_B)),
     ], [1, 4], [24, 240])
 
 
@@ -952,6 +1023,8 @@ class _FwdPlan:
                            HOST_DESC=geo is not None, KEY_PAD=key_pad, VARLEN=False, ORDER=False, q_layout=ql,
                            kv_layout=kl, num_warps=4, maxnreg=MAX_REGS, Q_BUFS=q_bufs(bm, bn, stages, tile_d),
                            D_COLS=d if tile_d != d else 0)
+        if SPLIT_D and d in SPLIT:
+            self.kwargs.update(D_A=SPLIT[d][0], D_B=SPLIT[d][1])
         self.kernel = _launch.fast(_attention_fwd_sm90_kernel)
         # causal on the persistent grid: the tile table where it is modelled faster (``_causal_order``); made
         # here, uploaded on the first call that is not capturing a CUDA graph (the rounds serve until then)
@@ -1004,7 +1077,7 @@ def forward_plan(q, k, v, *, causal: bool, scale: float, config=None, host_descr
     config = config or (KEY_PAD_CONFIGS.get(d, CONFIGS[d]) if key_pad else CONFIGS[d])  # (read per call: tools
     # and tests change these tables)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, bool(causal),
-           scale, config, host_descriptors, persistent, key_pad, MAX_REGS, order_mode() if causal else None)
+           scale, config, host_descriptors, persistent, key_pad, MAX_REGS, order_mode() if causal else None, SPLIT_D)
     plan = _FWD_PLANS.get(key)
     if plan is None:
         if len(_FWD_PLANS) >= _MAX_PLANS:

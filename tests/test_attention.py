@@ -1421,6 +1421,44 @@ def test_gpu_sm90_gluon_forward_d256(dtype, layout, b, hq, hkv, sq, sk, causal, 
 
 @pytest.mark.gpu
 @sm90_only
+@pytest.mark.parametrize("dtype,layout,b,hq,hkv,sq,sk,causal,pattern", [
+    (BF16, "bhsd", 4, 16, 16, 1024, 1024, False, None),  # host descriptors, persistent CTAs
+    (BF16, "bshd", 2, 16, 4, 1024, 1024, True, None),    # GQA causal; the CTAs' own descriptors
+    (F16, "bhsd", 1, 4, 2, 1000, 1500, True, None),      # Sq != Sk, odd lengths; fp16
+    (BF16, "bhsd", 2, 2, 1, 1, 2048, True, None),        # Sq = 1
+    (BF16, "bhsd", 3, 4, 2, 1000, 777, False, "keys"),   # key padding, the last batch without a valid key
+])
+def test_gpu_sm90_forward_d192_split(monkeypatch, dtype, layout, b, hq, hkv, sq, sk, causal, pattern):
+    """The staged D = 192 forward on its columns' two blocks (``attention_sm90.SPLIT_D``: QK^T over 128 + 64 columns,
+    O as 128- and 64-column accumulators, no GEMM on the 256-wide tile's zero columns) against the float64 reference
+    and eager's error, forward and (Triton / Gluon backward on its lse) gradients, and close to the padded kernel's
+    output (the same k-steps in the same order: equal in practice, not asserted bitwise); a batch without a valid
+    key gives 0."""
+    from pykernels._kernels import attention as katt
+    from pykernels._kernels import attention_sm90 as a9
+    from pykernels.attention import _key_padding_range
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, d=192)
+    mask = m4 = kv_range = None
+    if pattern == "keys":
+        lens = torch.tensor([[sk], [sk // 2 + 3], [0]], device="cuda")
+        mask = (torch.arange(sk, device="cuda")[None, :] < lens).view(b, 1, 1, sk)
+        m4 = mask.expand(b, hq, sq, sk)
+        kv_range = _key_padding_range(m4)
+    args = (q.detach(), k.detach(), v.detach(), m4)
+    kw = dict(causal=causal, scale=192 ** -0.5, dropout_p=0.0, seed=0, kv_range=kv_range)
+    padded, _ = katt.attention_fwd(*args, **kw)
+    monkeypatch.setattr(a9, "SPLIT_D", True)
+    plan = a9.forward_plan(q, k, v, causal=causal, scale=192 ** -0.5, key_pad=mask is not None)
+    assert (plan.kwargs["D_A"], plan.kwargs["D_B"], plan.kwargs["D_COLS"]) == (128, 64, 192)
+    out, grads = _check_against_ref(q, k, v, mask=mask, causal=causal, enable_gqa=hq != hkv, what="sm90 d192 split")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.detach(), padded, rtol=0, atol=2e-3 if dtype == F16 else 1.6e-2)
+    if pattern == "keys":
+        assert (out[2] == 0).all() and all((g[2] == 0).all() for g in grads)
+
+
+@pytest.mark.gpu
+@sm90_only
 @pytest.mark.parametrize("layout", ["packed", "qkv"])
 @pytest.mark.parametrize("lens,hq,hkv,d,causal", [
     ([512, 300, 0, 17, 511, 1], 4, 4, 64, False),   # BERT-like lengths, an empty sequence, lengths 17 and 1

@@ -54,8 +54,9 @@ def _compute_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_
                        O, LSE, o_off, l_off, stride_om, Sq, Sk, qk_scale,
                        HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr,
                        q_layout: gl.constexpr, num_warps: gl.constexpr):
-    acc, m_i, l_i = _consume(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, k_empty, 0, Sk, qk_scale,
-                             start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, num_warps, False, 0, 0)
+    acc, m_i, l_i, _ = _consume(q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_empty, v_empty, k_empty, 0, Sk,
+                                qk_scale, start_m, n_blocks, HEAD_D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, num_warps,
+                                False, 0, 0)
     _epilogue(acc, m_i, l_i, q_smem, O, LSE, o_off, l_off, stride_om, Sq, start_m, q_smem, HEAD_D, BLOCK_M, BLOCK_N,
               num_warps, False, q_layout)
 
@@ -271,7 +272,8 @@ def compile_report(fn, sig: dict, consts: dict, opts: dict) -> str:
     ptx = kern.asm["ptx"]
     regs = sorted(set(ln.split()[-1] for ln in ptx.splitlines() if "setmaxnreg" in ln))
     return (f"compiled; shared {kern.metadata.shared} B, setmaxnreg {regs}, "
-            f"wgmma.wait_group 1: {'wgmma.wait_group.sync.aligned 1' in ptx}; {_ptxas_report(ptx)}; "
+            f"wgmma.wait_group 1: {'wgmma.wait_group.sync.aligned 1' in ptx}"
+            f"{'; wgmma.wait_group 2: True' if 'wgmma.wait_group.sync.aligned 2' in ptx else ''}; {_ptxas_report(ptx)}; "
             f"{_mbarrier_report(kern.asm['cubin'])}")
 
 
@@ -332,9 +334,13 @@ def compile_only() -> None:
             consts = dict(HEAD_D=td, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages, IS_CAUSAL=causal, HOST_DESC=True,
                           q_layout=ql, kv_layout=kl, num_warps=4, Mask=None, KvRange=None, KEY_PAD=False,
                           CuQ=None, CuK=None, VARLEN=False, Order=None, ORDER=False,
-                          Q_BUFS=pkg.q_bufs(bm, bn, stages, td), D_COLS=d if td != d else 0)
+                          Q_BUFS=pkg.q_bufs(bm, bn, stages, td), D_COLS=d if td != d else 0, D_A=0, D_B=0)
             print(f"host-desc D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
                   f"{compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
+            if d in pkg.SPLIT:  # staged (``SPLIT_D``): the GEMMs on the columns' two power-of-two blocks only
+                sconsts = dict(consts, D_A=pkg.SPLIT[d][0], D_B=pkg.SPLIT[d][1])
+                print(f"split D{d} cfg{(bm, bn, stages, 4)} {'causal' if causal else 'full'}: "
+                      f"{compile_report(fn, sig, sconsts, dict(num_warps=4, maxnreg=pkg.MAX_REGS))}")
             if td != d:  # the CTAs' own descriptors (the (B, S, H, D) views: their heads do not start at column 0)
                 dsig = {kk: vv for kk, vv in sig.items() if kk not in ("QD", "KD", "VD", "OD")}
                 dconsts = dict(consts, QD=None, KD=None, VD=None, OD=None, HOST_DESC=False)
@@ -373,7 +379,7 @@ def compile_only() -> None:
                 if fn is pkg._attention_fwd_sm90_kernel:
                     consts.update(QD=None, KD=None, VD=None, OD=None, HOST_DESC=False, Mask=None, KvRange=None,
                                   KEY_PAD=False, CuQ=None, CuK=None, VARLEN=False, Order=None, ORDER=False,
-                                  Q_BUFS=pkg.q_bufs(bm, bn, stages, d), D_COLS=0)
+                                  Q_BUFS=pkg.q_bufs(bm, bn, stages, d), D_COLS=0, D_A=0, D_B=0)
                 opts = dict(num_warps=warps)
                 if kind != "plain":
                     opts["maxnreg"] = max_regs(8 if kind == "ping-pong" else warps)
