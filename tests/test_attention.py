@@ -1301,12 +1301,14 @@ def _spy_sm90_bwd_kernels(monkeypatch) -> list:
 
 
 def _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, d=128):
-    def make(h, s):
-        if layout == "bshd":  # transformers' layout: a transposed view of (B, S, H, D)
+    """q, k, v leaves (requires_grad) of (B, H, S, D) shapes: contiguous ("bhsd"), transformers' transposed (B, S, H, D)
+    views ("bshd"), or q contiguous with k / v in those views ("kv_bshd")."""
+    def make(h, s, kv=False):
+        if layout == "bshd" or (kv and layout == "kv_bshd"):  # a transposed view of (B, S, H, D), as transformers
             leaf = torch.randn(b, s, h, d, dtype=dtype, device="cuda", requires_grad=True)
             return leaf.transpose(1, 2)
         return torch.randn(b, h, s, d, dtype=dtype, device="cuda", requires_grad=True)
-    return make(hq, sq), make(hkv, sk), make(hkv, sk)
+    return make(hq, sq), make(hkv, sk, True), make(hkv, sk, True)
 
 
 @pytest.mark.gpu
@@ -1803,11 +1805,7 @@ def test_gpu_sm90_gluon_backward_d192(monkeypatch, dtype, layout, b, hq, hkv, sq
     monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD", raising=False)
     monkeypatch.setattr(kb, "DKDV_D192_AUTO", True)
     ran = _spy_sm90_bwd_kernels(monkeypatch)
-    if layout == "kv_bshd":
-        q = _sm90_inputs(b, hq, hkv, sq, sk, dtype, "bhsd", 192)[0]
-        _, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, "bshd", 192)
-    else:
-        q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, 192)
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, 192)
     do = torch.randn(b, hq, sq, 192, dtype=dtype, device="cuda")
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.0, scale=0.1, causal=causal) == "dkdv"
     assert katt.sm90_backward(q, k, v, do, None, dropout_p=0.1, scale=0.1, causal=causal) == ""
@@ -1846,11 +1844,7 @@ def test_gpu_sm90_zero_fill_d80_d96(monkeypatch, d, dtype, layout, b, hq, hkv, s
     else:
         monkeypatch.setenv("PYKERNELS_ATTN_SM90_BWD", named)
     ran = _spy_sm90_bwd_kernels(monkeypatch)
-    if layout == "kv_bshd":
-        q = _sm90_inputs(b, hq, hkv, sq, sk, dtype, "bhsd", d)[0]
-        _, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, "bshd", d)
-    else:
-        q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, d)
+    q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, d)
     do = torch.randn(b, hq, sq, d, dtype=dtype, device="cuda")
     scale = d ** -0.5
     assert katt.sm90_forward(q, k, v, None, dropout_p=0.0, scale=scale, causal=causal)
