@@ -1376,6 +1376,16 @@ def test_gpu_sm90_gluon_forward_key_padding(layout, b, hq, hkv, sq, sk, d, patte
         assert torch.isneginf(lse2[2]).all()
 
 
+def _three_batch_key_padding(b, hq, sq, sk):
+    """(mask (B, 1, 1, Sk), its (B, Hq, Sq, Sk) view, the key range) of a boolean key-padding mask over b = 3 batches:
+    every key, the first Sk // 2 + 3, none (the batch without a valid key: output and gradients 0)."""
+    from pykernels.attention import _key_padding_range
+    lens = torch.tensor([[sk], [sk // 2 + 3], [0]], device="cuda")
+    mask = (torch.arange(sk, device="cuda")[None, :] < lens).view(b, 1, 1, sk)
+    m4 = mask.expand(b, hq, sq, sk)
+    return mask, m4, _key_padding_range(m4)
+
+
 @pytest.mark.gpu
 @sm90_only
 @pytest.mark.parametrize("dtype,layout,b,hq,hkv,sq,sk,causal,pattern", [
@@ -1395,16 +1405,10 @@ def test_gpu_sm90_gluon_forward_d256(dtype, layout, b, hq, hkv, sq, sk, causal, 
     dQ); bitwise the same through the kernel entry point; a batch without a valid key gives 0."""
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90
-    from pykernels.attention import _key_padding_range
     cfg = attention_sm90.CONFIGS[d]
     assert attention_sm90.q_bufs(*cfg, 256) == 1  # (the two-tile Q ring does not fit beside the K/V ring)
     q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, d=d)
-    mask = m4 = kv_range = None
-    if pattern == "keys":
-        lens = torch.tensor([[sk], [sk // 2 + 3], [0]], device="cuda")
-        mask = (torch.arange(sk, device="cuda")[None, :] < lens).view(b, 1, 1, sk)
-        m4 = mask.expand(b, hq, sq, sk)
-        kv_range = _key_padding_range(m4)
+    mask, m4, kv_range = _three_batch_key_padding(b, hq, sq, sk) if pattern == "keys" else (None, None, None)
     assert katt.sm90_forward(q, k, v, m4, dropout_p=0.0, scale=d ** -0.5, kv_range=kv_range, causal=causal), \
         "this case must take the sm_90 kernel"
     plan = attention_sm90.forward_plan(q, k, v, causal=causal, scale=d ** -0.5, key_pad=mask is not None)
@@ -1438,14 +1442,8 @@ def test_gpu_sm90_forward_d192_split(monkeypatch, dtype, layout, b, hq, hkv, sq,
     key gives 0."""
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90 as a9
-    from pykernels.attention import _key_padding_range
     q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, d=192)
-    mask = m4 = kv_range = None
-    if pattern == "keys":
-        lens = torch.tensor([[sk], [sk // 2 + 3], [0]], device="cuda")
-        mask = (torch.arange(sk, device="cuda")[None, :] < lens).view(b, 1, 1, sk)
-        m4 = mask.expand(b, hq, sq, sk)
-        kv_range = _key_padding_range(m4)
+    mask, m4, kv_range = _three_batch_key_padding(b, hq, sq, sk) if pattern == "keys" else (None, None, None)
     args = (q.detach(), k.detach(), v.detach(), m4)
     kw = dict(causal=causal, scale=192 ** -0.5, dropout_p=0.0, seed=0, kv_range=kv_range)
     padded, _ = katt.attention_fwd(*args, **kw)
