@@ -380,8 +380,10 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
             from pykernels._kernels import attention_sm90
             cfgs = attention_sm90.KEY_PAD_CONFIGS if mask_kind else {}
             bm, bn, st = cfgs.get(D, attention_sm90.CONFIGS[D])
+            split = attention_sm90.SPLIT_D and D in attention_sm90.SPLIT
             cfg = (f"gluon ping-pong 2x{bm}x{bn}/s{st}{'' if causal else ' persistent'}"
                    f"{f' on {_tile_d(D)}-wide tiles' if _tile_d(D) != D else ''}"
+                   f"{' GEMMs on columns {}+{}'.format(*attention_sm90.SPLIT[D]) if split else ''}"
                    f"{' key padding' if mask_kind else ''}{' varlen' if varlen else ''}")
         which = sm90_bwd_kernels(D, S, causal, mask_kind, varlen, B, H) if name != "fwd" else ""
         tile_d = _tile_d(D)  # (D = 80 / 96 / 192 on wider tiles: ``attention_sm90.TILE_D``)

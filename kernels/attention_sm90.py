@@ -106,13 +106,15 @@ CONFIGS = {64: (64, 128, 2), 80: (64, 128, 2), 96: (64, 128, 2), 128: (64, 128, 
 TILE_D = {80: 128, 96: 128, 192: 256}
 D192 = os.environ.get("PYKERNELS_ATTN_SM90_D192", "1") not in ("", "0")
 D80_96 = os.environ.get("PYKERNELS_ATTN_SM90_D80_96", "1") not in ("", "0")
-# Staged (``PYKERNELS_ATTN_SM90_SPLIT_D=1``; compiled, not yet run on a GPU): D = 192's forward GEMMs on its columns
-# only, as two power-of-two blocks of 128 and 64 (``_consume``'s D_A / D_B: QK^T in two wgmma groups over K, O as two
-# accumulators of 128 and 64 columns), not on the 256-wide tile's zero columns: a quarter of the tensor-core work
-# less, 96 accumulator registers a thread instead of 128. Column blocks whole 128-byte swizzle atoms (64 bf16), as the
-# dK/dV kernel's dQ slices are; D = 80 / 96 would need blocks of 16 / 32 columns, inside an atom.
+# D = 192's forward GEMMs on its columns only, as two power-of-two blocks of 128 and 64 (``_consume``'s D_A / D_B:
+# QK^T in two wgmma groups over K, O as two accumulators of 128 and 64 columns), not on the 256-wide tile's zero
+# columns: a quarter of the tensor-core work less, 96 accumulator registers a thread instead of 128. Column blocks are
+# whole 128-byte swizzle atoms (64 bf16), as the dK/dV kernel's dQ slices are; D = 80 / 96 would need blocks of
+# 16 / 32 columns, inside an atom. H200 run490 (matrix, graph replay, forward TFLOP/s, on and off in the same call):
+# B4 H8 S2048 577 against 502 padded and cuDNN's 625 (0.92x, was 0.80x); B4 H8 S4096 causal 573 against 490-512 and
+# cuDNN's 565-573 (1.00x, was 0.87-0.91x). ``PYKERNELS_ATTN_SM90_SPLIT_D=0`` runs the padded GEMMs.
 SPLIT = {192: (128, 64)}
-SPLIT_D = os.environ.get("PYKERNELS_ATTN_SM90_SPLIT_D", "0") not in ("", "0")
+SPLIT_D = os.environ.get("PYKERNELS_ATTN_SM90_SPLIT_D", "1") not in ("", "0")
 
 
 def zero_fill_on(d: int) -> bool:
@@ -271,7 +273,7 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
     warpgroup's turn (``turn_bar[WG]``), passed to the other warpgroup right after the issue. ``base``:
     key blocks the CTA consumed before this tile (ring slots, phases and turns continue from there);
     ``q_phase``: the phase of ``q_ready`` that this tile's Q completes. KEY_PAD: the blocks are j0, j0 + 1,
-    ... of the head's keys, masked per ``_key_pad_scores`` (``_key_span``; the mask row at ``Mask + mask_off``). D_B > 0 (staged, ``SPLIT_D``): the head dim's
+    ... of the head's keys, masked per ``_key_pad_scores`` (``_key_span``; the mask row at ``Mask + mask_off``). D_B > 0 (``SPLIT_D``): the head dim's
     columns as two blocks, [0, D_A) and [D_A, D_A + D_B), each a power of two: QK^T over both (two wgmma groups),
     O as two accumulators (two P V groups), so that the tile's columns past D_A + D_B (zeros, ``TILE_D``) cost no
     tensor-core work. Returns (O, m, l, O's second block; O itself where D_B = 0)"""
@@ -696,7 +698,7 @@ def _attention_fwd_sm90_kernel(
     sequence at rows [CuQ[b], CuQ[b + 1]) and [CuK[b], CuK[b + 1]); n_m tiles per (sequence, head) from the
     longest, those past a sequence's length skipped; lse (H, T) at ``h * stride_lh + row``; host
     descriptors only; causal top-left aligned within each sequence. D_COLS > 0 (``TILE_D``): q, k, v, o are
-    D_COLS < HEAD_D columns wide, in HEAD_D-wide tiles (the host's descriptors so too); D_B > 0 (staged,
+    D_COLS < HEAD_D columns wide, in HEAD_D-wide tiles (the host's descriptors so too); D_B > 0 (
     ``SPLIT_D``): the consumers' GEMMs on column blocks [0, D_A) and [D_A, D_A + D_B) only (``_consume``)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(HOST_DESC or not VARLEN, "varlen takes the host's descriptors")

@@ -1435,8 +1435,8 @@ def test_gpu_sm90_gluon_forward_d256(dtype, layout, b, hq, hkv, sq, sk, causal, 
     (BF16, "bhsd", 3, 4, 2, 1000, 777, False, "keys"),   # key padding, the last batch without a valid key
 ])
 def test_gpu_sm90_forward_d192_split(monkeypatch, dtype, layout, b, hq, hkv, sq, sk, causal, pattern):
-    """The staged D = 192 forward on its columns' two blocks (``attention_sm90.SPLIT_D``: QK^T over 128 + 64 columns,
-    O as 128- and 64-column accumulators, no GEMM on the 256-wide tile's zero columns) against the float64 reference
+    """The D = 192 forward on its columns' two blocks (``attention_sm90.SPLIT_D``, the default: QK^T over 128 + 64
+    columns, O as 128- and 64-column accumulators, no GEMM on the 256-wide tile's zero columns) against the float64 reference
     and eager's error, forward and (Triton / Gluon backward on its lse) gradients, and close to the padded kernel's
     output (the same k-steps in the same order: equal in practice, not asserted bitwise); a batch without a valid
     key gives 0."""
@@ -1446,6 +1446,7 @@ def test_gpu_sm90_forward_d192_split(monkeypatch, dtype, layout, b, hq, hkv, sq,
     mask, m4, kv_range = _three_batch_key_padding(b, hq, sq, sk) if pattern == "keys" else (None, None, None)
     args = (q.detach(), k.detach(), v.detach(), m4)
     kw = dict(causal=causal, scale=192 ** -0.5, dropout_p=0.0, seed=0, kv_range=kv_range)
+    monkeypatch.setattr(a9, "SPLIT_D", False)  # the GEMMs on the whole 256-wide tiles
     padded, _ = katt.attention_fwd(*args, **kw)
     monkeypatch.setattr(a9, "SPLIT_D", True)
     plan = a9.forward_plan(q, k, v, causal=causal, scale=192 ** -0.5, key_pad=mask is not None)
