@@ -128,6 +128,9 @@ CAUSAL_LPT = True
 # 0.93-0.97x, so GQA keeps all heads at once
 LPT_L2_BYTES = 12 << 20
 LPT_MIN_WAVES = 1
+# ... with GQA too (``PYKERNELS_ATTN_SM90_LPT_GQA=1``, an experiment: the H100 measure above predates the host K / V
+# descriptors, the tail groups and the H200's 50 MB of L2)
+LPT_GQA = os.environ.get("PYKERNELS_ATTN_SM90_LPT_GQA", "0") not in ("", "0")
 # ... except the last LPT_TAIL_GROUPS groups, which run as one (their heads' rank 0, then their rank 1, ...): with
 # the groups one after another, the last group's long CTAs start near the end and run while the other SMs idle
 # (run435's timeline: 4.0-4.6% of the SMs' time idle in the tail at 4 x 16 x 4096 and 2 x 16 x 8192 causal). With two
@@ -1132,7 +1135,8 @@ def attention_bwd_dkdv_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: bool, sc
     n_kb = _tuning.cdiv(sk, 2 * bn)
     lpt_heads, tail_from = 1, 0
     if lpt:
-        lpt_heads = lpt_group(batch * hkv, 2 * (hq // hkv) * sq * d * q.element_size(), n_kb, q.device, hq == hkv)
+        lpt_heads = lpt_group(batch * hkv, 2 * (hq // hkv) * sq * d * q.element_size(), n_kb, q.device,
+                               hq == hkv or LPT_GQA)
         tail_from = lpt_tail_from(batch * hkv, lpt_heads)
     seed_t = seed_arg(seed if seed is not None else 0, q.device, rate > 0)
     drop_thr = round(rate * 65536)
@@ -1244,7 +1248,8 @@ def attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, *, causal: bool, scale: f
     n_m = _tuning.cdiv(sq, 2 * bm)
     lpt_heads, tail_from = 1, 0
     if causal and CAUSAL_LPT:
-        lpt_heads = lpt_group(batch * hq, 2 * sk * d * k.element_size() // (hq // hkv), n_m, q.device, hq == hkv)
+        lpt_heads = lpt_group(batch * hq, 2 * sk * d * k.element_size() // (hq // hkv), n_m, q.device,
+                               hq == hkv or LPT_GQA)
         tail_from = lpt_tail_from(batch * hq, lpt_heads)
     _launch.fast(_attention_bwd_dq_sm90_kernel)[(n_m * hq * batch,)](
         *descs, dq, lse, delta, o, *(o.stride()[:3] if o is not None else (0, 0, 0)), *q.stride()[:3],
