@@ -128,8 +128,10 @@ CAUSAL_LPT = True
 # 0.93-0.97x, so GQA keeps all heads at once
 LPT_L2_BYTES = 12 << 20
 LPT_MIN_WAVES = 1
-# ... with GQA too (``PYKERNELS_ATTN_SM90_LPT_GQA=1``, an experiment: the H100 measure above predates the host K / V
-# descriptors, the tail groups and the H200's 50 MB of L2)
+# ... with GQA too (``PYKERNELS_ATTN_SM90_LPT_GQA=1``, an experiment, off: the H100 measure above predates the host
+# K / V descriptors, the tail groups and the H200's 50 MB of L2; H200 run491, matrix, graph replay, the same call:
+# 4 x 32/8 x 4096 D128 causal backward 411 / 411 against 406 / 404 off (cuDNN 440 / 441), 8 x 32/8 x 2048 D64 causal
+# 286 / 292 against 292 / 313: within the rows' noise, not adopted)
 LPT_GQA = os.environ.get("PYKERNELS_ATTN_SM90_LPT_GQA", "0") not in ("", "0")
 # ... except the last LPT_TAIL_GROUPS groups, which run as one (their heads' rank 0, then their rank 1, ...): with
 # the groups one after another, the last group's long CTAs start near the end and run while the other SMs idle

@@ -1557,8 +1557,11 @@ def test_gpu_sm90_dispatch_rules(monkeypatch):
     for sk, causal, expected in ((1024, True, True), (512, True, False), (512, False, True), (256, False, False)):
         kk64 = k64[:, :, :sk]
         assert katt.sm90_forward(q64, kk64, kk64, None, dropout_p=0.0, scale=sc, causal=causal) == expected, (sk, causal)
-    assert not katt.sm90_forward(q[..., :80].contiguous(), k[..., :80].contiguous(), v[..., :80].contiguous(), None,
-                                 dropout_p=0.0, scale=sc)  # D = 80: Triton
+    q80, k80, v80 = (t[..., :80].contiguous() for t in (q, k, v))
+    assert katt.sm90_forward(q80, k80, v80, None, dropout_p=0.0, scale=sc)  # D = 80: the D = 128 kernel's tiles
+    monkeypatch.setattr(attention_sm90, "D80_96", False)  # (PYKERNELS_ATTN_SM90_D80_96=0): Triton
+    assert not katt.sm90_forward(q80, k80, v80, None, dropout_p=0.0, scale=sc)
+    monkeypatch.setattr(attention_sm90, "D80_96", True)
     q256, k256 = (torch.randn(1, 2, n, 256, dtype=BF16, device="cuda") for n in (64, 1024))
     assert katt.sm90_forward(q256, k256, k256, None, dropout_p=0.0, scale=sc)  # D = 256: the Gluon forward
     # D = 192: the D = 256 kernel on 192 of its 256 columns (``attention_sm90.TILE_D``), here over rows 256 apart
@@ -1568,7 +1571,9 @@ def test_gpu_sm90_dispatch_rules(monkeypatch):
     monkeypatch.setattr(attention_sm90, "D192", True)
     padded = [torch.randn(1, 2, n, 256, dtype=BF16, device="cuda", requires_grad=True)[..., :192]
               for n in (64, 1024, 1024)]
-    assert attention_sm90.forward_plan(*padded, causal=False, scale=sc).geo is not None  # host descriptors
+    plan = attention_sm90.forward_plan(*padded, causal=False, scale=sc)
+    assert plan.geo is not None  # host descriptors
+    assert (plan.kwargs.get("D_A", 0), plan.kwargs.get("D_B", 0)) == ((128, 64) if attention_sm90.SPLIT_D else (0, 0))
     _check_against_ref(*padded, what="D = 192 over rows 256 apart (the Gluon forward)")
     assert not katt.sm90_forward(q, k, v, None, dropout_p=0.1, scale=sc)
     assert not katt.sm90_forward(q.float(), k.float(), v.float(), None, dropout_p=0.0, scale=sc)
