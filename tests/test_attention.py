@@ -3963,6 +3963,23 @@ def test_gpu_auto_takes_cuda_op_at_head_dims_80_96(monkeypatch):
             _check_against_ref(q, k, v, causal=True, backend="auto", what=f"auto d{d} lane {lane}")
         for d in (64, 128):
             assert not any("attn_bwd" in n for n in cpp_kernels(*_inputs(*[(2, 2, 300, d)] * 3, BF16, "cuda"))), d
+    # D80_96 on (the default): unmasked calls leave the C++ op only where the Gluon backward's rule takes the shape
+    # too (``_auto_cuda_head_dim_kind``): a small call keeps it, the matrix's 8 x 16 x 2048 runs the Gluon kernels
+    from pykernels._kernels import attention as katt
+    monkeypatch.setattr(a9, "D80_96", True)
+    pa._LANE_CUDA_HEAD_DIM.clear()
+    for lane in (True, False):
+        monkeypatch.setattr(pa, "_LANE_ON", lane)
+        for d in (80, 96):
+            small = _inputs((2, 4, 320, d), (2, 2, 320, d), (2, 2, 320, d), BF16, "cuda")
+            assert not katt.sm90_backward(*small, small[0], None, dropout_p=0.0, scale=d ** -0.5)
+            assert bool(cpp_kernels(*small, enable_gqa=True)) == want, (lane, d)
+            big = _inputs(*[(8, 16, 2048, d)] * 3, BF16, "cuda")
+            assert katt.sm90_backward(*big, big[0], None, dropout_p=0.0, scale=d ** -0.5)
+            assert not cpp_kernels(*big), (lane, d)
+            keys = torch.rand(8, 1, 1, 2048, device="cuda") > 0.2
+            assert bool(cpp_kernels(*big, attn_mask=keys)) == want, (lane, d)  # key padding keeps the C++ op
+    pa._LANE_CUDA_HEAD_DIM.clear()
     monkeypatch.setattr(pa, "AUTO_CUDA_HEAD_DIMS", False)
     pa._LANE_CUDA_HEAD_DIM.clear()
     for lane in (True, False):
