@@ -102,7 +102,7 @@ from ._dropout import KEEP_OCTET_CARRY_PTX as _KEEP_OCTET_CARRY_PTX
 from ._dropout import KEEP_OCTET_CONSTRAINTS as _KEEP_OCTET_CONSTRAINTS
 
 from . import _launch, _tuning
-from .attention_sm90 import (D192, LOG2E, MAX_REGS, TILE_D, _alloc_kv_ring, _descriptor, _descriptor_fields,
+from .attention_sm90 import (D192, LOG2E, MAX_REGS, SPLIT, TILE_D, _alloc_kv_ring, _descriptor, _descriptor_fields,
                              _fill_kv_ring, _flat_coords, _flat_descriptor, _flat_geometry, _mask_scores, _needs_mask,
                              _num_sms, _slice_desc, _store_rows, _tile_coords, _tma_ok, smem_layouts, zero_fill_on)
 
@@ -213,6 +213,11 @@ DKDV_D256_AUTO = os.environ.get("PYKERNELS_ATTN_SM90_D256", "1") not in ("", "0"
 # B4 H8 S2048 bidirectional, graph replay): the backward at 331 TFLOP/s against 194 with it off and cuDNN's 289
 # (1.14x); ``test_gpu_sm90_gluon_backward_d192`` passed (the zero fill and its byte count on the barrier hold).
 DKDV_D192_AUTO = D192  # (``PYKERNELS_ATTN_SM90_D192``: the forward's switch too, ``attention_sm90.TILE_D``)
+# Staged (``PYKERNELS_ATTN_SM90_SPLIT_D_BWD=1``; compiled, not yet run on a GPU): at D = 192 that kernel's GEMMs on the
+# columns' two blocks only (``attention_sm90.SPLIT``: 128 + 64), as the forward's (``attention_sm90.SPLIT_D``): S^T
+# and dP^T over both blocks (two wgmma groups over K), dV and dK as 128- and 64-column accumulators, so a quarter of
+# its tensor-core work less and 96 accumulator registers a thread instead of 128
+SPLIT_D_BWD = os.environ.get("PYKERNELS_ATTN_SM90_SPLIT_D_BWD", "0") not in ("", "0")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -667,19 +672,33 @@ def _attention_bwd_dkdv_sm90_kernel(
 def _dkdv_d256_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, lse_smem, dlt_smem, kv_bar,
                         q_bar, q_empty, p_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
                         GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                        D_A: gl.constexpr = 0, D_B: gl.constexpr = 0):
     """Consumer warpgroup WG of the D = 256 dK/dV kernel: warpgroup 0 S^T, P^T and dV, warpgroup 1 dP^T, dS^T and dK
-    (``DKDV_D256_CONFIGS``' comment has the algorithm)."""
+    (``DKDV_D256_CONFIGS``' comment has the algorithm). D_B > 0 (``SPLIT_D_BWD``): the GEMMs on the head dim's
+    column blocks [0, D_A) and [D_A, D_A + D_B) only, as the forward's ``_consume`` splits them: S^T and dP^T over
+    both (two wgmma groups over K), dV or dK as two accumulators, so the tiles' zero columns cost no tensor-core
+    work."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_D, 16])
+    if D_B > 0:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, D_A, 16])
+        accb_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, D_B, 16])
+        ab_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=accb_layout, k_width=2)
+        acc = gl.zeros([BLOCK_N, D_A], gl.float32, acc_layout)  # dV (warpgroup 0) or dK (warpgroup 1): [0, D_A)
+        acc_b = gl.zeros([BLOCK_N, D_B], gl.float32, accb_layout)  # ... and [D_A, D_A + D_B)
+    else:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_D, 16])
+        acc = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)  # dV (warpgroup 0) or dK (warpgroup 1)
+        acc_b = acc
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     keys = start_n + gl.arange(0, BLOCK_N, layout=row_s)
-    acc = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)  # dV (warpgroup 0) or dK (warpgroup 1)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     mbarrier.wait(kv_bar.index(0), 0)
     it = 0
@@ -692,7 +711,15 @@ def _dkdv_d256_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_sm
             do_tile = do_smem.index(s)
             pt_tile = pt_smem.index(s)
             if WG == 0:
-                st = warpgroup_mma(k_smem.index(0), q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                if D_B > 0:
+                    st = warpgroup_mma(k_smem.index(0).slice(0, D_A, dim=1),
+                                       q_tile.slice(0, D_A, dim=1).permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                    st = warpgroup_mma(k_smem.index(0).slice(D_A, D_B, dim=1),
+                                       q_tile.slice(D_A, D_B, dim=1).permute((1, 0)), st, is_async=True)
+                else:
+                    st = warpgroup_mma(k_smem.index(0), q_tile.permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
                 lse2 = lse_smem.index(s).load(col_s)
                 st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
                 pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
@@ -702,21 +729,52 @@ def _dkdv_d256_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_sm
                         pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), pt, 0.0)
                 pt_tile.store(pt)
                 mbarrier.arrive(p_bar.index(s), count=1)
-                acc = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, acc, is_async=True)
+                if D_B > 0:
+                    p16 = pt.to(dtype)
+                    acc = warpgroup_mma(gl.convert_layout(p16, a_layout), do_tile.slice(0, D_A, dim=1), acc,
+                                        is_async=True)
+                    acc_b = warpgroup_mma(gl.convert_layout(p16, ab_layout), do_tile.slice(D_A, D_B, dim=1),
+                                          acc_b, is_async=True)
+                else:
+                    acc = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, acc, is_async=True)
             else:
-                dpt = warpgroup_mma(v_smem.index(0), do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                if D_B > 0:
+                    dpt = warpgroup_mma(v_smem.index(0).slice(0, D_A, dim=1),
+                                        do_tile.slice(0, D_A, dim=1).permute((1, 0)), s_zero, use_acc=False,
+                                        is_async=True)
+                    dpt = warpgroup_mma(v_smem.index(0).slice(D_A, D_B, dim=1),
+                                        do_tile.slice(D_A, D_B, dim=1).permute((1, 0)), dpt, is_async=True)
+                else:
+                    dpt = warpgroup_mma(v_smem.index(0), do_tile.permute((1, 0)), s_zero, use_acc=False,
+                                        is_async=True)
                 delta = dlt_smem.index(s).load(col_s)
                 dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
                 mbarrier.wait(p_bar.index(s), ph)
                 pt = pt_tile.load(s_layout)
                 dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-                acc = warpgroup_mma(gl.convert_layout(dst, a_layout), q_tile, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                if D_B > 0:
+                    acc = warpgroup_mma(gl.convert_layout(dst, a_layout), q_tile.slice(0, D_A, dim=1), acc,
+                                        is_async=True)
+                    acc_b = warpgroup_mma(gl.convert_layout(dst, ab_layout), q_tile.slice(D_A, D_B, dim=1), acc_b,
+                                          is_async=True)
+                else:
+                    acc = warpgroup_mma(gl.convert_layout(dst, a_layout), q_tile, acc, is_async=True)
+            if D_B > 0:
+                acc, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_b))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(q_empty.index(s), count=1)
             it += 1
     mbarrier.arrive(end_bar.index(0), count=1)
     mbarrier.wait(end_bar.index(0), 0)  # both warpgroups past their loops: no GEMM reads K or V any more
-    if WG == 0:
+    if D_B > 0:  # (the tiles' columns past D_A + D_B keep K's / V's zeros; the stores clip them)
+        if WG == 0:
+            v_smem.index(0).slice(0, D_A, dim=1).store(acc.to(dtype))
+            v_smem.index(0).slice(D_A, D_B, dim=1).store(acc_b.to(dtype))
+        else:
+            k_smem.index(0).slice(0, D_A, dim=1).store((acc * scale).to(dtype))
+            k_smem.index(0).slice(D_A, D_B, dim=1).store((acc_b * scale).to(dtype))
+    elif WG == 0:
         v_smem.index(0).store(acc.to(dtype))
     else:
         k_smem.index(0).store((acc * scale).to(dtype))
@@ -739,14 +797,16 @@ def _attention_bwd_dkdv_d256_sm90_kernel(
     H, GROUP, Sq, Sk, qk_scale, scale,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, kv_layout: gl.constexpr, p_layout: gl.constexpr,
-    num_warps: gl.constexpr, HOST_KV: gl.constexpr, D_COLS: gl.constexpr = 0,
+    num_warps: gl.constexpr, HOST_KV: gl.constexpr, D_COLS: gl.constexpr = 0, D_A: gl.constexpr = 0,
+    D_B: gl.constexpr = 0,
 ):
     """Grid (cdiv(Sk, BLOCK_N), kv heads, batch). q_desc / do_desc: host descriptors over (rows, row stride) views
     (``_flat_descriptor``); K, V, dK, dV: host descriptors likewise where Sk is a multiple of BLOCK_N (HOST_KV),
     else the tensors, whose (batch, kv head) slices get descriptors made here (a store clips keys >= Sk). LSE and
     DELTA (B, H, Sq) fp32, unit last stride. ``p_layout``: the fp32 P^T tiles' shared layout (one a ring stage).
     D_COLS > 0 (D = 192 on the HEAD_D = 256 tiles): the tensors are D_COLS wide; every descriptor, the host's too,
-    is D_COLS columns wide with HEAD_D-wide tiles, so loads read zeros past column D_COLS and stores clip there."""
+    is D_COLS columns wide with HEAD_D-wide tiles, so loads read zeros past column D_COLS and stores clip there.
+    D_B > 0: the consumers' GEMMs on column blocks [0, D_A) and [D_A, D_A + D_B) only (``_dkdv_d256_consumer``)."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = q_desc.dtype
     start_n = gl.program_id(0) * BLOCK_N
@@ -788,7 +848,7 @@ def _attention_bwd_dkdv_d256_sm90_kernel(
         (_dkdv_d256_consumer, (0, q_smem, do_smem, k_smem, v_smem, pt_smem, lse_smem, dlt_smem, kv_bar, q_bar,
                                q_empty, p_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
                                GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                               IS_CAUSAL)),
+                               IS_CAUSAL, D_A, D_B)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, k_smem, k_smem,
                           lse_smem, dlt_smem, kv_bar, q_bar, q_empty, kv_bar, stride_qb, stride_qh, stride_qm,
                           stride_dob, stride_doh, stride_dom, LSE, DELTA, None, stride_lb, stride_lh, H, GROUP, Sq,
@@ -797,7 +857,7 @@ def _attention_bwd_dkdv_d256_sm90_kernel(
         (_dkdv_d256_consumer, (1, q_smem, do_smem, k_smem, v_smem, pt_smem, lse_smem, dlt_smem, kv_bar, q_bar,
                                q_empty, p_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
                                GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
-                               IS_CAUSAL)),
+                               IS_CAUSAL, D_A, D_B)),
     ], [1, 4], [24, 240])
 
 
@@ -1178,12 +1238,13 @@ def attention_bwd_dkdv_d256_sm90(do, q, k, v, lse, delta, dk, dv, *, causal: boo
         return False
     host = host_kv_descriptors(k, v, dk, dv, bn, kl, cta_keys=bn, tile_d=tile_d if cols else 0)
     _tuning.ensure_allocator()  # (descriptors made on the device)
+    d_a, d_b = SPLIT[d] if SPLIT_D_BWD and d in SPLIT else (0, 0)
     _launch.fast(_attention_bwd_dkdv_d256_sm90_kernel)[(_tuning.cdiv(sk, bn), hkv, batch)](
         qd, dod, *(host or (k, v, dk, dv)), lse, delta, *q.stride()[:3], *do.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *lse.stride()[:2], hq, hq // hkv, sq, sk,
         scale * LOG2E, scale, HEAD_D=tile_d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=bool(causal),
         kv_layout=kl, p_layout=_pt_layout(bn, bm), num_warps=4, HOST_KV=host is not None, D_COLS=cols,
-        maxnreg=MAX_REGS)
+        D_A=d_a, D_B=d_b, maxnreg=MAX_REGS)
     return True
 
 

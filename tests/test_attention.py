@@ -1796,18 +1796,21 @@ def test_gpu_sm90_gluon_backward_d256(monkeypatch, dtype, layout, b, hq, hkv, sq
     (BF16, "bhsd", 2, 4, 2, 1000, 1100, True), (BF16, "bhsd", 1, 4, 4, 1024, 1024, False),
     (F16, "bhsd", 1, 6, 2, 700, 700, True), (BF16, "bhsd", 2, 2, 2, 64, 128, False),
     (BF16, "kv_bshd", 2, 4, 2, 300, 512, False), (BF16, "bshd", 1, 4, 4, 512, 512, True)])
-def test_gpu_sm90_gluon_backward_d192(monkeypatch, dtype, layout, b, hq, hkv, sq, sk, causal):
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_sm90_gluon_backward_d192(monkeypatch, split, dtype, layout, b, hq, hkv, sq, sk, causal):
     # D = 192 (``attention_sm90_bwd.DKDV_D192_AUTO``, default): the D = 256 dK/dV kernel on 192-column descriptors
     # (TMA reads zeros in the tiles' columns 192-255, stores clip there) beside Triton's dQ kernel. Against float64
     # and eager's error: GQA, causal with Sq != Sk and key tails (device-made K / V descriptors), Sk a multiple of 64
     # (host ones), fp16; K / V in the (B, S, H, D) views (device-made descriptors over them); q in those views, where
     # the kernel declines (its slices do not start at column 0) and Triton's dK/dV kernel runs. Bitwise reproducible;
-    # close to the Triton kernels' gradients; poisoned outputs (the suite's PYKERNELS_POISON)
+    # close to the Triton kernels' gradients; poisoned outputs (the suite's PYKERNELS_POISON). ``split``: its GEMMs
+    # on the columns' 128 + 64 blocks only (``SPLIT_D_BWD``), also close to the padded GEMMs' dK / dV
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90 as ks
     from pykernels._kernels import attention_sm90_bwd as kb
     monkeypatch.delenv("PYKERNELS_ATTN_SM90_BWD", raising=False)
     monkeypatch.setattr(kb, "DKDV_D192_AUTO", True)
+    monkeypatch.setattr(kb, "SPLIT_D_BWD", split)
     ran = _spy_sm90_bwd_kernels(monkeypatch)
     q, k, v = _sm90_inputs(b, hq, hkv, sq, sk, dtype, layout, 192)
     do = torch.randn(b, hq, sq, 192, dtype=dtype, device="cuda")
@@ -1819,6 +1822,13 @@ def test_gpu_sm90_gluon_backward_d192(monkeypatch, dtype, layout, b, hq, hkv, sq
     assert ran == [("attention_bwd_dkdv_sm90", layout != "bshd" and sq >= 64)], ran
     out = sdpa(q, k, v, is_causal=causal, scale=0.1, enable_gqa=hq != hkv, backend="triton")
     assert all(torch.equal(x, y) for x, y in zip(grads, _grads(out, (q, k, v), do)))  # bitwise reproducible
+    if split:  # the same k-steps in the same order as the padded GEMMs (their extra ones add zeros)
+        monkeypatch.setattr(kb, "SPLIT_D_BWD", False)
+        padded = _grads(sdpa(q, k, v, is_causal=causal, scale=0.1, enable_gqa=hq != hkv, backend="triton"), (q, k, v),
+                        do)
+        for name, x, y in zip("qkv", grads, padded):  # (within an ulp of the largest magnitude)
+            scale_max = max(1.0, y.double().abs().max().item())
+            assert (x.double() - y.double()).abs().max().item() <= 1e-2 * scale_max, name
     monkeypatch.setattr(kb, "DKDV_D192_AUTO", False)
     _near_the_triton_pair(q, k, v, do, causal, grads, ran)
 

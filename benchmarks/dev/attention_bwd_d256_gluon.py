@@ -51,7 +51,10 @@ def compile_only() -> None:
         return mangle_type(TensorDescriptor.from_tensor(torch.empty(4096, d, dtype=torch.bfloat16), [rows, d], layout))
 
     fn = _attention_bwd_dkdv_d256_sm90_kernel
-    for cols, causal, host_kv in itertools.product((0, 192), (False, True), (False, True)):
+    only = os.environ.get("COMPILE_ONLY_SPLIT")  # "1": the D = 192 column split's compiles only
+    for cols, split, causal, host_kv in itertools.product((0, 192), (False, True), (False, True), (False, True)):
+        if (split and cols != 192) or (only and not split):
+            continue  # (the split, ``SPLIT_D_BWD``: D = 192 only)
         sig = {}
         for p in fn.params:
             n = p.name
@@ -60,8 +63,11 @@ def compile_only() -> None:
                 "LSE", "DELTA") else "i64" if n.startswith("stride") else "fp32" if n in ("qk_scale", "scale")
                 else "constexpr" if p.is_constexpr else "i32")
         consts = dict(HEAD_D=d, BLOCK_N=bn, BLOCK_M=bm, STAGES=stages, IS_CAUSAL=causal, kv_layout=kl,
-                      p_layout=_pt_layout(bn, bm), num_warps=4, HOST_KV=host_kv, D_COLS=cols)
-        print(f"bwd-dkdv-d{cols or 256} cfg{CONFIG} {'causal' if causal else 'full'}{' host-kv' if host_kv else ''}: "
+                      p_layout=_pt_layout(bn, bm), num_warps=4, HOST_KV=host_kv, D_COLS=cols, D_A=0, D_B=0)
+        if split:
+            consts.update(D_A=128, D_B=64)
+        print(f"bwd-dkdv-d{cols or 256}{' split 128+64' if split else ''} cfg{CONFIG} "
+              f"{'causal' if causal else 'full'}{' host-kv' if host_kv else ''}: "
               f"{ws.compile_report(fn, sig, consts, dict(num_warps=4, maxnreg=MAX_REGS))}", flush=True)
 
 

@@ -274,7 +274,14 @@ def compile_report(fn, sig: dict, consts: dict, opts: dict) -> str:
     return (f"compiled; shared {kern.metadata.shared} B, setmaxnreg {regs}, "
             f"wgmma.wait_group 1: {'wgmma.wait_group.sync.aligned 1' in ptx}"
             f"{'; wgmma.wait_group 2: True' if 'wgmma.wait_group.sync.aligned 2' in ptx else ''}; {_ptxas_report(ptx)}; "
-            f"{_mbarrier_report(kern.asm['cubin'])}")
+            f"{_mbarrier_report(kern.asm['cubin'])}; wgmma {_wgmma_shapes(ptx)}")
+
+
+def _wgmma_shapes(ptx: str) -> str:
+    """The distinct wgmma shapes in ``ptx`` ("m64n64k16 m64n128k16"), sorted by N."""
+    import re
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+    return " ".join(sorted(shapes, key=lambda t: int(t.split("n")[1].split("k")[0]))) or "none"
 
 
 def _mbarrier_report(cubin: bytes) -> str:
