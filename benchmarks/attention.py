@@ -397,6 +397,8 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
             if name == "dkdv" and D in kb.DKDV_D256_CONFIGS:
                 bn, bm, st = kb.DKDV_D256_CONFIGS[D]
                 cfg = f"gluon ws {bn} keys x {bm} queries/s{st}, dV in one warpgroup, dK in the other"
+                if kb.SPLIT_D_BWD and D in kb.SPLIT:
+                    cfg += ", GEMMs on columns {}+{}".format(*kb.SPLIT[D])
             elif name == "dkdv":
                 bn, bm, st = kb.DKDV_CONFIGS[tile_d]
                 cfg = f"gluon ws 2x{bn} keys x {bm} queries/s{st}"

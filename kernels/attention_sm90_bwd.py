@@ -213,11 +213,14 @@ DKDV_D256_AUTO = os.environ.get("PYKERNELS_ATTN_SM90_D256", "1") not in ("", "0"
 # B4 H8 S2048 bidirectional, graph replay): the backward at 331 TFLOP/s against 194 with it off and cuDNN's 289
 # (1.14x); ``test_gpu_sm90_gluon_backward_d192`` passed (the zero fill and its byte count on the barrier hold).
 DKDV_D192_AUTO = D192  # (``PYKERNELS_ATTN_SM90_D192``: the forward's switch too, ``attention_sm90.TILE_D``)
-# Staged (``PYKERNELS_ATTN_SM90_SPLIT_D_BWD=1``; compiled, not yet run on a GPU): at D = 192 that kernel's GEMMs on the
-# columns' two blocks only (``attention_sm90.SPLIT``: 128 + 64), as the forward's (``attention_sm90.SPLIT_D``): S^T
-# and dP^T over both blocks (two wgmma groups over K), dV and dK as 128- and 64-column accumulators, so a quarter of
-# its tensor-core work less and 96 accumulator registers a thread instead of 128
-SPLIT_D_BWD = os.environ.get("PYKERNELS_ATTN_SM90_SPLIT_D_BWD", "0") not in ("", "0")
+# ... its GEMMs there on the columns' two blocks only (``attention_sm90.SPLIT``: 128 + 64), as the forward's
+# (``attention_sm90.SPLIT_D``): S^T and dP^T over both blocks (two wgmma groups over K), dV and dK as 128- and 64-column
+# accumulators, so a quarter of its tensor-core work less and 96 accumulator registers a thread instead of 128 (ptxas
+# 12 / 24 bytes spilled full / causal, against 12 / 16). H200 run493 (matrix, graph replay, backward TFLOP/s; on, off,
+# on again in one call): B4 H8 S2048 337 / 338 against 317 ("Triton" rows; ``auto`` 331 / 331 against 313), cuDNN 288-292;
+# B4 H8 S4096 causal 284 / 283 against 268 (``auto`` 276 / 276 against 275), cuDNN 289-294: the whole backward (Triton's
+# dQ kernel still pads to 256 columns) 1.06x full, 1.00-1.06x causal. ``PYKERNELS_ATTN_SM90_SPLIT_D_BWD=0`` pads.
+SPLIT_D_BWD = os.environ.get("PYKERNELS_ATTN_SM90_SPLIT_D_BWD", "1") not in ("", "0")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1804,7 +1804,7 @@ def test_gpu_sm90_gluon_backward_d192(monkeypatch, split, dtype, layout, b, hq, 
     # (host ones), fp16; K / V in the (B, S, H, D) views (device-made descriptors over them); q in those views, where
     # the kernel declines (its slices do not start at column 0) and Triton's dK/dV kernel runs. Bitwise reproducible;
     # close to the Triton kernels' gradients; poisoned outputs (the suite's PYKERNELS_POISON). ``split``: its GEMMs
-    # on the columns' 128 + 64 blocks only (``SPLIT_D_BWD``), also close to the padded GEMMs' dK / dV
+    # on the columns' 128 + 64 blocks only (``SPLIT_D_BWD``, the default), also close to the padded GEMMs' dK / dV
     from pykernels._kernels import attention as katt
     from pykernels._kernels import attention_sm90 as ks
     from pykernels._kernels import attention_sm90_bwd as kb

@@ -108,6 +108,8 @@ def test_tuned_configs_names_the_gluon_tiles_of_padded_head_dims(bench, monkeypa
         bm, bn, st = a9.CONFIGS[d]
         assert got.startswith(f"fwd gluon ping-pong 2x{bm}x{bn}/s{st} persistent"), got
         assert (f"on {tile}-wide tiles" in got) == (tile != d), got
-        assert ("GEMMs on columns 128+64" in got) == (d == 192 and a9.SPLIT_D), got  # (the forward's column split)
+        fwd, bwd = got.split("; ", 1)
+        assert ("GEMMs on columns 128+64" in fwd) == (d == 192 and a9.SPLIT_D), got  # (the forward's column split)
+        assert ("GEMMs on columns 128+64" in bwd) == (d == 192 and kb.SPLIT_D_BWD), got  # (the backward's)
         if which == "fused" and d <= 128:
             assert "dkdv gluon fused ws 2x{} keys".format(kb.DKDV_CONFIGS[tile][0]) in got, got
