@@ -672,6 +672,34 @@ def _attention_bwd_dkdv_sm90_kernel(
 
 
 @gluon.jit
+def _mma_nt_cols(a_tile, b_tile, zero, D_A: gl.constexpr, D_B: gl.constexpr):
+    """a_tile b_tile^T (shared tiles, row-major, the head dim the product's K), issued: one wgmma group, or with D_B > 0
+    two over the head dim's column blocks [0, D_A) and [D_A, D_A + D_B) (the tiles' columns past them not read)."""
+    if D_B > 0:
+        acc = warpgroup_mma(a_tile.slice(0, D_A, dim=1), b_tile.slice(0, D_A, dim=1).permute((1, 0)), zero,
+                            use_acc=False, is_async=True)
+        acc = warpgroup_mma(a_tile.slice(D_A, D_B, dim=1), b_tile.slice(D_A, D_B, dim=1).permute((1, 0)), acc,
+                            is_async=True)
+    else:
+        acc = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    return acc
+
+
+@gluon.jit
+def _mma_acc_cols(x, b_tile, acc, acc_b, a_layout: gl.constexpr, ab_layout: gl.constexpr, D_A: gl.constexpr,
+                  D_B: gl.constexpr):
+    """acc += x b_tile (x in registers, b_tile shared, the head dim the product's N), issued; with D_B > 0 as two
+    accumulators, ``acc`` b_tile's columns [0, D_A) and ``acc_b`` [D_A, D_A + D_B) (x in each one's A-operand
+    layout, ``a_layout`` / ``ab_layout``); else ``acc_b`` is returned as it came."""
+    if D_B > 0:
+        acc = warpgroup_mma(gl.convert_layout(x, a_layout), b_tile.slice(0, D_A, dim=1), acc, is_async=True)
+        acc_b = warpgroup_mma(gl.convert_layout(x, ab_layout), b_tile.slice(D_A, D_B, dim=1), acc_b, is_async=True)
+    else:
+        acc = warpgroup_mma(gl.convert_layout(x, a_layout), b_tile, acc, is_async=True)
+    return acc, acc_b
+
+
+@gluon.jit
 def _dkdv_d256_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, lse_smem, dlt_smem, kv_bar,
                         q_bar, q_empty, p_bar, end_bar, st_bar, dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col,
                         GROUP, qk_scale, scale, start_n, j_lo, n_qb, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -699,6 +727,8 @@ def _dkdv_d256_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_sm
         acc = gl.zeros([BLOCK_N, HEAD_D], gl.float32, acc_layout)  # dV (warpgroup 0) or dK (warpgroup 1)
         acc_b = acc
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    if D_B == 0:
+        ab_layout: gl.constexpr = a_layout  # (unused: one accumulator)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     keys = start_n + gl.arange(0, BLOCK_N, layout=row_s)
@@ -714,15 +744,7 @@ def _dkdv_d256_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_sm
             do_tile = do_smem.index(s)
             pt_tile = pt_smem.index(s)
             if WG == 0:
-                if D_B > 0:
-                    st = warpgroup_mma(k_smem.index(0).slice(0, D_A, dim=1),
-                                       q_tile.slice(0, D_A, dim=1).permute((1, 0)), s_zero, use_acc=False,
-                                       is_async=True)
-                    st = warpgroup_mma(k_smem.index(0).slice(D_A, D_B, dim=1),
-                                       q_tile.slice(D_A, D_B, dim=1).permute((1, 0)), st, is_async=True)
-                else:
-                    st = warpgroup_mma(k_smem.index(0), q_tile.permute((1, 0)), s_zero, use_acc=False,
-                                       is_async=True)
+                st = _mma_nt_cols(k_smem.index(0), q_tile, s_zero, D_A, D_B)  # S^T = K Q_j^T
                 lse2 = lse_smem.index(s).load(col_s)
                 st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
                 pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
@@ -732,36 +754,15 @@ def _dkdv_d256_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_sm
                         pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1), pt, 0.0)
                 pt_tile.store(pt)
                 mbarrier.arrive(p_bar.index(s), count=1)
-                if D_B > 0:
-                    p16 = pt.to(dtype)
-                    acc = warpgroup_mma(gl.convert_layout(p16, a_layout), do_tile.slice(0, D_A, dim=1), acc,
-                                        is_async=True)
-                    acc_b = warpgroup_mma(gl.convert_layout(p16, ab_layout), do_tile.slice(D_A, D_B, dim=1),
-                                          acc_b, is_async=True)
-                else:
-                    acc = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, acc, is_async=True)
+                acc, acc_b = _mma_acc_cols(pt.to(dtype), do_tile, acc, acc_b, a_layout, ab_layout, D_A, D_B)  # dV
             else:
-                if D_B > 0:
-                    dpt = warpgroup_mma(v_smem.index(0).slice(0, D_A, dim=1),
-                                        do_tile.slice(0, D_A, dim=1).permute((1, 0)), s_zero, use_acc=False,
-                                        is_async=True)
-                    dpt = warpgroup_mma(v_smem.index(0).slice(D_A, D_B, dim=1),
-                                        do_tile.slice(D_A, D_B, dim=1).permute((1, 0)), dpt, is_async=True)
-                else:
-                    dpt = warpgroup_mma(v_smem.index(0), do_tile.permute((1, 0)), s_zero, use_acc=False,
-                                        is_async=True)
+                dpt = _mma_nt_cols(v_smem.index(0), do_tile, s_zero, D_A, D_B)  # dP^T = V dO_j^T
                 delta = dlt_smem.index(s).load(col_s)
                 dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt, ))
                 mbarrier.wait(p_bar.index(s), ph)
                 pt = pt_tile.load(s_layout)
                 dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-                if D_B > 0:
-                    acc = warpgroup_mma(gl.convert_layout(dst, a_layout), q_tile.slice(0, D_A, dim=1), acc,
-                                        is_async=True)
-                    acc_b = warpgroup_mma(gl.convert_layout(dst, ab_layout), q_tile.slice(D_A, D_B, dim=1), acc_b,
-                                          is_async=True)
-                else:
-                    acc = warpgroup_mma(gl.convert_layout(dst, a_layout), q_tile, acc, is_async=True)
+                acc, acc_b = _mma_acc_cols(dst, q_tile, acc, acc_b, a_layout, ab_layout, D_A, D_B)  # dK
             if D_B > 0:
                 acc, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_b))
             else:
