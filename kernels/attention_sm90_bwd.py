@@ -217,9 +217,10 @@ DKDV_D192_AUTO = D192  # (``PYKERNELS_ATTN_SM90_D192``: the forward's switch too
 # (``attention_sm90.SPLIT_D``): S^T and dP^T over both blocks (two wgmma groups over K), dV and dK as 128- and 64-column
 # accumulators, so a quarter of its tensor-core work less and 96 accumulator registers a thread instead of 128 (ptxas
 # 12 / 24 bytes spilled full / causal, against 12 / 16). H200 run493 (matrix, graph replay, backward TFLOP/s; on, off,
-# on again in one call): B4 H8 S2048 337 / 338 against 317 ("Triton" rows; ``auto`` 331 / 331 against 313), cuDNN 288-292;
-# B4 H8 S4096 causal 284 / 283 against 268 (``auto`` 276 / 276 against 275), cuDNN 289-294: the whole backward (Triton's
-# dQ kernel still pads to 256 columns) 1.06x full, 1.00-1.06x causal. ``PYKERNELS_ATTN_SM90_SPLIT_D_BWD=0`` pads.
+# on again in one call): B4 H8 S2048 337 / 338 against 317 ("Triton" rows; ``auto`` 331 / 331 against 313), cuDNN
+# 288-292; B4 H8 S4096 causal 284 / 283 against 268 (``auto`` 276 / 276 against 275), cuDNN 289-294: the whole
+# backward (Triton's dQ kernel still pads to 256 columns) 1.06x full, 1.00-1.06x causal.
+# ``PYKERNELS_ATTN_SM90_SPLIT_D_BWD=0`` pads.
 SPLIT_D_BWD = os.environ.get("PYKERNELS_ATTN_SM90_SPLIT_D_BWD", "1") not in ("", "0")
 
 
