@@ -819,28 +819,49 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
               APPLY_CAUSAL: tl.constexpr, CHECK_N: tl.constexpr, EVEN_D: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr, PTX_DROPOUT: tl.constexpr,
-              KEEP_BUF: tl.constexpr, keep_head, keep_groups):
+              KEEP_BUF: tl.constexpr, keep_head, keep_groups, dq_b, q_b, do_b, offs_d_b, D_A: tl.constexpr):
     """dQ += dS K over key blocks [start_lo, end_hi). CHECK_N loops (key tail, causal band) are short:
     not pipelined (sm_90 AOT, D=128 causal 128x64/8 warps: 236 -> 215 registers). ``rng_row0``: the Philox row of
     the program's query 0, (b H + h) Sq. PTX_DROPOUT: the keep bits by ``_ptx_keep_bits`` (the tile in an MMA
-    accumulator layout)."""
+    accumulator layout). D_A > 0 (``DQ_SPLIT_D``; D = Dv, not a power of two): the head dim as two column blocks of
+    powers of two, [0, D_A) in ``q`` / ``do`` / ``dq`` (``offs_d``) and the rest in ``q_b`` / ``do_b`` / ``dq_b``
+    (``offs_d_b``), so that no product runs over the padded columns; else ``dq_b`` is returned as it came.
+    Returns (dq, dq_b)."""
     rng_base = rng_row0 * ((rng_sk + 7) // 8)  # (``dropout_keep``'s counter of the program's query 0)
     for start_n in tl.range(start_lo, end_hi, BLOCK_N, num_stages=1 if CHECK_N else None):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         cols = _idx(offs_n, IDX64)
         kt_ptrs = K + cols[None, :] * stride_kn + offs_d[:, None]
         vt_ptrs = V + cols[None, :] * stride_vn + offs_dv[:, None]
-        if CHECK_N or not EVEN_D:
-            kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < k_len) & (offs_d[:, None] < D), other=0.0)
-            vt = tl.load(vt_ptrs, mask=(offs_n[None, :] < k_len) & (offs_dv[:, None] < DV), other=0.0)
+        if D_A > 0:  # (both blocks lie within D: only the key tail is masked)
+            ktb_ptrs = K + cols[None, :] * stride_kn + offs_d_b[:, None]
+            vtb_ptrs = V + cols[None, :] * stride_vn + offs_d_b[:, None]
+            if CHECK_N:
+                kt = tl.load(kt_ptrs, mask=offs_n[None, :] < k_len, other=0.0)
+                vt = tl.load(vt_ptrs, mask=offs_n[None, :] < k_len, other=0.0)
+                kt_b = tl.load(ktb_ptrs, mask=offs_n[None, :] < k_len, other=0.0)
+                vt_b = tl.load(vtb_ptrs, mask=offs_n[None, :] < k_len, other=0.0)
+            else:
+                kt = tl.load(kt_ptrs)
+                vt = tl.load(vt_ptrs)
+                kt_b = tl.load(ktb_ptrs)
+                vt_b = tl.load(vtb_ptrs)
+            s = tl.dot(q_b, kt_b, tl.dot(q, kt, input_precision=PRECISION), input_precision=PRECISION) * qk_scale
         else:
-            kt = tl.load(kt_ptrs)
-            vt = tl.load(vt_ptrs)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+            if CHECK_N or not EVEN_D:
+                kt = tl.load(kt_ptrs, mask=(offs_n[None, :] < k_len) & (offs_d[:, None] < D), other=0.0)
+                vt = tl.load(vt_ptrs, mask=(offs_n[None, :] < k_len) & (offs_dv[:, None] < DV), other=0.0)
+            else:
+                kt = tl.load(kt_ptrs)
+                vt = tl.load(vt_ptrs)
+            s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         s = _apply_masks(s, offs_m[:, None], offs_n[None, :], k_len, mask_row_ptrs + cols[None, :] * stride_mn,
                          m_ok[:, None], MASK_KIND, APPLY_CAUSAL, CHECK_N)
         p = tl.math.exp2(s - lse2[:, None])
-        dp = tl.dot(do, vt, input_precision=PRECISION)
+        if D_A > 0:
+            dp = tl.dot(do_b, vt_b, tl.dot(do, vt, input_precision=PRECISION), input_precision=PRECISION)
+        else:
+            dp = tl.dot(do, vt, input_precision=PRECISION)
         if HAS_DROPOUT:
             if PTX_DROPOUT:
                 keep = _ptx_keep_bits(seed, rng_row0.to(tl.int32), offs_m, offs_n, rng_sk, dropout_p, True, KEEP_BUF,
@@ -853,7 +874,9 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, start_lo, end_hi, off
                 dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PRECISION)
-    return dq
+        if D_A > 0:
+            dq_b += tl.dot(ds.to(kt.dtype), tl.trans(kt_b), input_precision=PRECISION)
+    return dq, dq_b
 
 
 @_tuning.autotune(configs=_configs("dq", "fp32_dq"), key=_KEYS, prune_configs_by={"early_config_prune": _pruner("dq")})
@@ -868,12 +891,13 @@ def _attention_bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KV_RANGE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr, IDX64: tl.constexpr,
     COMPUTE_DELTA: tl.constexpr, PTX_DROPOUT: tl.constexpr, KEEP_BUF: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, D_A: tl.constexpr = 0,
 ):
     """COMPUTE_DELTA: delta = rowsum(dO * O) of the program's rows is formed here (dO is loaded anyway, O
     once) and stored to ``Delta`` for the dK/dV kernel, which then runs after this one (no preprocess).
     KEEP_BUF (1): the keep bits also stored in ``keep_buffer`` (``KeepBuf``, a head's ``keep_stride`` bytes of
-    ``keep_groups`` groups a row), for the dK/dV kernel."""
+    ``keep_groups`` groups a row), for the dK/dV kernel. D_A > 0 (``DQ_SPLIT_D``, D = Dv): the head dim as the
+    column blocks [0, D_A) and [D_A, D) (``_dq_inner``)."""
     seed = load_seed(Seed, HAS_DROPOUT)  # (the seed lives in device memory: graph-safe)
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)  # int64 before any stride multiplication
@@ -893,35 +917,58 @@ def _attention_bwd_dq_kernel(
     Delta += b * stride_lb + h * stride_lh + q_start
     mask_row_ptrs = _mask_row_ptrs(Mask, b, h, rows, stride_mb, stride_mh, stride_mm, MASK_KIND)
 
-    q = _load_tile(Q, rows, m_ok, offs_d, stride_qm, D)
-    do = _load_tile(DO, rows, m_ok, offs_dv, stride_dom, DV)
     lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
+    if D_A > 0:  # (D = Dv: the column blocks [0, D_A) and [D_A, D), each a power of two)
+        offs_d = tl.arange(0, D_A)
+        offs_dv = offs_d
+        offs_d_b = D_A + tl.arange(0, D - D_A)
+        q = _load_tile(Q, rows, m_ok, offs_d, stride_qm, D)
+        q_b = _load_tile(Q, rows, m_ok, offs_d_b, stride_qm, D)
+        do = _load_tile(DO, rows, m_ok, offs_d, stride_dom, DV)
+        do_b = _load_tile(DO, rows, m_ok, offs_d_b, stride_dom, DV)
+        dq = tl.zeros([BLOCK_M, D_A], dtype=tl.float32)
+        dq_b = tl.zeros([BLOCK_M, D - D_A], dtype=tl.float32)
+    else:
+        offs_d_b = offs_d
+        q = _load_tile(Q, rows, m_ok, offs_d, stride_qm, D)
+        q_b = q
+        do = _load_tile(DO, rows, m_ok, offs_dv, stride_dom, DV)
+        do_b = do
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq_b = dq
     if COMPUTE_DELTA:
-        o = _load_tile(O + b * stride_ob + h * stride_oh + q_start * stride_om, rows, m_ok, offs_dv, stride_om, DV)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        o_rows = O + b * stride_ob + h * stride_oh + q_start * stride_om
+        if D_A > 0:
+            delta = tl.sum(_load_tile(o_rows, rows, m_ok, offs_d, stride_om, DV).to(tl.float32) * do.to(tl.float32), 1)
+            delta += tl.sum(_load_tile(o_rows, rows, m_ok, offs_d_b, stride_om, DV).to(tl.float32)
+                            * do_b.to(tl.float32), 1)
+        else:
+            o = _load_tile(o_rows, rows, m_ok, offs_dv, stride_om, DV)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         tl.store(Delta + offs_m, delta, mask=m_ok)
     else:
         delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
     lse2 = _lse_log2(lse)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, split, mid, hi = _key_ranges(KvRange, b, start_m, k_len, IS_CAUSAL, HAS_KV_RANGE, BLOCK_M, BLOCK_N)
     rng_row0 = (b * H + h) * Sq
     keep_head = _keep_head(KeepBuf, b * H + h, keep_stride, KEEP_BUF, BLOCK_M, BLOCK_N)
-    dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, lo, split, offs_m, m_ok, offs_d, offs_dv, k_len,
-                   stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk, dropout_p,
-                   D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF,
-                   keep_head, keep_groups)
-    dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, split, mid, offs_m, m_ok, offs_d, offs_dv, k_len,
-                   stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk, dropout_p,
-                   D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT, KEEP_BUF,
-                   keep_head, keep_groups)
+    dq, dq_b = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, lo, split, offs_m, m_ok, offs_d, offs_dv,
+                         k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk, dropout_p,
+                         D, DV, BLOCK_N, MASK_KIND, False, False, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT,
+                         KEEP_BUF, keep_head, keep_groups, dq_b, q_b, do_b, offs_d_b, D_A)
+    dq, dq_b = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, split, mid, offs_m, m_ok, offs_d, offs_dv,
+                         k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk, dropout_p,
+                         D, DV, BLOCK_N, MASK_KIND, False, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64, PTX_DROPOUT,
+                         KEEP_BUF, keep_head, keep_groups, dq_b, q_b, do_b, offs_d_b, D_A)
     if IS_CAUSAL:
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, tl.maximum(lo, start_m), hi, offs_m, m_ok,
-                       offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk,
-                       dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64,
-                       PTX_DROPOUT, KEEP_BUF, keep_head, keep_groups)
+        dq, dq_b = _dq_inner(dq, q, do, lse2, delta, K, V, mask_row_ptrs, tl.maximum(lo, start_m), hi, offs_m, m_ok,
+                             offs_d, offs_dv, k_len, stride_kn, stride_vn, stride_mn, qk_scale, seed, rng_row0, Sk,
+                             dropout_p, D, DV, BLOCK_N, MASK_KIND, True, True, EVEN_D, HAS_DROPOUT, PRECISION, IDX64,
+                             PTX_DROPOUT, KEEP_BUF, keep_head, keep_groups, dq_b, q_b, do_b, offs_d_b, D_A)
     _store_tile(DQ, rows, m_ok, offs_d, stride_dqm, D, dq * sm_scale)
+    if D_A > 0:
+        _store_tile(DQ, rows, m_ok, offs_d_b, stride_dqm, D, dq_b * sm_scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1190,6 +1237,12 @@ KEEP_BUFFER_MB = _keep_buffer_mb(os.environ.get("PYKERNELS_TRITON_KEEP_BUFFER_MB
 # drawing, in the same call): BERT-base 328.5 against 335.7 us (1.022x), GPT-2 1.008x, 4 x 16 x 2048 D64 causal
 # 1.014x (run462: 1.013x, 1.001x, 1.016x); at D = 128 slower: 8 x 16 x 1024 0.955x, 4 x 16 x 2048 causal 0.996x
 KEEP_BUFFER_MAX_D = 64
+# The dQ kernel at D = Dv = 192 on the head dim's two power-of-two column blocks, 128 + 64 (``_dq_inner``'s D_A), not on
+# a 256-wide tile whose last 64 columns are zeros: a quarter of its tensor-core work less. On Hopper it runs beside the
+# D = 192 Gluon dK/dV kernel. ``PYKERNELS_TRITON_DQ_SPLIT_D=0`` pads (read once, at import). Staged: compiled and
+# tested under the interpreter, not yet run on a GPU.
+DQ_SPLIT_D = {192: 128}
+DQ_SPLIT = os.environ.get("PYKERNELS_TRITON_DQ_SPLIT_D", "0") not in ("", "0")
 
 
 def keep_buffer(batch: int, heads: int, sq: int, sk: int, device) -> tuple[torch.Tensor, int, int] | None:
@@ -1275,7 +1328,8 @@ def attention_bwd(do, q, k, v, o, lse, mask, *, causal: bool, scale: float, drop
             *s_q, *s_k, *s_v, *s_do, *s_dq, *s_o, *ls, *ms,
             hq, hq // hkv, sq, sk, scale * LOG2E, scale, _dropout_rate(dropout_p), seed_arg(seed, q.device, dropout_p > 0), bucket,
             *keep_args, **common, COMPUTE_DELTA=compute_delta, PTX_DROPOUT=ptx_dropout,
-            KEEP_BUF=2 if stored else 1 if keep and compute_delta else 0)
+            KEEP_BUF=2 if stored else 1 if keep and compute_delta else 0,
+            D_A=DQ_SPLIT_D.get(d, 0) if DQ_SPLIT and d == dv_dim else 0)
 
     dq_done = "dq" in gluon and kb.attention_bwd_dq_sm90(do, q, k, v, lse, delta, dq, causal=causal, scale=scale,
                                                          o=o)

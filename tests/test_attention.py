@@ -546,6 +546,83 @@ def test_dropout_matches_reference_with_mask(device, causal, gqa):
     torch.testing.assert_close(out_ref_backend, out, atol=1e-5, rtol=1e-5)
 
 
+def _spy_dq_split(monkeypatch) -> list:
+    """The ``D_A`` of every launch of the Triton dQ kernel (``kernels.attention._attention_bwd_dq_kernel``)."""
+    from pykernels._kernels import _launch
+    from pykernels._kernels import attention as katt
+    seen, real = [], _launch.fast
+
+    def fast(kernel):
+        fk = real(kernel)
+        if kernel is not katt._attention_bwd_dq_kernel:
+            return fk
+
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    seen.append(kw.get("D_A"))
+                    return fk[grid](*a, **kw)
+                return launch
+        return Spy()
+    monkeypatch.setattr(_launch, "fast", fast)
+    return seen
+
+
+@pytest.mark.parametrize("case", ["causal_gqa", "keys_dropout", "varlen"])
+def test_triton_dq_split_head_dim(device, monkeypatch, case):
+    """The Triton dQ kernel at D = Dv = 192 on the column blocks 128 + 64 (``kernels.attention.DQ_SPLIT``): the three
+    gradients against float64 and eager's error (causal GQA with Sq != Sk and odd lengths; key padding with dropout,
+    whose mask the kernel regenerates; varlen against its sequences one by one), and equal, within rounding, to the
+    kernel padded to 256 columns. The split's launches are checked (``D_A``)."""
+    from pykernels._kernels import attention as katt
+    dtype = F32 if device == "cpu" else F16
+    seen = _spy_dq_split(monkeypatch)
+    monkeypatch.setattr(katt, "DQ_SPLIT", True)
+    if case == "varlen":
+        lens, h, d = [17, 0, 5], 2, 192
+        cu = torch.tensor([0, 17, 17, 22], dtype=torch.int32, device=device)
+        q, k, v = (torch.randn(22, h, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+        out = varlen_attention(q, k, v, cu, cu, 17, 17, causal=True, backend="triton")
+        do = torch.randn_like(out)
+        grads = _grads(out, (q, k, v), do)
+        for lo, n in ((0, 17), (22 - 5, 5)):  # each sequence against its own (B = 1) references, float64 and eager's
+            refs = []
+            for dt in (torch.float64, dtype):
+                qs, ks, vs = (t.detach()[lo:lo + n].transpose(0, 1)[None].to(dt).requires_grad_(True) for t in (q, k, v))
+                ref = attention_reference(qs, ks, vs, None, is_causal=True)
+                refs.append(_grads(ref, (qs, ks, vs), do[lo:lo + n].transpose(0, 1)[None].to(dt)))
+            for name, g, hi, lo_ in zip(("dq", "dk", "dv"), grads, *refs):
+                assert_close_to_ref(f"dq split varlen {name}", g[lo:lo + n].transpose(0, 1)[None], hi, lo_)
+    else:
+        b, hq, hkv, sq, sk = (2, 4, 2, 17, 23) if case == "causal_gqa" else (2, 2, 2, 19, 19)
+        q, k, v = _inputs((b, hq, sq, 192), (b, hkv, sk, 192), (b, hkv, sk, 192), dtype, device)
+        do = torch.randn(b, hq, sq, 192, dtype=dtype, device=device)
+        if case == "causal_gqa":
+            out, grads = _check_against_ref(q, k, v, causal=True, enable_gqa=True, do=do, what="dq split causal gqa")
+        else:
+            keys = (torch.arange(sk, device=device) < torch.tensor([[sk], [7]], device=device)).view(b, 1, 1, sk)
+            torch.manual_seed(77)
+            seed = new_seed(q.device)
+            torch.manual_seed(77)
+            out = sdpa(q, k, v, attn_mask=keys, dropout_p=0.25, backend="triton")
+            dmask = attention_dropout_mask(seed, b, hq, sq, sk, 0.25, device)
+            _, grads = _check_against_ref(q, k, v, mask=keys, dropout_p=0.25, dropout_mask=dmask, out=out, do=do,
+                                          what="dq split keys dropout")
+    assert seen and all(a == 128 for a in seen), seen
+    monkeypatch.setattr(katt, "DQ_SPLIT", False)
+    seen.clear()
+    if case == "varlen":
+        padded = _grads(varlen_attention(q, k, v, cu, cu, 17, 17, causal=True, backend="triton"), (q, k, v), do)
+    elif case == "causal_gqa":
+        padded = _grads(sdpa(q, k, v, is_causal=True, enable_gqa=True, backend="triton"), (q, k, v), do)
+    else:
+        torch.manual_seed(77)
+        padded = _grads(sdpa(q, k, v, attn_mask=keys, dropout_p=0.25, backend="triton"), (q, k, v), do)
+    assert seen and all(a == 0 for a in seen), seen
+    for name, x, y in zip("qkv", grads, padded):
+        assert (x.double() - y.double()).abs().max().item() <= 1e-3 * max(1.0, y.double().abs().max().item()), name
+
+
 @interp_only
 def test_dropout_seeded_reproducibility(device):
     q, k, v = _inputs((1, 2, 17, 16), (1, 2, 17, 16), (1, 2, 17, 16), F32, device, requires_grad=False)
