@@ -405,6 +405,8 @@ def tuned_configs(D: int, S: int, causal: bool, mask_kind: int, varlen: bool = F
             else:
                 bm, bn, st = kb.DQ_CONFIGS[D]
                 cfg = f"gluon ping-pong 2x{bm}x{bn}/s{st}"
+        elif name == "dq" and cfg != "?" and getattr(ka, "DQ_SPLIT", False) and D in getattr(ka, "DQ_SPLIT_D", {}):
+            cfg += " on columns {}+{}".format(ka.DQ_SPLIT_D[D], D - ka.DQ_SPLIT_D[D])  # (Triton's, ``DQ_SPLIT``)
         out.append(f"{name} {cfg}")
     return "; ".join(out)
 

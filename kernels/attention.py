@@ -1239,10 +1239,12 @@ KEEP_BUFFER_MB = _keep_buffer_mb(os.environ.get("PYKERNELS_TRITON_KEEP_BUFFER_MB
 KEEP_BUFFER_MAX_D = 64
 # The dQ kernel at D = Dv = 192 on the head dim's two power-of-two column blocks, 128 + 64 (``_dq_inner``'s D_A), not on
 # a 256-wide tile whose last 64 columns are zeros: a quarter of its tensor-core work less. On Hopper it runs beside the
-# D = 192 Gluon dK/dV kernel. ``PYKERNELS_TRITON_DQ_SPLIT_D=0`` pads (read once, at import). Staged: compiled and
-# tested under the interpreter, not yet run on a GPU.
+# D = 192 Gluon dK/dV kernel. sm_90 compile at the D = 256 tier's 128 x 32 / 8 warps: 1828 bytes spilled against
+# 3016, 120 KiB shared against 160. H200 run494 (matrix, graph replay, the whole backward, on and off in one call):
+# B4 H8 S2048 368 / 364 TFLOP/s ("Triton" / ``auto`` rows) against 336 / 334 (cuDNN 286-287), B4 H8 S4096 causal
+# 311 / 302 against 279 / 274 (cuDNN 293-294). ``PYKERNELS_TRITON_DQ_SPLIT_D=0`` pads (read once, at import).
 DQ_SPLIT_D = {192: 128}
-DQ_SPLIT = os.environ.get("PYKERNELS_TRITON_DQ_SPLIT_D", "0") not in ("", "0")
+DQ_SPLIT = os.environ.get("PYKERNELS_TRITON_DQ_SPLIT_D", "1") not in ("", "0")
 
 
 def keep_buffer(batch: int, heads: int, sq: int, sk: int, device) -> tuple[torch.Tensor, int, int] | None:

@@ -570,10 +570,10 @@ def _spy_dq_split(monkeypatch) -> list:
 
 @pytest.mark.parametrize("case", ["causal_gqa", "keys_dropout", "varlen"])
 def test_triton_dq_split_head_dim(device, monkeypatch, case):
-    """The Triton dQ kernel at D = Dv = 192 on the column blocks 128 + 64 (``kernels.attention.DQ_SPLIT``): the three
-    gradients against float64 and eager's error (causal GQA with Sq != Sk and odd lengths; key padding with dropout,
-    whose mask the kernel regenerates; varlen against its sequences one by one), and equal, within rounding, to the
-    kernel padded to 256 columns. The split's launches are checked (``D_A``)."""
+    """The Triton dQ kernel at D = Dv = 192 on the column blocks 128 + 64 (``kernels.attention.DQ_SPLIT``, the
+    default): the three gradients against float64 and eager's error (causal GQA with Sq != Sk and odd lengths; key
+    padding with dropout, whose mask the kernel regenerates; varlen against its sequences one by one), and equal,
+    within rounding, to the kernel padded to 256 columns. The split's launches are checked (``D_A``)."""
     from pykernels._kernels import attention as katt
     dtype = F32 if device == "cpu" else F16
     seen = _spy_dq_split(monkeypatch)
