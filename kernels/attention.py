@@ -917,7 +917,6 @@ def _attention_bwd_dq_kernel(
     Delta += b * stride_lb + h * stride_lh + q_start
     mask_row_ptrs = _mask_row_ptrs(Mask, b, h, rows, stride_mb, stride_mh, stride_mm, MASK_KIND)
 
-    lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
     if D_A > 0:  # (D = Dv: the column blocks [0, D_A) and [D_A, D), each a power of two)
         offs_d = tl.arange(0, D_A)
         offs_dv = offs_d
@@ -926,16 +925,13 @@ def _attention_bwd_dq_kernel(
         q_b = _load_tile(Q, rows, m_ok, offs_d_b, stride_qm, D)
         do = _load_tile(DO, rows, m_ok, offs_d, stride_dom, DV)
         do_b = _load_tile(DO, rows, m_ok, offs_d_b, stride_dom, DV)
-        dq = tl.zeros([BLOCK_M, D_A], dtype=tl.float32)
-        dq_b = tl.zeros([BLOCK_M, D - D_A], dtype=tl.float32)
     else:
         offs_d_b = offs_d
         q = _load_tile(Q, rows, m_ok, offs_d, stride_qm, D)
         q_b = q
         do = _load_tile(DO, rows, m_ok, offs_dv, stride_dom, DV)
         do_b = do
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        dq_b = dq
+    lse = tl.load(LSE + offs_m, mask=m_ok, other=float("inf"))
     if COMPUTE_DELTA:
         o_rows = O + b * stride_ob + h * stride_oh + q_start * stride_om
         if D_A > 0:
@@ -949,6 +945,12 @@ def _attention_bwd_dq_kernel(
     else:
         delta = tl.load(Delta + offs_m, mask=m_ok, other=0.0)
     lse2 = _lse_log2(lse)
+    if D_A > 0:
+        dq = tl.zeros([BLOCK_M, D_A], dtype=tl.float32)
+        dq_b = tl.zeros([BLOCK_M, D - D_A], dtype=tl.float32)
+    else:
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq_b = dq
 
     lo, split, mid, hi = _key_ranges(KvRange, b, start_m, k_len, IS_CAUSAL, HAS_KV_RANGE, BLOCK_M, BLOCK_N)
     rng_row0 = (b * H + h) * Sq
