@@ -19,6 +19,7 @@ WS = os.path.join(ROOT, "benchmarks", "dev", "attention_sm90_gluon_ws.py")
 MLM = os.path.join(ROOT, "benchmarks", "dev", "mlm_logits_sm90.py")
 BWD = os.path.join(ROOT, "benchmarks", "dev", "attention_bwd_sm90_gluon.py")
 D256 = os.path.join(ROOT, "benchmarks", "dev", "attention_bwd_d256_gluon.py")
+DQ_SPLIT = os.path.join(ROOT, "benchmarks", "dev", "attention_dq_split_compile.py")
 
 pytest.importorskip("triton.experimental.gluon")
 
@@ -114,16 +115,39 @@ def test_gluon_attention_bwd_kernels_compile_for_sm90():
 
 
 def test_gluon_attention_dkdv_d256_kernel_compiles_for_sm90():
-    # the D = 256 dK/dV kernel (dV in one consumer warpgroup, dK in the other) and its staged D = 192 form (192-column
-    # descriptors, ``D_COLS``), causal or not, K / V through host descriptors or device-made ones: compiled, warp
-    # specialised, within sm_90's 227 KiB of shared memory, no mbarrier sharing bytes with captured values, at most
-    # 64 bytes spilled (12-16 when written)
+    # the D = 256 dK/dV kernel (dV in one consumer warpgroup, dK in the other), its D = 192 form (192-column
+    # descriptors, ``D_COLS``) and that form's GEMMs on the columns' 128 + 64 blocks (``SPLIT_D_BWD``: no 256-wide
+    # wgmma), causal or not, K / V through host descriptors or device-made ones: compiled, warp specialised, within
+    # sm_90's 227 KiB of shared memory, no mbarrier sharing bytes with captured values, at most 64 bytes spilled
+    # (12-24 when written)
     res = _compile_only(D256)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("bwd-dkdv-d256 ", "bwd-dkdv-d192 "))]
-    assert len(lines) == 8, out[-4000:]
+    assert len(lines) == 12, out[-4000:]
+    assert sum(" split 128+64 " in ln for ln in lines) == 4, out[-4000:]
     for ln in lines:
         assert ": compiled;" in ln and "'24;'" in ln and "mbarriers clear" in ln, ln
         assert int(ln.split("shared ")[1].split(" B")[0]) <= 232448, ln
         assert int(ln.split(" bytes spilled")[0].rsplit(" ", 1)[-1]) <= 64, ln
+        shapes = ln.split("; wgmma ")[1].split()
+        assert ("m64n256k16" in shapes) != (" split 128+64 " in ln), ln  # (the split: n64 / n128 only)
+
+
+def test_triton_dq_split_compiles_for_sm90_with_fewer_spills():
+    # Triton's dQ kernel at D = 192 (``kernels.attention.DQ_SPLIT``): on the column blocks 128 + 64 it compiles for
+    # sm_90 without a 256-wide wgmma and with fewer bytes spilled and less shared memory than padded to 256 (1828
+    # against 3016 bytes and 120 against 160 KiB at the tier's first config, 128 x 32 / 8 warps, when written)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    res = subprocess.run([sys.executable, DQ_SPLIT, "--first"], capture_output=True, text=True, env=env, timeout=900,
+                         cwd=ROOT)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("dq D192 ")]
+    assert len(lines) == 4 and not any(": ERROR" in ln for ln in lines), out[-4000:]
+    for padded, split in (lines[0:2], lines[2:4]):  # (full, then causal: padded and split in turn)
+        assert " padded 256 " in padded and " split 128+64 " in split, (padded, split)
+        spills, shared = ([int(ln.split(" bytes spilled")[0].rsplit(" ", 1)[-1]) for ln in (padded, split)],
+                          [int(ln.split("shared ")[1].split(" B")[0]) for ln in (padded, split)])
+        assert spills[1] < spills[0] and shared[1] < shared[0], (padded, split)
+        assert "m64n256k16" in padded and "m64n256k16" not in split, (padded, split)

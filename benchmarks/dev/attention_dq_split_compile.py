@@ -7,7 +7,8 @@ split's tiles are 192 wide, so it should spill less and issue a quarter fewer MM
 (128 x 32 / 8 warps, the tier's first config: 1828 against 3016 bytes spilled, 120 against 160 KiB shared) came from
 this script; H200 run494 timed the split at 1.09-1.12x on the whole D = 192 backward.
 
-Usage: ``TRITON_INTERPRET=0 python benchmarks/dev/attention_dq_split_compile.py``
+Usage: ``TRITON_INTERPRET=0 python benchmarks/dev/attention_dq_split_compile.py [--first]`` (``--first``: the tier's
+first config only, as ``tests/test_gluon_sm90_compile.py`` runs it)
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def main() -> None:
     while not hasattr(fn, "params"):  # (through the autotuner's wrapper to the JITFunction)
         fn = fn.fn
     for causal in (False, True):
-        for bm, bn, warps, stages in ka._TABLE["dq"][256]:
+        for bm, bn, warps, stages in ka._TABLE["dq"][256][:1 if "--first" in sys.argv else None]:
             for d_a in (0, ka.DQ_SPLIT_D[192]):
                 consts = dict(D=192, DV=192, BLOCK_D=256, BLOCK_DV=256, EVEN_D=False, IS_CAUSAL=causal, MASK_KIND=0,
                               HAS_KV_RANGE=False, HAS_DROPOUT=False, IS_VARLEN=False, PRECISION="ieee", IDX64=False,
