@@ -261,6 +261,20 @@ def _slice_desc(base, off, rows, stride_rows, HEAD_D: gl.constexpr, BLOCK: gl.co
 
 
 @gluon.jit
+def _mma_nt_cols(a_tile, b_tile, zero, D_A: gl.constexpr, D_B: gl.constexpr):
+    """a_tile b_tile^T (shared tiles, row-major, the head dim the product's K), issued: one wgmma group, or with D_B > 0
+    two over the head dim's column blocks [0, D_A) and [D_A, D_A + D_B) (the tiles' columns past them not read)."""
+    if D_B > 0:
+        acc = warpgroup_mma(a_tile.slice(0, D_A, dim=1), b_tile.slice(0, D_A, dim=1).permute((1, 0)), zero,
+                            use_acc=False, is_async=True)
+        acc = warpgroup_mma(a_tile.slice(D_A, D_B, dim=1), b_tile.slice(D_A, D_B, dim=1).permute((1, 0)), acc,
+                            is_async=True)
+    else:
+        acc = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    return acc
+
+
+@gluon.jit
 def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, turn_bar, WG: gl.constexpr, Sk,
              qk_scale, my_m, n_blocks, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, NW: gl.constexpr, TURNS: gl.constexpr, base, q_phase,
@@ -287,8 +301,6 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
                                                             instr_shape=[16, D_B, 16])
         pb_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ob_layout, k_width=2)
         row_ob: gl.constexpr = gl.SliceLayout(1, ob_layout)
-        q_a = q_tile.slice(0, D_A, dim=1)
-        q_b = q_tile.slice(D_A, D_B, dim=1)
         acc = gl.zeros([BLOCK_M, D_A], gl.float32, o_layout)
         acc_b = gl.zeros([BLOCK_M, D_B], gl.float32, ob_layout)
         S_GROUPS: gl.constexpr = 2  # (wgmma groups a QK^T, and a P V)
@@ -310,12 +322,7 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
     mbarrier.wait(k_bar.index(base % STAGES), (base // STAGES) & 1)
     if TURNS:  # issue t (counted over the CTA's tiles) waits phase t of turn_bar[WG] (warpgroup 0's 0 at init)
         mbarrier.wait(turn_bar.index(WG), base & 1)
-    k_tile = k_smem.index(base % STAGES)
-    if D_B > 0:
-        s = warpgroup_mma(q_a, k_tile.slice(0, D_A, dim=1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_b, k_tile.slice(D_A, D_B, dim=1).permute((1, 0)), s, is_async=True)
-    else:
-        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = _mma_nt_cols(q_tile, k_smem.index(base % STAGES), s_zero, D_A, D_B)
     if TURNS:
         mbarrier.arrive(turn_bar.index(1 - WG), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
@@ -339,14 +346,11 @@ def _consume(q_tile, k_smem, v_smem, q_ready, k_bar, v_bar, k_empty, v_empty, tu
             mbarrier.wait(turn_bar.index(WG), g & 1)
         k_tile = k_smem.index(slot)
         v_tile = v_smem.index(prev)
+        s = _mma_nt_cols(q_tile, k_tile, s_zero, D_A, D_B)
         if D_B > 0:
-            s = warpgroup_mma(q_a, k_tile.slice(0, D_A, dim=1).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-            s = warpgroup_mma(q_b, k_tile.slice(D_A, D_B, dim=1).permute((1, 0)), s, is_async=True)
             acc = warpgroup_mma(p_op, v_tile.slice(0, D_A, dim=1), acc, is_async=True)
             acc_b = warpgroup_mma(pb_op, v_tile.slice(D_A, D_B, dim=1), acc_b, is_async=True)
         else:
-            s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
         if TURNS:
             mbarrier.arrive(turn_bar.index(1 - WG), count=1)

@@ -103,8 +103,9 @@ from ._dropout import KEEP_OCTET_CONSTRAINTS as _KEEP_OCTET_CONSTRAINTS
 
 from . import _launch, _tuning
 from .attention_sm90 import (D192, LOG2E, MAX_REGS, SPLIT, TILE_D, _alloc_kv_ring, _descriptor, _descriptor_fields,
-                             _fill_kv_ring, _flat_coords, _flat_descriptor, _flat_geometry, _mask_scores, _needs_mask,
-                             _num_sms, _slice_desc, _store_rows, _tile_coords, _tma_ok, smem_layouts, zero_fill_on)
+                             _fill_kv_ring, _flat_coords, _flat_descriptor, _flat_geometry, _mask_scores, _mma_nt_cols,
+                             _needs_mask, _num_sms, _slice_desc, _store_rows, _tile_coords, _tma_ok, smem_layouts,
+                             zero_fill_on)
 
 # dK/dV: (keys per consumer warpgroup, BLOCK_M query rows per block, STAGES). At D = 128 with 64-query
 # blocks ptxas spills 100 bytes (216 causal; 28 / 80 since lse / delta come through shared memory; dK, dV,
@@ -670,20 +671,6 @@ def _attention_bwd_dkdv_sm90_kernel(
                           Trace, seed, drop_groups, drop_thr, drop_inv, HEAD_D, BLOCK_N, BLOCK_M, STAGES,
                           IS_CAUSAL, FUSED_DQ, STATS_EARLY, TRACE, HAS_DROPOUT, DROP_EARLY, DROP_CARRY, DROP_ROT)),
     ], [1, 4], [24, 240])
-
-
-@gluon.jit
-def _mma_nt_cols(a_tile, b_tile, zero, D_A: gl.constexpr, D_B: gl.constexpr):
-    """a_tile b_tile^T (shared tiles, row-major, the head dim the product's K), issued: one wgmma group, or with D_B > 0
-    two over the head dim's column blocks [0, D_A) and [D_A, D_A + D_B) (the tiles' columns past them not read)."""
-    if D_B > 0:
-        acc = warpgroup_mma(a_tile.slice(0, D_A, dim=1), b_tile.slice(0, D_A, dim=1).permute((1, 0)), zero,
-                            use_acc=False, is_async=True)
-        acc = warpgroup_mma(a_tile.slice(D_A, D_B, dim=1), b_tile.slice(D_A, D_B, dim=1).permute((1, 0)), acc,
-                            is_async=True)
-    else:
-        acc = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-    return acc
 
 
 @gluon.jit
